@@ -1,0 +1,5 @@
+import sys
+
+from agentvm.cli import main
+
+sys.exit(main())

@@ -1,0 +1,617 @@
+"""The embedded default substrate: Linux namespaces via bubblewrap, plus seccomp, Landlock,
+cgroups and a dedicated unprivileged uid.
+
+Process chain of one sandbox::
+
+    agentvm (supervisor, root)
+      └─ agentvm-helper launch      join cgroups, rlimits, drop to the agent uid, no_new_privs
+           = exec bwrap             user/pid/mount/ipc/uts/net/cgroup namespaces, mount view
+               └─ agentvm-helper init   (inside) Landlock, seccomp, exec
+                    = exec COMMAND
+
+``compile`` is pure; fds (grants, seccomp filter, status pipes) are referenced in the argv as
+``@fd:NAME@`` and substituted at launch.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import select
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+from agentvm import cgroups as cg
+from agentvm import seccomp as sc
+from agentvm.backends.base import (
+    Capabilities,
+    ExitStatus,
+    LandlockPlan,
+    LaunchContext,
+    LaunchPlan,
+    MountOp,
+    Primitive,
+    SandboxHandle,
+    TeardownReport,
+)
+from agentvm.errors import EXIT_BACKEND, EXIT_TIMEOUT, BackendError, LaunchError
+from agentvm.policy import Policy
+
+HOME_IN_SANDBOX = "/home/agent"
+HELPER_IN_SANDBOX = "/.agentvm/init"
+# /etc entries visible in the sandbox (read-only, if they exist). Everything else of the
+# host's /etc - shadow, sudoers, ssh keys, machine-id, pip/npm configs with tokens - is absent.
+ETC_ALLOW = (
+    "alternatives", "bash.bashrc", "ca-certificates", "ca-certificates.conf", "debian_version", "fonts",
+    "gai.conf", "host.conf", "inputrc", "ld.so.cache", "ld.so.conf", "ld.so.conf.d", "locale.alias",
+    "localtime", "magic", "magic.mime", "mime.types", "os-release", "profile", "protocols", "python3",
+    "python3.11", "services", "ssl", "terminfo", "timezone", "vim", "wgetrc", "xattr.conf",
+)
+SYNTHETIC_ETC = ("passwd", "group", "hosts", "hostname", "resolv.conf", "nsswitch.conf")
+MERGED_USR = (("bin", "usr/bin"), ("lib", "usr/lib"), ("lib64", "usr/lib64"), ("sbin", "usr/sbin"))
+BASE_PATH = "/usr/local/bin:/usr/bin:/bin:/usr/local/sbin:/usr/sbin"
+
+
+def landlock_abi() -> int:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        v = libc.syscall(444, None, ctypes.c_size_t(0), ctypes.c_uint32(1))
+        return max(int(v), 0)
+    except Exception:
+        return 0
+
+
+def _userns_ok() -> tuple[bool, str]:
+    try:
+        n = int(Path("/proc/sys/user/max_user_namespaces").read_text())
+    except (OSError, ValueError):
+        return False, "/proc/sys/user/max_user_namespaces unreadable"
+    if n <= 0:
+        return False, "user.max_user_namespaces is 0"
+    try:
+        if Path("/proc/sys/kernel/apparmor_restrict_unprivileged_userns").read_text().strip() == "1":
+            return False, "AppArmor restricts unprivileged user namespaces"
+    except OSError:
+        pass
+    return True, f"max_user_namespaces={n}"
+
+
+class BwrapBackend:
+    name = "bwrap"
+
+    def __init__(self, paths) -> None:
+        self.paths = paths
+        self._caps: Capabilities | None = None
+
+    # ------------------------------------------------------------------ capabilities
+    def capabilities(self) -> Capabilities:
+        if self._caps is not None:
+            return self._caps
+        from agentvm import native, workspace
+
+        prims: list[Primitive] = []
+        facts: dict = {"kernel": os.uname().release, "root": os.geteuid() == 0}
+        ok, detail = _userns_ok()
+        prims.append(Primitive("userns", ok, detail))
+        try:
+            b = native.bwrap_path(self.paths.libexec)
+            prims.append(Primitive("bwrap", True, str(b)))
+            facts["bwrap"] = str(b)
+        except BackendError as exc:
+            prims.append(Primitive("bwrap", False, exc.message))
+        try:
+            with open("/proc/self/status") as fh:
+                has_sc = any(line.startswith("Seccomp:") for line in fh)
+            sc.compiled_filter(sc.SeccompOptions(), self.paths.libexec)
+            prims.append(Primitive("seccomp", has_sc, "libseccomp filter compiled" if has_sc else "kernel lacks seccomp"))
+        except Exception as exc:
+            prims.append(Primitive("seccomp", False, str(exc)))
+        abi = landlock_abi()
+        facts["landlock_abi"] = abi
+        prims.append(Primitive("landlock", abi >= 1, f"ABI {abi}" if abi else "not available"))
+        prims.append(Primitive("landlock-net", abi >= 4, f"ABI {abi} (needs 4)"))
+        prims.append(Primitive("landlock-scope", abi >= 6, f"ABI {abi} (needs 6)"))
+        layout = cg.detect()
+        facts["cgroups"] = layout.describe()
+        writable = os.access(layout.v2_root if layout.mode == "v2" else layout.v1.get("memory", "/nonexistent"), os.W_OK)
+        prims.append(
+            Primitive(
+                "cgroups",
+                layout.mode != "none" and writable,
+                f"{layout.mode}" + ("" if writable else " (not writable: needs root or delegation)"),
+            )
+        )
+        kill_ok = writable and (layout.v2_root is not None or "freezer" in layout.v1)
+        prims.append(Primitive("cgroup-kill", kill_ok, "cgroup.kill" if layout.v2_root else "v1 freezer"))
+        root = os.geteuid() == 0
+        prims.append(
+            Primitive("dedicated-uid", root, "per-agent uid" if root else "not root: sandbox runs as the invoking uid")
+        )
+        q_ok, q_detail = workspace.quota_supported()
+        prims.append(Primitive("disk-quota", q_ok, q_detail))
+        try:
+            h = native.helper_path(self.paths.libexec)
+            facts["helper"] = str(h)
+        except BackendError as exc:
+            prims.append(Primitive("helper", False, exc.message))
+        self._caps = Capabilities(self.name, tuple(prims), facts)
+        return self._caps
+
+    def required_primitives(self, policy: Policy) -> tuple[str, ...]:
+        req = ["userns", "bwrap", "seccomp", "landlock", "landlock-net", "landlock-scope", "cgroups", "cgroup-kill"]
+        req.append("dedicated-uid")
+        if policy.agent and policy.workspace:
+            req.append("disk-quota")
+        return tuple(req)
+
+    # ------------------------------------------------------------------ compile (pure)
+    def compile(self, policy: Policy, ctx: LaunchContext) -> LaunchPlan:
+        lim = policy.limits
+        degraded = set(ctx.degraded)
+        mounts: list[MountOp] = [MountOp("ro-bind", "/usr", "/usr")]
+        for name, target in MERGED_USR:
+            mounts.append(MountOp("symlink", "/" + name, target))
+        for e in ETC_ALLOW:
+            mounts.append(MountOp("ro-bind-try", "/etc/" + e, "/etc/" + e))
+        for e in SYNTHETIC_ETC:
+            mounts.append(MountOp("ro-bind", "/etc/" + e, f"{ctx.run_dir}/etc/{e}"))
+        mounts += [
+            MountOp("proc", "/proc"),
+            MountOp("dev", "/dev"),
+            MountOp("tmpfs", "/dev/shm", size=lim.shm, perms="1777"),
+            MountOp("tmpfs", "/tmp", size=lim.tmp, perms="1777"),
+            MountOp("tmpfs", HOME_IN_SANDBOX, size=min(lim.tmp, 64 * 1024**2), perms="0700"),
+            MountOp("ro-bind-try", "/sys/devices/system/cpu", "/sys/devices/system/cpu"),
+        ]
+        fd_names: list[tuple[str, str]] = []  # (fd name, host path) opened O_PATH at launch
+        for i, p in enumerate(policy.extra_ro):
+            fd_names.append((f"extra{i}", p))
+            mounts.append(MountOp("ro-bind-fd", p, f"@fd:extra{i}@"))
+        for i, m in enumerate(policy.mounts):
+            fd_names.append((f"grant{i}", m.host))
+            mounts.append(MountOp("bind-fd" if m.writable else "ro-bind-fd", m.path, f"@fd:grant{i}@"))
+        if policy.workspace:
+            if ctx.workspace_host:
+                fd_names.append(("workspace", ctx.workspace_host))
+                mounts.append(MountOp("bind-fd", policy.workspace, "@fd:workspace@"))
+            else:
+                mounts.append(MountOp("tmpfs", policy.workspace, size=lim.disk, perms="0700"))
+        mounts.append(MountOp("ro-bind", HELPER_IN_SANDBOX, ctx.helper))
+        mounts.append(MountOp("remount-ro", "/"))
+
+        ro = ["/usr", "/etc", "/.agentvm", *policy.extra_ro] + [m.path for m in policy.mounts if not m.writable]
+        rw = ["/tmp", "/dev/shm", HOME_IN_SANDBOX] + [m.path for m in policy.mounts if m.writable]
+        if policy.workspace:
+            rw.append(policy.workspace)
+        use_net = "landlock-net" not in degraded
+        use_scope = "landlock-scope" not in degraded
+        landlock = None
+        if "landlock" not in degraded:
+            landlock = LandlockPlan(
+                read_only=tuple(ro),
+                read_write=tuple(rw),
+                devices=("/dev",),
+                procfs=("/proc",),
+                tcp_connect=tuple(policy.local_ports) if use_net else (),
+                tcp_bind=tuple(policy.local_ports) if use_net else (),
+                scope=use_scope,
+                min_abi=6 if use_scope else (4 if use_net else 1),
+            )
+            if not use_net:
+                landlock = LandlockPlan(**{**landlock.__dict__, "tcp_connect": (), "tcp_bind": ()})
+
+        rlimits = [("nofile", lim.nofile, lim.nofile), ("core", 0, 0), ("fsize", lim.disk, lim.disk)]
+        if ctx.drop_privileges:
+            # per-uid counter: a correct backstop only when the uid is the sandbox's own
+            rlimits.append(("nproc", lim.pids, lim.pids))
+
+        env = {
+            "PATH": BASE_PATH,
+            "HOME": HOME_IN_SANDBOX,
+            "LANG": "C.UTF-8",
+            "TERM": os.environ.get("TERM", "dumb") if ctx.tty else "dumb",
+            "USER": "agent",
+            "LOGNAME": "agent",
+            "SHELL": "/bin/sh",
+            "TMPDIR": "/tmp",
+            "AGENTVM": "1",
+            "AGENTVM_SANDBOX_ID": ctx.sandbox_id,
+            "AGENTVM_AGENT": policy.name,
+        }
+        env.update(dict(policy.env))
+
+        launch = [ctx.helper, "launch", "--status-fd", "@fd:status@"]
+        for name, _ in fd_names:
+            launch += ["--keep-fd", f"@fd:{name}@"]
+        launch += ["--keep-fd", "@fd:seccomp@", "--keep-fd", "@fd:json@"]
+        launch += ["--cgroup-procs", "@cgroups@"]
+        for rname, soft, hard in rlimits:
+            launch += ["--rlimit", f"{rname}={soft}:{hard}"]
+        if ctx.drop_privileges:
+            launch += ["--uid", str(ctx.host_uid), "--gid", str(ctx.host_gid)]
+        bw = [
+            ctx.bwrap,
+            "--unshare-user", "--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup",
+            "--die-with-parent", "--new-session", "--cap-drop", "ALL", "--disable-userns",
+            "--uid", str(ctx.sandbox_uid), "--gid", str(ctx.sandbox_gid), "--hostname", _hostname(policy.name),
+            "--json-status-fd", "@fd:json@",
+        ]
+        for m in mounts:
+            if m.size is not None:
+                bw += ["--size", str(m.size)]
+            if m.perms is not None:
+                bw += ["--perms", m.perms]
+            if m.kind in ("proc", "dev", "tmpfs", "remount-ro"):
+                bw += ["--" + m.kind, m.dest]
+            elif m.kind == "symlink":
+                bw += ["--symlink", m.src, m.dest]
+            else:
+                bw += ["--" + m.kind, m.src, m.dest]
+        init = [HELPER_IN_SANDBOX, "init", "--status-fd", "@fd:status@"]
+        if "seccomp" not in degraded:
+            init += ["--seccomp-fd", "@fd:seccomp@"]
+        if ctx.tty:
+            init += ["--tty"]
+        init += ["--chdir", policy.cwd]
+        if landlock is None:
+            init += ["--no-landlock"]
+        else:
+            init += ["--min-abi", str(landlock.min_abi), "--list", "/"]
+            for p in landlock.read_only:
+                init += ["--ro", p]
+            init += ["--ro-try", "/sys"]
+            for p in landlock.read_write:
+                init += ["--rw", p]
+            init += ["--dev", "/dev", "--proc", "/proc"]
+            if use_net:
+                init += ["--net"]
+                for p in landlock.tcp_connect:
+                    init += ["--tcp-connect", str(p)]
+                for p in landlock.tcp_bind:
+                    init += ["--tcp-bind", str(p)]
+            if landlock.scope:
+                init += ["--scope"]
+        command = list(policy.command) or ["/bin/sh"]
+        argv = tuple(launch + ["--"] + bw + ["--"] + init + ["--"] + command)
+
+        files = (
+            ("/etc/passwd", "root:x:0:0:root:/nonexistent:/usr/sbin/nologin\n"
+             f"agent:x:{ctx.sandbox_uid}:{ctx.sandbox_gid}:agent:{HOME_IN_SANDBOX}:/bin/sh\n"
+             "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n"),
+            ("/etc/group", f"root:x:0:\nagent:x:{ctx.sandbox_gid}:\nnogroup:x:65534:\n"),
+            ("/etc/hosts", f"127.0.0.1\tlocalhost {_hostname(policy.name)}\n::1\tlocalhost ip6-localhost\n"),
+            ("/etc/hostname", _hostname(policy.name) + "\n"),
+            ("/etc/resolv.conf", "# agent-vm: no resolver inside the sandbox; names resolve at the egress gate\n"),
+            ("/etc/nsswitch.conf", "passwd: files\ngroup: files\nhosts: files\n"),
+        )
+        return LaunchPlan(
+            sandbox_id=ctx.sandbox_id,
+            policy_digest=policy.digest(),
+            argv=argv,
+            env=tuple(sorted(env.items())),
+            mounts=tuple(mounts),
+            files=files,
+            landlock=landlock,
+            seccomp_denied=tuple(sc.denied_syscalls(sc.SeccompOptions(allow_ptrace=policy.allow_ptrace)))
+            if "seccomp" not in degraded
+            else (),
+            seccomp_allow_ptrace=policy.allow_ptrace,
+            rlimits=tuple(rlimits),
+            cgroup={"memory": lim.memory, "pids": lim.pids, "cpus": lim.cpus, "enabled": "cgroups" not in degraded},
+            host_uid=ctx.host_uid,
+            host_gid=ctx.host_gid,
+            cwd=policy.cwd,
+            timeout=lim.timeout,
+            fds={"open_paths": tuple(fd_names)},
+        )
+
+    # ------------------------------------------------------------------ launch
+    def launch(self, plan: LaunchPlan, *, stdio: tuple[int, int, int] | None = None) -> SandboxHandle:
+        run_dir = Path(_run_dir_of(plan))
+        state: dict = {"run_dir": str(run_dir), "fds": []}
+        handle = SandboxHandle(plan.sandbox_id, plan, pid=-1, started_at=time.monotonic(), backend_state=state)
+        opened: list[int] = []
+        try:
+            # 1. synthetic files
+            etc = run_dir / "etc"
+            etc.mkdir(parents=True, exist_ok=True)
+            os.chmod(run_dir, 0o711)
+            os.chmod(etc, 0o755)
+            for path, content in plan.files:
+                f = etc / os.path.basename(path)
+                f.write_text(content)
+                os.chmod(f, 0o644)
+            # 2. cgroups
+            group = None
+            if plan.cgroup.get("enabled", True):
+                group = cg.SandboxCgroup.create(
+                    plan.sandbox_id,
+                    cg.detect(),
+                    memory=plan.cgroup["memory"],
+                    pids=plan.cgroup["pids"],
+                    cpus=plan.cgroup["cpus"],
+                )
+            state["cgroup"] = group
+            # 3. fds: grants (O_PATH, opened by the supervisor so the agent uid needs no
+            # traversal rights on the host path), the seccomp filter, the status pipes.
+            fds: dict[str, int] = {}
+            for name, host in plan.fds.get("open_paths", ()):
+                try:
+                    fd = os.open(host, os.O_PATH | os.O_CLOEXEC)
+                except OSError as exc:
+                    raise LaunchError("grant", f"cannot open {host}: {exc.strerror}") from exc
+                opened.append(fd)
+                fds[name] = fd
+            allow_ptrace = plan.seccomp_allow_ptrace
+            sfd = sc.filter_fd(sc.SeccompOptions(allow_ptrace=allow_ptrace), self.paths.libexec)
+            opened.append(sfd)
+            fds["seccomp"] = sfd
+            st_r, st_w = os.pipe2(os.O_CLOEXEC)
+            js_r, js_w = os.pipe2(os.O_CLOEXEC)
+            opened += [st_w, js_w]
+            state["status_r"], state["json_r"] = st_r, js_r
+            fds["status"], fds["json"] = st_w, js_w
+            argv = _substitute(plan.argv, fds, group.procs_files() if group else [])
+            for fd in opened:
+                os.set_inheritable(fd, True)
+            # 4. spawn
+            become_subreaper()
+            kw: dict = {}
+            if stdio is not None:
+                kw = {"stdin": stdio[0], "stdout": stdio[1], "stderr": stdio[2]}
+            proc = subprocess.Popen(
+                argv,
+                env=dict(plan.env),
+                close_fds=True,
+                pass_fds=tuple(opened),
+                cwd="/",
+                **kw,
+            )
+            handle.pid = proc.pid
+            state["proc"] = proc
+            (run_dir / "supervisor.pid").write_text(f"{os.getpid()}\n")
+        except BaseException:
+            for fd in opened:
+                _close(fd)
+            self.destroy(handle)
+            raise
+        finally:
+            for fd in opened:
+                _close(fd)
+        return handle
+
+    # ------------------------------------------------------------------ wait
+    def wait(self, handle: SandboxHandle, timeout: float | None = None) -> ExitStatus:
+        proc: subprocess.Popen = handle.backend_state["proc"]
+        timed_out = False
+        try:
+            proc.wait(timeout=timeout if timeout and timeout > 0 else None)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            self._kill(handle)
+            proc.wait()
+        duration = time.monotonic() - handle.started_at
+        rc = proc.returncode
+        status_lines = _drain(handle.backend_state.get("status_r"))
+        json_docs = _drain(handle.backend_state.get("json_r"))
+        started = "child-pid" in json_docs
+        group: cg.SandboxCgroup | None = handle.backend_state.get("cgroup")
+        stats = group.stats() if group else {}
+        es = ExitStatus(exit_code=rc if rc >= 0 else 128 - rc, duration=duration)
+        if rc < 0:
+            es.signal = -rc
+        es.oom_killed = bool(stats.get("oom_kills"))
+        es.pids_limit_hit = bool(stats.get("pids_max_hits"))
+        es.memory_peak = stats.get("memory_peak")
+        for doc in _json_docs(json_docs):
+            if "exit-code" in doc:
+                es.exit_code = int(doc["exit-code"])
+        if status_lines.strip():
+            step, _, rest = status_lines.strip().splitlines()[0].partition("\t")
+            err, _, msg = rest.partition("\t")
+            es.setup_error = {"step": step, "errno": int(err or 0), "message": msg}
+            if step != "exec":
+                es.exit_code = EXIT_BACKEND
+        elif not started and not timed_out:
+            es.setup_error = {"step": "bwrap", "errno": 0, "message": "bubblewrap failed to create the sandbox"}
+            es.exit_code = EXIT_BACKEND
+        if timed_out:
+            es.timed_out = True
+            es.exit_code = EXIT_TIMEOUT
+        return es
+
+    def exec(self, handle: SandboxHandle, argv: list[str]) -> ExitStatus:
+        raise BackendError(
+            "exec into a running bwrap sandbox needs the control-plane daemon",
+            hint="use `agentvm run` for one command per sandbox",
+            code="backend.unsupported",
+        )
+
+    def inspect(self, handle: SandboxHandle) -> dict:
+        group: cg.SandboxCgroup | None = handle.backend_state.get("cgroup")
+        proc: subprocess.Popen | None = handle.backend_state.get("proc")
+        return {
+            "sandbox_id": handle.sandbox_id,
+            "pid": handle.pid,
+            "running": proc is not None and proc.poll() is None,
+            "pids": sorted(group.pids()) if group else [],
+            "cgroup": group.stats() if group else {},
+            "uptime": time.monotonic() - handle.started_at,
+        }
+
+    def stop(self, handle: SandboxHandle, grace: float = 2.0) -> None:
+        group: cg.SandboxCgroup | None = handle.backend_state.get("cgroup")
+        proc: subprocess.Popen | None = handle.backend_state.get("proc")
+        if group is not None:
+            group.signal_all(signal.SIGTERM)
+        if proc is not None:
+            try:
+                proc.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                pass
+        self._kill(handle)
+
+    def _kill(self, handle: SandboxHandle) -> None:
+        group: cg.SandboxCgroup | None = handle.backend_state.get("cgroup")
+        proc: subprocess.Popen | None = handle.backend_state.get("proc")
+        if group is not None:
+            group.kill()
+        elif proc is not None and proc.poll() is None:
+            proc.kill()
+
+    # ------------------------------------------------------------------ destroy
+    def destroy(self, handle: SandboxHandle) -> TeardownReport:
+        t0 = time.monotonic()
+        st = handle.backend_state
+        group: cg.SandboxCgroup | None = st.get("cgroup")
+        proc: subprocess.Popen | None = st.get("proc")
+        rep = TeardownReport(verified=False)
+        if group is not None:
+            if not group.kill():
+                rep.processes_left = sorted(group.pids())
+        if proc is not None:
+            if proc.poll() is None:
+                proc.kill()
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                rep.processes_left.append(proc.pid)
+        for key in ("status_r", "json_r"):
+            if st.get(key) is not None:
+                _close(st.pop(key))
+        if group is not None:
+            rep.cgroups_left = group.destroy()
+        if handle.plan.host_uid != os.getuid():
+            # a dedicated uid: nothing of it may remain on the host
+            for pid in _sweep_uid(handle.plan.host_uid):
+                if pid not in rep.processes_left:
+                    rep.processes_left.append(pid)
+        run_dir = Path(st.get("run_dir", ""))
+        if run_dir.name and run_dir.exists():
+            import shutil
+
+            shutil.rmtree(run_dir, ignore_errors=True)
+            if run_dir.exists():
+                rep.files_left.append(str(run_dir))
+        rep.verified = not (rep.processes_left or rep.cgroups_left or rep.mounts_left or rep.files_left)
+        rep.duration = time.monotonic() - t0
+        return rep
+
+
+# ---------------------------------------------------------------------- helpers
+
+
+def become_subreaper() -> None:
+    """Orphans of a sandbox (its killed descendants) are re-parented to us, so we can reap
+    them and verify teardown instead of leaving zombies to the host's init."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+    except Exception:
+        pass
+
+
+def _sweep_uid(uid: int, timeout: float = 2.0) -> list[int]:
+    """Kill what is left of ``uid`` and reap the zombies re-parented to us (we are a
+    subreaper). Returns live pids that survived (teardown NOT verified)."""
+    from agentvm.identity import uid_processes
+
+    me = os.getpid()
+    deadline = time.monotonic() + timeout
+    while True:
+        live = []
+        for pid, ppid, state in uid_processes(uid):
+            if state in ("Z", "X"):
+                if ppid == me:
+                    try:
+                        os.waitpid(pid, os.WNOHANG)
+                    except ChildProcessError:
+                        pass
+                continue
+            live.append(pid)
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if not live or time.monotonic() > deadline:
+            return live
+        time.sleep(0.002)
+
+
+def _hostname(name: str) -> str:
+    return (name or "sandbox")[:63]
+
+
+def _run_dir_of(plan: LaunchPlan) -> str:
+    for m in plan.mounts:
+        if m.dest == "/etc/passwd":
+            return str(Path(m.src).parent.parent)
+    raise BackendError("plan has no run dir")
+
+
+def _substitute(argv: tuple[str, ...], fds: dict[str, int], cgroup_files: list[str]) -> list[str]:
+    out: list[str] = []
+    i = 0
+    items = list(argv)
+    while i < len(items):
+        a = items[i]
+        if a == "--cgroup-procs" and i + 1 < len(items) and items[i + 1] == "@cgroups@":
+            for f in cgroup_files:
+                out += ["--cgroup-procs", f]
+            i += 2
+            continue
+        if a.startswith("@fd:") and a.endswith("@"):
+            name = a[4:-1]
+            if name not in fds:
+                raise LaunchError("plan", f"no fd for {name}")
+            a = str(fds[name])
+        out.append(a)
+        i += 1
+    return out
+
+
+def _close(fd: int) -> None:
+    try:
+        os.close(fd)
+    except OSError:
+        pass
+
+
+def _drain(fd: int | None) -> str:
+    if fd is None:
+        return ""
+    chunks = []
+    while True:
+        r, _, _ = select.select([fd], [], [], 0)
+        if not r:
+            break
+        try:
+            data = os.read(fd, 65536)
+        except OSError:
+            break
+        if not data:
+            break
+        chunks.append(data)
+    return b"".join(chunks).decode(errors="replace")
+
+
+def _json_docs(text: str) -> list[dict]:
+    out = []
+    dec = json.JSONDecoder()
+    i = 0
+    while i < len(text):
+        while i < len(text) and text[i] in " \n\r\t":
+            i += 1
+        if i >= len(text):
+            break
+        try:
+            doc, end = dec.raw_decode(text, i)
+        except ValueError:
+            break
+        if isinstance(doc, dict):
+            out.append(doc)
+        i = end
+    return out

@@ -1,0 +1,112 @@
+"""A fake substrate for testing code above the backend interface (runtime, CLI, daemon).
+
+Like httpx's ``MockTransport``: no process is started. A ``handler(argv, env) -> int`` (or a
+fixed exit code) decides what "running" returns; every call is recorded in ``calls`` so a test
+can assert what the layer above asked for. Capabilities are configurable, which is how the
+fail-closed logic is tested without breaking the host.
+
+It provides no isolation at all and ``get_backend('fake')`` is refused outside tests unless
+``AGENTVM_ALLOW_FAKE=1``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+from agentvm.backends.base import (
+    PRIMITIVES,
+    Capabilities,
+    ExitStatus,
+    LaunchContext,
+    LaunchPlan,
+    Primitive,
+    SandboxHandle,
+    TeardownReport,
+)
+from agentvm.errors import EXIT_TIMEOUT
+from agentvm.policy import Policy
+
+Handler = Callable[[tuple[str, ...], dict[str, str]], int]
+
+
+class FakeBackend:
+    name = "fake"
+    host_resources = False  # allocates no uid, workspace or cgroup on the host
+
+    def __init__(
+        self,
+        handler: Handler | int = 0,
+        *,
+        missing: tuple[str, ...] = (),
+        duration: float = 0.0,
+        teardown_ok: bool = True,
+    ) -> None:
+        self.handler = handler
+        self.missing = set(missing)
+        self.duration = duration
+        self.teardown_ok = teardown_ok
+        self.calls: list[tuple] = []
+        self.live: dict[str, SandboxHandle] = {}
+
+    def capabilities(self) -> Capabilities:
+        prims = tuple(
+            Primitive(p, p not in self.missing, "fake: missing" if p in self.missing else "fake") for p in PRIMITIVES
+        )
+        return Capabilities(self.name, prims, {"bwrap": "fake-bwrap", "landlock_abi": 7})
+
+    def required_primitives(self, policy: Policy) -> tuple[str, ...]:
+        req = ["userns", "seccomp", "landlock", "cgroups"]
+        if policy.agent and policy.workspace:
+            req.append("disk-quota")
+        return tuple(req)
+
+    def compile(self, policy: Policy, ctx: LaunchContext) -> LaunchPlan:
+        return LaunchPlan(
+            sandbox_id=ctx.sandbox_id,
+            policy_digest=policy.digest(),
+            argv=tuple(policy.command),
+            env=tuple(sorted(dict(policy.env).items())),
+            mounts=(),
+            files=(),
+            landlock=None,
+            seccomp_denied=(),
+            seccomp_allow_ptrace=policy.allow_ptrace,
+            rlimits=(),
+            cgroup={"memory": policy.limits.memory, "pids": policy.limits.pids, "cpus": policy.limits.cpus},
+            host_uid=ctx.host_uid,
+            host_gid=ctx.host_gid,
+            cwd=policy.cwd,
+            timeout=policy.limits.timeout,
+        )
+
+    def launch(self, plan: LaunchPlan, *, stdio=None) -> SandboxHandle:
+        self.calls.append(("launch", plan.sandbox_id, plan.argv))
+        h = SandboxHandle(plan.sandbox_id, plan, pid=0, started_at=time.monotonic())
+        self.live[plan.sandbox_id] = h
+        return h
+
+    def wait(self, handle: SandboxHandle, timeout: float | None = None) -> ExitStatus:
+        self.calls.append(("wait", handle.sandbox_id, timeout))
+        if timeout and self.duration > timeout:
+            return ExitStatus(exit_code=EXIT_TIMEOUT, timed_out=True, duration=timeout)
+        code = self.handler if isinstance(self.handler, int) else self.handler(handle.plan.argv, dict(handle.plan.env))
+        return ExitStatus(exit_code=code, duration=self.duration)
+
+    def exec(self, handle: SandboxHandle, argv: list[str]) -> ExitStatus:
+        self.calls.append(("exec", handle.sandbox_id, tuple(argv)))
+        code = self.handler if isinstance(self.handler, int) else self.handler(tuple(argv), dict(handle.plan.env))
+        return ExitStatus(exit_code=code)
+
+    def inspect(self, handle: SandboxHandle) -> dict:
+        return {"sandbox_id": handle.sandbox_id, "running": handle.sandbox_id in self.live}
+
+    def stop(self, handle: SandboxHandle, grace: float = 2.0) -> None:
+        self.calls.append(("stop", handle.sandbox_id))
+
+    def destroy(self, handle: SandboxHandle) -> TeardownReport:
+        self.calls.append(("destroy", handle.sandbox_id))
+        self.live.pop(handle.sandbox_id, None)
+        if self.teardown_ok:
+            return TeardownReport(verified=True)
+        return TeardownReport(verified=False, processes_left=[4242])

@@ -1,0 +1,38 @@
+"""``agentvm doctor``: report the host's primitives; non-zero if the default substrate
+cannot give its guarantees."""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+from agentvm.errors import EXIT_POLICY
+
+
+@click.command()
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable report.")
+@click.option("--no-smoke", is_flag=True, help="Skip the live sandbox smoke test.")
+def doctor(as_json: bool, no_smoke: bool) -> int:
+    """Check what this host can guarantee (exit 77 if the default substrate cannot)."""
+    from agentvm.doctor import run_doctor
+
+    rep = run_doctor(smoke=not no_smoke)
+    if as_json:
+        click.echo(json.dumps(rep.to_dict(), indent=2, sort_keys=True))
+        return 0 if rep.ok else EXIT_POLICY
+    click.echo(f"agentvm doctor - substrate bwrap on kernel {rep.facts.get('kernel')}")
+    for p in rep.primitives:
+        need = "required" if p.name in rep.required else "optional"
+        mark = click.style(" ok ", fg="green") if p.ok else click.style("FAIL" if need == "required" else " -- ", fg="red" if need == "required" else "yellow")
+        click.echo(f"  [{mark}] {p.name:<15} {p.detail}  ({need})")
+    click.echo("  stronger substrates:")
+    for p in rep.extras:
+        mark = click.style(" ok ", fg="green") if p.ok else click.style(" -- ", fg="yellow")
+        click.echo(f"  [{mark}] {p.name:<15} {p.detail}")
+    if rep.ok:
+        click.echo("result: the default substrate can give all its guarantees on this host")
+        return 0
+    missing = [p.name for p in rep.primitives if p.name in rep.required and not p.ok]
+    click.echo(f"result: NOT OK - missing: {', '.join(missing)}; `agentvm run` will refuse to start", err=True)
+    return EXIT_POLICY

@@ -1,0 +1,97 @@
+"""``agentvm doctor``: what this host can guarantee, probed for real.
+
+Reports every primitive the default substrate relies on, plus facts for the stronger
+substrates (gVisor, KVM). A primitive only counts when it works, not when its file exists:
+KVM is checked through CPU flags, user namespaces and the whole sandbox through a live
+smoke test that starts a sandbox with every layer on.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import time
+from dataclasses import dataclass
+
+from agentvm.backends.base import Primitive
+
+
+@dataclass
+class DoctorReport:
+    primitives: list[Primitive]
+    required: list[str]
+    extras: list[Primitive]
+    facts: dict
+
+    @property
+    def ok(self) -> bool:
+        return all(p.ok for p in self.primitives if p.name in self.required)
+
+    def to_dict(self) -> dict:
+        return {
+            "ok": self.ok,
+            "required": self.required,
+            "primitives": [p.__dict__ for p in self.primitives],
+            "extras": [p.__dict__ for p in self.extras],
+            "facts": self.facts,
+        }
+
+
+def _kvm() -> Primitive:
+    if not os.path.exists("/dev/kvm"):
+        return Primitive("kvm", False, "no /dev/kvm")
+    try:
+        flags = open("/proc/cpuinfo").read()
+    except OSError:
+        flags = ""
+    has = " vmx" in flags or " svm" in flags
+    if not has:
+        return Primitive("kvm", False, "/dev/kvm exists but the CPU exposes no vmx/svm flags (nested/PVM): not usable for guests")
+    return Primitive("kvm", True, "vmx/svm present (a guest boot test is the microVM backend's job)")
+
+
+def _gvisor() -> Primitive:
+    runsc = shutil.which("runsc")
+    return Primitive("gvisor", bool(runsc), runsc or "runsc not installed (apt-get install runsc)")
+
+
+def smoke_test(runtime) -> Primitive:
+    """Start a real sandbox with every layer on and check it ran as an unprivileged uid."""
+    from agentvm.policy import Policy
+
+    pol = Policy(name="doctor", command=("/bin/sh", "-c", "test \"$(id -u)\" = 1000"))
+    r, w = os.pipe()
+    t0 = time.perf_counter()
+    try:
+        res = runtime.run(pol, tty=False, stdio=(subprocess.DEVNULL, w, w))
+    except Exception as exc:  # report, never crash the doctor
+        os.close(w)
+        os.close(r)
+        return Primitive("smoke-test", False, f"{type(exc).__name__}: {exc}")
+    os.close(w)
+    out = os.read(r, 4096).decode(errors="replace").strip()
+    os.close(r)
+    ms = (time.perf_counter() - t0) * 1000
+    ok = res.exit_code == 0 and bool(res.teardown.get("verified"))
+    detail = f"sandbox started and torn down (verified) in {ms:.0f} ms" if ok else f"exit {res.exit_code}: {out or res.setup_error}"
+    return Primitive("smoke-test", ok, detail)
+
+
+def run_doctor(smoke: bool = True) -> DoctorReport:
+    from agentvm.policy import Policy
+    from agentvm.runtime import Runtime
+
+    rt = Runtime()
+    backend = rt.backend_for(Policy(name="doctor"))
+    caps = backend.capabilities()
+    prims = list(caps.primitives)
+    required = list(backend.required_primitives(Policy(name="doctor", agent=True)))
+    if smoke:
+        if all(p.ok for p in prims if p.name in required):
+            prims.append(smoke_test(rt))
+        else:
+            prims.append(Primitive("smoke-test", False, "skipped: required primitives missing"))
+        required.append("smoke-test")
+    extras = [_kvm(), _gvisor()]
+    return DoctorReport(prims, required, extras, caps.facts)

@@ -1,0 +1,433 @@
+/*
+ * agentvm-helper: the small, ordered privileged steps of agent-vm (cf. Firecracker's jailer).
+ *
+ *   agentvm-helper launch [opts] -- BWRAP ARGS...     (host side, starts as root or the operator)
+ *       1 validate   2 close fds   3 join cgroups   4 rlimits   5 drop privileges
+ *       6 no_new_privs   7 exec bwrap
+ *
+ *   agentvm-helper init [opts] -- CMD ARGS...         (inside the sandbox, after bwrap's mounts)
+ *       1 validate   2 controlling tty   3 chdir   4 Landlock   5 no_new_privs + seccomp   6 exec
+ *
+ * Every failing step writes one line "STEP\tERRNO\tMESSAGE\n" to --status-fd (if given) and to
+ * stderr, then exits 125 (126/127 when the command cannot be executed / is not found, like a
+ * shell). The status fd is close-on-exec, so a successful exec closes it with nothing written.
+ *
+ * Landlock constants are defined here (not taken from linux/landlock.h) so the helper builds on
+ * hosts whose headers are older than the kernel. Nothing here allocates after exec; this file
+ * is deliberately small and boring.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <grp.h>
+#include <linux/filter.h>
+#include <linux/seccomp.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/ioctl.h>
+#include <sys/prctl.h>
+#include <sys/resource.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <termios.h>
+#include <unistd.h>
+
+#ifndef __NR_landlock_create_ruleset
+#define __NR_landlock_create_ruleset 444
+#define __NR_landlock_add_rule 445
+#define __NR_landlock_restrict_self 446
+#endif
+#ifndef __NR_close_range
+#define __NR_close_range 436
+#endif
+
+#define LL_CREATE_RULESET_VERSION (1U << 0)
+#define LL_RULE_PATH_BENEATH 1
+#define LL_RULE_NET_PORT 2
+
+#define FS_EXECUTE (1ULL << 0)
+#define FS_WRITE_FILE (1ULL << 1)
+#define FS_READ_FILE (1ULL << 2)
+#define FS_READ_DIR (1ULL << 3)
+#define FS_REMOVE_DIR (1ULL << 4)
+#define FS_REMOVE_FILE (1ULL << 5)
+#define FS_MAKE_CHAR (1ULL << 6)
+#define FS_MAKE_DIR (1ULL << 7)
+#define FS_MAKE_REG (1ULL << 8)
+#define FS_MAKE_SOCK (1ULL << 9)
+#define FS_MAKE_FIFO (1ULL << 10)
+#define FS_MAKE_BLOCK (1ULL << 11)
+#define FS_MAKE_SYM (1ULL << 12)
+#define FS_REFER (1ULL << 13)    /* ABI 2 */
+#define FS_TRUNCATE (1ULL << 14) /* ABI 3 */
+#define FS_IOCTL_DEV (1ULL << 15) /* ABI 5 */
+#define NET_BIND_TCP (1ULL << 0) /* ABI 4 */
+#define NET_CONNECT_TCP (1ULL << 1)
+#define SCOPE_ABSTRACT_UNIX (1ULL << 0) /* ABI 6 */
+#define SCOPE_SIGNAL (1ULL << 1)
+
+/* Rights that only make sense on directories. */
+#define FS_DIR_ONLY                                                                            \
+    (FS_READ_DIR | FS_REMOVE_DIR | FS_REMOVE_FILE | FS_MAKE_CHAR | FS_MAKE_DIR | FS_MAKE_REG | \
+     FS_MAKE_SOCK | FS_MAKE_FIFO | FS_MAKE_BLOCK | FS_MAKE_SYM | FS_REFER)
+
+struct ll_ruleset_attr {
+    uint64_t handled_access_fs;
+    uint64_t handled_access_net;
+    uint64_t scoped;
+};
+struct ll_path_beneath_attr {
+    uint64_t allowed_access;
+    int32_t parent_fd;
+} __attribute__((packed));
+struct ll_net_port_attr {
+    uint64_t allowed_access;
+    uint64_t port;
+};
+
+#define MAX_ITEMS 256
+
+static int status_fd = -1;
+
+static void fail(const char *step, int err, const char *fmt, ...) __attribute__((noreturn, format(printf, 3, 4)));
+static int fail_code = 125;
+
+#include <stdarg.h>
+static void fail(const char *step, int err, const char *fmt, ...) {
+    char msg[1024];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    char line[1400];
+    int n = snprintf(line, sizeof line, "%s\t%d\t%s%s%s\n", step, err, msg, err ? ": " : "",
+                     err ? strerror(err) : "");
+    if (n > (int)sizeof line - 1) n = sizeof line - 1;
+    if (status_fd >= 0) {
+        ssize_t w = write(status_fd, line, (size_t)n);
+        (void)w;
+    }
+    dprintf(2, "agentvm-helper: %s", line);
+    _exit(fail_code);
+}
+
+static long parse_long(const char *step, const char *s, long lo, long hi) {
+    char *end = NULL;
+    errno = 0;
+    long v = strtol(s, &end, 10);
+    if (errno || !end || *end || v < lo || v > hi) fail(step, 0, "bad number '%s'", s);
+    return v;
+}
+
+static void set_cloexec(int fd) {
+    int fl = fcntl(fd, F_GETFD);
+    if (fl < 0 || fcntl(fd, F_SETFD, fl | FD_CLOEXEC) < 0) fail("validate", errno, "fd %d", fd);
+}
+
+/* ------------------------------------------------------------------ launch */
+
+static int resource_by_name(const char *n) {
+    if (!strcmp(n, "nofile")) return RLIMIT_NOFILE;
+    if (!strcmp(n, "nproc")) return RLIMIT_NPROC;
+    if (!strcmp(n, "fsize")) return RLIMIT_FSIZE;
+    if (!strcmp(n, "core")) return RLIMIT_CORE;
+    if (!strcmp(n, "as")) return RLIMIT_AS;
+    if (!strcmp(n, "memlock")) return RLIMIT_MEMLOCK;
+    if (!strcmp(n, "sigpending")) return RLIMIT_SIGPENDING;
+    if (!strcmp(n, "msgqueue")) return RLIMIT_MSGQUEUE;
+    return -1;
+}
+
+static int cmd_launch(int argc, char **argv) {
+    const char *cgroups[32];
+    int ncg = 0;
+    struct {
+        int res;
+        struct rlimit lim;
+    } rl[16];
+    int nrl = 0;
+    int keep[64];
+    int nkeep = 0;
+    long uid = -1, gid = -1;
+    int i = 0;
+
+    /* 1. validate */
+    for (; i < argc; i++) {
+        const char *a = argv[i];
+        if (!strcmp(a, "--")) {
+            i++;
+            break;
+        }
+        if (i + 1 >= argc) fail("validate", 0, "option %s needs a value", a);
+        const char *v = argv[++i];
+        if (!strcmp(a, "--status-fd")) {
+            /* stays open across exec: init inside the sandbox reports through it too */
+            status_fd = (int)parse_long("validate", v, 3, 1 << 20);
+            if (fcntl(status_fd, F_GETFD) < 0) fail("validate", errno, "status fd %d", status_fd);
+        } else if (!strcmp(a, "--cgroup-procs")) {
+            if (ncg >= 32) fail("validate", 0, "too many cgroups");
+            cgroups[ncg++] = v;
+        } else if (!strcmp(a, "--rlimit")) {
+            /* NAME=SOFT:HARD */
+            char name[32];
+            unsigned long long s, h;
+            if (nrl >= 16 || sscanf(v, "%31[a-z]=%llu:%llu", name, &s, &h) != 3)
+                fail("validate", 0, "bad --rlimit '%s'", v);
+            int res = resource_by_name(name);
+            if (res < 0) fail("validate", 0, "unknown rlimit '%s'", name);
+            rl[nrl].res = res;
+            rl[nrl].lim.rlim_cur = s;
+            rl[nrl].lim.rlim_max = h;
+            nrl++;
+        } else if (!strcmp(a, "--keep-fd")) {
+            if (nkeep >= 64) fail("validate", 0, "too many fds");
+            keep[nkeep++] = (int)parse_long("validate", v, 0, 1 << 20);
+        } else if (!strcmp(a, "--uid")) {
+            uid = parse_long("validate", v, 1, 0x7fffffff);
+        } else if (!strcmp(a, "--gid")) {
+            gid = parse_long("validate", v, 1, 0x7fffffff);
+        } else {
+            fail("validate", 0, "unknown option %s", a);
+        }
+    }
+    if (i >= argc) fail("validate", 0, "missing command after --");
+    if ((uid < 0) != (gid < 0)) fail("validate", 0, "--uid and --gid go together");
+
+    /* 2. close every fd but stdio, the status fd and the kept ones. */
+    for (int fd = 3; fd < 1024; fd++) {
+        int k = (fd == status_fd);
+        for (int j = 0; j < nkeep && !k; j++) k = (keep[j] == fd);
+        if (!k) close(fd);
+    }
+    syscall(__NR_close_range, 1024U, ~0U, 0);
+
+    /* 3. join cgroups (before any fork, so every descendant is inside) */
+    for (int c = 0; c < ncg; c++) {
+        int fd = open(cgroups[c], O_WRONLY | O_CLOEXEC);
+        if (fd < 0) fail("cgroup", errno, "open %s", cgroups[c]);
+        if (write(fd, "0\n", 2) != 2) fail("cgroup", errno, "join %s", cgroups[c]);
+        close(fd);
+    }
+
+    /* 4. rlimits (backstop to the cgroup limits) */
+    for (int r = 0; r < nrl; r++)
+        if (setrlimit(rl[r].res, &rl[r].lim) < 0) fail("rlimit", errno, "setrlimit %d", rl[r].res);
+
+    /* 5. drop privileges: no supplementary groups, then gid, then uid; verify no way back. */
+    if (uid >= 0) {
+        if (setgroups(0, NULL) < 0) fail("drop-privileges", errno, "setgroups");
+        if (setresgid((gid_t)gid, (gid_t)gid, (gid_t)gid) < 0) fail("drop-privileges", errno, "setresgid");
+        if (setresuid((uid_t)uid, (uid_t)uid, (uid_t)uid) < 0) fail("drop-privileges", errno, "setresuid");
+        if (setuid(0) == 0 || geteuid() == 0) fail("drop-privileges", 0, "could regain root");
+    }
+    if (geteuid() == 0) fail("drop-privileges", 0, "refusing to start the sandbox as host root");
+
+    /* 6. no_new_privs: nothing setuid can raise privileges from here on. */
+    if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) < 0) fail("no-new-privs", errno, "prctl");
+
+    /* 7. exec bwrap */
+    execv(argv[i], &argv[i]);
+    fail("exec-bwrap", errno, "exec %s", argv[i]);
+}
+
+/* ------------------------------------------------------------------ init */
+
+struct path_rule {
+    const char *path;
+    uint64_t access;
+    int optional;
+};
+
+static int cmd_init(int argc, char **argv) {
+    struct path_rule rules[MAX_ITEMS];
+    int nrules = 0;
+    long ports_connect[64], ports_bind[64];
+    int npc = 0, npb = 0;
+    int want_scope = 0, want_net = 0, want_tty = 0, no_landlock = 0;
+    long min_abi = 1;
+    int seccomp_fd = -1;
+    const char *chdir_to = NULL;
+    int i = 0;
+
+    const uint64_t ro = FS_EXECUTE | FS_READ_FILE | FS_READ_DIR;
+    const uint64_t rw_all = FS_EXECUTE | FS_WRITE_FILE | FS_READ_FILE | FS_READ_DIR | FS_REMOVE_DIR |
+                            FS_REMOVE_FILE | FS_MAKE_DIR | FS_MAKE_REG | FS_MAKE_SOCK | FS_MAKE_FIFO |
+                            FS_MAKE_SYM | FS_REFER | FS_TRUNCATE;
+    const uint64_t dev = FS_READ_FILE | FS_WRITE_FILE | FS_READ_DIR | FS_IOCTL_DEV | FS_TRUNCATE;
+    const uint64_t proc = FS_READ_FILE | FS_READ_DIR | FS_WRITE_FILE;
+    const uint64_t list = FS_READ_DIR;
+
+    /* 1. validate */
+    for (; i < argc; i++) {
+        const char *a = argv[i];
+        if (!strcmp(a, "--")) {
+            i++;
+            break;
+        }
+        if (!strcmp(a, "--scope")) {
+            want_scope = 1;
+            continue;
+        }
+        if (!strcmp(a, "--net")) {
+            want_net = 1;
+            continue;
+        }
+        if (!strcmp(a, "--tty")) {
+            want_tty = 1;
+            continue;
+        }
+        if (!strcmp(a, "--no-landlock")) { /* explicit, audited degrade only */
+            no_landlock = 1;
+            continue;
+        }
+        if (i + 1 >= argc) fail("validate", 0, "option %s needs a value", a);
+        const char *v = argv[++i];
+        if (!strcmp(a, "--status-fd")) {
+            status_fd = (int)parse_long("validate", v, 3, 1 << 20);
+            set_cloexec(status_fd);
+        } else if (!strcmp(a, "--seccomp-fd")) {
+            seccomp_fd = (int)parse_long("validate", v, 3, 1 << 20);
+            set_cloexec(seccomp_fd);
+        } else if (!strcmp(a, "--min-abi")) {
+            min_abi = parse_long("validate", v, 1, 100);
+        } else if (!strcmp(a, "--chdir")) {
+            chdir_to = v;
+        } else if (!strcmp(a, "--tcp-connect") || !strcmp(a, "--tcp-bind")) {
+            long p = parse_long("validate", v, 1, 65535);
+            if (a[6] == 'c') {
+                if (npc >= 64) fail("validate", 0, "too many ports");
+                ports_connect[npc++] = p;
+            } else {
+                if (npb >= 64) fail("validate", 0, "too many ports");
+                ports_bind[npb++] = p;
+            }
+        } else if (!strcmp(a, "--ro") || !strcmp(a, "--rw") || !strcmp(a, "--dev") || !strcmp(a, "--proc") ||
+                   !strcmp(a, "--ro-try") || !strcmp(a, "--list")) {
+            if (nrules >= MAX_ITEMS) fail("validate", 0, "too many path rules");
+            rules[nrules].path = v;
+            rules[nrules].optional = !strcmp(a, "--ro-try");
+            rules[nrules].access = !strcmp(a, "--rw")     ? rw_all
+                                   : !strcmp(a, "--dev")  ? dev
+                                   : !strcmp(a, "--proc") ? proc
+                                   : !strcmp(a, "--list") ? list
+                                                          : ro;
+            nrules++;
+        } else {
+            fail("validate", 0, "unknown option %s", a);
+        }
+    }
+    if (i >= argc) fail("validate", 0, "missing command after --");
+    /* Nothing the supervisor or bwrap opened may reach the command: every fd but stdio is
+     * close-on-exec from here on (an inherited O_PATH fd of a grant would bypass its
+     * read-only mount). */
+    if (syscall(__NR_close_range, 3U, ~0U, 4U /* CLOSE_RANGE_CLOEXEC */) < 0) {
+        for (int fd = 3; fd < 4096; fd++) {
+            int fl = fcntl(fd, F_GETFD);
+            if (fl >= 0) fcntl(fd, F_SETFD, fl | FD_CLOEXEC);
+        }
+    }
+
+    /* 2. controlling terminal: bwrap --new-session made us a session leader without one. */
+    if (want_tty && ioctl(0, TIOCSCTTY, 0) < 0) fail("tty", errno, "TIOCSCTTY");
+
+    /* 3. working directory (before Landlock, which may forbid walking to it) */
+    if (chdir_to && chdir(chdir_to) < 0) fail("chdir", errno, "chdir %s", chdir_to);
+
+    /* 4. Landlock: everything not listed is denied. */
+    if (no_landlock) goto seccomp;
+    int abi = (int)syscall(__NR_landlock_create_ruleset, NULL, 0, LL_CREATE_RULESET_VERSION);
+    if (abi < 0) fail("landlock", errno, "Landlock is not available");
+    if (abi < min_abi) fail("landlock", 0, "kernel Landlock ABI %d < required %ld", abi, min_abi);
+    struct ll_ruleset_attr attr = {0};
+    size_t attr_size = sizeof(uint64_t);
+    uint64_t fs_mask = FS_EXECUTE | FS_WRITE_FILE | FS_READ_FILE | FS_READ_DIR | FS_REMOVE_DIR |
+                       FS_REMOVE_FILE | FS_MAKE_CHAR | FS_MAKE_DIR | FS_MAKE_REG | FS_MAKE_SOCK |
+                       FS_MAKE_FIFO | FS_MAKE_BLOCK | FS_MAKE_SYM;
+    if (abi >= 2) fs_mask |= FS_REFER;
+    if (abi >= 3) fs_mask |= FS_TRUNCATE;
+    if (abi >= 5) fs_mask |= FS_IOCTL_DEV;
+    attr.handled_access_fs = fs_mask;
+    if (abi >= 4 && want_net) {
+        attr.handled_access_net = NET_BIND_TCP | NET_CONNECT_TCP;
+        attr_size = 2 * sizeof(uint64_t);
+    }
+    if (abi >= 6 && want_scope) {
+        attr.scoped = SCOPE_ABSTRACT_UNIX | SCOPE_SIGNAL;
+        attr_size = 3 * sizeof(uint64_t);
+    }
+    if (want_net && abi < 4) fail("landlock", 0, "TCP port rules need Landlock ABI 4 (kernel has %d)", abi);
+    if (want_scope && abi < 6) fail("landlock", 0, "scoping needs Landlock ABI 6 (kernel has %d)", abi);
+    int rs = (int)syscall(__NR_landlock_create_ruleset, &attr, attr_size, 0);
+    if (rs < 0) fail("landlock", errno, "create ruleset");
+    for (int r = 0; r < nrules; r++) {
+        int fd = open(rules[r].path, O_PATH | O_CLOEXEC);
+        if (fd < 0) {
+            if (rules[r].optional && errno == ENOENT) continue;
+            fail("landlock", errno, "open %s", rules[r].path);
+        }
+        struct stat st;
+        if (fstat(fd, &st) < 0) fail("landlock", errno, "stat %s", rules[r].path);
+        struct ll_path_beneath_attr pb = {.allowed_access = rules[r].access & fs_mask, .parent_fd = fd};
+        if (!S_ISDIR(st.st_mode)) pb.allowed_access &= ~FS_DIR_ONLY;
+        if (syscall(__NR_landlock_add_rule, rs, LL_RULE_PATH_BENEATH, &pb, 0) < 0)
+            fail("landlock", errno, "rule for %s", rules[r].path);
+        close(fd);
+    }
+    if (attr.handled_access_net) {
+        for (int p = 0; p < npc; p++) {
+            struct ll_net_port_attr na = {.allowed_access = NET_CONNECT_TCP, .port = (uint64_t)ports_connect[p]};
+            if (syscall(__NR_landlock_add_rule, rs, LL_RULE_NET_PORT, &na, 0) < 0)
+                fail("landlock", errno, "tcp connect rule %ld", ports_connect[p]);
+        }
+        for (int p = 0; p < npb; p++) {
+            struct ll_net_port_attr na = {.allowed_access = NET_BIND_TCP, .port = (uint64_t)ports_bind[p]};
+            if (syscall(__NR_landlock_add_rule, rs, LL_RULE_NET_PORT, &na, 0) < 0)
+                fail("landlock", errno, "tcp bind rule %ld", ports_bind[p]);
+        }
+    }
+
+    /* 5. no_new_privs (required by Landlock and seccomp), restrict, then seccomp last. */
+    if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) < 0) fail("no-new-privs", errno, "prctl");
+    if (syscall(__NR_landlock_restrict_self, rs, 0) < 0) fail("landlock", errno, "restrict self");
+    close(rs);
+
+seccomp:
+    if (no_landlock && prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) < 0) fail("no-new-privs", errno, "prctl");
+    if (seccomp_fd >= 0) {
+        static unsigned char buf[1 << 16];
+        size_t len = 0;
+        for (;;) {
+            ssize_t n = pread(seccomp_fd, buf + len, sizeof buf - len, (off_t)len);
+            if (n < 0 && errno == EINTR) continue;
+            if (n < 0) fail("seccomp", errno, "read filter");
+            if (n == 0) break;
+            len += (size_t)n;
+            if (len == sizeof buf) fail("seccomp", 0, "filter too large");
+        }
+        if (len == 0 || len % sizeof(struct sock_filter)) fail("seccomp", 0, "bad filter length %zu", len);
+        close(seccomp_fd);
+        struct sock_fprog prog = {.len = (unsigned short)(len / sizeof(struct sock_filter)),
+                                  .filter = (struct sock_filter *)buf};
+        if (syscall(SYS_seccomp, SECCOMP_SET_MODE_FILTER, 0, &prog) < 0) fail("seccomp", errno, "load filter");
+    }
+
+    /* 6. exec the command (PATH search like a shell; 127 not found, 126 not executable). */
+    execvp(argv[i], &argv[i]);
+    int e = errno;
+    fail_code = (e == ENOENT) ? 127 : 126;
+    fail("exec", e, "%s", argv[i]);
+}
+
+int main(int argc, char **argv) {
+    if (argc < 2) fail("validate", 0, "usage: agentvm-helper launch|init|abi [opts] -- cmd...");
+    if (!strcmp(argv[1], "launch")) return cmd_launch(argc - 2, argv + 2);
+    if (!strcmp(argv[1], "init")) return cmd_init(argc - 2, argv + 2);
+    if (!strcmp(argv[1], "abi")) {
+        int abi = (int)syscall(__NR_landlock_create_ruleset, NULL, 0, LL_CREATE_RULESET_VERSION);
+        printf("%d\n", abi < 0 ? 0 : abi);
+        return 0;
+    }
+    fail("validate", 0, "unknown mode %s", argv[1]);
+}

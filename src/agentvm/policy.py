@@ -1,0 +1,187 @@
+"""The compiled, frozen, versioned policy of one sandbox.
+
+``compile_policy(spec)`` is pure: a validated :class:`~agentvm.spec.models.AgentSpec` (plus
+CLI overrides) becomes a :class:`Policy` made only of tuples, strings and numbers, so it can
+be hashed, snapshot-tested, stored and sent to a backend. Backends consume a ``Policy``;
+nothing below this layer reads YAML.
+
+This module must not import pydantic: the CLI's fast path (``agentvm run -- CMD`` with no
+agent file) builds a ``Policy`` from defaults directly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field, replace
+from typing import TYPE_CHECKING
+
+from agentvm import defaults as D
+from agentvm.errors import ConfigError, PolicyDenied
+
+if TYPE_CHECKING:  # pragma: no cover
+    from agentvm.spec.models import AgentSpec
+
+POLICY_VERSION = 1
+TIER_LEVEL = {f"L{i}": i for i in range(6)}
+
+
+@dataclass(frozen=True)
+class MountGrant:
+    host: str
+    path: str
+    writable: bool = False
+
+
+@dataclass(frozen=True)
+class Limits:
+    memory: int = D.MEMORY
+    cpus: float = D.CPUS
+    pids: int = D.PIDS
+    disk: int = D.DISK
+    timeout: float = D.TIMEOUT
+    tmp: int = D.TMP
+    shm: int = D.SHM
+    nofile: int = D.NOFILE
+
+
+@dataclass(frozen=True)
+class Policy:
+    name: str  # the agent's name; for anonymous runs "run"
+    command: tuple[str, ...] = ()
+    agent: bool = False  # True: a declared agent with a durable, named workspace
+    lifecycle: str = "ephemeral"
+    substrate: str = "bwrap"
+    risk_tier: str = D.RISK_TIER
+    workdir: str | None = None
+    extra_ro: tuple[str, ...] = ()
+    mounts: tuple[MountGrant, ...] = ()
+    workspace: str | None = D.WORKSPACE_PATH  # sandbox path of the workspace, None = no workspace
+    env: tuple[tuple[str, str], ...] = ()
+    limits: Limits = field(default_factory=Limits)
+    allow_ptrace: bool = False
+    local_ports: tuple[int, ...] = ()
+    # Declared but not yet enforceable sections: a run that needs them is refused.
+    pending_features: tuple[str, ...] = ()
+    version: int = POLICY_VERSION
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def digest(self) -> str:
+        blob = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":")).encode()
+        return "sha256:" + hashlib.sha256(blob).hexdigest()
+
+    @property
+    def cwd(self) -> str:
+        return self.workdir or self.workspace or "/"
+
+
+def compile_policy(spec: "AgentSpec") -> Policy:
+    """AgentSpec -> Policy. Pure; no I/O."""
+    body = spec.spec
+    pending = []
+    if body.egress.allow or body.egress.deny:
+        pending.append("egress")
+    if body.credentials:
+        pending.append("credentials")
+    if body.tools:
+        pending.append("tools")
+    if body.approvals:
+        pending.append("approvals")
+    lim = body.limits
+    return Policy(
+        name=spec.metadata.name,
+        command=tuple(body.command),
+        agent=True,
+        lifecycle=body.lifecycle.value,
+        substrate=body.substrate,
+        risk_tier=body.risk_tier.value,
+        workdir=body.workdir,
+        extra_ro=tuple(body.rootfs.extra_paths),
+        mounts=tuple(MountGrant(m.host, m.path, m.mode == "rw") for m in body.mounts),
+        workspace=body.workspace.path if body.workspace.enabled else None,
+        env=tuple(sorted(body.env.items())),
+        limits=Limits(
+            memory=lim.memory,
+            cpus=lim.cpus,
+            pids=lim.pids,
+            disk=lim.disk,
+            timeout=lim.timeout,
+            tmp=lim.tmp,
+            shm=lim.shm,
+            nofile=lim.nofile,
+        ),
+        allow_ptrace=body.security.allow_ptrace,
+        local_ports=tuple(body.security.local_ports),
+        pending_features=tuple(pending),
+    )
+
+
+def parse_mount_arg(text: str) -> MountGrant:
+    """``HOST:PATH[:ro|rw]`` -> MountGrant (the ``--mount`` CLI syntax)."""
+    parts = text.split(":")
+    mode = "ro"
+    if len(parts) == 3 and parts[2] in ("ro", "rw"):
+        mode = parts.pop()
+    if len(parts) != 2 or not parts[0] or not parts[1]:
+        raise ConfigError(f"invalid --mount {text!r}", hint="use HOST:PATH[:ro|rw], e.g. --mount $PWD:/src:ro")
+    try:
+        host = D.abs_path(parts[0], "--mount host")
+        path = D.sandbox_path(parts[1], "--mount path")
+    except ValueError as exc:
+        raise ConfigError(f"invalid --mount {text!r}: {exc}") from exc
+    return MountGrant(host, path, mode == "rw")
+
+
+def with_overrides(
+    policy: Policy,
+    *,
+    command: tuple[str, ...] | None = None,
+    mounts: tuple[MountGrant, ...] = (),
+    env: dict[str, str] | None = None,
+    timeout: float | None = None,
+    memory: int | None = None,
+) -> Policy:
+    """Apply CLI overrides; the result is re-checked against the policy's risk tier."""
+    changes: dict = {}
+    if command:
+        changes["command"] = tuple(command)
+    if mounts:
+        by_path = {m.path: m for m in policy.mounts}
+        for m in mounts:
+            by_path[m.path] = m
+        if policy.workspace and policy.workspace in by_path:
+            raise ConfigError(f"--mount target {policy.workspace} shadows the workspace")
+        changes["mounts"] = tuple(by_path.values())
+    if env:
+        merged = dict(policy.env)
+        for k, v in env.items():
+            if not k or not (k[0].isalpha() or k[0] == "_") or not all(c.isalnum() or c == "_" for c in k):
+                raise ConfigError(f"invalid environment variable name {k!r}")
+            if "\x00" in v:
+                raise ConfigError(f"--env {k} contains NUL")
+            merged[k] = v
+        changes["env"] = tuple(sorted(merged.items()))
+    lim = policy.limits
+    if timeout is not None:
+        lim = replace(lim, timeout=timeout)
+    if memory is not None:
+        if memory < 16 * 1024**2:
+            raise ConfigError("--memory must be at least 16M")
+        lim = replace(lim, memory=memory)
+    changes["limits"] = lim
+    out = replace(policy, **changes)
+    check_tier(out)
+    return out
+
+
+def check_tier(policy: Policy) -> None:
+    """Refuse a policy that grants more than its risk tier allows (same table as the spec)."""
+    level = TIER_LEVEL.get(policy.risk_tier, -1)
+    if level < 0:
+        raise ConfigError(f"unknown risk tier {policy.risk_tier!r}")
+    if level < 1 and any(m.writable for m in policy.mounts):
+        raise PolicyDenied(f"read-write grants need risk tier >= L1 (policy is {policy.risk_tier})")
+    if level < 4 and policy.allow_ptrace:
+        raise PolicyDenied(f"allowPtrace needs risk tier >= L4 (policy is {policy.risk_tier})")

@@ -1,0 +1,379 @@
+"""Running a policy in a sandbox, end to end: preflight (fail closed), identity, workspace,
+launch, wait (timeout), verified teardown, and a result record.
+
+This is the library entry point ``agentvm run`` uses; it knows nothing about the CLI.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from agentvm import identity
+from agentvm.backends.base import PRIMITIVES, Backend, ExitStatus, LaunchContext, LaunchPlan, TeardownReport
+from agentvm.errors import EXIT_BACKEND, ConfigError, PolicyDenied, PrimitiveMissing
+from agentvm.paths import Paths, default_paths
+from agentvm.policy import MountGrant, Policy, check_tier
+
+SANDBOX_UID = 1000
+
+
+@dataclass
+class RunResult:
+    sandbox_id: str
+    agent: str
+    exit_code: int
+    duration: float
+    timed_out: bool = False
+    oom_killed: bool = False
+    pids_limit_hit: bool = False
+    signal: int | None = None
+    setup_error: dict | None = None
+    teardown: dict = field(default_factory=dict)
+    degraded: list[str] = field(default_factory=list)
+    host_uid: int | None = None
+    policy_digest: str = ""
+    memory_peak: int | None = None
+
+    @property
+    def limits_hit(self) -> list[str]:
+        out = []
+        if self.timed_out:
+            out.append("timeout")
+        if self.oom_killed:
+            out.append("memory")
+        if self.pids_limit_hit:
+            out.append("pids")
+        return out
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["limits_hit"] = self.limits_hit
+        d["teardown_verified"] = bool(self.teardown.get("verified"))
+        return d
+
+
+def get_backend(name: str, paths: Paths) -> Backend:
+    if name == "bwrap":
+        from agentvm.backends.bwrap import BwrapBackend
+
+        return BwrapBackend(paths)
+    if name == "fake":
+        # The fake runs nothing and isolates nothing: never selectable by a spec in production.
+        if os.environ.get("AGENTVM_ALLOW_FAKE") != "1":
+            raise PolicyDenied(
+                "substrate 'fake' provides no isolation and is for tests only",
+                hint="use substrate: bwrap (set AGENTVM_ALLOW_FAKE=1 only in a test harness)",
+                code="policy.fake-substrate",
+            )
+        from agentvm.backends.fake import FakeBackend
+
+        return FakeBackend()
+    raise ConfigError(f"unknown substrate {name!r}", hint="available: bwrap (default), fake (tests)")
+
+
+class Runtime:
+    def __init__(self, paths: Paths | None = None, backend: Backend | None = None) -> None:
+        self.paths = (paths or default_paths()).ensure()
+        self._backend = backend
+
+    def backend_for(self, policy: Policy) -> Backend:
+        if self._backend is not None:
+            return self._backend
+        self._backend = get_backend(policy.substrate, self.paths)
+        return self._backend
+
+    # ------------------------------------------------------------------ preflight
+    def preflight(self, policy: Policy, degrade: tuple[str, ...] = ()) -> list[str]:
+        """Fail closed: every primitive the policy relies on must be present, unless waived."""
+        for d in degrade:
+            if d not in PRIMITIVES:
+                raise ConfigError(f"unknown --degrade {d!r}", hint="one of: " + ", ".join(PRIMITIVES))
+        if policy.pending_features:
+            raise PolicyDenied(
+                "the agent declares " + ", ".join(policy.pending_features) + ", which this version of agent-vm "
+                "cannot enforce yet; refusing to run rather than run without them",
+                hint="remove those sections, or upgrade agent-vm",
+                code="policy.unenforceable",
+            )
+        check_tier(policy)
+        backend = self.backend_for(policy)
+        caps = backend.capabilities()
+        missing = [p for p in caps.missing(backend.required_primitives(policy)) if p.name not in degrade]
+        if missing:
+            lines = "; ".join(f"{p.name}: {p.detail or 'missing'}" for p in missing)
+            raise PrimitiveMissing(
+                f"refusing to start: the {backend.name} substrate cannot give its guarantees on this host ({lines})",
+                hint="run `agentvm doctor` for details; to run without a primitive anyway pass "
+                "--degrade NAME (printed and recorded)",
+            )
+        self._check_grants(policy, degrade)
+        return list(degrade)
+
+    def _check_grants(self, policy: Policy, degrade: tuple[str, ...]) -> None:
+        own = [self.paths.home.resolve(), self.paths.runtime.resolve()]
+        grants = list(policy.mounts) + [MountGrant(p, p, False) for p in policy.extra_ro]
+        for m in grants:
+            real = Path(os.path.realpath(m.host))
+            if not real.exists():
+                raise ConfigError(f"granted host path {m.host} does not exist")
+            if str(real) in ("/", "/proc", "/sys", "/dev", "/run", "/boot"):
+                raise PolicyDenied(f"granting {real} would expose the host", code="policy.grant-forbidden")
+            for o in own:
+                if o == real or o.is_relative_to(real) or real.is_relative_to(o):
+                    raise PolicyDenied(
+                        f"granting {m.host} would expose agent-vm's own state ({o}): other agents' workspaces and keys",
+                        code="policy.grant-forbidden",
+                    )
+
+    # ------------------------------------------------------------------ run
+    def prepare(self, policy: Policy, *, degrade: tuple[str, ...] = (), tty: bool = False):
+        """Everything before launch. Returns (plan, resources) - resources must be released."""
+        self.preflight(policy, degrade)
+        backend = self.backend_for(policy)
+        caps = backend.capabilities()
+        sandbox_id = f"{policy.name}-{secrets.token_hex(4)}"
+        root = os.geteuid() == 0
+        host_resources = getattr(backend, "host_resources", True)
+        res = _Resources(self.paths)
+        try:
+            if not host_resources:
+                uid, gid, drop = 0, 0, False
+            elif root and "dedicated-uid" not in degrade:
+                ident = (
+                    identity.agent_identity(self.paths.state_db, policy.name)
+                    if policy.agent
+                    else identity.lease_identity(self.paths.state_db, sandbox_id)
+                )
+                res.lease_uid = ident.uid if ident.leased else None
+                uid, gid, drop = ident.uid, ident.gid, True
+            else:
+                uid, gid, drop = os.getuid(), os.getgid(), False
+            ws_host = None
+            if policy.workspace and policy.agent and host_resources:
+                from agentvm import workspace
+
+                res.workspace = workspace.acquire(
+                    self.paths.workspaces,
+                    self.paths.runtime,
+                    policy.name,
+                    uid=uid,
+                    gid=gid,
+                    size=policy.limits.disk,
+                    enforce_quota="disk-quota" not in degrade,
+                )
+                ws_host = str(res.workspace.host_dir)
+            for m in policy.mounts:
+                if m.writable and drop and host_resources and not _uid_can_write(m.host, uid, gid):
+                    raise PolicyDenied(
+                        f"the agent's uid {uid} cannot write the read-write grant {m.host}",
+                        hint=f"give it access, e.g. `setfacl -m u:{uid}:rwx {m.host}` or `chown {uid} {m.host}`",
+                        code="policy.grant-unwritable",
+                    )
+            from agentvm import native
+
+            ctx = LaunchContext(
+                sandbox_id=sandbox_id,
+                host_uid=uid,
+                host_gid=gid,
+                workspace_host=ws_host,
+                run_dir=str(self.paths.sandboxes / sandbox_id),
+                helper=str(native.helper_path(self.paths.libexec)) if backend.name == "bwrap" else "agentvm-helper",
+                bwrap=caps.facts.get("bwrap", "bwrap"),
+                tty=tty,
+                drop_privileges=drop,
+                degraded=tuple(degrade),
+                landlock_abi=caps.facts.get("landlock_abi", 0),
+                sandbox_uid=SANDBOX_UID,
+                sandbox_gid=SANDBOX_UID,
+            )
+            plan = backend.compile(policy, ctx)
+        except BaseException:
+            res.release()
+            raise
+        return plan, res
+
+    def run(
+        self,
+        policy: Policy,
+        *,
+        degrade: tuple[str, ...] = (),
+        tty: bool | None = None,
+        stdio: tuple[int, int, int] | None = None,
+    ) -> RunResult:
+        if tty is None:
+            tty = stdio is None and sys.stdin.isatty() and sys.stdout.isatty()
+        gc_stale(self.paths)
+        plan, res = self.prepare(policy, degrade=degrade, tty=tty)
+        backend = self.backend_for(policy)
+        if degrade:
+            _record(self.paths, "degraded-run", {"sandbox": plan.sandbox_id, "agent": policy.name, "degraded": list(degrade)})
+        status: ExitStatus | None = None
+        report: TeardownReport | None = None
+        handle = None
+        old = _install_signal_handlers()
+        try:
+            if tty:
+                from agentvm.ptyrelay import PtySession
+
+                with PtySession() as pty:
+                    handle = backend.launch(plan, stdio=(pty.slave, pty.slave, pty.slave))
+                    pty.close_slave()
+                    status = pty.relay(backend, handle, plan.timeout)
+            else:
+                handle = backend.launch(plan, stdio=stdio)
+                status = backend.wait(handle, plan.timeout or None)
+        except _Interrupted as exc:
+            if handle is not None:
+                backend.stop(handle, grace=1.0)
+            status = ExitStatus(exit_code=128 + exc.signum, signal=exc.signum)
+        finally:
+            _restore_signal_handlers(old)
+            if handle is not None:
+                report = backend.destroy(handle)
+            res.release(report)
+        result = RunResult(
+            sandbox_id=plan.sandbox_id,
+            agent=policy.name,
+            exit_code=status.exit_code if status else EXIT_BACKEND,
+            duration=status.duration if status else 0.0,
+            timed_out=status.timed_out if status else False,
+            oom_killed=status.oom_killed if status else False,
+            pids_limit_hit=status.pids_limit_hit if status else False,
+            signal=status.signal if status else None,
+            setup_error=status.setup_error if status else None,
+            teardown=report.to_dict() if report else {"verified": False},
+            degraded=list(degrade),
+            host_uid=plan.host_uid,
+            policy_digest=plan.policy_digest,
+            memory_peak=status.memory_peak if status else None,
+        )
+        if report is not None and not report.verified:
+            result.exit_code = EXIT_BACKEND if result.exit_code == 0 else result.exit_code
+        return result
+
+
+class _Resources:
+    """Host resources held for one run, released after teardown."""
+
+    def __init__(self, paths: Paths) -> None:
+        self.paths = paths
+        self.lease_uid: int | None = None
+        self.workspace = None
+
+    def release(self, report: TeardownReport | None = None) -> None:
+        if self.workspace is not None:
+            left = self.workspace.release()
+            if report is not None and left:
+                report.mounts_left += left
+                report.verified = False
+            self.workspace = None
+        if self.lease_uid is not None:
+            if report is None or report.verified:
+                identity.release_lease(self.paths.state_db, self.lease_uid)
+            self.lease_uid = None
+
+
+class _Interrupted(BaseException):
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+
+
+def _raise_interrupted(signum, frame):
+    raise _Interrupted(signum)
+
+
+def _install_signal_handlers():
+    old = {}
+    for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        try:
+            old[s] = signal.signal(s, _raise_interrupted)
+        except ValueError:  # not the main thread
+            pass
+    return old
+
+
+def _restore_signal_handlers(old) -> None:
+    for s, h in old.items():
+        signal.signal(s, h)
+
+
+def _uid_can_write(path: str, uid: int, gid: int) -> bool:
+    st = os.stat(path)
+    if st.st_uid == uid:
+        return bool(st.st_mode & 0o300 == 0o300)
+    if st.st_gid == gid:
+        return bool(st.st_mode & 0o030 == 0o030)
+    if st.st_mode & 0o003 == 0o003:
+        return True
+    # POSIX ACLs: trust the kernel's answer from a probe in the agent's identity.
+    import subprocess
+
+    r = subprocess.run(
+        ["setpriv", f"--reuid={uid}", f"--regid={gid}", "--clear-groups", "test", "-w", path, "-a", "-x", path],
+        capture_output=True,
+    )
+    return r.returncode == 0
+
+
+def _record(paths: Paths, kind: str, data: dict) -> None:
+    """Append an operator-visible record (the daemon's audit chain supersedes this later)."""
+    rec = {"time": time.time(), "kind": kind, "operator_uid": os.getuid(), **data}
+    p = paths.audit_dir / "events.jsonl"
+    fd = os.open(p, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        os.write(fd, (json.dumps(rec, sort_keys=True) + "\n").encode())
+    finally:
+        os.close(fd)
+
+
+def gc_stale(paths: Paths) -> list[str]:
+    """Tear down sandboxes whose supervisor died (e.g. ``kill -9``): cgroups, run dirs, mounts."""
+    cleaned: list[str] = []
+    try:
+        entries = list(os.scandir(paths.sandboxes))
+    except FileNotFoundError:
+        return cleaned
+    from agentvm import cgroups as cg
+
+    layout = None
+    for e in entries:
+        pid_file = Path(e.path) / "supervisor.pid"
+        try:
+            pid = int(pid_file.read_text())
+        except (OSError, ValueError):
+            # no supervisor recorded: only reap if old (a launch in progress writes it quickly)
+            try:
+                if time.time() - e.stat().st_mtime < 60:
+                    continue
+            except OSError:
+                continue
+            pid = -1
+        if pid > 0:
+            try:
+                os.kill(pid, 0)
+                continue
+            except ProcessLookupError:
+                pass
+            except PermissionError:
+                continue
+        layout = layout or cg.detect()
+        group = cg.SandboxCgroup(sandbox_id=e.name, layout=layout)
+        roots = [layout.v2_root] if layout.v2_root else []
+        roots += list(layout.v1.values())
+        group.dirs = [r / cg.PARENT / e.name for r in dict.fromkeys(roots) if (r / cg.PARENT / e.name).is_dir()]
+        group.freezer_dir = next((d for d in group.dirs if "freezer" in str(d)), None)
+        group.kill_dir = next((d for d in group.dirs if (d / "cgroup.kill").exists()), None)
+        group.kill()
+        group.destroy()
+        import shutil
+
+        shutil.rmtree(e.path, ignore_errors=True)
+        cleaned.append(e.name)
+    return cleaned

@@ -1,0 +1,157 @@
+"""The sandbox's seccomp filter: a deny list over the native ABI, compiled with libseccomp.
+
+Default action is *allow*: the namespaces, Landlock and the dropped capabilities are the
+primary boundary; this filter removes kernel attack surface that an unprivileged process
+still reaches (io_uring, bpf, perf, keyrings, userfaultfd, namespace creation, mount API...).
+Non-native ABIs (32-bit ``int 0x80``, x32) are killed outright: libseccomp emits the arch
+check and, on x86_64, rejects x32 syscall numbers.
+
+The filter is pure data given the options; the compiled BPF is cached in memory and on disk
+(``<libexec>/seccomp-<hash>.bpf``) so a launch does not pay for compilation.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import socket
+import tempfile
+from dataclasses import asdict, dataclass
+from functools import lru_cache
+from pathlib import Path
+
+from agentvm.errors import PrimitiveMissing
+
+FILTER_VERSION = 3
+
+# Syscalls denied with EPERM, grouped by why. Documented in docs/threat-model.md.
+DENY_GROUPS: dict[str, tuple[str, ...]] = {
+    "io_uring": ("io_uring_setup", "io_uring_enter", "io_uring_register"),
+    "bpf": ("bpf",),
+    "perf": ("perf_event_open",),
+    "keyring": ("keyctl", "add_key", "request_key"),
+    "userfaultfd": ("userfaultfd",),
+    "kernel-modules": ("init_module", "finit_module", "delete_module", "kexec_load", "kexec_file_load"),
+    "mount": (
+        "mount", "umount2", "pivot_root", "fsopen", "fsconfig", "fsmount", "fspick", "move_mount",
+        "open_tree", "mount_setattr", "chroot",
+    ),
+    "namespaces": ("setns", "unshare"),
+    "host-admin": (
+        "reboot", "swapon", "swapoff", "acct", "settimeofday", "clock_settime", "clock_adjtime", "adjtimex",
+        "syslog", "iopl", "ioperm", "quotactl", "quotactl_fd", "lookup_dcookie", "vhangup", "uselib",
+        "sethostname", "setdomainname", "pciconfig_read", "pciconfig_write",
+    ),
+    "handles": ("name_to_handle_at", "open_by_handle_at"),
+    "obsolete": ("_sysctl", "nfsservctl"),
+}
+DEBUG_GROUP: tuple[str, ...] = ("ptrace", "process_vm_readv", "process_vm_writev", "kcmp", "pidfd_getfd")
+
+# CLONE_NEW* flags: creating namespaces through clone() is denied (clone3 -> ENOSYS so libc
+# falls back to clone, whose flags seccomp can see). NEWNS, NEWCGROUP, NEWUTS, NEWIPC,
+# NEWUSER, NEWPID, NEWNET, NEWTIME.
+CLONE_NS_BITS = (0x00020000, 0x02000000, 0x04000000, 0x08000000, 0x10000000, 0x20000000, 0x40000000, 0x00000080)
+TIOCSTI = 0x5412
+TIOCLINUX = 0x541C
+NETLINK_ROUTE = 0
+SOCK_TYPE_MASK = 0xF
+SOCK_RAW = 3
+SOCK_PACKET = 10
+
+
+@dataclass(frozen=True)
+class SeccompOptions:
+    allow_ptrace: bool = False
+
+    def key(self) -> str:
+        blob = json.dumps({"v": FILTER_VERSION, **asdict(self)}, sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def denied_syscalls(opts: SeccompOptions) -> list[str]:
+    names = [n for g in DENY_GROUPS.values() for n in g]
+    if not opts.allow_ptrace:
+        names += list(DEBUG_GROUP)
+    return sorted(set(names))
+
+
+def _build(opts: SeccompOptions) -> bytes:
+    try:
+        import pyseccomp as sc
+    except Exception as exc:  # pragma: no cover - depends on host
+        raise PrimitiveMissing(
+            "libseccomp is not usable (pyseccomp failed to load)", hint="apt-get install -y libseccomp2"
+        ) from exc
+
+    f = sc.SyscallFilter(defaction=sc.ALLOW)
+    # Non-native architectures (i386 via int 0x80, x32) hit the bad-arch action: kill.
+    f.set_attr(sc.Attr.ACT_BADARCH, sc.KILL_PROCESS)
+    eperm = sc.ERRNO(errno.EPERM)
+
+    def deny(name: str, *args) -> None:
+        try:
+            f.add_rule(eperm, name, *args)
+        except Exception:
+            # A syscall this architecture/libseccomp does not know cannot be called either.
+            pass
+
+    for name in denied_syscalls(opts):
+        deny(name)
+
+    # Namespace creation through clone(): any CLONE_NEW* bit -> EPERM.
+    for bit in CLONE_NS_BITS:
+        f.add_rule(eperm, "clone", sc.Arg(0, sc.MASKED_EQ, bit, bit))
+    f.add_rule(sc.ERRNO(errno.ENOSYS), "clone3")
+
+    # Terminal injection: TIOCSTI / TIOCLINUX on any fd.
+    f.add_rule(eperm, "ioctl", sc.Arg(1, sc.MASKED_EQ, 0xFFFFFFFF, TIOCSTI))
+    f.add_rule(eperm, "ioctl", sc.Arg(1, sc.MASKED_EQ, 0xFFFFFFFF, TIOCLINUX))
+
+    # Sockets: no packet sockets, no raw IP sockets, netlink only for NETLINK_ROUTE.
+    f.add_rule(eperm, "socket", sc.Arg(0, sc.EQ, socket.AF_PACKET))
+    for fam in (socket.AF_INET, socket.AF_INET6):
+        f.add_rule(eperm, "socket", sc.Arg(0, sc.EQ, fam), sc.Arg(1, sc.MASKED_EQ, SOCK_TYPE_MASK, SOCK_RAW))
+        f.add_rule(eperm, "socket", sc.Arg(0, sc.EQ, fam), sc.Arg(1, sc.MASKED_EQ, SOCK_TYPE_MASK, SOCK_PACKET))
+    f.add_rule(eperm, "socket", sc.Arg(0, sc.EQ, socket.AF_NETLINK), sc.Arg(2, sc.NE, NETLINK_ROUTE))
+    for fam in (socket.AF_KEY, 40):  # AF_KEY (IPsec keys), AF_VSOCK (host channel)
+        f.add_rule(eperm, "socket", sc.Arg(0, sc.EQ, fam))
+
+    with tempfile.TemporaryFile() as tmp:
+        f.export_bpf(tmp)
+        tmp.seek(0)
+        return tmp.read()
+
+
+@lru_cache(maxsize=8)
+def compiled_filter(opts: SeccompOptions, cache_dir: Path | None = None) -> bytes:
+    """The BPF program for ``opts`` (cached in memory and, if given, on disk)."""
+    if cache_dir is not None:
+        path = cache_dir / f"seccomp-{opts.key()}.bpf"
+        try:
+            data = path.read_bytes()
+            if data and len(data) % 8 == 0:
+                return data
+        except OSError:
+            pass
+    data = _build(opts)
+    if cache_dir is not None:
+        try:
+            cache_dir.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=cache_dir, prefix=".bpf-")
+            with os.fdopen(fd, "wb") as fh:
+                fh.write(data)
+            os.chmod(tmp, 0o644)
+            os.replace(tmp, cache_dir / f"seccomp-{opts.key()}.bpf")
+        except OSError:
+            pass
+    return data
+
+
+def filter_fd(opts: SeccompOptions, cache_dir: Path | None = None) -> int:
+    """A memfd holding the compiled filter, for ``agentvm-helper init --seccomp-fd``."""
+    data = compiled_filter(opts, cache_dir)
+    fd = os.memfd_create("agentvm-seccomp", os.MFD_CLOEXEC)
+    os.write(fd, data)
+    return fd

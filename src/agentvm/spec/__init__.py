@@ -1,0 +1,1 @@
+"""Agent specs: YAML files validated into pydantic models (see ``models``)."""

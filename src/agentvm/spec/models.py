@@ -1,0 +1,364 @@
+"""Pydantic models of the agent file (``apiVersion: agentvm/v1``, ``kind: Agent``).
+
+These models are the contract between the operator's YAML and everything else: the loader
+(`agentvm.spec.loader`) validates YAML into them, `agentvm.policy.compile_policy` turns a
+validated :class:`AgentSpec` into a frozen runtime :class:`~agentvm.policy.Policy`.
+
+Every model forbids unknown fields, so a typo is an error, not a silently ignored setting.
+Field names are camelCase in YAML (Kubernetes style); Python attributes are snake_case.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from enum import Enum
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validator, model_validator
+from pydantic.alias_generators import to_camel
+
+from agentvm import defaults as D
+from agentvm.units import parse_duration, parse_size
+
+API_VERSION = "agentvm/v1"
+NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
+# Sandbox paths that agent-vm owns and a grant may not cover or shadow.
+RESERVED_SANDBOX_PATHS = D.RESERVED_SANDBOX_PATHS
+
+
+# Sizes and durations are ints/floats at runtime, but the YAML (and so the JSON schema that
+# editors use) also accepts human strings: "256M", "2G", "30s", "1h30m".
+SIZE_PATTERN = r"^\s*\d+(\.\d+)?\s*[kKmMgGtT]?[iI]?[bB]?\s*$"
+DURATION_PATTERN = r"^\s*(\d+(\.\d+)?|(\d+(\.\d+)?([mM][sS]|[sSmMhHdD]))+)\s*$"
+Size = Annotated[
+    int,
+    WithJsonSchema(
+        {"anyOf": [{"type": "integer", "minimum": 0}, {"type": "string", "pattern": SIZE_PATTERN}]}
+    ),
+]
+Duration = Annotated[
+    float,
+    WithJsonSchema(
+        {"anyOf": [{"type": "number", "minimum": 0}, {"type": "string", "pattern": DURATION_PATTERN}]}
+    ),
+]
+
+
+def _clip(v, limit: int = 40) -> str:
+    r = repr(v)
+    return r if len(r) <= limit else r[: limit - 3] + "..."
+
+
+def _size(v) -> int:
+    try:
+        return parse_size(v)
+    except OverflowError:  # "1000...000G" parses to an infinite float
+        raise ValueError(f"size {_clip(v)} is too large") from None
+
+
+def _duration(v) -> float:
+    d = parse_duration(v)
+    if not math.isfinite(d):
+        raise ValueError(f"duration {_clip(v)} is too large")
+    return d
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(
+        extra="forbid",
+        frozen=True,
+        alias_generator=to_camel,
+        populate_by_name=True,
+        str_strip_whitespace=False,
+    )
+
+
+class Lifecycle(str, Enum):
+    persistent = "persistent"
+    ephemeral = "ephemeral"
+
+
+class RiskTier(str, Enum):
+    """Risk tiers: the higher the tier, the more an agent may be granted (see docs/concepts.md)."""
+
+    L0 = "L0"
+    L1 = "L1"
+    L2 = "L2"
+    L3 = "L3"
+    L4 = "L4"
+    L5 = "L5"
+
+    @property
+    def level(self) -> int:
+        return int(self.value[1])
+
+
+_abs_path = D.abs_path
+_sandbox_path = D.sandbox_path
+
+
+class Mount(_Model):
+    """A granted host folder, visible in the sandbox at ``path``."""
+
+    host: str = Field(description="Absolute host path to grant.")
+    path: str = Field(description="Absolute path inside the sandbox.")
+    mode: Literal["ro", "rw"] = Field("ro", description="Read-only (default) or read-write.")
+
+    @field_validator("host")
+    @classmethod
+    def _host_abs(cls, v: str) -> str:
+        return _abs_path(v, "mounts[].host")
+
+    @field_validator("path")
+    @classmethod
+    def _path_abs(cls, v: str) -> str:
+        return _sandbox_path(v, "mounts[].path")
+
+
+class RootfsView(_Model):
+    """What of the host's system directories the sandbox sees (always read-only)."""
+
+    view: Literal["host-ro"] = Field(
+        "host-ro", description="host-ro: the host's /usr and a filtered /etc, read-only."
+    )
+    extra_paths: list[str] = Field(
+        default_factory=list,
+        description="More host paths exposed read-only at the same path (e.g. /opt/toolchain).",
+    )
+
+    @field_validator("extra_paths")
+    @classmethod
+    def _extra_abs(cls, v: list[str]) -> list[str]:
+        out = [_abs_path(p, "rootfs.extraPaths[]") for p in v]
+        for p in out:
+            if p in D.FORBIDDEN_EXTRA_PATHS:
+                raise ValueError(f"rootfs.extraPaths may not expose {p}")
+        return out
+
+
+class Workspace(_Model):
+    """The durable per-agent workspace, stored outside the sandbox."""
+
+    enabled: bool = Field(True, description="Mount the durable workspace (false: no workspace at all).")
+    path: str = Field(D.WORKSPACE_PATH, description="Where the workspace appears inside the sandbox.")
+
+    @field_validator("path")
+    @classmethod
+    def _ws_abs(cls, v: str) -> str:
+        return _sandbox_path(v, "workspace.path")
+
+
+class Limits(_Model):
+    """Resource limits. Sizes accept ``256M``/``2G``; durations ``30s``/``5m``."""
+
+    memory: Size = Field(D.MEMORY, description="Memory limit (cgroup), e.g. 512M.")
+    cpus: float = Field(D.CPUS, gt=0, le=256, description="CPU quota in cores (cgroup cpu quota).")
+    pids: int = Field(D.PIDS, ge=8, le=65536, description="Max tasks (cgroup pids + RLIMIT_NPROC backstop).")
+    disk: Size = Field(D.DISK, description="Size of the workspace filesystem, e.g. 1G.")
+    timeout: Duration = Field(D.TIMEOUT, ge=0, description="Wall-clock timeout; 0 means none.")
+    tmp: Size = Field(D.TMP, description="Size of the private /tmp tmpfs.")
+    shm: Size = Field(D.SHM, description="Size of the private /dev/shm tmpfs.")
+    nofile: int = Field(D.NOFILE, ge=64, le=1048576, description="Open files (RLIMIT_NOFILE).")
+
+    @field_validator("memory", "disk", "tmp", "shm", mode="before")
+    @classmethod
+    def _sizes(cls, v):
+        return _size(v)
+
+    @field_validator("timeout", mode="before")
+    @classmethod
+    def _dur(cls, v):
+        return _duration(v)
+
+    @field_validator("memory")
+    @classmethod
+    def _mem_min(cls, v: int) -> int:
+        if v < 16 * 1024**2:
+            raise ValueError("memory must be at least 16M")
+        return v
+
+    @field_validator("disk")
+    @classmethod
+    def _disk_min(cls, v: int) -> int:
+        if v < 8 * 1024**2:
+            raise ValueError("disk must be at least 8M")
+        return v
+
+
+class Security(_Model):
+    """Second-layer knobs. Every default is the strict one."""
+
+    allow_ptrace: bool = Field(
+        False, description="Allow ptrace/process_vm_* inside the sandbox (debuggers). Needs tier >= L4."
+    )
+    local_ports: list[int] = Field(
+        default_factory=list,
+        description="Loopback TCP ports the agent may bind and connect to inside its sandbox (Landlock).",
+    )
+
+    @field_validator("local_ports")
+    @classmethod
+    def _ports(cls, v: list[int]) -> list[int]:
+        for p in v:
+            if not 1 <= p <= 65535:
+                raise ValueError(f"port {p} out of range 1-65535")
+        return sorted(set(v))
+
+
+# ---- sections the later issues fill (validated now, enforced when their feature lands) ----
+
+
+class EgressRule(_Model):
+    host: str = Field(description="Exact host or '*.suffix'.")
+    ports: list[int] = Field(default_factory=lambda: [443], description="Allowed TCP ports.")
+    methods: list[str] = Field(default_factory=list, description="Allowed HTTP methods (empty: any).")
+    paths: list[str] = Field(default_factory=list, description="Allowed URL path prefixes (empty: any).")
+    max_body: Size | None = Field(None, description="Largest request body allowed, e.g. 10M.")
+    id: str | None = Field(None, description="Rule id reported in decisions and 403 responses.")
+
+    @field_validator("max_body", mode="before")
+    @classmethod
+    def _mb(cls, v):
+        return None if v is None else _size(v)
+
+
+class Egress(_Model):
+    allow: list[EgressRule] = Field(default_factory=list, description="Rules a request must match to leave.")
+    deny: list[EgressRule] = Field(default_factory=list, description="Rules that block a request; deny wins.")
+
+
+class CredentialInject(_Model):
+    header: str | None = None
+    format: str = "{}"
+    basic: Literal["user", "password"] | None = None
+    query: str | None = None
+
+
+class Credential(_Model):
+    name: str = Field(description="Name of the credential (unique per agent).")
+    env: str = Field(description="Environment variable that receives the placeholder.")
+    ref: str = Field(description="Vault reference, e.g. vault:NAME, env:VAR, file:/path.")
+    hosts: list[str] = Field(description="Hosts the real secret may be sent to.")
+    inject: CredentialInject = Field(default_factory=CredentialInject, description="Where the secret is swapped in.")
+
+
+class Tool(_Model):
+    name: str = Field(description="Tool (MCP server) name.")
+    allow: bool = Field(False, description="Allow the tool (the allowlist is fail-closed).")
+    approval: bool = Field(False, description="Every call needs a human approval.")
+
+
+class Approval(_Model):
+    action: str = Field(description="The action that needs approval.")
+    require: Literal["human"] = Field("human", description="Who approves (only 'human' for now).")
+
+
+class AgentSpecBody(_Model):
+    presets: list[str] = Field(default_factory=list, description="Preset names, merged in order before this spec.")
+    command: list[str] = Field(default_factory=list, description="Argv of the agent's process.")
+    lifecycle: Lifecycle = Field(
+        Lifecycle.ephemeral, description="ephemeral: one task, then destroyed; persistent: a long-lived worker."
+    )
+    substrate: Literal["bwrap", "fake"] = Field("bwrap", description="Sandbox backend (fake: tests only).")
+    risk_tier: RiskTier = Field(RiskTier.L2, description="Risk tier L0-L5: the ceiling of what may be granted.")
+    workdir: str | None = Field(None, description="Working directory inside the sandbox (default: the workspace).")
+    rootfs: RootfsView = Field(default_factory=RootfsView, description="The read-only system view.")
+    mounts: list[Mount] = Field(default_factory=list, description="Granted host folders.")
+    workspace: Workspace = Field(default_factory=Workspace, description="The durable per-agent workspace.")
+    env: dict[str, str] = Field(default_factory=dict, description="Environment of the agent process.")
+    limits: Limits = Field(default_factory=Limits, description="Resource limits.")
+    security: Security = Field(default_factory=Security, description="Second-layer security knobs.")
+    egress: Egress = Field(default_factory=Egress, description="Network egress rules (default: none).")
+    credentials: list[Credential] = Field(default_factory=list, description="Credentials by reference.")
+    tools: list[Tool] = Field(default_factory=list, description="Tool allowlist.")
+    approvals: list[Approval] = Field(default_factory=list, description="Actions that need a human.")
+
+    @field_validator("env")
+    @classmethod
+    def _env_names(cls, v: dict[str, str]) -> dict[str, str]:
+        for k, val in v.items():
+            if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", k):
+                raise ValueError(f"invalid environment variable name {k!r}")
+            if "\x00" in val:
+                raise ValueError(f"env {k} contains NUL")
+        return v
+
+    @field_validator("workdir")
+    @classmethod
+    def _wd(cls, v: str | None) -> str | None:
+        return None if v is None else _abs_path(v, "workdir")
+
+    @model_validator(mode="after")
+    def _no_duplicate_mount_paths(self):
+        seen: dict[str, str] = {}
+        for m in self.mounts:
+            if m.path in seen:
+                raise ValueError(f"two mounts target the same sandbox path {m.path}")
+            if self.workspace.enabled and (m.path == self.workspace.path):
+                raise ValueError(f"mount path {m.path} shadows the workspace")
+            seen[m.path] = m.host
+        return self
+
+
+class Metadata(_Model):
+    name: str = Field(description="DNS-label name of the agent (lower-case, digits, '-').")
+    labels: dict[str, str] = Field(default_factory=dict, description="Free-form string labels.")
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not NAME_RE.fullmatch(v):
+            raise ValueError("name must be a DNS label: lower-case letters, digits and '-', 1-63 chars")
+        return v
+
+
+class AgentSpec(_Model):
+    """A whole agent file."""
+
+    api_version: Literal["agentvm/v1"] = Field(alias="apiVersion")
+    kind: Literal["Agent"]
+    metadata: Metadata
+    spec: AgentSpecBody = Field(default_factory=AgentSpecBody)
+
+
+class PresetSpec(_Model):
+    """A preset file: ``kind: Preset``; its ``spec`` is a partial agent spec."""
+
+    api_version: Literal["agentvm/v1"] = Field(alias="apiVersion")
+    kind: Literal["Preset"]
+    metadata: Metadata
+    description: str = ""
+    spec: dict = Field(default_factory=dict)
+
+
+# What each tier may ever be granted (ceilings). Checked by `check_tier`.
+TIER_CEILINGS: dict[str, dict] = {
+    "L0": {"rw_mounts": False, "egress": False, "credentials": False, "ptrace": False, "tools": False},
+    "L1": {"rw_mounts": True, "egress": False, "credentials": False, "ptrace": False, "tools": False},
+    "L2": {"rw_mounts": True, "egress": True, "credentials": False, "ptrace": False, "tools": True},
+    "L3": {"rw_mounts": True, "egress": True, "credentials": True, "ptrace": False, "tools": True},
+    "L4": {"rw_mounts": True, "egress": True, "credentials": True, "ptrace": True, "tools": True},
+    "L5": {"rw_mounts": True, "egress": True, "credentials": True, "ptrace": True, "tools": True},
+}
+
+
+def check_tier(body: AgentSpecBody) -> list[tuple[str, str]]:
+    """Return ``(field, message)`` for every grant that exceeds the spec's risk tier."""
+    tier = body.risk_tier.value
+    ceil = TIER_CEILINGS[tier]
+    out: list[tuple[str, str]] = []
+    if not ceil["rw_mounts"]:
+        for i, m in enumerate(body.mounts):
+            if m.mode == "rw":
+                out.append((f"spec.mounts[{i}].mode", f"read-write grants need risk tier >= L1 (agent is {tier})"))
+    if not ceil["egress"] and (body.egress.allow):
+        out.append(("spec.egress.allow", f"egress needs risk tier >= L2 (agent is {tier})"))
+    if not ceil["credentials"] and body.credentials:
+        out.append(("spec.credentials", f"credentials need risk tier >= L3 (agent is {tier})"))
+    if not ceil["ptrace"] and body.security.allow_ptrace:
+        out.append(("spec.security.allowPtrace", f"allowPtrace needs risk tier >= L4 (agent is {tier})"))
+    if not ceil["tools"] and body.tools:
+        out.append(("spec.tools", f"tools need risk tier >= L2 (agent is {tier})"))
+    return out
+

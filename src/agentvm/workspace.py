@@ -1,0 +1,162 @@
+"""Durable per-agent workspaces with a real size limit.
+
+A declared agent's workspace is an ext4 filesystem image (sparse file) at
+``<home>/workspaces/<name>.img``, loop-mounted at ``<runtime>/ws/<name>`` while a sandbox of
+that agent runs and unmounted at teardown. Its root directory is owned by the agent's uid and
+mode 0700. Filling it gives the agent ``ENOSPC``; the host's disk is never at risk.
+
+Without root (no loop mounts) the workspace is a plain directory and the disk limit cannot be
+enforced: that needs the explicit ``--degrade disk-quota``.
+
+Only one sandbox of an agent uses its workspace at a time (an exclusive ``flock``).
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+from agentvm.errors import BackendError, LaunchError, PolicyDenied
+
+_MKFS = ("/usr/sbin/mkfs.ext4", "/sbin/mkfs.ext4")
+
+
+@dataclass
+class WorkspaceLease:
+    name: str
+    host_dir: Path  # what is bind-mounted into the sandbox
+    mounted: bool  # True when we loop-mounted it and must unmount at teardown
+    lock_fd: int
+
+    def release(self) -> list[str]:
+        """Unmount (if mounted) and drop the lock. Returns what could not be cleaned."""
+        left: list[str] = []
+        if self.mounted:
+            r = subprocess.run(["umount", str(self.host_dir)], capture_output=True, text=True)
+            if r.returncode != 0 and is_mounted(self.host_dir):
+                # busy: a lazy unmount still detaches it from the tree
+                subprocess.run(["umount", "-l", str(self.host_dir)], capture_output=True)
+            if is_mounted(self.host_dir):
+                left.append(str(self.host_dir))
+            else:
+                try:
+                    self.host_dir.rmdir()
+                except OSError:
+                    pass
+            self.mounted = False
+        if self.lock_fd >= 0:
+            os.close(self.lock_fd)
+            self.lock_fd = -1
+        return left
+
+
+def is_mounted(path: Path) -> bool:
+    target = str(path)
+    try:
+        with open("/proc/self/mountinfo") as fh:
+            return any(line.split()[4] == target for line in fh)
+    except OSError:
+        return False
+
+
+def _mkfs() -> str | None:
+    return next((p for p in _MKFS if os.path.exists(p)), None)
+
+
+def quota_supported() -> tuple[bool, str]:
+    if os.geteuid() != 0:
+        return False, "loop-mounting a workspace filesystem needs root"
+    if _mkfs() is None:
+        return False, "mkfs.ext4 missing (apt-get install -y e2fsprogs)"
+    if not os.path.exists("/dev/loop-control"):
+        return False, "no /dev/loop-control (loop devices unavailable)"
+    return True, "ext4 image, loop-mounted"
+
+
+def acquire(
+    home_ws: Path, runtime: Path, name: str, *, uid: int, gid: int, size: int, enforce_quota: bool
+) -> WorkspaceLease:
+    home_ws.mkdir(parents=True, exist_ok=True)
+    lock_path = home_ws / f"{name}.lock"
+    lock_fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        os.close(lock_fd)
+        if exc.errno in (errno.EAGAIN, errno.EACCES):
+            raise PolicyDenied(
+                f"agent {name!r} is already running: its workspace is in use",
+                hint="wait for the other run to finish (one sandbox per agent workspace)",
+            ) from exc
+        raise
+    try:
+        if not enforce_quota:
+            d = home_ws / name
+            d.mkdir(mode=0o700, exist_ok=True)
+            if os.geteuid() == 0:
+                os.chown(d, uid, gid)
+            return WorkspaceLease(name, d, False, lock_fd)
+        img = home_ws / f"{name}.img"
+        if not img.exists():
+            _create_image(img, size)
+        elif img.stat().st_size < size:
+            _grow_image(img, size)
+        mnt = runtime / "ws" / name
+        mnt.mkdir(parents=True, exist_ok=True)
+        os.chmod(mnt.parent, 0o711)
+        if not is_mounted(mnt):
+            r = subprocess.run(
+                ["mount", "-o", "loop,nodev,nosuid", "-t", "ext4", str(img), str(mnt)], capture_output=True, text=True
+            )
+            if r.returncode != 0:
+                raise LaunchError("workspace", f"cannot mount {img}: {r.stderr.strip()}")
+        os.chown(mnt, uid, gid)
+        os.chmod(mnt, 0o700)
+        lost = mnt / "lost+found"
+        if lost.is_dir():
+            try:
+                lost.rmdir()
+            except OSError:
+                pass
+        return WorkspaceLease(name, mnt, True, lock_fd)
+    except BaseException:
+        os.close(lock_fd)
+        raise
+
+
+def _create_image(img: Path, size: int) -> None:
+    tmp = img.with_suffix(".img.tmp")
+    with open(tmp, "wb") as fh:
+        fh.truncate(size)
+    os.chmod(tmp, 0o600)
+    r = subprocess.run(
+        [_mkfs() or "mkfs.ext4", "-q", "-F", "-m", "0", "-E", "lazy_itable_init=1,lazy_journal_init=1", str(tmp)],
+        capture_output=True,
+        text=True,
+    )
+    if r.returncode != 0:
+        tmp.unlink(missing_ok=True)
+        raise LaunchError("workspace", f"mkfs.ext4 failed: {r.stderr.strip()}")
+    os.replace(tmp, img)
+
+
+def _grow_image(img: Path, size: int) -> None:
+    with open(img, "r+b") as fh:
+        fh.truncate(size)
+    r = subprocess.run(["resize2fs", str(img)], capture_output=True, text=True)
+    if r.returncode != 0:
+        raise BackendError(f"could not grow workspace image {img}: {r.stderr.strip()}")
+
+
+def remove(home_ws: Path, name: str) -> None:
+    for p in (home_ws / f"{name}.img", home_ws / f"{name}.lock"):
+        p.unlink(missing_ok=True)
+    d = home_ws / name
+    if d.is_dir():
+        import shutil
+
+        shutil.rmtree(d)

@@ -1,0 +1,109 @@
+"""Shared test harness.
+
+Every test session gets a private agent-vm installation (``AGENTVM_HOME``) under /tmp with
+traversable parents (the sandbox's unprivileged uid must reach bwrap and the helper), and a
+private uid range so parallel sessions and a real installation never collide.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = os.geteuid() == 0
+needs_root = pytest.mark.skipif(not ROOT, reason="the default substrate's full guarantees need root (dedicated uids, cgroups)")
+
+
+@pytest.fixture(scope="session")
+def avm_home() -> Path:
+    home = Path(f"/tmp/agentvm-test-{secrets.token_hex(4)}")
+    home.mkdir(mode=0o711)
+    os.chmod(home, 0o711)
+    old = {k: os.environ.get(k) for k in ("AGENTVM_HOME", "AGENTVM_UID_BASE")}
+    os.environ["AGENTVM_HOME"] = str(home)
+    # a uid range of this session's own (kept well away from the default 2100000)
+    os.environ["AGENTVM_UID_BASE"] = str(3_000_000 + (int.from_bytes(secrets.token_bytes(2), "big") % 50) * 200_000)
+    yield home
+    for k, v in old.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    ws = home / "run" / "ws"
+    if ws.is_dir():
+        for d in ws.iterdir():
+            subprocess.run(["umount", "-l", str(d)], capture_output=True)
+    shutil.rmtree(home, ignore_errors=True)
+
+
+def agentvm_cmd() -> list[str]:
+    return [sys.executable, "-m", "agentvm"]
+
+
+@pytest.fixture
+def agentvm(avm_home):
+    """Run the real CLI: ``agentvm("run", "--", "true")`` -> CompletedProcess (bytes)."""
+
+    def _run(*args: str, input: bytes | None = None, timeout: float = 120, env: dict | None = None, **kw):
+        e = dict(os.environ)
+        if env:
+            e.update(env)
+        return subprocess.run(
+            agentvm_cmd() + list(args), input=input, capture_output=True, timeout=timeout, env=e, **kw
+        )
+
+    return _run
+
+
+@pytest.fixture
+def sh(agentvm):
+    """Run a shell script inside a fresh sandbox: ``sh("id -u")`` -> CompletedProcess (text)."""
+
+    def _sh(script: str, *args: str, timeout: float = 120, env: dict | None = None):
+        r = agentvm("run", *args, "--", "/bin/sh", "-c", script, timeout=timeout, env=env)
+        r.stdout = r.stdout.decode(errors="replace")
+        r.stderr = r.stderr.decode(errors="replace")
+        return r
+
+    return _sh
+
+
+@pytest.fixture
+def py(agentvm):
+    """Run Python code inside a fresh sandbox (Debian's /usr/bin/python3)."""
+
+    def _py(code: str, *args: str, timeout: float = 120, env: dict | None = None):
+        r = agentvm("run", *args, "--", "/usr/bin/python3", "-c", code, timeout=timeout, env=env)
+        r.stdout = r.stdout.decode(errors="replace")
+        r.stderr = r.stderr.decode(errors="replace")
+        return r
+
+    return _py
+
+
+@pytest.fixture
+def grant_dir(tmp_path_factory):
+    """A host folder under /tmp with traversable parents, for --mount grants."""
+
+    def _make(mode: int = 0o755) -> Path:
+        d = Path(f"/tmp/agentvm-grant-{secrets.token_hex(4)}")
+        d.mkdir(mode=mode)
+        os.chmod(d, mode)
+        return d
+
+    made: list[Path] = []
+
+    def factory(mode: int = 0o755) -> Path:
+        d = _make(mode)
+        made.append(d)
+        return d
+
+    yield factory
+    for d in made:
+        shutil.rmtree(d, ignore_errors=True)
