@@ -68,8 +68,6 @@ class Paths:
             d.mkdir(parents=True, exist_ok=True)
             if d.stat().st_uid == os.geteuid():
                 os.chmod(d, mode)
-        if os.geteuid() == 0:
-            self.check_traversable()
         return self
 
 

@@ -85,6 +85,8 @@ class BwrapBackend:
     def __init__(self, paths) -> None:
         self.paths = paths
         self._caps: Capabilities | None = None
+        if os.geteuid() == 0:
+            paths.check_traversable()
 
     # ------------------------------------------------------------------ capabilities
     def capabilities(self) -> Capabilities:

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Install agent-vm and everything it needs on a Debian 12 host (idempotent, quiet when done).
+#   - Debian packages: a C compiler + libc headers (the small agentvm-helper is built from
+#     source on first use), libseccomp, e2fsprogs (workspace filesystems), util-linux.
+#   - a virtualenv (default /opt/agentvm/venv) with agentvm and its test extras.
+#   - /usr/local/bin/agentvm -> the venv's entry point (no pyenv shim in the hot path).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV="${AGENTVM_VENV:-/opt/agentvm/venv}"
+PY="${PYTHON:-python3}"
+
+want=(gcc libc6-dev libseccomp2 e2fsprogs util-linux mount procps)
+missing=()
+for p in "${want[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if ! "$PY" -c "import ensurepip, venv" >/dev/null 2>&1; then
+  missing+=(python3-venv)
+fi
+if [ "${#missing[@]}" -gt 0 ]; then
+  echo "install: apt-get install ${missing[*]}" >&2
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+
+if [ ! -x "$VENV/bin/python" ]; then
+  echo "install: creating virtualenv $VENV" >&2
+  mkdir -p "$(dirname "$VENV")"
+  "$PY" -m venv "$VENV"
+fi
+stamp="$VENV/.agentvm-installed"
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ "$(cat "$stamp")" != "$PWD" ]; then
+  echo "install: pip install -e .[test] into $VENV" >&2
+  "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e ".[test]"
+  echo "$PWD" > "$stamp"
+fi
+if [ "$(id -u)" = 0 ]; then
+  ln -sf "$VENV/bin/agentvm" /usr/local/bin/agentvm
+fi

@@ -1,0 +1,141 @@
+"""The bwrap backend's compile() is pure: its LaunchPlan is snapshot-tested and its
+security-relevant structure asserted directly (a snapshot alone would bless a regression)."""
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from agentvm.backends.base import LaunchContext
+from agentvm.backends.bwrap import BwrapBackend
+from agentvm.paths import Paths
+from agentvm.policy import MountGrant, Policy
+
+SNAP = Path(__file__).parent / "snapshots" / "bwrap_plan.json"
+
+CTX = LaunchContext(
+    sandbox_id="demo-0000",
+    host_uid=2100007,
+    host_gid=2100007,
+    workspace_host="/run/agentvm/ws/demo",
+    run_dir="/run/agentvm/sandboxes/demo-0000",
+    helper="/var/lib/agentvm/libexec/agentvm-helper-x",
+    bwrap="/var/lib/agentvm/libexec/bwrap",
+    landlock_abi=7,
+)
+POLICY = Policy(
+    name="demo",
+    command=("python3", "-c", "print(1)"),
+    agent=True,
+    mounts=(MountGrant("/srv/data", "/data", False), MountGrant("/srv/out", "/out", True)),
+    env=(("FOO", "bar"),),
+    local_ports=(8000,),
+)
+
+
+@pytest.fixture
+def plan(monkeypatch):
+    monkeypatch.delenv("TERM", raising=False)
+    return BwrapBackend(Paths(Path("/nonexistent"), Path("/nonexistent/run"))).compile(POLICY, CTX)
+
+
+def _section(argv, start, end):
+    a = argv.index(start)
+    b = argv.index(end, a + 1) if end else len(argv)
+    return argv[a:b]
+
+
+def test_snapshot(plan):
+    data = json.loads(json.dumps(plan.to_dict()))
+    if os.environ.get("UPDATE_SNAPSHOTS") == "1" or not SNAP.exists():
+        SNAP.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+    assert data == json.loads(SNAP.read_text()), "plan changed: review, then UPDATE_SNAPSHOTS=1"
+
+
+def test_compile_is_pure(plan):
+    again = BwrapBackend(Paths(Path("/x"), Path("/y"))).compile(POLICY, CTX)
+    assert again.to_dict() == plan.to_dict()
+
+
+def test_every_namespace_and_hardening_flag(plan):
+    argv = list(plan.argv)
+    start = argv.index(CTX.bwrap)
+    bw = argv[start : argv.index("--", start)]
+    for flag in ("--unshare-user", "--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts",
+                 "--unshare-cgroup", "--die-with-parent", "--new-session", "--disable-userns"):
+        assert flag in bw, flag
+    assert bw[bw.index("--cap-drop") + 1] == "ALL"
+    assert not any(f.endswith("-try") and f.startswith("--unshare") for f in bw)
+    assert "--share-net" not in bw
+    # the rootfs is made read-only after everything is mounted
+    assert bw[-2:] == ["--remount-ro", "/"]
+
+
+def test_privileges_dropped_before_bwrap(plan):
+    argv = list(plan.argv)
+    launch = argv[: argv.index(CTX.bwrap)]
+    assert launch[:2] == [CTX.helper, "launch"]
+    assert launch[launch.index("--uid") + 1] == str(CTX.host_uid)
+    assert launch[launch.index("--gid") + 1] == str(CTX.host_gid)
+    assert "--cgroup-procs" in launch
+    assert ("nproc", 256, 256) in plan.rlimits and ("core", 0, 0) in plan.rlimits
+
+
+def test_view_hides_host_secrets(plan):
+    dests = {m.dest for m in plan.mounts}
+    srcs = {m.src for m in plan.mounts}
+    assert "/root" not in dests and "/home" not in dests
+    assert "/etc" not in dests, "host /etc must never be bound wholesale"
+    assert not any(d.startswith("/etc/") and d.split("/")[2] in ("shadow", "gshadow", "sudoers", "ssh") for d in dests)
+    assert "/" not in srcs and "/root" not in srcs
+    for e in ("passwd", "group", "hosts", "hostname", "resolv.conf"):
+        m = next(m for m in plan.mounts if m.dest == "/etc/" + e)
+        assert m.src.startswith(CTX.run_dir), "synthetic, not the host's"
+    kinds = {m.dest: m.kind for m in plan.mounts}
+    assert kinds["/data"] == "ro-bind-fd" and kinds["/out"] == "bind-fd" and kinds["/workspace"] == "bind-fd"
+    assert kinds["/usr"] == "ro-bind"
+    tmp = next(m for m in plan.mounts if m.dest == "/tmp")
+    assert tmp.kind == "tmpfs" and tmp.size == POLICY.limits.tmp
+
+
+def test_landlock_and_seccomp_in_init(plan):
+    argv = list(plan.argv)
+    start = argv.index("--", argv.index(CTX.bwrap)) + 1
+    init = argv[start : len(argv) - len(POLICY.command) - 1]
+    assert init[:2] == ["/.agentvm/init", "init"]
+    pairs = {(init[i], init[i + 1]) for i in range(len(init) - 1)}
+    assert ("--ro", "/data") in pairs and ("--rw", "/out") in pairs and ("--rw", "/workspace") in pairs
+    assert ("--ro", "/usr") in pairs and ("--rw", "/usr") not in pairs
+    assert "--net" in init and ("--tcp-connect", "8000") in pairs and ("--tcp-bind", "8000") in pairs
+    assert "--scope" in init and ("--min-abi", "6") in pairs
+    assert "--seccomp-fd" in init and "--no-landlock" not in init
+    assert list(plan.argv[-3:]) == list(POLICY.command)
+    for s in ("bpf", "io_uring_setup", "ptrace", "unshare", "setns", "mount", "keyctl", "userfaultfd"):
+        assert s in plan.seccomp_denied
+
+
+def test_environment_is_built_from_the_spec_only(plan, monkeypatch):
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "fake-operator-secret")
+    p = BwrapBackend(Paths(Path("/x"), Path("/y"))).compile(POLICY, CTX)
+    env = dict(p.env)
+    assert "AWS_SECRET_ACCESS_KEY" not in env
+    assert set(env) == {"PATH", "HOME", "LANG", "TERM", "USER", "LOGNAME", "SHELL", "TMPDIR", "AGENTVM",
+                        "AGENTVM_SANDBOX_ID", "AGENTVM_AGENT", "FOO"}
+    assert "fake-operator-secret" not in json.dumps(p.to_dict())
+
+
+def test_degrade_is_explicit_in_the_plan():
+    import dataclasses
+
+    ctx = dataclasses.replace(CTX, degraded=("landlock", "seccomp"))
+    p = BwrapBackend(Paths(Path("/x"), Path("/y"))).compile(POLICY, ctx)
+    assert "--no-landlock" in p.argv and "--seccomp-fd" not in p.argv
+    assert p.landlock is None and p.seccomp_denied == ()
+
+
+def test_ptrace_allowed_only_when_asked():
+    import dataclasses
+
+    p = BwrapBackend(Paths(Path("/x"), Path("/y"))).compile(dataclasses.replace(POLICY, allow_ptrace=True, risk_tier="L4"), CTX)
+    assert "ptrace" not in p.seccomp_denied and "bpf" in p.seccomp_denied

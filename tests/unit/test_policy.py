@@ -1,0 +1,87 @@
+import pytest
+
+from agentvm.errors import ConfigError, PolicyDenied
+from agentvm.policy import MountGrant, Policy, check_tier, compile_policy, parse_mount_arg, with_overrides
+from agentvm.spec.loader import load_agent_text
+
+AGENT = """
+apiVersion: agentvm/v1
+kind: Agent
+metadata: {name: builder}
+spec:
+  command: [make, test]
+  riskTier: L1
+  mounts:
+    - {host: /srv/src, path: /src, mode: rw}
+    - {host: /srv/ref, path: /ref}
+  env: {B: "2", A: "1"}
+  limits: {memory: 256M, timeout: 5m, pids: 64}
+"""
+
+
+def test_compile_policy_is_pure_and_stable():
+    spec = load_agent_text(AGENT, "builder.yaml").spec
+    p1, p2 = compile_policy(spec), compile_policy(spec)
+    assert p1 == p2 and p1.digest() == p2.digest()
+    assert p1.name == "builder" and p1.agent is True
+    assert p1.command == ("make", "test")
+    assert p1.mounts == (MountGrant("/srv/src", "/src", True), MountGrant("/srv/ref", "/ref", False))
+    assert p1.env == (("A", "1"), ("B", "2"))  # sorted: the digest does not depend on YAML order
+    assert p1.limits.memory == 256 * 1024**2 and p1.limits.timeout == 300 and p1.limits.pids == 64
+    assert p1.cwd == "/workspace"
+    assert p1.pending_features == ()
+
+
+def test_digest_changes_with_any_field():
+    p = Policy(name="x", command=("true",))
+    assert p.digest() != Policy(name="x", command=("false",)).digest()
+    assert p.digest().startswith("sha256:")
+
+
+def test_pending_features_are_recorded_for_refusal():
+    text = AGENT.replace("riskTier: L1", "riskTier: L2") + "  egress:\n    allow:\n      - {host: example.com}\n"
+    p = compile_policy(load_agent_text(text, "a.yaml").spec)
+    assert p.pending_features == ("egress",)
+
+
+@pytest.mark.parametrize(
+    "arg,expected",
+    [
+        ("/a:/b", MountGrant("/a", "/b", False)),
+        ("/a:/b:ro", MountGrant("/a", "/b", False)),
+        ("/a:/b:rw", MountGrant("/a", "/b", True)),
+        ("/a//x/:/data/", MountGrant("/a/x", "/data", False)),
+    ],
+)
+def test_parse_mount_arg(arg, expected):
+    assert parse_mount_arg(arg) == expected
+
+
+@pytest.mark.parametrize(
+    "bad", ["/a", "a:/b", "/a:b", "/a:/b:rx", "/a:/proc", "/a:/usr/lib", "/a:/", "/a/../etc:/b", "/a:/b/../c", ":/b"]
+)
+def test_parse_mount_arg_rejects(bad):
+    with pytest.raises(ConfigError):
+        parse_mount_arg(bad)
+
+
+def test_overrides_merge_and_recheck_tier():
+    base = Policy(name="x", command=("true",), risk_tier="L0")
+    with pytest.raises(PolicyDenied):
+        with_overrides(base, mounts=(MountGrant("/a", "/b", True),))
+    ok = with_overrides(base, mounts=(MountGrant("/a", "/b", False),), env={"K": "v"}, timeout=3.0, memory=64 * 1024**2)
+    assert ok.mounts == (MountGrant("/a", "/b", False),)
+    assert dict(ok.env) == {"K": "v"}
+    assert ok.limits.timeout == 3.0 and ok.limits.memory == 64 * 1024**2
+    with pytest.raises(ConfigError):
+        with_overrides(base, env={"BAD-NAME": "x"})
+    with pytest.raises(ConfigError):
+        with_overrides(base, memory=1024)
+    with pytest.raises(ConfigError):
+        with_overrides(Policy(name="x"), mounts=(MountGrant("/a", "/workspace", False),))
+
+
+def test_tier_ceiling_for_ptrace():
+    with pytest.raises(PolicyDenied):
+        check_tier(Policy(name="x", allow_ptrace=True, risk_tier="L3"))
+    check_tier(Policy(name="x", allow_ptrace=True, risk_tier="L4"))

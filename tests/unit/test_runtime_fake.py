@@ -1,0 +1,116 @@
+"""The runtime's decisions, tested against the fake backend (no process is started)."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from agentvm.backends.fake import FakeBackend
+from agentvm.errors import ConfigError, PolicyDenied, PrimitiveMissing
+from agentvm.paths import Paths
+from agentvm.policy import MountGrant, Policy
+from agentvm.runtime import Runtime, get_backend
+
+
+@pytest.fixture
+def paths(tmp_path):
+    return Paths(home=tmp_path / "home", runtime=tmp_path / "run")
+
+
+def rt(paths, **kw):
+    return Runtime(paths, FakeBackend(**kw))
+
+
+POL = Policy(name="t", command=("work",))
+
+
+def test_runs_and_propagates_exit_code(paths):
+    fb = FakeBackend(lambda argv, env: 7)
+    res = Runtime(paths, fb).run(POL, tty=False)
+    assert res.exit_code == 7 and res.teardown["verified"] is True
+    assert [c[0] for c in fb.calls] == ["launch", "wait", "destroy"]
+
+
+def test_refuses_when_a_required_primitive_is_missing(paths):
+    fb = FakeBackend(0, missing=("landlock",))
+    with pytest.raises(PrimitiveMissing) as ei:
+        Runtime(paths, fb).run(POL, tty=False)
+    assert "landlock" in ei.value.message and ei.value.exit_code == 77
+    assert "--degrade" in ei.value.hint
+    assert fb.calls == [], "nothing may be launched when refusing"
+
+
+def test_degrade_is_explicit_and_recorded(paths):
+    fb = FakeBackend(0, missing=("landlock",))
+    res = Runtime(paths, fb).run(POL, degrade=("landlock",), tty=False)
+    assert res.exit_code == 0 and res.degraded == ["landlock"]
+    rec = [json.loads(l) for l in (paths.home / "audit" / "events.jsonl").read_text().splitlines()]
+    assert rec[-1]["kind"] == "degraded-run" and rec[-1]["degraded"] == ["landlock"]
+    assert rec[-1]["sandbox"] == res.sandbox_id
+
+
+def test_degrading_one_primitive_does_not_waive_another(paths):
+    fb = FakeBackend(0, missing=("landlock", "seccomp"))
+    with pytest.raises(PrimitiveMissing) as ei:
+        Runtime(paths, fb).run(POL, degrade=("landlock",), tty=False)
+    assert "seccomp" in ei.value.message and "landlock:" not in ei.value.message
+
+
+def test_unknown_degrade_name_is_a_config_error(paths):
+    with pytest.raises(ConfigError):
+        rt(paths).run(POL, degrade=("everything",), tty=False)
+
+
+def test_unenforceable_sections_are_refused(paths):
+    fb = FakeBackend(0)
+    with pytest.raises(PolicyDenied) as ei:
+        Runtime(paths, fb).run(Policy(name="t", command=("x",), pending_features=("egress", "credentials")), tty=False)
+    assert "egress" in ei.value.message and ei.value.code == "policy.unenforceable"
+    assert fb.calls == []
+
+
+def test_unverified_teardown_turns_success_into_backend_error(paths):
+    res = rt(paths, teardown_ok=False).run(POL, tty=False)
+    assert res.teardown["verified"] is False and res.exit_code == 125
+
+
+def test_timeout_reported(paths):
+    res = rt(paths, duration=10.0).run(Policy(name="t", command=("x",), limits=POL.limits.__class__(timeout=1.0)), tty=False)
+    assert res.timed_out and res.exit_code == 124 and res.limits_hit == ["timeout"]
+
+
+@pytest.mark.parametrize("host", ["/", "/proc", "/sys", "/dev"])
+def test_grants_that_expose_the_host_are_refused(paths, host):
+    with pytest.raises(PolicyDenied):
+        rt(paths).run(Policy(name="t", command=("x",), mounts=(MountGrant(host, "/data", False),)), tty=False)
+
+
+def test_grant_covering_agentvm_state_is_refused(paths):
+    paths.ensure()
+    for host in (str(paths.home), str(paths.home.parent), str(paths.home / "workspaces")):
+        with pytest.raises(PolicyDenied) as ei:
+            rt(paths).run(Policy(name="t", command=("x",), mounts=(MountGrant(host, "/data", False),)), tty=False)
+        assert ei.value.code == "policy.grant-forbidden"
+
+
+def test_missing_grant_path_is_a_config_error(paths):
+    with pytest.raises(ConfigError):
+        rt(paths).run(Policy(name="t", command=("x",), mounts=(MountGrant("/nonexistent/x", "/d", False),)), tty=False)
+
+
+def test_fake_substrate_is_refused_outside_tests(paths, monkeypatch):
+    monkeypatch.delenv("AGENTVM_ALLOW_FAKE", raising=False)
+    with pytest.raises(PolicyDenied):
+        get_backend("fake", paths)
+    monkeypatch.setenv("AGENTVM_ALLOW_FAKE", "1")
+    assert get_backend("fake", paths).name == "fake"
+    with pytest.raises(ConfigError):
+        get_backend("vmware", paths)
+
+
+def test_result_json_shape(paths):
+    d = rt(paths).run(POL, tty=False).to_dict()
+    for k in ("exit_code", "duration", "timed_out", "oom_killed", "pids_limit_hit", "limits_hit", "teardown",
+              "teardown_verified", "sandbox_id", "degraded", "policy_digest"):
+        assert k in d
+    assert d["sandbox_id"].startswith("t-")
