@@ -329,8 +329,12 @@ static int cmd_init(int argc, char **argv) {
         }
     }
 
-    /* 2. controlling terminal: bwrap --new-session made us a session leader without one. */
-    if (want_tty && ioctl(0, TIOCSCTTY, 0) < 0) fail("tty", errno, "TIOCSCTTY");
+    /* 2. controlling terminal: bwrap --new-session put the sandbox in a session without a
+     * terminal, led by its pid 1; we lead a session of our own and adopt the sandbox's pty. */
+    if (want_tty) {
+        if (setsid() < 0 && getsid(0) != getpid()) fail("tty", errno, "setsid");
+        if (ioctl(0, TIOCSCTTY, 0) < 0) fail("tty", errno, "TIOCSCTTY");
+    }
 
     /* 3. working directory (before Landlock, which may forbid walking to it) */
     if (chdir_to && chdir(chdir_to) < 0) fail("chdir", errno, "chdir %s", chdir_to);
