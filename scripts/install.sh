@@ -35,6 +35,9 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ "$(cat "$stamp")" !
   "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e ".[test]"
   echo "$PWD" > "$stamp"
 fi
+# Byte-compile our sources: the CLI's start-up is part of every sandbox launch, and an
+# environment with PYTHONDONTWRITEBYTECODE=1 would otherwise recompile them on every run.
+"$VENV/bin/python" -m compileall -q -j 0 src/agentvm >/dev/null
 if [ "$(id -u)" = 0 ]; then
   ln -sf "$VENV/bin/agentvm" /usr/local/bin/agentvm
 fi

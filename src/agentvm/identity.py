@@ -2,8 +2,9 @@
 
 * A declared agent gets a uid of its own, allocated once and recorded in the state database,
   so its workspace files are owned by that uid and no other agent can touch them.
-* An anonymous ``agentvm run`` leases a uid from a separate pool for the life of the run;
-  the lease is released only after teardown verified that no process of that uid remains.
+* An anonymous ``agentvm run`` leases a uid from a separate pool for the life of the run
+  (an ``flock``-ed file, so a crashed supervisor never leaks it); the lease is released only
+  after teardown verified that no process of that uid remains.
 
 The ranges are above the usual subuid allocations and configurable with
 ``AGENTVM_UID_BASE``. ``agentvm doctor`` checks that no local account uses them.
@@ -36,6 +37,8 @@ class Identity:
     uid: int
     gid: int
     leased: bool  # True for an anonymous-run lease, released at teardown
+    lease_fd: int | None = None
+    lease_path: str = ""
 
 
 _SCHEMA = """
@@ -44,32 +47,21 @@ CREATE TABLE IF NOT EXISTS identities (
     uid INTEGER UNIQUE NOT NULL,
     created REAL NOT NULL
 );
-CREATE TABLE IF NOT EXISTS uid_leases (
-    uid INTEGER PRIMARY KEY,
-    sandbox_id TEXT NOT NULL,
-    holder_pid INTEGER NOT NULL,
-    created REAL NOT NULL
-);
 """
+
+
+SCHEMA_VERSION = 1
 
 
 def _connect(db: Path) -> sqlite3.Connection:
     db.parent.mkdir(parents=True, exist_ok=True)
     conn = sqlite3.connect(str(db), timeout=10.0, isolation_level=None)
-    conn.execute("PRAGMA journal_mode=WAL")
     conn.execute("PRAGMA busy_timeout=10000")
-    conn.executescript(_SCHEMA)
+    if conn.execute("PRAGMA user_version").fetchone()[0] < SCHEMA_VERSION:
+        conn.execute("PRAGMA journal_mode=WAL")  # persistent: set once
+        conn.executescript(_SCHEMA)
+        conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
     return conn
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
 
 
 def uid_processes(uid: int) -> list[tuple[int, int, str]]:
@@ -122,36 +114,40 @@ def agent_identity(db: Path, name: str) -> Identity:
     return Identity(uid=uid, gid=uid, leased=False)
 
 
-def lease_identity(db: Path, sandbox_id: str) -> Identity:
+def lease_identity(lease_dir: Path, sandbox_id: str) -> Identity:
+    """Lease an anonymous-run uid: ``<lease_dir>/<uid>.lock`` held with ``flock`` for the
+    life of the run. A lock left by a dead supervisor is free again once no process of that
+    uid is alive (the sandbox dies with its supervisor, but we check rather than assume)."""
+    import fcntl
+
+    lease_dir.mkdir(parents=True, exist_ok=True)
     base = uid_base() + AGENT_RANGE
-    with closing(_connect(db)) as conn:
-        conn.execute("BEGIN IMMEDIATE")
-        rows = conn.execute("SELECT uid, holder_pid FROM uid_leases").fetchall()
-        taken = set()
-        for uid, holder in rows:
-            if _pid_alive(holder) or uid_has_processes(uid):
-                taken.add(uid)
-            else:
-                conn.execute("DELETE FROM uid_leases WHERE uid=?", (uid,))
-        # Spread leases so a uid is not reused immediately after release.
-        start = int(time.monotonic_ns() // 1000) % LEASE_RANGE
-        uid = None
-        for i in range(LEASE_RANGE):
-            cand = base + (start + i) % LEASE_RANGE
-            if cand not in taken:
-                uid = cand
-                break
-        if uid is None:
-            conn.execute("ROLLBACK")
-            raise BackendError("no free sandbox uid left for an anonymous run")
-        conn.execute(
-            "INSERT INTO uid_leases(uid, sandbox_id, holder_pid, created) VALUES (?,?,?,?)",
-            (uid, sandbox_id, os.getpid(), time.time()),
-        )
-        conn.execute("COMMIT")
-    return Identity(uid=uid, gid=uid, leased=True)
+    start = int.from_bytes(os.urandom(4), "little") % LEASE_RANGE
+    for i in range(LEASE_RANGE):
+        uid = base + (start + i) % LEASE_RANGE
+        path = lease_dir / f"{uid}.lock"
+        existed = path.exists()
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            continue
+        if existed and uid_has_processes(uid):
+            os.close(fd)
+            continue
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()} {sandbox_id}\n".encode())
+        return Identity(uid=uid, gid=uid, leased=True, lease_fd=fd, lease_path=str(path))
+    raise BackendError("no free sandbox uid left for an anonymous run")
 
 
-def release_lease(db: Path, uid: int) -> None:
-    with closing(_connect(db)) as conn:
-        conn.execute("DELETE FROM uid_leases WHERE uid=?", (uid,))
+def release_lease(ident: Identity) -> None:
+    """Give the uid back (call only after teardown verified no process of it remains)."""
+    if ident.lease_fd is None:
+        return
+    try:
+        os.unlink(ident.lease_path)
+    except OSError:
+        pass
+    os.close(ident.lease_fd)

@@ -149,9 +149,9 @@ class Runtime:
                 ident = (
                     identity.agent_identity(self.paths.state_db, policy.name)
                     if policy.agent
-                    else identity.lease_identity(self.paths.state_db, sandbox_id)
+                    else identity.lease_identity(self.paths.runtime / "uid-leases", sandbox_id)
                 )
-                res.lease_uid = ident.uid if ident.leased else None
+                res.lease = ident if ident.leased else None
                 uid, gid, drop = ident.uid, ident.gid, True
             else:
                 uid, gid, drop = os.getuid(), os.getgid(), False
@@ -178,8 +178,14 @@ class Runtime:
                     )
             from agentvm import native
 
+            etc = ""
+            if backend.name == "bwrap":
+                from agentvm.backends.bwrap import etc_view
+
+                etc = str(etc_view(self.paths.runtime))
             ctx = LaunchContext(
                 sandbox_id=sandbox_id,
+                etc_view=etc,
                 host_uid=uid,
                 host_gid=gid,
                 workspace_host=ws_host,
@@ -264,7 +270,7 @@ class _Resources:
 
     def __init__(self, paths: Paths) -> None:
         self.paths = paths
-        self.lease_uid: int | None = None
+        self.lease: identity.Identity | None = None
         self.workspace = None
 
     def release(self, report: TeardownReport | None = None) -> None:
@@ -274,10 +280,13 @@ class _Resources:
                 report.mounts_left += left
                 report.verified = False
             self.workspace = None
-        if self.lease_uid is not None:
+        if self.lease is not None:
             if report is None or report.verified:
-                identity.release_lease(self.paths.state_db, self.lease_uid)
-            self.lease_uid = None
+                identity.release_lease(self.lease)
+            elif self.lease.lease_fd is not None:
+                # processes of this uid may remain: keep the file so the next leaser checks it
+                os.close(self.lease.lease_fd)
+            self.lease = None
 
 
 class _Interrupted(BaseException):

@@ -20,6 +20,7 @@ CTX = LaunchContext(
     host_gid=2100007,
     workspace_host="/run/agentvm/ws/demo",
     run_dir="/run/agentvm/sandboxes/demo-0000",
+    etc_view="/run/agentvm/etc-view-0123456789abcdef",
     helper="/var/lib/agentvm/libexec/agentvm-helper-x",
     bwrap="/var/lib/agentvm/libexec/bwrap",
     landlock_abi=7,
@@ -51,6 +52,21 @@ def test_snapshot(plan):
     if os.environ.get("UPDATE_SNAPSHOTS") == "1" or not SNAP.exists():
         SNAP.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
     assert data == json.loads(SNAP.read_text()), "plan changed: review, then UPDATE_SNAPSHOTS=1"
+
+
+def test_etc_view_is_an_allowlist_with_synthetic_accounts(tmp_path):
+    from agentvm.backends.bwrap import ETC_ALLOW, etc_view
+
+    view = etc_view(tmp_path)
+    assert etc_view(tmp_path) == view, "cached while the host's /etc is unchanged"
+    names = {p.name for p in view.iterdir()}
+    assert names <= set(ETC_ALLOW) | {"passwd", "group", "resolv.conf", "nsswitch.conf", "hosts", "hostname"}
+    for secret in ("shadow", "gshadow", "sudoers", "ssh", "machine-id", "environment", "pip.conf", "npmrc"):
+        assert secret not in names
+    assert not list(view.rglob("private")), "private key directories are never copied"
+    assert "agent:x:1000:1000" in (view / "passwd").read_text()
+    assert "nameserver" not in (view / "resolv.conf").read_text()
+    assert oct(view.stat().st_mode & 0o777) == "0o755"
 
 
 def test_compile_is_pure(plan):
@@ -86,12 +102,14 @@ def test_view_hides_host_secrets(plan):
     dests = {m.dest for m in plan.mounts}
     srcs = {m.src for m in plan.mounts}
     assert "/root" not in dests and "/home" not in dests
-    assert "/etc" not in dests, "host /etc must never be bound wholesale"
+    assert "/etc" not in srcs, "host /etc must never be bound wholesale"
     assert not any(d.startswith("/etc/") and d.split("/")[2] in ("shadow", "gshadow", "sudoers", "ssh") for d in dests)
     assert "/" not in srcs and "/root" not in srcs
-    for e in ("passwd", "group", "hosts", "hostname", "resolv.conf"):
+    etc = next(m for m in plan.mounts if m.dest == "/etc")
+    assert etc.kind == "ro-bind" and etc.src == CTX.etc_view, "the allowlisted view, never the host's /etc"
+    for e in ("hosts", "hostname"):
         m = next(m for m in plan.mounts if m.dest == "/etc/" + e)
-        assert m.src.startswith(CTX.run_dir), "synthetic, not the host's"
+        assert m.src.startswith(CTX.run_dir), "per sandbox, not the host's"
     kinds = {m.dest: m.kind for m in plan.mounts}
     assert kinds["/data"] == "ro-bind-fd" and kinds["/out"] == "bind-fd" and kinds["/workspace"] == "bind-fd"
     assert kinds["/usr"] == "ro-bind"

@@ -100,9 +100,10 @@ class LaunchContext:
     host_uid: int  # the unprivileged host uid the sandbox maps to
     host_gid: int
     workspace_host: str | None  # host directory of the workspace (None: fresh tmpfs)
-    run_dir: str  # per-sandbox runtime dir (synthetic /etc files)
+    run_dir: str  # per-sandbox runtime dir (per-sandbox /etc/hosts, /etc/hostname)
     helper: str  # path of agentvm-helper
     bwrap: str  # path of bwrap
+    etc_view: str = ""  # host dir with the allowlisted, read-only /etc (see bwrap.etc_view)
     tty: bool = False
     drop_privileges: bool = True  # False when agentvm itself is not root
     degraded: tuple[str, ...] = ()  # primitives the operator explicitly waived
@@ -128,6 +129,7 @@ class LaunchPlan:
     host_gid: int
     cwd: str
     timeout: float
+    run_dir: str = ""
     fds: dict = field(default_factory=dict, hash=False, compare=False)  # name -> fd (filled at launch)
 
     def to_dict(self) -> dict:

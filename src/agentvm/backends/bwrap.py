@@ -50,7 +50,17 @@ ETC_ALLOW = (
     "localtime", "magic", "magic.mime", "mime.types", "os-release", "profile", "protocols", "python3",
     "python3.11", "services", "ssl", "terminfo", "timezone", "vim", "wgetrc", "xattr.conf",
 )
-SYNTHETIC_ETC = ("passwd", "group", "hosts", "hostname", "resolv.conf", "nsswitch.conf")
+PER_SANDBOX_ETC = ("hosts", "hostname")
+# Synthetic files in the shared view: the sandbox never sees the host's accounts or resolver.
+VIEW_SYNTHETIC = {
+    "passwd": "root:x:0:0:root:/nonexistent:/usr/sbin/nologin\n"
+    "agent:x:1000:1000:agent:/home/agent:/bin/sh\n"
+    "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n",
+    "group": "root:x:0:\nagent:x:1000:\nnogroup:x:65534:\n",
+    "resolv.conf": "# agent-vm: no resolver inside the sandbox; names resolve at the egress gate\n",
+    "nsswitch.conf": "passwd: files\ngroup: files\nhosts: files\n",
+}
+ETC_VIEW_VERSION = 1
 MERGED_USR = (("bin", "usr/bin"), ("lib", "usr/lib"), ("lib64", "usr/lib64"), ("sbin", "usr/sbin"))
 BASE_PATH = "/usr/local/bin:/usr/bin:/bin:/usr/local/sbin:/usr/sbin"
 
@@ -156,9 +166,8 @@ class BwrapBackend:
         mounts: list[MountOp] = [MountOp("ro-bind", "/usr", "/usr")]
         for name, target in MERGED_USR:
             mounts.append(MountOp("symlink", "/" + name, target))
-        for e in ETC_ALLOW:
-            mounts.append(MountOp("ro-bind-try", "/etc/" + e, "/etc/" + e))
-        for e in SYNTHETIC_ETC:
+        mounts.append(MountOp("ro-bind", "/etc", ctx.etc_view))
+        for e in PER_SANDBOX_ETC:
             mounts.append(MountOp("ro-bind", "/etc/" + e, f"{ctx.run_dir}/etc/{e}"))
         mounts += [
             MountOp("proc", "/proc"),
@@ -279,15 +288,11 @@ class BwrapBackend:
         command = list(policy.command) or ["/bin/sh"]
         argv = tuple(launch + ["--"] + bw + ["--"] + init + ["--"] + command)
 
+        if ctx.sandbox_uid != 1000 or ctx.sandbox_gid != 1000:
+            raise BackendError("the shared /etc view assumes sandbox uid/gid 1000")
         files = (
-            ("/etc/passwd", "root:x:0:0:root:/nonexistent:/usr/sbin/nologin\n"
-             f"agent:x:{ctx.sandbox_uid}:{ctx.sandbox_gid}:agent:{HOME_IN_SANDBOX}:/bin/sh\n"
-             "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n"),
-            ("/etc/group", f"root:x:0:\nagent:x:{ctx.sandbox_gid}:\nnogroup:x:65534:\n"),
             ("/etc/hosts", f"127.0.0.1\tlocalhost {_hostname(policy.name)}\n::1\tlocalhost ip6-localhost\n"),
             ("/etc/hostname", _hostname(policy.name) + "\n"),
-            ("/etc/resolv.conf", "# agent-vm: no resolver inside the sandbox; names resolve at the egress gate\n"),
-            ("/etc/nsswitch.conf", "passwd: files\ngroup: files\nhosts: files\n"),
         )
         return LaunchPlan(
             sandbox_id=ctx.sandbox_id,
@@ -307,12 +312,15 @@ class BwrapBackend:
             host_gid=ctx.host_gid,
             cwd=policy.cwd,
             timeout=lim.timeout,
+            run_dir=ctx.run_dir,
             fds={"open_paths": tuple(fd_names)},
         )
 
     # ------------------------------------------------------------------ launch
     def launch(self, plan: LaunchPlan, *, stdio: tuple[int, int, int] | None = None) -> SandboxHandle:
-        run_dir = Path(_run_dir_of(plan))
+        if not plan.run_dir:
+            raise LaunchError("plan", "the plan has no run dir")
+        run_dir = Path(plan.run_dir)
         state: dict = {"run_dir": str(run_dir), "fds": []}
         handle = SandboxHandle(plan.sandbox_id, plan, pid=-1, started_at=time.monotonic(), backend_state=state)
         opened: list[int] = []
@@ -506,6 +514,80 @@ class BwrapBackend:
 # ---------------------------------------------------------------------- helpers
 
 
+def _etc_fingerprint() -> str:
+    """Cheap identity of the host's allowlisted /etc entries (lstat of each and of the
+    entries one level down), so the view is rebuilt when the host changes them."""
+    import hashlib
+
+    h = hashlib.sha256(f"v{ETC_VIEW_VERSION}:{sorted(VIEW_SYNTHETIC.items())}".encode())
+    for name in ETC_ALLOW:
+        p = "/etc/" + name
+        try:
+            st = os.lstat(p)
+        except OSError:
+            continue
+        h.update(f"{name}:{st.st_mode}:{st.st_mtime_ns}:{st.st_size}:{st.st_ino}".encode())
+        if os.path.isdir(p) and not os.path.islink(p):
+            with os.scandir(p) as it:
+                for e in sorted(it, key=lambda e: e.name):
+                    try:
+                        est = e.stat(follow_symlinks=False)
+                    except OSError:
+                        continue
+                    h.update(f"{e.name}:{est.st_mode}:{est.st_mtime_ns}:{est.st_size}".encode())
+    return h.hexdigest()[:16]
+
+
+def etc_view(runtime: Path) -> Path:
+    """A host directory holding copies of the allowlisted /etc entries plus synthetic
+    accounts/resolver files, bound read-only as the sandbox's /etc in one mount.
+
+    Private key directories are never copied; file modes and owners are kept, so what the
+    host's root keeps unreadable stays unreadable to the sandbox's uid."""
+    import shutil
+
+    fp = _etc_fingerprint()
+    view = runtime / f"etc-view-{fp}"
+    if view.is_dir():
+        return view
+    runtime.mkdir(parents=True, exist_ok=True)
+    tmp = runtime / f".etc-view-{fp}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(mode=0o755)
+    ignore = shutil.ignore_patterns("private", "*.key", "*.pem.key")
+    for name in ETC_ALLOW:
+        src = Path("/etc") / name
+        dst = tmp / name
+        try:
+            if src.is_symlink():
+                os.symlink(os.readlink(src), dst)
+            elif src.is_dir():
+                shutil.copytree(src, dst, symlinks=True, ignore=ignore)
+            elif src.is_file():
+                shutil.copy2(src, dst)
+        except FileNotFoundError:
+            continue
+    for name, content in VIEW_SYNTHETIC.items():
+        (tmp / name).write_text(content)
+        os.chmod(tmp / name, 0o644)
+    for name in PER_SANDBOX_ETC:  # bind targets, overmounted per sandbox
+        (tmp / name).write_text("")
+    os.chmod(tmp, 0o755)
+    try:
+        os.rename(tmp, view)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)  # another launch won the race
+    # Old views may still be bound in running sandboxes: only remove day-old ones.
+    for old in runtime.glob("etc-view-*"):
+        if old != view:
+            try:
+                if time.time() - old.stat().st_mtime > 86400:
+                    shutil.rmtree(old, ignore_errors=True)
+            except OSError:
+                pass
+    return view
+
+
 def become_subreaper() -> None:
     """Orphans of a sandbox (its killed descendants) are re-parented to us, so we can reap
     them and verify teardown instead of leaving zombies to the host's init."""
@@ -545,13 +627,6 @@ def _sweep_uid(uid: int, timeout: float = 2.0) -> list[int]:
 
 def _hostname(name: str) -> str:
     return (name or "sandbox")[:63]
-
-
-def _run_dir_of(plan: LaunchPlan) -> str:
-    for m in plan.mounts:
-        if m.dest == "/etc/passwd":
-            return str(Path(m.src).parent.parent)
-    raise BackendError("plan has no run dir")
 
 
 def _substitute(argv: tuple[str, ...], fds: dict[str, int], cgroup_files: list[str]) -> list[str]:

@@ -1,84 +1,44 @@
 """The ``agentvm`` command line: a thin client over the public library.
 
-Subcommands live in their own modules and are imported only when invoked, so that
-``agentvm run -- true`` does not pay for pydantic/YAML imports it does not need.
-The library never imports this package.
+``main`` routes ``agentvm run`` straight to its argparse implementation (the hot path must
+not pay ~35 ms for importing click); every other command goes through the click app in
+``agentvm.cli.app``. The library never imports this package.
 """
 
 from __future__ import annotations
 
-import importlib
-import json
 import sys
 
-import click
-
-from agentvm import __version__
-from agentvm.errors import EXIT_BACKEND, AgentVMError
-
-# name -> "module:attribute"
-_COMMANDS: dict[str, str] = {
-    "run": "agentvm.cli.run_cmd:run",
-    "doctor": "agentvm.cli.doctor_cmd:doctor",
-    "validate": "agentvm.cli.spec_cmds:validate",
-    "compile": "agentvm.cli.spec_cmds:compile_cmd",
-    "presets": "agentvm.cli.spec_cmds:presets",
-    "schema": "agentvm.cli.spec_cmds:schema",
-}
-
-
-class LazyGroup(click.Group):
-    def list_commands(self, ctx: click.Context) -> list[str]:
-        return sorted(_COMMANDS)
-
-    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
-        target = _COMMANDS.get(name)
-        if target is None:
-            return None
-        mod, attr = target.split(":")
-        return getattr(importlib.import_module(mod), attr)
+from agentvm.errors import AgentVMError
 
 
 def report_error(err: AgentVMError, as_json: bool = False) -> int:
     """Print an agent-vm error the same way everywhere and return its exit code."""
     if as_json:
-        click.echo(json.dumps(err.to_dict()), err=False)
+        import json
+
+        print(json.dumps(err.to_dict()), flush=True)
     else:
-        click.echo(f"agentvm: error [{err.code}]: {err.message}", err=True)
+        print(f"agentvm: error [{err.code}]: {err.message}", file=sys.stderr)
         if err.hint:
-            click.echo(f"  hint: {err.hint}", err=True)
+            print(f"  hint: {err.hint}", file=sys.stderr)
     return err.exit_code
 
 
-@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
-@click.version_option(__version__, prog_name="agentvm")
-def cli() -> None:
-    """agent-vm: run AI agents in sandboxes they cannot escape."""
-
-
 def main(argv: list[str] | None = None) -> int:
-    try:
-        rv = cli.main(args=argv, prog_name="agentvm", standalone_mode=False)
-    except AgentVMError as err:
-        return report_error(err, as_json="--json" in (argv if argv is not None else sys.argv))
-    except click.exceptions.Abort:
-        click.echo("aborted", err=True)
-        return 130
-    except click.ClickException as exc:
-        exc.show()
-        return exc.exit_code
-    except click.exceptions.Exit as exc:
-        return exc.exit_code
-    except KeyboardInterrupt:
-        return 130
-    except Exception as exc:  # pragma: no cover - last resort: say it is a bug, keep the traceback
-        import traceback
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args and args[0] == "run":
+        from agentvm.cli.run_cmd import main_run
 
-        traceback.print_exc()
-        click.echo(f"agentvm: internal error [{type(exc).__name__}]: {exc}", err=True)
-        return EXIT_BACKEND
-    return rv if isinstance(rv, int) else 0
+        return main_run(args[1:])
+    from agentvm.cli.app import cli_main
+
+    return cli_main(args)
 
 
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
+def __getattr__(name: str):
+    if name == "cli":  # the click group, for tests (click.testing.CliRunner)
+        from agentvm.cli.app import cli
+
+        return cli
+    raise AttributeError(name)

@@ -3,25 +3,65 @@
 Contract (stable; see docs/cli.md)::
 
     agentvm run [-f AGENT.yaml] [--mount HOST:PATH[:ro|rw]]... [--timeout DURATION]
-                [--memory SIZE] [--env K=V]... [--json] [--tty/--no-tty]
-                [--degrade PRIMITIVE]... -- CMD [ARGS...]
+                [--memory SIZE] [--env K=V]... [--json] [--tty | --no-tty]
+                [--degrade PRIMITIVE]... [--] CMD [ARGS...]
 
 Exit code: the command's own; 124 on timeout; 77 when refused (policy, missing primitive);
-78 for an invalid agent file or option; 125 when agent-vm or the substrate failed; 128+N
-when the command died of signal N.
+78 for an invalid agent file or option; 125 when agent-vm or the substrate failed; 127 when
+CMD is not found, 126 when it cannot be executed; 128+N when it died of signal N.
+
+This is the hot path, so it is parsed with argparse and imports neither click nor pydantic
+(unless ``-f`` is given). The click app registers a pass-through ``run`` so it is listed in
+``agentvm --help``; argparse stays the only parser.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 
-import click
+from agentvm.errors import EXIT_CONFIG, AgentVMError, ConfigError
 
-from agentvm.errors import ConfigError
+PRIMITIVE_HELP = (
+    "userns, bwrap, seccomp, landlock, landlock-net, landlock-scope, cgroups, cgroup-kill, dedicated-uid, disk-quota"
+)
 
 
-def _parse_env(values: tuple[str, ...]) -> dict[str, str]:
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # usage errors are config errors (exit 78), not argparse's 2
+        raise ConfigError(f"agentvm run: {message}", hint="see `agentvm run --help`")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(
+        prog="agentvm run",
+        description="Run CMD in a fresh sandbox and propagate its exit code.",
+        epilog="Exit codes: CMD's own; 124 timeout; 77 refused (policy or missing primitive); 78 invalid input; "
+        "125 agent-vm/substrate failure; 126/127 CMD not executable/not found; 128+N killed by signal N.",
+    )
+    p.add_argument("-f", "--file", dest="agent_file", metavar="AGENT.yaml", help="agent file (YAML)")
+    p.add_argument("--mount", action="append", default=[], metavar="HOST:PATH[:ro|rw]", help="grant a host folder")
+    p.add_argument("--timeout", metavar="DURATION", help="wall-clock timeout, e.g. 30s, 5m")
+    p.add_argument("--memory", metavar="SIZE", help="memory limit, e.g. 256M, 2G")
+    p.add_argument("--env", action="append", default=[], metavar="K=V", help="set a variable in the sandbox")
+    p.add_argument("--json", dest="as_json", action="store_true", help="print a JSON result as the last stdout line")
+    tty = p.add_mutually_exclusive_group()
+    tty.add_argument("--tty", dest="tty", action="store_true", default=None, help="give the sandbox a terminal")
+    tty.add_argument("--no-tty", dest="tty", action="store_false", help="never give the sandbox a terminal")
+    p.add_argument(
+        "--degrade",
+        action="append",
+        default=[],
+        metavar="PRIMITIVE",
+        help=f"run without a missing primitive ({PRIMITIVE_HELP}); printed and recorded, never silent",
+    )
+    p.add_argument("--preset-path", action="append", default=[], metavar="DIR", help="extra preset directory")
+    p.add_argument("command", nargs=argparse.REMAINDER, help="the command (after --)")
+    return p
+
+
+def _parse_env(values: list[str]) -> dict[str, str]:
     out = {}
     for v in values:
         k, sep, val = v.partition("=")
@@ -31,86 +71,112 @@ def _parse_env(values: tuple[str, ...]) -> dict[str, str]:
     return out
 
 
-@click.command(context_settings={"ignore_unknown_options": False, "allow_interspersed_args": False})
-@click.option("-f", "--file", "agent_file", type=click.Path(dir_okay=False), help="Agent file (YAML).")
-@click.option("--mount", "mounts", multiple=True, metavar="HOST:PATH[:ro|rw]", help="Grant a host folder.")
-@click.option("--timeout", metavar="DURATION", help="Wall-clock timeout, e.g. 30s, 5m.")
-@click.option("--memory", metavar="SIZE", help="Memory limit, e.g. 256M, 2G.")
-@click.option("--env", "envs", multiple=True, metavar="K=V", help="Set a variable in the sandbox.")
-@click.option("--json", "as_json", is_flag=True, help="Print a machine-readable result as the last stdout line.")
-@click.option("--tty/--no-tty", default=None, help="Give the sandbox a terminal (default: if stdin/stdout are terminals).")
-@click.option(
-    "--degrade",
-    multiple=True,
-    metavar="PRIMITIVE",
-    help="Run without a missing primitive (e.g. landlock). Printed and recorded. Never silent.",
-)
-@click.option("--preset-path", "preset_dirs", multiple=True, type=click.Path(file_okay=False), hidden=True)
-@click.argument("command", nargs=-1, type=click.UNPROCESSED)
-def run(agent_file, mounts, timeout, memory, envs, as_json, tty, degrade, preset_dirs, command):
-    """Run CMD in a fresh sandbox and propagate its exit code."""
+def main_run(argv: list[str]) -> int:
+    as_json = "--json" in argv
+    try:
+        return _run(argv)
+    except AgentVMError as err:
+        from agentvm.cli import report_error
+
+        return report_error(err, as_json=as_json)
+    except KeyboardInterrupt:
+        return 130
+
+
+def _run(argv: list[str]) -> int:
+    ns = build_parser().parse_args(argv)
+    command = list(ns.command)
+    if command and command[0] == "--":
+        command = command[1:]
+
     from agentvm.policy import Policy, parse_mount_arg, with_overrides
     from agentvm.units import parse_duration, parse_size
 
-    if agent_file:
+    if ns.agent_file:
         from pathlib import Path
 
         from agentvm.policy import compile_policy
         from agentvm.spec.loader import load_agent
 
-        loaded = load_agent(Path(agent_file), preset_dirs=[Path(p) for p in preset_dirs] or None)
+        loaded = load_agent(Path(ns.agent_file), preset_dirs=[Path(p) for p in ns.preset_path] or None)
         policy = compile_policy(loaded.spec)
     else:
         if not command:
             raise ConfigError("nothing to run", hint="agentvm run -- CMD [ARGS...], or agentvm run -f AGENT.yaml")
         policy = Policy(name="run")
     try:
-        t = parse_duration(timeout) if timeout is not None else None
-        m = parse_size(memory) if memory is not None else None
+        t = parse_duration(ns.timeout) if ns.timeout is not None else None
+        m = parse_size(ns.memory) if ns.memory is not None else None
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
     policy = with_overrides(
         policy,
         command=tuple(command) or None,
-        mounts=tuple(parse_mount_arg(x) for x in mounts),
-        env=_parse_env(envs),
+        mounts=tuple(parse_mount_arg(x) for x in ns.mount),
+        env=_parse_env(ns.env),
         timeout=t,
         memory=m,
     )
     if not policy.command:
         raise ConfigError("the agent file declares no command and none was given after --")
+    degrade = tuple(dict.fromkeys(ns.degrade))
     if degrade:
-        click.secho(
+        print(
+            "\033[1;31magentvm: WARNING: running DEGRADED without: " + ", ".join(degrade)
+            + " (recorded in the audit log)\033[0m" if sys.stderr.isatty() else
             "agentvm: WARNING: running DEGRADED without: " + ", ".join(degrade) + " (recorded in the audit log)",
-            fg="red",
-            bold=True,
-            err=True,
+            file=sys.stderr,
         )
 
     from agentvm.runtime import Runtime
 
-    rt = Runtime()
-    result = rt.run(policy, degrade=tuple(degrade), tty=tty if tty is not None else None)
-    _report(result, as_json)
+    result = Runtime().run(policy, degrade=degrade, tty=ns.tty)
+    _report(result, ns.as_json)
     return result.exit_code
 
 
 def _report(result, as_json: bool) -> None:
     if as_json:
         sys.stdout.flush()
-        click.echo(json.dumps(result.to_dict(), sort_keys=True))
+        print(json.dumps(result.to_dict(), sort_keys=True), flush=True)
         return
     err = result.setup_error
+    out = sys.stderr
     if err:
         if err.get("step") == "exec":
-            click.echo(f"agentvm: cannot execute: {err.get('message')}", err=True)
+            print(f"agentvm: cannot execute: {err.get('message')}", file=out)
         else:
-            click.echo(f"agentvm: sandbox setup failed at step '{err.get('step')}': {err.get('message')}", err=True)
+            print(f"agentvm: sandbox setup failed at step '{err.get('step')}': {err.get('message')}", file=out)
     if result.timed_out:
-        click.echo(f"agentvm: timed out after {result.duration:.1f}s; the sandbox was killed", err=True)
+        print(f"agentvm: timed out after {result.duration:.1f}s; the sandbox was killed", file=out)
     if result.oom_killed:
-        click.echo("agentvm: the memory limit was hit (a process was OOM-killed inside the sandbox)", err=True)
+        print("agentvm: the memory limit was hit (a process was OOM-killed inside the sandbox)", file=out)
     if result.pids_limit_hit:
-        click.echo("agentvm: the process limit was hit (fork refused inside the sandbox)", err=True)
+        print("agentvm: the process limit was hit (fork refused inside the sandbox)", file=out)
     if not result.teardown.get("verified"):
-        click.echo(f"agentvm: error: teardown NOT verified: {json.dumps(result.teardown)}", err=True)
+        print(f"agentvm: error: teardown NOT verified: {json.dumps(result.teardown)}", file=out)
+
+
+def _click_command():
+    import click
+
+    @click.command(
+        name="run",
+        context_settings={"ignore_unknown_options": True, "allow_extra_args": True, "help_option_names": []},
+        add_help_option=False,
+    )
+    @click.pass_context
+    def run_click(ctx):
+        """Run CMD in a fresh sandbox (see `agentvm run --help`)."""
+        return main_run(list(ctx.args))
+
+    return run_click
+
+
+def __getattr__(name: str):
+    if name == "run_click":
+        return _click_command()
+    raise AttributeError(name)
+
+
+__all__ = ["main_run", "build_parser", "EXIT_CONFIG"]

@@ -1,0 +1,120 @@
+#!/usr/bin/env python3
+"""Sandbox start-up cost, with baselines measured in the same run.
+
+    python3 bench/bench_startup.py [--runs N] [--json]
+
+Rows (median and p90 of N runs, /bin/true as the payload):
+  bare bwrap            `bwrap --unshare-all --ro-bind / / /bin/true` (the baseline)
+  sandbox start-to-exit  launch + wait of a sandbox with every layer on (userns/pid/net/...
+                         namespaces, dedicated uid, cgroups, seccomp, Landlock, the /etc view,
+                         tmpfs /tmp, workspace tmpfs), measured in-process
+  sandbox + teardown     the above plus verified teardown (cgroup kill, rmdir, uid sweep)
+  agentvm run -- true    the whole CLI, end to end, as a user types it (new Python process)
+  python -c pass         the interpreter's own start-up, for context
+
+Ratios are against the bare bwrap row. Run as root on an idle machine; numbers from a loaded
+machine are noise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def measure(fn, runs: int, warmup: int = 3) -> list[float]:
+    for _ in range(warmup):
+        fn()
+    out = []
+    for _ in range(runs):
+        t = time.perf_counter()
+        fn()
+        out.append((time.perf_counter() - t) * 1000)
+    return out
+
+
+def summary(xs: list[float]) -> dict:
+    xs = sorted(xs)
+    return {"median_ms": statistics.median(xs), "p90_ms": xs[int(0.9 * (len(xs) - 1))], "runs": len(xs)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--runs", type=int, default=50)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    if os.geteuid() != 0:
+        print("bench_startup: run as root (dedicated uids and cgroups are part of what is measured)", file=sys.stderr)
+        return 2
+
+    home = Path(tempfile.mkdtemp(prefix="agentvm-bench-", dir="/tmp"))
+    os.chmod(home, 0o711)
+    os.environ["AGENTVM_HOME"] = str(home)
+    from agentvm import native
+    from agentvm.policy import Policy
+    from agentvm.runtime import Runtime
+
+    rt = Runtime()
+    bwrap = str(native.bwrap_path(rt.paths.libexec))
+    pol = Policy(name="bench", command=("/bin/true",))
+    backend = rt.backend_for(pol)
+
+    def bare():
+        subprocess.run([bwrap, "--unshare-all", "--ro-bind", "/", "/", "/bin/true"], check=True)
+
+    start_exit: list[float] = []
+
+    def sandbox_full():
+        plan, res = rt.prepare(pol, tty=False)
+        t = time.perf_counter()
+        h = backend.launch(plan, stdio=(subprocess.DEVNULL, subprocess.DEVNULL, subprocess.DEVNULL))
+        st = backend.wait(h)
+        start_exit.append((time.perf_counter() - t) * 1000)
+        rep = backend.destroy(h)
+        res.release(rep)
+        assert st.exit_code == 0 and rep.verified, (st, rep)
+
+    # the entry point next to this interpreter (a venv's), never a pyenv shim
+    entry = Path(sys.executable).parent / "agentvm"
+    cli = [str(entry)] if entry.exists() else [sys.executable, "-m", "agentvm"]
+
+    def e2e():
+        r = subprocess.run(cli + ["run", "--", "/bin/true"], stdin=subprocess.DEVNULL)
+        assert r.returncode == 0
+
+    def py():
+        subprocess.run([sys.executable, "-c", "pass"], check=True)
+
+    rows = {}
+    rows["bare bwrap"] = summary(measure(bare, args.runs))
+    full = measure(sandbox_full, args.runs)
+    start_exit[:] = start_exit[-args.runs :]
+    rows["sandbox start-to-exit"] = summary(start_exit)
+    rows["sandbox + teardown"] = summary(full)
+    rows["agentvm run -- true"] = summary(measure(e2e, max(10, args.runs // 2)))
+    rows["python -c pass"] = summary(measure(py, max(10, args.runs // 2)))
+    base = rows["bare bwrap"]["median_ms"]
+    for r in rows.values():
+        r["x_bare_bwrap"] = r["median_ms"] / base
+    shutil.rmtree(home, ignore_errors=True)
+
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    print(f"{'':24} {'median ms':>10} {'p90 ms':>8} {'x bare bwrap':>13}")
+    for name, r in rows.items():
+        print(f"{name:24} {r['median_ms']:10.2f} {r['p90_ms']:8.2f} {r['x_bare_bwrap']:13.2f}")
+    print(f"(cli: {' '.join(cli)}; targets: start-to-exit <= 1.5x bare bwrap, agentvm run -- true <= 100 ms)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

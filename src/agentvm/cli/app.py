@@ -1,0 +1,70 @@
+"""The click application behind every ``agentvm`` command except the hot ``run`` path.
+
+Subcommands live in their own modules and are imported only when invoked, so a command
+does not pay for pydantic/YAML imports it does not need.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+
+import click
+
+from agentvm import __version__
+from agentvm.cli import report_error
+from agentvm.errors import EXIT_BACKEND, AgentVMError
+
+# name -> "module:attribute"
+_COMMANDS: dict[str, str] = {
+    "run": "agentvm.cli.run_cmd:run_click",
+    "doctor": "agentvm.cli.doctor_cmd:doctor",
+    "validate": "agentvm.cli.spec_cmds:validate",
+    "compile": "agentvm.cli.spec_cmds:compile_cmd",
+    "presets": "agentvm.cli.spec_cmds:presets",
+    "schema": "agentvm.cli.spec_cmds:schema",
+}
+
+
+class LazyGroup(click.Group):
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(_COMMANDS)
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        target = _COMMANDS.get(name)
+        if target is None:
+            return None
+        mod, attr = target.split(":")
+        return getattr(importlib.import_module(mod), attr)
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="agentvm")
+def cli() -> None:
+    """agent-vm: run AI agents in sandboxes they cannot escape."""
+
+
+def cli_main(argv: list[str] | None = None) -> int:
+    try:
+        rv = cli.main(args=argv, prog_name="agentvm", standalone_mode=False)
+    except AgentVMError as err:
+        return report_error(err, as_json="--json" in (argv if argv is not None else sys.argv))
+    except click.exceptions.Abort:
+        click.echo("aborted", err=True)
+        return 130
+    except click.ClickException as exc:
+        exc.show()
+        return exc.exit_code
+    except click.exceptions.Exit as exc:
+        return exc.exit_code
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:  # pragma: no cover - last resort: say it is a bug, keep the traceback
+        import traceback
+
+        traceback.print_exc()
+        click.echo(f"agentvm: internal error [{type(exc).__name__}]: {exc}", err=True)
+        return EXIT_BACKEND
+    return rv if isinstance(rv, int) else 0
+
