@@ -71,8 +71,11 @@ def uid_processes(uid: int) -> list[tuple[int, int, str]]:
         if not entry.name.isdigit():
             continue
         try:
-            if entry.stat(follow_symlinks=False).st_uid != uid:
-                continue  # /proc/<pid> is owned by the euid: a cheap first filter
+            owner = entry.stat(follow_symlinks=False).st_uid
+            # /proc/<pid> belongs to the euid - or to root when the process made itself
+            # non-dumpable, so root-owned entries must be read too.
+            if owner != uid and owner != 0:
+                continue
             state, ppid, real_uid = "?", 0, -1
             with open(f"/proc/{entry.name}/status") as fh:
                 for line in fh:

@@ -95,6 +95,11 @@ class Runtime:
         for d in degrade:
             if d not in PRIMITIVES:
                 raise ConfigError(f"unknown --degrade {d!r}", hint="one of: " + ", ".join(PRIMITIVES))
+        if "dedicated-uid" in degrade and os.geteuid() == 0 and getattr(self.backend_for(policy), "host_resources", True):
+            raise ConfigError(
+                "--degrade dedicated-uid cannot apply when agent-vm runs as root: a sandbox never runs as host root",
+                hint="drop the flag (as root every sandbox gets a dedicated uid)",
+            )
         if policy.pending_features:
             raise PolicyDenied(
                 "the agent declares " + ", ".join(policy.pending_features) + ", which this version of agent-vm "

@@ -154,4 +154,5 @@ def filter_fd(opts: SeccompOptions, cache_dir: Path | None = None) -> int:
     data = compiled_filter(opts, cache_dir)
     fd = os.memfd_create("agentvm-seccomp", os.MFD_CLOEXEC)
     os.write(fd, data)
+    os.lseek(fd, 0, os.SEEK_SET)
     return fd

@@ -76,8 +76,11 @@ def test_compile_is_pure(plan):
 
 def test_every_namespace_and_hardening_flag(plan):
     argv = list(plan.argv)
-    start = argv.index(CTX.bwrap)
-    bw = argv[start : argv.index("--", start)]
+    bw = list(plan.bwrap_args)
+    assert argv[argv.index(CTX.bwrap) : argv.index(CTX.bwrap) + 4] == [CTX.bwrap, "--args", "@fd:bwrapargs@", "--"], (
+        "bwrap's options (host paths) never appear on a command line the sandbox can read"
+    )
+    assert not any(a.startswith("/var/lib") or a.startswith("/run/") for a in argv[argv.index(CTX.bwrap) + 1 :])
     for flag in ("--unshare-user", "--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts",
                  "--unshare-cgroup", "--die-with-parent", "--new-session", "--disable-userns"):
         assert flag in bw, flag
@@ -95,7 +98,10 @@ def test_privileges_dropped_before_bwrap(plan):
     assert launch[launch.index("--uid") + 1] == str(CTX.host_uid)
     assert launch[launch.index("--gid") + 1] == str(CTX.host_gid)
     assert "--cgroup-procs" in launch
-    assert ("nproc", 256, 256) in plan.rlimits and ("core", 0, 0) in plan.rlimits
+    assert ("core", 0, 0) in plan.rlimits
+    nproc = next(r for r in plan.rlimits if r[0] == "nproc")
+    assert nproc[1] > POLICY.limits.pids, "the cgroup must refuse first, so the hit is recorded"
+    assert launch[launch.index("--argv0") + 1] == "bwrap"
 
 
 def test_view_hides_host_secrets(plan):
@@ -131,6 +137,13 @@ def test_landlock_and_seccomp_in_init(plan):
     assert list(plan.argv[-3:]) == list(POLICY.command)
     for s in ("bpf", "io_uring_setup", "ptrace", "unshare", "setns", "mount", "keyctl", "userfaultfd"):
         assert s in plan.seccomp_denied
+
+
+def test_environment_reaches_only_the_command(plan):
+    argv = list(plan.argv)
+    init = argv[argv.index("/.agentvm/init") :]
+    assert init[init.index("--env-fd") + 1] == "@fd:env@"
+    assert not any("FOO" in a for a in argv[: argv.index("/.agentvm/init")] + list(plan.bwrap_args))
 
 
 def test_environment_is_built_from_the_spec_only(plan, monkeypatch):

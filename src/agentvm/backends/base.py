@@ -116,8 +116,9 @@ class LaunchContext:
 class LaunchPlan:
     sandbox_id: str
     policy_digest: str
-    argv: tuple[str, ...]
-    env: tuple[tuple[str, str], ...]
+    argv: tuple[str, ...]  # helper launch ... -- bwrap --args FD -- init ... -- CMD
+    bwrap_args: tuple[str, ...]  # bwrap's options, passed through a memfd (never on a command line)
+    env: tuple[tuple[str, str], ...]  # the sandbox's environment, passed to init through a memfd
     mounts: tuple[MountOp, ...]
     files: tuple[tuple[str, str], ...]  # synthetic files: sandbox path -> content
     landlock: LandlockPlan | None

@@ -217,7 +217,8 @@ class BwrapBackend:
         rlimits = [("nofile", lim.nofile, lim.nofile), ("core", 0, 0), ("fsize", lim.disk, lim.disk)]
         if ctx.drop_privileges:
             # per-uid counter: a correct backstop only when the uid is the sandbox's own
-            rlimits.append(("nproc", lim.pids, lim.pids))
+            # above pids.max, so the cgroup refuses first and records it (pids.events)
+            rlimits.append(("nproc", lim.pids + 16, lim.pids + 16))
 
         env = {
             "PATH": BASE_PATH,
@@ -237,14 +238,14 @@ class BwrapBackend:
         launch = [ctx.helper, "launch", "--status-fd", "@fd:status@"]
         for name, _ in fd_names:
             launch += ["--keep-fd", f"@fd:{name}@"]
-        launch += ["--keep-fd", "@fd:seccomp@", "--keep-fd", "@fd:json@"]
+        launch += ["--keep-fd", "@fd:seccomp@", "--keep-fd", "@fd:json@", "--keep-fd", "@fd:bwrapargs@",
+                   "--keep-fd", "@fd:env@", "--argv0", "bwrap"]
         launch += ["--cgroup-procs", "@cgroups@"]
         for rname, soft, hard in rlimits:
             launch += ["--rlimit", f"{rname}={soft}:{hard}"]
         if ctx.drop_privileges:
             launch += ["--uid", str(ctx.host_uid), "--gid", str(ctx.host_gid)]
         bw = [
-            ctx.bwrap,
             "--unshare-user", "--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup",
             "--die-with-parent", "--new-session", "--cap-drop", "ALL", "--disable-userns",
             "--uid", str(ctx.sandbox_uid), "--gid", str(ctx.sandbox_gid), "--hostname", _hostname(policy.name),
@@ -261,7 +262,7 @@ class BwrapBackend:
                 bw += ["--symlink", m.src, m.dest]
             else:
                 bw += ["--" + m.kind, m.src, m.dest]
-        init = [HELPER_IN_SANDBOX, "init", "--status-fd", "@fd:status@"]
+        init = [HELPER_IN_SANDBOX, "init", "--status-fd", "@fd:status@", "--env-fd", "@fd:env@"]
         if "seccomp" not in degraded:
             init += ["--seccomp-fd", "@fd:seccomp@"]
         if ctx.tty:
@@ -286,7 +287,9 @@ class BwrapBackend:
             if landlock.scope:
                 init += ["--scope"]
         command = list(policy.command) or ["/bin/sh"]
-        argv = tuple(launch + ["--"] + bw + ["--"] + init + ["--"] + command)
+        # bwrap's options (host paths included) go through --args FD: the sandbox's pid 1 is
+        # bwrap, and its command line is readable inside.
+        argv = tuple(launch + ["--", ctx.bwrap, "--args", "@fd:bwrapargs@", "--"] + init + ["--"] + command)
 
         if ctx.sandbox_uid != 1000 or ctx.sandbox_gid != 1000:
             raise BackendError("the shared /etc view assumes sandbox uid/gid 1000")
@@ -298,6 +301,7 @@ class BwrapBackend:
             sandbox_id=ctx.sandbox_id,
             policy_digest=policy.digest(),
             argv=argv,
+            bwrap_args=tuple(bw),
             env=tuple(sorted(env.items())),
             mounts=tuple(mounts),
             files=files,
@@ -364,7 +368,13 @@ class BwrapBackend:
             opened += [st_w, js_w]
             state["status_r"], state["json_r"] = st_r, js_r
             fds["status"], fds["json"] = st_w, js_w
-            argv = _substitute(plan.argv, fds, group.procs_files() if group else [])
+            cgroup_files = group.procs_files() if group else []
+            bwargs = _substitute(plan.bwrap_args, fds, cgroup_files)
+            fds["bwrapargs"] = _memfd("agentvm-bwrap-args", b"".join(a.encode() + b"\0" for a in bwargs))
+            opened.append(fds["bwrapargs"])
+            fds["env"] = _memfd("agentvm-env", b"".join(f"{k}={v}".encode() + b"\0" for k, v in plan.env))
+            opened.append(fds["env"])
+            argv = _substitute(plan.argv, fds, cgroup_files)
             for fd in opened:
                 os.set_inheritable(fd, True)
             # 4. spawn
@@ -374,7 +384,7 @@ class BwrapBackend:
                 kw = {"stdin": stdio[0], "stdout": stdio[1], "stderr": stdio[2]}
             proc = subprocess.Popen(
                 argv,
-                env=dict(plan.env),
+                env={},  # the sandbox's env reaches only the command, through init's --env-fd
                 close_fds=True,
                 pass_fds=tuple(opened),
                 cwd="/",
@@ -648,6 +658,13 @@ def _substitute(argv: tuple[str, ...], fds: dict[str, int], cgroup_files: list[s
         out.append(a)
         i += 1
     return out
+
+
+def _memfd(name: str, data: bytes) -> int:
+    fd = os.memfd_create(name, os.MFD_CLOEXEC)
+    os.write(fd, data)
+    os.lseek(fd, 0, os.SEEK_SET)
+    return fd
 
 
 def _close(fd: int) -> None:

@@ -66,6 +66,7 @@ class FakeBackend:
             sandbox_id=ctx.sandbox_id,
             policy_digest=policy.digest(),
             argv=tuple(policy.command),
+            bwrap_args=(),
             env=tuple(sorted(dict(policy.env).items())),
             mounts=(),
             files=(),

@@ -34,6 +34,8 @@
 #include <termios.h>
 #include <unistd.h>
 
+extern char **environ;
+
 #ifndef __NR_landlock_create_ruleset
 #define __NR_landlock_create_ruleset 444
 #define __NR_landlock_add_rule 445
@@ -126,6 +128,20 @@ static void set_cloexec(int fd) {
     if (fl < 0 || fcntl(fd, F_SETFD, fl | FD_CLOEXEC) < 0) fail("validate", errno, "fd %d", fd);
 }
 
+/* Read a whole memfd/file from offset 0 (pread: independent of the fd's offset). */
+static size_t read_all(int fd, char *buf, size_t cap, const char *step) {
+    size_t len = 0;
+    for (;;) {
+        ssize_t n = pread(fd, buf + len, cap - len, (off_t)len);
+        if (n < 0 && errno == EINTR) continue;
+        if (n < 0) fail(step, errno, "read fd %d", fd);
+        if (n == 0) break;
+        len += (size_t)n;
+        if (len == cap) fail(step, 0, "fd %d: too large", fd);
+    }
+    return len;
+}
+
 /* ------------------------------------------------------------------ launch */
 
 static int resource_by_name(const char *n) {
@@ -151,6 +167,7 @@ static int cmd_launch(int argc, char **argv) {
     int keep[64];
     int nkeep = 0;
     long uid = -1, gid = -1;
+    const char *argv0 = NULL;
     int i = 0;
 
     /* 1. validate */
@@ -184,6 +201,8 @@ static int cmd_launch(int argc, char **argv) {
         } else if (!strcmp(a, "--keep-fd")) {
             if (nkeep >= 64) fail("validate", 0, "too many fds");
             keep[nkeep++] = (int)parse_long("validate", v, 0, 1 << 20);
+        } else if (!strcmp(a, "--argv0")) {
+            argv0 = v; /* what the sandbox sees as bwrap's name in /proc/1/cmdline */
         } else if (!strcmp(a, "--uid")) {
             uid = parse_long("validate", v, 1, 0x7fffffff);
         } else if (!strcmp(a, "--gid")) {
@@ -227,9 +246,13 @@ static int cmd_launch(int argc, char **argv) {
     /* 6. no_new_privs: nothing setuid can raise privileges from here on. */
     if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) < 0) fail("no-new-privs", errno, "prctl");
 
-    /* 7. exec bwrap */
-    execv(argv[i], &argv[i]);
-    fail("exec-bwrap", errno, "exec %s", argv[i]);
+    /* 7. exec bwrap, with an empty environment: nothing of the agent's env (LD_PRELOAD...)
+     * may act on a process that runs outside the sandbox's layers. */
+    const char *path = argv[i];
+    if (argv0) argv[i] = (char *)argv0;
+    char *noenv[] = {NULL};
+    execve(path, &argv[i], noenv);
+    fail("exec-bwrap", errno, "exec %s", path);
 }
 
 /* ------------------------------------------------------------------ init */
@@ -247,7 +270,7 @@ static int cmd_init(int argc, char **argv) {
     int npc = 0, npb = 0;
     int want_scope = 0, want_net = 0, want_tty = 0, no_landlock = 0;
     long min_abi = 1;
-    int seccomp_fd = -1;
+    int seccomp_fd = -1, env_fd = -1;
     const char *chdir_to = NULL;
     int i = 0;
 
@@ -290,6 +313,9 @@ static int cmd_init(int argc, char **argv) {
         } else if (!strcmp(a, "--seccomp-fd")) {
             seccomp_fd = (int)parse_long("validate", v, 3, 1 << 20);
             set_cloexec(seccomp_fd);
+        } else if (!strcmp(a, "--env-fd")) {
+            env_fd = (int)parse_long("validate", v, 3, 1 << 20);
+            set_cloexec(env_fd);
         } else if (!strcmp(a, "--min-abi")) {
             min_abi = parse_long("validate", v, 1, 100);
         } else if (!strcmp(a, "--chdir")) {
@@ -401,15 +427,7 @@ seccomp:
     if (no_landlock && prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) < 0) fail("no-new-privs", errno, "prctl");
     if (seccomp_fd >= 0) {
         static unsigned char buf[1 << 16];
-        size_t len = 0;
-        for (;;) {
-            ssize_t n = pread(seccomp_fd, buf + len, sizeof buf - len, (off_t)len);
-            if (n < 0 && errno == EINTR) continue;
-            if (n < 0) fail("seccomp", errno, "read filter");
-            if (n == 0) break;
-            len += (size_t)n;
-            if (len == sizeof buf) fail("seccomp", 0, "filter too large");
-        }
+        size_t len = read_all(seccomp_fd, (char *)buf, sizeof buf, "seccomp");
         if (len == 0 || len % sizeof(struct sock_filter)) fail("seccomp", 0, "bad filter length %zu", len);
         close(seccomp_fd);
         struct sock_fprog prog = {.len = (unsigned short)(len / sizeof(struct sock_filter)),
@@ -417,7 +435,22 @@ seccomp:
         if (syscall(SYS_seccomp, SECCOMP_SET_MODE_FILTER, 0, &prog) < 0) fail("seccomp", errno, "load filter");
     }
 
-    /* 6. exec the command (PATH search like a shell; 127 not found, 126 not executable). */
+    /* 6. exec the command with the sandbox's environment (PATH search like a shell; 127 not
+     * found, 126 not executable). */
+    if (env_fd >= 0) {
+        static char envbuf[1 << 20];
+        static char *envp[4096];
+        size_t len = read_all(env_fd, envbuf, sizeof envbuf - 1, "environment");
+        close(env_fd);
+        envbuf[len] = 0;
+        size_t n = 0;
+        for (size_t off = 0; off < len && n < 4095;) {
+            envp[n++] = envbuf + off;
+            off += strlen(envbuf + off) + 1;
+        }
+        envp[n] = NULL;
+        environ = envp;
+    }
     execvp(argv[i], &argv[i]);
     int e = errno;
     fail_code = (e == ENOENT) ? 127 : 126;
