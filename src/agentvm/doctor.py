@@ -56,6 +56,27 @@ def _gvisor() -> Primitive:
     return Primitive("gvisor", bool(runsc), runsc or "runsc not installed (apt-get install runsc)")
 
 
+def _favordynmods() -> Primitive:
+    """Optional tuning: every sandbox start migrates a process into its cgroups, which takes
+    the kernel's cgroup threadgroup lock for writing and waits for an RCU grace period -
+    unless the cgroup2 mount has ``favordynmods`` (kernel >= 6.0)."""
+    try:
+        for line in open("/proc/self/mountinfo"):
+            left, _, right = line.partition(" - ")
+            if right.startswith("cgroup2 "):
+                mnt = left.split()[4]
+                on = "favordynmods" in right.split()[2].split(",")
+                return Primitive(
+                    "cgroup-favordynmods",
+                    on,
+                    "on" if on else f"off: sandbox start pays an RCU grace period per launch; "
+                    f"`mount -o remount,favordynmods {mnt}` makes it ~2x faster (host-wide setting, optional)",
+                )
+    except OSError:
+        pass
+    return Primitive("cgroup-favordynmods", False, "no cgroup2 mount")
+
+
 def smoke_test(runtime) -> Primitive:
     """Start a real sandbox with every layer on and check it ran as an unprivileged uid."""
     from agentvm.policy import Policy
@@ -93,5 +114,5 @@ def run_doctor(smoke: bool = True) -> DoctorReport:
         else:
             prims.append(Primitive("smoke-test", False, "skipped: required primitives missing"))
         required.append("smoke-test")
-    extras = [_kvm(), _gvisor()]
+    extras = [_favordynmods(), _kvm(), _gvisor()]
     return DoctorReport(prims, required, extras, caps.facts)

@@ -13,7 +13,6 @@ The ranges are above the usual subuid allocations and configurable with
 from __future__ import annotations
 
 import os
-import sqlite3
 import time
 from contextlib import closing
 from dataclasses import dataclass
@@ -53,7 +52,9 @@ CREATE TABLE IF NOT EXISTS identities (
 SCHEMA_VERSION = 1
 
 
-def _connect(db: Path) -> sqlite3.Connection:
+def _connect(db: Path):
+    import sqlite3  # lazy: anonymous runs never touch the database
+
     db.parent.mkdir(parents=True, exist_ok=True)
     conn = sqlite3.connect(str(db), timeout=10.0, isolation_level=None)
     conn.execute("PRAGMA busy_timeout=10000")

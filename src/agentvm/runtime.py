@@ -8,18 +8,21 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 import signal
 import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from agentvm import identity
-from agentvm.backends.base import PRIMITIVES, Backend, ExitStatus, LaunchContext, LaunchPlan, TeardownReport
+from agentvm.backends.base import PRIMITIVES, ExitStatus, LaunchContext, TeardownReport
 from agentvm.errors import EXIT_BACKEND, ConfigError, PolicyDenied, PrimitiveMissing
 from agentvm.paths import Paths, default_paths
 from agentvm.policy import MountGrant, Policy, check_tier
+
+if TYPE_CHECKING:  # pragma: no cover
+    from agentvm.backends.base import Backend
 
 SANDBOX_UID = 1000
 
@@ -59,7 +62,7 @@ class RunResult:
         return d
 
 
-def get_backend(name: str, paths: Paths) -> Backend:
+def get_backend(name: str, paths: Paths) -> "Backend":
     if name == "bwrap":
         from agentvm.backends.bwrap import BwrapBackend
 
@@ -79,11 +82,11 @@ def get_backend(name: str, paths: Paths) -> Backend:
 
 
 class Runtime:
-    def __init__(self, paths: Paths | None = None, backend: Backend | None = None) -> None:
+    def __init__(self, paths: Paths | None = None, backend: "Backend | None" = None) -> None:
         self.paths = (paths or default_paths()).ensure()
         self._backend = backend
 
-    def backend_for(self, policy: Policy) -> Backend:
+    def backend_for(self, policy: Policy) -> "Backend":
         if self._backend is not None:
             return self._backend
         self._backend = get_backend(policy.substrate, self.paths)
@@ -143,7 +146,7 @@ class Runtime:
         self.preflight(policy, degrade)
         backend = self.backend_for(policy)
         caps = backend.capabilities()
-        sandbox_id = f"{policy.name}-{secrets.token_hex(4)}"
+        sandbox_id = f"{policy.name}-{os.urandom(4).hex()}"
         root = os.geteuid() == 0
         host_resources = getattr(backend, "host_resources", True)
         res = _Resources(self.paths)

@@ -13,12 +13,8 @@ The filter is pure data given the options; the compiled BPF is cached in memory 
 from __future__ import annotations
 
 import errno
-import hashlib
-import json
 import os
-import socket
-import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
@@ -53,6 +49,8 @@ DEBUG_GROUP: tuple[str, ...] = ("ptrace", "process_vm_readv", "process_vm_writev
 # falls back to clone, whose flags seccomp can see). NEWNS, NEWCGROUP, NEWUTS, NEWIPC,
 # NEWUSER, NEWPID, NEWNET, NEWTIME.
 CLONE_NS_BITS = (0x00020000, 0x02000000, 0x04000000, 0x08000000, 0x10000000, 0x20000000, 0x40000000, 0x00000080)
+# Socket constants (x86_64/arm64 Linux), spelled out so importing this module stays cheap.
+AF_INET, AF_INET6, AF_NETLINK, AF_PACKET, AF_KEY, AF_VSOCK = 2, 10, 16, 17, 15, 40
 TIOCSTI = 0x5412
 TIOCLINUX = 0x541C
 NETLINK_ROUTE = 0
@@ -66,8 +64,7 @@ class SeccompOptions:
     allow_ptrace: bool = False
 
     def key(self) -> str:
-        blob = json.dumps({"v": FILTER_VERSION, **asdict(self)}, sort_keys=True).encode()
-        return hashlib.sha256(blob).hexdigest()[:16]
+        return f"v{FILTER_VERSION}-ptrace{int(self.allow_ptrace)}"
 
 
 def denied_syscalls(opts: SeccompOptions) -> list[str]:
@@ -78,6 +75,8 @@ def denied_syscalls(opts: SeccompOptions) -> list[str]:
 
 
 def _build(opts: SeccompOptions) -> bytes:
+    import tempfile
+
     try:
         import pyseccomp as sc
     except Exception as exc:  # pragma: no cover - depends on host
@@ -110,12 +109,12 @@ def _build(opts: SeccompOptions) -> bytes:
     f.add_rule(eperm, "ioctl", sc.Arg(1, sc.MASKED_EQ, 0xFFFFFFFF, TIOCLINUX))
 
     # Sockets: no packet sockets, no raw IP sockets, netlink only for NETLINK_ROUTE.
-    f.add_rule(eperm, "socket", sc.Arg(0, sc.EQ, socket.AF_PACKET))
-    for fam in (socket.AF_INET, socket.AF_INET6):
+    f.add_rule(eperm, "socket", sc.Arg(0, sc.EQ, AF_PACKET))
+    for fam in (AF_INET, AF_INET6):
         f.add_rule(eperm, "socket", sc.Arg(0, sc.EQ, fam), sc.Arg(1, sc.MASKED_EQ, SOCK_TYPE_MASK, SOCK_RAW))
         f.add_rule(eperm, "socket", sc.Arg(0, sc.EQ, fam), sc.Arg(1, sc.MASKED_EQ, SOCK_TYPE_MASK, SOCK_PACKET))
-    f.add_rule(eperm, "socket", sc.Arg(0, sc.EQ, socket.AF_NETLINK), sc.Arg(2, sc.NE, NETLINK_ROUTE))
-    for fam in (socket.AF_KEY, 40):  # AF_KEY (IPsec keys), AF_VSOCK (host channel)
+    f.add_rule(eperm, "socket", sc.Arg(0, sc.EQ, AF_NETLINK), sc.Arg(2, sc.NE, NETLINK_ROUTE))
+    for fam in (AF_KEY, AF_VSOCK):  # IPsec keys, the host channel of VMs
         f.add_rule(eperm, "socket", sc.Arg(0, sc.EQ, fam))
 
     with tempfile.TemporaryFile() as tmp:
@@ -139,6 +138,8 @@ def compiled_filter(opts: SeccompOptions, cache_dir: Path | None = None) -> byte
     if cache_dir is not None:
         try:
             cache_dir.mkdir(parents=True, exist_ok=True)
+            import tempfile
+
             fd, tmp = tempfile.mkstemp(dir=cache_dir, prefix=".bpf-")
             with os.fdopen(fd, "wb") as fh:
                 fh.write(data)

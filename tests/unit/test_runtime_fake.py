@@ -114,3 +114,11 @@ def test_result_json_shape(paths):
               "teardown_verified", "sandbox_id", "degraded", "policy_digest"):
         assert k in d
     assert d["sandbox_id"].startswith("t-")
+
+
+def test_backends_implement_the_protocol(paths):
+    from agentvm.backends.bwrap import BwrapBackend
+    from agentvm.backends.protocol import Backend
+
+    assert isinstance(FakeBackend(), Backend)
+    assert isinstance(BwrapBackend(Paths(Path("/nonexistent"), Path("/nonexistent/run"))), Backend)

@@ -13,7 +13,7 @@ fake. The split is deliberate:
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING
 
 from agentvm.policy import Policy
 
@@ -173,24 +173,5 @@ class TeardownReport:
         return asdict(self)
 
 
-@runtime_checkable
-class Backend(Protocol):
-    name: str
-
-    def capabilities(self) -> Capabilities: ...
-
-    def required_primitives(self, policy: Policy) -> tuple[str, ...]: ...
-
-    def compile(self, policy: Policy, ctx: LaunchContext) -> LaunchPlan: ...
-
-    def launch(self, plan: LaunchPlan, *, stdio: tuple[int, int, int] | None = None) -> SandboxHandle: ...
-
-    def wait(self, handle: SandboxHandle, timeout: float | None = None) -> ExitStatus: ...
-
-    def exec(self, handle: SandboxHandle, argv: list[str]) -> ExitStatus: ...
-
-    def inspect(self, handle: SandboxHandle) -> dict: ...
-
-    def stop(self, handle: SandboxHandle, grace: float = 2.0) -> None: ...
-
-    def destroy(self, handle: SandboxHandle) -> TeardownReport: ...
+if TYPE_CHECKING:  # pragma: no cover - the protocol lives in backends/protocol.py
+    from agentvm.backends.protocol import Backend  # noqa: F401

@@ -26,7 +26,7 @@ def doctor(as_json: bool, no_smoke: bool) -> int:
         need = "required" if p.name in rep.required else "optional"
         mark = click.style(" ok ", fg="green") if p.ok else click.style("FAIL" if need == "required" else " -- ", fg="red" if need == "required" else "yellow")
         click.echo(f"  [{mark}] {p.name:<15} {p.detail}  ({need})")
-    click.echo("  stronger substrates:")
+    click.echo("  tuning and stronger substrates (optional):")
     for p in rep.extras:
         mark = click.style(" ok ", fg="green") if p.ok else click.style(" -- ", fg="yellow")
         click.echo(f"  [{mark}] {p.name:<15} {p.detail}")

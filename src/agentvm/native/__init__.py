@@ -12,7 +12,6 @@ import hashlib
 import os
 import shutil
 import subprocess
-import tempfile
 from functools import lru_cache
 from pathlib import Path
 
@@ -27,6 +26,8 @@ def _digest(data: bytes) -> str:
 
 
 def _atomic_install(dest: Path, writer) -> None:
+    import tempfile
+
     dest.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=".tmp-")
     os.close(fd)

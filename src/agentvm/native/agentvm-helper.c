@@ -214,13 +214,24 @@ static int cmd_launch(int argc, char **argv) {
     if (i >= argc) fail("validate", 0, "missing command after --");
     if ((uid < 0) != (gid < 0)) fail("validate", 0, "--uid and --gid go together");
 
-    /* 2. close every fd but stdio, the status fd and the kept ones. */
-    for (int fd = 3; fd < 1024; fd++) {
-        int k = (fd == status_fd);
-        for (int j = 0; j < nkeep && !k; j++) k = (keep[j] == fd);
-        if (!k) close(fd);
+    /* 2. close every fd but stdio, the status fd and the kept ones (close_range over the
+     * gaps between kept fds, sorted). */
+    if (status_fd >= 0 && nkeep < 64) keep[nkeep++] = status_fd;
+    for (int a = 1; a < nkeep; a++)
+        for (int b = a; b > 0 && keep[b - 1] > keep[b]; b--) {
+            int t = keep[b];
+            keep[b] = keep[b - 1];
+            keep[b - 1] = t;
+        }
+    unsigned int from = 3;
+    for (int j = 0; j <= nkeep; j++) {
+        unsigned int upto = (j < nkeep) ? (unsigned int)keep[j] : ~0U;
+        if (j < nkeep && (unsigned int)keep[j] < from) continue;
+        if (upto > from && syscall(__NR_close_range, from, upto == ~0U ? ~0U : upto - 1, 0) < 0) {
+            for (unsigned int fd = from; fd < upto && fd < 65536; fd++) close((int)fd);
+        }
+        if (j < nkeep) from = (unsigned int)keep[j] + 1;
     }
-    syscall(__NR_close_range, 1024U, ~0U, 0);
 
     /* 3. join cgroups (before any fork, so every descendant is inside) */
     for (int c = 0; c < ncg; c++) {
