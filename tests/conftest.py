@@ -11,13 +11,11 @@ import os
 import secrets
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = os.geteuid() == 0
-needs_root = pytest.mark.skipif(not ROOT, reason="the default substrate's full guarantees need root (dedicated uids, cgroups)")
+from tests.helpers import ROOT, agentvm_cmd, needs_root  # noqa: F401 (re-exported)
 
 
 @pytest.fixture(scope="session")
@@ -42,10 +40,6 @@ def avm_home() -> Path:
     shutil.rmtree(home, ignore_errors=True)
 
 
-def agentvm_cmd() -> list[str]:
-    return [sys.executable, "-m", "agentvm"]
-
-
 @pytest.fixture
 def agentvm(avm_home):
     """Run the real CLI: ``agentvm("run", "--", "true")`` -> CompletedProcess (bytes)."""
@@ -61,30 +55,26 @@ def agentvm(avm_home):
     return _run
 
 
-@pytest.fixture
-def sh(agentvm):
-    """Run a shell script inside a fresh sandbox: ``sh("id -u")`` -> CompletedProcess (text)."""
-
-    def _sh(script: str, *args: str, timeout: float = 120, env: dict | None = None):
-        r = agentvm("run", *args, "--", "/bin/sh", "-c", script, timeout=timeout, env=env)
+def _text_runner(agentvm, *interpreter: str):
+    def _run(source: str, *args: str, timeout: float = 120, env: dict | None = None):
+        r = agentvm("run", *args, "--", *interpreter, source, timeout=timeout, env=env)
         r.stdout = r.stdout.decode(errors="replace")
         r.stderr = r.stderr.decode(errors="replace")
         return r
 
-    return _sh
+    return _run
+
+
+@pytest.fixture
+def sh(agentvm):
+    """Run a shell script inside a fresh sandbox: ``sh("id -u")`` -> CompletedProcess (text)."""
+    return _text_runner(agentvm, "/bin/sh", "-c")
 
 
 @pytest.fixture
 def py(agentvm):
     """Run Python code inside a fresh sandbox (Debian's /usr/bin/python3)."""
-
-    def _py(code: str, *args: str, timeout: float = 120, env: dict | None = None):
-        r = agentvm("run", *args, "--", "/usr/bin/python3", "-c", code, timeout=timeout, env=env)
-        r.stdout = r.stdout.decode(errors="replace")
-        r.stderr = r.stderr.decode(errors="replace")
-        return r
-
-    return _py
+    return _text_runner(agentvm, "/usr/bin/python3", "-c")
 
 
 @pytest.fixture

@@ -12,7 +12,6 @@ import fcntl
 import os
 import select
 import signal
-import struct
 import sys
 import termios
 import time

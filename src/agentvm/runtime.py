@@ -22,7 +22,7 @@ from agentvm.paths import Paths, default_paths
 from agentvm.policy import MountGrant, Policy, check_tier
 
 if TYPE_CHECKING:  # pragma: no cover
-    from agentvm.backends.base import Backend
+    from agentvm.backends.protocol import Backend
 
 SANDBOX_UID = 1000
 

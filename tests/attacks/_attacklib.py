@@ -11,26 +11,12 @@ import os
 import secrets
 import subprocess
 
-import pytest
 
-ROOT = os.geteuid() == 0
-needs_root = pytest.mark.skipif(not ROOT, reason="the default substrate's full guarantees need root (dedicated uids, cgroups)")
+from tests.helpers import ROOT, last_json, needs_root, parse_table  # noqa: F401 (re-exported)
 
 
 def token(prefix: str = "canary") -> str:
     return f"{prefix}-{secrets.token_hex(8)}"
-
-
-def last_json(stdout: str | bytes) -> dict:
-    """The ``--json`` result: the last non-empty stdout line."""
-    if isinstance(stdout, bytes):
-        stdout = stdout.decode(errors="replace")
-    lines = [ln for ln in stdout.splitlines() if ln.strip()]
-    assert lines, "no --json line on stdout"
-    try:
-        return json.loads(lines[-1])
-    except ValueError as exc:  # pragma: no cover - diagnostic
-        raise AssertionError(f"last stdout line is not JSON: {lines[-1][:500]!r}") from exc
 
 
 def body(stdout: str) -> str:

@@ -10,18 +10,11 @@ import time
 
 import pytest
 
-from _attacklib import dump, needs_root
+from _attacklib import dump, needs_root, parse_table
 
 pytestmark = [pytest.mark.attack, needs_root]
 
 
-def _parse(stdout: str) -> dict[str, list[str]]:
-    out = {}
-    for ln in stdout.splitlines():
-        parts = ln.split()
-        if parts:
-            out[parts[0]] = parts[1:]
-    return out
 
 
 SOCKETS = r"""
@@ -57,7 +50,7 @@ t("CONTROL_icmp_dgram", socket.AF_INET, socket.SOCK_DGRAM, socket.IPPROTO_ICMP)
 def test_raw_packet_and_netlink_sockets_fail(py):
     r = py(SOCKETS)
     assert r.returncode == 0, dump(r)
-    res = _parse(r.stdout)
+    res = parse_table(r.stdout)
     assert res["CONTROL_netlink_route"] == ["OK"], dump(r)  # positive control: routing netlink works
     assert res["CONTROL_tcp"] == ["OK"] and res["CONTROL_udp6"] == ["OK"], dump(r)
     for k in ("raw_icmp", "raw_tcp", "raw_raw", "raw6_icmp", "raw_cloexec", "inet_packet", "packet_raw",
@@ -187,7 +180,7 @@ except OSError as e:
 def test_no_route_to_outside(py):
     """192.0.2.1 is TEST-NET-1 (never routable); the only non-loopback address used here."""
     r = py(NOROUTE)
-    res = _parse(r.stdout)
+    res = parse_table(r.stdout)
     # UDP connect only does the route lookup: an empty netns has no route at all
     assert res.get("udp") == ["ENETUNREACH"], dump(r)
     # TCP: Landlock (no allowed port) answers EACCES before routing, or the route lookup fails
@@ -232,7 +225,7 @@ except OSError as e:
 u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); u.bind(("127.0.0.1", 18080)); print("CONTROL_udp_bind OK")
 """
     r = py(code)
-    res = _parse(r.stdout)
+    res = parse_table(r.stdout)
     assert res.get("CONTROL_udp_bind") == ["OK"], dump(r)
     assert res.get("tcp_bind") == ["EACCES"], dump(r)
     assert res.get("tcp_connect") == ["EACCES"], dump(r)

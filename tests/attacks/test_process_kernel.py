@@ -13,7 +13,7 @@ import subprocess
 
 import pytest
 
-from _attacklib import dump, needs_root
+from _attacklib import dump, needs_root, parse_table
 
 import agentvm.seccomp as sc
 
@@ -102,13 +102,6 @@ def syscalls_bin(cbin):
     return cbin("syscalls", call_all_source(ALL_DENIED))
 
 
-def _parse(stdout: str) -> dict[str, list[str]]:
-    out = {}
-    for ln in stdout.splitlines():
-        parts = ln.split()
-        if parts:
-            out[parts[0]] = parts[1:]
-    return out
 
 
 def test_every_denied_syscall_returns_eperm(agentvm, syscalls_bin):
@@ -116,7 +109,7 @@ def test_every_denied_syscall_returns_eperm(agentvm, syscalls_bin):
     module, so a syscall added there is covered here)."""
     r = agentvm("run", *syscalls_bin, "--", "/attack/syscalls")
     out = r.stdout.decode(errors="replace")
-    res = _parse(out)
+    res = parse_table(out)
     assert res.get("CONTROL_getpid", [None, None, None])[2] == "OK", dump(r)
     assert res["CONTROL_close_bad_fd"][2] == "EBADF", dump(r)
     tested, wrong = [], []
@@ -140,7 +133,7 @@ def test_every_denied_syscall_returns_eperm(agentvm, syscalls_bin):
 )
 def test_specific_syscall_denied(agentvm, syscalls_bin, name):
     r = agentvm("run", *syscalls_bin, "--", "/attack/syscalls", name)
-    res = _parse(r.stdout.decode(errors="replace"))
+    res = parse_table(r.stdout.decode(errors="replace"))
     assert res[name][0] != "ABSENT"
     assert res[name][1:] == ["-1", "EPERM"], f"{name}: {res[name]}" + dump(r)
 
@@ -179,7 +172,7 @@ for name, flag in FLAGS.items():
 def test_os_unshare_fails(py):
     r = py(OS_UNSHARE)
     assert r.returncode == 0, dump(r)
-    res = _parse(r.stdout)
+    res = parse_table(r.stdout)
     assert len(res) == 7, dump(r)
     for k, v in res.items():
         assert v == ["EPERM"], f"{k}: {v}" + dump(r)
@@ -221,7 +214,7 @@ int main(void) {
 
 def test_clone_newuser_fails(agentvm, cbin):
     r = agentvm("run", *cbin("clone_ns", CLONE_NS), "--", "/attack/clone_ns")
-    res = _parse(r.stdout.decode())
+    res = parse_table(r.stdout.decode())
     assert res.get("PLAIN") == ["CLONED"], dump(r)
     for k in ("NEWUSER", "NEWNS", "NEWNET", "NEWPID", "NEWUSER_NEWNS", "NEWTIME"):
         assert res.get(k) == ["EPERM"], f"clone({k}): {res.get(k)}" + dump(r)
@@ -267,7 +260,7 @@ sib.kill(); sib.wait()
 def test_ptrace_and_process_vm_readv_fail(py):
     r = py(PTRACE)
     assert r.returncode == 0, dump(r)
-    res = _parse(r.stdout)
+    res = parse_table(r.stdout)
     for k in ("attach_pid1", "attach_sibling", "seize_sibling", "attach_parent", "vm_readv_sibling", "vm_readv_pid1"):
         assert res.get(k) == ["EPERM"], f"{k}: {res.get(k)}" + dump(r)
     for k in ("read_pid1_mem",):
@@ -334,7 +327,7 @@ print("CONTROL_TIOCGWINSZ", "OK" if rc == 0 else errno.errorcode.get(ctypes.get_
 def test_tiocsti_injection_fails(py):
     r = py(TIOCSTI)
     assert r.returncode == 0, dump(r)
-    res = _parse(r.stdout)
+    res = parse_table(r.stdout)
     assert res.get("CONTROL_TIOCGWINSZ") == ["OK"], dump(r)
     for fd in ("pty_slave", "pty_master", "stdin", "stdout"):
         assert res.get("TIOCSTI_" + fd) == ["EPERM"], f"TIOCSTI on {fd}: {res.get('TIOCSTI_' + fd)}" + dump(r)

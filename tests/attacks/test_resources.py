@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from _attacklib import body, describe_pids, dump, last_json, needs_root, real_uid_processes
+from _attacklib import describe_pids, dump, last_json, needs_root, real_uid_processes
 
 pytestmark = [pytest.mark.attack, needs_root]
 

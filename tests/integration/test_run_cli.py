@@ -16,14 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import agentvm_cmd, needs_root
+from tests.helpers import agentvm_cmd, last_json, needs_root
 
 pytestmark = [pytest.mark.integration, needs_root]
-
-
-def last_json(out: bytes | str) -> dict:
-    text = out.decode() if isinstance(out, bytes) else out
-    return json.loads(text.strip().splitlines()[-1])
 
 
 def write_agent(tmp_path: Path, name: str, extra: str = "", command: str = "[/bin/true]") -> Path:

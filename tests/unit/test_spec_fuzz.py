@@ -9,9 +9,7 @@ from hypothesis import strategies as st
 from agentvm.errors import SpecError, SpecProblem
 from agentvm.spec.loader import LoadedAgent, load_agent_text
 
-
-# ---- helpers (kept local so the file does not depend on sys.path tricks) ----
-HEADER = "apiVersion: agentvm/v1\nkind: Agent\nmetadata:\n  name: t\n"
+from _spec_helpers import HEADER
 
 
 YAMLISH = st.text(

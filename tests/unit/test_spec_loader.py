@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import textwrap
 
 import pytest
 
@@ -10,14 +9,7 @@ from agentvm.errors import EXIT_CONFIG, SpecError
 from agentvm.spec.loader import dump_resolved, load_agent, load_agent_text, load_preset_text
 from agentvm.spec.models import AgentSpec
 
-
-# ---- helpers (kept local so the file does not depend on sys.path tricks) ----
-HEADER = "apiVersion: agentvm/v1\nkind: Agent\nmetadata:\n  name: t\n"
-
-
-def agent(body: str = "") -> str:
-    """An agent file: the fixed 4-line header, then ``body`` (dedented) - line 5 onwards."""
-    return HEADER + textwrap.dedent(body)
+from _spec_helpers import agent
 
 
 def problems_of(text: str, **kw) -> list:

@@ -13,9 +13,7 @@ fake. The split is deliberate:
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING
 
-from agentvm.policy import Policy
 
 # Primitives a policy can rely on. ``Capabilities.missing(required)`` names what is absent.
 PRIMITIVES = (
@@ -171,7 +169,3 @@ class TeardownReport:
 
     def to_dict(self) -> dict:
         return asdict(self)
-
-
-if TYPE_CHECKING:  # pragma: no cover - the protocol lives in backends/protocol.py
-    from agentvm.backends.protocol import Backend  # noqa: F401

@@ -7,7 +7,6 @@ does not pay for pydantic/YAML imports it does not need.
 from __future__ import annotations
 
 import importlib
-import json
 import sys
 
 import click

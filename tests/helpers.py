@@ -1,0 +1,38 @@
+"""Plain helpers shared by every test directory (fixtures live in conftest.py files)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+
+ROOT = os.geteuid() == 0
+needs_root = pytest.mark.skipif(not ROOT, reason="the default substrate's full guarantees need root (dedicated uids, cgroups)")
+
+
+def agentvm_cmd() -> list[str]:
+    return [sys.executable, "-m", "agentvm"]
+
+
+def last_json(stdout: str | bytes) -> dict:
+    """The ``--json`` result of ``agentvm run``: the last non-empty stdout line."""
+    if isinstance(stdout, bytes):
+        stdout = stdout.decode(errors="replace")
+    lines = [ln for ln in stdout.splitlines() if ln.strip()]
+    assert lines, "no --json line on stdout"
+    try:
+        return json.loads(lines[-1])
+    except ValueError as exc:  # pragma: no cover - diagnostic
+        raise AssertionError(f"last stdout line is not JSON: {lines[-1][:500]!r}") from exc
+
+
+def parse_table(stdout: str) -> dict[str, list[str]]:
+    """``name field field...`` lines (what the attack probes print) -> {name: fields}."""
+    out = {}
+    for ln in stdout.splitlines():
+        parts = ln.split()
+        if parts:
+            out[parts[0]] = parts[1:]
+    return out
