@@ -4,12 +4,18 @@
 #     source on first use), libseccomp, e2fsprogs (workspace filesystems), util-linux.
 #   - a virtualenv (default /opt/agentvm/venv) with agentvm and its test extras.
 #   - /usr/local/bin/agentvm -> the venv's entry point (no pyenv shim in the hot path).
+#   --test: also the HTTP clients the end-to-end tests run inside sandboxes (curl, git, node,
+#   Debian's python3-requests/httpx/aiohttp/pip).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${AGENTVM_VENV:-/opt/agentvm/venv}"
 PY="${PYTHON:-python3}"
 
 want=(gcc libc6-dev libseccomp2 e2fsprogs util-linux mount procps)
+if [ "${1:-}" = "--test" ]; then
+  # real clients the end-to-end tests run *inside* sandboxes (Debian's, under /usr)
+  want+=(curl git nodejs python3-requests python3-httpx python3-aiohttp python3-pip)
+fi
 missing=()
 for p in "${want[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -20,6 +20,7 @@ from agentvm import defaults as D
 from agentvm.errors import ConfigError, PolicyDenied
 
 if TYPE_CHECKING:  # pragma: no cover
+    from agentvm.gate.policy import EgressPolicy
     from agentvm.spec.models import AgentSpec
 
 POLICY_VERSION = 1
@@ -61,12 +62,17 @@ class Policy:
     limits: Limits = field(default_factory=Limits)
     allow_ptrace: bool = False
     local_ports: tuple[int, ...] = ()
+    # The egress gate's compiled rules; None = no gate (no route out at all).
+    egress: "EgressPolicy | None" = None
     # Declared but not yet enforceable sections: a run that needs them is refused.
     pending_features: tuple[str, ...] = ()
     version: int = POLICY_VERSION
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        if self.egress is not None:
+            d["egress"] = self.egress.to_dict()
+        return d
 
     def digest(self) -> str:
         blob = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":")).encode()
@@ -77,12 +83,54 @@ class Policy:
         return self.workdir or self.workspace or "/"
 
 
+def default_deny_rules() -> tuple:
+    """Deny rules every gated sandbox gets: the ``doh-deny`` preset (DNS-over-HTTPS endpoints:
+    the gate resolves names, so DoH could only serve to tunnel around it). Deny wins, so an
+    agent cannot opt back in."""
+    return _default_denies()
+
+
+def _load_default_denies() -> tuple:
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    import yaml
+
+    from agentvm.gate.policy import compile_egress
+
+    doc = yaml.safe_load((Path(__file__).parent / "presets" / "doh-deny.yaml").read_text())
+    rules = []
+    for r in doc["spec"]["egress"]["deny"]:
+        rules.append(SimpleNamespace(host=r["host"], ports=r.get("ports", [443]), methods=[], paths=[], max_body=None,
+                                     websocket=False, id=r.get("id")))
+    return compile_egress(SimpleNamespace(deny=rules)).deny
+
+
+_DEFAULT_DENIES: tuple | None = None
+
+
+def _default_denies() -> tuple:
+    global _DEFAULT_DENIES
+    if _DEFAULT_DENIES is None:
+        _DEFAULT_DENIES = _load_default_denies()
+    return _DEFAULT_DENIES
+
+
+def _with_default_denies(egress):
+    have = {r.id for r in egress.deny}
+    extra = tuple(r for r in default_deny_rules() if r.id not in have)
+    return replace(egress, deny=egress.deny + extra) if extra else egress
+
+
 def compile_policy(spec: "AgentSpec") -> Policy:
     """AgentSpec -> Policy. Pure; no I/O."""
     body = spec.spec
     pending = []
+    egress = None
     if body.egress.allow or body.egress.deny:
-        pending.append("egress")
+        from agentvm.gate.policy import compile_egress
+
+        egress = _with_default_denies(compile_egress(body.egress))
     if body.credentials:
         pending.append("credentials")
     if body.tools:
@@ -114,6 +162,7 @@ def compile_policy(spec: "AgentSpec") -> Policy:
         ),
         allow_ptrace=body.security.allow_ptrace,
         local_ports=tuple(body.security.local_ports),
+        egress=egress,
         pending_features=tuple(pending),
     )
 
@@ -142,9 +191,23 @@ def with_overrides(
     env: dict[str, str] | None = None,
     timeout: float | None = None,
     memory: int | None = None,
+    allow: tuple[str, ...] = (),
+    hosts: dict[str, str] | None = None,
 ) -> Policy:
     """Apply CLI overrides; the result is re-checked against the policy's risk tier."""
     changes: dict = {}
+    if allow or hosts:
+        from agentvm.gate.policy import compile_egress
+
+        try:
+            extra = compile_egress(None, extra_allow=allow, extra_hosts=hosts or {})
+        except ValueError as exc:
+            raise ConfigError(f"invalid --allow/--add-host: {exc}") from exc
+        base = policy.egress
+        if base is None:
+            changes["egress"] = _with_default_denies(extra)
+        else:
+            changes["egress"] = replace(base, allow=base.allow + extra.allow, hosts=base.hosts + extra.hosts)
     if command:
         changes["command"] = tuple(command)
     if mounts:
@@ -183,5 +246,7 @@ def check_tier(policy: Policy) -> None:
         raise ConfigError(f"unknown risk tier {policy.risk_tier!r}")
     if level < 1 and any(m.writable for m in policy.mounts):
         raise PolicyDenied(f"read-write grants need risk tier >= L1 (policy is {policy.risk_tier})")
+    if level < 2 and policy.egress is not None and policy.egress.allow:
+        raise PolicyDenied(f"egress needs risk tier >= L2 (policy is {policy.risk_tier})")
     if level < 4 and policy.allow_ptrace:
         raise PolicyDenied(f"allowPtrace needs risk tier >= L4 (policy is {policy.risk_tier})")

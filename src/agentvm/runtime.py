@@ -43,6 +43,7 @@ class RunResult:
     host_uid: int | None = None
     policy_digest: str = ""
     memory_peak: int | None = None
+    egress: dict | None = None  # gate summary: allowed, denied [{rule, target, count}], bytes, log
 
     @property
     def limits_hit(self) -> list[str]:
@@ -85,6 +86,37 @@ class Runtime:
     def __init__(self, paths: Paths | None = None, backend: "Backend | None" = None) -> None:
         self.paths = (paths or default_paths()).ensure()
         self._backend = backend
+        self._gate = None
+
+    # ------------------------------------------------------------------ egress gate
+    @property
+    def gate_dir(self) -> Path:
+        return self.paths.home / "gate"
+
+    @property
+    def log_dir(self) -> Path:
+        return self.paths.home / "logs"
+
+    def gate_ca_pem(self) -> bytes:
+        """The installation's gate CA certificate (created on first use; key stays in ``gate/ca``)."""
+        from agentvm.gate.ca import CertificateAuthority
+
+        return CertificateAuthority.load_or_create(self.gate_dir / "ca").cert_pem
+
+    def embedded_gate(self):
+        """The gate in a thread of this process (``agentvm run`` without a daemon)."""
+        if self._gate is None:
+            from agentvm.gate.server import EmbeddedGate
+
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            os.chmod(self.log_dir, 0o700)
+            self._gate = EmbeddedGate(self.gate_dir, self.log_dir)
+        return self._gate
+
+    def close(self) -> None:
+        if self._gate is not None:
+            self._gate.stop()
+            self._gate = None
 
     def backend_for(self, policy: Policy) -> "Backend":
         if self._backend is not None:
@@ -187,13 +219,17 @@ class Runtime:
             from agentvm import native
 
             etc = ""
+            ca_pem = b""
+            if policy.egress is not None:
+                ca_pem = self.gate_ca_pem()
             if backend.name == "bwrap":
                 from agentvm.backends.bwrap import etc_view
 
-                etc = str(etc_view(self.paths.runtime))
+                etc = str(etc_view(self.paths.runtime, ca_pem))
             ctx = LaunchContext(
                 sandbox_id=sandbox_id,
                 etc_view=etc,
+                gate_socket=str(self.paths.sandboxes / sandbox_id / "gate.sock") if policy.egress is not None else "",
                 host_uid=uid,
                 host_gid=gid,
                 workspace_host=ws_host,
@@ -231,8 +267,17 @@ class Runtime:
         status: ExitStatus | None = None
         report: TeardownReport | None = None
         handle = None
+        endpoint = None
         old = _install_signal_handlers()
         try:
+            if policy.egress is not None:
+                # the gate must be listening before the sandbox exists: no window without it
+                run_dir = self.paths.sandboxes / plan.sandbox_id
+                run_dir.mkdir(parents=True, exist_ok=True)
+                os.chmod(run_dir, 0o711)
+                endpoint = self.embedded_gate().open(
+                    plan.sandbox_id, policy.name, policy.egress, run_dir / "gate.sock", plan.host_uid if plan.host_uid else None
+                )
             if tty:
                 from agentvm.ptyrelay import PtySession
 
@@ -252,6 +297,18 @@ class Runtime:
             if handle is not None:
                 report = backend.destroy(handle)
             res.release(report)
+            egress = None
+            if endpoint is not None:
+                self._gate.close(plan.sandbox_id)
+                egress = {
+                    "allowed": endpoint.allowed,
+                    "denied": [
+                        {"rule": r, "target": t, "count": n} for (r, t), n in sorted(endpoint.denials.items())
+                    ],
+                    "bytes_out": endpoint.bytes_out,
+                    "bytes_in": endpoint.bytes_in,
+                    "log": str(endpoint.log_path),
+                }
         result = RunResult(
             sandbox_id=plan.sandbox_id,
             agent=policy.name,
@@ -267,6 +324,7 @@ class Runtime:
             host_uid=plan.host_uid,
             policy_digest=plan.policy_digest,
             memory_peak=status.memory_peak if status else None,
+            egress=egress,
         )
         if report is not None and not report.verified:
             result.exit_code = EXIT_BACKEND if result.exit_code == 0 else result.exit_code

@@ -39,9 +39,21 @@ def test_digest_changes_with_any_field():
 
 
 def test_pending_features_are_recorded_for_refusal():
+    text = AGENT.replace("riskTier: L1", "riskTier: L3") + "  credentials:\n    - {name: k, env: K, ref: 'vault:k', hosts: [example.com]}\n"
+    p = compile_policy(load_agent_text(text, "a.yaml").spec)
+    assert p.pending_features == ("credentials",)
+
+
+def test_egress_compiles_with_the_default_doh_denies():
     text = AGENT.replace("riskTier: L1", "riskTier: L2") + "  egress:\n    allow:\n      - {host: example.com}\n"
     p = compile_policy(load_agent_text(text, "a.yaml").spec)
-    assert p.pending_features == ("egress",)
+    assert p.pending_features == ()
+    assert [r.host for r in p.egress.allow] == ["example.com"]
+    ids = {r.id for r in p.egress.deny}
+    assert "doh:dns.google" in ids and "doh:cloudflare-dns.com" in ids
+    cli = with_overrides(Policy(name="x", command=("true",)), allow=("pypi.org",))
+    assert "doh:dns.google" in {r.id for r in cli.egress.deny}
+    assert cli.egress.allow[0].ports == (80, 443)
 
 
 @pytest.mark.parametrize(

@@ -102,6 +102,8 @@ class LaunchContext:
     helper: str  # path of agentvm-helper
     bwrap: str  # path of bwrap
     etc_view: str = ""  # host dir with the allowlisted, read-only /etc (see bwrap.etc_view)
+    gate_socket: str = ""  # host path of this sandbox's egress-gate unix socket ("" = no gate)
+    gate_port: int = 3128  # loopback port inside the sandbox bridged to the gate
     tty: bool = False
     drop_privileges: bool = True  # False when agentvm itself is not root
     degraded: tuple[str, ...] = ()  # primitives the operator explicitly waived

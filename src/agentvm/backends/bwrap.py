@@ -42,6 +42,9 @@ from agentvm.policy import Policy
 
 HOME_IN_SANDBOX = "/home/agent"
 HELPER_IN_SANDBOX = "/.agentvm/init"
+GATE_IN_SANDBOX = "/.agentvm/gate.sock"
+CA_BUNDLE = "/etc/ssl/certs/ca-certificates.crt"  # system CAs + the gate's CA (see etc_view)
+GATE_CA_FILE = "/etc/ssl/certs/agentvm-gate-ca.pem"
 # /etc entries visible in the sandbox (read-only, if they exist). Everything else of the
 # host's /etc - shadow, sudoers, ssh keys, machine-id, pip/npm configs with tokens - is absent.
 ETC_ALLOW = (
@@ -191,6 +194,11 @@ class BwrapBackend:
             else:
                 mounts.append(MountOp("tmpfs", policy.workspace, size=lim.disk, perms="0700"))
         mounts.append(MountOp("ro-bind", HELPER_IN_SANDBOX, ctx.helper))
+        gate = policy.egress is not None
+        if gate:
+            if not ctx.gate_socket:
+                raise BackendError("the policy has egress rules but no gate socket was provided (fail closed)")
+            mounts.append(MountOp("ro-bind", GATE_IN_SANDBOX, ctx.gate_socket))
         mounts.append(MountOp("remount-ro", "/"))
 
         ro = ["/usr", "/etc", "/.agentvm", *policy.extra_ro] + [m.path for m in policy.mounts if not m.writable]
@@ -206,7 +214,9 @@ class BwrapBackend:
                 read_write=tuple(rw),
                 devices=("/dev",),
                 procfs=("/proc",),
-                tcp_connect=tuple(policy.local_ports) if use_net else (),
+                tcp_connect=tuple(sorted(set(policy.local_ports) | ({ctx.gate_port} if gate else set())))
+                if use_net
+                else (),
                 tcp_bind=tuple(policy.local_ports) if use_net else (),
                 scope=use_scope,
                 min_abi=6 if use_scope else (4 if use_net else 1),
@@ -233,6 +243,15 @@ class BwrapBackend:
             "AGENTVM_SANDBOX_ID": ctx.sandbox_id,
             "AGENTVM_AGENT": policy.name,
         }
+        if gate:
+            proxy = f"http://127.0.0.1:{ctx.gate_port}"
+            for k in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY"):
+                env[k] = env[k.lower()] = proxy
+            env["NO_PROXY"] = env["no_proxy"] = "localhost,127.0.0.1,::1"
+            # trust the gate's CA (TLS-terminated hosts) through every common knob
+            for k in ("SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", "GIT_SSL_CAINFO", "PIP_CERT"):
+                env[k] = CA_BUNDLE
+            env["NODE_EXTRA_CA_CERTS"] = GATE_CA_FILE
         env.update(dict(policy.env))
 
         launch = [ctx.helper, "launch", "--status-fd", "@fd:status@"]
@@ -267,6 +286,8 @@ class BwrapBackend:
             init += ["--seccomp-fd", "@fd:seccomp@"]
         if ctx.tty:
             init += ["--tty"]
+        if gate:
+            init += ["--gate-socket", GATE_IN_SANDBOX, "--gate-port", str(ctx.gate_port)]
         init += ["--chdir", policy.cwd]
         if landlock is None:
             init += ["--no-landlock"]
@@ -524,12 +545,13 @@ class BwrapBackend:
 # ---------------------------------------------------------------------- helpers
 
 
-def _etc_fingerprint() -> str:
+def _etc_fingerprint(extra_ca: bytes = b"") -> str:
     """Cheap identity of the host's allowlisted /etc entries (lstat of each and of the
     entries one level down), so the view is rebuilt when the host changes them."""
     import hashlib
 
     h = hashlib.sha256(f"v{ETC_VIEW_VERSION}:{sorted(VIEW_SYNTHETIC.items())}".encode())
+    h.update(extra_ca)
     for name in ETC_ALLOW:
         p = "/etc/" + name
         try:
@@ -548,15 +570,17 @@ def _etc_fingerprint() -> str:
     return h.hexdigest()[:16]
 
 
-def etc_view(runtime: Path) -> Path:
+def etc_view(runtime: Path, gate_ca_pem: bytes = b"") -> Path:
     """A host directory holding copies of the allowlisted /etc entries plus synthetic
     accounts/resolver files, bound read-only as the sandbox's /etc in one mount.
 
     Private key directories are never copied; file modes and owners are kept, so what the
-    host's root keeps unreadable stays unreadable to the sandbox's uid."""
+    host's root keeps unreadable stays unreadable to the sandbox's uid. With ``gate_ca_pem``
+    the view's CA bundle also trusts the egress gate's CA (for TLS-terminated hosts), and the
+    CA alone is at ``/etc/ssl/certs/agentvm-gate-ca.pem`` (for NODE_EXTRA_CA_CERTS)."""
     import shutil
 
-    fp = _etc_fingerprint()
+    fp = _etc_fingerprint(gate_ca_pem)
     view = runtime / f"etc-view-{fp}"
     if view.is_dir():
         return view
@@ -580,6 +604,20 @@ def etc_view(runtime: Path) -> Path:
     for name, content in VIEW_SYNTHETIC.items():
         (tmp / name).write_text(content)
         os.chmod(tmp / name, 0o644)
+    if gate_ca_pem:
+        certs = tmp / "ssl" / "certs"
+        certs.mkdir(parents=True, exist_ok=True)
+        bundle = certs / "ca-certificates.crt"
+        try:
+            system = Path(CA_BUNDLE).read_bytes()
+        except OSError:
+            system = b""
+        if bundle.exists() or bundle.is_symlink():
+            bundle.unlink()
+        bundle.write_bytes(system.rstrip(b"\n") + b"\n" + gate_ca_pem)
+        (certs / "agentvm-gate-ca.pem").write_bytes(gate_ca_pem)
+        for f in (bundle, certs / "agentvm-gate-ca.pem"):
+            os.chmod(f, 0o644)
     for name in PER_SANDBOX_ETC:  # bind targets, overmounted per sandbox
         (tmp / name).write_text("")
     os.chmod(tmp, 0o755)

@@ -45,6 +45,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", metavar="DURATION", help="wall-clock timeout, e.g. 30s, 5m")
     p.add_argument("--memory", metavar="SIZE", help="memory limit, e.g. 256M, 2G")
     p.add_argument("--env", action="append", default=[], metavar="K=V", help="set a variable in the sandbox")
+    p.add_argument(
+        "--allow",
+        action="append",
+        default=[],
+        metavar="HOST[:PORT]",
+        help="ad-hoc egress rule through the gate (ports 80 and 443 when none is given); needs tier >= L2",
+    )
+    p.add_argument(
+        "--add-host", action="append", default=[], metavar="NAME=IP", help="static name -> address for the gate (no DNS)"
+    )
     p.add_argument("--json", dest="as_json", action="store_true", help="print a JSON result as the last stdout line")
     tty = p.add_mutually_exclusive_group()
     tty.add_argument("--tty", dest="tty", action="store_true", default=None, help="give the sandbox a terminal")
@@ -68,6 +78,16 @@ def _parse_env(values: list[str]) -> dict[str, str]:
         if not sep or not k:
             raise ConfigError(f"invalid --env {v!r}", hint="use --env NAME=VALUE")
         out[k] = val
+    return out
+
+
+def _parse_hosts(values: list[str]) -> dict[str, str]:
+    out = {}
+    for v in values:
+        name, sep, ip = v.partition("=")
+        if not sep or not name or not ip:
+            raise ConfigError(f"invalid --add-host {v!r}", hint="use --add-host NAME=IP")
+        out[name] = ip
     return out
 
 
@@ -116,6 +136,8 @@ def _run(argv: list[str]) -> int:
         env=_parse_env(ns.env),
         timeout=t,
         memory=m,
+        allow=tuple(ns.allow),
+        hosts=_parse_hosts(ns.add_host),
     )
     if not policy.command:
         raise ConfigError("the agent file declares no command and none was given after --")
@@ -130,7 +152,11 @@ def _run(argv: list[str]) -> int:
 
     from agentvm.runtime import Runtime
 
-    result = Runtime().run(policy, degrade=degrade, tty=ns.tty)
+    rt = Runtime()
+    try:
+        result = rt.run(policy, degrade=degrade, tty=ns.tty)
+    finally:
+        rt.close()
     _report(result, ns.as_json)
     return result.exit_code
 
@@ -153,6 +179,12 @@ def _report(result, as_json: bool) -> None:
         print("agentvm: the memory limit was hit (a process was OOM-killed inside the sandbox)", file=out)
     if result.pids_limit_hit:
         print("agentvm: the process limit was hit (fork refused inside the sandbox)", file=out)
+    eg = result.egress
+    if eg and eg.get("denied"):
+        total = sum(d["count"] for d in eg["denied"])
+        print(f"agentvm: egress: {eg['allowed']} allowed, {total} denied (log: {eg['log']})", file=out)
+        for d in eg["denied"][:20]:
+            print(f"agentvm:   denied {d['target']} by {d['rule']} x{d['count']}", file=out)
     if not result.teardown.get("verified"):
         print(f"agentvm: error: teardown NOT verified: {json.dumps(result.teardown)}", file=out)
 

@@ -26,7 +26,14 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <signal.h>
 #include <sys/ioctl.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <sys/wait.h>
 #include <sys/prctl.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
@@ -266,6 +273,162 @@ static int cmd_launch(int argc, char **argv) {
     fail("exec-bwrap", errno, "exec %s", path);
 }
 
+/* ------------------------------------------------------------------ bridge
+ * The sandbox's only way out: a loopback TCP port inside the sandbox, relayed to the egress
+ * gate's unix socket (bind-mounted in). The gate identifies the sandbox by the socket, never
+ * by anything the agent sends. Started by init *before* Landlock/seccomp, double-forked so it
+ * is nobody's child but the sandbox's pid 1, with stdio on /dev/null: the agent cannot signal
+ * or ptrace it (Landlock scoping), only use it. If the gate is down, connections are closed:
+ * fail closed. */
+
+#define BR_MAX 512
+#define BR_BUF 65536
+
+struct br_dir {
+    char buf[BR_BUF];
+    size_t len, off;
+    int eof; /* read side saw EOF */
+    int shut; /* write side shut down */
+};
+struct br_conn {
+    int fd[2]; /* 0: client (inside), 1: gate */
+    struct br_dir dir[2]; /* dir[0]: client->gate, dir[1]: gate->client */
+};
+
+static void br_close(struct br_conn *c) {
+    close(c->fd[0]);
+    close(c->fd[1]);
+    c->fd[0] = c->fd[1] = -1;
+}
+
+static void bridge_loop(int ls, const char *gate_path) {
+    static struct br_conn conns[BR_MAX];
+    static struct pollfd pfd[1 + 2 * BR_MAX];
+    for (int k = 0; k < BR_MAX; k++) conns[k].fd[0] = conns[k].fd[1] = -1;
+    signal(SIGPIPE, SIG_IGN);
+    for (;;) {
+        int n = 0;
+        pfd[n].fd = ls;
+        pfd[n].events = POLLIN;
+        n++;
+        for (int k = 0; k < BR_MAX; k++) {
+            struct br_conn *c = &conns[k];
+            for (int side = 0; side < 2; side++) {
+                /* side s reads into dir[s] and writes dir[1-s] */
+                short ev = 0;
+                if (c->fd[side] >= 0) {
+                    if (!c->dir[side].eof && c->dir[side].len == 0) ev |= POLLIN;
+                    if (c->dir[1 - side].len > c->dir[1 - side].off) ev |= POLLOUT;
+                }
+                pfd[n].fd = ev ? c->fd[side] : -1;
+                pfd[n].events = ev;
+                pfd[n].revents = 0;
+                n++;
+            }
+        }
+        if (poll(pfd, (nfds_t)n, -1) < 0) {
+            if (errno == EINTR) continue;
+            _exit(3);
+        }
+        if (pfd[0].revents & POLLIN) {
+            int cfd = accept4(ls, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
+            if (cfd >= 0) {
+                int slot = -1;
+                for (int k = 0; k < BR_MAX && slot < 0; k++)
+                    if (conns[k].fd[0] < 0) slot = k;
+                int gfd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+                struct sockaddr_un sa = {.sun_family = AF_UNIX};
+                strncpy(sa.sun_path, gate_path, sizeof sa.sun_path - 1);
+                if (slot < 0 || gfd < 0 || connect(gfd, (struct sockaddr *)&sa, sizeof sa) < 0) {
+                    close(cfd); /* gate down or too many connections: no route */
+                    if (gfd >= 0) close(gfd);
+                } else {
+                    fcntl(gfd, F_SETFL, fcntl(gfd, F_GETFL) | O_NONBLOCK);
+                    memset(&conns[slot], 0, sizeof conns[slot]);
+                    conns[slot].fd[0] = cfd;
+                    conns[slot].fd[1] = gfd;
+                }
+            }
+        }
+        for (int k = 0, i = 1; k < BR_MAX; k++) {
+            struct br_conn *c = &conns[k];
+            for (int side = 0; side < 2; side++, i++) {
+                if (c->fd[side] < 0 || !pfd[i].revents) continue;
+                struct br_dir *in = &c->dir[side], *out = &c->dir[1 - side];
+                if ((pfd[i].revents & (POLLIN | POLLHUP | POLLERR)) && !in->eof && in->len == 0) {
+                    ssize_t r = read(c->fd[side], in->buf, BR_BUF);
+                    if (r > 0) {
+                        in->len = (size_t)r;
+                        in->off = 0;
+                    } else if (r == 0 || (errno != EAGAIN && errno != EINTR)) {
+                        in->eof = 1;
+                    }
+                }
+                if ((pfd[i].revents & POLLOUT) && out->len > out->off) {
+                    ssize_t w = write(c->fd[side], out->buf + out->off, out->len - out->off);
+                    if (w > 0) {
+                        out->off += (size_t)w;
+                        if (out->off == out->len) out->len = out->off = 0;
+                    } else if (w < 0 && errno != EAGAIN && errno != EINTR) {
+                        br_close(c);
+                        break;
+                    }
+                }
+            }
+            if (c->fd[0] < 0) continue;
+            /* try to write freshly read data right away, and propagate half-closes */
+            for (int side = 0; side < 2; side++) {
+                struct br_dir *d = &c->dir[side];
+                int to = c->fd[1 - side];
+                if (d->len > d->off) {
+                    ssize_t w = write(to, d->buf + d->off, d->len - d->off);
+                    if (w > 0) {
+                        d->off += (size_t)w;
+                        if (d->off == d->len) d->len = d->off = 0;
+                    }
+                }
+                if (d->eof && d->len == 0 && !d->shut) {
+                    shutdown(to, SHUT_WR);
+                    d->shut = 1;
+                }
+            }
+            if (c->dir[0].shut && c->dir[1].shut) br_close(c);
+        }
+    }
+}
+
+static void start_bridge(const char *gate_path, long port) {
+    int ls = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (ls < 0) fail("bridge", errno, "socket");
+    int one = 1;
+    setsockopt(ls, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
+    sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    if (bind(ls, (struct sockaddr *)&sa, sizeof sa) < 0) fail("bridge", errno, "bind 127.0.0.1:%ld", port);
+    if (listen(ls, 128) < 0) fail("bridge", errno, "listen");
+    pid_t p = fork();
+    if (p < 0) fail("bridge", errno, "fork");
+    if (p == 0) {
+        pid_t q = fork();
+        if (q != 0) _exit(q < 0 ? 1 : 0);
+        setsid();
+        int nul = open("/dev/null", O_RDWR | O_CLOEXEC);
+        if (nul >= 0) {
+            dup2(nul, 0);
+            dup2(nul, 1);
+            dup2(nul, 2);
+        }
+        syscall(__NR_close_range, 3U, (unsigned int)(ls - 1), 0U);
+        syscall(__NR_close_range, (unsigned int)(ls + 1), ~0U, 0U);
+        bridge_loop(ls, gate_path);
+        _exit(0);
+    }
+    int st;
+    waitpid(p, &st, 0);
+    close(ls);
+    if (!WIFEXITED(st) || WEXITSTATUS(st) != 0) fail("bridge", 0, "could not start the egress bridge");
+}
+
 /* ------------------------------------------------------------------ init */
 
 struct path_rule {
@@ -282,7 +445,8 @@ static int cmd_init(int argc, char **argv) {
     int want_scope = 0, want_net = 0, want_tty = 0, no_landlock = 0;
     long min_abi = 1;
     int seccomp_fd = -1, env_fd = -1;
-    const char *chdir_to = NULL;
+    const char *chdir_to = NULL, *gate_socket = NULL;
+    long gate_port = 0;
     int i = 0;
 
     const uint64_t ro = FS_EXECUTE | FS_READ_FILE | FS_READ_DIR;
@@ -324,6 +488,10 @@ static int cmd_init(int argc, char **argv) {
         } else if (!strcmp(a, "--seccomp-fd")) {
             seccomp_fd = (int)parse_long("validate", v, 3, 1 << 20);
             set_cloexec(seccomp_fd);
+        } else if (!strcmp(a, "--gate-socket")) {
+            gate_socket = v;
+        } else if (!strcmp(a, "--gate-port")) {
+            gate_port = parse_long("validate", v, 1, 65535);
         } else if (!strcmp(a, "--env-fd")) {
             env_fd = (int)parse_long("validate", v, 3, 1 << 20);
             set_cloexec(env_fd);
@@ -356,6 +524,7 @@ static int cmd_init(int argc, char **argv) {
         }
     }
     if (i >= argc) fail("validate", 0, "missing command after --");
+    if ((gate_socket == NULL) != (gate_port == 0)) fail("validate", 0, "--gate-socket and --gate-port go together");
     /* Nothing the supervisor or bwrap opened may reach the command: every fd but stdio is
      * close-on-exec from here on (an inherited O_PATH fd of a grant would bypass its
      * read-only mount). */
@@ -372,6 +541,9 @@ static int cmd_init(int argc, char **argv) {
         if (setsid() < 0 && getsid(0) != getpid()) fail("tty", errno, "setsid");
         if (ioctl(0, TIOCSCTTY, 0) < 0) fail("tty", errno, "TIOCSCTTY");
     }
+
+    /* 2b. the egress bridge, before Landlock and seccomp (see start_bridge) */
+    if (gate_socket) start_bridge(gate_socket, gate_port);
 
     /* 3. working directory (before Landlock, which may forbid walking to it) */
     if (chdir_to && chdir(chdir_to) < 0) fail("chdir", errno, "chdir %s", chdir_to);

@@ -210,11 +210,16 @@ class Security(_Model):
 
 
 class EgressRule(_Model):
-    host: str = Field(description="Exact host or '*.suffix'.")
+    host: str = Field(description="Exact host, '*.suffix' (any subdomain, not the bare suffix) or an IP literal.")
     ports: list[int] = Field(default_factory=lambda: [443], description="Allowed TCP ports.")
-    methods: list[str] = Field(default_factory=list, description="Allowed HTTP methods (empty: any).")
-    paths: list[str] = Field(default_factory=list, description="Allowed URL path prefixes (empty: any).")
+    methods: list[str] = Field(
+        default_factory=list, description="HTTP methods (empty: any). Any L7 field makes the gate terminate TLS."
+    )
+    paths: list[str] = Field(
+        default_factory=list, description="URL path globs, e.g. '/repos/*' ('*' stays within a segment, '**' spans)."
+    )
     max_body: Size | None = Field(None, description="Largest request body allowed, e.g. 10M.")
+    websocket: bool = Field(False, description="Allow WebSocket upgrades to this host.")
     id: str | None = Field(None, description="Rule id reported in decisions and 403 responses.")
 
     @field_validator("max_body", mode="before")
@@ -222,10 +227,71 @@ class EgressRule(_Model):
     def _mb(cls, v):
         return None if v is None else _size(v)
 
+    @field_validator("ports")
+    @classmethod
+    def _ports(cls, v: list[int]) -> list[int]:
+        for p in v:
+            if not 1 <= p <= 65535:
+                raise ValueError(f"port {p} out of range 1-65535")
+        return v
+
+    @field_validator("methods")
+    @classmethod
+    def _methods(cls, v: list[str]) -> list[str]:
+        out = []
+        for m in v:
+            if not re.fullmatch(r"[A-Za-z]{1,20}", m):
+                raise ValueError(f"invalid HTTP method {m!r}")
+            out.append(m.upper())
+        return out
+
+    @field_validator("paths")
+    @classmethod
+    def _paths(cls, v: list[str]) -> list[str]:
+        for p in v:
+            if not p.startswith("/"):
+                raise ValueError(f"path glob {p!r} must start with '/'")
+        return v
+
+
+class EgressLimits(_Model):
+    connections: int = Field(64, ge=1, le=10000, description="Concurrent connections through the gate.")
+    requests_per_second: float = Field(50.0, gt=0, description="Sustained request rate (token bucket).")
+    burst: int = Field(100, ge=1, description="Requests allowed in a burst above the rate.")
+    bytes_out: Size = Field(1024**3, description="Total bytes the sandbox may send out, e.g. 1G.")
+
+    @field_validator("bytes_out", mode="before")
+    @classmethod
+    def _bo(cls, v):
+        return _size(v)
+
 
 class Egress(_Model):
     allow: list[EgressRule] = Field(default_factory=list, description="Rules a request must match to leave.")
     deny: list[EgressRule] = Field(default_factory=list, description="Rules that block a request; deny wins.")
+    hosts: dict[str, str] = Field(
+        default_factory=dict,
+        description="Operator-declared static name -> IP mapping, used instead of DNS (may point at loopback).",
+    )
+    upstream_ca: str | None = Field(None, description="Extra CA file (PEM) the gate trusts for upstream TLS.")
+    limits: EgressLimits = Field(default_factory=EgressLimits)
+
+    @field_validator("hosts")
+    @classmethod
+    def _hosts(cls, v: dict[str, str]) -> dict[str, str]:
+        import ipaddress
+
+        for name, ip in v.items():
+            try:
+                ipaddress.ip_address(ip)
+            except ValueError:
+                raise ValueError(f"egress.hosts[{name!r}]: {ip!r} is not an IP address") from None
+        return v
+
+    @field_validator("upstream_ca")
+    @classmethod
+    def _ca(cls, v: str | None) -> str | None:
+        return None if v is None else _abs_path(v, "egress.upstreamCA")
 
 
 class CredentialInject(_Model):

@@ -1,0 +1,284 @@
+"""HTTP/1.1 proxy protocol pieces, sans-IO: bytes in, values out; nothing here touches a socket.
+
+* :class:`HeadReader` accumulates bytes until a complete request head, with a size cap.
+* :func:`check_head` rejects what h11 would tolerate but a security proxy must not forward:
+  obs-fold, bare LF, both Content-Length and Transfer-Encoding, repeated Content-Length,
+  Transfer-Encoding other than exactly ``chunked``, NUL/control bytes, absurd header counts.
+  (CL.TE / TE.CL / CL.CL request smuggling all reduce to these.)
+* :func:`parse_request` runs h11 over a checked head and returns a :class:`ProxyRequest`:
+  the target split into scheme/host/port/path, with the Host header cross-checked.
+* :func:`deny_response` / :func:`error_response` build the gate's own answers: a 403 with a
+  machine-readable JSON body and ``X-Agentvm-Denied: <rule-id>``, so the agent and the
+  operator can tell *why* (sandbox-runtime's "blocked means explained").
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+
+import h11
+
+MAX_HEAD = 64 * 1024
+MAX_HEADERS = 128
+HOP_BY_HOP = frozenset(
+    {
+        b"connection",
+        b"keep-alive",
+        b"proxy-connection",
+        b"proxy-authenticate",
+        b"proxy-authorization",
+        b"te",
+        b"trailer",
+        b"transfer-encoding",
+        b"upgrade",
+    }
+)
+_RULE_ID_SAFE = re.compile(rb"[^A-Za-z0-9._:\[\]/*-]")
+
+
+class ProtocolError(ValueError):
+    """The client sent something the gate refuses to interpret (answered with 400)."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class HeadReader:
+    """Feed bytes; ``head`` is set once ``\\r\\n\\r\\n`` arrived; ``rest`` holds what followed."""
+
+    def __init__(self, limit: int = MAX_HEAD) -> None:
+        self._buf = bytearray()
+        self.limit = limit
+        self.head: bytes | None = None
+        self.rest = b""
+
+    def feed(self, data: bytes) -> bool:
+        if self.head is not None:
+            self.rest += data
+            return True
+        self._buf += data
+        end = self._buf.find(b"\r\n\r\n")
+        if end < 0:
+            if len(self._buf) > self.limit:
+                raise ProtocolError("head-too-large", f"request head larger than {self.limit} bytes")
+            return False
+        if end + 4 > self.limit:
+            raise ProtocolError("head-too-large", f"request head larger than {self.limit} bytes")
+        self.head = bytes(self._buf[: end + 4])
+        self.rest = bytes(self._buf[end + 4 :])
+        self._buf.clear()
+        return True
+
+
+def check_head(head: bytes) -> None:
+    """Reject ambiguous or smuggling-prone request heads before any parser sees them."""
+    if b"\x00" in head:
+        raise ProtocolError("bad-bytes", "NUL byte in request head")
+    lines = head[:-4].split(b"\r\n")
+    for ln in lines:
+        if b"\n" in ln or b"\r" in ln:
+            raise ProtocolError("bare-lf", "bare CR or LF in request head")
+    if len(lines) - 1 > MAX_HEADERS:
+        raise ProtocolError("too-many-headers", f"more than {MAX_HEADERS} header fields")
+    cl = te = 0
+    for ln in lines[1:]:
+        if ln[:1] in (b" ", b"\t"):
+            raise ProtocolError("obs-fold", "obsolete line folding in a header")
+        name, sep, value = ln.partition(b":")
+        if not sep or not name or name != name.strip() or name.strip(b"!#$%&'*+-.^_`|~0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"):
+            raise ProtocolError("bad-header", "malformed header name")
+        lname = name.lower()
+        if lname == b"content-length":
+            cl += 1
+            if not value.strip().isdigit():
+                raise ProtocolError("bad-content-length", "Content-Length is not a single number")
+        elif lname == b"transfer-encoding":
+            te += 1
+            if value.strip().lower() != b"chunked":
+                raise ProtocolError("bad-transfer-encoding", "only 'Transfer-Encoding: chunked' is accepted")
+        if any(c < 0x20 and c != 0x09 or c == 0x7F for c in value):
+            raise ProtocolError("bad-bytes", "control character in a header value")
+    if cl > 1:
+        raise ProtocolError("duplicate-content-length", "more than one Content-Length header")
+    if te > 1:
+        raise ProtocolError("duplicate-transfer-encoding", "more than one Transfer-Encoding header")
+    if cl and te:
+        raise ProtocolError("cl-and-te", "both Content-Length and Transfer-Encoding (request smuggling)")
+
+
+@dataclass(frozen=True)
+class ProxyRequest:
+    method: str
+    target: str  # raw request-target
+    scheme: str  # "connect" | "http" | "origin" (origin-form: only valid inside a terminated tunnel)
+    host: str  # raw host as given (not normalized)
+    port: int
+    path: str  # origin-form path+query for forwarding ("" for CONNECT)
+    headers: tuple[tuple[bytes, bytes], ...]
+    content_length: int | None
+    chunked: bool
+    upgrade_websocket: bool
+    http_version: str
+
+    def header(self, name: bytes) -> bytes | None:
+        for k, v in self.headers:
+            if k == name:
+                return v
+        return None
+
+
+def _split_authority(auth: str, default_port: int) -> tuple[str, int]:
+    if not auth or "@" in auth:
+        raise ProtocolError("bad-authority", "authority is empty or carries userinfo")
+    if auth.startswith("["):
+        end = auth.find("]")
+        if end < 0:
+            raise ProtocolError("bad-authority", "unterminated IPv6 literal")
+        host, rest = auth[1:end], auth[end + 1 :]
+        if rest and not rest.startswith(":"):
+            raise ProtocolError("bad-authority", "garbage after IPv6 literal")
+        port_s = rest[1:] if rest else ""
+        host = "[" + host + "]"
+    else:
+        host, sep, port_s = auth.rpartition(":")
+        if not sep:
+            host, port_s = auth, ""
+    if port_s:
+        if not port_s.isdigit() or not 0 < int(port_s) < 65536:
+            raise ProtocolError("bad-port", f"invalid port {port_s!r}")
+        port = int(port_s)
+    else:
+        port = default_port
+    if not host:
+        raise ProtocolError("bad-authority", "empty host")
+    return host, port
+
+
+def parse_request(head: bytes) -> ProxyRequest:
+    """A checked head -> ProxyRequest (raises ProtocolError)."""
+    check_head(head)
+    conn = h11.Connection(h11.SERVER)
+    conn.receive_data(head)
+    try:
+        ev = conn.next_event()
+    except h11.RemoteProtocolError as exc:
+        raise ProtocolError("bad-request", str(exc)) from None
+    if not isinstance(ev, h11.Request):
+        raise ProtocolError("bad-request", "incomplete request head")
+    return request_from_h11(ev)
+
+
+def request_from_h11(ev: h11.Request) -> ProxyRequest:
+    method = ev.method.decode("ascii")
+    try:
+        target = ev.target.decode("ascii")
+    except UnicodeDecodeError:
+        raise ProtocolError("bad-target", "non-ASCII request target") from None
+    headers = tuple((bytes(k).lower(), bytes(v)) for k, v in ev.headers)
+    hmap: dict[bytes, bytes] = {}
+    for k, v in headers:
+        hmap.setdefault(k, v)
+    cl = hmap.get(b"content-length")
+    chunked = hmap.get(b"transfer-encoding", b"").lower() == b"chunked"
+    upgrade = hmap.get(b"upgrade", b"").lower() == b"websocket"
+    host_hdr = hmap.get(b"host", b"").decode("latin-1")
+    if method == "CONNECT":
+        host, port = _split_authority(target, 443)
+        if ":" not in target.rsplit("]", 1)[-1]:
+            raise ProtocolError("bad-connect", "CONNECT target must be host:port")
+        scheme, path = "connect", ""
+    elif target.startswith("/"):
+        scheme, path = "origin", target
+        host, port = _split_authority(host_hdr, 80) if host_hdr else ("", 0)
+    else:
+        m = re.fullmatch(r"(?i)(http)://([^/?#]*)([^#]*)", target)
+        if not m:
+            if re.match(r"(?i)https://", target):
+                raise ProtocolError("https-absolute-form", "use CONNECT for https:// URLs")
+            raise ProtocolError("bad-target", "request target must be http://host/... or host:port (CONNECT)")
+        scheme = "http"
+        host, port = _split_authority(m.group(2), 80)
+        path = m.group(3) or "/"
+        if not path.startswith("/"):
+            path = "/" + path
+        if host_hdr:
+            hh, hp = _split_authority(host_hdr, 80)
+            if hh.lower().rstrip(".") != host.lower().rstrip(".") or hp != port:
+                raise ProtocolError("host-mismatch", "Host header does not match the request URI")
+    return ProxyRequest(
+        method=method,
+        target=target,
+        scheme=scheme,
+        host=host,
+        port=port,
+        path=path,
+        headers=headers,
+        content_length=int(cl) if cl is not None else None,
+        chunked=chunked,
+        upgrade_websocket=upgrade,
+        http_version=ev.http_version.decode("ascii"),
+    )
+
+
+def forward_headers(req: ProxyRequest, host_value: str, *, keep_upgrade: bool = False) -> list[tuple[bytes, bytes]]:
+    """Headers to send upstream: hop-by-hop removed (and those named in Connection), Host set."""
+    named = set()
+    for k, v in req.headers:
+        if k == b"connection":
+            named |= {t.strip().lower() for t in v.split(b",") if t.strip()}
+    out: list[tuple[bytes, bytes]] = [(b"host", host_value.encode("ascii"))]
+    for k, v in req.headers:
+        if k == b"host":
+            continue
+        if keep_upgrade and k in (b"upgrade", b"connection"):
+            out.append((k, v))
+            continue
+        if k in HOP_BY_HOP or k in named:
+            continue
+        out.append((k, v))
+    if req.content_length is not None:
+        pass  # kept as sent (h11 re-frames consistently)
+    return out
+
+
+def response_headers(headers, *, keep_upgrade: bool = False) -> list[tuple[bytes, bytes]]:
+    named = set()
+    for k, v in headers:
+        if bytes(k).lower() == b"connection":
+            named |= {t.strip().lower() for t in bytes(v).split(b",") if t.strip()}
+    out = []
+    for k, v in headers:
+        k = bytes(k).lower()
+        if keep_upgrade and k in (b"upgrade", b"connection"):
+            out.append((k, bytes(v)))
+            continue
+        if k in HOP_BY_HOP or k in named:
+            continue
+        out.append((k, bytes(v)))
+    return out
+
+
+def _json_response(status: int, reason: str, body: dict, extra: list[tuple[str, str]]) -> bytes:
+    payload = json.dumps(body, sort_keys=True).encode()
+    lines = [f"HTTP/1.1 {status} {reason}", "Content-Type: application/json", f"Content-Length: {len(payload)}"]
+    lines += [f"{k}: {v}" for k, v in extra]
+    lines.append("Connection: close")
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + payload
+
+
+def safe_rule_id(rule_id: str) -> str:
+    return _RULE_ID_SAFE.sub(b"_", rule_id.encode("utf-8", "replace")).decode("ascii")[:200] or "unknown"
+
+
+def deny_response(rule_id: str, reason: str, *, host: str, port: int, status: int = 403) -> bytes:
+    rid = safe_rule_id(rule_id)
+    body = {"error": "egress-denied", "rule": rid, "reason": reason, "host": host, "port": port}
+    return _json_response(status, "Forbidden" if status == 403 else "Too Many Requests", body, [("X-Agentvm-Denied", rid)])
+
+
+def error_response(status: int, code: str, message: str) -> bytes:
+    reasons = {400: "Bad Request", 413: "Payload Too Large", 502: "Bad Gateway", 504: "Gateway Timeout", 429: "Too Many Requests"}
+    return _json_response(status, reasons.get(status, "Error"), {"error": code, "reason": message}, [("X-Agentvm-Denied", safe_rule_id(code))])

@@ -1,0 +1,649 @@
+"""The egress gate: one asyncio server, one unix-socket listener per sandbox.
+
+This is the only module of the gate that owns sockets. Parsing (``h1``, ``tls``) and policy
+(``policy.decide``) are pure; this module moves bytes between them and the network.
+
+A sandbox's identity is the listener its connection arrived on - never a header. Per
+connection: read a request head (checked against smuggling), decide, and then
+
+* plain ``http://`` requests: forwarded with h11 to the address the gate resolved and checked;
+* ``CONNECT host:port``: decided (403 before any TLS if denied), answered 200, the TLS
+  ClientHello is peeked and its SNI must equal the CONNECT host; then either spliced (fast
+  path: hosts with only host/port rules) or terminated with the installation's CA so each
+  request inside is decided on method/path/body (L7 rules), ``Host`` must match the SNI.
+
+Every decision is one JSON line in the sandbox's log. Limits per sandbox: concurrent
+connections, request rate (token bucket) and bytes out (a large upload is cut).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import ssl
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import h11
+
+from agentvm.gate import h1
+from agentvm.gate.policy import EgressPolicy, RequestMeta, check_address, decide, normalize_host
+
+READ = 65536
+HEAD_TIMEOUT = 30.0
+CONNECT_TIMEOUT = 10.0
+HELLO_TIMEOUT = 10.0
+
+
+class _Cut(Exception):
+    """A limit or policy stopped a connection mid-stream (already logged)."""
+
+
+@dataclass
+class TokenBucket:
+    rate: float
+    capacity: float
+    tokens: float = -1.0
+    stamp: float = field(default_factory=time.monotonic)
+
+    def take(self) -> bool:
+        now = time.monotonic()
+        if self.tokens < 0:
+            self.tokens = self.capacity
+        self.tokens = min(self.capacity, self.tokens + (now - self.stamp) * self.rate)
+        self.stamp = now
+        if self.tokens >= 1:
+            self.tokens -= 1
+            return True
+        return False
+
+
+class Endpoint:
+    """One sandbox's listener, policy, limits and decision log."""
+
+    def __init__(self, gate: "Gate", sandbox_id: str, agent: str, policy: EgressPolicy, sock_path: Path, log_path: Path):
+        self.gate = gate
+        self.sandbox_id = sandbox_id
+        self.agent = agent
+        self.policy = policy
+        self.sock_path = sock_path
+        self.log_path = log_path
+        self._log = open(log_path, "a", buffering=1, encoding="utf-8")
+        os.chmod(log_path, 0o600)
+        self.server: asyncio.AbstractServer | None = None
+        self.active = 0
+        self.bucket = TokenBucket(policy.limits.requests_per_second, float(policy.limits.burst))
+        self.bytes_out = 0
+        self.bytes_in = 0
+        self.denials: dict[tuple[str, str], int] = {}
+        self.allowed = 0
+        self.paused = False
+
+    def set_policy(self, policy: EgressPolicy) -> None:
+        self.policy = policy
+        self.bucket.rate = policy.limits.requests_per_second
+        self.bucket.capacity = float(policy.limits.burst)
+
+    def log(self, *, verdict: str, rule_id: str, reason: str, host: str, port: int | None, method: str | None = None,
+            path: str | None = None, phase: str, bytes_out: int = 0, bytes_in: int = 0, **extra) -> None:
+        rec = {
+            "time": round(time.time(), 6),
+            "sandbox": self.sandbox_id,
+            "agent": self.agent,
+            "phase": phase,
+            "host": host,
+            "port": port,
+            "method": method,
+            "path": path,
+            "rule": rule_id,
+            "verdict": verdict,
+            "reason": reason,
+            "bytes_out": bytes_out,
+            "bytes_in": bytes_in,
+        }
+        rec.update(extra)
+        if verdict == "deny":
+            key = (rule_id, f"{host}:{port}")
+            self.denials[key] = self.denials.get(key, 0) + 1
+        else:
+            self.allowed += 1
+        # json.dumps escapes every control character (and non-ASCII): one record, one line
+        self._log.write(json.dumps(rec, sort_keys=True, ensure_ascii=True) + "\n")
+        self.gate.emit(rec)
+
+    def count_out(self, n: int) -> None:
+        self.bytes_out += n
+        if self.bytes_out > self.policy.limits.bytes_out:
+            raise _Cut("limit:bytes-out")
+
+    def close_log(self) -> None:
+        try:
+            self._log.close()
+        except OSError:
+            pass
+
+
+class PlainStream:
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
+        self.reader, self.writer = reader, writer
+
+    async def read(self) -> bytes:
+        return await self.reader.read(READ)
+
+    async def write(self, data: bytes) -> None:
+        self.writer.write(data)
+        await self.writer.drain()
+
+    def close(self) -> None:
+        try:
+            self.writer.close()
+        except Exception:
+            pass
+
+
+class TLSStream:
+    """Application bytes over a sans-IO TLS server session on top of a PlainStream."""
+
+    def __init__(self, raw: PlainStream, session):
+        self.raw, self.tls = raw, session
+
+    async def handshake(self, initial: bytes) -> None:
+        if initial:
+            self.tls.receive(initial)
+        while True:
+            done = self.tls.handshake()
+            out = self.tls.outgoing()
+            if out:
+                await self.raw.write(out)
+            if done:
+                return
+            data = await asyncio.wait_for(self.raw.read(), HELLO_TIMEOUT)
+            if not data:
+                raise ConnectionError("client closed during TLS handshake")
+            self.tls.receive(data)
+
+    async def read(self) -> bytes:
+        while True:
+            try:
+                data = self.tls.read()
+            except (ssl.SSLEOFError, ssl.SSLZeroReturnError):
+                return b""
+            out = self.tls.outgoing()
+            if out:
+                await self.raw.write(out)
+            if data:
+                return data
+            if getattr(self.tls, "eof", False):
+                return b""
+            raw = await self.raw.read()
+            if not raw:
+                self.tls.receive_eof()
+                continue
+            self.tls.receive(raw)
+
+    async def write(self, data: bytes) -> None:
+        self.tls.write(data)
+        out = self.tls.outgoing()
+        if out:
+            await self.raw.write(out)
+
+    def close(self) -> None:
+        try:
+            self.tls.close()
+            out = self.tls.outgoing()
+            if out:
+                self.raw.writer.write(out)
+        except Exception:
+            pass
+        self.raw.close()
+
+
+class Gate:
+    """The gate: owns the CA, the upstream TLS contexts and every sandbox endpoint."""
+
+    def __init__(self, state_dir: Path, log_dir: Path):
+        self.state_dir = Path(state_dir)
+        self.log_dir = Path(log_dir)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.endpoints: dict[str, Endpoint] = {}
+        self._ca = None
+        self._server_ctx = None
+        self._client_ctx: dict[str | None, ssl.SSLContext] = {}
+        self.subscribers: list = []
+
+    # -- CA and TLS contexts (lazy: a run without TLS interception never loads cryptography)
+    @property
+    def ca(self):
+        if self._ca is None:
+            from agentvm.gate.ca import CertificateAuthority
+
+            self._ca = CertificateAuthority.load_or_create(self.state_dir / "ca")
+        return self._ca
+
+    def server_ctx(self) -> ssl.SSLContext:
+        if self._server_ctx is None:
+            from agentvm.gate.tls import server_context
+
+            self._server_ctx = server_context(self.ca)
+        return self._server_ctx
+
+    def client_ctx(self, extra_ca: str | None) -> ssl.SSLContext:
+        if extra_ca not in self._client_ctx:
+            from agentvm.gate.tls import client_context
+
+            self._client_ctx[extra_ca] = client_context(extra_ca)
+        return self._client_ctx[extra_ca]
+
+    def emit(self, rec: dict) -> None:
+        for cb in list(self.subscribers):
+            try:
+                cb(rec)
+            except Exception:
+                pass
+
+    # -- endpoints ------------------------------------------------------------------------
+    async def open_endpoint(self, sandbox_id: str, agent: str, policy: EgressPolicy, sock_path: Path, *, uid: int | None = None) -> Endpoint:
+        sock_path = Path(sock_path)
+        sock_path.parent.mkdir(parents=True, exist_ok=True)
+        if sock_path.exists():
+            sock_path.unlink()
+        ep = Endpoint(self, sandbox_id, agent, policy, sock_path, self.log_dir / f"{sandbox_id}.egress.jsonl")
+        ep.server = await asyncio.start_unix_server(lambda r, w: self._handle(ep, r, w), path=str(sock_path))
+        # only the sandbox's uid (and root) may connect
+        if uid is not None and os.geteuid() == 0:
+            os.chown(sock_path, uid, uid)
+        os.chmod(sock_path, 0o600)
+        self.endpoints[sandbox_id] = ep
+        return ep
+
+    async def close_endpoint(self, sandbox_id: str) -> Endpoint | None:
+        ep = self.endpoints.pop(sandbox_id, None)
+        if ep is None:
+            return None
+        if ep.server is not None:
+            ep.server.close()
+            try:
+                await asyncio.wait_for(ep.server.wait_closed(), 2)
+            except (asyncio.TimeoutError, Exception):
+                pass
+        try:
+            ep.sock_path.unlink()
+        except FileNotFoundError:
+            pass
+        ep.close_log()
+        return ep
+
+    # -- per connection -------------------------------------------------------------------
+    async def _handle(self, ep: Endpoint, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        client = PlainStream(reader, writer)
+        if ep.active >= ep.policy.limits.connections:
+            ep.log(verdict="deny", rule_id="limit:connections", reason="too many concurrent connections",
+                   host="", port=None, phase="connect")
+            try:
+                await client.write(h1.deny_response("limit:connections", "too many concurrent connections", host="", port=0, status=429))
+            except Exception:
+                pass
+            client.close()
+            return
+        ep.active += 1
+        try:
+            await self._serve(ep, client)
+        except (ConnectionError, asyncio.TimeoutError, asyncio.IncompleteReadError, ssl.SSLError):
+            pass
+        except _Cut as cut:
+            ep.log(verdict="deny", rule_id=str(cut), reason="limit reached: connection cut", host="", port=None, phase="stream")
+        except Exception as exc:  # never let one connection take the gate down
+            ep.log(verdict="deny", rule_id="internal-error", reason=f"{type(exc).__name__}", host="", port=None, phase="internal")
+        finally:
+            ep.active -= 1
+            client.close()
+
+    async def _read_head(self, stream, pending: bytes) -> tuple[bytes | None, bytes]:
+        hr = h1.HeadReader()
+        if pending and hr.feed(pending):
+            return hr.head, hr.rest
+        while True:
+            data = await asyncio.wait_for(stream.read(), HEAD_TIMEOUT)
+            if not data:
+                return None, b""
+            if hr.feed(data):
+                return hr.head, hr.rest
+
+    async def _serve(self, ep: Endpoint, client: PlainStream) -> None:
+        pending = b""
+        while True:
+            head, pending = await self._read_head(client, pending)
+            if head is None:
+                return
+            try:
+                req = h1.parse_request(head)
+            except h1.ProtocolError as exc:
+                ep.log(verdict="deny", rule_id=f"bad-request:{exc.code}", reason=str(exc), host="", port=None, phase="request")
+                await client.write(h1.error_response(400, f"bad-request:{exc.code}", str(exc)))
+                return
+            if ep.paused:
+                await self._deny(ep, client, "paused", "egress is paused by the operator", req)
+                return
+            if not ep.bucket.take():
+                await self._deny(ep, client, "limit:rate", "request rate limit", req, status=429)
+                return
+            if req.scheme == "connect":
+                await self._connect(ep, client, req, pending)
+                return
+            if req.scheme != "http":
+                ep.log(verdict="deny", rule_id="bad-request:not-a-proxy-request", reason="origin-form request to the proxy",
+                       host=req.host, port=req.port, method=req.method, path=req.path, phase="request")
+                await client.write(h1.error_response(400, "bad-request:not-a-proxy-request", "send absolute-form http:// URLs or CONNECT"))
+                return
+            keep, pending = await self._exchange(ep, client, head, pending, req, scheme="http", tls_host=None)
+            if not keep:
+                return
+
+    async def _deny(self, ep: Endpoint, client, rule_id: str, reason: str, req: h1.ProxyRequest, *, status: int = 403,
+                    phase: str = "request") -> None:
+        ep.log(verdict="deny", rule_id=rule_id, reason=reason, host=req.host, port=req.port,
+               method=req.method if req.scheme != "connect" else "CONNECT", path=req.path or None, phase=phase)
+        await client.write(h1.deny_response(rule_id, reason, host=req.host, port=req.port, status=status))
+
+    async def _resolve(self, ep: Endpoint, host: str, port: int) -> tuple[str | None, str, str]:
+        """-> (address or None, rule_id, reason). Connect only to the address checked here."""
+        try:
+            name = normalize_host(host)
+        except ValueError as exc:
+            return None, "invalid-host", str(exc)
+        static = ep.policy.static_address(name)
+        if static is not None:
+            cands = [static]
+        else:
+            try:
+                import ipaddress
+
+                ipaddress.ip_address(name)
+                cands = [name]
+            except ValueError:
+                try:
+                    infos = await asyncio.get_running_loop().getaddrinfo(name, port, type=socket.SOCK_STREAM)
+                except socket.gaierror as exc:
+                    return None, "dns-failure", f"cannot resolve {name}: {exc.strerror}"
+                cands = list(dict.fromkeys(i[4][0] for i in infos))
+        last = None
+        for addr in cands:
+            d = check_address(name, addr, ep.policy)
+            if d is None:
+                return addr, "", ""
+            last = d
+        return None, last.rule_id if last else "dns-failure", last.reason if last else f"no address for {name}"
+
+    # -- plain HTTP and requests inside a terminated tunnel --------------------------------
+    async def _exchange(self, ep: Endpoint, client, head: bytes, pending: bytes, req: h1.ProxyRequest, *, scheme: str,
+                        tls_host: str | None) -> tuple[bool, bytes]:
+        """Decide and forward one request; returns (keep the client connection, leftover bytes)."""
+        if tls_host is not None:
+            # inside a terminated tunnel: origin-form only, and Host must be the tunnel's host
+            if req.scheme != "origin":
+                await self._deny(ep, client, "bad-request:absolute-form-in-tunnel", "absolute-form inside TLS", req)
+                return False, b""
+            try:
+                same = normalize_host(req.host) == normalize_host(tls_host[0]) and req.port == tls_host[1]
+            except ValueError:
+                same = False
+            if not same:
+                await self._deny(ep, client, "host-mismatch", f"Host {req.host!r} does not match the TLS server name (domain fronting)", req)
+                return False, b""
+            req = h1.ProxyRequest(**{**req.__dict__, "host": tls_host[0], "port": tls_host[1]})
+        meta = RequestMeta(host=req.host, port=req.port, scheme=scheme, method=req.method, path=req.path,
+                           body_size=req.content_length, websocket=req.upgrade_websocket, phase="request",
+                           sni=tls_host[0] if tls_host else None)
+        d = decide(meta, ep.policy)
+        if not d.allowed:
+            await self._deny(ep, client, d.rule_id, d.reason, req)
+            return False, b""
+        max_body = getattr(d, "max_body", None)
+        if req.content_length is not None and max_body is not None and req.content_length > max_body:
+            await self._deny(ep, client, d.rule_id + ":max-body", f"body of {req.content_length} bytes over {max_body}", req, status=403)
+            return False, b""
+        addr, rid, reason = await self._resolve(ep, req.host, req.port)
+        if addr is None:
+            await self._deny(ep, client, rid, reason, req)
+            return False, b""
+        try:
+            if scheme == "https":
+                ur, uw = await asyncio.wait_for(
+                    asyncio.open_connection(addr, req.port, ssl=self.client_ctx(ep.policy.upstream_ca),
+                                            server_hostname=normalize_host(req.host)), CONNECT_TIMEOUT)
+            else:
+                ur, uw = await asyncio.wait_for(asyncio.open_connection(addr, req.port), CONNECT_TIMEOUT)
+        except (OSError, asyncio.TimeoutError, ssl.SSLError) as exc:
+            ep.log(verdict="allow", rule_id=d.rule_id, reason=f"upstream unreachable: {type(exc).__name__}", host=req.host,
+                   port=req.port, method=req.method, path=req.path, phase="upstream", error=True)
+            await client.write(h1.error_response(502, "upstream-unreachable", f"cannot reach {req.host}:{req.port}"))
+            return False, b""
+        upstream = PlainStream(ur, uw)
+        try:
+            return await self._relay_exchange(ep, client, upstream, head, pending, req, d, max_body)
+        finally:
+            upstream.close()
+
+    async def _relay_exchange(self, ep, client, upstream, head, pending, req, d, max_body) -> tuple[bool, bytes]:
+        down = h11.Connection(h11.SERVER)  # the sandbox side
+        down.receive_data(head + pending)
+        ev = down.next_event()
+        assert isinstance(ev, h11.Request)
+        host_value = req.host if req.port in (80, 443) else f"{req.host}:{req.port}"
+        up = h11.Connection(h11.CLIENT)
+        await upstream.write(up.send(h11.Request(method=req.method, target=req.path,
+                                                 headers=h1.forward_headers(req, host_value) + [(b"connection", b"close")])))
+        sent = 0
+        # request body
+        while True:
+            ev = down.next_event()
+            if ev is h11.NEED_DATA:
+                data = await client.read()
+                if not data:
+                    return False, b""
+                down.receive_data(data)
+                continue
+            if isinstance(ev, h11.Data):
+                sent += len(ev.data)
+                if max_body is not None and sent > max_body:
+                    ep.log(verdict="deny", rule_id=(d.body_rule_id or d.rule_id) + ":max-body",
+                           reason=f"body over {max_body} bytes: cut",
+                           host=req.host, port=req.port, method=req.method, path=req.path, phase="stream", bytes_out=sent)
+                    await client.write(h1.error_response(413, "max-body", f"request body over {max_body} bytes"))
+                    return False, b""
+                ep.count_out(len(ev.data))
+                await upstream.write(up.send(h11.Data(data=ev.data)))
+                continue
+            if isinstance(ev, h11.EndOfMessage):
+                await upstream.write(up.send(h11.EndOfMessage()))
+                break
+            return False, b""
+        leftover = down.trailing_data[0]
+        # response
+        received = 0
+        while True:
+            ev = up.next_event()
+            if ev is h11.NEED_DATA:
+                data = await upstream.read()
+                up.receive_data(data)  # b"" signals EOF
+                continue
+            if isinstance(ev, h11.InformationalResponse):
+                continue
+            if isinstance(ev, h11.Response):
+                await client.write(down.send(h11.Response(status_code=ev.status_code, reason=ev.reason,
+                                                          headers=h1.response_headers(ev.headers))))
+                continue
+            if isinstance(ev, h11.Data):
+                received += len(ev.data)
+                await client.write(down.send(h11.Data(data=ev.data)))
+                continue
+            if isinstance(ev, h11.EndOfMessage):
+                await client.write(down.send(h11.EndOfMessage()))
+                break
+            if isinstance(ev, h11.ConnectionClosed):
+                return False, b""
+        ep.bytes_in += received
+        ep.log(verdict="allow", rule_id=d.rule_id, reason=d.reason, host=req.host, port=req.port, method=req.method,
+               path=req.path, phase="request", bytes_out=sent, bytes_in=received)
+        keep = down.our_state is h11.DONE and down.their_state is h11.DONE
+        return keep, leftover
+
+    # -- CONNECT ----------------------------------------------------------------------------
+    async def _connect(self, ep: Endpoint, client: PlainStream, req: h1.ProxyRequest, pending: bytes) -> None:
+        meta = RequestMeta(host=req.host, port=req.port, scheme="connect", phase="connect")
+        d = decide(meta, ep.policy)
+        if not d.allowed:
+            await self._deny(ep, client, d.rule_id, d.reason, req, phase="connect")
+            return
+        addr, rid, reason = await self._resolve(ep, req.host, req.port)
+        if addr is None:
+            await self._deny(ep, client, rid, reason, req, phase="connect")
+            return
+        await client.write(b"HTTP/1.1 200 Connection Established\r\n\r\n")
+        # peek the ClientHello: its SNI must be the CONNECT host
+        from agentvm.gate.tls import TLSParseError, parse_client_hello
+
+        buf = pending
+        hello = None
+        try:
+            while True:
+                if buf:
+                    hello = parse_client_hello(buf)
+                    if hello is not None:
+                        break
+                data = await asyncio.wait_for(client.read(), HELLO_TIMEOUT)
+                if not data:
+                    return
+                buf += data
+        except TLSParseError as exc:
+            ep.log(verdict="deny", rule_id="not-tls", reason=f"tunnel does not start with a TLS ClientHello: {exc}",
+                   host=req.host, port=req.port, method="CONNECT", phase="clienthello")
+            return
+        meta2 = RequestMeta(host=req.host, port=req.port, scheme="connect", phase="clienthello", sni=hello.sni)
+        d2 = decide(meta2, ep.policy)
+        if not d2.allowed:
+            ep.log(verdict="deny", rule_id=d2.rule_id, reason=d2.reason, host=req.host, port=req.port, method="CONNECT",
+                   phase="clienthello", sni=hello.sni)
+            return
+        if d.terminate or d2.terminate:
+            await self._terminate(ep, client, req, buf)
+            return
+        try:
+            ur, uw = await asyncio.wait_for(asyncio.open_connection(addr, req.port), CONNECT_TIMEOUT)
+        except (OSError, asyncio.TimeoutError) as exc:
+            ep.log(verdict="allow", rule_id=d2.rule_id, reason=f"upstream unreachable: {type(exc).__name__}",
+                   host=req.host, port=req.port, method="CONNECT", phase="upstream", error=True)
+            return
+        upstream = PlainStream(ur, uw)
+        ep.count_out(len(buf))
+        try:
+            await upstream.write(buf)
+            out, inn = await self._splice(ep, client, upstream)
+        finally:
+            upstream.close()
+        ep.log(verdict="allow", rule_id=d2.rule_id, reason="tunnel (SNI checked, not terminated)", host=req.host,
+               port=req.port, method="CONNECT", phase="tunnel", bytes_out=out + len(buf), bytes_in=inn, sni=hello.sni)
+
+    async def _splice(self, ep: Endpoint, client: PlainStream, upstream: PlainStream) -> tuple[int, int]:
+        counts = [0, 0]
+
+        async def pump(src: PlainStream, dst: PlainStream, idx: int, outbound: bool):
+            try:
+                while True:
+                    data = await src.read()
+                    if not data:
+                        break
+                    if outbound:
+                        ep.count_out(len(data))
+                    counts[idx] += len(data)
+                    await dst.write(data)
+            finally:
+                try:
+                    if dst.writer.can_write_eof():
+                        dst.writer.write_eof()
+                except (OSError, RuntimeError):
+                    pass
+
+        t1 = asyncio.ensure_future(pump(client, upstream, 0, True))
+        t2 = asyncio.ensure_future(pump(upstream, client, 1, False))
+        try:
+            done, _ = await asyncio.wait({t1, t2}, return_when=asyncio.FIRST_EXCEPTION)
+            for t in done:
+                if t.exception() is not None:
+                    raise t.exception()
+            await asyncio.gather(t1, t2)
+        finally:
+            for t in (t1, t2):
+                t.cancel()
+        return counts[0], counts[1]
+
+    async def _terminate(self, ep: Endpoint, client: PlainStream, req: h1.ProxyRequest, hello_bytes: bytes) -> None:
+        from agentvm.gate.tls import TLSServerSide
+
+        tls = TLSStream(client, TLSServerSide(self.server_ctx()))
+        try:
+            await tls.handshake(hello_bytes)
+        except (ssl.SSLError, ConnectionError, asyncio.TimeoutError) as exc:
+            ep.log(verdict="deny", rule_id="tls-handshake", reason=f"TLS handshake with the sandbox failed: {type(exc).__name__}",
+                   host=req.host, port=req.port, method="CONNECT", phase="tls")
+            return
+        pending = b""
+        try:
+            while True:
+                head, pending = await self._read_head(tls, pending)
+                if head is None:
+                    return
+                try:
+                    inner = h1.parse_request(head)
+                except h1.ProtocolError as exc:
+                    ep.log(verdict="deny", rule_id=f"bad-request:{exc.code}", reason=str(exc), host=req.host, port=req.port,
+                           phase="request")
+                    await tls.write(h1.error_response(400, f"bad-request:{exc.code}", str(exc)))
+                    return
+                if not ep.bucket.take():
+                    await self._deny(ep, tls, "limit:rate", "request rate limit", inner, status=429)
+                    return
+                keep, pending = await self._exchange(ep, tls, head, pending, inner, scheme="https", tls_host=(req.host, req.port))
+                if not keep:
+                    return
+        finally:
+            tls.close()
+
+
+class EmbeddedGate:
+    """The gate in a background thread of the current process (``agentvm run`` without a daemon)."""
+
+    def __init__(self, state_dir: Path, log_dir: Path):
+        import threading
+
+        self.gate = Gate(state_dir, log_dir)
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="agentvm-gate", daemon=True)
+        self._thread.start()
+
+    def call(self, coro, timeout: float = 10.0):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def open(self, sandbox_id: str, agent: str, policy: EgressPolicy, sock_path: Path, uid: int | None) -> Endpoint:
+        return self.call(self.gate.open_endpoint(sandbox_id, agent, policy, sock_path, uid=uid))
+
+    def close(self, sandbox_id: str) -> Endpoint | None:
+        return self.call(self.gate.close_endpoint(sandbox_id))
+
+    def stop(self) -> None:
+        async def _shutdown():
+            for sid in list(self.gate.endpoints):
+                await self.gate.close_endpoint(sid)
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in tasks:
+                t.cancel()
+
+        try:
+            self.call(_shutdown(), timeout=5)
+        except Exception:
+            pass
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(5)

@@ -1,0 +1,191 @@
+"""Local upstreams for the gate's end-to-end tests: a test CA, and threaded HTTP and HTTPS
+servers on 127.0.0.1 that record every request they receive (so a test can assert that a
+denied request never arrived). Names used by the tests are mapped to 127.0.0.1 through the
+gate's operator-declared static hosts; no other address is ever used."""
+
+from __future__ import annotations
+
+import datetime
+import http.server
+import io
+import json
+import os
+import socket
+import ssl
+import threading
+import zipfile
+from pathlib import Path
+
+NAMES = ["allowed.test", "api.test", "other.test", "pkgs.test", "git.test", "denied.test", "dns.google"]
+
+
+def make_test_ca(directory: Path) -> tuple[Path, Path, Path]:
+    """A CA plus one server certificate for every test name. Returns (ca.pem, cert, key)."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "agentvm test upstream CA")])
+    ca = (
+        x509.CertificateBuilder()
+        .subject_name(ca_name)
+        .issuer_name(ca_name)
+        .public_key(ca_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(hours=1))
+        .not_valid_after(now + datetime.timedelta(days=2))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(x509.KeyUsage(False, False, False, False, False, True, True, False, False), critical=True)
+        .sign(ca_key, hashes.SHA256())
+    )
+    key = ec.generate_private_key(ec.SECP256R1())
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "agentvm test upstream")]))
+        .issuer_name(ca_name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(hours=1))
+        .not_valid_after(now + datetime.timedelta(days=2))
+        .add_extension(x509.SubjectAlternativeName([x509.DNSName(n) for n in NAMES]), critical=False)
+        .add_extension(x509.ExtendedKeyUsage([x509.oid.ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
+    directory.mkdir(parents=True, exist_ok=True)
+    ca_pem = directory / "test-ca.pem"
+    ca_pem.write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+    cert_pem = directory / "server.pem"
+    cert_pem.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_pem = directory / "server.key"
+    key_pem.write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
+    for p in (ca_pem, cert_pem):
+        os.chmod(p, 0o644)
+    return ca_pem, cert_pem, key_pem
+
+
+def make_wheel() -> bytes:
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as z:
+        z.writestr("agentvm_demo/__init__.py", "VALUE = 42\n")
+        z.writestr("agentvm_demo-0.1.dist-info/METADATA", "Metadata-Version: 2.1\nName: agentvm-demo\nVersion: 0.1\n")
+        z.writestr("agentvm_demo-0.1.dist-info/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        z.writestr("agentvm_demo-0.1.dist-info/RECORD", "")
+    return buf.getvalue()
+
+
+class Upstream:
+    """A threaded HTTP(S) server; ``seen`` lists (method, host header, path, body length)."""
+
+    def __init__(self, tls: tuple[Path, Path] | None = None, git_root: Path | None = None):
+        self.seen: list[tuple[str, str, str, int]] = []
+        self.lock = threading.Lock()
+        self.wheel = make_wheel()
+        self.git_root = git_root
+        outer = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *a):
+                pass
+
+            def _body(self) -> bytes:
+                n = int(self.headers.get("Content-Length") or 0)
+                data = b""
+                while len(data) < n:
+                    chunk = self.rfile.read(min(65536, n - len(data)))
+                    if not chunk:
+                        break
+                    data += chunk
+                return data
+
+            def _reply(self, code: int, body: bytes, ctype: str = "application/json", extra=()):
+                self.send_response(code)
+                self.send_header("Content-Type", ctype)
+                self.send_header("Content-Length", str(len(body)))
+                for k, v in extra:
+                    self.send_header(k, v)
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(body)
+
+            def _handle(self):
+                body = self._body()
+                with outer.lock:
+                    outer.seen.append((self.command, self.headers.get("Host", ""), self.path, len(body)))
+                path = self.path.split("?", 1)[0]
+                if path.startswith("/redirect"):
+                    to = self.path.split("to=", 1)[1] if "to=" in self.path else "/"
+                    return self._reply(302, b"", extra=[("Location", to)])
+                if path == "/simple/agentvm-demo/":
+                    page = b'<html><body><a href="/files/agentvm_demo-0.1-py3-none-any.whl">agentvm_demo-0.1-py3-none-any.whl</a></body></html>'
+                    return self._reply(200, page, "text/html")
+                if path == "/files/agentvm_demo-0.1-py3-none-any.whl":
+                    return self._reply(200, outer.wheel, "application/octet-stream")
+                if outer.git_root is not None and path.startswith("/repo.git/"):
+                    f = outer.git_root / path[len("/repo.git/") :]
+                    if f.is_file():
+                        return self._reply(200, f.read_bytes(), "application/octet-stream")
+                    return self._reply(404, b"{}")
+                echo = {"method": self.command, "path": self.path, "host": self.headers.get("Host"), "body_len": len(body),
+                        "headers": {k.lower(): v for k, v in self.headers.items()}}
+                return self._reply(200, json.dumps(echo).encode())
+
+            do_GET = do_POST = do_PUT = do_DELETE = do_HEAD = do_PATCH = _handle
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        if tls is not None:
+            ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            ctx.load_cert_chain(str(tls[0]), str(tls[1]))
+            self.httpd.socket = ctx.wrap_socket(self.httpd.socket, server_side=True)
+        self.port = self.httpd.server_address[1]
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread.start()
+
+    def requests_to(self, host: str) -> list:
+        with self.lock:
+            return [s for s in self.seen if s[1].split(":")[0] == host]
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+class Listener:
+    """A raw TCP/UDP listener on a host loopback address that records whether anything arrived."""
+
+    def __init__(self, family=socket.AF_INET, kind=socket.SOCK_STREAM, addr="127.0.0.1"):
+        self.sock = socket.socket(family, kind)
+        self.sock.bind((addr, 0))
+        self.port = self.sock.getsockname()[1]
+        self.hits = 0
+        if kind == socket.SOCK_STREAM:
+            self.sock.listen(8)
+        self.sock.settimeout(0.2)
+        self._stop = False
+        self.kind = kind
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self):
+        while not self._stop:
+            try:
+                if self.kind == socket.SOCK_STREAM:
+                    c, _ = self.sock.accept()
+                    c.close()
+                else:
+                    self.sock.recvfrom(4096)
+                self.hits += 1
+            except (socket.timeout, OSError):
+                continue
+
+    def close(self):
+        self._stop = True
+        self.thread.join(2)
+        self.sock.close()
