@@ -41,6 +41,20 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ "$(cat "$stamp")" !
   "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e ".[test]"
   echo "$PWD" > "$stamp"
 fi
+# Node's fetch ignores proxy variables before Node 24: a preload with undici routes it through
+# the egress gate (see src/agentvm/native/node-proxy.js). Optional: only where npm exists.
+NODE_SHIM="${AGENTVM_NODE_SHIM:-$(dirname "$VENV")/node}"
+if command -v npm >/dev/null 2>&1 && [ ! -f "$NODE_SHIM/node_modules/undici/package.json" ]; then
+  echo "install: undici (Node fetch through the gate) into $NODE_SHIM" >&2
+  mkdir -p "$NODE_SHIM"
+  npm install --silent --no-audit --no-fund --prefix "$NODE_SHIM" undici@6 >/dev/null 2>&1 \
+    || echo "install: warning: could not install undici; Node fetch will have no route out" >&2
+fi
+if [ -d "$NODE_SHIM" ]; then
+  install -m 0644 src/agentvm/native/node-proxy.js "$NODE_SHIM/proxy.js"
+  chmod -R a+rX "$NODE_SHIM"
+fi
+
 # Byte-compile our sources: the CLI's start-up is part of every sandbox launch, and an
 # environment with PYTHONDONTWRITEBYTECODE=1 would otherwise recompile them on every run.
 "$VENV/bin/python" -m compileall -q -j 0 src/agentvm >/dev/null

@@ -230,6 +230,7 @@ class Runtime:
                 sandbox_id=sandbox_id,
                 etc_view=etc,
                 gate_socket=str(self.paths.sandboxes / sandbox_id / "gate.sock") if policy.egress is not None else "",
+                node_shim=_node_shim() if policy.egress is not None else "",
                 host_uid=uid,
                 host_gid=gid,
                 workspace_host=ws_host,
@@ -377,6 +378,12 @@ def _install_signal_handlers():
 def _restore_signal_handlers(old) -> None:
     for s, h in old.items():
         signal.signal(s, h)
+
+
+def _node_shim() -> str:
+    """The undici preload for Node's fetch (installed by scripts/install.sh), if present."""
+    d = os.environ.get("AGENTVM_NODE_SHIM") or "/opt/agentvm/node"
+    return d if os.path.isfile(os.path.join(d, "proxy.js")) and os.path.isdir(os.path.join(d, "node_modules", "undici")) else ""
 
 
 def _uid_can_write(path: str, uid: int, gid: int) -> bool:

@@ -10,8 +10,11 @@ import http.server
 import io
 import json
 import os
+import hashlib
 import socket
 import ssl
+import subprocess
+import tarfile
 import threading
 import zipfile
 from pathlib import Path
@@ -78,6 +81,42 @@ def make_wheel() -> bytes:
     return buf.getvalue()
 
 
+def make_npm_tarball() -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as t:
+        data = b'{"name": "agentvm-demo", "version": "0.1.0", "main": "index.js"}\n'
+        info = tarfile.TarInfo("package/package.json")
+        info.size = len(data)
+        t.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
+
+
+def make_git_repo(directory: Path) -> Path:
+    """A small bare repository served over git's dumb HTTP protocol (static files)."""
+    bare = directory / "repo.git"
+    work = directory / "repo-work"
+    env = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@example.invalid",
+           "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@example.invalid", "GIT_CONFIG_NOSYSTEM": "1",
+           "HOME": str(directory)}
+
+    def git(*args, cwd=None):
+        subprocess.run(["git", *args], cwd=cwd, env=env, check=True, capture_output=True)
+
+    git("init", "-q", "--bare", "-b", "main", str(bare))
+    git("init", "-q", "-b", "main", str(work))
+    (work / "README.md").write_text("hello from the gate test repo\n")
+    git("add", "README.md", cwd=work)
+    git("commit", "-q", "-m", "initial", cwd=work)
+    git("push", "-q", str(bare), "main", cwd=work)
+    git("update-server-info", cwd=bare)
+    for root, dirs, files in os.walk(directory):
+        for d in dirs:
+            os.chmod(os.path.join(root, d), 0o755)
+        for f in files:
+            os.chmod(os.path.join(root, f), 0o644)
+    return bare
+
+
 class Upstream:
     """A threaded HTTP(S) server; ``seen`` lists (method, host header, path, body length)."""
 
@@ -85,7 +124,9 @@ class Upstream:
         self.seen: list[tuple[str, str, str, int]] = []
         self.lock = threading.Lock()
         self.wheel = make_wheel()
+        self.npm_tarball = make_npm_tarball()
         self.git_root = git_root
+        self.tls = tls is not None
         outer = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -127,6 +168,15 @@ class Upstream:
                     return self._reply(200, page, "text/html")
                 if path == "/files/agentvm_demo-0.1-py3-none-any.whl":
                     return self._reply(200, outer.wheel, "application/octet-stream")
+                if path == "/npm/agentvm-demo":
+                    scheme = "https" if outer.tls else "http"
+                    doc = {"name": "agentvm-demo", "dist-tags": {"latest": "0.1.0"},
+                           "versions": {"0.1.0": {"name": "agentvm-demo", "version": "0.1.0",
+                                                  "dist": {"tarball": f"{scheme}://{self.headers.get('Host')}/npm/agentvm-demo-0.1.0.tgz",
+                                                           "shasum": hashlib.sha1(outer.npm_tarball).hexdigest()}}}}
+                    return self._reply(200, json.dumps(doc).encode())
+                if path == "/npm/agentvm-demo-0.1.0.tgz":
+                    return self._reply(200, outer.npm_tarball, "application/octet-stream")
                 if outer.git_root is not None and path.startswith("/repo.git/"):
                     f = outer.git_root / path[len("/repo.git/") :]
                     if f.is_file():
@@ -143,10 +193,20 @@ class Upstream:
         if tls is not None:
             ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
             ctx.load_cert_chain(str(tls[0]), str(tls[1]))
-            self.httpd.socket = ctx.wrap_socket(self.httpd.socket, server_side=True)
+            # handshake lazily in the handler thread: a client that never completes its
+            # handshake must not block the accept loop for every other test
+            self.httpd.socket = ctx.wrap_socket(self.httpd.socket, server_side=True, do_handshake_on_connect=False)
         self.port = self.httpd.server_address[1]
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
         self.thread.start()
+
+    def clear(self) -> None:
+        with self.lock:
+            self.seen.clear()
+
+    def paths_seen(self) -> list[str]:
+        with self.lock:
+            return [s[2] for s in self.seen]
 
     def requests_to(self, host: str) -> list:
         with self.lock:
@@ -162,6 +222,7 @@ class Listener:
 
     def __init__(self, family=socket.AF_INET, kind=socket.SOCK_STREAM, addr="127.0.0.1"):
         self.sock = socket.socket(family, kind)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind((addr, 0))
         self.port = self.sock.getsockname()[1]
         self.hits = 0

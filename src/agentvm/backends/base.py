@@ -104,6 +104,7 @@ class LaunchContext:
     etc_view: str = ""  # host dir with the allowlisted, read-only /etc (see bwrap.etc_view)
     gate_socket: str = ""  # host path of this sandbox's egress-gate unix socket ("" = no gate)
     gate_port: int = 3128  # loopback port inside the sandbox bridged to the gate
+    node_shim: str = ""  # host dir with proxy.js + undici (Node fetch through the gate), "" = none
     tty: bool = False
     drop_privileges: bool = True  # False when agentvm itself is not root
     degraded: tuple[str, ...] = ()  # primitives the operator explicitly waived

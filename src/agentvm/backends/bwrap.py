@@ -45,6 +45,7 @@ HELPER_IN_SANDBOX = "/.agentvm/init"
 GATE_IN_SANDBOX = "/.agentvm/gate.sock"
 CA_BUNDLE = "/etc/ssl/certs/ca-certificates.crt"  # system CAs + the gate's CA (see etc_view)
 GATE_CA_FILE = "/etc/ssl/certs/agentvm-gate-ca.pem"
+NODE_SHIM_IN_SANDBOX = "/.agentvm/node"
 # /etc entries visible in the sandbox (read-only, if they exist). Everything else of the
 # host's /etc - shadow, sudoers, ssh keys, machine-id, pip/npm configs with tokens - is absent.
 ETC_ALLOW = (
@@ -199,6 +200,8 @@ class BwrapBackend:
             if not ctx.gate_socket:
                 raise BackendError("the policy has egress rules but no gate socket was provided (fail closed)")
             mounts.append(MountOp("ro-bind", GATE_IN_SANDBOX, ctx.gate_socket))
+            if ctx.node_shim:
+                mounts.append(MountOp("ro-bind", NODE_SHIM_IN_SANDBOX, ctx.node_shim))
         mounts.append(MountOp("remount-ro", "/"))
 
         ro = ["/usr", "/etc", "/.agentvm", *policy.extra_ro] + [m.path for m in policy.mounts if not m.writable]
@@ -252,6 +255,9 @@ class BwrapBackend:
             for k in ("SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", "GIT_SSL_CAINFO", "PIP_CERT"):
                 env[k] = CA_BUNDLE
             env["NODE_EXTRA_CA_CERTS"] = GATE_CA_FILE
+            env["NODE_USE_ENV_PROXY"] = "1"  # Node >= 24 honours the proxy variables natively
+            if ctx.node_shim:
+                env["NODE_OPTIONS"] = f"--require {NODE_SHIM_IN_SANDBOX}/proxy.js"
         env.update(dict(policy.env))
 
         launch = [ctx.helper, "launch", "--status-fd", "@fd:status@"]

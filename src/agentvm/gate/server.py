@@ -379,12 +379,14 @@ class Gate:
 
     # -- plain HTTP and requests inside a terminated tunnel --------------------------------
     async def _exchange(self, ep: Endpoint, client, head: bytes, pending: bytes, req: h1.ProxyRequest, *, scheme: str,
-                        tls_host: str | None) -> tuple[bool, bytes]:
-        """Decide and forward one request; returns (keep the client connection, leftover bytes)."""
+                        tls_host: tuple[str, int] | None) -> tuple[bool, bytes]:
+        """Decide and forward one request; returns (keep the client connection, leftover bytes).
+        ``tls_host`` is the CONNECT target when the request travels inside a tunnel (TLS
+        terminated by the gate when ``scheme == "https"``, plain HTTP otherwise)."""
         if tls_host is not None:
-            # inside a terminated tunnel: origin-form only, and Host must be the tunnel's host
+            # inside a tunnel: origin-form only, and Host must be the tunnel's host
             if req.scheme != "origin":
-                await self._deny(ep, client, "bad-request:absolute-form-in-tunnel", "absolute-form inside TLS", req)
+                await self._deny(ep, client, "bad-request:absolute-form-in-tunnel", "absolute-form inside a tunnel", req)
                 return False, b""
             try:
                 same = normalize_host(req.host) == normalize_host(tls_host[0]) and req.port == tls_host[1]
@@ -396,7 +398,7 @@ class Gate:
             req = h1.ProxyRequest(**{**req.__dict__, "host": tls_host[0], "port": tls_host[1]})
         meta = RequestMeta(host=req.host, port=req.port, scheme=scheme, method=req.method, path=req.path,
                            body_size=req.content_length, websocket=req.upgrade_websocket, phase="request",
-                           sni=tls_host[0] if tls_host else None)
+                           sni=tls_host[0] if tls_host and scheme == "https" else None)
         d = decide(meta, ep.policy)
         if not d.allowed:
             await self._deny(ep, client, d.rule_id, d.reason, req)
@@ -508,6 +510,16 @@ class Gate:
 
         buf = pending
         hello = None
+        while not buf:
+            data = await asyncio.wait_for(client.read(), HELLO_TIMEOUT)
+            if not data:
+                return
+            buf += data
+        if buf[:1] != b"\x16" and buf[:1].isalpha():
+            # plain HTTP inside the tunnel (undici, some SDKs tunnel http:// too): every request is
+            # parsed and decided like a forward-proxy request, Host pinned to the CONNECT target
+            await self._plain_tunnel(ep, client, req, buf)
+            return
         try:
             while True:
                 if buf:
@@ -580,6 +592,9 @@ class Gate:
                 t.cancel()
         return counts[0], counts[1]
 
+    async def _plain_tunnel(self, ep: Endpoint, client: PlainStream, req: h1.ProxyRequest, first: bytes) -> None:
+        await self._tunnel_requests(ep, client, req, first, scheme="http")
+
     async def _terminate(self, ep: Endpoint, client: PlainStream, req: h1.ProxyRequest, hello_bytes: bytes) -> None:
         from agentvm.gate.tls import TLSServerSide
 
@@ -590,27 +605,30 @@ class Gate:
             ep.log(verdict="deny", rule_id="tls-handshake", reason=f"TLS handshake with the sandbox failed: {type(exc).__name__}",
                    host=req.host, port=req.port, method="CONNECT", phase="tls")
             return
-        pending = b""
         try:
-            while True:
-                head, pending = await self._read_head(tls, pending)
-                if head is None:
-                    return
-                try:
-                    inner = h1.parse_request(head)
-                except h1.ProtocolError as exc:
-                    ep.log(verdict="deny", rule_id=f"bad-request:{exc.code}", reason=str(exc), host=req.host, port=req.port,
-                           phase="request")
-                    await tls.write(h1.error_response(400, f"bad-request:{exc.code}", str(exc)))
-                    return
-                if not ep.bucket.take():
-                    await self._deny(ep, tls, "limit:rate", "request rate limit", inner, status=429)
-                    return
-                keep, pending = await self._exchange(ep, tls, head, pending, inner, scheme="https", tls_host=(req.host, req.port))
-                if not keep:
-                    return
+            await self._tunnel_requests(ep, tls, req, b"", scheme="https")
         finally:
             tls.close()
+
+    async def _tunnel_requests(self, ep: Endpoint, stream, req: h1.ProxyRequest, pending: bytes, *, scheme: str) -> None:
+        """Requests inside a CONNECT tunnel, one decision each (L7 rules apply)."""
+        while True:
+            head, pending = await self._read_head(stream, pending)
+            if head is None:
+                return
+            try:
+                inner = h1.parse_request(head)
+            except h1.ProtocolError as exc:
+                ep.log(verdict="deny", rule_id=f"bad-request:{exc.code}", reason=str(exc), host=req.host, port=req.port,
+                       phase="request")
+                await stream.write(h1.error_response(400, f"bad-request:{exc.code}", str(exc)))
+                return
+            if not ep.bucket.take():
+                await self._deny(ep, stream, "limit:rate", "request rate limit", inner, status=429)
+                return
+            keep, pending = await self._exchange(ep, stream, head, pending, inner, scheme=scheme, tls_host=(req.host, req.port))
+            if not keep:
+                return
 
 
 class EmbeddedGate:

@@ -1,0 +1,141 @@
+"""The gate's HTTP/1.1 layer, sans-IO: request heads in, ProxyRequest or ProtocolError out.
+
+Playbook style: each case is the bytes an agent sends and what the gate must conclude."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from agentvm.gate import h1
+
+
+def head(*lines: str) -> bytes:
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+
+
+# ---- what must be accepted -------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "raw,expect",
+    [
+        (head("GET http://a.test/x?y=1 HTTP/1.1", "Host: a.test"), ("http", "a.test", 80, "/x?y=1")),
+        (head("GET http://a.test:8080 HTTP/1.1", "Host: a.test:8080"), ("http", "a.test", 8080, "/")),
+        (head("GET http://A.Test./p HTTP/1.1", "Host: a.test"), ("http", "A.Test.", 80, "/p")),
+        (head("CONNECT a.test:443 HTTP/1.1", "Host: a.test:443"), ("connect", "a.test", 443, "")),
+        (head("CONNECT [::1]:8443 HTTP/1.1", "Host: [::1]:8443"), ("connect", "[::1]", 8443, "")),
+        (head("GET /inside HTTP/1.1", "Host: a.test"), ("origin", "a.test", 80, "/inside")),
+        (head("POST http://a.test/u HTTP/1.1", "Host: a.test", "Content-Length: 3"), ("http", "a.test", 80, "/u")),
+        (head("POST http://a.test/u HTTP/1.1", "Host: a.test", "Transfer-Encoding: chunked"), ("http", "a.test", 80, "/u")),
+    ],
+)
+def test_accepted_requests(raw, expect):
+    r = h1.parse_request(raw)
+    assert (r.scheme, r.host, r.port, r.path) == expect
+
+
+def test_body_framing_and_upgrade_are_reported():
+    r = h1.parse_request(head("POST http://a.test/ HTTP/1.1", "Host: a.test", "Content-Length: 12"))
+    assert r.content_length == 12 and not r.chunked
+    r = h1.parse_request(head("GET http://a.test/ws HTTP/1.1", "Host: a.test", "Upgrade: websocket", "Connection: Upgrade"))
+    assert r.upgrade_websocket
+
+
+# ---- what must be refused (smuggling and ambiguity) -----------------------------------------
+
+
+@pytest.mark.parametrize(
+    "raw,code",
+    [
+        (head("POST http://a/ HTTP/1.1", "Host: a", "Content-Length: 3", "Transfer-Encoding: chunked"), "cl-and-te"),
+        (head("POST http://a/ HTTP/1.1", "Host: a", "Transfer-Encoding: chunked", "Content-Length: 3"), "cl-and-te"),
+        (head("POST http://a/ HTTP/1.1", "Host: a", "Content-Length: 3", "Content-Length: 3"), "duplicate-content-length"),
+        (head("POST http://a/ HTTP/1.1", "Host: a", "Content-Length: 3", "Content-Length: 4"), "duplicate-content-length"),
+        (head("POST http://a/ HTTP/1.1", "Host: a", "Content-Length: 3, 3"), "bad-content-length"),
+        (head("POST http://a/ HTTP/1.1", "Host: a", "Content-Length: -1"), "bad-content-length"),
+        (head("POST http://a/ HTTP/1.1", "Host: a", "Transfer-Encoding: gzip, chunked"), "bad-transfer-encoding"),
+        (head("POST http://a/ HTTP/1.1", "Host: a", "Transfer-Encoding: chunked", "Transfer-Encoding: chunked"), "duplicate-transfer-encoding"),
+        (head("POST http://a/ HTTP/1.1", "Host: a", "Transfer-Encoding : chunked"), "bad-header"),
+        (head("GET http://a/ HTTP/1.1", "Host: a", "X-Long: a", " folded"), "obs-fold"),
+        (head("GET http://a/ HTTP/1.1", "Host: a", "X-Long: a", "\tfolded"), "obs-fold"),
+        (b"GET http://a/ HTTP/1.1\nHost: a\r\n\r\n", "bare-lf"),
+        (b"GET http://a/ HTTP/1.1\r\nHost: a\x00\r\n\r\n", "bad-bytes"),
+        (head("GET http://a/ HTTP/1.1", "Host: a", "X: \x01"), "bad-bytes"),
+        (head("GET http://a.test/ HTTP/1.1", "Host: b.test"), "host-mismatch"),
+        (head("GET http://a.test/ HTTP/1.1", "Host: a.test:81"), "host-mismatch"),
+        (head("GET http://a.test@evil.test/ HTTP/1.1", "Host: evil.test"), "bad-authority"),
+        (head("GET https://a.test/ HTTP/1.1", "Host: a.test"), "https-absolute-form"),
+        (head("GET ftp://a.test/ HTTP/1.1", "Host: a.test"), "bad-target"),
+        (head("CONNECT a.test HTTP/1.1", "Host: a.test"), "bad-connect"),
+        (head("CONNECT a.test:99999 HTTP/1.1", "Host: a.test"), "bad-port"),
+        (head("CONNECT a.test:0 HTTP/1.1", "Host: a.test"), "bad-port"),
+        (head("GET http://a/ HTTP/1.1", "Host: a", "Host: b"), "bad-request"),
+        (head("GET http://a/ HTTP/1.1"), "bad-request"),  # HTTP/1.1 without Host
+    ],
+)
+def test_refused_requests(raw, code):
+    with pytest.raises(h1.ProtocolError) as ei:
+        h1.parse_request(raw)
+    assert ei.value.code == code
+
+
+def test_head_reader_is_incremental_and_bounded():
+    hr = h1.HeadReader(limit=1024)
+    raw = head("GET http://a/ HTTP/1.1", "Host: a") + b"BODY"
+    for i, b in enumerate(raw):
+        done = hr.feed(bytes([b]))
+        if done:
+            break
+    assert hr.head == raw[:-4] and hr.rest == b""
+    hr.feed(b"Y")
+    assert hr.rest == b"Y"
+    with pytest.raises(h1.ProtocolError) as ei:
+        h1.HeadReader(limit=100).feed(b"GET http://a/ HTTP/1.1\r\nX: " + b"a" * 200)
+    assert ei.value.code == "head-too-large"
+
+
+def test_hop_by_hop_headers_are_not_forwarded():
+    r = h1.parse_request(
+        head(
+            "GET http://a.test/ HTTP/1.1", "Host: a.test", "Proxy-Authorization: Basic eA==", "Connection: keep-alive, X-Secret",
+            "X-Secret: 1", "Keep-Alive: 5", "Accept: */*", "TE: trailers",
+        )
+    )
+    names = [k for k, _ in h1.forward_headers(r, "a.test")]
+    assert names == [b"host", b"accept"]
+
+
+def test_deny_response_explains_itself():
+    raw = h1.deny_response("allow[2]\r\nX-Evil: 1", "no rule allows it", host="x.test", port=443)
+    head_, _, body = raw.partition(b"\r\n\r\n")
+    lines = head_.split(b"\r\n")
+    assert lines[0] == b"HTTP/1.1 403 Forbidden"
+    denied = [ln for ln in lines if ln.startswith(b"X-Agentvm-Denied: ")]
+    assert len(denied) == 1 and b"\r" not in denied[0][18:] and b"X-Evil" not in b"\n".join(lines[1:]).split(b"X-Agentvm-Denied")[0]
+    doc = json.loads(body)
+    assert doc["error"] == "egress-denied" and doc["host"] == "x.test" and doc["port"] == 443
+    assert int(dict(ln.split(b": ", 1) for ln in lines[1:])[b"Content-Length"]) == len(body)
+
+
+# ---- fuzzing: the byte-level layer only ever answers with ProtocolError ------------------------
+
+TOKENS = [b"GET ", b"POST ", b"CONNECT ", b"http://", b"a.test", b":443", b"/", b" HTTP/1.1", b"\r\n", b"\n", b"Host: ",
+          b"Content-Length: ", b"Transfer-Encoding: chunked", b"0", b"5", b" ", b"\t", b"\x00", b"@", b"[::1]", b":", b"\r\n\r\n"]
+
+
+@settings(max_examples=600, suppress_health_check=[HealthCheck.too_slow], deadline=None)
+@given(st.one_of(st.binary(max_size=512), st.lists(st.sampled_from(TOKENS), max_size=40).map(b"".join)))
+def test_fuzz_parse_request_never_crashes(data):
+    hr = h1.HeadReader(limit=4096)
+    try:
+        if not hr.feed(data):
+            return
+        req = h1.parse_request(hr.head)
+    except h1.ProtocolError:
+        return
+    assert req.scheme in ("connect", "http", "origin")
+    assert 0 < req.port < 65536 or req.scheme == "origin"

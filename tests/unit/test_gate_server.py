@@ -1,0 +1,299 @@
+"""The gate server in-process: a real asyncio Gate on a unix socket, a real upstream on
+127.0.0.1, raw bytes from a client. No sandbox here (tests/integration has those); this is
+where malformed and smuggling traffic is thrown at the gate in volume, and the gate must
+answer or close - and keep serving."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import secrets
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from agentvm.gate.policy import compile_egress
+from agentvm.gate.server import Gate
+
+
+class Upstream:
+    """Minimal HTTP/1.1 upstream: records raw bytes received; answers 200 'ok' per request head."""
+
+    def __init__(self):
+        self.received = bytearray()
+        self.server = None
+        self.port = 0
+
+    async def start(self):
+        async def handle(r, w):
+            buf = b""
+            try:
+                while True:
+                    data = await r.read(65536)
+                    if not data:
+                        break
+                    self.received += data
+                    buf += data
+                    while b"\r\n\r\n" in buf:
+                        hd, _, buf = buf.partition(b"\r\n\r\n")
+                        n = 0
+                        for ln in hd.split(b"\r\n"):
+                            if ln.lower().startswith(b"content-length:"):
+                                n = int(ln.split(b":")[1])
+                        while len(buf) < n:
+                            more = await r.read(65536)
+                            if not more:
+                                break
+                            self.received += more
+                            buf += more
+                        buf = buf[n:]
+                        w.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nContent-Type: text/plain\r\n\r\nok")
+                        await w.drain()
+            except (ConnectionError, asyncio.CancelledError):
+                pass
+            finally:
+                w.close()
+
+        self.server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        self.port = self.server.sockets[0].getsockname()[1]
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 60))
+
+
+async def setup_gate(tmp: Path, **limits):
+    up = Upstream()
+    await up.start()
+    eg = compile_egress(None, extra_allow=[f"up.test:{up.port}"], extra_hosts={"up.test": "127.0.0.1"})
+    if limits:
+        from dataclasses import replace
+
+        eg = replace(eg, limits=replace(eg.limits, **limits))
+    gate = Gate(tmp / "gate", tmp / "logs")
+    sock = tmp / f"g-{secrets.token_hex(3)}.sock"
+    ep = await gate.open_endpoint("sbx-1", "agent", eg, sock)
+    return gate, ep, up, sock
+
+
+async def exchange(sock: Path, data: bytes, *, read_timeout: float = 5.0) -> bytes:
+    r, w = await asyncio.open_unix_connection(str(sock))
+    out = b""
+    try:
+        w.write(data)
+        await w.drain()
+        while True:
+            chunk = await asyncio.wait_for(r.read(65536), read_timeout)
+            if not chunk:
+                break
+            out += chunk
+            if out.endswith(b"ok") or b"\r\n\r\n{" in out and out.rstrip().endswith(b"}"):
+                break
+    except (asyncio.TimeoutError, ConnectionError):
+        pass  # the gate may cut a connection: what it answered before is what counts
+    w.close()
+    return out
+
+
+def req(port: int, host: str = "up.test", path: str = "/", extra: str = "", body: bytes = b"", method: str = "GET") -> bytes:
+    h = f"{method} http://{host}:{port}{path} HTTP/1.1\r\nHost: {host}:{port}\r\n{extra}"
+    if body:
+        h += f"Content-Length: {len(body)}\r\n"
+    return (h + "\r\n").encode() + body
+
+
+def test_allowed_request_is_forwarded_and_logged(tmp_path):
+    async def go():
+        gate, ep, up, sock = await setup_gate(tmp_path)
+        out = await exchange(sock, req(up.port, path="/hello"))
+        assert out.startswith(b"HTTP/1.1 200") and out.endswith(b"ok")
+        assert b"GET /hello HTTP/1.1" in bytes(up.received)
+        await gate.close_endpoint("sbx-1")
+        return ep
+
+    ep = run(go())
+    lines = [json.loads(ln) for ln in ep.log_path.read_text().splitlines()]
+    assert lines[-1]["verdict"] == "allow" and lines[-1]["path"] == "/hello" and lines[-1]["sandbox"] == "sbx-1"
+    assert oct(ep.log_path.stat().st_mode & 0o777) == "0o600"
+
+
+def test_denied_request_gets_403_and_never_reaches_upstream(tmp_path):
+    async def go():
+        gate, ep, up, sock = await setup_gate(tmp_path)
+        out = await exchange(sock, req(up.port, host="other.test"))
+        return out, bytes(up.received)
+
+    out, received = run(go())
+    head, _, body = out.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 403") and b"X-Agentvm-Denied: default-deny" in head
+    assert json.loads(body)["rule"] == "default-deny"
+    assert received == b""
+
+
+@pytest.mark.parametrize(
+    "smuggle",
+    [
+        # CL.TE: a front end honouring Content-Length and a back end honouring chunked disagree
+        b"POST http://up.test:{p}/ HTTP/1.1\r\nHost: up.test:{p}\r\nContent-Length: 13\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\nSMUGGLED",
+        # TE.CL
+        b"POST http://up.test:{p}/ HTTP/1.1\r\nHost: up.test:{p}\r\nTransfer-Encoding: chunked\r\nContent-Length: 3\r\n\r\n8\r\nSMUGGLED\r\n0\r\n\r\n",
+        # CL.CL
+        b"POST http://up.test:{p}/ HTTP/1.1\r\nHost: up.test:{p}\r\nContent-Length: 0\r\nContent-Length: 8\r\n\r\nSMUGGLED",
+        # obs-fold hiding a Transfer-Encoding
+        b"POST http://up.test:{p}/ HTTP/1.1\r\nHost: up.test:{p}\r\nX: y\r\n Transfer-Encoding: chunked\r\nContent-Length: 8\r\n\r\nSMUGGLED",
+        # TE obfuscation
+        b"POST http://up.test:{p}/ HTTP/1.1\r\nHost: up.test:{p}\r\nTransfer-Encoding: xchunked\r\n\r\nSMUGGLED",
+    ],
+)
+def test_smuggling_is_rejected_and_gate_stays_up(tmp_path, smuggle):
+    async def go():
+        gate, ep, up, sock = await setup_gate(tmp_path)
+        out = await exchange(sock, smuggle.replace(b"{p}", str(up.port).encode()))
+        after = await exchange(sock, req(up.port, path="/after"))
+        return out, after, bytes(up.received), ep
+
+    out, after, received, ep = run(go())
+    assert out.startswith(b"HTTP/1.1 400") and b"X-Agentvm-Denied: bad-request:" in out
+    assert b"SMUGGLED" not in received
+    assert after.startswith(b"HTTP/1.1 200"), "the gate keeps serving"
+    assert any(json.loads(ln)["rule"].startswith("bad-request:") for ln in ep.log_path.read_text().splitlines())
+
+
+def test_pipelined_second_request_is_checked_too(tmp_path):
+    async def go():
+        gate, ep, up, sock = await setup_gate(tmp_path)
+        data = req(up.port, path="/one") + req(up.port, host="other.test", path="/two")
+        r, w = await asyncio.open_unix_connection(str(sock))
+        w.write(data)
+        await w.drain()
+        out = b""
+        while True:
+            chunk = await asyncio.wait_for(r.read(65536), 5)
+            if not chunk:
+                break
+            out += chunk
+        w.close()
+        return out, bytes(up.received)
+
+    out, received = run(go())
+    assert out.startswith(b"HTTP/1.1 200") and b"HTTP/1.1 403" in out
+    assert b"/two" not in received
+
+
+def test_rate_limit(tmp_path):
+    async def go():
+        gate, ep, up, sock = await setup_gate(tmp_path, requests_per_second=0.5, burst=2)
+        outs = [await exchange(sock, req(up.port)) for _ in range(4)]
+        return outs
+
+    outs = run(go())
+    assert sum(o.startswith(b"HTTP/1.1 200") for o in outs) == 2
+    assert sum(b"X-Agentvm-Denied: limit:rate" in o for o in outs) == 2
+
+
+def test_connection_limit(tmp_path):
+    async def go():
+        gate, ep, up, sock = await setup_gate(tmp_path, connections=1)
+        r1, w1 = await asyncio.open_unix_connection(str(sock))
+        w1.write(b"GET http://up.test")  # an incomplete head keeps the connection busy
+        await w1.drain()
+        await asyncio.sleep(0.2)
+        out = await exchange(sock, req(up.port))
+        w1.close()
+        return out
+
+    out = run(go())
+    assert out.startswith(b"HTTP/1.1 429") and b"limit:connections" in out
+
+
+def test_bytes_out_limit_cuts_an_upload(tmp_path):
+    async def go():
+        gate, ep, up, sock = await setup_gate(tmp_path, bytes_out=100_000)
+        out = await exchange(sock, req(up.port, method="POST", body=b"x" * 1_000_000))
+        await asyncio.sleep(0.2)
+        return out, len(up.received), ep
+
+    out, got, ep = run(go())
+    assert not out.startswith(b"HTTP/1.1 200")
+    assert got < 300_000
+    assert any(json.loads(ln)["rule"] == "limit:bytes-out" for ln in ep.log_path.read_text().splitlines())
+
+
+def test_log_lines_escape_control_characters(tmp_path):
+    async def go():
+        gate, ep, up, sock = await setup_gate(tmp_path)
+        await exchange(sock, b"CONNECT evil\x01\x1b[31m.test:443 HTTP/1.1\r\nHost: x\r\n\r\n")
+        await exchange(sock, req(up.port, host="other.test", path="/%01%1b\x7f"))
+        return ep
+
+    ep = run(go())
+    data = ep.log_path.read_bytes()
+    assert all(b >= 0x20 or b == 0x0A for b in data) and 0x7F not in data
+    for ln in data.splitlines():
+        json.loads(ln)
+
+
+def test_connect_to_denied_host_is_refused_before_tls(tmp_path):
+    async def go():
+        gate, ep, up, sock = await setup_gate(tmp_path)
+        return await exchange(sock, b"CONNECT other.test:443 HTTP/1.1\r\nHost: other.test:443\r\n\r\n")
+
+    out = run(go())
+    assert out.startswith(b"HTTP/1.1 403") and b"default-deny" in out
+
+
+def test_connect_requires_a_tls_client_hello(tmp_path):
+    async def go():
+        gate, ep, up, sock = await setup_gate(tmp_path)
+        r, w = await asyncio.open_unix_connection(str(sock))
+        w.write(f"CONNECT up.test:{up.port} HTTP/1.1\r\nHost: up.test:{up.port}\r\n\r\n".encode())
+        await w.drain()
+        first = await asyncio.wait_for(r.read(65536), 5)
+        w.write(b"\x00\x01garbage that is neither TLS nor HTTP")
+        await w.drain()
+        rest = await asyncio.wait_for(r.read(65536), 5)
+        w.close()
+        return first, rest, ep, bytes(up.received)
+
+    first, rest, ep, received = run(go())
+    assert first.startswith(b"HTTP/1.1 200")
+    assert rest == b"" and received == b""
+    assert any(json.loads(ln)["rule"] == "not-tls" for ln in ep.log_path.read_text().splitlines())
+
+
+_STATE: dict = {}
+
+
+@settings(max_examples=150, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture], deadline=None)
+@given(st.lists(st.one_of(st.binary(max_size=300), st.sampled_from([
+    b"GET http://up.test:1/ HTTP/1.1\r\n", b"CONNECT up.test:1 HTTP/1.1\r\n", b"Host: up.test:1\r\n", b"Content-Length: 5\r\n",
+    b"Transfer-Encoding: chunked\r\n", b"\r\n", b"\r\n\r\n", b"0\r\n\r\n", b"\x16\x03\x01\x00\x05", b" folded\r\n",
+])), min_size=1, max_size=12))
+def test_fuzz_gate_stays_up(tmp_path_factory, chunks):
+    """Arbitrary bytes at the gate: it answers or closes, never crashes, and keeps serving."""
+    tmp = tmp_path_factory.mktemp("fuzz")
+
+    async def go():
+        gate, ep, up, sock = await setup_gate(tmp)
+        r, w = await asyncio.open_unix_connection(str(sock))
+        for c in chunks:
+            w.write(c)
+        try:
+            await w.drain()
+            w.write_eof()
+            while await asyncio.wait_for(r.read(65536), 3):
+                pass
+        except (ConnectionError, asyncio.TimeoutError):
+            pass
+        w.close()
+        good = await exchange(sock, req(up.port, path="/alive"))
+        await gate.close_endpoint("sbx-1")
+        return good, ep
+
+    good, ep = run(go())
+    assert good.startswith(b"HTTP/1.1 200"), good[:200]
+    for ln in ep.log_path.read_text().splitlines():
+        assert json.loads(ln)["rule"] != "internal-error", ln
