@@ -297,3 +297,46 @@ def test_fuzz_gate_stays_up(tmp_path_factory, chunks):
     assert good.startswith(b"HTTP/1.1 200"), good[:200]
     for ln in ep.log_path.read_text().splitlines():
         assert json.loads(ln)["rule"] != "internal-error", ln
+
+
+def test_websocket_upgrade_only_where_allowed_and_relayed(tmp_path):
+    async def go():
+        async def ws_upstream(r, w):
+            hd = await r.readuntil(b"\r\n\r\n")
+            assert b"upgrade: websocket" in hd.lower()
+            w.write(b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\n")
+            await w.drain()
+            while True:
+                data = await r.read(100)
+                if not data:
+                    break
+                w.write(b"echo:" + data)
+                await w.drain()
+            w.close()
+
+        srv = await asyncio.start_server(ws_upstream, "127.0.0.1", 0)
+        port = srv.sockets[0].getsockname()[1]
+        from types import SimpleNamespace
+
+        rule = SimpleNamespace(host="ws.test", ports=[port], methods=[], paths=[], max_body=None, websocket=True, id="ws")
+        plain = SimpleNamespace(host="nows.test", ports=[port], methods=[], paths=[], max_body=None, websocket=False, id="nows")
+        eg = compile_egress(SimpleNamespace(allow=[rule, plain], hosts={"ws.test": "127.0.0.1", "nows.test": "127.0.0.1"}))
+        gate = Gate(tmp_path / "gate", tmp_path / "logs")
+        sock = tmp_path / "ws.sock"
+        await gate.open_endpoint("sbx-ws", "agent", eg, sock)
+        upgrade = "GET http://{h}:{p}/chat HTTP/1.1\r\nHost: {h}:{p}\r\nUpgrade: websocket\r\nConnection: Upgrade\r\nSec-WebSocket-Key: x\r\nSec-WebSocket-Version: 13\r\n\r\n"
+        r, w = await asyncio.open_unix_connection(str(sock))
+        w.write(upgrade.format(h="ws.test", p=port).encode())
+        await w.drain()
+        head = await asyncio.wait_for(r.readuntil(b"\r\n\r\n"), 5)
+        w.write(b"ping")
+        await w.drain()
+        echoed = await asyncio.wait_for(r.read(100), 5)
+        w.close()
+        denied = await exchange(sock, upgrade.format(h="nows.test", p=port).encode())
+        srv.close()
+        return head, echoed, denied
+
+    head, echoed, denied = run(go())
+    assert head.startswith(b"HTTP/1.1 101") and echoed == b"echo:ping"
+    assert denied.startswith(b"HTTP/1.1 403")

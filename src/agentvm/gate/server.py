@@ -436,8 +436,10 @@ class Gate:
         assert isinstance(ev, h11.Request)
         host_value = req.host if req.port in (80, 443) else f"{req.host}:{req.port}"
         up = h11.Connection(h11.CLIENT)
-        await upstream.write(up.send(h11.Request(method=req.method, target=req.path,
-                                                 headers=h1.forward_headers(req, host_value) + [(b"connection", b"close")])))
+        ws = req.upgrade_websocket  # decide() allowed it, so a rule says websocket: true
+        headers = (h1.forward_headers(req, host_value, keep_upgrade=True) if ws
+                   else h1.forward_headers(req, host_value) + [(b"connection", b"close")])
+        await upstream.write(up.send(h11.Request(method=req.method, target=req.path, headers=headers)))
         sent = 0
         # request body
         while True:
@@ -473,6 +475,20 @@ class Gate:
                 up.receive_data(data)  # b"" signals EOF
                 continue
             if isinstance(ev, h11.InformationalResponse):
+                if ws and ev.status_code == 101:
+                    await client.write(down.send(h11.InformationalResponse(
+                        status_code=101, reason=ev.reason, headers=h1.response_headers(ev.headers, keep_upgrade=True))))
+                    # the upgraded connection is relayed as bytes (still counted against bytesOut)
+                    up_rest, down_rest = up.trailing_data[0], down.trailing_data[0]
+                    if up_rest:
+                        await client.write(up_rest)
+                    if down_rest:
+                        ep.count_out(len(down_rest))
+                        await upstream.write(down_rest)
+                    out, inn = await self._splice(ep, client, upstream)
+                    ep.log(verdict="allow", rule_id=d.rule_id, reason="websocket relayed", host=req.host, port=req.port,
+                           method=req.method, path=req.path, phase="websocket", bytes_out=sent + out, bytes_in=inn)
+                    return False, b""
                 continue
             if isinstance(ev, h11.Response):
                 await client.write(down.send(h11.Response(status_code=ev.status_code, reason=ev.reason,
@@ -574,8 +590,9 @@ class Gate:
                     await dst.write(data)
             finally:
                 try:
-                    if dst.writer.can_write_eof():
-                        dst.writer.write_eof()
+                    w = getattr(dst, "writer", None)
+                    if w is not None and w.can_write_eof():
+                        w.write_eof()
                 except (OSError, RuntimeError):
                     pass
 
