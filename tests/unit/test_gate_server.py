@@ -340,3 +340,42 @@ def test_websocket_upgrade_only_where_allowed_and_relayed(tmp_path):
     head, echoed, denied = run(go())
     assert head.startswith(b"HTTP/1.1 101") and echoed == b"echo:ping"
     assert denied.startswith(b"HTTP/1.1 403")
+
+
+def test_upstream_connections_are_reused_and_stale_ones_retried(tmp_path):
+    async def go():
+        accepts = []
+        conns = []
+
+        async def handle(r, w):
+            accepts.append(1)
+            conns.append(w)
+            try:
+                while True:
+                    await r.readuntil(b"\r\n\r\n")
+                    w.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+                    await w.drain()
+            except (asyncio.IncompleteReadError, ConnectionError):
+                pass
+            w.close()
+
+        srv = await asyncio.start_server(handle, "127.0.0.1", 0)
+        port = srv.sockets[0].getsockname()[1]
+        eg = compile_egress(None, extra_allow=[f"up.test:{port}"], extra_hosts={"up.test": "127.0.0.1"})
+        gate = Gate(tmp_path / "gate", tmp_path / "logs")
+        sock = tmp_path / "p.sock"
+        await gate.open_endpoint("sbx-p", "agent", eg, sock)
+        outs = [await exchange(sock, req(port, path=f"/{i}")) for i in range(5)]
+        reused = len(accepts)
+        for w in conns:  # the upstream drops its idle connections
+            w.close()
+        await asyncio.sleep(0.1)
+        after = await exchange(sock, req(port, path="/after-close"))
+        await gate.close_endpoint("sbx-p")
+        srv.close()
+        return outs, reused, after
+
+    outs, reused, after = run(go())
+    assert all(o.startswith(b"HTTP/1.1 200") for o in outs)
+    assert reused == 1, "five requests, one upstream connection"
+    assert after.startswith(b"HTTP/1.1 200"), "a stale pooled connection is retried on a fresh one"

@@ -159,16 +159,23 @@ def _split_authority(auth: str, default_port: int) -> tuple[str, int]:
 
 def parse_request(head: bytes) -> ProxyRequest:
     """A checked head -> ProxyRequest (raises ProtocolError)."""
+    return parse_head(head)[0]
+
+
+def parse_head(head: bytes, rest: bytes = b"") -> tuple[ProxyRequest, h11.Connection]:
+    """Check and parse one request head; also returns the h11 server-side connection, fed
+    with ``head + rest`` and positioned after the Request event, so the body (and the
+    response) go through the same parser: one parse per request."""
     check_head(head)
     conn = h11.Connection(h11.SERVER)
-    conn.receive_data(head)
+    conn.receive_data(head + rest)
     try:
         ev = conn.next_event()
     except h11.RemoteProtocolError as exc:
         raise ProtocolError("bad-request", str(exc)) from None
     if not isinstance(ev, h11.Request):
         raise ProtocolError("bad-request", "incomplete request head")
-    return request_from_h11(ev)
+    return request_from_h11(ev), conn
 
 
 def request_from_h11(ev: h11.Request) -> ProxyRequest:

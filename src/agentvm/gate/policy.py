@@ -255,6 +255,19 @@ def _idna_label(label: str, raw: str) -> str:
 
 
 def normalize_host(raw: str) -> str:
+    """Cached front of :func:`_normalize_host` (pure; the gate calls it several times per
+    request). Errors are not cached."""
+    if not isinstance(raw, str):
+        raise ValueError("host must be a string")
+    return _normalize_host_cached(raw)
+
+
+@lru_cache(maxsize=4096)
+def _normalize_host_cached(raw: str) -> str:
+    return _normalize_host(raw)
+
+
+def _normalize_host(raw: str) -> str:
     """Canonical form of a host name or IP literal, or ValueError.
 
     Names: lower-case, one trailing dot stripped, unicode labels IDNA-encoded to A-labels,

@@ -1,0 +1,883 @@
+#!/usr/bin/env python3
+"""Egress gate throughput, with baselines (direct, Squid, mitmproxy) measured in the same run.
+
+    python3 bench/bench_gate.py [--quick] [--json] [--profile] [--duration S] [--tunnel-mb N]
+
+Everything runs on loopback (127.0.0.1 and a unix socket); no other address is ever used.
+Processes (so that no two share one GIL):
+
+  upstream     a small asyncio-Protocol HTTP/1.1 server: a fixed 13-byte 200 answer, keep-alive
+  tls-source   a threaded Python-ssl TLS server (cert for bench.test made with `cryptography`)
+               that streams N bytes after the handshake
+  gate         agentvm.gate.server.Gate with one endpoint (open_endpoint on a unix socket),
+               policy compile_egress(extra_allow=[bench.test:PORT...], extra_hosts={bench.test:
+               127.0.0.1}); one process, one thread (asyncio): it runs on one core
+  squid        Debian's squid (apt-get installed if missing), own minimal config in a temp dir:
+               http_port on 127.0.0.1, clients from 127.0.0.1 only, no cache, no access log
+  mitmdump     mitmproxy in a venv under /tmp on Python >= 3.12 (pip-installed if missing),
+               regular proxy mode; bench.test resolved through a private /etc/hosts bind mount
+  loadgen      an asyncio-Protocol client: N keep-alive connections, one request in flight each
+               (no pipelining), absolute-form `GET http://bench.test:PORT/` to a proxy, over
+               TCP (squid, mitmproxy) or the gate's unix socket (same bytes)
+
+Rows:
+  HTTP req/s at concurrency 1 and 10 (fixed duration per cell after a warm-up; p50 latency)
+  CONNECT tunnel MB/s: a real TLS 1.3 session to tls-source through the proxy (the gate checks
+  the ClientHello's SNI against the CONNECT host), N MB server -> client; median of repeats
+
+The gate's per-sandbox limits are raised for the run (50 req/s / burst 100 by default would
+answer 429 and measure the token bucket, not the gate). Targets are printed next to the numbers;
+the exit status is 0 whether they are met or not (a benchmark, not a test). Numbers from a loaded
+machine are noise: 2 cores are shared by the load generator, the proxy and the upstream.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import glob
+import json
+import os
+import platform
+import select
+import shutil
+import signal
+import socket
+import ssl
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+HOST = "127.0.0.1"  # the only address this benchmark ever talks to
+NAME = "bench.test"
+BODY = b"hello, world\n"
+RESP_KEEP = (b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: %d\r\n\r\n" % len(BODY)) + BODY
+RESP_CLOSE = (b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: %d\r\nConnection: close\r\n\r\n"
+              % len(BODY)) + BODY
+MITM_VENV = Path("/tmp/agentvm-bench-mitm-venv")
+TARGETS = {"gate_vs_squid_c10": 1.0, "tunnel_gate_vs_direct": 0.8}
+
+
+def cpu_seconds(pid: int | None) -> float | None:
+    """utime + stime of a process (all its threads), in seconds; None if unknown."""
+    if not pid:
+        return None
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+# ============================================================================ child roles
+
+
+def role_upstream(args) -> None:
+    """Fixed-answer HTTP/1.1 server; honours `Connection: close` (the gate sends it)."""
+
+    class H(asyncio.Protocol):
+        def connection_made(self, t):
+            self.t = t
+            self.buf = b""
+
+        def data_received(self, data):
+            buf = self.buf + data
+            while True:
+                i = buf.find(b"\r\n\r\n")
+                if i < 0:
+                    break
+                head = buf[:i].lower()
+                buf = buf[i + 4:]
+                if b"\r\nconnection: close" in head:
+                    self.t.write(RESP_CLOSE)
+                    self.t.close()
+                    return
+                self.t.write(RESP_KEEP)
+            self.buf = buf
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        srv = await loop.create_server(H, HOST, 0, backlog=1024)
+        print("READY", srv.sockets[0].getsockname()[1], flush=True)
+        stop = asyncio.Event()
+        loop.add_signal_handler(signal.SIGTERM, stop.set)
+        await stop.wait()
+
+    asyncio.run(main())
+
+
+def role_tls_source(args) -> None:
+    """TLS server for bench.test: after the handshake read `N\\n`, send N bytes, close."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.load_cert_chain(args.cert, args.key)
+    payload = memoryview(os.urandom(1 << 20))
+    ls = socket.socket()
+    ls.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    ls.bind((HOST, 0))
+    ls.listen(64)
+
+    def serve(c: socket.socket) -> None:
+        try:
+            c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            s = ctx.wrap_socket(c, server_side=True)
+            line = b""
+            while not line.endswith(b"\n"):
+                d = s.recv(64)
+                if not d:
+                    return
+                line += d
+            left = int(line)
+            chunk = 256 * 1024
+            while left > 0:
+                n = min(left, chunk)
+                s.sendall(payload[:n])
+                left -= n
+            try:
+                s.unwrap()
+            except (OSError, ssl.SSLError):
+                pass
+        except (OSError, ssl.SSLError, ValueError):
+            pass
+        finally:
+            c.close()
+
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    print("READY", ls.getsockname()[1], flush=True)
+    while True:
+        c, _ = ls.accept()
+        threading.Thread(target=serve, args=(c,), daemon=True).start()
+
+
+def role_gate(args) -> None:
+    """The agent-vm gate with one endpoint, serving until SIGTERM (optionally under cProfile)."""
+    import dataclasses
+
+    from agentvm.gate.policy import EgressLimits, compile_egress
+    from agentvm.gate.server import Gate
+
+    pol = compile_egress(None, extra_allow=[f"{NAME}:{p}" for p in args.ports.split(",")],
+                         extra_hosts={NAME: HOST})
+    pol = dataclasses.replace(pol, limits=EgressLimits(connections=4096, requests_per_second=1e9,
+                                                       burst=10**9, bytes_out=1 << 60))
+    prof = None
+
+    async def main():
+        nonlocal prof
+        d = Path(args.state)
+        gate = Gate(d / "state", d / "logs")
+        await gate.open_endpoint("bench", "bench", pol, Path(args.sock))
+        loop = asyncio.get_running_loop()
+        stop = asyncio.Event()
+        loop.add_signal_handler(signal.SIGTERM, stop.set)
+        loop.add_signal_handler(signal.SIGINT, stop.set)
+        if args.profile_out:
+            import cProfile
+
+            prof = cProfile.Profile()
+            prof.enable()
+        print("READY", args.sock, flush=True)
+        await stop.wait()
+        if prof is not None:
+            prof.disable()
+            prof.dump_stats(args.profile_out)
+        await gate.close_endpoint("bench")
+
+    asyncio.run(main())
+
+
+class _LoadConn(asyncio.Protocol):
+    __slots__ = ("lg", "t", "buf", "need", "status", "close_after", "t0", "busy")
+
+    def __init__(self, lg: "_LoadGen"):
+        self.lg = lg
+        self.buf = bytearray()
+        self.need = -1
+        self.busy = False
+
+    def connection_made(self, t):
+        self.t = t
+        self.send()
+
+    def send(self):
+        self.busy = True
+        self.t0 = time.perf_counter()
+        self.t.write(self.lg.request)
+
+    def data_received(self, data):
+        buf = self.buf
+        buf += data
+        if self.need < 0:
+            i = buf.find(b"\r\n\r\n")
+            if i < 0:
+                return
+            head = bytes(buf[:i]).lower()
+            try:
+                self.status = int(head[9:12])
+                j = head.index(b"\r\ncontent-length:")
+                k = head.find(b"\r\n", j + 2)
+                cl = int(head[j + 17: k if k > 0 else None])
+            except ValueError:  # no Content-Length (or garbage): count as an error, drop the connection
+                self.lg.errors += 1
+                self.busy = False
+                self.t.close()
+                return
+            self.close_after = b"\r\nconnection: close" in head
+            self.need = i + 4 + cl
+        if len(buf) < self.need:
+            return
+        del buf[: self.need]
+        self.need = -1
+        self.busy = False
+        lg = self.lg
+        lg.record(self.status, time.perf_counter() - self.t0)
+        if self.close_after or buf:
+            self.t.close()  # connection_lost opens a replacement
+            return
+        if lg.running:
+            self.send()
+        else:
+            self.t.close()
+
+    def connection_lost(self, exc):
+        lg = self.lg
+        if self.busy:
+            lg.errors += 1
+        lg.conns.discard(self)
+        if lg.running:
+            lg.reconnects += 1
+            lg.open()
+        elif not lg.conns:
+            lg.all_closed.set()
+
+
+class _LoadGen:
+    def __init__(self, args):
+        self.args = args
+        self.request = args.request.encode().decode("unicode_escape").encode("latin-1")
+        self.running = True
+        self.measuring = False
+        self.count = 0
+        self.bad_status = 0
+        self.errors = 0
+        self.reconnects = 0
+        self.lat: list[float] = []
+        self.conns: set[_LoadConn] = set()
+        self.all_closed = asyncio.Event()
+        self.connect_failures = 0
+
+    def record(self, status: int, dt: float) -> None:
+        if not self.measuring:
+            return
+        if status == 200:
+            self.count += 1
+            self.lat.append(dt)
+        else:
+            self.bad_status += 1
+
+    def open(self) -> None:
+        asyncio.get_running_loop().create_task(self._open())
+
+    async def _open(self) -> None:
+        loop = asyncio.get_running_loop()
+        c = _LoadConn(self)
+        try:
+            if self.args.unix:
+                await loop.create_unix_connection(lambda: c, self.args.unix)
+            else:
+                await loop.create_connection(lambda: c, HOST, self.args.port)
+            self.conns.add(c)
+        except OSError:
+            self.connect_failures += 1
+            self.errors += 1
+            if self.running and self.connect_failures < 1000:
+                await asyncio.sleep(0.01)
+                self.open()
+
+    async def run(self) -> dict:
+        for _ in range(self.args.conc):
+            self.open()
+        await asyncio.sleep(self.args.warmup)
+        self.measuring = True
+        t0 = time.perf_counter()
+        c0 = cpu_seconds(self.args.watch_pid)
+        await asyncio.sleep(self.args.duration)
+        self.measuring = False
+        el = time.perf_counter() - t0
+        c1 = cpu_seconds(self.args.watch_pid)
+        cpu = (c1 - c0) / el if c0 is not None and c1 is not None else None
+        self.running = False
+        if self.conns:
+            try:
+                await asyncio.wait_for(self.all_closed.wait(), 5)
+            except asyncio.TimeoutError:
+                pass
+        lat = sorted(self.lat)
+        q = (lambda p: lat[min(len(lat) - 1, int(p * len(lat)))] * 1000) if lat else (lambda p: None)
+        return {"requests": self.count, "seconds": el, "rps": self.count / el, "p50_ms": q(0.5), "p99_ms": q(0.99),
+                "bad_status": self.bad_status, "errors": self.errors, "reconnects": self.reconnects,
+                "proxy_cpu": cpu}
+
+
+def role_loadgen(args) -> None:
+    print(json.dumps(asyncio.run(_LoadGen(args).run())), flush=True)
+
+
+# ============================================================================ orchestration
+
+
+class Child:
+    """A child process that prints `READY <info>` on stdout once it serves."""
+
+    def __init__(self, name: str, argv: list[str], *, ready_timeout: float = 20.0, env=None, stderr=None):
+        self.name = name
+        self.p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=stderr, stdin=subprocess.DEVNULL, text=True,
+                                  env=env)
+        deadline = time.monotonic() + ready_timeout
+        line = ""
+        while time.monotonic() < deadline:
+            r, _, _ = select.select([self.p.stdout], [], [], 0.2)
+            if r:
+                line = self.p.stdout.readline()
+                if line.startswith("READY") or not line:
+                    break
+            if self.p.poll() is not None:
+                break
+        if not line.startswith("READY"):
+            self.stop()
+            raise RuntimeError(f"{name} did not start (exit {self.p.returncode})")
+        self.info = line.split(None, 1)[1].strip()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        if self.p.poll() is None:
+            self.p.send_signal(signal.SIGTERM)
+            try:
+                self.p.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.p.kill()
+                self.p.wait()
+
+
+def me(role: str, *extra: str) -> list[str]:
+    return [sys.executable, os.path.abspath(__file__), "--role", role, *extra]
+
+
+def free_port() -> int:
+    s = socket.socket()
+    s.bind((HOST, 0))
+    p = s.getsockname()[1]
+    s.close()
+    return p
+
+
+def wait_listen(port: int, proc: subprocess.Popen, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            return False
+        try:
+            socket.create_connection((HOST, port), 0.5).close()
+            return True
+        except OSError:
+            time.sleep(0.1)
+    return False
+
+
+def make_cert(d: Path) -> tuple[str, str]:
+    import datetime
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, NAME)])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(hours=1))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName([x509.DNSName(NAME)]), critical=False)
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .sign(key, hashes.SHA256()))
+    cp, kp = d / "bench.crt", d / "bench.key"
+    cp.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    kp.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                     serialization.NoEncryption()))
+    return str(cp), str(kp)
+
+
+# ---------------------------------------------------------------------------- squid
+
+
+def start_squid(tmp: Path, log) -> tuple[subprocess.Popen, int, str]:
+    squid = shutil.which("squid") or ("/usr/sbin/squid" if os.path.exists("/usr/sbin/squid") else None)
+    if squid is None:
+        log("squid: not installed, apt-get install -y squid ...")
+        env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+        r = subprocess.run(["apt-get", "install", "-y", "-qq", "squid"], env=env, capture_output=True, text=True)
+        if r.returncode != 0:
+            subprocess.run(["apt-get", "update", "-qq"], env=env, capture_output=True)
+            r = subprocess.run(["apt-get", "install", "-y", "-qq", "squid"], env=env, capture_output=True, text=True)
+        squid = shutil.which("squid") or ("/usr/sbin/squid" if os.path.exists("/usr/sbin/squid") else None)
+        if squid is None:
+            raise RuntimeError("apt-get install squid failed: " + (r.stderr.strip().splitlines() or ["?"])[-1])
+    version = subprocess.run([squid, "-v"], capture_output=True, text=True).stdout.split("\n")[0]
+    version = version.replace("Squid Cache: Version ", "")
+    d = tmp / "squid"
+    d.mkdir()
+    port = free_port()
+    (d / "hosts").write_text(f"127.0.0.1 localhost\n127.0.0.1 {NAME}\n")
+    conf = d / "squid.conf"
+    conf.write_text(f"""\
+http_port {HOST}:{port}
+acl benchclients src 127.0.0.1/32
+http_access allow benchclients
+http_access deny all
+cache deny all
+cache_mem 0 MB
+access_log none
+cache_store_log none
+cache_log {d}/cache.log
+pid_filename {d}/squid.pid
+coredump_dir {d}
+hosts_file {d}/hosts
+dns_nameservers 127.0.0.1
+pinger_enable off
+netdb_filename none
+logfile_rotate 0
+shutdown_lifetime 0 seconds
+""")
+    try:  # squid started as root drops to `proxy`: it must be able to write its own files
+        import pwd
+
+        pw = pwd.getpwnam("proxy")
+        os.chown(d, pw.pw_uid, pw.pw_gid)
+    except (KeyError, OSError):
+        os.chmod(d, 0o777)
+    p = subprocess.Popen([squid, "-N", "-f", str(conf)], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL)
+    if not wait_listen(port, p, 20):
+        p.kill()
+        p.wait()
+        tail = ""
+        try:
+            tail = (d / "cache.log").read_text().strip().splitlines()[-1]
+        except (OSError, IndexError):
+            pass
+        raise RuntimeError(f"squid did not listen ({tail or 'no cache.log'})")
+    return p, port, f"squid {version}"
+
+
+# ---------------------------------------------------------------------------- mitmproxy
+
+
+def find_py312() -> str | None:
+    cands = [shutil.which(f"python3.{m}") for m in (12, 13, 14)]
+    cands += sorted(glob.glob("/root/.pyenv/versions/3.1[2-9]*/bin/python3"))
+    cands += sorted(glob.glob(os.path.expanduser("~/.pyenv/versions/3.1[2-9]*/bin/python3")))
+    for c in cands:
+        if not c:
+            continue
+        try:
+            out = subprocess.run([c, "-c", "import sys; print(sys.version_info >= (3, 12))"], capture_output=True,
+                                 text=True, timeout=20).stdout.strip()
+        except (OSError, subprocess.TimeoutExpired):
+            continue
+        if out == "True":
+            return c
+    return None
+
+
+def start_mitmproxy(tmp: Path, log) -> tuple[subprocess.Popen, int, str]:
+    mitmdump = MITM_VENV / "bin" / "mitmdump"
+    if not mitmdump.exists():
+        py = find_py312()
+        if py is None:
+            raise RuntimeError("no Python >= 3.12 found")
+        log(f"mitmproxy: installing into {MITM_VENV} with {py} (one-time) ...")
+        r = subprocess.run([py, "-m", "venv", str(MITM_VENV)], capture_output=True, text=True)
+        if r.returncode != 0:
+            raise RuntimeError("venv failed: " + (r.stderr.strip().splitlines() or ["?"])[-1])
+        r = subprocess.run([str(MITM_VENV / "bin" / "python"), "-m", "pip", "install", "-q", "mitmproxy"],
+                           capture_output=True, text=True, timeout=600)
+        if r.returncode != 0 or not mitmdump.exists():
+            err = [ln for ln in r.stderr.strip().splitlines() if "WARNING" not in ln]
+            raise RuntimeError("pip install mitmproxy failed: " + (err or ["?"])[-1])
+    ver = subprocess.run([str(mitmdump), "--version"], capture_output=True, text=True, timeout=60).stdout
+    vline = {ln.split(":", 1)[0].strip(): ln.split(":", 1)[1].strip() for ln in ver.splitlines() if ":" in ln}
+    label = f"mitmproxy {vline.get('Mitmproxy', '?')} (Python {vline.get('Python', '?')})"
+    d = tmp / "mitm"
+    d.mkdir()
+    port = free_port()
+    hosts = d / "hosts"
+    hosts.write_text(f"127.0.0.1 localhost\n127.0.0.1 {NAME}\n")
+    cmd = [str(mitmdump), "--listen-host", HOST, "--listen-port", str(port), "-q", "--set", f"confdir={d}"]
+    # bench.test must resolve for mitmproxy (it uses getaddrinfo): give the process a private
+    # mount namespace with its own /etc/hosts; the host's file is not touched.
+    unshare = shutil.which("unshare")
+    attempts = []
+    if unshare and os.geteuid() == 0:
+        attempts.append(([unshare, "-m", "--propagation", "private", "sh", "-c",
+                          f'mount --bind "{hosts}" /etc/hosts && exec "$@"', "sh", *cmd], "private /etc/hosts"))
+    # fallback: an addon that sends bench.test to 127.0.0.1 (keeps the Host header)
+    addon = d / "resolve_bench.py"
+    addon.write_text(
+        "def request(flow):\n"
+        f"    if flow.request.host == {NAME!r}:\n"
+        "        h = flow.request.headers.get('host')\n"
+        f"        flow.request.host = {HOST!r}\n"
+        "        if h:\n"
+        "            flow.request.headers['host'] = h\n")
+    attempts.append((cmd + ["-s", str(addon)], "addon resolves bench.test"))
+    why = ""
+    for argv, how in attempts:
+        p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                             stderr=open(d / "stderr.log", "w"))
+        if wait_listen(port, p, 30):
+            return p, port, f"{label}; {how}"
+        p.kill()
+        p.wait()
+        try:
+            why = (d / "stderr.log").read_text().strip().splitlines()[-1]
+        except (OSError, IndexError):
+            why = f"exit {p.returncode}"
+    raise RuntimeError(f"mitmdump did not start ({why})")
+
+
+# ---------------------------------------------------------------------------- measurements
+
+
+def http_cell(target: dict, conc: int, warmup: float, duration: float) -> dict:
+    argv = me("loadgen", "--conc", str(conc), "--warmup", str(warmup), "--duration", str(duration),
+              "--request", target["request"])
+    argv += ["--unix", target["unix"]] if target.get("unix") else ["--port", str(target["port"])]
+    if target.get("pid"):
+        argv += ["--watch-pid", str(target["pid"])]
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=warmup + duration + 60)
+    if r.returncode != 0:
+        raise RuntimeError("loadgen failed: " + (r.stderr.strip().splitlines() or ["?"])[-1])
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def connect_through(sock: socket.socket, port: int) -> None:
+    sock.sendall(f"CONNECT {NAME}:{port} HTTP/1.1\r\nHost: {NAME}:{port}\r\n\r\n".encode())
+    head = b""
+    while b"\r\n\r\n" not in head:
+        d = sock.recv(1)  # byte at a time: nothing after the head may be consumed
+        if not d:
+            raise ConnectionError("proxy closed the CONNECT")
+        head += d
+    if not head.startswith(b"HTTP/1.1 200") and not head.startswith(b"HTTP/1.0 200"):
+        raise ConnectionError("CONNECT refused: " + head.split(b"\r\n")[0].decode("latin-1"))
+
+
+def tunnel_once(kind: str, env: dict, nbytes: int) -> float:
+    """MB/s (1e6 bytes) of one TLS session reading `nbytes` from tls-source, handshake included."""
+    t0 = time.perf_counter()
+    if kind == "direct":
+        s = socket.create_connection((HOST, env["tls_port"]))
+    elif kind == "gate":
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.connect(env["gate_sock"])
+        connect_through(s, env["tls_port"])
+    else:
+        s = socket.create_connection((HOST, env[kind + "_port"]))
+        connect_through(s, env["tls_port"])
+    if s.family == socket.AF_INET:
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    ss = env["tls_ctx"].wrap_socket(s, server_hostname=NAME)
+    try:
+        ss.sendall(b"%d\n" % nbytes)
+        buf = bytearray(1 << 18)
+        got = 0
+        while got < nbytes:
+            n = ss.recv_into(buf)
+            if not n:
+                break
+            got += n
+        dt = time.perf_counter() - t0
+    finally:
+        ss.close()
+    if got != nbytes:
+        raise ConnectionError(f"tunnel stopped after {got} of {nbytes} bytes")
+    return nbytes / dt / 1e6
+
+
+def tunnel_cell(kind: str, env: dict, nbytes: int, repeats: int) -> dict:
+    tunnel_once(kind, env, min(nbytes, 20_000_000))  # warm-up
+    pid = env.get(kind + "_pid")
+    xs, cpus = [], []
+    for _ in range(repeats):
+        c0, t0 = cpu_seconds(pid), time.perf_counter()
+        xs.append(tunnel_once(kind, env, nbytes))
+        c1, dt = cpu_seconds(pid), time.perf_counter() - t0
+        if c0 is not None and c1 is not None:
+            cpus.append((c1 - c0) / dt)
+    return {"mb_s": statistics.median(xs), "runs": xs, "mb": nbytes / 1e6,
+            "proxy_cpu": statistics.median(cpus) if cpus else None}
+
+
+def print_profile(path: str, title: str, top: int = 15) -> None:
+    import io
+    import pstats
+
+    for key in ("tottime", "cumulative"):
+        out = io.StringIO()
+        st = pstats.Stats(path, stream=out)
+        st.sort_stats(key).print_stats(top)
+        body = out.getvalue()
+        body = body[body.find("   ncalls"):] if "   ncalls" in body else body  # drop pstats' preamble
+        print(f"\n--- gate cProfile, top {top} by {key} ({title}) ---")
+        print(body.rstrip())
+
+
+# ============================================================================ main
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="~20 s run: shorter cells, smaller tunnel")
+    ap.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
+    ap.add_argument("--profile", action="store_true",
+                    help="afterwards, run the gate under cProfile for one c=10 HTTP cell and print the top functions")
+    ap.add_argument("--duration", type=float, help="seconds per HTTP cell (default 5, --quick 1.5)")
+    ap.add_argument("--tunnel-mb", type=int, help="MB per tunnel transfer (default 200, --quick 50)")
+    ap.add_argument("--no-squid", action="store_true")
+    ap.add_argument("--no-mitmproxy", action="store_true")
+    # child roles (internal)
+    ap.add_argument("--role", help=argparse.SUPPRESS)
+    ap.add_argument("--cert", help=argparse.SUPPRESS)
+    ap.add_argument("--key", help=argparse.SUPPRESS)
+    ap.add_argument("--ports", help=argparse.SUPPRESS)
+    ap.add_argument("--sock", help=argparse.SUPPRESS)
+    ap.add_argument("--state", help=argparse.SUPPRESS)
+    ap.add_argument("--profile-out", help=argparse.SUPPRESS)
+    ap.add_argument("--conc", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--warmup", type=float, help=argparse.SUPPRESS)
+    ap.add_argument("--request", help=argparse.SUPPRESS)
+    ap.add_argument("--unix", help=argparse.SUPPRESS)
+    ap.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--watch-pid", type=int, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    roles = {"upstream": role_upstream, "tls-source": role_tls_source, "gate": role_gate, "loadgen": role_loadgen}
+    if args.role:
+        roles[args.role](args)
+        return 0
+
+    duration = args.duration or (1.5 if args.quick else 5.0)
+    warmup = 0.5 if args.quick else 1.0
+    tunnel_bytes = (args.tunnel_mb or (50 if args.quick else 200)) * 1_000_000
+    repeats = 1 if args.quick else 3
+    quiet = args.json
+
+    def log(msg: str) -> None:
+        print(f"[bench_gate] {msg}", file=sys.stderr if quiet else sys.stdout, flush=True)
+
+    t_start = time.monotonic()
+    tmp = Path(tempfile.mkdtemp(prefix="agentvm-bench-gate-", dir="/tmp"))
+    os.chmod(tmp, 0o755)
+    children: list[Child] = []
+    procs: list[subprocess.Popen] = []
+    res: dict = {"python": f"{platform.python_implementation()} {platform.python_version()} ({sys.executable})",
+                 "http": {}, "tunnel": {}, "unavailable": {}, "labels": {}}
+    try:
+        up = Child("upstream", me("upstream"))
+        children.append(up)
+        http_port = int(up.info)
+        cert, key = make_cert(tmp)
+        src = Child("tls-source", me("tls-source", "--cert", cert, "--key", key))
+        children.append(src)
+        tls_port = int(src.info)
+        tls_ctx = ssl.create_default_context(cafile=cert)
+        env = {"tls_port": tls_port, "tls_ctx": tls_ctx}
+
+        def gate_child(profile_out: str | None = None) -> Child:
+            sock = str(tmp / ("gate-prof.sock" if profile_out else "gate.sock"))
+            extra = ["--profile-out", profile_out] if profile_out else []
+            return Child("gate", me("gate", "--ports", f"{http_port},{tls_port}", "--sock", sock,
+                                    "--state", str(tmp / "gate"), *extra))
+
+        gate = gate_child()
+        children.append(gate)
+        env["gate_sock"] = gate.info
+
+        absolute = f"GET http://{NAME}:{http_port}/ HTTP/1.1\\r\\nHost: {NAME}:{http_port}\\r\\n\\r\\n"
+        targets: dict[str, dict] = {
+            "direct": {"port": http_port, "request": f"GET / HTTP/1.1\\r\\nHost: {NAME}:{http_port}\\r\\n\\r\\n"},
+            "gate": {"unix": gate.info, "request": absolute, "pid": gate.p.pid},
+        }
+        env["gate_pid"] = gate.p.pid
+        res["labels"]["direct"] = "direct (asyncio upstream)"
+        res["labels"]["gate"] = "agent-vm gate (unix socket)"
+        if not args.no_squid:
+            try:
+                p, port, label = start_squid(tmp, log)
+                procs.append(p)
+                targets["squid"] = {"port": port, "request": absolute, "pid": p.pid}
+                env["squid_port"], env["squid_pid"] = port, p.pid
+                res["labels"]["squid"] = label
+            except Exception as exc:  # noqa: BLE001 - reported in the table
+                res["unavailable"]["squid"] = str(exc)
+        else:
+            res["unavailable"]["squid"] = "skipped (--no-squid)"
+        if not args.no_mitmproxy:
+            try:
+                p, port, label = start_mitmproxy(tmp, log)
+                procs.append(p)
+                targets["mitmproxy"] = {"port": port, "request": absolute, "pid": p.pid}
+                res["labels"]["mitmproxy"] = label
+            except Exception as exc:  # noqa: BLE001
+                res["unavailable"]["mitmproxy"] = str(exc)
+        else:
+            res["unavailable"]["mitmproxy"] = "skipped (--no-mitmproxy)"
+
+        for name, tgt in targets.items():
+            for conc in (1, 10):
+                log(f"http {name} c={conc} ({warmup:g} s warm-up + {duration:g} s)")
+                try:
+                    res["http"].setdefault(name, {})[f"c{conc}"] = http_cell(tgt, conc, warmup, duration)
+                except Exception as exc:  # noqa: BLE001
+                    res["http"].setdefault(name, {})[f"c{conc}"] = {"error": str(exc)}
+
+        for kind in ("direct", "gate", "squid"):
+            if kind == "squid" and "squid_port" not in env:
+                continue
+            log(f"tunnel {kind} ({tunnel_bytes / 1e6:g} MB x {repeats})")
+            try:
+                res["tunnel"][kind] = tunnel_cell(kind, env, tunnel_bytes, repeats)
+            except Exception as exc:  # noqa: BLE001
+                res["tunnel"][kind] = {"error": f"{type(exc).__name__}: {exc}"}
+
+        res["bench_seconds"] = time.monotonic() - t_start
+
+        profiles = {}
+        if args.profile:
+            # a fresh gate under cProfile per workload; the .prof files are kept for pstats/snakeviz
+            pdur = max(duration, 5.0)
+            for what in ("http", "tunnel"):
+                path = f"/tmp/agentvm-bench-gate-{what}.prof"
+                pg = gate_child(path)
+                children.append(pg)
+                if what == "http":
+                    log(f"profiling the gate: HTTP c=10 for {pdur:g} s")
+                    cell = http_cell(dict(targets["gate"], unix=pg.info, pid=None), 10, 0.0, pdur)
+                    note = f"HTTP c=10 under cProfile: {cell['rps']:.0f} req/s, p50 {cell['p50_ms']:.2f} ms"
+                else:
+                    log(f"profiling the gate: one {tunnel_bytes / 1e6:g} MB tunnel")
+                    mb = tunnel_once("gate", dict(env, gate_sock=pg.info), tunnel_bytes)
+                    note = f"one {tunnel_bytes / 1e6:g} MB TLS tunnel under cProfile: {mb:.0f} MB/s"
+                pg.stop(timeout=30)
+                profiles[what] = (path, note)
+    finally:
+        for c in children:
+            c.stop()
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()
+                try:
+                    p.wait(10)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait()
+
+    if args.json:
+        print(json.dumps(res, indent=2, default=str))
+    else:
+        report(res, duration, warmup, tunnel_bytes, repeats)
+        for what, (path, note) in profiles.items():
+            if os.path.exists(path):
+                print_profile(path, f"{note}; saved as {path}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    return 0
+
+
+def report(res: dict, duration: float, warmup: float, tunnel_bytes: int, repeats: int) -> None:
+    print()
+    print(f"agent-vm egress gate benchmark - loopback only, {os.cpu_count()} cores")
+    print(f"python: {res['python']}")
+    print("gate: one process, one thread (asyncio event loop) -> it uses at most one core")
+    print("cpu = the proxy process's CPU time / wall time during the cell (100% = one core busy)")
+    print()
+    print(f"HTTP GET, 13-byte body, keep-alive client; req/s over {duration:g} s after {warmup:g} s warm-up")
+    print(f"{'path':38} {'c=1 req/s':>10} {'p50 ms':>7} {'cpu':>5} {'c=10 req/s':>11} {'p50 ms':>7} {'cpu':>5}  notes")
+    order = ["direct", "gate", "squid", "mitmproxy"]
+    for name in order:
+        label = res["labels"].get(name, name).split(";")[0]
+        if name in res["unavailable"]:
+            print(f"{name}: not available ({res['unavailable'][name]})")
+            continue
+        cells = res["http"].get(name)
+        if not cells:
+            continue
+        parts, notes = [], []
+        for c in ("c1", "c10"):
+            cell = cells.get(c, {})
+            if "error" in cell:
+                parts.append(f"{'error':>10} {'':>7} {'':>5}")
+                notes.append(f"{c}: {cell['error']}")
+                continue
+            cpu = f"{cell['proxy_cpu'] * 100:4.0f}%" if cell.get("proxy_cpu") is not None else "    -"
+            parts.append(f"{cell['rps']:10.0f} {cell['p50_ms'] or 0:7.2f} {cpu}")
+            bad = cell["bad_status"] + cell["errors"]
+            if bad:
+                notes.append(f"{c}: {cell['bad_status']} non-200, {cell['errors']} errors")
+        print(f"{label[:38]:38} {parts[0]} {' ' + parts[1]}  {'; '.join(notes)}")
+    print()
+    print(f"CONNECT tunnel, TLS 1.3 (Python ssl both ends), {tunnel_bytes / 1e6:g} MB server->client; "
+          f"MB/s, median of {repeats}")
+    for kind in ("direct", "gate", "squid"):
+        t = res["tunnel"].get(kind)
+        if t is None:
+            if kind == "squid" and "squid" in res["unavailable"]:
+                print(f"{'squid':38} not available")
+            continue
+        label = {"direct": "direct (TLS to tls-source)", "gate": "agent-vm gate (SNI checked, spliced)",
+                 "squid": res["labels"].get("squid", "squid").split(";")[0]}[kind]
+        if "error" in t:
+            print(f"{label[:38]:38} error: {t['error']}")
+        else:
+            runs = ", ".join(f"{x:.0f}" for x in t["runs"])
+            cpu = f"proxy cpu {t['proxy_cpu'] * 100:3.0f}%" if t.get("proxy_cpu") is not None else ""
+            print(f"{label[:38]:38} {t['mb_s']:8.0f} MB/s  {cpu:14} (runs: {runs})")
+    print()
+    print("ratios")
+
+    def rps(name, c="c10"):
+        cell = res["http"].get(name, {}).get(c, {})
+        return cell.get("rps")
+
+    def line(label, a, b, target=None, why=""):
+        if a is None or b is None or not b:
+            print(f"  {label:38} n/a {why}")
+            return
+        r = a / b
+        t = f"  (target >= {target:.1f}x: {'met' if r >= target else 'MISSED'})" if target else "  (no target)"
+        print(f"  {label:38} {r:6.2f}x{t}")
+
+    line("gate / squid, HTTP c=10", rps("gate"), rps("squid"), TARGETS["gate_vs_squid_c10"],
+         "(squid: not available)" if "squid" in res["unavailable"] else "")
+    line("gate / squid, HTTP c=1", rps("gate", "c1"), rps("squid", "c1"))
+    tg, td = res["tunnel"].get("gate", {}), res["tunnel"].get("direct", {})
+    line("tunnel gate / direct", tg.get("mb_s"), td.get("mb_s"), TARGETS["tunnel_gate_vs_direct"])
+    line("tunnel gate / squid", tg.get("mb_s"), res["tunnel"].get("squid", {}).get("mb_s"))
+    if "mitmproxy" in res["unavailable"]:
+        print(f"  {'gate / mitmproxy, HTTP c=10':38} n/a (mitmproxy: not available)")
+    else:
+        line("gate / mitmproxy, HTTP c=10", rps("gate"), rps("mitmproxy"))
+        line("gate / mitmproxy, HTTP c=1", rps("gate", "c1"), rps("mitmproxy", "c1"))
+    line("gate / direct, HTTP c=10", rps("gate"), rps("direct"))
+    print()
+    for name in ("squid", "mitmproxy"):
+        if name in res["labels"]:
+            print(f"{name}: {res['labels'][name]}")
+    print(f"(measured in {res['bench_seconds']:.0f} s; the gate's rate/connection/bytes limits were raised for the run; "
+          "2 cores are shared by load generator, proxy and upstream)")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
