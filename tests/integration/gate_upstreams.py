@@ -136,6 +136,19 @@ class Upstream:
                 pass
 
             def _body(self) -> bytes:
+                if (self.headers.get("Transfer-Encoding") or "").lower() == "chunked":
+                    data = b""
+                    while True:
+                        line = self.rfile.readline(1024)
+                        if not line:
+                            return data
+                        size = int(line.split(b";", 1)[0].strip() or b"0", 16)
+                        if size == 0:
+                            while self.rfile.readline(1024) not in (b"\r\n", b"\n", b""):
+                                pass  # trailers
+                            return data
+                        data += self.rfile.read(size)
+                        self.rfile.readline(1024)
                 n = int(self.headers.get("Content-Length") or 0)
                 data = b""
                 while len(data) < n:

@@ -243,11 +243,12 @@ def forward_headers(req: ProxyRequest, host_value: str, *, keep_upgrade: bool = 
         if keep_upgrade and k in (b"upgrade", b"connection"):
             out.append((k, v))
             continue
-        if k in HOP_BY_HOP or k in named:
-            continue
+        if k in HOP_BY_HOP or k in named or k == b"expect":
+            continue  # the gate answers Expect: 100-continue itself
         out.append((k, v))
-    if req.content_length is not None:
-        pass  # kept as sent (h11 re-frames consistently)
+    if req.chunked:
+        # Transfer-Encoding is hop-by-hop, but the body's framing must be re-declared upstream
+        out.append((b"transfer-encoding", b"chunked"))
     return out
 
 

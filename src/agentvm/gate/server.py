@@ -42,7 +42,11 @@ HELLO_TIMEOUT = 10.0
 
 
 class _Cut(Exception):
-    """A limit or policy stopped a connection mid-stream (already logged)."""
+    """A limit stopped a connection mid-stream; carries where the bytes were going."""
+
+    def __init__(self, rule_id: str, host: str = "", port: int | None = None):
+        super().__init__(rule_id)
+        self.rule_id, self.host, self.port = rule_id, host, port
 
 
 class _Stale(Exception):
@@ -120,6 +124,8 @@ class Endpoint:
 
     def log(self, *, verdict: str, rule_id: str, reason: str, host: str, port: int | None, method: str | None = None,
             path: str | None = None, phase: str, bytes_out: int = 0, bytes_in: int = 0, **extra) -> None:
+        if path is not None and len(path) > 2048:
+            path = path[:2048] + "...(truncated)"
         rec = {
             "time": round(time.time(), 6),
             "sandbox": self.sandbox_id,
@@ -137,7 +143,7 @@ class Endpoint:
         }
         rec.update(extra)
         if verdict == "deny":
-            key = (rule_id, f"{host}:{port}")
+            key = (rule_id, f"{host}:{port}" if host else "(malformed request)")
             self.denials[key] = self.denials.get(key, 0) + 1
         else:
             self.allowed += 1
@@ -145,10 +151,10 @@ class Endpoint:
         self._log.write(json.dumps(rec, sort_keys=True, ensure_ascii=True) + "\n")
         self.gate.emit(rec)
 
-    def count_out(self, n: int) -> None:
+    def count_out(self, n: int, host: str = "", port: int | None = None) -> None:
         self.bytes_out += n
         if self.bytes_out > self.policy.limits.bytes_out:
-            raise _Cut("limit:bytes-out")
+            raise _Cut("limit:bytes-out", host, port)
 
     def close_log(self) -> None:
         try:
@@ -331,7 +337,8 @@ class Gate:
         except (ConnectionError, asyncio.TimeoutError, asyncio.IncompleteReadError, ssl.SSLError):
             pass
         except _Cut as cut:
-            ep.log(verdict="deny", rule_id=str(cut), reason="limit reached: connection cut", host="", port=None, phase="stream")
+            ep.log(verdict="deny", rule_id=cut.rule_id, reason=f"limit reached: connection cut ({ep.bytes_out} bytes out)",
+                   host=cut.host, port=cut.port, phase="stream")
         except Exception as exc:  # never let one connection take the gate down
             ep.log(verdict="deny", rule_id="internal-error", reason=f"{type(exc).__name__}", host="", port=None, phase="internal")
         finally:
@@ -350,17 +357,24 @@ class Gate:
                 if hr.feed(data):
                     return hr.head, hr.rest
 
+    async def _bad_request(self, ep: Endpoint, stream, exc: h1.ProtocolError, host: str = "", port: int | None = None) -> None:
+        ep.log(verdict="deny", rule_id=f"bad-request:{exc.code}", reason=str(exc), host=host, port=port, phase="request")
+        await stream.write(h1.error_response(400, f"bad-request:{exc.code}", str(exc)))
+
     async def _serve(self, ep: Endpoint, client: PlainStream) -> None:
         pending = b""
         while True:
-            head, pending = await self._read_head(client, pending)
+            try:
+                head, pending = await self._read_head(client, pending)
+            except h1.ProtocolError as exc:
+                await self._bad_request(ep, client, exc)
+                return
             if head is None:
                 return
             try:
                 req, down = h1.parse_head(head, pending)
             except h1.ProtocolError as exc:
-                ep.log(verdict="deny", rule_id=f"bad-request:{exc.code}", reason=str(exc), host="", port=None, phase="request")
-                await client.write(h1.error_response(400, f"bad-request:{exc.code}", str(exc)))
+                await self._bad_request(ep, client, exc)
                 return
             if ep.paused:
                 await self._deny(ep, client, "paused", "egress is paused by the operator", req)
@@ -498,6 +512,8 @@ class Gate:
                 raise _Stale() from None
             raise
         sent = 0
+        if (req.header(b"expect") or b"").lower() == b"100-continue" and down.their_state is h11.SEND_BODY:
+            await client.write(down.send(h11.InformationalResponse(status_code=100, headers=[])))
         # request body
         while True:
             ev = down.next_event()
@@ -515,7 +531,7 @@ class Gate:
                            host=req.host, port=req.port, method=req.method, path=req.path, phase="stream", bytes_out=sent)
                     await client.write(h1.error_response(413, "max-body", f"request body over {max_body} bytes"))
                     return False, b"", False
-                ep.count_out(len(ev.data))
+                ep.count_out(len(ev.data), req.host, req.port)
                 await upstream.write(up.send(h11.Data(data=ev.data)))
                 continue
             if isinstance(ev, h11.EndOfMessage):
@@ -551,9 +567,9 @@ class Gate:
                     if up_rest:
                         await client.write(up_rest)
                     if down_rest:
-                        ep.count_out(len(down_rest))
+                        ep.count_out(len(down_rest), req.host, req.port)
                         await upstream.write(down_rest)
-                    out, inn = await self._splice(ep, client, upstream)
+                    out, inn = await self._splice(ep, client, upstream, (req.host, req.port))
                     ep.log(verdict="allow", rule_id=d.rule_id, reason="websocket relayed", host=req.host, port=req.port,
                            method=req.method, path=req.path, phase="websocket", bytes_out=sent + out, bytes_in=inn)
                     return False, b"", False
@@ -640,19 +656,20 @@ class Gate:
                    host=req.host, port=req.port, method="CONNECT", phase="upstream", error=True)
             return
         upstream = PlainStream(ur, uw)
-        ep.count_out(len(buf))
+        target = (req.host, req.port)
+        ep.count_out(len(buf), *target)
         try:
             await upstream.write(buf)
             if hasattr(os, "splice"):
-                out, inn = await _zero_copy_splice(ep, client, upstream)
+                out, inn = await _zero_copy_splice(ep, client, upstream, target)
             else:  # pragma: no cover - Linux < 2.6.17 / Python < 3.10
-                out, inn = await self._splice(ep, client, upstream)
+                out, inn = await self._splice(ep, client, upstream, target)
         finally:
             upstream.close()
         ep.log(verdict="allow", rule_id=d2.rule_id, reason="tunnel (SNI checked, not terminated)", host=req.host,
                port=req.port, method="CONNECT", phase="tunnel", bytes_out=out + len(buf), bytes_in=inn, sni=hello.sni)
 
-    async def _splice(self, ep: Endpoint, client: PlainStream, upstream: PlainStream) -> tuple[int, int]:
+    async def _splice(self, ep: Endpoint, client, upstream: PlainStream, target: tuple[str, int]) -> tuple[int, int]:
         counts = [0, 0]
 
         async def pump(src: PlainStream, dst: PlainStream, idx: int, outbound: bool):
@@ -662,7 +679,7 @@ class Gate:
                     if not data:
                         break
                     if outbound:
-                        ep.count_out(len(data))
+                        ep.count_out(len(data), *target)
                     counts[idx] += len(data)
                     await dst.write(data)
             finally:
@@ -707,15 +724,13 @@ class Gate:
     async def _tunnel_requests(self, ep: Endpoint, stream, req: h1.ProxyRequest, pending: bytes, *, scheme: str) -> None:
         """Requests inside a CONNECT tunnel, one decision each (L7 rules apply)."""
         while True:
-            head, pending = await self._read_head(stream, pending)
-            if head is None:
-                return
             try:
+                head, pending = await self._read_head(stream, pending)
+                if head is None:
+                    return
                 inner, down = h1.parse_head(head, pending)
             except h1.ProtocolError as exc:
-                ep.log(verdict="deny", rule_id=f"bad-request:{exc.code}", reason=str(exc), host=req.host, port=req.port,
-                       phase="request")
-                await stream.write(h1.error_response(400, f"bad-request:{exc.code}", str(exc)))
+                await self._bad_request(ep, stream, exc, req.host, req.port)
                 return
             if not ep.bucket.take():
                 await self._deny(ep, stream, "limit:rate", "request rate limit", inner, status=429)
@@ -756,7 +771,7 @@ def _detach(stream: PlainStream) -> tuple[int, bytes]:
     return fd, buffered
 
 
-async def _one_way(ep: Endpoint, src: int, dst: int, outbound: bool, counts: list, idx: int) -> None:
+async def _one_way(ep: Endpoint, src: int, dst: int, outbound: bool, counts: list, idx: int, target: tuple) -> None:
     import fcntl
 
     pr, pw = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
@@ -779,7 +794,7 @@ async def _one_way(ep: Endpoint, src: int, dst: int, outbound: bool, counts: lis
                     eof = True
                 elif n > 0:
                     if outbound:
-                        ep.count_out(n)
+                        ep.count_out(n, *target)
                     counts[idx] += n
                     inpipe += n
                     progressed = True
@@ -806,7 +821,7 @@ async def _one_way(ep: Endpoint, src: int, dst: int, outbound: bool, counts: lis
         os.close(pw)
 
 
-async def _zero_copy_splice(ep: Endpoint, client: PlainStream, upstream: PlainStream) -> tuple[int, int]:
+async def _zero_copy_splice(ep: Endpoint, client: PlainStream, upstream: PlainStream, target: tuple) -> tuple[int, int]:
     """Relay a spliced CONNECT tunnel with splice(2) through pipes: the bytes never enter
     Python. Counts bytes out against the sandbox's limit like any other path."""
     cfd, cbuf = _detach(client)
@@ -814,14 +829,14 @@ async def _zero_copy_splice(ep: Endpoint, client: PlainStream, upstream: PlainSt
     counts = [0, 0]
     try:
         if cbuf:
-            ep.count_out(len(cbuf))
+            ep.count_out(len(cbuf), *target)
             counts[0] += len(cbuf)
             await _send_all(ufd, cbuf)
         if ubuf:
             counts[1] += len(ubuf)
             await _send_all(cfd, ubuf)
-        t1 = asyncio.ensure_future(_one_way(ep, cfd, ufd, True, counts, 0))
-        t2 = asyncio.ensure_future(_one_way(ep, ufd, cfd, False, counts, 1))
+        t1 = asyncio.ensure_future(_one_way(ep, cfd, ufd, True, counts, 0, target))
+        t2 = asyncio.ensure_future(_one_way(ep, ufd, cfd, False, counts, 1, target))
         try:
             done, _ = await asyncio.wait({t1, t2}, return_when=asyncio.FIRST_EXCEPTION)
             for t in done:
