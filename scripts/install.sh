@@ -55,6 +55,19 @@ if [ -d "$NODE_SHIM" ]; then
   chmod -R a+rX "$NODE_SHIM"
 fi
 
+# --test: real SDKs for the credential tests, importable by Debian's python3 *inside* sandboxes
+# (mounted read-only at run time): the openai SDK and boto3.
+if [ "${1:-}" = "--test" ]; then
+  TESTLIB="${AGENTVM_TESTLIB:-$(dirname "$VENV")/testlib}"
+  if [ ! -f "$TESTLIB/.done" ]; then
+    echo "install: openai + boto3 into $TESTLIB (for tests inside sandboxes)" >&2
+    rm -rf "$TESTLIB"
+    "$VENV/bin/python" -m pip install -q --disable-pip-version-check --target "$TESTLIB" openai boto3 >/dev/null
+    chmod -R a+rX "$TESTLIB"
+    touch "$TESTLIB/.done"
+  fi
+fi
+
 # Byte-compile our sources: the CLI's start-up is part of every sandbox launch, and an
 # environment with PYTHONDONTWRITEBYTECODE=1 would otherwise recompile them on every run.
 "$VENV/bin/python" -m compileall -q -j 0 src/agentvm >/dev/null

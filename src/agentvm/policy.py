@@ -64,6 +64,8 @@ class Policy:
     local_ports: tuple[int, ...] = ()
     # The egress gate's compiled rules; None = no gate (no route out at all).
     egress: "EgressPolicy | None" = None
+    # Credentials by reference (bindings only: never a value).
+    credentials: tuple = ()
     # Declared but not yet enforceable sections: a run that needs them is refused.
     pending_features: tuple[str, ...] = ()
     version: int = POLICY_VERSION
@@ -131,8 +133,20 @@ def compile_policy(spec: "AgentSpec") -> Policy:
         from agentvm.gate.policy import compile_egress
 
         egress = _with_default_denies(compile_egress(body.egress))
+    credentials: tuple = ()
     if body.credentials:
-        pending.append("credentials")
+        from agentvm.gate.credentials import compile_credentials
+
+        try:
+            credentials = compile_credentials(body.credentials)
+        except ValueError as exc:
+            raise ConfigError(f"spec.credentials: {exc}") from exc
+        if egress is None:
+            raise ConfigError(
+                "spec.credentials needs spec.egress: a credential is only ever sent through the gate to hosts it allows",
+                hint="add egress.allow rules for the credential's hosts",
+            )
+        _check_credential_hosts(credentials, egress)
     if body.tools:
         pending.append("tools")
     if body.approvals:
@@ -163,8 +177,23 @@ def compile_policy(spec: "AgentSpec") -> Policy:
         allow_ptrace=body.security.allow_ptrace,
         local_ports=tuple(body.security.local_ports),
         egress=egress,
+        credentials=credentials,
         pending_features=tuple(pending),
     )
+
+
+def _check_credential_hosts(credentials: tuple, egress) -> None:
+    """Each host a credential is bound to must be reachable through some allow rule."""
+    from agentvm.gate.policy import host_matches
+
+    for c in credentials:
+        for h in c.hosts:
+            ok = any(r.host == h or (not h.startswith("*.") and host_matches(r.host, h)) for r in egress.allow)
+            if not ok:
+                raise ConfigError(
+                    f"credential {c.name!r} is bound to {h}, but no egress allow rule covers {h}",
+                    hint=f"add an egress.allow rule for {h}",
+                )
 
 
 def parse_mount_arg(text: str) -> MountGrant:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from agentvm import identity
 from agentvm.backends.base import PRIMITIVES, ExitStatus, LaunchContext, TeardownReport
-from agentvm.errors import EXIT_BACKEND, ConfigError, PolicyDenied, PrimitiveMissing
+from agentvm.errors import EXIT_BACKEND, AgentVMError, ConfigError, PolicyDenied, PrimitiveMissing
 from agentvm.paths import Paths, default_paths
 from agentvm.policy import MountGrant, Policy, check_tier
 
@@ -112,6 +112,55 @@ class Runtime:
             os.chmod(self.log_dir, 0o700)
             self._gate = EmbeddedGate(self.gate_dir, self.log_dir)
         return self._gate
+
+    @property
+    def vault_dir(self) -> Path:
+        return self.paths.home / "vault"
+
+    def session_credentials(self, policy: Policy, sandbox_id: str):
+        """Placeholders for this session, and the gate's view of the real values.
+
+        Every reference must resolve now (fail closed: a missing secret refuses the run).
+        Returns (CredentialSet, extra env, extra files)."""
+        from agentvm.gate.credentials import CredentialSet, make_placeholder
+        from agentvm.vault import Vault
+
+        vault = Vault(self.vault_dir)
+        bindings = {b.name: b for b in policy.credentials}
+        values: dict[str, str] = {}
+        for b in policy.credentials:
+            try:
+                values[b.name] = vault.resolve(b.ref)
+            except AgentVMError as exc:
+                raise ConfigError(f"credential {b.name!r}: {exc.message}", hint=exc.hint or
+                                  f"store it with `agentvm secret set {b.ref.partition(':')[2]}`") from None
+        placeholders = {b.name: make_placeholder(b, len(values[b.name])) for b in policy.credentials}
+        cache = {"version": vault.version(), "values": values}
+
+        def value(name: str) -> str:
+            b = bindings[name]
+            if b.ref.startswith("file:"):
+                return vault.resolve(b.ref)  # re-read: rotating the file needs nothing else
+            v = vault.version()
+            if v != cache["version"]:
+                cache["values"] = {}
+                cache["version"] = v
+            if name not in cache["values"]:
+                cache["values"][name] = vault.resolve(b.ref)
+            return cache["values"][name]
+
+        def revoked(name: str) -> bool:
+            b = bindings[name]
+            if vault.is_revoked(name, sandbox_id):
+                return True
+            return b.ref.startswith("vault:") and vault.is_revoked(b.ref[6:], sandbox_id)
+
+        creds = CredentialSet(policy.credentials, placeholders, value, revoked)
+        env = [(b.env, placeholders[b.name]) for b in policy.credentials]
+        env += [(b.sigv4_key_env, b.sigv4_access_key_id) for b in policy.credentials if b.sigv4_access_key_id]
+        files = [(b.file, placeholders[b.name] + "\n") for b in policy.credentials if b.file]
+        values.clear()
+        return creds, tuple(env), tuple(files)
 
     def close(self) -> None:
         if self._gate is not None:
@@ -218,6 +267,10 @@ class Runtime:
                     )
             from agentvm import native
 
+            creds, extra_env, extra_files = None, (), ()
+            if policy.credentials:
+                creds, extra_env, extra_files = self.session_credentials(policy, sandbox_id)
+                res.creds = creds
             etc = ""
             ca_pem = b""
             if policy.egress is not None:
@@ -231,6 +284,8 @@ class Runtime:
                 etc_view=etc,
                 gate_socket=str(self.paths.sandboxes / sandbox_id / "gate.sock") if policy.egress is not None else "",
                 node_shim=_node_shim() if policy.egress is not None else "",
+                extra_env=extra_env,
+                extra_files=extra_files,
                 host_uid=uid,
                 host_gid=gid,
                 workspace_host=ws_host,
@@ -277,7 +332,8 @@ class Runtime:
                 run_dir.mkdir(parents=True, exist_ok=True)
                 os.chmod(run_dir, 0o711)
                 endpoint = self.embedded_gate().open(
-                    plan.sandbox_id, policy.name, policy.egress, run_dir / "gate.sock", plan.host_uid if plan.host_uid else None
+                    plan.sandbox_id, policy.name, policy.egress, run_dir / "gate.sock", plan.host_uid if plan.host_uid else None,
+                    creds=res.creds,
                 )
             if tty:
                 from agentvm.ptyrelay import PtySession
@@ -308,6 +364,7 @@ class Runtime:
                     ],
                     "bytes_out": endpoint.bytes_out,
                     "bytes_in": endpoint.bytes_in,
+                    "alerts": endpoint.alerts,
                     "log": str(endpoint.log_path),
                 }
         result = RunResult(
@@ -339,6 +396,7 @@ class _Resources:
         self.paths = paths
         self.lease: identity.Identity | None = None
         self.workspace = None
+        self.creds = None  # the session's CredentialSet (placeholders; values stay in the vault)
 
     def release(self, report: TeardownReport | None = None) -> None:
         if self.workspace is not None:

@@ -19,7 +19,7 @@ import threading
 import zipfile
 from pathlib import Path
 
-NAMES = ["allowed.test", "api.test", "other.test", "pkgs.test", "git.test", "denied.test", "dns.google"]
+NAMES = ["allowed.test", "api.test", "other.test", "pkgs.test", "git.test", "denied.test", "dns.google", "echo.test", "evil.test", "s3.test"]
 
 
 def make_test_ca(directory: Path) -> tuple[Path, Path, Path]:

@@ -39,9 +39,32 @@ def test_digest_changes_with_any_field():
 
 
 def test_pending_features_are_recorded_for_refusal():
-    text = AGENT.replace("riskTier: L1", "riskTier: L3") + "  credentials:\n    - {name: k, env: K, ref: 'vault:k', hosts: [example.com]}\n"
+    text = AGENT.replace("riskTier: L1", "riskTier: L3") + "  tools:\n    - {name: fs, allow: true}\n"
     p = compile_policy(load_agent_text(text, "a.yaml").spec)
-    assert p.pending_features == ("credentials",)
+    assert p.pending_features == ("tools",)
+
+
+CRED = """  egress:
+    allow:
+      - {host: api.example.com}
+  credentials:
+    - {name: k, env: API_KEY, ref: 'vault:k', hosts: [api.example.com], inject: {header: Authorization, format: 'Bearer {}'}}
+"""
+
+
+def test_credentials_compile_to_bindings_without_values():
+    p = compile_policy(load_agent_text(AGENT.replace("riskTier: L1", "riskTier: L3") + CRED, "a.yaml").spec)
+    (b,) = p.credentials
+    assert (b.name, b.env, b.ref, b.hosts, b.header, b.format, b.mode) == (
+        "k", "API_KEY", "vault:k", ("api.example.com",), "authorization", "Bearer {}", "header")
+    assert p.pending_features == ()
+
+
+def test_credential_hosts_must_be_allowed_by_egress():
+    bad = CRED.replace("- {host: api.example.com}", "- {host: other.example.com}")
+    with pytest.raises(ConfigError) as ei:
+        compile_policy(load_agent_text(AGENT.replace("riskTier: L1", "riskTier: L3") + bad, "a.yaml").spec)
+    assert "api.example.com" in ei.value.message
 
 
 def test_egress_compiles_with_the_default_doh_denies():

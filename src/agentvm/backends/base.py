@@ -105,6 +105,8 @@ class LaunchContext:
     gate_socket: str = ""  # host path of this sandbox's egress-gate unix socket ("" = no gate)
     gate_port: int = 3128  # loopback port inside the sandbox bridged to the gate
     node_shim: str = ""  # host dir with proxy.js + undici (Node fetch through the gate), "" = none
+    extra_env: tuple[tuple[str, str], ...] = ()  # per-session variables (credential placeholders)
+    extra_files: tuple[tuple[str, str], ...] = ()  # per-session files: sandbox path -> content
     tty: bool = False
     drop_privileges: bool = True  # False when agentvm itself is not root
     degraded: tuple[str, ...] = ()  # primitives the operator explicitly waived
@@ -121,7 +123,7 @@ class LaunchPlan:
     bwrap_args: tuple[str, ...]  # bwrap's options, passed through a memfd (never on a command line)
     env: tuple[tuple[str, str], ...]  # the sandbox's environment, passed to init through a memfd
     mounts: tuple[MountOp, ...]
-    files: tuple[tuple[str, str], ...]  # synthetic files: sandbox path -> content
+    files: tuple[tuple[str, str], ...]  # per-sandbox files: path relative to the run dir -> content
     landlock: LandlockPlan | None
     seccomp_denied: tuple[str, ...]
     seccomp_allow_ptrace: bool

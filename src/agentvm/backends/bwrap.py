@@ -194,6 +194,8 @@ class BwrapBackend:
                 mounts.append(MountOp("bind-fd", policy.workspace, "@fd:workspace@"))
             else:
                 mounts.append(MountOp("tmpfs", policy.workspace, size=lim.disk, perms="0700"))
+        for i, (path, _) in enumerate(ctx.extra_files):
+            mounts.append(MountOp("ro-bind", path, f"{ctx.run_dir}/files/{i}"))
         mounts.append(MountOp("ro-bind", HELPER_IN_SANDBOX, ctx.helper))
         gate = policy.egress is not None
         if gate:
@@ -252,13 +254,14 @@ class BwrapBackend:
                 env[k] = env[k.lower()] = proxy
             env["NO_PROXY"] = env["no_proxy"] = "localhost,127.0.0.1,::1"
             # trust the gate's CA (TLS-terminated hosts) through every common knob
-            for k in ("SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", "GIT_SSL_CAINFO", "PIP_CERT"):
+            for k in ("SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", "GIT_SSL_CAINFO", "PIP_CERT", "AWS_CA_BUNDLE"):
                 env[k] = CA_BUNDLE
             env["NODE_EXTRA_CA_CERTS"] = GATE_CA_FILE
             env["NODE_USE_ENV_PROXY"] = "1"  # Node >= 24 honours the proxy variables natively
             if ctx.node_shim:
                 env["NODE_OPTIONS"] = f"--require {NODE_SHIM_IN_SANDBOX}/proxy.js"
         env.update(dict(policy.env))
+        env.update(dict(ctx.extra_env))  # placeholders win: the spec cannot shadow them
 
         launch = [ctx.helper, "launch", "--status-fd", "@fd:status@"]
         for name, _ in fd_names:
@@ -321,9 +324,9 @@ class BwrapBackend:
         if ctx.sandbox_uid != 1000 or ctx.sandbox_gid != 1000:
             raise BackendError("the shared /etc view assumes sandbox uid/gid 1000")
         files = (
-            ("/etc/hosts", f"127.0.0.1\tlocalhost {_hostname(policy.name)}\n::1\tlocalhost ip6-localhost\n"),
-            ("/etc/hostname", _hostname(policy.name) + "\n"),
-        )
+            ("etc/hosts", f"127.0.0.1\tlocalhost {_hostname(policy.name)}\n::1\tlocalhost ip6-localhost\n"),
+            ("etc/hostname", _hostname(policy.name) + "\n"),
+        ) + tuple((f"files/{i}", content) for i, (_, content) in enumerate(ctx.extra_files))
         return LaunchPlan(
             sandbox_id=ctx.sandbox_id,
             policy_digest=policy.digest(),
@@ -361,8 +364,10 @@ class BwrapBackend:
             etc.mkdir(parents=True, exist_ok=True)
             os.chmod(run_dir, 0o711)
             os.chmod(etc, 0o755)
-            for path, content in plan.files:
-                f = etc / os.path.basename(path)
+            for rel, content in plan.files:
+                f = run_dir / rel
+                f.parent.mkdir(parents=True, exist_ok=True)
+                os.chmod(f.parent, 0o755)
                 f.write_text(content)
                 os.chmod(f, 0o644)
             # 2. cgroups

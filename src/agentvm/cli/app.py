@@ -23,6 +23,7 @@ _COMMANDS: dict[str, str] = {
     "compile": "agentvm.cli.spec_cmds:compile_cmd",
     "presets": "agentvm.cli.spec_cmds:presets",
     "schema": "agentvm.cli.spec_cmds:schema",
+    "secret": "agentvm.cli.secret_cmds:secret",
 }
 
 

@@ -37,6 +37,7 @@ SPLICE_READ = 262144
 HEAD_TIMEOUT = 30.0
 POOL_IDLE = 8  # idle upstream connections kept per (upstream, sandbox)
 STREAM_LIMIT = 1 << 20  # StreamReader buffer before it pauses the transport (bulk tunnels)
+CRED_BUFFER = 1 << 20  # request bodies held for a placeholder scan before anything is sent
 CONNECT_TIMEOUT = 10.0
 HELLO_TIMEOUT = 10.0
 
@@ -92,6 +93,8 @@ class Endpoint:
         self.denials: dict[tuple[str, str], int] = {}
         self.allowed = 0
         self.paused = False
+        self.creds = None  # CredentialSet of this session (credentials by reference), or None
+        self.alerts = 0
         # idle upstream connections: per sandbox, never shared across sandboxes
         self.pool: dict[tuple, list[tuple[PlainStream, h11.Connection]]] = {}
 
@@ -142,6 +145,8 @@ class Endpoint:
             "bytes_in": bytes_in,
         }
         rec.update(extra)
+        if extra.get("alert"):
+            self.alerts += 1
         if verdict == "deny":
             key = (rule_id, f"{host}:{port}" if host else "(malformed request)")
             self.denials[key] = self.denials.get(key, 0) + 1
@@ -286,12 +291,14 @@ class Gate:
                 pass
 
     # -- endpoints ------------------------------------------------------------------------
-    async def open_endpoint(self, sandbox_id: str, agent: str, policy: EgressPolicy, sock_path: Path, *, uid: int | None = None) -> Endpoint:
+    async def open_endpoint(self, sandbox_id: str, agent: str, policy: EgressPolicy, sock_path: Path, *, uid: int | None = None,
+                            creds=None) -> Endpoint:
         sock_path = Path(sock_path)
         sock_path.parent.mkdir(parents=True, exist_ok=True)
         if sock_path.exists():
             sock_path.unlink()
         ep = Endpoint(self, sandbox_id, agent, policy, sock_path, self.log_dir / f"{sandbox_id}.egress.jsonl")
+        ep.creds = creds
         ep.server = await asyncio.start_unix_server(lambda r, w: self._handle(ep, r, w), path=str(sock_path),
                                                     limit=STREAM_LIMIT)
         # only the sandbox's uid (and root) may connect
@@ -356,6 +363,14 @@ class Gate:
                     return None, b""
                 if hr.feed(data):
                     return hr.head, hr.rest
+
+    async def _cred_deny(self, ep: Endpoint, client, err, req: h1.ProxyRequest, *, phase: str = "request",
+                         respond: bool = True) -> None:
+        ep.log(verdict="deny", rule_id=err.rule_id, reason=err.reason, host=req.host, port=req.port,
+               method=req.method if req.scheme != "connect" else "CONNECT", path=req.path or None, phase=phase,
+               credential=err.name, alert=err.alert)
+        if respond:
+            await client.write(h1.deny_response(err.rule_id, err.reason, host=req.host, port=req.port))
 
     async def _bad_request(self, ep: Endpoint, stream, exc: h1.ProtocolError, host: str = "", port: int | None = None) -> None:
         ep.log(verdict="deny", rule_id=f"bad-request:{exc.code}", reason=str(exc), host=host, port=port, phase="request")
@@ -455,6 +470,25 @@ class Gate:
         if not d.allowed:
             await self._deny(ep, client, d.rule_id, d.reason, req)
             return False, b""
+        cred = None
+        if ep.creds is not None:
+            from agentvm.gate.credentials import CredentialError
+
+            try:
+                ep.creds.check_target(req.host)
+                swap = ep.creds.apply(host=req.host, scheme=scheme, target=req.path, headers=list(req.headers))
+            except CredentialError as err:
+                await self._cred_deny(ep, client, err, req)
+                return False, b""
+            except Exception as exc:  # the vault could not give a value: fail closed
+                ep.log(verdict="deny", rule_id="credential:unavailable", reason=type(exc).__name__, host=req.host,
+                       port=req.port, method=req.method, path=req.path, phase="request")
+                await client.write(h1.deny_response("credential:unavailable", "a credential value is unavailable",
+                                                    host=req.host, port=req.port))
+                return False, b""
+            cred = swap
+            if swap.used or swap.target != req.path:
+                req = h1.ProxyRequest(**{**req.__dict__, "headers": tuple(swap.headers), "path": swap.target})
         max_body = getattr(d, "max_body", None)
         if req.content_length is not None and max_body is not None and req.content_length > max_body:
             await self._deny(ep, client, d.rule_id + ":max-body", f"body of {req.content_length} bytes over {max_body}", req, status=403)
@@ -486,7 +520,8 @@ class Gate:
                 upstream, up = PlainStream(ur, uw), h11.Connection(h11.CLIENT)
             try:
                 keep, leftover, reusable = await self._relay_exchange(ep, client, upstream, up, down, req, d, max_body,
-                                                                      pooled=pooled is not None and retry_ok)
+                                                                      pooled=pooled is not None and retry_ok, cred=cred,
+                                                                      scheme=scheme)
             except _Stale:
                 upstream.close()
                 continue  # the pooled connection had been closed by the upstream: once more, fresh
@@ -500,17 +535,34 @@ class Gate:
             return keep, leftover
         return False, b""
 
-    async def _relay_exchange(self, ep, client, upstream, up, down, req, d, max_body, *, pooled: bool = False):
+    async def _relay_exchange(self, ep, client, upstream, up, down, req, d, max_body, *, pooled: bool = False,
+                              cred=None, scheme: str = "http"):
         """One request/response over ``upstream``; returns (keep client, leftover, upstream reusable)."""
         host_value = req.host if req.port in (80, 443) else f"{req.host}:{req.port}"
         ws = req.upgrade_websocket  # decide() allowed it, so a rule says websocket: true
         headers = h1.forward_headers(req, host_value, keep_upgrade=True) if ws else h1.forward_headers(req, host_value)
-        try:
-            await upstream.write(up.send(h11.Request(method=req.method, target=req.path, headers=headers)))
-        except (ConnectionError, OSError):
-            if pooled:
-                raise _Stale() from None
-            raise
+        scanner = ep.creds.body_scanner(req.host) if ep.creds is not None else None
+        scrubber = ep.creds.scrubber() if ep.creds is not None else None
+        if cred is not None and cred.resign:
+            # a signed request: the whole body is needed to check and redo the signature
+            return await self._relay_resigned(ep, client, upstream, up, down, req, d, max_body, headers, cred, scanner,
+                                              scrubber, scheme, host_value)
+        # With credentials in the sandbox, a body is scanned before anything is sent: the head
+        # waits until the body is complete (or CRED_BUFFER is exceeded - then it streams, and a
+        # placeholder found later cuts the upstream request mid-body).
+        held: list[bytes] | None = [] if scanner is not None else None
+        held_len = 0
+
+        async def send_head() -> None:
+            try:
+                await upstream.write(up.send(h11.Request(method=req.method, target=req.path, headers=headers)))
+            except (ConnectionError, OSError):
+                if pooled:
+                    raise _Stale() from None
+                raise
+
+        if held is None:
+            await send_head()
         sent = 0
         if (req.header(b"expect") or b"").lower() == b"100-continue" and down.their_state is h11.SEND_BODY:
             await client.write(down.send(h11.InformationalResponse(status_code=100, headers=[])))
@@ -532,12 +584,105 @@ class Gate:
                     await client.write(h1.error_response(413, "max-body", f"request body over {max_body} bytes"))
                     return False, b"", False
                 ep.count_out(len(ev.data), req.host, req.port)
-                await upstream.write(up.send(h11.Data(data=ev.data)))
+                data = ev.data
+                if scanner is not None:
+                    try:
+                        data = scanner.feed(data)
+                    except Exception as err:  # CredentialError: a placeholder in the body
+                        await self._cred_deny(ep, client, err, req)
+                        return False, b"", False
+                if held is not None:
+                    held.append(data)
+                    held_len += len(data)
+                    if held_len <= CRED_BUFFER:
+                        continue
+                    await send_head()
+                    data, held = b"".join(held), None
+                if data:
+                    await upstream.write(up.send(h11.Data(data=data)))
                 continue
             if isinstance(ev, h11.EndOfMessage):
+                rest = scanner.finish() if scanner is not None else b""
+                if held is not None:
+                    await send_head()
+                    rest = b"".join(held) + rest
+                if rest:
+                    await upstream.write(up.send(h11.Data(data=rest)))
                 await upstream.write(up.send(h11.EndOfMessage()))
                 break
             return False, b"", False
+        return await self._relay_response(ep, client, upstream, up, down, req, d, sent, scrubber, ws, pooled, cred)
+
+    async def _relay_resigned(self, ep, client, upstream, up, down, req, d, max_body, headers, cred, scanner, scrubber,
+                              scheme, host_value):
+        from agentvm.gate import signing
+
+        body = bytearray()
+        limit = 64 * 1024 * 1024
+        while True:
+            ev = down.next_event()
+            if ev is h11.NEED_DATA:
+                data = await client.read()
+                if not data:
+                    return False, b"", False
+                down.receive_data(data)
+                continue
+            if isinstance(ev, h11.Data):
+                body += ev.data
+                if len(body) > limit or (max_body is not None and len(body) > max_body):
+                    await client.write(h1.error_response(413, "max-body", "signed request body too large"))
+                    return False, b"", False
+                continue
+            if isinstance(ev, h11.EndOfMessage):
+                break
+            return False, b"", False
+        try:
+            if scanner is not None:
+                scanner.feed(bytes(body))
+            sreq = signing.Request(
+                method=req.method,
+                url=f"https://{host_value}{req.path}",
+                headers=[(k.decode("latin-1"), v.decode("latin-1")) for k, v in headers],
+                body=bytes(body),
+            )
+            for b in cred.resign:
+                if b.mode == "sigv4":
+                    sreq = signing.resign_sigv4(sreq, access_key_id=b.sigv4_access_key_id,
+                                                placeholder_secret=ep.creds.placeholders[b.name],
+                                                real_secret=ep.creds.value(b.name))
+                else:
+                    from types import SimpleNamespace
+
+                    sreq = signing.resign_hmac(sreq, SimpleNamespace(**{k: (v or None) if k == "timestamp_header" else v
+                                                                         for k, v in b.hmac}),
+                                               placeholder=ep.creds.placeholders[b.name], real=ep.creds.value(b.name))
+        except signing.SigningError as err:
+            ep.log(verdict="deny", rule_id=f"credential:{err.code}", reason=str(err), host=req.host, port=req.port,
+                   method=req.method, path=req.path, phase="request", alert=True,
+                   credential=",".join(b.name for b in cred.resign))
+            await client.write(h1.deny_response(f"credential:{err.code}", str(err), host=req.host, port=req.port))
+            return False, b"", False
+        except Exception as err:
+            if hasattr(err, "rule_id"):
+                await self._cred_deny(ep, client, err, req)
+            else:
+                await client.write(h1.error_response(502, "credential:resign-failed", type(err).__name__))
+            return False, b"", False
+        from urllib.parse import urlsplit
+
+        u = urlsplit(sreq.url)
+        target = u.path + ("?" + u.query if u.query else "")
+        new_headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in sreq.headers
+                       if k.lower() not in ("transfer-encoding", "content-length")]
+        new_headers.append((b"content-length", str(len(sreq.body)).encode()))
+        ep.count_out(len(sreq.body), req.host, req.port)
+        await upstream.write(up.send(h11.Request(method=req.method, target=target, headers=new_headers)))
+        if sreq.body:
+            await upstream.write(up.send(h11.Data(data=sreq.body)))
+        await upstream.write(up.send(h11.EndOfMessage()))
+        return await self._relay_response(ep, client, upstream, up, down, req, d, len(sreq.body), scrubber, False, False, cred)
+
+    async def _relay_response(self, ep, client, upstream, up, down, req, d, sent, scrubber, ws, pooled, cred):
         leftover = down.trailing_data[0]
         # response
         received = 0
@@ -576,14 +721,24 @@ class Gate:
                 continue
             if isinstance(ev, h11.Response):
                 answered = True
-                await client.write(down.send(h11.Response(status_code=ev.status_code, reason=ev.reason,
-                                                          headers=h1.response_headers(ev.headers))))
+                rh = h1.response_headers(ev.headers)
+                if scrubber is not None and scrubber.pairs:
+                    # an upstream echoing a real value must not hand it to the sandbox; the body
+                    # may change length, so it is re-framed (chunked)
+                    rh = [(k, scrubber.header(v)) for k, v in rh if k != b"content-length"]
+                await client.write(down.send(h11.Response(status_code=ev.status_code, reason=ev.reason, headers=rh)))
                 continue
             if isinstance(ev, h11.Data):
                 received += len(ev.data)
-                await client.write(down.send(h11.Data(data=ev.data)))
+                data = scrubber.feed(ev.data) if scrubber is not None and scrubber.pairs else ev.data
+                if data:
+                    await client.write(down.send(h11.Data(data=data)))
                 continue
             if isinstance(ev, h11.EndOfMessage):
+                if scrubber is not None and scrubber.pairs:
+                    rest = scrubber.finish()
+                    if rest:
+                        await client.write(down.send(h11.Data(data=rest)))
                 await client.write(down.send(h11.EndOfMessage()))
                 break
             if isinstance(ev, h11.ConnectionClosed):
@@ -591,8 +746,14 @@ class Gate:
                     raise _Stale()
                 return False, b"", False
         ep.bytes_in += received
+        extra = {}
+        if cred is not None and cred.used:
+            extra["credentials"] = sorted(set(cred.used))
+        if scrubber is not None and scrubber.hits:
+            extra["scrubbed"] = scrubber.hits
+            extra["alert"] = True
         ep.log(verdict="allow", rule_id=d.rule_id, reason=d.reason, host=req.host, port=req.port, method=req.method,
-               path=req.path, phase="request", bytes_out=sent, bytes_in=received)
+               path=req.path, phase="request", bytes_out=sent, bytes_in=received, **extra)
         keep = down.our_state is h11.DONE and down.their_state is h11.DONE
         reusable = up.our_state is h11.DONE and up.their_state is h11.DONE and upstream.reusable
         if reusable:
@@ -601,6 +762,14 @@ class Gate:
 
     # -- CONNECT ----------------------------------------------------------------------------
     async def _connect(self, ep: Endpoint, client: PlainStream, req: h1.ProxyRequest, pending: bytes) -> None:
+        if ep.creds is not None:
+            from agentvm.gate.credentials import CredentialError
+
+            try:
+                ep.creds.check_target(req.host)
+            except CredentialError as err:
+                await self._cred_deny(ep, client, err, req, phase="connect")
+                return
         meta = RequestMeta(host=req.host, port=req.port, scheme="connect", phase="connect")
         d = decide(meta, ep.policy)
         if not d.allowed:
@@ -640,13 +809,23 @@ class Gate:
             ep.log(verdict="deny", rule_id="not-tls", reason=f"tunnel does not start with a TLS ClientHello: {exc}",
                    host=req.host, port=req.port, method="CONNECT", phase="clienthello")
             return
+        if ep.creds is not None:
+            from agentvm.gate.credentials import CredentialError
+
+            try:
+                ep.creds.check_target(req.host, hello.sni)
+            except CredentialError as err:
+                await self._cred_deny(ep, client, err, req, phase="clienthello", respond=False)
+                return
         meta2 = RequestMeta(host=req.host, port=req.port, scheme="connect", phase="clienthello", sni=hello.sni)
         d2 = decide(meta2, ep.policy)
         if not d2.allowed:
             ep.log(verdict="deny", rule_id=d2.rule_id, reason=d2.reason, host=req.host, port=req.port, method="CONNECT",
                    phase="clienthello", sni=hello.sni)
             return
-        if d.terminate or d2.terminate:
+        if d.terminate or d2.terminate or ep.creds is not None:
+            # a sandbox holding placeholders gets every tunnel terminated: a placeholder must
+            # be seen wherever it travels (and swapped only where it is bound)
             await self._terminate(ep, client, req, buf)
             return
         try:
@@ -876,8 +1055,8 @@ class EmbeddedGate:
     def call(self, coro, timeout: float = 10.0):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
-    def open(self, sandbox_id: str, agent: str, policy: EgressPolicy, sock_path: Path, uid: int | None) -> Endpoint:
-        return self.call(self.gate.open_endpoint(sandbox_id, agent, policy, sock_path, uid=uid))
+    def open(self, sandbox_id: str, agent: str, policy: EgressPolicy, sock_path: Path, uid: int | None, creds=None) -> Endpoint:
+        return self.call(self.gate.open_endpoint(sandbox_id, agent, policy, sock_path, uid=uid, creds=creds))
 
     def close(self, sandbox_id: str) -> Endpoint | None:
         return self.call(self.gate.close_endpoint(sandbox_id))

@@ -295,18 +295,104 @@ class Egress(_Model):
 
 
 class CredentialInject(_Model):
-    header: str | None = None
-    format: str = "{}"
-    basic: Literal["user", "password"] | None = None
-    query: str | None = None
+    """Where the gate may swap the placeholder for the real value (exactly one place)."""
+
+    header: str | None = Field(None, description="Header name, e.g. Authorization.")
+    format: str = Field("{}", description="Header value format with one '{}', e.g. 'Bearer {}'.")
+    basic: Literal["user", "password"] | None = Field(None, description="The user or password of HTTP basic auth.")
+    query: str | None = Field(None, description="A query parameter name.")
+
+    @model_validator(mode="after")
+    def _one_place(self):
+        places = [p for p in (self.header, self.basic, self.query) if p]
+        if len(places) > 1:
+            raise ValueError("inject: choose one of header, basic, query")
+        if self.format.count("{}") != 1:
+            raise ValueError("inject.format must contain exactly one '{}'")
+        if self.header is not None and not re.fullmatch(r"[A-Za-z0-9!#$%&'*+.^_`|~-]{1,64}", self.header):
+            raise ValueError(f"invalid header name {self.header!r}")
+        return self
+
+
+class SigV4(_Model):
+    """AWS Signature Version 4: the agent signs with the placeholder secret key; the gate
+    checks that signature, then re-signs with the real key."""
+
+    access_key_id: str = Field(description="The access key id (not secret) the agent gets in AWS_ACCESS_KEY_ID.")
+    access_key_id_env: str = Field("AWS_ACCESS_KEY_ID", description="Env var for the access key id.")
+
+
+class HmacSigning(_Model):
+    """A generic HMAC request signature the gate recomputes with the real secret."""
+
+    algorithm: Literal["sha1", "sha256", "sha512"] = "sha256"
+    header: str = Field(description="Header carrying the signature, e.g. X-Signature.")
+    format: str = Field("{}", description="Signature header value format, e.g. 'sha256={}'.")
+    encoding: Literal["hex", "base64"] = "hex"
+    message: str = Field(
+        "{method}\n{path}\n{timestamp}\n{body}",
+        description="What is signed: {method}, {path} (with query), {timestamp}, {body}, {header:NAME}.",
+    )
+    timestamp_header: str | None = Field(None, description="Header with the request timestamp (signed as {timestamp}).")
+
+
+class Placeholder(_Model):
+    prefix: str = Field("", description="Fixed start of the placeholder so it looks like the real format, e.g. 'sk-'.")
+    length: int | None = Field(None, ge=16, le=512, description="Total length (default: the real value's, at least 32).")
+    charset: Literal["alnum", "hex", "base64url"] = "alnum"
 
 
 class Credential(_Model):
     name: str = Field(description="Name of the credential (unique per agent).")
     env: str = Field(description="Environment variable that receives the placeholder.")
-    ref: str = Field(description="Vault reference, e.g. vault:NAME, env:VAR, file:/path.")
-    hosts: list[str] = Field(description="Hosts the real secret may be sent to.")
+    ref: str = Field(description="Where the real value lives: vault:NAME, env:VAR (of agent-vm's environment) or file:/path.")
+    hosts: list[str] = Field(description="Hosts the real secret may be sent to (exact or '*.suffix').")
     inject: CredentialInject = Field(default_factory=CredentialInject, description="Where the secret is swapped in.")
+    file: str | None = Field(None, description="Also write the placeholder to this file inside the sandbox.")
+    placeholder: Placeholder = Field(default_factory=Placeholder)
+    sigv4: SigV4 | None = Field(None, description="Re-sign AWS SigV4 requests instead of swapping a header.")
+    hmac: HmacSigning | None = Field(None, description="Re-sign a generic HMAC signature instead of swapping.")
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", v):
+            raise ValueError("credential name: 1-64 of letters, digits, '_', '.', '-'")
+        return v
+
+    @field_validator("env")
+    @classmethod
+    def _env(cls, v: str) -> str:
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", v):
+            raise ValueError(f"invalid environment variable name {v!r}")
+        return v
+
+    @field_validator("ref")
+    @classmethod
+    def _ref(cls, v: str) -> str:
+        kind, sep, rest = v.partition(":")
+        if not sep or kind not in ("vault", "env", "file") or not rest:
+            raise ValueError("ref must be vault:NAME, env:VAR or file:/absolute/path")
+        if kind == "file" and not rest.startswith("/"):
+            raise ValueError("file: references need an absolute path")
+        return v
+
+    @field_validator("file")
+    @classmethod
+    def _file(cls, v: str | None) -> str | None:
+        return None if v is None else _sandbox_path(v, "credentials[].file")
+
+    @model_validator(mode="after")
+    def _mode(self):
+        modes = [m for m in (self.sigv4, self.hmac) if m is not None]
+        has_inject = bool(self.inject.header or self.inject.basic or self.inject.query)
+        if len(modes) > 1 or (modes and has_inject):
+            raise ValueError("a credential is either injected (inject) or re-signed (sigv4 / hmac), not both")
+        if not modes and not has_inject:
+            raise ValueError("say where the secret goes: inject.header, inject.basic, inject.query, sigv4 or hmac")
+        if not self.hosts:
+            raise ValueError("a credential must be bound to at least one host")
+        return self
 
 
 class Tool(_Model):

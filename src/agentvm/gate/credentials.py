@@ -1,0 +1,366 @@
+"""Credentials by reference, at the gate: placeholders in, real values out - only where bound.
+
+A sandbox gets a *placeholder* per credential: random, unique per session, shaped like the
+real thing where a prefix is declared, and useless anywhere else. The gate, outside the
+sandbox, holds the real values (looked up from the vault per use, so a rotation needs no
+change inside). Pure logic here; ``server.py`` calls it:
+
+* :meth:`CredentialSet.check_target` - a CONNECT/SNI/host that carries a placeholder is a leak.
+* :meth:`CredentialSet.apply` - for one request (method, target, headers): every placeholder
+  occurrence is either in its declared place on a TLS-terminated request to a bound host
+  (swapped for the real value) or a leak (the request is blocked and an alert logged).
+  Revoked credentials are denied. Never swaps on plain HTTP, in undeclared headers, in the
+  path, for unbound hosts.
+* :class:`BodyScanner` - streaming detection of placeholders in request bodies (a rolling
+  window, so a placeholder split across chunks is still caught; nothing is forwarded past it).
+* :class:`Scrubber` - streaming replacement of real values by placeholders in responses, so
+  an upstream echoing the secret leaks nothing into the sandbox.
+
+Secret values never appear in exceptions, reprs or log records: only credential names.
+"""
+
+from __future__ import annotations
+
+import base64
+import secrets
+import string
+from dataclasses import dataclass, field
+from typing import Callable
+from urllib.parse import parse_qsl, quote, urlencode
+
+from agentvm.gate.policy import host_matches, normalize_host, normalize_pattern
+
+CHARSETS = {
+    "alnum": string.ascii_letters + string.digits,
+    "hex": "0123456789abcdef",
+    "base64url": string.ascii_letters + string.digits + "-_",
+}
+
+
+@dataclass(frozen=True)
+class CredentialBinding:
+    """A credential as compiled from the spec: where it may go; never its value."""
+
+    name: str
+    env: str
+    ref: str
+    hosts: tuple[str, ...]  # normalized patterns
+    header: str | None = None  # lower-case
+    format: str = "{}"
+    basic: str | None = None  # "user" | "password"
+    query: str | None = None
+    file: str | None = None
+    prefix: str = ""
+    length: int | None = None
+    charset: str = "alnum"
+    sigv4_access_key_id: str | None = None
+    sigv4_key_env: str = "AWS_ACCESS_KEY_ID"
+    hmac: tuple[tuple[str, str], ...] | None = None  # HmacSigning fields as sorted pairs
+
+    @property
+    def mode(self) -> str:
+        if self.sigv4_access_key_id is not None:
+            return "sigv4"
+        if self.hmac is not None:
+            return "hmac"
+        if self.header:
+            return "header"
+        if self.basic:
+            return "basic"
+        return "query"
+
+    def bound_to(self, host: str) -> bool:
+        try:
+            h = normalize_host(host)
+        except ValueError:
+            return False
+        return any(host_matches(p, h) for p in self.hosts)
+
+
+def compile_credentials(spec_credentials) -> tuple[CredentialBinding, ...]:
+    """``spec.credentials`` (pydantic models or duck-typed) -> bindings. Raises ValueError."""
+    out = []
+    seen: set[str] = set()
+    envs: set[str] = set()
+    for c in spec_credentials or ():
+        if c.name in seen:
+            raise ValueError(f"credential {c.name!r} is declared twice")
+        if c.env in envs:
+            raise ValueError(f"two credentials use the environment variable {c.env}")
+        seen.add(c.name)
+        envs.add(c.env)
+        inj = c.inject
+        hm = None
+        if getattr(c, "hmac", None) is not None:
+            h = c.hmac
+            hm = tuple(sorted({
+                "algorithm": h.algorithm, "header": h.header, "format": h.format, "encoding": h.encoding,
+                "message": h.message, "timestamp_header": h.timestamp_header or "",
+            }.items()))
+        ph = getattr(c, "placeholder", None)
+        out.append(
+            CredentialBinding(
+                name=c.name,
+                env=c.env,
+                ref=c.ref,
+                hosts=tuple(normalize_pattern(h) for h in c.hosts),
+                header=inj.header.lower() if inj.header else None,
+                format=inj.format,
+                basic=inj.basic,
+                query=inj.query,
+                file=getattr(c, "file", None),
+                prefix=getattr(ph, "prefix", "") or "",
+                length=getattr(ph, "length", None),
+                charset=getattr(ph, "charset", "alnum") or "alnum",
+                sigv4_access_key_id=c.sigv4.access_key_id if getattr(c, "sigv4", None) is not None else None,
+                sigv4_key_env=c.sigv4.access_key_id_env if getattr(c, "sigv4", None) is not None else "AWS_ACCESS_KEY_ID",
+                hmac=hm,
+            )
+        )
+    return tuple(out)
+
+
+def make_placeholder(b: CredentialBinding, real_length: int) -> str:
+    """Random, unique per session, as long as the real value (at least 32 characters) unless a
+    length is declared, starting with the declared prefix."""
+    length = b.length or max(real_length, len(b.prefix) + 32, 32)
+    alphabet = CHARSETS.get(b.charset, CHARSETS["alnum"])
+    body_len = max(length - len(b.prefix), 24)
+    return b.prefix + "".join(secrets.choice(alphabet) for _ in range(body_len))
+
+
+class CredentialError(Exception):
+    """A request breaks a credential rule. ``rule_id`` is what the 403 and the log carry."""
+
+    def __init__(self, rule_id: str, reason: str, *, name: str, where: str, alert: bool):
+        super().__init__(reason)
+        self.rule_id, self.reason, self.name, self.where, self.alert = rule_id, reason, name, where, alert
+
+
+@dataclass
+class Swap:
+    """What :meth:`CredentialSet.apply` decided for one request."""
+
+    target: str  # possibly rewritten (query swap)
+    headers: list[tuple[bytes, bytes]]
+    used: list[str] = field(default_factory=list)  # credential names swapped or re-signed
+    resign: list[CredentialBinding] = field(default_factory=list)  # signatures to redo once the body is known
+
+
+class CredentialSet:
+    """The credentials of one sandbox session."""
+
+    def __init__(
+        self,
+        bindings: tuple[CredentialBinding, ...],
+        placeholders: dict[str, str],
+        value: Callable[[str], str],
+        revoked: Callable[[str], bool],
+    ):
+        self.bindings = {b.name: b for b in bindings}
+        self.placeholders = dict(placeholders)  # name -> placeholder
+        self._by_ph = {p.encode(): n for n, p in self.placeholders.items()}
+        self.value = value  # name -> real value (vault-backed, may raise)
+        self.revoked = revoked
+        self.max_len = max((len(p) for p in self.placeholders.values()), default=0)
+
+    def __repr__(self) -> str:  # never the values
+        return f"CredentialSet({sorted(self.bindings)})"
+
+    # -- detection --------------------------------------------------------------------------
+    def find(self, data: bytes) -> list[str]:
+        return [n for p, n in self._by_ph.items() if p in data]
+
+    def _find_text(self, text: str) -> list[str]:
+        return [n for n, p in self.placeholders.items() if p in text]
+
+    def _leak(self, name: str, where: str, host: str) -> CredentialError:
+        return CredentialError(
+            f"credential:leak:{name}",
+            f"placeholder of credential {name!r} sent to {where} of {host}, where it is not bound: blocked",
+            name=name, where=where, alert=True,
+        )
+
+    def check_target(self, host: str, sni: str | None = None) -> None:
+        """CONNECT host / SNI / plain-HTTP host carrying a placeholder: a leak attempt."""
+        for text, where in ((host, "host"), (sni or "", "sni")):
+            low = text.lower()  # names are case-insensitive: so is this check
+            for name, p in self.placeholders.items():
+                if p.lower() in low:
+                    raise self._leak(name, where, host)
+
+    # -- one request ------------------------------------------------------------------------
+    def apply(self, *, host: str, scheme: str, target: str, headers: list[tuple[bytes, bytes]]) -> Swap:
+        """Swap placeholders in their declared places (TLS-terminated, bound host) or raise."""
+        terminated = scheme == "https"
+        out_headers: list[tuple[bytes, bytes]] = []
+        used: list[str] = []
+        resign: list[CredentialBinding] = []
+        # the request target (path + query)
+        new_target = target
+        for name in self._find_text(target):
+            b = self.bindings[name]
+            if not (terminated and b.mode == "query" and b.bound_to(host)):
+                raise self._leak(name, "the path or query" if b.mode != "query" else "the query (not bound here)", host)
+            self._check_revoked(name)
+            new_target = self._swap_query(new_target, b)
+            used.append(name)
+        # headers
+        for k, v in headers:
+            lk = k.lower()
+            names = self.find(v) + self.find(k)
+            basic_names: list[str] = []
+            if lk in (b"authorization", b"proxy-authorization") and v[:6].lower() == b"basic ":
+                try:
+                    decoded = base64.b64decode(v[6:].strip(), validate=True)
+                except Exception:
+                    decoded = b""
+                basic_names = self.find(decoded)
+            if not names and not basic_names:
+                out_headers.append((k, v))
+                continue
+            for name in names:
+                b = self.bindings[name]
+                if terminated and b.bound_to(host) and b.mode == "header" and lk == b.header.encode():
+                    expected = b.format.replace("{}", self.placeholders[name]).encode()
+                    if v == expected:
+                        self._check_revoked(name)
+                        v = b.format.replace("{}", self.value(name)).encode()
+                        used.append(name)
+                        continue
+                raise self._leak(name, f"header {k.decode('latin-1')[:40]!r}", host)
+            for name in basic_names:
+                b = self.bindings[name]
+                if not (terminated and b.bound_to(host) and b.mode == "basic" and lk == b"authorization"):
+                    raise self._leak(name, "basic auth (not bound here)", host)
+                user, sep, pw = decoded.partition(b":")
+                ph = self.placeholders[name].encode()
+                if (b.basic == "user" and user != ph) or (b.basic == "password" and pw != ph) or not sep:
+                    raise self._leak(name, "basic auth (wrong part)", host)
+                self._check_revoked(name)
+                real = self.value(name).encode()
+                user, pw = (real, pw) if b.basic == "user" else (user, real)
+                v = b"Basic " + base64.b64encode(user + b":" + pw)
+                used.append(name)
+            out_headers.append((k, v))
+        # signed protocols: the placeholder never travels; the signature was made with it
+        for b in self.bindings.values():
+            if b.mode == "sigv4":
+                akid = b.sigv4_access_key_id or ""
+                signed = any(
+                    k.lower() == b"authorization" and v.startswith(b"AWS4-HMAC-SHA256 ")
+                    and f"Credential={akid}/".encode() in v
+                    for k, v in out_headers
+                ) or ("X-Amz-Signature=" in new_target and (f"Credential={akid}%2F" in new_target or f"Credential={akid}/" in new_target))
+            elif b.mode == "hmac":
+                hdr = dict(b.hmac)["header"].lower().encode()
+                signed = any(k.lower() == hdr for k, _ in out_headers)
+            else:
+                continue
+            if not signed:
+                continue
+            if not (terminated and b.bound_to(host)):
+                raise self._leak(b.name, "a request signed with the placeholder (host not bound)", host)
+            self._check_revoked(b.name)
+            resign.append(b)
+            used.append(b.name)
+        return Swap(target=new_target, headers=out_headers, used=used, resign=resign)
+
+    def _check_revoked(self, name: str) -> None:
+        if self.revoked(name):
+            raise CredentialError(
+                f"credential:revoked:{name}", f"credential {name!r} has been revoked", name=name, where="", alert=False
+            )
+
+    def _swap_query(self, target: str, b: CredentialBinding) -> str:
+        path, sep, query = target.partition("?")
+        if not sep:
+            raise self._leak(b.name, "the path", "")
+        pairs = parse_qsl(query, keep_blank_values=True)
+        ph = self.placeholders[b.name]
+        if any(ph in k for k, _ in pairs) or any(ph in v for k, v in pairs if k != b.query):
+            raise self._leak(b.name, "a query parameter it is not bound to", "")
+        if ph in path:
+            raise self._leak(b.name, "the path", "")
+        real = self.value(b.name)
+        pairs = [(k, real if (k == b.query and v == ph) else v) for k, v in pairs]
+        return path + "?" + urlencode(pairs, quote_via=quote, safe="")
+
+    # -- streaming --------------------------------------------------------------------------
+    def body_scanner(self, host: str) -> "BodyScanner":
+        return BodyScanner(self, host)
+
+    def scrubber(self) -> "Scrubber":
+        pairs = []
+        for name, ph in self.placeholders.items():
+            try:
+                real = self.value(name)
+            except Exception:
+                continue
+            if real:
+                pairs.append((real.encode(), ph.encode()))
+                b = self.bindings[name]
+                if b.mode == "header" and b.format != "{}":
+                    pass  # the bare value already covers the formatted one
+        return Scrubber(pairs)
+
+
+class BodyScanner:
+    """Forward a request body chunk by chunk, holding back just enough to see a placeholder
+    split across chunks; raises CredentialError before any byte of a placeholder is released."""
+
+    def __init__(self, creds: CredentialSet, host: str):
+        self.creds, self.host = creds, host
+        self.hold = max(creds.max_len - 1, 0)
+        self.tail = b""
+
+    def feed(self, data: bytes) -> bytes:
+        buf = self.tail + data
+        for name in self.creds.find(buf):
+            raise self.creds._leak(name, "the request body", self.host)
+        if self.hold and len(buf) > self.hold:
+            out, self.tail = buf[: -self.hold], buf[-self.hold :]
+        elif self.hold:
+            out, self.tail = b"", buf
+        else:
+            out, self.tail = buf, b""
+        return out
+
+    def finish(self) -> bytes:
+        out, self.tail = self.tail, b""
+        return out
+
+
+class Scrubber:
+    """Replace real values by placeholders in a byte stream (responses), across chunk edges."""
+
+    def __init__(self, pairs: list[tuple[bytes, bytes]]):
+        self.pairs = pairs
+        self.hold = max((len(r) for r, _ in pairs), default=1) - 1
+        self.tail = b""
+        self.hits = 0
+
+    def feed(self, data: bytes) -> bytes:
+        if not self.pairs:
+            return data
+        buf = self.tail + data
+        for real, ph in self.pairs:
+            if real in buf:
+                self.hits += buf.count(real)
+                buf = buf.replace(real, ph)
+        if self.hold and len(buf) > self.hold:
+            out, self.tail = buf[: -self.hold], buf[-self.hold :]
+        else:
+            out, self.tail = b"", buf
+        return out
+
+    def finish(self) -> bytes:
+        out, self.tail = self.tail, b""
+        return out
+
+    def header(self, value: bytes) -> bytes:
+        for real, ph in self.pairs:
+            if real in value:
+                self.hits += 1
+                value = value.replace(real, ph)
+        return value
