@@ -275,13 +275,14 @@ def test_placeholder_sent_anywhere_else_is_blocked_and_alerted(env, attack, rule
     assert not ph_leaks, ph_leaks
 
 
-def test_boto3_sigv4_is_resigned_with_the_real_key(env):
+@pytest.mark.parametrize("checksums", ["when_required", "when_supported"])
+def test_boto3_sigv4_is_resigned_with_the_real_key(env, checksums):
     code = textwrap.dedent(f"""
         import os, boto3
         from botocore.config import Config
         assert os.environ["AWS_ACCESS_KEY_ID"] == "{AKID}"
         s3 = boto3.client("s3", endpoint_url="https://s3.test:{env['port']}", region_name="us-east-1",
-                          config=Config(s3={{"addressing_style": "path"}}, request_checksum_calculation="when_required",
+                          config=Config(s3={{"addressing_style": "path"}}, request_checksum_calculation="{checksums}",
                                         retries={{"max_attempts": 1}}))
         s3.put_object(Bucket="b", Key="k", Body=b"hello")
         print("LIST", s3.list_objects_v2(Bucket="b")["KeyCount"])

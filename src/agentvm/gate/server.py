@@ -647,9 +647,11 @@ class Gate:
             )
             for b in cred.resign:
                 if b.mode == "sigv4":
+                    # UNSIGNED-PAYLOAD / STREAMING-UNSIGNED-PAYLOAD-TRAILER (boto3's default for S3
+                    # uploads over TLS): the body carries no signature, only the header one is redone
                     sreq = signing.resign_sigv4(sreq, access_key_id=b.sigv4_access_key_id,
                                                 placeholder_secret=ep.creds.placeholders[b.name],
-                                                real_secret=ep.creds.value(b.name))
+                                                real_secret=ep.creds.value(b.name), allow_unsigned_payload=True)
                 else:
                     from types import SimpleNamespace
 
