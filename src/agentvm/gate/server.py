@@ -686,7 +686,21 @@ class Gate:
 
     async def _relay_response(self, ep, client, upstream, up, down, req, d, sent, scrubber, ws, pooled, cred):
         leftover = down.trailing_data[0]
-        # response
+        # response: coalesce what goes to the sandbox (one TLS record/send for a small response)
+        pending_out: list[bytes] = []
+        pending_len = 0
+
+        async def emit(data: bytes, flush: bool = False) -> None:
+            nonlocal pending_len
+            if data:
+                pending_out.append(data)
+                pending_len += len(data)
+            if pending_out and (flush or pending_len >= 65536):
+                out = b"".join(pending_out)
+                pending_out.clear()
+                pending_len = 0
+                await client.write(out)
+
         received = 0
         answered = False
         while True:
@@ -707,6 +721,7 @@ class Gate:
                 continue
             if isinstance(ev, h11.InformationalResponse):
                 if ws and ev.status_code == 101:
+                    await emit(b"", flush=True)
                     await client.write(down.send(h11.InformationalResponse(
                         status_code=101, reason=ev.reason, headers=h1.response_headers(ev.headers, keep_upgrade=True))))
                     # the upgraded connection is relayed as bytes (still counted against bytesOut)
@@ -728,24 +743,25 @@ class Gate:
                     # an upstream echoing a real value must not hand it to the sandbox; the body
                     # may change length, so it is re-framed (chunked)
                     rh = [(k, scrubber.header(v)) for k, v in rh if k != b"content-length"]
-                await client.write(down.send(h11.Response(status_code=ev.status_code, reason=ev.reason, headers=rh)))
+                await emit(down.send(h11.Response(status_code=ev.status_code, reason=ev.reason, headers=rh)))
                 continue
             if isinstance(ev, h11.Data):
                 received += len(ev.data)
                 data = scrubber.feed(ev.data) if scrubber is not None and scrubber.pairs else ev.data
                 if data:
-                    await client.write(down.send(h11.Data(data=data)))
+                    await emit(down.send(h11.Data(data=data)))
                 continue
             if isinstance(ev, h11.EndOfMessage):
                 if scrubber is not None and scrubber.pairs:
                     rest = scrubber.finish()
                     if rest:
-                        await client.write(down.send(h11.Data(data=rest)))
-                await client.write(down.send(h11.EndOfMessage()))
+                        await emit(down.send(h11.Data(data=rest)))
+                await emit(down.send(h11.EndOfMessage()), flush=True)
                 break
             if isinstance(ev, h11.ConnectionClosed):
                 if pooled and not answered:
                     raise _Stale()
+                await emit(b"", flush=True)
                 return False, b"", False
         ep.bytes_in += received
         extra = {}
