@@ -324,6 +324,7 @@ class Runtime:
         report: TeardownReport | None = None
         handle = None
         endpoint = None
+        run_dir = None
         old = _install_signal_handlers()
         try:
             if policy.egress is not None:
@@ -353,6 +354,11 @@ class Runtime:
             _restore_signal_handlers(old)
             if handle is not None:
                 report = backend.destroy(handle)
+            elif run_dir is not None:
+                # the sandbox never started (e.g. the gate could not open): leave nothing behind
+                import shutil
+
+                shutil.rmtree(run_dir, ignore_errors=True)
             res.release(report)
             egress = None
             if endpoint is not None:

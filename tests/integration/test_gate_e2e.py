@@ -1089,8 +1089,8 @@ def _run_library(gate, monkeypatch, tmp_path, break_gate) -> tuple[object | Exce
 
     orig_open = server.EmbeddedGate.open
 
-    def broken_open(self, sandbox_id, agent, policy, sock_path, uid):
-        ep = orig_open(self, sandbox_id, agent, policy, sock_path, uid)
+    def broken_open(self, sandbox_id, agent, policy, sock_path, uid, **kw):
+        ep = orig_open(self, sandbox_id, agent, policy, sock_path, uid, **kw)
         break_gate(self, sandbox_id, ep)
         return ep
 

@@ -119,9 +119,9 @@ def test_invalid_options_are_config_errors(agentvm):
 
 
 def test_unenforceable_sections_refused_with_77(agentvm, tmp_path):
-    f = write_agent(tmp_path, "creds", "  riskTier: L3\n  credentials:\n    - {name: k, env: K, ref: 'vault:k', hosts: [example.com]}\n")
+    f = write_agent(tmp_path, "tooly", "  tools:\n    - {name: fs, allow: true}\n")
     r = agentvm("run", "-f", str(f))
-    assert r.returncode == 77 and b"credentials" in r.stderr
+    assert r.returncode == 77 and b"tools" in r.stderr
 
 
 def test_named_agent_workspace_is_durable_private_and_size_limited(agentvm, tmp_path, avm_home):
