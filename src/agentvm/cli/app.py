@@ -24,6 +24,7 @@ _COMMANDS: dict[str, str] = {
     "presets": "agentvm.cli.spec_cmds:presets",
     "schema": "agentvm.cli.spec_cmds:schema",
     "secret": "agentvm.cli.secret_cmds:secret",
+    "selftest": "agentvm.cli.selftest_cmd:selftest",
 }
 
 

@@ -1,0 +1,41 @@
+"""``agentvm selftest``: run the shipped red-team suite against this host."""
+
+from __future__ import annotations
+
+import click
+
+from agentvm.errors import EXIT_BACKEND, EXIT_POLICY
+
+
+@click.command()
+@click.option("--substrate", default="bwrap", show_default=True, help="Substrate to attack (only bwrap today).")
+@click.option("--category", "categories", multiple=True, help="Only these categories (repeatable).")
+@click.option("--case", "ids", multiple=True, help="Only these case ids (repeatable).")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable report.")
+@click.option("--list", "list_only", is_flag=True, help="List the cases instead of running them.")
+@click.option("--markdown", is_flag=True, help="With --list: print docs/security-tests.md.")
+@click.option("--weaken", default="none", hidden=True,
+              help="Run against a deliberately weakened configuration (proves the cases can fail; never for real use).")
+@click.option("--keep", is_flag=True, hidden=True, help="Keep the canary environment for inspection.")
+def selftest(substrate, categories, ids, as_json, list_only, markdown, weaken, keep):
+    """Attack real sandboxes on this host; exit non-zero if anything escapes."""
+    from agentvm.selftest import runner
+
+    if substrate != "bwrap":
+        from agentvm.errors import ConfigError
+
+        raise ConfigError(f"substrate {substrate!r} is not available", hint="only bwrap today")
+    if list_only:
+        if markdown:
+            click.echo(runner.markdown())
+        else:
+            for c in runner.select(tuple(categories), tuple(ids)):
+                click.echo(f"{c.id:<40} {c.category:<14} {c.title}")
+        return 0
+    report = runner.run(tuple(categories), tuple(ids), weaken=weaken, keep=keep)
+    click.echo(runner.to_json(report) if as_json else runner.render_text(report))
+    if report["escaped"]:
+        return EXIT_POLICY
+    if report["errors"]:
+        return EXIT_BACKEND
+    return 0

@@ -1,0 +1,1 @@
+"""``agentvm selftest``: a shipped red-team suite that proves containment on this host."""

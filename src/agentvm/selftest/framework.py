@@ -1,0 +1,409 @@
+"""The selftest framework: canaries, a sink, real sandboxes, and verdicts with evidence.
+
+A :class:`Case` is one attack. It runs real hostile code inside a real sandbox (through the
+public runtime, with a canary policy) and returns a :class:`Verdict`: ``contained``,
+``escaped`` or ``error``, with evidence either way. Every case names the *weakening* that
+must make it escape (for example ``no-seccomp``); the test suite runs each case against its
+weakened configuration and requires ``escaped``, which proves the case can fail.
+
+Weakenings exist only here: they transform a compiled :class:`LaunchPlan` (or the policy) of
+a selftest sandbox. Production code has no switch for them.
+
+The canary environment (:class:`Env`) is private: its own ``AGENTVM_HOME`` under /tmp,
+fake credentials in its own vault, canary files outside every grant, a local *sink* that
+records anything reaching it (only on 127.0.0.1), and a canary DNS name mapped to the sink
+for the gate. Nothing here touches the operator's state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import secrets
+import shutil
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+CATEGORIES = (
+    "network",
+    "dns",
+    "proxy",
+    "credentials",
+    "filesystem",
+    "process",
+    "resources",
+    "supply-chain",
+    "persistence",
+    "isolation",
+    "control-plane",
+)
+
+WEAKENINGS = {
+    "none": "the real configuration",
+    "no-seccomp": "the seccomp filter is not loaded",
+    "no-landlock": "Landlock is not applied",
+    "share-net": "the sandbox shares the host's network namespace",
+    "no-pidns": "the sandbox shares the host's pid namespace",
+    "host-etc": "the host's /etc is bound instead of the allowlisted view",
+    "grant-canaries": "the canary directory (outside every grant) is granted read-write",
+    "no-limits": "no cgroup limits and no rlimits",
+    "cred-in-env": "the real credential value is put in the sandbox environment",
+    "permissive-gate": "the gate allows every host, including the sink's name",
+    "shared-state": "the agent's HOME and /tmp are persistent host directories shared across sessions",
+    "shared-uid": "two sandboxes share one uid and see each other's workspace",
+    "writable-audit": "the audit and decision logs are granted read-write into the sandbox",
+}
+
+SINK_NAME = "canary.selftest"
+CANARY_HOST = "canary-exfil.selftest"
+
+
+@dataclass
+class Verdict:
+    status: str  # "contained" | "escaped" | "error"
+    evidence: str
+
+    @classmethod
+    def contained(cls, evidence: str) -> "Verdict":
+        return cls("contained", evidence)
+
+    @classmethod
+    def escaped(cls, evidence: str) -> "Verdict":
+        return cls("escaped", evidence)
+
+    @classmethod
+    def error(cls, evidence: str) -> "Verdict":
+        return cls("error", evidence)
+
+
+@dataclass(frozen=True)
+class Case:
+    id: str
+    category: str
+    title: str
+    weakened_by: str
+    run: Callable[["Env"], Verdict] = field(compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.category not in CATEGORIES:
+            raise ValueError(f"{self.id}: unknown category {self.category}")
+        parts = self.weakened_by.split("+")
+        if not parts or any(p not in WEAKENINGS or p == "none" for p in parts):
+            raise ValueError(f"{self.id}: unknown weakening {self.weakened_by}")
+
+
+REGISTRY: dict[str, Case] = {}
+
+
+def case(id: str, category: str, title: str, *, weakened_by: str):
+    """Decorator: register ``fn(env) -> Verdict`` as a case."""
+
+    def deco(fn):
+        if id in REGISTRY:
+            raise ValueError(f"duplicate case id {id}")
+        REGISTRY[id] = Case(id, category, title, weakened_by, fn)
+        return fn
+
+    return deco
+
+
+# ---------------------------------------------------------------------------- the sink
+
+
+class Sink:
+    """Listens on 127.0.0.1 (TCP and UDP, one port) and records every contact."""
+
+    def __init__(self) -> None:
+        self.tcp = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.tcp.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.tcp.bind(("127.0.0.1", 0))
+        self.port = self.tcp.getsockname()[1]
+        self.tcp.listen(64)
+        self.udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self.udp.bind(("127.0.0.1", self.port))
+        self.hits: list[tuple[str, bytes]] = []
+        self._lock = threading.Lock()
+        self._stop = False
+        for target in (self._tcp_loop, self._udp_loop):
+            threading.Thread(target=target, daemon=True).start()
+
+    def _tcp_loop(self) -> None:
+        self.tcp.settimeout(0.2)
+        while not self._stop:
+            try:
+                c, _ = self.tcp.accept()
+            except (socket.timeout, OSError):
+                continue
+            c.settimeout(0.5)
+            data = b""
+            try:
+                data = c.recv(65536)
+                if data[:4] in (b"GET ", b"POST", b"PUT ", b"HEAD"):
+                    c.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nConnection: close\r\n\r\nsink!")
+            except OSError:
+                pass
+            c.close()
+            with self._lock:
+                self.hits.append(("tcp", data[:4096]))
+
+    def _udp_loop(self) -> None:
+        self.udp.settimeout(0.2)
+        while not self._stop:
+            try:
+                data, _ = self.udp.recvfrom(65536)
+            except (socket.timeout, OSError):
+                continue
+            with self._lock:
+                self.hits.append(("udp", data[:4096]))
+
+    def mark(self) -> int:
+        with self._lock:
+            return len(self.hits)
+
+    def since(self, mark: int) -> list[tuple[str, bytes]]:
+        with self._lock:
+            return list(self.hits[mark:])
+
+    def close(self) -> None:
+        self._stop = True
+        for s in (self.tcp, self.udp):
+            try:
+                s.close()
+            except OSError:
+                pass
+
+
+# ---------------------------------------------------------------------------- outcomes
+
+
+@dataclass
+class Outcome:
+    exit_code: int
+    stdout: str
+    stderr: str
+    result: dict
+    egress: list[dict]  # decision-log lines of this run
+    sink: list[tuple[str, bytes]]  # what reached the sink during this run
+
+    @property
+    def out(self) -> str:
+        return self.stdout + self.stderr
+
+    def denied(self, prefix: str = "") -> list[dict]:
+        return [l for l in self.egress if l.get("verdict") == "deny" and str(l.get("rule", "")).startswith(prefix)]
+
+
+# ---------------------------------------------------------------------------- the environment
+
+
+class Env:
+    """The canary environment and a way to run attack programs in sandboxes."""
+
+    def __init__(self, weaken: str = "none", *, keep: bool = False) -> None:
+        if any(w not in WEAKENINGS for w in weaken.split("+")):
+            raise ValueError(f"unknown weakening {weaken}")
+        self.weaken = weaken
+        self.weakens = set(weaken.split("+"))
+        self.keep = keep
+        self.root = Path(tempfile.mkdtemp(prefix="agentvm-selftest-", dir="/tmp"))
+        os.chmod(self.root, 0o711)
+        self.home = self.root / "home"
+        self.home.mkdir(mode=0o711)
+        # canaries outside every grant
+        self.canary_dir = self.root / "canaries"
+        self.canary_dir.mkdir(mode=0o755)
+        self.canary = "CANARY-FILE-" + secrets.token_hex(12)
+        (self.canary_dir / "secret.txt").write_text(self.canary + "\n")
+        os.chmod(self.canary_dir / "secret.txt", 0o644)
+        # fake credentials: the value is a canary; it must never be seen inside
+        self.cred_value = "CANARY-CRED-" + secrets.token_hex(16)
+        self.gh_value = "ghp_CANARY" + secrets.token_hex(16)
+        self.operator_secret = "CANARY-OPERATOR-ENV-" + secrets.token_hex(8)
+        self.sink = Sink()
+        # a uid range of its own: never shares a uid with the operator's sandboxes or another selftest
+        self._old_uid_base = os.environ.get("AGENTVM_UID_BASE")
+        os.environ["AGENTVM_UID_BASE"] = str(4_000_000 + secrets.randbelow(300) * 130_000)
+        self._paths = None
+        self._runtime = None
+        self._lock = threading.Lock()
+        self._setup_vault()
+
+    # -- plumbing -------------------------------------------------------------------------
+    @property
+    def paths(self):
+        if self._paths is None:
+            from agentvm.paths import Paths
+
+            self._paths = Paths(home=self.home, runtime=self.home / "run").ensure()
+        return self._paths
+
+    def _setup_vault(self) -> None:
+        from agentvm.vault import Vault
+
+        v = Vault(self.paths.home / "vault")
+        v.set("canary-api", self.cred_value)
+        v.set("canary-github", self.gh_value)
+
+    def runtime(self):
+        if self._runtime is None:
+            from agentvm.runtime import Runtime
+
+            from agentvm.selftest.weaken import WeakenedBackend
+
+            self._runtime = Runtime(self.paths, WeakenedBackend(self.paths, self.weaken, self))
+        return self._runtime
+
+    def close(self) -> None:
+        self.sink.close()
+        if self._runtime is not None:
+            self._runtime.close()
+        if self._old_uid_base is None:
+            os.environ.pop("AGENTVM_UID_BASE", None)
+        else:
+            os.environ["AGENTVM_UID_BASE"] = self._old_uid_base
+        if not self.keep:
+            for d in (self.home / "run" / "ws").glob("*") if (self.home / "run" / "ws").exists() else []:
+                subprocess.run(["umount", "-l", str(d)], capture_output=True)
+            shutil.rmtree(self.root, ignore_errors=True)
+
+    # -- the canary policy ------------------------------------------------------------------
+    def policy(
+        self,
+        command: list[str],
+        *,
+        name: str = "selftest",
+        agent: bool = False,
+        egress: bool = True,
+        credentials: bool = True,
+        mounts: tuple = (),
+        env: dict | None = None,
+        memory: int = 256 * 1024**2,
+        pids: int = 128,
+        timeout: float = 30.0,
+        disk: int = 32 * 1024**2,
+        allow: tuple[str, ...] = (),
+    ):
+        """A policy for one attack: egress allowed only to ``allowed.selftest`` (the sink is
+        *not* allowed), two credentials bound to ``api.selftest``/``api.github.com``."""
+        from agentvm.gate.credentials import compile_credentials
+        from agentvm.gate.policy import compile_egress
+        from agentvm.policy import Limits, MountGrant, Policy, _with_default_denies
+
+        eg = None
+        creds: tuple = ()
+        if egress:
+            extra_allow = [f"allowed.selftest:{self.sink.port}", "api.selftest:443", "api.github.com:443", *allow]
+            hosts = {"allowed.selftest": "127.0.0.1", "api.selftest": "127.0.0.1", "api.github.com": "127.0.0.1",
+                     SINK_NAME: "127.0.0.1", CANARY_HOST: "127.0.0.1"}
+            if "permissive-gate" in self.weakens:
+                extra_allow += [f"{SINK_NAME}:{self.sink.port}", f"{CANARY_HOST}:{self.sink.port}", f"*.selftest:{self.sink.port}",
+                                f"127.0.0.1:{self.sink.port}"]
+            eg = _with_default_denies(compile_egress(None, extra_allow=extra_allow, extra_hosts=hosts))
+            if credentials:
+                from types import SimpleNamespace as NS
+
+                creds = compile_credentials([
+                    NS(name="api", env="CANARY_API_KEY", ref="vault:canary-api", hosts=["api.selftest"],
+                       inject=NS(header="Authorization", format="Bearer {}", basic=None, query=None), file=None,
+                       placeholder=NS(prefix="sk-", length=None, charset="alnum"), sigv4=None, hmac=None),
+                    NS(name="github", env="GITHUB_TOKEN", ref="vault:canary-github", hosts=["api.github.com"],
+                       inject=NS(header="Authorization", format="token {}", basic=None, query=None), file=None,
+                       placeholder=NS(prefix="ghp_", length=None, charset="alnum"), sigv4=None, hmac=None),
+                ])
+        penv = dict(env or {})
+        if "cred-in-env" in self.weakens:
+            penv["LEAKED_API_KEY"] = self.cred_value
+        grants = list(mounts)
+        if "grant-canaries" in self.weakens:
+            grants.append(MountGrant(str(self.canary_dir), "/mnt/canaries", True))
+        return Policy(
+            name=name,
+            command=tuple(command),
+            agent=agent,
+            risk_tier="L4",
+            mounts=tuple(grants),
+            env=tuple(sorted(penv.items())),
+            limits=Limits(memory=memory, pids=pids, timeout=timeout, disk=disk, tmp=64 * 1024**2),
+            egress=eg,
+            credentials=creds,
+        )
+
+    # -- running ----------------------------------------------------------------------------
+    def sandbox(self, script: str, *, lang: str = "sh", stdin: bytes = b"", **policy_kw) -> Outcome:
+        """Run ``script`` (sh or python3, Debian's) in a sandbox with the canary policy."""
+        if lang == "sh":
+            cmd = ["/bin/sh", "-c", script]
+        elif lang == "python":
+            cmd = ["/usr/bin/python3", "-c", script]
+        else:
+            cmd = list(script) if isinstance(script, (list, tuple)) else [script]
+        return self.run_policy(self.policy(cmd, **policy_kw), stdin=stdin)
+
+    def run_policy(self, policy, *, stdin: bytes = b"") -> Outcome:
+        rt = self.runtime()
+        mark = self.sink.mark()
+        with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err, tempfile.TemporaryFile() as inp:
+            inp.write(stdin)
+            inp.seek(0)
+            old = os.environ.get("SELFTEST_OPERATOR_SECRET")
+            os.environ["SELFTEST_OPERATOR_SECRET"] = self.operator_secret  # must never reach a sandbox
+            try:
+                res = rt.run(policy, tty=False, stdio=(inp.fileno(), out.fileno(), err.fileno()))
+            finally:
+                if old is None:
+                    os.environ.pop("SELFTEST_OPERATOR_SECRET", None)
+                else:
+                    os.environ["SELFTEST_OPERATOR_SECRET"] = old
+            out.seek(0)
+            err.seek(0)
+            stdout = out.read(2_000_000).decode(errors="replace")
+            stderr = err.read(2_000_000).decode(errors="replace")
+        egress: list[dict] = []
+        if res.egress and res.egress.get("log"):
+            try:
+                egress = [json.loads(l) for l in Path(res.egress["log"]).read_text().splitlines() if l.strip()]
+            except OSError:
+                pass
+        time.sleep(0.05)  # let the sink threads record late arrivals
+        return Outcome(res.exit_code, stdout, stderr, res.to_dict(), egress, self.sink.since(mark))
+
+    def canary_seen(self, text: str) -> list[str]:
+        """Which canary values appear in ``text``."""
+        found = []
+        for label, value in (("canary file", self.canary), ("credential", self.cred_value),
+                             ("github token", self.gh_value), ("operator env", self.operator_secret)):
+            if value in text:
+                found.append(label)
+        return found
+
+
+def run_cases(cases: list[Case], env: Env) -> list[dict]:
+    results = []
+    for c in cases:
+        t0 = time.monotonic()
+        try:
+            v = c.run(env)
+        except Exception as exc:  # a crashed case is an error, never a pass
+            v = Verdict.error(f"{type(exc).__name__}: {exc}")
+        results.append({
+            "id": c.id, "category": c.category, "title": c.title, "status": v.status,
+            "evidence": v.evidence[:2000], "seconds": round(time.monotonic() - t0, 3), "weakened_by": c.weakened_by,
+        })
+    return results
+
+
+def all_cases() -> list[Case]:
+    from agentvm.selftest import cases  # noqa: F401  (registers every case module)
+
+    return sorted(REGISTRY.values(), key=lambda c: (CATEGORIES.index(c.category), c.id))
+
+
+def replace(obj, **kw):
+    return dataclasses.replace(obj, **kw)

@@ -1,0 +1,102 @@
+"""Deliberately weakened configurations, for proving that each selftest case can fail.
+
+``WeakenedBackend`` is the real bwrap backend with one layer removed from the compiled plan.
+It is used only by the selftest's own environment (a private AGENTVM_HOME); nothing in the
+product can select it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from agentvm.backends.base import LaunchContext, LaunchPlan, MountOp
+from agentvm.backends.bwrap import BwrapBackend
+from agentvm.policy import Policy
+
+
+class WeakenedBackend(BwrapBackend):
+    name = "bwrap"
+
+    def __init__(self, paths, weaken: str, env) -> None:
+        super().__init__(paths)
+        self.weaken = weaken
+        self.env = env
+
+    def compile(self, policy: Policy, ctx: LaunchContext) -> LaunchPlan:
+        ws = set(self.weaken.split("+"))
+        degrade = set(ctx.degraded)
+        if "no-seccomp" in ws:
+            degrade |= {"seccomp"}
+        if "no-landlock" in ws:
+            degrade |= {"landlock", "landlock-net", "landlock-scope"}
+        if "no-limits" in ws:
+            degrade |= {"cgroups"}
+        ctx = dataclasses.replace(ctx, degraded=tuple(sorted(degrade)))
+        plan = super().compile(policy, ctx)
+        bw = list(plan.bwrap_args)
+        argv = list(plan.argv)
+        mounts = list(plan.mounts)
+        if "share-net" in ws:
+            bw.remove("--unshare-net")
+        if "no-pidns" in ws:
+            bw.remove("--unshare-pid")
+        if "host-etc" in ws:
+            i = _find_bind(bw, ctx.etc_view, "/etc")
+            bw[i + 1] = "/etc"
+        if "no-limits" in ws:
+            # no rlimits either (the launcher keeps the host's)
+            while "--rlimit" in argv:
+                i = argv.index("--rlimit")
+                del argv[i : i + 2]
+        if "shared-state" in ws:
+            shared = self.env.root / "shared-state"
+            for sub in ("home", "tmp"):
+                (shared / sub).mkdir(parents=True, exist_ok=True)
+                os.chmod(shared / sub, 0o1777)
+            for dest, sub in (("/home/agent", "home"), ("/tmp", "tmp")):
+                i = _find_tmpfs(bw, dest)
+                # replace "[--size N] [--perms P] --tmpfs DEST" by "--bind SHARED DEST"
+                start = i
+                while start >= 2 and bw[start - 2] in ("--size", "--perms"):
+                    start -= 2
+                bw[start : i + 2] = ["--bind", str(shared / sub), dest]
+        if "writable-audit" in ws:
+            logs = self.paths.home / "logs"
+            logs.mkdir(parents=True, exist_ok=True)
+            os.chmod(logs, 0o777)
+            for f in logs.iterdir():
+                os.chmod(f, 0o666)
+            audit = self.paths.home / "audit"
+            os.chmod(audit, 0o777)
+            i = bw.index("--remount-ro")
+            bw[i:i] = ["--bind", str(logs), "/mnt/logs", "--bind", str(audit), "/mnt/audit"]
+        if "writable-audit" in ws:
+            # the agent's Landlock view must include them, or the bind is useless
+            i = argv.index("--", argv.index("/.agentvm/init"))
+            argv[i:i] = ["--rw", "/mnt/logs", "--rw", "/mnt/audit"]
+        return dataclasses.replace(plan, bwrap_args=tuple(bw), argv=tuple(argv), mounts=tuple(mounts))
+
+    def required_primitives(self, policy: Policy) -> tuple[str, ...]:
+        req = super().required_primitives(policy)
+        table = {"no-seccomp": {"seccomp"}, "no-landlock": {"landlock", "landlock-net", "landlock-scope"},
+                 "no-limits": {"cgroups", "cgroup-kill"}}
+        drop = set().union(*(table.get(w, set()) for w in self.weaken.split("+")))
+        return tuple(r for r in req if r not in drop)
+
+
+def _find_bind(args: list[str], src: str, dest: str) -> int:
+    for i in range(len(args) - 2):
+        if args[i] in ("--ro-bind", "--bind") and args[i + 1] == src and args[i + 2] == dest:
+            return i
+    raise ValueError(f"no bind of {src} on {dest} in the plan")
+
+
+def _find_tmpfs(args: list[str], dest: str) -> int:
+    for i in range(len(args) - 1):
+        if args[i] == "--tmpfs" and args[i + 1] == dest:
+            return i
+    raise ValueError(f"no tmpfs on {dest} in the plan")
+
+
+__all__ = ["WeakenedBackend", "MountOp"]

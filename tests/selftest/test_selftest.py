@@ -1,0 +1,48 @@
+"""`agentvm selftest` proves containment on the host; this proves `agentvm selftest`:
+every case is contained in the real configuration, and every case reports *escaped* when
+run against the deliberately weakened configuration it names."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import pytest
+
+from agentvm.selftest import runner
+from agentvm.selftest.framework import CATEGORIES, Env, all_cases, run_cases
+from tests.helpers import needs_root
+
+pytestmark = [pytest.mark.attack, needs_root]
+ROOT = Path(__file__).resolve().parents[2]
+CASES = all_cases()
+BY_WEAKENING = {w: [c for c in cs] for w, cs in itertools.groupby(sorted(CASES, key=lambda c: c.weakened_by),
+                                                                    key=lambda c: c.weakened_by)}
+
+
+def test_suite_shape():
+    assert len(CASES) >= 80, f"only {len(CASES)} cases"
+    assert {c.category for c in CASES} == set(CATEGORIES), "every category has cases"
+
+
+def test_every_case_is_contained_on_this_host():
+    report = runner.run()
+    bad = [r for r in report["results"] if r["status"] != "contained"]
+    assert not bad, "\n".join(f"{r['id']}: {r['status']}: {r['evidence']}" for r in bad)
+    assert report["contained"] == len(CASES)
+
+
+@pytest.mark.parametrize("weakening", sorted(BY_WEAKENING))
+def test_cases_report_escaped_when_their_layer_is_removed(weakening):
+    env = Env(weaken=weakening)
+    try:
+        results = run_cases(BY_WEAKENING[weakening], env)
+    finally:
+        env.close()
+    not_escaped = [r for r in results if r["status"] != "escaped"]
+    assert not not_escaped, "\n".join(f"{r['id']}: {r['status']}: {r['evidence']}" for r in not_escaped)
+
+
+def test_security_tests_doc_is_generated_from_the_cases():
+    doc = (ROOT / "docs" / "security-tests.md").read_text()
+    assert doc.strip() == runner.markdown().strip(), "regenerate: agentvm selftest --list --markdown > docs/security-tests.md"
