@@ -475,12 +475,108 @@ class BwrapBackend:
             es.exit_code = EXIT_TIMEOUT
         return es
 
-    def exec(self, handle: SandboxHandle, argv: list[str]) -> ExitStatus:
-        raise BackendError(
-            "exec into a running bwrap sandbox needs the control-plane daemon",
-            hint="use `agentvm run` for one command per sandbox",
-            code="backend.unsupported",
-        )
+    def sandbox_pid(self, handle: SandboxHandle, timeout: float = 5.0) -> int:
+        """Host pid of the sandbox's first process (the agent), from bwrap's JSON status."""
+        st = handle.backend_state
+        if st.get("agent_pid"):
+            return st["agent_pid"]
+        buf = st.setdefault("json_buf", "")
+        deadline = time.monotonic() + timeout
+        while "child-pid" not in buf and time.monotonic() < deadline:
+            r, _, _ = select.select([st["json_r"]], [], [], 0.05)
+            if r:
+                chunk = os.read(st["json_r"], 65536).decode(errors="replace")
+                if not chunk:
+                    break
+                buf += chunk
+        st["json_buf"] = buf
+        pid1 = next((d["child-pid"] for d in _json_docs(buf) if "child-pid" in d), None)
+        if pid1 is None:
+            raise BackendError("the sandbox is not running (no child pid reported)")
+        # bwrap's pid 1 reaps; the agent is its (first) child
+        while time.monotonic() < deadline:
+            try:
+                kids = Path(f"/proc/{pid1}/task/{pid1}/children").read_text().split()
+            except OSError:
+                kids = []
+            if kids:
+                st["agent_pid"] = int(kids[0])
+                return st["agent_pid"]
+            time.sleep(0.005)
+        raise BackendError("the sandbox's first process is gone")
+
+    def exec(self, handle: SandboxHandle, argv: list[str], *, stdio: tuple[int, int, int] | None = None,
+             timeout: float | None = None) -> ExitStatus:
+        """Run ``argv`` inside the running sandbox: same namespaces, cgroup, uid, Landlock
+        and seccomp as its first process (``agentvm-helper enter``)."""
+        plan = handle.plan
+        target = self.sandbox_pid(handle)
+        full = list(plan.argv)
+        b = full.index(_bwrap_arg0(plan))
+        init_start = full.index("--", b) + 1
+        # the init segment ends at the "--" before the original command
+        seg = full[init_start:]
+        cmd_sep = _last_sep(seg)
+        init = [a for a in seg[:cmd_sep]]
+        init = _drop_opts(init, {"--gate-socket": 1, "--gate-port": 1, "--tty": 0, "--status-fd": 1, "--env-fd": 1,
+                                 "--seccomp-fd": 1})
+        group: cg.SandboxCgroup | None = handle.backend_state.get("cgroup")
+        opened: list[int] = []
+        try:
+            fds: dict[str, int] = {}
+            st_r, st_w = os.pipe2(os.O_CLOEXEC)
+            opened += [st_r, st_w]
+            fds["status"] = st_w
+            fds["env"] = _memfd("agentvm-env", b"".join(f"{k}={v}".encode() + b"\0" for k, v in plan.env))
+            opened.append(fds["env"])
+            seccomp_on = "--seccomp-fd" in seg[:cmd_sep]
+            if seccomp_on:
+                fds["seccomp"] = sc.filter_fd(sc.SeccompOptions(allow_ptrace=plan.seccomp_allow_ptrace), self.paths.libexec)
+                opened.append(fds["seccomp"])
+            enter = [full[0], "enter", "--target", str(target),
+                     "--uid", "1000", "--gid", "1000", "--status-fd", str(st_w)]
+            for f in (group.procs_files() if group else []):
+                enter += ["--cgroup-procs", f]
+            for rname, soft, hard in plan.rlimits:
+                enter += ["--rlimit", f"{rname}={soft}:{hard}"]
+            init_args = [init[0], init[1], "--status-fd", str(st_w), "--env-fd", str(fds["env"])]
+            if seccomp_on:
+                init_args += ["--seccomp-fd", str(fds["seccomp"])]
+            init_args += init[2:]
+            cmdline = enter + ["--"] + init_args + ["--"] + list(argv)
+            for fd in opened:
+                if fd != st_r:
+                    os.set_inheritable(fd, True)
+            kw: dict = {}
+            if stdio is not None:
+                kw = {"stdin": stdio[0], "stdout": stdio[1], "stderr": stdio[2]}
+            t0 = time.monotonic()
+            proc = subprocess.Popen(cmdline, env={}, close_fds=True, pass_fds=tuple(fd for fd in opened if fd != st_r),
+                                    cwd="/", **kw)
+            for fd in opened:
+                if fd != st_r:
+                    _close(fd)
+            opened = [st_r]
+            timed_out = False
+            try:
+                proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                timed_out = True
+                proc.kill()
+                proc.wait()
+            status = _drain(st_r)
+            es = ExitStatus(exit_code=proc.returncode if proc.returncode >= 0 else 128 - proc.returncode,
+                            duration=time.monotonic() - t0)
+            if status.strip():
+                step, _, rest = status.strip().splitlines()[0].partition("\t")
+                err, _, msg = rest.partition("\t")
+                es.setup_error = {"step": step, "errno": int(err or 0), "message": msg}
+            if timed_out:
+                es.timed_out, es.exit_code = True, EXIT_TIMEOUT
+            return es
+        finally:
+            for fd in opened:
+                _close(fd)
 
     def inspect(self, handle: SandboxHandle) -> dict:
         group: cg.SandboxCgroup | None = handle.backend_state.get("cgroup")
@@ -705,6 +801,32 @@ def _substitute(argv: tuple[str, ...], fds: dict[str, int], cgroup_files: list[s
                 raise LaunchError("plan", f"no fd for {name}")
             a = str(fds[name])
         out.append(a)
+        i += 1
+    return out
+
+
+def _bwrap_arg0(plan: LaunchPlan) -> str:
+    a = list(plan.argv)
+    return a[a.index("--args") - 1]
+
+
+def _last_sep(seg: list[str]) -> int:
+    """Index of the "--" that separates init's options from the command."""
+    i = 0
+    while i < len(seg):
+        if seg[i] == "--":
+            return i
+        i += 1
+    raise BackendError("malformed plan: no command separator")
+
+
+def _drop_opts(args: list[str], opts: dict[str, int]) -> list[str]:
+    out, i = [], 0
+    while i < len(args):
+        if args[i] in opts:
+            i += 1 + opts[args[i]]
+            continue
+        out.append(args[i])
         i += 1
     return out
 

@@ -20,6 +20,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <grp.h>
+#include <sched.h>
 #include <linux/filter.h>
 #include <linux/seccomp.h>
 #include <stdint.h>
@@ -640,10 +641,121 @@ seccomp:
     fail("exec", e, "%s", argv[i]);
 }
 
+/* ------------------------------------------------------------------ enter
+ * agentvm-helper enter --target PID --uid U --gid G [launch options] -- /.agentvm/init init ...
+ * Runs a command inside a running sandbox (the daemon's `exec`): join its cgroups (as the
+ * supervisor), set rlimits, enter all its namespaces (user first), move to its root, fork
+ * into its pid namespace, become its uid, and exec the in-sandbox init - which applies
+ * Landlock and seccomp exactly as for the sandbox's first process. The parent waits and
+ * exits with the child's status. */
+
+static int cmd_enter(int argc, char **argv) {
+    const char *cgroups[32];
+    int ncg = 0;
+    struct {
+        int res;
+        struct rlimit lim;
+    } rl[16];
+    int nrl = 0;
+    int keep[64];
+    int nkeep = 0;
+    long target = -1, uid = -1, gid = -1;
+    int i = 0;
+    for (; i < argc; i++) {
+        const char *a = argv[i];
+        if (!strcmp(a, "--")) {
+            i++;
+            break;
+        }
+        if (i + 1 >= argc) fail("validate", 0, "option %s needs a value", a);
+        const char *v = argv[++i];
+        if (!strcmp(a, "--status-fd")) {
+            status_fd = (int)parse_long("validate", v, 3, 1 << 20);
+            if (fcntl(status_fd, F_GETFD) < 0) fail("validate", errno, "status fd %d", status_fd);
+        } else if (!strcmp(a, "--target")) {
+            target = parse_long("validate", v, 2, 0x7fffffff);
+        } else if (!strcmp(a, "--uid")) {
+            uid = parse_long("validate", v, 0, 0x7fffffff);
+        } else if (!strcmp(a, "--gid")) {
+            gid = parse_long("validate", v, 0, 0x7fffffff);
+        } else if (!strcmp(a, "--cgroup-procs")) {
+            if (ncg >= 32) fail("validate", 0, "too many cgroups");
+            cgroups[ncg++] = v;
+        } else if (!strcmp(a, "--keep-fd")) {
+            if (nkeep >= 64) fail("validate", 0, "too many fds");
+            keep[nkeep++] = (int)parse_long("validate", v, 0, 1 << 20);
+        } else if (!strcmp(a, "--rlimit")) {
+            char name[32];
+            unsigned long long so, h;
+            if (nrl >= 16 || sscanf(v, "%31[a-z]=%llu:%llu", name, &so, &h) != 3) fail("validate", 0, "bad --rlimit '%s'", v);
+            int res = resource_by_name(name);
+            if (res < 0) fail("validate", 0, "unknown rlimit '%s'", name);
+            rl[nrl].res = res;
+            rl[nrl].lim.rlim_cur = so;
+            rl[nrl].lim.rlim_max = h;
+            nrl++;
+        } else {
+            fail("validate", 0, "unknown option %s", a);
+        }
+    }
+    if (i >= argc || target < 0 || uid < 0 || gid < 0) fail("validate", 0, "need --target, --uid, --gid and a command");
+    (void)keep;
+    (void)nkeep;
+    /* namespaces and root of the target, opened before anything changes */
+    /* host root owns every namespace below it: join the others first, the user namespace last */
+    static const char *names[] = {"ipc", "uts", "net", "cgroup", "pid", "mnt", "user"};
+    int nsfd[7];
+    char path[64];
+    for (int k = 0; k < 7; k++) {
+        snprintf(path, sizeof path, "/proc/%ld/ns/%s", target, names[k]);
+        nsfd[k] = open(path, O_RDONLY | O_CLOEXEC);
+        if (nsfd[k] < 0) fail("enter", errno, "open %s", path);
+    }
+    snprintf(path, sizeof path, "/proc/%ld/root", target);
+    int rootfd = open(path, O_PATH | O_DIRECTORY | O_CLOEXEC);
+    if (rootfd < 0) fail("enter", errno, "open %s", path);
+    for (int c = 0; c < ncg; c++) {
+        int fd = open(cgroups[c], O_WRONLY | O_CLOEXEC);
+        if (fd < 0) fail("cgroup", errno, "open %s", cgroups[c]);
+        if (write(fd, "0\n", 2) != 2) fail("cgroup", errno, "join %s", cgroups[c]);
+        close(fd);
+    }
+    for (int r = 0; r < nrl; r++)
+        if (setrlimit(rl[r].res, &rl[r].lim) < 0) fail("rlimit", errno, "setrlimit %d", rl[r].res);
+    for (int k = 0; k < 7; k++) {
+        if (setns(nsfd[k], 0) < 0) fail("enter", errno, "setns %s", names[k]);
+        close(nsfd[k]);
+    }
+    if (fchdir(rootfd) < 0 || chroot(".") < 0 || chdir("/") < 0) fail("enter", errno, "enter the sandbox root");
+    close(rootfd);
+    pid_t child = fork();
+    if (child < 0) fail("enter", errno, "fork");
+    if (child == 0) {
+        prctl(PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0);
+        if (setgroups(0, NULL) < 0 && errno != EPERM) fail("drop-privileges", errno, "setgroups");
+        if (setresgid((gid_t)gid, (gid_t)gid, (gid_t)gid) < 0) fail("drop-privileges", errno, "setresgid");
+        if (setresuid((uid_t)uid, (uid_t)uid, (uid_t)uid) < 0) fail("drop-privileges", errno, "setresuid");
+        if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) < 0) fail("no-new-privs", errno, "prctl");
+        execv(argv[i], &argv[i]);
+        fail("exec", errno, "exec %s", argv[i]);
+    }
+    if (status_fd >= 0) {
+        close(status_fd); /* the child keeps its copy for init's reports */
+        status_fd = -1;
+    }
+    int st;
+    while (waitpid(child, &st, 0) < 0) {
+        if (errno != EINTR) fail("enter", errno, "waitpid");
+    }
+    if (WIFEXITED(st)) return WEXITSTATUS(st);
+    return 128 + WTERMSIG(st);
+}
+
 int main(int argc, char **argv) {
     if (argc < 2) fail("validate", 0, "usage: agentvm-helper launch|init|abi [opts] -- cmd...");
     if (!strcmp(argv[1], "launch")) return cmd_launch(argc - 2, argv + 2);
     if (!strcmp(argv[1], "init")) return cmd_init(argc - 2, argv + 2);
+    if (!strcmp(argv[1], "enter")) return cmd_enter(argc - 2, argv + 2);
     if (!strcmp(argv[1], "abi")) {
         int abi = (int)syscall(__NR_landlock_create_ruleset, NULL, 0, LL_CREATE_RULESET_VERSION);
         printf("%d\n", abi < 0 ? 0 : abi);

@@ -1,0 +1,166 @@
+"""A tamper-evident audit trail: an append-only, hash-chained log in SQLite.
+
+Each record carries the hash of the previous one::
+
+    hash = sha256(prev_hash || canonical_json({seq, time, kind, actor, sandbox, data}))
+
+so editing, removing, inserting or reordering any record breaks the chain at a point that
+:meth:`AuditLog.verify` reports. The chain starts from a fixed genesis value; the latest
+hash is also written to a side file (``head``) after every append, so truncating the tail is
+detected too (the head no longer matches).
+
+Only agent-vm writes here (the daemon or ``agentvm run``), from outside every sandbox; a
+sandbox can only cause records to be written through events the daemon observes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sqlite3
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+GENESIS = "0" * 64
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS audit (
+    seq INTEGER PRIMARY KEY,
+    time REAL NOT NULL,
+    kind TEXT NOT NULL,
+    actor TEXT NOT NULL,
+    sandbox TEXT,
+    data TEXT NOT NULL,
+    prev TEXT NOT NULL,
+    hash TEXT NOT NULL
+);
+"""
+
+
+def _digest(prev: str, seq: int, t: float, kind: str, actor: str, sandbox: str | None, data: str) -> str:
+    body = json.dumps([seq, repr(t), kind, actor, sandbox, data], separators=(",", ":"), ensure_ascii=True)
+    return hashlib.sha256((prev + body).encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class Record:
+    seq: int
+    time: float
+    kind: str
+    actor: str
+    sandbox: str | None
+    data: dict
+    prev: str
+    hash: str
+
+    def to_dict(self) -> dict:
+        return {"seq": self.seq, "time": self.time, "kind": self.kind, "actor": self.actor, "sandbox": self.sandbox,
+                "data": self.data, "prev": self.prev, "hash": self.hash}
+
+
+@dataclass(frozen=True)
+class Verification:
+    ok: bool
+    records: int
+    problem: str = ""
+    at_seq: int | None = None
+
+    def to_dict(self) -> dict:
+        return {"ok": self.ok, "records": self.records, "problem": self.problem, "at_seq": self.at_seq}
+
+
+class AuditLog:
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self.head_path = self.path.with_suffix(".head")
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        self._conn = sqlite3.connect(str(self.path), timeout=10.0, isolation_level=None, check_same_thread=False)
+        self._conn.execute("PRAGMA journal_mode=WAL")
+        self._conn.execute("PRAGMA busy_timeout=10000")
+        self._conn.executescript(_SCHEMA)
+        for p in (self.path,):
+            try:
+                os.chmod(p, 0o600)
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        self._conn.close()
+
+    def append(self, kind: str, *, actor: str = "agentvm", sandbox: str | None = None, data: dict | None = None) -> Record:
+        payload = json.dumps(data or {}, sort_keys=True, separators=(",", ":"), ensure_ascii=True, default=str)
+        with self._lock:
+            self._conn.execute("BEGIN IMMEDIATE")
+            try:
+                row = self._conn.execute("SELECT seq, hash FROM audit ORDER BY seq DESC LIMIT 1").fetchone()
+                seq, prev = (row[0] + 1, row[1]) if row else (1, GENESIS)
+                t = time.time()
+                h = _digest(prev, seq, t, kind, actor, sandbox, payload)
+                self._conn.execute(
+                    "INSERT INTO audit(seq, time, kind, actor, sandbox, data, prev, hash) VALUES (?,?,?,?,?,?,?,?)",
+                    (seq, t, kind, actor, sandbox, payload, prev, h),
+                )
+                self._conn.execute("COMMIT")
+            except BaseException:
+                self._conn.execute("ROLLBACK")
+                raise
+            tmp = self.head_path.with_suffix(".head.tmp")
+            tmp.write_text(f"{seq} {h}\n")
+            os.chmod(tmp, 0o600)
+            os.replace(tmp, self.head_path)
+        return Record(seq, t, kind, actor, sandbox, json.loads(payload), prev, h)
+
+    def records(self, *, since: float | None = None, sandbox: str | None = None, limit: int | None = None) -> list[Record]:
+        q = "SELECT seq, time, kind, actor, sandbox, data, prev, hash FROM audit"
+        cond, args = [], []
+        if since is not None:
+            cond.append("time >= ?")
+            args.append(since)
+        if sandbox is not None:
+            cond.append("sandbox = ?")
+            args.append(sandbox)
+        if cond:
+            q += " WHERE " + " AND ".join(cond)
+        q += " ORDER BY seq"
+        if limit is not None:
+            q += f" LIMIT {int(limit)}"
+        out = []
+        for seq, t, kind, actor, sb, data, prev, h in self._conn.execute(q, args):
+            try:
+                d = json.loads(data)
+            except ValueError:
+                d = {"_unparseable": data}
+            out.append(Record(seq, t, kind, actor, sb, d, prev, h))
+        return out
+
+    def verify(self) -> Verification:
+        """Walk the chain; report the first record that does not hold, and a missing tail."""
+        prev = GENESIS
+        expected_seq = 1
+        n = 0
+        for seq, t, kind, actor, sb, data, stored_prev, h in self._conn.execute(
+            "SELECT seq, time, kind, actor, sandbox, data, prev, hash FROM audit ORDER BY seq"
+        ):
+            n += 1
+            if seq != expected_seq:
+                return Verification(False, n, f"record {expected_seq} is missing (found {seq} next)", expected_seq)
+            if stored_prev != prev:
+                return Verification(False, n, f"record {seq} does not follow record {seq - 1} (removed or reordered)", seq)
+            if _digest(prev, seq, t, kind, actor, sb, data) != h:
+                return Verification(False, n, f"record {seq} was modified (its hash does not match its content)", seq)
+            prev = h
+            expected_seq += 1
+        try:
+            head_seq, head_hash = self.head_path.read_text().split()
+            if int(head_seq) != n or head_hash != prev:
+                return Verification(False, n, f"the chain ends at record {n} but the head says {head_seq}: records were "
+                                              "removed from the end", n)
+        except FileNotFoundError:
+            if n:
+                return Verification(False, n, "the head file is missing", n)
+        except ValueError:
+            return Verification(False, n, "the head file is corrupt", n)
+        return Verification(True, n)

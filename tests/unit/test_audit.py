@@ -1,0 +1,76 @@
+"""The audit chain detects any edited, removed, inserted or reordered record, and says where."""
+
+import sqlite3
+
+import pytest
+
+from agentvm.audit import AuditLog
+
+
+@pytest.fixture
+def log(tmp_path):
+    a = AuditLog(tmp_path / "audit.db")
+    for i in range(10):
+        a.append("lifecycle.start" if i % 2 else "policy.change", actor="operator", sandbox=f"s{i % 3}", data={"i": i})
+    yield a
+    a.close()
+
+
+def raw(log):
+    return sqlite3.connect(str(log.path), isolation_level=None)
+
+
+def test_intact_chain_verifies(log):
+    v = log.verify()
+    assert v.ok and v.records == 10
+    recs = log.records()
+    assert [r.seq for r in recs] == list(range(1, 11))
+    assert all(recs[i].prev == recs[i - 1].hash for i in range(1, 10))
+    assert [r.data["i"] for r in log.records(sandbox="s1")] == [1, 4, 7]
+
+
+def test_edited_record_is_found(log):
+    raw(log).execute("UPDATE audit SET data = ? WHERE seq = 4", ('{"i":99}',))
+    v = log.verify()
+    assert not v.ok and v.at_seq == 4 and "modified" in v.problem
+
+
+def test_edited_record_with_recomputed_hash_breaks_the_next_link(log):
+    from agentvm.audit import _digest
+
+    c = raw(log)
+    seq, t, kind, actor, sb, data, prev, h = c.execute("SELECT * FROM audit WHERE seq=4").fetchone()
+    newdata = '{"i":99}'
+    c.execute("UPDATE audit SET data=?, hash=? WHERE seq=4", (newdata, _digest(prev, seq, t, kind, actor, sb, newdata)))
+    v = log.verify()
+    assert not v.ok and v.at_seq == 5
+
+
+def test_removed_record_is_found(log):
+    raw(log).execute("DELETE FROM audit WHERE seq = 6")
+    v = log.verify()
+    assert not v.ok and v.at_seq == 6 and "missing" in v.problem
+
+
+def test_reordered_records_are_found(log):
+    c = raw(log)
+    c.execute("UPDATE audit SET seq = -1 WHERE seq = 3")
+    c.execute("UPDATE audit SET seq = 3 WHERE seq = 4")
+    c.execute("UPDATE audit SET seq = 4 WHERE seq = -1")
+    v = log.verify()
+    assert not v.ok and v.at_seq == 3
+
+
+def test_truncated_tail_is_found(log):
+    raw(log).execute("DELETE FROM audit WHERE seq >= 9")
+    v = log.verify()
+    assert not v.ok and "removed from the end" in v.problem
+
+
+def test_appends_continue_the_chain_after_reopen(tmp_path):
+    a = AuditLog(tmp_path / "a.db")
+    a.append("x")
+    a.close()
+    b = AuditLog(tmp_path / "a.db")
+    r = b.append("y")
+    assert r.seq == 2 and b.verify().ok
