@@ -1,3 +1,12 @@
 """agent-vm: host AI agents in isolated, persistent sandboxes."""
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    # lazy: `import agentvm` stays cheap for the CLI's hot path
+    if name in ("Sandbox", "AsyncSandbox", "ExecResult"):
+        from agentvm import sdk
+
+        return getattr(sdk, name)
+    raise AttributeError(name)

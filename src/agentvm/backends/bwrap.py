@@ -448,7 +448,8 @@ class BwrapBackend:
         duration = time.monotonic() - handle.started_at
         rc = proc.returncode
         status_lines = _drain(handle.backend_state.get("status_r"))
-        json_docs = _drain(handle.backend_state.get("json_r"))
+        # sandbox_pid() may already have consumed part of bwrap's JSON status
+        json_docs = handle.backend_state.get("json_buf", "") + _drain(handle.backend_state.get("json_r"))
         started = "child-pid" in json_docs
         group: cg.SandboxCgroup | None = handle.backend_state.get("cgroup")
         stats = group.stats() if group else {}

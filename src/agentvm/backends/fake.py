@@ -41,7 +41,12 @@ class FakeBackend:
         missing: tuple[str, ...] = (),
         duration: float = 0.0,
         teardown_ok: bool = True,
+        hold: bool = False,
     ) -> None:
+        import threading
+
+        self.hold = hold  # wait() blocks until stop()/destroy(): a long-running worker
+        self._released: dict[str, "threading.Event"] = {}
         self.handler = handler
         self.missing = set(missing)
         self.duration = duration
@@ -83,20 +88,31 @@ class FakeBackend:
 
     def launch(self, plan: LaunchPlan, *, stdio=None) -> SandboxHandle:
         self.calls.append(("launch", plan.sandbox_id, plan.argv))
+        import threading
+
         h = SandboxHandle(plan.sandbox_id, plan, pid=0, started_at=time.monotonic())
         self.live[plan.sandbox_id] = h
+        self._released[plan.sandbox_id] = threading.Event()
         return h
 
     def wait(self, handle: SandboxHandle, timeout: float | None = None) -> ExitStatus:
         self.calls.append(("wait", handle.sandbox_id, timeout))
+        if self.hold:
+            if self._released[handle.sandbox_id].wait(timeout):
+                return ExitStatus(exit_code=143, signal=15)
+            return ExitStatus(exit_code=EXIT_TIMEOUT, timed_out=True, duration=timeout or 0)
         if timeout and self.duration > timeout:
             return ExitStatus(exit_code=EXIT_TIMEOUT, timed_out=True, duration=timeout)
         code = self.handler if isinstance(self.handler, int) else self.handler(handle.plan.argv, dict(handle.plan.env))
         return ExitStatus(exit_code=code, duration=self.duration)
 
-    def exec(self, handle: SandboxHandle, argv: list[str]) -> ExitStatus:
+    def exec(self, handle: SandboxHandle, argv: list[str], *, stdio=None, timeout: float | None = None) -> ExitStatus:
+        import os
+
         self.calls.append(("exec", handle.sandbox_id, tuple(argv)))
         code = self.handler if isinstance(self.handler, int) else self.handler(tuple(argv), dict(handle.plan.env))
+        if stdio is not None:
+            os.write(stdio[1], f"fake exec: {' '.join(argv)}\n".encode())
         return ExitStatus(exit_code=code)
 
     def inspect(self, handle: SandboxHandle) -> dict:
@@ -104,6 +120,9 @@ class FakeBackend:
 
     def stop(self, handle: SandboxHandle, grace: float = 2.0) -> None:
         self.calls.append(("stop", handle.sandbox_id))
+        ev = self._released.get(handle.sandbox_id)
+        if ev is not None:
+            ev.set()
 
     def destroy(self, handle: SandboxHandle) -> TeardownReport:
         self.calls.append(("destroy", handle.sandbox_id))

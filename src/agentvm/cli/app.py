@@ -25,6 +25,20 @@ _COMMANDS: dict[str, str] = {
     "schema": "agentvm.cli.spec_cmds:schema",
     "secret": "agentvm.cli.secret_cmds:secret",
     "selftest": "agentvm.cli.selftest_cmd:selftest",
+    "up": "agentvm.cli.daemon_cmds:up",
+    "down": "agentvm.cli.daemon_cmds:down",
+    "create": "agentvm.cli.daemon_cmds:create",
+    "start": "agentvm.cli.daemon_cmds:start",
+    "stop": "agentvm.cli.daemon_cmds:stop",
+    "restart": "agentvm.cli.daemon_cmds:restart",
+    "rm": "agentvm.cli.daemon_cmds:rm",
+    "ps": "agentvm.cli.daemon_cmds:ps",
+    "exec": "agentvm.cli.daemon_cmds:exec_cmd",
+    "cp": "agentvm.cli.daemon_cmds:cp",
+    "logs": "agentvm.cli.daemon_cmds:logs",
+    "policy": "agentvm.cli.daemon_cmds:policy",
+    "audit": "agentvm.cli.daemon_cmds:audit",
+    "events": "agentvm.cli.daemon_cmds:events",
 }
 
 

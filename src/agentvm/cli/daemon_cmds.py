@@ -1,0 +1,248 @@
+"""Daemon and lifecycle commands: up, down, create, start, stop, restart, rm, ps, exec, cp,
+logs, policy, audit, events. Thin wrappers over ``agentvm.daemon.client``."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import click
+
+from agentvm.errors import EXIT_POLICY
+
+
+def _client():
+    from agentvm.daemon.client import Client
+
+    return Client()
+
+
+@click.command()
+@click.option("--foreground", is_flag=True, help="Stay in the foreground (logs to stderr).")
+@click.option("--listen", metavar="HOST:PORT", help="Also serve the API on TCP, with a bearer token (<home>/daemon.token).")
+def up(foreground, listen):
+    """Start the control-plane daemon."""
+    from agentvm.paths import default_paths
+
+    paths = default_paths().ensure()
+    c = _client()
+    if c.available():
+        click.echo(f"agentvm: the daemon is already running ({c.socket_path})")
+        return 0
+    if foreground:
+        from agentvm.daemon.server import run_daemon
+
+        run_daemon(paths, listen=listen)
+        return 0
+    log = paths.home / "daemon.log"
+    fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    args = [sys.executable, "-m", "agentvm", "up", "--foreground"] + (["--listen", listen] if listen else [])
+    proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=fd, stderr=fd, start_new_session=True, close_fds=True)
+    os.close(fd)
+    (paths.runtime / "daemon.pid").write_text(f"{proc.pid}\n")
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            click.echo(f"agentvm: the daemon exited at start (exit {proc.returncode}); see {log}", err=True)
+            return 125
+        if c.available():
+            click.echo(f"agentvm: daemon running (pid {proc.pid}, socket {c.socket_path}, log {log})")
+            return 0
+        time.sleep(0.05)
+    click.echo(f"agentvm: the daemon did not answer within 20 s; see {log}", err=True)
+    return 125
+
+
+@click.command()
+def down():
+    """Stop the daemon (its sandboxes are stopped, their teardown verified)."""
+    from agentvm.paths import default_paths
+
+    c = _client()
+    if not c.available():
+        click.echo("agentvm: the daemon is not running")
+        return 0
+    c.shutdown()
+    pidf = default_paths().runtime / "daemon.pid"
+    deadline = time.monotonic() + 60
+    while c.available() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    pidf.unlink(missing_ok=True)
+    click.echo("agentvm: daemon stopped")
+    return 0
+
+
+@click.command()
+@click.option("-f", "--file", "agent_file", required=True, type=click.Path(exists=True, dir_okay=False))
+@click.option("--ttl", type=float, help="Ephemeral: stop after this many seconds.")
+@click.option("--idle-timeout", type=float, help="Ephemeral: stop after this many idle seconds.")
+@click.option("--start", "start_now", is_flag=True, help="Start it right away.")
+def create(agent_file, ttl, idle_timeout, start_now):
+    """Register an agent with the daemon."""
+    c = _client()
+    row = c.create(Path(agent_file).read_text(), str(agent_file), ttl, idle_timeout)
+    if start_now:
+        row = c.action(row["name"], "start")
+    click.echo(f"{row['name']}: {row['state']}")
+    return 0
+
+
+def _lifecycle(action):
+    @click.command(name=action, help=f"{action.capitalize()} a sandbox.")
+    @click.argument("name")
+    def cmd(name):
+        row = _client().action(name, action)
+        click.echo(f"{name}: {row['state']}")
+        return 0
+
+    return cmd
+
+
+start = _lifecycle("start")
+stop = _lifecycle("stop")
+restart = _lifecycle("restart")
+
+
+@click.command()
+@click.argument("name")
+def rm(name):
+    """Stop and remove a sandbox (its workspace image stays)."""
+    _client().rm(name)
+    click.echo(f"{name}: removed")
+    return 0
+
+
+@click.command()
+@click.option("--json", "as_json", is_flag=True)
+def ps(as_json):
+    """List the daemon's sandboxes."""
+    rows = _client().ps()
+    if as_json:
+        click.echo(json.dumps(rows, indent=2, sort_keys=True))
+        return 0
+    click.echo(f"{'NAME':<24} {'STATE':<10} {'LIFECYCLE':<11} {'RESTARTS':>8} {'EXIT':>5}  SANDBOX")
+    for r in rows:
+        click.echo(f"{r['name']:<24} {r['state']:<10} {r['lifecycle']:<11} {r['restarts']:>8} "
+                   f"{'' if r['exit_code'] is None else r['exit_code']:>5}  {r['sandbox_id'] or ''}")
+    return 0
+
+
+@click.command(name="exec", context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
+@click.argument("name")
+@click.argument("argv", nargs=-1, type=click.UNPROCESSED, required=True)
+@click.option("--timeout", type=float)
+def exec_cmd(name, argv, timeout):
+    """Run a command in a running sandbox; streams its output; exits with its code."""
+    argv = list(argv)
+    if argv and argv[0] == "--":
+        argv = argv[1:]
+    code = 125
+    for ev in _client().exec(name, argv, timeout):
+        if ev.get("stream") == "stdout":
+            sys.stdout.buffer.write(ev["data"])
+            sys.stdout.buffer.flush()
+        elif ev.get("stream") == "stderr":
+            sys.stderr.buffer.write(ev["data"])
+            sys.stderr.buffer.flush()
+        elif "exit_code" in ev:
+            code = ev["exit_code"]
+            if ev.get("setup_error"):
+                click.echo(f"agentvm: exec failed at step '{ev['setup_error']['step']}': {ev['setup_error']['message']}",
+                           err=True)
+    return code
+
+
+@click.command()
+@click.argument("src")
+@click.argument("dst")
+def cp(src, dst):
+    """Copy into or out of a workspace: `cp FILE NAME:PATH` or `cp NAME:PATH FILE`."""
+    c = _client()
+    if ":" in dst and not Path(dst).exists():
+        name, _, path = dst.partition(":")
+        r = c.put_file(name, path, Path(src).read_bytes())
+        click.echo(f"{r['written']} bytes -> {name}:{path}")
+    elif ":" in src:
+        name, _, path = src.partition(":")
+        data = c.get_file(name, path)
+        Path(dst).write_bytes(data)
+        click.echo(f"{name}:{path} -> {dst} ({len(data)} bytes)")
+    else:
+        raise click.UsageError("one side must be NAME:PATH")
+    return 0
+
+
+@click.command()
+@click.argument("name")
+def logs(name):
+    """Print a sandbox's output log."""
+    click.echo(_client().logs(name), nl=False)
+    return 0
+
+
+@click.command()
+@click.argument("name")
+@click.argument("op", type=click.Choice(["allow", "deny", "remove", "pause", "resume", "revoke", "restore"]))
+@click.argument("arg", required=False)
+def policy(name, op, arg):
+    """Change a running sandbox's policy live: allow|deny HOST[:PORT], remove RULE_ID,
+    pause|resume (all egress), revoke|restore CREDENTIAL (this session)."""
+    kw = {}
+    if op in ("allow", "deny"):
+        kw["rule"] = arg
+    elif op == "remove":
+        kw["rule_id"] = arg
+    elif op in ("revoke", "restore"):
+        kw["credential"] = arg
+    r = _client().policy(name, op, **kw)
+    click.echo(f"{name}: {op} applied {'live' if r['live'] else '(takes effect at next start)'} in {r['ms']} ms")
+    return 0
+
+
+@click.group()
+def audit():
+    """The tamper-evident audit trail."""
+
+
+@audit.command("show")
+@click.option("--since", type=float, help="Unix time.")
+@click.option("--sandbox")
+@click.option("--json", "as_json", is_flag=True)
+def audit_show(since, sandbox, as_json):
+    recs = _client().audit(since, sandbox)
+    for r in recs:
+        if as_json:
+            click.echo(json.dumps(r, sort_keys=True))
+        else:
+            t = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["time"]))
+            click.echo(f"{r['seq']:>6} {t} {r['kind']:<26} {r['actor']:<10} {r['sandbox'] or '-':<20} "
+                       f"{json.dumps(r['data'], sort_keys=True)[:160]}")
+    return 0
+
+
+@audit.command("verify")
+@click.option("--file", "db", type=click.Path(dir_okay=False), help="Verify this audit database directly (no daemon).")
+def audit_verify(db):
+    if db:
+        from agentvm.audit import AuditLog
+
+        v = AuditLog(Path(db)).verify().to_dict()
+    else:
+        v = _client().verify()
+    if v["ok"]:
+        click.echo(f"audit chain intact: {v['records']} records")
+        return 0
+    click.echo(f"audit chain BROKEN at record {v['at_seq']}: {v['problem']}", err=True)
+    return EXIT_POLICY
+
+
+@click.command()
+def events():
+    """Stream decisions and lifecycle events (NDJSON) until interrupted."""
+    for ev in _client().events():
+        click.echo(json.dumps(ev, sort_keys=True, default=str))
+    return 0

@@ -1,0 +1,176 @@
+"""A small client for the daemon's API (unix socket, or TCP with a bearer token).
+
+Used by the CLI and by the SDK (``agentvm.Sandbox``); the library never imports the CLI.
+"""
+
+from __future__ import annotations
+
+import base64
+import http.client
+import json
+import os
+import socket
+from pathlib import Path
+from typing import Iterator
+from urllib.parse import quote
+
+from agentvm.errors import AgentVMError, BackendError, ConfigError
+
+
+class DaemonUnavailable(BackendError):
+    code = "daemon.unavailable"
+
+
+class ApiFailure(AgentVMError):
+    code = "daemon.error"
+
+    def __init__(self, status: int, doc: dict):
+        super().__init__(doc.get("message", f"HTTP {status}"), hint=doc.get("hint", ""), code=doc.get("error", "daemon.error"))
+        self.status = status
+        self.exit_code = 78 if status in (400, 404, 409) and doc.get("exit_code") in (None, 78) else doc.get("exit_code", 125)
+        if status in (401, 403):
+            self.exit_code = 77
+
+
+class _UnixConnection(http.client.HTTPConnection):
+    def __init__(self, path: str, timeout: float | None):
+        super().__init__("localhost", timeout=timeout)
+        self._path = path
+
+    def connect(self) -> None:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        if self.timeout is not None:
+            s.settimeout(self.timeout)
+        s.connect(self._path)
+        self.sock = s
+
+
+def default_socket() -> Path:
+    from agentvm.paths import default_paths
+
+    return default_paths().runtime / "agentvm.sock"
+
+
+class Client:
+    def __init__(self, socket_path: str | Path | None = None, *, url: str | None = None, token: str | None = None,
+                 timeout: float | None = 300.0):
+        self.socket_path = str(socket_path or default_socket())
+        self.url = url or os.environ.get("AGENTVM_DAEMON_URL")
+        self.token = token or os.environ.get("AGENTVM_DAEMON_TOKEN")
+        self.timeout = timeout
+
+    def available(self) -> bool:
+        try:
+            self.request("GET", "/v1/sandboxes")
+            return True
+        except (DaemonUnavailable, ApiFailure):
+            return False
+
+    def _conn(self):
+        if self.url:
+            host, _, port = self.url.replace("http://", "").rstrip("/").rpartition(":")
+            return http.client.HTTPConnection(host, int(port), timeout=self.timeout)
+        return _UnixConnection(self.socket_path, self.timeout)
+
+    def _send(self, method: str, path: str, body: bytes | None, ctype: str):
+        c = self._conn()
+        headers = {"Content-Type": ctype}
+        if self.url and self.token:
+            headers["Authorization"] = f"Bearer {self.token}"
+        try:
+            c.request(method, path, body=body, headers=headers)
+            return c, c.getresponse()
+        except (FileNotFoundError, ConnectionRefusedError) as exc:
+            raise DaemonUnavailable(f"the agent-vm daemon is not running ({self.url or self.socket_path})",
+                                    hint="start it with `agentvm up`") from exc
+        except PermissionError as exc:
+            raise DaemonUnavailable(f"no permission to talk to the daemon at {self.socket_path}",
+                                    hint="the control socket is owner-only: use the daemon's user") from exc
+
+    def request(self, method: str, path: str, doc=None, *, raw: bytes | None = None):
+        body = raw if raw is not None else (json.dumps(doc).encode() if doc is not None else None)
+        c, r = self._send(method, path, body, "application/octet-stream" if raw is not None else "application/json")
+        try:
+            data = r.read()
+        finally:
+            c.close()
+        try:
+            out = json.loads(data) if data else None
+        except ValueError:
+            out = {"message": data[:200].decode(errors="replace")}
+        if r.status >= 300:
+            raise ApiFailure(r.status, out or {})
+        return out
+
+    def stream(self, method: str, path: str, doc=None) -> Iterator[dict]:
+        c, r = self._send(method, path, json.dumps(doc).encode() if doc is not None else None, "application/json")
+        try:
+            if r.status >= 300:
+                raise ApiFailure(r.status, json.loads(r.read() or b"{}"))
+            while True:
+                line = r.readline()
+                if not line:
+                    return
+                yield json.loads(line)
+        finally:
+            c.close()
+
+    # -- operations ---------------------------------------------------------------------------
+    def create(self, spec_text: str, file: str = "<sdk>", ttl: float | None = None, idle_timeout: float | None = None):
+        return self.request("POST", "/v1/sandboxes", {"spec": spec_text, "file": file, "ttl": ttl, "idle_timeout": idle_timeout})
+
+    def ps(self):
+        return self.request("GET", "/v1/sandboxes")
+
+    def get(self, name: str):
+        return self.request("GET", f"/v1/sandboxes/{quote(name)}")
+
+    def action(self, name: str, action: str):
+        return self.request("POST", f"/v1/sandboxes/{quote(name)}/{action}")
+
+    def rm(self, name: str):
+        return self.request("DELETE", f"/v1/sandboxes/{quote(name)}")
+
+    def exec(self, name: str, argv: list[str], timeout: float | None = None) -> Iterator[dict]:
+        for ev in self.stream("POST", f"/v1/sandboxes/{quote(name)}/exec", {"argv": argv, "timeout": timeout}):
+            if "data" in ev:
+                ev = dict(ev, data=base64.b64decode(ev["data"]))
+            yield ev
+
+    def logs(self, name: str) -> str:
+        return self.request("GET", f"/v1/sandboxes/{quote(name)}/logs")["log"]
+
+    def put_file(self, name: str, path: str, data: bytes):
+        return self.request("PUT", f"/v1/sandboxes/{quote(name)}/files?path={quote(path)}", raw=data)
+
+    def get_file(self, name: str, path: str) -> bytes:
+        return base64.b64decode(self.request("GET", f"/v1/sandboxes/{quote(name)}/files?path={quote(path)}")["data"])
+
+    def policy(self, name: str, op: str, **kw):
+        return self.request("POST", f"/v1/sandboxes/{quote(name)}/policy", {"op": op, **kw})
+
+    def audit(self, since: float | None = None, sandbox: str | None = None):
+        q = []
+        if since is not None:
+            q.append(f"since={since}")
+        if sandbox:
+            q.append(f"sandbox={quote(sandbox)}")
+        return self.request("GET", "/v1/audit" + ("?" + "&".join(q) if q else ""))
+
+    def verify(self):
+        return self.request("GET", "/v1/audit/verify")
+
+    def events(self) -> Iterator[dict]:
+        return self.stream("GET", "/v1/events")
+
+    def shutdown(self):
+        return self.request("POST", "/v1/shutdown")
+
+
+def _ensure_spec_text(spec) -> tuple[str, str]:
+    p = Path(spec)
+    if "\n" not in str(spec) and p.exists():
+        return p.read_text(), str(p)
+    if isinstance(spec, str) and "apiVersion" in spec:
+        return spec, "<sdk>"
+    raise ConfigError(f"{spec!r} is neither an agent file nor agent YAML")

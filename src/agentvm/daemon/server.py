@@ -1,0 +1,649 @@
+"""The control-plane daemon: owns state, supervises sandboxes, hosts the egress gate, applies
+policy live, records everything in the audit chain, and streams events.
+
+API: HTTP/1.1 + JSON over a unix socket with owner-only permissions (``<runtime>/agentvm.sock``),
+and optionally over TCP with a bearer token (``--listen HOST:PORT``). One request per
+connection; streaming responses (``exec``, ``events``) are newline-delimited JSON.
+
+    GET    /v1/sandboxes                      ps
+    POST   /v1/sandboxes                      create  {"spec": "<yaml>", "file": "...", "ttl", "idle_timeout"}
+    POST   /v1/sandboxes/NAME/start|stop|restart
+    DELETE /v1/sandboxes/NAME                 rm
+    POST   /v1/sandboxes/NAME/exec            {"argv": [...], "timeout": s}  -> NDJSON stream
+    GET    /v1/sandboxes/NAME/logs
+    PUT    /v1/sandboxes/NAME/files?path=P    cp into the workspace (body = bytes)
+    GET    /v1/sandboxes/NAME/files?path=P    cp out of the workspace
+    POST   /v1/sandboxes/NAME/policy          {"op": allow|deny|remove|pause|resume|revoke|restore, ...}
+    GET    /v1/audit?since=&sandbox=          GET /v1/audit/verify
+    GET    /v1/events                         NDJSON stream of decisions and lifecycle events
+    POST   /v1/shutdown
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import dataclasses
+import hmac
+import json
+import os
+import signal
+import time
+from pathlib import Path
+from urllib.parse import parse_qs, urlsplit
+
+import h11
+
+from agentvm.audit import AuditLog
+from agentvm.daemon.state import State
+from agentvm.errors import AgentVMError, PolicyDenied
+from agentvm.paths import Paths
+
+SOCKET_NAME = "agentvm.sock"
+MAX_BODY = 64 * 1024 * 1024
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, code: str, message: str, hint: str = ""):
+        super().__init__(message)
+        self.status, self.code, self.message, self.hint = status, code, message, hint
+
+
+class Managed:
+    """A sandbox the daemon supervises (its live parts; the row in State is the truth)."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.task: asyncio.Task | None = None
+        self.handle = None
+        self.plan = None
+        self.res = None
+        self.policy = None
+        self.endpoint = None
+        self.stop_requested = asyncio.Event()
+        self.started_at = 0.0
+
+
+class Daemon:
+    def __init__(self, paths: Paths, *, backend=None, listen: str | None = None) -> None:
+        from agentvm.gate.server import Gate
+        from agentvm.runtime import Runtime
+
+        self.paths = paths.ensure()
+        self.runtime = Runtime(self.paths, backend)
+        self.state = State(self.paths.home / "daemon.db")
+        self.audit = AuditLog(self.paths.audit_dir / "audit.db")
+        self.gate = Gate(self.paths.home / "gate", self.paths.home / "logs")
+        self.gate.subscribers.append(self._on_decision)
+        self.managed: dict[str, Managed] = {}
+        self.subscribers: set[asyncio.Queue] = set()
+        self.listen = listen
+        self.token = None
+        self.servers: list[asyncio.AbstractServer] = []
+        self.stopping = asyncio.Event()
+        self.socket_path = self.paths.runtime / SOCKET_NAME
+
+    # ---------------------------------------------------------------- events & audit
+    def emit(self, kind: str, **data) -> None:
+        rec = {"time": time.time(), "kind": kind, **data}
+        for q in list(self.subscribers):
+            if q.qsize() < 10000:
+                q.put_nowait(rec)
+
+    def record(self, kind: str, *, actor: str = "agentvm", sandbox: str | None = None, **data) -> None:
+        self.audit.append(kind, actor=actor, sandbox=sandbox, data=data)
+        self.emit(kind, actor=actor, sandbox=sandbox, **data)
+
+    def _on_decision(self, rec: dict) -> None:
+        """Every gate decision is an event; denials, alerts and credential uses go to the audit chain."""
+        self.emit("egress", **rec)
+        name = rec.get("agent")
+        m = self.managed.get(name) if name else None
+        if m is not None and rec.get("verdict") == "allow":
+            self.state.update(name, last_activity=time.time())
+        if rec.get("verdict") == "deny" or rec.get("alert") or rec.get("credentials"):
+            data = {k: rec.get(k) for k in ("host", "port", "method", "path", "rule", "verdict", "reason", "alert",
+                                            "credentials", "credential") if rec.get(k) is not None}
+            self.audit.append("egress." + rec.get("verdict", "?"), actor="gate", sandbox=rec.get("sandbox"), data=data)
+
+    # ---------------------------------------------------------------- lifecycle
+    def _policy_for(self, row):
+        from agentvm.gate.policy import compile_egress
+        from agentvm.policy import compile_policy
+        from agentvm.spec.loader import load_agent_text
+
+        loaded = load_agent_text(row.spec_text, row.spec_file)
+        policy = compile_policy(loaded.spec)
+        patch = json.loads(row.policy_patch or "{}")
+        if patch.get("allow") or patch.get("deny") or patch.get("removed"):
+            eg = policy.egress or compile_egress(None)
+            extra = compile_egress(None, extra_allow=patch.get("allow", []))
+            allow = tuple(r for r in eg.allow + extra.allow if r.id not in set(patch.get("removed", [])))
+            deny = eg.deny + tuple(_deny_rules(patch.get("deny", [])))
+            from agentvm.policy import _with_default_denies
+
+            policy = dataclasses.replace(policy, egress=_with_default_denies(dataclasses.replace(eg, allow=allow, deny=deny)))
+        return policy
+
+    async def start(self, name: str, *, actor: str = "operator") -> None:
+        row = self.state.get(name)
+        if row is None:
+            raise ApiError(404, "not-found", f"no sandbox named {name!r}")
+        m = self.managed.setdefault(name, Managed(name))
+        if m.task is not None and not m.task.done():
+            raise ApiError(409, "already-running", f"{name} is already running")
+        self.state.update(name, desired="running", state="starting")
+        m.stop_requested = asyncio.Event()
+        m.task = asyncio.ensure_future(self._supervise(m))
+        self.record("lifecycle.start-requested", actor=actor, sandbox=name)
+
+    async def _supervise(self, m: Managed) -> None:
+        """Run the sandbox; restart a persistent worker with backoff; enforce TTL/idle."""
+        backoff = 1.0
+        while not m.stop_requested.is_set() and not self.stopping.is_set():
+            row = self.state.get(m.name)
+            if row is None:
+                return
+            try:
+                code = await self._run_once(m, row)
+            except AgentVMError as exc:
+                self.state.update(m.name, state="failed", exit_code=None)
+                self.record("lifecycle.failed", sandbox=m.name, error=exc.code, message=exc.message)
+                return
+            except Exception as exc:  # noqa: BLE001 - report, never crash the daemon
+                self.state.update(m.name, state="failed")
+                self.record("lifecycle.failed", sandbox=m.name, error="internal", message=f"{type(exc).__name__}: {exc}")
+                return
+            if m.stop_requested.is_set() or self.stopping.is_set():
+                break
+            row = self.state.get(m.name)
+            if row is None or row.lifecycle != "persistent" or row.desired != "running":
+                self.state.update(m.name, state="exited", desired="stopped", exit_code=code)
+                return
+            ran = time.monotonic() - m.started_at
+            backoff = 1.0 if ran > 60 else min(backoff * 2, 60.0)
+            self.state.update(m.name, state="backoff", restarts=row.restarts + 1, exit_code=code)
+            self.record("lifecycle.restart-scheduled", sandbox=m.name, exit_code=code, backoff=backoff)
+            try:
+                await asyncio.wait_for(m.stop_requested.wait(), backoff)
+            except asyncio.TimeoutError:
+                pass
+        self.state.update(m.name, state="stopped", desired="stopped")
+
+    async def _run_once(self, m: Managed, row) -> int:
+        policy = self._policy_for(row)
+        if policy.pending_features:
+            raise PolicyDenied("declares " + ", ".join(policy.pending_features) + ", not enforceable yet")
+        if row.state == "paused":
+            pass
+        plan, res = await asyncio.to_thread(self.runtime.prepare, policy, tty=False)
+        backend = self.runtime.backend_for(policy)
+        m.plan, m.res, m.policy = plan, res, policy
+        log_path = self.paths.home / "logs" / f"{m.name}.log"
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        logfd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        devnull = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+        report = None
+        status = None
+        try:
+            if policy.egress is not None:
+                run_dir = self.paths.sandboxes / plan.sandbox_id
+                run_dir.mkdir(parents=True, exist_ok=True)
+                os.chmod(run_dir, 0o711)
+                m.endpoint = await self.gate.open_endpoint(plan.sandbox_id, m.name, policy.egress, run_dir / "gate.sock",
+                                                           uid=plan.host_uid or None, creds=res.creds)
+                patch = json.loads(row.policy_patch or "{}")
+                m.endpoint.paused = bool(patch.get("paused"))
+            m.handle = await asyncio.to_thread(backend.launch, plan, stdio=(devnull, logfd, logfd))
+            m.started_at = time.monotonic()
+            self.state.update(m.name, state="running", sandbox_id=plan.sandbox_id, started=time.time(),
+                              last_activity=time.time())
+            self.record("lifecycle.running", sandbox=m.name, sandbox_id=plan.sandbox_id, uid=plan.host_uid,
+                        policy=plan.policy_digest)
+            waiter = asyncio.ensure_future(asyncio.to_thread(backend.wait, m.handle, None))
+            watch = asyncio.ensure_future(self._watch(m, row))
+            stop = asyncio.ensure_future(m.stop_requested.wait())
+            done, _ = await asyncio.wait({waiter, stop, watch}, return_when=asyncio.FIRST_COMPLETED)
+            if waiter not in done:
+                await asyncio.to_thread(backend.stop, m.handle, 2.0)
+            status = await waiter
+            for t in (watch, stop):
+                t.cancel()
+        finally:
+            if m.handle is not None:
+                report = await asyncio.to_thread(backend.destroy, m.handle)
+            res.release(report)
+            if m.endpoint is not None:
+                await self.gate.close_endpoint(plan.sandbox_id)
+                m.endpoint = None
+            m.handle = None
+            os.close(logfd)
+            os.close(devnull)
+        code = status.exit_code if status else 125
+        self.state.update(m.name, exit_code=code)
+        self.record("lifecycle.exited", sandbox=m.name, sandbox_id=plan.sandbox_id, exit_code=code,
+                    teardown_verified=bool(report and report.verified),
+                    teardown=report.to_dict() if report else None)
+        return code
+
+    async def _watch(self, m: Managed, row) -> None:
+        """Ephemeral TTL and idle timeout."""
+        while True:
+            await asyncio.sleep(0.5)
+            now = time.time()
+            r = self.state.get(m.name)
+            if r is None:
+                return
+            if r.ttl and r.started and now - r.started > r.ttl:
+                self.record("lifecycle.ttl-expired", sandbox=m.name, ttl=r.ttl)
+                return
+            if r.idle_timeout and r.last_activity and now - r.last_activity > r.idle_timeout:
+                self.record("lifecycle.idle-timeout", sandbox=m.name, idle_timeout=r.idle_timeout)
+                return
+
+    async def stop(self, name: str, *, actor: str = "operator") -> None:
+        row = self.state.get(name)
+        if row is None:
+            raise ApiError(404, "not-found", f"no sandbox named {name!r}")
+        self.state.update(name, desired="stopped")
+        m = self.managed.get(name)
+        if m is not None and m.task is not None and not m.task.done():
+            m.stop_requested.set()
+            await m.task
+        self.state.update(name, state="stopped")
+        self.record("lifecycle.stopped", actor=actor, sandbox=name)
+
+    # ---------------------------------------------------------------- recovery
+    async def recover(self) -> dict:
+        """After a crash: reap what the dead daemon left, restart what should run."""
+        from agentvm.runtime import gc_stale
+
+        reaped = await asyncio.to_thread(gc_stale, self.paths)
+        restarted = []
+        for row in self.state.all():
+            if row.state in ("running", "starting", "backoff") or row.desired == "running":
+                self.state.update(row.name, state="stopped")
+                if row.desired == "running" and row.lifecycle == "persistent":
+                    await self.start(row.name, actor="recovery")
+                    restarted.append(row.name)
+                else:
+                    self.state.update(row.name, desired="stopped")
+        self.record("daemon.recovered", reaped=reaped, restarted=restarted)
+        return {"reaped": reaped, "restarted": restarted}
+
+    # ---------------------------------------------------------------- HTTP plumbing
+    async def serve(self) -> None:
+        self.socket_path.parent.mkdir(parents=True, exist_ok=True)
+        if self.socket_path.exists():
+            self.socket_path.unlink()
+        old = os.umask(0o177)
+        try:
+            srv = await asyncio.start_unix_server(self._conn, path=str(self.socket_path))
+        finally:
+            os.umask(old)
+        os.chmod(self.socket_path, 0o600)
+        self.servers.append(srv)
+        if self.listen:
+            host, _, port = self.listen.rpartition(":")
+            tok = self.paths.home / "daemon.token"
+            if not tok.exists():
+                fd = os.open(tok, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+                os.write(fd, base64.urlsafe_b64encode(os.urandom(32)).rstrip(b"=") + b"\n")
+                os.close(fd)
+            self.token = tok.read_text().strip()
+            self.servers.append(await asyncio.start_server(lambda r, w: self._conn(r, w, tcp=True), host or "127.0.0.1",
+                                                           int(port)))
+        self.record("daemon.started", pid=os.getpid(), socket=str(self.socket_path), tcp=self.listen)
+        await self.recover()
+        await self.stopping.wait()
+        await self.shutdown()
+
+    async def shutdown(self) -> None:
+        for srv in self.servers:
+            srv.close()
+        tasks = []
+        for name, m in self.managed.items():
+            if m.task is not None and not m.task.done():
+                m.stop_requested.set()
+                tasks.append(m.task)
+        if tasks:
+            await asyncio.wait(tasks, timeout=30)
+        for q in list(self.subscribers):
+            q.put_nowait(None)
+        self.record("daemon.stopped", pid=os.getpid())
+        try:
+            self.socket_path.unlink()
+        except FileNotFoundError:
+            pass
+
+    async def _conn(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *, tcp: bool = False) -> None:
+        conn = h11.Connection(h11.SERVER, max_incomplete_event_size=65536)
+        try:
+            req, body = await self._read_request(conn, reader)
+            if req is None:
+                return
+            headers = {k.decode().lower(): v.decode("latin-1") for k, v in req.headers}
+            if tcp:
+                auth = headers.get("authorization", "")
+                if not (self.token and auth.startswith("Bearer ") and hmac.compare_digest(auth[7:], self.token)):
+                    raise ApiError(401, "unauthorized", "a bearer token is required on the TCP listener")
+            actor = "operator-tcp" if tcp else "operator"
+            await self._dispatch(req.method.decode(), req.target.decode(), body, conn, writer, actor)
+        except ApiError as e:
+            await self._json(conn, writer, e.status, {"error": e.code, "message": e.message, "hint": e.hint})
+        except AgentVMError as e:
+            await self._json(conn, writer, 400 if e.exit_code == 78 else 409, e.to_dict())
+        except (ConnectionError, h11.ProtocolError, asyncio.IncompleteReadError):
+            pass
+        except Exception as e:  # noqa: BLE001
+            try:
+                await self._json(conn, writer, 500, {"error": "internal", "message": f"{type(e).__name__}: {e}"})
+            except Exception:
+                pass
+        finally:
+            try:
+                writer.close()
+            except Exception:
+                pass
+
+    async def _read_request(self, conn, reader):
+        req, body = None, bytearray()
+        while True:
+            ev = conn.next_event()
+            if ev is h11.NEED_DATA:
+                data = await reader.read(65536)
+                conn.receive_data(data)
+                if not data and req is None:
+                    return None, b""
+                continue
+            if isinstance(ev, h11.Request):
+                req = ev
+            elif isinstance(ev, h11.Data):
+                body += ev.data
+                if len(body) > MAX_BODY:
+                    raise ApiError(413, "too-large", "request body too large")
+            elif isinstance(ev, h11.EndOfMessage):
+                return req, bytes(body)
+            elif isinstance(ev, h11.ConnectionClosed):
+                return None, b""
+
+    async def _json(self, conn, writer, status: int, doc) -> None:
+        data = json.dumps(doc, sort_keys=True, default=str).encode()
+        writer.write(conn.send(h11.Response(status_code=status, headers=[("content-type", "application/json"),
+                                                                         ("content-length", str(len(data))),
+                                                                         ("connection", "close")])))
+        writer.write(conn.send(h11.Data(data=data)))
+        writer.write(conn.send(h11.EndOfMessage()))
+        await writer.drain()
+
+    async def _stream_start(self, conn, writer) -> None:
+        writer.write(conn.send(h11.Response(status_code=200, headers=[("content-type", "application/x-ndjson"),
+                                                                      ("connection", "close")])))
+        await writer.drain()
+
+    async def _stream_line(self, conn, writer, doc) -> None:
+        writer.write(conn.send(h11.Data(data=json.dumps(doc, default=str).encode() + b"\n")))
+        await writer.drain()
+
+    async def _stream_end(self, conn, writer) -> None:
+        writer.write(conn.send(h11.EndOfMessage()))
+        await writer.drain()
+
+    # ---------------------------------------------------------------- routes
+    async def _dispatch(self, method: str, target: str, body: bytes, conn, writer, actor: str) -> None:
+        u = urlsplit(target)
+        parts = [p for p in u.path.split("/") if p]
+        q = {k: v[-1] for k, v in parse_qs(u.query).items()}
+        doc = json.loads(body) if body and method in ("POST",) and parts[-1:] != ["files"] else None
+        if parts[:1] != ["v1"]:
+            raise ApiError(404, "not-found", "unknown path")
+        p = parts[1:]
+        if p == ["sandboxes"] and method == "GET":
+            return await self._json(conn, writer, 200, [self._public(r) for r in self.state.all()])
+        if p == ["sandboxes"] and method == "POST":
+            return await self._json(conn, writer, 201, self._public(await self._create(doc or {}, actor)))
+        if len(p) >= 2 and p[0] == "sandboxes":
+            name = p[1]
+            action = p[2] if len(p) > 2 else None
+            if action is None and method == "GET":
+                return await self._json(conn, writer, 200, self._public(self._row(name)))
+            if action is None and method == "DELETE":
+                await self._rm(name, actor)
+                return await self._json(conn, writer, 200, {"removed": name})
+            if action in ("start", "stop", "restart") and method == "POST":
+                if action in ("stop", "restart"):
+                    await self.stop(name, actor=actor)
+                if action in ("start", "restart"):
+                    await self.start(name, actor=actor)
+                    await self._wait_state(name, ("running", "exited", "failed", "stopped"), 30)
+                return await self._json(conn, writer, 200, self._public(self._row(name)))
+            if action == "exec" and method == "POST":
+                return await self._exec(name, doc or {}, conn, writer, actor)
+            if action == "logs" and method == "GET":
+                path = self.paths.home / "logs" / f"{name}.log"
+                self._row(name)
+                data = path.read_bytes()[-int(q.get("tail", 1 << 20)):] if path.exists() else b""
+                return await self._json(conn, writer, 200, {"log": data.decode(errors="replace")})
+            if action == "files":
+                return await self._files(name, method, q.get("path", ""), body, conn, writer, actor)
+            if action == "policy" and method == "POST":
+                return await self._json(conn, writer, 200, await self._policy(name, doc or {}, actor))
+        if p == ["audit"] and method == "GET":
+            recs = self.audit.records(since=float(q["since"]) if "since" in q else None, sandbox=q.get("sandbox"))
+            return await self._json(conn, writer, 200, [r.to_dict() for r in recs])
+        if p == ["audit", "verify"] and method == "GET":
+            return await self._json(conn, writer, 200, self.audit.verify().to_dict())
+        if p == ["events"] and method == "GET":
+            return await self._events(conn, writer)
+        if p == ["shutdown"] and method == "POST":
+            self.record("daemon.shutdown-requested", actor=actor)
+            await self._json(conn, writer, 200, {"stopping": True})
+            self.stopping.set()
+            return
+        raise ApiError(404, "not-found", f"no route for {method} {u.path}")
+
+    def _row(self, name: str):
+        row = self.state.get(name)
+        if row is None:
+            raise ApiError(404, "not-found", f"no sandbox named {name!r}")
+        return row
+
+    def _public(self, row) -> dict:
+        d = row.public()
+        m = self.managed.get(row.name)
+        d["pid"] = m.handle.pid if m and m.handle else None
+        return d
+
+    async def _wait_state(self, name: str, states: tuple, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            r = self.state.get(name)
+            if r is None or r.state in states:
+                return
+            await asyncio.sleep(0.01)
+
+    async def _create(self, doc: dict, actor: str):
+        from agentvm.policy import compile_policy
+        from agentvm.spec.loader import load_agent_text
+
+        text, fname = doc.get("spec"), doc.get("file", "<api>")
+        if not isinstance(text, str):
+            raise ApiError(400, "bad-request", "'spec' (the agent file's text) is required")
+        loaded = load_agent_text(text, fname)
+        policy = compile_policy(loaded.spec)
+        if policy.pending_features:
+            raise PolicyDenied("the agent declares " + ", ".join(policy.pending_features) + ", which cannot be enforced yet")
+        name = loaded.spec.metadata.name
+        if self.state.get(name) is not None:
+            raise ApiError(409, "exists", f"a sandbox named {name!r} exists", hint=f"agentvm rm {name}")
+        row = self.state.create(name, text, fname, policy.lifecycle, doc.get("ttl"), doc.get("idle_timeout"))
+        self.record("lifecycle.created", actor=actor, sandbox=name, file=fname, policy=policy.digest(),
+                    lifecycle=policy.lifecycle)
+        return row
+
+    async def _rm(self, name: str, actor: str) -> None:
+        self._row(name)
+        await self.stop(name, actor=actor)
+        self.state.delete(name)
+        self.managed.pop(name, None)
+        self.record("lifecycle.removed", actor=actor, sandbox=name)
+
+    async def _exec(self, name: str, doc: dict, conn, writer, actor: str) -> None:
+        m = self.managed.get(name)
+        if m is None or m.handle is None:
+            raise ApiError(409, "not-running", f"{name} is not running", hint=f"agentvm start {name}")
+        argv = doc.get("argv")
+        if not isinstance(argv, list) or not argv or not all(isinstance(a, str) for a in argv):
+            raise ApiError(400, "bad-request", "'argv' must be a non-empty list of strings")
+        self.state.update(name, last_activity=time.time())
+        self.record("operator.exec", actor=actor, sandbox=name, argv=argv)
+        backend = self.runtime.backend_for(m.policy)
+        loop = asyncio.get_running_loop()
+        o_r, o_w = os.pipe2(os.O_CLOEXEC)
+        e_r, e_w = os.pipe2(os.O_CLOEXEC)
+        stdin = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+        queue: asyncio.Queue = asyncio.Queue()
+        open_streams = {o_r: "stdout", e_r: "stderr"}
+
+        def readable(fd):
+            try:
+                data = os.read(fd, 65536)
+            except OSError:
+                data = b""
+            if data:
+                queue.put_nowait((open_streams[fd], data))
+            else:
+                loop.remove_reader(fd)
+                queue.put_nowait((open_streams[fd], None))
+
+        for fd in (o_r, e_r):
+            os.set_blocking(fd, False)
+            loop.add_reader(fd, readable, fd)
+        fut = asyncio.ensure_future(asyncio.to_thread(backend.exec, m.handle, argv, stdio=(stdin, o_w, e_w),
+                                                      timeout=doc.get("timeout")))
+        await self._stream_start(conn, writer)
+        try:
+            status = await fut
+        finally:
+            for fd in (o_w, e_w, stdin):
+                os.close(fd)
+        ended = 0
+        while ended < 2:
+            stream, data = await queue.get()
+            if data is None:
+                ended += 1
+                continue
+            await self._stream_line(conn, writer, {"stream": stream, "data": base64.b64encode(data).decode()})
+        for fd in (o_r, e_r):
+            os.close(fd)
+        await self._stream_line(conn, writer, {"exit_code": status.exit_code, "timed_out": status.timed_out,
+                                               "setup_error": status.setup_error})
+        await self._stream_end(conn, writer)
+
+    def _workspace_dir(self, name: str) -> Path:
+        m = self.managed.get(name)
+        if m is None or m.res is None or m.res.workspace is None or m.handle is None:
+            raise ApiError(409, "not-running", f"{name} is not running (its workspace is mounted only while it runs)")
+        return Path(m.res.workspace.host_dir), m.plan.host_uid
+
+    async def _files(self, name, method, rel, body, conn, writer, actor):
+        from agentvm.daemon.files import read_beneath, write_beneath
+
+        root, uid = self._workspace_dir(name)
+        if method == "PUT":
+            n = await asyncio.to_thread(write_beneath, root, rel, body, uid)
+            self.record("operator.cp-in", actor=actor, sandbox=name, path=rel, bytes=n)
+            return await self._json(conn, writer, 200, {"written": n, "path": rel})
+        if method == "GET":
+            data = await asyncio.to_thread(read_beneath, root, rel)
+            self.record("operator.cp-out", actor=actor, sandbox=name, path=rel, bytes=len(data))
+            return await self._json(conn, writer, 200, {"path": rel, "data": base64.b64encode(data).decode()})
+        raise ApiError(405, "method", "use GET or PUT")
+
+    async def _policy(self, name: str, doc: dict, actor: str) -> dict:
+        """Live policy change: validated first (a failing change changes nothing), applied to
+        the running endpoint at once, recorded, and kept for restarts."""
+        from agentvm.gate.policy import compile_egress
+
+        row = self._row(name)
+        op = doc.get("op")
+        patch = json.loads(row.policy_patch or "{}")
+        m = self.managed.get(name)
+        ep = m.endpoint if m else None
+        t0 = time.perf_counter()
+        if op in ("allow", "deny"):
+            rules = doc.get("rules") or [doc.get("rule")]
+            if not rules or not all(isinstance(r, str) for r in rules):
+                raise ApiError(400, "bad-request", "'rule' HOST[:PORT] is required")
+            try:
+                compile_egress(None, extra_allow=rules)  # validates
+            except ValueError as exc:
+                raise ApiError(400, "invalid-rule", str(exc)) from None
+            patch.setdefault(op, []).extend(rules)
+        elif op == "remove":
+            rid = doc.get("rule_id")
+            if not isinstance(rid, str):
+                raise ApiError(400, "bad-request", "'rule_id' is required")
+            patch.setdefault("removed", []).append(rid)
+        elif op in ("pause", "resume"):
+            patch["paused"] = op == "pause"
+        elif op in ("revoke", "restore"):
+            cred = doc.get("credential")
+            policy = m.policy if m and m.policy else self._policy_for(row)
+            b = next((b for b in policy.credentials if b.name == cred), None)
+            if b is None:
+                raise ApiError(404, "not-found", f"{name} has no credential {cred!r}")
+            from agentvm.vault import Vault
+
+            v = Vault(self.runtime.vault_dir)
+            sid = (m.plan.sandbox_id if m and m.plan else None)
+            if sid is None:
+                raise ApiError(409, "not-running", "per-session revocation needs a running sandbox")
+            (v.revoke if op == "revoke" else v.restore)(cred, sid)
+        else:
+            raise ApiError(400, "bad-request", "op is one of allow, deny, remove, pause, resume, revoke, restore")
+        new_row = dataclasses.replace(row, policy_patch=json.dumps(patch))
+        policy = self._policy_for(new_row)  # raises on anything invalid: nothing applied yet
+        self.state.update(name, policy_patch=json.dumps(patch))
+        if ep is not None:
+            if policy.egress is not None:
+                ep.set_policy(policy.egress)
+            ep.paused = bool(patch.get("paused"))
+        took = (time.perf_counter() - t0) * 1000
+        self.record("policy.change", actor=actor, sandbox=name, op=op, detail={k: v for k, v in doc.items() if k != "op"},
+                    applied_live=ep is not None, ms=round(took, 3))
+        return {"applied": True, "live": ep is not None, "ms": round(took, 3), "patch": patch}
+
+    async def _events(self, conn, writer) -> None:
+        q: asyncio.Queue = asyncio.Queue()
+        self.subscribers.add(q)
+        try:
+            await self._stream_start(conn, writer)
+            while True:
+                rec = await q.get()
+                if rec is None:
+                    break
+                await self._stream_line(conn, writer, rec)
+        finally:
+            self.subscribers.discard(q)
+        await self._stream_end(conn, writer)
+
+
+def _deny_rules(specs: list[str]):
+    from agentvm.gate.policy import compile_egress
+
+    extra = compile_egress(None, extra_allow=specs)
+    return [dataclasses.replace(r, id=f"live-deny[{i}]") for i, r in enumerate(extra.allow)]
+
+
+def run_daemon(paths: Paths, *, listen: str | None = None, backend=None) -> None:
+    """Foreground entry point (``agentvm up --foreground``)."""
+
+    async def main():
+        d = Daemon(paths, backend=backend, listen=listen)
+        loop = asyncio.get_running_loop()
+        for s in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(s, d.stopping.set)
+        await d.serve()
+
+    asyncio.run(main())

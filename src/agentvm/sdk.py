@@ -1,0 +1,120 @@
+"""The Python SDK: a typed bridge between a host program and a sandbox, over the daemon API.
+
+    import agentvm
+    with agentvm.Sandbox("agent.yaml") as sb:          # create + start (removed on exit)
+        r = sb.exec(["python3", "-c", "print(1)"])
+        print(r.exit_code, r.stdout)
+        sb.put("in/data.csv", b"...");  sb.get("out/result.json")
+        sb.allow("pypi.org:443");  sb.revoke("openai")
+
+    async with agentvm.AsyncSandbox("agent.yaml") as sb:
+        r = await sb.exec(["make", "test"])
+
+The CLI uses the same client (``agentvm.daemon.client``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+from agentvm.daemon.client import Client, _ensure_spec_text
+
+
+@dataclass
+class ExecResult:
+    exit_code: int
+    stdout: bytes
+    stderr: bytes
+    timed_out: bool = False
+    setup_error: dict | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0
+
+
+class Sandbox:
+    def __init__(self, spec, *, client: Client | None = None, keep: bool = False, ttl: float | None = None,
+                 idle_timeout: float | None = None):
+        self.client = client or Client()
+        self.spec_text, self.file = _ensure_spec_text(spec)
+        self.keep = keep
+        self.ttl, self.idle_timeout = ttl, idle_timeout
+        self.name: str | None = None
+
+    def __enter__(self) -> "Sandbox":
+        self.name = self.client.create(self.spec_text, self.file, self.ttl, self.idle_timeout)["name"]
+        self.client.action(self.name, "start")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.name and not self.keep:
+            self.client.rm(self.name)
+
+    def exec(self, argv: list[str], timeout: float | None = None) -> ExecResult:
+        out, err, final = [], [], {}
+        for ev in self.client.exec(self.name, argv, timeout):
+            if ev.get("stream") == "stdout":
+                out.append(ev["data"])
+            elif ev.get("stream") == "stderr":
+                err.append(ev["data"])
+            else:
+                final = ev
+        return ExecResult(final.get("exit_code", 125), b"".join(out), b"".join(err), bool(final.get("timed_out")),
+                          final.get("setup_error"))
+
+    def put(self, path: str, data: bytes):
+        return self.client.put_file(self.name, path, data)
+
+    def get(self, path: str) -> bytes:
+        return self.client.get_file(self.name, path)
+
+    def logs(self) -> str:
+        return self.client.logs(self.name)
+
+    def status(self) -> dict:
+        return self.client.get(self.name)
+
+    def allow(self, rule: str):
+        return self.client.policy(self.name, "allow", rule=rule)
+
+    def deny(self, rule: str):
+        return self.client.policy(self.name, "deny", rule=rule)
+
+    def pause_egress(self):
+        return self.client.policy(self.name, "pause")
+
+    def resume_egress(self):
+        return self.client.policy(self.name, "resume")
+
+    def revoke(self, credential: str):
+        return self.client.policy(self.name, "revoke", credential=credential)
+
+
+class AsyncSandbox:
+    """The same API for asyncio programs (the blocking calls run in a worker thread)."""
+
+    def __init__(self, spec, **kw):
+        self._sync = Sandbox(spec, **kw)
+
+    async def __aenter__(self) -> "AsyncSandbox":
+        await asyncio.to_thread(self._sync.__enter__)
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await asyncio.to_thread(self._sync.__exit__, *exc)
+
+    @property
+    def name(self) -> str | None:
+        return self._sync.name
+
+    def __getattr__(self, attr):
+        fn = getattr(self._sync, attr)
+        if not callable(fn):
+            return fn
+
+        async def call(*a, **kw):
+            return await asyncio.to_thread(fn, *a, **kw)
+
+        return call

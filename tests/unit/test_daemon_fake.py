@@ -1,0 +1,191 @@
+"""The daemon's API, the SDK and the CLI against the fake backend (no sandbox is started):
+lifecycle and state, validation, audit records, events, live policy, the TCP listener's token."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from agentvm.backends.fake import FakeBackend
+from agentvm.daemon.client import ApiFailure, Client
+from agentvm.daemon.server import Daemon
+from agentvm.paths import Paths
+
+SPEC = """apiVersion: agentvm/v1
+kind: Agent
+metadata: {{name: {name}}}
+spec:
+  lifecycle: {lifecycle}
+  command: [worker]
+  egress:
+    allow:
+      - {{host: pypi.org}}
+"""
+
+
+class Running:
+    def __init__(self, tmp: Path, listen: str | None = None):
+        self.paths = Paths(home=tmp / "home", runtime=tmp / "run")
+        self.backend = FakeBackend(0, hold=True)
+        self.loop = asyncio.new_event_loop()
+        self.daemon = None
+        ready = threading.Event()
+
+        def main():
+            asyncio.set_event_loop(self.loop)
+            self.daemon = Daemon(self.paths, backend=self.backend, listen=listen)
+            ready.set()
+            self.loop.run_until_complete(self.daemon.serve())
+
+        self.thread = threading.Thread(target=main, daemon=True)
+        self.thread.start()
+        ready.wait(10)
+        self.client = Client(self.paths.runtime / "agentvm.sock", timeout=30)
+        deadline = time.monotonic() + 10
+        while not self.client.available():
+            assert time.monotonic() < deadline, "daemon did not come up"
+            time.sleep(0.02)
+
+    def stop(self):
+        try:
+            self.client.shutdown()
+        except Exception:
+            pass
+        self.thread.join(30)
+
+
+@pytest.fixture
+def d(tmp_path, monkeypatch):
+    monkeypatch.setenv("AGENTVM_ALLOW_FAKE", "1")
+    r = Running(tmp_path)
+    yield r
+    r.stop()
+
+
+def spec(name="w1", lifecycle="persistent"):
+    return SPEC.format(name=name, lifecycle=lifecycle)
+
+
+def test_lifecycle_state_and_audit(d):
+    c = d.client
+    row = c.create(spec(), "w1.yaml")
+    assert row["name"] == "w1" and row["state"] == "created"
+    assert c.action("w1", "start")["state"] == "running"
+    assert [r["name"] for r in c.ps()] == ["w1"]
+    assert c.action("w1", "stop")["state"] == "stopped"
+    assert c.action("w1", "restart")["state"] == "running"
+    c.rm("w1")
+    assert c.ps() == []
+    kinds = [r["kind"] for r in c.audit()]
+    for k in ("lifecycle.created", "lifecycle.start-requested", "lifecycle.running", "lifecycle.exited",
+              "lifecycle.stopped", "lifecycle.removed"):
+        assert k in kinds, k
+    assert c.verify()["ok"]
+    assert ("launch" in [x[0] for x in d.backend.calls]) and ("destroy" in [x[0] for x in d.backend.calls])
+
+
+def test_bad_requests_change_nothing(d):
+    c = d.client
+    with pytest.raises(ApiFailure) as ei:
+        c.create("apiVersion: agentvm/v1\nkind: Agent\nmetadata: {name: x}\nspec: {limits: {memory: lots}}\n")
+    assert ei.value.status == 400
+    with pytest.raises(ApiFailure):
+        c.action("nope", "start")
+    c.create(spec())
+    with pytest.raises(ApiFailure) as ei:
+        c.create(spec())
+    assert ei.value.status == 409
+    c.action("w1", "start")
+    before = c.get("w1")["policy_patch"]
+    with pytest.raises(ApiFailure):
+        c.policy("w1", "allow", rule="not a host!")
+    assert c.get("w1")["policy_patch"] == before, "a change that fails validation changes nothing"
+
+
+def test_live_policy_is_recorded_and_kept(d):
+    c = d.client
+    c.create(spec())
+    c.action("w1", "start")
+    r = c.policy("w1", "allow", rule="files.pythonhosted.org:443")
+    assert r["applied"] and r["live"] is True
+    assert c.policy("w1", "pause")["patch"]["paused"] is True
+    ep = d.daemon.managed["w1"].endpoint
+    assert ep.paused and any(rule.host == "files.pythonhosted.org" for rule in ep.policy.allow)
+    changes = [r for r in c.audit(sandbox="w1") if r["kind"] == "policy.change"]
+    assert [ch["data"]["op"] for ch in changes] == ["allow", "pause"]
+    # kept across a restart
+    c.action("w1", "restart")
+    ep = d.daemon.managed["w1"].endpoint
+    assert ep.paused and any(rule.host == "files.pythonhosted.org" for rule in ep.policy.allow)
+
+
+def test_exec_streams_and_sdk(d, monkeypatch):
+    import agentvm
+
+    c = d.client
+    c.create(spec())
+    c.action("w1", "start")
+    evs = list(c.exec("w1", ["echo", "hi"]))
+    assert evs[-1]["exit_code"] == 0 and any(e.get("data") == b"fake exec: echo hi\n" for e in evs)
+    monkeypatch.setattr("agentvm.daemon.client.default_socket", lambda: d.paths.runtime / "agentvm.sock")
+    with agentvm.Sandbox(spec("sdk1")) as sb:
+        r = sb.exec(["make", "test"])
+        assert r.ok and r.stdout == b"fake exec: make test\n"
+        assert sb.status()["state"] == "running"
+    assert "sdk1" not in [r["name"] for r in c.ps()], "removed on exit"
+
+    async def go():
+        async with agentvm.AsyncSandbox(spec("sdk2")) as sb:
+            return await sb.exec(["true"])
+
+    assert asyncio.run(go()).exit_code == 0
+
+
+def test_events_stream(d):
+    c = d.client
+    got = []
+
+    def reader():
+        for ev in c.events():
+            got.append(ev)
+            if ev.get("kind") == "lifecycle.running":
+                return
+
+    t = threading.Thread(target=reader, daemon=True)
+    t.start()
+    time.sleep(0.2)
+    c.create(spec())
+    c.action("w1", "start")
+    t.join(10)
+    assert [e["kind"] for e in got][-1] == "lifecycle.running"
+
+
+def test_control_socket_is_owner_only(d):
+    st = os.stat(d.paths.runtime / "agentvm.sock")
+    assert st.st_mode & 0o077 == 0
+
+
+def test_tcp_listener_requires_the_token(tmp_path, monkeypatch):
+    import socket
+
+    monkeypatch.setenv("AGENTVM_ALLOW_FAKE", "1")
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    r = Running(tmp_path, listen=f"127.0.0.1:{port}")
+    try:
+        token = (r.paths.home / "daemon.token").read_text().strip()
+        assert oct((r.paths.home / "daemon.token").stat().st_mode & 0o777) == "0o600"
+        with pytest.raises(ApiFailure) as ei:
+            Client(url=f"http://127.0.0.1:{port}", token="wrong").ps()
+        assert ei.value.status == 401
+        assert Client(url=f"http://127.0.0.1:{port}", token=token).ps() == []
+    finally:
+        r.stop()
