@@ -479,6 +479,19 @@ def _record(paths: Paths, kind: str, data: dict) -> None:
         os.close(fd)
 
 
+def _alive(pid: int) -> bool:
+    """A process that exists and is not a zombie (a killed supervisor lingers as a zombie
+    until its parent reaps it: it supervises nothing)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    except OSError:
+        return True
+    state = stat.rpartition(")")[2].split()[:1]
+    return bool(state) and state[0] not in ("Z", "X")
+
+
 def gc_stale(paths: Paths) -> list[str]:
     """Tear down sandboxes whose supervisor died (e.g. ``kill -9``): cgroups, run dirs, mounts."""
     cleaned: list[str] = []
@@ -501,14 +514,8 @@ def gc_stale(paths: Paths) -> list[str]:
             except OSError:
                 continue
             pid = -1
-        if pid > 0:
-            try:
-                os.kill(pid, 0)
-                continue
-            except ProcessLookupError:
-                pass
-            except PermissionError:
-                continue
+        if pid > 0 and _alive(pid):
+            continue
         layout = layout or cg.detect()
         group = cg.SandboxCgroup(sandbox_id=e.name, layout=layout)
         roots = [layout.v2_root] if layout.v2_root else []

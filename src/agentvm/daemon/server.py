@@ -102,9 +102,9 @@ class Daemon:
         if m is not None and rec.get("verdict") == "allow":
             self.state.update(name, last_activity=time.time())
         if rec.get("verdict") == "deny" or rec.get("alert") or rec.get("credentials"):
-            data = {k: rec.get(k) for k in ("host", "port", "method", "path", "rule", "verdict", "reason", "alert",
-                                            "credentials", "credential") if rec.get(k) is not None}
-            self.audit.append("egress." + rec.get("verdict", "?"), actor="gate", sandbox=rec.get("sandbox"), data=data)
+            data = {k: rec.get(k) for k in ("sandbox", "host", "port", "method", "path", "rule", "verdict", "reason",
+                                            "alert", "credentials", "credential") if rec.get(k) is not None}
+            self.audit.append("egress." + rec.get("verdict", "?"), actor="gate", sandbox=name, data=data)
 
     # ---------------------------------------------------------------- lifecycle
     def _policy_for(self, row):
@@ -273,6 +273,8 @@ class Daemon:
 
     # ---------------------------------------------------------------- HTTP plumbing
     async def serve(self) -> None:
+        # recover before answering anyone: a client that sees the socket sees a clean state
+        await self.recover()
         self.socket_path.parent.mkdir(parents=True, exist_ok=True)
         if self.socket_path.exists():
             self.socket_path.unlink()
@@ -294,7 +296,6 @@ class Daemon:
             self.servers.append(await asyncio.start_server(lambda r, w: self._conn(r, w, tcp=True), host or "127.0.0.1",
                                                            int(port)))
         self.record("daemon.started", pid=os.getpid(), socket=str(self.socket_path), tcp=self.listen)
-        await self.recover()
         await self.stopping.wait()
         await self.shutdown()
 
@@ -593,13 +594,16 @@ class Daemon:
             b = next((b for b in policy.credentials if b.name == cred), None)
             if b is None:
                 raise ApiError(404, "not-found", f"{name} has no credential {cred!r}")
-            from agentvm.vault import Vault
+            if ep is None or ep.creds is None:
+                raise ApiError(409, "not-running", "per-session revocation needs a running sandbox",
+                               hint="`agentvm secret revoke NAME` revokes it everywhere")
+            # in the gate's memory: the very next request sees it
+            (ep.creds.local_revoked.add if op == "revoke" else ep.creds.local_revoked.discard)(cred)
+            if b.ref.startswith("vault:"):  # and recorded in the vault, per session
+                from agentvm.vault import Vault
 
-            v = Vault(self.runtime.vault_dir)
-            sid = (m.plan.sandbox_id if m and m.plan else None)
-            if sid is None:
-                raise ApiError(409, "not-running", "per-session revocation needs a running sandbox")
-            (v.revoke if op == "revoke" else v.restore)(cred, sid)
+                v = Vault(self.runtime.vault_dir)
+                (v.revoke if op == "revoke" else v.restore)(b.ref[6:], m.plan.sandbox_id)
         else:
             raise ApiError(400, "bad-request", "op is one of allow, deny, remove, pause, resume, revoke, restore")
         new_row = dataclasses.replace(row, policy_patch=json.dumps(patch))

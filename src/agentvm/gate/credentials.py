@@ -162,6 +162,7 @@ class CredentialSet:
         self._by_ph = {p.encode(): n for n, p in self.placeholders.items()}
         self.value = value  # name -> real value (vault-backed, may raise)
         self.revoked = revoked
+        self.local_revoked: set[str] = set()  # revoked for this session by the operator (daemon)
         self.max_len = max((len(p) for p in self.placeholders.values()), default=0)
 
     def __repr__(self) -> str:  # never the values
@@ -267,7 +268,7 @@ class CredentialSet:
         return Swap(target=new_target, headers=out_headers, used=used, resign=resign)
 
     def _check_revoked(self, name: str) -> None:
-        if self.revoked(name):
+        if name in self.local_revoked or self.revoked(name):
             raise CredentialError(
                 f"credential:revoked:{name}", f"credential {name!r} has been revoked", name=name, where="", alert=False
             )

@@ -71,11 +71,33 @@ class WeakenedBackend(BwrapBackend):
             os.chmod(audit, 0o777)
             i = bw.index("--remount-ro")
             bw[i:i] = ["--bind", str(logs), "/mnt/logs", "--bind", str(audit), "/mnt/audit"]
+        host_uid, host_gid = plan.host_uid, plan.host_gid
+        if "shared-uid" in ws and not policy.agent and ctx.drop_privileges:
+            # every ephemeral sandbox of this environment runs as ONE host uid (the first one
+            # leased), and their /workspace is one host directory instead of a private tmpfs
+            if getattr(self, "_shared_uid", None) is None:
+                self._shared_uid = (ctx.host_uid, ctx.host_gid)
+            host_uid, host_gid = self._shared_uid
+            i = argv.index("--uid")
+            argv[i + 1] = str(host_uid)
+            i = argv.index("--gid")
+            argv[i + 1] = str(host_gid)
+            if policy.workspace:
+                shared_ws = self.env.root / "shared-uid-workspace"
+                shared_ws.mkdir(parents=True, exist_ok=True)
+                os.chown(shared_ws, host_uid, host_gid)
+                os.chmod(shared_ws, 0o700)
+                i = _find_tmpfs(bw, policy.workspace)
+                start = i
+                while start >= 2 and bw[start - 2] in ("--size", "--perms"):
+                    start -= 2
+                bw[start : i + 2] = ["--bind", str(shared_ws), policy.workspace]
         if "writable-audit" in ws:
             # the agent's Landlock view must include them, or the bind is useless
             i = argv.index("--", argv.index("/.agentvm/init"))
             argv[i:i] = ["--rw", "/mnt/logs", "--rw", "/mnt/audit"]
-        return dataclasses.replace(plan, bwrap_args=tuple(bw), argv=tuple(argv), mounts=tuple(mounts))
+        return dataclasses.replace(plan, bwrap_args=tuple(bw), argv=tuple(argv), mounts=tuple(mounts),
+                                   host_uid=host_uid, host_gid=host_gid)
 
     def required_primitives(self, policy: Policy) -> tuple[str, ...]:
         req = super().required_primitives(policy)

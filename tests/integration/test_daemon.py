@@ -1,0 +1,218 @@
+"""The daemon on the real substrate: lifecycle, exec, cp, restart policy, crash recovery with no
+orphans, live revocation through the gate, and audit-chain tampering caught by `verify`."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import agentvm_cmd, needs_root
+
+pytestmark = [pytest.mark.integration, needs_root]
+
+
+def av(*args, check=True, input=None, timeout=120, env=None):
+    r = subprocess.run(agentvm_cmd() + list(args), capture_output=True, input=input, timeout=timeout, env=env)
+    if check and r.returncode != 0:
+        raise AssertionError(f"agentvm {' '.join(args)} -> {r.returncode}\n{r.stdout.decode()}\n{r.stderr.decode()}")
+    return r
+
+
+@pytest.fixture
+def daemon(avm_home):
+    av("up")
+    yield avm_home
+    av("down", check=False)
+    pidf = avm_home / "run" / "daemon.pid"
+    if pidf.exists():
+        try:
+            os.kill(int(pidf.read_text()), signal.SIGKILL)
+        except (ProcessLookupError, ValueError):
+            pass
+
+
+def agent(tmp_path, name, command, lifecycle="persistent", extra=""):
+    p = tmp_path / f"{name}.yaml"
+    p.write_text(textwrap.dedent(f"""\
+        apiVersion: agentvm/v1
+        kind: Agent
+        metadata: {{name: {name}}}
+        spec:
+          lifecycle: {lifecycle}
+          command: {json.dumps(command)}
+          limits: {{disk: 16M}}
+        """) + extra)
+    return p
+
+
+def uid_procs(uid: int) -> list[int]:
+    out = []
+    for e in os.listdir("/proc"):
+        if e.isdigit():
+            try:
+                for line in open(f"/proc/{e}/status"):
+                    if line.startswith("Uid:"):
+                        if int(line.split()[1]) == uid:
+                            state = open(f"/proc/{e}/stat").read().split(")")[-1].split()[0]
+                            if state != "Z":
+                                out.append(int(e))
+                        break
+            except OSError:
+                pass
+    return out
+
+
+def test_lifecycle_exec_cp_logs(daemon, tmp_path):
+    f = agent(tmp_path, "d-life", ["/bin/sh", "-c", "echo started; echo state > /workspace/s; exec sleep 300"])
+    av("create", "-f", str(f), "--start")
+    ps = json.loads(av("ps", "--json").stdout)
+    row = next(r for r in ps if r["name"] == "d-life")
+    assert row["state"] == "running"
+    r = av("exec", "d-life", "--", "/bin/sh", "-c", "id -u; cat /workspace/s; exit 7", check=False)
+    assert r.returncode == 7 and r.stdout.decode().split() == ["1000", "state"]
+    (tmp_path / "in.txt").write_text("payload\n")
+    av("cp", str(tmp_path / "in.txt"), "d-life:dir/in.txt")
+    assert av("exec", "d-life", "--", "cat", "/workspace/dir/in.txt").stdout == b"payload\n"
+    av("exec", "d-life", "--", "/bin/sh", "-c", "echo secret > /tmp/host-ish; ln -s /etc/passwd /workspace/link")
+    r = av("cp", "d-life:link", str(tmp_path / "out.txt"), check=False)
+    assert r.returncode != 0 and b"symlink" in r.stderr, "cp never follows a link out of the workspace"
+    r = av("cp", str(tmp_path / "in.txt"), "d-life:../escape", check=False)
+    assert r.returncode != 0
+    assert b"started" in av("logs", "d-life").stdout
+    av("stop", "d-life")
+    row = next(r for r in json.loads(av("ps", "--json").stdout) if r["name"] == "d-life")
+    assert row["state"] == "stopped"
+    assert not list((daemon / "run" / "sandboxes").iterdir()), "teardown left a run dir"
+    recs = json.loads("[" + ",".join(av("audit", "show", "--json").stdout.decode().split("\n")[:-1]) + "]")
+    exited = [r for r in recs if r["kind"] == "lifecycle.exited" and r["sandbox"] == "d-life"]
+    assert exited and exited[-1]["data"]["teardown_verified"] is True
+    av("rm", "d-life")
+
+
+def test_persistent_worker_is_restarted_with_backoff(daemon, tmp_path):
+    f = agent(tmp_path, "d-crashy", ["/bin/sh", "-c", "echo run >> /workspace/runs; exit 3"])
+    av("create", "-f", str(f), "--start")
+    deadline = time.monotonic() + 20
+    row = None
+    while time.monotonic() < deadline:
+        row = next(r for r in json.loads(av("ps", "--json").stdout) if r["name"] == "d-crashy")
+        if row["restarts"] >= 2:
+            break
+        time.sleep(0.2)
+    assert row["restarts"] >= 2 and row["exit_code"] == 3
+    kinds = [r["kind"] for r in map(json.loads, av("audit", "show", "--json", "--sandbox", "d-crashy").stdout.splitlines())]
+    assert kinds.count("lifecycle.restart-scheduled") >= 2
+    av("rm", "d-crashy")
+
+
+def test_kill_9_daemon_then_restart_leaves_no_orphans(daemon, tmp_path):
+    f = agent(tmp_path, "d-orphan", ["/bin/sh", "-c", "setsid sleep 300 & sleep 300"])
+    av("create", "-f", str(f), "--start")
+    time.sleep(0.5)
+    rec = next(r for r in map(json.loads, av("audit", "show", "--json", "--sandbox", "d-orphan").stdout.splitlines())
+               if r["kind"] == "lifecycle.running")
+    uid, sid = rec["data"]["uid"], rec["data"]["sandbox_id"]
+    assert uid_procs(uid), "the worker runs"
+    pid = int((daemon / "run" / "daemon.pid").read_text())
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while uid_procs(uid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert uid_procs(uid) == [], "sandboxes die with their supervisor (die-with-parent, pid namespace)"
+    av("up")  # recovery: reap what the dead daemon left, restart what should run
+    cg = [Path(f"/sys/fs/cgroup/{c}/agentvm/{sid}") for c in ("memory", "pids", "cpu", "freezer", "unified")]
+    assert not any(p.exists() for p in cg), "orphan cgroups reaped"
+    assert not (daemon / "run" / "sandboxes" / sid).exists(), "orphan run dir reaped"
+    mounts = Path("/proc/self/mountinfo").read_text()
+    assert mounts.count("/ws/d-orphan") <= 1, "at most the restarted worker's own workspace mount"
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        row = next(r for r in json.loads(av("ps", "--json").stdout) if r["name"] == "d-orphan")
+        if row["state"] == "running" and row["sandbox_id"] != sid:
+            break
+        time.sleep(0.1)
+    assert row["state"] == "running" and row["sandbox_id"] != sid, "the persistent worker was restarted"
+    v = av("audit", "verify")
+    assert b"intact" in v.stdout
+    av("rm", "d-orphan")
+
+
+def test_edited_audit_record_is_caught(daemon, tmp_path):
+    f = agent(tmp_path, "d-audit", ["/bin/sh", "-c", "sleep 300"])
+    av("create", "-f", str(f))
+    av("rm", "d-audit")
+    av("down")
+    db = daemon / "audit" / "audit.db"
+    assert b"intact" in av("audit", "verify", "--file", str(db)).stdout
+    c = sqlite3.connect(str(db), isolation_level=None)
+    seq = c.execute("SELECT seq FROM audit WHERE kind='lifecycle.created' ORDER BY seq DESC LIMIT 1").fetchone()[0]
+    c.execute("UPDATE audit SET actor='someone-else' WHERE seq=?", (seq,))
+    c.close()
+    r = av("audit", "verify", "--file", str(db), check=False)
+    assert r.returncode == 77 and f"record {seq}".encode() in r.stderr
+    av("up")
+
+
+def test_live_revocation_through_the_gate(daemon, tmp_path):
+    """A running worker uses a credential; the operator revokes it for this session; the very
+    next request is denied."""
+    import threading
+
+    from tests.integration.gate_upstreams import Upstream, make_test_ca
+
+    d = Path(f"/tmp/agentvm-dtest-{os.getpid()}")
+    d.mkdir(mode=0o755, exist_ok=True)
+    ca, cert, key = make_test_ca(d / "ca")
+    os.chmod(d / "ca", 0o755)
+    up = Upstream(tls=(cert, key))
+    try:
+        av("secret", "set", "d-key", input=b"fake-real-daemon-key-0123456789")
+        loop = textwrap.dedent(f"""\
+            import os, time, requests
+            while True:
+                r = requests.get("https://api.test:{up.port}/x", headers={{"X-Api-Key": os.environ["K"]}})
+                print(r.status_code, r.headers.get("X-Agentvm-Denied"), flush=True)
+                time.sleep(0.05)
+            """)
+        (d / "loop.py").write_text(loop)
+        f = agent(tmp_path, "d-cred", ["python3", "/opt/loop/loop.py"], extra=textwrap.dedent(f"""\
+              riskTier: L3
+              mounts: [{{host: {d}, path: /opt/loop}}]
+              egress:
+                hosts: {{api.test: 127.0.0.1}}
+                upstreamCa: {ca}
+                allow: [{{host: api.test, ports: [{up.port}]}}]
+              credentials:
+                - {{name: k, env: K, ref: "vault:d-key", hosts: [api.test], inject: {{header: X-Api-Key}}}}
+            """).replace("\n", "\n  ").replace("  riskTier", "riskTier", 1))
+        # (the extra block is indented under spec by the replace above)
+        text = f.read_text().replace("riskTier", "  riskTier", 1)
+        f.write_text(text)
+        av("create", "-f", str(f), "--start")
+        deadline = time.monotonic() + 15
+        while not up.requests_to("api.test") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert up.requests_to("api.test"), av("logs", "d-cred").stdout.decode()
+        r = av("policy", "d-cred", "revoke", "k")
+        assert b"live" in r.stdout
+        n = len(up.requests_to("api.test"))
+        time.sleep(1.0)
+        assert len(up.requests_to("api.test")) <= n + 1, "at most the request already in flight"
+        log = av("logs", "d-cred").stdout.decode().split("\n")
+        assert any("403 credential:revoked:k" in ln for ln in log), log[-5:]
+        recs = [json.loads(x) for x in av("audit", "show", "--json", "--sandbox", "d-cred").stdout.splitlines()]
+        assert any(r["kind"] == "policy.change" and r["data"]["op"] == "revoke" for r in recs)
+        assert any(r["kind"] == "egress.deny" and r["data"].get("rule") == "credential:revoked:k" for r in recs)
+        av("rm", "d-cred")
+    finally:
+        up.close()
+        subprocess.run(["rm", "-rf", str(d)])
