@@ -157,3 +157,9 @@ def test_scrubber_replaces_real_values_across_chunks(chunk, noise):
 
 def test_no_value_in_reprs(cs):
     assert "REAL" not in repr(cs) and all(v not in repr(BINDINGS) for v in REAL.values())
+
+
+def test_placeholder_in_a_lower_cased_header_name_is_still_a_leak(cs):
+    ph = cs.placeholders["api"]
+    with pytest.raises(CredentialError):
+        cs.apply(host="api.test", scheme="https", target="/", headers=[(f"x-{ph}".lower().encode(), b"1")])

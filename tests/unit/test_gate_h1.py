@@ -139,3 +139,15 @@ def test_fuzz_parse_request_never_crashes(data):
         return
     assert req.scheme in ("connect", "http", "origin")
     assert 0 < req.port < 65536 or req.scheme == "origin"
+
+
+def test_origin_form_host_without_port_is_marked():
+    r = h1.parse_request(head("GET /x HTTP/1.1", "Host: api.test"))
+    assert r.scheme == "origin" and not r.explicit_port
+    r = h1.parse_request(head("GET /x HTTP/1.1", "Host: api.test:8443"))
+    assert r.explicit_port and r.port == 8443
+
+
+def test_our_header_namespace_is_never_forwarded():
+    r = h1.parse_request(head("GET http://a.test/ HTTP/1.1", "Host: a.test", "X-Agentvm-Sandbox: other", "Accept: */*"))
+    assert [k for k, _ in h1.forward_headers(r, "a.test")] == [b"host", b"accept"]

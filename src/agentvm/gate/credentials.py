@@ -172,6 +172,11 @@ class CredentialSet:
     def find(self, data: bytes) -> list[str]:
         return [n for p, n in self._by_ph.items() if p in data]
 
+    def find_ci(self, data: bytes) -> list[str]:
+        """Case-insensitive (header names are lower-cased on the way)."""
+        low = data.lower()
+        return [n for p, n in self._by_ph.items() if p.lower() in low]
+
     def _find_text(self, text: str) -> list[str]:
         return [n for n, p in self.placeholders.items() if p in text]
 
@@ -209,7 +214,7 @@ class CredentialSet:
         # headers
         for k, v in headers:
             lk = k.lower()
-            names = self.find(v) + self.find(k)
+            names = self.find(v) + self.find_ci(k)
             basic_names: list[str] = []
             if lk in (b"authorization", b"proxy-authorization") and v[:6].lower() == b"basic ":
                 try:

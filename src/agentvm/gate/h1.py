@@ -122,6 +122,7 @@ class ProxyRequest:
     chunked: bool
     upgrade_websocket: bool
     http_version: str
+    explicit_port: bool = True  # origin-form: whether the Host header named a port
 
     def header(self, name: bytes) -> bytes | None:
         for k, v in self.headers:
@@ -192,6 +193,7 @@ def request_from_h11(ev: h11.Request) -> ProxyRequest:
     chunked = hmap.get(b"transfer-encoding", b"").lower() == b"chunked"
     upgrade = hmap.get(b"upgrade", b"").lower() == b"websocket"
     host_hdr = hmap.get(b"host", b"").decode("latin-1")
+    explicit = True
     if method == "CONNECT":
         host, port = _split_authority(target, 443)
         if ":" not in target.rsplit("]", 1)[-1]:
@@ -200,6 +202,7 @@ def request_from_h11(ev: h11.Request) -> ProxyRequest:
     elif target.startswith("/"):
         scheme, path = "origin", target
         host, port = _split_authority(host_hdr, 80) if host_hdr else ("", 0)
+        explicit = bool(host_hdr) and ":" in host_hdr.rsplit("]", 1)[-1]
     else:
         m = re.fullmatch(r"(?i)(http)://([^/?#]*)([^#]*)", target)
         if not m:
@@ -227,6 +230,7 @@ def request_from_h11(ev: h11.Request) -> ProxyRequest:
         chunked=chunked,
         upgrade_websocket=upgrade,
         http_version=ev.http_version.decode("ascii"),
+        explicit_port=explicit if scheme == "origin" else True,
     )
 
 
@@ -243,8 +247,8 @@ def forward_headers(req: ProxyRequest, host_value: str, *, keep_upgrade: bool = 
         if keep_upgrade and k in (b"upgrade", b"connection"):
             out.append((k, v))
             continue
-        if k in HOP_BY_HOP or k in named or k == b"expect":
-            continue  # the gate answers Expect: 100-continue itself
+        if k in HOP_BY_HOP or k in named or k == b"expect" or k.startswith(b"x-agentvm-"):
+            continue  # the gate answers Expect: 100-continue itself; x-agentvm-* is ours
         out.append((k, v))
     if req.chunked:
         # Transfer-Encoding is hop-by-hop, but the body's framing must be re-declared upstream

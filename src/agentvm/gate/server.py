@@ -456,7 +456,9 @@ class Gate:
                 await self._deny(ep, client, "bad-request:absolute-form-in-tunnel", "absolute-form inside a tunnel", req)
                 return False, b""
             try:
-                same = normalize_host(req.host) == normalize_host(tls_host[0]) and req.port == tls_host[1]
+                # a Host without a port means the tunnel's port (curl sends "Host: api.x" for :443)
+                same = normalize_host(req.host) == normalize_host(tls_host[0]) and (
+                    req.port == tls_host[1] or not req.explicit_port)
             except ValueError:
                 same = False
             if not same:

