@@ -72,6 +72,14 @@ class WeakenedBackend(BwrapBackend):
             i = bw.index("--remount-ro")
             bw[i:i] = ["--bind", str(logs), "/mnt/logs", "--bind", str(audit), "/mnt/audit"]
         host_uid, host_gid = plan.host_uid, plan.host_gid
+        if "shared-state" in ws and "shared-uid" not in ws and not policy.agent and ctx.drop_privileges:
+            # persistent HOME and /tmp belong to one identity across sessions (as they would on a
+            # host that reuses an account): pin the uid so later sessions can use what earlier ones left
+            if getattr(self, "_shared_uid", None) is None:
+                self._shared_uid = (ctx.host_uid, ctx.host_gid)
+            host_uid, host_gid = self._shared_uid
+            argv[argv.index("--uid") + 1] = str(host_uid)
+            argv[argv.index("--gid") + 1] = str(host_gid)
         if "shared-uid" in ws and not policy.agent and ctx.drop_privileges:
             # every ephemeral sandbox of this environment runs as ONE host uid (the first one
             # leased), and their /workspace is one host directory instead of a private tmpfs
