@@ -529,4 +529,39 @@ def gc_stale(paths: Paths) -> list[str]:
 
         shutil.rmtree(e.path, ignore_errors=True)
         cleaned.append(e.name)
+    cleaned += _gc_workspace_mounts(paths)
     return cleaned
+
+
+def _gc_workspace_mounts(paths: Paths) -> list[str]:
+    """Unmount workspace filesystems nobody holds (their holder died): the workspace lock is
+    an flock, released by the kernel when its holder exits."""
+    import fcntl
+
+    from agentvm import workspace
+
+    out: list[str] = []
+    ws_root = paths.runtime / "ws"
+    try:
+        entries = list(ws_root.iterdir())
+    except FileNotFoundError:
+        return out
+    for d in entries:
+        lock = paths.workspaces / f"{d.name}.lock"
+        try:
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            continue  # in use by a live sandbox
+        try:
+            lease = workspace.WorkspaceLease(d.name, d, workspace.is_mounted(d), -1)
+            left = lease.release()
+            if not left:
+                out.append(f"ws:{d.name}")
+        finally:
+            os.close(fd)
+    return out

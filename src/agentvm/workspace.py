@@ -63,6 +63,57 @@ def is_mounted(path: Path) -> bool:
         return False
 
 
+def free_loop_device() -> int:
+    """Ask the kernel for a free loop device (creating one when it may). Fails clearly when the
+    host's loop devices are exhausted (e.g. ``loop.max_loop=8``): every running agent with a
+    size-limited workspace holds one."""
+    import fcntl
+
+    try:
+        fd = os.open("/dev/loop-control", os.O_RDWR | os.O_CLOEXEC)
+    except OSError as exc:
+        raise LaunchError("workspace", f"/dev/loop-control: {exc.strerror}") from None
+    try:
+        n = fcntl.ioctl(fd, 0x4C82)  # LOOP_CTL_GET_FREE
+    except OSError as exc:
+        limit = _read("/sys/module/loop/parameters/max_loop")
+        raise LaunchError(
+            "workspace",
+            f"no free loop device for the workspace filesystem ({exc.strerror}; loop.max_loop={limit or '?'})",
+            hint="stop other agents, or raise the host's loop device limit (loop.max_loop=N on the kernel command line)",
+        ) from None
+    finally:
+        os.close(fd)
+    dev = f"/dev/loop{n}"
+    if not os.path.exists(dev):  # a /dev without devtmpfs/udev: make the node the kernel created
+        os.mknod(dev, 0o600 | 0o060000, os.makedev(7, n))
+    return n
+
+
+def loop_capacity() -> tuple[int, int]:
+    """(loop devices in use, host limit or 0 for unlimited)."""
+    used = 0
+    try:
+        for entry in os.listdir("/sys/block"):
+            if entry.startswith("loop") and os.path.exists(f"/sys/block/{entry}/loop/backing_file"):
+                used += 1
+    except OSError:
+        pass
+    try:
+        limit = int(_read("/sys/module/loop/parameters/max_loop") or 0)
+    except ValueError:
+        limit = 0
+    return used, limit
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path) as fh:
+            return fh.read().strip()
+    except OSError:
+        return ""
+
+
 def _mkfs() -> str | None:
     return next((p for p in _MKFS if os.path.exists(p)), None)
 
@@ -74,7 +125,9 @@ def quota_supported() -> tuple[bool, str]:
         return False, "mkfs.ext4 missing (apt-get install -y e2fsprogs)"
     if not os.path.exists("/dev/loop-control"):
         return False, "no /dev/loop-control (loop devices unavailable)"
-    return True, "ext4 image, loop-mounted"
+    used, limit = loop_capacity()
+    cap = f"{used} of {limit} loop devices in use" if limit else f"{used} loop devices in use"
+    return True, f"ext4 image, loop-mounted ({cap}: one per running agent with a workspace)"
 
 
 def acquire(
@@ -109,9 +162,14 @@ def acquire(
         mnt.mkdir(parents=True, exist_ok=True)
         os.chmod(mnt.parent, 0o711)
         if not is_mounted(mnt):
-            r = subprocess.run(
-                ["mount", "-o", "loop,nodev,nosuid", "-t", "ext4", str(img), str(mnt)], capture_output=True, text=True
-            )
+            free_loop_device()
+            try:
+                r = subprocess.run(
+                    ["mount", "-o", "loop,nodev,nosuid", "-t", "ext4", str(img), str(mnt)], capture_output=True, text=True,
+                    timeout=30,
+                )
+            except subprocess.TimeoutExpired:
+                raise LaunchError("workspace", f"mounting {img} did not finish in 30 s") from None
             if r.returncode != 0:
                 raise LaunchError("workspace", f"cannot mount {img}: {r.stderr.strip()}")
         os.chown(mnt, uid, gid)

@@ -200,7 +200,7 @@ class Daemon:
                               last_activity=time.time())
             self.record("lifecycle.running", sandbox=m.name, sandbox_id=plan.sandbox_id, uid=plan.host_uid,
                         policy=plan.policy_digest)
-            waiter = asyncio.ensure_future(asyncio.to_thread(backend.wait, m.handle, None))
+            waiter = asyncio.ensure_future(self._wait_exit(backend, m.handle))
             watch = asyncio.ensure_future(self._watch(m, row))
             stop = asyncio.ensure_future(m.stop_requested.wait())
             done, _ = await asyncio.wait({waiter, stop, watch}, return_when=asyncio.FIRST_COMPLETED)
@@ -225,6 +225,26 @@ class Daemon:
                     teardown_verified=bool(report and report.verified),
                     teardown=report.to_dict() if report else None)
         return code
+
+    async def _wait_exit(self, backend, handle):
+        """Await a sandbox's exit without holding a thread: a pidfd becomes readable when the
+        process exits (thousands of idle sandboxes must not exhaust a thread pool)."""
+        proc = getattr(handle, "backend_state", {}).get("proc")
+        if proc is not None and hasattr(os, "pidfd_open"):
+            loop = asyncio.get_running_loop()
+            try:
+                pfd = os.pidfd_open(proc.pid)
+            except ProcessLookupError:
+                pfd = None
+            if pfd is not None:
+                done = loop.create_future()
+                loop.add_reader(pfd, lambda: done.done() or done.set_result(None))
+                try:
+                    await done
+                finally:
+                    loop.remove_reader(pfd)
+                    os.close(pfd)
+        return await asyncio.to_thread(backend.wait, handle, None)
 
     async def _watch(self, m: Managed, row) -> None:
         """Ephemeral TTL and idle timeout."""
@@ -644,6 +664,12 @@ def run_daemon(paths: Paths, *, listen: str | None = None, backend=None) -> None
     """Foreground entry point (``agentvm up --foreground``)."""
 
     async def main():
+        from concurrent.futures import ThreadPoolExecutor
+
+        # blocking substrate calls (prepare, launch, exec, stop, destroy) run in threads; never
+        # let a busy fleet starve them (the default pool is cpu+4 threads)
+        asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(max_workers=256,
+                                                                           thread_name_prefix="agentvm"))
         d = Daemon(paths, backend=backend, listen=listen)
         loop = asyncio.get_running_loop()
         for s in (signal.SIGTERM, signal.SIGINT):
