@@ -140,15 +140,19 @@ spec:
                     f" try:\n  r=requests.get('http://up.test:{up.port}/w',timeout=10);n+=1;e+=r.status_code!=200\n"
                     f" except Exception: e+=1\n time.sleep(0.2)\n"
                     f"print('DONE',n,e,flush=True)\ntime.sleep(100000)\n")
-            (home / "loop.py").write_text(loop)
-            os.chmod(home / "loop.py", 0o644)
+            ldir = Path(tempfile.mkdtemp(prefix="agentvm-bench-loop-", dir="/tmp"))
+            os.chmod(ldir, 0o755)
+            (ldir / "loop.py").write_text(loop)
+            os.chmod(ldir / "loop.py", 0o644)
             wspec = spec.replace('command: [/bin/sh, -c, "exec sleep 100000"]', "command: [python3, /opt/l/loop.py]")
-            wspec = wspec.replace("  workspace: {enabled: false}", f"  workspace: {{enabled: false}}\n  limits: {{memory: 128M}}\n  mounts: [{{host: {home}, path: /opt/l}}]")
+            wspec = wspec.replace("  workspace: {enabled: false}", f"  workspace: {{enabled: false}}\n  limits: {{memory: 128M}}\n  mounts: [{{host: {ldir}, path: /opt/l}}]")
             samples = []
             t0 = time.monotonic()
             for i in range(args.load):
                 c.create(wspec.replace("name: bench", f"name: w{i}"))
-                c.action(f"w{i}", "start")
+                row = c.action(f"w{i}", "start")
+                if row["state"] != "running":
+                    raise SystemExit(f"worker w{i} did not start: {row} {c.audit(sandbox=f'w{i}')[-1:]}")
             started = time.monotonic() - t0
             end = time.monotonic() + args.seconds + 5
             while time.monotonic() < end:

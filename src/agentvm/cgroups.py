@@ -193,6 +193,44 @@ class SandboxCgroup:
     def procs_files(self) -> list[str]:
         return [str(d / "cgroup.procs") for d in self.dirs]
 
+    def tighten(self, *, memory: int | None = None, pids: int | None = None, cpus: float | None = None) -> dict:
+        """Lower limits of a running sandbox (raising is refused: a live change may only
+        tighten). Returns what was written."""
+        done: dict = {}
+        v2 = self.layout.mode == "v2"
+        if memory is not None and self.mem_dir is not None:
+            f = self.mem_dir / ("memory.max" if v2 else "memory.limit_in_bytes")
+            cur = f.read_text().strip()
+            if cur != "max" and int(cur) < memory:
+                raise ValueError(f"memory can only be lowered live (now {int(cur)} bytes)")
+            if not v2 and (self.mem_dir / "memory.memsw.limit_in_bytes").exists():
+                # memsw must stay >= memory: lower memory first, then memsw
+                _write(f, str(memory))
+                _write(self.mem_dir / "memory.memsw.limit_in_bytes", str(memory))
+            else:
+                _write(f, str(memory))
+            done["memory"] = memory
+        if pids is not None and self.pids_dir is not None:
+            f = self.pids_dir / "pids.max"
+            cur = f.read_text().strip()
+            if cur != "max" and int(cur) < pids:
+                raise ValueError(f"pids can only be lowered live (now {cur})")
+            _write(f, str(pids))
+            done["pids"] = pids
+        if cpus is not None:
+            quota = int(cpus * CPU_PERIOD_US)
+            if v2 and self.mem_dir is not None and (self.mem_dir / "cpu.max").exists():
+                _write(self.mem_dir / "cpu.max", f"{quota} {CPU_PERIOD_US}")
+                done["cpus"] = cpus
+            elif "cpu" in self.layout.v1:
+                d = self.layout.v1["cpu"] / PARENT / self.sandbox_id
+                cur = int((d / "cpu.cfs_quota_us").read_text())
+                if cur != -1 and cur < quota:
+                    raise ValueError("cpus can only be lowered live")
+                _write(d / "cpu.cfs_quota_us", str(quota))
+                done["cpus"] = cpus
+        return done
+
     # -- inspection -----------------------------------------------------------------------
     def pids(self) -> set[int]:
         out: set[int] = set()

@@ -91,6 +91,9 @@ class Sandbox:
     def revoke(self, credential: str):
         return self.client.policy(self.name, "revoke", credential=credential)
 
+    def tighten(self, *, memory: str | int | None = None, pids: int | None = None, cpus: float | None = None):
+        return self.client.policy(self.name, "limits", memory=memory, pids=pids, cpus=cpus)
+
 
 class AsyncSandbox:
     """The same API for asyncio programs (the blocking calls run in a worker thread)."""

@@ -216,3 +216,18 @@ def test_live_revocation_through_the_gate(daemon, tmp_path):
     finally:
         up.close()
         subprocess.run(["rm", "-rf", str(d)])
+
+
+def test_limits_can_be_tightened_live_not_raised(daemon, tmp_path):
+    f = agent(tmp_path, "d-lim", ["/bin/sh", "-c", "exec sleep 300"])
+    av("create", "-f", str(f), "--start")
+    sid = next(r for r in json.loads(av("ps", "--json").stdout) if r["name"] == "d-lim")["sandbox_id"]
+    av("policy", "d-lim", "limits", "--memory", "64M", "--pids", "16")
+    assert Path(f"/sys/fs/cgroup/memory/agentvm/{sid}/memory.limit_in_bytes").read_text().strip() == str(64 * 1024**2)
+    assert Path(f"/sys/fs/cgroup/pids/agentvm/{sid}/pids.max").read_text().strip() == "16"
+    # the sandbox now lives under the lower limit: 20 processes cannot start
+    r = av("exec", "d-lim", "--", "/bin/sh", "-c", "for i in $(seq 20); do sleep 5 & done; wait", check=False)
+    assert r.returncode != 0 or b"fork" in r.stderr.lower() or b"resource" in r.stderr.lower()
+    r = av("policy", "d-lim", "limits", "--memory", "1G", check=False)
+    assert r.returncode != 0 and b"only be lowered" in r.stderr
+    av("rm", "d-lim")

@@ -186,12 +186,18 @@ def logs(name):
 
 @click.command()
 @click.argument("name")
-@click.argument("op", type=click.Choice(["allow", "deny", "remove", "pause", "resume", "revoke", "restore"]))
+@click.argument("op", type=click.Choice(["allow", "deny", "remove", "pause", "resume", "revoke", "restore", "limits"]))
 @click.argument("arg", required=False)
-def policy(name, op, arg):
+@click.option("--memory", help="limits: lower the memory limit, e.g. 256M")
+@click.option("--pids", type=int, help="limits: lower the pids limit")
+@click.option("--cpus", type=float, help="limits: lower the CPU quota")
+def policy(name, op, arg, memory, pids, cpus):
     """Change a running sandbox's policy live: allow|deny HOST[:PORT], remove RULE_ID,
-    pause|resume (all egress), revoke|restore CREDENTIAL (this session)."""
+    pause|resume (all egress), revoke|restore CREDENTIAL (this session), limits --memory/--pids/--cpus
+    (lower only)."""
     kw = {}
+    if op == "limits":
+        kw = {"memory": memory, "pids": pids, "cpus": cpus}
     if op in ("allow", "deny"):
         kw["rule"] = arg
     elif op == "remove":
@@ -200,6 +206,8 @@ def policy(name, op, arg):
         kw["credential"] = arg
     r = _client().policy(name, op, **kw)
     click.echo(f"{name}: {op} applied {'live' if r['live'] else '(takes effect at next start)'} in {r['ms']} ms")
+    if r.get("limits"):
+        click.echo(f"{name}: limits now {r['limits']}")
     return 0
 
 

@@ -624,8 +624,27 @@ class Daemon:
 
                 v = Vault(self.runtime.vault_dir)
                 (v.revoke if op == "revoke" else v.restore)(b.ref[6:], m.plan.sandbox_id)
+        elif op == "limits":
+            group = m.handle.backend_state.get("cgroup") if m and m.handle is not None else None
+            if group is None:
+                raise ApiError(409, "not-running", "live limits need a running sandbox with cgroups")
+            from agentvm.units import parse_size
+
+            try:
+                mem = parse_size(doc["memory"]) if doc.get("memory") is not None else None
+                pids = int(doc["pids"]) if doc.get("pids") is not None else None
+                cpus = float(doc["cpus"]) if doc.get("cpus") is not None else None
+                if (mem is not None and mem < 16 * 1024**2) or (pids is not None and pids < 8) or (cpus is not None and cpus <= 0):
+                    raise ValueError("below the minimum (16M memory, 8 pids, >0 cpus)")
+                applied = await asyncio.to_thread(group.tighten, memory=mem, pids=pids, cpus=cpus)
+            except (ValueError, KeyError) as exc:
+                raise ApiError(400, "invalid-limits", str(exc)) from None
+            took = (time.perf_counter() - t0) * 1000
+            self.record("policy.change", actor=actor, sandbox=name, op="limits", detail=applied, applied_live=True,
+                        ms=round(took, 3))
+            return {"applied": True, "live": True, "ms": round(took, 3), "limits": applied}
         else:
-            raise ApiError(400, "bad-request", "op is one of allow, deny, remove, pause, resume, revoke, restore")
+            raise ApiError(400, "bad-request", "op is one of allow, deny, remove, pause, resume, revoke, restore, limits")
         new_row = dataclasses.replace(row, policy_patch=json.dumps(patch))
         policy = self._policy_for(new_row)  # raises on anything invalid: nothing applied yet
         self.state.update(name, policy_patch=json.dumps(patch))
