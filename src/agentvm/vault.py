@@ -47,6 +47,8 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+
+from agentvm.fsutil import write_atomic
 from typing import TYPE_CHECKING, Any, Iterator, Mapping
 
 from agentvm.errors import ConfigError
@@ -720,38 +722,11 @@ def _read_file_ref(path_text: str) -> str:
 
 
 def _write_atomic(path: Path, data: bytes, mode: int, *, mtime_ns: int | None = None) -> None:
-    """Write ``data`` to ``path`` with exactly ``mode``: temp file, fsync, rename, fsync dir."""
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
+    """Write ``data`` to ``path`` with exactly ``mode`` (see :func:`agentvm.fsutil.write_atomic`)."""
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, mode & 0o600)
+        write_atomic(path, data, mode, mtime_ns=mtime_ns)
     except OSError as exc:
         raise VaultError(f"cannot write {path}: {exc.strerror or exc}") from exc
-    try:
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
-            os.fchmod(fd, mode)
-            if mtime_ns is not None:
-                os.utime(fd, ns=(mtime_ns, mtime_ns))
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-    dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(dfd)
-    except OSError as exc:  # pragma: no cover - some filesystems refuse directory fsync
-        if exc.errno not in (errno.EINVAL, errno.ENOTSUP):
-            raise
-    finally:
-        os.close(dfd)
 
 
 def default_vault(paths: "Paths | None" = None) -> Vault:

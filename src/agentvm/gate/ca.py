@@ -35,7 +35,6 @@ removes this process's files.
 from __future__ import annotations
 
 import datetime as _dt
-import errno
 import fcntl
 import hashlib
 import ipaddress
@@ -49,6 +48,8 @@ from collections import OrderedDict
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+
+from agentvm.fsutil import write_atomic
 from typing import Any, Callable, Iterator
 
 from agentvm.errors import ConfigError
@@ -449,33 +450,8 @@ def _flock(path: Path) -> Iterator[None]:
 
 
 def _write_atomic(path: Path, data: bytes, mode: int) -> None:
-    """Write ``data`` to ``path`` with exactly ``mode``: temp file, fsync, rename, fsync dir."""
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, mode & 0o600)
-    try:
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
-            os.fchmod(fd, mode)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-    dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(dfd)
-    except OSError as exc:  # pragma: no cover - some filesystems refuse directory fsync
-        if exc.errno not in (errno.EINVAL, errno.ENOTSUP):
-            raise
-    finally:
-        os.close(dfd)
+    """Write ``data`` to ``path`` with exactly ``mode`` (see :func:`agentvm.fsutil.write_atomic`)."""
+    write_atomic(path, data, mode)
 
 
 def _load_key(path: Path) -> Any:

@@ -50,6 +50,28 @@ class _Cut(Exception):
         self.rule_id, self.host, self.port = rule_id, host, port
 
 
+class _BodyEnded(Exception):
+    """The sandbox stopped sending (or sent something else) in the middle of a request body."""
+
+
+async def _request_body(client, down: h11.Connection):
+    """The chunks of the current request's body from the sandbox, until its end (h11 framing)."""
+    while True:
+        ev = down.next_event()
+        if ev is h11.NEED_DATA:
+            data = await client.read()
+            if not data:
+                raise _BodyEnded()
+            down.receive_data(data)
+            continue
+        if isinstance(ev, h11.Data):
+            yield ev.data
+            continue
+        if isinstance(ev, h11.EndOfMessage):
+            return
+        raise _BodyEnded()
+
+
 class _Stale(Exception):
     """A pooled upstream connection turned out closed before answering (safe to retry)."""
 
@@ -569,24 +591,17 @@ class Gate:
         if (req.header(b"expect") or b"").lower() == b"100-continue" and down.their_state is h11.SEND_BODY:
             await client.write(down.send(h11.InformationalResponse(status_code=100, headers=[])))
         # request body
-        while True:
-            ev = down.next_event()
-            if ev is h11.NEED_DATA:
-                data = await client.read()
-                if not data:
-                    return False, b"", False
-                down.receive_data(data)
-                continue
-            if isinstance(ev, h11.Data):
-                sent += len(ev.data)
+        try:
+            async for chunk in _request_body(client, down):
+                sent += len(chunk)
                 if max_body is not None and sent > max_body:
                     ep.log(verdict="deny", rule_id=(d.body_rule_id or d.rule_id) + ":max-body",
                            reason=f"body over {max_body} bytes: cut",
                            host=req.host, port=req.port, method=req.method, path=req.path, phase="stream", bytes_out=sent)
                     await client.write(h1.error_response(413, "max-body", f"request body over {max_body} bytes"))
                     return False, b"", False
-                ep.count_out(len(ev.data), req.host, req.port)
-                data = ev.data
+                ep.count_out(len(chunk), req.host, req.port)
+                data = chunk
                 if scanner is not None:
                     try:
                         data = scanner.feed(data)
@@ -602,17 +617,15 @@ class Gate:
                     data, held = b"".join(held), None
                 if data:
                     await upstream.write(up.send(h11.Data(data=data)))
-                continue
-            if isinstance(ev, h11.EndOfMessage):
-                rest = scanner.finish() if scanner is not None else b""
-                if held is not None:
-                    await send_head()
-                    rest = b"".join(held) + rest
-                if rest:
-                    await upstream.write(up.send(h11.Data(data=rest)))
-                await upstream.write(up.send(h11.EndOfMessage()))
-                break
+        except _BodyEnded:
             return False, b"", False
+        rest = scanner.finish() if scanner is not None else b""
+        if held is not None:
+            await send_head()
+            rest = b"".join(held) + rest
+        if rest:
+            await upstream.write(up.send(h11.Data(data=rest)))
+        await upstream.write(up.send(h11.EndOfMessage()))
         return await self._relay_response(ep, client, upstream, up, down, req, d, sent, scrubber, ws, pooled, cred)
 
     async def _relay_resigned(self, ep, client, upstream, up, down, req, d, max_body, headers, cred, scanner, scrubber,
@@ -621,22 +634,13 @@ class Gate:
 
         body = bytearray()
         limit = 64 * 1024 * 1024
-        while True:
-            ev = down.next_event()
-            if ev is h11.NEED_DATA:
-                data = await client.read()
-                if not data:
-                    return False, b"", False
-                down.receive_data(data)
-                continue
-            if isinstance(ev, h11.Data):
-                body += ev.data
+        try:
+            async for chunk in _request_body(client, down):
+                body += chunk
                 if len(body) > limit or (max_body is not None and len(body) > max_body):
                     await client.write(h1.error_response(413, "max-body", "signed request body too large"))
                     return False, b"", False
-                continue
-            if isinstance(ev, h11.EndOfMessage):
-                break
+        except _BodyEnded:
             return False, b"", False
         try:
             if scanner is not None:

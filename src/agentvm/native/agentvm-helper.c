@@ -164,16 +164,64 @@ static int resource_by_name(const char *n) {
     return -1;
 }
 
-static int cmd_launch(int argc, char **argv) {
+/* Options shared by `launch` and `enter`: cgroups to join, rlimits, fds to keep. */
+struct common_opts {
     const char *cgroups[32];
-    int ncg = 0;
+    int ncg;
     struct {
         int res;
         struct rlimit lim;
     } rl[16];
-    int nrl = 0;
+    int nrl;
     int keep[64];
-    int nkeep = 0;
+    int nkeep;
+};
+
+/* Returns 1 when (a, v) was one of the shared options. */
+static int parse_common(struct common_opts *o, const char *a, const char *v) {
+    if (!strcmp(a, "--cgroup-procs")) {
+        if (o->ncg >= 32) fail("validate", 0, "too many cgroups");
+        o->cgroups[o->ncg++] = v;
+        return 1;
+    }
+    if (!strcmp(a, "--rlimit")) {
+        /* NAME=SOFT:HARD */
+        char name[32];
+        unsigned long long so, h;
+        if (o->nrl >= 16 || sscanf(v, "%31[a-z]=%llu:%llu", name, &so, &h) != 3) fail("validate", 0, "bad --rlimit '%s'", v);
+        int res = resource_by_name(name);
+        if (res < 0) fail("validate", 0, "unknown rlimit '%s'", name);
+        o->rl[o->nrl].res = res;
+        o->rl[o->nrl].lim.rlim_cur = so;
+        o->rl[o->nrl].lim.rlim_max = h;
+        o->nrl++;
+        return 1;
+    }
+    if (!strcmp(a, "--keep-fd")) {
+        if (o->nkeep >= 64) fail("validate", 0, "too many fds");
+        o->keep[o->nkeep++] = (int)parse_long("validate", v, 0, 1 << 20);
+        return 1;
+    }
+    return 0;
+}
+
+/* Join every cgroup before any fork, so every descendant is inside. */
+static void join_cgroups(const struct common_opts *o) {
+    for (int c = 0; c < o->ncg; c++) {
+        int fd = open(o->cgroups[c], O_WRONLY | O_CLOEXEC);
+        if (fd < 0) fail("cgroup", errno, "open %s", o->cgroups[c]);
+        if (write(fd, "0\n", 2) != 2) fail("cgroup", errno, "join %s", o->cgroups[c]);
+        close(fd);
+    }
+}
+
+static void apply_rlimits(const struct common_opts *o) {
+    for (int r = 0; r < o->nrl; r++)
+        if (setrlimit(o->rl[r].res, &o->rl[r].lim) < 0) fail("rlimit", errno, "setrlimit %d", o->rl[r].res);
+}
+
+static int cmd_launch(int argc, char **argv) {
+    struct common_opts o = {0};
     long uid = -1, gid = -1;
     const char *argv0 = NULL;
     int i = 0;
@@ -191,24 +239,8 @@ static int cmd_launch(int argc, char **argv) {
             /* stays open across exec: init inside the sandbox reports through it too */
             status_fd = (int)parse_long("validate", v, 3, 1 << 20);
             if (fcntl(status_fd, F_GETFD) < 0) fail("validate", errno, "status fd %d", status_fd);
-        } else if (!strcmp(a, "--cgroup-procs")) {
-            if (ncg >= 32) fail("validate", 0, "too many cgroups");
-            cgroups[ncg++] = v;
-        } else if (!strcmp(a, "--rlimit")) {
-            /* NAME=SOFT:HARD */
-            char name[32];
-            unsigned long long s, h;
-            if (nrl >= 16 || sscanf(v, "%31[a-z]=%llu:%llu", name, &s, &h) != 3)
-                fail("validate", 0, "bad --rlimit '%s'", v);
-            int res = resource_by_name(name);
-            if (res < 0) fail("validate", 0, "unknown rlimit '%s'", name);
-            rl[nrl].res = res;
-            rl[nrl].lim.rlim_cur = s;
-            rl[nrl].lim.rlim_max = h;
-            nrl++;
-        } else if (!strcmp(a, "--keep-fd")) {
-            if (nkeep >= 64) fail("validate", 0, "too many fds");
-            keep[nkeep++] = (int)parse_long("validate", v, 0, 1 << 20);
+        } else if (parse_common(&o, a, v)) {
+            continue;
         } else if (!strcmp(a, "--argv0")) {
             argv0 = v; /* what the sandbox sees as bwrap's name in /proc/1/cmdline */
         } else if (!strcmp(a, "--uid")) {
@@ -224,6 +256,7 @@ static int cmd_launch(int argc, char **argv) {
 
     /* 2. close every fd but stdio, the status fd and the kept ones (close_range over the
      * gaps between kept fds, sorted). */
+    int *keep = o.keep, nkeep = o.nkeep;
     if (status_fd >= 0 && nkeep < 64) keep[nkeep++] = status_fd;
     for (int a = 1; a < nkeep; a++)
         for (int b = a; b > 0 && keep[b - 1] > keep[b]; b--) {
@@ -242,16 +275,10 @@ static int cmd_launch(int argc, char **argv) {
     }
 
     /* 3. join cgroups (before any fork, so every descendant is inside) */
-    for (int c = 0; c < ncg; c++) {
-        int fd = open(cgroups[c], O_WRONLY | O_CLOEXEC);
-        if (fd < 0) fail("cgroup", errno, "open %s", cgroups[c]);
-        if (write(fd, "0\n", 2) != 2) fail("cgroup", errno, "join %s", cgroups[c]);
-        close(fd);
-    }
+    join_cgroups(&o);
 
     /* 4. rlimits (backstop to the cgroup limits) */
-    for (int r = 0; r < nrl; r++)
-        if (setrlimit(rl[r].res, &rl[r].lim) < 0) fail("rlimit", errno, "setrlimit %d", rl[r].res);
+    apply_rlimits(&o);
 
     /* 5. drop privileges: no supplementary groups, then gid, then uid; verify no way back. */
     if (uid >= 0) {
@@ -650,15 +677,7 @@ seccomp:
  * exits with the child's status. */
 
 static int cmd_enter(int argc, char **argv) {
-    const char *cgroups[32];
-    int ncg = 0;
-    struct {
-        int res;
-        struct rlimit lim;
-    } rl[16];
-    int nrl = 0;
-    int keep[64];
-    int nkeep = 0;
+    struct common_opts o = {0};
     long target = -1, uid = -1, gid = -1;
     int i = 0;
     for (; i < argc; i++) {
@@ -678,29 +697,11 @@ static int cmd_enter(int argc, char **argv) {
             uid = parse_long("validate", v, 0, 0x7fffffff);
         } else if (!strcmp(a, "--gid")) {
             gid = parse_long("validate", v, 0, 0x7fffffff);
-        } else if (!strcmp(a, "--cgroup-procs")) {
-            if (ncg >= 32) fail("validate", 0, "too many cgroups");
-            cgroups[ncg++] = v;
-        } else if (!strcmp(a, "--keep-fd")) {
-            if (nkeep >= 64) fail("validate", 0, "too many fds");
-            keep[nkeep++] = (int)parse_long("validate", v, 0, 1 << 20);
-        } else if (!strcmp(a, "--rlimit")) {
-            char name[32];
-            unsigned long long so, h;
-            if (nrl >= 16 || sscanf(v, "%31[a-z]=%llu:%llu", name, &so, &h) != 3) fail("validate", 0, "bad --rlimit '%s'", v);
-            int res = resource_by_name(name);
-            if (res < 0) fail("validate", 0, "unknown rlimit '%s'", name);
-            rl[nrl].res = res;
-            rl[nrl].lim.rlim_cur = so;
-            rl[nrl].lim.rlim_max = h;
-            nrl++;
-        } else {
+        } else if (!parse_common(&o, a, v)) {
             fail("validate", 0, "unknown option %s", a);
         }
     }
     if (i >= argc || target < 0 || uid < 0 || gid < 0) fail("validate", 0, "need --target, --uid, --gid and a command");
-    (void)keep;
-    (void)nkeep;
     /* namespaces and root of the target, opened before anything changes */
     /* host root owns every namespace below it: join the others first, the user namespace last */
     static const char *names[] = {"ipc", "uts", "net", "cgroup", "pid", "mnt", "user"};
@@ -714,14 +715,8 @@ static int cmd_enter(int argc, char **argv) {
     snprintf(path, sizeof path, "/proc/%ld/root", target);
     int rootfd = open(path, O_PATH | O_DIRECTORY | O_CLOEXEC);
     if (rootfd < 0) fail("enter", errno, "open %s", path);
-    for (int c = 0; c < ncg; c++) {
-        int fd = open(cgroups[c], O_WRONLY | O_CLOEXEC);
-        if (fd < 0) fail("cgroup", errno, "open %s", cgroups[c]);
-        if (write(fd, "0\n", 2) != 2) fail("cgroup", errno, "join %s", cgroups[c]);
-        close(fd);
-    }
-    for (int r = 0; r < nrl; r++)
-        if (setrlimit(rl[r].res, &rl[r].lim) < 0) fail("rlimit", errno, "setrlimit %d", rl[r].res);
+    join_cgroups(&o);
+    apply_rlimits(&o);
     for (int k = 0; k < 7; k++) {
         if (setns(nsfd[k], 0) < 0) fail("enter", errno, "setns %s", names[k]);
         close(nsfd[k]);
