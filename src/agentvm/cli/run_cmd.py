@@ -150,6 +150,10 @@ def _run(argv: list[str]) -> int:
             file=sys.stderr,
         )
 
+    via = _daemon_for(ns, degrade)
+    if via is not None:
+        return _run_via_daemon(via, ns, command)
+
     from agentvm.runtime import Runtime
 
     rt = Runtime()
@@ -159,6 +163,97 @@ def _run(argv: list[str]) -> int:
         rt.close()
     _report(result, ns.as_json)
     return result.exit_code
+
+
+def _daemon_for(ns, degrade):
+    """Use the daemon when one is up - unless a terminal is involved (the daemon has no TTY
+    relay yet), stdin is a pipe (it could stream forever), or a primitive is degraded."""
+    import os
+    import stat
+
+    if os.environ.get("AGENTVM_NO_DAEMON") == "1" or degrade or ns.tty:
+        return None
+    if ns.tty is None and sys.stdin.isatty() and sys.stdout.isatty():
+        return None
+    try:
+        st = os.fstat(0)
+        if stat.S_ISFIFO(st.st_mode) or stat.S_ISSOCK(st.st_mode) or stat.S_ISCHR(st.st_mode) and not _is_devnull(st):
+            return None
+    except OSError:
+        pass
+    from agentvm.paths import default_paths
+
+    sock = default_paths().runtime / "agentvm.sock"
+    if not sock.exists():
+        return None
+    from agentvm.daemon.client import Client
+
+    c = Client(sock)
+    return c if c.available() else None
+
+
+def _is_devnull(st) -> bool:
+    import os
+
+    try:
+        dn = os.stat(os.devnull)
+        return (st.st_rdev, st.st_ino) == (dn.st_rdev, dn.st_ino)
+    except OSError:
+        return False
+
+
+def _run_via_daemon(client, ns, command) -> int:
+    import base64
+    import os
+    import stat
+    from pathlib import Path
+
+    from agentvm.policy import parse_mount_arg
+
+    doc: dict = {"command": command or None, "env": _parse_env(ns.env), "allow": ns.allow, "hosts": _parse_hosts(ns.add_host)}
+    if ns.agent_file:
+        doc["spec"] = Path(ns.agent_file).read_text()
+        doc["file"] = str(Path(ns.agent_file).resolve())
+        from agentvm.spec.loader import default_preset_dirs
+
+        doc["preset_dirs"] = [str(d) for d in default_preset_dirs()]  # the caller's, not the daemon's
+    doc["mounts"] = [{"host": m.host, "path": m.path, "writable": m.writable} for m in map(parse_mount_arg, ns.mount)]
+    from agentvm.units import parse_duration, parse_size
+
+    doc["timeout"] = parse_duration(ns.timeout) if ns.timeout is not None else None
+    doc["memory"] = parse_size(ns.memory) if ns.memory is not None else None
+    try:
+        if stat.S_ISREG(os.fstat(0).st_mode):
+            doc["stdin"] = base64.b64encode(sys.stdin.buffer.read()).decode()
+    except OSError:
+        pass
+    result = None
+    for ev in client.run(doc):
+        if ev.get("stream") == "stdout":
+            sys.stdout.buffer.write(ev["data"])
+            sys.stdout.buffer.flush()
+        elif ev.get("stream") == "stderr":
+            sys.stderr.buffer.write(ev["data"])
+            sys.stderr.buffer.flush()
+        elif "result" in ev:
+            result = ev["result"]
+    if result is None:
+        print("agentvm: the daemon ended the run without a result", file=sys.stderr)
+        return 125
+    _report(_ResultView(result), ns.as_json)
+    return int(result["exit_code"])
+
+
+class _ResultView:
+    """A RunResult dict from the daemon, seen through the attributes `_report` uses."""
+
+    def __init__(self, d: dict):
+        self._d = d
+        for k, v in d.items():
+            setattr(self, k, v)
+
+    def to_dict(self) -> dict:
+        return dict(self._d)
 
 
 def _report(result, as_json: bool) -> None:

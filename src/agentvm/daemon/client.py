@@ -137,6 +137,12 @@ class Client:
                 ev = dict(ev, data=base64.b64decode(ev["data"]))
             yield ev
 
+    def run(self, doc: dict) -> Iterator[dict]:
+        for ev in self.stream("POST", "/v1/run", doc):
+            if "data" in ev:
+                ev = dict(ev, data=base64.b64decode(ev["data"]))
+            yield ev
+
     def logs(self, name: str) -> str:
         return self.request("GET", f"/v1/sandboxes/{quote(name)}/logs")["log"]
 

@@ -449,6 +449,8 @@ class Daemon:
                 return await self._files(name, method, q.get("path", ""), body, conn, writer, actor)
             if action == "policy" and method == "POST":
                 return await self._json(conn, writer, 200, await self._policy(name, doc or {}, actor))
+        if p == ["run"] and method == "POST":
+            return await self._run(doc or {}, conn, writer, actor)
         if p == ["audit"] and method == "GET":
             recs = self.audit.records(since=float(q["since"]) if "since" in q else None, sandbox=q.get("sandbox"))
             return await self._json(conn, writer, 200, [r.to_dict() for r in recs])
@@ -560,6 +562,98 @@ class Daemon:
         await self._stream_line(conn, writer, {"exit_code": status.exit_code, "timed_out": status.timed_out,
                                                "setup_error": status.setup_error})
         await self._stream_end(conn, writer)
+
+    async def _run(self, doc: dict, conn, writer, actor: str) -> None:
+        """`agentvm run` through the daemon: one sandbox for one command, output streamed,
+        the same policy semantics as the embedded path (the same library builds it)."""
+        from agentvm.policy import MountGrant, Policy, compile_policy, with_overrides
+        from agentvm.spec.loader import load_agent_text
+
+        if doc.get("spec"):
+            dirs = [Path(d) for d in doc["preset_dirs"]] if doc.get("preset_dirs") is not None else None
+            policy = compile_policy(load_agent_text(doc["spec"], doc.get("file", "<api>"), preset_dirs=dirs).spec)
+        else:
+            policy = Policy(name="run")
+        policy = with_overrides(
+            policy,
+            command=tuple(doc.get("command") or ()) or None,
+            mounts=tuple(MountGrant(m["host"], m["path"], bool(m["writable"])) for m in doc.get("mounts", [])),
+            env=doc.get("env") or {},
+            timeout=doc.get("timeout"),
+            memory=doc.get("memory"),
+            allow=tuple(doc.get("allow") or ()),
+            hosts=doc.get("hosts") or {},
+        )
+        if not policy.command:
+            raise ApiError(400, "bad-request", "nothing to run")
+        loop = asyncio.get_running_loop()
+        o_r, o_w = os.pipe2(os.O_CLOEXEC)
+        e_r, e_w = os.pipe2(os.O_CLOEXEC)
+        i_r, i_w = os.pipe2(os.O_CLOEXEC)
+        stdin_data = base64.b64decode(doc.get("stdin") or "")
+        queue: asyncio.Queue = asyncio.Queue()
+        names = {o_r: "stdout", e_r: "stderr"}
+
+        def readable(fd):
+            try:
+                data = os.read(fd, 65536)
+            except OSError:
+                data = b""
+            if data:
+                queue.put_nowait((names[fd], data))
+            else:
+                loop.remove_reader(fd)
+                queue.put_nowait((names[fd], None))
+
+        for fd in (o_r, e_r):
+            os.set_blocking(fd, False)
+            loop.add_reader(fd, readable, fd)
+
+        def feed_stdin():
+            try:
+                if stdin_data:
+                    os.write(i_w, stdin_data)
+            except OSError:
+                pass
+            finally:
+                os.close(i_w)
+
+        self.record("operator.run", actor=actor, sandbox=policy.name, command=list(policy.command))
+        fut = asyncio.ensure_future(asyncio.to_thread(self._run_blocking, policy, (i_r, o_w, e_w), loop))
+        threading_feed = asyncio.ensure_future(asyncio.to_thread(feed_stdin))
+        await self._stream_start(conn, writer)
+        try:
+            result = await fut
+        finally:
+            for fd in (o_w, e_w, i_r):
+                os.close(fd)
+            await threading_feed
+        ended = 0
+        while ended < 2:
+            stream, data = await queue.get()
+            if data is None:
+                ended += 1
+                continue
+            await self._stream_line(conn, writer, {"stream": stream, "data": base64.b64encode(data).decode()})
+        for fd in (o_r, e_r):
+            os.close(fd)
+        self.record("lifecycle.run-exited", sandbox=result.agent, sandbox_id=result.sandbox_id,
+                    exit_code=result.exit_code, teardown_verified=bool(result.teardown.get("verified")))
+        await self._stream_line(conn, writer, {"result": result.to_dict()})
+        await self._stream_end(conn, writer)
+
+    def _run_blocking(self, policy, stdio, loop):
+        """The embedded run path (its own in-thread gate), executed by the daemon; its gate
+        decisions feed the daemon's events and audit trail like any other."""
+        from agentvm.runtime import Runtime
+
+        rt = Runtime(self.paths, self.runtime._backend)
+        if policy.egress is not None:
+            rt.embedded_gate().gate.subscribers.append(lambda rec: loop.call_soon_threadsafe(self._on_decision, rec))
+        try:
+            return rt.run(policy, tty=False, stdio=stdio)
+        finally:
+            rt.close()
 
     def _workspace_dir(self, name: str) -> Path:
         m = self.managed.get(name)
