@@ -231,3 +231,48 @@ def test_limits_can_be_tightened_live_not_raised(daemon, tmp_path):
     r = av("policy", "d-lim", "limits", "--memory", "1G", check=False)
     assert r.returncode != 0 and b"only be lowered" in r.stderr
     av("rm", "d-lim")
+
+
+def test_run_goes_through_the_daemon_when_it_is_up(daemon, tmp_path):
+    """`agentvm run` with a daemon up is served by it: output streams back, the exit code is the
+    sandbox's, the gate still denies, and the run is on the daemon's audit chain. A pipe on stdin
+    falls back to the embedded runtime (the daemon has no stdin relay) - visibly, not silently."""
+    cmd = agentvm_cmd() + ["run", "--json", "--allow", "allowed.test", "--", "/bin/sh", "-c",
+                           "echo out; echo err >&2; id -u; curl -s -o /dev/null -w '%{http_code}' "
+                           "--max-time 5 http://example.invalid/; exit 5"]
+    r = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, timeout=120)
+    assert r.returncode == 5, r.stderr.decode()
+    out = r.stdout.decode()
+    assert out.startswith("out\n") and b"err" in r.stderr
+    assert "403" in out, "the per-run gate denied the un-allowed host"
+    result = json.loads(out[out.index("{"):])
+    assert result["exit_code"] == 5 and result["egress"]["denied"], result
+    assert result["teardown"]["verified"] is True
+    recs = [json.loads(line) for line in av("audit", "show", "--json").stdout.decode().splitlines() if line]
+    runs = [x for x in recs if x["kind"] == "operator.run"]
+    exits = [x for x in recs if x["kind"] == "lifecycle.run-exited"]
+    assert runs and exits and exits[-1]["data"]["exit_code"] == 5
+    n_before = len(runs)
+    r = subprocess.run(agentvm_cmd() + ["run", "--", "cat"], input=b"piped\n", capture_output=True, timeout=120)
+    assert r.returncode == 0 and r.stdout == b"piped\n"
+    recs = [json.loads(line) for line in av("audit", "show", "--json").stdout.decode().splitlines() if line]
+    assert len([x for x in recs if x["kind"] == "operator.run"]) == n_before, "piped stdin ran embedded"
+
+
+def test_exec_sheds_the_daemons_supplementary_groups(daemon, tmp_path):
+    """A daemon started with supplementary groups (sudo gives gid 0) must not hand them to
+    commands `exec`'d into a sandbox: inside, the process has no supplementary groups at all."""
+    av("down")
+    subprocess.run(agentvm_cmd() + ["up"], extra_groups=[0, 4242], check=True, capture_output=True, timeout=60)
+    pid = int((daemon / "run" / "daemon.pid").read_text())
+    assert "4242" in next(x for x in open(f"/proc/{pid}/status") if x.startswith("Groups:"))
+    f = agent(tmp_path, "d-groups", ["/bin/sh", "-c", "exec sleep 300"])
+    av("create", "-f", str(f), "--start")
+    for argv in (["grep", "^Groups:", "/proc/self/status"], ["cat", "/proc/self/status"]):
+        out = av("exec", "d-groups", "--", *argv).stdout.decode()
+        line = next(x for x in out.splitlines() if x.startswith("Groups:"))
+        assert line.split() == ["Groups:"], f"exec kept supplementary groups: {line!r}"
+    out = subprocess.run(agentvm_cmd() + ["run", "--", "grep", "^Groups:", "/proc/self/status"],
+                         stdin=subprocess.DEVNULL, capture_output=True, timeout=60, check=True).stdout.decode()
+    assert out.split() == ["Groups:"], f"run via the daemon kept supplementary groups: {out!r}"
+    av("rm", "d-groups")

@@ -717,6 +717,9 @@ static int cmd_enter(int argc, char **argv) {
     if (rootfd < 0) fail("enter", errno, "open %s", path);
     join_cgroups(&o);
     apply_rlimits(&o);
+    /* no supplementary groups: dropped here, while still host root - inside the sandbox's user
+     * namespace setgroups is denied, and the caller's groups (often gid 0) would ride along */
+    if (setgroups(0, NULL) < 0) fail("drop-privileges", errno, "setgroups");
     for (int k = 0; k < 7; k++) {
         if (setns(nsfd[k], 0) < 0) fail("enter", errno, "setns %s", names[k]);
         close(nsfd[k]);
@@ -727,9 +730,9 @@ static int cmd_enter(int argc, char **argv) {
     if (child < 0) fail("enter", errno, "fork");
     if (child == 0) {
         prctl(PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0);
-        if (setgroups(0, NULL) < 0 && errno != EPERM) fail("drop-privileges", errno, "setgroups");
         if (setresgid((gid_t)gid, (gid_t)gid, (gid_t)gid) < 0) fail("drop-privileges", errno, "setresgid");
         if (setresuid((uid_t)uid, (uid_t)uid, (uid_t)uid) < 0) fail("drop-privileges", errno, "setresuid");
+        if (getgroups(0, NULL) != 0) fail("drop-privileges", 0, "supplementary groups survived");
         if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) < 0) fail("no-new-privs", errno, "prctl");
         execv(argv[i], &argv[i]);
         fail("exec", errno, "exec %s", argv[i]);
