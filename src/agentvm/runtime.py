@@ -312,7 +312,10 @@ class Runtime:
         degrade: tuple[str, ...] = (),
         tty: bool | None = None,
         stdio: tuple[int, int, int] | None = None,
+        on_launch=None,
     ) -> RunResult:
+        """Run ``policy`` to completion. ``on_launch(backend, handle)`` is called once the
+        sandbox exists (the daemon uses it to stop a run whose client went away)."""
         if tty is None:
             tty = stdio is None and sys.stdin.isatty() and sys.stdout.isatty()
         gc_stale(self.paths)
@@ -345,6 +348,8 @@ class Runtime:
                     status = pty.relay(backend, handle, plan.timeout)
             else:
                 handle = backend.launch(plan, stdio=stdio)
+                if on_launch is not None:
+                    on_launch(backend, handle)
                 status = backend.wait(handle, plan.timeout or None)
         except _Interrupted as exc:
             if handle is not None:

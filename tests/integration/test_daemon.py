@@ -276,3 +276,36 @@ def test_exec_sheds_the_daemons_supplementary_groups(daemon, tmp_path):
                          stdin=subprocess.DEVNULL, capture_output=True, timeout=60, check=True).stdout.decode()
     assert out.split() == ["Groups:"], f"run via the daemon kept supplementary groups: {out!r}"
     av("rm", "d-groups")
+
+
+def test_run_via_daemon_backpressure_and_hangup(daemon):
+    """A command flooding stdout at a client that does not read must not grow the (root) daemon:
+    the pipe fills and the writer blocks. When the client goes away the run is stopped, as
+    Ctrl-C stops an embedded run, and that is on the audit chain."""
+    pid = int((daemon / "run" / "daemon.pid").read_text())
+
+    def rss_kib():
+        return int(next(x for x in open(f"/proc/{pid}/status") if x.startswith("VmRSS:")).split()[1])
+
+    before = rss_kib()
+    p = subprocess.Popen(agentvm_cmd() + ["run", "--timeout", "60s", "--", "/bin/sh", "-c", "exec yes flood"],
+                         stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    try:
+        assert p.stdout.read(6) == b"flood\n"
+        time.sleep(3)  # not reading: `yes` would write GiBs in this time
+        grown = rss_kib() - before
+        assert grown < 64 * 1024, f"the daemon buffered a client's output: +{grown} KiB"
+    finally:
+        p.kill()
+        p.wait()
+    deadline = time.monotonic() + 20
+    kinds: list = []
+    while time.monotonic() < deadline:
+        recs = [json.loads(x) for x in av("audit", "show", "--json").stdout.decode().splitlines() if x]
+        kinds = [r["kind"] for r in recs]
+        if "lifecycle.run-exited" in kinds:
+            break
+        time.sleep(0.2)
+    assert "operator.run-abandoned" in kinds and "lifecycle.run-exited" in kinds, kinds
+    ex = [r for r in recs if r["kind"] == "lifecycle.run-exited"][-1]
+    assert ex["data"]["teardown_verified"] is True and ex["data"]["exit_code"] != 0

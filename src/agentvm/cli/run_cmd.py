@@ -228,15 +228,22 @@ def _run_via_daemon(client, ns, command) -> int:
     except OSError:
         pass
     result = None
-    for ev in client.run(doc):
-        if ev.get("stream") == "stdout":
-            sys.stdout.buffer.write(ev["data"])
-            sys.stdout.buffer.flush()
-        elif ev.get("stream") == "stderr":
-            sys.stderr.buffer.write(ev["data"])
-            sys.stderr.buffer.flush()
-        elif "result" in ev:
-            result = ev["result"]
+    try:
+        for ev in client.run(doc):
+            if ev.get("stream") == "stdout":
+                sys.stdout.buffer.write(ev["data"])
+                sys.stdout.buffer.flush()
+            elif ev.get("stream") == "stderr":
+                sys.stderr.buffer.write(ev["data"])
+                sys.stderr.buffer.flush()
+            elif "result" in ev:
+                result = ev["result"]
+    except BrokenPipeError:
+        # our reader went away (`| head`): dropping the connection makes the daemon stop the run
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
+    except KeyboardInterrupt:
+        return 130
     if result is None:
         print("agentvm: the daemon ended the run without a result", file=sys.stderr)
         return 125

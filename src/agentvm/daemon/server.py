@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextvars
 import dataclasses
 import hmac
 import json
@@ -42,6 +43,10 @@ from agentvm.paths import Paths
 SOCKET_NAME = "agentvm.sock"
 MAX_BODY = 64 * 1024 * 1024
 
+
+
+# the request's stream reader, for handlers that must notice the client hanging up mid-response
+_CLIENT_READER: contextvars.ContextVar = contextvars.ContextVar("agentvm_client_reader", default=None)
 
 class ApiError(Exception):
     def __init__(self, status: int, code: str, message: str, hint: str = ""):
@@ -339,6 +344,7 @@ class Daemon:
 
     async def _conn(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *, tcp: bool = False) -> None:
         conn = h11.Connection(h11.SERVER, max_incomplete_event_size=65536)
+        _CLIENT_READER.set(reader)
         try:
             req, body = await self._read_request(conn, reader)
             if req is None:
@@ -521,47 +527,101 @@ class Daemon:
         self.state.update(name, last_activity=time.time())
         self.record("operator.exec", actor=actor, sandbox=name, argv=argv)
         backend = self.runtime.backend_for(m.policy)
-        loop = asyncio.get_running_loop()
         o_r, o_w = os.pipe2(os.O_CLOEXEC)
         e_r, e_w = os.pipe2(os.O_CLOEXEC)
         stdin = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
-        queue: asyncio.Queue = asyncio.Queue()
-        open_streams = {o_r: "stdout", e_r: "stderr"}
-
-        def readable(fd):
-            try:
-                data = os.read(fd, 65536)
-            except OSError:
-                data = b""
-            if data:
-                queue.put_nowait((open_streams[fd], data))
-            else:
-                loop.remove_reader(fd)
-                queue.put_nowait((open_streams[fd], None))
-
-        for fd in (o_r, e_r):
-            os.set_blocking(fd, False)
-            loop.add_reader(fd, readable, fd)
         fut = asyncio.ensure_future(asyncio.to_thread(backend.exec, m.handle, argv, stdio=(stdin, o_w, e_w),
                                                       timeout=doc.get("timeout")))
         await self._stream_start(conn, writer)
-        try:
-            status = await fut
-        finally:
-            for fd in (o_w, e_w, stdin):
-                os.close(fd)
-        ended = 0
-        while ended < 2:
-            stream, data = await queue.get()
-            if data is None:
-                ended += 1
-                continue
-            await self._stream_line(conn, writer, {"stream": stream, "data": base64.b64encode(data).decode()})
-        for fd in (o_r, e_r):
-            os.close(fd)
+        status = await self._pump(conn, writer, {o_r: "stdout", e_r: "stderr"}, fut, (o_w, e_w, stdin))
         await self._stream_line(conn, writer, {"exit_code": status.exit_code, "timed_out": status.timed_out,
                                                "setup_error": status.setup_error})
         await self._stream_end(conn, writer)
+
+    async def _pump(self, conn, writer, streams: dict[int, str], fut, our_ends: tuple[int, ...], on_gone=None):
+        """Stream a command's output pipes to the client *while* it runs, then return its result.
+
+        Back-pressure, not buffering: at most a few chunks are queued; when the client reads
+        slowly the pipes stop being read, fill, and the writer inside the sandbox blocks - the
+        root daemon's memory never grows with a command's output. ``our_ends`` (our copies of
+        the child's stdio) are closed only once the blocking call is over, so no fd number is
+        freed while another thread may still use it. A client that goes away stops receiving;
+        the pipes are still drained until the command ends (``on_gone()`` may end it sooner)."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue(maxsize=8)
+        paused: set[int] = set()
+        live = set(streams)
+
+        def readable(fd):
+            if queue.full():
+                loop.remove_reader(fd)
+                paused.add(fd)
+                return
+            try:
+                data = os.read(fd, 65536)
+            except BlockingIOError:
+                return
+            except OSError:
+                data = b""
+            if not data:
+                loop.remove_reader(fd)
+            queue.put_nowait((fd, data))
+
+        for fd in streams:
+            os.set_blocking(fd, False)
+            loop.add_reader(fd, readable, fd)
+        ends_open, client = True, True
+        creader = _CLIENT_READER.get()
+        hangup = asyncio.ensure_future(creader.read(1)) if creader is not None else None
+        try:
+            while live:
+                get = asyncio.ensure_future(queue.get())
+                waits = {get, fut} if ends_open else {get}
+                if hangup is not None and client:
+                    waits.add(hangup)
+                await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+                if hangup is not None and client and hangup.done():
+                    if hangup.cancelled() or hangup.exception() is not None or hangup.result() == b"":
+                        client = False
+                        if on_gone is not None:
+                            on_gone()
+                    hangup = None
+                if ends_open and fut.done():
+                    for fd in our_ends:
+                        os.close(fd)
+                    ends_open = False
+                if not get.done():
+                    get.cancel()
+                    continue
+                fd, data = get.result()
+                if not data:
+                    live.discard(fd)
+                elif client:
+                    try:
+                        await self._stream_line(conn, writer, {"stream": streams[fd],
+                                                               "data": base64.b64encode(data).decode()})
+                    except (ConnectionError, OSError):
+                        client = False
+                        if on_gone is not None:
+                            on_gone()
+                for p in paused:
+                    if p in live:
+                        loop.add_reader(p, readable, p)
+                paused.clear()
+        finally:
+            if hangup is not None and not hangup.done():
+                hangup.cancel()
+            for fd in streams:
+                loop.remove_reader(fd)
+            if ends_open:
+                await asyncio.wait({fut})
+                for fd in our_ends:
+                    os.close(fd)
+            for fd in streams:
+                os.close(fd)
+        if not client:
+            raise ConnectionError("the client went away")
+        return await fut
 
     async def _run(self, doc: dict, conn, writer, actor: str) -> None:
         """`agentvm run` through the daemon: one sandbox for one command, output streamed,
@@ -591,23 +651,6 @@ class Daemon:
         e_r, e_w = os.pipe2(os.O_CLOEXEC)
         i_r, i_w = os.pipe2(os.O_CLOEXEC)
         stdin_data = base64.b64decode(doc.get("stdin") or "")
-        queue: asyncio.Queue = asyncio.Queue()
-        names = {o_r: "stdout", e_r: "stderr"}
-
-        def readable(fd):
-            try:
-                data = os.read(fd, 65536)
-            except OSError:
-                data = b""
-            if data:
-                queue.put_nowait((names[fd], data))
-            else:
-                loop.remove_reader(fd)
-                queue.put_nowait((names[fd], None))
-
-        for fd in (o_r, e_r):
-            os.set_blocking(fd, False)
-            loop.add_reader(fd, readable, fd)
 
         def feed_stdin():
             try:
@@ -619,30 +662,30 @@ class Daemon:
                 os.close(i_w)
 
         self.record("operator.run", actor=actor, sandbox=policy.name, command=list(policy.command))
-        fut = asyncio.ensure_future(asyncio.to_thread(self._run_blocking, policy, (i_r, o_w, e_w), loop))
-        threading_feed = asyncio.ensure_future(asyncio.to_thread(feed_stdin))
+        launched: list = []
+        fut = asyncio.ensure_future(asyncio.to_thread(self._run_blocking, policy, (i_r, o_w, e_w), loop,
+                                                      lambda b, h: launched.append((b, h))))
+
+        def client_gone():
+            # like Ctrl-C on an embedded run: the caller is gone, so is the run
+            self.record("operator.run-abandoned", sandbox=policy.name, reason="the client went away")
+            for b, h in launched:
+                asyncio.ensure_future(asyncio.to_thread(b.stop, h, 1.0))
+
+        feeder = asyncio.ensure_future(asyncio.to_thread(feed_stdin))
         await self._stream_start(conn, writer)
         try:
-            result = await fut
+            await self._pump(conn, writer, {o_r: "stdout", e_r: "stderr"}, fut, (o_w, e_w, i_r), client_gone)
         finally:
-            for fd in (o_w, e_w, i_r):
-                os.close(fd)
-            await threading_feed
-        ended = 0
-        while ended < 2:
-            stream, data = await queue.get()
-            if data is None:
-                ended += 1
-                continue
-            await self._stream_line(conn, writer, {"stream": stream, "data": base64.b64encode(data).decode()})
-        for fd in (o_r, e_r):
-            os.close(fd)
-        self.record("lifecycle.run-exited", sandbox=result.agent, sandbox_id=result.sandbox_id,
-                    exit_code=result.exit_code, teardown_verified=bool(result.teardown.get("verified")))
+            await feeder
+            if fut.done() and not fut.cancelled() and fut.exception() is None:
+                result = fut.result()
+                self.record("lifecycle.run-exited", sandbox=result.agent, sandbox_id=result.sandbox_id,
+                            exit_code=result.exit_code, teardown_verified=bool(result.teardown.get("verified")))
         await self._stream_line(conn, writer, {"result": result.to_dict()})
         await self._stream_end(conn, writer)
 
-    def _run_blocking(self, policy, stdio, loop):
+    def _run_blocking(self, policy, stdio, loop, on_launch):
         """The embedded run path (its own in-thread gate), executed by the daemon; its gate
         decisions feed the daemon's events and audit trail like any other."""
         from agentvm.runtime import Runtime
@@ -651,7 +694,7 @@ class Daemon:
         if policy.egress is not None:
             rt.embedded_gate().gate.subscribers.append(lambda rec: loop.call_soon_threadsafe(self._on_decision, rec))
         try:
-            return rt.run(policy, tty=False, stdio=stdio)
+            return rt.run(policy, tty=False, stdio=stdio, on_launch=on_launch)
         finally:
             rt.close()
 
