@@ -426,8 +426,11 @@ class BwrapBackend:
             state["proc"] = proc
             (run_dir / "supervisor.pid").write_text(f"{os.getpid()}\n")
         except BaseException:
+            # close our ends now (the fds must not outlive a failed launch) and forget them:
+            # closing a number twice could close a descriptor another thread opened meanwhile
             for fd in opened:
                 _close(fd)
+            opened.clear()
             self.destroy(handle)
             raise
         finally:

@@ -58,10 +58,15 @@ def write_beneath(root: Path, rel: str, data: bytes, uid: int | None) -> int:
     dfd = _open_dir_beneath(root, parts[:-1], create=True, uid=uid)
     try:
         try:
-            fd = os.open(parts[-1], os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=dfd)
+            # no O_TRUNC before we know it is a regular file; O_NONBLOCK so a FIFO the agent
+            # planted cannot park this thread forever
+            fd = os.open(parts[-1], os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, 0o644,
+                         dir_fd=dfd)
         except OSError as exc:
             if exc.errno == errno.ELOOP:
                 raise PolicyDenied(f"{rel!r} is a symlink: refused", code="files.symlink") from None
+            if exc.errno == errno.ENXIO:  # a FIFO nobody reads (O_NONBLOCK)
+                raise PolicyDenied(f"{rel!r} is not a regular file", code="files.not-regular") from None
             raise
         try:
             st = os.fstat(fd)
@@ -69,7 +74,10 @@ def write_beneath(root: Path, rel: str, data: bytes, uid: int | None) -> int:
 
             if not _st.S_ISREG(st.st_mode):
                 raise PolicyDenied(f"{rel!r} is not a regular file", code="files.not-regular")
-            os.write(fd, data)
+            os.ftruncate(fd, 0)
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
             if uid is not None:
                 os.fchown(fd, uid, uid)
         finally:
@@ -97,11 +105,14 @@ def read_beneath(root: Path, rel: str) -> bytes:
                 raise PolicyDenied(f"{rel!r} is not a regular file", code="files.not-regular")
             if st.st_size > MAX_FILE:
                 raise PolicyDenied("file too large", code="files.too-large")
-            chunks = []
+            chunks, total = [], 0
             while True:
                 b = os.read(fd, 1 << 20)
                 if not b:
                     break
+                total += len(b)
+                if total > MAX_FILE:  # it grew while we read: the cap holds anyway
+                    raise PolicyDenied("file too large", code="files.too-large")
                 chunks.append(b)
             return b"".join(chunks)
         finally:
