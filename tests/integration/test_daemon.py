@@ -212,6 +212,25 @@ def test_live_revocation_through_the_gate(daemon, tmp_path):
         recs = [json.loads(x) for x in av("audit", "show", "--json", "--sandbox", "d-cred").stdout.splitlines()]
         assert any(r["kind"] == "policy.change" and r["data"]["op"] == "revoke" for r in recs)
         assert any(r["kind"] == "egress.deny" and r["data"].get("rule") == "credential:revoked:k" for r in recs)
+        # the revocation is state, not memory: a restart (which the agent could provoke by
+        # exiting) comes back with the credential still revoked
+        denied_before = sum("403 credential:revoked:k" in ln for ln in av("logs", "d-cred").stdout.decode().split("\n"))
+        av("restart", "d-cred")
+        n = len(up.requests_to("api.test"))
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            lines = av("logs", "d-cred").stdout.decode().split("\n")
+            if sum("403 credential:revoked:k" in ln for ln in lines) > denied_before + 3:
+                break
+            time.sleep(0.1)
+        else:
+            raise AssertionError("the restarted worker made no denied requests: " + repr(lines[-5:]))
+        assert len(up.requests_to("api.test")) == n, "a revoked credential came back after a restart"
+        av("policy", "d-cred", "restore", "k")
+        deadline = time.monotonic() + 10
+        while len(up.requests_to("api.test")) == n and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(up.requests_to("api.test")) > n, "restore brings it back"
         av("rm", "d-cred")
     finally:
         up.close()
@@ -230,6 +249,16 @@ def test_limits_can_be_tightened_live_not_raised(daemon, tmp_path):
     assert r.returncode != 0 or b"fork" in r.stderr.lower() or b"resource" in r.stderr.lower()
     r = av("policy", "d-lim", "limits", "--memory", "1G", check=False)
     assert r.returncode != 0 and b"only be lowered" in r.stderr
+    av("restart", "d-lim")  # the tightened limits are state: the next start keeps them
+    sid2 = sid
+    deadline = time.monotonic() + 15
+    while sid2 == sid and time.monotonic() < deadline:
+        row = next(r for r in json.loads(av("ps", "--json").stdout) if r["name"] == "d-lim")
+        sid2 = row["sandbox_id"] if row["state"] == "running" else sid
+        time.sleep(0.1)
+    assert sid2 != sid
+    assert Path(f"/sys/fs/cgroup/memory/agentvm/{sid2}/memory.limit_in_bytes").read_text().strip() == str(64 * 1024**2)
+    assert Path(f"/sys/fs/cgroup/pids/agentvm/{sid2}/pids.max").read_text().strip() == "16"
     av("rm", "d-lim")
 
 

@@ -128,6 +128,15 @@ class Daemon:
             from agentvm.policy import _with_default_denies
 
             policy = dataclasses.replace(policy, egress=_with_default_denies(dataclasses.replace(eg, allow=allow, deny=deny)))
+        lim = patch.get("limits") or {}
+        if lim:  # live-tightened limits hold for every later start too (only ever lower)
+            cur = policy.limits
+            policy = dataclasses.replace(policy, limits=dataclasses.replace(
+                cur,
+                memory=min(cur.memory, int(lim.get("memory", cur.memory))),
+                pids=min(cur.pids, int(lim.get("pids", cur.pids))),
+                cpus=min(cur.cpus, float(lim.get("cpus", cur.cpus))),
+            ))
         return policy
 
     async def start(self, name: str, *, actor: str = "operator") -> None:
@@ -199,6 +208,8 @@ class Daemon:
                                                            uid=plan.host_uid or None, creds=res.creds)
                 patch = json.loads(row.policy_patch or "{}")
                 m.endpoint.paused = bool(patch.get("paused"))
+                if m.endpoint.creds is not None:  # per-sandbox revocations survive restarts
+                    m.endpoint.creds.local_revoked.update(patch.get("revoked", []))
             m.handle = await asyncio.to_thread(backend.launch, plan, stdio=(devnull, logfd, logfd))
             m.started_at = time.monotonic()
             self.state.update(m.name, state="running", sandbox_id=plan.sandbox_id, started=time.time(),
@@ -751,16 +762,19 @@ class Daemon:
             b = next((b for b in policy.credentials if b.name == cred), None)
             if b is None:
                 raise ApiError(404, "not-found", f"{name} has no credential {cred!r}")
-            if ep is None or ep.creds is None:
-                raise ApiError(409, "not-running", "per-session revocation needs a running sandbox",
-                               hint="`agentvm secret revoke NAME` revokes it everywhere")
-            # in the gate's memory: the very next request sees it
-            (ep.creds.local_revoked.add if op == "revoke" else ep.creds.local_revoked.discard)(cred)
-            if b.ref.startswith("vault:"):  # and recorded in the vault, per session
-                from agentvm.vault import Vault
+            # kept in the sandbox's state: a restart (which the agent can provoke by exiting)
+            # starts with the credential still revoked
+            revoked = set(patch.get("revoked", []))
+            (revoked.add if op == "revoke" else revoked.discard)(cred)
+            patch["revoked"] = sorted(revoked)
+            if ep is not None and ep.creds is not None:
+                # in the gate's memory: the very next request sees it
+                (ep.creds.local_revoked.add if op == "revoke" else ep.creds.local_revoked.discard)(cred)
+                if b.ref.startswith("vault:"):  # and recorded in the vault, per session
+                    from agentvm.vault import Vault
 
-                v = Vault(self.runtime.vault_dir)
-                (v.revoke if op == "revoke" else v.restore)(b.ref[6:], m.plan.sandbox_id)
+                    v = Vault(self.runtime.vault_dir)
+                    (v.revoke if op == "revoke" else v.restore)(b.ref[6:], m.plan.sandbox_id)
         elif op == "limits":
             group = m.handle.backend_state.get("cgroup") if m and m.handle is not None else None
             if group is None:
@@ -776,6 +790,8 @@ class Daemon:
                 applied = await asyncio.to_thread(group.tighten, memory=mem, pids=pids, cpus=cpus)
             except (ValueError, KeyError) as exc:
                 raise ApiError(400, "invalid-limits", str(exc)) from None
+            patch["limits"] = {**patch.get("limits", {}), **applied}  # and for every later start
+            self.state.update(name, policy_patch=json.dumps(patch))
             took = (time.perf_counter() - t0) * 1000
             self.record("policy.change", actor=actor, sandbox=name, op="limits", detail=applied, applied_live=True,
                         ms=round(took, 3))
