@@ -379,3 +379,113 @@ def test_upstream_connections_are_reused_and_stale_ones_retried(tmp_path):
     assert all(o.startswith(b"HTTP/1.1 200") for o in outs)
     assert reused == 1, "five requests, one upstream connection"
     assert after.startswith(b"HTTP/1.1 200"), "a stale pooled connection is retried on a fresh one"
+
+
+def test_a_deny_flood_is_counted_not_logged_line_by_line(tmp_path):
+    """A sandbox hammering the gate with denied requests must not be able to flood the decision
+    log (and through it the audit chain): past a burst, denials are counted and summarised in
+    one record - none goes unaccounted."""
+    n = 700
+
+    async def go():
+        gate, ep, up, sock = await setup_gate(tmp_path)
+        for i in range(n):
+            await exchange(sock, req(up.port, host=f"h{i}-" + "x" * 200 + ".test"))
+        await gate.close_endpoint("sbx-1")
+        return ep
+
+    ep = run(go())
+    recs = [json.loads(ln) for ln in ep.log_path.read_text().splitlines()]
+    one_by_one = [r for r in recs if r["verdict"] == "deny" and r["rule"] != "log:suppressed"]
+    summaries = [r for r in recs if r["rule"] == "log:suppressed"]
+    assert len(one_by_one) < n, "every denial was written out individually"
+    assert summaries and len(one_by_one) + sum(r["suppressed"] for r in summaries) == n
+    assert sum(ep.denials.values()) == n
+    assert all(len(t) < 300 for _, t in ep.denials)
+
+
+class HangingUpstream:
+    """Accepts, reads, never answers: a request or tunnel that stays open."""
+
+    async def start(self):
+        self.conns = []
+
+        async def handle(r, w):
+            self.conns.append(w)
+            try:
+                while await r.read(65536):
+                    pass
+            except ConnectionError:
+                pass
+
+        self.server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        self.port = self.server.sockets[0].getsockname()[1]
+
+
+async def _open_gate_to(tmp: Path, port: int):
+    eg = compile_egress(None, extra_allow=[f"up.test:{port}"], extra_hosts={"up.test": "127.0.0.1"})
+    gate = Gate(tmp / "gate", tmp / "logs")
+    sock = tmp / f"g-{secrets.token_hex(3)}.sock"
+    return gate, await gate.open_endpoint("sbx-1", "agent", eg, sock), sock
+
+
+def _cut_records(ep):
+    return [json.loads(ln) for ln in ep.log_path.read_text().splitlines() if json.loads(ln)["phase"] == "cut"]
+
+
+def test_pause_cuts_a_request_already_in_flight(tmp_path):
+    async def go():
+        up = HangingUpstream()
+        await up.start()
+        gate, ep, sock = await _open_gate_to(tmp_path, up.port)
+        r, w = await asyncio.open_unix_connection(str(sock))
+        w.write(req(up.port, path="/long-poll"))
+        await w.drain()
+        for _ in range(100):
+            if up.conns:
+                break
+            await asyncio.sleep(0.02)
+        assert up.conns, "the request reached the upstream"
+        ep.paused = True
+        got = await asyncio.wait_for(r.read(65536), 5)  # the connection ends, promptly
+        w.close()
+        await gate.close_endpoint("sbx-1")
+        return got, ep
+
+    got, ep = run(go())
+    assert not got.startswith(b"HTTP/1.1 200")
+    assert [c["rule"] for c in _cut_records(ep)] == ["paused"]
+
+
+@pytest.mark.parametrize("how", ["pause", "policy"])
+def test_an_open_opaque_tunnel_is_cut_by_pause_or_a_narrowed_policy(tmp_path, how):
+    from tests.unit.test_gate_tls import real_hello
+
+    async def go():
+        up = HangingUpstream()
+        await up.start()
+        gate, ep, sock = await _open_gate_to(tmp_path, up.port)
+        r, w = await asyncio.open_unix_connection(str(sock))
+        w.write(f"CONNECT up.test:{up.port} HTTP/1.1\r\nHost: up.test:{up.port}\r\n\r\n".encode())
+        await w.drain()
+        assert (await asyncio.wait_for(r.read(65536), 5)).startswith(b"HTTP/1.1 200")
+        w.write(real_hello("up.test"))
+        await w.drain()
+        for _ in range(100):
+            if ep.splices:
+                break
+            await asyncio.sleep(0.02)
+        assert ep.splices, "the tunnel is spliced"
+        if how == "pause":
+            ep.paused = True
+        else:
+            ep.set_policy(compile_egress(None, extra_allow=["elsewhere.test:443"]))
+        got = await asyncio.wait_for(r.read(65536), 5)
+        w.close()
+        await gate.close_endpoint("sbx-1")
+        return got, ep
+
+    got, ep = run(go())
+    assert got == b""
+    cuts = _cut_records(ep)
+    assert len(cuts) == 1 and (cuts[0]["rule"] == "paused") == (how == "pause")

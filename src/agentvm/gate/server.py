@@ -76,6 +76,12 @@ class _Stale(Exception):
     """A pooled upstream connection turned out closed before answering (safe to retry)."""
 
 
+# deny records per second (and burst) an endpoint writes one by one; beyond, they are counted
+DENY_LOG_RATE = 50.0
+DENY_LOG_BURST = 200.0
+MAX_DENIAL_KEYS = 1024  # distinct (rule, target) pairs kept in a run's summary
+
+
 @dataclass
 class TokenBucket:
     rate: float
@@ -113,8 +119,17 @@ class Endpoint:
         self.bytes_out = 0
         self.bytes_in = 0
         self.denials: dict[tuple[str, str], int] = {}
+        # deny records are rate-limited (a sandbox must not be able to flood the log, the
+        # audit chain and the daemon's loop by hammering the gate); the excess is counted and
+        # logged as one summary record, so every decision is still accounted for
+        self.deny_log_bucket = TokenBucket(DENY_LOG_RATE, DENY_LOG_BURST)
+        self.deny_suppressed = 0
         self.allowed = 0
-        self.paused = False
+        self._paused = False
+        # live connections, so a pause or a narrowed policy reaches those already open
+        self.conns: set[asyncio.Task] = set()
+        self.splices: dict[asyncio.Task, RequestMeta] = {}  # opaque tunnels: decided once, at setup
+        self.cut: dict[asyncio.Task, tuple[str, str]] = {}  # task -> (rule, reason) it was cut for
         self.creds = None  # CredentialSet of this session (credentials by reference), or None
         self.alerts = 0
         # idle upstream connections: per sandbox, never shared across sandboxes
@@ -142,10 +157,32 @@ class Endpoint:
                 stream.close()
         self.pool.clear()
 
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    @paused.setter
+    def paused(self, value: bool) -> None:
+        self._paused = bool(value)
+        if self._paused:  # all egress stops: requests and tunnels already under way included
+            for t in list(self.conns):
+                self._cut(t, "paused", "egress paused by the operator: connection cut")
+
+    def _cut(self, task: asyncio.Task, rule: str, reason: str) -> None:
+        if task not in self.cut and not task.done():
+            self.cut[task] = (rule, reason)
+            task.cancel()
+
     def set_policy(self, policy: EgressPolicy) -> None:
         self.policy = policy
         self.bucket.rate = policy.limits.requests_per_second
         self.bucket.capacity = float(policy.limits.burst)
+        # terminated and plain connections decide every request under the new policy; an
+        # opaque tunnel was decided once, so one the new policy denies is cut now
+        for t, meta in list(self.splices.items()):
+            d = decide(meta, policy)
+            if not d.allowed:
+                self._cut(t, d.rule_id, f"policy changed: {d.reason}; tunnel cut")
 
     def log(self, *, verdict: str, rule_id: str, reason: str, host: str, port: int | None, method: str | None = None,
             path: str | None = None, phase: str, bytes_out: int = 0, bytes_in: int = 0, **extra) -> None:
@@ -170,13 +207,34 @@ class Endpoint:
         if extra.get("alert"):
             self.alerts += 1
         if verdict == "deny":
-            key = (rule_id, f"{host}:{port}" if host else "(malformed request)")
+            target = f"{host[:255].lower()}:{port}" if host else "(malformed request)"
+            key = (rule_id[:128], target)
+            if key not in self.denials and len(self.denials) >= MAX_DENIAL_KEYS:
+                key = ("(other)", "(too many distinct denials to list)")
             self.denials[key] = self.denials.get(key, 0) + 1
+            if not extra.get("alert") and not self.deny_log_bucket.take():
+                self.deny_suppressed += 1
+                return
         else:
             self.allowed += 1
+        self.flush_suppressed()
+        self._write(rec)
+
+    def _write(self, rec: dict) -> None:
         # json.dumps escapes every control character (and non-ASCII): one record, one line
         self._log.write(json.dumps(rec, sort_keys=True, ensure_ascii=True) + "\n")
         self.gate.emit(rec)
+
+    def flush_suppressed(self) -> None:
+        """One record for the denials not logged one by one (none were lost: they were counted)."""
+        if not self.deny_suppressed:
+            return
+        n, self.deny_suppressed = self.deny_suppressed, 0
+        self._write({"time": round(time.time(), 6), "sandbox": self.sandbox_id, "agent": self.agent,
+                     "phase": "log", "host": "", "port": None, "method": None, "path": None,
+                     "rule": "log:suppressed", "verdict": "deny", "suppressed": n,
+                     "reason": f"{n} further denials were counted but not logged one by one (deny-log rate limit)",
+                     "bytes_out": 0, "bytes_in": 0})
 
     def count_out(self, n: int, host: str = "", port: int | None = None) -> None:
         self.bytes_out += n
@@ -184,6 +242,10 @@ class Endpoint:
             raise _Cut("limit:bytes-out", host, port)
 
     def close_log(self) -> None:
+        try:
+            self.flush_suppressed()
+        except Exception:  # noqa: BLE001 - closing must not fail
+            pass
         try:
             self._log.close()
         except OSError:
@@ -361,10 +423,17 @@ class Gate:
             client.close()
             return
         ep.active += 1
+        task = asyncio.current_task()
+        ep.conns.add(task)
         try:
             await self._serve(ep, client)
         except (ConnectionError, asyncio.TimeoutError, asyncio.IncompleteReadError, ssl.SSLError):
             pass
+        except asyncio.CancelledError:
+            if task not in ep.cut:
+                raise  # the gate is shutting down
+            rule, reason = ep.cut[task]
+            ep.log(verdict="deny", rule_id=rule, reason=reason, host="", port=None, phase="cut")
         except _Cut as cut:
             ep.log(verdict="deny", rule_id=cut.rule_id, reason=f"limit reached: connection cut ({ep.bytes_out} bytes out)",
                    host=cut.host, port=cut.port, phase="stream")
@@ -372,6 +441,8 @@ class Gate:
             ep.log(verdict="deny", rule_id="internal-error", reason=f"{type(exc).__name__}", host="", port=None, phase="internal")
         finally:
             ep.active -= 1
+            ep.conns.discard(task)
+            ep.cut.pop(task, None)
             client.close()
 
     async def _read_head(self, stream, pending: bytes) -> tuple[bytes | None, bytes]:
@@ -863,11 +934,13 @@ class Gate:
         ep.count_out(len(buf), *target)
         try:
             await upstream.write(buf)
+            ep.splices[asyncio.current_task()] = meta2
             if hasattr(os, "splice"):
                 out, inn = await _zero_copy_splice(ep, client, upstream, target)
             else:  # pragma: no cover - Linux < 2.6.17 / Python < 3.10
                 out, inn = await self._splice(ep, client, upstream, target)
         finally:
+            ep.splices.pop(asyncio.current_task(), None)
             upstream.close()
         ep.log(verdict="allow", rule_id=d2.rule_id, reason="tunnel (SNI checked, not terminated)", host=req.host,
                port=req.port, method="CONNECT", phase="tunnel", bytes_out=out + len(buf), bytes_in=inn, sni=hello.sni)
@@ -934,6 +1007,9 @@ class Gate:
                 inner, down = h1.parse_head(head, pending)
             except h1.ProtocolError as exc:
                 await self._bad_request(ep, stream, exc, req.host, req.port)
+                return
+            if ep.paused:
+                await self._deny(ep, stream, "paused", "egress is paused by the operator", inner)
                 return
             if not ep.bucket.take():
                 await self._deny(ep, stream, "limit:rate", "request rate limit", inner, status=429)
@@ -1049,6 +1125,9 @@ async def _zero_copy_splice(ep: Endpoint, client: PlainStream, upstream: PlainSt
         finally:
             for t in (t1, t2):
                 t.cancel()
+            # both pumps must be finished (their readers removed) before the fds are closed:
+            # a number closed while still registered could be reused by another connection
+            await asyncio.gather(t1, t2, return_exceptions=True)
     finally:
         os.close(cfd)
         os.close(ufd)
