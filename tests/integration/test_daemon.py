@@ -338,3 +338,25 @@ def test_run_via_daemon_backpressure_and_hangup(daemon):
     assert "operator.run-abandoned" in kinds and "lifecycle.run-exited" in kinds, kinds
     ex = [r for r in recs if r["kind"] == "lifecycle.run-exited"][-1]
     assert ex["data"]["teardown_verified"] is True and ex["data"]["exit_code"] != 0
+
+
+def test_ttl_ends_a_persistent_worker_for_good(daemon, tmp_path):
+    """A TTL is an end, not a crash: the persistent worker is stopped and not restarted."""
+    from agentvm.daemon.client import Client
+
+    c = Client(daemon / "run" / "agentvm.sock")
+    f = agent(tmp_path, "d-ttl", ["/bin/sh", "-c", "exec sleep 300"])
+    c.create(f.read_text(), str(f), ttl=1.0)
+    c.action("d-ttl", "start")
+    deadline = time.monotonic() + 15
+    row = c.get("d-ttl")
+    while row["state"] not in ("exited", "stopped") and time.monotonic() < deadline:
+        time.sleep(0.2)
+        row = c.get("d-ttl")
+    time.sleep(2.5)  # longer than the first restart backoff
+    row = c.get("d-ttl")
+    assert row["state"] in ("exited", "stopped") and row["restarts"] == 0, row
+    recs = [json.loads(x) for x in av("audit", "show", "--json", "--sandbox", "d-ttl").stdout.splitlines()]
+    assert any(r["kind"] == "lifecycle.ttl-expired" for r in recs)
+    assert not any(r["kind"] == "lifecycle.restart-scheduled" for r in recs)
+    c.rm("d-ttl")

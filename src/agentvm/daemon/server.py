@@ -48,6 +48,18 @@ MAX_BODY = 64 * 1024 * 1024
 # the request's stream reader, for handlers that must notice the client hanging up mid-response
 _CLIENT_READER: contextvars.ContextVar = contextvars.ContextVar("agentvm_client_reader", default=None)
 
+
+def _tail(path: Path, n: int) -> bytes:
+    """The last ``n`` bytes of a log, read from the end (the log may be large)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(f.tell() - n, 0))
+            return f.read(n)
+    except FileNotFoundError:
+        return b""
+
+
 class ApiError(Exception):
     def __init__(self, status: int, code: str, message: str, hint: str = ""):
         super().__init__(message)
@@ -108,7 +120,7 @@ class Daemon:
             self.state.update(name, last_activity=time.time())
         if rec.get("verdict") == "deny" or rec.get("alert") or rec.get("credentials"):
             data = {k: rec.get(k) for k in ("sandbox", "host", "port", "method", "path", "rule", "verdict", "reason",
-                                            "alert", "credentials", "credential") if rec.get(k) is not None}
+                                            "alert", "credentials", "credential", "suppressed") if rec.get(k) is not None}
             self.audit.append("egress." + rec.get("verdict", "?"), actor="gate", sandbox=name, data=data)
 
     # ---------------------------------------------------------------- lifecycle
@@ -194,12 +206,13 @@ class Daemon:
         backend = self.runtime.backend_for(policy)
         m.plan, m.res, m.policy = plan, res, policy
         log_path = self.paths.home / "logs" / f"{m.name}.log"
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        logfd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        devnull = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
         report = None
         status = None
+        logfd = devnull = -1
         try:
+            log_path.parent.mkdir(parents=True, exist_ok=True)
+            logfd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            devnull = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
             if policy.egress is not None:
                 run_dir = self.paths.sandboxes / plan.sandbox_id
                 run_dir.mkdir(parents=True, exist_ok=True)
@@ -233,8 +246,9 @@ class Daemon:
                 await self.gate.close_endpoint(plan.sandbox_id)
                 m.endpoint = None
             m.handle = None
-            os.close(logfd)
-            os.close(devnull)
+            for fd in (logfd, devnull):
+                if fd >= 0:
+                    os.close(fd)
         code = status.exit_code if status else 125
         self.state.update(m.name, exit_code=code)
         self.record("lifecycle.exited", sandbox=m.name, sandbox_id=plan.sandbox_id, exit_code=code,
@@ -270,11 +284,14 @@ class Daemon:
             r = self.state.get(m.name)
             if r is None:
                 return
+            # either ends the sandbox for good: a persistent worker is not restarted after it
             if r.ttl and r.started and now - r.started > r.ttl:
                 self.record("lifecycle.ttl-expired", sandbox=m.name, ttl=r.ttl)
+                self.state.update(m.name, desired="stopped")
                 return
             if r.idle_timeout and r.last_activity and now - r.last_activity > r.idle_timeout:
                 self.record("lifecycle.idle-timeout", sandbox=m.name, idle_timeout=r.idle_timeout)
+                self.state.update(m.name, desired="stopped")
                 return
 
     async def stop(self, name: str, *, actor: str = "operator") -> None:
@@ -460,7 +477,11 @@ class Daemon:
             if action == "logs" and method == "GET":
                 path = self.paths.home / "logs" / f"{name}.log"
                 self._row(name)
-                data = path.read_bytes()[-int(q.get("tail", 1 << 20)):] if path.exists() else b""
+                try:
+                    tail = min(max(int(q.get("tail", 1 << 20)), 0), 16 << 20)
+                except ValueError:
+                    raise ApiError(400, "bad-request", "'tail' is a number of bytes") from None
+                data = await asyncio.to_thread(_tail, path, tail)
                 return await self._json(conn, writer, 200, {"log": data.decode(errors="replace")})
             if action == "files":
                 return await self._files(name, method, q.get("path", ""), body, conn, writer, actor)
