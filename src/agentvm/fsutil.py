@@ -40,3 +40,60 @@ def write_atomic(path: Path, data: bytes, mode: int, *, mtime_ns: int | None = N
             raise
     finally:
         os.close(dfd)
+
+
+_HOST_CRITICAL = ("/", "/proc", "/sys", "/dev", "/run", "/boot")
+
+
+def check_grant_target(real: str, own: list[Path], shown: str) -> None:
+    """Refuse a grant whose *resolved* host path is the whole host, a kernel interface, or
+    agent-vm's own state (other agents' workspaces, keys). ``shown`` is the path as declared."""
+    from agentvm.errors import PolicyDenied
+
+    if real in _HOST_CRITICAL:
+        raise PolicyDenied(f"granting {real} would expose the host", code="policy.grant-forbidden")
+    r = Path(real)
+    for o in own:
+        if o == r or o.is_relative_to(r) or r.is_relative_to(o):
+            raise PolicyDenied(
+                f"granting {shown} would expose agent-vm's own state ({o}): other agents' workspaces and keys",
+                code="policy.grant-forbidden",
+            )
+
+
+def untrusted_symlink(path: str) -> str | None:
+    """The first symlink on ``path`` that sits in a directory a non-root user can write (so an
+    agent with a grant there could re-point it between our check and our open), or None.
+    Links in root-owned, not group/other-writable directories are the operator's own (as is a
+    root-owned link in a root-owned sticky directory such as /tmp)."""
+    import stat
+
+    cur = "/"
+    parts = [p for p in os.path.abspath(path).split("/") if p]
+    hops = 0
+    while parts:
+        p = parts.pop(0)
+        nxt = os.path.join(cur, p)
+        try:
+            st = os.lstat(nxt)
+        except OSError:
+            return None  # does not exist: the open will fail on its own
+        if stat.S_ISLNK(st.st_mode):
+            hops += 1
+            d = os.stat(cur)
+            # root's link in a root-owned sticky directory (/tmp) cannot be replaced by others
+            sticky_safe = bool(d.st_mode & stat.S_ISVTX) and st.st_uid == 0
+            if d.st_uid != 0 or (d.st_mode & 0o022 and not sticky_safe):
+                return nxt
+            if hops > 40:
+                return nxt
+            target = os.readlink(nxt)
+            parts = [q for q in target.split("/") if q] + parts
+            if target.startswith("/"):
+                cur = "/"
+            continue
+        if p == "..":
+            cur = os.path.dirname(cur) or "/"
+        elif p != ".":
+            cur = nxt
+    return None

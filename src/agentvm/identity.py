@@ -137,6 +137,15 @@ def lease_identity(lease_dir: Path, sandbox_id: str) -> Identity:
         except BlockingIOError:
             os.close(fd)
             continue
+        try:
+            same = os.fstat(fd).st_ino == os.stat(path).st_ino
+        except FileNotFoundError:
+            same = False
+        if not same:
+            # the holder released (unlinked) it between our open and our lock: the lock we
+            # hold is on a dead inode, and a newcomer may lock a fresh file of that name
+            os.close(fd)
+            continue
         if existed and uid_has_processes(uid):
             os.close(fd)
             continue

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 from agentvm import identity
 from agentvm.backends.base import PRIMITIVES, ExitStatus, LaunchContext, TeardownReport
 from agentvm.errors import EXIT_BACKEND, AgentVMError, ConfigError, PolicyDenied, PrimitiveMissing
+from agentvm.fsutil import check_grant_target, untrusted_symlink
 from agentvm.paths import Paths, default_paths
 from agentvm.policy import MountGrant, Policy, check_tier
 
@@ -212,14 +213,14 @@ class Runtime:
             real = Path(os.path.realpath(m.host))
             if not real.exists():
                 raise ConfigError(f"granted host path {m.host} does not exist")
-            if str(real) in ("/", "/proc", "/sys", "/dev", "/run", "/boot"):
-                raise PolicyDenied(f"granting {real} would expose the host", code="policy.grant-forbidden")
-            for o in own:
-                if o == real or o.is_relative_to(real) or real.is_relative_to(o):
-                    raise PolicyDenied(
-                        f"granting {m.host} would expose agent-vm's own state ({o}): other agents' workspaces and keys",
-                        code="policy.grant-forbidden",
-                    )
+            check_grant_target(str(real), own, m.host)
+            link = untrusted_symlink(m.host)
+            if link is not None:
+                raise PolicyDenied(
+                    f"granting {m.host} goes through the symlink {link}, in a directory a non-root user can "
+                    "write: it could be re-pointed anywhere after this check",
+                    code="policy.grant-untrusted-link", hint="grant the resolved path, or move the link somewhere root-owned",
+                )
 
     # ------------------------------------------------------------------ run
     def prepare(self, policy: Policy, *, degrade: tuple[str, ...] = (), tty: bool = False):
@@ -245,6 +246,10 @@ class Runtime:
             else:
                 uid, gid, drop = os.getuid(), os.getgid(), False
             ws_host = None
+            if policy.agent and drop and not policy.workspace:
+                # one sandbox per named agent at a time, workspace or not: they would share a
+                # uid, and one's teardown sweep would kill the other's processes
+                res.agent_lock = _agent_lock(self.paths.workspaces, policy.name)
             if policy.workspace and policy.agent and host_resources:
                 from agentvm import workspace
 
@@ -400,6 +405,26 @@ class Runtime:
         return result
 
 
+def _agent_lock(home_ws: Path, name: str) -> int:
+    """The same lock a workspace takes (``<workspaces>/<name>.lock``), for agents without one."""
+    import errno
+    import fcntl
+
+    home_ws.mkdir(parents=True, exist_ok=True)
+    fd = os.open(home_ws / f"{name}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        os.close(fd)
+        if exc.errno in (errno.EAGAIN, errno.EACCES):
+            raise PolicyDenied(
+                f"agent {name!r} is already running: a second sandbox would share its uid",
+                hint="wait for the other run to finish, or give this instance its own name",
+            ) from exc
+        raise
+    return fd
+
+
 class _Resources:
     """Host resources held for one run, released after teardown."""
 
@@ -408,8 +433,12 @@ class _Resources:
         self.lease: identity.Identity | None = None
         self.workspace = None
         self.creds = None  # the session's CredentialSet (placeholders; values stay in the vault)
+        self.agent_lock: int | None = None  # a named agent's uid, held when it has no workspace
 
     def release(self, report: TeardownReport | None = None) -> None:
+        if self.agent_lock is not None:
+            os.close(self.agent_lock)
+            self.agent_lock = None
         if self.workspace is not None:
             left = self.workspace.release()
             if report is not None and left:

@@ -417,3 +417,18 @@ def test_host_state_dir_not_disclosed_by_process_args(sh, avm_home):
     assert r.returncode == 0, dump(r)
     leaked = sorted({ln for ln in r.stdout.splitlines() if str(avm_home) in ln})
     assert not leaked, f"host state paths visible in the sandbox's process arguments: {leaked[:6]}" + dump(r)
+
+
+def test_planted_symlink_cannot_redirect_a_later_grant(sh, grant_dir, root_canary):
+    """Agent A, with a writable grant on a shared directory, replaces a subdirectory the
+    operator grants to a later run with a symlink to a host directory. The later grant must
+    be refused, not bind-mount whatever the link points at."""
+    path, secret = root_canary
+    g = grant_dir(0o777)
+    (g / "ref").mkdir()
+    r = sh(f"rm -rf /g/ref && ln -s {os.path.dirname(path)} /g/ref; echo planted=$?", "--mount", f"{g}:/g:rw")
+    assert "planted=0" in r.stdout, dump(r)
+    assert os.path.islink(g / "ref")
+    r2 = sh(f"cat /ref/{os.path.basename(path)}; echo rc=$?", "--mount", f"{g}/ref:/ref:ro")
+    assert secret not in r2.stdout + r2.stderr, "a planted link redirected a grant to the host" + dump(r2)
+    assert r2.returncode != 0 and "grant-untrusted-link" in r2.stderr, dump(r2)

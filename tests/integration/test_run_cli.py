@@ -264,3 +264,26 @@ def test_doctor_reports_ok_on_this_host(agentvm):
         assert names[n]["ok"], names[n]
     kvm = next(p for p in rep["extras"] if p["name"] == "kvm")
     assert "detail" in kvm
+
+
+def test_a_named_agent_without_workspace_runs_once_at_a_time(agentvm, tmp_path, avm_home):
+    """Two sandboxes of one named agent would share its uid - and the teardown of one would
+    sweep the other's processes. Without a workspace (whose lock already serialises them) the
+    second is refused the same way."""
+    f = write_agent(tmp_path, "solo", extra="  workspace: {enabled: false}\n")
+    first = subprocess.Popen(agentvm_cmd() + ["run", "-f", str(f), "--", "/bin/sh", "-c", "echo up; exec sleep 20"],
+                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert first.stdout.readline() == b"up\n"
+        r = agentvm("run", "-f", str(f), "--", "/bin/true")
+        assert r.returncode != 0 and b"already running" in r.stderr, r.stderr.decode()
+    finally:
+        first.kill()
+        first.wait()
+    deadline = time.monotonic() + 10
+    while True:
+        r = agentvm("run", "-f", str(f), "--", "/bin/true")
+        if r.returncode == 0 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert r.returncode == 0, "free again once the first is gone: " + r.stderr.decode()

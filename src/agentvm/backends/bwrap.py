@@ -37,7 +37,8 @@ from agentvm.backends.base import (
     SandboxHandle,
     TeardownReport,
 )
-from agentvm.errors import EXIT_BACKEND, EXIT_TIMEOUT, BackendError, LaunchError
+from agentvm.errors import EXIT_BACKEND, EXIT_TIMEOUT, AgentVMError, BackendError, LaunchError
+from agentvm.fsutil import check_grant_target
 from agentvm.policy import Policy
 
 HOME_IN_SANDBOX = "/home/agent"
@@ -181,12 +182,14 @@ class BwrapBackend:
             MountOp("tmpfs", HOME_IN_SANDBOX, size=min(lim.tmp, 64 * 1024**2), perms="0700"),
             MountOp("ro-bind-try", "/sys/devices/system/cpu", "/sys/devices/system/cpu"),
         ]
-        fd_names: list[tuple[str, str]] = []  # (fd name, host path) opened O_PATH at launch
+        # (fd name, host path) opened O_PATH at launch - the path as resolved now, after the
+        # grant checks: at launch, what is opened must still be exactly this
+        fd_names: list[tuple[str, str]] = []
         for i, p in enumerate(policy.extra_ro):
-            fd_names.append((f"extra{i}", p))
+            fd_names.append((f"extra{i}", os.path.realpath(p)))
             mounts.append(MountOp("ro-bind-fd", p, f"@fd:extra{i}@"))
         for i, m in enumerate(policy.mounts):
-            fd_names.append((f"grant{i}", m.host))
+            fd_names.append((f"grant{i}", os.path.realpath(m.host)))
             mounts.append(MountOp("bind-fd" if m.writable else "ro-bind-fd", m.path, f"@fd:grant{i}@"))
         if policy.workspace:
             if ctx.workspace_host:
@@ -391,6 +394,17 @@ class BwrapBackend:
                     raise LaunchError("grant", f"cannot open {host}: {exc.strerror}") from exc
                 opened.append(fd)
                 fds[name] = fd
+                # what was opened is what gets mounted: check *that* (not the name we checked
+                # earlier), so swapping a path component in between gains nothing
+                if name == "workspace":
+                    continue  # agent-vm's own mount, not a grant
+                actual = os.readlink(f"/proc/self/fd/{fd}")
+                if actual != host:
+                    raise LaunchError("grant", f"{host} changed since it was checked (it now leads to {actual}): refused")
+                try:
+                    check_grant_target(actual, [self.paths.home.resolve(), self.paths.runtime.resolve()], host)
+                except AgentVMError as exc:
+                    raise LaunchError("grant", exc.message) from None
             allow_ptrace = plan.seccomp_allow_ptrace
             sfd = sc.filter_fd(sc.SeccompOptions(allow_ptrace=allow_ptrace), self.paths.libexec)
             opened.append(sfd)

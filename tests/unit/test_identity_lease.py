@@ -1,0 +1,47 @@
+"""uid leases for anonymous runs: two runs must never hold the same uid, including when a
+lease is released exactly between another leaser's open and its lock."""
+
+from __future__ import annotations
+
+import fcntl
+
+import pytest
+
+from agentvm import identity
+from agentvm.errors import BackendError
+
+
+def test_a_lease_released_between_open_and_lock_is_not_double_granted(tmp_path, monkeypatch):
+    monkeypatch.setattr(identity, "LEASE_RANGE", 1)  # one uid: any double grant shows
+    monkeypatch.setattr(identity, "uid_has_processes", lambda uid: [])
+    a = identity.lease_identity(tmp_path, "run-a")
+    real_flock = fcntl.flock
+    state = {"released": False}
+
+    def racing_flock(fd, op):
+        if not state["released"]:  # B has opened a's lock file; a is released right now
+            state["released"] = True
+            identity.release_lease(a)
+        return real_flock(fd, op)
+
+    monkeypatch.setattr(fcntl, "flock", racing_flock)
+    try:
+        b = identity.lease_identity(tmp_path, "run-b")
+    except BackendError:
+        b = None
+    monkeypatch.setattr(fcntl, "flock", real_flock)
+    c = identity.lease_identity(tmp_path, "run-c")  # a newcomer, after the release
+    assert b is None or b.uid != c.uid, "the same uid was leased twice"
+    identity.release_lease(c)
+    if b is not None:
+        identity.release_lease(b)
+
+
+def test_a_held_lease_is_not_granted_again(tmp_path, monkeypatch):
+    monkeypatch.setattr(identity, "LEASE_RANGE", 1)
+    monkeypatch.setattr(identity, "uid_has_processes", lambda uid: [])
+    a = identity.lease_identity(tmp_path, "run-a")
+    with pytest.raises(BackendError):
+        identity.lease_identity(tmp_path, "run-b")
+    identity.release_lease(a)
+    identity.release_lease(identity.lease_identity(tmp_path, "run-c"))
