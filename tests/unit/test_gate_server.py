@@ -489,3 +489,17 @@ def test_an_open_opaque_tunnel_is_cut_by_pause_or_a_narrowed_policy(tmp_path, ho
     assert got == b""
     cuts = _cut_records(ep)
     assert len(cuts) == 1 and (cuts[0]["rule"] == "paused") == (how == "pause")
+
+
+def test_bytes_out_counts_request_heads(tmp_path):
+    """Data can leave in a path or a header as well as in a body: heads count against bytesOut."""
+
+    async def go():
+        gate, ep, up, sock = await setup_gate(tmp_path, bytes_out=5_000)
+        outs = [await exchange(sock, req(up.port, path="/" + "a" * 2000)) for _ in range(5)]
+        await gate.close_endpoint("sbx-1")
+        return outs, bytes(up.received), ep
+
+    outs, received, ep = run(go())
+    assert received.count(b"GET /aaaa") <= 2, "bodiless requests streamed past the bytesOut limit"
+    assert any(json.loads(ln)["rule"] == "limit:bytes-out" for ln in ep.log_path.read_text().splitlines())

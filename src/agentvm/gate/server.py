@@ -649,8 +649,10 @@ class Gate:
         held_len = 0
 
         async def send_head() -> None:
+            head = up.send(h11.Request(method=req.method, target=req.path, headers=headers))
+            ep.count_out(len(head), req.host, req.port)  # a head carries data out too (path, headers)
             try:
-                await upstream.write(up.send(h11.Request(method=req.method, target=req.path, headers=headers)))
+                await upstream.write(head)
             except (ConnectionError, OSError):
                 if pooled:
                     raise _Stale() from None
@@ -755,7 +757,9 @@ class Gate:
                        if k.lower() not in ("transfer-encoding", "content-length")]
         new_headers.append((b"content-length", str(len(sreq.body)).encode()))
         ep.count_out(len(sreq.body), req.host, req.port)
-        await upstream.write(up.send(h11.Request(method=req.method, target=target, headers=new_headers)))
+        head = up.send(h11.Request(method=req.method, target=target, headers=new_headers))
+        ep.count_out(len(head), req.host, req.port)
+        await upstream.write(head)
         if sreq.body:
             await upstream.write(up.send(h11.Data(data=sreq.body)))
         await upstream.write(up.send(h11.EndOfMessage()))
