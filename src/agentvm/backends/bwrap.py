@@ -518,8 +518,14 @@ class BwrapBackend:
             except OSError:
                 kids = []
             if kids:
-                st["agent_pid"] = int(kids[0])
-                return st["agent_pid"]
+                pid = int(kids[0])
+                try:  # the sandbox's identity, so a reused pid number is never entered
+                    st["agent_userns"] = os.stat(f"/proc/{pid}/ns/user").st_ino
+                except OSError:
+                    time.sleep(0.005)
+                    continue
+                st["agent_pid"] = pid
+                return pid
             time.sleep(0.005)
         raise BackendError("the sandbox's first process is gone")
 
@@ -551,7 +557,7 @@ class BwrapBackend:
             if seccomp_on:
                 fds["seccomp"] = sc.filter_fd(sc.SeccompOptions(allow_ptrace=plan.seccomp_allow_ptrace), self.paths.libexec)
                 opened.append(fds["seccomp"])
-            enter = [full[0], "enter", "--target", str(target),
+            enter = [full[0], "enter", "--target", str(target), "--expect-userns", str(handle.backend_state["agent_userns"]),
                      "--uid", "1000", "--gid", "1000", "--status-fd", str(st_w)]
             for f in (group.procs_files() if group else []):
                 enter += ["--cgroup-procs", f]

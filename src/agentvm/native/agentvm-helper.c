@@ -679,6 +679,7 @@ seccomp:
 static int cmd_enter(int argc, char **argv) {
     struct common_opts o = {0};
     long target = -1, uid = -1, gid = -1;
+    unsigned long long expect_userns = 0;
     int i = 0;
     for (; i < argc; i++) {
         const char *a = argv[i];
@@ -697,11 +698,17 @@ static int cmd_enter(int argc, char **argv) {
             uid = parse_long("validate", v, 0, 0x7fffffff);
         } else if (!strcmp(a, "--gid")) {
             gid = parse_long("validate", v, 0, 0x7fffffff);
+        } else if (!strcmp(a, "--expect-userns")) {
+            char *end = NULL;
+            errno = 0;
+            expect_userns = strtoull(v, &end, 10);
+            if (errno || !end || *end || !expect_userns) fail("validate", 0, "bad --expect-userns %s", v);
         } else if (!parse_common(&o, a, v)) {
             fail("validate", 0, "unknown option %s", a);
         }
     }
-    if (i >= argc || target < 0 || uid < 0 || gid < 0) fail("validate", 0, "need --target, --uid, --gid and a command");
+    if (i >= argc || target < 0 || uid < 0 || gid < 0 || !expect_userns)
+        fail("validate", 0, "need --target, --expect-userns, --uid, --gid and a command");
     /* namespaces and root of the target, opened before anything changes */
     /* host root owns every namespace below it: join the others first, the user namespace last */
     static const char *names[] = {"ipc", "uts", "net", "cgroup", "pid", "mnt", "user"};
@@ -715,6 +722,14 @@ static int cmd_enter(int argc, char **argv) {
     snprintf(path, sizeof path, "/proc/%ld/root", target);
     int rootfd = open(path, O_PATH | O_DIRECTORY | O_CLOEXEC);
     if (rootfd < 0) fail("enter", errno, "open %s", path);
+    /* the pid is a number that can be reused: what we opened must be the sandbox's user
+     * namespace, and the pid must still be in it after the root was opened */
+    struct stat nst;
+    if (fstat(nsfd[6], &nst) < 0 || (unsigned long long)nst.st_ino != expect_userns)
+        fail("enter", 0, "pid %ld is no longer in the sandbox (its user namespace differs)", target);
+    snprintf(path, sizeof path, "/proc/%ld/ns/user", target);
+    if (stat(path, &nst) < 0 || (unsigned long long)nst.st_ino != expect_userns)
+        fail("enter", 0, "pid %ld left the sandbox while it was being entered", target);
     join_cgroups(&o);
     apply_rlimits(&o);
     /* no supplementary groups: dropped here, while still host root - inside the sandbox's user

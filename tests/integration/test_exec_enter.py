@@ -1,0 +1,63 @@
+"""`exec` enters a running sandbox through a pid. A pid is a number the kernel reuses: if the
+cached one now belongs to a process of *another* sandbox, `exec` must refuse rather than run
+the operator's command in the wrong sandbox."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from agentvm.policy import Policy
+from agentvm.runtime import Runtime
+from tests.helpers import needs_root
+
+pytestmark = [pytest.mark.integration, needs_root]
+
+
+def _start(rt: Runtime, marker: str):
+    policy = Policy(name="run", command=("/bin/sh", "-c", f"echo {marker} > /tmp/marker; exec sleep 60"))
+    plan, res = rt.prepare(policy, tty=False)
+    backend = rt.backend_for(policy)
+    null = os.open(os.devnull, os.O_RDWR)
+    try:
+        h = backend.launch(plan, stdio=(null, null, null))
+    finally:
+        os.close(null)
+    backend.sandbox_pid(h)
+    return backend, h, res
+
+
+def _exec(backend, h, argv):
+    r, w = os.pipe()
+    try:
+        es = backend.exec(h, argv, stdio=(os.open(os.devnull, os.O_RDONLY), w, w), timeout=20)
+    finally:
+        os.close(w)
+    out = b""
+    while chunk := os.read(r, 65536):
+        out += chunk
+    os.close(r)
+    return es, out.decode(errors="replace")
+
+
+def test_exec_refuses_a_pid_that_now_belongs_to_another_sandbox(avm_home):
+    rt = Runtime()
+    a = b = None
+    try:
+        a = _start(rt, "sandbox-A")
+        b = _start(rt, "sandbox-B")
+        backend, ha, _ = a
+        es, out = _exec(backend, ha, ["/bin/cat", "/tmp/marker"])
+        assert es.exit_code == 0 and out.strip() == "sandbox-A", (es, out)
+        # A's first process is gone and its pid number now names B's agent
+        ha.backend_state["agent_pid"] = b[1].backend_state["agent_pid"]
+        es, out = _exec(backend, ha, ["/bin/cat", "/tmp/marker"])
+        assert "sandbox-B" not in out, "exec ran in another sandbox"
+        assert es.exit_code != 0 and es.setup_error and "no longer in the sandbox" in es.setup_error["message"], (es, out)
+    finally:
+        for s in (a, b):
+            if s is not None:
+                backend_, h, res = s
+                res.release(backend_.destroy(h))
+        rt.close()
