@@ -80,6 +80,9 @@ class _Stale(Exception):
 DENY_LOG_RATE = 50.0
 DENY_LOG_BURST = 200.0
 MAX_DENIAL_KEYS = 1024  # distinct (rule, target) pairs kept in a run's summary
+# a SigV4/HMAC request is buffered whole to be re-signed: per request, and per sandbox in total
+RESIGN_MAX_BODY = 64 * 1024 * 1024
+RESIGN_BUDGET = 96 * 1024 * 1024
 
 
 @dataclass
@@ -124,6 +127,7 @@ class Endpoint:
         # logged as one summary record, so every decision is still accounted for
         self.deny_log_bucket = TokenBucket(DENY_LOG_RATE, DENY_LOG_BURST)
         self.deny_suppressed = 0
+        self.resign_buffered = 0  # bytes of signed request bodies held for re-signing right now
         self.allowed = 0
         self._paused = False
         # live connections, so a pause or a narrowed policy reaches those already open
@@ -703,15 +707,32 @@ class Gate:
 
     async def _relay_resigned(self, ep, client, upstream, up, down, req, d, max_body, headers, cred, scanner, scrubber,
                               scheme, host_value):
+        held = [0]  # bytes this request holds against the sandbox's re-sign budget
+        try:
+            return await self._relay_resigned_held(ep, client, upstream, up, down, req, d, max_body, headers, cred,
+                                                   scanner, scrubber, scheme, host_value, held)
+        finally:
+            ep.resign_buffered -= held[0]
+
+    async def _relay_resigned_held(self, ep, client, upstream, up, down, req, d, max_body, headers, cred, scanner,
+                                   scrubber, scheme, host_value, held):
         from agentvm.gate import signing
 
         body = bytearray()
-        limit = 64 * 1024 * 1024
+        limit = RESIGN_MAX_BODY
         try:
             async for chunk in _request_body(client, down):
                 body += chunk
+                ep.resign_buffered += len(chunk)
+                held[0] += len(chunk)
                 if len(body) > limit or (max_body is not None and len(body) > max_body):
                     await client.write(h1.error_response(413, "max-body", "signed request body too large"))
+                    return False, b"", False
+                if ep.resign_buffered > RESIGN_BUDGET:
+                    # all of this sandbox's signed requests in flight share one memory budget
+                    ep.log(verdict="deny", rule_id="limit:resign-memory", reason="too many signed bytes buffered at once",
+                           host=req.host, port=req.port, method=req.method, path=req.path, phase="stream")
+                    await client.write(h1.error_response(503, "limit:resign-memory", "too many signed request bytes in flight"))
                     return False, b"", False
         except _BodyEnded:
             return False, b"", False
