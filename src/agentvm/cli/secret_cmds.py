@@ -100,7 +100,7 @@ def _stdin_is_tty() -> bool:
 def _read_stdin(name: str) -> str:
     from agentvm.vault import MAX_VALUE_BYTES, InvalidSecretValue, _decode
 
-    stream = click.get_binary_stream("stdin")
+    stream = sys.stdin.buffer
     data = stream.read(MAX_VALUE_BYTES + 3)
     if len(data) > MAX_VALUE_BYTES + 2 or stream.read(1):
         raise InvalidSecretValue(f"secret {name!r}: the value on stdin is larger than {MAX_VALUE_BYTES} bytes")
