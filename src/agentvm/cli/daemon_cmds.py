@@ -66,10 +66,17 @@ def down():
     if not c.available():
         click.echo("agentvm: the daemon is not running")
         return 0
-    c.shutdown()
+    from agentvm.runtime import _alive
+
     pidf = default_paths().runtime / "daemon.pid"
+    try:
+        pid = int(pidf.read_text())
+    except (OSError, ValueError):
+        pid = None
+    c.shutdown()
     deadline = time.monotonic() + 60
-    while c.available() and time.monotonic() < deadline:
+    # stopped means the process is gone, not merely the socket: its exit path still tears down
+    while (c.available() or (pid is not None and _alive(pid))) and time.monotonic() < deadline:
         time.sleep(0.05)
     pidf.unlink(missing_ok=True)
     click.echo("agentvm: daemon stopped")
