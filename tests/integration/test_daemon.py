@@ -8,7 +8,6 @@ import os
 import signal
 import sqlite3
 import subprocess
-import sys
 import textwrap
 import time
 from pathlib import Path
@@ -165,8 +164,6 @@ def test_edited_audit_record_is_caught(daemon, tmp_path):
 def test_live_revocation_through_the_gate(daemon, tmp_path):
     """A running worker uses a credential; the operator revokes it for this session; the very
     next request is denied."""
-    import threading
-
     from tests.integration.gate_upstreams import Upstream, make_test_ca
 
     d = Path(f"/tmp/agentvm-dtest-{os.getpid()}")
@@ -281,6 +278,18 @@ def test_run_goes_through_the_daemon_when_it_is_up(daemon, tmp_path):
     runs = [x for x in recs if x["kind"] == "operator.run"]
     exits = [x for x in recs if x["kind"] == "lifecycle.run-exited"]
     assert runs and exits and exits[-1]["data"]["exit_code"] == 5
+    # the caller's --preset-path is the one the daemon resolves presets with
+    (tmp_path / "p").mkdir()
+    (tmp_path / "p" / "mine.yaml").write_text("apiVersion: agentvm/v1\nkind: Preset\nmetadata: {name: mine}\n"
+                                              "description: test\nspec:\n  env: {FROM_PRESET: \"yes\"}\n")
+    f = agent(tmp_path, "d-preset", ["/bin/sh", "-c", "echo preset=$FROM_PRESET"], lifecycle="ephemeral",
+              extra="  presets: [mine]\n")
+    r = subprocess.run(agentvm_cmd() + ["run", "-f", str(f), "--preset-path", str(tmp_path / "p")],
+                       stdin=subprocess.DEVNULL, capture_output=True, timeout=120)
+    assert r.returncode == 0 and r.stdout == b"preset=yes\n", r.stderr.decode()
+    recs = [json.loads(line) for line in av("audit", "show", "--json").stdout.decode().splitlines() if line]
+    runs = [x for x in recs if x["kind"] == "operator.run"]
+    assert runs[-1]["sandbox"] == "d-preset", "it ran through the daemon"
     n_before = len(runs)
     r = subprocess.run(agentvm_cmd() + ["run", "--", "cat"], input=b"piped\n", capture_output=True, timeout=120)
     assert r.returncode == 0 and r.stdout == b"piped\n"

@@ -129,8 +129,7 @@ def _run(argv: list[str]) -> int:
         m = parse_size(ns.memory) if ns.memory is not None else None
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
-    policy = with_overrides(
-        policy,
+    overrides = dict(
         command=tuple(command) or None,
         mounts=tuple(parse_mount_arg(x) for x in ns.mount),
         env=_parse_env(ns.env),
@@ -139,6 +138,7 @@ def _run(argv: list[str]) -> int:
         allow=tuple(ns.allow),
         hosts=_parse_hosts(ns.add_host),
     )
+    policy = with_overrides(policy, **overrides)
     if not policy.command:
         raise ConfigError("the agent file declares no command and none was given after --")
     degrade = tuple(dict.fromkeys(ns.degrade))
@@ -152,7 +152,7 @@ def _run(argv: list[str]) -> int:
 
     via = _daemon_for(ns, degrade)
     if via is not None:
-        return _run_via_daemon(via, ns, command)
+        return _run_via_daemon(via, ns, overrides)
 
     from agentvm.runtime import Runtime
 
@@ -202,26 +202,30 @@ def _is_devnull(st) -> bool:
         return False
 
 
-def _run_via_daemon(client, ns, command) -> int:
+def _run_via_daemon(client, ns, ov: dict) -> int:
+    """The same run, by the daemon: it gets the agent file's text and the overrides exactly as
+    parsed here (the daemon applies them with the same ``with_overrides``)."""
     import base64
     import os
     import stat
     from pathlib import Path
 
-    from agentvm.policy import parse_mount_arg
-
-    doc: dict = {"command": command or None, "env": _parse_env(ns.env), "allow": ns.allow, "hosts": _parse_hosts(ns.add_host)}
+    doc: dict = {
+        "command": list(ov["command"]) if ov["command"] else None,
+        "mounts": [{"host": m.host, "path": m.path, "writable": m.writable} for m in ov["mounts"]],
+        "env": ov["env"],
+        "timeout": ov["timeout"],
+        "memory": ov["memory"],
+        "allow": list(ov["allow"]),
+        "hosts": ov["hosts"],
+    }
     if ns.agent_file:
         doc["spec"] = Path(ns.agent_file).read_text()
         doc["file"] = str(Path(ns.agent_file).resolve())
         from agentvm.spec.loader import default_preset_dirs
 
-        doc["preset_dirs"] = [str(d) for d in default_preset_dirs()]  # the caller's, not the daemon's
-    doc["mounts"] = [{"host": m.host, "path": m.path, "writable": m.writable} for m in map(parse_mount_arg, ns.mount)]
-    from agentvm.units import parse_duration, parse_size
-
-    doc["timeout"] = parse_duration(ns.timeout) if ns.timeout is not None else None
-    doc["memory"] = parse_size(ns.memory) if ns.memory is not None else None
+        # the caller's preset search path (--preset-path, else its own default), not the daemon's
+        doc["preset_dirs"] = [str(p) for p in ns.preset_path] or [str(d) for d in default_preset_dirs()]
     try:
         if stat.S_ISREG(os.fstat(0).st_mode):
             doc["stdin"] = base64.b64encode(sys.stdin.buffer.read()).decode()
