@@ -488,11 +488,7 @@ class Gate:
             except h1.ProtocolError as exc:
                 await self._bad_request(ep, client, exc)
                 return
-            if ep.paused:
-                await self._deny(ep, client, "paused", "egress is paused by the operator", req)
-                return
-            if not ep.bucket.take():
-                await self._deny(ep, client, "limit:rate", "request rate limit", req, status=429)
+            if not await self._admit(ep, client, req):
                 return
             if req.scheme == "connect":
                 await self._connect(ep, client, req, pending)
@@ -505,6 +501,17 @@ class Gate:
             keep, pending = await self._exchange(ep, client, down, req, scheme="http", tls_host=None)
             if not keep:
                 return
+
+    async def _admit(self, ep: Endpoint, client, req: h1.ProxyRequest) -> bool:
+        """Every request, on a plain connection or inside a tunnel: not while paused, and
+        within the rate limit. Answers the denial itself; False ends the connection."""
+        if ep.paused:
+            await self._deny(ep, client, "paused", "egress is paused by the operator", req)
+            return False
+        if not ep.bucket.take():
+            await self._deny(ep, client, "limit:rate", "request rate limit", req, status=429)
+            return False
+        return True
 
     async def _deny(self, ep: Endpoint, client, rule_id: str, reason: str, req: h1.ProxyRequest, *, status: int = 403,
                     phase: str = "request") -> None:
@@ -991,17 +998,7 @@ class Gate:
                 except (OSError, RuntimeError):
                     pass
 
-        t1 = asyncio.ensure_future(pump(client, upstream, 0, True))
-        t2 = asyncio.ensure_future(pump(upstream, client, 1, False))
-        try:
-            done, _ = await asyncio.wait({t1, t2}, return_when=asyncio.FIRST_EXCEPTION)
-            for t in done:
-                if t.exception() is not None:
-                    raise t.exception()
-            await asyncio.gather(t1, t2)
-        finally:
-            for t in (t1, t2):
-                t.cancel()
+        await _both_ways(pump(client, upstream, 0, True), pump(upstream, client, 1, False))
         return counts[0], counts[1]
 
     async def _plain_tunnel(self, ep: Endpoint, client: PlainStream, req: h1.ProxyRequest, first: bytes) -> None:
@@ -1033,11 +1030,7 @@ class Gate:
             except h1.ProtocolError as exc:
                 await self._bad_request(ep, stream, exc, req.host, req.port)
                 return
-            if ep.paused:
-                await self._deny(ep, stream, "paused", "egress is paused by the operator", inner)
-                return
-            if not ep.bucket.take():
-                await self._deny(ep, stream, "limit:rate", "request rate limit", inner, status=429)
+            if not await self._admit(ep, stream, inner):
                 return
             keep, pending = await self._exchange(ep, stream, down, inner, scheme=scheme, tls_host=(req.host, req.port))
             if not keep:
@@ -1125,6 +1118,22 @@ async def _one_way(ep: Endpoint, src: int, dst: int, outbound: bool, counts: lis
         os.close(pw)
 
 
+async def _both_ways(out_coro, in_coro) -> None:
+    """Relay both directions of a tunnel. The first failure ends both and is raised; either
+    way both are finished (not merely cancelled) when this returns."""
+    t1, t2 = asyncio.ensure_future(out_coro), asyncio.ensure_future(in_coro)
+    try:
+        done, _ = await asyncio.wait({t1, t2}, return_when=asyncio.FIRST_EXCEPTION)
+        for t in done:
+            if t.exception() is not None:
+                raise t.exception()
+        await asyncio.gather(t1, t2)
+    finally:
+        for t in (t1, t2):
+            t.cancel()
+        await asyncio.gather(t1, t2, return_exceptions=True)
+
+
 async def _zero_copy_splice(ep: Endpoint, client: PlainStream, upstream: PlainStream, target: tuple) -> tuple[int, int]:
     """Relay a spliced CONNECT tunnel with splice(2) through pipes: the bytes never enter
     Python. Counts bytes out against the sandbox's limit like any other path."""
@@ -1139,20 +1148,10 @@ async def _zero_copy_splice(ep: Endpoint, client: PlainStream, upstream: PlainSt
         if ubuf:
             counts[1] += len(ubuf)
             await _send_all(cfd, ubuf)
-        t1 = asyncio.ensure_future(_one_way(ep, cfd, ufd, True, counts, 0, target))
-        t2 = asyncio.ensure_future(_one_way(ep, ufd, cfd, False, counts, 1, target))
-        try:
-            done, _ = await asyncio.wait({t1, t2}, return_when=asyncio.FIRST_EXCEPTION)
-            for t in done:
-                if t.exception() is not None:
-                    raise t.exception()
-            await asyncio.gather(t1, t2)
-        finally:
-            for t in (t1, t2):
-                t.cancel()
-            # both pumps must be finished (their readers removed) before the fds are closed:
-            # a number closed while still registered could be reused by another connection
-            await asyncio.gather(t1, t2, return_exceptions=True)
+        # both pumps are finished (their readers removed) before the fds below are closed:
+        # a number closed while still registered could be reused by another connection
+        await _both_ways(_one_way(ep, cfd, ufd, True, counts, 0, target),
+                         _one_way(ep, ufd, cfd, False, counts, 1, target))
     finally:
         os.close(cfd)
         os.close(ufd)
