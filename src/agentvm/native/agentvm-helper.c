@@ -179,6 +179,12 @@ struct common_opts {
 
 /* Returns 1 when (a, v) was one of the shared options. */
 static int parse_common(struct common_opts *o, const char *a, const char *v) {
+    if (!strcmp(a, "--status-fd")) {
+        /* stays open across exec: init inside the sandbox reports through it too */
+        status_fd = (int)parse_long("validate", v, 3, 1 << 20);
+        if (fcntl(status_fd, F_GETFD) < 0) fail("validate", errno, "status fd %d", status_fd);
+        return 1;
+    }
     if (!strcmp(a, "--cgroup-procs")) {
         if (o->ncg >= 32) fail("validate", 0, "too many cgroups");
         o->cgroups[o->ncg++] = v;
@@ -235,11 +241,7 @@ static int cmd_launch(int argc, char **argv) {
         }
         if (i + 1 >= argc) fail("validate", 0, "option %s needs a value", a);
         const char *v = argv[++i];
-        if (!strcmp(a, "--status-fd")) {
-            /* stays open across exec: init inside the sandbox reports through it too */
-            status_fd = (int)parse_long("validate", v, 3, 1 << 20);
-            if (fcntl(status_fd, F_GETFD) < 0) fail("validate", errno, "status fd %d", status_fd);
-        } else if (parse_common(&o, a, v)) {
+        if (parse_common(&o, a, v)) {
             continue;
         } else if (!strcmp(a, "--argv0")) {
             argv0 = v; /* what the sandbox sees as bwrap's name in /proc/1/cmdline */
@@ -689,10 +691,7 @@ static int cmd_enter(int argc, char **argv) {
         }
         if (i + 1 >= argc) fail("validate", 0, "option %s needs a value", a);
         const char *v = argv[++i];
-        if (!strcmp(a, "--status-fd")) {
-            status_fd = (int)parse_long("validate", v, 3, 1 << 20);
-            if (fcntl(status_fd, F_GETFD) < 0) fail("validate", errno, "status fd %d", status_fd);
-        } else if (!strcmp(a, "--target")) {
+        if (!strcmp(a, "--target")) {
             target = parse_long("validate", v, 2, 0x7fffffff);
         } else if (!strcmp(a, "--uid")) {
             uid = parse_long("validate", v, 0, 0x7fffffff);
