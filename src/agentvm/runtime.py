@@ -246,13 +246,15 @@ class Runtime:
             else:
                 uid, gid, drop = os.getuid(), os.getgid(), False
             ws_host = None
+            from agentvm import workspace
+
             if policy.agent and drop and not policy.workspace:
                 # one sandbox per named agent at a time, workspace or not: they would share a
                 # uid, and one's teardown sweep would kill the other's processes
-                res.agent_lock = _agent_lock(self.paths.workspaces, policy.name)
+                res.agent_lock = workspace.lock_agent(
+                    self.paths.workspaces, policy.name, "a second sandbox would share its uid",
+                    "wait for the other run to finish, or give this instance its own name")
             if policy.workspace and policy.agent and host_resources:
-                from agentvm import workspace
-
                 res.workspace = workspace.acquire(
                     self.paths.workspaces,
                     self.paths.runtime,
@@ -403,26 +405,6 @@ class Runtime:
         if report is not None and not report.verified:
             result.exit_code = EXIT_BACKEND if result.exit_code == 0 else result.exit_code
         return result
-
-
-def _agent_lock(home_ws: Path, name: str) -> int:
-    """The same lock a workspace takes (``<workspaces>/<name>.lock``), for agents without one."""
-    import errno
-    import fcntl
-
-    home_ws.mkdir(parents=True, exist_ok=True)
-    fd = os.open(home_ws / f"{name}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as exc:
-        os.close(fd)
-        if exc.errno in (errno.EAGAIN, errno.EACCES):
-            raise PolicyDenied(
-                f"agent {name!r} is already running: a second sandbox would share its uid",
-                hint="wait for the other run to finish, or give this instance its own name",
-            ) from exc
-        raise
-    return fd
 
 
 class _Resources:

@@ -130,22 +130,26 @@ def quota_supported() -> tuple[bool, str]:
     return True, f"ext4 image, loop-mounted ({cap}: one per running agent with a workspace)"
 
 
-def acquire(
-    home_ws: Path, runtime: Path, name: str, *, uid: int, gid: int, size: int, enforce_quota: bool
-) -> WorkspaceLease:
+def lock_agent(home_ws: Path, name: str, why: str, hint: str) -> int:
+    """Hold ``<workspaces>/<name>.lock`` (an exclusive ``flock``): one sandbox of an agent at
+    a time. Returns the fd (closing it releases the lock); refuses if another holds it."""
     home_ws.mkdir(parents=True, exist_ok=True)
-    lock_path = home_ws / f"{name}.lock"
-    lock_fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    lock_fd = os.open(home_ws / f"{name}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
         fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as exc:
         os.close(lock_fd)
         if exc.errno in (errno.EAGAIN, errno.EACCES):
-            raise PolicyDenied(
-                f"agent {name!r} is already running: its workspace is in use",
-                hint="wait for the other run to finish (one sandbox per agent workspace)",
-            ) from exc
+            raise PolicyDenied(f"agent {name!r} is already running: {why}", hint=hint) from exc
         raise
+    return lock_fd
+
+
+def acquire(
+    home_ws: Path, runtime: Path, name: str, *, uid: int, gid: int, size: int, enforce_quota: bool
+) -> WorkspaceLease:
+    lock_fd = lock_agent(home_ws, name, "its workspace is in use",
+                         "wait for the other run to finish (one sandbox per agent workspace)")
     try:
         if not enforce_quota:
             d = home_ws / name
