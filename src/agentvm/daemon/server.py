@@ -44,7 +44,6 @@ SOCKET_NAME = "agentvm.sock"
 MAX_BODY = 64 * 1024 * 1024
 
 
-
 # the request's stream reader, for handlers that must notice the client hanging up mid-response
 _CLIENT_READER: contextvars.ContextVar = contextvars.ContextVar("agentvm_client_reader", default=None)
 
@@ -603,6 +602,13 @@ class Daemon:
             os.set_blocking(fd, False)
             loop.add_reader(fd, readable, fd)
         ends_open, client = True, True
+
+        def gone() -> None:
+            nonlocal client
+            client = False
+            if on_gone is not None:
+                on_gone()
+
         creader = _CLIENT_READER.get()
         hangup = asyncio.ensure_future(creader.read(1)) if creader is not None else None
         try:
@@ -614,9 +620,7 @@ class Daemon:
                 await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
                 if hangup is not None and client and hangup.done():
                     if hangup.cancelled() or hangup.exception() is not None or hangup.result() == b"":
-                        client = False
-                        if on_gone is not None:
-                            on_gone()
+                        gone()
                     hangup = None
                 if ends_open and fut.done():
                     for fd in our_ends:
@@ -633,9 +637,7 @@ class Daemon:
                         await self._stream_line(conn, writer, {"stream": streams[fd],
                                                                "data": base64.b64encode(data).decode()})
                     except (ConnectionError, OSError):
-                        client = False
-                        if on_gone is not None:
-                            on_gone()
+                        gone()
                 for p in paused:
                     if p in live:
                         loop.add_reader(p, readable, p)
