@@ -320,7 +320,7 @@ def test_nothing_the_sandbox_can_see_holds_a_real_secret(env):
         openai.OpenAI(base_url="https://api.test:{env['port']}/v1").chat.completions.create(
             model="stub", messages=[{{"role": "user", "content": "hi"}}])
         print("READY", flush=True)
-        time.sleep(20)
+        time.sleep(600)  # killed by the test once the scan is done (the scan may take a while)
     """)
     proc = subprocess.Popen(agentvm_cmd() + ["run", "-f", str(env["agent"]), "--", "python3", "-c", code],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)

@@ -24,7 +24,11 @@ def _start(rt: Runtime, marker: str):
         h = backend.launch(plan, stdio=(null, null, null))
     finally:
         os.close(null)
-    backend.sandbox_pid(h)
+    try:
+        backend.sandbox_pid(h)
+    except BaseException:
+        res.release(backend.destroy(h))
+        raise
     return backend, h, res
 
 
@@ -60,4 +64,22 @@ def test_exec_refuses_a_pid_that_now_belongs_to_another_sandbox(avm_home):
             if s is not None:
                 backend_, h, res = s
                 res.release(backend_.destroy(h))
+        rt.close()
+
+
+def test_launch_and_exec_back_to_back_many_times(avm_home):
+    """The status stream is read whole every time: 25 sandboxes launched and entered in a row,
+    each torn down verified (a partial read once reported a running sandbox as not running)."""
+    rt = Runtime()
+    try:
+        for i in range(25):
+            backend, h, res = _start(rt, f"loop-{i}")
+            try:
+                es, out = _exec(backend, h, ["/bin/cat", "/tmp/marker"])
+                assert es.exit_code == 0 and out.strip() == f"loop-{i}", (i, es, out)
+            finally:
+                report = backend.destroy(h)
+                res.release(report)
+            assert report.verified and not (report.processes_left or report.cgroups_left or report.mounts_left), (i, report)
+    finally:
         rt.close()

@@ -16,9 +16,7 @@ Process chain of one sandbox::
 from __future__ import annotations
 
 import ctypes
-import json
 import os
-import select
 import signal
 import subprocess
 import time
@@ -37,6 +35,7 @@ from agentvm.backends.base import (
     SandboxHandle,
     TeardownReport,
 )
+from agentvm.backends.status import JsonStatusParser, drain, read_until
 from agentvm.errors import EXIT_BACKEND, EXIT_TIMEOUT, AgentVMError, BackendError, LaunchError
 from agentvm.fsutil import check_grant_target
 from agentvm.policy import Policy
@@ -464,10 +463,12 @@ class BwrapBackend:
             proc.wait()
         duration = time.monotonic() - handle.started_at
         rc = proc.returncode
-        status_lines = _drain(handle.backend_state.get("status_r"))
-        # sandbox_pid() may already have consumed part of bwrap's JSON status
-        json_docs = handle.backend_state.get("json_buf", "") + _drain(handle.backend_state.get("json_r"))
-        started = "child-pid" in json_docs
+        setup_error = _setup_error(drain(handle.backend_state.get("status_r")))
+        # bwrap's JSON status: a complete document with child-pid means the sandbox existed
+        status = _json_status(handle)
+        status.feed(drain(handle.backend_state.get("json_r")))
+        status.close()
+        started = status.first("child-pid") is not None
         group: cg.SandboxCgroup | None = handle.backend_state.get("cgroup")
         stats = group.stats() if group else {}
         es = ExitStatus(exit_code=rc if rc >= 0 else 128 - rc, duration=duration)
@@ -476,14 +477,12 @@ class BwrapBackend:
         es.oom_killed = bool(stats.get("oom_kills"))
         es.pids_limit_hit = bool(stats.get("pids_max_hits"))
         es.memory_peak = stats.get("memory_peak")
-        for doc in _json_docs(json_docs):
-            if "exit-code" in doc:
-                es.exit_code = int(doc["exit-code"])
-        if status_lines.strip():
-            step, _, rest = status_lines.strip().splitlines()[0].partition("\t")
-            err, _, msg = rest.partition("\t")
-            es.setup_error = {"step": step, "errno": int(err or 0), "message": msg}
-            if step != "exec":
+        exit_code = status.first("exit-code")
+        if exit_code is not None:
+            es.exit_code = int(exit_code)
+        if setup_error:
+            es.setup_error = setup_error
+            if setup_error["step"] != "exec":
                 es.exit_code = EXIT_BACKEND
         elif not started and not timed_out:
             es.setup_error = {"step": "bwrap", "errno": 0, "message": "bubblewrap failed to create the sandbox"}
@@ -498,19 +497,14 @@ class BwrapBackend:
         st = handle.backend_state
         if st.get("agent_pid"):
             return st["agent_pid"]
-        buf = st.setdefault("json_buf", "")
         deadline = time.monotonic() + timeout
-        while "child-pid" not in buf and time.monotonic() < deadline:
-            r, _, _ = select.select([st["json_r"]], [], [], 0.05)
-            if r:
-                chunk = os.read(st["json_r"], 65536).decode(errors="replace")
-                if not chunk:
-                    break
-                buf += chunk
-        st["json_buf"] = buf
-        pid1 = next((d["child-pid"] for d in _json_docs(buf) if "child-pid" in d), None)
+        status = _json_status(handle)
+        if st.get("json_r") is not None:
+            read_until(st["json_r"], status, lambda: status.first("child-pid") is not None, deadline)
+        pid1 = status.first("child-pid")
         if pid1 is None:
-            raise BackendError("the sandbox is not running (no child pid reported)")
+            why = "its status stream ended" if status.eof else "it reported nothing in time"
+            raise BackendError(f"the sandbox is not running (no child pid reported: {why})")
         # bwrap's pid 1 reaps; the agent is its (first) child
         while time.monotonic() < deadline:
             try:
@@ -588,13 +582,9 @@ class BwrapBackend:
                 timed_out = True
                 proc.kill()
                 proc.wait()
-            status = _drain(st_r)
             es = ExitStatus(exit_code=proc.returncode if proc.returncode >= 0 else 128 - proc.returncode,
                             duration=time.monotonic() - t0)
-            if status.strip():
-                step, _, rest = status.strip().splitlines()[0].partition("\t")
-                err, _, msg = rest.partition("\t")
-                es.setup_error = {"step": step, "errno": int(err or 0), "message": msg}
+            es.setup_error = _setup_error(drain(st_r))
             if timed_out:
                 es.timed_out, es.exit_code = True, EXIT_TIMEOUT
             return es
@@ -869,38 +859,22 @@ def _close(fd: int) -> None:
         pass
 
 
-def _drain(fd: int | None) -> str:
-    if fd is None:
-        return ""
-    chunks = []
-    while True:
-        r, _, _ = select.select([fd], [], [], 0)
-        if not r:
-            break
-        try:
-            data = os.read(fd, 65536)
-        except OSError:
-            break
-        if not data:
-            break
-        chunks.append(data)
-    return b"".join(chunks).decode(errors="replace")
+def _json_status(handle: SandboxHandle) -> JsonStatusParser:
+    """The one parser of this sandbox's bwrap status stream (``sandbox_pid`` and ``wait``
+    both read from it, so neither loses what the other consumed)."""
+    return handle.backend_state.setdefault("json_status", JsonStatusParser())
 
 
-def _json_docs(text: str) -> list[dict]:
-    out = []
-    dec = json.JSONDecoder()
-    i = 0
-    while i < len(text):
-        while i < len(text) and text[i] in " \n\r\t":
-            i += 1
-        if i >= len(text):
-            break
-        try:
-            doc, end = dec.raw_decode(text, i)
-        except ValueError:
-            break
-        if isinstance(doc, dict):
-            out.append(doc)
-        i = end
-    return out
+def _setup_error(raw: bytes) -> dict | None:
+    """The helper's status pipe: ``STEP\tERRNO\tMESSAGE`` lines written only on failure
+    (read after the writer exited, so the pipe holds all of it); the first names the cause."""
+    text = raw.decode(errors="replace").strip()
+    if not text:
+        return None
+    step, _, rest = text.splitlines()[0].partition("\t")
+    err, _, msg = rest.partition("\t")
+    try:
+        errno_ = int(err or 0)
+    except ValueError:
+        errno_ = 0
+    return {"step": step, "errno": errno_, "message": msg}
