@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import base64
+import json
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -163,3 +165,113 @@ def test_placeholder_in_a_lower_cased_header_name_is_still_a_leak(cs):
     ph = cs.placeholders["api"]
     with pytest.raises(CredentialError):
         cs.apply(host="api.test", scheme="https", target="/", headers=[(f"x-{ph}".lower().encode(), b"1")])
+
+
+def test_basic_auth_placeholder_in_the_undeclared_part_is_a_leak(cs):
+    """``basic: password``: a placeholder in the user part would travel upstream as written."""
+    ph = cs.placeholders["user"]
+    both = "Basic " + base64.b64encode(f"{ph}:{ph}".encode()).decode()
+    with pytest.raises(CredentialError) as ei:
+        cs.apply(host="db.svc.test", scheme="https", target="/", headers=H(("Authorization", both)))
+    assert ei.value.rule_id == "credential:leak:user" and ei.value.alert
+    other = "Basic " + base64.b64encode(f"{cs.placeholders['api']}:{ph}".encode()).decode()
+    with pytest.raises(CredentialError) as ei:
+        cs.apply(host="db.svc.test", scheme="https", target="/", headers=H(("Authorization", other)))
+    assert ei.value.rule_id == "credential:leak:api"
+
+
+# -- the scrubber knows every form the gate produces or that trivially carries a value ------
+ECHO_REAL = b'wJalrXUtnFEMI/K7MDENG+bPxRfiCY="EXAMPLE\\KEY'
+ECHO_PH = b"sk-" + b"P" * (len(ECHO_REAL) - 3)
+
+
+def _carriers(real: bytes) -> dict[str, bytes]:
+    from urllib.parse import quote, quote_plus
+
+    text = real.decode()
+    return {
+        "raw": b"x" + real + b"y",
+        "basic": b"Basic " + base64.b64encode(b"alice:" + real),
+        "b64-0": base64.b64encode(real + b"tail"),
+        "b64-1": base64.b64encode(b"a" + real),
+        "b64-2": base64.b64encode(b"ab" + real + b"c"),
+        "b64url": base64.urlsafe_b64encode(b"{\"k\": \"" + real + b"\"}"),
+        "pct": b"/q?key=" + quote(text, safe="").encode(),
+        "pct-lower": b"/q?key=" + re.sub(r"%[0-9A-F]{2}", lambda m: m.group(0).lower(), quote(text, safe="")).encode(),
+        "pct-plus": b"k=" + quote_plus(text).encode(),
+        "pct-slash-kept": quote(text).encode(),
+        "json": json.dumps({"h": text}).encode(),
+        "json-slash": json.dumps({"h": text}).replace("/", "\\/").encode(),
+        "json-ascii-false": json.dumps({"h": text}, ensure_ascii=False).encode(),
+        "hex": real.hex().encode(),
+        "HEX": real.hex().upper().encode(),
+    }
+
+
+def _decodings(data: bytes) -> list[bytes]:
+    """What a client could get back out of ``data`` by undoing the carrier's encoding."""
+    import binascii
+    from urllib.parse import unquote, unquote_plus
+
+    out = [data, unquote(data.decode("latin-1")).encode("latin-1"), unquote_plus(data.decode("latin-1")).encode("latin-1")]
+    for text in (data, data.split(b" ")[-1]):
+        for dec in (base64.b64decode, base64.urlsafe_b64decode):
+            try:
+                out.append(dec(text + b"=" * (-len(text) % 4)))
+            except (binascii.Error, ValueError):
+                pass
+    try:
+        out.append(json.dumps(json.loads(data), ensure_ascii=False).encode())
+        out.append(json.loads(data)["h"].encode())
+    except (ValueError, KeyError, TypeError):
+        pass
+    try:
+        out.append(bytes.fromhex(data.decode()))
+    except ValueError:
+        pass
+    return out
+
+
+@pytest.mark.parametrize("carrier", sorted(_carriers(ECHO_REAL)))
+def test_every_encoded_form_is_scrubbed_and_decodes_to_the_placeholder(carrier):
+    data = _carriers(ECHO_REAL)[carrier]
+    assert any(ECHO_REAL in d for d in _decodings(data)), "the carrier really carries the value"
+    s = Scrubber([(ECHO_REAL, ECHO_PH)])
+    out = s.feed(data) + s.finish()
+    assert s.hits >= 1, carrier
+    for d in _decodings(out):
+        assert ECHO_REAL not in d, (carrier, out)
+        assert ECHO_REAL[4:-4] not in d, (carrier, out)  # not even most of it
+    assert any(ECHO_PH[4:-4] in d for d in _decodings(out)), (carrier, out)  # the client reads the placeholder
+
+
+@given(carrier=st.sampled_from(sorted(_carriers(ECHO_REAL))), cuts=st.lists(st.integers(0, 400), max_size=12),
+       before=st.binary(max_size=40), after=st.binary(max_size=40))
+def test_encoded_forms_split_across_chunks_are_still_found(carrier, cuts, before, after):
+    data = before + _carriers(ECHO_REAL)[carrier] + after
+    s = Scrubber([(ECHO_REAL, ECHO_PH)])
+    out = b""
+    last = 0
+    for c in sorted({c % (len(data) + 1) for c in cuts}) + [len(data)]:
+        out += s.feed(data[last:c])
+        last = c
+    out += s.finish()
+    whole = Scrubber([(ECHO_REAL, ECHO_PH)])
+    assert out == whole.feed(data) + whole.finish()
+
+
+def test_the_scrubber_holds_back_only_a_possible_match_so_streams_keep_streaming():
+    s = Scrubber([(ECHO_REAL, ECHO_PH)])
+    event = b"data: {\"delta\": \"hello\"}\n\n"
+    assert s.feed(event) == event  # nothing that could start a secret: released at once
+    part = b"data: " + ECHO_REAL[:10]
+    held = s.feed(part)  # could be the start of the value: held (with the 3 characters before it)
+    assert b"data: ".startswith(held) and len(held) >= len(b"data: ") - Scrubber.CONTEXT
+    assert held + s.feed(ECHO_REAL[10:] + b"\n\n") == b"data: " + ECHO_PH + b"\n\n"
+
+
+def test_raw_only_scrubber_misses_encoded_forms():
+    """The selftest's weakened configuration: proves the encoded forms are what catches these."""
+    s = Scrubber([(ECHO_REAL, ECHO_PH)], encoded=False)
+    data = _carriers(ECHO_REAL)["basic"]
+    assert s.feed(data) + s.finish() == data and s.hits == 0

@@ -22,11 +22,14 @@ Secret values never appear in exceptions, reprs or log records: only credential 
 from __future__ import annotations
 
 import base64
+import binascii
+import json
+import re
 import secrets
 import string
 from dataclasses import dataclass, field
 from typing import Callable
-from urllib.parse import parse_qsl, quote, urlencode
+from urllib.parse import parse_qsl, quote, quote_plus, urlencode
 
 from agentvm.gate.policy import host_matches, normalize_host, normalize_pattern
 
@@ -164,6 +167,9 @@ class CredentialSet:
         self.revoked = revoked
         self.local_revoked: set[str] = set()  # revoked for this session by the operator (daemon)
         self.max_len = max((len(p) for p in self.placeholders.values()), default=0)
+        # responses are scrubbed of every encoded form of a real value (and decoded first);
+        # False only in the selftest's deliberately weakened configuration
+        self.scrub_encoded = True
 
     def __repr__(self) -> str:  # never the values
         return f"CredentialSet({sorted(self.bindings)})"
@@ -243,6 +249,10 @@ class CredentialSet:
                 ph = self.placeholders[name].encode()
                 if (b.basic == "user" and user != ph) or (b.basic == "password" and pw != ph) or not sep:
                     raise self._leak(name, "basic auth (wrong part)", host)
+                # the other part is sent as the agent wrote it: no placeholder may ride along there
+                other = pw if b.basic == "user" else user
+                for stray in self.find(other):
+                    raise self._leak(stray, "basic auth (the part it is not declared for)", host)
                 self._check_revoked(name)
                 real = self.value(name).encode()
                 user, pw = (real, pw) if b.basic == "user" else (user, real)
@@ -305,10 +315,7 @@ class CredentialSet:
                 continue
             if real:
                 pairs.append((real.encode(), ph.encode()))
-                b = self.bindings[name]
-                if b.mode == "header" and b.format != "{}":
-                    pass  # the bare value already covers the formatted one
-        return Scrubber(pairs)
+        return Scrubber(pairs, encoded=self.scrub_encoded)
 
 
 class BodyScanner:
@@ -337,36 +344,213 @@ class BodyScanner:
         return out
 
 
-class Scrubber:
-    """Replace real values by placeholders in a byte stream (responses), across chunk edges."""
+class _Form(tuple):
+    """One form of a value: its ``text``, and for a base64 fragment the bytes it encodes
+    (``src``), the byte alignment ``k`` of ``src`` inside the encoded text, and the alphabet."""
 
-    def __init__(self, pairs: list[tuple[bytes, bytes]]):
+    __slots__ = ()
+
+    def __new__(cls, text: bytes, src: bytes | None = None, k: int = 0, url: bool = False):
+        return super().__new__(cls, (text, src, k, url))
+
+    text = property(lambda self: self[0])
+    src = property(lambda self: self[1])
+    k = property(lambda self: self[2])
+    url = property(lambda self: self[3])
+
+
+_LEAD = (0, 2, 3)  # base64 characters before a fragment that mix in the bytes before src
+
+
+def _b64_forms(v: bytes) -> list[_Form]:
+    """The part of base64(v) that does not depend on the bytes around v, for v starting at
+    each of the three byte alignments, in both alphabets: whatever longer text v is embedded in
+    (``user:v`` in a Basic header, a JWT, a JSON blob), one of these is a substring of its
+    base64."""
+    out = []
+    for k in range(3):
+        enc = base64.b64encode(b"\0" * k + v).rstrip(b"=")
+        trail = 1 if (k + len(v)) % 3 else 0  # the last character mixes in the bytes after v
+        frag = enc[_LEAD[k]:len(enc) - trail]
+        out += [_Form(frag, v, k, False), _Form(frag.translate(_B64URL), v, k, True)]
+    return out
+
+
+def _same_length_mod3(j: bytes, like: bytes) -> bytes:
+    """A JSON string body equal in meaning to ``j`` whose length matches ``like``'s modulo 3,
+    by writing up to two of its ASCII letters or digits as ``\\u00XX`` (5 bytes more each):
+    base64 of a text in which it replaces ``like`` then stays aligned, so the client decodes
+    the rest intact. The escapes go after the first character (not at either end)."""
+    count = {0: 0, 1: 2, 2: 1}[(len(like) - len(j)) % 3]
+    if not count or len(j) < count + 2 or not j[1:1 + count].isalnum():
+        return j
+    return j[:1] + b"".join(b"\\u%04x" % c for c in j[1:1 + count]) + j[1 + count:]
+
+
+def _json_forms(value: bytes) -> list[bytes]:
+    out = []
+    for ascii_only in (True, False):
+        try:
+            j = json.dumps(value.decode("utf-8"), ensure_ascii=ascii_only)[1:-1].encode()
+        except UnicodeDecodeError:
+            j = value
+        out += [j, j.replace(b"/", b"\\/")]
+    return out
+
+
+def _all_forms(value: bytes, like: bytes | None = None) -> list[_Form]:
+    """The forms of ``value``, position by position the same transformations for any value
+    (so a real value's form maps to the same form of its placeholder). ``like``: the real
+    value this placeholder stands for (its JSON forms inside base64 are length-matched)."""
+    forms = [_Form(value)] + _b64_forms(value)
+    text = value.decode("utf-8", errors="surrogateescape")
+    for safe in ("", "/"):
+        for q in (quote(text, safe=safe, errors="surrogateescape"),
+                  quote_plus(text, safe=safe, errors="surrogateescape")):
+            forms += [_Form(q.encode()), _Form(_PCT.sub(lambda m: m.group(0).lower(), q).encode())]
+    jsons = _json_forms(value)
+    forms += [_Form(j) for j in jsons]
+    forms += [_Form(value.hex().encode()), _Form(value.hex().upper().encode())]
+    # one composition common enough to name: JSON inside base64 (JWT payloads, data URLs,
+    # Kubernetes secrets, an echo service that base64s its JSON answer)
+    like_jsons = _json_forms(like) if like is not None else jsons
+    for j, lj in zip(jsons, like_jsons):
+        forms += _b64_forms(_same_length_mod3(j, lj))
+    return forms
+
+
+def encoded_forms(value: bytes) -> list[bytes]:
+    """Every form of ``value`` the scrubber looks for: raw; base64 and base64url at each byte
+    alignment; percent-encoding (``%20`` and ``+`` styles, either hex case, with ``/`` kept or
+    encoded); JSON string escaping (ASCII-only or not, ``/`` escaped or not); hex; and base64
+    of the JSON-escaped forms."""
+    seen: set[bytes] = set()
+    return [f.text for f in _all_forms(value) if f.text and not (f.text in seen or seen.add(f.text))]
+
+
+_B64URL = bytes.maketrans(b"+/", b"-_")
+_B64_CHARS = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/-_")
+_PCT = re.compile(r"%[0-9A-F]{2}")
+
+
+class Scrubber:
+    """Replace real values by placeholders in a byte stream (responses), across chunk edges.
+
+    With ``encoded`` (the default) every :func:`encoded_forms` of a value is replaced by the
+    same form of its placeholder, so an upstream that echoes the gate's ``Basic
+    base64(user:real)``, a percent-encoded query, or a JSON-escaped body hands the sandbox the
+    placeholder. A base64 match is re-encoded together with the characters around it (which
+    mix in the neighbouring bytes), so the client decodes the placeholder exactly and the rest
+    intact. Only the longest tail that could still become a match (and the few characters
+    before it) is held back, so a stream (SSE, chunked) keeps streaming.
+    """
+
+    CONTEXT = 3  # base64 characters around a fragment that belong to its first/last group
+
+    def __init__(self, pairs: list[tuple[bytes, bytes]], *, encoded: bool = True):
         self.pairs = pairs
-        self.hold = max((len(r) for r, _ in pairs), default=1) - 1
+        self.encoded = encoded  # also decode Content-Encoding (server.py reads this)
+        self.table: dict[bytes, tuple[_Form, _Form]] = {}
+        for real, ph in pairs:
+            if encoded:
+                # each form of the real value -> the same form of the placeholder
+                for r, p in zip(_all_forms(real), _all_forms(ph, like=real)):
+                    if r.text:
+                        self.table.setdefault(r.text, (r, p))
+            else:
+                self.table.setdefault(real, (_Form(real), _Form(ph)))
+        forms = sorted(self.table, key=len, reverse=True)
+        self._re = re.compile(b"|".join(re.escape(f) for f in forms)) if forms else None
+        self._prefixes = {f[:i] for f in forms for i in range(1, len(f))}
+        self.maxlen = max((len(f) for f in forms), default=1)
         self.tail = b""
         self.hits = 0
 
+    @property
+    def active(self) -> bool:
+        return self._re is not None
+
+    def _b64_region(self, buf: bytes, start: int, end: int, real: _Form, ph: _Form) -> tuple[int, int, bytes] | None:
+        """The whole base64 groups around a fragment match, re-encoded with the placeholder in
+        place of the value; None when the context is not all there or does not decode."""
+        r = (real.k + len(real.src)) % 3
+        rs, re_ = start - _LEAD[real.k], end + (0, 3, 2)[r]
+        if rs < 0 or re_ > len(buf):
+            return None
+        region = buf[rs:re_]
+        try:
+            raw = (base64.urlsafe_b64decode if real.url else base64.b64decode)(region)
+        except (binascii.Error, ValueError):
+            return None
+        k = real.k
+        if raw[k:k + len(real.src)] != real.src:
+            return None
+        new = raw[:k] + ph.src + raw[k + len(real.src):]
+        enc = (base64.urlsafe_b64encode if real.url else base64.b64encode)(new)
+        if not region.endswith(b"="):
+            enc = enc.rstrip(b"=")
+        return rs, re_, enc
+
+    def _scan(self, buf: bytes, final: bool) -> tuple[bytes, int]:
+        """Replace every form in ``buf``; returns (the new buffer, how many bytes at its end
+        must wait for more input)."""
+        out = bytearray()
+        pos = 0
+        for m in self._re.finditer(buf):
+            start, end = m.span()
+            if start < pos:
+                continue
+            real, ph = self.table[m.group(0)]
+            if real.src is not None:
+                r = (real.k + len(real.src)) % 3
+                if not final and end + (0, 3, 2)[r] > len(buf):
+                    # the group after the match has not arrived: wait for it
+                    hold_from = max(pos, start - _LEAD[real.k])
+                    out += buf[pos:hold_from]
+                    return bytes(out) + buf[hold_from:], len(buf) - hold_from
+                region = self._b64_region(buf, start, end, real, ph)
+                if region is not None and region[0] >= pos:
+                    rs, re_, enc = region
+                    out += buf[pos:rs] + enc
+                    pos = re_
+                    self.hits += 1
+                    continue
+            out += buf[pos:start] + ph.text
+            pos = end
+            self.hits += 1
+        out += buf[pos:]
+        return bytes(out), 0
+
     def feed(self, data: bytes) -> bytes:
-        if not self.pairs:
+        if self._re is None:
             return data
-        buf = self.tail + data
-        for real, ph in self.pairs:
-            if real in buf:
-                self.hits += buf.count(real)
-                buf = buf.replace(real, ph)
-        if self.hold and len(buf) > self.hold:
-            out, self.tail = buf[: -self.hold], buf[-self.hold :]
+        buf, hold = self._scan(self.tail + data, final=False)
+        if not hold:
+            for i in range(max(0, len(buf) - self.maxlen + 1), len(buf)):
+                if buf[i:] in self._prefixes:
+                    # a possible match, and the base64 characters before it that share its group
+                    hold = min(len(buf), len(buf) - i + self.CONTEXT)
+                    break
+        if not hold and self.encoded:
+            # trailing base64 characters may be the group a fragment in the next piece starts
+            # in (never anything else: an SSE event's closing newlines go out at once)
+            while hold < self.CONTEXT and hold < len(buf) and buf[len(buf) - hold - 1] in _B64_CHARS:
+                hold += 1
+        if hold:
+            out, self.tail = buf[:-hold], buf[-hold:]
         else:
-            out, self.tail = b"", buf
+            out, self.tail = buf, b""
         return out
 
     def finish(self) -> bytes:
-        out, self.tail = self.tail, b""
+        if self._re is None or not self.tail:
+            out, self.tail = self.tail, b""
+            return out
+        out, _ = self._scan(self.tail, final=True)
+        self.tail = b""
         return out
 
     def header(self, value: bytes) -> bytes:
-        for real, ph in self.pairs:
-            if real in value:
-                self.hits += 1
-                value = value.replace(real, ph)
-        return value
+        if self._re is None:
+            return value
+        return self._scan(value, final=True)[0]

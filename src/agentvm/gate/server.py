@@ -29,7 +29,7 @@ from pathlib import Path
 
 import h11
 
-from agentvm.gate import h1
+from agentvm.gate import encoding, h1
 from agentvm.gate.policy import EgressPolicy, RequestMeta, check_address, decide, normalize_host
 
 READ = 65536
@@ -649,6 +649,11 @@ class Gate:
         headers = h1.forward_headers(req, host_value, keep_upgrade=True) if ws else h1.forward_headers(req, host_value)
         scanner = ep.creds.body_scanner(req.host) if ep.creds is not None else None
         scrubber = ep.creds.scrubber() if ep.creds is not None else None
+        if scrubber is not None and scrubber.encoded:
+            # ask only for codings the gate can decode (and so scrub); a signed request keeps
+            # its header (it may be signed) and relies on the response check alone
+            if not (cred is not None and cred.resign):
+                headers = [(k, encoding.narrow_accept(v)) if k == b"accept-encoding" else (k, v) for k, v in headers]
         if cred is not None and cred.resign:
             # a signed request: the whole body is needed to check and redo the signature
             return await self._relay_resigned(ep, client, upstream, up, down, req, d, max_body, headers, cred, scanner,
@@ -793,6 +798,14 @@ class Gate:
         await upstream.write(up.send(h11.EndOfMessage()))
         return await self._relay_response(ep, client, upstream, up, down, req, d, len(sreq.body), scrubber, False, False, cred)
 
+    async def _undecodable(self, ep, client, req, d, err, sent: int, *, answered: bool = False) -> None:
+        """A response the scrubber cannot read is never passed on: 502 (or, once its head has
+        gone out, the response is cut short), logged with the rule id."""
+        ep.log(verdict="deny", rule_id=err.rule_id, reason=err.reason, host=req.host, port=req.port, method=req.method,
+               path=req.path, phase="response", bytes_out=sent)
+        if not answered:
+            await client.write(h1.error_response(502, err.rule_id, err.reason))
+
     async def _relay_response(self, ep, client, upstream, up, down, req, d, sent, scrubber, ws, pooled, cred):
         leftover = down.trailing_data[0]
         # response: coalesce what goes to the sandbox (one TLS record/send for a small response)
@@ -812,6 +825,9 @@ class Gate:
 
         received = 0
         answered = False
+        scrubbing = scrubber is not None and scrubber.active
+        decoder = None
+        decoded_from = None
         while True:
             try:
                 ev = up.next_event()
@@ -820,6 +836,9 @@ class Gate:
                     raise _Stale() from None
                 raise
             if ev is h11.NEED_DATA:
+                # what was decoded so far goes out before waiting: a stream (SSE, chunked
+                # progress) reaches the agent as it is sent, not when the response ends
+                await emit(b"", flush=True)
                 try:
                     data = await upstream.read()
                 except (ConnectionError, OSError):
@@ -848,20 +867,51 @@ class Gate:
             if isinstance(ev, h11.Response):
                 answered = True
                 rh = h1.response_headers(ev.headers)
-                if scrubber is not None and scrubber.pairs:
+                if scrubbing:
                     # an upstream echoing a real value must not hand it to the sandbox; the body
                     # may change length, so it is re-framed (chunked)
                     rh = [(k, scrubber.header(v)) for k, v in rh if k != b"content-length"]
+                    codings = b", ".join(v for k, v in rh if k == b"content-encoding")
+                    if codings and scrubber.encoded:
+                        # a compressed echo is still an echo: decode, scrub, forward identity
+                        try:
+                            decoder = encoding.Decoder(codings)
+                        except encoding.DecodeError as err:
+                            await self._undecodable(ep, client, req, d, err, sent)
+                            return False, b"", False
+                        if decoder.steps:
+                            decoded_from = codings.decode("latin-1")
+                            rh = [(k, v) for k, v in rh if k != b"content-encoding"]
+                        else:
+                            decoder = None
                 await emit(down.send(h11.Response(status_code=ev.status_code, reason=ev.reason, headers=rh)))
                 continue
             if isinstance(ev, h11.Data):
                 received += len(ev.data)
-                data = scrubber.feed(ev.data) if scrubber is not None and scrubber.pairs else ev.data
-                if data:
-                    await emit(down.send(h11.Data(data=data)))
+                if not scrubbing:
+                    await emit(down.send(h11.Data(data=ev.data)))
+                    continue
+                try:
+                    for piece in (decoder.feed(ev.data) if decoder is not None else (ev.data,)):
+                        data = scrubber.feed(piece)
+                        if data:
+                            await emit(down.send(h11.Data(data=data)))
+                except encoding.DecodeError as err:
+                    await emit(b"", flush=True)  # what was sent stays; the response ends unfinished
+                    await self._undecodable(ep, client, req, d, err, sent, answered=True)
+                    return False, b"", False
                 continue
             if isinstance(ev, h11.EndOfMessage):
-                if scrubber is not None and scrubber.pairs:
+                if scrubbing:
+                    try:
+                        for piece in (decoder.finish() if decoder is not None else ()):
+                            data = scrubber.feed(piece)
+                            if data:
+                                await emit(down.send(h11.Data(data=data)))
+                    except encoding.DecodeError as err:
+                        await emit(b"", flush=True)
+                        await self._undecodable(ep, client, req, d, err, sent, answered=True)
+                        return False, b"", False
                     rest = scrubber.finish()
                     if rest:
                         await emit(down.send(h11.Data(data=rest)))
@@ -879,6 +929,8 @@ class Gate:
         if scrubber is not None and scrubber.hits:
             extra["scrubbed"] = scrubber.hits
             extra["alert"] = True
+        if decoded_from:
+            extra["decoded"] = decoded_from
         ep.log(verdict="allow", rule_id=d.rule_id, reason=d.reason, host=req.host, port=req.port, method=req.method,
                path=req.path, phase="request", bytes_out=sent, bytes_in=received, **extra)
         keep = down.our_state is h11.DONE and down.their_state is h11.DONE

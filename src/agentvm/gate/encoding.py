@@ -1,0 +1,229 @@
+"""Content codings the gate can look inside, sans-IO.
+
+A sandbox that holds credential placeholders has every response scrubbed of real values
+(``credentials.Scrubber``). A scrubber that reads only identity bytes is blind to a gzip'd
+echo, so for such a sandbox the gate
+
+* narrows the agent's ``Accept-Encoding`` to the codings it can decode (:func:`narrow_accept`),
+* decodes every response body whose ``Content-Encoding`` it supports - gzip, deflate (zlib or
+  raw), br, zstd, stacked in any order - and forwards identity (:class:`Decoder`),
+* refuses a response in any other coding (``credential:uninspectable-encoding``): never passed
+  through unread.
+
+Decoding is lazy and bounded: :meth:`Decoder.feed` yields decoded pieces of at most
+about :data:`PIECE` bytes (brotli may overshoot it by one buffer), so a compression bomb costs the gate CPU time (like any large download),
+never memory; a corrupt or truncated stream raises :class:`DecodeError`.
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import Iterator
+
+PIECE = 256 * 1024  # decoded bytes produced before the caller gets to send them on
+_ZSTD_SLICE = 1024  # zstd has no output cap: feed it little at a time (its ratio is bounded per block)
+
+try:  # both are dependencies; a broken install must not make responses uninspected
+    import brotli
+except ImportError:  # pragma: no cover - refused per response instead
+    brotli = None
+try:
+    import zstandard
+except ImportError:  # pragma: no cover
+    zstandard = None
+
+
+class DecodeError(Exception):
+    """A response body the gate cannot read; ``rule_id`` is what the log and the 502 carry."""
+
+    def __init__(self, rule_id: str, reason: str):
+        super().__init__(reason)
+        self.rule_id, self.reason = rule_id, reason
+
+
+def supported() -> tuple[str, ...]:
+    out = ["gzip", "deflate"]
+    if brotli is not None:
+        out.append("br")
+    if zstandard is not None:
+        out.append("zstd")
+    return tuple(out)
+
+
+def _codings(value: bytes) -> list[str]:
+    return [t.strip().lower() for t in value.decode("latin-1").split(",") if t.strip()]
+
+
+def narrow_accept(value: bytes | None) -> bytes | None:
+    """The agent's ``Accept-Encoding`` with only the codings the gate can decode (in the
+    agent's order, weights kept); ``identity`` when none is left; None when none was sent."""
+    if value is None:
+        return None
+    ok = set(supported()) | {"identity", "x-gzip"}
+    keep = []
+    for item in value.decode("latin-1").split(","):
+        name = item.split(";", 1)[0].strip().lower()
+        if name in ok:
+            keep.append(item.strip())
+    return (", ".join(keep) if keep else "identity").encode("latin-1")
+
+
+class _Zlib:
+    def __init__(self, coding: str):
+        self.coding = coding
+        self.d = None  # chosen on the first bytes for deflate (zlib-wrapped or raw, both seen)
+        self.head = b""
+        self.started = False
+
+    def _new(self, first: bytes):
+        if self.coding == "gzip":
+            return zlib.decompressobj(16 + zlib.MAX_WBITS)
+        zlib_wrapped = len(first) >= 2 and (first[0] & 0x0F) == 8 and ((first[0] << 8) | first[1]) % 31 == 0
+        return zlib.decompressobj(zlib.MAX_WBITS if zlib_wrapped else -zlib.MAX_WBITS)
+
+    def feed(self, data: bytes) -> Iterator[bytes]:
+        if self.d is None:
+            self.head += data
+            if len(self.head) < 2:
+                return
+            data, self.head = self.head, b""
+            self.d = self._new(data)
+        buf = data
+        while buf:
+            if self.d.eof:
+                rest = self.d.unused_data + buf
+                if self.coding == "gzip" and rest.strip(b"\0"):
+                    self.d = self._new(rest)  # another gzip member
+                    buf = rest
+                    continue
+                if rest.strip(b"\0"):
+                    raise DecodeError("upstream:bad-encoding", f"{self.coding} body has data after its end")
+                return
+            try:
+                out = self.d.decompress(buf, PIECE)
+            except zlib.error as exc:
+                raise DecodeError("upstream:bad-encoding", f"{self.coding} body does not decode: {exc}") from None
+            self.started = True
+            if out:
+                yield out
+            buf = self.d.unconsumed_tail
+            if self.d.eof and self.d.unused_data:
+                buf = b""
+                rest = self.d.unused_data
+                if self.coding == "gzip" and rest.strip(b"\0"):
+                    self.d = self._new(rest)
+                    buf = rest
+                elif rest.strip(b"\0"):
+                    raise DecodeError("upstream:bad-encoding", f"{self.coding} body has data after its end")
+
+    def finish(self) -> Iterator[bytes]:
+        if self.d is None:
+            if self.head:
+                raise DecodeError("upstream:bad-encoding", f"{self.coding} body is truncated")
+            return  # an empty body
+        out = self.d.flush()
+        if out:
+            yield out
+        if not self.d.eof:
+            raise DecodeError("upstream:bad-encoding", f"{self.coding} body is truncated")
+
+
+class _Brotli:
+    def __init__(self):
+        self.d = brotli.Decompressor()
+        self.any = False
+
+    def feed(self, data: bytes) -> Iterator[bytes]:
+        if not data:
+            return
+        self.any = True
+        try:
+            out = self.d.process(data, output_buffer_limit=PIECE)
+            if out:
+                yield out
+            while True:  # it may hold decoded output even once it could take more input
+                out = self.d.process(b"", output_buffer_limit=PIECE)
+                if not out:
+                    break
+                yield out
+        except brotli.error as exc:
+            raise DecodeError("upstream:bad-encoding", f"br body does not decode: {exc}") from None
+
+    def finish(self) -> Iterator[bytes]:
+        if self.any and not self.d.is_finished():
+            raise DecodeError("upstream:bad-encoding", "br body is truncated")
+        return iter(())
+
+
+class _Zstd:
+    def __init__(self):
+        self.d = zstandard.ZstdDecompressor().decompressobj()
+        self.fed = False  # bytes of the current frame seen (truncation check)
+
+    def feed(self, data: bytes) -> Iterator[bytes]:
+        i = 0
+        while i < len(data):
+            piece = data[i:i + _ZSTD_SLICE]
+            i += len(piece)
+            if self.d.eof:  # a frame ended: the next one starts here
+                rest = self.d.unused_data + piece
+                self.d = zstandard.ZstdDecompressor().decompressobj()
+                piece = rest
+            try:
+                out = self.d.decompress(piece)
+            except zstandard.ZstdError as exc:
+                raise DecodeError("upstream:bad-encoding", f"zstd body does not decode: {exc}") from None
+            self.fed = True
+            for j in range(0, len(out), PIECE):
+                yield out[j:j + PIECE]
+            if self.d.eof and self.d.unused_data:
+                data, i = self.d.unused_data + data[i:], 0
+                self.d = zstandard.ZstdDecompressor().decompressobj()
+                self.fed = False
+
+    def finish(self) -> Iterator[bytes]:
+        if self.fed and not self.d.eof:
+            raise DecodeError("upstream:bad-encoding", "zstd body is truncated")
+        return iter(())
+
+
+def _step(coding: str):
+    if coding in ("gzip", "x-gzip"):
+        return _Zlib("gzip")
+    if coding == "deflate":
+        return _Zlib("deflate")
+    if coding == "br" and brotli is not None:
+        return _Brotli()
+    if coding == "zstd" and zstandard is not None:
+        return _Zstd()
+    raise DecodeError("credential:uninspectable-encoding",
+                      f"response in Content-Encoding {coding!r}, which the gate cannot inspect for credential echoes")
+
+
+class Decoder:
+    """Undo a ``Content-Encoding`` header (codings applied left to right, undone right to left)."""
+
+    MAX_LAYERS = 3
+
+    def __init__(self, content_encoding: bytes):
+        codings = [c for c in _codings(content_encoding) if c != "identity"]
+        if len(codings) > self.MAX_LAYERS:
+            raise DecodeError("credential:uninspectable-encoding", f"{len(codings)} stacked content codings")
+        self.steps = [_step(c) for c in reversed(codings)]
+
+    def _through(self, pieces: Iterator[bytes], k: int) -> Iterator[bytes]:
+        if k == len(self.steps):
+            yield from pieces
+            return
+        step = self.steps[k]
+        for piece in pieces:
+            yield from self._through(step.feed(piece), k + 1)
+
+    def feed(self, data: bytes) -> Iterator[bytes]:
+        """Decoded pieces of ``data`` (lazily: pull one, send it, pull the next)."""
+        return self._through(iter((data,)), 0)
+
+    def finish(self) -> Iterator[bytes]:
+        """The end of the body: what the decoders still hold; raises if it was truncated."""
+        for k, step in enumerate(self.steps):
+            yield from self._through(step.finish(), k + 1)
