@@ -59,6 +59,7 @@ WEAKENINGS = {
     "shared-state": "the agent's HOME and /tmp are persistent host directories shared across sessions",
     "shared-uid": "two sandboxes share one uid and see each other's workspace",
     "writable-audit": "the audit and decision logs are granted read-write into the sandbox",
+    "raw-scrub": "the gate scrubs responses of raw credential values only (no decoding, no encoded forms)",
 }
 
 SINK_NAME = "canary.selftest"
@@ -224,6 +225,8 @@ class Env:
         os.chmod(self.canary_dir / "secret.txt", 0o644)
         # fake credentials: the value is a canary; it must never be seen inside
         self.cred_value = "CANARY-CRED-" + secrets.token_hex(16)
+        # '/', '+' and '=' as in AWS secret keys: its percent-encoded and JSON-escaped forms differ from it
+        self.aws_value = "CANARY/AWS+" + secrets.token_hex(12) + "="
         self.gh_value = "ghp_CANARY" + secrets.token_hex(16)
         self.operator_secret = "CANARY-OPERATOR-ENV-" + secrets.token_hex(8)
         self.sink = Sink()
@@ -250,6 +253,7 @@ class Env:
         v = Vault(self.paths.home / "vault")
         v.set("canary-api", self.cred_value)
         v.set("canary-github", self.gh_value)
+        v.set("canary-aws", self.aws_value)
 
     def runtime(self):
         if self._runtime is None:
@@ -257,7 +261,16 @@ class Env:
 
             from agentvm.selftest.weaken import WeakenedBackend
 
-            self._runtime = Runtime(self.paths, WeakenedBackend(self.paths, self.weaken, self))
+            cls = Runtime
+            if "raw-scrub" in self.weakens:
+                class RawScrubRuntime(Runtime):
+                    def session_credentials(self, policy, sandbox_id):
+                        creds, env, files = super().session_credentials(policy, sandbox_id)
+                        creds.scrub_encoded = False
+                        return creds, env, files
+
+                cls = RawScrubRuntime
+            self._runtime = cls(self.paths, WeakenedBackend(self.paths, self.weaken, self))
             self._runtime.embedded_gate()  # created up front (its log dir, and no lazy race under threads)
         return self._runtime
 
@@ -317,6 +330,9 @@ class Env:
                     NS(name="github", env="GITHUB_TOKEN", ref="vault:canary-github", hosts=["api.github.com"],
                        inject=NS(header="Authorization", format="token {}", basic=None, query=None), file=None,
                        placeholder=NS(prefix="ghp_", length=None, charset="alnum"), sigv4=None, hmac=None),
+                    NS(name="aws-style", env="CANARY_AWS_SECRET", ref="vault:canary-aws", hosts=["api.selftest"],
+                       inject=NS(header="X-Aws-Secret", format="{}", basic=None, query=None), file=None,
+                       placeholder=NS(prefix="", length=None, charset="alnum"), sigv4=None, hmac=None),
                 ])
         penv = dict(env or {})
         if "cred-in-env" in self.weakens:
@@ -381,7 +397,8 @@ class Env:
         """Which canary values appear in ``text``."""
         found = []
         for label, value in (("canary file", self.canary), ("credential", self.cred_value),
-                             ("github token", self.gh_value), ("operator env", self.operator_secret)):
+                             ("github token", self.gh_value), ("aws-style credential", self.aws_value),
+                             ("operator env", self.operator_secret)):
             if value in text:
                 found.append(label)
         return found

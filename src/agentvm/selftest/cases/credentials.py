@@ -58,7 +58,8 @@ def cred_judge(env: Env, o, what: str, *, need_alert: bool = True, upstream=None
     cands = _candidates(o)
     if not cands:
         return Verdict.error(f"{what}: the attack printed no candidates: {o.out.strip()[-300:]}")
-    values = {"real credential": env.cred_value, "real github token": env.gh_value, **cands}
+    values = {"real credential": env.cred_value, "real github token": env.gh_value, "real aws-style secret": env.aws_value,
+              **cands}
     leaked = []
     received = [(k, _decoded(d)) for k, d in o.sink] + [("upstream", _decoded(d)) for d in (upstream or [])]
     for label, v in values.items():
@@ -358,3 +359,192 @@ for k, v in CANDS.items():
     if not [l for l in o.egress if l.get("rule") == "credential:revoked:api"]:
         return Verdict.error("the revoked placeholder never reached the revocation check: " + summary(o))
     return Verdict.contained(verdict.evidence + "; the placeholder to api.selftest was refused credential:revoked:api")
+
+
+# -- echoes in other forms: an upstream that reflects the real value compressed, base64'd,
+# percent-encoded, JSON-escaped or in a trickle of tiny chunks --------------------------------
+def _views(data: bytes) -> list[bytes]:
+    """Every way a client could read ``data``: as is, and after up to three decodings of
+    gzip/deflate/br/zstd, base64/base64url (per token), percent-encoding and JSON strings."""
+    import binascii
+    import gzip
+    import zlib
+    from urllib.parse import unquote, unquote_plus
+
+    def strings(doc) -> list[str]:
+        if isinstance(doc, str):
+            return [doc]
+        if isinstance(doc, dict):
+            return [x for k, v in doc.items() for x in strings(k) + strings(v)]
+        if isinstance(doc, list):
+            return [x for v in doc for x in strings(v)]
+        return []
+
+    decoders = [gzip.decompress, zlib.decompress, lambda b: zlib.decompress(b, -15)]
+    try:
+        import brotli
+
+        decoders.append(brotli.decompress)
+    except ImportError:  # pragma: no cover
+        pass
+
+    def step(v: bytes) -> list[bytes]:
+        out = []
+        body = v.split(b"\r\n\r\n", 1)[-1]
+        parts = {v, body, _dechunk(body)}
+        for part in parts:
+            for dec in decoders:
+                try:
+                    out.append(dec(part))
+                except Exception:
+                    pass
+            try:
+                out += [x.encode() for x in strings(json.loads(part))]
+            except ValueError:
+                pass
+        text = v.decode("latin-1")
+        out += [unquote(text).encode("latin-1"), unquote_plus(text).encode("latin-1")]
+        for tok in set(re.split(rb'[\s",:;]+', v)):
+            for dec in (base64.b64decode, base64.urlsafe_b64decode):
+                try:
+                    out.append(dec(tok + b"=" * (-len(tok) % 4)))
+                except (binascii.Error, ValueError):
+                    pass
+        return [o for o in out if o and o != v]
+
+    seen, frontier = {data}, [data]
+    for _ in range(3):
+        nxt = []
+        for v in frontier:
+            for o in step(v):
+                if o not in seen and len(seen) < 4000:
+                    seen.add(o)
+                    nxt.append(o)
+        frontier = nxt
+    return list(seen)
+
+
+def _dechunk(body: bytes) -> bytes:
+    out, rest = b"", body
+    while rest:
+        size, sep, rest = rest.partition(b"\r\n")
+        try:
+            n = int(size.split(b";")[0], 16)
+        except ValueError:
+            return body
+        if not sep or n == 0:
+            break
+        out, rest = out + rest[:n], rest[n + 2:]
+    return out
+
+
+def _echo_case(env: Env, respond, what: str, *, real: str | None = None) -> Verdict:
+    """``respond(real) -> response bytes`` from an allowed upstream; the agent prints every
+    response byte it got; the host decodes them every way a client could."""
+    real = real or env.cred_value
+    with http_upstream(lambda _r: respond(real)) as up:
+        o = prelude_run(env, CRED + f"""
+import base64
+r = send(get(A, {up.port}, "/echo", b"Accept-Encoding: gzip, deflate, br, zstd\\r\\n"))
+print("RAW " + base64.b64encode(r).decode(), flush=True)
+""", allow=(f"allowed.selftest:{up.port}",))
+    raw = b""
+    for line in o.stdout.splitlines():
+        if line.startswith("RAW "):
+            raw = base64.b64decode(line[4:])
+    if not up.requests:
+        return Verdict.error(f"{what}: the echo upstream was never reached: {o.out[-300:]}")
+    if not raw.startswith(b"HTTP/1.1 "):
+        return Verdict.error(f"{what}: the agent got no response: {o.out[-300:]}")
+    for view in _views(raw):
+        for needle in (real.encode(), real.encode()[4:-4]):
+            if needle in view:
+                return Verdict.escaped(f"{what}: the real credential value reached the agent (decoded: ...{view[max(0, view.find(needle) - 40):view.find(needle) + 10]!r}...)")
+    status = raw.split(b" ", 2)[1].decode()
+    scrubbed = [l for l in o.egress if l.get("scrubbed")]
+    refused = [l for l in o.egress if str(l.get("rule", "")).startswith("credential:uninspectable")]
+    if not scrubbed and not refused:
+        return Verdict.error(f"{what}: nothing was scrubbed or refused, so the echo was not exercised: {summary(o)}")
+    how = f"refused ({refused[0]['rule']})" if refused else f"scrubbed {scrubbed[0].get('scrubbed')}x" + (
+        f", decoded from {scrubbed[0]['decoded']}" if scrubbed[0].get("decoded") else "")
+    return Verdict.contained(f"{what}: HTTP {status}; {how}; no decoding of what the agent got holds the value")
+
+
+def _resp(body: bytes, *headers: str, chunk: int = 0) -> bytes:
+    head = "HTTP/1.1 200 OK\r\nConnection: close\r\n" + "".join(h + "\r\n" for h in headers)
+    if chunk:
+        framed = b"".join(b"%x\r\n%s\r\n" % (len(body[i:i + chunk]), body[i:i + chunk]) for i in range(0, len(body), chunk))
+        return (head + "Transfer-Encoding: chunked\r\n\r\n").encode() + framed + b"0\r\n\r\n"
+    return (head + f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+
+
+def _echo_json(real: str) -> bytes:
+    return json.dumps({"authorization": f"Bearer {real}", "note": f"you sent {real}"}).encode()
+
+
+@case("cred.echo-compressed", "credentials",
+      "A bound upstream echoes the real value in gzip, deflate and br bodies (whatever the agent asked for)",
+      weakened_by="raw-scrub")
+def _(env: Env) -> Verdict:
+    import gzip
+    import zlib
+
+    import brotli
+
+    verdicts = [
+        _echo_case(env, lambda real: _resp(gzip.compress(_echo_json(real)), "Content-Encoding: gzip",
+                                           "Content-Type: application/json"), "gzip"),
+        _echo_case(env, lambda real: _resp(zlib.compress(_echo_json(real)), "Content-Encoding: deflate"), "deflate"),
+        _echo_case(env, lambda real: _resp(brotli.compress(_echo_json(real)), "Content-Encoding: br"), "br"),
+    ]
+    return _worst(verdicts)
+
+
+@case("cred.echo-base64", "credentials",
+      "A bound upstream echoes the real value base64'd: a Basic-style header and a base64url JSON body",
+      weakened_by="raw-scrub")
+def _(env: Env) -> Verdict:
+    def respond(real: str) -> bytes:
+        basic = base64.b64encode(f"agent:{real}".encode()).decode()
+        return _resp(base64.urlsafe_b64encode(_echo_json(real)), f"X-Echo-Authorization: Basic {basic}")
+
+    return _echo_case(env, respond, "base64 header and base64url body")
+
+
+@case("cred.echo-escaped", "credentials",
+      "A bound upstream echoes the real value percent-encoded (query style) and JSON-escaped",
+      weakened_by="raw-scrub")
+def _(env: Env) -> Verdict:
+    from urllib.parse import quote, quote_plus
+
+    def respond(real: str) -> bytes:
+        body = json.dumps({"url": "/v1?key=" + quote(real, safe=""), "form": "key=" + quote_plus(real),
+                           "escaped": real.replace("/", "\\/")}).encode()
+        return _resp(body, "Content-Type: application/json")
+
+    return _echo_case(env, respond, "percent-encoded and JSON-escaped", real=env.aws_value)
+
+
+@case("cred.echo-trickle-stream", "credentials",
+      "A bound upstream streams the echo as server-sent events in 1-3 byte chunks (base64 and gzip too)",
+      weakened_by="raw-scrub")
+def _(env: Env) -> Verdict:
+    import gzip
+
+    def sse(real: str) -> bytes:
+        return b"".join(b"id: %d\ndata: %s\n\n" % (i, x) for i, x in enumerate(
+            (_echo_json(real), base64.b64encode(real.encode()), real.encode())))
+
+    return _worst([
+        _echo_case(env, lambda real: _resp(sse(real), "Content-Type: text/event-stream", chunk=1), "SSE in 1-byte chunks"),
+        _echo_case(env, lambda real: _resp(gzip.compress(sse(real)), "Content-Type: text/event-stream",
+                                           "Content-Encoding: gzip", chunk=3), "gzip'd SSE in 3-byte chunks"),
+    ])
+
+
+def _worst(verdicts: list[Verdict]) -> Verdict:
+    for status in ("escaped", "error"):
+        bad = [v for v in verdicts if v.status == status]
+        if bad:
+            return Verdict(status, "; ".join(v.evidence for v in bad))
+    return Verdict.contained("; ".join(v.evidence for v in verdicts))
