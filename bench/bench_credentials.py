@@ -29,7 +29,9 @@ Parts:
   2. revocation latency: Vault(dir).revoke(name) in this process while a client hammers the gate
      (whose `revoked` callable is vault.is_revoked): time from revoke() returning to the first
      403 credential:revoked:*, and requests sent after revoke() returned that still got a 200
-  3. ratios: gate / mitmproxy (target >= 4x), gate / direct
+  1b. a gzip'd response: direct, the gate passing it unread (before compressed echoes were
+     closed: --mode raw-scrub) and the gate decoding + scrubbing it (after), c=1 and c=10
+  3. ratios: gate / mitmproxy (target >= 4x), gate / direct, gzip after / before
   then cProfile of a fresh gate child under a c=10 swap cell (top 15).
 """
 
@@ -72,6 +74,11 @@ NAME = "bench.test"
 CRED = "bench"
 BODY = b"hello, world\n"
 RESP_OK = (b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: %d\r\n\r\n" % len(BODY)) + BODY
+# a compressed answer (GET /gz): what the gate must now decode and scrub before the sandbox sees it
+GZ_BODY = __import__("gzip").compress(b"".join(b'{"id": %d, "text": "lorem ipsum dolor sit amet"},\n' % i for i in range(120)),
+                                      mtime=0)
+RESP_GZ = (b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Encoding: gzip\r\n"
+           b"Content-Length: %d\r\n\r\n" % len(GZ_BODY)) + GZ_BODY
 RESP_BAD = b"HTTP/1.1 401 Unauthorized\r\nContent-Type: text/plain\r\nContent-Length: 4\r\n\r\nbad\n"
 TARGETS = {"gate_vs_mitm": 4.0, "revoke_ms": 10.0, "revoke_after": 0}
 
@@ -162,7 +169,7 @@ def role_upstream(args) -> None:
                     k = head.find(b"\r\n", j + 2)
                     ok = head[j + 16: k if k > 0 else None].strip() == want
                     stats["ok" if ok else "mismatch"] += 1
-                self.t.write(RESP_OK if ok else RESP_BAD)
+                self.t.write((RESP_GZ if head.startswith(b"GET /gz ") else RESP_OK) if ok else RESP_BAD)
                 if b"\r\nconnection: close" in low:
                     self.t.close()
                     return
@@ -199,6 +206,8 @@ def role_gate(args) -> None:
     else:
         revoked = lambda n: False  # noqa: E731
     creds = CredentialSet(bindings, {CRED: cred["placeholder"]}, value=lambda n: real, revoked=revoked)
+    if args.mode == "raw-scrub":
+        creds.scrub_encoded = False  # the gate before compressed echoes were closed: bodies passed unread
     pol = compile_egress(None, extra_allow=[f"{NAME}:{args.ports}"], extra_hosts={NAME: HOST})
     pol = dataclasses.replace(pol, upstream_ca=args.upstream_ca,
                               limits=EgressLimits(connections=4096, requests_per_second=1e9, burst=10**9,
@@ -309,8 +318,10 @@ class _LoadGen:
     def __init__(self, args):
         self.args = args
         self.ctx = client_ctx(args.cafile)
-        self.request = (f"GET / HTTP/1.1\r\nHost: {NAME}:{args.upstream_port}\r\n"
-                        f"Authorization: Bearer {args.auth}\r\n\r\n").encode()
+        path = args.path or "/"
+        self.request = (f"GET {path} HTTP/1.1\r\nHost: {NAME}:{args.upstream_port}\r\n"
+                        f"Authorization: Bearer {args.auth}\r\n"
+                        + ("Accept-Encoding: gzip\r\n" if path == "/gz" else "") + "\r\n").encode()
         self.connect = f"CONNECT {NAME}:{args.upstream_port} HTTP/1.1\r\nHost: {NAME}:{args.upstream_port}\r\n\r\n".encode()
         self.running = True
         self.measuring = False
@@ -599,7 +610,7 @@ def upstream_stats(up: Child) -> dict:
 def http_cell(target: dict, conc: int, warmup: float, duration: float, up: Child) -> dict:
     argv = me("loadgen", "--mode", target["mode"], "--conc", str(conc), "--warmup", str(warmup),
               "--duration", str(duration), "--cafile", target["cafile"], "--auth", target["auth"],
-              "--upstream-port", str(target["upstream_port"]))
+              "--upstream-port", str(target["upstream_port"]), "--path", target.get("path", "/"))
     argv += ["--unix", target["unix"]] if target.get("unix") else ["--port", str(target["port"])]
     if target.get("pid"):
         argv += ["--watch-pid", str(target["pid"])]
@@ -639,7 +650,7 @@ def main() -> int:
     ap.add_argument("--json", action="store_true", help="also print the raw results as JSON")
     # child roles (internal)
     for a in ("--role", "--cert", "--key", "--ports", "--sock", "--state", "--profile-out", "--cred-file",
-              "--upstream-ca", "--vault", "--mode", "--cafile", "--auth", "--unix"):
+              "--upstream-ca", "--vault", "--mode", "--cafile", "--auth", "--unix", "--path"):
         ap.add_argument(a, help=argparse.SUPPRESS)
     for a in ("--conc", "--port", "--watch-pid", "--upstream-port"):
         ap.add_argument(a, type=int, help=argparse.SUPPRESS)
@@ -718,6 +729,25 @@ def main() -> int:
                     res["http"].setdefault(name, {})[f"c{conc}"] = http_cell(tgt, conc, warmup, duration, up)
                 except Exception as exc:  # noqa: BLE001
                     res["http"].setdefault(name, {})[f"c{conc}"] = {"error": f"{type(exc).__name__}: {exc}"}
+        # 1b. a gzip'd response (4 KiB decoded): the gate decodes and scrubs it (after) vs passes it
+        # unread (before: the raw-scrub mode, what the gate did until compressed echoes were closed)
+        raw_gate, raw_info = gate_child("rawscrub", "--mode", "raw-scrub")
+        gz_targets = {
+            "direct-gz": dict(targets["direct"], path="/gz"),
+            "gate-gz-before": dict(targets["gate"], unix=raw_info["sock"], cafile=raw_info["ca"], pid=raw_gate.p.pid,
+                                   path="/gz"),
+            "gate-gz": dict(targets["gate"], path="/gz"),
+        }
+        for name, tgt in gz_targets.items():
+            for conc in (1, 10):
+                log(f"https gzip {name} c={conc}")
+                try:
+                    res["http"].setdefault(name, {})[f"c{conc}"] = http_cell(tgt, conc, warmup, duration, up)
+                except Exception as exc:  # noqa: BLE001
+                    res["http"].setdefault(name, {})[f"c{conc}"] = {"error": f"{type(exc).__name__}: {exc}"}
+        res["labels"].update({"direct-gz": "direct, gzip'd response", "gate-gz-before": "gate, gzip passed unread (before)",
+                              "gate-gz": "gate, gzip decoded + scrubbed (after)"})
+        raw_gate.stop()
         gate.stop()
 
         # 2. revocation latency
@@ -818,7 +848,7 @@ def report(res: dict, duration: float, warmup: float) -> None:
           f"after {warmup:g} s warm-up")
     print(f"{'path':36} {'c=1 req/s':>10} {'p50 ms':>7} {'cpu':>5} {'c=10 req/s':>11} {'p50 ms':>7} {'cpu':>5}"
           f"  {'upstream ok/mismatch/missing':>28}  notes")
-    for name in ("direct", "gate", "mitmproxy"):
+    for name in ("direct", "gate", "mitmproxy", "direct-gz", "gate-gz-before", "gate-gz"):
         label = res["labels"].get(name, name).split(";")[0]
         if name in res["unavailable"]:
             print(f"{name}: not available ({res['unavailable'][name]})")
@@ -902,6 +932,8 @@ def report(res: dict, duration: float, warmup: float) -> None:
             line(f"gate-swap / mitmproxy-swap, {c}", rps("gate", c), rps("mitmproxy", c), TARGETS["gate_vs_mitm"])
     for c in ("c1", "c10"):
         line(f"gate-swap / direct, {c}", rps("gate", c), rps("direct", c))
+    for c in ("c1", "c10"):
+        line(f"gzip: after / before, {c}", rps("gate-gz", c), rps("gate-gz-before", c))
     print()
     if "mitmproxy" in res["labels"]:
         print(f"mitmproxy: {res['labels']['mitmproxy']}")

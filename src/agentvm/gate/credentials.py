@@ -170,6 +170,7 @@ class CredentialSet:
         # responses are scrubbed of every encoded form of a real value (and decoded first);
         # False only in the selftest's deliberately weakened configuration
         self.scrub_encoded = True
+        self._scrub_table = None
 
     def __repr__(self) -> str:  # never the values
         return f"CredentialSet({sorted(self.bindings)})"
@@ -315,7 +316,11 @@ class CredentialSet:
                 continue
             if real:
                 pairs.append((real.encode(), ph.encode()))
-        return Scrubber(pairs, encoded=self.scrub_encoded)
+        key = (tuple(pairs), self.scrub_encoded)
+        if self._scrub_table is None or self._scrub_table[0] != key:
+            # built once per set of values (a rotation builds a new one), not per request
+            self._scrub_table = (key, ScrubTable(pairs, encoded=self.scrub_encoded))
+        return Scrubber(self._scrub_table[1])
 
 
 class BodyScanner:
@@ -433,6 +438,29 @@ _B64_CHARS = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz012
 _PCT = re.compile(r"%[0-9A-F]{2}")
 
 
+class ScrubTable:
+    """What a :class:`Scrubber` looks for, compiled once per set of real values: every form
+    of each value, the form of its placeholder that replaces it, one regular expression, and
+    the set of proper prefixes (to know what to hold back at a chunk edge)."""
+
+    def __init__(self, pairs: list[tuple[bytes, bytes]], *, encoded: bool = True):
+        self.pairs = pairs
+        self.encoded = encoded
+        self.table: dict[bytes, tuple[_Form, _Form]] = {}
+        for real, ph in pairs:
+            if encoded:
+                # each form of the real value -> the same form of the placeholder
+                for r, p in zip(_all_forms(real), _all_forms(ph, like=real)):
+                    if r.text:
+                        self.table.setdefault(r.text, (r, p))
+            else:
+                self.table.setdefault(real, (_Form(real), _Form(ph)))
+        forms = sorted(self.table, key=len, reverse=True)
+        self.regex = re.compile(b"|".join(re.escape(f) for f in forms)) if forms else None
+        self.prefixes = frozenset(f[:i] for f in forms for i in range(1, len(f)))
+        self.maxlen = max((len(f) for f in forms), default=1)
+
+
 class Scrubber:
     """Replace real values by placeholders in a byte stream (responses), across chunk edges.
 
@@ -447,22 +475,15 @@ class Scrubber:
 
     CONTEXT = 3  # base64 characters around a fragment that belong to its first/last group
 
-    def __init__(self, pairs: list[tuple[bytes, bytes]], *, encoded: bool = True):
-        self.pairs = pairs
-        self.encoded = encoded  # also decode Content-Encoding (server.py reads this)
-        self.table: dict[bytes, tuple[_Form, _Form]] = {}
-        for real, ph in pairs:
-            if encoded:
-                # each form of the real value -> the same form of the placeholder
-                for r, p in zip(_all_forms(real), _all_forms(ph, like=real)):
-                    if r.text:
-                        self.table.setdefault(r.text, (r, p))
-            else:
-                self.table.setdefault(real, (_Form(real), _Form(ph)))
-        forms = sorted(self.table, key=len, reverse=True)
-        self._re = re.compile(b"|".join(re.escape(f) for f in forms)) if forms else None
-        self._prefixes = {f[:i] for f in forms for i in range(1, len(f))}
-        self.maxlen = max((len(f) for f in forms), default=1)
+    def __init__(self, table: "ScrubTable | list[tuple[bytes, bytes]]", *, encoded: bool = True):
+        if not isinstance(table, ScrubTable):
+            table = ScrubTable(table, encoded=encoded)
+        self.pairs = table.pairs
+        self.encoded = table.encoded  # also decode Content-Encoding (server.py reads this)
+        self.table = table.table
+        self._re = table.regex
+        self._prefixes = table.prefixes
+        self.maxlen = table.maxlen
         self.tail = b""
         self.hits = 0
 
