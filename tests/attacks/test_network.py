@@ -207,16 +207,90 @@ print("CONTROL_localhost", socket.getaddrinfo("localhost", 80, socket.AF_INET)[0
     assert "CONTROL_localhost 127.0.0.1" in r.stdout, dump(r)
 
 
-def test_tcp_bind_and_connect_inside_denied_by_landlock(py):
-    """Even inside its own netns the agent may not open TCP ports (no port is declared):
-    Landlock's network rules answer EACCES; UDP (not handled by Landlock) works as a control."""
+LOOPBACK_SERVERS = r"""
+import errno, socket, sys, threading
+def serve(family, addr, port):
+    s = socket.socket(family)
+    try:
+        s.bind((addr, port)); s.listen()
+    except OSError as e:
+        print("bind", addr, port, errno.errorcode.get(e.errno, e)); return None
+    port = s.getsockname()[1]
+    def one():
+        c, _ = s.accept(); c.sendall(b"pong:" + c.recv(64)); c.close()
+    threading.Thread(target=one, daemon=True).start()
+    c = socket.create_connection((addr, port), timeout=3); c.sendall(b"ping"); got = c.recv(64); c.close()
+    print("served", addr, "fixed" if port == 8000 else "ephemeral", got.decode(), port)
+    return s
+keep = [serve(socket.AF_INET, "127.0.0.1", 0), serve(socket.AF_INET6, "::1", 0), serve(socket.AF_INET, "127.0.0.1", 8000)]
+try:  # the gate's relay keeps its port
+    r = socket.socket(); r.bind(("127.0.0.1", 3128)); print("relay-port TAKEN")
+except OSError as e:
+    print("relay-port", errno.errorcode.get(e.errno, e))
+print("LISTENING", flush=True)
+sys.stdin.readline()  # the host probes the ports meanwhile
+"""
+
+
+def test_servers_on_the_sandbox_loopback_work_and_stay_inside(avm_home):
+    """Any port on the sandbox's own loopback (v4 and v6, ephemeral and fixed) can be bound
+    and reached from inside, as on a normal machine; the gate's relay port cannot be taken;
+    and the host's loopback never reaches those servers (the network namespace is private)."""
+    import subprocess
+
+    from tests.helpers import agentvm_cmd
+
+    p = subprocess.Popen(agentvm_cmd() + ["run", "--allow", "example.test", "--", "/usr/bin/python3", "-c",
+                                          LOOPBACK_SERVERS],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lines = []
+    try:
+        for line in p.stdout:
+            lines.append(line.strip())
+            if line.startswith("LISTENING"):
+                break
+        served = [ln.split() for ln in lines if ln.startswith("served")]
+        assert len(served) == 3 and all(x[3] == "pong:ping" for x in served), lines
+        assert "relay-port EADDRINUSE" in lines, lines
+        # from the host, none of the sandbox's ports answer on the host's loopback
+        for _, addr, _, _, port in served:
+            fam = socket.AF_INET6 if ":" in addr else socket.AF_INET
+            s = socket.socket(fam)
+            s.settimeout(1)
+            try:
+                rc = s.connect_ex((addr, int(port)))
+            finally:
+                s.close()
+            assert rc != 0 or int(port) == 8000 and _host_port_in_use(8000), f"the host reached the sandbox's {addr}:{port}"
+    finally:
+        try:
+            p.stdin.write("\n")
+            p.stdin.flush()
+        except OSError:
+            pass
+        p.wait(30)
+
+
+def _host_port_in_use(port: int) -> bool:
+    """Something of the host's own listens there (then a connect proves nothing)."""
+    return any(f":{port:04X} " in ln and ln.split()[3] == "0A" for f in ("/proc/net/tcp", "/proc/net/tcp6")
+               for ln in open(f).read().splitlines()[1:])
+
+
+def test_declared_local_ports_are_an_explicit_tcp_restriction(agentvm, tmp_path):
+    """`security.localPorts` asks Landlock to restrict TCP: only those ports (and the gate's
+    relay) can be bound or connected to; UDP (not handled by Landlock) works as a control."""
+    f = tmp_path / "ports.yaml"
+    f.write_text("apiVersion: agentvm/v1\nkind: Agent\nmetadata: {name: ports}\nspec:\n"
+                 "  workspace: {enabled: false}\n  security: {localPorts: [18081]}\n")
     code = r"""
 import socket, errno
-s = socket.socket()
-try:
-    s.bind(("127.0.0.1", 18080)); s.listen(); print("tcp_bind OK")
-except OSError as e:
-    print("tcp_bind", errno.errorcode[e.errno])
+for port in (18080, 18081):
+    s = socket.socket()
+    try:
+        s.bind(("127.0.0.1", port)); s.listen(); print("tcp_bind_%d OK" % port)
+    except OSError as e:
+        print("tcp_bind_%d" % port, errno.errorcode[e.errno])
 c = socket.socket()
 try:
     c.connect(("127.0.0.1", 18080)); print("tcp_connect OK")
@@ -224,8 +298,9 @@ except OSError as e:
     print("tcp_connect", errno.errorcode[e.errno])
 u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); u.bind(("127.0.0.1", 18080)); print("CONTROL_udp_bind OK")
 """
-    r = py(code)
-    res = parse_table(r.stdout)
+    r = agentvm("run", "-f", str(f), "--", "/usr/bin/python3", "-c", code)
+    res = parse_table(r.stdout.decode())
     assert res.get("CONTROL_udp_bind") == ["OK"], dump(r)
-    assert res.get("tcp_bind") == ["EACCES"], dump(r)
+    assert res.get("tcp_bind_18081") == ["OK"], dump(r)
+    assert res.get("tcp_bind_18080") == ["EACCES"], dump(r)
     assert res.get("tcp_connect") == ["EACCES"], dump(r)

@@ -157,7 +157,9 @@ class BwrapBackend:
         return self._caps
 
     def required_primitives(self, policy: Policy) -> tuple[str, ...]:
-        req = ["userns", "bwrap", "seccomp", "landlock", "landlock-net", "landlock-scope", "cgroups", "cgroup-kill"]
+        req = ["userns", "bwrap", "seccomp", "landlock", "landlock-scope", "cgroups", "cgroup-kill"]
+        if policy.local_ports:  # the explicit TCP port restriction is enforced by Landlock
+            req.insert(4, "landlock-net")
         req.append("dedicated-uid")
         if policy.agent and policy.workspace:
             req.append("disk-quota")
@@ -212,7 +214,10 @@ class BwrapBackend:
         rw = ["/tmp", "/dev/shm", HOME_IN_SANDBOX] + [m.path for m in policy.mounts if m.writable]
         if policy.workspace:
             rw.append(policy.workspace)
-        use_net = "landlock-net" not in degraded
+        # The sandbox's network namespace is its own: its loopback reaches nothing but itself
+        # and the gate's relay, so servers on any port work as on a normal machine. Landlock's
+        # TCP rules apply only as the explicit restriction `security.localPorts` asks for.
+        use_net = "landlock-net" not in degraded and bool(policy.local_ports)
         use_scope = "landlock-scope" not in degraded
         landlock = None
         if "landlock" not in degraded:
