@@ -721,14 +721,17 @@ def main() -> int:
         for t in targets.values():
             t["upstream_port"] = up_port
 
+        def cells(tgts: dict[str, dict], what: str) -> None:
+            for name, tgt in tgts.items():
+                for conc in (1, 10):
+                    log(f"{what} {name} c={conc} ({warmup:g} s warm-up + {duration:g} s)")
+                    try:
+                        res["http"].setdefault(name, {})[f"c{conc}"] = http_cell(tgt, conc, warmup, duration, up)
+                    except Exception as exc:  # noqa: BLE001
+                        res["http"].setdefault(name, {})[f"c{conc}"] = {"error": f"{type(exc).__name__}: {exc}"}
+
         # 1. req/s
-        for name, tgt in targets.items():
-            for conc in (1, 10):
-                log(f"https {name} c={conc} ({warmup:g} s warm-up + {duration:g} s)")
-                try:
-                    res["http"].setdefault(name, {})[f"c{conc}"] = http_cell(tgt, conc, warmup, duration, up)
-                except Exception as exc:  # noqa: BLE001
-                    res["http"].setdefault(name, {})[f"c{conc}"] = {"error": f"{type(exc).__name__}: {exc}"}
+        cells(targets, "https")
         # 1b. a gzip'd response (4 KiB decoded): the gate decodes and scrubs it (after) vs passes it
         # unread (before: the raw-scrub mode, what the gate did until compressed echoes were closed)
         raw_gate, raw_info = gate_child("rawscrub", "--mode", "raw-scrub")
@@ -738,13 +741,7 @@ def main() -> int:
                                    path="/gz"),
             "gate-gz": dict(targets["gate"], path="/gz"),
         }
-        for name, tgt in gz_targets.items():
-            for conc in (1, 10):
-                log(f"https gzip {name} c={conc}")
-                try:
-                    res["http"].setdefault(name, {})[f"c{conc}"] = http_cell(tgt, conc, warmup, duration, up)
-                except Exception as exc:  # noqa: BLE001
-                    res["http"].setdefault(name, {})[f"c{conc}"] = {"error": f"{type(exc).__name__}: {exc}"}
+        cells(gz_targets, "https gzip")
         res["labels"].update({"direct-gz": "direct, gzip'd response", "gate-gz-before": "gate, gzip passed unread (before)",
                               "gate-gz": "gate, gzip decoded + scrubbed (after)"})
         raw_gate.stop()

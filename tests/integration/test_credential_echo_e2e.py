@@ -10,7 +10,6 @@ could decode them."""
 from __future__ import annotations
 
 import base64
-import binascii
 import gzip
 import http.server
 import json
@@ -24,12 +23,13 @@ import threading
 import time
 import zlib
 from pathlib import Path
-from urllib.parse import parse_qsl, quote, unquote, unquote_plus, urlsplit
+from urllib.parse import parse_qsl, urlsplit
 
 import brotli
 import pytest
 import zstandard
 
+from agentvm.selftest.cases.credentials import decoded_views
 from tests.helpers import agentvm_cmd, last_json, needs_root
 
 pytestmark = [pytest.mark.integration, needs_root]
@@ -189,60 +189,11 @@ def curl(env, url: str, *args: str, auth: str = "echo") -> tuple[bytes, dict, by
     return head + body, headers, unframed, res
 
 
-def _strings(doc) -> list[str]:
-    if isinstance(doc, str):
-        return [doc]
-    if isinstance(doc, dict):
-        return [x for k, v in doc.items() for x in _strings(k) + _strings(v)]
-    if isinstance(doc, list):
-        return [x for v in doc for x in _strings(v)]
-    return []
-
-
-def _one_step(v: bytes) -> list[bytes]:
-    """What one decoding a client could apply makes of ``v``."""
-    out = []
-    for part in {v, v.split(b"\r\n\r\n")[-1]} | {ln[6:] for ln in v.split(b"\n") if ln.startswith(b"data: ")}:
-        for dec in (gzip.decompress, zlib.decompress, brotli.decompress,
-                    lambda b: zstandard.ZstdDecompressor().decompress(b, max_output_size=1 << 24)):
-            try:
-                out.append(dec(part))
-            except Exception:
-                pass
-        try:
-            out += [x.encode() for x in _strings(json.loads(part))]
-        except ValueError:
-            pass
-    text = v.decode("latin-1")
-    out += [unquote(text).encode("latin-1"), unquote_plus(text).encode("latin-1")]
-    for tok in set(v.replace(b'"', b" ").replace(b",", b" ").replace(b":", b" ").split()):
-        for dec in (base64.b64decode, base64.urlsafe_b64decode):
-            try:
-                out.append(dec(tok + b"=" * (-len(tok) % 4)))
-            except (binascii.Error, ValueError):
-                pass
-    return [o for o in out if o and o != v]
-
-
-def _views(data: bytes) -> list[bytes]:
-    """Every way a client could read ``data``: as is, and after up to three decodings of
-    percent-encoding, base64/base64url (whole and per token), JSON string escaping, and
-    gzip/deflate/br/zstd, in any order."""
-    seen, frontier = {data}, [data]
-    for _ in range(3):
-        nxt = []
-        for v in frontier:
-            for o in _one_step(v):
-                if o not in seen and len(seen) < 5000:
-                    seen.add(o)
-                    nxt.append(o)
-        frontier = nxt
-    return list(seen)
-
-
 def assert_no_real_value(raw: bytes):
+    """Decoded every way a client could (percent, base64/base64url, JSON strings, gzip/deflate/
+    br/zstd, up to three in a row: the selftest's own judge), no real value is readable."""
     for name, value in REAL.items():
-        for view in _views(raw):
+        for view in decoded_views(raw):
             assert value.encode() not in view, f"the real {name} value reached the sandbox"
             assert value.encode()[3:-3] not in view, f"most of the real {name} value reached the sandbox"
 
