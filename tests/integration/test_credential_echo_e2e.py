@@ -60,6 +60,7 @@ class EchoServer:
     def __init__(self, cert: Path, key: Path):
         self.sent_last_event_at: list[float] = []
         self.hits = 0
+        self.paths: list[str] = []
         outer = self
 
         class H(http.server.BaseHTTPRequestHandler):
@@ -70,6 +71,7 @@ class EchoServer:
 
             def do_GET(self):
                 outer.hits += 1
+                outer.paths.append(self.path)
                 opts = dict(parse_qsl(urlsplit(self.path).query))
                 echo = {"method": self.command, "path": self.path,
                         "headers": {k.lower(): v for k, v in self.headers.items()}}
@@ -97,7 +99,12 @@ class EchoServer:
                     enc = opts["enc"]
                     body = _encode(enc, body) if enc != "compress" else b"\x1f\x9d" + body
                     extra.append(("Content-Encoding", enc))
-                self.send_response(200)
+                if opts.get("reason"):  # an error page style status line quoting the request
+                    self.send_response(200, "OK " + self.headers.get("Authorization", ""))
+                else:
+                    self.send_response(200)
+                if opts.get("hide"):  # a coding label the upstream tries to have dropped as hop-by-hop
+                    self.send_header("Connection", "content-encoding")
                 self.send_header("Content-Type", "application/json")
                 self.send_header("X-Echo-Auth", self.headers.get("Authorization", ""))
                 for k, v in extra:
@@ -149,7 +156,7 @@ def env(avm_home):
             hosts: {{echo.test: 127.0.0.1, api.test: 127.0.0.1, other.test: 127.0.0.1}}
             upstreamCa: {ca}
             allow:
-              - {{host: echo.test, ports: [{p}]}}
+              - {{host: echo.test, ports: [{p}], websocket: true}}
               - {{host: api.test, ports: [{p}]}}
               - {{host: other.test, ports: [{p}]}}
           credentials:
@@ -298,3 +305,20 @@ def _dechunk(data: bytes) -> bytes:
             break
         out, rest = out + rest[:size], rest[size + 2:]
     return out
+
+
+def test_the_status_line_and_a_hidden_coding_label_are_scrubbed_too(env):
+    raw, headers, body, _ = curl(env, f"https://echo.test:{env['port']}/h?reason=1")
+    assert headers[":status"] == "200"
+    assert_no_real_value(raw)
+    raw, headers, body, res = curl(env, f"https://echo.test:{env['port']}/h?enc=gzip&hide=1")
+    assert_no_real_value(raw)
+    assert _echo(body)["method"] == "GET"  # decoded although Connection: tried to drop its label
+
+
+def test_a_websocket_to_a_bound_host_is_refused_not_relayed_unscrubbed(env):
+    raw, headers, _, res = curl(env, f"https://echo.test:{env['port']}/ws", "-H", "Connection: Upgrade", "-H",
+                                "Upgrade: websocket", "-H", "Sec-WebSocket-Version: 13", "-H",
+                                "Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==")
+    assert headers[":status"] == "403" and headers.get("x-agentvm-denied") == "credential:uninspectable-websocket", raw
+    assert "/ws" not in env["up"].paths  # refused before anything went upstream

@@ -275,3 +275,28 @@ def test_raw_only_scrubber_misses_encoded_forms():
     s = Scrubber([(ECHO_REAL, ECHO_PH)], encoded=False)
     data = _carriers(ECHO_REAL)["basic"]
     assert s.feed(data) + s.finish() == data and s.hits == 0
+
+
+def test_a_form_right_after_a_re_encoded_base64_match_is_replaced_too():
+    """Re-encoding a base64 match takes up to 3 characters past it; a raw value starting there
+    must still be found (it once went out whole)."""
+    real = b"REALsecret-abcdef0123456789XYZ"[:29]
+    ph = b"P" * 29
+    for lead in (b"", b"xx"):
+        s = Scrubber([(real, ph)])
+        out = s.feed(lead + base64.b64encode(real).rstrip(b"=") + real) + s.finish()
+        assert real not in out and real[3:-3] not in out, out
+
+
+def test_two_basic_credentials_user_and_password_on_one_host():
+    bindings = compile_credentials([cred("u", ["db.test"], basic="user"), cred("p", ["db.test"], basic="password")])
+    real = {"u": "real-user-name", "p": "real-password-value"}
+    ph = {b.name: make_placeholder(b, len(real[b.name])) for b in bindings}
+    s = CredentialSet(bindings, ph, lambda n: real[n], lambda n: False)
+    hdr = "Basic " + base64.b64encode(f"{ph['u']}:{ph['p']}".encode()).decode()
+    sw = s.apply(host="db.test", scheme="https", target="/", headers=H(("Authorization", hdr)))
+    assert base64.b64decode(sw.headers[0][1][6:]) == b"real-user-name:real-password-value"
+    assert sorted(sw.used) == ["p", "u"]
+    swapped = "Basic " + base64.b64encode(f"{ph['p']}:{ph['u']}".encode()).decode()
+    with pytest.raises(CredentialError):
+        s.apply(host="db.test", scheme="https", target="/", headers=H(("Authorization", swapped)))

@@ -72,14 +72,22 @@ def test_a_coding_the_gate_cannot_read_is_refused(ce):
 
 @pytest.mark.parametrize("name", ["gzip", "deflate", "br", "zstd"])
 def test_a_compression_bomb_comes_out_in_bounded_pieces(name):
+    import tracemalloc
+
     bomb = ENCODERS[name](b"\0" * (64 * 1024 * 1024))
     d = Decoder(name.encode())
     total = biggest = 0
-    for piece in d.feed(bomb):
-        biggest = max(biggest, len(piece))
-        total += len(piece)
-    total += sum(len(p) for p in d.finish())
+    tracemalloc.start()
+    try:
+        for piece in d.feed(bomb):
+            biggest = max(biggest, len(piece))
+            total += len(piece)
+        total += sum(len(p) for p in d.finish())
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
     assert total == 64 * 1024 * 1024
+    assert peak < 8 * 1024 * 1024, f"decoding held {peak} bytes at once"
     assert biggest <= 2 * PIECE  # brotli stops growing its buffer once past the limit
 
 

@@ -242,23 +242,8 @@ class CredentialSet:
                         used.append(name)
                         continue
                 raise self._leak(name, f"header {k.decode('latin-1')[:40]!r}", host)
-            for name in basic_names:
-                b = self.bindings[name]
-                if not (terminated and b.bound_to(host) and b.mode == "basic" and lk == b"authorization"):
-                    raise self._leak(name, "basic auth (not bound here)", host)
-                user, sep, pw = decoded.partition(b":")
-                ph = self.placeholders[name].encode()
-                if (b.basic == "user" and user != ph) or (b.basic == "password" and pw != ph) or not sep:
-                    raise self._leak(name, "basic auth (wrong part)", host)
-                # the other part is sent as the agent wrote it: no placeholder may ride along there
-                other = pw if b.basic == "user" else user
-                for stray in self.find(other):
-                    raise self._leak(stray, "basic auth (the part it is not declared for)", host)
-                self._check_revoked(name)
-                real = self.value(name).encode()
-                user, pw = (real, pw) if b.basic == "user" else (user, real)
-                v = b"Basic " + base64.b64encode(user + b":" + pw)
-                used.append(name)
+            if basic_names:
+                v = self._swap_basic(decoded, basic_names, host=host, lk=lk, terminated=terminated, used=used)
             out_headers.append((k, v))
         # signed protocols: the placeholder never travels; the signature was made with it
         for b in self.bindings.values():
@@ -282,6 +267,33 @@ class CredentialSet:
             resign.append(b)
             used.append(b.name)
         return Swap(target=new_target, headers=out_headers, used=used, resign=resign)
+
+    def _swap_basic(self, decoded: bytes, names: list[str], *, host: str, lk: bytes, terminated: bool,
+                    used: list[str]) -> bytes:
+        """``Basic base64(user:password)``: each part is either free of placeholders or exactly
+        the placeholder of a credential declared for that part and bound to ``host``."""
+        user, sep, pw = decoded.partition(b":")
+        if not sep:
+            raise self._leak(names[0], "basic auth (no user:password)", host)
+        parts = {"user": user, "password": pw}
+        placed = set()
+        for part, text in parts.items():
+            for name in self.find(text):
+                b = self.bindings[name]
+                if not (terminated and b.bound_to(host) and b.mode == "basic" and lk == b"authorization"):
+                    raise self._leak(name, "basic auth (not bound here)", host)
+                if b.basic != part or text != self.placeholders[name].encode():
+                    raise self._leak(name, f"basic auth (the {part}, where it is not declared)", host)
+                placed.add(name)
+        for name in names:
+            if name not in placed:  # e.g. across the colon
+                raise self._leak(name, "basic auth (wrong part)", host)
+        for part, text in parts.items():
+            for name in self.find(text):
+                self._check_revoked(name)
+                parts[part] = self.value(name).encode()
+                used.append(name)
+        return b"Basic " + base64.b64encode(parts["user"] + b":" + parts["password"])
 
     def _check_revoked(self, name: str) -> None:
         if name in self.local_revoked or self.revoked(name):
@@ -457,8 +469,18 @@ class ScrubTable:
                 self.table.setdefault(real, (_Form(real), _Form(ph)))
         forms = sorted(self.table, key=len, reverse=True)
         self.regex = re.compile(b"|".join(re.escape(f) for f in forms)) if forms else None
-        self.prefixes = frozenset(f[:i] for f in forms for i in range(1, len(f)))
+        # forms by their first two bytes: what a tail of the stream could still become
+        self.by_start: dict[bytes, list[bytes]] = {}
+        for f in forms:
+            self.by_start.setdefault(f[:2], []).append(f)
+        self.first_bytes = frozenset(f[:1] for f in forms)
         self.maxlen = max((len(f) for f in forms), default=1)
+
+    def could_start(self, tail: bytes) -> bool:
+        """Is ``tail`` a proper prefix of some form (so more input could complete a match)?"""
+        if len(tail) == 1:
+            return tail in self.first_bytes
+        return any(len(f) > len(tail) and f.startswith(tail) for f in self.by_start.get(tail[:2], ()))
 
 
 class Scrubber:
@@ -482,7 +504,7 @@ class Scrubber:
         self.encoded = table.encoded  # also decode Content-Encoding (server.py reads this)
         self.table = table.table
         self._re = table.regex
-        self._prefixes = table.prefixes
+        self._t = table
         self.maxlen = table.maxlen
         self.tail = b""
         self.hits = 0
@@ -517,11 +539,11 @@ class Scrubber:
         must wait for more input)."""
         out = bytearray()
         pos = 0
-        for m in self._re.finditer(buf):
+        matches = list(self._re.finditer(buf))
+        for i, m in enumerate(matches):
             start, end = m.span()
-            if start < pos:
-                continue
             real, ph = self.table[m.group(0)]
+            next_start = matches[i + 1].start() if i + 1 < len(matches) else len(buf) + 3
             if real.src is not None:
                 r = (real.k + len(real.src)) % 3
                 if not final and end + (0, 3, 2)[r] > len(buf):
@@ -530,7 +552,9 @@ class Scrubber:
                     out += buf[pos:hold_from]
                     return bytes(out) + buf[hold_from:], len(buf) - hold_from
                 region = self._b64_region(buf, start, end, real, ph)
-                if region is not None and region[0] >= pos:
+                # the whole groups around the fragment, unless that would swallow the start of
+                # the next match (then only the fragment: the next match must be replaced too)
+                if region is not None and region[0] >= pos and region[1] <= next_start:
                     rs, re_, enc = region
                     out += buf[pos:rs] + enc
                     pos = re_
@@ -548,7 +572,7 @@ class Scrubber:
         buf, hold = self._scan(self.tail + data, final=False)
         if not hold:
             for i in range(max(0, len(buf) - self.maxlen + 1), len(buf)):
-                if buf[i:] in self._prefixes:
+                if self._t.could_start(buf[i:]):
                     # a possible match, and the base64 characters before it that share its group
                     hold = min(len(buf), len(buf) - i + self.CONTEXT)
                     break

@@ -21,7 +21,9 @@ import zlib
 from typing import Iterator
 
 PIECE = 256 * 1024  # decoded bytes produced before the caller gets to send them on
-_ZSTD_SLICE = 1024  # zstd has no output cap: feed it little at a time (its ratio is bounded per block)
+# the zstd binding has no output cap: feed it a few bytes at a time (an RLE block is 4 bytes
+# for 128 KiB, so 32 bytes yield at most 1 MiB)
+_ZSTD_SLICE = 32
 
 try:  # both are dependencies; a broken install must not make responses uninspected
     import brotli
@@ -161,25 +163,27 @@ class _Zstd:
         self.fed = False  # bytes of the current frame seen (truncation check)
 
     def feed(self, data: bytes) -> Iterator[bytes]:
+        view = memoryview(data)
         i = 0
-        while i < len(data):
-            piece = data[i:i + _ZSTD_SLICE]
-            i += len(piece)
-            if self.d.eof:  # a frame ended: the next one starts here
-                rest = self.d.unused_data + piece
-                self.d = zstandard.ZstdDecompressor().decompressobj()
-                piece = rest
-            try:
-                out = self.d.decompress(piece)
-            except zstandard.ZstdError as exc:
-                raise DecodeError("upstream:bad-encoding", f"zstd body does not decode: {exc}") from None
-            self.fed = True
-            for j in range(0, len(out), PIECE):
-                yield out[j:j + PIECE]
-            if self.d.eof and self.d.unused_data:
-                data, i = self.d.unused_data + data[i:], 0
+        while i < len(view):
+            if self.d.eof:  # a frame ended: the next one starts with what it did not use
+                rest = self.d.unused_data
                 self.d = zstandard.ZstdDecompressor().decompressobj()
                 self.fed = False
+                if rest:
+                    yield from self._run(rest)
+                    continue
+            yield from self._run(view[i:i + _ZSTD_SLICE])
+            i += _ZSTD_SLICE
+
+    def _run(self, piece) -> Iterator[bytes]:
+        try:
+            out = self.d.decompress(bytes(piece))
+        except zstandard.ZstdError as exc:
+            raise DecodeError("upstream:bad-encoding", f"zstd body does not decode: {exc}") from None
+        self.fed = True
+        for j in range(0, len(out), PIECE):
+            yield out[j:j + PIECE]
 
     def finish(self) -> Iterator[bytes]:
         if self.fed and not self.d.eof:

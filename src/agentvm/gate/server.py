@@ -593,6 +593,17 @@ class Gate:
                                                     host=req.host, port=req.port))
                 return False, b""
             cred = swap
+            if req.upgrade_websocket and any(b.bound_to(req.host) for b in ep.creds.bindings.values()):
+                # after a 101 the gate relays opaque frames it cannot scrub: a host that holds a
+                # real value (it is bound to a credential) gets no WebSocket (fail closed)
+                ep.log(verdict="deny", rule_id="credential:uninspectable-websocket",
+                       reason="a WebSocket to a credential's bound host cannot be scrubbed of echoes", host=req.host,
+                       port=req.port, method=req.method, path=req.path, phase="request")
+                await client.write(h1.deny_response("credential:uninspectable-websocket",
+                                                    "WebSockets to hosts a credential is bound to are refused: the gate "
+                                                    "cannot scrub echoes of the real value from WebSocket frames",
+                                                    host=req.host, port=req.port))
+                return False, b""
             if swap.used or swap.target != req.path:
                 req = h1.ProxyRequest(**{**req.__dict__, "headers": tuple(swap.headers), "path": swap.target})
         max_body = getattr(d, "max_body", None)
@@ -851,7 +862,9 @@ class Gate:
                 if ws and ev.status_code == 101:
                     await emit(b"", flush=True)
                     await client.write(down.send(h11.InformationalResponse(
-                        status_code=101, reason=ev.reason, headers=h1.response_headers(ev.headers, keep_upgrade=True))))
+                        status_code=101, reason=scrubber.header(bytes(ev.reason)) if scrubbing else ev.reason,
+                        headers=[(scrubber.header(k), scrubber.header(v)) if scrubbing else (k, v)
+                                 for k, v in h1.response_headers(ev.headers, keep_upgrade=True)])))
                     # the upgraded connection is relayed as bytes (still counted against bytesOut)
                     up_rest, down_rest = up.trailing_data[0], down.trailing_data[0]
                     if up_rest:
@@ -867,11 +880,15 @@ class Gate:
             if isinstance(ev, h11.Response):
                 answered = True
                 rh = h1.response_headers(ev.headers)
+                reason = ev.reason
                 if scrubbing:
-                    # an upstream echoing a real value must not hand it to the sandbox; the body
-                    # may change length, so it is re-framed (chunked)
-                    rh = [(k, scrubber.header(v)) for k, v in rh if k != b"content-length"]
-                    codings = b", ".join(v for k, v in rh if k == b"content-encoding")
+                    # an upstream echoing a real value must not hand it to the sandbox (names,
+                    # values, the reason phrase); the body may change length: re-framed (chunked)
+                    rh = [(scrubber.header(k), scrubber.header(v)) for k, v in rh
+                          if k not in (b"content-length", b"content-encoding")]
+                    reason = scrubber.header(bytes(ev.reason))
+                    # the codings as sent, even where Connection: content-encoding tried to hide them
+                    codings = b", ".join(bytes(v) for k, v in ev.headers if bytes(k).lower() == b"content-encoding")
                     if codings and scrubber.encoded:
                         # a compressed echo is still an echo: decode, scrub, forward identity
                         try:
@@ -881,10 +898,11 @@ class Gate:
                             return False, b"", False
                         if decoder.steps:
                             decoded_from = codings.decode("latin-1")
-                            rh = [(k, v) for k, v in rh if k != b"content-encoding"]
                         else:
                             decoder = None
-                await emit(down.send(h11.Response(status_code=ev.status_code, reason=ev.reason, headers=rh)))
+                    elif codings:
+                        rh.append((b"content-encoding", codings))  # forwarded as it is (raw-scrub)
+                await emit(down.send(h11.Response(status_code=ev.status_code, reason=reason, headers=rh)))
                 continue
             if isinstance(ev, h11.Data):
                 received += len(ev.data)
