@@ -49,7 +49,8 @@ NODE_SHIM_IN_SANDBOX = "/.agentvm/node"
 # /etc entries visible in the sandbox (read-only, if they exist). Everything else of the
 # host's /etc - shadow, sudoers, ssh keys, machine-id, pip/npm configs with tokens - is absent.
 ETC_ALLOW = (
-    "alternatives", "bash.bashrc", "ca-certificates", "ca-certificates.conf", "debian_version", "fonts",
+    "alternatives", "bash.bashrc", "ca-certificates", "ca-certificates.conf", "chromium", "chromium.d",
+    "debian_version", "fonts",
     "gai.conf", "host.conf", "inputrc", "ld.so.cache", "ld.so.conf", "ld.so.conf.d", "locale.alias",
     "localtime", "magic", "magic.mime", "mime.types", "os-release", "profile", "protocols", "python3",
     "python3.11", "services", "ssl", "terminfo", "timezone", "vim", "wgetrc", "xattr.conf",
