@@ -5,7 +5,8 @@
 #   - a virtualenv (default /opt/agentvm/venv) with agentvm and its test extras.
 #   - /usr/local/bin/agentvm -> the venv's entry point (no pyenv shim in the hot path).
 #   --test: also the HTTP clients the end-to-end tests run inside sandboxes (curl, git, node,
-#   Debian's python3-requests/httpx/aiohttp/pip).
+#   Debian's python3-requests/httpx/aiohttp/pip) and the software the compatibility suite runs
+#   (CPython's test suite, ipykernel/jupyter_client, Flask, chromium, websocket-client).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${AGENTVM_VENV:-/opt/agentvm/venv}"
@@ -15,6 +16,9 @@ want=(gcc libc6-dev libseccomp2 e2fsprogs util-linux mount procps)
 if [ "${1:-}" = "--test" ]; then
   # real clients the end-to-end tests run *inside* sandboxes (Debian's, under /usr)
   want+=(curl git nodejs python3-requests python3-httpx python3-aiohttp python3-pip)
+  # the compatibility suite (tests/compat): real software run inside sandboxes and compared
+  # with the host - CPython's own tests, a Jupyter kernel, a Flask app, headless Chromium
+  want+=(libpython3.11-testsuite python3-ipykernel python3-jupyter-client python3-flask chromium python3-websocket make)
 fi
 missing=()
 for p in "${want[@]}"; do

@@ -44,6 +44,7 @@ class RunResult:
     host_uid: int | None = None
     policy_digest: str = ""
     memory_peak: int | None = None
+    limits: dict = field(default_factory=dict)  # the limits in force (memory, pids, timeout...), for the hints
     egress: dict | None = None  # gate summary: allowed, denied [{rule, target, count}], bytes, log
 
     @property
@@ -401,6 +402,8 @@ class Runtime:
             policy_digest=plan.policy_digest,
             memory_peak=status.memory_peak if status else None,
             egress=egress,
+            limits={"memory": policy.limits.memory, "pids": policy.limits.pids, "timeout": policy.limits.timeout,
+                    "tmp": policy.limits.tmp, "shm": policy.limits.shm},
         )
         if report is not None and not report.verified:
             result.exit_code = EXIT_BACKEND if result.exit_code == 0 else result.exit_code

@@ -141,3 +141,14 @@ def test_posix_shared_memory_in_dev_shm(py):
         t.close(); s.close(); s.unlink()
     """)
     _ok(py(code), "SHM hello True")
+
+
+def test_a_workload_over_its_limits_is_told_which_limit_to_raise(agentvm):
+    r = agentvm("run", "--memory", "128M", "--", "/usr/bin/python3", "-c", "b = bytearray(512 * 1024 * 1024); print(len(b))")
+    err = r.stderr.decode()
+    assert r.returncode != 0 and "memory limit (128M) was hit" in err and "--memory 2G" in err, err
+    threads = ("import threading, time\nts = [threading.Thread(target=time.sleep, args=(3,)) for _ in range(400)]\n"
+               "[t.start() for t in ts]\n")
+    r = agentvm("run", "--", "/usr/bin/python3", "-c", threads)
+    err = r.stderr.decode()
+    assert "task limit (256) was hit" in err and "limits.pids" in err, err

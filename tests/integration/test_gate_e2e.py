@@ -254,6 +254,21 @@ def test_node_fetch_plain_http(gate):
     assert gate.http.paths_seen() == ["/node-plain"]
 
 
+def test_node_fetch_under_the_node_preset(gate):
+    """The node preset sets NODE_OPTIONS (a heap size); agent-vm's proxy preload must survive
+    it, or Node's fetch has no route out (ENOTFOUND) even for allowed hosts."""
+    spec = gate.base / "gate-e2e-node-preset.yaml"
+    spec.write_text(gate.spec.read_text().replace("spec:\n", "spec:\n  presets: [node]\n", 1)
+                    .replace("name: gate-e2e}", "name: gate-e2e-node}"))
+    js = ("console.log('OPTS', process.env.NODE_OPTIONS);"
+          f"fetch('https://api.test:{gate.sp}/v1/node-preset').then(r => console.log('NODE', r.status))"
+          ".catch(e => console.log('NODE ERR', String(e.cause || e)))")
+    run = run_in(spec, ["/usr/bin/node", "-e", js])
+    assert run.lines("NODE 200"), "Node fetch under the node preset failed\n" + run.explain()
+    opts = run.lines("OPTS ")[0]
+    assert "--max-old-space-size=768" in opts and "proxy.js" in opts, opts
+
+
 def test_request_bodies_forwarded(gate):
     """Bodies of allowed requests arrive intact: Content-Length and chunked (unknown length,
     e.g. streamed uploads, git push), plain and through a terminated tunnel."""

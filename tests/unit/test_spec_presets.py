@@ -149,6 +149,17 @@ def test_command_and_other_lists_are_replaced(tmp_path):
     assert kinds == {"spec.command": "override", "spec.security.localPorts": "override"}
 
 
+def test_list_like_environment_variables_are_appended_not_replaced(tmp_path):
+    write_preset(tmp_path, "a", "env:\n  NODE_OPTIONS: --max-old-space-size=768\n  PYTHONPATH: /opt/a\n  X: a\n")
+    la = load(agent("spec:\n  presets: [a]\n  env:\n    NODE_OPTIONS: --enable-source-maps\n    PYTHONPATH: /opt/b\n"
+                    "    X: b\n"), tmp_path)
+    env = la.spec.spec.env
+    assert env["NODE_OPTIONS"] == "--max-old-space-size=768 --enable-source-maps"
+    assert env["PYTHONPATH"] == "/opt/a:/opt/b"
+    assert env["X"] == "b"  # everything else: the later one wins (an override, recorded)
+    assert {c.field for c in la.conflicts} == {"spec.env.X"}
+
+
 def test_conflict_between_presets_vs_override_by_agent(tmp_path):
     pa = write_preset(tmp_path, "a", "limits:\n  memory: 1G\n  pids: 64\n")
     pb = write_preset(tmp_path, "b", "limits:\n  memory: 2G\n  pids: 64\n")

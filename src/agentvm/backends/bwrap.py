@@ -268,7 +268,12 @@ class BwrapBackend:
             env["NODE_USE_ENV_PROXY"] = "1"  # Node >= 24 honours the proxy variables natively
             if ctx.node_shim:
                 env["NODE_OPTIONS"] = f"--require {NODE_SHIM_IN_SANDBOX}/proxy.js"
-        env.update(dict(policy.env))
+        spec_env = dict(policy.env)
+        if "NODE_OPTIONS" in env and spec_env.get("NODE_OPTIONS"):
+            # the agent's Node options (a preset's heap size...) join the gate's preload: a
+            # replaced NODE_OPTIONS would leave Node's fetch with no route out
+            spec_env["NODE_OPTIONS"] = env["NODE_OPTIONS"] + " " + spec_env["NODE_OPTIONS"]
+        env.update(spec_env)
         env.update(dict(ctx.extra_env))  # placeholders win: the spec cannot shadow them
 
         launch = [ctx.helper, "launch", "--status-fd", "@fd:status@"]

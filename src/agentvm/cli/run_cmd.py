@@ -267,6 +267,15 @@ class _ResultView:
         return dict(self._d)
 
 
+def _size(n) -> str:
+    if not n:
+        return ""
+    for unit, k in (("G", 1024**3), ("M", 1024**2)):
+        if n >= k and n % k == 0:
+            return f" ({n // k}{unit})"
+    return f" ({n} bytes)"
+
+
 def _report(result, as_json: bool) -> None:
     if as_json:
         sys.stdout.flush()
@@ -279,12 +288,18 @@ def _report(result, as_json: bool) -> None:
             print(f"agentvm: cannot execute: {err.get('message')}", file=out)
         else:
             print(f"agentvm: sandbox setup failed at step '{err.get('step')}': {err.get('message')}", file=out)
+    lim = getattr(result, "limits", None) or {}
     if result.timed_out:
-        print(f"agentvm: timed out after {result.duration:.1f}s; the sandbox was killed", file=out)
+        print(f"agentvm: timed out after {result.duration:.1f}s; the sandbox was killed "
+              "(raise it with --timeout or limits.timeout in the agent file)", file=out)
     if result.oom_killed:
-        print("agentvm: the memory limit was hit (a process was OOM-killed inside the sandbox)", file=out)
+        print(f"agentvm: the memory limit{_size(lim.get('memory'))} was hit (a process was OOM-killed inside the "
+              "sandbox): raise it with --memory 2G or limits.memory in the agent file "
+              "(the presets 'jupyter' and 'browser' give 2G)", file=out)
     if result.pids_limit_hit:
-        print("agentvm: the process limit was hit (fork refused inside the sandbox)", file=out)
+        print(f"agentvm: the task limit{' (' + str(lim['pids']) + ')' if lim.get('pids') else ''} was hit (a fork or "
+              "thread was refused inside the sandbox; threads count): raise limits.pids in the agent file "
+              "(the presets 'build' and 'browser' give 1024)", file=out)
     eg = result.egress
     if eg and eg.get("denied"):
         total = sum(d["count"] for d in eg["denied"])

@@ -663,6 +663,10 @@ def _dedupe(problems: list[SpecProblem]) -> list[SpecProblem]:
 # --------------------------------------------------------------------------- merging
 
 
+# environment variables that hold lists: presets and the agent file append to them
+APPEND_ENV = {"NODE_OPTIONS": " ", "PYTHONPATH": ":", "NODE_PATH": ":", "PYTHONWARNINGS": ","}
+
+
 class _Merger:
     def __init__(self, includes: dict[str, set[str]]) -> None:
         self.includes = includes  # preset -> every preset it includes (transitively)
@@ -705,6 +709,14 @@ class _Merger:
                         seen.add(c)
                         items.append(item)
                 return _Node(items, new.file, new.line, new.source)
+        if (len(path) >= 2 and path[-2] == "env" and path[-1] in APPEND_ENV and isinstance(old.value, str)
+                and isinstance(new.value, str)):
+            # list-like variables compose: the node preset's heap size and another preset's
+            # --require both stay (later ones go last, so they win where options clash)
+            sep = APPEND_ENV[path[-1]]
+            parts = [p for p in old.value.split(sep) if p]
+            parts += [p for p in new.value.split(sep) if p and p not in parts]
+            return _Node(sep.join(parts), new.file, new.line, new.source)
         if _canon(old) != _canon(new):
             self._record(path, old, new)
         return new
