@@ -170,3 +170,19 @@ def test_ptrace_allowed_only_when_asked():
 
     p = BwrapBackend(Paths(Path("/x"), Path("/y"))).compile(dataclasses.replace(POLICY, allow_ptrace=True, risk_tier="L4"), CTX)
     assert "ptrace" not in p.seccomp_denied and "bpf" in p.seccomp_denied
+
+
+def test_doctor_says_how_to_lift_ubuntus_apparmor_userns_restriction(tmp_path):
+    """Ubuntu 23.10+ (24.04) forbids unconfined user namespaces: the check names the cause and
+    the exact fix (a profile for agent-vm's own bwrap, or the sysctl)."""
+    from agentvm.backends.bwrap import _userns_ok
+
+    knob = tmp_path / "apparmor_restrict_unprivileged_userns"
+    knob.write_text("1\n")
+    ok, detail = _userns_ok("/opt/x/bwrap", knob)
+    assert not ok
+    assert "profile agentvm-bwrap /opt/x/bwrap flags=(unconfined)" in detail and "userns," in detail
+    assert "apparmor_parser -r /etc/apparmor.d/agentvm-bwrap" in detail
+    assert "kernel.apparmor_restrict_unprivileged_userns=0" in detail
+    knob.write_text("0\n")
+    assert _userns_ok("/opt/x/bwrap", knob)[0]

@@ -79,16 +79,28 @@ def landlock_abi() -> int:
         return 0
 
 
-def _userns_ok() -> tuple[bool, str]:
+APPARMOR_USERNS = Path("/proc/sys/kernel/apparmor_restrict_unprivileged_userns")
+
+
+def _userns_ok(bwrap: str = "<agent-vm's bwrap, see `agentvm doctor --json` facts.bwrap>",
+               apparmor: Path = APPARMOR_USERNS) -> tuple[bool, str]:
     try:
         n = int(Path("/proc/sys/user/max_user_namespaces").read_text())
     except (OSError, ValueError):
         return False, "/proc/sys/user/max_user_namespaces unreadable"
     if n <= 0:
-        return False, "user.max_user_namespaces is 0"
+        return False, "user.max_user_namespaces is 0: fix with `sysctl -w user.max_user_namespaces=15000`"
     try:
-        if Path("/proc/sys/kernel/apparmor_restrict_unprivileged_userns").read_text().strip() == "1":
-            return False, "AppArmor restricts unprivileged user namespaces"
+        if apparmor.read_text().strip() == "1":
+            # Ubuntu 23.10+ (24.04 LTS): unconfined programs may not create user namespaces
+            return False, (
+                "AppArmor restricts unprivileged user namespaces (kernel.apparmor_restrict_unprivileged_userns=1, "
+                "Ubuntu 23.10 and later). Fix, for agent-vm's bwrap only: write /etc/apparmor.d/agentvm-bwrap with\n"
+                "    abi <abi/4.0>,\n    include <tunables/global>\n"
+                f"    profile agentvm-bwrap {bwrap} flags=(unconfined) {{\n      userns,\n    }}\n"
+                "  then run `apparmor_parser -r /etc/apparmor.d/agentvm-bwrap`. Or, host-wide (weaker): "
+                "`sysctl -w kernel.apparmor_restrict_unprivileged_userns=0`."
+            )
     except OSError:
         pass
     return True, f"max_user_namespaces={n}"
@@ -111,7 +123,11 @@ class BwrapBackend:
 
         prims: list[Primitive] = []
         facts: dict = {"kernel": os.uname().release, "root": os.geteuid() == 0}
-        ok, detail = _userns_ok()
+        try:
+            bwrap_for_hint = str(native.bwrap_path(self.paths.libexec))
+        except BackendError:
+            bwrap_for_hint = "/usr/bin/bwrap"
+        ok, detail = _userns_ok(bwrap_for_hint)
         prims.append(Primitive("userns", ok, detail))
         try:
             b = native.bwrap_path(self.paths.libexec)
