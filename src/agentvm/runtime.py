@@ -379,7 +379,11 @@ class Runtime:
                 egress = {
                     "allowed": endpoint.allowed,
                     "denied": [
-                        {"rule": r, "target": t, "count": n} for (r, t), n in sorted(endpoint.denials.items())
+                        {"rule": r, "target": t, "count": n,
+                         "reason": endpoint.denial_reasons.get((r, t), ("", None))[0],
+                         **({"how_to_allow": endpoint.denial_reasons[(r, t)][1]}
+                            if endpoint.denial_reasons.get((r, t), ("", None))[1] else {})}
+                        for (r, t), n in sorted(endpoint.denials.items())
                     ],
                     "bytes_out": endpoint.bytes_out,
                     "bytes_in": endpoint.bytes_in,

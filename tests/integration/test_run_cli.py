@@ -287,3 +287,17 @@ def test_a_named_agent_without_workspace_runs_once_at_a_time(agentvm, tmp_path, 
             break
         time.sleep(0.2)
     assert r.returncode == 0, "free again once the first is gone: " + r.stderr.decode()
+
+
+def test_denials_are_explained_with_the_flag_that_would_allow_them(agentvm):
+    """The 403 body, the decision log and the run summary say why, in words, and what the
+    operator would pass to allow it."""
+    script = ("curl -s --noproxy '' -x http://127.0.0.1:3128 http://example.test/; echo; "
+              "curl -s --noproxy '' -x http://127.0.0.1:3128 http://localhost:9/; echo")
+    r = agentvm("run", "--allow", "localhost:9", "--", "/bin/sh", "-c", script)
+    out, err = r.stdout.decode(), r.stderr.decode()
+    bodies = [json.loads(ln) for ln in out.splitlines() if ln.startswith("{")]
+    assert bodies[0]["rule"] == "default-deny" and bodies[0]["how_to_allow"].startswith("--allow example.test "), out
+    assert bodies[1]["rule"] == "address-class" and "--add-host localhost=127.0.0.1" in bodies[1]["how_to_allow"], out
+    assert "denied example.test:80 by default-deny" in err and "to allow it: --allow example.test " in err, err
+    assert "resolved to 127.0.0.1 (loopback" in err and "to allow it: localhost resolved to 127.0.0.1" in err, err

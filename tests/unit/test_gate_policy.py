@@ -890,3 +890,15 @@ def test_check_address_never_raises_on_any_ipv6(a):
     assert d is None or d.rule_id == "address-class"
     if ip.ipv4_mapped is not None or ip in ipaddress.ip_network("fc00::/7") or ip.is_loopback:
         assert d is not None
+
+
+def test_how_to_allow_names_the_exact_flag_or_nothing():
+    from agentvm.gate.policy import how_to_allow
+
+    assert how_to_allow("default-deny", "no rule allows it", "pypi.org", 443).startswith("--allow pypi.org ")
+    assert how_to_allow("default-deny", "", "api.test", 8443).startswith("--allow api.test:8443 ")
+    msg = how_to_allow("address-class", "pypi.org resolved to 10.0.0.5 (private), which is not allowed", "pypi.org", 443)
+    assert "10.0.0.5" in msg and "private" in msg and "--add-host pypi.org=10.0.0.5" in msg
+    assert "--add-host nowhere.test=ADDRESS" in how_to_allow("dns-failure", "cannot resolve", "nowhere.test", 443)
+    for rid in ("credential:leak:api", "doh", "limit:rate", "bad-request:smuggling", "host-mismatch"):
+        assert how_to_allow(rid, "x", "h.test", 443) is None, rid

@@ -305,7 +305,10 @@ def _report(result, as_json: bool) -> None:
         total = sum(d["count"] for d in eg["denied"])
         print(f"agentvm: egress: {eg['allowed']} allowed, {total} denied (log: {eg['log']})", file=out)
         for d in eg["denied"][:20]:
-            print(f"agentvm:   denied {d['target']} by {d['rule']} x{d['count']}", file=out)
+            why = f": {d['reason']}" if d.get("reason") else ""
+            print(f"agentvm:   denied {d['target']} by {d['rule']} x{d['count']}{why}", file=out)
+            if d.get("how_to_allow"):
+                print(f"agentvm:     to allow it: {d['how_to_allow']}", file=out)
     if not result.teardown.get("verified"):
         print(f"agentvm: error: teardown NOT verified: {json.dumps(result.teardown)}", file=out)
 

@@ -285,9 +285,11 @@ def safe_rule_id(rule_id: str) -> str:
     return _RULE_ID_SAFE.sub(b"_", rule_id.encode("utf-8", "replace")).decode("ascii")[:200] or "unknown"
 
 
-def deny_response(rule_id: str, reason: str, *, host: str, port: int, status: int = 403) -> bytes:
+def deny_response(rule_id: str, reason: str, *, host: str, port: int, status: int = 403, allow: str | None = None) -> bytes:
     rid = safe_rule_id(rule_id)
     body = {"error": "egress-denied", "rule": rid, "reason": reason, "host": host, "port": port}
+    if allow:
+        body["how_to_allow"] = allow  # what the operator would change (the agent cannot)
     return _json_response(status, "Forbidden" if status == 403 else "Too Many Requests", body, [("X-Agentvm-Denied", rid)])
 
 

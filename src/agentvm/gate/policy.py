@@ -908,3 +908,28 @@ def _host_entry(name: str, ip: str, where: str) -> tuple[str, str]:
     if a is None or (a.version == 6 and a.scope_id):
         raise ValueError(f"{where}[{n}]: {_safe(ip)!r} is not an IP address")
     return n, str(a)
+
+
+_RESOLVED = re.compile(r"resolved to (\S+) \(([^)]*)\)")
+
+
+def how_to_allow(rule_id: str, reason: str, host: str, port: int | None) -> str | None:
+    """The exact operator action that would allow a denied request, or None where nothing
+    should (credential leaks, DoH, smuggling, limits). Pure; used by the 403 body, the
+    decision log and the run summary."""
+    if not host or port is None:
+        return None
+    hp = host if port in (80, 443) else f"{host}:{port}"
+    if rule_id == "default-deny":
+        return f"--allow {hp} (or egress.allow: [{{host: {host}, ports: [{port}]}}] in the agent file)"
+    if rule_id == "address-class":
+        m = _RESOLVED.search(reason)
+        if m:
+            return (f"{host} resolved to {m.group(1)}, a {m.group(2)} address the gate refuses unless it is named: "
+                    f"--add-host {host}={m.group(1)} (egress.hosts), if that address is really meant")
+        return None
+    if rule_id == "dns-failure":
+        return f"the gate could not resolve {host}: --add-host {host}=ADDRESS (egress.hosts)"
+    if rule_id == "ip-literal":
+        return f"connect by name, or allow the address explicitly: --allow {hp}"
+    return None

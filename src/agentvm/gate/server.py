@@ -30,7 +30,7 @@ from pathlib import Path
 import h11
 
 from agentvm.gate import encoding, h1
-from agentvm.gate.policy import EgressPolicy, RequestMeta, check_address, decide, normalize_host
+from agentvm.gate.policy import EgressPolicy, RequestMeta, check_address, decide, how_to_allow, normalize_host
 
 READ = 65536
 SPLICE_READ = 262144
@@ -122,6 +122,7 @@ class Endpoint:
         self.bytes_out = 0
         self.bytes_in = 0
         self.denials: dict[tuple[str, str], int] = {}
+        self.denial_reasons: dict[tuple[str, str], tuple[str, str | None]] = {}  # first reason, how to allow
         # deny records are rate-limited (a sandbox must not be able to flood the log, the
         # audit chain and the daemon's loop by hammering the gate); the excess is counted and
         # logged as one summary record, so every decision is still accounted for
@@ -216,6 +217,8 @@ class Endpoint:
             if key not in self.denials and len(self.denials) >= MAX_DENIAL_KEYS:
                 key = ("(other)", "(too many distinct denials to list)")
             self.denials[key] = self.denials.get(key, 0) + 1
+            if key not in self.denial_reasons and key[0] != "(other)":
+                self.denial_reasons[key] = (reason[:300], extra.get("how_to_allow"))
             if not extra.get("alert") and not self.deny_log_bucket.take():
                 self.deny_suppressed += 1
                 return
@@ -515,9 +518,11 @@ class Gate:
 
     async def _deny(self, ep: Endpoint, client, rule_id: str, reason: str, req: h1.ProxyRequest, *, status: int = 403,
                     phase: str = "request") -> None:
+        allow = how_to_allow(rule_id, reason, req.host, req.port)
         ep.log(verdict="deny", rule_id=rule_id, reason=reason, host=req.host, port=req.port,
-               method=req.method if req.scheme != "connect" else "CONNECT", path=req.path or None, phase=phase)
-        await client.write(h1.deny_response(rule_id, reason, host=req.host, port=req.port, status=status))
+               method=req.method if req.scheme != "connect" else "CONNECT", path=req.path or None, phase=phase,
+               **({"how_to_allow": allow} if allow else {}))
+        await client.write(h1.deny_response(rule_id, reason, host=req.host, port=req.port, status=status, allow=allow))
 
     async def _resolve(self, ep: Endpoint, host: str, port: int) -> tuple[str | None, str, str]:
         """-> (address or None, rule_id, reason). Connect only to the address checked here."""
