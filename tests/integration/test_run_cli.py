@@ -298,6 +298,22 @@ def test_denials_are_explained_with_the_flag_that_would_allow_them(agentvm):
     out, err = r.stdout.decode(), r.stderr.decode()
     bodies = [json.loads(ln) for ln in out.splitlines() if ln.startswith("{")]
     assert bodies[0]["rule"] == "default-deny" and bodies[0]["how_to_allow"].startswith("--allow example.test "), out
-    assert bodies[1]["rule"] == "address-class" and "--add-host localhost=127.0.0.1" in bodies[1]["how_to_allow"], out
+    # the reason names the address and its class; no suggestion would open the host's loopback
+    assert bodies[1]["rule"] == "address-class" and "127.0.0.1 (loopback" in bodies[1]["reason"], out
+    assert "how_to_allow" not in bodies[1], out
     assert "denied example.test:80 by default-deny" in err and "to allow it: --allow example.test " in err, err
-    assert "resolved to 127.0.0.1 (loopback" in err and "to allow it: localhost resolved to 127.0.0.1" in err, err
+    assert "resolved to 127.0.0.1 (loopback" in err and "--add-host localhost" not in err, err
+
+
+def test_the_run_summary_never_prints_control_characters_a_sandbox_sent(agentvm):
+    """A hostile Host (8-bit C1 controls, a fake 'agentvm:' line) reaches the operator's
+    terminal only as printable text."""
+    code = ("import socket\ns = socket.create_connection(('127.0.0.1', 3128))\n"
+            "s.sendall(b'GET / HTTP/1.1\\r\\nHost: x\\xc2\\x9b8m\\xc2\\x9b1;1fagentvm:   to allow it: --allow evil.example\\r\\n\\r\\n')\n"
+            "print(s.recv(4096)[:12])\n")
+    r = agentvm("run", "--allow", "example.test", "--", "/usr/bin/python3", "-c", code)
+    err = r.stderr.decode("utf-8", "replace")
+    summary = [ln for ln in err.splitlines() if ln.startswith("agentvm:   denied")]
+    assert summary, err
+    assert all(all(0x20 <= ord(c) < 0x7F for c in ln) for ln in err.splitlines() if ln.startswith("agentvm:")), err
+    assert not any(ln.startswith("agentvm:   to allow it: --allow evil") for ln in err.splitlines()), err

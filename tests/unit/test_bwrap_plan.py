@@ -60,7 +60,12 @@ def test_etc_view_is_an_allowlist_with_synthetic_accounts(tmp_path):
     view = etc_view(tmp_path)
     assert etc_view(tmp_path) == view, "cached while the host's /etc is unchanged"
     names = {p.name for p in view.iterdir()}
-    assert names <= set(ETC_ALLOW) | {"passwd", "group", "resolv.conf", "nsswitch.conf", "hosts", "hostname"}
+    tops = {n.split("/")[0] for n in ETC_ALLOW}
+    assert names <= tops | {"passwd", "group", "resolv.conf", "nsswitch.conf", "hosts", "hostname"}
+    for sub in (n for n in ETC_ALLOW if "/" in n):  # only the named file of such a folder
+        parent = view / sub.split("/")[0]
+        if parent.is_dir():
+            assert {p.name for p in parent.iterdir()} <= {sub.split("/", 1)[1]}, sub
     for secret in ("shadow", "gshadow", "sudoers", "ssh", "machine-id", "environment", "pip.conf", "npmrc"):
         assert secret not in names
     assert not list(view.rglob("private")), "private key directories are never copied"

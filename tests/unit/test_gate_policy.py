@@ -902,3 +902,20 @@ def test_how_to_allow_names_the_exact_flag_or_nothing():
     assert "--add-host nowhere.test=ADDRESS" in how_to_allow("dns-failure", "cannot resolve", "nowhere.test", 443)
     for rid in ("credential:leak:api", "doh", "limit:rate", "bad-request:smuggling", "host-mismatch"):
         assert how_to_allow(rid, "x", "h.test", 443) is None, rid
+
+
+
+def test_how_to_allow_never_suggests_opening_loopback_link_local_or_metadata():
+    """A denial the agent provokes must not talk the operator into opening the host."""
+    from agentvm.gate.policy import how_to_allow
+
+    for host, port in (("169.254.169.254", 80), ("::1", 22), ("127.0.0.1", 8080), ("10.0.0.1", 443)):
+        assert how_to_allow("ip-literal", "an IP literal", host, port) is None, host
+        assert how_to_allow("default-deny", "x", host, port) is None, host
+    for cls, ip in (("loopback", "127.0.0.1"), ("link-local", "169.254.169.254"), ("cloud metadata", "169.254.169.254")):
+        assert how_to_allow("address-class", f"evil.test resolved to {ip} ({cls}), which is not allowed", "evil.test", 443) is None
+    assert "--allow [2001:db8::1]:8443" not in (how_to_allow("ip-literal", "x", "2001:db8::1", 8443) or "")
+    assert how_to_allow("ip-literal", "x", "93.184.216.34", 8443) == (
+        "connect by name, or allow the address explicitly: --allow 93.184.216.34:8443")
+    assert how_to_allow("default-deny", "x", "Evil.Example.", 8443).startswith("--allow evil.example:8443 ")
+    assert how_to_allow("default-deny", "x", "bad host\x9b", 80) is None

@@ -158,6 +158,10 @@ def test_list_like_environment_variables_are_appended_not_replaced(tmp_path):
     assert env["PYTHONPATH"] == "/opt/a:/opt/b"
     assert env["X"] == "b"  # everything else: the later one wins (an override, recorded)
     assert {c.field for c in la.conflicts} == {"spec.env.X"}
+    # options with arguments stay whole: two --require preloads both survive
+    write_preset(tmp_path, "r", "env:\n  NODE_OPTIONS: --require /r/a.js\n")
+    la = load(agent("spec:\n  presets: [r]\n  env:\n    NODE_OPTIONS: --require /r/b.js\n"), tmp_path)
+    assert la.spec.spec.env["NODE_OPTIONS"] == "--require /r/a.js --require /r/b.js"
 
 
 def test_conflict_between_presets_vs_override_by_agent(tmp_path):

@@ -49,7 +49,10 @@ NODE_SHIM_IN_SANDBOX = "/.agentvm/node"
 # /etc entries visible in the sandbox (read-only, if they exist). Everything else of the
 # host's /etc - shadow, sudoers, ssh keys, machine-id, pip/npm configs with tokens - is absent.
 ETC_ALLOW = (
-    "alternatives", "bash.bashrc", "ca-certificates", "ca-certificates.conf", "chromium", "chromium.d",
+    "alternatives", "bash.bashrc", "ca-certificates", "ca-certificates.conf",
+    # Debian's chromium wrapper sources chromium.d (default flags, Debian's public API keys);
+    # not /etc/chromium/policies (managed policies may hold enrollment tokens)
+    "chromium.d", "chromium/master_preferences",
     "debian_version", "fonts",
     "gai.conf", "host.conf", "inputrc", "ld.so.cache", "ld.so.conf", "ld.so.conf.d", "locale.alias",
     "localtime", "magic", "magic.mime", "mime.types", "os-release", "profile", "protocols", "python3",
@@ -740,6 +743,7 @@ def etc_view(runtime: Path, gate_ca_pem: bytes = b"") -> Path:
     for name in ETC_ALLOW:
         src = Path("/etc") / name
         dst = tmp / name
+        dst.parent.mkdir(parents=True, exist_ok=True)
         try:
             if src.is_symlink():
                 os.symlink(os.readlink(src), dst)

@@ -267,6 +267,10 @@ class _ResultView:
         return dict(self._d)
 
 
+def _printable(s) -> str:
+    return "".join(c if 0x20 <= ord(c) < 0x7F else "?" for c in str(s))
+
+
 def _size(n) -> str:
     if not n:
         return ""
@@ -305,10 +309,11 @@ def _report(result, as_json: bool) -> None:
         total = sum(d["count"] for d in eg["denied"])
         print(f"agentvm: egress: {eg['allowed']} allowed, {total} denied (log: {eg['log']})", file=out)
         for d in eg["denied"][:20]:
-            why = f": {d['reason']}" if d.get("reason") else ""
-            print(f"agentvm:   denied {d['target']} by {d['rule']} x{d['count']}{why}", file=out)
+            # what a sandbox sent reaches the operator's terminal here: printable ASCII only
+            why = f": {_printable(d['reason'])}" if d.get("reason") else ""
+            print(f"agentvm:   denied {_printable(d['target'])} by {_printable(d['rule'])} x{d['count']}{why}", file=out)
             if d.get("how_to_allow"):
-                print(f"agentvm:     to allow it: {d['how_to_allow']}", file=out)
+                print(f"agentvm:     to allow it: {_printable(d['how_to_allow'])}", file=out)
     if not result.teardown.get("verified"):
         print(f"agentvm: error: teardown NOT verified: {json.dumps(result.teardown)}", file=out)
 

@@ -911,25 +911,40 @@ def _host_entry(name: str, ip: str, where: str) -> tuple[str, str]:
 
 
 _RESOLVED = re.compile(r"resolved to (\S+) \(([^)]*)\)")
+# address classes an operator may legitimately name (an internal mirror, a corporate proxy);
+# never loopback, link-local, metadata or the like: the agent can make a name resolve there
+_NAMEABLE = ("private", "unique-local (private)", "shared address space (CGNAT)")
 
 
 def how_to_allow(rule_id: str, reason: str, host: str, port: int | None) -> str | None:
     """The exact operator action that would allow a denied request, or None where nothing
-    should (credential leaks, DoH, smuggling, limits). Pure; used by the 403 body, the
-    decision log and the run summary."""
+    should (credential leaks, DoH, smuggling, limits) - and never one that would open the
+    host's loopback, link-local or cloud metadata addresses, whatever the agent asked for.
+    Pure; used by the 403 body, the decision log and the run summary. ``host`` is untrusted:
+    it is normalised, and anything that does not normalise gets no suggestion."""
     if not host or port is None:
         return None
-    hp = host if port in (80, 443) else f"{host}:{port}"
+    try:
+        name = normalize_host(host)
+    except ValueError:
+        return None
+    ip = _ip(name)
+    shown = f"[{name}]" if ip is not None and ip.version == 6 else name
+    hp = shown if port in (80, 443) else f"{shown}:{port}"
     if rule_id == "default-deny":
-        return f"--allow {hp} (or egress.allow: [{{host: {host}, ports: [{port}]}}] in the agent file)"
+        if ip is not None:
+            return None  # an address: see ip-literal
+        return f"--allow {hp} (or egress.allow: [{{host: {name}, ports: [{port}]}}] in the agent file)"
     if rule_id == "address-class":
         m = _RESOLVED.search(reason)
-        if m:
-            return (f"{host} resolved to {m.group(1)}, a {m.group(2)} address the gate refuses unless it is named: "
-                    f"--add-host {host}={m.group(1)} (egress.hosts), if that address is really meant")
+        if m and m.group(2) in _NAMEABLE:
+            return (f"{name} resolved to {m.group(1)}, a {m.group(2)} address the gate refuses unless it is named; "
+                    f"if that server is really meant: --add-host {name}={m.group(1)} (egress.hosts)")
         return None
     if rule_id == "dns-failure":
-        return f"the gate could not resolve {host}: --add-host {host}=ADDRESS (egress.hosts)"
+        return f"the gate could not resolve {name}: --add-host {name}=ADDRESS (egress.hosts)"
     if rule_id == "ip-literal":
+        if ip is None or address_problem(ip) is not None:
+            return None
         return f"connect by name, or allow the address explicitly: --allow {hp}"
     return None

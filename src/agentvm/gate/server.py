@@ -30,7 +30,7 @@ from pathlib import Path
 import h11
 
 from agentvm.gate import encoding, h1
-from agentvm.gate.policy import EgressPolicy, RequestMeta, check_address, decide, how_to_allow, normalize_host
+from agentvm.gate.policy import EgressPolicy, RequestMeta, _safe, check_address, decide, how_to_allow, normalize_host
 
 READ = 65536
 SPLICE_READ = 262144
@@ -212,7 +212,8 @@ class Endpoint:
         if extra.get("alert"):
             self.alerts += 1
         if verdict == "deny":
-            target = f"{host[:255].lower()}:{port}" if host else "(malformed request)"
+            # printable ASCII only: the target reaches the operator's terminal in the run summary
+            target = f"{_safe(host, 255).lower()}:{port}" if host else "(malformed request)"
             key = (rule_id[:128], target)
             if key not in self.denials and len(self.denials) >= MAX_DENIAL_KEYS:
                 key = ("(other)", "(too many distinct denials to list)")

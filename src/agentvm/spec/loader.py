@@ -714,6 +714,10 @@ class _Merger:
             # list-like variables compose: the node preset's heap size and another preset's
             # --require both stay (later ones go last, so they win where options clash)
             sep = APPEND_ENV[path[-1]]
+            if sep == " ":  # options with arguments (--require X): keep whole values, never single words
+                o, n = old.value.strip(), new.value.strip()
+                joined = o if (n == o or o.endswith(" " + n) or not n) else f"{o} {n}"
+                return _Node(joined.strip(), new.file, new.line, new.source)
             parts = [p for p in old.value.split(sep) if p]
             parts += [p for p in new.value.split(sep) if p and p not in parts]
             return _Node(sep.join(parts), new.file, new.line, new.source)

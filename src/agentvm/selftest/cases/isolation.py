@@ -61,7 +61,7 @@ def serve(s, kind):
                 return
 ab = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM); ab.bind("\0avm-peer-" + M); ab.listen(8)
 socks = [(ab, "abstract")]
-try:  # without security.localPorts, Landlock refuses the TCP bind: B listens where it can
+try:  # B listens on TCP in its own network namespace (A cannot reach it there)
     tc = socket.socket(); tc.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     tc.bind(("127.0.0.1", @PORT@)); tc.listen(8); socks.append((tc, "tcp"))
 except OSError as e:
