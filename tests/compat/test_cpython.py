@@ -35,13 +35,16 @@ pytestmark = [
 MODULES = ["test_os", "test_subprocess", "test_socket", "test_threading", "test_signal", "test_tempfile", "test_shutil",
            "test_select", "test_selectors", "test_fcntl", "test_mmap", "test_resource", "test_pty", "test_posix",
            "test_multiprocessing_forkserver", "test_asyncio"]
-# hangs on this host itself (a read on a socket timeout that never fires here); not a sandbox matter
-IGNORE = ["*testReadAfterTimeout*"]
+# Left out on both sides, for the host's sake: testReadAfterTimeout hangs on this host itself,
+# and the VSOCK tests talk to the hypervisor's vsock (this host is a Firecracker guest), where
+# they hang in accept() or find the port taken. In the sandbox AF_VSOCK is refused by seccomp
+# (tests/attacks pins that), so they would only be skipped there.
+IGNORE = ["*testReadAfterTimeout*", "*VSOCK*"]
 EXPECTED = Path(__file__).with_name("cpython_expected.json")
 
 
 def regrtest_argv(xml: str) -> list[str]:
-    argv = ["/usr/bin/python3", "-m", "test", "-j2", "--timeout", "900", "--junit-xml", xml]
+    argv = ["/usr/bin/python3", "-m", "test", "-j2", "--timeout", "600", "--junit-xml", xml]
     for pat in IGNORE:
         argv += ["-i", pat]
     return argv + MODULES

@@ -392,7 +392,7 @@ def decoded_views(data: bytes) -> list[bytes]:
     def step(v: bytes) -> list[bytes]:
         out = []
         body = v.split(b"\r\n\r\n", 1)[-1]
-        parts = {v, body, _dechunk(body)}
+        parts = {v, body, dechunk(body)}
         for part in parts:
             for dec in decoders:
                 try:
@@ -425,7 +425,8 @@ def decoded_views(data: bytes) -> list[bytes]:
     return list(seen)
 
 
-def _dechunk(body: bytes) -> bytes:
+def dechunk(body: bytes) -> bytes:
+    """A chunked HTTP body's data (the body itself when it is not validly chunked)."""
     out, rest = b"", body
     while rest:
         size, sep, rest = rest.partition(b"\r\n")
