@@ -291,3 +291,20 @@ def test_a_server_sent_event_stream_keeps_streaming_and_is_scrubbed(env):
     assert len(events) == 3, out + r.stderr.decode()[-2000:]
     assert_no_real_value(r.stdout)
     assert float(events[0][2]) < env["up"].sent_last_event_at[-1], "the first event waited for the end of the stream"
+
+
+def test_the_status_line_and_a_hidden_coding_label_are_scrubbed_too(env):
+    raw, headers, body, _ = curl(env, f"https://echo.test:{env['port']}/h?reason=1")
+    assert headers[":status"] == "200"
+    assert_no_real_value(raw)
+    raw, headers, body, res = curl(env, f"https://echo.test:{env['port']}/h?enc=gzip&hide=1")
+    assert_no_real_value(raw)
+    assert _echo(body)["method"] == "GET"  # decoded although Connection: tried to drop its label
+
+
+def test_a_websocket_to_a_bound_host_is_refused_not_relayed_unscrubbed(env):
+    raw, headers, _, res = curl(env, f"https://echo.test:{env['port']}/ws", "-H", "Connection: Upgrade", "-H",
+                                "Upgrade: websocket", "-H", "Sec-WebSocket-Version: 13", "-H",
+                                "Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==")
+    assert headers[":status"] == "403" and headers.get("x-agentvm-denied") == "credential:uninspectable-websocket", raw
+    assert "/ws" not in env["up"].paths  # refused before anything went upstream

@@ -308,7 +308,7 @@ def _(env: Env) -> Verdict:
 def _(env: Env) -> Verdict:
     from agentvm.backends.bwrap import ETC_ALLOW, PER_SANDBOX_ETC, VIEW_SYNTHETIC
 
-    view = set(ETC_ALLOW) | set(PER_SANDBOX_ETC) | set(VIEW_SYNTHETIC)
+    view = {n.split("/")[0] for n in ETC_ALLOW} | set(PER_SANDBOX_ETC) | set(VIEW_SYNTHETIC)
     host_only = sorted(set(os.listdir("/etc")) - view)
     if not host_only:
         return Verdict.error("the host's /etc has nothing outside the view's allowlist")
