@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import signal
 import sys
 import time
@@ -266,6 +267,21 @@ class Runtime:
                     enforce_quota="disk-quota" not in degrade,
                 )
                 ws_host = str(res.workspace.host_dir)
+            for m in list(policy.mounts) + [MountGrant(p, p, False) for p in policy.extra_ro]:
+                if not (drop and host_resources):
+                    break
+                # bubblewrap resolves each grant by path as the agent's uid: a parent the agent
+                # cannot traverse would fail inside bwrap with its own text and exit code 1
+                blocker = _blocking_parent(os.path.realpath(m.host), uid, gid)
+                if blocker is not None:
+                    st = os.stat(blocker)
+                    raise PolicyDenied(
+                        f"the agent's uid {uid} cannot reach the grant {m.host}: {blocker} (mode "
+                        f"{stat.S_IMODE(st.st_mode):04o}, owner uid {st.st_uid}) does not let other users through",
+                        hint=(f"grant a folder whose parents every user may traverse (e.g. under /srv, or "
+                              f"`chmod o+x {blocker}` if that is acceptable on this host)"),
+                        code="policy.grant-unreachable",
+                    )
             for m in policy.mounts:
                 if m.writable and drop and host_resources and not _uid_can_write(m.host, uid, gid):
                     raise PolicyDenied(
@@ -471,6 +487,31 @@ def _node_shim() -> str:
     """The undici preload for Node's fetch (installed by scripts/install.sh), if present."""
     d = os.environ.get("AGENTVM_NODE_SHIM") or "/opt/agentvm/node"
     return d if os.path.isfile(os.path.join(d, "proxy.js")) and os.path.isdir(os.path.join(d, "node_modules", "undici")) else ""
+
+
+def _blocking_parent(path: str, uid: int, gid: int) -> str | None:
+    """The first directory above ``path`` that ``uid`` (no supplementary groups, as in the
+    sandbox) may not search, or None. Mode bits first; where they say no, the kernel's answer
+    from a probe in the agent's identity (POSIX ACLs)."""
+    parents = []
+    p = os.path.dirname(path.rstrip("/")) or "/"
+    while True:
+        parents.append(p)
+        if p == "/":
+            break
+        p = os.path.dirname(p)
+    for d in reversed(parents):
+        st = os.stat(d)
+        bit = 0o100 if st.st_uid == uid else (0o010 if st.st_gid == gid else 0o001)
+        if st.st_mode & bit:
+            continue
+        import subprocess
+
+        r = subprocess.run(["setpriv", f"--reuid={uid}", f"--regid={gid}", "--clear-groups", "test", "-x", d],
+                           capture_output=True)
+        if r.returncode != 0:
+            return d
+    return None
 
 
 def _uid_can_write(path: str, uid: int, gid: int) -> bool:

@@ -317,3 +317,26 @@ def test_the_run_summary_never_prints_control_characters_a_sandbox_sent(agentvm)
     assert summary, err
     assert all(all(0x20 <= ord(c) < 0x7F for c in ln) for ln in err.splitlines() if ln.startswith("agentvm:")), err
     assert not any(ln.startswith("agentvm:   to allow it: --allow evil") for ln in err.splitlines()), err
+
+
+def test_a_grant_under_a_parent_the_agent_cannot_traverse_is_refused_with_our_own_error(agentvm, tmp_path):
+    """Not bwrap's "Can't find source path /proc/self/fd/N" with exit 1 (indistinguishable from
+    the command failing): agent-vm's refusal, exit 77, naming the blocking folder."""
+    import secrets
+
+    top = Path(f"/tmp/agentvm-locked-{secrets.token_hex(3)}")
+    (top / "proj").mkdir(parents=True)
+    (top / "proj" / "f").write_text("hi\n")
+    os.chmod(top, 0o700)
+    os.chmod(top / "proj", 0o755)
+    try:
+        r = agentvm("run", "--mount", f"{top}/proj:/src:ro", "--json", "--", "cat", "/src/f")
+        assert r.returncode == 77, (r.stdout, r.stderr)
+        res = last_json(r.stdout)
+        assert res["error"] == "policy.grant-unreachable" and str(top) in res["message"] and "0700" in res["message"], res
+        assert "bwrap" not in r.stderr.decode(), r.stderr
+        os.chmod(top, 0o711)  # traversable: the same grant works
+        r = agentvm("run", "--mount", f"{top}/proj:/src:ro", "--", "cat", "/src/f")
+        assert r.returncode == 0 and r.stdout == b"hi\n", (r.stdout, r.stderr)
+    finally:
+        subprocess.run(["rm", "-rf", str(top)])
