@@ -83,3 +83,41 @@ def test_launch_and_exec_back_to_back_many_times(avm_home):
             assert report.verified and not (report.processes_left or report.cgroups_left or report.mounts_left), (i, report)
     finally:
         rt.close()
+
+
+def test_a_setup_failure_inside_bwrap_is_ours_not_the_commands_exit_code(avm_home):
+    """bwrap forks the sandbox, then a mount fails in there (here: a source that does not
+    exist): it exits 1, which must not pass for the command's own exit status."""
+    import dataclasses
+
+    rt = Runtime()
+    try:
+        policy = Policy(name="run", command=("/bin/true",))
+        plan, res = rt.prepare(policy, tty=False)
+        backend = rt.backend_for(policy)
+        bw = list(plan.bwrap_args)
+        i = bw.index("--remount-ro")
+        bw[i:i] = ["--ro-bind", "/nonexistent-agentvm-source", "/x"]
+        plan = dataclasses.replace(plan, bwrap_args=tuple(bw))
+        null = os.open(os.devnull, os.O_RDWR)
+        try:
+            h = backend.launch(plan, stdio=(null, null, null))
+        finally:
+            os.close(null)
+        es = backend.wait(h)
+        report = backend.destroy(h)
+        res.release(report)
+        assert es.exit_code == 125 and es.setup_error and es.setup_error["step"] == "bwrap-setup", es
+        assert report.verified, report
+        # and a command that really exits 1 still reports 1
+        plan, res = rt.prepare(Policy(name="run", command=("/bin/sh", "-c", "exit 1")), tty=False)
+        null = os.open(os.devnull, os.O_RDWR)
+        try:
+            h = backend.launch(plan, stdio=(null, null, null))
+        finally:
+            os.close(null)
+        es = backend.wait(h)
+        res.release(backend.destroy(h))
+        assert es.exit_code == 1 and es.setup_error is None, es
+    finally:
+        rt.close()

@@ -493,7 +493,7 @@ class BwrapBackend:
             proc.wait()
         duration = time.monotonic() - handle.started_at
         rc = proc.returncode
-        setup_error = _setup_error(drain(handle.backend_state.get("status_r")))
+        ready, setup_error = _helper_status(drain(handle.backend_state.get("status_r")))
         # bwrap's JSON status: a complete document with child-pid means the sandbox existed
         status = _json_status(handle)
         status.feed(drain(handle.backend_state.get("json_r")))
@@ -516,6 +516,12 @@ class BwrapBackend:
                 es.exit_code = EXIT_BACKEND
         elif not started and not timed_out:
             es.setup_error = {"step": "bwrap", "errno": 0, "message": "bubblewrap failed to create the sandbox"}
+            es.exit_code = EXIT_BACKEND
+        elif not ready and not timed_out and not es.signal and 0 < es.exit_code < 128 and not handle.backend_state.get("stopping"):
+            # the sandbox existed but its setup died inside bwrap (a mount it could not make):
+            # bwrap's exit code 1 is not the command's
+            es.setup_error = {"step": "bwrap-setup", "errno": 0,
+                              "message": "bubblewrap could not set the sandbox up (its own message is on stderr)"}
             es.exit_code = EXIT_BACKEND
         if timed_out:
             es.timed_out = True
@@ -635,6 +641,7 @@ class BwrapBackend:
         }
 
     def stop(self, handle: SandboxHandle, grace: float = 2.0) -> None:
+        handle.backend_state["stopping"] = True  # an early stop is not a failed setup
         group: cg.SandboxCgroup | None = handle.backend_state.get("cgroup")
         proc: subprocess.Popen | None = handle.backend_state.get("proc")
         if group is not None:
@@ -896,13 +903,23 @@ def _json_status(handle: SandboxHandle) -> JsonStatusParser:
     return handle.backend_state.setdefault("json_status", JsonStatusParser())
 
 
+def _helper_status(raw: bytes) -> tuple[bool, dict | None]:
+    """The helper's status pipe, read after the writer exited (so the pipe holds all of it):
+    ``ready`` once init has put every layer in place and is about to exec the command, and
+    ``STEP\tERRNO\tMESSAGE`` lines on failure (the first names the cause).
+    Returns (ready, setup_error)."""
+    lines = [ln for ln in raw.decode(errors="replace").splitlines() if ln.strip()]
+    ready = "ready" in lines
+    errors = [ln for ln in lines if ln != "ready"]
+    return ready, (_setup_error_line(errors[0]) if errors else None)
+
+
 def _setup_error(raw: bytes) -> dict | None:
-    """The helper's status pipe: ``STEP\tERRNO\tMESSAGE`` lines written only on failure
-    (read after the writer exited, so the pipe holds all of it); the first names the cause."""
-    text = raw.decode(errors="replace").strip()
-    if not text:
-        return None
-    step, _, rest = text.splitlines()[0].partition("\t")
+    return _helper_status(raw)[1]
+
+
+def _setup_error_line(line: str) -> dict:
+    step, _, rest = line.partition("\t")
     err, _, msg = rest.partition("\t")
     try:
         errno_ = int(err or 0)

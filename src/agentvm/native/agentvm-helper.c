@@ -664,6 +664,13 @@ seccomp:
         envp[n] = NULL;
         environ = envp;
     }
+    /* every layer is in place: say so (a sandbox whose setup died inside bwrap never gets
+     * here, and the supervisor must not take bwrap's exit code for the command's) */
+    if (status_fd >= 0) {
+        static const char ready[] = "ready\n";
+        ssize_t w = write(status_fd, ready, sizeof ready - 1);
+        (void)w;
+    }
     execvp(argv[i], &argv[i]);
     int e = errno;
     fail_code = (e == ENOENT) ? 127 : 126;
