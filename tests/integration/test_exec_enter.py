@@ -98,26 +98,24 @@ def test_a_setup_failure_inside_bwrap_is_ours_not_the_commands_exit_code(avm_hom
         bw = list(plan.bwrap_args)
         i = bw.index("--remount-ro")
         bw[i:i] = ["--ro-bind", "/nonexistent-agentvm-source", "/x"]
-        plan = dataclasses.replace(plan, bwrap_args=tuple(bw))
-        null = os.open(os.devnull, os.O_RDWR)
-        try:
-            h = backend.launch(plan, stdio=(null, null, null))
-        finally:
-            os.close(null)
-        es = backend.wait(h)
-        report = backend.destroy(h)
-        res.release(report)
+        es, report = _run_plan(backend, dataclasses.replace(plan, bwrap_args=tuple(bw)), res)
         assert es.exit_code == 125 and es.setup_error and es.setup_error["step"] == "bwrap-setup", es
         assert report.verified, report
         # and a command that really exits 1 still reports 1
         plan, res = rt.prepare(Policy(name="run", command=("/bin/sh", "-c", "exit 1")), tty=False)
-        null = os.open(os.devnull, os.O_RDWR)
-        try:
-            h = backend.launch(plan, stdio=(null, null, null))
-        finally:
-            os.close(null)
-        es = backend.wait(h)
-        res.release(backend.destroy(h))
+        es, _ = _run_plan(backend, plan, res)
         assert es.exit_code == 1 and es.setup_error is None, es
     finally:
         rt.close()
+
+
+def _run_plan(backend, plan, res):
+    null = os.open(os.devnull, os.O_RDWR)
+    try:
+        h = backend.launch(plan, stdio=(null, null, null))
+    finally:
+        os.close(null)
+    es = backend.wait(h)
+    report = backend.destroy(h)
+    res.release(report)
+    return es, report
