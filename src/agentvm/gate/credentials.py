@@ -28,7 +28,7 @@ import re
 import secrets
 import string
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, NamedTuple
 from urllib.parse import parse_qsl, quote, quote_plus, urlencode
 
 from agentvm.gate.policy import host_matches, normalize_host, normalize_pattern
@@ -276,9 +276,10 @@ class CredentialSet:
         if not sep:
             raise self._leak(names[0], "basic auth (no user:password)", host)
         parts = {"user": user, "password": pw}
+        found = {part: self.find(text) for part, text in parts.items()}
         placed = set()
         for part, text in parts.items():
-            for name in self.find(text):
+            for name in found[part]:
                 b = self.bindings[name]
                 if not (terminated and b.bound_to(host) and b.mode == "basic" and lk == b"authorization"):
                     raise self._leak(name, "basic auth (not bound here)", host)
@@ -288,8 +289,8 @@ class CredentialSet:
         for name in names:
             if name not in placed:  # e.g. across the colon
                 raise self._leak(name, "basic auth (wrong part)", host)
-        for part, text in parts.items():
-            for name in self.find(text):
+        for part in parts:
+            for name in found[part]:
                 self._check_revoked(name)
                 parts[part] = self.value(name).encode()
                 used.append(name)
@@ -361,19 +362,24 @@ class BodyScanner:
         return out
 
 
-class _Form(tuple):
+class _Form(NamedTuple):
     """One form of a value: its ``text``, and for a base64 fragment the bytes it encodes
     (``src``), the byte alignment ``k`` of ``src`` inside the encoded text, and the alphabet."""
 
-    __slots__ = ()
+    text: bytes
+    src: bytes | None = None
+    k: int = 0
+    url: bool = False
 
-    def __new__(cls, text: bytes, src: bytes | None = None, k: int = 0, url: bool = False):
-        return super().__new__(cls, (text, src, k, url))
+    @property
+    def lead(self) -> int:
+        """base64 characters before the fragment that mix in the bytes before ``src``"""
+        return _LEAD[self.k]
 
-    text = property(lambda self: self[0])
-    src = property(lambda self: self[1])
-    k = property(lambda self: self[2])
-    url = property(lambda self: self[3])
+    @property
+    def after(self) -> int:
+        """base64 characters after the fragment that complete its last group"""
+        return (0, 3, 2)[(self.k + len(self.src)) % 3]
 
 
 _LEAD = (0, 2, 3)  # base64 characters before a fragment that mix in the bytes before src
@@ -453,10 +459,9 @@ _PCT = re.compile(r"%[0-9A-F]{2}")
 class ScrubTable:
     """What a :class:`Scrubber` looks for, compiled once per set of real values: every form
     of each value, the form of its placeholder that replaces it, one regular expression, and
-    the set of proper prefixes (to know what to hold back at a chunk edge)."""
+    the forms by their first bytes (to know what to hold back at a chunk edge)."""
 
     def __init__(self, pairs: list[tuple[bytes, bytes]], *, encoded: bool = True):
-        self.pairs = pairs
         self.encoded = encoded
         self.table: dict[bytes, tuple[_Form, _Form]] = {}
         for real, ph in pairs:
@@ -498,26 +503,23 @@ class Scrubber:
     CONTEXT = 3  # base64 characters around a fragment that belong to its first/last group
 
     def __init__(self, table: "ScrubTable | list[tuple[bytes, bytes]]", *, encoded: bool = True):
-        if not isinstance(table, ScrubTable):
-            table = ScrubTable(table, encoded=encoded)
-        self.pairs = table.pairs
-        self.encoded = table.encoded  # also decode Content-Encoding (server.py reads this)
-        self.table = table.table
-        self._re = table.regex
-        self._t = table
-        self.maxlen = table.maxlen
+        self._t = table if isinstance(table, ScrubTable) else ScrubTable(table, encoded=encoded)
         self.tail = b""
         self.hits = 0
 
     @property
+    def encoded(self) -> bool:
+        """Encoded forms too (and so Content-Encoding is decoded: server.py reads this)."""
+        return self._t.encoded
+
+    @property
     def active(self) -> bool:
-        return self._re is not None
+        return self._t.regex is not None
 
     def _b64_region(self, buf: bytes, start: int, end: int, real: _Form, ph: _Form) -> tuple[int, int, bytes] | None:
         """The whole base64 groups around a fragment match, re-encoded with the placeholder in
         place of the value; None when the context is not all there or does not decode."""
-        r = (real.k + len(real.src)) % 3
-        rs, re_ = start - _LEAD[real.k], end + (0, 3, 2)[r]
+        rs, re_ = start - real.lead, end + real.after
         if rs < 0 or re_ > len(buf):
             return None
         region = buf[rs:re_]
@@ -539,16 +541,15 @@ class Scrubber:
         must wait for more input)."""
         out = bytearray()
         pos = 0
-        matches = list(self._re.finditer(buf))
+        matches = list(self._t.regex.finditer(buf))
         for i, m in enumerate(matches):
             start, end = m.span()
-            real, ph = self.table[m.group(0)]
+            real, ph = self._t.table[m.group(0)]
             next_start = matches[i + 1].start() if i + 1 < len(matches) else len(buf) + 3
             if real.src is not None:
-                r = (real.k + len(real.src)) % 3
-                if not final and end + (0, 3, 2)[r] > len(buf):
+                if not final and end + real.after > len(buf):
                     # the group after the match has not arrived: wait for it
-                    hold_from = max(pos, start - _LEAD[real.k])
+                    hold_from = max(pos, start - real.lead)
                     out += buf[pos:hold_from]
                     return bytes(out) + buf[hold_from:], len(buf) - hold_from
                 region = self._b64_region(buf, start, end, real, ph)
@@ -567,11 +568,11 @@ class Scrubber:
         return bytes(out), 0
 
     def feed(self, data: bytes) -> bytes:
-        if self._re is None:
+        if not self.active:
             return data
         buf, hold = self._scan(self.tail + data, final=False)
         if not hold:
-            for i in range(max(0, len(buf) - self.maxlen + 1), len(buf)):
+            for i in range(max(0, len(buf) - self._t.maxlen + 1), len(buf)):
                 if self._t.could_start(buf[i:]):
                     # a possible match, and the base64 characters before it that share its group
                     hold = min(len(buf), len(buf) - i + self.CONTEXT)
@@ -588,7 +589,7 @@ class Scrubber:
         return out
 
     def finish(self) -> bytes:
-        if self._re is None or not self.tail:
+        if not self.active or not self.tail:
             out, self.tail = self.tail, b""
             return out
         out, _ = self._scan(self.tail, final=True)
@@ -596,6 +597,10 @@ class Scrubber:
         return out
 
     def header(self, value: bytes) -> bytes:
-        if self._re is None:
+        if not self.active:
             return value
         return self._scan(value, final=True)[0]
+
+    def headers(self, headers) -> list[tuple[bytes, bytes]]:
+        """Names and values of a response's headers, scrubbed."""
+        return [(self.header(bytes(k)), self.header(bytes(v))) for k, v in headers]

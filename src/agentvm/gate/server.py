@@ -602,13 +602,9 @@ class Gate:
             if req.upgrade_websocket and any(b.bound_to(req.host) for b in ep.creds.bindings.values()):
                 # after a 101 the gate relays opaque frames it cannot scrub: a host that holds a
                 # real value (it is bound to a credential) gets no WebSocket (fail closed)
-                ep.log(verdict="deny", rule_id="credential:uninspectable-websocket",
-                       reason="a WebSocket to a credential's bound host cannot be scrubbed of echoes", host=req.host,
-                       port=req.port, method=req.method, path=req.path, phase="request")
-                await client.write(h1.deny_response("credential:uninspectable-websocket",
-                                                    "WebSockets to hosts a credential is bound to are refused: the gate "
-                                                    "cannot scrub echoes of the real value from WebSocket frames",
-                                                    host=req.host, port=req.port))
+                await self._deny(ep, client, "credential:uninspectable-websocket",
+                                 "WebSockets to hosts a credential is bound to are refused: the gate cannot scrub "
+                                 "echoes of the real value from WebSocket frames", req)
                 return False, b""
             if swap.used or swap.target != req.path:
                 req = h1.ProxyRequest(**{**req.__dict__, "headers": tuple(swap.headers), "path": swap.target})
@@ -840,6 +836,20 @@ class Gate:
                 pending_len = 0
                 await client.write(out)
 
+        async def scrubbed_out(pieces) -> bool:
+            """Decoded pieces (decoding is lazy: it happens here), scrubbed, to the sandbox; False
+            when the body does not decode (what was sent stays, the response ends unfinished)."""
+            try:
+                for piece in pieces:
+                    data = scrubber.feed(piece)
+                    if data:
+                        await emit(down.send(h11.Data(data=data)))
+            except encoding.DecodeError as err:
+                await emit(b"", flush=True)
+                await self._undecodable(ep, client, req, d, err, sent, answered=True)
+                return False
+            return True
+
         received = 0
         answered = False
         scrubbing = scrubber is not None and scrubber.active
@@ -867,10 +877,10 @@ class Gate:
             if isinstance(ev, h11.InformationalResponse):
                 if ws and ev.status_code == 101:
                     await emit(b"", flush=True)
+                    wh = h1.response_headers(ev.headers, keep_upgrade=True)
                     await client.write(down.send(h11.InformationalResponse(
                         status_code=101, reason=scrubber.header(bytes(ev.reason)) if scrubbing else ev.reason,
-                        headers=[(scrubber.header(k), scrubber.header(v)) if scrubbing else (k, v)
-                                 for k, v in h1.response_headers(ev.headers, keep_upgrade=True)])))
+                        headers=scrubber.headers(wh) if scrubbing else wh)))
                     # the upgraded connection is relayed as bytes (still counted against bytesOut)
                     up_rest, down_rest = up.trailing_data[0], down.trailing_data[0]
                     if up_rest:
@@ -890,8 +900,7 @@ class Gate:
                 if scrubbing:
                     # an upstream echoing a real value must not hand it to the sandbox (names,
                     # values, the reason phrase); the body may change length: re-framed (chunked)
-                    rh = [(scrubber.header(k), scrubber.header(v)) for k, v in rh
-                          if k not in (b"content-length", b"content-encoding")]
+                    rh = scrubber.headers((k, v) for k, v in rh if k not in (b"content-length", b"content-encoding"))
                     reason = scrubber.header(bytes(ev.reason))
                     # the codings as sent, even where Connection: content-encoding tried to hide them
                     codings = b", ".join(bytes(v) for k, v in ev.headers if bytes(k).lower() == b"content-encoding")
@@ -914,27 +923,12 @@ class Gate:
                 received += len(ev.data)
                 if not scrubbing:
                     await emit(down.send(h11.Data(data=ev.data)))
-                    continue
-                try:
-                    for piece in (decoder.feed(ev.data) if decoder is not None else (ev.data,)):
-                        data = scrubber.feed(piece)
-                        if data:
-                            await emit(down.send(h11.Data(data=data)))
-                except encoding.DecodeError as err:
-                    await emit(b"", flush=True)  # what was sent stays; the response ends unfinished
-                    await self._undecodable(ep, client, req, d, err, sent, answered=True)
+                elif not await scrubbed_out(decoder.feed(ev.data) if decoder is not None else (ev.data,)):
                     return False, b"", False
                 continue
             if isinstance(ev, h11.EndOfMessage):
                 if scrubbing:
-                    try:
-                        for piece in (decoder.finish() if decoder is not None else ()):
-                            data = scrubber.feed(piece)
-                            if data:
-                                await emit(down.send(h11.Data(data=data)))
-                    except encoding.DecodeError as err:
-                        await emit(b"", flush=True)
-                        await self._undecodable(ep, client, req, d, err, sent, answered=True)
+                    if not await scrubbed_out(decoder.finish() if decoder is not None else ()):
                         return False, b"", False
                     rest = scrubber.finish()
                     if rest:
