@@ -394,13 +394,8 @@ class Runtime:
                 self._gate.close(plan.sandbox_id)
                 egress = {
                     "allowed": endpoint.allowed,
-                    "denied": [
-                        {"rule": r, "target": t, "count": n,
-                         "reason": endpoint.denial_reasons.get((r, t), ("", None))[0],
-                         **({"how_to_allow": endpoint.denial_reasons[(r, t)][1]}
-                            if endpoint.denial_reasons.get((r, t), ("", None))[1] else {})}
-                        for (r, t), n in sorted(endpoint.denials.items())
-                    ],
+                    "denied": [_denial(r, t, n, *endpoint.denial_reasons.get((r, t), ("", None)))
+                               for (r, t), n in sorted(endpoint.denials.items())],
                     "bytes_out": endpoint.bytes_out,
                     "bytes_in": endpoint.bytes_in,
                     "alerts": endpoint.alerts,
@@ -489,10 +484,31 @@ def _node_shim() -> str:
     return d if os.path.isfile(os.path.join(d, "proxy.js")) and os.path.isdir(os.path.join(d, "node_modules", "undici")) else ""
 
 
+def _denial(rule: str, target: str, count: int, reason: str, allow: str | None) -> dict:
+    d = {"rule": rule, "target": target, "count": count, "reason": reason}
+    if allow:
+        d["how_to_allow"] = allow
+    return d
+
+
+def _uid_may(path: str, uid: int, gid: int, *, write: bool) -> bool:
+    """May ``uid`` (no supplementary groups, as in the sandbox) search ``path`` - and, with
+    ``write``, create in it? The owner/group/other mode bits that apply decide; where they
+    refuse, the kernel's own answer from a probe in the agent's identity (POSIX ACLs)."""
+    st = os.stat(path)
+    want = 0o3 if write else 0o1  # w+x, or x
+    shift = 6 if st.st_uid == uid else (3 if st.st_gid == gid else 0)
+    if (st.st_mode >> shift) & want == want:
+        return True
+    import subprocess
+
+    test = ["test", "-w", path, "-a", "-x", path] if write else ["test", "-x", path]
+    r = subprocess.run(["setpriv", f"--reuid={uid}", f"--regid={gid}", "--clear-groups", *test], capture_output=True)
+    return r.returncode == 0
+
+
 def _blocking_parent(path: str, uid: int, gid: int) -> str | None:
-    """The first directory above ``path`` that ``uid`` (no supplementary groups, as in the
-    sandbox) may not search, or None. Mode bits first; where they say no, the kernel's answer
-    from a probe in the agent's identity (POSIX ACLs)."""
+    """The first directory above ``path`` that ``uid`` may not search, or None."""
     parents = []
     p = os.path.dirname(path.rstrip("/")) or "/"
     while True:
@@ -500,36 +516,11 @@ def _blocking_parent(path: str, uid: int, gid: int) -> str | None:
         if p == "/":
             break
         p = os.path.dirname(p)
-    for d in reversed(parents):
-        st = os.stat(d)
-        bit = 0o100 if st.st_uid == uid else (0o010 if st.st_gid == gid else 0o001)
-        if st.st_mode & bit:
-            continue
-        import subprocess
-
-        r = subprocess.run(["setpriv", f"--reuid={uid}", f"--regid={gid}", "--clear-groups", "test", "-x", d],
-                           capture_output=True)
-        if r.returncode != 0:
-            return d
-    return None
+    return next((d for d in reversed(parents) if not _uid_may(d, uid, gid, write=False)), None)
 
 
 def _uid_can_write(path: str, uid: int, gid: int) -> bool:
-    st = os.stat(path)
-    if st.st_uid == uid:
-        return bool(st.st_mode & 0o300 == 0o300)
-    if st.st_gid == gid:
-        return bool(st.st_mode & 0o030 == 0o030)
-    if st.st_mode & 0o003 == 0o003:
-        return True
-    # POSIX ACLs: trust the kernel's answer from a probe in the agent's identity.
-    import subprocess
-
-    r = subprocess.run(
-        ["setpriv", f"--reuid={uid}", f"--regid={gid}", "--clear-groups", "test", "-w", path, "-a", "-x", path],
-        capture_output=True,
-    )
-    return r.returncode == 0
+    return _uid_may(path, uid, gid, write=True)
 
 
 def _record(paths: Paths, kind: str, data: dict) -> None:

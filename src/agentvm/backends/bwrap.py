@@ -127,17 +127,14 @@ class BwrapBackend:
         prims: list[Primitive] = []
         facts: dict = {"kernel": os.uname().release, "root": os.geteuid() == 0}
         try:
-            bwrap_for_hint = str(native.bwrap_path(self.paths.libexec))
-        except BackendError:
-            bwrap_for_hint = "/usr/bin/bwrap"
-        ok, detail = _userns_ok(bwrap_for_hint)
-        prims.append(Primitive("userns", ok, detail))
-        try:
-            b = native.bwrap_path(self.paths.libexec)
-            prims.append(Primitive("bwrap", True, str(b)))
-            facts["bwrap"] = str(b)
+            b = str(native.bwrap_path(self.paths.libexec))
+            bwrap_prim = Primitive("bwrap", True, b)
+            facts["bwrap"] = b
         except BackendError as exc:
-            prims.append(Primitive("bwrap", False, exc.message))
+            bwrap_prim = Primitive("bwrap", False, exc.message)
+        # the userns hint names this bwrap (an AppArmor profile is per binary)
+        ok, detail = _userns_ok(facts.get("bwrap", "/usr/bin/bwrap"))
+        prims += [Primitive("userns", ok, detail), bwrap_prim]
         try:
             with open("/proc/self/status") as fh:
                 has_sc = any(line.startswith("Seccomp:") for line in fh)

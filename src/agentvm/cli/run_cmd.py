@@ -267,19 +267,6 @@ class _ResultView:
         return dict(self._d)
 
 
-def _printable(s) -> str:
-    return "".join(c if 0x20 <= ord(c) < 0x7F else "?" for c in str(s))
-
-
-def _size(n) -> str:
-    if not n:
-        return ""
-    for unit, k in (("G", 1024**3), ("M", 1024**2)):
-        if n >= k and n % k == 0:
-            return f" ({n // k}{unit})"
-    return f" ({n} bytes)"
-
-
 def _report(result, as_json: bool) -> None:
     if as_json:
         sys.stdout.flush()
@@ -292,12 +279,14 @@ def _report(result, as_json: bool) -> None:
             print(f"agentvm: cannot execute: {err.get('message')}", file=out)
         else:
             print(f"agentvm: sandbox setup failed at step '{err.get('step')}': {err.get('message')}", file=out)
+    from agentvm.units import format_size
+
     lim = getattr(result, "limits", None) or {}
     if result.timed_out:
         print(f"agentvm: timed out after {result.duration:.1f}s; the sandbox was killed "
               "(raise it with --timeout or limits.timeout in the agent file)", file=out)
     if result.oom_killed:
-        print(f"agentvm: the memory limit{_size(lim.get('memory'))} was hit (a process was OOM-killed inside the "
+        print(f"agentvm: the memory limit{' (' + format_size(lim['memory']) + ')' if lim.get('memory') else ''} was hit (a process was OOM-killed inside the "
               "sandbox): raise it with --memory 2G or limits.memory in the agent file "
               "(the presets 'jupyter' and 'browser' give 2G)", file=out)
     if result.pids_limit_hit:
@@ -306,14 +295,16 @@ def _report(result, as_json: bool) -> None:
               "(the presets 'build' and 'browser' give 1024)", file=out)
     eg = result.egress
     if eg and eg.get("denied"):
+        from agentvm.gate.policy import _safe as printable  # what a sandbox sent: printable ASCII only
+
         total = sum(d["count"] for d in eg["denied"])
         print(f"agentvm: egress: {eg['allowed']} allowed, {total} denied (log: {eg['log']})", file=out)
         for d in eg["denied"][:20]:
-            # what a sandbox sent reaches the operator's terminal here: printable ASCII only
-            why = f": {_printable(d['reason'])}" if d.get("reason") else ""
-            print(f"agentvm:   denied {_printable(d['target'])} by {_printable(d['rule'])} x{d['count']}{why}", file=out)
+            why = f": {printable(d['reason'], 400)}" if d.get("reason") else ""
+            print(f"agentvm:   denied {printable(d['target'], 300)} by {printable(d['rule'], 200)} x{d['count']}{why}",
+                  file=out)
             if d.get("how_to_allow"):
-                print(f"agentvm:     to allow it: {_printable(d['how_to_allow'])}", file=out)
+                print(f"agentvm:     to allow it: {printable(d['how_to_allow'], 1000)}", file=out)
     if not result.teardown.get("verified"):
         print(f"agentvm: error: teardown NOT verified: {json.dumps(result.teardown)}", file=out)
 
