@@ -263,3 +263,19 @@ class Listener:
         self._stop = True
         self.thread.join(2)
         self.sock.close()
+
+
+def serve_https(handler, cert: Path, key: Path):
+    """A threaded HTTPS server on 127.0.0.1 (an ephemeral port) for ``handler``, serving in a
+    daemon thread; ``.shutdown()`` it when done."""
+    import http.server
+    import ssl
+    import threading
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    httpd.daemon_threads = True
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.load_cert_chain(str(cert), str(key))
+    httpd.socket = ctx.wrap_socket(httpd.socket, server_side=True)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    return httpd

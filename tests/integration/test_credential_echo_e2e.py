@@ -13,13 +13,10 @@ import base64
 import gzip
 import http.server
 import json
-import os
 import secrets
 import shutil
-import ssl
 import subprocess
 import textwrap
-import threading
 import time
 import zlib
 from pathlib import Path
@@ -30,6 +27,7 @@ import pytest
 import zstandard
 
 from agentvm.selftest.cases.credentials import dechunk, decoded_views
+from tests.integration.gate_upstreams import serve_https
 from tests.helpers import agentvm_cmd, last_json, needs_root
 
 pytestmark = [pytest.mark.integration, needs_root]
@@ -123,13 +121,8 @@ class EchoServer:
                     self.end_headers()
                     self.wfile.write(body)
 
-        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
-        self.httpd.daemon_threads = True
-        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-        ctx.load_cert_chain(str(cert), str(key))
-        self.httpd.socket = ctx.wrap_socket(self.httpd.socket, server_side=True)
+        self.httpd = serve_https(H, cert, key)
         self.port = self.httpd.server_address[1]
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
 
 
 @pytest.fixture(scope="module")

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.integration.gate_upstreams import serve_https
 from tests.helpers import agentvm_cmd, last_json, needs_root
 
 pytestmark = [pytest.mark.integration, needs_root]
@@ -36,7 +37,6 @@ class Recorder:
 
     def __init__(self, cert: Path, key: Path):
         import http.server
-        import ssl
 
         self.seen: list[dict] = []
         self.lock = threading.Lock()
@@ -96,13 +96,8 @@ class Recorder:
 
             do_GET = do_POST = do_PUT = do_DELETE = _handle
 
-        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
-        self.httpd.daemon_threads = True
-        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-        ctx.load_cert_chain(str(cert), str(key))
-        self.httpd.socket = ctx.wrap_socket(self.httpd.socket, server_side=True)
+        self.httpd = serve_https(H, cert, key)
         self.port = self.httpd.server_address[1]
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
 
     def seen_with(self, needle: str) -> list[dict]:
         with self.lock:
