@@ -75,7 +75,6 @@ class _Zlib:
         self.coding = coding
         self.d = None  # chosen on the first bytes for deflate (zlib-wrapped or raw, both seen)
         self.head = b""
-        self.started = False
 
     def _new(self, first: bytes):
         if self.coding == "gzip":
@@ -91,32 +90,23 @@ class _Zlib:
             data, self.head = self.head, b""
             self.d = self._new(data)
         buf = data
-        while buf:
-            if self.d.eof:
-                rest = self.d.unused_data + buf
-                if self.coding == "gzip" and rest.strip(b"\0"):
-                    self.d = self._new(rest)  # another gzip member
-                    buf = rest
-                    continue
-                if rest.strip(b"\0"):
+        while buf or (self.d.eof and self.d.unused_data.strip(b"\0")):
+            if self.d.eof:  # what follows the end of the stream: another gzip member, or padding
+                rest, buf = self.d.unused_data + buf, b""
+                if not rest.strip(b"\0"):
+                    return
+                if self.coding != "gzip":
                     raise DecodeError("upstream:bad-encoding", f"{self.coding} body has data after its end")
-                return
+                self.d = self._new(rest)
+                buf = rest
+                continue
             try:
                 out = self.d.decompress(buf, PIECE)
             except zlib.error as exc:
                 raise DecodeError("upstream:bad-encoding", f"{self.coding} body does not decode: {exc}") from None
-            self.started = True
             if out:
                 yield out
             buf = self.d.unconsumed_tail
-            if self.d.eof and self.d.unused_data:
-                buf = b""
-                rest = self.d.unused_data
-                if self.coding == "gzip" and rest.strip(b"\0"):
-                    self.d = self._new(rest)
-                    buf = rest
-                elif rest.strip(b"\0"):
-                    raise DecodeError("upstream:bad-encoding", f"{self.coding} body has data after its end")
 
     def finish(self) -> Iterator[bytes]:
         if self.d is None:
