@@ -27,6 +27,24 @@ POLICY_VERSION = 1
 TIER_LEVEL = {f"L{i}": i for i in range(6)}
 
 
+
+# Environment variables that hold lists: composing two values appends instead of replacing
+# (presets and the agent file; agent-vm's own Node preload and the agent's NODE_OPTIONS).
+APPEND_ENV = {"NODE_OPTIONS": " ", "PYTHONPATH": ":", "NODE_PATH": ":", "PYTHONWARNINGS": ","}
+
+
+def append_env(name: str, first: str, then: str) -> str:
+    """``first`` followed by ``then`` for a list-like variable (``name`` in APPEND_ENV).
+    Space-separated options keep whole values (``--require X`` stays one piece); other lists
+    drop parts already present."""
+    sep = APPEND_ENV[name]
+    if sep == " ":
+        a, b = first.strip(), then.strip()
+        return a if (b == a or a.endswith(" " + b) or not b) else f"{a} {b}".strip()
+    parts = [p for p in first.split(sep) if p]
+    parts += [p for p in then.split(sep) if p and p not in parts]
+    return sep.join(parts)
+
 @dataclass(frozen=True)
 class MountGrant:
     host: str

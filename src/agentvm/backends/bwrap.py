@@ -38,7 +38,7 @@ from agentvm.backends.base import (
 from agentvm.backends.status import JsonStatusParser, drain, read_until
 from agentvm.errors import EXIT_BACKEND, EXIT_TIMEOUT, AgentVMError, BackendError, LaunchError
 from agentvm.fsutil import check_grant_target
-from agentvm.policy import Policy
+from agentvm.policy import Policy, append_env
 
 HOME_IN_SANDBOX = "/home/agent"
 HELPER_IN_SANDBOX = "/.agentvm/init"
@@ -288,7 +288,7 @@ class BwrapBackend:
         if "NODE_OPTIONS" in env and spec_env.get("NODE_OPTIONS"):
             # the agent's Node options (a preset's heap size...) join the gate's preload: a
             # replaced NODE_OPTIONS would leave Node's fetch with no route out
-            spec_env["NODE_OPTIONS"] = env["NODE_OPTIONS"] + " " + spec_env["NODE_OPTIONS"]
+            spec_env["NODE_OPTIONS"] = append_env("NODE_OPTIONS", env["NODE_OPTIONS"], spec_env["NODE_OPTIONS"])
         env.update(spec_env)
         env.update(dict(ctx.extra_env))  # placeholders win: the spec cannot shadow them
 

@@ -29,6 +29,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from agentvm.errors import SpecError, SpecProblem
+from agentvm.policy import APPEND_ENV, append_env
 from agentvm.spec.models import API_VERSION, AgentSpec, AgentSpecBody, PresetSpec, check_tier
 
 __all__ = [
@@ -663,10 +664,6 @@ def _dedupe(problems: list[SpecProblem]) -> list[SpecProblem]:
 # --------------------------------------------------------------------------- merging
 
 
-# environment variables that hold lists: presets and the agent file append to them
-APPEND_ENV = {"NODE_OPTIONS": " ", "PYTHONPATH": ":", "NODE_PATH": ":", "PYTHONWARNINGS": ","}
-
-
 class _Merger:
     def __init__(self, includes: dict[str, set[str]]) -> None:
         self.includes = includes  # preset -> every preset it includes (transitively)
@@ -713,14 +710,7 @@ class _Merger:
                 and isinstance(new.value, str)):
             # list-like variables compose: the node preset's heap size and another preset's
             # --require both stay (later ones go last, so they win where options clash)
-            sep = APPEND_ENV[path[-1]]
-            if sep == " ":  # options with arguments (--require X): keep whole values, never single words
-                o, n = old.value.strip(), new.value.strip()
-                joined = o if (n == o or o.endswith(" " + n) or not n) else f"{o} {n}"
-                return _Node(joined.strip(), new.file, new.line, new.source)
-            parts = [p for p in old.value.split(sep) if p]
-            parts += [p for p in new.value.split(sep) if p and p not in parts]
-            return _Node(sep.join(parts), new.file, new.line, new.source)
+            return _Node(append_env(path[-1], old.value, new.value), new.file, new.line, new.source)
         if _canon(old) != _canon(new):
             self._record(path, old, new)
         return new
