@@ -9,7 +9,12 @@ Rows (median and p90 of N runs, /bin/true as the payload):
                          namespaces, dedicated uid, cgroups, seccomp, Landlock, the /etc view,
                          tmpfs /tmp, workspace tmpfs), measured in-process
   sandbox + teardown     the above plus verified teardown (cgroup kill, rmdir, uid sweep)
-  agentvm run -- true    the whole CLI, end to end, as a user types it (new Python process)
+  ... + gate             the above with the egress gate attached (every sandbox has one unless
+                         `network: none`): endpoint opened before launch, closed after
+  agentvm run -- true    the whole CLI, end to end, as a user types it (new Python process);
+                         the default routes through the gate
+  ... --network none     the same with no route at all (no gate): the gate's cost is the
+                         difference between these two rows (target: <= 5 ms)
   python -c pass         the interpreter's own start-up, for context
 
 Ratios are against the bare bwrap row. Run as root on an idle machine; numbers from a loaded
@@ -64,7 +69,8 @@ def main() -> int:
 
     rt = Runtime()
     bwrap = str(native.bwrap_path(rt.paths.libexec))
-    pol = Policy(name="bench", command=("/bin/true",))
+    pol = Policy(name="bench", command=("/bin/true",), network="none")
+    gated = Policy(name="bench", command=("/bin/true",))
     backend = rt.backend_for(pol)
 
     def bare():
@@ -82,12 +88,29 @@ def main() -> int:
         res.release(rep)
         assert st.exit_code == 0 and rep.verified, (st, rep)
 
+    def sandbox_gated():
+        plan, res = rt.prepare(gated, tty=False)
+        run_dir = rt.paths.sandboxes / plan.sandbox_id
+        run_dir.mkdir(parents=True, exist_ok=True)
+        os.chmod(run_dir, 0o711)
+        rt.embedded_gate().open(plan.sandbox_id, "bench", gated.egress, run_dir / "gate.sock", plan.host_uid)
+        h = backend.launch(plan, stdio=(subprocess.DEVNULL, subprocess.DEVNULL, subprocess.DEVNULL))
+        st = backend.wait(h)
+        rep = backend.destroy(h)
+        res.release(rep)
+        rt.embedded_gate().close(plan.sandbox_id)
+        assert st.exit_code == 0 and rep.verified, (st, rep)
+
     # the entry point next to this interpreter (a venv's), never a pyenv shim
     entry = Path(sys.executable).parent / "agentvm"
     cli = [str(entry)] if entry.exists() else [sys.executable, "-m", "agentvm"]
 
     def e2e():
         r = subprocess.run(cli + ["run", "--", "/bin/true"], stdin=subprocess.DEVNULL)
+        assert r.returncode == 0
+
+    def e2e_none():
+        r = subprocess.run(cli + ["run", "--network", "none", "--", "/bin/true"], stdin=subprocess.DEVNULL)
         assert r.returncode == 0
 
     def py():
@@ -99,7 +122,15 @@ def main() -> int:
     start_exit[:] = start_exit[-args.runs :]
     rows["sandbox start-to-exit"] = summary(start_exit)
     rows["sandbox + teardown"] = summary(full)
-    rows["agentvm run -- true"] = summary(measure(e2e, max(10, args.runs // 2)))
+    rows["... + gate"] = summary(measure(sandbox_gated, args.runs))
+    # interleaved, so drift on a shared machine hits both rows alike
+    a: list[float] = []
+    b: list[float] = []
+    for _ in range(max(10, args.runs // 2)):
+        a += measure(e2e, 1, warmup=0)
+        b += measure(e2e_none, 1, warmup=0)
+    rows["agentvm run -- true"] = summary(a)
+    rows["... --network none"] = summary(b)
     rows["python -c pass"] = summary(measure(py, max(10, args.runs // 2)))
     base = rows["bare bwrap"]["median_ms"]
     for r in rows.values():
@@ -112,6 +143,9 @@ def main() -> int:
     print(f"{'':24} {'median ms':>10} {'p90 ms':>8} {'x bare bwrap':>13}")
     for name, r in rows.items():
         print(f"{name:24} {r['median_ms']:10.2f} {r['p90_ms']:8.2f} {r['x_bare_bwrap']:13.2f}")
+    gate_ms = rows["agentvm run -- true"]["median_ms"] - rows["... --network none"]["median_ms"]
+    print(f"gate cost per run: {gate_ms:+.2f} ms end to end, "
+          f"{rows['... + gate']['median_ms'] - rows['sandbox + teardown']['median_ms']:+.2f} ms in-process (target <= 5 ms)")
     print(f"(cli: {' '.join(cli)}; targets: start-to-exit <= 1.5x bare bwrap, agentvm run -- true <= 100 ms)")
     return 0
 

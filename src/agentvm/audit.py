@@ -94,6 +94,7 @@ class AuditLog:
         payload = json.dumps(data or {}, sort_keys=True, separators=(",", ":"), ensure_ascii=True, default=str)
         with self._lock:
             self._conn.execute("BEGIN IMMEDIATE")
+            moved = False
             try:
                 row = self._conn.execute("SELECT seq, hash FROM audit ORDER BY seq DESC LIMIT 1").fetchone()
                 seq, prev = (row[0] + 1, row[1]) if row else (1, GENESIS)
@@ -103,19 +104,32 @@ class AuditLog:
                     "INSERT INTO audit(seq, time, kind, actor, sandbox, data, prev, hash) VALUES (?,?,?,?,?,?,?,?)",
                     (seq, t, kind, actor, sandbox, payload, prev, h),
                 )
+                # the head moves while the database's write lock is held: several processes
+                # (the daemon, embedded runs) append to one chain, and a head written after
+                # COMMIT could be overtaken by an older one
+                moved = True
+                self._write_head(seq, h)
                 self._conn.execute("COMMIT")
             except BaseException:
                 self._conn.execute("ROLLBACK")
+                if moved:  # put the head back where the chain still ends
+                    self._write_head(seq - 1, prev) if seq > 1 else self.head_path.unlink(missing_ok=True)
                 raise
-            tmp = self.head_path.with_suffix(".head.tmp")
-            tmp.write_text(f"{seq} {h}\n")
-            os.chmod(tmp, 0o600)
-            os.replace(tmp, self.head_path)
         return Record(seq, t, kind, actor, sandbox, json.loads(payload), prev, h)
 
-    def records(self, *, since: float | None = None, sandbox: str | None = None, limit: int | None = None) -> list[Record]:
+    def _write_head(self, seq: int, h: str) -> None:
+        tmp = self.head_path.with_name(f"{self.head_path.name}.{os.getpid()}.tmp")
+        tmp.write_text(f"{seq} {h}\n")
+        os.chmod(tmp, 0o600)
+        os.replace(tmp, self.head_path)
+
+    def records(self, *, since: float | None = None, sandbox: str | None = None, limit: int | None = None,
+                kinds: tuple[str, ...] | None = None) -> list[Record]:
         q = "SELECT seq, time, kind, actor, sandbox, data, prev, hash FROM audit"
         cond, args = [], []
+        if kinds:
+            cond.append("kind IN (" + ",".join("?" * len(kinds)) + ")")
+            args += list(kinds)
         if since is not None:
             cond.append("time >= ?")
             args.append(since)

@@ -97,3 +97,20 @@ def untrusted_symlink(path: str) -> str | None:
         elif p != ".":
             cur = nxt
     return None
+
+
+def mount_of(path: str) -> tuple[str, str]:
+    """(mount point, filesystem type) of the mount that holds ``path``, from this process's
+    mountinfo (the longest mount point that is a prefix of the resolved path)."""
+    real = os.path.realpath(path)
+    best, fstype = "/", "?"
+    try:
+        with open("/proc/self/mountinfo") as fh:
+            for line in fh:
+                left, _, right = line.partition(" - ")
+                mnt = left.split()[4].encode().decode("unicode_escape")  # \040 -> space
+                if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best):
+                    best, fstype = mnt, right.split()[0]
+    except OSError:
+        pass
+    return best, fstype

@@ -50,6 +50,8 @@ class MountGrant:
     host: str
     path: str
     writable: bool = False
+    # host-trusted names (agentvm.grants.TRUSTED_NAMES) the agent may change in an rw grant
+    writable_trusted: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -80,13 +82,27 @@ class Policy:
     limits: Limits = field(default_factory=Limits)
     allow_ptrace: bool = False
     local_ports: tuple[int, ...] = ()
-    # The egress gate's compiled rules; None = no gate (no route out at all).
+    # "gate": every sandbox routes through the egress gate (no rules = deny all, explained and
+    # logged); "none": no route at all, not even to the gate (then egress is None).
+    network: str = "gate"
+    # The egress gate's compiled rules; None exactly when network is "none".
     egress: "EgressPolicy | None" = None
     # Credentials by reference (bindings only: never a value).
     credentials: tuple = ()
     # Declared but not yet enforceable sections: a run that needs them is refused.
     pending_features: tuple[str, ...] = ()
     version: int = POLICY_VERSION
+
+    def __post_init__(self) -> None:
+        if self.network not in ("gate", "none"):
+            raise ConfigError(f"unknown network {self.network!r}", hint="gate (the default) or none")
+        if self.network == "gate" and self.egress is None:
+            from agentvm.gate.policy import compile_egress
+
+            object.__setattr__(self, "egress", _with_default_denies(compile_egress(None)))
+        elif self.network == "none" and self.egress is not None:
+            raise ConfigError("network none has no route out, so it cannot have egress rules",
+                              hint="drop --network none (or network: none) to route through the gate")
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -147,7 +163,7 @@ def compile_policy(spec: "AgentSpec") -> Policy:
     body = spec.spec
     pending = []
     egress = None
-    if body.egress.allow or body.egress.deny:
+    if body.network == "gate":
         from agentvm.gate.policy import compile_egress
 
         egress = _with_default_denies(compile_egress(body.egress))
@@ -179,7 +195,7 @@ def compile_policy(spec: "AgentSpec") -> Policy:
         risk_tier=body.risk_tier.value,
         workdir=body.workdir,
         extra_ro=tuple(body.rootfs.extra_paths),
-        mounts=tuple(MountGrant(m.host, m.path, m.mode == "rw") for m in body.mounts),
+        mounts=tuple(MountGrant(m.host, m.path, m.mode == "rw", tuple(m.writable_trusted)) for m in body.mounts),
         workspace=body.workspace.path if body.workspace.enabled else None,
         env=tuple(sorted(body.env.items())),
         limits=Limits(
@@ -194,6 +210,7 @@ def compile_policy(spec: "AgentSpec") -> Policy:
         ),
         allow_ptrace=body.security.allow_ptrace,
         local_ports=tuple(body.security.local_ports),
+        network=body.network,
         egress=egress,
         credentials=credentials,
         pending_features=tuple(pending),
@@ -240,9 +257,17 @@ def with_overrides(
     memory: int | None = None,
     allow: tuple[str, ...] = (),
     hosts: dict[str, str] | None = None,
+    network: str | None = None,
 ) -> Policy:
     """Apply CLI overrides; the result is re-checked against the policy's risk tier."""
     changes: dict = {}
+    if network == "none":
+        if allow or hosts or policy.credentials:
+            raise ConfigError("--network none has no route out: it cannot go with --allow, --add-host or credentials",
+                              hint="drop --network none to route through the gate")
+        changes.update(network="none", egress=None)
+    elif network not in (None, "gate"):
+        raise ConfigError(f"invalid --network {network!r}", hint="gate (the default) or none")
     if allow or hosts:
         from agentvm.gate.policy import compile_egress
 

@@ -16,9 +16,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from agentvm import identity
+from agentvm import grants, identity
 from agentvm.backends.base import PRIMITIVES, ExitStatus, LaunchContext, TeardownReport
-from agentvm.errors import EXIT_BACKEND, AgentVMError, ConfigError, PolicyDenied, PrimitiveMissing
+from agentvm.errors import EXIT_BACKEND, AgentVMError, BackendError, ConfigError, PolicyDenied, PrimitiveMissing
 from agentvm.fsutil import check_grant_target, untrusted_symlink
 from agentvm.paths import Paths, default_paths
 from agentvm.policy import MountGrant, Policy, check_tier
@@ -86,10 +86,25 @@ def get_backend(name: str, paths: Paths) -> "Backend":
 
 
 class Runtime:
-    def __init__(self, paths: Paths | None = None, backend: "Backend | None" = None) -> None:
+    def __init__(self, paths: Paths | None = None, backend: "Backend | None" = None, record=None) -> None:
+        """``record(kind, sandbox=..., **data)``: where run records go (the daemon passes its own,
+        so they are also events); by default, straight onto the audit chain."""
         self.paths = (paths or default_paths()).ensure()
         self._backend = backend
         self._gate = None
+        self._record_fn = record
+
+    def record(self, kind: str, sandbox: str | None = None, **data) -> None:
+        if self._record_fn is not None:
+            self._record_fn(kind, sandbox=sandbox, **data)
+            return
+        from agentvm.audit import AuditLog
+
+        log = AuditLog(self.paths.audit_dir / "audit.db")
+        try:
+            log.append(kind, actor=f"uid:{os.getuid()}", sandbox=sandbox, data=data)
+        finally:
+            log.close()
 
     # ------------------------------------------------------------------ egress gate
     @property
@@ -267,28 +282,35 @@ class Runtime:
                     enforce_quota="disk-quota" not in degrade,
                 )
                 ws_host = str(res.workspace.host_dir)
-            for m in list(policy.mounts) + [MountGrant(p, p, False) for p in policy.extra_ro]:
-                if not (drop and host_resources):
+            # As root, grants are idmapped mounts the helper opens: the agent's uid needs no way
+            # through the host path. Extra read-only paths (and every grant without root) are
+            # bound by path as the agent's uid: a parent it cannot traverse would fail inside
+            # bwrap with bwrap's own text.
+            by_path = list(policy.extra_ro) + ([] if drop else [m.host for m in policy.mounts])
+            for host in by_path:
+                if not host_resources:
                     break
-                # bubblewrap resolves each grant by path as the agent's uid: a parent the agent
-                # cannot traverse would fail inside bwrap with its own text and exit code 1
-                blocker = _blocking_parent(os.path.realpath(m.host), uid, gid)
+                blocker = _blocking_parent(os.path.realpath(host), uid, gid)
                 if blocker is not None:
                     st = os.stat(blocker)
                     raise PolicyDenied(
-                        f"the agent's uid {uid} cannot reach the grant {m.host}: {blocker} (mode "
+                        f"the agent's uid {uid} cannot reach {host}: {blocker} (mode "
                         f"{stat.S_IMODE(st.st_mode):04o}, owner uid {st.st_uid}) does not let other users through",
                         hint=(f"grant a folder whose parents every user may traverse (e.g. under /srv, or "
-                              f"`chmod o+x {blocker}` if that is acceptable on this host)"),
+                              f"`chmod o+x {blocker}` if that is acceptable on this host)"
+                              + ("; as root, agent-vm idmaps grants and needs no such access" if not drop else "")),
                         code="policy.grant-unreachable",
                     )
             for m in policy.mounts:
-                if m.writable and drop and host_resources and not _uid_can_write(m.host, uid, gid):
+                if m.writable and not drop and host_resources and not _uid_can_write(m.host, uid, gid):
                     raise PolicyDenied(
-                        f"the agent's uid {uid} cannot write the read-write grant {m.host}",
-                        hint=f"give it access, e.g. `setfacl -m u:{uid}:rwx {m.host}` or `chown {uid} {m.host}`",
+                        f"this uid ({uid}) cannot write the read-write grant {m.host}",
+                        hint="grant a folder you own; as root, agent-vm idmaps grants so the folder's owner "
+                        "is the agent inside",
                         code="policy.grant-unwritable",
                     )
+            protected = tuple(grants.plan(os.path.realpath(m.host), m.writable_trusted) if m.writable else ()
+                              for m in policy.mounts)
             from agentvm import native
 
             creds, extra_env, extra_files = None, (), ()
@@ -322,6 +344,7 @@ class Runtime:
                 landlock_abi=caps.facts.get("landlock_abi", 0),
                 sandbox_uid=SANDBOX_UID,
                 sandbox_gid=SANDBOX_UID,
+                protected=protected,
             )
             plan = backend.compile(policy, ctx)
         except BaseException:
@@ -343,10 +366,21 @@ class Runtime:
         if tty is None:
             tty = stdio is None and sys.stdin.isatty() and sys.stdout.isatty()
         gc_stale(self.paths)
-        plan, res = self.prepare(policy, degrade=degrade, tty=tty)
+        gc_logs(self.paths)
+        try:
+            plan, res = self.prepare(policy, degrade=degrade, tty=tty)
+        except AgentVMError as exc:
+            self.record("run.refused", agent=policy.name, code=exc.code, message=exc.message[:500])
+            raise
         backend = self.backend_for(policy)
-        if degrade:
-            _record(self.paths, "degraded-run", {"sandbox": plan.sandbox_id, "agent": policy.name, "degraded": list(degrade)})
+        try:  # no run that is not on the audit chain: a chain that cannot be written refuses the run
+            self.record("run.started", sandbox=plan.sandbox_id, agent=policy.name, command=_shown_argv(policy.command),
+                        policy=plan.policy_digest, host_uid=plan.host_uid, degraded=list(degrade), network=policy.network,
+                        grants=[f"{m.host}:{m.path}:{'rw' if m.writable else 'ro'}" for m in policy.mounts])
+        except Exception as exc:
+            res.release()
+            raise BackendError(f"cannot write the audit chain ({type(exc).__name__}: {exc}); refusing to run unrecorded",
+                               hint=f"check {self.paths.audit_dir} (free space, permissions), then `agentvm audit verify`") from exc
         status: ExitStatus | None = None
         report: TeardownReport | None = None
         handle = None
@@ -422,7 +456,21 @@ class Runtime:
         )
         if report is not None and not report.verified:
             result.exit_code = EXIT_BACKEND if result.exit_code == 0 else result.exit_code
+        eg = result.egress or {}
+        try:
+            self._record_exit(result, report, eg)
+        except Exception as exc:  # the run happened: its result is not lost for want of a record
+            print(f"agentvm: warning: the run's exit could not be written to the audit chain: {exc}", file=sys.stderr)
         return result
+
+    def _record_exit(self, result: "RunResult", report, eg: dict) -> None:
+        self.record("run.exited", sandbox=result.sandbox_id, agent=result.agent, exit_code=result.exit_code,
+                    duration=round(result.duration, 3), timed_out=result.timed_out, limits_hit=result.limits_hit,
+                    setup_error=(result.setup_error or {}).get("step"), teardown_verified=bool(report and report.verified),
+                    egress={"allowed": eg.get("allowed", 0), "denied": sum(d["count"] for d in eg.get("denied", [])),
+                            "denied_hosts": sorted({d["target"] for d in eg.get("denied", [])})[:10],
+                            "bytes_out": eg.get("bytes_out", 0), "bytes_in": eg.get("bytes_in", 0), "log": eg.get("log")}
+                    if eg else None)
 
 
 class _Resources:
@@ -523,15 +571,42 @@ def _uid_can_write(path: str, uid: int, gid: int) -> bool:
     return _uid_may(path, uid, gid, write=True)
 
 
-def _record(paths: Paths, kind: str, data: dict) -> None:
-    """Append an operator-visible record (the daemon's audit chain supersedes this later)."""
-    rec = {"time": time.time(), "kind": kind, "operator_uid": os.getuid(), **data}
-    p = paths.audit_dir / "events.jsonl"
-    fd = os.open(p, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+def _shown_argv(argv: tuple[str, ...]) -> list[str]:
+    """The command as recorded: bounded (an audit record is not a data store)."""
+    out = [a if len(a) <= 200 else a[:200] + "..." for a in argv[:32]]
+    return out + ([f"... ({len(argv) - 32} more)"] if len(argv) > 32 else [])
+
+
+def gc_logs(paths: Paths, retention: float | None = None) -> list[str]:
+    """Remove gate decision logs older than the retention (``AGENTVM_LOG_RETENTION``, a
+    duration, default 30d; ``0`` keeps them forever). A running sandbox's log is kept
+    whatever its age. The audit chain is never pruned: removing records would break it."""
+    from agentvm.units import parse_duration
+
+    if retention is None:
+        try:
+            retention = parse_duration(os.environ.get("AGENTVM_LOG_RETENTION", "30d"))
+        except ValueError as exc:
+            raise ConfigError(f"AGENTVM_LOG_RETENTION: {exc}", hint="a duration such as 7d, 12h, or 0 to keep logs") from None
+    if not retention:
+        return []
+    cutoff = time.time() - retention
+    removed: list[str] = []
     try:
-        os.write(fd, (json.dumps(rec, sort_keys=True) + "\n").encode())
-    finally:
-        os.close(fd)
+        entries = list(os.scandir(paths.home / "logs"))
+    except FileNotFoundError:
+        return removed
+    for e in entries:
+        if not e.name.endswith(".egress.jsonl"):
+            continue
+        sid = e.name[: -len(".egress.jsonl")]
+        try:
+            if e.stat(follow_symlinks=False).st_mtime < cutoff and not (paths.sandboxes / sid).exists():
+                os.unlink(e.path)
+                removed.append(e.name)
+        except OSError:
+            pass
+    return removed
 
 
 def _alive(pid: int) -> bool:
@@ -582,6 +657,7 @@ def gc_stale(paths: Paths) -> list[str]:
         group.destroy()
         import shutil
 
+        grants.remove_recorded(Path(e.path))
         shutil.rmtree(e.path, ignore_errors=True)
         cleaned.append(e.name)
     cleaned += _gc_workspace_mounts(paths)

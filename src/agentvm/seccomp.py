@@ -20,7 +20,7 @@ from pathlib import Path
 
 from agentvm.errors import PrimitiveMissing
 
-FILTER_VERSION = 3
+FILTER_VERSION = 4
 
 # Syscalls denied with EPERM, grouped by why. Documented in docs/threat-model.md.
 DENY_GROUPS: dict[str, tuple[str, ...]] = {
@@ -57,6 +57,16 @@ NETLINK_ROUTE = 0
 SOCK_TYPE_MASK = 0xF
 SOCK_RAW = 3
 SOCK_PACKET = 10
+S_ISUID, S_ISGID = 0o4000, 0o2000
+O_CREAT, O_TMPFILE_BIT = 0o100, 0o20000000
+# (syscall, index of its mode argument, index of its flags argument or None): every way to give
+# a file a mode. A setuid/setgid bit is refused: inside the sandbox it is inert (no_new_privs),
+# but a file made in an idmapped grant lands on the host owned by the folder's owner (root...).
+MODE_SETTERS: tuple[tuple[str, int, int | None], ...] = (
+    ("chmod", 1, None), ("fchmod", 1, None), ("fchmodat", 2, None), ("fchmodat2", 2, None),
+    ("creat", 1, None), ("mknod", 1, None), ("mknodat", 2, None),
+    ("open", 2, 1), ("openat", 3, 2),
+)
 
 
 @dataclass(frozen=True)
@@ -103,6 +113,18 @@ def _build(opts: SeccompOptions) -> bytes:
     for bit in CLONE_NS_BITS:
         f.add_rule(eperm, "clone", sc.Arg(0, sc.MASKED_EQ, bit, bit))
     f.add_rule(sc.ERRNO(errno.ENOSYS), "clone3")
+
+    # No setuid/setgid bits (see MODE_SETTERS); open/openat only when they create a file.
+    # openat2 hides its mode in a struct seccomp cannot read: ENOSYS, so libc falls back.
+    for name, mode_arg, flags_arg in MODE_SETTERS:
+        for bit in (S_ISUID, S_ISGID):
+            mode = sc.Arg(mode_arg, sc.MASKED_EQ, bit, bit)
+            if flags_arg is None:
+                deny(name, mode)
+            else:
+                for create in (O_CREAT, O_TMPFILE_BIT):
+                    deny(name, sc.Arg(flags_arg, sc.MASKED_EQ, create, create), mode)
+    f.add_rule(sc.ERRNO(errno.ENOSYS), "openat2")
 
     # Terminal injection: TIOCSTI / TIOCLINUX on any fd.
     f.add_rule(eperm, "ioctl", sc.Arg(1, sc.MASKED_EQ, 0xFFFFFFFF, TIOCSTI))

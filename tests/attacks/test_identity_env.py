@@ -72,16 +72,19 @@ def test_uid_is_1000_and_maps_to_dedicated_host_uid(avm_home):
     assert res["teardown_verified"] is True
 
 
-def test_file_in_rw_grant_owned_by_host_uid(avm_json, grant_dir):
-    g = grant_dir(0o777)
+def test_file_in_rw_grant_owned_by_the_folders_owner(avm_json, grant_dir):
+    """Idmapped grant: whatever the agent creates lands owned by the folder's owner (here an
+    ordinary user), never by root, never by the run's throwaway uid."""
+    g = grant_dir(0o755)
+    os.chown(g, 4243, 4243)
     r, res = avm_json("run", "--mount", f"{g}:/g:rw", "--", "/bin/sh", "-c",
-                      "echo hi > /g/made-inside; mkdir /g/dir-inside; stat -c '%u %g' /g/made-inside")
+                      "echo hi > /g/made-inside; mkdir /g/dir-inside; ln -s /etc/shadow /g/link; "
+                      "stat -c '%u %g' /g/made-inside")
     assert r.returncode == 0, dump(r)
     assert body(r.stdout).strip() == "1000 1000", dump(r)
-    for name in ("made-inside", "dir-inside"):
-        st = os.stat(g / name)
-        assert st.st_uid == res["host_uid"] and st.st_uid >= _uid_base(), (name, st.st_uid, res["host_uid"])
-        assert st.st_uid != 0 and st.st_gid != 0, (name, st.st_uid, st.st_gid)
+    for name in ("made-inside", "dir-inside", "link"):
+        st = os.lstat(g / name)
+        assert (st.st_uid, st.st_gid) == (4243, 4243), (name, st.st_uid, st.st_gid, res["host_uid"])
 
 
 def test_no_capabilities_no_new_privs_seccomp_filter(sh):
@@ -196,6 +199,11 @@ def test_anonymous_runs_do_not_share_state(sh):
 
 ALLOWED = {"PATH", "HOME", "LANG", "TERM", "USER", "LOGNAME", "SHELL", "TMPDIR", "AGENTVM", "AGENTVM_SANDBOX_ID",
            "AGENTVM_AGENT", "PWD", "SHLVL", "_"}
+# the route through the egress gate (every sandbox has one unless --network none): where the
+# proxy is and which CA to trust - never a credential
+GATE_ENV = {"HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy", "NO_PROXY", "no_proxy",
+            "SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", "GIT_SSL_CAINFO", "PIP_CERT", "AWS_CA_BUNDLE",
+            "NODE_EXTRA_CA_CERTS", "NODE_USE_ENV_PROXY", "NODE_OPTIONS"}
 
 
 def _canary_env() -> dict[str, str]:
@@ -260,15 +268,18 @@ def test_caller_environment_does_not_leak_deep_search(agentvm):
     assert "HITS []" in r.stdout.decode(), dump(r)
 
 
-def test_env_is_allowlist_plus_declared(agentvm):
-    r = agentvm("run", "--env", "FOO=bar", "--env", "EMPTY=", "--", "/bin/sh", "-c", "env -0",
+@pytest.mark.parametrize("network", ["gate", "none"])
+def test_env_is_allowlist_plus_declared(agentvm, network):
+    r = agentvm("run", "--network", network, "--env", "FOO=bar", "--env", "EMPTY=", "--", "/bin/sh", "-c", "env -0",
                 env={"LEAKY_CALLER_VAR": "x", "AWS_SECRET_ACCESS_KEY": "fake-canary-allowlist"})
     assert r.returncode == 0, dump(r)
     items = [x for x in r.stdout.decode().split("\0") if x]
     env = dict(x.split("=", 1) for x in items)
     assert env.get("FOO") == "bar" and env.get("EMPTY") == "", env
-    extra = set(env) - ALLOWED - {"FOO", "EMPTY"}
+    extra = set(env) - ALLOWED - {"FOO", "EMPTY"} - (GATE_ENV if network == "gate" else set())
     assert not extra, f"unexpected variables in the sandbox: {sorted(extra)}"
+    if network == "gate":
+        assert env["HTTPS_PROXY"].startswith("http://127.0.0.1:"), env
     assert env["HOME"] == "/home/agent" and env["USER"] == "agent" and env["AGENTVM"] == "1", env
     assert env["PATH"] == "/usr/local/bin:/usr/bin:/bin:/usr/local/sbin:/usr/sbin", env
 

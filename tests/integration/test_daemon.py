@@ -276,8 +276,9 @@ def test_run_goes_through_the_daemon_when_it_is_up(daemon, tmp_path):
     assert result["teardown"]["verified"] is True
     recs = [json.loads(line) for line in av("audit", "show", "--json").stdout.decode().splitlines() if line]
     runs = [x for x in recs if x["kind"] == "operator.run"]
-    exits = [x for x in recs if x["kind"] == "lifecycle.run-exited"]
+    exits = [x for x in recs if x["kind"] == "run.exited"]
     assert runs and exits and exits[-1]["data"]["exit_code"] == 5
+    assert exits[-1]["data"]["egress"]["denied"] >= 1, exits[-1]
     # the caller's --preset-path is the one the daemon resolves presets with
     (tmp_path / "p").mkdir()
     (tmp_path / "p" / "mine.yaml").write_text("apiVersion: agentvm/v1\nkind: Preset\nmetadata: {name: mine}\n"
@@ -341,11 +342,11 @@ def test_run_via_daemon_backpressure_and_hangup(daemon):
     while time.monotonic() < deadline:
         recs = [json.loads(x) for x in av("audit", "show", "--json").stdout.decode().splitlines() if x]
         kinds = [r["kind"] for r in recs]
-        if "lifecycle.run-exited" in kinds:
+        if "run.exited" in kinds:
             break
         time.sleep(0.2)
-    assert "operator.run-abandoned" in kinds and "lifecycle.run-exited" in kinds, kinds
-    ex = [r for r in recs if r["kind"] == "lifecycle.run-exited"][-1]
+    assert "operator.run-abandoned" in kinds and "run.exited" in kinds, kinds
+    ex = [r for r in recs if r["kind"] == "run.exited"][-1]
     assert ex["data"]["teardown_verified"] is True and ex["data"]["exit_code"] != 0
 
 

@@ -74,3 +74,26 @@ def test_appends_continue_the_chain_after_reopen(tmp_path):
     b = AuditLog(tmp_path / "a.db")
     r = b.append("y")
     assert r.seq == 2 and b.verify().ok
+
+
+def _appender(path, n):
+    a = AuditLog(path)
+    for i in range(n):
+        a.append("run.started", sandbox=f"p{i}", data={"i": i})
+    a.close()
+
+
+def test_several_processes_append_to_one_chain_and_the_head_keeps_up(tmp_path):
+    """The daemon and embedded runs append to the same chain from different processes: the
+    head file must always end up naming the last record (it moves under the write lock)."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    procs = [ctx.Process(target=_appender, args=(tmp_path / "audit.db", 40)) for _ in range(4)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    v = AuditLog(tmp_path / "audit.db").verify()
+    assert v.ok and v.records == 160, v

@@ -24,6 +24,7 @@ CTX = LaunchContext(
     helper="/var/lib/agentvm/libexec/agentvm-helper-x",
     bwrap="/var/lib/agentvm/libexec/bwrap",
     landlock_abi=7,
+    gate_socket="/run/agentvm/sandboxes/demo-0000/gate.sock",
 )
 POLICY = Policy(
     name="demo",
@@ -122,7 +123,13 @@ def test_view_hides_host_secrets(plan):
         m = next(m for m in plan.mounts if m.dest == "/etc/" + e)
         assert m.src.startswith(CTX.run_dir), "per sandbox, not the host's"
     kinds = {m.dest: m.kind for m in plan.mounts}
-    assert kinds["/data"] == "ro-bind-fd" and kinds["/out"] == "bind-fd" and kinds["/workspace"] == "bind-fd"
+    # as root, grants are the helper's idmapped mounts staged in the run dir (never the host path)
+    assert kinds["/data"] == "ro-bind" and kinds["/out"] == "bind" and kinds["/workspace"] == "bind-fd"
+    src = {m.dest: m.src for m in plan.mounts}
+    assert src["/data"] == CTX.run_dir + "/grants/0" and src["/out"] == CTX.run_dir + "/grants/1"
+    launch = list(plan.argv[: plan.argv.index("--")])
+    grants = [launch[i + 1] for i, a in enumerate(launch) if a == "--grant"]
+    assert grants == [f"@fd:grant0@,ro,{CTX.run_dir}/grants/0", f"@fd:grant1@,rw,{CTX.run_dir}/grants/1"]
     assert kinds["/usr"] == "ro-bind"
     tmp = next(m for m in plan.mounts if m.dest == "/tmp")
     assert tmp.kind == "tmpfs" and tmp.size == POLICY.limits.tmp
@@ -134,7 +141,9 @@ def test_landlock_and_seccomp_in_init(plan):
     init = argv[start : len(argv) - len(POLICY.command) - 1]
     assert init[:2] == ["/.agentvm/init", "init"]
     pairs = {(init[i], init[i + 1]) for i in range(len(init) - 1)}
-    assert ("--ro", "/data") in pairs and ("--rw", "/out") in pairs and ("--rw", "/workspace") in pairs
+    assert ("--ro", "/data") in pairs and ("--rw", "/workspace") in pairs
+    # a granted host folder: read-write without the right to make FIFOs and sockets there
+    assert ("--rw-host", "/out") in pairs and ("--rw", "/out") not in pairs
     assert ("--ro", "/usr") in pairs and ("--rw", "/usr") not in pairs
     assert "--net" in init and ("--tcp-connect", "8000") in pairs and ("--tcp-bind", "8000") in pairs
     assert "--scope" in init and ("--min-abi", "6") in pairs
@@ -152,13 +161,50 @@ def test_environment_reaches_only_the_command(plan):
 
 
 def test_environment_is_built_from_the_spec_only(plan, monkeypatch):
+    import dataclasses
+
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "fake-operator-secret")
     p = BwrapBackend(Paths(Path("/x"), Path("/y"))).compile(POLICY, CTX)
     env = dict(p.env)
     assert "AWS_SECRET_ACCESS_KEY" not in env
-    assert set(env) == {"PATH", "HOME", "LANG", "TERM", "USER", "LOGNAME", "SHELL", "TMPDIR", "AGENTVM",
-                        "AGENTVM_SANDBOX_ID", "AGENTVM_AGENT", "FOO"}
+    base = {"PATH", "HOME", "LANG", "TERM", "USER", "LOGNAME", "SHELL", "TMPDIR", "AGENTVM", "AGENTVM_SANDBOX_ID",
+            "AGENTVM_AGENT", "FOO"}
+    gate = {"HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy", "NO_PROXY", "no_proxy",
+            "SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", "GIT_SSL_CAINFO", "PIP_CERT", "AWS_CA_BUNDLE",
+            "NODE_EXTRA_CA_CERTS", "NODE_USE_ENV_PROXY"}
+    assert set(env) == base | gate
+    none = BwrapBackend(Paths(Path("/x"), Path("/y"))).compile(dataclasses.replace(POLICY, network="none", egress=None), CTX)
+    assert set(dict(none.env)) == base, "network none: no route, so no proxy variables either"
     assert "fake-operator-secret" not in json.dumps(p.to_dict())
+
+
+def test_trusted_entries_are_bound_over_themselves():
+    import dataclasses
+
+    from agentvm.grants import Protect
+
+    prot = (Protect(".git", "dir", "pin"), Protect(".git/hooks", "dir", "ro"), Protect(".envrc", "file", "ro"))
+    p = BwrapBackend(Paths(Path("/x"), Path("/y"))).compile(POLICY, dataclasses.replace(CTX, protected=((), prot)))
+    ops = [(m.kind, m.dest, m.src) for m in p.mounts]
+    stage = CTX.run_dir + "/grants/1"
+    i = ops.index(("bind", "/out", stage))
+    # after the grant itself, in order: .git pinned (cannot be renamed away), hooks read-only
+    assert ops[i + 1 : i + 4] == [("bind", "/out/.git", stage + "/.git"), ("ro-bind", "/out/.git/hooks", stage + "/.git/hooks"),
+                                  ("ro-bind", "/out/.envrc", stage + "/.envrc")]
+    # without root (no idmap) the same entries come from the host folder itself
+    q = BwrapBackend(Paths(Path("/x"), Path("/y"))).compile(
+        POLICY, dataclasses.replace(CTX, protected=((), prot), drop_privileges=False))
+    assert ("ro-bind", "/out/.envrc", "/srv/out/.envrc") in [(m.kind, m.dest, m.src) for m in q.mounts]
+    assert "--grant" not in q.argv
+
+
+def test_command_arguments_are_never_substituted():
+    from agentvm.backends.bwrap import _substitute
+
+    argv = ("h", "launch", "--keep-fd", "@fd:a@", "--grant", "@fd:a@,rw,/s", "--", "bwrap", "--args", "@fd:b@", "--",
+            "init", "--", "echo", "@fd:a@")
+    out = _substitute(argv, {"a": 5, "b": 6}, [])
+    assert out[3] == "5" and out[5] == "5,rw,/s" and out[9] == "6" and out[-1] == "@fd:a@"
 
 
 def test_degrade_is_explicit_in_the_plan():

@@ -44,9 +44,13 @@ def test_degrade_is_explicit_and_recorded(paths):
     fb = FakeBackend(0, missing=("landlock",))
     res = Runtime(paths, fb).run(POL, degrade=("landlock",), tty=False)
     assert res.exit_code == 0 and res.degraded == ["landlock"]
-    rec = [json.loads(l) for l in (paths.home / "audit" / "events.jsonl").read_text().splitlines()]
-    assert rec[-1]["kind"] == "degraded-run" and rec[-1]["degraded"] == ["landlock"]
-    assert rec[-1]["sandbox"] == res.sandbox_id
+    from agentvm.audit import AuditLog
+
+    log = AuditLog(paths.audit_dir / "audit.db")
+    started = [r for r in log.records() if r.kind == "run.started"]
+    assert started[-1].data["degraded"] == ["landlock"] and started[-1].sandbox == res.sandbox_id
+    assert [r.kind for r in log.records(sandbox=res.sandbox_id)] == ["run.started", "run.exited"]
+    assert log.verify().ok
 
 
 def test_degrading_one_primitive_does_not_waive_another(paths):

@@ -82,6 +82,7 @@ class MountOp:
 class LandlockPlan:
     read_only: tuple[str, ...]
     read_write: tuple[str, ...]
+    read_write_host: tuple[str, ...]  # granted host folders: read-write, but no FIFOs/sockets
     devices: tuple[str, ...]
     procfs: tuple[str, ...]
     tcp_connect: tuple[int, ...]
@@ -113,6 +114,8 @@ class LaunchContext:
     landlock_abi: int = 0
     sandbox_uid: int = 1000
     sandbox_gid: int = 1000
+    # per policy.mounts entry: the host-trusted entries kept read-only (agentvm.grants.plan)
+    protected: tuple[tuple, ...] = ()
 
 
 @dataclass(frozen=True)

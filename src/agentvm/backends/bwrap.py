@@ -18,11 +18,13 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
+import stat
 import subprocess
 import time
 from pathlib import Path
 
 from agentvm import cgroups as cg
+from agentvm import grants
 from agentvm import seccomp as sc
 from agentvm.backends.base import (
     Capabilities,
@@ -36,7 +38,7 @@ from agentvm.backends.base import (
     TeardownReport,
 )
 from agentvm.backends.status import JsonStatusParser, drain, read_until
-from agentvm.errors import EXIT_BACKEND, EXIT_TIMEOUT, AgentVMError, BackendError, LaunchError
+from agentvm.errors import EXIT_BACKEND, EXIT_POLICY, EXIT_TIMEOUT, AgentVMError, BackendError, LaunchError
 from agentvm.fsutil import check_grant_target
 from agentvm.policy import Policy, append_env
 
@@ -206,9 +208,28 @@ class BwrapBackend:
         for i, p in enumerate(policy.extra_ro):
             fd_names.append((f"extra{i}", os.path.realpath(p)))
             mounts.append(MountOp("ro-bind-fd", p, f"@fd:extra{i}@"))
+        # As root, grants are idmapped (the folder's owner is the agent inside; what the agent
+        # writes is the owner's on the host): the helper stages each one at run_dir/grants/N
+        # before dropping privileges, and bwrap binds the staged mount. Without root (the
+        # operator's own uid), bwrap binds the opened folder as it is.
+        idmap = ctx.drop_privileges
+        stages: list[tuple[str, str, str]] = []  # (fd name, ro|rw, stage path)
+        protects: list[tuple[str, str, tuple]] = []  # (fd name, host path, grants.Protect...)
         for i, m in enumerate(policy.mounts):
-            fd_names.append((f"grant{i}", os.path.realpath(m.host)))
-            mounts.append(MountOp("bind-fd" if m.writable else "ro-bind-fd", m.path, f"@fd:grant{i}@"))
+            real = os.path.realpath(m.host)
+            fd_names.append((f"grant{i}", real))
+            if idmap:
+                src = f"{ctx.run_dir}/grants/{i}"
+                stages.append((f"grant{i}", "rw" if m.writable else "ro", src))
+                mounts.append(MountOp("bind" if m.writable else "ro-bind", m.path, src))
+            else:
+                src = real
+                mounts.append(MountOp("bind-fd" if m.writable else "ro-bind-fd", m.path, f"@fd:grant{i}@"))
+            if m.writable:
+                prot = ctx.protected[i] if i < len(ctx.protected) else ()
+                protects.append((f"grant{i}", real, prot))
+                for p in prot:
+                    mounts.append(MountOp("bind" if p.how == "pin" else "ro-bind", f"{m.path}/{p.rel}", f"{src}/{p.rel}"))
         if policy.workspace:
             if ctx.workspace_host:
                 fd_names.append(("workspace", ctx.workspace_host))
@@ -228,9 +249,10 @@ class BwrapBackend:
         mounts.append(MountOp("remount-ro", "/"))
 
         ro = ["/usr", "/etc", "/.agentvm", *policy.extra_ro] + [m.path for m in policy.mounts if not m.writable]
-        rw = ["/tmp", "/dev/shm", HOME_IN_SANDBOX] + [m.path for m in policy.mounts if m.writable]
+        rw = ["/tmp", "/dev/shm", HOME_IN_SANDBOX]
         if policy.workspace:
             rw.append(policy.workspace)
+        rw_host = [m.path for m in policy.mounts if m.writable]  # no FIFOs or sockets on the host's disk
         # The sandbox's network namespace is its own: its loopback reaches nothing but itself
         # and the gate's relay, so servers on any port work as on a normal machine. Landlock's
         # TCP rules apply only as the explicit restriction `security.localPorts` asks for.
@@ -241,6 +263,7 @@ class BwrapBackend:
             landlock = LandlockPlan(
                 read_only=tuple(ro),
                 read_write=tuple(rw),
+                read_write_host=tuple(rw_host),
                 devices=("/dev",),
                 procfs=("/proc",),
                 tcp_connect=tuple(sorted(set(policy.local_ports) | ({ctx.gate_port} if gate else set())))
@@ -295,6 +318,8 @@ class BwrapBackend:
         launch = [ctx.helper, "launch", "--status-fd", "@fd:status@"]
         for name, _ in fd_names:
             launch += ["--keep-fd", f"@fd:{name}@"]
+        for name, mode, stage in stages:
+            launch += ["--grant", f"@fd:{name}@,{mode},{stage}"]
         launch += ["--keep-fd", "@fd:seccomp@", "--keep-fd", "@fd:json@", "--keep-fd", "@fd:bwrapargs@",
                    "--keep-fd", "@fd:env@", "--argv0", "bwrap"]
         launch += ["--cgroup-procs", "@cgroups@"]
@@ -336,6 +361,8 @@ class BwrapBackend:
             init += ["--ro-try", "/sys"]
             for p in landlock.read_write:
                 init += ["--rw", p]
+            for p in landlock.read_write_host:
+                init += ["--rw-host", p]
             init += ["--dev", "/dev", "--proc", "/proc"]
             if use_net:
                 init += ["--net"]
@@ -376,7 +403,7 @@ class BwrapBackend:
             cwd=policy.cwd,
             timeout=lim.timeout,
             run_dir=ctx.run_dir,
-            fds={"open_paths": tuple(fd_names)},
+            fds={"open_paths": tuple(fd_names), "stages": tuple(stages), "protects": tuple(protects)},
         )
 
     # ------------------------------------------------------------------ launch
@@ -431,6 +458,19 @@ class BwrapBackend:
                     check_grant_target(actual, [self.paths.home.resolve(), self.paths.runtime.resolve()], host)
                 except AgentVMError as exc:
                     raise LaunchError("grant", exc.message) from None
+            # 3b. staging points for idmapped grants (the helper mounts onto them in a mount
+            # namespace of its own; here they stay empty), and placeholders for the host-trusted
+            # names a read-write grant lacks, so the agent cannot create them
+            for name, _, stage in plan.fds.get("stages", ()):
+                Path(stage).parent.mkdir(mode=0o711, exist_ok=True)
+                if stat.S_ISDIR(os.fstat(fds[name]).st_mode):
+                    os.mkdir(stage, 0o700)
+                else:
+                    os.close(os.open(stage, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600))
+            state["placeholders"] = []
+            for name, host, prot in plan.fds.get("protects", ()):
+                state["placeholders"] += grants.ensure(fds[name], host, prot)
+            grants.save(run_dir, state["placeholders"])
             allow_ptrace = plan.seccomp_allow_ptrace
             sfd = sc.filter_fd(sc.SeccompOptions(allow_ptrace=allow_ptrace), self.paths.libexec)
             opened.append(sfd)
@@ -509,7 +549,10 @@ class BwrapBackend:
             es.exit_code = int(exit_code)
         if setup_error:
             es.setup_error = setup_error
-            if setup_error["step"] != "exec":
+            if setup_error["step"] == "grant-idmap":
+                es.setup_error = _idmap_refusal(handle.plan, setup_error)
+                es.exit_code = EXIT_POLICY
+            elif setup_error["step"] != "exec":
                 es.exit_code = EXIT_BACKEND
         elif not started and not timed_out:
             es.setup_error = {"step": "bwrap", "errno": 0, "message": "bubblewrap failed to create the sandbox"}
@@ -685,6 +728,8 @@ class BwrapBackend:
             for pid in _sweep_uid(handle.plan.host_uid):
                 if pid not in rep.processes_left:
                     rep.processes_left.append(pid)
+        # the sandbox's processes are gone: the placeholders it was kept from are ours again
+        grants.remove(st.pop("placeholders", None) or [])
         run_dir = Path(st.get("run_dir", ""))
         if run_dir.name and run_dir.exists():
             import shutil
@@ -834,21 +879,30 @@ def _hostname(name: str) -> str:
 
 
 def _substitute(argv: tuple[str, ...], fds: dict[str, int], cgroup_files: list[str]) -> list[str]:
+    """Fill in the launch-time values: ``@fd:NAME@`` tokens (a whole argument, or the head of a
+    ``--grant`` value) and ``@cgroups@``. The agent's command (after init's own ``--``) is
+    never touched: its arguments are the agent's, whatever they look like."""
     out: list[str] = []
-    i = 0
     items = list(argv)
+    seps = [k for k, a in enumerate(items) if a == "--"]
+    # launch opts -- bwrap --args FD -- init opts -- COMMAND: the third separator starts the command
+    stop = seps[2] + 1 if len(seps) >= 3 else len(items)
+    i = 0
     while i < len(items):
         a = items[i]
+        if i >= stop:
+            out += items[i:]
+            break
         if a == "--cgroup-procs" and i + 1 < len(items) and items[i + 1] == "@cgroups@":
             for f in cgroup_files:
                 out += ["--cgroup-procs", f]
             i += 2
             continue
-        if a.startswith("@fd:") and a.endswith("@"):
-            name = a[4:-1]
+        if a.startswith("@fd:") and "@" in a[4:]:
+            name, _, rest = a[4:].partition("@")
             if name not in fds:
                 raise LaunchError("plan", f"no fd for {name}")
-            a = str(fds[name])
+            a = str(fds[name]) + rest
         out.append(a)
         i += 1
     return out
@@ -909,6 +963,23 @@ def _helper_status(raw: bytes) -> tuple[bool, dict | None]:
     ready = "ready" in lines
     errors = [ln for ln in lines if ln != "ready"]
     return ready, (_setup_error_line(errors[0]) if errors else None)
+
+
+def _idmap_refusal(plan: LaunchPlan, err: dict) -> dict:
+    """The helper could not idmap a grant: name the grant and its filesystem, say what to do."""
+    from agentvm.fsutil import mount_of
+
+    try:
+        n = int(err["message"].split()[1].rstrip(":"))
+        fd_name = plan.fds["stages"][n][0]
+        host = dict(plan.fds["open_paths"])[fd_name]
+    except (IndexError, KeyError, ValueError):
+        return err
+    mnt, fstype = mount_of(host)
+    return {**err, "message": f"the grant {host} is on a {fstype} filesystem (mounted at {mnt}), which cannot be "
+            "idmapped: agent-vm refuses rather than let files land owned by a throwaway uid",
+            "hint": "grant a folder on a filesystem that supports idmapped mounts (ext4, xfs, btrfs, tmpfs, "
+            "overlayfs...), or copy the files in with `agentvm cp`"}
 
 
 def _setup_error(raw: bytes) -> dict | None:

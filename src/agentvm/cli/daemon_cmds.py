@@ -186,7 +186,12 @@ def cp(src, dst):
 @click.command()
 @click.argument("name")
 def logs(name):
-    """Print a sandbox's output log."""
+    """Print a managed sandbox's output log, or a past run's history (its audit records and
+    gate decisions; see `agentvm runs`)."""
+    from agentvm.cli.history_cmds import print_run_log
+
+    if print_run_log(name):
+        return 0
     click.echo(_client().logs(name), nl=False)
     return 0
 

@@ -55,6 +55,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--add-host", action="append", default=[], metavar="NAME=IP", help="static name -> address for the gate (no DNS)"
     )
+    p.add_argument(
+        "--network",
+        choices=("gate", "none"),
+        help="gate (default): every request goes through the egress gate, which denies what no rule allows, "
+        "explained and logged; none: no route out at all",
+    )
     p.add_argument("--json", dest="as_json", action="store_true", help="print a JSON result as the last stdout line")
     tty = p.add_mutually_exclusive_group()
     tty.add_argument("--tty", dest="tty", action="store_true", default=None, help="give the sandbox a terminal")
@@ -137,6 +143,7 @@ def _run(argv: list[str]) -> int:
         memory=m,
         allow=tuple(ns.allow),
         hosts=_parse_hosts(ns.add_host),
+        network=ns.network,
     )
     policy = with_overrides(policy, **overrides)
     if not policy.command:
@@ -279,6 +286,8 @@ def _report(result, as_json: bool) -> None:
             print(f"agentvm: cannot execute: {err.get('message')}", file=out)
         else:
             print(f"agentvm: sandbox setup failed at step '{err.get('step')}': {err.get('message')}", file=out)
+        if err.get("hint"):
+            print(f"  hint: {err['hint']}", file=out)
     from agentvm.units import format_size
 
     lim = getattr(result, "limits", None) or {}

@@ -713,9 +713,7 @@ class Daemon:
         finally:
             await feeder
             if fut.done() and not fut.cancelled() and fut.exception() is None:
-                result = fut.result()
-                self.record("lifecycle.run-exited", sandbox=result.agent, sandbox_id=result.sandbox_id,
-                            exit_code=result.exit_code, teardown_verified=bool(result.teardown.get("verified")))
+                result = fut.result()  # its run.started / run.exited records came from the runtime
         await self._stream_line(conn, writer, {"result": result.to_dict()})
         await self._stream_end(conn, writer)
 
@@ -724,7 +722,10 @@ class Daemon:
         decisions feed the daemon's events and audit trail like any other."""
         from agentvm.runtime import Runtime
 
-        rt = Runtime(self.paths, self.runtime._backend)
+        def record(kind, sandbox=None, **data):  # the runtime's run records: on the chain and as events
+            loop.call_soon_threadsafe(lambda: self.record(kind, sandbox=sandbox, **data))
+
+        rt = Runtime(self.paths, self.runtime._backend, record=record)
         if policy.egress is not None:
             rt.embedded_gate().gate.subscribers.append(lambda rec: loop.call_soon_threadsafe(self._on_decision, rec))
         try:

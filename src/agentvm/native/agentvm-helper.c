@@ -2,8 +2,8 @@
  * agentvm-helper: the small, ordered privileged steps of agent-vm (cf. Firecracker's jailer).
  *
  *   agentvm-helper launch [opts] -- BWRAP ARGS...     (host side, starts as root or the operator)
- *       1 validate   2 close fds   3 join cgroups   4 rlimits   5 drop privileges
- *       6 no_new_privs   7 exec bwrap
+ *       1 validate   2 close fds   3 join cgroups   4 rlimits   5 stage grants (idmapped)
+ *       6 drop privileges   7 no_new_privs   8 exec bwrap
  *
  *   agentvm-helper init [opts] -- CMD ARGS...         (inside the sandbox, after bwrap's mounts)
  *       1 validate   2 controlling tty   3 chdir   4 Landlock   5 no_new_privs + seccomp   6 exec
@@ -32,6 +32,7 @@
 #include <poll.h>
 #include <signal.h>
 #include <sys/ioctl.h>
+#include <sys/mount.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 #include <sys/wait.h>
@@ -52,6 +53,23 @@ extern char **environ;
 #ifndef __NR_close_range
 #define __NR_close_range 436
 #endif
+#ifndef __NR_open_tree
+#define __NR_open_tree 428
+#define __NR_move_mount 429
+#endif
+#ifndef __NR_mount_setattr
+#define __NR_mount_setattr 442
+#endif
+#define AV_OPEN_TREE_CLONE 1
+#define AV_MOVE_MOUNT_F_EMPTY_PATH 0x4
+#define AV_MOUNT_ATTR_RDONLY 0x1
+#define AV_MOUNT_ATTR_NOSUID 0x2
+#define AV_MOUNT_ATTR_NODEV 0x4
+#define AV_MOUNT_ATTR_NOEXEC 0x8
+#define AV_MOUNT_ATTR_IDMAP 0x100000
+struct av_mount_attr {
+    uint64_t attr_set, attr_clr, propagation, userns_fd;
+};
 
 #define LL_CREATE_RULESET_VERSION (1U << 0)
 #define LL_RULE_PATH_BENEATH 1
@@ -226,10 +244,114 @@ static void apply_rlimits(const struct common_opts *o) {
         if (setrlimit(o->rl[r].res, &o->rl[r].lim) < 0) fail("rlimit", errno, "setrlimit %d", o->rl[r].res);
 }
 
+/* A granted folder, staged by `launch` (as root) before the sandbox exists: a clone of the
+ * folder's mount (non-recursive: mounts inside a grant are not part of it), idmapped so that
+ * the folder's owner on the host is the agent's uid inside and what the agent writes lands
+ * owned by that owner, nosuid+nodev (+rdonly for ro), moved onto STAGE in a mount namespace of
+ * this process that only the sandbox inherits. bwrap then binds STAGE to the grant's path. */
+struct grant {
+    int fd;     /* O_PATH fd of the folder, opened and checked by the supervisor */
+    int ro;
+    const char *stage;
+};
+
+/* A user namespace whose only mapping is owner -> agent (uid and gid), for MOUNT_ATTR_IDMAP. */
+static int idmap_userns(uid_t owner, gid_t group, long agent_uid, long agent_gid) {
+    int go[2], done[2];
+    if (pipe2(go, O_CLOEXEC) < 0 || pipe2(done, O_CLOEXEC) < 0) fail("grant", errno, "pipe");
+    pid_t pid = fork();
+    if (pid < 0) fail("grant", errno, "fork");
+    if (pid == 0) {
+        close(go[0]);
+        close(done[1]); /* so the parent's close of its end is our EOF */
+        char c = unshare(CLONE_NEWUSER) == 0 ? 'y' : 'n';
+        if (write(go[1], &c, 1) != 1) _exit(1);
+        (void)!read(done[0], &c, 1); /* parked until the parent has its namespace */
+        _exit(0);
+    }
+    close(go[1]);
+    close(done[0]);
+    char c = 0;
+    if (read(go[0], &c, 1) != 1 || c != 'y') fail("grant", 0, "cannot create the user namespace of an idmapped grant");
+    char path[64], map[96];
+    int fd, ok = 1;
+    const struct {
+        const char *file, *fmt;
+        unsigned long in, out;
+    } w[3] = {{"uid_map", "%lu %lu 1\n", owner, (unsigned long)agent_uid},
+              {"setgroups", "deny\n", 0, 0},
+              {"gid_map", "%lu %lu 1\n", group, (unsigned long)agent_gid}};
+    for (int k = 0; k < 3 && ok; k++) {
+        snprintf(path, sizeof path, "/proc/%d/%s", (int)pid, w[k].file);
+        int n = snprintf(map, sizeof map, w[k].fmt, w[k].in, w[k].out);
+        fd = open(path, O_WRONLY | O_CLOEXEC);
+        ok = fd >= 0 && write(fd, map, (size_t)n) == n;
+        if (fd >= 0) close(fd);
+    }
+    int err = errno;
+    snprintf(path, sizeof path, "/proc/%d/ns/user", (int)pid);
+    int ns = ok ? open(path, O_RDONLY | O_CLOEXEC) : -1;
+    if (ok && ns < 0) err = errno;
+    close(done[1]);
+    close(go[0]);
+    waitpid(pid, NULL, 0);
+    if (ns < 0) fail("grant", err, "cannot map uid %lu to the agent's uid", (unsigned long)owner);
+    return ns;
+}
+
+static void stage_grants(struct grant *g, int ng, long agent_uid, long agent_gid) {
+    if (ng == 0) return;
+    if (agent_uid < 0) fail("validate", 0, "--grant needs --uid/--gid (idmapped grants are for a dedicated uid)");
+    struct {
+        uid_t uid;
+        gid_t gid;
+        int ns;
+    } maps[8];
+    int nmaps = 0, tree[32];
+    /* clone each folder's mount while it is still in our mount namespace: detached copies */
+    for (int k = 0; k < ng; k++) {
+        struct stat st;
+        if (fstat(g[k].fd, &st) < 0) fail("grant", errno, "grant %d: fstat", k);
+        int ns = -1;
+        for (int m = 0; m < nmaps; m++)
+            if (maps[m].uid == st.st_uid && maps[m].gid == st.st_gid) ns = maps[m].ns;
+        if (ns < 0) {
+            if (nmaps >= 8) fail("validate", 0, "grants with more than 8 distinct owners");
+            ns = idmap_userns(st.st_uid, st.st_gid, agent_uid, agent_gid);
+            maps[nmaps].uid = st.st_uid;
+            maps[nmaps].gid = st.st_gid;
+            maps[nmaps++].ns = ns;
+        }
+        int t = (int)syscall(__NR_open_tree, g[k].fd, "", AV_OPEN_TREE_CLONE | O_CLOEXEC | AT_EMPTY_PATH);
+        if (t < 0) fail("grant", errno, "grant %d: open_tree", k);
+        struct av_mount_attr attr = {
+            .attr_set = AV_MOUNT_ATTR_IDMAP | AV_MOUNT_ATTR_NOSUID | AV_MOUNT_ATTR_NODEV |
+                        (g[k].ro ? AV_MOUNT_ATTR_RDONLY : 0),
+            .userns_fd = (uint64_t)ns,
+        };
+        if (syscall(__NR_mount_setattr, t, "", AT_EMPTY_PATH, &attr, sizeof attr) < 0)
+            /* the one failure the caller explains with the filesystem's name (exit 77) */
+            fail("grant-idmap", errno, "grant %d: the filesystem cannot be idmapped", k);
+        tree[k] = t;
+        close(g[k].fd);
+    }
+    for (int m = 0; m < nmaps; m++) close(maps[m].ns);
+    /* a mount namespace of our own, slave to the host's: nothing staged here is seen there */
+    if (unshare(CLONE_NEWNS) < 0) fail("grant", errno, "unshare(CLONE_NEWNS)");
+    if (mount(NULL, "/", NULL, MS_REC | MS_SLAVE, NULL) < 0) fail("grant", errno, "make / a slave mount");
+    for (int k = 0; k < ng; k++) {
+        if (syscall(__NR_move_mount, tree[k], "", AT_FDCWD, g[k].stage, AV_MOVE_MOUNT_F_EMPTY_PATH) < 0)
+            fail("grant", errno, "grant %d: move_mount onto %s", k, g[k].stage);
+        close(tree[k]);
+    }
+}
+
 static int cmd_launch(int argc, char **argv) {
     struct common_opts o = {0};
     long uid = -1, gid = -1;
     const char *argv0 = NULL;
+    struct grant grants[32];
+    int ngrants = 0;
     int i = 0;
 
     /* 1. validate */
@@ -249,12 +371,27 @@ static int cmd_launch(int argc, char **argv) {
             uid = parse_long("validate", v, 1, 0x7fffffff);
         } else if (!strcmp(a, "--gid")) {
             gid = parse_long("validate", v, 1, 0x7fffffff);
+        } else if (!strcmp(a, "--grant")) {
+            /* FD,ro|rw,STAGE (the fd must also be a --keep-fd) */
+            int fd, n = 0;
+            char mode[3];
+            if (ngrants >= 32 || sscanf(v, "%d,%2[rwo],%n", &fd, mode, &n) != 2 || n == 0 || v[n] != '/' ||
+                (strcmp(mode, "ro") && strcmp(mode, "rw")))
+                fail("validate", 0, "bad --grant '%s'", v);
+            grants[ngrants].fd = fd;
+            grants[ngrants].ro = !strcmp(mode, "ro");
+            grants[ngrants++].stage = v + n;
         } else {
             fail("validate", 0, "unknown option %s", a);
         }
     }
     if (i >= argc) fail("validate", 0, "missing command after --");
     if ((uid < 0) != (gid < 0)) fail("validate", 0, "--uid and --gid go together");
+    for (int k = 0; k < ngrants; k++) {
+        int kept = 0;
+        for (int j = 0; j < o.nkeep; j++) kept |= o.keep[j] == grants[k].fd;
+        if (!kept) fail("validate", 0, "--grant fd %d is not a --keep-fd", grants[k].fd);
+    }
 
     /* 2. close every fd but stdio, the status fd and the kept ones (close_range over the
      * gaps between kept fds, sorted). */
@@ -282,7 +419,10 @@ static int cmd_launch(int argc, char **argv) {
     /* 4. rlimits (backstop to the cgroup limits) */
     apply_rlimits(&o);
 
-    /* 5. drop privileges: no supplementary groups, then gid, then uid; verify no way back. */
+    /* 5. stage the granted folders (needs root; the sandbox inherits the mount namespace) */
+    stage_grants(grants, ngrants, uid, gid);
+
+    /* 6. drop privileges: no supplementary groups, then gid, then uid; verify no way back. */
     if (uid >= 0) {
         if (setgroups(0, NULL) < 0) fail("drop-privileges", errno, "setgroups");
         if (setresgid((gid_t)gid, (gid_t)gid, (gid_t)gid) < 0) fail("drop-privileges", errno, "setresgid");
@@ -291,10 +431,10 @@ static int cmd_launch(int argc, char **argv) {
     }
     if (geteuid() == 0) fail("drop-privileges", 0, "refusing to start the sandbox as host root");
 
-    /* 6. no_new_privs: nothing setuid can raise privileges from here on. */
+    /* 7. no_new_privs: nothing setuid can raise privileges from here on. */
     if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) < 0) fail("no-new-privs", errno, "prctl");
 
-    /* 7. exec bwrap, with an empty environment: nothing of the agent's env (LD_PRELOAD...)
+    /* 8. exec bwrap, with an empty environment: nothing of the agent's env (LD_PRELOAD...)
      * may act on a process that runs outside the sandbox's layers. */
     const char *path = argv[i];
     if (argv0) argv[i] = (char *)argv0;
@@ -483,6 +623,9 @@ static int cmd_init(int argc, char **argv) {
     const uint64_t rw_all = FS_EXECUTE | FS_WRITE_FILE | FS_READ_FILE | FS_READ_DIR | FS_REMOVE_DIR |
                             FS_REMOVE_FILE | FS_MAKE_DIR | FS_MAKE_REG | FS_MAKE_SOCK | FS_MAKE_FIFO |
                             FS_MAKE_SYM | FS_REFER | FS_TRUNCATE;
+    /* a host folder granted read-write: no FIFOs or sockets on the host's disk (the owner's
+     * tools would find them, owned by the folder's owner), no device nodes */
+    const uint64_t rw_host = rw_all & ~(FS_MAKE_SOCK | FS_MAKE_FIFO);
     const uint64_t dev = FS_READ_FILE | FS_WRITE_FILE | FS_READ_DIR | FS_IOCTL_DEV | FS_TRUNCATE;
     const uint64_t proc = FS_READ_FILE | FS_READ_DIR | FS_WRITE_FILE;
     const uint64_t list = FS_READ_DIR;
@@ -538,12 +681,13 @@ static int cmd_init(int argc, char **argv) {
                 if (npb >= 64) fail("validate", 0, "too many ports");
                 ports_bind[npb++] = p;
             }
-        } else if (!strcmp(a, "--ro") || !strcmp(a, "--rw") || !strcmp(a, "--dev") || !strcmp(a, "--proc") ||
-                   !strcmp(a, "--ro-try") || !strcmp(a, "--list")) {
+        } else if (!strcmp(a, "--ro") || !strcmp(a, "--rw") || !strcmp(a, "--rw-host") || !strcmp(a, "--dev") ||
+                   !strcmp(a, "--proc") || !strcmp(a, "--ro-try") || !strcmp(a, "--list")) {
             if (nrules >= MAX_ITEMS) fail("validate", 0, "too many path rules");
             rules[nrules].path = v;
             rules[nrules].optional = !strcmp(a, "--ro-try");
-            rules[nrules].access = !strcmp(a, "--rw")     ? rw_all
+            rules[nrules].access = !strcmp(a, "--rw")        ? rw_all
+                                   : !strcmp(a, "--rw-host") ? rw_host
                                    : !strcmp(a, "--dev")  ? dev
                                    : !strcmp(a, "--proc") ? proc
                                    : !strcmp(a, "--list") ? list

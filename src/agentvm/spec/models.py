@@ -104,6 +104,22 @@ class Mount(_Model):
     host: str = Field(description="Absolute host path to grant.")
     path: str = Field(description="Absolute path inside the sandbox.")
     mode: Literal["ro", "rw"] = Field("ro", description="Read-only (default) or read-write.")
+    writable_trusted: list[str] = Field(
+        default_factory=list,
+        description="In an rw grant, host-trusted names the agent may change (e.g. '.git/config'); "
+        "all others (.git/hooks, .git/config, .envrc, .vscode, .claude, .mcp.json, shell rc files...) "
+        "stay read-only inside. See docs/policy.md.",
+    )
+
+    @field_validator("writable_trusted")
+    @classmethod
+    def _trusted_names(cls, v: list[str]) -> list[str]:
+        from agentvm.grants import TRUSTED_NAMES
+
+        for n in v:
+            if n not in TRUSTED_NAMES:
+                raise ValueError(f"mounts[].writableTrusted: {n!r} is not a protected name (one of: {', '.join(TRUSTED_NAMES)})")
+        return v
 
     @field_validator("host")
     @classmethod
@@ -421,7 +437,12 @@ class AgentSpecBody(_Model):
     env: dict[str, str] = Field(default_factory=dict, description="Environment of the agent process.")
     limits: Limits = Field(default_factory=Limits, description="Resource limits.")
     security: Security = Field(default_factory=Security, description="Second-layer security knobs.")
-    egress: Egress = Field(default_factory=Egress, description="Network egress rules (default: none).")
+    network: Literal["gate", "none"] = Field(
+        "gate",
+        description="gate: every request goes through the egress gate, which denies (with an explanation, "
+        "logged) whatever egress does not allow; none: no route out at all, not even to the gate.",
+    )
+    egress: Egress = Field(default_factory=Egress, description="Network egress rules (default: deny all).")
     credentials: list[Credential] = Field(default_factory=list, description="Credentials by reference.")
     tools: list[Tool] = Field(default_factory=list, description="Tool allowlist.")
     approvals: list[Approval] = Field(default_factory=list, description="Actions that need a human.")
@@ -440,6 +461,12 @@ class AgentSpecBody(_Model):
     @classmethod
     def _wd(cls, v: str | None) -> str | None:
         return None if v is None else _abs_path(v, "workdir")
+
+    @model_validator(mode="after")
+    def _network_none_has_no_egress(self):
+        if self.network == "none" and (self.egress.allow or self.egress.deny or self.credentials):
+            raise ValueError("network: none has no route out: egress rules and credentials need network: gate")
+        return self
 
     @model_validator(mode="after")
     def _no_duplicate_mount_paths(self):

@@ -26,8 +26,9 @@ if KIND == "logs":
 else:
     line = {"kind": "policy-change", "operator_uid": 0, "time": time.time(), "data": "forged " + M,
             "sandbox": "victim-00000000"}
-    cands = [f"{HOME}/audit/events.jsonl", "/mnt/audit/events.jsonl", "/var/lib/agentvm/audit/events.jsonl"]
-    cands += glob.glob(f"{HOME}/audit/*") + glob.glob("/mnt/*/events.jsonl")
+    cands = [f"{HOME}/audit/audit.db", f"{HOME}/audit/audit.head", "/mnt/audit/audit.db",
+             "/var/lib/agentvm/audit/audit.db"]
+    cands += glob.glob(f"{HOME}/audit/*") + glob.glob("/mnt/*/audit.db")
 res = {}
 for p in dict.fromkeys(cands):
     try:
@@ -73,7 +74,7 @@ def _(env: Env) -> Verdict:
 
 
 @case("cp.forge-audit-log", "control-plane",
-      "append a forged event to the audit log (<home>/audit/events.jsonl)", weakened_by="writable-audit")
+      "append a forged event to the audit chain (<home>/audit/audit.db and its head)", weakened_by="writable-audit")
 def _(env: Env) -> Verdict:
     return _forge(env, "audit", env.paths.audit_dir, "audit log")
 
@@ -93,7 +94,7 @@ for root, dirs, files in os.walk("/"):
         dirs[:] = []
         continue
     for n in files:
-        if n.endswith((".key", ".pem")) or n in ("key", "store.json", "events.jsonl") or n.endswith(".egress.jsonl"):
+        if n.endswith((".key", ".pem")) or n in ("key", "store.json", "audit.db") or n.endswith(".egress.jsonl"):
             cands.append(os.path.join(root, n))
 got = {}
 for p in dict.fromkeys(cands):

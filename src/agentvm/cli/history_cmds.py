@@ -1,0 +1,109 @@
+"""Run history from the audit chain: ``agentvm runs`` and ``agentvm logs RUN`` for runs that
+never went through the daemon. Both read the chain directly (no daemon needed)."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import click
+
+from agentvm.errors import ConfigError
+
+RUN_KINDS = ("run.started", "run.exited", "run.refused", "lifecycle.running", "lifecycle.exited")
+
+
+def collect_runs(records) -> list[dict]:
+    """Fold audit records into runs, newest first: embedded and daemon-routed runs
+    (``run.*``) and the sessions of the daemon's managed sandboxes (``lifecycle.*``)."""
+    runs: dict[str, dict] = {}
+    for r in records:
+        d = r.data
+        if r.kind == "run.started":
+            runs[r.sandbox] = {"run": r.sandbox, "agent": d.get("agent"), "started": r.time, "via": "run",
+                               "command": d.get("command") or [], "exit_code": None, "duration": None}
+        elif r.kind == "lifecycle.running" and d.get("sandbox_id"):
+            runs[d["sandbox_id"]] = {"run": d["sandbox_id"], "agent": r.sandbox, "started": r.time, "via": "daemon",
+                                     "command": [], "exit_code": None, "duration": None}
+        elif r.kind == "run.refused":
+            key = f"refused-{r.seq}"
+            runs[key] = {"run": "-", "agent": d.get("agent"), "started": r.time, "via": "run", "command": [],
+                         "exit_code": 77, "duration": 0.0, "refused": d.get("code"), "message": d.get("message")}
+        elif r.kind in ("run.exited", "lifecycle.exited"):
+            sid = r.sandbox if r.kind == "run.exited" else d.get("sandbox_id")
+            run = runs.get(sid)
+            if run is None:
+                continue
+            run["exit_code"] = d.get("exit_code")
+            run["duration"] = d.get("duration") if d.get("duration") is not None else round(r.time - run["started"], 3)
+            run["egress"] = d.get("egress")
+            run["teardown_verified"] = d.get("teardown_verified")
+    return sorted(runs.values(), key=lambda x: x["started"], reverse=True)
+
+
+def _audit():
+    from agentvm.audit import AuditLog
+    from agentvm.paths import default_paths
+
+    db = default_paths().audit_dir / "audit.db"
+    if not db.exists():
+        return None
+    return AuditLog(db)
+
+
+@click.command()
+@click.option("-n", "--limit", default=20, show_default=True, help="How many runs to show.")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per run.")
+def runs(limit, as_json):
+    """Recent runs (embedded, via the daemon, and managed sandboxes' sessions), newest first."""
+    log = _audit()
+    found = collect_runs(log.records(kinds=RUN_KINDS)) if log else []
+    found = found[: max(0, limit)]
+    if as_json:
+        for r in found:
+            click.echo(json.dumps(r, sort_keys=True))
+        return 0
+    if not found:
+        click.echo("no runs recorded yet")
+        return 0
+    click.echo(f"{'RUN':<22} {'AGENT':<16} {'STARTED':<19} {'DURATION':>9} {'EXIT':>5} {'DENIED':>6}  COMMAND")
+    for r in found:
+        started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["started"]))
+        dur = "running" if r["exit_code"] is None else f"{r['duration']:.1f}s"
+        code = "-" if r["exit_code"] is None else str(r["exit_code"])
+        denied = str((r.get("egress") or {}).get("denied", "")) if r.get("egress") else ""
+        what = f"refused: {r['refused']}" if r.get("refused") else " ".join(r["command"])[:60]
+        click.echo(f"{r['run']:<22} {str(r['agent'])[:16]:<16} {started:<19} {dur:>9} {code:>5} {denied:>6}  {what}")
+    return 0
+
+
+def print_run_log(run_id: str) -> bool:
+    """The history of one run (its audit records and its gate decisions); False when the
+    chain has no run of that id."""
+    log = _audit()
+    recs = log.records(sandbox=run_id) if log else []
+    if not any(r.kind == "run.started" for r in recs):
+        return False
+    for r in recs:
+        t = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r.time))
+        click.echo(f"{t} {r.kind:<12} {json.dumps(r.data, sort_keys=True)}")
+    from agentvm.paths import default_paths
+
+    egress = default_paths().home / "logs" / f"{run_id}.egress.jsonl"
+    if egress.exists():
+        from agentvm.gate.policy import _safe  # what a sandbox sent: printable ASCII only
+
+        for line in egress.read_text(errors="replace").splitlines():
+            try:
+                e = json.loads(line)
+            except ValueError:
+                continue
+            t = time.strftime("%H:%M:%S", time.localtime(e.get("time", 0)))
+            where = f"{e.get('host')}:{e.get('port')}"
+            click.echo(_safe(f"{t} egress {e.get('verdict', '?'):<5} {e.get('method') or e.get('phase') or '':<7} "
+                             f"{where} {e.get('path') or ''} rule={e.get('rule')} {e.get('reason') or ''}".rstrip(), 400))
+    else:
+        click.echo("(no egress decisions logged: none made, or the log is past AGENTVM_LOG_RETENTION)")
+    click.echo("(an embedded run's stdout and stderr went to its caller; agent-vm does not keep them)")
+    return True
