@@ -87,6 +87,25 @@ class AuditLog:
             except OSError:
                 pass
 
+    @classmethod
+    def open_readonly(cls, path: Path) -> "AuditLog":
+        """The chain for reading and verifying only: nothing is created or written (a copy, a
+        chain whose daemon is down, a disk that is full or read-only)."""
+        self = cls.__new__(cls)
+        self.path = Path(path)
+        self.head_path = self.path.with_suffix(".head")
+        self._lock = threading.Lock()
+        try:
+            self._conn = sqlite3.connect(f"file:{self.path}?mode=ro", uri=True, timeout=10.0, isolation_level=None,
+                                         check_same_thread=False)
+            self._conn.execute("SELECT 1 FROM audit LIMIT 1")
+        except sqlite3.DatabaseError as exc:
+            from agentvm.errors import ConfigError
+
+            raise ConfigError(f"{self.path} is not a readable audit chain ({exc})",
+                              hint="see docs/daemon.md, 'Recovering state and audit databases'") from None
+        return self
+
     def close(self) -> None:
         self._conn.close()
 
@@ -150,8 +169,9 @@ class AuditLog:
             out.append(Record(seq, t, kind, actor, sb, d, prev, h))
         return out
 
-    def verify(self) -> Verification:
-        """Walk the chain; report the first record that does not hold, and a missing tail."""
+    def verify(self, require_head: bool = True) -> Verification:
+        """Walk the chain; report the first record that does not hold, and a missing tail.
+        ``require_head=False`` (a copied database): a missing head file is a note, not a break."""
         prev = GENESIS
         expected_seq = 1
         n = 0
@@ -173,8 +193,11 @@ class AuditLog:
                 return Verification(False, n, f"the chain ends at record {n} but the head says {head_seq}: records were "
                                               "removed from the end", n)
         except FileNotFoundError:
-            if n:
+            if n and require_head:
                 return Verification(False, n, "the head file is missing", n)
+            if n:
+                return Verification(True, n, f"no head file ({self.head_path.name}) beside it: records cut from the "
+                                             "end could not be detected")
         except ValueError:
             return Verification(False, n, "the head file is corrupt", n)
         return Verification(True, n)

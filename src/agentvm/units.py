@@ -52,6 +52,34 @@ def parse_duration(value: str | int | float) -> float:
     return total
 
 
+def parse_since(value: str | int | float, now: float | None = None) -> float:
+    """A point in time as the CLI and the API take it: a Unix time (a number above 10^9), a
+    duration meaning that long ago (``10m``, ``2h``, ``1d``), or an ISO 8601 date/time
+    (``2026-11-23``, ``2026-11-23T14:00:00``, local time unless it carries an offset)."""
+    import time as _time
+
+    now = _time.time() if now is None else now
+    text = str(value).strip()
+    try:
+        n = float(text)
+    except ValueError:
+        n = None
+    if n is not None and n != n:  # NaN
+        raise ValueError(f"invalid time {value!r}")
+    if n is not None and n >= 1e9:
+        return n
+    try:
+        return now - parse_duration(text)
+    except ValueError:
+        pass
+    from datetime import datetime
+
+    try:
+        return datetime.fromisoformat(text).timestamp()
+    except ValueError:
+        raise ValueError(f"invalid time {value!r}: use a Unix time, a duration ago (10m, 2h, 1d) or an ISO date") from None
+
+
 def format_size(n: int) -> str:
     for unit, mult in (("G", 1024**3), ("M", 1024**2), ("K", 1024)):
         if n >= mult and n % mult == 0:

@@ -189,3 +189,96 @@ def test_tcp_listener_requires_the_token(tmp_path, monkeypatch):
         assert Client(url=f"http://127.0.0.1:{port}", token=token).ps() == []
     finally:
         r.stop()
+
+
+def _raw(d, data: bytes) -> tuple[int, dict]:
+    import socket as _s
+
+    s = _s.socket(_s.AF_UNIX)
+    s.settimeout(10)
+    s.connect(str(d.paths.runtime / "agentvm.sock"))
+    s.sendall(data)
+    out = b""
+    while True:
+        chunk = s.recv(65536)
+        if not chunk:
+            break
+        out += chunk
+    s.close()
+    head, _, body = out.partition(b"\r\n\r\n")
+    return int(head.split()[1]), json.loads(body or b"{}")
+
+
+@pytest.mark.parametrize("body", [b"{not json", b"[1, 2]", b"[" * 100_000 + b"]" * 100_000, b'"a string"'])
+def test_bad_json_is_a_400_that_says_why(d, body):
+    status, doc = _raw(d, b"POST /v1/sandboxes HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                          b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    assert status == 400 and doc["error"] == "bad-request" and doc["exit_code"] == 78, doc
+    assert [r["name"] for r in d.client.ps()] == []
+
+
+def test_since_takes_the_cli_time_forms(d):
+    with pytest.raises(ApiFailure) as ei:
+        d.client.request("GET", "/v1/audit?since=abc")
+    assert ei.value.status == 400 and "since" in ei.value.message and ei.value.exit_code == 78
+    d.client.create(spec("w9"), "w9.yaml")
+    assert any(r["kind"] == "lifecycle.created" for r in d.client.request("GET", "/v1/audit?since=10m"))
+    assert not d.client.request("GET", f"/v1/audit?since={time.time() + 3600}")
+
+
+def test_an_error_after_a_stream_began_reaches_the_client_whole(d, monkeypatch):
+    """A refusal found once a run's stream has started is the same error (code, hint, exit
+    code) the embedded path raises, not "ended without a result"."""
+    from agentvm.errors import PolicyDenied
+    from agentvm.runtime import Runtime
+
+    def refuse(self, policy, **kw):
+        raise PolicyDenied("refused for the test", hint="the fix", code="policy.test-refusal")
+
+    monkeypatch.setattr(Runtime, "run", refuse)
+    with pytest.raises(Exception) as ei:
+        list(d.client.run({"command": ["true"]}))
+    err = ei.value
+    assert (err.code, err.message, err.hint, err.exit_code) == ("policy.test-refusal", "refused for the test", "the fix", 77)
+
+
+def test_a_request_whose_client_gave_up_is_not_applied(d):
+    import socket as _s
+
+    d.loop.call_soon_threadsafe(lambda: None)
+    body = json.dumps({"spec": spec("late"), "file": "late.yaml"}).encode()
+    s = _s.socket(_s.AF_UNIX)
+    s.connect(str(d.paths.runtime / "agentvm.sock"))
+    # stall the daemon's loop, send, and leave before it reads: like a client timeout while
+    # the daemon was stopped (SIGSTOP) or overloaded
+    stall = threading.Event()
+    d.loop.call_soon_threadsafe(lambda: stall.wait(5))
+    s.sendall(b"POST /v1/sandboxes HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+              % (len(body), body))
+    s.close()
+    stall.set()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        kinds = [r["kind"] for r in d.client.audit()]
+        if "operator.request-dropped" in kinds:
+            break
+        time.sleep(0.05)
+    assert "operator.request-dropped" in kinds, kinds
+    assert "late" not in [r["name"] for r in d.client.ps()]
+
+
+def test_client_times_out_with_a_clear_error(tmp_path):
+    import socket as _s
+
+    from agentvm.daemon.client import DaemonUnavailable
+
+    path = tmp_path / "mute.sock"
+    srv = _s.socket(_s.AF_UNIX)
+    srv.bind(str(path))
+    srv.listen(1)  # accepts, never answers: a stopped daemon
+    c = Client(path, timeout=0.5)
+    t = time.monotonic()
+    with pytest.raises(DaemonUnavailable) as ei:
+        c.ps()
+    assert time.monotonic() - t < 5 and ei.value.code == "daemon.timeout" and "did not answer" in ei.value.message
+    srv.close()

@@ -12,7 +12,35 @@ from pathlib import Path
 
 import click
 
-from agentvm.errors import EXIT_POLICY
+from agentvm.errors import EXIT_POLICY, ConfigError
+
+
+class _Duration(click.ParamType):
+    """A duration as everywhere else in agent-vm (``agentvm.units.parse_duration``): 90, 30s, 5m, 1h30m."""
+
+    name = "duration"
+
+    def convert(self, value, param, ctx):
+        from agentvm.units import parse_duration
+
+        try:
+            return parse_duration(value)
+        except ValueError as exc:
+            self.fail(str(exc), param, ctx)
+
+
+class _Since(click.ParamType):
+    """A point in time (``agentvm.units.parse_since``): a Unix time, a duration ago, an ISO date."""
+
+    name = "time"
+
+    def convert(self, value, param, ctx):
+        from agentvm.units import parse_since
+
+        try:
+            return parse_since(value)
+        except ValueError as exc:
+            self.fail(str(exc), param, ctx)
 
 
 def _client():
@@ -24,8 +52,11 @@ def _client():
 @click.command()
 @click.option("--foreground", is_flag=True, help="Stay in the foreground (logs to stderr).")
 @click.option("--listen", metavar="HOST:PORT", help="Also serve the API on TCP, with a bearer token (<home>/daemon.token).")
-def up(foreground, listen):
+@click.option("--accept-broken-chain", is_flag=True,
+              help="Start although the audit chain does not verify (the break is recorded first).")
+def up(foreground, listen, accept_broken_chain):
     """Start the control-plane daemon."""
+    from agentvm.daemon.server import check_chain
     from agentvm.paths import default_paths
 
     paths = default_paths().ensure()
@@ -33,14 +64,16 @@ def up(foreground, listen):
     if c.available():
         click.echo(f"agentvm: the daemon is already running ({c.socket_path})")
         return 0
+    check_chain(paths, accept_broken_chain)  # refused here, with the reason, not in a log file
     if foreground:
         from agentvm.daemon.server import run_daemon
 
-        run_daemon(paths, listen=listen)
+        run_daemon(paths, listen=listen, accept_broken_chain=accept_broken_chain)
         return 0
     log = paths.home / "daemon.log"
     fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
     args = [sys.executable, "-m", "agentvm", "up", "--foreground"] + (["--listen", listen] if listen else [])
+    args += ["--accept-broken-chain"] if accept_broken_chain else []
     proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=fd, stderr=fd, start_new_session=True, close_fds=True)
     os.close(fd)
     (paths.runtime / "daemon.pid").write_text(f"{proc.pid}\n")
@@ -85,8 +118,8 @@ def down():
 
 @click.command()
 @click.option("-f", "--file", "agent_file", required=True, type=click.Path(exists=True, dir_okay=False))
-@click.option("--ttl", type=float, help="Ephemeral: stop after this many seconds.")
-@click.option("--idle-timeout", type=float, help="Ephemeral: stop after this many idle seconds.")
+@click.option("--ttl", type=_Duration(), help="Ephemeral: stop after this long (e.g. 5m, 2h, 90).")
+@click.option("--idle-timeout", type=_Duration(), help="Ephemeral: stop after this long without activity (e.g. 10m).")
 @click.option("--start", "start_now", is_flag=True, help="Start it right away.")
 def create(agent_file, ttl, idle_timeout, start_now):
     """Register an agent with the daemon."""
@@ -228,12 +261,31 @@ def audit():
     """The tamper-evident audit trail."""
 
 
+def _local_audit(db: str | None):
+    """The audit chain read-only from its file (no daemon needed), unless the daemon is remote
+    (AGENTVM_DAEMON_URL) and no file was named."""
+    import os
+
+    from agentvm.audit import AuditLog
+    from agentvm.paths import default_paths
+
+    if db is None and os.environ.get("AGENTVM_DAEMON_URL"):
+        return None
+    path = Path(db) if db else default_paths().audit_dir / "audit.db"
+    if not path.exists():
+        raise ConfigError(f"no audit chain at {path}", hint="nothing has run yet with this AGENTVM_HOME, or name one with --file")
+    return AuditLog.open_readonly(path)
+
+
 @audit.command("show")
-@click.option("--since", type=float, help="Unix time.")
+@click.option("--since", type=_Since(), help="Records from this time on: a Unix time, a duration ago (10m, 2h) or an ISO date.")
 @click.option("--sandbox")
 @click.option("--json", "as_json", is_flag=True)
-def audit_show(since, sandbox, as_json):
-    recs = _client().audit(since, sandbox)
+@click.option("--file", "db", type=click.Path(dir_okay=False), help="Read this audit database (default: this installation's).")
+def audit_show(since, sandbox, as_json, db):
+    """Print audit records (read-only; the daemon need not run)."""
+    local = _local_audit(db)
+    recs = [r.to_dict() for r in local.records(since=since, sandbox=sandbox)] if local else _client().audit(since, sandbox)
     for r in recs:
         if as_json:
             click.echo(json.dumps(r, sort_keys=True))
@@ -245,16 +297,17 @@ def audit_show(since, sandbox, as_json):
 
 
 @audit.command("verify")
-@click.option("--file", "db", type=click.Path(dir_okay=False), help="Verify this audit database directly (no daemon).")
+@click.option("--file", "db", type=click.Path(dir_okay=False), help="Verify this audit database (default: this installation's).")
 def audit_verify(db):
-    if db:
-        from agentvm.audit import AuditLog
-
-        v = AuditLog(Path(db)).verify().to_dict()
-    else:
-        v = _client().verify()
+    """Walk the hash chain (read-only; the daemon need not run). Exit 77 when it is broken."""
+    local = _local_audit(db)
+    # a named copy may come without its head file: the chain is still checked, only a cut tail
+    # cannot be seen - said, not reported as broken
+    v = local.verify(require_head=not db).to_dict() if local else _client().verify()
     if v["ok"]:
         click.echo(f"audit chain intact: {v['records']} records")
+        if v.get("problem"):
+            click.echo(f"note: {v['problem']}", err=True)
         return 0
     click.echo(f"audit chain BROKEN at record {v['at_seq']}: {v['problem']}", err=True)
     return EXIT_POLICY

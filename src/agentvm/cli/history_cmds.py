@@ -73,9 +73,15 @@ def runs(limit, as_json):
         dur = "running" if r["exit_code"] is None else f"{r['duration']:.1f}s"
         code = "-" if r["exit_code"] is None else str(r["exit_code"])
         denied = str((r.get("egress") or {}).get("denied", "")) if r.get("egress") else ""
-        what = f"refused: {r['refused']}" if r.get("refused") else " ".join(r["command"])[:60]
-        click.echo(f"{r['run']:<22} {str(r['agent'])[:16]:<16} {started:<19} {dur:>9} {code:>5} {denied:>6}  {what}")
+        what = f"refused: {r['refused']}" if r.get("refused") else " ".join(r["command"])
+        click.echo(_printable(f"{r['run']:<22} {str(r['agent'])[:16]:<16} {started:<19} {dur:>9} {code:>5} {denied:>6}  "
+                              f"{what}")[:160])
     return 0
+
+
+def _printable(s: str) -> str:
+    """One terminal line: control characters (newlines, escapes) shown as ``\\xNN``."""
+    return "".join(c if c.isprintable() else f"\\x{ord(c):02x}" for c in s)
 
 
 def print_run_log(run_id: str) -> bool:
@@ -87,7 +93,7 @@ def print_run_log(run_id: str) -> bool:
         return False
     for r in recs:
         t = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r.time))
-        click.echo(f"{t} {r.kind:<12} {json.dumps(r.data, sort_keys=True)}")
+        click.echo(f"{t} {r.kind:<12} {json.dumps(r.data, sort_keys=True)}")  # JSON escapes control characters
     from agentvm.paths import default_paths
 
     egress = default_paths().home / "logs" / f"{run_id}.egress.jsonl"

@@ -225,6 +225,7 @@ def _run_via_daemon(client, ns, ov: dict) -> int:
         "memory": ov["memory"],
         "allow": list(ov["allow"]),
         "hosts": ov["hosts"],
+        "network": ov["network"],
     }
     if ns.agent_file:
         doc["spec"] = Path(ns.agent_file).read_text()

@@ -21,6 +21,18 @@ class DaemonUnavailable(BackendError):
     code = "daemon.unavailable"
 
 
+DEFAULT_TIMEOUT = 60.0  # seconds a command waits for the daemon's answer (AGENTVM_CLIENT_TIMEOUT)
+
+
+def error_from(doc: dict, status: int = 0) -> AgentVMError:
+    """The daemon's error object as the same error the embedded path raises: code, message,
+    hint and exit code exactly as sent."""
+    err = ApiFailure(status, doc)
+    if isinstance(doc.get("exit_code"), int):
+        err.exit_code = doc["exit_code"]
+    return err
+
+
 class ApiFailure(AgentVMError):
     code = "daemon.error"
 
@@ -53,10 +65,15 @@ def default_socket() -> Path:
 
 class Client:
     def __init__(self, socket_path: str | Path | None = None, *, url: str | None = None, token: str | None = None,
-                 timeout: float | None = 300.0):
+                 timeout: float | None = None):
         self.socket_path = str(socket_path or default_socket())
         self.url = url or os.environ.get("AGENTVM_DAEMON_URL")
         self.token = token or os.environ.get("AGENTVM_DAEMON_TOKEN")
+        if timeout is None:
+            try:
+                timeout = float(os.environ.get("AGENTVM_CLIENT_TIMEOUT", DEFAULT_TIMEOUT))
+            except ValueError:
+                raise ConfigError("AGENTVM_CLIENT_TIMEOUT must be a number of seconds") from None
         self.timeout = timeout
 
     def available(self) -> bool:
@@ -80,6 +97,12 @@ class Client:
         try:
             c.request(method, path, body=body, headers=headers)
             return c, c.getresponse()
+        except TimeoutError as exc:  # socket.timeout
+            c.close()  # the daemon drops a request whose client has gone, rather than apply it late
+            raise DaemonUnavailable(
+                f"the agent-vm daemon did not answer within {self.timeout:g}s ({self.url or self.socket_path})",
+                hint="it may be stopped or overloaded: check its log (`agentvm up --foreground`); "
+                "AGENTVM_CLIENT_TIMEOUT sets the wait", code="daemon.timeout") from exc
         except (FileNotFoundError, ConnectionRefusedError) as exc:
             raise DaemonUnavailable(f"the agent-vm daemon is not running ({self.url or self.socket_path})",
                                     hint="start it with `agentvm up`") from exc
@@ -99,19 +122,28 @@ class Client:
         except ValueError:
             out = {"message": data[:200].decode(errors="replace")}
         if r.status >= 300:
-            raise ApiFailure(r.status, out or {})
+            raise error_from(out or {}, r.status)
         return out
 
     def stream(self, method: str, path: str, doc=None) -> Iterator[dict]:
         c, r = self._send(method, path, json.dumps(doc).encode() if doc is not None else None, "application/json")
         try:
             if r.status >= 300:
-                raise ApiFailure(r.status, json.loads(r.read() or b"{}"))
+                try:
+                    body = json.loads(r.read() or b"{}")
+                except ValueError:
+                    body = {}
+                raise error_from(body if isinstance(body, dict) else {}, r.status)
+            if c.sock is not None:
+                c.sock.settimeout(None)  # the stream is as long as the run; the answer came in time
             while True:
                 line = r.readline()
                 if not line:
                     return
-                yield json.loads(line)
+                ev = json.loads(line)
+                if isinstance(ev, dict) and isinstance(ev.get("error"), dict):
+                    raise error_from(ev["error"])  # a refusal found after the stream began
+                yield ev
         finally:
             c.close()
 

@@ -27,6 +27,7 @@ import contextvars
 import dataclasses
 import hmac
 import json
+import logging
 import os
 import signal
 import time
@@ -37,8 +38,10 @@ import h11
 
 from agentvm.audit import AuditLog
 from agentvm.daemon.state import State
-from agentvm.errors import AgentVMError, PolicyDenied
+from agentvm.errors import AgentVMError, ConfigError, PolicyDenied
 from agentvm.paths import Paths
+
+log = logging.getLogger("agentvm.daemon")
 
 SOCKET_NAME = "agentvm.sock"
 MAX_BODY = 64 * 1024 * 1024
@@ -63,6 +66,11 @@ class ApiError(Exception):
     def __init__(self, status: int, code: str, message: str, hint: str = ""):
         super().__init__(message)
         self.status, self.code, self.message, self.hint = status, code, message, hint
+
+    def to_dict(self) -> dict:
+        # the CLI's exit code for it: bad input 78, refused 77, anything else agent-vm's 125
+        exit_code = 78 if self.status in (400, 404, 409, 413) else 77 if self.status in (401, 403) else 125
+        return {"error": self.code, "message": self.message, "hint": self.hint, "exit_code": exit_code}
 
 
 class Managed:
@@ -382,16 +390,27 @@ class Daemon:
                 if not (self.token and auth.startswith("Bearer ") and hmac.compare_digest(auth[7:], self.token)):
                     raise ApiError(401, "unauthorized", "a bearer token is required on the TCP listener")
             actor = "operator-tcp" if tcp else "operator"
+            if req.method != b"GET":
+                # a client that gave up (its timeout) while the daemon was stopped or busy must not
+                # have its change applied late, unseen: a request whose connection is gone is dropped
+                await asyncio.sleep(0)
+                if reader.at_eof():
+                    self.record("operator.request-dropped", actor=actor, method=req.method.decode(),
+                                target=req.target.decode()[:200], reason="the client closed the connection first")
+                    return
             await self._dispatch(req.method.decode(), req.target.decode(), body, conn, writer, actor)
         except ApiError as e:
-            await self._json(conn, writer, e.status, {"error": e.code, "message": e.message, "hint": e.hint})
+            await self._fail(conn, writer, e.status, e.to_dict())
         except AgentVMError as e:
-            await self._json(conn, writer, 400 if e.exit_code == 78 else 409, e.to_dict())
+            await self._fail(conn, writer, 400 if e.exit_code == 78 else 409, e.to_dict())
         except (ConnectionError, h11.ProtocolError, asyncio.IncompleteReadError):
             pass
         except Exception as e:  # noqa: BLE001
+            log.exception("internal error serving a request")
             try:
-                await self._json(conn, writer, 500, {"error": "internal", "message": f"{type(e).__name__}: {e}"})
+                await self._fail(conn, writer, 500, {"error": "internal", "message": f"{type(e).__name__}: {e}",
+                                                     "hint": "a bug in agent-vm: the daemon's log has the traceback",
+                                                     "exit_code": 125})
             except Exception:
                 pass
         finally:
@@ -430,6 +449,16 @@ class Daemon:
         writer.write(conn.send(h11.EndOfMessage()))
         await writer.drain()
 
+    async def _fail(self, conn, writer, status: int, doc: dict) -> None:
+        """One error path for every route: an error object (code, message, hint, exit code - what
+        the embedded path prints), as the response, or as the last line of a response that is
+        already streaming (a refusal found after a run's output began)."""
+        if conn.our_state is h11.SEND_BODY:
+            await self._stream_line(conn, writer, {"error": doc})
+            await self._stream_end(conn, writer)
+        elif conn.our_state in (h11.IDLE, h11.SEND_RESPONSE):
+            await self._json(conn, writer, status, doc)
+
     async def _stream_start(self, conn, writer) -> None:
         writer.write(conn.send(h11.Response(status_code=200, headers=[("content-type", "application/x-ndjson"),
                                                                       ("connection", "close")])))
@@ -448,7 +477,7 @@ class Daemon:
         u = urlsplit(target)
         parts = [p for p in u.path.split("/") if p]
         q = {k: v[-1] for k, v in parse_qs(u.query).items()}
-        doc = json.loads(body) if body and method in ("POST",) and parts[-1:] != ["files"] else None
+        doc = _json_body(body) if body and method in ("POST",) and parts[-1:] != ["files"] else None
         if parts[:1] != ["v1"]:
             raise ApiError(404, "not-found", "unknown path")
         p = parts[1:]
@@ -489,7 +518,7 @@ class Daemon:
         if p == ["run"] and method == "POST":
             return await self._run(doc or {}, conn, writer, actor)
         if p == ["audit"] and method == "GET":
-            recs = self.audit.records(since=float(q["since"]) if "since" in q else None, sandbox=q.get("sandbox"))
+            recs = self.audit.records(since=_since(q["since"]) if "since" in q else None, sandbox=q.get("sandbox"))
             return await self._json(conn, writer, 200, [r.to_dict() for r in recs])
         if p == ["audit", "verify"] and method == "GET":
             return await self._json(conn, writer, 200, self.audit.verify().to_dict())
@@ -677,6 +706,7 @@ class Daemon:
             memory=doc.get("memory"),
             allow=tuple(doc.get("allow") or ()),
             hosts=doc.get("hosts") or {},
+            network=doc.get("network"),
         )
         if not policy.command:
             raise ApiError(400, "bad-request", "nothing to run")
@@ -856,8 +886,32 @@ def _deny_rules(specs: list[str]):
     return [dataclasses.replace(r, id=f"live-deny[{i}]") for i, r in enumerate(extra.allow)]
 
 
-def run_daemon(paths: Paths, *, listen: str | None = None, backend=None) -> None:
+def check_chain(paths: Paths, accept_broken: bool) -> str | None:
+    """Refuse to start on an audit chain that does not verify (appending to it would bury
+    the break under new records), unless the operator accepts it - then the break is the
+    first thing recorded. Returns the problem accepted, if any."""
+    db = paths.audit_dir / "audit.db"
+    if not db.exists():
+        return None
+    log = AuditLog.open_readonly(db)
+    try:
+        v = log.verify()
+    finally:
+        log.close()
+    if v.ok:
+        return None
+    if not accept_broken:
+        raise ConfigError(
+            f"the audit chain at {db} does not verify: {v.problem}; refusing to append to it",
+            hint="keep a copy for the investigation, then start with `agentvm up --accept-broken-chain` (the break "
+            "is recorded as the first event), or move the database aside to start a new chain; see docs/daemon.md",
+            code="audit.broken-chain")
+    return v.problem
+
+
+def run_daemon(paths: Paths, *, listen: str | None = None, backend=None, accept_broken_chain: bool = False) -> None:
     """Foreground entry point (``agentvm up --foreground``)."""
+    accepted = check_chain(paths, accept_broken_chain)
 
     async def main():
         from concurrent.futures import ThreadPoolExecutor
@@ -867,9 +921,33 @@ def run_daemon(paths: Paths, *, listen: str | None = None, backend=None) -> None
         asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(max_workers=256,
                                                                            thread_name_prefix="agentvm"))
         d = Daemon(paths, backend=backend, listen=listen)
+        if accepted:
+            d.record("daemon.accepted-broken-chain", problem=accepted)
         loop = asyncio.get_running_loop()
         for s in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(s, d.stopping.set)
         await d.serve()
 
     asyncio.run(main())
+
+
+def _json_body(body: bytes) -> dict:
+    """A request body: one JSON object, or a 400 that says what is wrong."""
+    try:
+        doc = json.loads(body)
+    except RecursionError:
+        raise ApiError(400, "bad-request", "the request body is nested too deeply") from None
+    except ValueError as exc:
+        raise ApiError(400, "bad-request", f"the request body is not JSON: {exc}") from None
+    if not isinstance(doc, dict):
+        raise ApiError(400, "bad-request", f"the request body must be a JSON object, not {type(doc).__name__}")
+    return doc
+
+
+def _since(text: str) -> float:
+    from agentvm.units import parse_since
+
+    try:
+        return parse_since(text)
+    except ValueError as exc:
+        raise ApiError(400, "bad-request", f"since: {exc}", hint="a Unix time, a duration ago (10m, 2h, 1d) or an ISO date") from None
