@@ -71,6 +71,24 @@ class Verification:
         return {"ok": self.ok, "records": self.records, "problem": self.problem, "at_seq": self.at_seq}
 
 
+class _FileLock:
+    """An exclusive flock on a side file for the length of a ``with`` block."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.fd = -1
+
+    def __enter__(self):
+        import fcntl
+
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        fcntl.flock(self.fd, fcntl.LOCK_EX)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        os.close(self.fd)
+
+
 class AuditLog:
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
@@ -111,9 +129,8 @@ class AuditLog:
 
     def append(self, kind: str, *, actor: str = "agentvm", sandbox: str | None = None, data: dict | None = None) -> Record:
         payload = json.dumps(data or {}, sort_keys=True, separators=(",", ":"), ensure_ascii=True, default=str)
-        with self._lock:
+        with self._lock, _FileLock(self.path.with_suffix(".lock")):
             self._conn.execute("BEGIN IMMEDIATE")
-            moved = False
             try:
                 row = self._conn.execute("SELECT seq, hash FROM audit ORDER BY seq DESC LIMIT 1").fetchone()
                 seq, prev = (row[0] + 1, row[1]) if row else (1, GENESIS)
@@ -123,17 +140,15 @@ class AuditLog:
                     "INSERT INTO audit(seq, time, kind, actor, sandbox, data, prev, hash) VALUES (?,?,?,?,?,?,?,?)",
                     (seq, t, kind, actor, sandbox, payload, prev, h),
                 )
-                # the head moves while the database's write lock is held: several processes
-                # (the daemon, embedded runs) append to one chain, and a head written after
-                # COMMIT could be overtaken by an older one
-                moved = True
-                self._write_head(seq, h)
                 self._conn.execute("COMMIT")
             except BaseException:
                 self._conn.execute("ROLLBACK")
-                if moved:  # put the head back where the chain still ends
-                    self._write_head(seq - 1, prev) if seq > 1 else self.head_path.unlink(missing_ok=True)
                 raise
+            # several processes (the daemon, embedded runs) append to one chain: the lock file
+            # orders commit and head together, so an older head never overtakes a newer one.
+            # A crash right here leaves the head one record behind, which verify tells apart
+            # from a cut tail.
+            self._write_head(seq, h)
         return Record(seq, t, kind, actor, sandbox, json.loads(payload), prev, h)
 
     def _write_head(self, seq: int, h: str) -> None:
@@ -173,6 +188,7 @@ class AuditLog:
         """Walk the chain; report the first record that does not hold, and a missing tail.
         ``require_head=False`` (a copied database): a missing head file is a note, not a break."""
         prev = GENESIS
+        last_prev = None  # the hash before the last record
         expected_seq = 1
         n = 0
         for seq, t, kind, actor, sb, data, stored_prev, h in self._conn.execute(
@@ -185,10 +201,14 @@ class AuditLog:
                 return Verification(False, n, f"record {seq} does not follow record {seq - 1} (removed or reordered)", seq)
             if _digest(prev, seq, t, kind, actor, sb, data) != h:
                 return Verification(False, n, f"record {seq} was modified (its hash does not match its content)", seq)
+            last_prev = prev
             prev = h
             expected_seq += 1
         try:
             head_seq, head_hash = self.head_path.read_text().split()
+            if int(head_seq) == n - 1 and n >= 1 and head_hash == (last_prev or GENESIS):
+                return Verification(True, n, "the head is one record behind (agent-vm stopped between writing "
+                                             "the last record and moving the head); nothing is missing")
             if int(head_seq) != n or head_hash != prev:
                 return Verification(False, n, f"the chain ends at record {n} but the head says {head_seq}: records were "
                                               "removed from the end", n)

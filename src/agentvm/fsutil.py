@@ -42,16 +42,42 @@ def write_atomic(path: Path, data: bytes, mode: int, *, mtime_ns: int | None = N
         os.close(dfd)
 
 
-_HOST_CRITICAL = ("/", "/proc", "/sys", "/dev", "/run", "/boot")
+# A grant is idmapped: inside it the agent acts as the folder's owner, with the owner's rights on
+# the owner's files. So no grant may be - or be inside - a kernel interface, the host's
+# configuration, root's home or the runtime sockets, nor be a whole system tree or a user's
+# home directory (grant a project folder inside it instead).
+_BENEATH_FORBIDDEN = ("/proc", "/sys", "/dev", "/run", "/boot", "/etc", "/root")
+_EXACT_FORBIDDEN = ("/", "/usr", "/var", "/home", "/tmp", "/var/tmp", "/opt", "/srv", "/mnt", "/media",
+                    "/bin", "/sbin", "/lib", "/lib64", "/lib32")
+
+
+def _home_dirs() -> set[str]:
+    import pwd
+
+    try:
+        return {os.path.realpath(p.pw_dir) for p in pwd.getpwall() if p.pw_dir not in ("", "/", "/nonexistent")}
+    except OSError:
+        return set()
 
 
 def check_grant_target(real: str, own: list[Path], shown: str) -> None:
-    """Refuse a grant whose *resolved* host path is the whole host, a kernel interface, or
+    """Refuse a grant whose *resolved* host path is the whole host or a system tree, is under a
+    kernel interface or the host's configuration, is a user's home directory, or holds
     agent-vm's own state (other agents' workspaces, keys). ``shown`` is the path as declared."""
     from agentvm.errors import PolicyDenied
 
-    if real in _HOST_CRITICAL:
-        raise PolicyDenied(f"granting {real} would expose the host", code="policy.grant-forbidden")
+    under = next((b for b in _BENEATH_FORBIDDEN if real == b or real.startswith(b + "/")), None)
+    if real in _EXACT_FORBIDDEN or under:
+        raise PolicyDenied(
+            f"granting {shown} would expose the host" + (f" ({under} and everything in it)" if under else ""),
+            hint="grant a project folder instead: inside a grant the agent has the rights of the folder's owner",
+            code="policy.grant-forbidden")
+    if real in _home_dirs():
+        raise PolicyDenied(
+            f"granting {shown} would hand the agent a user's whole home directory (ssh keys, shell and tool "
+            "configuration the user's programs trust)",
+            hint="grant the project folder inside it, e.g. --mount " + real.rstrip("/") + "/PROJECT:/src",
+            code="policy.grant-home")
     r = Path(real)
     for o in own:
         if o == r or o.is_relative_to(r) or r.is_relative_to(o):

@@ -1,14 +1,17 @@
 """Granted host folders: what the host trusts inside a read-write grant stays read-only.
 
 A read-write grant lets the agent change files that the host's own tools later execute or
-trust: git runs ``.git/hooks`` and obeys ``.git/config`` (``core.fsmonitor``, ``core.hooksPath``
-run commands on a plain ``git status``), direnv loads ``.envrc``, editors and coding agents
-load ``.vscode/``, ``.idea/``, ``.claude/`` and ``.mcp.json``, shells source their rc files.
-Inside an rw grant these names are bound read-only over themselves; a name that does not
-exist gets an empty placeholder for the sandbox's lifetime (removed afterwards when still
-empty), so it cannot be *created* either. ``.git`` itself is pinned (bound onto itself) so
-it cannot be renamed away and replaced. An agent file lifts this per name with
-``mounts[].writableTrusted``.
+trust: git runs hooks and obeys its config (``core.fsmonitor`` runs a command on a plain
+``git status``) - and finds them through many files of ``.git`` (``commondir``, ``index``
+entries of submodules, ``modules/*/config``, ``worktrees/``), so all of ``.git`` is kept
+read-only; direnv loads ``.envrc``, editors and coding agents load ``.vscode/``, ``.idea/``,
+``.claude/`` and ``.mcp.json``, shells source their rc files. Inside an rw grant these names
+are bound read-only over themselves (a mount point cannot be renamed or removed either); a
+name that does not exist gets an empty placeholder for the sandbox's lifetime (removed
+afterwards when still empty and no other sandbox uses it), so it cannot be *created*
+either. A ``.git`` *file* (a worktree or submodule checkout) is kept read-only, and so is the
+directory it points to when that is inside the grant. An agent file lifts this per name with
+``mounts[].writableTrusted`` (``.git``: the agent may commit - and plant hooks).
 
 Shell rc files are protected when present; placeholders are made for them only when the
 grant is a user's home directory (an empty ``.bashrc`` in a project folder would be clutter
@@ -36,22 +39,20 @@ ALWAYS: tuple[tuple[str, str], ...] = (
     (".claude", "dir"),
     (".mcp.json", "file"),
 )
-GIT_INNER: tuple[tuple[str, str], ...] = ((".git/hooks", "dir"), (".git/config", "file"))
 SHELL_RC: tuple[str, ...] = (
     ".bashrc", ".bash_profile", ".bash_login", ".bash_logout", ".profile",
     ".zshrc", ".zshenv", ".zprofile", ".zlogin",
 )
-TRUSTED_NAMES: tuple[str, ...] = tuple(n for n, _ in ALWAYS) + tuple(n for n, _ in GIT_INNER) + SHELL_RC
+TRUSTED_NAMES: tuple[str, ...] = tuple(n for n, _ in ALWAYS) + SHELL_RC
 
 
 @dataclass(frozen=True)
 class Protect:
-    """One entry of a grant kept from the agent: ``ro`` binds it read-only over itself,
-    ``pin`` binds it read-write onto itself (a mount point cannot be renamed or removed)."""
+    """One entry of a grant kept from the agent: bound read-only over itself (a mount point
+    cannot be renamed or removed either)."""
 
     rel: str
     kind: str  # "dir" | "file"
-    how: str  # "ro" | "pin"
 
 
 def plan(host: str, writable: tuple[str, ...] = ()) -> tuple[Protect, ...]:
@@ -79,24 +80,39 @@ def plan(host: str, writable: tuple[str, ...] = ()) -> tuple[Protect, ...]:
     def lifted(rel: str) -> bool:
         return any(rel == w or rel.startswith(w.rstrip("/") + "/") for w in writable)
 
+    if not os.path.isdir(host):
+        return ()  # a single granted file: nothing inside it to protect
     for rel, absent in ALWAYS:
         if lifted(rel):
             continue
         exists = kind_of(rel, None)
-        kind = exists or absent
-        if rel == ".git" and exists == "dir":
-            inner = [(r, kind_of(r, k)) for r, k in GIT_INNER if not lifted(r)]
-            out.append(Protect(rel, "dir", "pin"))
-            out += [Protect(r, k, "ro") for r, k in inner if k]
-            continue
-        if kind:
-            out.append(Protect(rel, kind, "ro"))
+        out.append(Protect(rel, exists or absent))
+        if rel == ".git" and exists == "file":
+            target = _gitdir_target(host)
+            if target is not None:
+                out.append(Protect(target, "dir"))
     for rel in SHELL_RC:
         if not lifted(rel):
             kind = kind_of(rel, "file" if home else None)
             if kind:
-                out.append(Protect(rel, kind, "ro"))
+                out.append(Protect(rel, kind))
     return tuple(out)
+
+
+def _gitdir_target(host: str) -> str | None:
+    """The directory a ``.git`` file (``gitdir: PATH``) points to, relative to the grant, when it
+    lies inside the grant; None when it is outside (not granted) or unreadable."""
+    try:
+        with open(os.path.join(host, ".git"), "rb") as fh:
+            line = fh.read(4096).split(b"\n", 1)[0].decode("utf-8", "strict")
+    except (OSError, UnicodeDecodeError):
+        return None
+    if not line.startswith("gitdir:"):
+        return None
+    target = os.path.realpath(os.path.join(host, line[7:].strip()))
+    if target == host or not target.startswith(host.rstrip("/") + "/") or not os.path.isdir(target):
+        return None
+    return os.path.relpath(target, host)
 
 
 def _is_home(path: str) -> bool:
@@ -108,22 +124,78 @@ def _is_home(path: str) -> bool:
 
 @dataclass(frozen=True)
 class Placeholder:
-    """An empty entry made for the sandbox's lifetime, so a trusted name cannot be created."""
+    """An empty entry made so a trusted name cannot be created while a sandbox uses the grant."""
 
-    grant: str  # the grant's host path
-    rel: str
+    rel: str  # a name directly in the grant (placeholders are only ever made at its top)
     kind: str
     dev: int
     ino: int
 
 
-def ensure(grant_fd: int, grant: str, protects: tuple[Protect, ...]) -> list[Placeholder]:
-    """Make every protected entry exist (placeholders owned like the grant, empty), checking
-    that what exists is still what ``plan`` saw. ``grant_fd`` is the grant's O_PATH fd: every
-    step is relative to it and follows no link."""
-    made: list[Placeholder] = []
-    owner = os.fstat(grant_fd)
+# Several sandboxes may share a granted folder, and a placeholder is a mount point in each of
+# them: removing it while another sandbox still uses it would detach that sandbox's read-only
+# bind. Two flock files per folder (keyed by its dev:ino) coordinate, in <runtime>/grants/:
+#   KEY.use  held shared by every sandbox using the folder, for its lifetime;
+#   KEY.mut  held exclusively while placeholders are made, recorded or removed;
+#   KEY.json the placeholders made (by whichever sandbox), removed by the last one out.
+# Teardown takes .mut, drops its own .use, and removes only if .use can be taken exclusively
+# without waiting (no other sandbox holds it); a starting sandbox takes .use before .mut, so
+# it never sees a placeholder vanish.
+
+
+@dataclass
+class Hold:
+    key: str
+    grant: str
+    use_fd: int
+
+
+def _key(st: os.stat_result) -> str:
+    return f"{st.st_dev}-{st.st_ino}"
+
+
+def _flock(path: Path, how: int) -> int:
+    import fcntl
+
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
+        fcntl.flock(fd, how)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _records(lock_dir: Path, key: str) -> list[Placeholder]:
+    try:
+        return [Placeholder(**r) for r in json.loads((lock_dir / f"{key}.json").read_text())]
+    except (OSError, ValueError, TypeError):
+        return []
+
+
+def _write_records(lock_dir: Path, key: str, recs: list[Placeholder]) -> None:
+    path = lock_dir / f"{key}.json"
+    if not recs:
+        path.unlink(missing_ok=True)
+        return
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps([r.__dict__ for r in recs]))
+    os.replace(tmp, path)
+
+
+def ensure(grant_fd: int, grant: str, protects: tuple[Protect, ...], lock_dir: Path) -> Hold:
+    """Make every protected entry exist (placeholders owned like the grant, empty), checking
+    that what exists is still what ``plan`` saw, and hold the folder for this sandbox. Every
+    step is relative to ``grant_fd`` (the grant's O_PATH fd) and follows no link."""
+    import fcntl
+
+    lock_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    owner = os.fstat(grant_fd)
+    key = _key(owner)
+    use = _flock(lock_dir / f"{key}.use", fcntl.LOCK_SH)
+    mut = _flock(lock_dir / f"{key}.mut", fcntl.LOCK_EX)
+    try:
+        recs = _records(lock_dir, key)
         for p in protects:
             parent, _, name = p.rel.rpartition("/")
             dfd = os.open(parent, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=grant_fd) if parent else grant_fd
@@ -137,12 +209,15 @@ def ensure(grant_fd: int, grant: str, protects: tuple[Protect, ...]) -> list[Pla
                     if kind != p.kind:
                         raise LaunchError("grant", f"{grant}/{p.rel} changed since the sandbox was planned (now a {kind}): refused")
                     continue
+                if parent:  # only existing entries are protected below the top (a .git file's target)
+                    raise LaunchError("grant", f"{grant}/{p.rel} disappeared since the sandbox was planned: refused")
                 if p.kind == "dir":
                     os.mkdir(name, 0o755, dir_fd=dfd)
                 else:
                     os.close(os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=dfd))
                 st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
-                made.append(Placeholder(grant, p.rel, p.kind, st.st_dev, st.st_ino))
+                recs.append(Placeholder(p.rel, p.kind, st.st_dev, st.st_ino))
+                _write_records(lock_dir, key, recs)
                 if os.geteuid() == 0:
                     os.chown(name, owner.st_uid, owner.st_gid, dir_fd=dfd, follow_symlinks=False)
             except OSError as exc:
@@ -151,43 +226,85 @@ def ensure(grant_fd: int, grant: str, protects: tuple[Protect, ...]) -> list[Pla
                 if dfd != grant_fd:
                     os.close(dfd)
     except BaseException:
-        remove(made)
+        os.close(mut)
+        release(Hold(key, grant, use), lock_dir)
         raise
-    return made
+    os.close(mut)
+    return Hold(key, grant, use)
 
 
-def remove(placeholders: list[Placeholder]) -> list[str]:
-    """Remove the placeholders that are still the empty entries we made (deepest first).
-    Returns what had to stay (changed on the host meanwhile, e.g. a real ``git init``)."""
-    kept: list[str] = []
-    for p in sorted(placeholders, key=lambda p: -p.rel.count("/")):
-        path = os.path.join(p.grant, p.rel)
+def release(hold: Hold | None, lock_dir: Path) -> list[str]:
+    """This sandbox is done with the folder: if no other sandbox uses it, remove the
+    placeholders that are still the empty entries made (by any sandbox). Returns what had to
+    stay (changed on the host meanwhile, e.g. a real ``git init``)."""
+    import fcntl
+
+    if hold is None:
+        return []
+    mut = _flock(lock_dir / f"{hold.key}.mut", fcntl.LOCK_EX)
+    try:
+        if hold.use_fd >= 0:
+            os.close(hold.use_fd)
+            hold.use_fd = -1
         try:
-            st = os.lstat(path)
-            if (st.st_dev, st.st_ino) != (p.dev, p.ino):
-                continue  # no longer ours
-            if p.kind == "dir":
-                os.rmdir(path)
-            elif st.st_size == 0 and stat.S_ISREG(st.st_mode):
-                os.unlink(path)
-            else:
-                kept.append(path)
-        except FileNotFoundError:
-            pass
-        except OSError:
-            kept.append(path)
+            last = _flock(lock_dir / f"{hold.key}.use", fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return []  # another sandbox still uses the folder: the last one out removes them
+        try:
+            kept = _remove(hold.grant, hold.key, _records(lock_dir, hold.key))
+            _write_records(lock_dir, hold.key, [])
+            return kept
+        finally:
+            os.close(last)
+    finally:
+        os.close(mut)
+
+
+def _remove(grant: str, key: str, recs: list[Placeholder]) -> list[str]:
+    kept: list[str] = []
+    if not recs:
+        return kept
+    try:
+        gfd = os.open(grant, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return [f"{grant}/{r.rel}" for r in recs]
+    try:
+        if _key(os.fstat(gfd)) != key:
+            return [f"{grant}/{r.rel}" for r in recs]  # the path leads elsewhere now: touch nothing
+        for p in recs:
+            try:
+                st = os.stat(p.rel, dir_fd=gfd, follow_symlinks=False)
+                if (st.st_dev, st.st_ino) != (p.dev, p.ino):
+                    continue  # no longer ours
+                if p.kind == "dir" and stat.S_ISDIR(st.st_mode):
+                    os.rmdir(p.rel, dir_fd=gfd)
+                elif st.st_size == 0 and stat.S_ISREG(st.st_mode):
+                    os.unlink(p.rel, dir_fd=gfd)
+                else:
+                    kept.append(f"{grant}/{p.rel}")
+            except FileNotFoundError:
+                pass
+            except OSError:
+                kept.append(f"{grant}/{p.rel}")
+    finally:
+        os.close(gfd)
     return kept
 
 
-def save(run_dir: Path, placeholders: list[Placeholder]) -> None:
-    """Record the placeholders beside the sandbox, so a supervisor that died cannot leave them."""
-    if placeholders:
-        (run_dir / "placeholders.json").write_text(json.dumps([p.__dict__ for p in placeholders]))
+def save(run_dir: Path, holds: list[Hold]) -> None:
+    """Record which folders this sandbox holds, so the holds of a supervisor that died are
+    released (and their placeholders removed, if nobody else uses the folder) by ``gc``."""
+    if holds:
+        (run_dir / "grants.json").write_text(json.dumps([{"key": h.key, "grant": h.grant} for h in holds]))
 
 
-def remove_recorded(run_dir: Path) -> list[str]:
+def release_recorded(run_dir: Path, lock_dir: Path) -> None:
     try:
-        recs = json.loads((run_dir / "placeholders.json").read_text())
-        return remove([Placeholder(**r) for r in recs])
-    except (OSError, ValueError, TypeError):
-        return []
+        recs = json.loads((run_dir / "grants.json").read_text())
+    except (OSError, ValueError):
+        return
+    for r in recs if isinstance(recs, list) else []:
+        try:
+            release(Hold(str(r["key"]), str(r["grant"]), -1), lock_dir)
+        except (KeyError, TypeError, OSError):
+            continue

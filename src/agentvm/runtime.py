@@ -224,6 +224,16 @@ class Runtime:
         return list(degrade)
 
     def _check_grants(self, policy: Policy, degrade: tuple[str, ...]) -> None:
+        # Landlock's rules add up along a path: a read-write grant mounted inside the sandbox's
+        # own scratch space would inherit its right to make FIFOs and sockets - on the host's disk
+        scratch = ["/tmp", "/dev/shm", "/home/agent"] + ([policy.workspace] if policy.workspace else [])
+        for m in policy.mounts:
+            inside = next((s for s in scratch if m.path.startswith(s.rstrip("/") + "/")), None)
+            if m.writable and inside:
+                raise ConfigError(
+                    f"the read-write grant {m.host} is mounted at {m.path}, inside the sandbox's own {inside}: "
+                    "there it would inherit rights a host folder must not have (making FIFOs and sockets)",
+                    hint=f"mount it outside {inside}, e.g. at /src or /out", code="policy.grant-path")
         own = [self.paths.home.resolve(), self.paths.runtime.resolve()]
         grants = list(policy.mounts) + [MountGrant(p, p, False) for p in policy.extra_ro]
         for m in grants:
@@ -657,7 +667,7 @@ def gc_stale(paths: Paths) -> list[str]:
         group.destroy()
         import shutil
 
-        grants.remove_recorded(Path(e.path))
+        grants.release_recorded(Path(e.path), paths.runtime / "grants")
         shutil.rmtree(e.path, ignore_errors=True)
         cleaned.append(e.name)
     cleaned += _gc_workspace_mounts(paths)

@@ -116,14 +116,25 @@ def _build(opts: SeccompOptions) -> bytes:
 
     # No setuid/setgid bits (see MODE_SETTERS); open/openat only when they create a file.
     # openat2 hides its mode in a struct seccomp cannot read: ENOSYS, so libc falls back.
+    # Unlike the deny list above, a setter this libseccomp cannot name is not skipped: it would
+    # be a way around the rule (fchmodat2 is 452 on every architecture with the unified table).
+    def strict(name: str, *args) -> None:
+        try:
+            f.add_rule(eperm, name, *args)
+        except Exception:
+            if name != "fchmodat2":
+                raise PrimitiveMissing(f"libseccomp cannot filter {name}: a setuid bit could not be refused",
+                                       hint="upgrade libseccomp") from None
+            f.add_rule(eperm, 452, *args)
+
     for name, mode_arg, flags_arg in MODE_SETTERS:
         for bit in (S_ISUID, S_ISGID):
             mode = sc.Arg(mode_arg, sc.MASKED_EQ, bit, bit)
             if flags_arg is None:
-                deny(name, mode)
+                strict(name, mode)
             else:
                 for create in (O_CREAT, O_TMPFILE_BIT):
-                    deny(name, sc.Arg(flags_arg, sc.MASKED_EQ, create, create), mode)
+                    strict(name, sc.Arg(flags_arg, sc.MASKED_EQ, create, create), mode)
     f.add_rule(sc.ERRNO(errno.ENOSYS), "openat2")
 
     # Terminal injection: TIOCSTI / TIOCLINUX on any fd.

@@ -5,6 +5,7 @@ the operator's command in the wrong sandbox."""
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 
@@ -16,7 +17,7 @@ pytestmark = [pytest.mark.integration, needs_root]
 
 
 def _start(rt: Runtime, marker: str):
-    policy = Policy(name="run", command=("/bin/sh", "-c", f"echo {marker} > /tmp/marker; exec sleep 60"))
+    policy = Policy(name="run", network="none", command=("/bin/sh", "-c", f"echo {marker} > /tmp/marker; exec sleep 60"))
     plan, res = rt.prepare(policy, tty=False)
     backend = rt.backend_for(policy)
     null = os.open(os.devnull, os.O_RDWR)
@@ -26,6 +27,11 @@ def _start(rt: Runtime, marker: str):
         os.close(null)
     try:
         backend.sandbox_pid(h)
+        # the agent's first process exists; wait until its first line ran (the marker is there)
+        deadline = time.monotonic() + 10
+        while _exec(backend, h, ["/bin/test", "-s", "/tmp/marker"])[0].exit_code != 0:
+            assert time.monotonic() < deadline, "the sandbox never wrote its marker"
+            time.sleep(0.01)
     except BaseException:
         res.release(backend.destroy(h))
         raise
@@ -92,7 +98,7 @@ def test_a_setup_failure_inside_bwrap_is_ours_not_the_commands_exit_code(avm_hom
 
     rt = Runtime()
     try:
-        policy = Policy(name="run", command=("/bin/true",))
+        policy = Policy(name="run", network="none", command=("/bin/true",))
         plan, res = rt.prepare(policy, tty=False)
         backend = rt.backend_for(policy)
         bw = list(plan.bwrap_args)
@@ -102,7 +108,7 @@ def test_a_setup_failure_inside_bwrap_is_ours_not_the_commands_exit_code(avm_hom
         assert es.exit_code == 125 and es.setup_error and es.setup_error["step"] == "bwrap-setup", es
         assert report.verified, report
         # and a command that really exits 1 still reports 1
-        plan, res = rt.prepare(Policy(name="run", command=("/bin/sh", "-c", "exit 1")), tty=False)
+        plan, res = rt.prepare(Policy(name="run", network="none", command=("/bin/sh", "-c", "exit 1")), tty=False)
         es, _ = _run_plan(backend, plan, res)
         assert es.exit_code == 1 and es.setup_error is None, es
     finally:

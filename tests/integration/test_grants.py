@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import last_json, needs_root
+from tests.helpers import agentvm_cmd, last_json, needs_root
 from tests.integration.test_run_cli import write_agent
 
 pytestmark = [pytest.mark.integration, needs_root]
@@ -110,6 +110,10 @@ def _git_repo(d: Path) -> None:
 PLANT = r"""
 t() { if sh -c "$1" 2>/dev/null; then echo "PLANTED: $1"; fi; }
 t 'echo "#!/bin/sh" > /out/.git/hooks/post-checkout'
+t 'echo ../evil > /out/.git/commondir'
+t 'echo x > /out/.git/index'
+t 'mkdir -p /out/.git/modules/m && echo x > /out/.git/modules/m/config'
+t 'echo "ref: refs/heads/evil" > /out/.git/HEAD'
 t 'echo evil >> /out/.git/hooks/pre-commit'
 t 'printf "[core]\n\tfsmonitor = /tmp/x\n" >> /out/.git/config'
 t 'mv /out/.git /out/.git-old'
@@ -125,7 +129,8 @@ t 'touch /out/sg && chmod 2755 /out/sg'
 t 'python3 -c "import os; os.close(os.open(\"/out/su2\", os.O_CREAT|os.O_WRONLY, 0o4755))"'
 t 'mkfifo /out/fifo'
 t 'python3 -c "import socket; socket.socket(socket.AF_UNIX).bind(\"/out/sock\")"'
-echo ok > /out/normal-file && git -C /out add normal-file && git -C /out -c user.email=a@b -c user.name=a commit -qm agent && echo COMMITTED
+echo ok > /out/normal-file && echo WROTE
+git -C /out -c user.email=a@b -c user.name=a commit -qm agent 2>/dev/null && echo COMMITTED
 """
 
 
@@ -137,7 +142,7 @@ def test_host_trusted_entries_stay_read_only_in_an_rw_grant(agentvm, grant_dir):
     r = agentvm("run", "--mount", f"{d}:/out:rw", "--", "/bin/sh", "-c", PLANT)
     out = r.stdout.decode()
     assert "PLANTED" not in out, out
-    assert "COMMITTED" in out, (out, r.stderr)  # the repository itself stays usable
+    assert "WROTE" in out and "COMMITTED" not in out, (out, r.stderr)  # the work tree is the agent's; .git is not
     for p, data in before.items():
         assert p.read_bytes() == data, f"{p} changed"
     assert not (d / ".git" / "hooks" / "post-checkout").exists()
@@ -164,6 +169,76 @@ def test_placeholders_do_not_outlive_the_run_and_writable_trusted_lifts_one(agen
     assert (d / ".git" / "HEAD").exists() and (d / ".envrc").read_text() == "export A=1\n"
     assert not (d / ".mcp.json").exists()
     assert (d / ".git" / "HEAD").stat().st_uid == 0
+
+
+def test_writable_git_lets_the_agent_commit(agentvm, grant_dir, tmp_path):
+    d = _owned(grant_dir(0o755), USER)
+    _git_repo(d)
+    subprocess.run(["chown", "-R", f"{USER}:{USER}", str(d)], check=True)
+    f = write_agent(tmp_path, f"wg{secrets.token_hex(3)}",
+                    extra=f"  mounts:\n    - {{host: {d}, path: /out, mode: rw, writableTrusted: [.git]}}\n")
+    r = agentvm("run", "-f", str(f), "--", "/bin/sh", "-c",
+                "cd /out && echo ok > n && git add n && git -c user.email=a@b -c user.name=a commit -qm agent && echo COMMITTED")
+    assert b"COMMITTED" in r.stdout, (r.stdout, r.stderr)
+    log = subprocess.run(["git", "-c", f"safe.directory={d}", "-C", str(d), "log", "--format=%s"], capture_output=True)
+    assert log.stdout == b"agent\n"
+
+
+def test_two_sandboxes_sharing_a_folder_keep_each_others_protection(agentvm, grant_dir):
+    """The first one out must not remove placeholders the other still has mounted."""
+    import time
+
+    d = grant_dir(0o755)
+    first = subprocess.Popen(agentvm_cmd() + ["run", "--mount", f"{d}:/out:rw", "--", "/bin/sleep", "2"])
+    try:
+        deadline = time.monotonic() + 20
+        while not (d / ".mcp.json").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        r = agentvm("run", "--mount", f"{d}:/out:rw", "--", "/bin/sh", "-c",
+                    "sleep 4; echo '{}' > /out/.mcp.json 2>/dev/null && echo PLANTED; mkdir /out/.claude/x 2>/dev/null && echo PLANTED2; true")
+    finally:
+        first.wait(30)
+    assert first.returncode == 0
+    assert b"PLANTED" not in r.stdout, r.stdout
+    assert sorted(p.name for p in d.iterdir()) == [], "the last one out removed the placeholders"
+
+
+def test_grants_that_would_hand_over_the_host_are_refused(agentvm, tmp_path, grant_dir):
+    for host in ("/etc", "/etc/ssl", "/root", "/root/x-missing-is-fine", "/home", "/usr", "/proc/1"):
+        r = agentvm("run", "--json", "--mount", f"{host}:/h:ro", "--", "true")
+        assert r.returncode in (77, 78), (host, r.stdout, r.stderr)
+        if r.returncode == 77:
+            assert last_json(r.stdout)["error"] == "policy.grant-forbidden", (host, r.stdout)
+
+
+def test_a_user_home_directory_is_refused(agentvm):
+    import pwd
+
+    homes = [p.pw_dir for p in pwd.getpwall() if p.pw_dir.startswith("/") and os.path.isdir(p.pw_dir)
+             and p.pw_dir not in ("/", "/nonexistent") and not p.pw_dir.startswith(("/proc", "/sys", "/dev", "/run", "/etc",
+                                                                                        "/root", "/usr", "/var"))]
+    target = homes[0] if homes else None
+    if target is None:
+        pytest.skip("no user home directory on this host outside the system trees")  # pragma: no cover
+    r = agentvm("run", "--json", "--mount", f"{target}:/h:ro", "--", "true")
+    assert r.returncode == 77 and last_json(r.stdout)["error"] == "policy.grant-home", r.stdout
+
+
+def test_rw_grant_inside_the_sandboxs_scratch_space_is_refused(agentvm, grant_dir):
+    d = grant_dir(0o755)
+    for where in ("/tmp/out", "/home/agent/out", "/workspace/src"):
+        r = agentvm("run", "--json", "--mount", f"{d}:{where}:rw", "--", "true")
+        assert r.returncode == 78 and last_json(r.stdout)["error"] == "policy.grant-path", (where, r.stdout)
+    r = agentvm("run", "--mount", f"{d}:/tmp/ref:ro", "--", "true")
+    assert r.returncode == 0, r.stderr  # read-only there is fine: nothing can be made in it
+
+
+def test_a_single_file_can_be_granted_read_write(agentvm, grant_dir):
+    d = grant_dir(0o755)
+    (d / "notes.txt").write_text("a\n")
+    r = agentvm("run", "--mount", f"{d}/notes.txt:/notes.txt:rw", "--", "/bin/sh", "-c", "echo b >> /notes.txt")
+    assert r.returncode == 0, r.stderr
+    assert (d / "notes.txt").read_text() == "a\nb\n"
 
 
 def test_a_trusted_name_that_is_a_symlink_is_refused(agentvm, grant_dir):

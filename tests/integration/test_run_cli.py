@@ -228,9 +228,12 @@ def test_fail_closed_without_root_then_explicit_degrade(tmp_path):
         assert b"DEGRADED" in r.stderr
         assert r.returncode == 0, r.stderr
         assert r.stdout.strip() == b"1000"
-        events = (home / "audit" / "events.jsonl").read_text().splitlines()
-        rec = json.loads(events[-1])
-        assert rec["kind"] == "degraded-run" and set(rec["degraded"]) == {"cgroups", "cgroup-kill", "dedicated-uid"}
+        from agentvm.audit import AuditLog
+
+        log = AuditLog.open_readonly(home / "audit" / "audit.db")
+        started = [r for r in log.records() if r.kind == "run.started"]
+        assert set(started[-1].data["degraded"]) == {"cgroups", "cgroup-kill", "dedicated-uid"}, started
+        assert log.verify().ok
     finally:
         subprocess.run(["rm", "-rf", str(home)])
 

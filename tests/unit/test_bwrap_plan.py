@@ -183,14 +183,13 @@ def test_trusted_entries_are_bound_over_themselves():
 
     from agentvm.grants import Protect
 
-    prot = (Protect(".git", "dir", "pin"), Protect(".git/hooks", "dir", "ro"), Protect(".envrc", "file", "ro"))
+    prot = (Protect(".git", "dir"), Protect(".envrc", "file"))
     p = BwrapBackend(Paths(Path("/x"), Path("/y"))).compile(POLICY, dataclasses.replace(CTX, protected=((), prot)))
     ops = [(m.kind, m.dest, m.src) for m in p.mounts]
     stage = CTX.run_dir + "/grants/1"
     i = ops.index(("bind", "/out", stage))
-    # after the grant itself, in order: .git pinned (cannot be renamed away), hooks read-only
-    assert ops[i + 1 : i + 4] == [("bind", "/out/.git", stage + "/.git"), ("ro-bind", "/out/.git/hooks", stage + "/.git/hooks"),
-                                  ("ro-bind", "/out/.envrc", stage + "/.envrc")]
+    # right after the grant itself: each protected entry read-only over itself
+    assert ops[i + 1 : i + 3] == [("ro-bind", "/out/.git", stage + "/.git"), ("ro-bind", "/out/.envrc", stage + "/.envrc")]
     # without root (no idmap) the same entries come from the host folder itself
     q = BwrapBackend(Paths(Path("/x"), Path("/y"))).compile(
         POLICY, dataclasses.replace(CTX, protected=((), prot), drop_privileges=False))

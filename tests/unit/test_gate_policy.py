@@ -919,3 +919,17 @@ def test_how_to_allow_never_suggests_opening_loopback_link_local_or_metadata():
         "connect by name, or allow the address explicitly: --allow 93.184.216.34:8443")
     assert how_to_allow("default-deny", "x", "Evil.Example.", 8443).startswith("--allow evil.example:8443 ")
     assert how_to_allow("default-deny", "x", "bad host\x9b", 80) is None
+
+
+def test_a_deny_rule_without_ports_denies_every_port():
+    from types import SimpleNamespace
+
+    from agentvm.spec.models import Egress
+
+    eg = compile_egress(Egress.model_validate({"allow": [{"host": "x.com", "ports": [443, 8080]}],
+                                               "deny": [{"host": "x.com"}]}))
+    assert eg.deny[0].ports == ()
+    for port in (443, 8080):
+        assert decide(C("x.com", port=port), eg).verdict == "deny"
+    with pytest.raises(ValueError, match="at least one port"):
+        compile_egress(SimpleNamespace(allow=[SimpleNamespace(host="x.com", ports=[])], deny=[]))

@@ -229,7 +229,7 @@ class BwrapBackend:
                 prot = ctx.protected[i] if i < len(ctx.protected) else ()
                 protects.append((f"grant{i}", real, prot))
                 for p in prot:
-                    mounts.append(MountOp("bind" if p.how == "pin" else "ro-bind", f"{m.path}/{p.rel}", f"{src}/{p.rel}"))
+                    mounts.append(MountOp("ro-bind", f"{m.path}/{p.rel}", f"{src}/{p.rel}"))
         if policy.workspace:
             if ctx.workspace_host:
                 fd_names.append(("workspace", ctx.workspace_host))
@@ -467,10 +467,10 @@ class BwrapBackend:
                     os.mkdir(stage, 0o700)
                 else:
                     os.close(os.open(stage, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600))
-            state["placeholders"] = []
+            state["grant_holds"] = []
             for name, host, prot in plan.fds.get("protects", ()):
-                state["placeholders"] += grants.ensure(fds[name], host, prot)
-            grants.save(run_dir, state["placeholders"])
+                state["grant_holds"].append(grants.ensure(fds[name], host, prot, self.paths.runtime / "grants"))
+            grants.save(run_dir, state["grant_holds"])
             allow_ptrace = plan.seccomp_allow_ptrace
             sfd = sc.filter_fd(sc.SeccompOptions(allow_ptrace=allow_ptrace), self.paths.libexec)
             opened.append(sfd)
@@ -728,8 +728,10 @@ class BwrapBackend:
             for pid in _sweep_uid(handle.plan.host_uid):
                 if pid not in rep.processes_left:
                     rep.processes_left.append(pid)
-        # the sandbox's processes are gone: the placeholders it was kept from are ours again
-        grants.remove(st.pop("placeholders", None) or [])
+        # the sandbox's processes are gone: release its granted folders (the last sandbox out
+        # removes their placeholders)
+        for hold in st.pop("grant_holds", None) or []:
+            grants.release(hold, self.paths.runtime / "grants")
         run_dir = Path(st.get("run_dir", ""))
         if run_dir.name and run_dir.exists():
             import shutil

@@ -752,8 +752,11 @@ class Daemon:
         decisions feed the daemon's events and audit trail like any other."""
         from agentvm.runtime import Runtime
 
-        def record(kind, sandbox=None, **data):  # the runtime's run records: on the chain and as events
-            loop.call_soon_threadsafe(lambda: self.record(kind, sandbox=sandbox, **data))
+        def record(kind, sandbox=None, **data):
+            # the runtime's run records: on the chain now, from this thread (a run that cannot be
+            # recorded does not start), and as events from the loop
+            self.audit.append(kind, actor="agentvm", sandbox=sandbox, data=data)
+            loop.call_soon_threadsafe(lambda: self.emit(kind, actor="agentvm", sandbox=sandbox, **data))
 
         rt = Runtime(self.paths, self.runtime._backend, record=record)
         if policy.egress is not None:
@@ -880,10 +883,18 @@ class Daemon:
 
 
 def _deny_rules(specs: list[str]):
-    from agentvm.gate.policy import compile_egress
+    """``policy NAME deny HOST[:PORT]``: without a port, the host on every port."""
+    from agentvm.gate.policy import compile_egress, parse_authority
 
     extra = compile_egress(None, extra_allow=specs)
-    return [dataclasses.replace(r, id=f"live-deny[{i}]") for i, r in enumerate(extra.allow)]
+    out = []
+    for i, (s, r) in enumerate(zip(specs, extra.allow)):
+        try:
+            has_port = bool(parse_authority(s, default_port=0)[1]) if s.startswith("[") or s.count(":") == 1 else False
+        except ValueError:
+            has_port = False
+        out.append(dataclasses.replace(r, id=f"live-deny[{i}]", ports=r.ports if has_port else ()))
+    return out
 
 
 def check_chain(paths: Paths, accept_broken: bool) -> str | None:

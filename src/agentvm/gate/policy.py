@@ -105,7 +105,7 @@ class Rule:
 
     id: str  # the spec id, else "allow[3]" / "deny[0]" / "cli[0]"
     host: str  # normalized pattern: "example.com", "*.example.com" or an IP literal
-    ports: tuple[int, ...]
+    ports: tuple[int, ...]  # empty: every port (deny rules only; an allow rule always names its ports)
     methods: tuple[str, ...] = ()  # upper-case; empty = any
     paths: tuple[str, ...] = ()  # globs on the decoded path; empty = any
     max_body: int | None = None
@@ -153,7 +153,8 @@ class EgressPolicy:
             name = normalize_host(host)
         except (ValueError, TypeError):
             return False
-        return any(r.is_l7 and _host_port(r, name, port) for r in self.allow + self.deny)
+        return any(r.is_l7 and _host_port(r, name, port) for r in self.allow) or any(
+            r.is_l7 and _deny_host_port(r, name, port) for r in self.deny)
 
     def to_dict(self) -> dict:
         def rule(r: Rule) -> dict:
@@ -375,7 +376,13 @@ def host_matches(pattern: str, host: str) -> bool:
 
 
 def _host_port(rule: Rule, host: str, port: int) -> bool:
+    """An allow rule matches its ports only (none: nothing); a deny rule without ports matches
+    every port."""
     return port in rule.ports and host_matches(rule.host, host)
+
+
+def _deny_host_port(rule: Rule, host: str, port: int) -> bool:
+    return (not rule.ports or port in rule.ports) and host_matches(rule.host, host)
 
 
 def parse_authority(raw: str, default_port: int | None = None) -> tuple[str, int]:
@@ -713,7 +720,7 @@ def _decide(meta: RequestMeta, policy: EgressPolicy) -> Decision:
     if phase != "request":
         terminate = False
         for r in policy.deny:
-            if _host_port(r, host, port):
+            if _deny_host_port(r, host, port):
                 if not r.is_l7:
                     return _deny(r.id, f"{hp} denied by rule {_safe(r.id)}", host)
                 terminate = True
@@ -737,7 +744,7 @@ def _decide(meta: RequestMeta, policy: EgressPolicy) -> Decision:
     req = _Req(meta)
     cap: tuple[int, str] | None = None
     for r in policy.deny:
-        if not _host_port(r, host, port):
+        if not _deny_host_port(r, host, port):
             continue
         try:
             hit, pending = _deny_rule_matches(r, req)
@@ -797,11 +804,18 @@ def _compile_rule(r: Any, where: str) -> Rule:
     except ValueError as e:
         raise ValueError(f"egress.{where}.host: {e}") from None
     ports: list[int] = []
-    for p in getattr(r, "ports", None) or ():
-        if type(p) is not int or not 1 <= p <= 65535:
-            raise ValueError(f"egress.{where}.ports: invalid port {_safe(p)}")
-        if p not in ports:
-            ports.append(p)
+    given = getattr(r, "model_fields_set", None)
+    if where.startswith("deny") and given is not None and "ports" not in given:
+        pass  # a deny rule without ports denies the host on every port
+    else:
+        for p in getattr(r, "ports", None) or ():
+            if type(p) is not int or not 1 <= p <= 65535:
+                raise ValueError(f"egress.{where}.ports: invalid port {_safe(p)}")
+            if p not in ports:
+                ports.append(p)
+        if not ports:
+            raise ValueError(f"egress.{where}.ports: name at least one port"
+                             + ("" if where.startswith("deny") else " (an allow rule never means every port)"))
     methods = []
     for m in getattr(r, "methods", None) or ():
         if not isinstance(m, str) or not _METHOD_RE.fullmatch(m):

@@ -349,6 +349,7 @@ class Env:
             mounts=tuple(grants),
             env=tuple(sorted(penv.items())),
             limits=Limits(memory=memory, pids=pids, timeout=timeout, disk=disk, tmp=64 * 1024**2),
+            network="gate" if egress else "none",  # egress=False: no route at all, not even the gate
             egress=eg,
             credentials=creds,
         )

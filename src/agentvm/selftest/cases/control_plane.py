@@ -15,7 +15,7 @@ from agentvm.selftest.framework import SINK_NAME, Env, Verdict, case
 
 _FORGE = r"""
 import glob, json, os, sys, time
-M = sys.argv[1]; KIND = sys.argv[2]; HOME = sys.argv[3]
+M = sys.stdin.read().strip(); KIND = sys.argv[1]; HOME = sys.argv[2]
 sid = os.environ.get("AGENTVM_SANDBOX_ID", "")
 if KIND == "logs":
     line = {"agent": "someone-else", "host": "evil.example", "phase": "request", "rule": "cli[0]",
@@ -46,7 +46,10 @@ def _forge(env: Env, kind: str, where: Path, what: str) -> Verdict:
     # the gate sets <home>/logs to 0700 when it is first created: create it before the sandbox
     # is compiled, so a run's view of the logs is the steady state's (not the first run's)
     env.runtime().embedded_gate()
-    o = env.sandbox(["/usr/bin/python3", "-c", _FORGE, mark, kind, str(env.home)], lang="argv", timeout=10)
+    # the mark goes in on stdin: the command line of every run is on the audit chain, and a
+    # mark there would look like a forged line
+    o = env.sandbox(["/usr/bin/python3", "-c", _FORGE, kind, str(env.home)], lang="argv", timeout=10,
+                    stdin=mark.encode())
     line = next((l for l in o.stdout.splitlines() if l.startswith("FORGE")), "")
     if not line:
         return Verdict.error(f"the forger did not run: {o.out[-300:]}")
