@@ -53,15 +53,9 @@ SCHEMA_VERSION = 1
 
 
 def _connect(db: Path):
-    import sqlite3  # lazy: anonymous runs never touch the database
+    from agentvm import statedb  # lazy: anonymous runs never touch the database
 
-    db.parent.mkdir(parents=True, exist_ok=True)
-    conn = sqlite3.connect(str(db), timeout=10.0, isolation_level=None)
-    conn.execute("PRAGMA busy_timeout=10000")
-    if conn.execute("PRAGMA user_version").fetchone()[0] < SCHEMA_VERSION:
-        conn.execute("PRAGMA journal_mode=WAL")  # persistent: set once
-        conn.executescript(_SCHEMA)
-        conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+    conn = statedb.connect(db, "identities", _SCHEMA + f"PRAGMA user_version={SCHEMA_VERSION};")
     return conn
 
 

@@ -383,10 +383,14 @@ class Runtime:
             self.record("run.refused", agent=policy.name, code=exc.code, message=exc.message[:500])
             raise
         backend = self.backend_for(policy)
+        notes = list(res.workspace.notes) if res.workspace is not None else []
+        for n in notes:
+            print(f"agentvm: note: {n}", file=sys.stderr)
         try:  # no run that is not on the audit chain: a chain that cannot be written refuses the run
             self.record("run.started", sandbox=plan.sandbox_id, agent=policy.name, command=_shown_argv(policy.command),
                         policy=plan.policy_digest, host_uid=plan.host_uid, degraded=list(degrade), network=policy.network,
-                        grants=[f"{m.host}:{m.path}:{'rw' if m.writable else 'ro'}" for m in policy.mounts])
+                        grants=[f"{m.host}:{m.path}:{'rw' if m.writable else 'ro'}" for m in policy.mounts],
+                        **({"notes": notes} if notes else {}))
         except Exception as exc:
             res.release()
             raise BackendError(f"cannot write the audit chain ({type(exc).__name__}: {exc}); refusing to run unrecorded",

@@ -31,6 +31,7 @@ class WorkspaceLease:
     host_dir: Path  # what is bind-mounted into the sandbox
     mounted: bool  # True when we loop-mounted it and must unmount at teardown
     lock_fd: int
+    notes: tuple[str, ...] = ()  # what the operator should hear (a repaired filesystem)
 
     def release(self) -> list[str]:
         """Unmount (if mounted) and drop the lock. Returns what could not be cleaned."""
@@ -162,10 +163,13 @@ def acquire(
             _create_image(img, size)
         elif img.stat().st_size < size:
             _grow_image(img, size)
+        _reserve(img, max(size, img.stat().st_size))
         mnt = runtime / "ws" / name
         mnt.mkdir(parents=True, exist_ok=True)
         os.chmod(mnt.parent, 0o711)
+        notes: tuple[str, ...] = ()
         if not is_mounted(mnt):
+            notes = _check(img)
             free_loop_device()
             try:
                 r = subprocess.run(
@@ -184,10 +188,51 @@ def acquire(
                 lost.rmdir()
             except OSError:
                 pass
-        return WorkspaceLease(name, mnt, True, lock_fd)
+        return WorkspaceLease(name, mnt, True, lock_fd, notes)
     except BaseException:
         os.close(lock_fd)
         raise
+
+
+def _reserve(img: Path, size: int) -> None:
+    """Allocate the whole image on the host's disk now: a sparse image overcommits, and when
+    the host's filesystem fills up the agent's "saved" (even fsync'd) writes are lost as the
+    image goes read-only with errors. Already-allocated extents cost nothing."""
+    fd = os.open(img, os.O_RDWR | os.O_CLOEXEC)
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        st = os.statvfs(img.parent)
+        from agentvm.units import format_size
+
+        raise LaunchError(
+            "workspace",
+            f"the workspace image {img} needs {format_size(size)} on the host, and the filesystem holding it has "
+            f"{st.f_bavail * st.f_frsize // (1024 * 1024)}M free: refusing rather than overcommit (writes the agent "
+            "was told are saved would be lost when the disk fills)",
+            hint="free space on that filesystem, lower limits.disk, or move AGENTVM_HOME to a larger one",
+        ) from None
+    finally:
+        os.close(fd)
+
+
+def _check(img: Path) -> tuple[str, ...]:
+    """Check the image before mounting it (``e2fsck -p``: quick when it is clean). A repaired
+    filesystem is said; one e2fsck cannot repair unattended is refused, not mounted with errors."""
+    fsck = next((p for p in ("/usr/sbin/e2fsck", "/sbin/e2fsck") if os.path.exists(p)), "e2fsck")
+    try:
+        r = subprocess.run([fsck, "-p", str(img)], capture_output=True, text=True, timeout=300)
+    except subprocess.TimeoutExpired:
+        raise LaunchError("workspace", f"checking {img} did not finish in 300 s") from None
+    if r.returncode == 0:
+        return ()
+    if r.returncode in (1, 2):
+        return (f"the workspace filesystem {img} was not cleanly unmounted and had errors; e2fsck repaired it "
+                f"({(r.stdout or r.stderr).strip().splitlines()[-1][:200] if (r.stdout or r.stderr).strip() else 'repaired'})",)
+    raise LaunchError("workspace", f"the workspace filesystem {img} has errors e2fsck cannot repair unattended "
+                      f"(exit {r.returncode}): not mounting it", hint=f"repair it by hand: e2fsck -f {img}")
 
 
 def _create_image(img: Path, size: int) -> None:
@@ -195,8 +240,13 @@ def _create_image(img: Path, size: int) -> None:
     with open(tmp, "wb") as fh:
         fh.truncate(size)
     os.chmod(tmp, 0o600)
+    try:
+        _reserve(tmp, size)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     r = subprocess.run(
-        [_mkfs() or "mkfs.ext4", "-q", "-F", "-m", "0", "-E", "lazy_itable_init=1,lazy_journal_init=1", str(tmp)],
+        [_mkfs() or "mkfs.ext4", "-q", "-F", "-m", "0", "-E", "lazy_itable_init=1,lazy_journal_init=1,nodiscard", str(tmp)],
         capture_output=True,
         text=True,
     )

@@ -282,3 +282,41 @@ def test_client_times_out_with_a_clear_error(tmp_path):
         c.ps()
     assert time.monotonic() - t < 5 and ei.value.code == "daemon.timeout" and "did not answer" in ei.value.message
     srv.close()
+
+
+def test_live_changes_stay_within_the_risk_tier_and_name_real_rules(d):
+    c = d.client
+    c.create("apiVersion: agentvm/v1\nkind: Agent\nmetadata: {name: low}\nspec:\n  riskTier: L1\n  command: [w]\n")
+    c.action("low", "start")
+    with pytest.raises(ApiFailure) as ei:
+        c.policy("low", "allow", rule="pypi.org")
+    assert ei.value.exit_code == 77 and "tier" in ei.value.message, ei.value.message
+    assert c.get("low")["policy_patch"] == {}, "refused: nothing kept for the next start"
+    c.action("low", "restart")  # and the agent still starts
+    assert c.get("low")["state"] == "running"
+    c.create(spec("w2"))
+    with pytest.raises(ApiFailure) as ei:
+        c.policy("w2", "remove", rule_id="nosuch-rule")
+    assert ei.value.exit_code == 78 and "nosuch-rule" in ei.value.message and "allow[0]" in ei.value.message
+    c.policy("w2", "deny", rule="pypi.org")
+    v = c.policy("w2", "show")
+    deny = [r for r in v["rules"] if r["kind"] == "deny" and r["host"] == "pypi.org"]
+    assert deny and deny[0]["ports"] == "all", v["rules"]
+    assert any(r["kind"] == "allow" and r["host"] == "pypi.org" and r["ports"] == [443] for r in v["rules"])
+    assert v["network"] == "gate" and v["paused"] is False
+
+
+def test_a_start_that_fails_is_an_error_with_the_reason(d, monkeypatch):
+    from agentvm.errors import PolicyDenied
+
+    c = d.client
+    c.create(spec("bad"))
+
+    async def refuse(self, m, row):
+        raise PolicyDenied("the grant is gone", hint="recreate it", code="policy.test-start")
+
+    monkeypatch.setattr(Daemon, "_run_once", refuse)
+    with pytest.raises(ApiFailure) as ei:
+        c.action("bad", "start")
+    assert (ei.value.code, ei.value.exit_code, ei.value.hint) == ("policy.test-start", 77, "recreate it")
+    assert "the grant is gone" in ei.value.message

@@ -88,3 +88,35 @@ def test_read_is_capped_even_if_the_file_grows(tmp_path, monkeypatch):
     monkeypatch.setattr(files.os, "fstat", lying_fstat)
     with pytest.raises(PolicyDenied):
         files.read_beneath(tmp_path, "grows")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small tmpfs needs root")
+def test_a_copy_into_a_full_workspace_leaves_nothing_behind(tmp_path):
+    import subprocess
+
+    from agentvm.errors import AgentVMError
+
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(ws)], check=True)
+    try:
+        (ws / "keep").write_bytes(b"old")
+        with pytest.raises(AgentVMError) as ei:
+            files.write_beneath(ws, "keep", b"x" * (3 << 20), uid=4321)
+        assert ei.value.code == "files.no-space" and "nothing partial" in ei.value.message
+        assert sorted(p.name for p in ws.iterdir()) == ["keep"] and (ws / "keep").read_bytes() == b"old"
+        assert files.write_beneath(ws, "sub/new", b"y", uid=4321) == 1
+        assert (ws / "sub" / "new").stat().st_uid == 4321 and (ws / "sub").stat().st_uid == 4321
+    finally:
+        subprocess.run(["umount", str(ws)], check=True)
+
+
+def test_reading_a_missing_file_says_so(tmp_path):
+    from agentvm.errors import AgentVMError
+
+    with pytest.raises(AgentVMError) as ei:
+        files.read_beneath(tmp_path, "nope/x")
+    assert ei.value.code == "files.not-found" and ei.value.exit_code == 78
+    with pytest.raises(AgentVMError) as ei:
+        files.read_beneath(tmp_path, "x")
+    assert ei.value.code == "files.not-found"

@@ -45,3 +45,22 @@ def test_a_held_lease_is_not_granted_again(tmp_path, monkeypatch):
         identity.lease_identity(tmp_path, "run-b")
     identity.release_lease(a)
     identity.release_lease(identity.lease_identity(tmp_path, "run-c"))
+
+
+def test_a_state_database_that_was_emptied_or_damaged_is_refused(tmp_path):
+    """Never silently recreated: uids would be reassigned to other agents."""
+    from agentvm.errors import ConfigError
+    from agentvm.identity import agent_identity
+
+    db = tmp_path / "state.db"
+    first = agent_identity(db, "alpha")
+    assert agent_identity(db, "alpha") == first
+    for damage in (b"", b"garbage" * 600):
+        db.write_bytes(damage)
+        with pytest.raises(ConfigError) as ei:
+            agent_identity(db, "beta")
+        assert ei.value.code == "state.lost" and "handed out again" in ei.value.message and "backup" in ei.value.hint
+    db.unlink()
+    with pytest.raises(ConfigError):
+        agent_identity(db, "beta")
+    assert not db.exists() or db.stat().st_size == 0, "nothing was recreated"

@@ -209,7 +209,14 @@ def cp(src, dst):
     elif ":" in src:
         name, _, path = src.partition(":")
         data = c.get_file(name, path)
-        Path(dst).write_bytes(data)
+        out = Path(dst)
+        if out.is_dir():  # `cp NAME:PATH .`: into the folder, under the file's own name
+            out = out / Path(path).name
+        try:
+            out.write_bytes(data)
+        except OSError as exc:
+            raise ConfigError(f"cannot write {out}: {exc.strerror}") from None
+        dst = str(out)
         click.echo(f"{name}:{path} -> {dst} ({len(data)} bytes)")
     else:
         raise click.UsageError("one side must be NAME:PATH")
@@ -231,15 +238,33 @@ def logs(name):
 
 @click.command()
 @click.argument("name")
-@click.argument("op", type=click.Choice(["allow", "deny", "remove", "pause", "resume", "revoke", "restore", "limits"]))
+@click.argument("op", type=click.Choice(["show", "allow", "deny", "remove", "pause", "resume", "revoke", "restore", "limits"]))
 @click.argument("arg", required=False)
 @click.option("--memory", help="limits: lower the memory limit, e.g. 256M")
 @click.option("--pids", type=int, help="limits: lower the pids limit")
 @click.option("--cpus", type=float, help="limits: lower the CPU quota")
-def policy(name, op, arg, memory, pids, cpus):
-    """Change a running sandbox's policy live: allow|deny HOST[:PORT], remove RULE_ID,
-    pause|resume (all egress), revoke|restore CREDENTIAL (this session), limits --memory/--pids/--cpus
-    (lower only)."""
+@click.option("--json", "as_json", is_flag=True, help="show: one JSON object")
+def policy(name, op, arg, memory, pids, cpus, as_json):
+    """Show or change a sandbox's policy live: show, allow|deny HOST[:PORT] (deny without a port:
+    every port), remove RULE_ID, pause|resume (all egress), revoke|restore CREDENTIAL (this
+    session), limits --memory/--pids/--cpus (lower only). A change that would exceed the
+    agent's risk tier is refused."""
+    if op == "show":
+        v = _client().policy(name, "show")
+        if as_json:
+            click.echo(json.dumps(v, sort_keys=True))
+            return 0
+        click.echo(f"{name}: network {v['network']}{', egress PAUSED' if v['paused'] else ''}"
+                   f"{'' if v['live'] else ' (not running: applies at the next start)'}")
+        for r in v["rules"]:
+            ports = r["ports"] if r["ports"] == "all" else ",".join(map(str, r["ports"]))
+            extra = "".join(f" {k}={','.join(r[k])}" for k in ("methods", "paths") if k in r)
+            click.echo(f"  {r['kind']:<5} {r['id']:<24} {r['host']}:{ports}{extra}")
+        if not v["rules"]:
+            click.echo("  (no rules: every request is denied)" if v["network"] == "gate" else "  (no route out at all)")
+        if v["revoked"]:
+            click.echo(f"  revoked credentials: {', '.join(v['revoked'])}")
+        return 0
     kw = {}
     if op == "limits":
         kw = {"memory": memory, "pids": pids, "cpus": cpus}

@@ -52,36 +52,54 @@ def _open_dir_beneath(root: Path, parts: list[str], *, create: bool, uid: int | 
 
 
 def write_beneath(root: Path, rel: str, data: bytes, uid: int | None) -> int:
+    """Write ``data`` to ``rel`` all or nothing: into a temporary file owned by the agent, then
+    renamed over the target, so a copy that fails (a full workspace) leaves no partial file -
+    and no root-owned one the agent could not change."""
+    import secrets
+    import stat as _st
+
     parts = _parts(rel)
     if len(data) > MAX_FILE:
         raise PolicyDenied("file too large", code="files.too-large")
     dfd = _open_dir_beneath(root, parts[:-1], create=True, uid=uid)
+    tmp = f".agentvm-cp-{secrets.token_hex(6)}"
     try:
         try:
-            # no O_TRUNC before we know it is a regular file; O_NONBLOCK so a FIFO the agent
-            # planted cannot park this thread forever
-            fd = os.open(parts[-1], os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, 0o644,
-                         dir_fd=dfd)
-        except OSError as exc:
-            if exc.errno == errno.ELOOP:
-                raise PolicyDenied(f"{rel!r} is a symlink: refused", code="files.symlink") from None
-            if exc.errno == errno.ENXIO:  # a FIFO nobody reads (O_NONBLOCK)
-                raise PolicyDenied(f"{rel!r} is not a regular file", code="files.not-regular") from None
-            raise
-        try:
-            st = os.fstat(fd)
-            import stat as _st
-
+            st = os.stat(parts[-1], dir_fd=dfd, follow_symlinks=False)
+            if _st.S_ISLNK(st.st_mode):
+                raise PolicyDenied(f"{rel!r} is a symlink: refused", code="files.symlink")
             if not _st.S_ISREG(st.st_mode):
                 raise PolicyDenied(f"{rel!r} is not a regular file", code="files.not-regular")
-            os.ftruncate(fd, 0)
+        except FileNotFoundError:
+            pass
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=dfd)
+        try:
+            if uid is not None:
+                os.fchown(fd, uid, uid)
             view = memoryview(data)
             while view:
                 view = view[os.write(fd, view):]
-            if uid is not None:
-                os.fchown(fd, uid, uid)
-        finally:
+            os.fsync(fd)
+        except BaseException:
             os.close(fd)
+            os.unlink(tmp, dir_fd=dfd)
+            raise
+        os.close(fd)
+        try:
+            os.rename(tmp, parts[-1], src_dir_fd=dfd, dst_dir_fd=dfd)
+        except BaseException:
+            os.unlink(tmp, dir_fd=dfd)
+            raise
+    except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            from agentvm.errors import BackendError
+
+            raise BackendError(f"the workspace is full: {rel!r} was not written (nothing partial was left)",
+                               hint="free space in the workspace, or give the agent a larger limits.disk",
+                               code="files.no-space") from None
+        if exc.errno == errno.EISDIR:
+            raise PolicyDenied(f"{rel!r} is a directory", code="files.not-regular") from None
+        raise
     finally:
         os.close(dfd)
     return len(data)
@@ -89,10 +107,15 @@ def write_beneath(root: Path, rel: str, data: bytes, uid: int | None) -> int:
 
 def read_beneath(root: Path, rel: str) -> bytes:
     parts = _parts(rel)
-    dfd = _open_dir_beneath(root, parts[:-1], create=False, uid=None)
+    try:
+        dfd = _open_dir_beneath(root, parts[:-1], create=False, uid=None)
+    except FileNotFoundError:
+        raise _not_found(rel) from None
     try:
         try:
             fd = os.open(parts[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=dfd)
+        except FileNotFoundError:
+            raise _not_found(rel) from None
         except OSError as exc:
             if exc.errno == errno.ELOOP:
                 raise PolicyDenied(f"{rel!r} is a symlink: refused", code="files.symlink") from None
@@ -119,3 +142,9 @@ def read_beneath(root: Path, rel: str) -> bytes:
             os.close(fd)
     finally:
         os.close(dfd)
+
+
+def _not_found(rel: str):
+    from agentvm.errors import ConfigError
+
+    return ConfigError(f"{rel!r} does not exist in the workspace", code="files.not-found")

@@ -63,14 +63,15 @@ def _tail(path: Path, n: int) -> bytes:
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, code: str, message: str, hint: str = ""):
+    def __init__(self, status: int, code: str, message: str, hint: str = "", exit_code: int | None = None):
         super().__init__(message)
         self.status, self.code, self.message, self.hint = status, code, message, hint
+        # the CLI's exit code for it: bad input 78, refused 77, anything else agent-vm's 125
+        self.exit_code = exit_code if exit_code is not None else (
+            78 if status in (400, 404, 409, 413) else 77 if status in (401, 403) else 125)
 
     def to_dict(self) -> dict:
-        # the CLI's exit code for it: bad input 78, refused 77, anything else agent-vm's 125
-        exit_code = 78 if self.status in (400, 404, 409, 413) else 77 if self.status in (401, 403) else 125
-        return {"error": self.code, "message": self.message, "hint": self.hint, "exit_code": exit_code}
+        return {"error": self.code, "message": self.message, "hint": self.hint, "exit_code": self.exit_code}
 
 
 class Managed:
@@ -78,6 +79,7 @@ class Managed:
 
     def __init__(self, name: str):
         self.name = name
+        self.last_error: dict | None = None  # why its last start failed (the error object)
         self.task: asyncio.Task | None = None
         self.handle = None
         self.plan = None
@@ -147,6 +149,9 @@ class Daemon:
             from agentvm.policy import _with_default_denies
 
             policy = dataclasses.replace(policy, egress=_with_default_denies(dataclasses.replace(eg, allow=allow, deny=deny)))
+        from agentvm.policy import check_tier
+
+        check_tier(policy)  # a live change may not widen past the agent's risk tier
         lim = patch.get("limits") or {}
         if lim:  # live-tightened limits hold for every later start too (only ever lower)
             cur = policy.limits
@@ -180,10 +185,13 @@ class Daemon:
             try:
                 code = await self._run_once(m, row)
             except AgentVMError as exc:
+                m.last_error = exc.to_dict()
                 self.state.update(m.name, state="failed", exit_code=None)
                 self.record("lifecycle.failed", sandbox=m.name, error=exc.code, message=exc.message)
                 return
             except Exception as exc:  # noqa: BLE001 - report, never crash the daemon
+                m.last_error = {"error": "internal", "message": f"{type(exc).__name__}: {exc}",
+                                "hint": "a bug in agent-vm: the daemon's log has the traceback", "exit_code": 125}
                 self.state.update(m.name, state="failed")
                 self.record("lifecycle.failed", sandbox=m.name, error="internal", message=f"{type(exc).__name__}: {exc}")
                 return
@@ -210,6 +218,8 @@ class Daemon:
         if row.state == "paused":
             pass
         plan, res = await asyncio.to_thread(self.runtime.prepare, policy, tty=False)
+        for note in (res.workspace.notes if res.workspace is not None else ()):
+            self.record("lifecycle.workspace-repaired", sandbox=m.name, note=note)
         backend = self.runtime.backend_for(policy)
         m.plan, m.res, m.policy = plan, res, policy
         log_path = self.paths.home / "logs" / f"{m.name}.log"
@@ -497,8 +507,18 @@ class Daemon:
                 if action in ("stop", "restart"):
                     await self.stop(name, actor=actor)
                 if action in ("start", "restart"):
+                    m = self.managed.get(name)
+                    if m is not None:
+                        m.last_error = None
                     await self.start(name, actor=actor)
                     await self._wait_state(name, ("running", "exited", "failed", "stopped"), 30)
+                    m = self.managed.get(name)
+                    if self._row(name).state == "failed" and m is not None and m.last_error:
+                        # a start that failed is an error, with the reason, as an embedded run's
+                        e = m.last_error
+                        raise ApiError(409 if e.get("exit_code") in (77, 78) else 500, e["error"],
+                                       f"{name} failed to start: {e['message']}", e.get("hint", ""),
+                                       exit_code=e.get("exit_code", 125))
                 return await self._json(conn, writer, 200, self._public(self._row(name)))
             if action == "exec" and method == "POST":
                 return await self._exec(name, doc or {}, conn, writer, actor)
@@ -786,6 +806,22 @@ class Daemon:
             return await self._json(conn, writer, 200, {"path": rel, "data": base64.b64encode(data).decode()})
         raise ApiError(405, "method", "use GET or PUT")
 
+    def _policy_view(self, name: str, row, patch: dict) -> dict:
+        """What a sandbox's gate enforces now: the agent file's rules with the live changes."""
+        policy = self._policy_for(row)
+        m = self.managed.get(name)
+        live = m is not None and m.endpoint is not None
+
+        def rule(r, kind):
+            return {"id": r.id, "kind": kind, "host": r.host, "ports": list(r.ports) or "all",
+                    **({"methods": list(r.methods)} if r.methods else {}), **({"paths": list(r.paths)} if r.paths else {})}
+
+        eg = policy.egress
+        return {"name": name, "network": policy.network, "live": live, "paused": bool(patch.get("paused")),
+                "rules": ([rule(r, "deny") for r in eg.deny] + [rule(r, "allow") for r in eg.allow]) if eg else [],
+                "revoked": patch.get("revoked", []), "limits": {"memory": policy.limits.memory, "pids": policy.limits.pids,
+                                                                "cpus": policy.limits.cpus}}
+
     async def _policy(self, name: str, doc: dict, actor: str) -> dict:
         """Live policy change: validated first (a failing change changes nothing), applied to
         the running endpoint at once, recorded, and kept for restarts."""
@@ -810,7 +846,14 @@ class Daemon:
             rid = doc.get("rule_id")
             if not isinstance(rid, str):
                 raise ApiError(400, "bad-request", "'rule_id' is required")
+            current = self._policy_for(row).egress
+            ids = [r.id for r in (current.allow + current.deny)] if current is not None else []
+            if rid not in ids:
+                raise ApiError(404, "not-found", f"{name} has no rule {rid!r}" + (f" (its rules: {', '.join(ids)})" if ids else ""),
+                               hint=f"`agentvm policy {name} show` lists the rules and their ids")
             patch.setdefault("removed", []).append(rid)
+        elif op == "show":
+            return self._policy_view(name, row, patch)
         elif op in ("pause", "resume"):
             patch["paused"] = op == "pause"
         elif op in ("revoke", "restore"):
@@ -854,7 +897,7 @@ class Daemon:
                         ms=round(took, 3))
             return {"applied": True, "live": True, "ms": round(took, 3), "limits": applied}
         else:
-            raise ApiError(400, "bad-request", "op is one of allow, deny, remove, pause, resume, revoke, restore, limits")
+            raise ApiError(400, "bad-request", "op is one of show, allow, deny, remove, pause, resume, revoke, restore, limits")
         new_row = dataclasses.replace(row, policy_patch=json.dumps(patch))
         policy = self._policy_for(new_row)  # raises on anything invalid: nothing applied yet
         self.state.update(name, policy_patch=json.dumps(patch))

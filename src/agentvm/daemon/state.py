@@ -8,7 +8,6 @@ crash the daemon rebuilds everything from here.
 from __future__ import annotations
 
 import json
-import sqlite3
 import threading
 import time
 from dataclasses import asdict, dataclass
@@ -65,10 +64,9 @@ class State:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
-        self._c = sqlite3.connect(str(self.path), timeout=10.0, isolation_level=None, check_same_thread=False)
-        self._c.execute("PRAGMA journal_mode=WAL")
-        self._c.execute("PRAGMA busy_timeout=10000")
-        self._c.executescript(_SCHEMA)
+        from agentvm import statedb
+
+        self._c = statedb.connect(self.path, "sandboxes", _SCHEMA)
 
     def close(self) -> None:
         self._c.close()

@@ -1,0 +1,57 @@
+"""Opening agent-vm's SQLite databases so that loss is noticed, never papered over.
+
+A database agent-vm created once must stay: ``state.db`` maps named agents to their host
+uids, and if it silently came back empty the uids would be handed out again - an agent could
+no longer write its own workspace, and files still owned by an old uid (a workspace, a
+granted folder) would pass to another agent. So creating a database leaves a marker beside
+it (``.NAME.made``); a marked database that is missing, empty, lacks its table, or is not a
+database at all is refused with the way to recover (docs/daemon.md).
+"""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+from pathlib import Path
+
+from agentvm.errors import ConfigError
+
+
+def _marker(path: Path) -> Path:
+    return path.with_name(f".{path.name}.made")
+
+
+def connect(path: Path, table: str, schema: str) -> sqlite3.Connection:
+    """A connection to ``path`` (WAL, busy timeout), created with ``schema`` the first time."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    made = _marker(path).exists()
+    fresh = not path.exists() or path.stat().st_size == 0
+    if fresh and made:
+        raise _lost(path, "is missing or empty")
+    try:
+        conn = sqlite3.connect(str(path), timeout=10.0, isolation_level=None, check_same_thread=False)
+        conn.execute("PRAGMA busy_timeout=10000")
+        has = conn.execute("SELECT 1 FROM sqlite_master WHERE type='table' AND name=?", (table,)).fetchone()
+        if not has and made:
+            conn.close()
+            raise _lost(path, f"has no {table} table")
+        if not has:
+            conn.execute("PRAGMA journal_mode=WAL")
+            conn.executescript(schema)
+    except sqlite3.DatabaseError as exc:
+        raise _lost(path, f"is not a readable database ({exc})") from None
+    if not made:
+        fd = os.open(_marker(path), os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        os.close(fd)
+    return conn
+
+
+def _lost(path: Path, what: str) -> ConfigError:
+    return ConfigError(
+        f"{path} {what}, but agent-vm created it before: refusing to start over silently (agent uids would be "
+        "handed out again, and files still owned by the old ones would pass to other agents)",
+        hint=f"restore {path.name} from a backup; or, to start this installation over on purpose, move {path.name}, "
+        f"{_marker(path).name} and the workspaces/ folder aside (see docs/daemon.md, 'Recovering state and audit databases')",
+        code="state.lost",
+    )
