@@ -95,15 +95,13 @@ class AuditLog:
         self.head_path = self.path.with_suffix(".head")
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
+        new = not self.path.exists()
+        if new:  # owner-only from the first byte
+            os.close(os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600))
         self._conn = sqlite3.connect(str(self.path), timeout=10.0, isolation_level=None, check_same_thread=False)
         self._conn.execute("PRAGMA journal_mode=WAL")
         self._conn.execute("PRAGMA busy_timeout=10000")
         self._conn.executescript(_SCHEMA)
-        for p in (self.path,):
-            try:
-                os.chmod(p, 0o600)
-            except OSError:
-                pass
 
     @classmethod
     def open_readonly(cls, path: Path) -> "AuditLog":

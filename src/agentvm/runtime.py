@@ -240,14 +240,14 @@ class Runtime:
             real = Path(os.path.realpath(m.host))
             if not real.exists():
                 raise ConfigError(f"granted host path {m.host} does not exist")
-            check_grant_target(str(real), own, m.host)
-            link = untrusted_symlink(m.host)
+            link = untrusted_symlink(m.host)  # first: a link someone else controls is the problem itself
             if link is not None:
                 raise PolicyDenied(
                     f"granting {m.host} goes through the symlink {link}, in a directory a non-root user can "
                     "write: it could be re-pointed anywhere after this check",
                     code="policy.grant-untrusted-link", hint="grant the resolved path, or move the link somewhere root-owned",
                 )
+            check_grant_target(str(real), own, m.host)
 
     # ------------------------------------------------------------------ run
     def prepare(self, policy: Policy, *, degrade: tuple[str, ...] = (), tty: bool = False):

@@ -7,6 +7,7 @@ import os
 import secrets
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -315,7 +316,20 @@ def test_declared_ld_preload_never_runs_outside_the_sandbox(agentvm, grant_dir):
     command. If it is also in the environment of the host-side launcher chain (bwrap is
     dynamically linked and runs as the agent uid before any namespace, seccomp or Landlock is in
     place), LD_PRELOAD runs code on the host, unconfined."""
-    g = grant_dir(0o777)
+    import shutil
+
+    # outside /tmp: a read-write grant may not sit inside the sandbox's own /tmp (and the test
+    # needs the same path inside as outside)
+    g = Path(f"/srv/agentvm-preload-{os.getpid()}")
+    g.mkdir(mode=0o777, parents=True, exist_ok=True)
+    os.chmod(g, 0o777)
+    try:
+        _preload_case(agentvm, g)
+    finally:
+        shutil.rmtree(g, ignore_errors=True)
+
+
+def _preload_case(agentvm, g):
     src = g / "p.c"
     src.write_text(PRELOAD_SO)
     so = g / "p.so"

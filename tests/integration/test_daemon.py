@@ -158,7 +158,11 @@ def test_edited_audit_record_is_caught(daemon, tmp_path):
     c.close()
     r = av("audit", "verify", "--file", str(db), check=False)
     assert r.returncode == 77 and f"record {seq}".encode() in r.stderr
-    av("up")
+    r = av("up", check=False)  # the daemon will not append to a broken chain...
+    assert r.returncode == 78 and b"audit.broken-chain" in r.stderr and f"record {seq}".encode() in r.stderr, r.stderr
+    av("up", "--accept-broken-chain")  # ...unless told, and then the break is its first record
+    recs = [json.loads(x) for x in av("audit", "show", "--json").stdout.decode().splitlines() if x]
+    assert any(x["kind"] == "daemon.accepted-broken-chain" for x in recs)
 
 
 def test_live_revocation_through_the_gate(daemon, tmp_path):

@@ -320,3 +320,32 @@ def test_a_start_that_fails_is_an_error_with_the_reason(d, monkeypatch):
         c.action("bad", "start")
     assert (ei.value.code, ei.value.exit_code, ei.value.hint) == ("policy.test-start", 77, "recreate it")
     assert "the grant is gone" in ei.value.message
+
+
+def test_garbage_on_the_socket_gets_a_400(d):
+    status, doc = _raw(d, b"\x16\x03\x01\x00garbage that is not HTTP\r\n\r\n")
+    assert status == 400 and doc["error"] == "bad-request", doc
+
+
+def test_large_bodies_are_capped_and_limited_in_number(d):
+    status, doc = _raw(d, b"PUT /v1/sandboxes/x/files?path=f HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % (100 << 20))
+    assert status == 413 and doc["exit_code"] == 78, doc
+    import socket as _s
+
+    held = []
+    try:
+        for _ in range(2):  # two uploads in progress (their bodies still coming)
+            s = _s.socket(_s.AF_UNIX)
+            s.connect(str(d.paths.runtime / "agentvm.sock"))
+            s.sendall(b"PUT /v1/sandboxes/x/files?path=f HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % (8 << 20))
+            held.append(s)
+        time.sleep(0.3)
+        status, doc = _raw(d, b"PUT /v1/sandboxes/x/files?path=f HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % (8 << 20))
+        assert status == 429 and doc["error"] == "busy", doc
+    finally:
+        for s in held:
+            s.close()
+    time.sleep(0.3)
+    status, doc = _raw(d, b"PUT /v1/sandboxes/x/files?path=f HTTP/1.1\r\nHost: x\r\nContent-Length: 2000000\r\n\r\n"
+                       + b"x" * 2000000)
+    assert status == 404 and doc["error"] == "not-found", doc  # a slot is free again: read and answered

@@ -503,3 +503,28 @@ def test_bytes_out_counts_request_heads(tmp_path):
     outs, received, ep = run(go())
     assert received.count(b"GET /aaaa") <= 2, "bodiless requests streamed past the bytesOut limit"
     assert any(json.loads(ln)["rule"] == "limit:bytes-out" for ln in ep.log_path.read_text().splitlines())
+
+
+def test_a_request_whose_client_has_gone_is_not_forwarded_late(tmp_path):
+    """A sandbox's client gave up while the gate was stalled (a stopped daemon): when the gate
+    gets to its request, the connection is already closed - the POST must not be replayed."""
+    import socket
+    import time as _time
+
+    async def go():
+        gate, ep, up, sock = await setup_gate(tmp_path)
+        s = socket.socket(socket.AF_UNIX)
+        s.connect(str(sock))
+        await asyncio.sleep(0.1)  # the gate accepted and is waiting for a request head
+        s.sendall(req(up.port, path="/pay", method="POST", body=b"amount=100"))
+        s.close()
+        _time.sleep(0.2)  # the loop is stalled: request and EOF both arrive before the gate looks
+        for _ in range(50):
+            await asyncio.sleep(0.02)
+        await gate.close_endpoint("sbx-1")
+        return ep, up
+
+    ep, up = run(go())
+    assert b"/pay" not in bytes(up.received), "forwarded after the client had gone"
+    lines = [json.loads(ln) for ln in ep.log_path.read_text().splitlines()]
+    assert any(ln["rule"] == "client-gone" and ln["path"] == "/pay" for ln in lines), lines

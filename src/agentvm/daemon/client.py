@@ -103,6 +103,10 @@ class Client:
                 f"the agent-vm daemon did not answer within {self.timeout:g}s ({self.url or self.socket_path})",
                 hint="it may be stopped or overloaded: check its log (`agentvm up --foreground`); "
                 "AGENTVM_CLIENT_TIMEOUT sets the wait", code="daemon.timeout") from exc
+        except (ConnectionResetError, BrokenPipeError, http.client.RemoteDisconnected) as exc:
+            c.close()
+            raise DaemonUnavailable(f"the agent-vm daemon closed the connection ({self.url or self.socket_path})",
+                                    hint="it may be shutting down: `agentvm up` starts it again") from exc
         except (FileNotFoundError, ConnectionRefusedError) as exc:
             raise DaemonUnavailable(f"the agent-vm daemon is not running ({self.url or self.socket_path})",
                                     hint="start it with `agentvm up`") from exc

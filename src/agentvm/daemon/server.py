@@ -45,6 +45,8 @@ log = logging.getLogger("agentvm.daemon")
 
 SOCKET_NAME = "agentvm.sock"
 MAX_BODY = 64 * 1024 * 1024
+LARGE_BODY = 1024 * 1024  # bodies above this (cp uploads) are buffered at most UPLOADS at a time
+UPLOADS = 2
 
 
 # the request's stream reader, for handlers that must notice the client hanging up mid-response
@@ -99,6 +101,7 @@ class Daemon:
         self.runtime = Runtime(self.paths, backend)
         self.state = State(self.paths.home / "daemon.db")
         self.audit = AuditLog(self.paths.audit_dir / "audit.db")
+        self._uploads = UPLOADS  # free slots for large request bodies
         self.gate = Gate(self.paths.home / "gate", self.paths.home / "logs")
         self.gate.subscribers.append(self._on_decision)
         self.managed: dict[str, Managed] = {}
@@ -390,8 +393,9 @@ class Daemon:
     async def _conn(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *, tcp: bool = False) -> None:
         conn = h11.Connection(h11.SERVER, max_incomplete_event_size=65536)
         _CLIENT_READER.set(reader)
+        held: list[bool] = []  # whether this request holds an upload slot
         try:
-            req, body = await self._read_request(conn, reader)
+            req, body = await self._read_request(conn, reader, held)
             if req is None:
                 return
             headers = {k.decode().lower(): v.decode("latin-1") for k, v in req.headers}
@@ -413,6 +417,11 @@ class Daemon:
             await self._fail(conn, writer, e.status, e.to_dict())
         except AgentVMError as e:
             await self._fail(conn, writer, 400 if e.exit_code == 78 else 409, e.to_dict())
+        except h11.RemoteProtocolError as e:
+            try:  # not HTTP: still an answer that says so, not a silently closed connection
+                await self._fail(conn, writer, 400, ApiError(400, "bad-request", f"not a valid HTTP request: {e}").to_dict())
+            except Exception:
+                pass
         except (ConnectionError, h11.ProtocolError, asyncio.IncompleteReadError):
             pass
         except Exception as e:  # noqa: BLE001
@@ -424,12 +433,14 @@ class Daemon:
             except Exception:
                 pass
         finally:
+            if held:
+                self._uploads += 1
             try:
                 writer.close()
             except Exception:
                 pass
 
-    async def _read_request(self, conn, reader):
+    async def _read_request(self, conn, reader, held: list[bool]):
         req, body = None, bytearray()
         while True:
             ev = conn.next_event()
@@ -441,6 +452,17 @@ class Daemon:
                 continue
             if isinstance(ev, h11.Request):
                 req = ev
+                length = next((v for k, v in ev.headers if k.lower() == b"content-length"), b"0")
+                size = int(length) if length.isdigit() else 0
+                if size > MAX_BODY:
+                    raise ApiError(413, "too-large", f"request body of {size} bytes is over the limit of {MAX_BODY}")
+                if size > LARGE_BODY:
+                    # a large body is buffered whole: only a few at a time, the rest are told to retry
+                    if self._uploads <= 0:
+                        raise ApiError(429, "busy", f"{UPLOADS} large uploads are already in progress",
+                                       hint="retry in a moment", exit_code=125)
+                    self._uploads -= 1
+                    held.append(True)
             elif isinstance(ev, h11.Data):
                 body += ev.data
                 if len(body) > MAX_BODY:
@@ -795,6 +817,7 @@ class Daemon:
     async def _files(self, name, method, rel, body, conn, writer, actor):
         from agentvm.daemon.files import read_beneath, write_beneath
 
+        self._row(name)  # 404 for a sandbox that does not exist, before "not running"
         root, uid = self._workspace_dir(name)
         if method == "PUT":
             n = await asyncio.to_thread(write_beneath, root, rel, body, uid)

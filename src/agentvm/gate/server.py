@@ -282,6 +282,15 @@ class PlainStream:
             pass
 
 
+def _client_gone(client) -> bool:
+    """The sandbox side has closed its connection: its EOF has arrived, even if bytes it sent
+    before (a request body) are still buffered. (``StreamReader`` exposes only "EOF and empty
+    buffer" publicly; ``_eof`` is the flag ``feed_eof`` sets, present in every CPython.)"""
+    raw = getattr(client, "raw", client)
+    reader = getattr(raw, "reader", None)
+    return reader is not None and bool(getattr(reader, "_eof", reader.at_eof()))
+
+
 class TLSStream:
     """Application bytes over a sans-IO TLS server session on top of a PlainStream."""
 
@@ -615,6 +624,13 @@ class Gate:
         addr, rid, reason = await self._resolve(ep, req.host, req.port)
         if addr is None:
             await self._deny(ep, client, rid, reason, req)
+            return False, b""
+        await asyncio.sleep(0)  # let an EOF that already arrived be seen
+        if _client_gone(client):
+            # the client gave up (its timeout passed while the gate was stopped or slow): what it
+            # sent is not forwarded late, unseen - a replayed POST is a real harm
+            ep.log(verdict="deny", rule_id="client-gone", reason="the client closed the connection before the request "
+                   "was forwarded", host=req.host, port=req.port, method=req.method, path=req.path, phase="request")
             return False, b""
         sni = normalize_host(req.host) if scheme == "https" else None
         key = (scheme, addr, req.port, sni, ep.policy.upstream_ca)

@@ -69,6 +69,8 @@ class WeakenedBackend(BwrapBackend):
                 os.chmod(f, 0o666)
             audit = self.paths.home / "audit"
             os.chmod(audit, 0o777)
+            for f in audit.iterdir():
+                os.chmod(f, 0o666)
             i = bw.index("--remount-ro")
             bw[i:i] = ["--bind", str(logs), "/mnt/logs", "--bind", str(audit), "/mnt/audit"]
         host_uid, host_gid = plan.host_uid, plan.host_gid
