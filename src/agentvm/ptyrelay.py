@@ -65,9 +65,12 @@ class PtySession:
         while True:
             if deadline is not None and time.monotonic() > deadline:
                 return backend.wait(handle, timeout=0.001)
-            fds = [self.master] + ([self.stdin] if stdin_open else [])
+            poller = select.poll()  # poll, not select: descriptor numbers above 1024 are fine
+            for fd in [self.master] + ([self.stdin] if stdin_open else []):
+                poller.register(fd, select.POLLIN)
             try:
-                r, _, _ = select.select(fds, [], [], 0.05)
+                # a hang-up is readable too: the read below sees the EOF / EIO
+                r = [fd for fd, _ in poller.poll(50)]
             except InterruptedError:
                 continue
             if self.master in r:

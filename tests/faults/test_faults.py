@@ -147,3 +147,22 @@ def test_an_emptied_state_database_is_refused_not_recreated(home, tmp_path):
     r = _av(home, "run", "-f", str(f), "--json", AGENTVM_NO_DAEMON="1")
     assert r.returncode == 78 and last_json(r.stdout)["error"] == "state.lost", (r.stdout, r.stderr)
     assert (home / "state.db").stat().st_size == 0, "nothing was recreated"
+
+
+def test_the_operator_can_stop_remove_and_shut_down_on_a_full_disk(home, tmp_path):
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=96m,mode=0711", "tmpfs", str(home)], check=True)
+    f = _agent(tmp_path, "filler", "  lifecycle: persistent\n  command: [/bin/sleep, '300']\n  limits: {disk: 16M}\n")
+    assert _av(home, "up").returncode == 0
+    assert _av(home, "create", "-f", str(f), "--start").returncode == 0
+    subprocess.run(["dd", "if=/dev/zero", f"of={home}/fill", "bs=1M"], capture_output=True)  # until ENOSPC
+    assert os.statvfs(home).f_bavail == 0
+    for args in (("stop", "filler"), ("rm", "filler")):
+        r = _av(home, *args, timeout=60)
+        assert r.returncode == 0, (args, r.stdout, r.stderr)
+    assert _av(home, "ps", "--json").stdout.strip() in (b"", b"[]"), "removed"
+    assert _av(home, "down", timeout=60).returncode == 0
+    (home / "fill").unlink()
+    kinds = [json.loads(x)["kind"] for x in _av(home, "audit", "show", "--json").stdout.splitlines()]
+    assert "lifecycle.stopped" in kinds and "lifecycle.removed" in kinds and "daemon.stopped" in kinds, kinds
+    assert _av(home, "audit", "verify").returncode == 0
+    assert not list((home / "run" / "sandboxes").iterdir()), "the sandbox was torn down"

@@ -30,6 +30,7 @@ import json
 import logging
 import os
 import signal
+import sqlite3
 import time
 from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
@@ -47,6 +48,7 @@ SOCKET_NAME = "agentvm.sock"
 MAX_BODY = 64 * 1024 * 1024
 LARGE_BODY = 1024 * 1024  # bodies above this (cp uploads) are buffered at most UPLOADS at a time
 UPLOADS = 2
+RESERVE = 8 * 1024 * 1024  # disk space held back for the daemon's own state when the disk fills
 
 
 # the request's stream reader, for handlers that must notice the client hanging up mid-response
@@ -101,6 +103,10 @@ class Daemon:
         self.runtime = Runtime(self.paths, backend)
         self.state = State(self.paths.home / "daemon.db")
         self.audit = AuditLog(self.paths.audit_dir / "audit.db")
+        self._audit_queue: list = []  # records the disk did not take yet (see record)
+        self._audit_stalled = False
+        self._reserve = self.paths.home / ".reserve"
+        _make_reserve(self._reserve)
         self._uploads = UPLOADS  # free slots for large request bodies
         self.gate = Gate(self.paths.home / "gate", self.paths.home / "logs")
         self.gate.subscribers.append(self._on_decision)
@@ -120,8 +126,52 @@ class Daemon:
                 q.put_nowait(rec)
 
     def record(self, kind: str, *, actor: str = "agentvm", sandbox: str | None = None, **data) -> None:
-        self.audit.append(kind, actor=actor, sandbox=sandbox, data=data)
+        """On the audit chain - or, while the disk refuses writes (full, read-only), queued in
+        memory and written as soon as it takes them again: an operator's stop never waits for
+        the disk, and no record is dropped while the daemon lives."""
         self.emit(kind, actor=actor, sandbox=sandbox, **data)
+        self._audit_queue.append((kind, actor, sandbox, data, time.time()))
+        self.flush_audit()
+
+    def flush_audit(self) -> bool:
+        while self._audit_queue:
+            kind, actor, sandbox, data, at = self._audit_queue[0]
+            if time.time() - at > 1.0:
+                data = {**data, "queued_since": at}  # written late: when it really happened
+            try:
+                self.audit.append(kind, actor=actor, sandbox=sandbox, data=data)
+            except (sqlite3.Error, OSError) as exc:
+                if self._use_reserve(exc):
+                    continue
+                if not self._audit_stalled:
+                    log.error("audit records are queued in memory: the audit chain cannot be written (%s)", exc)
+                self._audit_stalled = True
+                return False
+            self._audit_queue.pop(0)
+        self._audit_stalled = False
+        return True
+
+    def _use_reserve(self, exc: BaseException) -> bool:
+        """The space kept for exactly this (``<home>/.reserve``): freed when a write fails for
+        want of space, so the records of the operator's own actions still fit."""
+        try:
+            self._reserve.unlink()
+        except OSError:
+            return False
+        log.error("the disk under %s is full (%s): released the %d MiB reserve so the daemon can keep its state",
+                  self.paths.home, exc, RESERVE >> 20)
+        return True
+
+    def _save(self, fn, *args, **kw):
+        """A state write that may use the reserve once; anything else is the caller's error."""
+        try:
+            return fn(*args, **kw)
+        except (sqlite3.Error, OSError) as exc:
+            if not self._use_reserve(exc):
+                raise ApiError(507, "state-unwritable", f"agent-vm's state cannot be written: {exc}",
+                               hint=f"free space on the filesystem of {self.paths.home} (or make it writable)",
+                               exit_code=125) from None
+            return fn(*args, **kw)
 
     def _on_decision(self, rec: dict) -> None:
         """Every gate decision is an event; denials, alerts and credential uses go to the audit chain."""
@@ -133,7 +183,8 @@ class Daemon:
         if rec.get("verdict") == "deny" or rec.get("alert") or rec.get("credentials"):
             data = {k: rec.get(k) for k in ("sandbox", "host", "port", "method", "path", "rule", "verdict", "reason",
                                             "alert", "credentials", "credential", "suppressed") if rec.get(k) is not None}
-            self.audit.append("egress." + rec.get("verdict", "?"), actor="gate", sandbox=name, data=data)
+            self._audit_queue.append(("egress." + rec.get("verdict", "?"), "gate", name, data, time.time()))
+            self.flush_audit()
 
     # ---------------------------------------------------------------- lifecycle
     def _policy_for(self, row):
@@ -315,16 +366,16 @@ class Daemon:
                 return
 
     async def stop(self, name: str, *, actor: str = "operator") -> None:
+        """Stop first, write after: a full or read-only disk never keeps a sandbox running."""
         row = self.state.get(name)
         if row is None:
             raise ApiError(404, "not-found", f"no sandbox named {name!r}")
-        self.state.update(name, desired="stopped")
         m = self.managed.get(name)
         if m is not None and m.task is not None and not m.task.done():
             m.stop_requested.set()
-            await m.task
-        self.state.update(name, state="stopped")
+            await asyncio.gather(m.task, return_exceptions=True)
         self.record("lifecycle.stopped", actor=actor, sandbox=name)
+        self._save(self.state.update, name, desired="stopped", state="stopped")
 
     # ---------------------------------------------------------------- recovery
     async def recover(self) -> dict:
@@ -345,8 +396,15 @@ class Daemon:
         return {"reaped": reaped, "restarted": restarted}
 
     # ---------------------------------------------------------------- HTTP plumbing
+    async def _flusher(self) -> None:
+        while True:
+            await asyncio.sleep(2.0)
+            if self._audit_queue:
+                self.flush_audit()
+
     async def serve(self) -> None:
         # recover before answering anyone: a client that sees the socket sees a clean state
+        self._flush_task = asyncio.ensure_future(self._flusher())
         await self.recover()
         self.socket_path.parent.mkdir(parents=True, exist_ok=True)
         if self.socket_path.exists():
@@ -385,6 +443,10 @@ class Daemon:
         for q in list(self.subscribers):
             q.put_nowait(None)
         self.record("daemon.stopped", pid=os.getpid())
+        if self._audit_queue:  # the disk never took them: at least the log shows what they were
+            for kind, actor, sandbox, data, at in self._audit_queue:
+                log.error("unwritten audit record: %s", json.dumps({"time": at, "kind": kind, "actor": actor,
+                                                                    "sandbox": sandbox, "data": data}, default=str))
         try:
             self.socket_path.unlink()
         except FileNotFoundError:
@@ -615,7 +677,7 @@ class Daemon:
     async def _rm(self, name: str, actor: str) -> None:
         self._row(name)
         await self.stop(name, actor=actor)
-        self.state.delete(name)
+        self._save(self.state.delete, name)
         self.managed.pop(name, None)
         self.record("lifecycle.removed", actor=actor, sandbox=name)
 
@@ -1028,3 +1090,20 @@ def _since(text: str) -> float:
         return parse_since(text)
     except ValueError as exc:
         raise ApiError(400, "bad-request", f"since: {exc}", hint="a Unix time, a duration ago (10m, 2h, 1d) or an ISO date") from None
+
+
+def _make_reserve(path: Path) -> None:
+    """Hold ``RESERVE`` bytes on the state disk (best effort: a disk already full has none)."""
+    if path.exists():
+        return
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    except OSError:
+        return
+    try:
+        os.posix_fallocate(fd, 0, RESERVE)
+    except OSError:
+        os.close(fd)
+        path.unlink(missing_ok=True)
+        return
+    os.close(fd)
