@@ -24,11 +24,73 @@ AGENT_RANGE = 60000  # uids for named agents: base .. base+AGENT_RANGE-1
 LEASE_RANGE = 60000  # uids for anonymous runs: base+AGENT_RANGE ..
 
 
-def uid_base() -> int:
+DEFAULT_BASE = 2100000
+SLOT = AGENT_RANGE + LEASE_RANGE  # one installation's whole range
+MAX_SLOTS = 64
+
+
+def registry_dir() -> Path:
+    """Host-wide: which installation (home) holds which uid range."""
+    return Path(os.environ.get("AGENTVM_UID_REGISTRY", "/var/lib/agentvm-uid-ranges"))
+
+
+def uid_base(home: Path) -> int:
+    """The first uid of this installation's range. ``AGENTVM_UID_BASE`` sets it explicitly;
+    otherwise the range is claimed once, host-wide, for this home (``<registry>/<base>`` holds
+    the home's path, ``<home>/uid-range`` the base) and kept: two installations on one host
+    never hand out the same uids, so one's teardown sweep cannot kill the other's processes."""
+    env = os.environ.get("AGENTVM_UID_BASE")
+    if env:
+        try:
+            base = int(env)
+        except ValueError:
+            raise BackendError(f"AGENTVM_UID_BASE={env!r} is not a number") from None
+        if base < 65536:
+            raise BackendError(f"AGENTVM_UID_BASE={base} is below 65536 (ordinary accounts live there)")
+        return base
+    mine = Path(home) / "uid-range"
     try:
-        return int(os.environ.get("AGENTVM_UID_BASE", "2100000"))
-    except ValueError:
-        return 2100000
+        return int(mine.read_text().split()[0])
+    except FileNotFoundError:
+        pass
+    except (ValueError, IndexError):
+        raise BackendError(f"{mine} is damaged", hint=f"it holds this installation's uid base (see {registry_dir()})") from None
+    return _claim(Path(home), mine)
+
+
+def _claim(home: Path, mine: Path) -> int:
+    import fcntl
+
+    reg = registry_dir()
+    reg.mkdir(mode=0o755, parents=True, exist_ok=True)
+    real = os.path.realpath(home)
+    lock = os.open(reg / ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if mine.exists():  # another process of this installation claimed it meanwhile
+            return int(mine.read_text().split()[0])
+        for k in range(MAX_SLOTS):
+            base = DEFAULT_BASE + k * SLOT
+            slot = reg / str(base)
+            try:
+                fd = os.open(slot, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+            except FileExistsError:
+                if slot.read_text().strip() == real:
+                    break  # ours already (the home's own record was lost): keep it
+                continue
+            os.write(fd, (real + "\n").encode())
+            os.close(fd)
+            break
+        else:
+            raise BackendError(f"no free uid range left in {reg} ({MAX_SLOTS} installations)",
+                               hint="remove the entries of installations that no longer exist")
+        mine.parent.mkdir(parents=True, exist_ok=True)
+        tmp = mine.with_suffix(".tmp")
+        tmp.write_text(f"{base}\n")
+        os.replace(tmp, mine)
+        return base
+    finally:
+        os.close(lock)
 
 
 @dataclass(frozen=True)
@@ -94,7 +156,7 @@ def uid_has_processes(uid: int) -> list[int]:
 
 
 def agent_identity(db: Path, name: str) -> Identity:
-    base = uid_base()
+    base = uid_base(db.parent)
     with closing(_connect(db)) as conn:
         conn.execute("BEGIN IMMEDIATE")
         row = conn.execute("SELECT uid FROM identities WHERE name=?", (name,)).fetchone()
@@ -112,14 +174,14 @@ def agent_identity(db: Path, name: str) -> Identity:
     return Identity(uid=uid, gid=uid, leased=False)
 
 
-def lease_identity(lease_dir: Path, sandbox_id: str) -> Identity:
+def lease_identity(lease_dir: Path, sandbox_id: str, home: Path) -> Identity:
     """Lease an anonymous-run uid: ``<lease_dir>/<uid>.lock`` held with ``flock`` for the
     life of the run. A lock left by a dead supervisor is free again once no process of that
     uid is alive (the sandbox dies with its supervisor, but we check rather than assume)."""
     import fcntl
 
     lease_dir.mkdir(parents=True, exist_ok=True)
-    base = uid_base() + AGENT_RANGE
+    base = uid_base(home) + AGENT_RANGE
     start = int.from_bytes(os.urandom(4), "little") % LEASE_RANGE
     for i in range(LEASE_RANGE):
         uid = base + (start + i) % LEASE_RANGE

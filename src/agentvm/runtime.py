@@ -266,7 +266,7 @@ class Runtime:
                 ident = (
                     identity.agent_identity(self.paths.state_db, policy.name)
                     if policy.agent
-                    else identity.lease_identity(self.paths.runtime / "uid-leases", sandbox_id)
+                    else identity.lease_identity(self.paths.runtime / "uid-leases", sandbox_id, self.paths.home)
                 )
                 res.lease = ident if ident.leased else None
                 uid, gid, drop = ident.uid, ident.gid, True

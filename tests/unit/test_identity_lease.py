@@ -14,7 +14,7 @@ from agentvm.errors import BackendError
 def test_a_lease_released_between_open_and_lock_is_not_double_granted(tmp_path, monkeypatch):
     monkeypatch.setattr(identity, "LEASE_RANGE", 1)  # one uid: any double grant shows
     monkeypatch.setattr(identity, "uid_has_processes", lambda uid: [])
-    a = identity.lease_identity(tmp_path, "run-a")
+    a = identity.lease_identity(tmp_path, "run-a", tmp_path)
     real_flock = fcntl.flock
     state = {"released": False}
 
@@ -26,11 +26,11 @@ def test_a_lease_released_between_open_and_lock_is_not_double_granted(tmp_path, 
 
     monkeypatch.setattr(fcntl, "flock", racing_flock)
     try:
-        b = identity.lease_identity(tmp_path, "run-b")
+        b = identity.lease_identity(tmp_path, "run-b", tmp_path)
     except BackendError:
         b = None
     monkeypatch.setattr(fcntl, "flock", real_flock)
-    c = identity.lease_identity(tmp_path, "run-c")  # a newcomer, after the release
+    c = identity.lease_identity(tmp_path, "run-c", tmp_path)  # a newcomer, after the release
     assert b is None or b.uid != c.uid, "the same uid was leased twice"
     identity.release_lease(c)
     if b is not None:
@@ -40,11 +40,11 @@ def test_a_lease_released_between_open_and_lock_is_not_double_granted(tmp_path, 
 def test_a_held_lease_is_not_granted_again(tmp_path, monkeypatch):
     monkeypatch.setattr(identity, "LEASE_RANGE", 1)
     monkeypatch.setattr(identity, "uid_has_processes", lambda uid: [])
-    a = identity.lease_identity(tmp_path, "run-a")
+    a = identity.lease_identity(tmp_path, "run-a", tmp_path)
     with pytest.raises(BackendError):
-        identity.lease_identity(tmp_path, "run-b")
+        identity.lease_identity(tmp_path, "run-b", tmp_path)
     identity.release_lease(a)
-    identity.release_lease(identity.lease_identity(tmp_path, "run-c"))
+    identity.release_lease(identity.lease_identity(tmp_path, "run-c", tmp_path))
 
 
 def test_a_state_database_that_was_emptied_or_damaged_is_refused(tmp_path):
@@ -64,3 +64,29 @@ def test_a_state_database_that_was_emptied_or_damaged_is_refused(tmp_path):
     with pytest.raises(ConfigError):
         agent_identity(db, "beta")
     assert not db.exists() or db.stat().st_size == 0, "nothing was recreated"
+
+
+def test_each_installation_claims_its_own_uid_range(tmp_path, monkeypatch):
+    """Two homes on one host never share uids; a home keeps its range; explicit bases win."""
+    monkeypatch.delenv("AGENTVM_UID_BASE", raising=False)
+    monkeypatch.setenv("AGENTVM_UID_REGISTRY", str(tmp_path / "registry"))
+    a, b = tmp_path / "home-a", tmp_path / "home-b"
+    a.mkdir()
+    b.mkdir()
+    base_a = identity.uid_base(a)
+    base_b = identity.uid_base(b)
+    assert base_a != base_b and abs(base_a - base_b) >= identity.SLOT
+    assert identity.uid_base(a) == base_a, "kept"
+    (a / "uid-range").unlink()  # the home's own record lost: the registry still knows it
+    assert identity.uid_base(a) == base_a
+    ua = identity.agent_identity(a / "state.db", "x").uid
+    ub = identity.agent_identity(b / "state.db", "x").uid
+    assert ua != ub and base_a <= ua < base_a + identity.AGENT_RANGE
+    lease = identity.lease_identity(tmp_path / "leases-b", "run-1", b)
+    assert base_b + identity.AGENT_RANGE <= lease.uid < base_b + identity.SLOT
+    identity.release_lease(lease)
+    monkeypatch.setenv("AGENTVM_UID_BASE", "5000000")
+    assert identity.uid_base(a) == 5000000
+    monkeypatch.setenv("AGENTVM_UID_BASE", "1000")
+    with pytest.raises(BackendError):
+        identity.uid_base(a)
