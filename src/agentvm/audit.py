@@ -72,30 +72,50 @@ class Verification:
 
 
 class _FileLock:
-    """An exclusive flock on a side file for the length of a ``with`` block."""
+    """An exclusive flock on a side file for the length of a ``with`` block, waited for at most
+    ``timeout`` seconds (a holder stopped with ^Z must not freeze the daemon): then OSError."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, timeout: float) -> None:
         self.path = path
+        self.timeout = timeout
         self.fd = -1
 
     def __enter__(self):
+        import errno
         import fcntl
 
         self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        fcntl.flock(self.fd, fcntl.LOCK_EX)
-        return self
+        deadline = time.monotonic() + self.timeout
+        while True:
+            try:
+                fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return self
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    os.close(self.fd)
+                    raise OSError(errno.EAGAIN, f"the audit chain is locked by another process ({self.path})") from None
+                time.sleep(0.01)
 
     def __exit__(self, *exc) -> None:
         os.close(self.fd)
 
 
 class AuditLog:
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, lock_timeout: float = 10.0) -> None:
         self.path = Path(path)
         self.head_path = self.path.with_suffix(".head")
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
-        new = not self.path.exists()
+        self.lock_timeout = lock_timeout
+        new = not self.path.exists() or self.path.stat().st_size == 0
+        if new and self.head_path.exists():
+            from agentvm.errors import ConfigError
+
+            raise ConfigError(
+                f"the audit chain {self.path} is missing or empty, but its head file says it had records: "
+                "refusing to start a new chain over it (that would hide the removal)",
+                hint="restore the database from a backup; or move the head file aside too to start a new chain "
+                "on purpose (see docs/daemon.md)", code="audit.lost")
         if new:  # owner-only from the first byte
             os.close(os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600))
         self._conn = sqlite3.connect(str(self.path), timeout=10.0, isolation_level=None, check_same_thread=False)
@@ -127,7 +147,7 @@ class AuditLog:
 
     def append(self, kind: str, *, actor: str = "agentvm", sandbox: str | None = None, data: dict | None = None) -> Record:
         payload = json.dumps(data or {}, sort_keys=True, separators=(",", ":"), ensure_ascii=True, default=str)
-        with self._lock, _FileLock(self.path.with_suffix(".lock")):
+        with self._lock, _FileLock(self.path.with_suffix(".lock"), self.lock_timeout):
             self._conn.execute("BEGIN IMMEDIATE")
             try:
                 row = self._conn.execute("SELECT seq, hash FROM audit ORDER BY seq DESC LIMIT 1").fetchone()
@@ -184,11 +204,24 @@ class AuditLog:
 
     def verify(self, require_head: bool = True) -> Verification:
         """Walk the chain; report the first record that does not hold, and a missing tail.
+
+        The head is read *first*: records appended while the walk runs (another process) come
+        after it and are no alarm. The chain holds when the record the head names exists with
+        the head's hash; records beyond it are newer (or written just before a crash that kept
+        the head from moving). Fewer records than the head names: the tail was cut.
         ``require_head=False`` (a copied database): a missing head file is a note, not a break."""
+        head: tuple[int, str] | None = None
+        try:
+            hs, hh = self.head_path.read_text().split()
+            head = (int(hs), hh)
+        except FileNotFoundError:
+            pass
+        except ValueError:
+            return Verification(False, 0, "the head file is corrupt", None)
         prev = GENESIS
-        last_prev = None  # the hash before the last record
         expected_seq = 1
         n = 0
+        at_head = None  # the hash of the record the head names
         for seq, t, kind, actor, sb, data, stored_prev, h in self._conn.execute(
             "SELECT seq, time, kind, actor, sandbox, data, prev, hash FROM audit ORDER BY seq"
         ):
@@ -199,23 +232,25 @@ class AuditLog:
                 return Verification(False, n, f"record {seq} does not follow record {seq - 1} (removed or reordered)", seq)
             if _digest(prev, seq, t, kind, actor, sb, data) != h:
                 return Verification(False, n, f"record {seq} was modified (its hash does not match its content)", seq)
-            last_prev = prev
+            if head is not None and seq == head[0]:
+                at_head = h
             prev = h
             expected_seq += 1
-        try:
-            head_seq, head_hash = self.head_path.read_text().split()
-            if int(head_seq) == n - 1 and n >= 1 and head_hash == (last_prev or GENESIS):
-                return Verification(True, n, "the head is one record behind (agent-vm stopped between writing "
-                                             "the last record and moving the head); nothing is missing")
-            if int(head_seq) != n or head_hash != prev:
-                return Verification(False, n, f"the chain ends at record {n} but the head says {head_seq}: records were "
-                                              "removed from the end", n)
-        except FileNotFoundError:
-            if n and require_head:
+        if head is None:
+            if n > 1 and require_head:
                 return Verification(False, n, "the head file is missing", n)
-            if n:
+            if n:  # one record and no head: a crash right after the very first record
                 return Verification(True, n, f"no head file ({self.head_path.name}) beside it: records cut from the "
                                              "end could not be detected")
-        except ValueError:
-            return Verification(False, n, "the head file is corrupt", n)
+            return Verification(True, n)
+        if head[0] > n:
+            return Verification(False, n, f"the chain ends at record {n} but the head says {head[0]}: records were "
+                                          "removed from the end", n)
+        if head[0] and at_head != head[1]:
+            return Verification(False, n, f"record {head[0]} is not the one the head names (rewritten)", head[0])
+        if n > head[0] + 1:
+            return Verification(True, n)  # appended meanwhile by another process
+        if n == head[0] + 1:
+            return Verification(True, n, "the head is one record behind (agent-vm stopped between writing the last "
+                                         "record and moving the head, or one was being appended); nothing is missing")
         return Verification(True, n)

@@ -46,9 +46,13 @@ def write_atomic(path: Path, data: bytes, mode: int, *, mtime_ns: int | None = N
 # the owner's files. So no grant may be - or be inside - a kernel interface, the host's
 # configuration, root's home or the runtime sockets, nor be a whole system tree or a user's
 # home directory (grant a project folder inside it instead).
-_BENEATH_FORBIDDEN = ("/proc", "/sys", "/dev", "/run", "/boot", "/etc", "/root")
-_EXACT_FORBIDDEN = ("/", "/usr", "/var", "/home", "/tmp", "/var/tmp", "/opt", "/srv", "/mnt", "/media",
-                    "/bin", "/sbin", "/lib", "/lib64", "/lib32")
+_BENEATH_FORBIDDEN = ("/proc", "/sys", "/dev", "/run", "/boot", "/etc", "/root", "/var/lib", "/var/spool",
+                      "/var/log", "/var/cache", "/var/mail", "/var/backups", "/var/tmp")
+# What the host executes or loads as root: not even read-write *inside* (merged /usr makes
+# /bin, /lib... resolve here too)
+_BENEATH_FORBIDDEN_RW = ("/usr", "/var", "/snap", "/nix", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
+_EXACT_FORBIDDEN = ("/", "/usr", "/var", "/home", "/tmp", "/opt", "/srv", "/mnt", "/media", "/snap", "/nix",
+                    "/bin", "/sbin", "/lib", "/lib64", "/lib32", "/libx32")
 
 
 def _home_dirs() -> set[str]:
@@ -60,13 +64,16 @@ def _home_dirs() -> set[str]:
         return set()
 
 
-def check_grant_target(real: str, own: list[Path], shown: str) -> None:
+def check_grant_target(real: str, own: list[Path], shown: str, writable: bool = False) -> None:
     """Refuse a grant whose *resolved* host path is the whole host or a system tree, is under a
     kernel interface or the host's configuration, is a user's home directory, or holds
     agent-vm's own state (other agents' workspaces, keys). ``shown`` is the path as declared."""
     from agentvm.errors import PolicyDenied
 
-    under = next((b for b in _BENEATH_FORBIDDEN if real == b or real.startswith(b + "/")), None)
+    beneath = _BENEATH_FORBIDDEN + (_BENEATH_FORBIDDEN_RW if writable else ())
+    under = next((b for b in beneath if real == b or real.startswith(b + "/")), None)
+    if under == "/var" and real.startswith("/var/www/"):
+        under = None  # web roots are data, not the system
     if real in _EXACT_FORBIDDEN or under:
         raise PolicyDenied(
             f"granting {shown} would expose the host" + (f" ({under} and everything in it)" if under else ""),

@@ -13,16 +13,14 @@ either. A ``.git`` *file* (a worktree or submodule checkout) is kept read-only, 
 directory it points to when that is inside the grant. An agent file lifts this per name with
 ``mounts[].writableTrusted`` (``.git``: the agent may commit - and plant hooks).
 
-Shell rc files are protected when present; placeholders are made for them only when the
-grant is a user's home directory (an empty ``.bashrc`` in a project folder would be clutter
-no shell reads).
+Shell rc files are protected when present (a home directory itself cannot be granted, so an
+absent one is read by nothing and gets no placeholder).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import pwd
 import stat
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,7 +58,6 @@ def plan(host: str, writable: tuple[str, ...] = ()) -> tuple[Protect, ...]:
     A trusted name that is a symbolic link is refused: a link cannot be bound over, and the
     host would follow it to a file the agent may change."""
     out: list[Protect] = []
-    home = _is_home(host)
 
     def kind_of(rel: str, absent_kind: str | None) -> str | None:
         try:
@@ -93,7 +90,7 @@ def plan(host: str, writable: tuple[str, ...] = ()) -> tuple[Protect, ...]:
                 out.append(Protect(target, "dir"))
     for rel in SHELL_RC:
         if not lifted(rel):
-            kind = kind_of(rel, "file" if home else None)
+            kind = kind_of(rel, None)
             if kind:
                 out.append(Protect(rel, kind))
     return tuple(out)
@@ -113,13 +110,6 @@ def _gitdir_target(host: str) -> str | None:
     if target == host or not target.startswith(host.rstrip("/") + "/") or not os.path.isdir(target):
         return None
     return os.path.relpath(target, host)
-
-
-def _is_home(path: str) -> bool:
-    try:
-        return any(os.path.realpath(p.pw_dir) == path for p in pwd.getpwall() if p.pw_dir not in ("", "/"))
-    except OSError:
-        return False
 
 
 @dataclass(frozen=True)

@@ -247,7 +247,7 @@ class Runtime:
                     "write: it could be re-pointed anywhere after this check",
                     code="policy.grant-untrusted-link", hint="grant the resolved path, or move the link somewhere root-owned",
                 )
-            check_grant_target(str(real), own, m.host)
+            check_grant_target(str(real), own, m.host, m.writable)
 
     # ------------------------------------------------------------------ run
     def prepare(self, policy: Policy, *, degrade: tuple[str, ...] = (), tty: bool = False):

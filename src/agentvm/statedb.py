@@ -39,6 +39,11 @@ def connect(path: Path, table: str, schema: str) -> sqlite3.Connection:
         if not has:
             conn.execute("PRAGMA journal_mode=WAL")
             conn.executescript(schema)
+    except sqlite3.OperationalError as exc:  # busy, locked, unopenable: not a lost database
+        from agentvm.errors import BackendError
+
+        raise BackendError(f"cannot use {path}: {exc}", hint="another agent-vm process may hold it; retry, and check "
+                           "the disk (free space, permissions) if it persists", code="state.unavailable") from None
     except sqlite3.DatabaseError as exc:
         raise _lost(path, f"is not a readable database ({exc})") from None
     if not made:

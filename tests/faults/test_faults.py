@@ -166,3 +166,31 @@ def test_the_operator_can_stop_remove_and_shut_down_on_a_full_disk(home, tmp_pat
     assert "lifecycle.stopped" in kinds and "lifecycle.removed" in kinds and "daemon.stopped" in kinds, kinds
     assert _av(home, "audit", "verify").returncode == 0
     assert not list((home / "run" / "sandboxes").iterdir()), "the sandbox was torn down"
+
+
+def test_exec_works_with_over_a_thousand_connections_open(home, tmp_path):
+    """Descriptor numbers above 1024 (select()'s ceiling): the daemon holds 1,100 idle client
+    connections, and an exec's output and exit status still come back whole."""
+    import socket
+
+    assert _av(home, "up").returncode == 0
+    f = _agent(tmp_path, "busy", "  lifecycle: persistent\n  command: [/bin/sleep, '300']\n")
+    assert _av(home, "create", "-f", str(f), "--start").returncode == 0
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 4096), max(hard, 4096)))
+    conns = []
+    try:
+        for _ in range(1100):
+            s = socket.socket(socket.AF_UNIX)
+            s.connect(str(home / "run" / "agentvm.sock"))
+            conns.append(s)
+        time.sleep(1.0)
+        r = _av(home, "exec", "busy", "--", "/bin/sh", "-c", "seq 1 20000; exit 7", timeout=60)
+        assert r.returncode == 7, r.stderr
+        assert r.stdout.splitlines()[-1] == b"20000" and len(r.stdout.splitlines()) == 20000
+    finally:
+        for s in conns:
+            s.close()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

@@ -97,3 +97,45 @@ def test_several_processes_append_to_one_chain_and_the_head_keeps_up(tmp_path):
         assert p.exitcode == 0
     v = AuditLog(tmp_path / "audit.db").verify()
     assert v.ok and v.records == 160, v
+
+
+def test_records_appended_during_a_walk_are_not_a_cut_tail(log):
+    """verify reads the head first: records another process appends meanwhile come after it."""
+    head = log.head_path.read_text()
+    log.append("late.one")
+    log.append("late.two")
+    log.head_path.write_text(head)  # as if verify had read the head before those appends
+    v = log.verify()
+    assert v.ok and v.records == 12, v
+    log.head_path.write_text("13 " + "0" * 64 + "\n")
+    assert not log.verify().ok, "a head beyond the chain: the tail was cut"
+
+
+def test_a_deleted_chain_is_not_silently_restarted(tmp_path):
+    from agentvm.errors import ConfigError
+
+    a = AuditLog(tmp_path / "audit.db")
+    a.append("x")
+    a.close()
+    for suffix in ("", "-wal", "-shm"):
+        (tmp_path / f"audit.db{suffix}").unlink(missing_ok=True)
+    with pytest.raises(ConfigError) as ei:
+        AuditLog(tmp_path / "audit.db")
+    assert ei.value.code == "audit.lost"
+
+
+def test_a_stuck_lock_holder_costs_a_bounded_wait(tmp_path):
+    import fcntl
+    import os
+    import time
+
+    a = AuditLog(tmp_path / "audit.db", lock_timeout=0.3)
+    fd = os.open(tmp_path / "audit.lock", os.O_RDWR | os.O_CREAT)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # a process stopped mid-append
+    t = time.monotonic()
+    with pytest.raises(OSError):
+        a.append("waits")
+    assert time.monotonic() - t < 3
+    os.close(fd)
+    a.append("now")
+    assert a.verify().ok

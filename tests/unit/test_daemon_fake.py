@@ -349,3 +349,29 @@ def test_large_bodies_are_capped_and_limited_in_number(d):
     status, doc = _raw(d, b"PUT /v1/sandboxes/x/files?path=f HTTP/1.1\r\nHost: x\r\nContent-Length: 2000000\r\n\r\n"
                        + b"x" * 2000000)
     assert status == 404 and doc["error"] == "not-found", doc  # a slot is free again: read and answered
+
+
+def test_an_early_refusal_of_a_big_upload_reaches_the_client(d):
+    c = d.client
+    with pytest.raises(ApiFailure) as ei:
+        c.put_file("nosuch", "f", b"x" * (70 << 20))
+    assert ei.value.status == 413 and ei.value.code == "too-large", (ei.value.status, ei.value.message)
+
+
+def test_a_stalled_body_does_not_hold_a_slot_forever(d, monkeypatch):
+    import socket as _s
+
+    import agentvm.daemon.server as srv
+
+    monkeypatch.setattr(srv, "BODY_TIMEOUT", 0.5)
+    s = _s.socket(_s.AF_UNIX)
+    s.settimeout(10)
+    s.connect(str(d.paths.runtime / "agentvm.sock"))
+    s.sendall(b"PUT /v1/sandboxes/x/files?path=f HTTP/1.1\r\nHost: x\r\nContent-Length: 5000000\r\n\r\nabc")
+    out = s.recv(65536)
+    s.close()
+    assert b" 408 " in out.split(b"\r\n")[0], out[:200]
+    deadline = time.monotonic() + 10
+    while d.daemon._uploads != srv.UPLOADS and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert d.daemon._uploads == srv.UPLOADS, "the slot came back"

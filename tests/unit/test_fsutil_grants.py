@@ -77,3 +77,29 @@ def test_sticky_directory_trusts_only_roots_links(tmp_path):
     os.chown(sticky / "theirs", 4321, 4321, follow_symlinks=False)
     assert untrusted_symlink(str(sticky / "mine")) is None
     assert untrusted_symlink(str(sticky / "theirs")) == str(sticky / "theirs")
+
+
+@pytest.mark.parametrize("path,writable,refused", [
+    ("/usr/share/doc", False, False),       # read-only documentation: fine
+    ("/usr/local/bin", True, True),          # what root executes
+    ("/usr/lib/systemd/system", True, True),
+    ("/var/spool/cron", False, True),
+    ("/var/lib/postgresql", False, True),
+    ("/var/log", False, True),
+    ("/var/www/site", True, False),          # a web root is data
+    ("/srv/proj", True, False),
+    ("/opt/app", True, False),
+    ("/etc/ssl", False, True),
+    ("/opt", False, True),
+    ("/nix/store", False, False),            # world-readable store: read-only is fine
+    ("/nix/store", True, True),
+])
+def test_system_trees_are_not_grantable(path, writable, refused):
+    from agentvm.errors import PolicyDenied
+    from agentvm.fsutil import check_grant_target
+
+    if refused:
+        with pytest.raises(PolicyDenied):
+            check_grant_target(path, [], path, writable)
+    else:
+        check_grant_target(path, [], path, writable)

@@ -228,8 +228,9 @@ class BwrapBackend:
             if m.writable:
                 prot = ctx.protected[i] if i < len(ctx.protected) else ()
                 protects.append((f"grant{i}", real, prot))
-                for p in prot:
-                    mounts.append(MountOp("ro-bind", f"{m.path}/{p.rel}", f"{src}/{p.rel}"))
+                if not idmap:  # as root the helper makes them read-only in the staged grant itself
+                    for p in prot:
+                        mounts.append(MountOp("ro-bind", f"{m.path}/{p.rel}", f"{src}/{p.rel}"))
         if policy.workspace:
             if ctx.workspace_host:
                 fd_names.append(("workspace", ctx.workspace_host))
@@ -320,6 +321,11 @@ class BwrapBackend:
             launch += ["--keep-fd", f"@fd:{name}@"]
         for name, mode, stage in stages:
             launch += ["--grant", f"@fd:{name}@,{mode},{stage}"]
+        if idmap:
+            for name, _, prot in protects:
+                gi = next(k for k, (n, _, _) in enumerate(stages) if n == name)
+                for p in prot:
+                    launch += ["--protect", f"{gi},{p.kind[0]},{p.rel}"]
         launch += ["--keep-fd", "@fd:seccomp@", "--keep-fd", "@fd:json@", "--keep-fd", "@fd:bwrapargs@",
                    "--keep-fd", "@fd:env@", "--argv0", "bwrap"]
         launch += ["--cgroup-procs", "@cgroups@"]
@@ -403,7 +409,8 @@ class BwrapBackend:
             cwd=policy.cwd,
             timeout=lim.timeout,
             run_dir=ctx.run_dir,
-            fds={"open_paths": tuple(fd_names), "stages": tuple(stages), "protects": tuple(protects)},
+            fds={"open_paths": tuple(fd_names), "stages": tuple(stages), "protects": tuple(protects),
+                 "writable": tuple(f"grant{i}" for i, m in enumerate(policy.mounts) if m.writable)},
         )
 
     # ------------------------------------------------------------------ launch
@@ -455,7 +462,8 @@ class BwrapBackend:
                 if actual != host:
                     raise LaunchError("grant", f"{host} changed since it was checked (it now leads to {actual}): refused")
                 try:
-                    check_grant_target(actual, [self.paths.home.resolve(), self.paths.runtime.resolve()], host)
+                    check_grant_target(actual, [self.paths.home.resolve(), self.paths.runtime.resolve()], host,
+                                       name in plan.fds.get("writable", ()))
                 except AgentVMError as exc:
                     raise LaunchError("grant", exc.message) from None
             # 3b. staging points for idmapped grants (the helper mounts onto them in a mount

@@ -95,7 +95,11 @@ class Client:
         if self.url and self.token:
             headers["Authorization"] = f"Bearer {self.token}"
         try:
-            c.request(method, path, body=body, headers=headers)
+            try:
+                c.request(method, path, body=body, headers=headers)
+            except (BrokenPipeError, ConnectionResetError):
+                # the daemon answered early (413, 429...) and stopped reading: its answer may be there
+                return c, c.getresponse()
             return c, c.getresponse()
         except TimeoutError as exc:  # socket.timeout
             c.close()  # the daemon drops a request whose client has gone, rather than apply it late

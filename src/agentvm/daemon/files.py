@@ -64,18 +64,21 @@ def write_beneath(root: Path, rel: str, data: bytes, uid: int | None) -> int:
     dfd = _open_dir_beneath(root, parts[:-1], create=True, uid=uid)
     tmp = f".agentvm-cp-{secrets.token_hex(6)}"
     try:
+        mode = 0o644
         try:
             st = os.stat(parts[-1], dir_fd=dfd, follow_symlinks=False)
             if _st.S_ISLNK(st.st_mode):
                 raise PolicyDenied(f"{rel!r} is a symlink: refused", code="files.symlink")
             if not _st.S_ISREG(st.st_mode):
                 raise PolicyDenied(f"{rel!r} is not a regular file", code="files.not-regular")
+            mode = _st.S_IMODE(st.st_mode) & 0o1777  # the file it replaces keeps its mode (never setuid)
         except FileNotFoundError:
             pass
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=dfd)
         try:
             if uid is not None:
                 os.fchown(fd, uid, uid)
+            os.fchmod(fd, mode)
             view = memoryview(data)
             while view:
                 view = view[os.write(fd, view):]
@@ -90,6 +93,7 @@ def write_beneath(root: Path, rel: str, data: bytes, uid: int | None) -> int:
         except BaseException:
             os.unlink(tmp, dir_fd=dfd)
             raise
+        os.fsync(dfd)  # the rename itself is durable too
     except OSError as exc:
         if exc.errno in (errno.ENOSPC, errno.EDQUOT):
             from agentvm.errors import BackendError

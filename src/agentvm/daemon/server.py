@@ -48,6 +48,7 @@ SOCKET_NAME = "agentvm.sock"
 MAX_BODY = 64 * 1024 * 1024
 LARGE_BODY = 1024 * 1024  # bodies above this (cp uploads) are buffered at most UPLOADS at a time
 UPLOADS = 2
+BODY_TIMEOUT = 30.0  # seconds a request body may stall between reads
 RESERVE = 8 * 1024 * 1024  # disk space held back for the daemon's own state when the disk fills
 
 
@@ -102,7 +103,9 @@ class Daemon:
         self.paths = paths.ensure()
         self.runtime = Runtime(self.paths, backend)
         self.state = State(self.paths.home / "daemon.db")
-        self.audit = AuditLog(self.paths.audit_dir / "audit.db")
+        # a short wait for the chain's lock: the daemon's loop must not stall behind a process
+        # stopped mid-append (records wait in the queue instead)
+        self.audit = AuditLog(self.paths.audit_dir / "audit.db", lock_timeout=0.5)
         self._audit_queue: list = []  # records the disk did not take yet (see record)
         self._audit_stalled = False
         self._reserve = self.paths.home / ".reserve"
@@ -198,8 +201,9 @@ class Daemon:
         if patch.get("allow") or patch.get("deny") or patch.get("removed"):
             eg = policy.egress or compile_egress(None)
             extra = compile_egress(None, extra_allow=patch.get("allow", []))
-            allow = tuple(r for r in eg.allow + extra.allow if r.id not in set(patch.get("removed", [])))
-            deny = eg.deny + tuple(_deny_rules(patch.get("deny", [])))
+            removed = set(patch.get("removed", []))
+            allow = tuple(r for r in eg.allow + extra.allow if r.id not in removed)
+            deny = tuple(r for r in eg.deny + tuple(_deny_rules(patch.get("deny", []))) if r.id not in removed)
             from agentvm.policy import _with_default_denies
 
             policy = dataclasses.replace(policy, egress=_with_default_denies(dataclasses.replace(eg, allow=allow, deny=deny)))
@@ -431,6 +435,8 @@ class Daemon:
         await self.shutdown()
 
     async def shutdown(self) -> None:
+        if getattr(self, "_flush_task", None) is not None:
+            self._flush_task.cancel()
         for srv in self.servers:
             srv.close()
         tasks = []
@@ -457,14 +463,9 @@ class Daemon:
         _CLIENT_READER.set(reader)
         held: list[bool] = []  # whether this request holds an upload slot
         try:
-            req, body = await self._read_request(conn, reader, held)
+            req, body = await self._read_request(conn, reader, held, tcp)
             if req is None:
                 return
-            headers = {k.decode().lower(): v.decode("latin-1") for k, v in req.headers}
-            if tcp:
-                auth = headers.get("authorization", "")
-                if not (self.token and auth.startswith("Bearer ") and hmac.compare_digest(auth[7:], self.token)):
-                    raise ApiError(401, "unauthorized", "a bearer token is required on the TCP listener")
             actor = "operator-tcp" if tcp else "operator"
             if req.method != b"GET":
                 # a client that gave up (its timeout) while the daemon was stopped or busy must not
@@ -477,6 +478,8 @@ class Daemon:
             await self._dispatch(req.method.decode(), req.target.decode(), body, conn, writer, actor)
         except ApiError as e:
             await self._fail(conn, writer, e.status, e.to_dict())
+            if e.status in (408, 413, 429, 401):
+                await _drain(reader, writer)  # a client still sending its body then reads our answer
         except AgentVMError as e:
             await self._fail(conn, writer, 400 if e.exit_code == 78 else 409, e.to_dict())
         except h11.RemoteProtocolError as e:
@@ -502,37 +505,52 @@ class Daemon:
             except Exception:
                 pass
 
-    async def _read_request(self, conn, reader, held: list[bool]):
+    async def _read_request(self, conn, reader, held: list[bool], tcp: bool = False):
+        """One request, its body bounded in size, in time (BODY_TIMEOUT between reads) and in
+        how many large ones are buffered at once; on TCP the token is checked before a byte of
+        the body is read."""
         req, body = None, bytearray()
         while True:
             ev = conn.next_event()
             if ev is h11.NEED_DATA:
-                data = await reader.read(65536)
+                try:
+                    data = await asyncio.wait_for(reader.read(65536), BODY_TIMEOUT if req is not None else None)
+                except asyncio.TimeoutError:
+                    raise ApiError(408, "timeout", f"the request body stalled for {BODY_TIMEOUT:g}s") from None
                 conn.receive_data(data)
                 if not data and req is None:
                     return None, b""
                 continue
             if isinstance(ev, h11.Request):
                 req = ev
+                if tcp:
+                    auth = next((v.decode("latin-1") for k, v in ev.headers if k.lower() == b"authorization"), "")
+                    if not (self.token and auth.startswith("Bearer ") and hmac.compare_digest(auth[7:], self.token)):
+                        raise ApiError(401, "unauthorized", "a bearer token is required on the TCP listener")
                 length = next((v for k, v in ev.headers if k.lower() == b"content-length"), b"0")
                 size = int(length) if length.isdigit() else 0
                 if size > MAX_BODY:
                     raise ApiError(413, "too-large", f"request body of {size} bytes is over the limit of {MAX_BODY}")
                 if size > LARGE_BODY:
-                    # a large body is buffered whole: only a few at a time, the rest are told to retry
-                    if self._uploads <= 0:
-                        raise ApiError(429, "busy", f"{UPLOADS} large uploads are already in progress",
-                                       hint="retry in a moment", exit_code=125)
-                    self._uploads -= 1
-                    held.append(True)
+                    self._take_upload_slot(held)
             elif isinstance(ev, h11.Data):
                 body += ev.data
                 if len(body) > MAX_BODY:
                     raise ApiError(413, "too-large", "request body too large")
+                if len(body) > LARGE_BODY and not held:  # a chunked body grew large: same rule
+                    self._take_upload_slot(held)
             elif isinstance(ev, h11.EndOfMessage):
                 return req, bytes(body)
             elif isinstance(ev, h11.ConnectionClosed):
                 return None, b""
+
+    def _take_upload_slot(self, held: list[bool]) -> None:
+        # a large body is buffered whole: only a few at a time, the rest are told to retry
+        if self._uploads <= 0:
+            raise ApiError(429, "busy", f"{UPLOADS} large uploads are already in progress",
+                           hint="retry in a moment", exit_code=125)
+        self._uploads -= 1
+        held.append(True)
 
     async def _json(self, conn, writer, status: int, doc) -> None:
         data = json.dumps(doc, sort_keys=True, default=str).encode()
@@ -859,7 +877,14 @@ class Daemon:
         def record(kind, sandbox=None, **data):
             # the runtime's run records: on the chain now, from this thread (a run that cannot be
             # recorded does not start), and as events from the loop
-            self.audit.append(kind, actor="agentvm", sandbox=sandbox, data=data)
+            try:
+                self.audit.append(kind, actor="agentvm", sandbox=sandbox, data=data)
+            except (sqlite3.Error, OSError):
+                if kind == "run.started":
+                    raise  # a run that cannot be recorded does not start
+                # the run happened: its record waits in the queue, with the daemon's others
+                loop.call_soon_threadsafe(lambda: self.record(kind, sandbox=sandbox, **data))
+                return
             loop.call_soon_threadsafe(lambda: self.emit(kind, actor="agentvm", sandbox=sandbox, **data))
 
         rt = Runtime(self.paths, self.runtime._backend, record=record)
@@ -936,6 +961,11 @@ class Daemon:
             if rid not in ids:
                 raise ApiError(404, "not-found", f"{name} has no rule {rid!r}" + (f" (its rules: {', '.join(ids)})" if ids else ""),
                                hint=f"`agentvm policy {name} show` lists the rules and their ids")
+            from agentvm.policy import default_deny_rules
+
+            if rid in {r.id for r in default_deny_rules()}:
+                raise ApiError(409, "not-removable", f"{rid!r} is a deny rule every sandbox gets (DNS-over-HTTPS "
+                               "endpoints): it cannot be removed", exit_code=77)
             patch.setdefault("removed", []).append(rid)
         elif op == "show":
             return self._policy_view(name, row, patch)
@@ -1030,7 +1060,9 @@ def check_chain(paths: Paths, accept_broken: bool) -> str | None:
     the break under new records), unless the operator accepts it - then the break is the
     first thing recorded. Returns the problem accepted, if any."""
     db = paths.audit_dir / "audit.db"
-    if not db.exists():
+    if not db.exists() or db.stat().st_size == 0:
+        if db.with_suffix(".head").exists():
+            AuditLog(db)  # refuses (audit.lost): the head says a chain was here
         return None
     log = AuditLog.open_readonly(db)
     try:
@@ -1051,6 +1083,13 @@ def check_chain(paths: Paths, accept_broken: bool) -> str | None:
 def run_daemon(paths: Paths, *, listen: str | None = None, backend=None, accept_broken_chain: bool = False) -> None:
     """Foreground entry point (``agentvm up --foreground``)."""
     accepted = check_chain(paths, accept_broken_chain)
+    import resource
+
+    # one daemon serves every sandbox, client and gate connection of the host: the default
+    # soft limit of 1024 descriptors is a ceiling it would hit (every fd path is poll/epoll based)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or soft < hard):
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY else 1 << 20, hard))
 
     async def main():
         from concurrent.futures import ThreadPoolExecutor
@@ -1107,3 +1146,18 @@ def _make_reserve(path: Path) -> None:
         path.unlink(missing_ok=True)
         return
     os.close(fd)
+
+
+async def _drain(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, limit: float = 5.0) -> None:
+    """After an early answer (413, 429...): stop writing, then read and drop what the client is
+    still sending for a while, so it gets to read the answer instead of a reset."""
+    try:
+        if writer.can_write_eof():
+            writer.write_eof()
+        deadline = asyncio.get_running_loop().time() + limit
+        while True:
+            left = deadline - asyncio.get_running_loop().time()
+            if left <= 0 or not await asyncio.wait_for(reader.read(1 << 16), left):
+                return
+    except (asyncio.TimeoutError, ConnectionError, OSError):
+        return

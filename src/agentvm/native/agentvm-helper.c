@@ -60,8 +60,19 @@ extern char **environ;
 #ifndef __NR_mount_setattr
 #define __NR_mount_setattr 442
 #endif
+#ifndef __NR_openat2
+#define __NR_openat2 437
+#endif
 #define AV_OPEN_TREE_CLONE 1
 #define AV_MOVE_MOUNT_F_EMPTY_PATH 0x4
+#define AV_MOVE_MOUNT_T_EMPTY_PATH 0x40
+#define AV_RESOLVE_NO_XDEV 0x01
+#define AV_RESOLVE_NO_MAGICLINKS 0x02
+#define AV_RESOLVE_NO_SYMLINKS 0x04
+#define AV_RESOLVE_BENEATH 0x08
+struct av_open_how {
+    uint64_t flags, mode, resolve;
+};
 #define AV_MOUNT_ATTR_RDONLY 0x1
 #define AV_MOUNT_ATTR_NOSUID 0x2
 #define AV_MOUNT_ATTR_NODEV 0x4
@@ -255,6 +266,44 @@ struct grant {
     const char *stage;
 };
 
+/* An entry of a staged rw grant the host trusts (.git, .envrc...): made read-only right here,
+ * on the very dentry found - no symlink followed, no mount crossed - so nothing can swap it
+ * between the supervisor's check and the sandbox's view. bwrap's recursive bind carries it in. */
+struct protect {
+    int grant;
+    char kind; /* 'd' or 'f' */
+    const char *rel;
+};
+
+static void protect_entries(struct grant *g, int ng, struct protect *p, int np) {
+    for (int k = 0; k < np; k++) {
+        if (p[k].grant < 0 || p[k].grant >= ng) fail("validate", 0, "--protect names grant %d", p[k].grant);
+        int sfd = open(g[p[k].grant].stage, O_PATH | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+        if (sfd < 0) fail("grant", errno, "protect: open stage %s", g[p[k].grant].stage);
+        struct av_open_how how = {
+            .flags = O_PATH | O_NOFOLLOW | O_CLOEXEC,
+            .resolve = AV_RESOLVE_BENEATH | AV_RESOLVE_NO_SYMLINKS | AV_RESOLVE_NO_MAGICLINKS | AV_RESOLVE_NO_XDEV,
+        };
+        int efd = (int)syscall(__NR_openat2, sfd, p[k].rel, &how, sizeof how);
+        if (efd < 0) fail("grant", errno, "protect %s: it changed since it was checked", p[k].rel);
+        struct stat st;
+        if (fstat(efd, &st) < 0) fail("grant", errno, "protect %s: fstat", p[k].rel);
+        if ((p[k].kind == 'd' && !S_ISDIR(st.st_mode)) || (p[k].kind == 'f' && !S_ISREG(st.st_mode)))
+            fail("grant", 0, "protect %s: it changed since it was checked (now %s)", p[k].rel,
+                 S_ISLNK(st.st_mode) ? "a symlink" : S_ISDIR(st.st_mode) ? "a directory" : "another kind of file");
+        int t = (int)syscall(__NR_open_tree, efd, "", AV_OPEN_TREE_CLONE | O_CLOEXEC | AT_EMPTY_PATH);
+        if (t < 0) fail("grant", errno, "protect %s: open_tree", p[k].rel);
+        struct av_mount_attr attr = {.attr_set = AV_MOUNT_ATTR_RDONLY | AV_MOUNT_ATTR_NOSUID | AV_MOUNT_ATTR_NODEV};
+        if (syscall(__NR_mount_setattr, t, "", AT_EMPTY_PATH, &attr, sizeof attr) < 0)
+            fail("grant", errno, "protect %s: read-only", p[k].rel);
+        if (syscall(__NR_move_mount, t, "", efd, "", AV_MOVE_MOUNT_F_EMPTY_PATH | AV_MOVE_MOUNT_T_EMPTY_PATH) < 0)
+            fail("grant", errno, "protect %s: move_mount", p[k].rel);
+        close(t);
+        close(efd);
+        close(sfd);
+    }
+}
+
 /* A user namespace whose only mapping is owner -> agent (uid and gid), for MOUNT_ATTR_IDMAP. */
 static int idmap_userns(uid_t owner, gid_t group, long agent_uid, long agent_gid) {
     int go[2], done[2];
@@ -352,6 +401,8 @@ static int cmd_launch(int argc, char **argv) {
     const char *argv0 = NULL;
     struct grant grants[32];
     int ngrants = 0;
+    struct protect protects[MAX_ITEMS];
+    int nprotects = 0;
     int i = 0;
 
     /* 1. validate */
@@ -381,12 +432,23 @@ static int cmd_launch(int argc, char **argv) {
             grants[ngrants].fd = fd;
             grants[ngrants].ro = !strcmp(mode, "ro");
             grants[ngrants++].stage = v + n;
+        } else if (!strcmp(a, "--protect")) {
+            /* GRANT,d|f,REL (REL relative to that grant, never absolute, no "..") */
+            int gi, n = 0;
+            char kind;
+            if (nprotects >= MAX_ITEMS || sscanf(v, "%d,%c,%n", &gi, &kind, &n) != 2 || n == 0 ||
+                (kind != 'd' && kind != 'f') || v[n] == '/' || v[n] == 0 || strstr(v + n, ".."))
+                fail("validate", 0, "bad --protect '%s'", v);
+            protects[nprotects].grant = gi;
+            protects[nprotects].kind = kind;
+            protects[nprotects++].rel = v + n;
         } else {
             fail("validate", 0, "unknown option %s", a);
         }
     }
     if (i >= argc) fail("validate", 0, "missing command after --");
     if ((uid < 0) != (gid < 0)) fail("validate", 0, "--uid and --gid go together");
+    if (nprotects && !ngrants) fail("validate", 0, "--protect without --grant");
     for (int k = 0; k < ngrants; k++) {
         int kept = 0;
         for (int j = 0; j < o.nkeep; j++) kept |= o.keep[j] == grants[k].fd;
@@ -421,6 +483,7 @@ static int cmd_launch(int argc, char **argv) {
 
     /* 5. stage the granted folders (needs root; the sandbox inherits the mount namespace) */
     stage_grants(grants, ngrants, uid, gid);
+    protect_entries(grants, ngrants, protects, nprotects);
 
     /* 6. drop privileges: no supplementary groups, then gid, then uid; verify no way back. */
     if (uid >= 0) {
