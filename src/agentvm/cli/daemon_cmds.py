@@ -15,32 +15,30 @@ import click
 from agentvm.errors import EXIT_POLICY, ConfigError
 
 
-class _Duration(click.ParamType):
-    """A duration as everywhere else in agent-vm (``agentvm.units.parse_duration``): 90, 30s, 5m, 1h30m."""
+class _Parsed(click.ParamType):
+    """A value parsed by one of agent-vm's own parsers (``agentvm.units``), its ValueError a
+    usage error: the CLI takes durations and times the same way everywhere."""
 
-    name = "duration"
+    def __init__(self, name: str, parse) -> None:
+        self.name, self._parse = name, parse
 
     def convert(self, value, param, ctx):
-        from agentvm.units import parse_duration
-
         try:
-            return parse_duration(value)
+            return self._parse(value)
         except ValueError as exc:
             self.fail(str(exc), param, ctx)
 
 
-class _Since(click.ParamType):
-    """A point in time (``agentvm.units.parse_since``): a Unix time, a duration ago, an ISO date."""
+def _duration() -> _Parsed:  # 90, 30s, 5m, 1h30m
+    from agentvm.units import parse_duration
 
-    name = "time"
+    return _Parsed("duration", parse_duration)
 
-    def convert(self, value, param, ctx):
-        from agentvm.units import parse_since
 
-        try:
-            return parse_since(value)
-        except ValueError as exc:
-            self.fail(str(exc), param, ctx)
+def _since() -> _Parsed:  # a Unix time, a duration ago, an ISO date
+    from agentvm.units import parse_since
+
+    return _Parsed("time", parse_since)
 
 
 def _client():
@@ -118,8 +116,8 @@ def down():
 
 @click.command()
 @click.option("-f", "--file", "agent_file", required=True, type=click.Path(exists=True, dir_okay=False))
-@click.option("--ttl", type=_Duration(), help="Ephemeral: stop after this long (e.g. 5m, 2h, 90).")
-@click.option("--idle-timeout", type=_Duration(), help="Ephemeral: stop after this long without activity (e.g. 10m).")
+@click.option("--ttl", type=_duration(), help="Ephemeral: stop after this long (e.g. 5m, 2h, 90).")
+@click.option("--idle-timeout", type=_duration(), help="Ephemeral: stop after this long without activity (e.g. 10m).")
 @click.option("--start", "start_now", is_flag=True, help="Start it right away.")
 def create(agent_file, ttl, idle_timeout, start_now):
     """Register an agent with the daemon."""
@@ -303,7 +301,7 @@ def _local_audit(db: str | None):
 
 
 @audit.command("show")
-@click.option("--since", type=_Since(), help="Records from this time on: a Unix time, a duration ago (10m, 2h) or an ISO date.")
+@click.option("--since", type=_since(), help="Records from this time on: a Unix time, a duration ago (10m, 2h) or an ISO date.")
 @click.option("--sandbox")
 @click.option("--json", "as_json", is_flag=True)
 @click.option("--file", "db", type=click.Path(dir_okay=False), help="Read this audit database (default: this installation's).")
