@@ -59,3 +59,21 @@ def test_spec_error_lists_located_problems():
     e = errors.SpecError("invalid agent", problems=[p])
     assert "a.yaml:7: spec.limits.memory: bad size" in e.message
     assert e.to_dict()["problems"][0]["line"] == 7
+
+
+def test_cli_durations_and_times_use_the_one_parser():
+    import time
+
+    import click
+
+    from agentvm.cli.daemon_cmds import _duration, _since
+    from agentvm.units import parse_since
+
+    assert _duration().convert("5m", None, None) == 300.0 and _duration().convert("90", None, None) == 90.0
+    with pytest.raises(click.BadParameter):
+        _duration().convert("soon", None, None)
+    assert abs(_since().convert("1m", None, None) - (time.time() - 60)) < 5
+    assert parse_since("1763740000") == 1763740000.0
+    assert parse_since("2026-11-23T00:00:00+00:00") == 1795392000.0
+    with pytest.raises(ValueError):
+        parse_since("nan")
