@@ -375,3 +375,12 @@ def test_a_stalled_body_does_not_hold_a_slot_forever(d, monkeypatch):
     while d.daemon._uploads != srv.UPLOADS and time.monotonic() < deadline:
         time.sleep(0.05)
     assert d.daemon._uploads == srv.UPLOADS, "the slot came back"
+
+
+def test_allow_on_an_agent_with_no_route_is_an_error_not_a_no_op(d):
+    c = d.client
+    c.create("apiVersion: agentvm/v1\nkind: Agent\nmetadata: {name: offline}\nspec:\n  network: none\n  command: [w]\n")
+    with pytest.raises(ApiFailure) as ei:
+        c.policy("offline", "allow", rule="pypi.org")
+    assert "no route out" in ei.value.message and ei.value.exit_code == 78, ei.value.message
+    assert c.get("offline")["policy_patch"] == {}
