@@ -146,11 +146,18 @@ def test_kill_9_daemon_then_restart_leaves_no_orphans(daemon, tmp_path):
 
 
 def test_edited_audit_record_is_caught(daemon, tmp_path):
+    """On a copy: the session's own chain must stay intact for the tests after this one (the
+    daemon refuses to start on a broken chain; tests/faults covers that on a home of its own)."""
+    import shutil
+
     f = agent(tmp_path, "d-audit", ["/bin/sh", "-c", "sleep 300"])
     av("create", "-f", str(f))
     av("rm", "d-audit")
     av("down")
-    db = daemon / "audit" / "audit.db"
+    for name in ("audit.db", "audit.head"):
+        shutil.copy(daemon / "audit" / name, tmp_path / name)
+    av("up")
+    db = tmp_path / "audit.db"
     assert b"intact" in av("audit", "verify", "--file", str(db)).stdout
     c = sqlite3.connect(str(db), isolation_level=None)
     seq = c.execute("SELECT seq FROM audit WHERE kind='lifecycle.created' ORDER BY seq DESC LIMIT 1").fetchone()[0]
@@ -158,11 +165,6 @@ def test_edited_audit_record_is_caught(daemon, tmp_path):
     c.close()
     r = av("audit", "verify", "--file", str(db), check=False)
     assert r.returncode == 77 and f"record {seq}".encode() in r.stderr
-    r = av("up", check=False)  # the daemon will not append to a broken chain...
-    assert r.returncode == 78 and b"audit.broken-chain" in r.stderr and f"record {seq}".encode() in r.stderr, r.stderr
-    av("up", "--accept-broken-chain")  # ...unless told, and then the break is its first record
-    recs = [json.loads(x) for x in av("audit", "show", "--json").stdout.decode().splitlines() if x]
-    assert any(x["kind"] == "daemon.accepted-broken-chain" for x in recs)
 
 
 def test_live_revocation_through_the_gate(daemon, tmp_path):
