@@ -67,7 +67,7 @@ def plan(host: str, writable: tuple[str, ...] = ()) -> tuple[Protect, ...]:
         if stat.S_ISLNK(st.st_mode):
             raise PolicyDenied(
                 f"{host}/{rel} is a symbolic link: agent-vm keeps that name read-only inside a read-write "
-                "grant and cannot pin a link (the host would follow it to a file the agent may change)",
+                "grant and cannot make a link read-only in place (the host would follow it to a file the agent may change)",
                 hint=f"replace the link with the file it points to, or list {rel!r} in the grant's "
                 "writableTrusted if the agent may change it",
                 code="policy.grant-trusted-link",
