@@ -101,6 +101,12 @@ def main() -> int:
         rt.embedded_gate().close(plan.sandbox_id)
         assert st.exit_code == 0 and rep.verified, (st, rep)
 
+    # bytecode as an installed agent-vm has it (an environment with PYTHONDONTWRITEBYTECODE
+    # would otherwise recompile every changed module on every run and measure that)
+    import compileall
+
+    compileall.compile_dir(str(Path(__file__).resolve().parent.parent / "src" / "agentvm"), quiet=1)
+
     # the entry point next to this interpreter (a venv's), never a pyenv shim
     entry = Path(sys.executable).parent / "agentvm"
     cli = [str(entry)] if entry.exists() else [sys.executable, "-m", "agentvm"]

@@ -12,6 +12,7 @@ agent file) builds a ``Policy`` from defaults directly.
 from __future__ import annotations
 
 import hashlib
+import os
 import json
 from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING
@@ -127,19 +128,37 @@ def default_deny_rules() -> tuple:
 
 
 def _load_default_denies() -> tuple:
+    """The doh-deny preset's rules. Parsing YAML costs more than starting a sandbox, and every
+    gated run needs these: the parsed rules are cached as JSON in agent-vm's libexec, keyed by
+    the preset file's SHA-256 (a changed preset is parsed again)."""
     from pathlib import Path
     from types import SimpleNamespace
 
-    import yaml
-
     from agentvm.gate.policy import compile_egress
 
-    doc = yaml.safe_load((Path(__file__).parent / "presets" / "doh-deny.yaml").read_text())
-    rules = []
-    for r in doc["spec"]["egress"]["deny"]:
-        rules.append(SimpleNamespace(host=r["host"], ports=r.get("ports", [443]), methods=[], paths=[], max_body=None,
-                                     websocket=False, id=r.get("id")))
-    return compile_egress(SimpleNamespace(deny=rules)).deny
+    raw = (Path(__file__).parent / "presets" / "doh-deny.yaml").read_bytes()
+    cache = None
+    try:
+        from agentvm.paths import default_paths
+
+        cache = default_paths().libexec / f"doh-deny-{hashlib.sha256(raw).hexdigest()[:16]}.json"
+        rules = json.loads(cache.read_text())
+    except (OSError, ValueError):
+        import yaml
+
+        doc = yaml.safe_load(raw)
+        rules = [{"host": r["host"], "ports": r.get("ports", [443]), "id": r.get("id")} for r in doc["spec"]["egress"]["deny"]]
+        if cache is not None:
+            try:
+                cache.parent.mkdir(parents=True, exist_ok=True)
+                tmp = cache.with_suffix(f".{os.getpid()}.tmp")
+                tmp.write_text(json.dumps(rules))
+                os.replace(tmp, cache)
+            except OSError:
+                pass
+    ns = [SimpleNamespace(host=r["host"], ports=r["ports"], methods=[], paths=[], max_body=None, websocket=False,
+                          id=r["id"]) for r in rules]
+    return compile_egress(SimpleNamespace(deny=ns)).deny
 
 
 _DEFAULT_DENIES: tuple | None = None

@@ -116,19 +116,45 @@ class Runtime:
         return self.paths.home / "logs"
 
     def gate_ca_pem(self) -> bytes:
-        """The installation's gate CA certificate (created on first use; key stays in ``gate/ca``)."""
+        """The installation's gate CA certificate (created on first use; key stays in ``gate/ca``).
+
+        Checking the CA (key permissions, key matches certificate, not expired) needs the
+        cryptography library, which costs more than starting a sandbox. So a full check leaves a
+        stamp of exactly what it checked (inode, size and mtime of key and certificate, the
+        certificate's expiry); while nothing of that has changed, the certificate is read as is."""
+        d = self.gate_dir / "ca"
+        try:
+            stamp = json.loads((d / ".verified").read_text())
+            sd, sc, sk = os.stat(d), os.stat(d / "ca.crt"), os.stat(d / "ca.key")
+            if (sd.st_uid == os.geteuid() and not sd.st_mode & 0o022 and not sk.st_mode & 0o077
+                    and stamp["crt"] == [sc.st_ino, sc.st_size, sc.st_mtime_ns]
+                    and stamp["key"] == [sk.st_ino, sk.st_size, sk.st_mtime_ns]
+                    and time.time() < stamp["not_after"] - 86400):
+                return (d / "ca.crt").read_bytes()
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
         from agentvm.gate.ca import CertificateAuthority
 
-        return CertificateAuthority.load_or_create(self.gate_dir / "ca").cert_pem
+        ca = CertificateAuthority.load_or_create(d)
+        try:
+            sc, sk = os.stat(d / "ca.crt"), os.stat(d / "ca.key")
+            stamp = {"crt": [sc.st_ino, sc.st_size, sc.st_mtime_ns], "key": [sk.st_ino, sk.st_size, sk.st_mtime_ns],
+                     "not_after": ca._cert.not_valid_after_utc.timestamp()}
+            tmp = d / ".verified.tmp"
+            tmp.write_text(json.dumps(stamp))
+            os.replace(tmp, d / ".verified")
+        except (OSError, AttributeError):
+            pass
+        return ca.cert_pem
 
     def embedded_gate(self):
         """The gate in a thread of this process (``agentvm run`` without a daemon)."""
         if self._gate is None:
-            from agentvm.gate.server import EmbeddedGate
+            from agentvm.gate.embedded import LazyGate
 
             self.log_dir.mkdir(parents=True, exist_ok=True)
             os.chmod(self.log_dir, 0o700)
-            self._gate = EmbeddedGate(self.gate_dir, self.log_dir)
+            self._gate = LazyGate(self.gate_dir, self.log_dir)  # comes up off the run's critical path
         return self._gate
 
     @property
@@ -438,6 +464,17 @@ class Runtime:
                 shutil.rmtree(run_dir, ignore_errors=True)
             res.release(report)
             egress = None
+            gate_error = None
+            if endpoint is not None and not endpoint.served():
+                # the sandbox is gone and never connected: no need to wait for the gate to be up
+                endpoint.abandon()
+                endpoint = None
+                egress = {"allowed": 0, "denied": [], "bytes_out": 0, "bytes_in": 0, "alerts": 0, "log": None}
+            if endpoint is not None:
+                try:
+                    endpoint = endpoint.result()
+                except AgentVMError as exc:  # the gate never served: every connection was refused
+                    gate_error, endpoint = exc, None
             if endpoint is not None:
                 self._gate.close(plan.sandbox_id)
                 egress = {
@@ -468,6 +505,9 @@ class Runtime:
             limits={"memory": policy.limits.memory, "pids": policy.limits.pids, "timeout": policy.limits.timeout,
                     "tmp": policy.limits.tmp, "shm": policy.limits.shm},
         )
+        if gate_error is not None:
+            result.setup_error = result.setup_error or {"step": "gate", "errno": 0, "message": gate_error.message}
+            result.exit_code = EXIT_BACKEND
         if report is not None and not report.verified:
             result.exit_code = EXIT_BACKEND if result.exit_code == 0 else result.exit_code
         eg = result.egress or {}

@@ -928,7 +928,8 @@ probe("frag", "allowed.test", frag=64)
 def test_gate_state_not_visible_inside(gate, avm_home):
     """The gate's CA key, decision logs and sockets live outside the sandbox."""
     home = str(avm_home)
-    script = (f"ls -la {home} {home}/gate {home}/gate/ca {home}/logs 2>&1 | sed 's/^/LS /'; "
+    script = (f"curl -s -o /dev/null http://allowed.test:{gate.hp}/x; "  # a decision, so there is a log
+              f"ls -la {home} {home}/gate {home}/gate/ca {home}/logs 2>&1 | sed 's/^/LS /'; "
               "grep -l 'PRIVATE KEY' /etc/ssl/certs/* /etc/ssl/private/* 2>/dev/null | sed 's/^/KEY /'; "
               "grep -c 'BEGIN CERTIFICATE' /etc/ssl/certs/agentvm-gate-ca.pem | sed 's/^/GATECA /'; echo done")
     run = sh(gate.spec, script)
@@ -1096,20 +1097,11 @@ send(("CONNECT other\x1b.test:443 HTTP/1.1\r\n\r\n").encode())
 # ---------------------------------------------------------------------------- fail closed
 
 
-def _run_library(gate, monkeypatch, tmp_path, break_gate) -> tuple[object | Exception, str]:
-    from agentvm.gate import server
+def _run_library(gate, tmp_path) -> tuple[object | Exception, str]:
     from agentvm.policy import compile_policy, with_overrides
     from agentvm.runtime import Runtime
     from agentvm.spec.loader import load_agent
 
-    orig_open = server.EmbeddedGate.open
-
-    def broken_open(self, sandbox_id, agent, policy, sock_path, uid, **kw):
-        ep = orig_open(self, sandbox_id, agent, policy, sock_path, uid, **kw)
-        break_gate(self, sandbox_id, ep)
-        return ep
-
-    monkeypatch.setattr(server.EmbeddedGate, "open", broken_open)
     policy = compile_policy(load_agent(gate.spec).spec)
     policy = with_overrides(policy, command=("/bin/sh", "-c",
                                              f"curl -sS --max-time 10 http://allowed.test:{gate.hp}/failclosed; echo \"RC $?\";"
@@ -1128,43 +1120,41 @@ def _run_library(gate, monkeypatch, tmp_path, break_gate) -> tuple[object | Exce
     return result, text
 
 
+def _assert_nothing_left(result, out, gate):
+    assert '"path": "/failclosed' not in out, out
+    rcs = [ln for ln in out.splitlines() if ln.startswith(("RC ", "RCS "))]
+    assert len(rcs) == 2 and "RC 0" not in rcs and "RCS 0" not in rcs, out  # the sandbox ran: both clients failed
+    assert gate.http.seen == [] and gate.https.seen == []
+
+
+def test_fail_closed_when_the_gate_cannot_start(gate, monkeypatch, tmp_path):
+    """The gate starts on the sandbox's first connection; if it cannot, the connections waiting
+    on its socket are refused, and the run says so (exit 125, setup_error.step gate)."""
+    from agentvm.gate import server
+
+    def broken(self, *a, **kw):
+        raise RuntimeError("simulated gate start failure")
+
+    monkeypatch.setattr(server.EmbeddedGate, "__init__", broken)
+    result, out = _run_library(gate, tmp_path)
+    _assert_nothing_left(result, out, gate)
+    assert not isinstance(result, Exception) and result.exit_code == 125, result
+    assert result.setup_error["step"] == "gate" and "simulated gate start failure" in result.setup_error["message"]
+
+
 def test_fail_closed_when_gate_stops_listening(gate, monkeypatch, tmp_path):
-    """The gate's listener is gone (crashed) but its socket file is left behind."""
+    """The gate's listener is gone (crashed) right as the endpoint opens: the waiting and all
+    later connections are refused, nothing leaves."""
+    from agentvm.gate import server
 
-    def stop_listening(eg, sandbox_id, ep):
-        async def close():
-            ep.server.close()
-            await ep.server.wait_closed()
+    orig = server.Gate.open_endpoint
 
-        eg.call(close())
-        if not ep.sock_path.exists():  # keep a dead socket file in place
-            s = socket.socket(socket.AF_UNIX)
-            s.bind(str(ep.sock_path))
-            s.close()
+    async def open_then_stop(self, *a, **kw):
+        ep = await orig(self, *a, **kw)
+        ep.server.close()  # before the loop accepts anything
+        await ep.server.wait_closed()
+        return ep
 
-    result, out = _run_library(gate, monkeypatch, tmp_path, stop_listening)
-    assert '"path": "/failclosed' not in out, out
-    if not isinstance(result, Exception):
-        rcs = [ln for ln in out.splitlines() if ln.startswith(("RC ", "RCS "))]
-        if rcs:  # the sandbox ran: both clients failed
-            assert len(rcs) == 2 and "RC 0" not in rcs and "RCS 0" not in rcs, out
-        else:  # or the run was refused
-            assert result.exit_code != 0, out
-    assert gate.http.seen == [] and gate.https.seen == []
-
-
-def test_fail_closed_when_endpoint_closed(gate, monkeypatch, tmp_path):
-    """The endpoint is closed (socket removed) before the sandbox starts."""
-
-    def close_endpoint(eg, sandbox_id, ep):
-        eg.close(sandbox_id)
-
-    result, out = _run_library(gate, monkeypatch, tmp_path, close_endpoint)
-    assert '"path": "/failclosed' not in out, out
-    if not isinstance(result, Exception):
-        rcs = [ln for ln in out.splitlines() if ln.startswith(("RC ", "RCS "))]
-        if rcs:
-            assert len(rcs) == 2 and "RC 0" not in rcs and "RCS 0" not in rcs, out
-        else:
-            assert result.exit_code != 0, out
-    assert gate.http.seen == [] and gate.https.seen == []
+    monkeypatch.setattr(server.Gate, "open_endpoint", open_then_stop)
+    result, out = _run_library(gate, tmp_path)
+    _assert_nothing_left(result, out, gate)

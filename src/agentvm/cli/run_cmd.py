@@ -129,7 +129,7 @@ def _run(argv: list[str]) -> int:
     else:
         if not command:
             raise ConfigError("nothing to run", hint="agentvm run -- CMD [ARGS...], or agentvm run -f AGENT.yaml")
-        policy = Policy(name="run")
+        policy = Policy(name="run", network=ns.network or "gate")  # "none": no gate rules to compile at all
     try:
         t = parse_duration(ns.timeout) if ns.timeout is not None else None
         m = parse_size(ns.memory) if ns.memory is not None else None

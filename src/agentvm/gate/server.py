@@ -393,13 +393,20 @@ class Gate:
 
     # -- endpoints ------------------------------------------------------------------------
     async def open_endpoint(self, sandbox_id: str, agent: str, policy: EgressPolicy, sock_path: Path, *, uid: int | None = None,
-                            creds=None) -> Endpoint:
+                            creds=None, sock=None) -> Endpoint:
+        """Serve ``sandbox_id``'s socket: bound here, or ``sock`` - already bound, owned and
+        listening (``agentvm.gate.embedded`` binds it before the sandbox starts, so connections
+        wait in its backlog while the gate comes up)."""
         sock_path = Path(sock_path)
+        ep = Endpoint(self, sandbox_id, agent, policy, sock_path, self.log_dir / f"{sandbox_id}.egress.jsonl")
+        ep.creds = creds
+        if sock is not None:
+            ep.server = await asyncio.start_unix_server(lambda r, w: self._handle(ep, r, w), sock=sock, limit=STREAM_LIMIT)
+            self.endpoints[sandbox_id] = ep
+            return ep
         sock_path.parent.mkdir(parents=True, exist_ok=True)
         if sock_path.exists():
             sock_path.unlink()
-        ep = Endpoint(self, sandbox_id, agent, policy, sock_path, self.log_dir / f"{sandbox_id}.egress.jsonl")
-        ep.creds = creds
         ep.server = await asyncio.start_unix_server(lambda r, w: self._handle(ep, r, w), path=str(sock_path),
                                                     limit=STREAM_LIMIT)
         # only the sandbox's uid (and root) may connect
@@ -1268,8 +1275,9 @@ class EmbeddedGate:
     def call(self, coro, timeout: float = 10.0):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
-    def open(self, sandbox_id: str, agent: str, policy: EgressPolicy, sock_path: Path, uid: int | None, creds=None) -> Endpoint:
-        return self.call(self.gate.open_endpoint(sandbox_id, agent, policy, sock_path, uid=uid, creds=creds))
+    def open(self, sandbox_id: str, agent: str, policy: EgressPolicy, sock_path: Path, uid: int | None, creds=None,
+             sock=None) -> Endpoint:
+        return self.call(self.gate.open_endpoint(sandbox_id, agent, policy, sock_path, uid=uid, creds=creds, sock=sock))
 
     def close(self, sandbox_id: str) -> Endpoint | None:
         return self.call(self.gate.close_endpoint(sandbox_id))

@@ -1,0 +1,167 @@
+"""The embedded gate (``agentvm run`` without a daemon), started when it is first needed.
+
+Importing and starting the gate (asyncio, h11, cryptography, its CA) takes longer than
+starting a sandbox. So the sandbox's socket is bound, owned and listening *before* the
+sandbox starts - there is never a moment without the gate's socket - and the gate itself is
+started, in a background thread, when the first connection arrives on it; it then takes over
+that listening socket. The connection waits in the backlog meanwhile (the first request of
+a run pays the gate's start once). A sandbox that never connects never starts a gate. If
+the gate cannot start, the socket is closed and every waiting connection is refused (fail
+closed), and the run reports it.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+from pathlib import Path
+
+from agentvm.errors import BackendError
+
+START_TIMEOUT = 30.0
+
+
+class PendingEndpoint:
+    """A sandbox's gate endpoint that may still be coming up."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC)
+        self._done = threading.Event()
+        self._ep = None
+        self._error: BaseException | None = None
+
+    def _set(self, ep=None, error: BaseException | None = None) -> None:
+        self._ep, self._error = ep, error
+        self._done.set()
+
+    def served(self) -> bool:
+        """Whether anything was or may be served: the gate took over, or a connection waits
+        in the backlog. False only for a sandbox that never tried to connect."""
+        if self._done.is_set():
+            return True  # served, or failed to: result() says which
+        import select
+
+        p = select.poll()
+        p.register(self.sock.fileno(), select.POLLIN)
+        return bool(p.poll(0))
+
+    def abandon(self) -> None:
+        """The sandbox is gone and never connected: close the socket without waiting for the
+        gate (it will not serve it)."""
+        try:
+            os.write(self._wake_w, b"x")  # the waiter stops waiting for a first connection
+        except OSError:
+            pass  # it already stopped
+        self._close_wake()
+        self.sock.close()
+
+    def _close_wake(self) -> None:
+        fd, self._wake_w = self._wake_w, -1
+        if fd >= 0:
+            os.close(fd)
+
+    def result(self, timeout: float = START_TIMEOUT):
+        if not self._done.wait(timeout):
+            self._close_wake()
+            raise BackendError(f"the egress gate did not start within {timeout:g}s")
+        self._close_wake()
+        if self._error is not None:
+            raise BackendError(f"the egress gate failed to start: {type(self._error).__name__}: {self._error}") from self._error
+        return self._ep
+
+
+class LazyGate:
+    def __init__(self, state_dir: Path, log_dir: Path) -> None:
+        self.state_dir, self.log_dir = state_dir, log_dir
+        self._ready = threading.Event()
+        self._start_lock = threading.Lock()
+        self._started = False
+        self._impl = None
+        self._error: BaseException | None = None
+
+    def _ensure_started(self) -> None:
+        with self._start_lock:
+            if not self._started:
+                self._started = True
+                threading.Thread(target=self._start, name="agentvm-gate-start", daemon=True).start()
+
+    def _start(self) -> None:
+        try:
+            from agentvm.gate.server import EmbeddedGate
+
+            self._impl = EmbeddedGate(self.state_dir, self.log_dir)
+        except BaseException as exc:  # noqa: BLE001 - reported to every endpoint
+            self._error = exc
+        finally:
+            self._ready.set()
+
+    def impl(self, timeout: float = START_TIMEOUT):
+        self._ensure_started()
+        if not self._ready.wait(timeout):
+            raise BackendError(f"the egress gate did not start within {timeout:g}s")
+        if self._error is not None:
+            raise BackendError(f"the egress gate failed to start: {self._error}") from self._error
+        return self._impl
+
+    @property
+    def gate(self):  # the started gate (its subscribers, endpoints...)
+        return self.impl().gate
+
+    def open(self, sandbox_id: str, agent: str, policy, sock_path: Path, uid: int | None, creds=None) -> PendingEndpoint:
+        """Bind, own and listen on the sandbox's socket now; the gate serves it when it is up."""
+        sock_path = Path(sock_path)
+        sock_path.parent.mkdir(parents=True, exist_ok=True)
+        sock_path.unlink(missing_ok=True)
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            s.bind(str(sock_path))
+            if uid is not None and os.geteuid() == 0:  # only the sandbox's uid (and root) may connect
+                os.chown(sock_path, uid, uid)
+            os.chmod(sock_path, 0o600)
+            s.listen(128)
+        except BaseException:
+            s.close()
+            raise
+        pending = PendingEndpoint(s)
+
+        def attach() -> None:
+            import select
+
+            p = select.poll()  # wait, without the GIL, for a first connection (or the end)
+            p.register(s.fileno(), select.POLLIN)
+            p.register(pending._wake_r, select.POLLIN)
+            try:
+                while True:
+                    ready = dict(p.poll())
+                    if pending._wake_r in ready:
+                        return  # abandoned: the sandbox never connected
+                    if s.fileno() in ready:
+                        break
+            except (OSError, ValueError):
+                return
+            finally:
+                os.close(pending._wake_r)
+            try:
+                impl = self.impl()
+                pending._set(impl.open(sandbox_id, agent, policy, sock_path, uid, creds=creds, sock=s))
+            except BaseException as exc:  # noqa: BLE001
+                s.close()  # fail closed: waiting connections are refused
+                pending._set(error=exc)
+
+        threading.Thread(target=attach, name=f"agentvm-gate-{sandbox_id}", daemon=True).start()
+        return pending
+
+    def close(self, sandbox_id: str):
+        if not self._started:
+            return None
+        self._ready.wait(START_TIMEOUT)
+        if self._impl is None:
+            return None
+        return self._impl.close(sandbox_id)
+
+    def stop(self) -> None:
+        if self._ready.is_set() and self._impl is not None:
+            self._impl.stop()
+        # still starting: nothing of it serves anyone (every endpoint was closed or abandoned)
