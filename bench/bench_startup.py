@@ -93,12 +93,14 @@ def main() -> int:
         run_dir = rt.paths.sandboxes / plan.sandbox_id
         run_dir.mkdir(parents=True, exist_ok=True)
         os.chmod(run_dir, 0o711)
-        rt.embedded_gate().open(plan.sandbox_id, "bench", gated.egress, run_dir / "gate.sock", plan.host_uid)
+        ep = rt.embedded_gate().open(plan.sandbox_id, "bench", gated.egress, run_dir / "gate.sock", plan.host_uid)
         h = backend.launch(plan, stdio=(subprocess.DEVNULL, subprocess.DEVNULL, subprocess.DEVNULL))
         st = backend.wait(h)
         rep = backend.destroy(h)
         res.release(rep)
-        rt.embedded_gate().close(plan.sandbox_id)
+        if not ep.abandon_if_unused():  # as Runtime.run does
+            ep.result()
+            rt.embedded_gate().close(plan.sandbox_id)
         assert st.exit_code == 0 and rep.verified, (st, rep)
 
     # bytecode as an installed agent-vm has it (an environment with PYTHONDONTWRITEBYTECODE

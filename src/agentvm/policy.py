@@ -141,8 +141,16 @@ def _load_default_denies() -> tuple:
     try:
         from agentvm.paths import default_paths
 
-        cache = default_paths().libexec / f"doh-deny-{hashlib.sha256(raw).hexdigest()[:16]}.json"
+        cache = default_paths().libexec / f"doh-deny-v1-{hashlib.sha256(raw).hexdigest()[:16]}.json"
+        st = cache.stat()
+        if st.st_uid != os.geteuid() or st.st_mode & 0o022:
+            raise ValueError("not agent-vm's own cache")
         rules = json.loads(cache.read_text())
+        if not (isinstance(rules, list) and rules and all(
+                isinstance(r, dict) and isinstance(r.get("host"), str) and isinstance(r.get("id"), str)
+                and isinstance(r.get("ports"), list) and r["ports"] and all(type(p) is int for p in r["ports"])
+                for r in rules)):
+            raise ValueError("malformed cache")
     except (OSError, ValueError):
         import yaml
 

@@ -126,9 +126,10 @@ class Runtime:
         try:
             stamp = json.loads((d / ".verified").read_text())
             sd, sc, sk = os.stat(d), os.stat(d / "ca.crt"), os.stat(d / "ca.key")
+            sv = os.stat(d / ".verified")
             if (sd.st_uid == os.geteuid() and not sd.st_mode & 0o022 and not sk.st_mode & 0o077
-                    and stamp["crt"] == [sc.st_ino, sc.st_size, sc.st_mtime_ns]
-                    and stamp["key"] == [sk.st_ino, sk.st_size, sk.st_mtime_ns]
+                    and sv.st_uid == os.geteuid() and not sv.st_mode & 0o022
+                    and stamp["crt"] == _stamp_of(sc) and stamp["key"] == _stamp_of(sk)
                     and time.time() < stamp["not_after"] - 86400):
                 return (d / "ca.crt").read_bytes()
         except (OSError, ValueError, KeyError, TypeError):
@@ -138,8 +139,7 @@ class Runtime:
         ca = CertificateAuthority.load_or_create(d)
         try:
             sc, sk = os.stat(d / "ca.crt"), os.stat(d / "ca.key")
-            stamp = {"crt": [sc.st_ino, sc.st_size, sc.st_mtime_ns], "key": [sk.st_ino, sk.st_size, sk.st_mtime_ns],
-                     "not_after": ca._cert.not_valid_after_utc.timestamp()}
+            stamp = {"crt": _stamp_of(sc), "key": _stamp_of(sk), "not_after": ca._cert.not_valid_after_utc.timestamp()}
             tmp = d / ".verified.tmp"
             tmp.write_text(json.dumps(stamp))
             os.replace(tmp, d / ".verified")
@@ -465,9 +465,8 @@ class Runtime:
             res.release(report)
             egress = None
             gate_error = None
-            if endpoint is not None and not endpoint.served():
+            if endpoint is not None and endpoint.abandon_if_unused():
                 # the sandbox is gone and never connected: no need to wait for the gate to be up
-                endpoint.abandon()
                 endpoint = None
                 egress = {"allowed": 0, "denied": [], "bytes_out": 0, "bytes_in": 0, "alerts": 0, "log": None}
             if endpoint is not None:
@@ -623,6 +622,11 @@ def _blocking_parent(path: str, uid: int, gid: int) -> str | None:
 
 def _uid_can_write(path: str, uid: int, gid: int) -> bool:
     return _uid_may(path, uid, gid, write=True)
+
+
+def _stamp_of(st: os.stat_result) -> list[int]:
+    """What a full CA check saw of a file: any change (content, owner, mode) changes this."""
+    return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_uid, st.st_mode]
 
 
 def _shown_argv(argv: tuple[str, ...]) -> list[str]:

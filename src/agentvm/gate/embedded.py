@@ -28,6 +28,9 @@ class PendingEndpoint:
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
         self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC)
+        self._lock = threading.Lock()
+        self._claimed = False  # the starting gate owns the socket from here on
+        self._abandoned = False
         self._done = threading.Event()
         self._ep = None
         self._error: BaseException | None = None
@@ -36,26 +39,29 @@ class PendingEndpoint:
         self._ep, self._error = ep, error
         self._done.set()
 
-    def served(self) -> bool:
-        """Whether anything was or may be served: the gate took over, or a connection waits
-        in the backlog. False only for a sandbox that never tried to connect."""
-        if self._done.is_set():
-            return True  # served, or failed to: result() says which
+    def abandon_if_unused(self) -> bool:
+        """The sandbox is gone: if it never connected (the gate has not claimed the socket and
+        nothing waits in the backlog), close the socket without waiting for a gate - True. Else
+        False: the gate serves (or refuses) what arrived, and result() has the outcome."""
         import select
 
-        p = select.poll()
-        p.register(self.sock.fileno(), select.POLLIN)
-        return bool(p.poll(0))
-
-    def abandon(self) -> None:
-        """The sandbox is gone and never connected: close the socket without waiting for the
-        gate (it will not serve it)."""
+        with self._lock:
+            if self._abandoned:
+                return True
+            if self._claimed or self._done.is_set():
+                return False
+            p = select.poll()
+            p.register(self.sock.fileno(), select.POLLIN)
+            if p.poll(0):
+                return False
+            self._abandoned = True
         try:
             os.write(self._wake_w, b"x")  # the waiter stops waiting for a first connection
         except OSError:
             pass  # it already stopped
         self._close_wake()
-        self.sock.close()
+        self.sock.close()  # only here, or by the attach thread: never both (the lock decides)
+        return True
 
     def _close_wake(self) -> None:
         fd, self._wake_w = self._wake_w, -1
@@ -75,6 +81,7 @@ class PendingEndpoint:
 class LazyGate:
     def __init__(self, state_dir: Path, log_dir: Path) -> None:
         self.state_dir, self.log_dir = state_dir, log_dir
+        self._pending: set[PendingEndpoint] = set()  # endpoints not yet served or abandoned
         self._ready = threading.Event()
         self._start_lock = threading.Lock()
         self._started = False
@@ -133,22 +140,31 @@ class LazyGate:
             p.register(s.fileno(), select.POLLIN)
             p.register(pending._wake_r, select.POLLIN)
             try:
-                while True:
-                    ready = dict(p.poll())
-                    if pending._wake_r in ready:
-                        return  # abandoned: the sandbox never connected
-                    if s.fileno() in ready:
-                        break
-            except (OSError, ValueError):
-                return
-            finally:
-                os.close(pending._wake_r)
-            try:
+                try:
+                    while True:
+                        ready = dict(p.poll())
+                        if pending._wake_r in ready:
+                            return  # abandoned: the sandbox never connected
+                        if s.fileno() in ready:
+                            break
+                finally:
+                    os.close(pending._wake_r)
+                with pending._lock:
+                    if pending._abandoned:
+                        return
+                    pending._claimed = True
                 impl = self.impl()
                 pending._set(impl.open(sandbox_id, agent, policy, sock_path, uid, creds=creds, sock=s))
             except BaseException as exc:  # noqa: BLE001
-                s.close()  # fail closed: waiting connections are refused
+                with pending._lock:
+                    mine = not pending._abandoned
+                if mine:
+                    s.close()  # fail closed: waiting connections are refused
                 pending._set(error=exc)
+            finally:
+                self._pending.discard(pending)
+
+        self._pending.add(pending)
 
         threading.Thread(target=attach, name=f"agentvm-gate-{sandbox_id}", daemon=True).start()
         return pending
@@ -162,6 +178,8 @@ class LazyGate:
         return self._impl.close(sandbox_id)
 
     def stop(self) -> None:
+        for pending in list(self._pending):
+            pending.abandon_if_unused()
         if self._ready.is_set() and self._impl is not None:
             self._impl.stop()
         # still starting: nothing of it serves anyone (every endpoint was closed or abandoned)

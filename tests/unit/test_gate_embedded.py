@@ -1,0 +1,41 @@
+"""The embedded gate comes up on the first connection: its socket listens from the start, a
+sandbox that never connects never starts a gate, and nothing that connected is dropped."""
+
+from __future__ import annotations
+
+import socket
+
+from agentvm.gate.embedded import LazyGate
+from agentvm.gate.policy import compile_egress
+
+
+def test_an_unused_endpoint_is_abandoned_without_starting_a_gate(tmp_path):
+    g = LazyGate(tmp_path / "gate", tmp_path / "logs")
+    ep = g.open("s1", "a", compile_egress(None), tmp_path / "s1.sock", None)
+    assert (tmp_path / "s1.sock").exists() and oct((tmp_path / "s1.sock").stat().st_mode & 0o777) == "0o600"
+    assert ep.abandon_if_unused() is True
+    assert not g._started, "no gate was started for a sandbox that never connected"
+    c = socket.socket(socket.AF_UNIX)
+    try:
+        c.connect(str(tmp_path / "s1.sock"))
+        raise AssertionError("connected to an abandoned endpoint")
+    except OSError:
+        pass  # refused: the socket is closed
+    g.stop()
+
+
+def test_a_waiting_connection_is_served_not_abandoned(tmp_path):
+    g = LazyGate(tmp_path / "gate", tmp_path / "logs")
+    ep = g.open("s2", "a", compile_egress(None), tmp_path / "s2.sock", None)
+    c = socket.socket(socket.AF_UNIX)
+    c.connect(str(tmp_path / "s2.sock"))
+    c.sendall(b"GET http://example.com/ HTTP/1.1\r\nHost: example.com\r\n\r\n")
+    c.settimeout(30)
+    answer = c.recv(4096)
+    assert answer.startswith(b"HTTP/1.1 403"), answer[:100]  # decided by the gate: no rule allows it
+    c.close()
+    assert ep.abandon_if_unused() is False, "claimed by the gate: never abandoned"
+    endpoint = ep.result()
+    assert endpoint.denials, "the attempt is counted"
+    g.close("s2")
+    g.stop()
