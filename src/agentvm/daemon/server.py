@@ -1042,17 +1042,9 @@ class Daemon:
 
 def _deny_rules(specs: list[str]):
     """``policy NAME deny HOST[:PORT]``: without a port, the host on every port."""
-    from agentvm.gate.policy import compile_egress, parse_authority
+    from agentvm.gate.policy import cli_rule
 
-    extra = compile_egress(None, extra_allow=specs)
-    out = []
-    for i, (s, r) in enumerate(zip(specs, extra.allow)):
-        try:
-            has_port = bool(parse_authority(s, default_port=0)[1]) if s.startswith("[") or s.count(":") == 1 else False
-        except ValueError:
-            has_port = False
-        out.append(dataclasses.replace(r, id=f"live-deny[{i}]", ports=r.ports if has_port else ()))
-    return out
+    return [cli_rule(f"live-deny[{i}]", s, default_ports=()) for i, s in enumerate(specs)]
 
 
 def check_chain(paths: Paths, accept_broken: bool) -> str | None:

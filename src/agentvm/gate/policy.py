@@ -841,16 +841,18 @@ def _compile_rule(r: Any, where: str) -> Rule:
     )
 
 
-def _cli_rule(i: int, s: str) -> Rule:
+def cli_rule(rule_id: str, s: str, default_ports: tuple[int, ...] = CLI_DEFAULT_PORTS) -> Rule:
+    """``HOST[:PORT]`` as the CLI and live policy take it. Without a port: ``default_ports``
+    (80 and 443 for an allow rule; ``()``, every port, for a deny rule)."""
     try:
         if not isinstance(s, str) or not s:
             raise ValueError("empty")
         if s.startswith("[") or s.count(":") == 1:
             host, port = parse_authority(s, default_port=0)
-            ports = (port,) if port else CLI_DEFAULT_PORTS
+            ports = (port,) if port else default_ports
         else:  # a name, or a bare IPv6 literal (which cannot carry a port)
-            host, ports = s, CLI_DEFAULT_PORTS
-        return Rule(id=f"cli[{i}]", host=normalize_pattern(host), ports=ports)
+            host, ports = s, default_ports
+        return Rule(id=rule_id, host=normalize_pattern(host), ports=ports)
     except ValueError as e:
         raise ValueError(
             f"--allow {_safe(s)!r}: expected HOST, *.SUFFIX, IP or [IPv6] with an optional :PORT ({e})"
@@ -897,7 +899,7 @@ def compile_egress(
     if isinstance(extra_allow, str):
         raise ValueError("extra_allow must be a sequence of strings, not a string")
     for i, s in enumerate(extra_allow):
-        allow.append(_cli_rule(i, s))
+        allow.append(cli_rule(f"cli[{i}]", s))
     for name, ip in (extra_hosts or {}).items():
         hosts.update([_host_entry(name, ip, "--add-host")])
     return EgressPolicy(
