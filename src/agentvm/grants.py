@@ -59,11 +59,11 @@ def plan(host: str, writable: tuple[str, ...] = ()) -> tuple[Protect, ...]:
     host would follow it to a file the agent may change."""
     out: list[Protect] = []
 
-    def kind_of(rel: str, absent_kind: str | None) -> str | None:
+    def kind_of(rel: str) -> str | None:
         try:
             st = os.lstat(os.path.join(host, rel))
         except FileNotFoundError:
-            return absent_kind
+            return None
         if stat.S_ISLNK(st.st_mode):
             raise PolicyDenied(
                 f"{host}/{rel} is a symbolic link: agent-vm keeps that name read-only inside a read-write "
@@ -74,25 +74,19 @@ def plan(host: str, writable: tuple[str, ...] = ()) -> tuple[Protect, ...]:
             )
         return "dir" if stat.S_ISDIR(st.st_mode) else "file"
 
-    def lifted(rel: str) -> bool:
-        return any(rel == w or rel.startswith(w.rstrip("/") + "/") for w in writable)
-
     if not os.path.isdir(host):
         return ()  # a single granted file: nothing inside it to protect
-    for rel, absent in ALWAYS:
-        if lifted(rel):
+    # (name, kind of its placeholder when absent): shell rc files only when present
+    for rel, absent in ALWAYS + tuple((r, None) for r in SHELL_RC):
+        if rel in writable:  # writableTrusted names (validated: exactly TRUSTED_NAMES)
             continue
-        exists = kind_of(rel, None)
-        out.append(Protect(rel, exists or absent))
+        exists = kind_of(rel)
+        if exists or absent:
+            out.append(Protect(rel, exists or absent))
         if rel == ".git" and exists == "file":
             target = _gitdir_target(host)
             if target is not None:
                 out.append(Protect(target, "dir"))
-    for rel in SHELL_RC:
-        if not lifted(rel):
-            kind = kind_of(rel, None)
-            if kind:
-                out.append(Protect(rel, kind))
     return tuple(out)
 
 
