@@ -10,6 +10,9 @@ SHM = 64 * 1024**2
 NOFILE = 4096
 RISK_TIER = "L2"
 WORKSPACE_PATH = "/workspace"
+HOME_PATH = "/home/agent"
+# The sandbox's own scratch space (private tmpfs, read-write with every Landlock right)
+SCRATCH_PATHS = ("/tmp", "/dev/shm", HOME_PATH)
 # Sandbox paths agent-vm owns: a grant may not cover or shadow them.
 RESERVED_SANDBOX_PATHS = ("/", "/proc", "/dev", "/sys", "/usr", "/etc", "/bin", "/lib", "/lib64", "/sbin", "/.agentvm")
 # Host paths never exposed through rootfs.extraPaths.

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from agentvm import defaults as D
 from agentvm import grants, identity
 from agentvm.backends.base import PRIMITIVES, ExitStatus, LaunchContext, TeardownReport
 from agentvm.errors import EXIT_BACKEND, AgentVMError, BackendError, ConfigError, PolicyDenied, PrimitiveMissing
@@ -252,7 +253,7 @@ class Runtime:
     def _check_grants(self, policy: Policy, degrade: tuple[str, ...]) -> None:
         # Landlock's rules add up along a path: a read-write grant mounted inside the sandbox's
         # own scratch space would inherit its right to make FIFOs and sockets - on the host's disk
-        scratch = ["/tmp", "/dev/shm", "/home/agent"] + ([policy.workspace] if policy.workspace else [])
+        scratch = list(D.SCRATCH_PATHS) + ([policy.workspace] if policy.workspace else [])
         for m in policy.mounts:
             inside = next((s for s in scratch if m.path.startswith(s.rstrip("/") + "/")), None)
             if m.writable and inside:

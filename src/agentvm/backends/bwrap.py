@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 from agentvm import cgroups as cg
+from agentvm import defaults as D
 from agentvm import grants
 from agentvm import seccomp as sc
 from agentvm.backends.base import (
@@ -42,7 +43,7 @@ from agentvm.errors import EXIT_BACKEND, EXIT_POLICY, EXIT_TIMEOUT, AgentVMError
 from agentvm.fsutil import check_grant_target
 from agentvm.policy import Policy, append_env
 
-HOME_IN_SANDBOX = "/home/agent"
+HOME_IN_SANDBOX = D.HOME_PATH
 HELPER_IN_SANDBOX = "/.agentvm/init"
 GATE_IN_SANDBOX = "/.agentvm/gate.sock"
 CA_BUNDLE = "/etc/ssl/certs/ca-certificates.crt"  # system CAs + the gate's CA (see etc_view)
@@ -214,7 +215,8 @@ class BwrapBackend:
         # operator's own uid), bwrap binds the opened folder as it is.
         idmap = ctx.drop_privileges
         stages: list[tuple[str, str, str]] = []  # (fd name, ro|rw, stage path)
-        protects: list[tuple[str, str, tuple]] = []  # (fd name, host path, grants.Protect...)
+        protects: list[tuple[str, str, tuple]] = []  # every rw grant: (fd name, host path, grants.Protect...)
+        protect_args: list[str] = []  # as root: the helper's --protect GRANT,KIND,REL
         for i, m in enumerate(policy.mounts):
             real = os.path.realpath(m.host)
             fd_names.append((f"grant{i}", real))
@@ -228,8 +230,10 @@ class BwrapBackend:
             if m.writable:
                 prot = ctx.protected[i] if i < len(ctx.protected) else ()
                 protects.append((f"grant{i}", real, prot))
-                if not idmap:  # as root the helper makes them read-only in the staged grant itself
-                    for p in prot:
+                for p in prot:
+                    if idmap:  # the helper makes it read-only in the staged grant itself
+                        protect_args += ["--protect", f"{len(stages) - 1},{p.kind[0]},{p.rel}"]
+                    else:
                         mounts.append(MountOp("ro-bind", f"{m.path}/{p.rel}", f"{src}/{p.rel}"))
         if policy.workspace:
             if ctx.workspace_host:
@@ -250,7 +254,7 @@ class BwrapBackend:
         mounts.append(MountOp("remount-ro", "/"))
 
         ro = ["/usr", "/etc", "/.agentvm", *policy.extra_ro] + [m.path for m in policy.mounts if not m.writable]
-        rw = ["/tmp", "/dev/shm", HOME_IN_SANDBOX]
+        rw = list(D.SCRATCH_PATHS)
         if policy.workspace:
             rw.append(policy.workspace)
         rw_host = [m.path for m in policy.mounts if m.writable]  # no FIFOs or sockets on the host's disk
@@ -321,11 +325,7 @@ class BwrapBackend:
             launch += ["--keep-fd", f"@fd:{name}@"]
         for name, mode, stage in stages:
             launch += ["--grant", f"@fd:{name}@,{mode},{stage}"]
-        if idmap:
-            for name, _, prot in protects:
-                gi = next(k for k, (n, _, _) in enumerate(stages) if n == name)
-                for p in prot:
-                    launch += ["--protect", f"{gi},{p.kind[0]},{p.rel}"]
+        launch += protect_args
         launch += ["--keep-fd", "@fd:seccomp@", "--keep-fd", "@fd:json@", "--keep-fd", "@fd:bwrapargs@",
                    "--keep-fd", "@fd:env@", "--argv0", "bwrap"]
         launch += ["--cgroup-procs", "@cgroups@"]
@@ -409,8 +409,7 @@ class BwrapBackend:
             cwd=policy.cwd,
             timeout=lim.timeout,
             run_dir=ctx.run_dir,
-            fds={"open_paths": tuple(fd_names), "stages": tuple(stages), "protects": tuple(protects),
-                 "writable": tuple(f"grant{i}" for i, m in enumerate(policy.mounts) if m.writable)},
+            fds={"open_paths": tuple(fd_names), "stages": tuple(stages), "protects": tuple(protects)},
         )
 
     # ------------------------------------------------------------------ launch
@@ -462,8 +461,8 @@ class BwrapBackend:
                 if actual != host:
                     raise LaunchError("grant", f"{host} changed since it was checked (it now leads to {actual}): refused")
                 try:
-                    check_grant_target(actual, [self.paths.home.resolve(), self.paths.runtime.resolve()], host,
-                                       name in plan.fds.get("writable", ()))
+                    writable = any(n == name for n, _, _ in plan.fds.get("protects", ()))  # every rw grant has an entry
+                    check_grant_target(actual, [self.paths.home.resolve(), self.paths.runtime.resolve()], host, writable)
                 except AgentVMError as exc:
                     raise LaunchError("grant", exc.message) from None
             # 3b. staging points for idmapped grants (the helper mounts onto them in a mount
