@@ -49,7 +49,7 @@ def _audit():
     db = default_paths().audit_dir / "audit.db"
     if not db.exists():
         return None
-    return AuditLog(db)
+    return AuditLog.open_readonly(db)  # history is read, never written, like `audit show`
 
 
 @click.command()
