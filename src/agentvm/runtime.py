@@ -94,18 +94,17 @@ class Runtime:
         self._backend = backend
         self._gate = None
         self._record_fn = record
+        self._audit = None  # the audit chain, opened on the first record
 
     def record(self, kind: str, sandbox: str | None = None, **data) -> None:
         if self._record_fn is not None:
             self._record_fn(kind, sandbox=sandbox, **data)
             return
-        from agentvm.audit import AuditLog
+        if self._audit is None:
+            from agentvm.audit import AuditLog
 
-        log = AuditLog(self.paths.audit_dir / "audit.db")
-        try:
-            log.append(kind, actor=f"uid:{os.getuid()}", sandbox=sandbox, data=data)
-        finally:
-            log.close()
+            self._audit = AuditLog(self.paths.audit_dir / "audit.db")
+        self._audit.append(kind, actor=f"uid:{os.getuid()}", sandbox=sandbox, data=data)
 
     # ------------------------------------------------------------------ egress gate
     @property
@@ -211,6 +210,9 @@ class Runtime:
         if self._gate is not None:
             self._gate.stop()
             self._gate = None
+        if self._audit is not None:
+            self._audit.close()
+            self._audit = None
 
     def backend_for(self, policy: Policy) -> "Backend":
         if self._backend is not None:
