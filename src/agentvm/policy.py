@@ -74,6 +74,7 @@ class Policy:
     agent: bool = False  # True: a declared agent with a durable, named workspace
     lifecycle: str = "ephemeral"
     substrate: str = "bwrap"
+    min_substrate: str | None = None  # the weakest substrate this agent may run on (security.minSubstrate)
     risk_tier: str = D.RISK_TIER
     workdir: str | None = None
     extra_ro: tuple[str, ...] = ()
@@ -236,6 +237,7 @@ def compile_policy(spec: "AgentSpec") -> Policy:
             nofile=lim.nofile,
         ),
         allow_ptrace=body.security.allow_ptrace,
+        min_substrate=body.security.min_substrate,
         local_ports=tuple(body.security.local_ports),
         network=body.network,
         egress=egress,
@@ -285,9 +287,14 @@ def with_overrides(
     allow: tuple[str, ...] = (),
     hosts: dict[str, str] | None = None,
     network: str | None = None,
+    substrate: str | None = None,
 ) -> Policy:
     """Apply CLI overrides; the result is re-checked against the policy's risk tier."""
     changes: dict = {}
+    if substrate is not None:
+        if substrate not in SUBSTRATE_STRENGTH or substrate == "fake":
+            raise ConfigError(f"unknown --substrate {substrate!r}", hint="bwrap (the default) or gvisor")
+        changes["substrate"] = substrate
     if network == "none":
         if allow or hosts or policy.credentials:
             raise ConfigError("--network none has no route out: it cannot go with --allow, --add-host or credentials",
@@ -336,6 +343,10 @@ def with_overrides(
     out = replace(policy, **changes)
     check_tier(out)
     return out
+
+
+# How strong each substrate's isolation boundary is (``security.minSubstrate`` compares these).
+SUBSTRATE_STRENGTH = {"fake": 0, "bwrap": 1, "gvisor": 2}
 
 
 def check_tier(policy: Policy) -> None:

@@ -59,7 +59,6 @@ class PtySession:
         os.close(self.master)
 
     def relay(self, backend, handle, timeout: float) -> ExitStatus:
-        proc = handle.backend_state["proc"]
         deadline = time.monotonic() + timeout if timeout and timeout > 0 else None
         stdin_open = True
         while True:
@@ -93,7 +92,7 @@ class PtySession:
                     stdin_open = False
                 else:
                     os.write(self.master, data)
-            if proc.poll() is not None:
+            if backend.poll(handle):
                 # drain what is left
                 try:
                     while True:

@@ -12,59 +12,23 @@ import stat
 import signal
 import sys
 import time
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from agentvm import defaults as D
 from agentvm import grants, identity
-from agentvm.backends.base import PRIMITIVES, ExitStatus, LaunchContext, TeardownReport
-from agentvm.errors import EXIT_BACKEND, AgentVMError, BackendError, ConfigError, PolicyDenied, PrimitiveMissing
+from agentvm.backends.base import ExitStatus, HostContext, LaunchContext, TeardownReport
+from agentvm.backends.hostview import _alive  # noqa: F401 (the CLI asks the same question of the daemon)
+from agentvm.lifecycle import EmbeddedGateHost, Lifecycle, RunResult  # noqa: F401 (RunResult: re-exported)
+from agentvm.errors import AgentVMError, ConfigError, PolicyDenied, PrimitiveMissing
 from agentvm.fsutil import check_grant_target, untrusted_symlink
 from agentvm.paths import Paths, default_paths
-from agentvm.policy import MountGrant, Policy, check_tier
+from agentvm.policy import SUBSTRATE_STRENGTH, MountGrant, Policy, check_tier
 
 if TYPE_CHECKING:  # pragma: no cover
     from agentvm.backends.protocol import Backend
 
-SANDBOX_UID = 1000
-
-
-@dataclass
-class RunResult:
-    sandbox_id: str
-    agent: str
-    exit_code: int
-    duration: float
-    timed_out: bool = False
-    oom_killed: bool = False
-    pids_limit_hit: bool = False
-    signal: int | None = None
-    setup_error: dict | None = None
-    teardown: dict = field(default_factory=dict)
-    degraded: list[str] = field(default_factory=list)
-    host_uid: int | None = None
-    policy_digest: str = ""
-    memory_peak: int | None = None
-    limits: dict = field(default_factory=dict)  # the limits in force (memory, pids, timeout...), for the hints
-    egress: dict | None = None  # gate summary: allowed, denied [{rule, target, count}], bytes, log
-
-    @property
-    def limits_hit(self) -> list[str]:
-        out = []
-        if self.timed_out:
-            out.append("timeout")
-        if self.oom_killed:
-            out.append("memory")
-        if self.pids_limit_hit:
-            out.append("pids")
-        return out
-
-    def to_dict(self) -> dict:
-        d = asdict(self)
-        d["limits_hit"] = self.limits_hit
-        d["teardown_verified"] = bool(self.teardown.get("verified"))
-        return d
+SUBSTRATES = ("bwrap", "gvisor")  # selectable in agent files; "fake" only in a test harness
 
 
 def get_backend(name: str, paths: Paths) -> "Backend":
@@ -72,6 +36,10 @@ def get_backend(name: str, paths: Paths) -> "Backend":
         from agentvm.backends.bwrap import BwrapBackend
 
         return BwrapBackend(paths)
+    if name == "gvisor":
+        from agentvm.backends.gvisor import GvisorBackend
+
+        return GvisorBackend(paths)
     if name == "fake":
         # The fake runs nothing and isolates nothing: never selectable by a spec in production.
         if os.environ.get("AGENTVM_ALLOW_FAKE") != "1":
@@ -83,7 +51,7 @@ def get_backend(name: str, paths: Paths) -> "Backend":
         from agentvm.backends.fake import FakeBackend
 
         return FakeBackend()
-    raise ConfigError(f"unknown substrate {name!r}", hint="available: bwrap (default), fake (tests)")
+    raise ConfigError(f"unknown substrate {name!r}", hint="available: bwrap (default), gvisor")
 
 
 class Runtime:
@@ -92,6 +60,7 @@ class Runtime:
         so they are also events); by default, straight onto the audit chain."""
         self.paths = (paths or default_paths()).ensure()
         self._backend = backend
+        self._backends: dict = {}
         self._gate = None
         self._record_fn = record
         self._audit = None  # the audit chain, opened on the first record
@@ -215,18 +184,24 @@ class Runtime:
             self._audit = None
 
     def backend_for(self, policy: Policy) -> "Backend":
+        """The backend of the policy's substrate (one instance per substrate: its probes are
+        cached); a backend given to the constructor serves every policy (tests, selftest)."""
         if self._backend is not None:
             return self._backend
-        self._backend = get_backend(policy.substrate, self.paths)
-        return self._backend
+        b = self._backends.get(policy.substrate)
+        if b is None:
+            b = self._backends[policy.substrate] = get_backend(policy.substrate, self.paths)
+        return b
 
     # ------------------------------------------------------------------ preflight
     def preflight(self, policy: Policy, degrade: tuple[str, ...] = ()) -> list[str]:
         """Fail closed: every primitive the policy relies on must be present, unless waived."""
+        backend = self.backend_for(policy)
         for d in degrade:
-            if d not in PRIMITIVES:
-                raise ConfigError(f"unknown --degrade {d!r}", hint="one of: " + ", ".join(PRIMITIVES))
-        if "dedicated-uid" in degrade and os.geteuid() == 0 and getattr(self.backend_for(policy), "host_resources", True):
+            if d not in backend.primitives:
+                raise ConfigError(f"unknown --degrade {d!r} for the {backend.name} substrate",
+                                  hint="one of: " + ", ".join(backend.primitives))
+        if "dedicated-uid" in degrade and os.geteuid() == 0 and backend.host_local:
             raise ConfigError(
                 "--degrade dedicated-uid cannot apply when agent-vm runs as root: a sandbox never runs as host root",
                 hint="drop the flag (as root every sandbox gets a dedicated uid)",
@@ -239,7 +214,14 @@ class Runtime:
                 code="policy.unenforceable",
             )
         check_tier(policy)
-        backend = self.backend_for(policy)
+        if policy.min_substrate and backend.strength < SUBSTRATE_STRENGTH.get(policy.min_substrate, 99):
+            raise PolicyDenied(
+                f"the agent requires substrate {policy.min_substrate} or stronger (security.minSubstrate), "
+                f"and would run on {backend.name}",
+                hint=f"run it with `substrate: {policy.min_substrate}` (or `--substrate {policy.min_substrate}`); "
+                "`agentvm doctor` shows which substrates this host can run",
+                code="policy.min-substrate",
+            )
         caps = backend.capabilities()
         missing = [p for p in caps.missing(backend.required_primitives(policy)) if p.name not in degrade]
         if missing:
@@ -283,10 +265,9 @@ class Runtime:
         """Everything before launch. Returns (plan, resources) - resources must be released."""
         self.preflight(policy, degrade)
         backend = self.backend_for(policy)
-        caps = backend.capabilities()
         sandbox_id = f"{policy.name}-{os.urandom(4).hex()}"
         root = os.geteuid() == 0
-        host_resources = getattr(backend, "host_resources", True)
+        host_resources = backend.host_local
         res = _Resources(self.paths)
         try:
             if not host_resources:
@@ -350,39 +331,30 @@ class Runtime:
                     )
             protected = tuple(grants.plan(os.path.realpath(m.host), m.writable_trusted) if m.writable else ()
                               for m in policy.mounts)
-            from agentvm import native
-
             creds, extra_env, extra_files = None, (), ()
             if policy.credentials:
                 creds, extra_env, extra_files = self.session_credentials(policy, sandbox_id)
                 res.creds = creds
-            etc = ""
-            ca_pem = b""
-            if policy.egress is not None:
-                ca_pem = self.gate_ca_pem()
-            if backend.name == "bwrap":
-                from agentvm.backends.bwrap import etc_view
+            run_dir = str(self.paths.sandboxes / sandbox_id)
+            gate = backend.gate_attachment(sandbox_id, run_dir) if policy.egress is not None else None
+            res.gate, res.host_uid = gate, (uid if host_resources else None)
+            host = None
+            if host_resources:
+                from agentvm.backends.hostview import etc_view
 
-                etc = str(etc_view(self.paths.runtime, ca_pem))
+                ca_pem = self.gate_ca_pem() if gate is not None else b""
+                host = HostContext(uid=uid, gid=gid, dedicated=drop, run_dir=run_dir,
+                                   etc_view=str(etc_view(self.paths.runtime, ca_pem)),
+                                   node_shim=_node_shim() if gate is not None else "")
             ctx = LaunchContext(
                 sandbox_id=sandbox_id,
-                etc_view=etc,
-                gate_socket=str(self.paths.sandboxes / sandbox_id / "gate.sock") if policy.egress is not None else "",
-                node_shim=_node_shim() if policy.egress is not None else "",
+                workspace=ws_host,
+                gate=gate,
+                host=host,
                 extra_env=extra_env,
                 extra_files=extra_files,
-                host_uid=uid,
-                host_gid=gid,
-                workspace_host=ws_host,
-                run_dir=str(self.paths.sandboxes / sandbox_id),
-                helper=str(native.helper_path(self.paths.libexec)) if backend.name == "bwrap" else "agentvm-helper",
-                bwrap=caps.facts.get("bwrap", "bwrap"),
                 tty=tty,
-                drop_privileges=drop,
                 degraded=tuple(degrade),
-                landlock_abi=caps.facts.get("landlock_abi", 0),
-                sandbox_uid=SANDBOX_UID,
-                sandbox_gid=SANDBOX_UID,
                 protected=protected,
             )
             plan = backend.compile(policy, ctx)
@@ -400,133 +372,36 @@ class Runtime:
         stdio: tuple[int, int, int] | None = None,
         on_launch=None,
     ) -> RunResult:
-        """Run ``policy`` to completion. ``on_launch(backend, handle)`` is called once the
-        sandbox exists (the daemon uses it to stop a run whose client went away)."""
+        """Run ``policy`` to completion with the embedded gate. ``on_launch(backend, handle)``
+        is called once the sandbox exists."""
         if tty is None:
             tty = stdio is None and sys.stdin.isatty() and sys.stdout.isatty()
-        gc_stale(self.paths)
+        gc_stale(self.paths, self.backend_for(policy))
         gc_logs(self.paths)
-        try:
-            plan, res = self.prepare(policy, degrade=degrade, tty=tty)
-        except AgentVMError as exc:
-            self.record("run.refused", agent=policy.name, code=exc.code, message=exc.message[:500])
-            raise
-        backend = self.backend_for(policy)
-        notes = list(res.workspace.notes) if res.workspace is not None else []
-        for n in notes:
-            print(f"agentvm: note: {n}", file=sys.stderr)
-        try:  # no run that is not on the audit chain: a chain that cannot be written refuses the run
-            self.record("run.started", sandbox=plan.sandbox_id, agent=policy.name, command=_shown_argv(policy.command),
-                        policy=plan.policy_digest, host_uid=plan.host_uid, degraded=list(degrade), network=policy.network,
-                        grants=[f"{m.host}:{m.path}:{'rw' if m.writable else 'ro'}" for m in policy.mounts],
-                        **({"notes": notes} if notes else {}))
-        except Exception as exc:
-            res.release()
-            raise BackendError(f"cannot write the audit chain ({type(exc).__name__}: {exc}); refusing to run unrecorded",
-                               hint=f"check {self.paths.audit_dir} (free space, permissions), then `agentvm audit verify`") from exc
-        status: ExitStatus | None = None
-        report: TeardownReport | None = None
-        handle = None
-        endpoint = None
-        run_dir = None
+        lc = Lifecycle(self, EmbeddedGateHost(self))
+        s = lc.prepare(policy, degrade=degrade, tty=tty, notes=lambda n: print(f"agentvm: note: {n}", file=sys.stderr))
         old = _install_signal_handlers()
         try:
-            if policy.egress is not None:
-                # the gate must be listening before the sandbox exists: no window without it
-                run_dir = self.paths.sandboxes / plan.sandbox_id
-                run_dir.mkdir(parents=True, exist_ok=True)
-                os.chmod(run_dir, 0o711)
-                endpoint = self.embedded_gate().open(
-                    plan.sandbox_id, policy.name, policy.egress, run_dir / "gate.sock", plan.host_uid if plan.host_uid else None,
-                    creds=res.creds,
-                )
+            lc.attach(s)
             if tty:
                 from agentvm.ptyrelay import PtySession
 
                 with PtySession() as pty:
-                    handle = backend.launch(plan, stdio=(pty.slave, pty.slave, pty.slave))
+                    lc.launch(s, (pty.slave, pty.slave, pty.slave))
                     pty.close_slave()
-                    status = pty.relay(backend, handle, plan.timeout)
+                    s.status = pty.relay(s.backend, s.handle, s.plan.timeout)
             else:
-                handle = backend.launch(plan, stdio=stdio)
+                lc.launch(s, stdio)
                 if on_launch is not None:
-                    on_launch(backend, handle)
-                status = backend.wait(handle, plan.timeout or None)
+                    on_launch(s.backend, s.handle)
+                lc.wait(s)
         except _Interrupted as exc:
-            if handle is not None:
-                backend.stop(handle, grace=1.0)
-            status = ExitStatus(exit_code=128 + exc.signum, signal=exc.signum)
+            lc.stop(s, grace=1.0)
+            s.status = ExitStatus(exit_code=128 + exc.signum, signal=exc.signum)
         finally:
             _restore_signal_handlers(old)
-            if handle is not None:
-                report = backend.destroy(handle)
-            elif run_dir is not None:
-                # the sandbox never started (e.g. the gate could not open): leave nothing behind
-                import shutil
-
-                shutil.rmtree(run_dir, ignore_errors=True)
-            res.release(report)
-            egress = None
-            gate_error = None
-            if endpoint is not None and endpoint.abandon_if_unused():
-                # the sandbox is gone and never connected: no need to wait for the gate to be up
-                endpoint = None
-                egress = {"allowed": 0, "denied": [], "bytes_out": 0, "bytes_in": 0, "alerts": 0, "log": None}
-            if endpoint is not None:
-                try:
-                    endpoint = endpoint.result()
-                except AgentVMError as exc:  # the gate never served: every connection was refused
-                    gate_error, endpoint = exc, None
-            if endpoint is not None:
-                self._gate.close(plan.sandbox_id)
-                egress = {
-                    "allowed": endpoint.allowed,
-                    "denied": [_denial(r, t, n, *endpoint.denial_reasons.get((r, t), ("", None)))
-                               for (r, t), n in sorted(endpoint.denials.items())],
-                    "bytes_out": endpoint.bytes_out,
-                    "bytes_in": endpoint.bytes_in,
-                    "alerts": endpoint.alerts,
-                    "log": str(endpoint.log_path),
-                }
-        result = RunResult(
-            sandbox_id=plan.sandbox_id,
-            agent=policy.name,
-            exit_code=status.exit_code if status else EXIT_BACKEND,
-            duration=status.duration if status else 0.0,
-            timed_out=status.timed_out if status else False,
-            oom_killed=status.oom_killed if status else False,
-            pids_limit_hit=status.pids_limit_hit if status else False,
-            signal=status.signal if status else None,
-            setup_error=status.setup_error if status else None,
-            teardown=report.to_dict() if report else {"verified": False},
-            degraded=list(degrade),
-            host_uid=plan.host_uid,
-            policy_digest=plan.policy_digest,
-            memory_peak=status.memory_peak if status else None,
-            egress=egress,
-            limits={"memory": policy.limits.memory, "pids": policy.limits.pids, "timeout": policy.limits.timeout,
-                    "tmp": policy.limits.tmp, "shm": policy.limits.shm},
-        )
-        if gate_error is not None:
-            result.setup_error = result.setup_error or {"step": "gate", "errno": 0, "message": gate_error.message}
-            result.exit_code = EXIT_BACKEND
-        if report is not None and not report.verified:
-            result.exit_code = EXIT_BACKEND if result.exit_code == 0 else result.exit_code
-        eg = result.egress or {}
-        try:
-            self._record_exit(result, report, eg)
-        except Exception as exc:  # the run happened: its result is not lost for want of a record
-            print(f"agentvm: warning: the run's exit could not be written to the audit chain: {exc}", file=sys.stderr)
-        return result
-
-    def _record_exit(self, result: "RunResult", report, eg: dict) -> None:
-        self.record("run.exited", sandbox=result.sandbox_id, agent=result.agent, exit_code=result.exit_code,
-                    duration=round(result.duration, 3), timed_out=result.timed_out, limits_hit=result.limits_hit,
-                    setup_error=(result.setup_error or {}).get("step"), teardown_verified=bool(report and report.verified),
-                    egress={"allowed": eg.get("allowed", 0), "denied": sum(d["count"] for d in eg.get("denied", [])),
-                            "denied_hosts": sorted({d["target"] for d in eg.get("denied", [])})[:10],
-                            "bytes_out": eg.get("bytes_out", 0), "bytes_in": eg.get("bytes_in", 0), "log": eg.get("log")}
-                    if eg else None)
+            lc.teardown(s)
+        return lc.result(s)
 
 
 class _Resources:
@@ -537,6 +412,8 @@ class _Resources:
         self.lease: identity.Identity | None = None
         self.workspace = None
         self.creds = None  # the session's CredentialSet (placeholders; values stay in the vault)
+        self.gate = None  # the sandbox's GateAttachment (None: network none)
+        self.host_uid: int | None = None  # the host uid it runs as (host-local substrates)
         self.agent_lock: int | None = None  # a named agent's uid, held when it has no workspace
 
     def release(self, report: TeardownReport | None = None) -> None:
@@ -588,13 +465,6 @@ def _node_shim() -> str:
     return d if os.path.isfile(os.path.join(d, "proxy.js")) and os.path.isdir(os.path.join(d, "node_modules", "undici")) else ""
 
 
-def _denial(rule: str, target: str, count: int, reason: str, allow: str | None) -> dict:
-    d = {"rule": rule, "target": target, "count": count, "reason": reason}
-    if allow:
-        d["how_to_allow"] = allow
-    return d
-
-
 def _uid_may(path: str, uid: int, gid: int, *, write: bool) -> bool:
     """May ``uid`` (no supplementary groups, as in the sandbox) search ``path`` - and, with
     ``write``, create in it? The owner/group/other mode bits that apply decide; where they
@@ -632,12 +502,6 @@ def _stamp_of(st: os.stat_result) -> list[int]:
     return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_uid, st.st_mode]
 
 
-def _shown_argv(argv: tuple[str, ...]) -> list[str]:
-    """The command as recorded: bounded (an audit record is not a data store)."""
-    out = [a if len(a) <= 200 else a[:200] + "..." for a in argv[:32]]
-    return out + ([f"... ({len(argv) - 32} more)"] if len(argv) > 32 else [])
-
-
 def gc_logs(paths: Paths, retention: float | None = None) -> list[str]:
     """Remove gate decision logs older than the retention (``AGENTVM_LOG_RETENTION``, a
     duration, default 30d; ``0`` keeps them forever). A running sandbox's log is kept
@@ -670,59 +534,25 @@ def gc_logs(paths: Paths, retention: float | None = None) -> list[str]:
     return removed
 
 
-def _alive(pid: int) -> bool:
-    """A process that exists and is not a zombie (a killed supervisor lingers as a zombie
-    until its parent reaps it: it supervises nothing)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-    except OSError:
-        return True
-    state = stat.rpartition(")")[2].split()[:1]
-    return bool(state) and state[0] not in ("Z", "X")
-
-
-def gc_stale(paths: Paths) -> list[str]:
-    """Tear down sandboxes whose supervisor died (e.g. ``kill -9``): cgroups, run dirs, mounts."""
+def gc_stale(paths: Paths, *backends) -> list[str]:
+    """Tear down sandboxes whose supervisor died (e.g. ``kill -9``): each substrate reaps its
+    own (``Backend.reap_stale``: cgroups, run dirs, its runtime's state); then workspace
+    mounts nobody holds. Without ``backends``, every substrate this host can run."""
+    if not backends:
+        backends = tuple(_reapers(paths))
     cleaned: list[str] = []
-    try:
-        entries = list(os.scandir(paths.sandboxes))
-    except FileNotFoundError:
-        return cleaned
-    from agentvm import cgroups as cg
-
-    layout = None
-    for e in entries:
-        pid_file = Path(e.path) / "supervisor.pid"
-        try:
-            pid = int(pid_file.read_text())
-        except (OSError, ValueError):
-            # no supervisor recorded: only reap if old (a launch in progress writes it quickly)
-            try:
-                if time.time() - e.stat().st_mtime < 60:
-                    continue
-            except OSError:
-                continue
-            pid = -1
-        if pid > 0 and _alive(pid):
-            continue
-        layout = layout or cg.detect()
-        group = cg.SandboxCgroup(sandbox_id=e.name, layout=layout)
-        roots = [layout.v2_root] if layout.v2_root else []
-        roots += list(layout.v1.values())
-        group.dirs = [r / cg.PARENT / e.name for r in dict.fromkeys(roots) if (r / cg.PARENT / e.name).is_dir()]
-        group.freezer_dir = next((d for d in group.dirs if "freezer" in str(d)), None)
-        group.kill_dir = next((d for d in group.dirs if (d / "cgroup.kill").exists()), None)
-        group.kill()
-        group.destroy()
-        import shutil
-
-        grants.release_recorded(Path(e.path), paths.runtime / "grants")
-        shutil.rmtree(e.path, ignore_errors=True)
-        cleaned.append(e.name)
+    for b in backends:
+        cleaned += b.reap_stale()
     cleaned += _gc_workspace_mounts(paths)
     return cleaned
+
+
+def _reapers(paths: Paths):
+    for name in SUBSTRATES:
+        try:
+            yield get_backend(name, paths)
+        except AgentVMError:
+            continue
 
 
 def _gc_workspace_mounts(paths: Paths) -> list[str]:

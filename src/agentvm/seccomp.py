@@ -72,9 +72,15 @@ MODE_SETTERS: tuple[tuple[str, int, int | None], ...] = (
 @dataclass(frozen=True)
 class SeccompOptions:
     allow_ptrace: bool = False
+    # gVisor (this Debian build) answers statx(AT_NO_AUTOMOUNT) with EINVAL, which breaks
+    # coreutils (`ls`, `stat`): ENOSYS instead makes glibc fall back to fstatat, which works
+    statx_fallback: bool = False
 
     def key(self) -> str:
-        return f"v{FILTER_VERSION}-ptrace{int(self.allow_ptrace)}"
+        return f"v{FILTER_VERSION}-ptrace{int(self.allow_ptrace)}" + ("-statx" if self.statx_fallback else "")
+
+
+AT_NO_AUTOMOUNT = 0x800
 
 
 def denied_syscalls(opts: SeccompOptions) -> list[str]:
@@ -136,6 +142,9 @@ def _build(opts: SeccompOptions) -> bytes:
                 for create in (O_CREAT, O_TMPFILE_BIT):
                     strict(name, sc.Arg(flags_arg, sc.MASKED_EQ, create, create), mode)
     f.add_rule(sc.ERRNO(errno.ENOSYS), "openat2")
+
+    if opts.statx_fallback:
+        f.add_rule(sc.ERRNO(errno.ENOSYS), "statx", sc.Arg(2, sc.MASKED_EQ, AT_NO_AUTOMOUNT, AT_NO_AUTOMOUNT))
 
     # Terminal injection: TIOCSTI / TIOCLINUX on any fd.
     f.add_rule(eperm, "ioctl", sc.Arg(1, sc.MASKED_EQ, 0xFFFFFFFF, TIOCSTI))

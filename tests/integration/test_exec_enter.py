@@ -61,7 +61,7 @@ def test_exec_refuses_a_pid_that_now_belongs_to_another_sandbox(avm_home):
         es, out = _exec(backend, ha, ["/bin/cat", "/tmp/marker"])
         assert es.exit_code == 0 and out.strip() == "sandbox-A", (es, out)
         # A's first process is gone and its pid number now names B's agent
-        ha.backend_state["agent_pid"] = b[1].backend_state["agent_pid"]
+        ha.private["agent_pid"] = b[1].private["agent_pid"]
         es, out = _exec(backend, ha, ["/bin/cat", "/tmp/marker"])
         assert "sandbox-B" not in out, "exec ran in another sandbox"
         assert es.exit_code != 0 and es.setup_error and "no longer in the sandbox" in es.setup_error["message"], (es, out)
@@ -101,10 +101,11 @@ def test_a_setup_failure_inside_bwrap_is_ours_not_the_commands_exit_code(avm_hom
         policy = Policy(name="run", network="none", command=("/bin/true",))
         plan, res = rt.prepare(policy, tty=False)
         backend = rt.backend_for(policy)
-        bw = list(plan.bwrap_args)
+        bw = list(plan.body.bwrap_args)
         i = bw.index("--remount-ro")
         bw[i:i] = ["--ro-bind", "/nonexistent-agentvm-source", "/x"]
-        es, report = _run_plan(backend, dataclasses.replace(plan, bwrap_args=tuple(bw)), res)
+        es, report = _run_plan(backend, dataclasses.replace(plan, body=dataclasses.replace(plan.body, bwrap_args=tuple(bw))),
+                               res)
         assert es.exit_code == 125 and es.setup_error and es.setup_error["step"] == "bwrap-setup", es
         assert report.verified, report
         # and a command that really exits 1 still reports 1

@@ -7,25 +7,28 @@ from pathlib import Path
 
 import pytest
 
-from agentvm.backends.base import LaunchContext
+from agentvm.backends.base import GateAttachment, HostContext, LaunchContext
 from agentvm.backends.bwrap import BwrapBackend
 from agentvm.paths import Paths
 from agentvm.policy import MountGrant, Policy
 
 SNAP = Path(__file__).parent / "snapshots" / "bwrap_plan.json"
 
+HELPER = "/var/lib/agentvm/libexec/agentvm-helper-x"
+BWRAP = "/var/lib/agentvm/libexec/bwrap"
+TOOLS = {"helper": HELPER, "bwrap": BWRAP}
+HOST = HostContext(uid=2100007, gid=2100007, dedicated=True, run_dir="/run/agentvm/sandboxes/demo-0000",
+                   etc_view="/run/agentvm/etc-view-0123456789abcdef")
 CTX = LaunchContext(
     sandbox_id="demo-0000",
-    host_uid=2100007,
-    host_gid=2100007,
-    workspace_host="/run/agentvm/ws/demo",
-    run_dir="/run/agentvm/sandboxes/demo-0000",
-    etc_view="/run/agentvm/etc-view-0123456789abcdef",
-    helper="/var/lib/agentvm/libexec/agentvm-helper-x",
-    bwrap="/var/lib/agentvm/libexec/bwrap",
-    landlock_abi=7,
-    gate_socket="/run/agentvm/sandboxes/demo-0000/gate.sock",
+    workspace="/run/agentvm/ws/demo",
+    gate=GateAttachment("unix", "/run/agentvm/sandboxes/demo-0000/gate.sock"),
+    host=HOST,
 )
+
+
+def backend(paths=None):
+    return BwrapBackend(paths or Paths(Path("/x"), Path("/y")), tools=TOOLS)
 POLICY = Policy(
     name="demo",
     command=("python3", "-c", "print(1)"),
@@ -39,7 +42,7 @@ POLICY = Policy(
 @pytest.fixture
 def plan(monkeypatch):
     monkeypatch.delenv("TERM", raising=False)
-    return BwrapBackend(Paths(Path("/nonexistent"), Path("/nonexistent/run"))).compile(POLICY, CTX)
+    return backend(Paths(Path("/nonexistent"), Path("/nonexistent/run"))).compile(POLICY, CTX).body
 
 
 def _section(argv, start, end):
@@ -48,21 +51,24 @@ def _section(argv, start, end):
     return argv[a:b]
 
 
-def test_snapshot(plan):
-    data = json.loads(json.dumps(plan.to_dict()))
+def test_snapshot(monkeypatch):
+    monkeypatch.delenv("TERM", raising=False)
+    full = backend(Paths(Path("/nonexistent"), Path("/nonexistent/run"))).compile(POLICY, CTX)
+    data = json.loads(json.dumps(full.to_dict()))
     if os.environ.get("UPDATE_SNAPSHOTS") == "1" or not SNAP.exists():
         SNAP.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
     assert data == json.loads(SNAP.read_text()), "plan changed: review, then UPDATE_SNAPSHOTS=1"
 
 
 def test_etc_view_is_an_allowlist_with_synthetic_accounts(tmp_path):
-    from agentvm.backends.bwrap import ETC_ALLOW, etc_view
+    from agentvm.backends.hostview import ETC_ALLOW, etc_view
 
     view = etc_view(tmp_path)
     assert etc_view(tmp_path) == view, "cached while the host's /etc is unchanged"
     names = {p.name for p in view.iterdir()}
     tops = {n.split("/")[0] for n in ETC_ALLOW}
-    assert names <= tops | {"passwd", "group", "resolv.conf", "nsswitch.conf", "hosts", "hostname"}
+    assert names <= tops | {"passwd", "group", "resolv.conf", "nsswitch.conf", "hosts", "hostname", "ld.so.preload"}
+    assert (view / "ld.so.preload").read_text() == "", "nothing is preloaded (gVisor binds its own over it)"
     for sub in (n for n in ETC_ALLOW if "/" in n):  # only the named file of such a folder
         parent = view / sub.split("/")[0]
         if parent.is_dir():
@@ -76,17 +82,17 @@ def test_etc_view_is_an_allowlist_with_synthetic_accounts(tmp_path):
 
 
 def test_compile_is_pure(plan):
-    again = BwrapBackend(Paths(Path("/x"), Path("/y"))).compile(POLICY, CTX)
+    again = backend().compile(POLICY, CTX).body
     assert again.to_dict() == plan.to_dict()
 
 
 def test_every_namespace_and_hardening_flag(plan):
     argv = list(plan.argv)
     bw = list(plan.bwrap_args)
-    assert argv[argv.index(CTX.bwrap) : argv.index(CTX.bwrap) + 4] == [CTX.bwrap, "--args", "@fd:bwrapargs@", "--"], (
+    assert argv[argv.index(BWRAP) : argv.index(BWRAP) + 4] == [BWRAP, "--args", "@fd:bwrapargs@", "--"], (
         "bwrap's options (host paths) never appear on a command line the sandbox can read"
     )
-    assert not any(a.startswith("/var/lib") or a.startswith("/run/") for a in argv[argv.index(CTX.bwrap) + 1 :])
+    assert not any(a.startswith("/var/lib") or a.startswith("/run/") for a in argv[argv.index(BWRAP) + 1 :])
     for flag in ("--unshare-user", "--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts",
                  "--unshare-cgroup", "--die-with-parent", "--new-session", "--disable-userns"):
         assert flag in bw, flag
@@ -99,10 +105,10 @@ def test_every_namespace_and_hardening_flag(plan):
 
 def test_privileges_dropped_before_bwrap(plan):
     argv = list(plan.argv)
-    launch = argv[: argv.index(CTX.bwrap)]
-    assert launch[:2] == [CTX.helper, "launch"]
-    assert launch[launch.index("--uid") + 1] == str(CTX.host_uid)
-    assert launch[launch.index("--gid") + 1] == str(CTX.host_gid)
+    launch = argv[: argv.index(BWRAP)]
+    assert launch[:2] == [HELPER, "launch"]
+    assert launch[launch.index("--uid") + 1] == str(HOST.uid)
+    assert launch[launch.index("--gid") + 1] == str(HOST.gid)
     assert "--cgroup-procs" in launch
     assert ("core", 0, 0) in plan.rlimits
     nproc = next(r for r in plan.rlimits if r[0] == "nproc")
@@ -118,18 +124,18 @@ def test_view_hides_host_secrets(plan):
     assert not any(d.startswith("/etc/") and d.split("/")[2] in ("shadow", "gshadow", "sudoers", "ssh") for d in dests)
     assert "/" not in srcs and "/root" not in srcs
     etc = next(m for m in plan.mounts if m.dest == "/etc")
-    assert etc.kind == "ro-bind" and etc.src == CTX.etc_view, "the allowlisted view, never the host's /etc"
+    assert etc.kind == "ro-bind" and etc.src == HOST.etc_view, "the allowlisted view, never the host's /etc"
     for e in ("hosts", "hostname"):
         m = next(m for m in plan.mounts if m.dest == "/etc/" + e)
-        assert m.src.startswith(CTX.run_dir), "per sandbox, not the host's"
+        assert m.src.startswith(HOST.run_dir), "per sandbox, not the host's"
     kinds = {m.dest: m.kind for m in plan.mounts}
     # as root, grants are the helper's idmapped mounts staged in the run dir (never the host path)
     assert kinds["/data"] == "ro-bind" and kinds["/out"] == "bind" and kinds["/workspace"] == "bind-fd"
     src = {m.dest: m.src for m in plan.mounts}
-    assert src["/data"] == CTX.run_dir + "/grants/0" and src["/out"] == CTX.run_dir + "/grants/1"
+    assert src["/data"] == HOST.run_dir + "/grants/0" and src["/out"] == HOST.run_dir + "/grants/1"
     launch = list(plan.argv[: plan.argv.index("--")])
     grants = [launch[i + 1] for i, a in enumerate(launch) if a == "--grant"]
-    assert grants == [f"@fd:grant0@,ro,{CTX.run_dir}/grants/0", f"@fd:grant1@,rw,{CTX.run_dir}/grants/1"]
+    assert grants == [f"@fd:grant0@,ro,{HOST.run_dir}/grants/0", f"@fd:grant1@,rw,{HOST.run_dir}/grants/1"]
     assert kinds["/usr"] == "ro-bind"
     tmp = next(m for m in plan.mounts if m.dest == "/tmp")
     assert tmp.kind == "tmpfs" and tmp.size == POLICY.limits.tmp
@@ -137,7 +143,7 @@ def test_view_hides_host_secrets(plan):
 
 def test_landlock_and_seccomp_in_init(plan):
     argv = list(plan.argv)
-    start = argv.index("--", argv.index(CTX.bwrap)) + 1
+    start = argv.index("--", argv.index(BWRAP)) + 1
     init = argv[start : len(argv) - len(POLICY.command) - 1]
     assert init[:2] == ["/.agentvm/init", "init"]
     pairs = {(init[i], init[i + 1]) for i in range(len(init) - 1)}
@@ -164,7 +170,7 @@ def test_environment_is_built_from_the_spec_only(plan, monkeypatch):
     import dataclasses
 
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "fake-operator-secret")
-    p = BwrapBackend(Paths(Path("/x"), Path("/y"))).compile(POLICY, CTX)
+    p = backend().compile(POLICY, CTX)
     env = dict(p.env)
     assert "AWS_SECRET_ACCESS_KEY" not in env
     base = {"PATH", "HOME", "LANG", "TERM", "USER", "LOGNAME", "SHELL", "TMPDIR", "AGENTVM", "AGENTVM_SANDBOX_ID",
@@ -173,7 +179,7 @@ def test_environment_is_built_from_the_spec_only(plan, monkeypatch):
             "SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", "GIT_SSL_CAINFO", "PIP_CERT", "AWS_CA_BUNDLE",
             "NODE_EXTRA_CA_CERTS", "NODE_USE_ENV_PROXY"}
     assert set(env) == base | gate
-    none = BwrapBackend(Paths(Path("/x"), Path("/y"))).compile(dataclasses.replace(POLICY, network="none", egress=None), CTX)
+    none = backend().compile(dataclasses.replace(POLICY, network="none", egress=None), CTX)
     assert set(dict(none.env)) == base, "network none: no route, so no proxy variables either"
     assert "fake-operator-secret" not in json.dumps(p.to_dict())
 
@@ -184,22 +190,22 @@ def test_trusted_entries_are_bound_over_themselves():
     from agentvm.grants import Protect
 
     prot = (Protect(".git", "dir"), Protect(".envrc", "file"))
-    p = BwrapBackend(Paths(Path("/x"), Path("/y"))).compile(POLICY, dataclasses.replace(CTX, protected=((), prot)))
-    stage = CTX.run_dir + "/grants/1"
+    p = backend().compile(POLICY, dataclasses.replace(CTX, protected=((), prot))).body
+    stage = HOST.run_dir + "/grants/1"
     # as root the helper makes each entry read-only on the dentry it finds in the staged grant
     # (no path is bound later, so nothing can be swapped in between)
     launch = list(p.argv[: p.argv.index("--")])
     assert [launch[k + 1] for k, a in enumerate(launch) if a == "--protect"] == ["1,d,.git", "1,f,.envrc"]
     assert not any(m.dest.startswith("/out/") for m in p.mounts)
     # without root (no idmap) the same entries come from the host folder itself
-    q = BwrapBackend(Paths(Path("/x"), Path("/y"))).compile(
-        POLICY, dataclasses.replace(CTX, protected=((), prot), drop_privileges=False))
+    q = backend().compile(
+        POLICY, dataclasses.replace(CTX, protected=((), prot), host=dataclasses.replace(HOST, dedicated=False))).body
     assert ("ro-bind", "/out/.envrc", "/srv/out/.envrc") in [(m.kind, m.dest, m.src) for m in q.mounts]
     assert "--grant" not in q.argv
 
 
 def test_command_arguments_are_never_substituted():
-    from agentvm.backends.bwrap import _substitute
+    from agentvm.backends.hostview import substitute as _substitute
 
     argv = ("h", "launch", "--keep-fd", "@fd:a@", "--grant", "@fd:a@,rw,/s", "--", "bwrap", "--args", "@fd:b@", "--",
             "init", "--", "echo", "@fd:a@")
@@ -211,7 +217,7 @@ def test_degrade_is_explicit_in_the_plan():
     import dataclasses
 
     ctx = dataclasses.replace(CTX, degraded=("landlock", "seccomp"))
-    p = BwrapBackend(Paths(Path("/x"), Path("/y"))).compile(POLICY, ctx)
+    p = backend().compile(POLICY, ctx).body
     assert "--no-landlock" in p.argv and "--seccomp-fd" not in p.argv
     assert p.landlock is None and p.seccomp_denied == ()
 
@@ -219,7 +225,7 @@ def test_degrade_is_explicit_in_the_plan():
 def test_ptrace_allowed_only_when_asked():
     import dataclasses
 
-    p = BwrapBackend(Paths(Path("/x"), Path("/y"))).compile(dataclasses.replace(POLICY, allow_ptrace=True, risk_tier="L4"), CTX)
+    p = backend().compile(dataclasses.replace(POLICY, allow_ptrace=True, risk_tier="L4"), CTX).body
     assert "ptrace" not in p.seccomp_denied and "bpf" in p.seccomp_denied
 
 

@@ -235,7 +235,7 @@ def test_an_error_after_a_stream_began_reaches_the_client_whole(d, monkeypatch):
     def refuse(self, policy, **kw):
         raise PolicyDenied("refused for the test", hint="the fix", code="policy.test-refusal")
 
-    monkeypatch.setattr(Runtime, "run", refuse)
+    monkeypatch.setattr(Runtime, "prepare", refuse)  # the lifecycle driver's first step
     with pytest.raises(Exception) as ei:
         list(d.client.run({"command": ["true"]}))
     err = ei.value

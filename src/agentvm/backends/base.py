@@ -92,66 +92,85 @@ class LandlockPlan:
 
 
 @dataclass(frozen=True)
+class GateAttachment:
+    """How a sandbox reaches its egress gate - the only route out.
+
+    ``kind`` says what the gate's end is; a backend accepts the kinds it can bridge
+    (``Backend.gate_kinds``). ``unix``: a host unix socket, bridged by the backend to
+    ``127.0.0.1:port`` inside (bwrap, gVisor). A remote substrate would attach a TCP or
+    mTLS address instead; the gate identifies the sandbox by the connection, never by what
+    the sandbox says."""
+
+    kind: str
+    address: str
+    port: int = 3128  # the loopback port inside the sandbox the proxy variables name
+
+
+@dataclass(frozen=True)
+class HostContext:
+    """What a host-local backend (bwrap, gVisor) needs of this host, resolved by the runtime
+    before compiling. A remote substrate (Kubernetes) gets ``None``: nothing here is common."""
+
+    uid: int  # the unprivileged host uid the sandbox maps to
+    gid: int
+    dedicated: bool  # a dedicated per-agent uid (as root); False: the operator's own uid
+    run_dir: str  # per-sandbox runtime dir (per-sandbox /etc/hosts, /etc/hostname, the gate socket)
+    etc_view: str  # host dir with the allowlisted, read-only /etc (agentvm.rootview)
+    node_shim: str = ""  # host dir with proxy.js + undici (Node fetch through the gate), "" = none
+
+
+@dataclass(frozen=True)
 class LaunchContext:
-    """Host-side facts resolved before compiling (so ``compile`` stays pure)."""
+    """Everything resolved before compiling (so ``compile`` stays pure)."""
 
     sandbox_id: str
-    host_uid: int  # the unprivileged host uid the sandbox maps to
-    host_gid: int
-    workspace_host: str | None  # host directory of the workspace (None: fresh tmpfs)
-    run_dir: str  # per-sandbox runtime dir (per-sandbox /etc/hosts, /etc/hostname)
-    helper: str  # path of agentvm-helper
-    bwrap: str  # path of bwrap
-    etc_view: str = ""  # host dir with the allowlisted, read-only /etc (see bwrap.etc_view)
-    gate_socket: str = ""  # host path of this sandbox's egress-gate unix socket ("" = no gate)
-    gate_port: int = 3128  # loopback port inside the sandbox bridged to the gate
-    node_shim: str = ""  # host dir with proxy.js + undici (Node fetch through the gate), "" = none
+    workspace: str | None = None  # the durable workspace volume (a host directory here); None: fresh, lost at exit
+    gate: GateAttachment | None = None  # None only for ``network: none``
+    host: HostContext | None = None
     extra_env: tuple[tuple[str, str], ...] = ()  # per-session variables (credential placeholders)
     extra_files: tuple[tuple[str, str], ...] = ()  # per-session files: sandbox path -> content
     tty: bool = False
-    drop_privileges: bool = True  # False when agentvm itself is not root
     degraded: tuple[str, ...] = ()  # primitives the operator explicitly waived
-    landlock_abi: int = 0
-    sandbox_uid: int = 1000
-    sandbox_gid: int = 1000
     # per policy.mounts entry: the host-trusted entries kept read-only (agentvm.grants.plan)
     protected: tuple[tuple, ...] = ()
 
 
 @dataclass(frozen=True)
 class LaunchPlan:
+    """A compiled sandbox: a header every substrate shares, and the substrate's own body.
+
+    The header is what callers may read (the daemon, the CLI, audit records); the body is
+    the backend's alone - printable (``to_dict``, ``agentvm compile --plan``), never
+    interpreted outside ``backends/``."""
+
     sandbox_id: str
+    substrate: str
     policy_digest: str
-    argv: tuple[str, ...]  # helper launch ... -- bwrap --args FD -- init ... -- CMD
-    bwrap_args: tuple[str, ...]  # bwrap's options, passed through a memfd (never on a command line)
-    env: tuple[tuple[str, str], ...]  # the sandbox's environment, passed to init through a memfd
-    mounts: tuple[MountOp, ...]
-    files: tuple[tuple[str, str], ...]  # per-sandbox files: path relative to the run dir -> content
-    landlock: LandlockPlan | None
-    seccomp_denied: tuple[str, ...]
-    seccomp_allow_ptrace: bool
-    rlimits: tuple[tuple[str, int, int], ...]
-    cgroup: dict
-    host_uid: int
-    host_gid: int
+    command: tuple[str, ...]
+    env: tuple[tuple[str, str], ...]  # the sandbox's environment
     cwd: str
     timeout: float
-    run_dir: str = ""
-    fds: dict = field(default_factory=dict, hash=False, compare=False)  # name -> fd (filled at launch)
+    limits: dict  # memory, pids, cpus as enforced
+    identity: str = ""  # who the sandbox runs as, for people ("host uid 2100007", "gVisor sandbox uid 1000")
+    body: object = None  # the backend's plan (a frozen dataclass with ``to_dict``)
 
     def to_dict(self) -> dict:
-        d = asdict(self)
-        d.pop("fds", None)
+        d = {k: getattr(self, k) for k in ("sandbox_id", "substrate", "policy_digest", "command", "env", "cwd",
+                                           "timeout", "limits", "identity")}
+        d["command"], d["env"] = list(self.command), [list(e) for e in self.env]
+        d["body"] = self.body.to_dict() if hasattr(self.body, "to_dict") else self.body
         return d
 
 
 @dataclass
 class SandboxHandle:
+    """A live sandbox. ``private`` is the backend's own state: nothing outside ``backends/``
+    reads it (ask the backend: ``inspect``, ``poll``, ``wait_async``...)."""
+
     sandbox_id: str
     plan: LaunchPlan
-    pid: int  # host pid of the launcher/bwrap process
     started_at: float
-    backend_state: dict = field(default_factory=dict)
+    private: object = None
 
 
 @dataclass

@@ -15,7 +15,6 @@ import time
 from typing import Callable
 
 from agentvm.backends.base import (
-    PRIMITIVES,
     Capabilities,
     ExitStatus,
     LaunchContext,
@@ -24,15 +23,19 @@ from agentvm.backends.base import (
     SandboxHandle,
     TeardownReport,
 )
+from agentvm.backends.protocol import Backend
 from agentvm.errors import EXIT_TIMEOUT
 from agentvm.policy import Policy
+
+PRIMITIVES = ("userns", "seccomp", "landlock", "cgroups", "disk-quota")
 
 Handler = Callable[[tuple[str, ...], dict[str, str]], int]
 
 
-class FakeBackend:
+class FakeBackend(Backend):
     name = "fake"
-    host_resources = False  # allocates no uid, workspace or cgroup on the host
+    primitives = PRIMITIVES
+    host_local = False  # allocates no uid, workspace or cgroup on the host
 
     def __init__(
         self,
@@ -58,7 +61,7 @@ class FakeBackend:
         prims = tuple(
             Primitive(p, p not in self.missing, "fake: missing" if p in self.missing else "fake") for p in PRIMITIVES
         )
-        return Capabilities(self.name, prims, {"bwrap": "fake-bwrap", "landlock_abi": 7})
+        return Capabilities(self.name, prims, {})
 
     def required_primitives(self, policy: Policy) -> tuple[str, ...]:
         req = ["userns", "seccomp", "landlock", "cgroups"]
@@ -69,28 +72,22 @@ class FakeBackend:
     def compile(self, policy: Policy, ctx: LaunchContext) -> LaunchPlan:
         return LaunchPlan(
             sandbox_id=ctx.sandbox_id,
+            substrate=self.name,
             policy_digest=policy.digest(),
-            argv=tuple(policy.command),
-            bwrap_args=(),
+            command=tuple(policy.command),
             env=tuple(sorted(dict(policy.env).items())),
-            mounts=(),
-            files=(),
-            landlock=None,
-            seccomp_denied=(),
-            seccomp_allow_ptrace=policy.allow_ptrace,
-            rlimits=(),
-            cgroup={"memory": policy.limits.memory, "pids": policy.limits.pids, "cpus": policy.limits.cpus},
-            host_uid=ctx.host_uid,
-            host_gid=ctx.host_gid,
             cwd=policy.cwd,
             timeout=policy.limits.timeout,
+            limits={"memory": policy.limits.memory, "pids": policy.limits.pids, "cpus": policy.limits.cpus},
+            identity="nobody (fake: nothing runs)",
+            body={"gate": ctx.gate.kind if ctx.gate else None, "workspace": ctx.workspace},
         )
 
     def launch(self, plan: LaunchPlan, *, stdio=None) -> SandboxHandle:
-        self.calls.append(("launch", plan.sandbox_id, plan.argv))
+        self.calls.append(("launch", plan.sandbox_id, plan.command))
         import threading
 
-        h = SandboxHandle(plan.sandbox_id, plan, pid=0, started_at=time.monotonic())
+        h = SandboxHandle(plan.sandbox_id, plan, started_at=time.monotonic(), private={"done": False})
         self.live[plan.sandbox_id] = h
         self._released[plan.sandbox_id] = threading.Event()
         return h
@@ -103,8 +100,12 @@ class FakeBackend:
             return ExitStatus(exit_code=EXIT_TIMEOUT, timed_out=True, duration=timeout or 0)
         if timeout and self.duration > timeout:
             return ExitStatus(exit_code=EXIT_TIMEOUT, timed_out=True, duration=timeout)
-        code = self.handler if isinstance(self.handler, int) else self.handler(handle.plan.argv, dict(handle.plan.env))
+        code = self.handler if isinstance(self.handler, int) else self.handler(handle.plan.command, dict(handle.plan.env))
         return ExitStatus(exit_code=code, duration=self.duration)
+
+    def poll(self, handle: SandboxHandle) -> bool:
+        ev = self._released.get(handle.sandbox_id)
+        return not self.hold or ev is None or ev.is_set()
 
     def exec(self, handle: SandboxHandle, argv: list[str], *, stdio=None, timeout: float | None = None) -> ExitStatus:
         import os
@@ -116,7 +117,12 @@ class FakeBackend:
         return ExitStatus(exit_code=code)
 
     def inspect(self, handle: SandboxHandle) -> dict:
-        return {"sandbox_id": handle.sandbox_id, "running": handle.sandbox_id in self.live}
+        return {"sandbox_id": handle.sandbox_id, "running": handle.sandbox_id in self.live,
+                "uptime": time.monotonic() - handle.started_at}
+
+    def set_limits(self, handle: SandboxHandle, *, memory=None, pids=None, cpus=None) -> dict:
+        self.calls.append(("set_limits", handle.sandbox_id, memory, pids, cpus))
+        return {k: v for k, v in (("memory", memory), ("pids", pids), ("cpus", cpus)) if v is not None}
 
     def stop(self, handle: SandboxHandle, grace: float = 2.0) -> None:
         self.calls.append(("stop", handle.sandbox_id))

@@ -1,32 +1,110 @@
-"""The substrate protocol every backend implements (kept apart from ``base`` so the hot
-path does not import ``typing.Protocol``). See ``base`` for the data it exchanges."""
+"""The substrate contract: the one door between agent-vm and a sandbox technology.
+
+Every caller (the lifecycle driver, the daemon, the pty relay, the CLI) goes through these
+methods and the common types of ``base``; nothing outside ``backends/`` reads a backend's
+private state or branches on its name. ``tests/contract/`` runs the same behavioural tests
+against every backend present: a new substrate is done when it passes them.
+
+Shaped so a remote substrate (Kubernetes) fits without another redesign:
+
+* the common types carry no host pid, uid or cgroup (``LaunchContext.host`` is ``None`` for
+  a remote substrate, and ``SandboxHandle.private`` is the backend's own);
+* the workspace is a volume (``LaunchContext.workspace``), the gate an attachment of a kind
+  the backend accepts (``gate_kinds``; a unix socket here, a TCP/mTLS address there);
+* exec's stdio are three stream ends the caller owns (pipe fds here; a remote backend
+  pumps its exec stream into them), and the exit is awaitable (``wait_async``) without a
+  thread per sandbox.
+"""
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+import abc
+import asyncio
 
-from agentvm.backends.base import Capabilities, ExitStatus, LaunchContext, LaunchPlan, SandboxHandle, TeardownReport
+from agentvm.backends.base import (
+    Capabilities,
+    ExitStatus,
+    GateAttachment,
+    LaunchContext,
+    LaunchPlan,
+    SandboxHandle,
+    TeardownReport,
+)
+from agentvm.errors import BackendError
 from agentvm.policy import Policy
 
+Stdio = tuple[int, int, int]  # stdin, stdout, stderr: stream ends the caller owns
 
-@runtime_checkable
-class Backend(Protocol):
-    name: str
 
-    def capabilities(self) -> Capabilities: ...
+class Backend(abc.ABC):
+    #: the substrate's name in agent files (``substrate: NAME``) and on ``--substrate``
+    name: str = ""
+    #: the primitives ``capabilities()`` probes: the names ``--degrade`` accepts for it
+    primitives: tuple[str, ...] = ()
+    #: True: needs this host's resources (a dedicated uid, the workspace on this disk, the
+    #: /etc view, host folders as grants), which the runtime resolves into ``LaunchContext.host``
+    host_local: bool = True
+    #: the gate attachments this backend can bridge into a sandbox
+    gate_kinds: tuple[str, ...] = ("unix",)
+    #: how strong the isolation boundary is, for ``minSubstrate`` (higher is stronger)
+    strength: int = 0
 
-    def required_primitives(self, policy: Policy) -> tuple[str, ...]: ...
+    # ---------------------------------------------------------------- planning (no side effects)
+    @abc.abstractmethod
+    def capabilities(self) -> Capabilities:
+        """What this host/backend can guarantee (probed once, cached)."""
 
-    def compile(self, policy: Policy, ctx: LaunchContext) -> LaunchPlan: ...
+    @abc.abstractmethod
+    def required_primitives(self, policy: Policy) -> tuple[str, ...]:
+        """The primitives ``policy`` relies on here: any missing refuses the run (fail closed)."""
 
-    def launch(self, plan: LaunchPlan, *, stdio: tuple[int, int, int] | None = None) -> SandboxHandle: ...
+    def gate_attachment(self, sandbox_id: str, run_dir: str) -> GateAttachment:
+        """Where the gate listens for this sandbox (bound by the gate *before* launch)."""
+        return GateAttachment("unix", f"{run_dir}/gate.sock")
 
-    def wait(self, handle: SandboxHandle, timeout: float | None = None) -> ExitStatus: ...
+    @abc.abstractmethod
+    def compile(self, policy: Policy, ctx: LaunchContext) -> LaunchPlan:
+        """Pure: the policy as this substrate's plan (common header + printable body)."""
 
-    def exec(self, handle: SandboxHandle, argv: list[str]) -> ExitStatus: ...
+    # ---------------------------------------------------------------- side effects
+    @abc.abstractmethod
+    def launch(self, plan: LaunchPlan, *, stdio: Stdio | None = None) -> SandboxHandle:
+        """Start the sandbox. A failure leaves nothing behind (raises ``LaunchError``)."""
 
-    def inspect(self, handle: SandboxHandle) -> dict: ...
+    @abc.abstractmethod
+    def wait(self, handle: SandboxHandle, timeout: float | None = None) -> ExitStatus:
+        """Block until the sandbox's command exits; on ``timeout`` kill it and return 124."""
 
-    def stop(self, handle: SandboxHandle, grace: float = 2.0) -> None: ...
+    async def wait_async(self, handle: SandboxHandle) -> ExitStatus:
+        """The exit, awaitable without holding a thread while the sandbox runs."""
+        return await asyncio.to_thread(self.wait, handle, None)
 
-    def destroy(self, handle: SandboxHandle) -> TeardownReport: ...
+    @abc.abstractmethod
+    def poll(self, handle: SandboxHandle) -> bool:
+        """Has the sandbox's command exited? (never blocks)"""
+
+    @abc.abstractmethod
+    def exec(self, handle: SandboxHandle, argv: list[str], *, stdio: Stdio | None = None,
+             timeout: float | None = None) -> ExitStatus:
+        """Run ``argv`` inside the running sandbox under the same confinement; 124 on timeout."""
+
+    @abc.abstractmethod
+    def inspect(self, handle: SandboxHandle) -> dict:
+        """Live facts for people: ``running``, ``uptime`` and the backend's own (usage...)."""
+
+    def set_limits(self, handle: SandboxHandle, *, memory: int | None = None, pids: int | None = None,
+                   cpus: float | None = None) -> dict:
+        """Tighten limits of a running sandbox; returns what was applied."""
+        raise BackendError(f"the {self.name} substrate cannot change limits of a running sandbox")
+
+    @abc.abstractmethod
+    def stop(self, handle: SandboxHandle, grace: float = 2.0) -> None:
+        """Ask the sandbox to end (SIGTERM), then kill it after ``grace``."""
+
+    @abc.abstractmethod
+    def destroy(self, handle: SandboxHandle) -> TeardownReport:
+        """Remove everything of the sandbox and *verify* nothing is left."""
+
+    def reap_stale(self) -> list[str]:
+        """Tear down what sandboxes of a dead supervisor left behind; returns what was reaped."""
+        return []

@@ -5,11 +5,9 @@ from __future__ import annotations
 
 import json
 import time
-from pathlib import Path
 
 import click
 
-from agentvm.errors import ConfigError
 
 RUN_KINDS = ("run.started", "run.exited", "run.refused", "lifecycle.running", "lifecycle.exited")
 

@@ -24,7 +24,8 @@ import sys
 from agentvm.errors import EXIT_CONFIG, AgentVMError, ConfigError
 
 PRIMITIVE_HELP = (
-    "userns, bwrap, seccomp, landlock, landlock-net, landlock-scope, cgroups, cgroup-kill, dedicated-uid, disk-quota"
+    "bwrap: userns, bwrap, seccomp, landlock, landlock-net, landlock-scope, cgroups, cgroup-kill, dedicated-uid, "
+    "disk-quota; gvisor: see `agentvm doctor --substrate gvisor`"
 )
 
 
@@ -54,6 +55,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--add-host", action="append", default=[], metavar="NAME=IP", help="static name -> address for the gate (no DNS)"
+    )
+    p.add_argument(
+        "--substrate",
+        choices=("bwrap", "gvisor"),
+        help="the sandbox technology (default: the agent file's, else bwrap); the agent's minSubstrate still holds",
     )
     p.add_argument(
         "--network",
@@ -144,6 +150,7 @@ def _run(argv: list[str]) -> int:
         allow=tuple(ns.allow),
         hosts=_parse_hosts(ns.add_host),
         network=ns.network,
+        substrate=ns.substrate,
     )
     policy = with_overrides(policy, **overrides)
     if not policy.command:
@@ -226,6 +233,7 @@ def _run_via_daemon(client, ns, ov: dict) -> int:
         "allow": list(ov["allow"]),
         "hosts": ov["hosts"],
         "network": ov["network"],
+        "substrate": ov["substrate"],
     }
     if ns.agent_file:
         doc["spec"] = Path(ns.agent_file).read_text()

@@ -31,6 +31,7 @@ import logging
 import os
 import signal
 import sqlite3
+import threading
 import time
 from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
@@ -86,13 +87,46 @@ class Managed:
         self.name = name
         self.last_error: dict | None = None  # why its last start failed (the error object)
         self.task: asyncio.Task | None = None
-        self.handle = None
-        self.plan = None
-        self.res = None
+        self.session = None  # the lifecycle driver's Session while it runs
         self.policy = None
-        self.endpoint = None
         self.stop_requested = asyncio.Event()
         self.started_at = 0.0
+
+    @property
+    def handle(self):
+        return self.session.handle if self.session is not None else None
+
+    @property
+    def endpoint(self):
+        return self.session.endpoint if self.session is not None else None
+
+    @property
+    def backend(self):
+        return self.session.backend if self.session is not None else None
+
+
+class DaemonGateHost:
+    """The daemon's one gate, for the lifecycle driver: every sandbox of the daemon - supervised
+    or ``agentvm run`` through it - is an endpoint of this gate (no second gate, no second
+    compile). The driver calls it from worker threads; the gate lives on the daemon's loop."""
+
+    def __init__(self, daemon: "Daemon") -> None:
+        self.daemon = daemon
+
+    def _call(self, coro, timeout: float = 30.0):
+        return asyncio.run_coroutine_threadsafe(coro, self.daemon.loop).result(timeout)
+
+    def open(self, sandbox_id: str, agent: str, egress, attachment, uid, creds):
+        if attachment.kind != "unix":
+            raise AgentVMError(f"the daemon's gate cannot serve a {attachment.kind!r} attachment")
+        return self._call(self.daemon.gate.open_endpoint(sandbox_id, agent, egress, Path(attachment.address),
+                                                         uid=uid, creds=creds))
+
+    def close(self, sandbox_id: str, ep) -> dict:
+        from agentvm.lifecycle import egress_summary
+
+        self._call(self.daemon.gate.close_endpoint(sandbox_id))
+        return egress_summary(ep)
 
 
 class Daemon:
@@ -101,7 +135,9 @@ class Daemon:
         from agentvm.runtime import Runtime
 
         self.paths = paths.ensure()
-        self.runtime = Runtime(self.paths, backend)
+        self.runtime = Runtime(self.paths, backend, record=self._record_from_driver)
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._loop_thread: int | None = None
         self.state = State(self.paths.home / "daemon.db")
         # a short wait for the chain's lock: the daemon's loop must not stall behind a process
         # stopped mid-append (records wait in the queue instead)
@@ -135,6 +171,36 @@ class Daemon:
         self.emit(kind, actor=actor, sandbox=sandbox, **data)
         self._audit_queue.append((kind, actor, sandbox, data, time.time()))
         self.flush_audit()
+
+    def _record_from_driver(self, kind: str, sandbox: str | None = None, **data) -> None:
+        """The lifecycle driver's run records (``run.started``...), usually from a worker
+        thread: on the chain now (a run that cannot be recorded does not start), an event
+        from the loop."""
+        try:
+            try:
+                self.audit.append(kind, actor="agentvm", sandbox=sandbox, data=data)
+            except (sqlite3.Error, OSError) as exc:
+                if not self._use_reserve(exc):
+                    raise
+                self.audit.append(kind, actor="agentvm", sandbox=sandbox, data=data)
+        except (sqlite3.Error, OSError):
+            if kind == "run.started":
+                raise
+            # the run happened: its record waits in the queue with the daemon's others
+            self._in_loop(lambda: self.record(kind, sandbox=sandbox, **data))
+            return
+        self._in_loop(lambda: self.emit(kind, actor="agentvm", sandbox=sandbox, **data))
+
+    def _in_loop(self, fn) -> None:
+        if self.loop is None or threading.get_ident() == self._loop_thread:
+            fn()
+        else:
+            self.loop.call_soon_threadsafe(fn)
+
+    def _lifecycle(self):
+        from agentvm.lifecycle import Lifecycle
+
+        return Lifecycle(self.runtime, DaemonGateHost(self))
 
     def flush_audit(self) -> bool:
         while self._audit_queue:
@@ -240,6 +306,9 @@ class Daemon:
             row = self.state.get(m.name)
             if row is None:
                 return
+            if row.state != "starting":
+                self.state.update(m.name, state="starting")
+                row = self.state.get(m.name)
             try:
                 code = await self._run_once(m, row)
             except AgentVMError as exc:
@@ -270,86 +339,51 @@ class Daemon:
         self.state.update(m.name, state="stopped", desired="stopped")
 
     async def _run_once(self, m: Managed, row) -> int:
+        """One run of a supervised sandbox, through the lifecycle driver, on the daemon's gate."""
         policy = self._policy_for(row)
-        if policy.pending_features:
-            raise PolicyDenied("declares " + ", ".join(policy.pending_features) + ", not enforceable yet")
-        if row.state == "paused":
-            pass
-        plan, res = await asyncio.to_thread(self.runtime.prepare, policy, tty=False)
-        for note in (res.workspace.notes if res.workspace is not None else ()):
-            self.record("lifecycle.workspace-repaired", sandbox=m.name, note=note)
-        backend = self.runtime.backend_for(policy)
-        m.plan, m.res, m.policy = plan, res, policy
+        lc = self._lifecycle()
+        s = await asyncio.to_thread(lc.prepare, policy, tty=False,
+                                    notes=lambda n: self._in_loop(lambda: self.record(
+                                        "lifecycle.workspace-repaired", sandbox=m.name, note=n)))
+        m.session, m.policy = s, policy
         log_path = self.paths.home / "logs" / f"{m.name}.log"
-        report = None
-        status = None
         logfd = devnull = -1
         try:
             log_path.parent.mkdir(parents=True, exist_ok=True)
             logfd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
             devnull = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
-            if policy.egress is not None:
-                run_dir = self.paths.sandboxes / plan.sandbox_id
-                run_dir.mkdir(parents=True, exist_ok=True)
-                os.chmod(run_dir, 0o711)
-                m.endpoint = await self.gate.open_endpoint(plan.sandbox_id, m.name, policy.egress, run_dir / "gate.sock",
-                                                           uid=plan.host_uid or None, creds=res.creds)
+            await asyncio.to_thread(lc.attach, s)
+            if s.endpoint is not None:
                 patch = json.loads(row.policy_patch or "{}")
-                m.endpoint.paused = bool(patch.get("paused"))
-                if m.endpoint.creds is not None:  # per-sandbox revocations survive restarts
-                    m.endpoint.creds.local_revoked.update(patch.get("revoked", []))
-            m.handle = await asyncio.to_thread(backend.launch, plan, stdio=(devnull, logfd, logfd))
+                s.endpoint.paused = bool(patch.get("paused"))
+                if s.endpoint.creds is not None:  # per-sandbox revocations survive restarts
+                    s.endpoint.creds.local_revoked.update(patch.get("revoked", []))
+            await asyncio.to_thread(lc.launch, s, (devnull, logfd, logfd))
             m.started_at = time.monotonic()
-            self.state.update(m.name, state="running", sandbox_id=plan.sandbox_id, started=time.time(),
+            self.state.update(m.name, state="running", sandbox_id=s.sandbox_id, started=time.time(),
                               last_activity=time.time())
-            self.record("lifecycle.running", sandbox=m.name, sandbox_id=plan.sandbox_id, uid=plan.host_uid,
-                        policy=plan.policy_digest)
-            waiter = asyncio.ensure_future(self._wait_exit(backend, m.handle))
+            self.record("lifecycle.running", sandbox=m.name, sandbox_id=s.sandbox_id, uid=s.res.host_uid, substrate=s.plan.substrate,
+                        identity=s.plan.identity, policy=s.plan.policy_digest)
+            waiter = asyncio.ensure_future(lc.wait_async(s))
             watch = asyncio.ensure_future(self._watch(m, row))
             stop = asyncio.ensure_future(m.stop_requested.wait())
             done, _ = await asyncio.wait({waiter, stop, watch}, return_when=asyncio.FIRST_COMPLETED)
             if waiter not in done:
-                await asyncio.to_thread(backend.stop, m.handle, 2.0)
-            status = await waiter
+                await asyncio.to_thread(lc.stop, s, 2.0)
+            await waiter
             for t in (watch, stop):
                 t.cancel()
         finally:
-            if m.handle is not None:
-                report = await asyncio.to_thread(backend.destroy, m.handle)
-            res.release(report)
-            if m.endpoint is not None:
-                await self.gate.close_endpoint(plan.sandbox_id)
-                m.endpoint = None
-            m.handle = None
+            await asyncio.to_thread(lc.teardown, s)
             for fd in (logfd, devnull):
                 if fd >= 0:
                     os.close(fd)
-        code = status.exit_code if status else 125
-        self.state.update(m.name, exit_code=code)
-        self.record("lifecycle.exited", sandbox=m.name, sandbox_id=plan.sandbox_id, exit_code=code,
-                    teardown_verified=bool(report and report.verified),
-                    teardown=report.to_dict() if report else None)
-        return code
-
-    async def _wait_exit(self, backend, handle):
-        """Await a sandbox's exit without holding a thread: a pidfd becomes readable when the
-        process exits (thousands of idle sandboxes must not exhaust a thread pool)."""
-        proc = getattr(handle, "backend_state", {}).get("proc")
-        if proc is not None and hasattr(os, "pidfd_open"):
-            loop = asyncio.get_running_loop()
-            try:
-                pfd = os.pidfd_open(proc.pid)
-            except ProcessLookupError:
-                pfd = None
-            if pfd is not None:
-                done = loop.create_future()
-                loop.add_reader(pfd, lambda: done.done() or done.set_result(None))
-                try:
-                    await done
-                finally:
-                    loop.remove_reader(pfd)
-                    os.close(pfd)
-        return await asyncio.to_thread(backend.wait, handle, None)
+            m.session = None
+        result = await asyncio.to_thread(lc.result, s)
+        self.state.update(m.name, exit_code=result.exit_code)
+        self.record("lifecycle.exited", sandbox=m.name, sandbox_id=s.sandbox_id, exit_code=result.exit_code,
+                    teardown_verified=bool(result.teardown.get("verified")))
+        return result.exit_code
 
     async def _watch(self, m: Managed, row) -> None:
         """Ephemeral TTL and idle timeout."""
@@ -407,6 +441,7 @@ class Daemon:
                 self.flush_audit()
 
     async def serve(self) -> None:
+        self.loop, self._loop_thread = asyncio.get_running_loop(), threading.get_ident()
         # recover before answering anyone: a client that sees the socket sees a clean state
         self._flush_task = asyncio.ensure_future(self._flusher())
         await self.recover()
@@ -662,7 +697,9 @@ class Daemon:
     def _public(self, row) -> dict:
         d = row.public()
         m = self.managed.get(row.name)
-        d["pid"] = m.handle.pid if m and m.handle else None
+        if m is not None and m.handle is not None:
+            d["substrate"] = m.session.plan.substrate
+            d["identity"] = m.session.plan.identity
         return d
 
     async def _wait_state(self, name: str, states: tuple, timeout: float) -> None:
@@ -708,7 +745,7 @@ class Daemon:
             raise ApiError(400, "bad-request", "'argv' must be a non-empty list of strings")
         self.state.update(name, last_activity=time.time())
         self.record("operator.exec", actor=actor, sandbox=name, argv=argv)
-        backend = self.runtime.backend_for(m.policy)
+        backend = m.backend
         o_r, o_w = os.pipe2(os.O_CLOEXEC)
         e_r, e_w = os.pipe2(os.O_CLOEXEC)
         stdin = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
@@ -829,10 +866,10 @@ class Daemon:
             allow=tuple(doc.get("allow") or ()),
             hosts=doc.get("hosts") or {},
             network=doc.get("network"),
+            substrate=doc.get("substrate"),
         )
         if not policy.command:
             raise ApiError(400, "bad-request", "nothing to run")
-        loop = asyncio.get_running_loop()
         o_r, o_w = os.pipe2(os.O_CLOEXEC)
         e_r, e_w = os.pipe2(os.O_CLOEXEC)
         i_r, i_w = os.pipe2(os.O_CLOEXEC)
@@ -848,58 +885,45 @@ class Daemon:
                 os.close(i_w)
 
         self.record("operator.run", actor=actor, sandbox=policy.name, command=list(policy.command))
-        launched: list = []
-        fut = asyncio.ensure_future(asyncio.to_thread(self._run_blocking, policy, (i_r, o_w, e_w), loop,
-                                                      lambda b, h: launched.append((b, h))))
+        lc = self._lifecycle()
+        sess: list = []
+
+        def run_blocking():
+            # the same driver as the embedded run, on the daemon's own gate
+            s = lc.prepare(policy, tty=False)
+            sess.append(s)
+            try:
+                lc.attach(s)
+                lc.launch(s, (i_r, o_w, e_w))
+                lc.wait(s)
+            finally:
+                lc.teardown(s)
+            return lc.result(s)
+
+        fut = asyncio.ensure_future(asyncio.to_thread(run_blocking))
 
         def client_gone():
             # like Ctrl-C on an embedded run: the caller is gone, so is the run
             self.record("operator.run-abandoned", sandbox=policy.name, reason="the client went away")
-            for b, h in launched:
-                asyncio.ensure_future(asyncio.to_thread(b.stop, h, 1.0))
+            for s in sess:
+                if s.handle is not None:
+                    asyncio.ensure_future(asyncio.to_thread(lc.stop, s, 1.0))
 
         feeder = asyncio.ensure_future(asyncio.to_thread(feed_stdin))
         await self._stream_start(conn, writer)
         try:
-            await self._pump(conn, writer, {o_r: "stdout", e_r: "stderr"}, fut, (o_w, e_w, i_r), client_gone)
+            result = await self._pump(conn, writer, {o_r: "stdout", e_r: "stderr"}, fut, (o_w, e_w, i_r), client_gone)
         finally:
             await feeder
-            if fut.done() and not fut.cancelled() and fut.exception() is None:
-                result = fut.result()  # its run.started / run.exited records came from the runtime
         await self._stream_line(conn, writer, {"result": result.to_dict()})
         await self._stream_end(conn, writer)
 
-    def _run_blocking(self, policy, stdio, loop, on_launch):
-        """The embedded run path (its own in-thread gate), executed by the daemon; its gate
-        decisions feed the daemon's events and audit trail like any other."""
-        from agentvm.runtime import Runtime
-
-        def record(kind, sandbox=None, **data):
-            # the runtime's run records: on the chain now, from this thread (a run that cannot be
-            # recorded does not start), and as events from the loop
-            try:
-                self.audit.append(kind, actor="agentvm", sandbox=sandbox, data=data)
-            except (sqlite3.Error, OSError):
-                if kind == "run.started":
-                    raise  # a run that cannot be recorded does not start
-                # the run happened: its record waits in the queue, with the daemon's others
-                loop.call_soon_threadsafe(lambda: self.record(kind, sandbox=sandbox, **data))
-                return
-            loop.call_soon_threadsafe(lambda: self.emit(kind, actor="agentvm", sandbox=sandbox, **data))
-
-        rt = Runtime(self.paths, self.runtime._backend, record=record)
-        if policy.egress is not None:
-            rt.embedded_gate().gate.subscribers.append(lambda rec: loop.call_soon_threadsafe(self._on_decision, rec))
-        try:
-            return rt.run(policy, tty=False, stdio=stdio, on_launch=on_launch)
-        finally:
-            rt.close()
-
     def _workspace_dir(self, name: str) -> Path:
         m = self.managed.get(name)
-        if m is None or m.res is None or m.res.workspace is None or m.handle is None:
+        s = m.session if m is not None else None
+        if s is None or s.res.workspace is None or s.handle is None:
             raise ApiError(409, "not-running", f"{name} is not running (its workspace is mounted only while it runs)")
-        return Path(m.res.workspace.host_dir), m.plan.host_uid
+        return Path(s.res.workspace.host_dir), s.res.host_uid
 
     async def _files(self, name, method, rel, body, conn, writer, actor):
         from agentvm.daemon.files import read_beneath, write_beneath
@@ -989,11 +1013,10 @@ class Daemon:
                     from agentvm.vault import Vault
 
                     v = Vault(self.runtime.vault_dir)
-                    (v.revoke if op == "revoke" else v.restore)(b.ref[6:], m.plan.sandbox_id)
+                    (v.revoke if op == "revoke" else v.restore)(b.ref[6:], m.session.sandbox_id)
         elif op == "limits":
-            group = m.handle.backend_state.get("cgroup") if m and m.handle is not None else None
-            if group is None:
-                raise ApiError(409, "not-running", "live limits need a running sandbox with cgroups")
+            if m is None or m.handle is None:
+                raise ApiError(409, "not-running", "live limits need a running sandbox")
             from agentvm.units import parse_size
 
             try:
@@ -1002,7 +1025,9 @@ class Daemon:
                 cpus = float(doc["cpus"]) if doc.get("cpus") is not None else None
                 if (mem is not None and mem < 16 * 1024**2) or (pids is not None and pids < 8) or (cpus is not None and cpus <= 0):
                     raise ValueError("below the minimum (16M memory, 8 pids, >0 cpus)")
-                applied = await asyncio.to_thread(group.tighten, memory=mem, pids=pids, cpus=cpus)
+                applied = await asyncio.to_thread(m.backend.set_limits, m.handle, memory=mem, pids=pids, cpus=cpus)
+            except AgentVMError as exc:
+                raise ApiError(409, "limits-unsupported", exc.message) from None
             except (ValueError, KeyError) as exc:
                 raise ApiError(400, "invalid-limits", str(exc)) from None
             patch["limits"] = {**patch.get("limits", {}), **applied}  # and for every later start

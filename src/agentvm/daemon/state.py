@@ -34,6 +34,25 @@ CREATE TABLE IF NOT EXISTS sandboxes (
 """
 
 
+# The daemon's sandbox states and the only transitions between them. The supervisor changes a
+# state only through ``State.update(state=...)``, which refuses anything not in this table;
+# the tests read the same table.
+TRANSITIONS: dict[str, frozenset[str]] = {
+    "created": frozenset({"starting", "stopped"}),  # start / stop of a never-started sandbox
+    "starting": frozenset({"running", "failed", "stopped"}),  # launched / refused or broken / stopped early
+    "running": frozenset({"backoff", "exited", "failed", "stopped"}),  # restart due / done / broken / stopped
+    "backoff": frozenset({"starting", "stopped"}),  # the restart begins / stopped while waiting
+    "exited": frozenset({"starting", "stopped"}),
+    "stopped": frozenset({"starting", "stopped"}),
+    "failed": frozenset({"starting", "stopped"}),
+}
+STATES = tuple(TRANSITIONS)
+
+
+class IllegalTransition(RuntimeError):
+    pass
+
+
 @dataclass
 class SandboxRow:
     name: str
@@ -94,10 +113,17 @@ class State:
         return self.get(name)
 
     def update(self, name: str, **fields) -> None:
+        """Change a row; a change of ``state`` must be a transition of ``TRANSITIONS``."""
         if not fields:
             return
         cols = ", ".join(f"{k}=?" for k in fields)
         with self._lock:
+            new = fields.get("state")
+            if new is not None:
+                r = self._c.execute("SELECT state FROM sandboxes WHERE name=?", (name,)).fetchone()
+                cur = r[0] if r else None
+                if cur is not None and new != cur and new not in TRANSITIONS.get(cur, ()):
+                    raise IllegalTransition(f"{name}: {cur} -> {new} is not a transition of the daemon's state table")
             self._c.execute(f"UPDATE sandboxes SET {cols} WHERE name=?", (*fields.values(), name))
 
     def delete(self, name: str) -> None:

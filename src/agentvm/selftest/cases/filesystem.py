@@ -41,7 +41,7 @@ def _sha(data: bytes) -> str:
 def _host_etc_secrets(limit: int = 40) -> dict[str, str]:
     """World-readable regular files of the host's /etc (one level deep) that the sandbox's /etc
     view must NOT contain: path -> sha256 of the content."""
-    from agentvm.backends.bwrap import ETC_ALLOW, PER_SANDBOX_ETC, VIEW_SYNTHETIC
+    from agentvm.backends.hostview import ETC_ALLOW, PER_SANDBOX_ETC, VIEW_SYNTHETIC
 
     skip = set(ETC_ALLOW) | set(PER_SANDBOX_ETC) | set(VIEW_SYNTHETIC)
     out: dict[str, str] = {}
@@ -280,7 +280,7 @@ def _(env: Env) -> Verdict:
       "learn the host's accounts, groups and resolver from /etc/passwd, /etc/group, /etc/resolv.conf",
       weakened_by="host-etc")
 def _(env: Env) -> Verdict:
-    from agentvm.backends.bwrap import VIEW_SYNTHETIC
+    from agentvm.backends.hostview import VIEW_SYNTHETIC
 
     host_lines: dict[str, list[str]] = {}
     for name in ("passwd", "group", "resolv.conf", "nsswitch.conf"):
@@ -306,7 +306,7 @@ def _(env: Env) -> Verdict:
       "list the host's /etc: installed services, users' tool configs, credentials stores",
       weakened_by="host-etc")
 def _(env: Env) -> Verdict:
-    from agentvm.backends.bwrap import ETC_ALLOW, PER_SANDBOX_ETC, VIEW_SYNTHETIC
+    from agentvm.backends.hostview import ETC_ALLOW, PER_SANDBOX_ETC, VIEW_SYNTHETIC
 
     view = {n.split("/")[0] for n in ETC_ALLOW} | set(PER_SANDBOX_ETC) | set(VIEW_SYNTHETIC)
     host_only = sorted(set(os.listdir("/etc")) - view)

@@ -1,0 +1,420 @@
+"""What every host-local sandbox (bwrap, gVisor) sees, whatever the substrate: the root view
+(the host's /usr, an allowlisted /etc with synthetic accounts and resolver, private scratch
+space), the per-sandbox files, and the environment (the gate's proxy and CA variables).
+
+One definition, so two substrates behind the same agent file give the agent the same world.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import time
+from pathlib import Path
+
+from agentvm import defaults as D
+from agentvm.backends.base import HostContext, LaunchContext, MountOp
+from agentvm.errors import LaunchError
+from agentvm.policy import Policy, append_env
+
+HOME_IN_SANDBOX = D.HOME_PATH
+HELPER_IN_SANDBOX = "/.agentvm/init"
+GATE_IN_SANDBOX = "/.agentvm/gate.sock"
+CA_BUNDLE = "/etc/ssl/certs/ca-certificates.crt"  # system CAs + the gate's CA (see etc_view)
+GATE_CA_FILE = "/etc/ssl/certs/agentvm-gate-ca.pem"
+NODE_SHIM_IN_SANDBOX = "/.agentvm/node"
+# /etc entries visible in the sandbox (read-only, if they exist). Everything else of the
+# host's /etc - shadow, sudoers, ssh keys, machine-id, pip/npm configs with tokens - is absent.
+ETC_ALLOW = (
+    "alternatives", "bash.bashrc", "ca-certificates", "ca-certificates.conf",
+    # Debian's chromium wrapper sources chromium.d (default flags, Debian's public API keys);
+    # not /etc/chromium/policies (managed policies may hold enrollment tokens)
+    "chromium.d", "chromium/master_preferences",
+    "debian_version", "fonts",
+    "gai.conf", "host.conf", "inputrc", "ld.so.cache", "ld.so.conf", "ld.so.conf.d", "locale.alias",
+    "localtime", "magic", "magic.mime", "mime.types", "os-release", "profile", "protocols", "python3",
+    "python3.11", "services", "ssl", "terminfo", "timezone", "vim", "wgetrc", "xattr.conf",
+)
+PER_SANDBOX_ETC = ("hosts", "hostname")
+# Synthetic files in the shared view: the sandbox never sees the host's accounts or resolver.
+VIEW_SYNTHETIC = {
+    "passwd": "root:x:0:0:root:/nonexistent:/usr/sbin/nologin\n"
+    "agent:x:1000:1000:agent:/home/agent:/bin/sh\n"
+    "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n",
+    "group": "root:x:0:\nagent:x:1000:\nnogroup:x:65534:\n",
+    "resolv.conf": "# agent-vm: no resolver inside the sandbox; names resolve at the egress gate\n",
+    "nsswitch.conf": "passwd: files\ngroup: files\nhosts: files\n",
+    # empty: nothing is preloaded (the gVisor substrate binds its compatibility shim's name over it)
+    "ld.so.preload": "",
+}
+ETC_VIEW_VERSION = 2
+MERGED_USR = (("bin", "usr/bin"), ("lib", "usr/lib"), ("lib64", "usr/lib64"), ("sbin", "usr/sbin"))
+BASE_PATH = "/usr/local/bin:/usr/bin:/bin:/usr/local/sbin:/usr/sbin"
+
+
+
+def hostname(name: str) -> str:
+    return (name or "sandbox")[:63]
+
+
+
+
+def base_mounts(policy: Policy, host: HostContext) -> list[MountOp]:
+    """The read-only root view every host-local sandbox starts from: the host's /usr, the
+    allowlisted /etc view with per-sandbox hosts/hostname, and private scratch space."""
+    lim = policy.limits
+    mounts: list[MountOp] = [MountOp("ro-bind", "/usr", "/usr")]
+    for name, target in MERGED_USR:
+        mounts.append(MountOp("symlink", "/" + name, target))
+    mounts.append(MountOp("ro-bind", "/etc", host.etc_view))
+    for e in PER_SANDBOX_ETC:
+        mounts.append(MountOp("ro-bind", "/etc/" + e, f"{host.run_dir}/etc/{e}"))
+    mounts += [
+        MountOp("proc", "/proc"),
+        MountOp("dev", "/dev"),
+        MountOp("tmpfs", "/dev/shm", size=lim.shm, perms="1777"),
+        MountOp("tmpfs", "/tmp", size=lim.tmp, perms="1777"),
+        MountOp("tmpfs", HOME_IN_SANDBOX, size=min(lim.tmp, 64 * 1024**2), perms="0700"),
+        MountOp("ro-bind-try", "/sys/devices/system/cpu", "/sys/devices/system/cpu"),
+    ]
+    return mounts
+
+
+def sandbox_files(policy: Policy, ctx: LaunchContext) -> tuple[tuple[str, str], ...]:
+    """Per-sandbox files, relative to the run dir: /etc/hosts, /etc/hostname, session files."""
+    name = hostname(policy.name)
+    return (
+        ("etc/hosts", f"127.0.0.1\tlocalhost {name}\n::1\tlocalhost ip6-localhost\n"),
+        ("etc/hostname", name + "\n"),
+    ) + tuple((f"files/{i}", content) for i, (_, content) in enumerate(ctx.extra_files))
+
+
+def sandbox_env(policy: Policy, ctx: LaunchContext, *, term: str | None = None) -> dict[str, str]:
+    """The sandbox's environment: a clean base, the gate's proxy and CA variables, the agent
+    file's variables, then the session's placeholders (which nothing can shadow)."""
+    env = {
+        "PATH": BASE_PATH,
+        "HOME": HOME_IN_SANDBOX,
+        "LANG": "C.UTF-8",
+        "TERM": (term or os.environ.get("TERM", "dumb")) if ctx.tty else "dumb",
+        "USER": "agent",
+        "LOGNAME": "agent",
+        "SHELL": "/bin/sh",
+        "TMPDIR": "/tmp",
+        "AGENTVM": "1",
+        "AGENTVM_SANDBOX_ID": ctx.sandbox_id,
+        "AGENTVM_AGENT": policy.name,
+    }
+    if ctx.gate is not None and policy.egress is not None:
+        proxy = f"http://127.0.0.1:{ctx.gate.port}"
+        for k in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY"):
+            env[k] = env[k.lower()] = proxy
+        env["NO_PROXY"] = env["no_proxy"] = "localhost,127.0.0.1,::1"
+        # trust the gate's CA (TLS-terminated hosts) through every common knob
+        for k in ("SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", "GIT_SSL_CAINFO", "PIP_CERT", "AWS_CA_BUNDLE"):
+            env[k] = CA_BUNDLE
+        env["NODE_EXTRA_CA_CERTS"] = GATE_CA_FILE
+        env["NODE_USE_ENV_PROXY"] = "1"  # Node >= 24 honours the proxy variables natively
+        if ctx.host is not None and ctx.host.node_shim:
+            env["NODE_OPTIONS"] = f"--require {NODE_SHIM_IN_SANDBOX}/proxy.js"
+    spec_env = dict(policy.env)
+    if "NODE_OPTIONS" in env and spec_env.get("NODE_OPTIONS"):
+        # the agent's Node options (a preset's heap size...) join the gate's preload: a
+        # replaced NODE_OPTIONS would leave Node's fetch with no route out
+        spec_env["NODE_OPTIONS"] = append_env("NODE_OPTIONS", env["NODE_OPTIONS"], spec_env["NODE_OPTIONS"])
+    env.update(spec_env)
+    env.update(dict(ctx.extra_env))  # placeholders win: the spec cannot shadow them
+    return env
+
+
+def write_run_files(run_dir: Path, files: tuple[tuple[str, str], ...]) -> None:
+    """Write the per-sandbox files (readable by the sandbox's uid, owned by root)."""
+    etc = run_dir / "etc"
+    etc.mkdir(parents=True, exist_ok=True)
+    os.chmod(run_dir, 0o711)
+    os.chmod(etc, 0o755)
+    for rel, content in files:
+        f = run_dir / rel
+        f.parent.mkdir(parents=True, exist_ok=True)
+        os.chmod(f.parent, 0o755)
+        f.write_text(content)
+        os.chmod(f, 0o644)
+
+
+def _etc_fingerprint(extra_ca: bytes = b"") -> str:
+    """Cheap identity of the host's allowlisted /etc entries (lstat of each and of the
+    entries one level down), so the view is rebuilt when the host changes them."""
+    import hashlib
+
+    h = hashlib.sha256(f"v{ETC_VIEW_VERSION}:{sorted(VIEW_SYNTHETIC.items())}".encode())
+    h.update(extra_ca)
+    for name in ETC_ALLOW:
+        p = "/etc/" + name
+        try:
+            st = os.lstat(p)
+        except OSError:
+            continue
+        h.update(f"{name}:{st.st_mode}:{st.st_mtime_ns}:{st.st_size}:{st.st_ino}".encode())
+        if os.path.isdir(p) and not os.path.islink(p):
+            with os.scandir(p) as it:
+                for e in sorted(it, key=lambda e: e.name):
+                    try:
+                        est = e.stat(follow_symlinks=False)
+                    except OSError:
+                        continue
+                    h.update(f"{e.name}:{est.st_mode}:{est.st_mtime_ns}:{est.st_size}".encode())
+    return h.hexdigest()[:16]
+
+
+def etc_view(runtime: Path, gate_ca_pem: bytes = b"") -> Path:
+    """A host directory holding copies of the allowlisted /etc entries plus synthetic
+    accounts/resolver files, bound read-only as the sandbox's /etc in one mount.
+
+    Private key directories are never copied; file modes and owners are kept, so what the
+    host's root keeps unreadable stays unreadable to the sandbox's uid. With ``gate_ca_pem``
+    the view's CA bundle also trusts the egress gate's CA (for TLS-terminated hosts), and the
+    CA alone is at ``/etc/ssl/certs/agentvm-gate-ca.pem`` (for NODE_EXTRA_CA_CERTS)."""
+    import shutil
+
+    fp = _etc_fingerprint(gate_ca_pem)
+    view = runtime / f"etc-view-{fp}"
+    if view.is_dir():
+        return view
+    runtime.mkdir(parents=True, exist_ok=True)
+    tmp = runtime / f".etc-view-{fp}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(mode=0o755)
+    ignore = shutil.ignore_patterns("private", "*.key", "*.pem.key")
+    for name in ETC_ALLOW:
+        src = Path("/etc") / name
+        dst = tmp / name
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            if src.is_symlink():
+                os.symlink(os.readlink(src), dst)
+            elif src.is_dir():
+                shutil.copytree(src, dst, symlinks=True, ignore=ignore)
+            elif src.is_file():
+                shutil.copy2(src, dst)
+        except FileNotFoundError:
+            continue
+    for name, content in VIEW_SYNTHETIC.items():
+        (tmp / name).write_text(content)
+        os.chmod(tmp / name, 0o644)
+    if gate_ca_pem:
+        certs = tmp / "ssl" / "certs"
+        certs.mkdir(parents=True, exist_ok=True)
+        bundle = certs / "ca-certificates.crt"
+        try:
+            system = Path(CA_BUNDLE).read_bytes()
+        except OSError:
+            system = b""
+        if bundle.exists() or bundle.is_symlink():
+            bundle.unlink()
+        bundle.write_bytes(system.rstrip(b"\n") + b"\n" + gate_ca_pem)
+        (certs / "agentvm-gate-ca.pem").write_bytes(gate_ca_pem)
+        for f in (bundle, certs / "agentvm-gate-ca.pem"):
+            os.chmod(f, 0o644)
+    for name in PER_SANDBOX_ETC:  # bind targets, overmounted per sandbox
+        (tmp / name).write_text("")
+    os.chmod(tmp, 0o755)
+    try:
+        os.rename(tmp, view)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)  # another launch won the race
+    # Old views may still be bound in running sandboxes: only remove day-old ones.
+    for old in runtime.glob("etc-view-*"):
+        if old != view:
+            try:
+                if time.time() - old.stat().st_mtime > 86400:
+                    shutil.rmtree(old, ignore_errors=True)
+            except OSError:
+                pass
+    return view
+
+
+# ---------------------------------------------------------------------- processes and stale state
+
+
+async def process_exit(pid: int) -> None:
+    """Await a child's exit without holding a thread: a pidfd becomes readable when the
+    process exits (thousands of idle sandboxes must not exhaust a thread pool)."""
+    import asyncio
+
+    try:
+        pfd = os.pidfd_open(pid)
+    except (ProcessLookupError, AttributeError, OSError):
+        return
+    loop = asyncio.get_running_loop()
+    done = loop.create_future()
+    loop.add_reader(pfd, lambda: done.done() or done.set_result(None))
+    try:
+        await done
+    finally:
+        loop.remove_reader(pfd)
+        os.close(pfd)
+
+
+def mark_run_dir(run_dir: Path, substrate: str) -> None:
+    """Say which substrate a run dir belongs to and who supervises it (for stale-state reaping)."""
+    (run_dir / "substrate").write_text(substrate + "\n")
+    (run_dir / "supervisor.pid").write_text(f"{os.getpid()}\n")
+
+
+def _alive(pid: int) -> bool:
+    """A process that exists and is not a zombie (a killed supervisor lingers as a zombie
+    until its parent reaps it: it supervises nothing)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    except OSError:
+        return True
+    state = stat.rpartition(")")[2].split()[:1]
+    return bool(state) and state[0] not in ("Z", "X")
+
+
+def stale_run_dirs(sandboxes: Path, substrate: str) -> list[Path]:
+    """Run dirs of ``substrate`` whose supervisor died (e.g. ``kill -9``). A run dir without
+    a supervisor is stale only once it is a minute old (a launch in progress writes it quickly);
+    one without a substrate mark is from before marks existed (bwrap)."""
+    out: list[Path] = []
+    try:
+        entries = list(os.scandir(sandboxes))
+    except FileNotFoundError:
+        return out
+    for e in entries:
+        d = Path(e.path)
+        try:
+            mine = (d / "substrate").read_text().strip() == substrate
+        except FileNotFoundError:
+            mine = substrate == "bwrap"
+        except OSError:
+            continue
+        if not mine:
+            continue
+        try:
+            pid = int((d / "supervisor.pid").read_text())
+        except (OSError, ValueError):
+            try:
+                if time.time() - e.stat().st_mtime < 60:
+                    continue
+            except OSError:
+                continue
+            pid = -1
+        if pid > 0 and _alive(pid):
+            continue
+        out.append(d)
+    return out
+
+
+def reap_run_dir(run_dir: Path, runtime: Path) -> None:
+    """Kill and remove what a dead supervisor's sandbox left: its cgroups, grant holds, run dir."""
+    import shutil
+
+    from agentvm import cgroups as cg
+    from agentvm import grants
+
+    layout = cg.detect()
+    group = cg.SandboxCgroup(sandbox_id=run_dir.name, layout=layout)
+    roots = [layout.v2_root] if layout.v2_root else []
+    roots += list(layout.v1.values())
+    group.dirs = [r / cg.PARENT / run_dir.name for r in dict.fromkeys(roots) if (r / cg.PARENT / run_dir.name).is_dir()]
+    group.freezer_dir = next((d for d in group.dirs if "freezer" in str(d)), None)
+    group.kill_dir = next((d for d in group.dirs if (d / "cgroup.kill").exists()), None)
+    group.kill()
+    group.destroy()
+    grants.release_recorded(run_dir, runtime / "grants")
+    shutil.rmtree(run_dir, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------- the helper and its processes
+
+
+def become_subreaper() -> None:
+    """Orphans of a sandbox (its killed descendants) are re-parented to us, so we can reap
+    them and verify teardown instead of leaving zombies to the host's init."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+    except Exception:
+        pass
+
+
+def sweep_uid(uid: int, timeout: float = 2.0) -> list[int]:
+    """Kill what is left of ``uid`` and reap the zombies re-parented to us (we are a
+    subreaper). Returns live pids that survived (teardown NOT verified)."""
+    from agentvm.identity import uid_processes
+
+    me = os.getpid()
+    deadline = time.monotonic() + timeout
+    while True:
+        live = []
+        for pid, ppid, state in uid_processes(uid):
+            if state in ("Z", "X"):
+                if ppid == me:
+                    try:
+                        os.waitpid(pid, os.WNOHANG)
+                    except ChildProcessError:
+                        pass
+                continue
+            live.append(pid)
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if not live or time.monotonic() > deadline:
+            return live
+        time.sleep(0.002)
+
+
+def substitute(argv: tuple[str, ...], fds: dict[str, int], cgroup_files: list[str]) -> list[str]:
+    """Fill in the launch-time values: ``@fd:NAME@`` tokens (a whole argument, or the head of a
+    ``--grant`` value) and ``@cgroups@``. The agent's command (after init's own ``--``) is
+    never touched: its arguments are the agent's, whatever they look like."""
+    out: list[str] = []
+    items = list(argv)
+    seps = [k for k, a in enumerate(items) if a == "--"]
+    # launch opts -- bwrap --args FD -- init opts -- COMMAND: the third separator starts the command
+    stop = seps[2] + 1 if len(seps) >= 3 else len(items)
+    i = 0
+    while i < len(items):
+        a = items[i]
+        if i >= stop:
+            out += items[i:]
+            break
+        if a == "--cgroup-procs" and i + 1 < len(items) and items[i + 1] == "@cgroups@":
+            for f in cgroup_files:
+                out += ["--cgroup-procs", f]
+            i += 2
+            continue
+        if a.startswith("@fd:") and "@" in a[4:]:
+            name, _, rest = a[4:].partition("@")
+            if name not in fds:
+                raise LaunchError("plan", f"no fd for {name}")
+            a = str(fds[name]) + rest
+        out.append(a)
+        i += 1
+    return out
+
+
+def helper_status(raw: bytes) -> tuple[bool, dict | None]:
+    """The helper's status pipe, read after the writer exited (so the pipe holds all of it):
+    ``ready`` once init has put every layer in place and is about to exec the command, and
+    ``STEP\tERRNO\tMESSAGE`` lines on failure (the first names the cause).
+    Returns (ready, setup_error)."""
+    lines = [ln for ln in raw.decode(errors="replace").splitlines() if ln.strip()]
+    ready = "ready" in lines
+    errors = [ln for ln in lines if ln != "ready"]
+    return ready, (setup_error_line(errors[0]) if errors else None)
+
+
+def setup_error_line(line: str) -> dict:
+    step, _, rest = line.partition("\t")
+    err, _, msg = rest.partition("\t")
+    try:
+        errno_ = int(err or 0)
+    except ValueError:
+        errno_ = 0
+    return {"step": step, "errno": errno_, "message": msg}

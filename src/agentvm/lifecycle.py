@@ -1,0 +1,258 @@
+"""The one lifecycle driver: how any sandbox goes from a policy to a verified teardown.
+
+    prepare -> attach to the gate -> launch -> wait | stop -> destroy (verified) -> release
+
+``agentvm run`` (embedded, with a gate in a thread of its own process) and the daemon (its
+persistent and ephemeral sandboxes, and ``agentvm run`` through it, all on the daemon's one
+gate) drive these same steps; only the gate host differs. Every step goes through the
+``Backend`` protocol, never around it. Each session is on the audit chain: ``run.started``
+before launch (a run that cannot be recorded does not start), ``run.exited`` after teardown,
+``run.refused`` when preflight says no.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from agentvm.backends.base import ExitStatus, TeardownReport
+from agentvm.errors import EXIT_BACKEND, AgentVMError, BackendError
+
+
+@dataclass
+class RunResult:
+    sandbox_id: str
+    agent: str
+    exit_code: int
+    duration: float
+    timed_out: bool = False
+    oom_killed: bool = False
+    pids_limit_hit: bool = False
+    signal: int | None = None
+    setup_error: dict | None = None
+    teardown: dict = field(default_factory=dict)
+    degraded: list[str] = field(default_factory=list)
+    host_uid: int | None = None
+    policy_digest: str = ""
+    memory_peak: int | None = None
+    limits: dict = field(default_factory=dict)  # the limits in force (memory, pids, timeout...), for the hints
+    egress: dict | None = None  # gate summary: allowed, denied [{rule, target, count}], bytes, log
+    substrate: str = ""
+
+    @property
+    def limits_hit(self) -> list[str]:
+        out = []
+        if self.timed_out:
+            out.append("timeout")
+        if self.oom_killed:
+            out.append("memory")
+        if self.pids_limit_hit:
+            out.append("pids")
+        return out
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["limits_hit"] = self.limits_hit
+        d["teardown_verified"] = bool(self.teardown.get("verified"))
+        return d
+
+
+NO_TRAFFIC = {"allowed": 0, "denied": [], "bytes_out": 0, "bytes_in": 0, "alerts": 0, "log": None}
+
+
+def egress_summary(endpoint) -> dict:
+    """What a sandbox's gate endpoint saw, for the run's result."""
+    return {
+        "allowed": endpoint.allowed,
+        "denied": [_denial(r, t, n, *endpoint.denial_reasons.get((r, t), ("", None)))
+                   for (r, t), n in sorted(endpoint.denials.items())],
+        "bytes_out": endpoint.bytes_out,
+        "bytes_in": endpoint.bytes_in,
+        "alerts": endpoint.alerts,
+        "log": str(endpoint.log_path),
+    }
+
+
+def _denial(rule: str, target: str, count: int, reason: str, allow: str | None) -> dict:
+    d = {"rule": rule, "target": target, "count": count, "reason": reason}
+    if allow:
+        d["how_to_allow"] = allow
+    return d
+
+
+class EmbeddedGateHost:
+    """The gate in a thread of this process (``agentvm run`` without a daemon): the socket is
+    bound before launch, the gate itself starts on the first connection."""
+
+    def __init__(self, runtime) -> None:
+        self.runtime = runtime
+
+    def open(self, sandbox_id: str, agent: str, egress, attachment, uid: int | None, creds):
+        if attachment.kind != "unix":
+            raise BackendError(f"the embedded gate cannot serve a {attachment.kind!r} attachment")
+        return self.runtime.embedded_gate().open(sandbox_id, agent, egress, Path(attachment.address), uid, creds=creds)
+
+    def close(self, sandbox_id: str, pending) -> dict:
+        if pending.abandon_if_unused():
+            return dict(NO_TRAFFIC)  # the sandbox never connected: no need to wait for the gate
+        ep = pending.result()  # raises when the gate never served (every connection refused)
+        self.runtime.embedded_gate().close(sandbox_id)
+        return egress_summary(ep)
+
+
+@dataclass
+class Session:
+    """One sandbox on its way through the lifecycle."""
+
+    policy: object
+    backend: object
+    plan: object
+    res: object  # the runtime's host resources (uid lease, workspace, credentials), released last
+    degrade: tuple[str, ...] = ()
+    endpoint: object = None  # the gate host's token for this sandbox's endpoint
+    handle: object = None
+    status: ExitStatus | None = None
+    report: TeardownReport | None = None
+    egress: dict | None = None
+    gate_error: AgentVMError | None = None
+    torn_down: bool = False
+
+    @property
+    def sandbox_id(self) -> str:
+        return self.plan.sandbox_id
+
+
+class Lifecycle:
+    def __init__(self, runtime, gate) -> None:
+        """``gate``: the gate host - ``open(sandbox_id, agent, egress, attachment, uid, creds)``
+        returns a token, ``close(sandbox_id, token)`` the egress summary (it raises when the
+        gate never served)."""
+        self.runtime = runtime
+        self.gate = gate
+
+    # ---------------------------------------------------------------- prepare
+    def prepare(self, policy, *, degrade: tuple[str, ...] = (), tty: bool = False, notes=None) -> Session:
+        """Preflight (fail closed), host resources, compile - and ``run.started`` on the chain."""
+        rt = self.runtime
+        try:
+            plan, res = rt.prepare(policy, degrade=degrade, tty=tty)
+        except AgentVMError as exc:
+            rt.record("run.refused", agent=policy.name, code=exc.code, message=exc.message[:500])
+            raise
+        s = Session(policy, rt.backend_for(policy), plan, res, tuple(degrade))
+        ws_notes = list(res.workspace.notes) if res.workspace is not None else []
+        if notes is not None:
+            for n in ws_notes:
+                notes(n)
+        try:  # no run that is not on the audit chain: a chain that cannot be written refuses the run
+            rt.record("run.started", sandbox=plan.sandbox_id, agent=policy.name, command=_shown_argv(policy.command),
+                      policy=plan.policy_digest, substrate=plan.substrate, identity=plan.identity,
+                      host_uid=res.host_uid, degraded=list(degrade), network=policy.network,
+                      grants=[f"{m.host}:{m.path}:{'rw' if m.writable else 'ro'}" for m in policy.mounts],
+                      **({"notes": ws_notes} if ws_notes else {}))
+        except Exception as exc:
+            res.release()
+            raise BackendError(f"cannot write the audit chain ({type(exc).__name__}: {exc}); refusing to run unrecorded",
+                               hint=f"check {rt.paths.audit_dir} (free space, permissions), then `agentvm audit verify`") from exc
+        return s
+
+    # ---------------------------------------------------------------- attach, launch, wait, stop
+    def attach(self, s: Session) -> None:
+        """The gate listens before the sandbox exists: no window without it."""
+        if s.policy.egress is None:
+            return
+        run_dir = self.runtime.paths.sandboxes / s.sandbox_id
+        run_dir.mkdir(parents=True, exist_ok=True)
+        os.chmod(run_dir, 0o711)
+        s.endpoint = self.gate.open(s.sandbox_id, s.policy.name, s.policy.egress, s.res.gate,
+                                    s.res.host_uid if s.res.host_uid else None, s.res.creds)
+
+    def launch(self, s: Session, stdio=None) -> None:
+        s.handle = s.backend.launch(s.plan, stdio=stdio)
+
+    def wait(self, s: Session, timeout: float | None = None) -> ExitStatus:
+        s.status = s.backend.wait(s.handle, (s.plan.timeout or None) if timeout is None else timeout)
+        return s.status
+
+    async def wait_async(self, s: Session) -> ExitStatus:
+        s.status = await s.backend.wait_async(s.handle)
+        return s.status
+
+    def stop(self, s: Session, grace: float = 2.0) -> None:
+        if s.handle is not None:
+            s.backend.stop(s.handle, grace)
+
+    # ---------------------------------------------------------------- teardown
+    def teardown(self, s: Session) -> None:
+        """Destroy (verified), release host resources, close the gate endpoint. Idempotent."""
+        if s.torn_down:
+            return
+        s.torn_down = True
+        if s.handle is not None:
+            s.report = s.backend.destroy(s.handle)
+        else:
+            # the sandbox never started (e.g. the gate could not open): leave nothing behind
+            run_dir = self.runtime.paths.sandboxes / s.sandbox_id
+            if run_dir.exists():
+                shutil.rmtree(run_dir, ignore_errors=True)
+        s.res.release(s.report)
+        if s.endpoint is not None:
+            try:
+                s.egress = self.gate.close(s.sandbox_id, s.endpoint)
+            except AgentVMError as exc:
+                s.gate_error = exc
+        elif s.policy.egress is not None:
+            s.egress = None
+
+    def result(self, s: Session) -> RunResult:
+        """The run's result, recorded as ``run.exited`` (a record that cannot be written is
+        warned about: the run happened and its result is not lost)."""
+        status, report, plan, policy = s.status, s.report, s.plan, s.policy
+        result = RunResult(
+            sandbox_id=plan.sandbox_id,
+            agent=policy.name,
+            exit_code=status.exit_code if status else EXIT_BACKEND,
+            duration=status.duration if status else 0.0,
+            timed_out=status.timed_out if status else False,
+            oom_killed=status.oom_killed if status else False,
+            pids_limit_hit=status.pids_limit_hit if status else False,
+            signal=status.signal if status else None,
+            setup_error=status.setup_error if status else None,
+            teardown=report.to_dict() if report else {"verified": False},
+            degraded=list(s.degrade),
+            host_uid=s.res.host_uid,
+            policy_digest=plan.policy_digest,
+            memory_peak=status.memory_peak if status else None,
+            egress=s.egress,
+            limits={"memory": policy.limits.memory, "pids": policy.limits.pids, "timeout": policy.limits.timeout,
+                    "tmp": policy.limits.tmp, "shm": policy.limits.shm},
+            substrate=plan.substrate,
+        )
+        if s.gate_error is not None:
+            result.setup_error = result.setup_error or {"step": "gate", "errno": 0, "message": s.gate_error.message}
+            result.exit_code = EXIT_BACKEND
+        if report is not None and not report.verified:
+            result.exit_code = EXIT_BACKEND if result.exit_code == 0 else result.exit_code
+        eg = result.egress or {}
+        try:
+            self.runtime.record(
+                "run.exited", sandbox=result.sandbox_id, agent=result.agent, exit_code=result.exit_code,
+                duration=round(result.duration, 3), timed_out=result.timed_out, limits_hit=result.limits_hit,
+                setup_error=(result.setup_error or {}).get("step"), teardown_verified=bool(report and report.verified),
+                egress={"allowed": eg.get("allowed", 0), "denied": sum(d["count"] for d in eg.get("denied", [])),
+                        "denied_hosts": sorted({d["target"] for d in eg.get("denied", [])})[:10],
+                        "bytes_out": eg.get("bytes_out", 0), "bytes_in": eg.get("bytes_in", 0), "log": eg.get("log")}
+                if eg else None)
+        except Exception as exc:  # the run happened: its result is not lost for want of a record
+            import sys
+
+            print(f"agentvm: warning: the run's exit could not be written to the audit chain: {exc}", file=sys.stderr)
+        return result
+
+
+def _shown_argv(argv) -> list[str]:
+    """The command as recorded: bounded (an audit record is not a data store)."""
+    out = [a if len(a) <= 200 else a[:200] + "..." for a in argv[:32]]
+    return out + ([f"... ({len(argv) - 32} more)"] if len(argv) > 32 else [])
