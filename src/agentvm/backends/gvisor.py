@@ -526,6 +526,9 @@ class GvisorBackend(Backend):
         if self.poll(handle):
             return ExitStatus(exit_code=EXIT_BACKEND, setup_error={"step": "exec", "errno": 0,
                                                                     "message": "the sandbox is not running"})
+        why = self._wait_running(handle)
+        if why:
+            return ExitStatus(exit_code=EXIT_BACKEND, setup_error={"step": "exec", "errno": 0, "message": why})
         init = [hv.HELPER_IN_SANDBOX, "init", "--no-landlock"]
         if body.fds.get("seccomp"):
             init += ["--seccomp-file", SECCOMP_IN_SANDBOX]
@@ -547,11 +550,9 @@ class GvisorBackend(Backend):
             proc.wait(timeout=timeout if timeout and timeout > 0 else None)
         except subprocess.TimeoutExpired:
             timed_out = True
-            try:  # the process inside, then the client
-                pid = int(pid_file.read_text())
-                subprocess.run(list(body.runsc) + ["kill", "--pid", str(pid), handle.sandbox_id, "KILL"],
-                               capture_output=True, timeout=10)
-            except (OSError, ValueError, subprocess.SubprocessError):
+            try:  # the process inside and its descendants, then the client
+                self._kill_tree(handle, int(pid_file.read_text()))
+            except (OSError, ValueError):
                 pass
             proc.kill()
             proc.wait()
@@ -567,6 +568,50 @@ class GvisorBackend(Backend):
         if timed_out:
             es.timed_out, es.exit_code = True, EXIT_TIMEOUT
         return es
+
+    def _kill_tree(self, handle: SandboxHandle, pid: int) -> None:
+        """SIGKILL an exec'd process and every descendant of it inside the Sentry (``runsc
+        kill --pid`` reaches one process; a shell's children would keep its output open)."""
+        r = self._runsc(handle, "ps", handle.sandbox_id)
+        kids: dict[int, list[int]] = {}
+        for line in (r.stdout.splitlines()[1:] if r is not None and r.returncode == 0 else []):
+            cols = line.split()  # UID PID PPID C TTY STIME TIME CMD
+            try:
+                kids.setdefault(int(cols[2]), []).append(int(cols[1]))
+            except (IndexError, ValueError):
+                continue
+        tree, todo = [], [pid]
+        while todo:
+            q = todo.pop()
+            tree.append(q)
+            todo += kids.get(q, [])
+        for q in tree:
+            self._runsc(handle, "kill", "--pid", str(q), handle.sandbox_id, "KILL")
+
+    def _wait_running(self, handle: SandboxHandle, timeout: float = 20.0) -> str:
+        """Wait until runsc reports the container running (``runsc run`` returns to nobody, so
+        an exec right after launch must wait for it); "" once it is, else why not."""
+        if handle.private.get("running"):
+            return ""
+        deadline = time.monotonic() + timeout
+        last = ""
+        while time.monotonic() < deadline:
+            if self.poll(handle):
+                return "the sandbox is not running (it exited)"
+            r = self._runsc(handle, "state", handle.sandbox_id)
+            if r is not None and r.returncode == 0:
+                try:
+                    status = json.loads(r.stdout).get("status")
+                except ValueError:
+                    status = None
+                if status == "running":
+                    handle.private["running"] = True
+                    return ""
+                last = f"runsc reports it {status}"
+            elif r is not None:
+                last = (r.stderr.strip().splitlines() or [""])[-1]
+            time.sleep(0.02)
+        return f"the sandbox did not come up within {timeout:g}s ({last or 'no state'})"
 
     # ------------------------------------------------------------------ inspect / limits
     def inspect(self, handle: SandboxHandle) -> dict:
@@ -611,8 +656,16 @@ class GvisorBackend(Backend):
         self._kill(handle)
 
     def _kill(self, handle: SandboxHandle) -> None:
+        """runsc's own kill first (``runsc run`` then exits and removes its state), then the
+        cgroup: everything the Sentry and gofer are, whatever runsc did."""
         group: cg.SandboxCgroup | None = handle.private.get("cgroup")
         proc: subprocess.Popen | None = handle.private.get("proc")
+        if proc is not None and proc.poll() is None:
+            self._runsc(handle, "kill", "--all", handle.sandbox_id, "KILL", timeout=5.0)
+            try:
+                proc.wait(timeout=2.0)
+            except subprocess.TimeoutExpired:
+                pass
         if group is not None:
             group.kill()
         elif proc is not None and proc.poll() is None:
@@ -624,6 +677,8 @@ class GvisorBackend(Backend):
         group: cg.SandboxCgroup | None = st.get("cgroup")
         proc: subprocess.Popen | None = st.get("proc")
         rep = TeardownReport(verified=False)
+        if proc is not None and proc.poll() is None:
+            self._kill(handle)
         if group is not None and not group.kill():
             rep.processes_left = sorted(group.pids())
         if proc is not None:
@@ -638,8 +693,11 @@ class GvisorBackend(Backend):
         _join_relays(st.pop("relays", None))
         if group is not None:
             rep.cgroups_left = group.destroy()
-        # runsc's own state for this container (its sandbox is dead: force)
-        self._runsc(handle, "delete", "--force", handle.sandbox_id)
+        # runsc's own state for this container: gone when ``runsc run`` ended normally; left
+        # when it was killed. Its sandbox is dead (the cgroup is empty), so the files are
+        # removed directly - ``runsc delete --force`` would wait seconds for a dead sandbox
+        if not rep.processes_left:
+            _remove_runsc_state(self.state_root, handle.sandbox_id)
         left = _runsc_state_left(self.state_root, handle.sandbox_id)
         if left:
             rep.files_left += left
@@ -663,13 +721,7 @@ class GvisorBackend(Backend):
         out = []
         for d in hv.stale_run_dirs(self.paths.sandboxes, self.name):
             hv.reap_run_dir(d, self.paths.runtime)  # kills the Sentry and gofer with the cgroup
-            runsc = _runsc_path()
-            if runsc is not None:
-                try:
-                    subprocess.run([runsc, "--root", str(self.state_root), "delete", "--force", d.name],
-                                   capture_output=True, timeout=10)
-                except (OSError, subprocess.SubprocessError):
-                    pass
+            _remove_runsc_state(self.state_root, d.name)
             out.append(d.name)
         return out
 
@@ -811,9 +863,24 @@ def _runsc_error(log: Path) -> str:
     return (errs[-1] if errs else "")[-500:]
 
 
+def _remove_runsc_state(state_root: Path, cid: str) -> None:
+    """runsc's files for a dead container (``<id>_sandbox:<id>.state`` and ``.lock``)."""
+    for p in _runsc_state_left(state_root, cid):
+        try:
+            os.unlink(p)
+        except IsADirectoryError:
+            import shutil
+
+            shutil.rmtree(p, ignore_errors=True)
+        except OSError:
+            pass
+
+
 def _runsc_state_left(state_root: Path, cid: str) -> list[str]:
+    """runsc's state files of exactly this container (``<id>_sandbox:<id>.*``, or ``<id>``)."""
     try:
-        return [str(p) for p in state_root.iterdir() if cid in p.name]
+        return [str(p) for p in state_root.iterdir()
+                if p.name == cid or p.name.startswith(f"{cid}_sandbox:{cid}.")]
     except FileNotFoundError:
         return []
 
