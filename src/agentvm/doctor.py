@@ -9,7 +9,6 @@ smoke test that starts a sandbox with every layer on.
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import time
 from dataclasses import dataclass
@@ -23,6 +22,7 @@ class DoctorReport:
     required: list[str]
     extras: list[Primitive]
     facts: dict
+    substrate: str = "bwrap"
 
     @property
     def ok(self) -> bool:
@@ -35,6 +35,7 @@ class DoctorReport:
             "primitives": [p.__dict__ for p in self.primitives],
             "extras": [p.__dict__ for p in self.extras],
             "facts": self.facts,
+            "substrate": self.substrate,
         }
 
 
@@ -52,8 +53,16 @@ def _kvm() -> Primitive:
 
 
 def _gvisor() -> Primitive:
-    runsc = shutil.which("runsc")
-    return Primitive("gvisor", bool(runsc), runsc or "runsc not installed (apt-get install runsc)")
+    """The gVisor substrate, from its own probe (cached; it starts a sandbox once per runsc)."""
+    from agentvm.backends.gvisor import GvisorBackend
+    from agentvm.paths import default_paths
+
+    caps = GvisorBackend(default_paths()).capabilities()
+    bad = [p for p in caps.primitives if not p.ok and p.name in ("runsc", "gvisor-platform")]
+    if bad:
+        return Primitive("gvisor", False, "; ".join(f"{p.name}: {p.detail}" for p in bad))
+    return Primitive("gvisor", True, f"runsc {caps.facts.get('version', '?')}, {caps.facts.get('platform')} platform "
+                     "(substrate: gvisor; `agentvm doctor --substrate gvisor` runs its smoke test)")
 
 
 def _favordynmods() -> Primitive:
@@ -77,11 +86,11 @@ def _favordynmods() -> Primitive:
     return Primitive("cgroup-favordynmods", False, "no cgroup2 mount")
 
 
-def smoke_test(runtime) -> Primitive:
+def smoke_test(runtime, substrate: str = "bwrap") -> Primitive:
     """Start a real sandbox with every layer on and check it ran as an unprivileged uid."""
     from agentvm.policy import Policy
 
-    pol = Policy(name="doctor", command=("/bin/sh", "-c", "test \"$(id -u)\" = 1000"))
+    pol = Policy(name="doctor", command=("/bin/sh", "-c", "test \"$(id -u)\" = 1000"), substrate=substrate)
     r, w = os.pipe()
     t0 = time.perf_counter()
     try:
@@ -99,20 +108,21 @@ def smoke_test(runtime) -> Primitive:
     return Primitive("smoke-test", ok, detail)
 
 
-def run_doctor(smoke: bool = True) -> DoctorReport:
+def run_doctor(smoke: bool = True, substrate: str = "bwrap") -> DoctorReport:
     from agentvm.policy import Policy
     from agentvm.runtime import Runtime
 
     rt = Runtime()
-    backend = rt.backend_for(Policy(name="doctor"))
+    backend = rt.backend_for(Policy(name="doctor", substrate=substrate))
     caps = backend.capabilities()
     prims = list(caps.primitives)
-    required = list(backend.required_primitives(Policy(name="doctor", agent=True)))
+    required = list(backend.required_primitives(Policy(name="doctor", agent=True, substrate=substrate)))
     if smoke:
         if all(p.ok for p in prims if p.name in required):
-            prims.append(smoke_test(rt))
+            prims.append(smoke_test(rt, substrate))
         else:
             prims.append(Primitive("smoke-test", False, "skipped: required primitives missing"))
         required.append("smoke-test")
-    extras = [_favordynmods(), _kvm(), _gvisor()]
-    return DoctorReport(prims, required, extras, caps.facts)
+    extras = [_favordynmods(), _kvm()] + ([_gvisor()] if substrate != "gvisor" else [])
+    facts = dict(caps.facts, kernel=os.uname().release)
+    return DoctorReport(prims, required, extras, facts, substrate)

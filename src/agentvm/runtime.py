@@ -363,6 +363,36 @@ class Runtime:
             raise
         return plan, res
 
+    def preview(self, policy: Policy, *, degrade: tuple[str, ...] = ()):
+        """The plan ``prepare`` would compile for ``policy``, without leasing a uid, mounting a
+        workspace or resolving a secret (``agentvm compile --plan``): the same preflight, and
+        placeholders where launch-time values go (uid -1, placeholder credentials)."""
+        self.preflight(policy, degrade)
+        backend = self.backend_for(policy)
+        sandbox_id = f"{policy.name}-00000000"
+        run_dir = str(self.paths.sandboxes / sandbox_id)
+        gate = backend.gate_attachment(sandbox_id, run_dir) if policy.egress is not None else None
+        host = None
+        if backend.host_local:
+            from agentvm.backends.hostview import etc_view
+
+            ca_pem = self.gate_ca_pem() if gate is not None else b""
+            host = HostContext(uid=-1, gid=-1, dedicated=os.geteuid() == 0 and "dedicated-uid" not in degrade,
+                               run_dir=run_dir, etc_view=str(etc_view(self.paths.runtime, ca_pem)),
+                               node_shim=_node_shim() if gate is not None else "")
+        ctx = LaunchContext(
+            sandbox_id=sandbox_id,
+            workspace=str(self.paths.runtime / "ws" / policy.name) if policy.workspace and policy.agent else None,
+            gate=gate,
+            host=host,
+            extra_env=tuple((b.env, f"<placeholder for {b.name}>") for b in policy.credentials),
+            extra_files=tuple((b.file, f"<placeholder for {b.name}>\n") for b in policy.credentials if b.file),
+            degraded=tuple(degrade),
+            protected=tuple(grants.plan(os.path.realpath(m.host), m.writable_trusted) if m.writable else ()
+                            for m in policy.mounts),
+        )
+        return backend.compile(policy, ctx)
+
     def run(
         self,
         policy: Policy,

@@ -13,6 +13,7 @@ The filter is pure data given the options; the compiled BPF is cached in memory 
 from __future__ import annotations
 
 import errno
+import stat
 import os
 from dataclasses import dataclass
 from functools import lru_cache
@@ -20,7 +21,7 @@ from pathlib import Path
 
 from agentvm.errors import PrimitiveMissing
 
-FILTER_VERSION = 4
+FILTER_VERSION = 5
 
 # Syscalls denied with EPERM, grouped by why. Documented in docs/threat-model.md.
 DENY_GROUPS: dict[str, tuple[str, ...]] = {
@@ -142,6 +143,13 @@ def _build(opts: SeccompOptions) -> bytes:
                 for create in (O_CREAT, O_TMPFILE_BIT):
                     strict(name, sc.Arg(flags_arg, sc.MASKED_EQ, create, create), mode)
     f.add_rule(sc.ERRNO(errno.ENOSYS), "openat2")
+
+    # No device nodes: mknod of a character or block device (the capability-free 0:0
+    # overlayfs whiteout included) is refused here as well as by Landlock - a substrate
+    # without Landlock (gVisor) relies on this rule; FIFOs and sockets stay possible.
+    for name, mode_arg in (("mknod", 1), ("mknodat", 2)):
+        for kind in (stat.S_IFCHR, stat.S_IFBLK):
+            strict(name, sc.Arg(mode_arg, sc.MASKED_EQ, 0o170000, kind))  # S_IFMT
 
     if opts.statx_fallback:
         f.add_rule(sc.ERRNO(errno.ENOSYS), "statx", sc.Arg(2, sc.MASKED_EQ, AT_NO_AUTOMOUNT, AT_NO_AUTOMOUNT))

@@ -384,3 +384,55 @@ def test_allow_on_an_agent_with_no_route_is_an_error_not_a_no_op(d):
         c.policy("offline", "allow", rule="pypi.org")
     assert "no route out" in ei.value.message and ei.value.exit_code == 78, ei.value.message
     assert c.get("offline")["policy_patch"] == {}
+
+
+def test_the_supervisor_only_makes_transitions_of_the_state_table(tmp_path, monkeypatch):
+    """The daemon's states and their transitions are one table (daemon.state.TRANSITIONS): a
+    lifecycle with a restart, a stop, a failed start and a removal only ever moves along it,
+    and a transition not in it is refused."""
+    from agentvm.daemon import state as st
+
+    seen: list[tuple[str, str]] = []
+    orig = st.State.update
+
+    def spy(self, name, **fields):
+        if "state" in fields:
+            row = self.get(name)
+            seen.append((row.state if row else None, fields["state"]))
+        return orig(self, name, **fields)
+
+    monkeypatch.setattr(st.State, "update", spy)
+    monkeypatch.setenv("AGENTVM_ALLOW_FAKE", "1")
+    r = Running(tmp_path)
+    try:
+        c = r.client
+        c.create(spec("t1"), "t1.yaml")
+        c.action("t1", "start")
+        r.backend.stop(r.daemon.managed["t1"].handle)  # the worker exits: persistent, so it restarts
+        deadline = time.monotonic() + 10
+        while c.get("t1")["restarts"] < 1:
+            assert time.monotonic() < deadline, "no restart"
+            time.sleep(0.02)
+        deadline = time.monotonic() + 10
+        while c.get("t1")["state"] != "running":
+            assert time.monotonic() < deadline, c.get("t1")
+            time.sleep(0.02)
+        c.action("t1", "stop")
+        r.backend.missing = {"cgroups"}  # the next start is refused: -> failed
+        with pytest.raises(ApiFailure):
+            c.action("t1", "start")
+        c.rm("t1")
+    finally:
+        r.stop()
+    assert seen, "no state changes were seen"
+    for cur, new in seen:
+        assert cur is None or new == cur or new in st.TRANSITIONS[cur], (cur, new, seen)
+    for state in ("starting", "running", "backoff", "stopped", "failed"):
+        assert any(new == state for _, new in seen), (state, seen)
+    s = st.State(tmp_path / "t.db")
+    s.create("x", "", "x.yaml", "ephemeral", None, None)
+    with pytest.raises(st.IllegalTransition):
+        s.update("x", state="running")  # created -> running skips starting
+    s.update("x", state="starting")
+    s.update("x", state="running")
+    assert set(st.STATES) == set(st.TRANSITIONS) and all(v <= set(st.STATES) for v in st.TRANSITIONS.values())

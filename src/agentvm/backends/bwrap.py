@@ -407,7 +407,8 @@ class BwrapBackend(Backend):
             cwd=policy.cwd,
             timeout=lim.timeout,
             limits={"memory": lim.memory, "pids": lim.pids, "cpus": lim.cpus},
-            identity=f"host uid {host.uid}" + ("" if host.dedicated else " (the operator's own)"),
+            identity=(f"host uid {host.uid}" if host.uid >= 0 else "a dedicated host uid (leased at launch)")
+            + ("" if host.dedicated else " (the operator's own)"),
             body=body,
         )
 

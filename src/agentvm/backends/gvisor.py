@@ -374,7 +374,9 @@ class GvisorBackend(Backend):
             cwd=policy.cwd,
             timeout=lim.timeout,
             limits={"memory": lim.memory, "pids": lim.pids, "cpus": lim.cpus},
-            identity=f"gVisor sandbox uid {SANDBOX_UID} = host uid {host.uid} ({platform} platform)",
+            identity=f"gVisor sandbox uid {SANDBOX_UID} = " + (f"host uid {host.uid}" if host.uid >= 0 else
+                                                              "a dedicated host uid (leased at launch)")
+            + f" ({platform} platform)",
             body=body,
         )
 

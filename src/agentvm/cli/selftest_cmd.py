@@ -8,7 +8,8 @@ from agentvm.errors import EXIT_BACKEND, EXIT_POLICY
 
 
 @click.command()
-@click.option("--substrate", default="bwrap", show_default=True, help="Substrate to attack (only bwrap today).")
+@click.option("--substrate", type=click.Choice(["bwrap", "gvisor"]), default="bwrap", show_default=True,
+              help="Substrate to attack.")
 @click.option("--category", "categories", multiple=True, help="Only these categories (repeatable).")
 @click.option("--case", "ids", multiple=True, help="Only these case ids (repeatable).")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable report.")
@@ -21,10 +22,10 @@ def selftest(substrate, categories, ids, as_json, list_only, markdown, weaken, k
     """Attack real sandboxes on this host; exit non-zero if anything escapes."""
     from agentvm.selftest import runner
 
-    if substrate != "bwrap":
+    if substrate != "bwrap" and weaken != "none":
         from agentvm.errors import ConfigError
 
-        raise ConfigError(f"substrate {substrate!r} is not available", hint="only bwrap today")
+        raise ConfigError("weakened configurations exist for the bwrap substrate only")
     if list_only:
         if markdown:
             click.echo(runner.markdown())
@@ -32,7 +33,7 @@ def selftest(substrate, categories, ids, as_json, list_only, markdown, weaken, k
             for c in runner.select(tuple(categories), tuple(ids)):
                 click.echo(f"{c.id:<40} {c.category:<14} {c.title}")
         return 0
-    report = runner.run(tuple(categories), tuple(ids), weaken=weaken, keep=keep)
+    report = runner.run(tuple(categories), tuple(ids), weaken=weaken, keep=keep, substrate=substrate)
     click.echo(runner.to_json(report) if as_json else runner.render_text(report))
     if report["escaped"]:
         return EXIT_POLICY

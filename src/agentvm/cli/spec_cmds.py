@@ -81,9 +81,14 @@ def validate(files: tuple[Path, ...], strict: bool, as_json: bool, preset_path: 
 @click.command("compile")
 @click.argument("file", type=click.Path(path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of YAML.")
+@click.option("--plan", "show_plan", is_flag=True,
+              help="Print the substrate's launch plan instead (common header + the substrate's own body).")
+@click.option("--substrate", type=click.Choice(["bwrap", "gvisor"]), default=None,
+              help="With --plan: the substrate to plan for (default: the agent file's).")
 @_preset_path_option
-def compile_cmd(file: Path, as_json: bool, preset_path: tuple[Path, ...]) -> None:
-    """Print the fully resolved agent spec (presets merged, defaults filled in).
+def compile_cmd(file: Path, as_json: bool, show_plan: bool, substrate: str | None, preset_path: tuple[Path, ...]) -> None:
+    """Print the fully resolved agent spec (presets merged, defaults filled in), or with
+    --plan what a substrate would launch for it.
 
     The merge order and every conflict/override go to stderr; the spec to stdout.
     """
@@ -91,8 +96,22 @@ def compile_cmd(file: Path, as_json: bool, preset_path: tuple[Path, ...]) -> Non
 
     try:
         loaded = load_agent(file, preset_dirs=_dirs(preset_path))
+        if show_plan:
+            from agentvm.policy import compile_policy, with_overrides
+            from agentvm.runtime import Runtime
+
+            policy = with_overrides(compile_policy(loaded.spec), substrate=substrate)
+            rt = Runtime()
+            try:
+                plan = rt.preview(policy)
+            finally:
+                rt.close()
     except AgentVMError as err:
         _fail(err, as_json)
+        return
+    if show_plan:
+        d = plan.to_dict()
+        click.echo(json.dumps(d, indent=2) if as_json else _to_yaml(d), nl=as_json)
         return
     order = " -> ".join(loaded.presets + [f"{loaded.source} (agent)"])
     click.echo(f"# merge order: {order}", err=True)

@@ -84,6 +84,9 @@ class Verdict:
         return cls("error", evidence)
 
 
+SUBSTRATES = ("bwrap", "gvisor")
+
+
 @dataclass(frozen=True)
 class Case:
     id: str
@@ -91,6 +94,8 @@ class Case:
     title: str
     weakened_by: str
     run: Callable[["Env"], Verdict] = field(compare=False, repr=False)
+    # substrate -> why this attack does not apply there (reported as n/a, counted apart)
+    not_on: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
         if self.category not in CATEGORIES:
@@ -98,18 +103,24 @@ class Case:
         parts = self.weakened_by.split("+")
         if not parts or any(p not in WEAKENINGS or p == "none" for p in parts):
             raise ValueError(f"{self.id}: unknown weakening {self.weakened_by}")
+        if set(self.not_on) - set(SUBSTRATES) or not all(self.not_on.values()):
+            raise ValueError(f"{self.id}: not_on names unknown substrates or gives no reason")
+
+    def applies_to(self, substrate: str) -> bool:
+        return substrate not in self.not_on
 
 
 REGISTRY: dict[str, Case] = {}
 
 
-def case(id: str, category: str, title: str, *, weakened_by: str):
-    """Decorator: register ``fn(env) -> Verdict`` as a case."""
+def case(id: str, category: str, title: str, *, weakened_by: str, not_on: dict | None = None):
+    """Decorator: register ``fn(env) -> Verdict`` as a case. ``not_on``: the substrates where
+    the attack does not apply, each with the reason (printed as n/a, never counted as a pass)."""
 
     def deco(fn):
         if id in REGISTRY:
             raise ValueError(f"duplicate case id {id}")
-        REGISTRY[id] = Case(id, category, title, weakened_by, fn)
+        REGISTRY[id] = Case(id, category, title, weakened_by, fn, dict(not_on or {}))
         return fn
 
     return deco
@@ -207,9 +218,14 @@ class Outcome:
 class Env:
     """The canary environment and a way to run attack programs in sandboxes."""
 
-    def __init__(self, weaken: str = "none", *, keep: bool = False) -> None:
+    def __init__(self, weaken: str = "none", *, keep: bool = False, substrate: str = "bwrap") -> None:
         if any(w not in WEAKENINGS for w in weaken.split("+")):
             raise ValueError(f"unknown weakening {weaken}")
+        if substrate not in SUBSTRATES:
+            raise ValueError(f"unknown substrate {substrate}")
+        if substrate != "bwrap" and weaken != "none":
+            raise ValueError("weakened configurations exist for the bwrap substrate only")
+        self.substrate = substrate
         self.weaken = weaken
         self.weakens = set(weaken.split("+"))
         self.keep = keep
@@ -270,7 +286,13 @@ class Env:
                         return creds, env, files
 
                 cls = RawScrubRuntime
-            self._runtime = cls(self.paths, WeakenedBackend(self.paths, self.weaken, self))
+            if self.substrate == "bwrap":
+                backend = WeakenedBackend(self.paths, self.weaken, self)
+            else:
+                from agentvm.runtime import get_backend
+
+                backend = get_backend(self.substrate, self.paths)
+            self._runtime = cls(self.paths, backend)
             self._runtime.embedded_gate()  # created up front (its log dir, and no lazy race under threads)
         return self._runtime
 
@@ -344,6 +366,7 @@ class Env:
         return Policy(
             name=name,
             command=tuple(command),
+            substrate=self.substrate,
             agent=agent,
             risk_tier="L4",
             mounts=tuple(grants),
@@ -409,6 +432,11 @@ def run_cases(cases: list[Case], env: Env) -> list[dict]:
     results = []
     for c in cases:
         t0 = time.monotonic()
+        if not c.applies_to(env.substrate):
+            results.append({"id": c.id, "category": c.category, "title": c.title, "status": "n/a",
+                            "evidence": f"not applicable on {env.substrate}: {c.not_on[env.substrate]}", "seconds": 0.0,
+                            "weakened_by": c.weakened_by})
+            continue
         try:
             v = c.run(env)
         except Exception as exc:  # a crashed case is an error, never a pass

@@ -22,21 +22,24 @@ def select(categories: tuple[str, ...] = (), ids: tuple[str, ...] = ()):
     return cases
 
 
-def run(categories=(), ids=(), weaken: str = "none", keep: bool = False) -> dict:
+def run(categories=(), ids=(), weaken: str = "none", keep: bool = False, substrate: str = "bwrap") -> dict:
     cases = select(categories, ids)
     t0 = time.monotonic()
-    env = Env(weaken=weaken, keep=keep)
+    env = Env(weaken=weaken, keep=keep, substrate=substrate)
     try:
         results = run_cases(cases, env)
     finally:
         env.close()
     counts: dict[str, dict[str, int]] = {}
     for r in results:
-        c = counts.setdefault(r["category"], {"contained": 0, "escaped": 0, "error": 0})
+        c = counts.setdefault(r["category"], {"contained": 0, "escaped": 0, "error": 0, "n/a": 0})
         c[r["status"]] += 1
     return {
         "weaken": weaken,
+        "substrate": substrate,
         "total": len(results),
+        "applicable": sum(r["status"] != "n/a" for r in results),
+        "not_applicable": sum(r["status"] == "n/a" for r in results),
         "contained": sum(r["status"] == "contained" for r in results),
         "escaped": sum(r["status"] == "escaped" for r in results),
         "errors": sum(r["status"] == "error" for r in results),
@@ -71,7 +74,8 @@ def markdown() -> str:
         lines += [f"## {cat} ({len(cs)})", "", "| id | attack | must escape when |", "|---|---|---|"]
         for c in cs:
             why = " and ".join(WEAKENINGS[w] for w in c.weakened_by.split("+"))
-            lines.append(f"| `{c.id}` | {c.title} | {why} (`{c.weakened_by}`) |")
+            na = "".join(f"<br>n/a on {s}: {r}" for s, r in sorted(c.not_on.items()))
+            lines.append(f"| `{c.id}` | {c.title}{na} | {why} (`{c.weakened_by}`) |")
         lines.append("")
     return "\n".join(lines)
 
@@ -79,16 +83,19 @@ def markdown() -> str:
 def render_text(report: dict) -> str:
     out = []
     for r in report["results"]:
-        mark = {"contained": " ok ", "escaped": "ESCAPED", "error": "ERROR"}[r["status"]]
+        mark = {"contained": " ok ", "escaped": "ESCAPED", "error": "ERROR", "n/a": "n/a "}[r["status"]]
         out.append(f"[{mark}] {r['id']:<40} {r['title']}")
-        if r["status"] != "contained":
+        if r["status"] == "n/a":
+            out.append(f"         {r['evidence'][:400]}")
+        elif r["status"] != "contained":
             out.append(f"         evidence: {r['evidence'][:400]}")
     out.append("")
-    out.append(f"{'category':<14} contained escaped error")
+    out.append(f"{'category':<14} contained escaped error  n/a")
     for cat, c in report["by_category"].items():
-        out.append(f"{cat:<14} {c['contained']:>9} {c['escaped']:>7} {c['error']:>5}")
-    out.append(f"total {report['total']}: {report['contained']} contained, {report['escaped']} escaped, "
-               f"{report['errors']} errors in {report['seconds']} s"
+        out.append(f"{cat:<14} {c['contained']:>9} {c['escaped']:>7} {c['error']:>5} {c['n/a']:>4}")
+    out.append(f"substrate {report['substrate']}: {report['applicable']} applicable cases: {report['contained']} contained, "
+               f"{report['escaped']} escaped, {report['errors']} errors; {report['not_applicable']} not applicable; "
+               f"{report['seconds']} s"
                + (f" (WEAKENED: {report['weaken']})" if report["weaken"] != "none" else ""))
     return "\n".join(out)
 

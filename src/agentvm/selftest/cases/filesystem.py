@@ -397,7 +397,7 @@ t("CONTROL_tmp", lambda: open("/tmp/ok", "w").write("x"))
 
 @case("fs.mknod", "filesystem",
       "mknod character/block device nodes (mem, null, loop, and the capability-free 0:0 whiteout) in writable dirs",
-      weakened_by="no-landlock")
+      weakened_by="no-landlock+no-seccomp")
 def _(env: Env) -> Verdict:
     code = r"""
 import os, stat, errno

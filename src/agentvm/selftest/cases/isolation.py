@@ -31,7 +31,9 @@ from agentvm.selftest.framework import SINK_NAME, Env, Verdict, case
 
 PEER_NAME = "iso-peer"
 
-# B: plants secrets, listens, says "ready" in its own /tmp, idles until the host removes that file
+# B: plants secrets, listens, says "ready" in a control folder only it and the host share (a
+# read-write grant of a host directory, the same on every substrate), idles until the host
+# removes that file
 _PEER = r"""
 import os, socket, threading, time, select
 M = "@MARK@"
@@ -57,7 +59,7 @@ def serve(s, kind):
                 pass
             c.close()
         except (socket.timeout, OSError):
-            if not os.path.exists(f"/tmp/ready-{M}"):
+            if not os.path.exists(f"/peerctl/ready-{M}"):
                 return
 ab = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM); ab.bind("\0avm-peer-" + M); ab.listen(8)
 socks = [(ab, "abstract")]
@@ -72,9 +74,9 @@ except OSError as e:
     print("udp bind", e)
 ts = [threading.Thread(target=serve, args=a, daemon=True) for a in socks]
 for t in ts: t.start()
-open(f"/tmp/ready-{M}", "w").close()
+open(f"/peerctl/ready-{M}", "w").close()
 end = time.monotonic() + @IDLE@
-while time.monotonic() < end and os.path.exists(f"/tmp/ready-{M}"):
+while time.monotonic() < end and os.path.exists(f"/peerctl/ready-{M}"):
     time.sleep(0.03)
 print("PEER-GOT", got)
 print("PEER-END")
@@ -84,7 +86,7 @@ print("PEER-END")
 class Peer:
     """B: a sandbox running in a background thread."""
 
-    def __init__(self, env: Env, *, idle: float = 4.0, **kw) -> None:
+    def __init__(self, env: Env, *, idle: float = 15.0, **kw) -> None:
         self.env = env
         self.mark = secrets.token_hex(8)
         self.secret = "PEER-SECRET-" + self.mark
@@ -94,7 +96,12 @@ class Peer:
         self.pids: list[int] = []
         self.sandbox_id = ""
         env.runtime().embedded_gate()  # create the gate before two threads could race to it
-        before = set(os.listdir(env.paths.sandboxes))
+        from agentvm.policy import MountGrant
+
+        self.ctl = env.root / f"peerctl-{self.mark}"
+        self.ctl.mkdir(mode=0o700)
+        kw["mounts"] = tuple(kw.get("mounts", ())) + (MountGrant(str(self.ctl), "/peerctl", True),)
+        before = self._before = set(os.listdir(env.paths.sandboxes))
         script = _PEER.replace("@MARK@", self.mark).replace("@PORT@", str(self.port)).replace("@IDLE@", str(idle))
         kw.setdefault("name", PEER_NAME)
         kw.setdefault("egress", bool(kw.get("allow")))
@@ -108,40 +115,44 @@ class Peer:
 
         self.thread = threading.Thread(target=run, name="selftest-peer", daemon=True)
         self.thread.start()
-        deadline = time.monotonic() + 4
+        self._name = kw["name"]
+        deadline = time.monotonic() + 15
         while time.monotonic() < deadline and self.thread.is_alive() and not self.ready():
             time.sleep(0.02)
-        new = [d for d in set(os.listdir(env.paths.sandboxes)) - before if d.startswith(kw["name"] + "-")]
-        self.sandbox_id = new[0] if new else ""
 
     def ready(self) -> bool:
-        """Root on the host looks into B's mount namespace for its ready file."""
-        pids = []
-        for p in os.listdir("/proc"):
-            if not p.isdigit():
-                continue
-            try:
-                if self.mark.encode() in Path(f"/proc/{p}/cmdline").read_bytes():
-                    pids.append(int(p))
-            except OSError:
-                continue
-        self.pids = pids
-        return any(os.path.exists(f"/proc/{p}/root/tmp/ready-{self.mark}") for p in pids)
+        """B said so in the control folder; its host processes are those of its cgroup."""
+        if not self.sandbox_id:
+            new = [d for d in set(os.listdir(self.env.paths.sandboxes)) - self._before if d.startswith(self._name + "-")]
+            self.sandbox_id = new[0] if len(new) == 1 else ""
+        self.pids = _cgroup_pids(self.sandbox_id) if self.sandbox_id else []
+        return (self.ctl / f"ready-{self.mark}").exists()
 
     def stop(self):
-        for p in self.pids:
-            # only a process whose root is B's (the host-side launcher's root is the host's /)
-            if os.path.exists(f"/proc/{p}/root/tmp/ready-{self.mark}"):
-                try:  # (creating a file there fails: host root's uid is not mapped in B's userns)
-                    os.unlink(f"/proc/{p}/root/tmp/ready-{self.mark}")
-                    break
-                except OSError:
-                    continue
+        try:
+            (self.ctl / f"ready-{self.mark}").unlink()
+        except OSError:
+            pass
         self.thread.join(15)
         return self.outcome
 
     def python_pid_alive(self) -> bool:
         return any(os.path.exists(f"/proc/{p}") for p in self.pids)
+
+
+def _cgroup_pids(sandbox_id: str) -> list[int]:
+    """Host pids in a sandbox's cgroups (bwrap: its processes; gVisor: its Sentry and gofer)."""
+    from agentvm import cgroups as cg
+
+    layout = cg.detect()
+    roots = ([layout.v2_root] if layout.v2_root else []) + list(layout.v1.values())
+    pids: set[int] = set()
+    for r in dict.fromkeys(roots):
+        try:
+            pids |= {int(x) for x in (r / cg.PARENT / sandbox_id / "cgroup.procs").read_text().split()}
+        except (OSError, ValueError):
+            continue
+    return sorted(pids)
 
 
 def _attack(env: Env, peer: Peer, code: str, **kw):

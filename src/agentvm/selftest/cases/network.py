@@ -344,8 +344,13 @@ def http_upstream(handler):
         srv.close()
 
 
+# what iproute2 prints when the kernel (or gVisor's netstack) refuses a dump: not a route
+_NOT_ROUTES = ("RTNETLINK answers:", "Dump terminated", "Error:", "Cannot ", "Object \"")
+
+
 def _route_lines(text: str) -> list[str]:
-    return [l for l in text.splitlines() if l.strip() and " dev lo" not in l and not l.startswith(("[", "#"))]
+    return [l for l in text.splitlines() if l.strip() and " dev lo" not in l and not l.startswith(("[", "#"))
+            and not l.startswith(_NOT_ROUTES)]
 
 
 # ---------------------------------------------------------------------------- cases

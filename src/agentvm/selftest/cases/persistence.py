@@ -214,20 +214,12 @@ print("DONE")
 _SWEEP_CHECK = r"""
 import os, sys
 M = sys.argv[1]
-found = []
-for root, dirs, files in os.walk("/", topdown=True):
-    if root == "/dev":
-        dirs[:] = [d for d in dirs if d == "shm"]
-        continue
-    if root.startswith(("/proc", "/sys")) or (root.startswith("/dev") and not root.startswith("/dev/shm")):
-        dirs[:] = []
-        continue
-    if root.count("/") > 6:
-        dirs[:] = []
-    if f".persist-{M}" in files:
-        found.append(root)
+# only where session 1 managed to write can a marker have survived: look in exactly those
+# folders (walking all of / again is slow on gVisor's ptrace platform)
+found = [d for d in sys.argv[2:] if os.path.exists(os.path.join(d, f".persist-{M}"))]
 for f in found:
     print("SURVIVED", f)
+print("CHECKED", len(sys.argv) - 2)
 print("DONE")
 """
 
@@ -237,8 +229,14 @@ print("DONE")
       weakened_by="writable-audit")
 def _(env: Env) -> Verdict:
     mark = secrets.token_hex(6)
-    a = env.sandbox(["/usr/bin/python3", "-c", _SWEEP_PLANT, mark], lang="argv", egress=False, timeout=15)
-    b = env.sandbox(["/usr/bin/python3", "-c", _SWEEP_CHECK, mark], lang="argv", egress=False, timeout=15)
+    a = env.sandbox(["/usr/bin/python3", "-c", _SWEEP_PLANT, mark], lang="argv", egress=False, timeout=60)
+    import ast
+
+    wrote_line = next((l for l in a.stdout.splitlines() if l.startswith("WROTE ")), "WROTE []")
+    dirs = list(ast.literal_eval(wrote_line[6:])) + [l.split(" ", 1)[1] for l in a.stdout.splitlines()
+                                                      if l.startswith("PLANTED ")]
+    b = env.sandbox(["/usr/bin/python3", "-c", _SWEEP_CHECK, mark, *dict.fromkeys(dirs)], lang="argv", egress=False,
+                    timeout=60)
     v = _judge("writable sweep", a, b)
     wrote = next((l for l in a.stdout.splitlines() if l.startswith("WROTE")), "")
     if v.status == "contained":

