@@ -83,3 +83,13 @@ def default_paths() -> Paths:
         xdg_run = os.environ.get("XDG_RUNTIME_DIR")
         r = Path(runtime) if runtime else (Path(xdg_run) / "agentvm" if xdg_run and not home else h / "run")
     return Paths(home=h, runtime=r)
+
+
+def default_preset_dirs() -> list[Path]:
+    """User preset directories from the environment, highest priority first:
+    ``$AGENTVM_PRESET_PATH`` (``:``-separated), then ``$AGENTVM_HOME/presets``."""
+    dirs = [Path(p) for p in os.environ.get("AGENTVM_PRESET_PATH", "").split(":") if p]
+    home = os.environ.get("AGENTVM_HOME")
+    if home:
+        dirs.append(Path(home) / "presets")
+    return dirs

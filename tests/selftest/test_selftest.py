@@ -32,6 +32,26 @@ def test_every_case_is_contained_on_this_host():
     assert report["contained"] == len(CASES)
 
 
+def _gvisor_unavailable() -> str | None:
+    from tests.contract.conftest import skip_reason
+
+    return skip_reason("gvisor")
+
+
+@pytest.mark.skipif(_gvisor_unavailable() is not None, reason=str(_gvisor_unavailable()))
+def test_every_applicable_case_is_contained_on_gvisor():
+    """The same attacks against gVisor sandboxes: every case that applies is contained; the
+    ones that do not are reported n/a with their reason, never as a pass."""
+    report = runner.run(substrate="gvisor")
+    bad = [r for r in report["results"] if r["status"] not in ("contained", "n/a")]
+    assert not bad, "\n".join(f"{r['id']}: {r['status']}: {r['evidence']}" for r in bad)
+    na = [r for r in report["results"] if r["status"] == "n/a"]
+    assert {r["id"] for r in na} == {c.id for c in CASES if not c.applies_to("gvisor")}
+    assert all("not applicable on gvisor: " in r["evidence"] and len(r["evidence"]) > 40 for r in na)
+    assert report["contained"] == report["applicable"] == len(CASES) - len(na)
+    assert report["contained"] >= 100, report["contained"]
+
+
 @pytest.mark.parametrize("weakening", sorted(BY_WEAKENING))
 def test_cases_report_escaped_when_their_layer_is_removed(weakening):
     env = Env(weaken=weakening)

@@ -19,7 +19,6 @@ Shaped so a remote substrate (Kubernetes) fits without another redesign:
 from __future__ import annotations
 
 import abc
-import asyncio
 
 from agentvm.backends.base import (
     Capabilities,
@@ -77,6 +76,8 @@ class Backend(abc.ABC):
 
     async def wait_async(self, handle: SandboxHandle) -> ExitStatus:
         """The exit, awaitable without holding a thread while the sandbox runs."""
+        import asyncio  # not at import time: `agentvm run` never needs it
+
         return await asyncio.to_thread(self.wait, handle, None)
 
     @abc.abstractmethod

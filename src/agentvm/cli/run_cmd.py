@@ -83,26 +83,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _parse_env(values: list[str]) -> dict[str, str]:
-    out = {}
-    for v in values:
-        k, sep, val = v.partition("=")
-        if not sep or not k:
-            raise ConfigError(f"invalid --env {v!r}", hint="use --env NAME=VALUE")
-        out[k] = val
-    return out
-
-
-def _parse_hosts(values: list[str]) -> dict[str, str]:
-    out = {}
-    for v in values:
-        name, sep, ip = v.partition("=")
-        if not sep or not name or not ip:
-            raise ConfigError(f"invalid --add-host {v!r}", hint="use --add-host NAME=IP")
-        out[name] = ip
-    return out
-
-
 def main_run(argv: list[str]) -> int:
     as_json = "--json" in argv
     try:
@@ -120,9 +100,25 @@ def _run(argv: list[str]) -> int:
     command = list(ns.command)
     if command and command[0] == "--":
         command = command[1:]
+    if not ns.agent_file and not command:
+        raise ConfigError("nothing to run", hint="agentvm run -- CMD [ARGS...], or agentvm run -f AGENT.yaml")
+    raw = {"mounts": ns.mount, "env": ns.env, "timeout": ns.timeout, "memory": ns.memory, "allow": ns.allow,
+           "add_host": ns.add_host, "network": ns.network, "substrate": ns.substrate}
+    degrade = tuple(dict.fromkeys(ns.degrade))
+    if degrade:
+        print(
+            "\033[1;31magentvm: WARNING: running DEGRADED without: " + ", ".join(degrade)
+            + " (recorded in the audit log)\033[0m" if sys.stderr.isatty() else
+            "agentvm: WARNING: running DEGRADED without: " + ", ".join(degrade) + " (recorded in the audit log)",
+            file=sys.stderr,
+        )
+    # a daemon that is up does everything else: the thin client parses nothing more
+    via = _daemon_for(ns, degrade)
+    if via is not None:
+        return _run_via_daemon(via, ns, command, raw)
 
-    from agentvm.policy import Policy, parse_mount_arg, with_overrides
-    from agentvm.units import parse_duration, parse_size
+    from agentvm.overrides import from_cli
+    from agentvm.policy import Policy, with_overrides
 
     if ns.agent_file:
         from pathlib import Path
@@ -133,40 +129,10 @@ def _run(argv: list[str]) -> int:
         loaded = load_agent(Path(ns.agent_file), preset_dirs=[Path(p) for p in ns.preset_path] or None)
         policy = compile_policy(loaded.spec)
     else:
-        if not command:
-            raise ConfigError("nothing to run", hint="agentvm run -- CMD [ARGS...], or agentvm run -f AGENT.yaml")
         policy = Policy(name="run", network=ns.network or "gate")  # "none": no gate rules to compile at all
-    try:
-        t = parse_duration(ns.timeout) if ns.timeout is not None else None
-        m = parse_size(ns.memory) if ns.memory is not None else None
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from exc
-    overrides = dict(
-        command=tuple(command) or None,
-        mounts=tuple(parse_mount_arg(x) for x in ns.mount),
-        env=_parse_env(ns.env),
-        timeout=t,
-        memory=m,
-        allow=tuple(ns.allow),
-        hosts=_parse_hosts(ns.add_host),
-        network=ns.network,
-        substrate=ns.substrate,
-    )
-    policy = with_overrides(policy, **overrides)
+    policy = with_overrides(policy, **from_cli(raw, command))
     if not policy.command:
         raise ConfigError("the agent file declares no command and none was given after --")
-    degrade = tuple(dict.fromkeys(ns.degrade))
-    if degrade:
-        print(
-            "\033[1;31magentvm: WARNING: running DEGRADED without: " + ", ".join(degrade)
-            + " (recorded in the audit log)\033[0m" if sys.stderr.isatty() else
-            "agentvm: WARNING: running DEGRADED without: " + ", ".join(degrade) + " (recorded in the audit log)",
-            file=sys.stderr,
-        )
-
-    via = _daemon_for(ns, degrade)
-    if via is not None:
-        return _run_via_daemon(via, ns, overrides)
 
     from agentvm.runtime import Runtime
 
@@ -195,15 +161,9 @@ def _daemon_for(ns, degrade):
             return None
     except OSError:
         pass
-    from agentvm.paths import default_paths
+    from agentvm.cli.fastrun import connect
 
-    sock = default_paths().runtime / "agentvm.sock"
-    if not sock.exists():
-        return None
-    from agentvm.daemon.client import Client
-
-    c = Client(sock)
-    return c if c.available() else None
+    return connect()  # None: no daemon listening - the run is embedded
 
 
 def _is_devnull(st) -> bool:
@@ -216,29 +176,22 @@ def _is_devnull(st) -> bool:
         return False
 
 
-def _run_via_daemon(client, ns, ov: dict) -> int:
-    """The same run, by the daemon: it gets the agent file's text and the overrides exactly as
-    parsed here (the daemon applies them with the same ``with_overrides``)."""
+def _run_via_daemon(sock, ns, command: list[str], raw: dict) -> int:
+    """The same run, by the daemon: it gets the agent file's text and the options exactly as
+    typed; it parses them with the same code (``agentvm.overrides``) and runs the same
+    lifecycle on its own gate."""
     import base64
     import os
     import stat
-    from pathlib import Path
 
-    doc: dict = {
-        "command": list(ov["command"]) if ov["command"] else None,
-        "mounts": [{"host": m.host, "path": m.path, "writable": m.writable} for m in ov["mounts"]],
-        "env": ov["env"],
-        "timeout": ov["timeout"],
-        "memory": ov["memory"],
-        "allow": list(ov["allow"]),
-        "hosts": ov["hosts"],
-        "network": ov["network"],
-        "substrate": ov["substrate"],
-    }
+    doc: dict = {"command": command or None, "cli": raw}
     if ns.agent_file:
+        from pathlib import Path
+
+        from agentvm.paths import default_preset_dirs
+
         doc["spec"] = Path(ns.agent_file).read_text()
         doc["file"] = str(Path(ns.agent_file).resolve())
-        from agentvm.spec.loader import default_preset_dirs
 
         # the caller's preset search path (--preset-path, else its own default), not the daemon's
         doc["preset_dirs"] = [str(p) for p in ns.preset_path] or [str(d) for d in default_preset_dirs()]
@@ -248,8 +201,10 @@ def _run_via_daemon(client, ns, ov: dict) -> int:
     except OSError:
         pass
     result = None
+    from agentvm.cli.fastrun import run_stream
+
     try:
-        for ev in client.run(doc):
+        for ev in run_stream(sock, doc):
             if ev.get("stream") == "stdout":
                 sys.stdout.buffer.write(ev["data"])
                 sys.stdout.buffer.flush()
@@ -297,13 +252,13 @@ def _report(result, as_json: bool) -> None:
             print(f"agentvm: sandbox setup failed at step '{err.get('step')}': {err.get('message')}", file=out)
         if err.get("hint"):
             print(f"  hint: {err['hint']}", file=out)
-    from agentvm.units import format_size
-
     lim = getattr(result, "limits", None) or {}
+    if result.oom_killed:
+        from agentvm.units import format_size
     if result.timed_out:
         print(f"agentvm: timed out after {result.duration:.1f}s; the sandbox was killed "
               "(raise it with --timeout or limits.timeout in the agent file)", file=out)
-    if result.oom_killed:
+    if result.oom_killed:  # noqa: SIM114 (format_size is imported above only when needed)
         print(f"agentvm: the memory limit{' (' + format_size(lim['memory']) + ')' if lim.get('memory') else ''} was hit (a process was OOM-killed inside the "
               "sandbox): raise it with --memory 2G or limits.memory in the agent file "
               "(the presets 'jupyter' and 'browser' give 2G)", file=out)

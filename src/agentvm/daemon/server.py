@@ -855,19 +855,26 @@ class Daemon:
             dirs = [Path(d) for d in doc["preset_dirs"]] if doc.get("preset_dirs") is not None else None
             policy = compile_policy(load_agent_text(doc["spec"], doc.get("file", "<api>"), preset_dirs=dirs).spec)
         else:
-            policy = Policy(name="run")
-        policy = with_overrides(
-            policy,
-            command=tuple(doc.get("command") or ()) or None,
-            mounts=tuple(MountGrant(m["host"], m["path"], bool(m["writable"])) for m in doc.get("mounts", [])),
-            env=doc.get("env") or {},
-            timeout=doc.get("timeout"),
-            memory=doc.get("memory"),
-            allow=tuple(doc.get("allow") or ()),
-            hosts=doc.get("hosts") or {},
-            network=doc.get("network"),
-            substrate=doc.get("substrate"),
-        )
+            net = (doc.get("cli") or {}).get("network") if isinstance(doc.get("cli"), dict) else doc.get("network")
+            policy = Policy(name="run", network=net if net in ("gate", "none") else "gate")
+        if isinstance(doc.get("cli"), dict):
+            # the thin client's options as typed: parsed here by the same code as embedded runs
+            from agentvm.overrides import from_cli
+
+            policy = with_overrides(policy, **from_cli(doc["cli"], doc.get("command")))
+        else:
+            policy = with_overrides(
+                policy,
+                command=tuple(doc.get("command") or ()) or None,
+                mounts=tuple(MountGrant(m["host"], m["path"], bool(m["writable"])) for m in doc.get("mounts", [])),
+                env=doc.get("env") or {},
+                timeout=doc.get("timeout"),
+                memory=doc.get("memory"),
+                allow=tuple(doc.get("allow") or ()),
+                hosts=doc.get("hosts") or {},
+                network=doc.get("network"),
+                substrate=doc.get("substrate"),
+            )
         if not policy.command:
             raise ApiError(400, "bad-request", "nothing to run")
         o_r, o_w = os.pipe2(os.O_CLOEXEC)

@@ -29,6 +29,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from agentvm.errors import SpecError, SpecProblem
+from agentvm.paths import default_preset_dirs  # noqa: F401 (part of this module's API)
 from agentvm.policy import APPEND_ENV, append_env
 from agentvm.spec.models import API_VERSION, AgentSpec, AgentSpecBody, PresetSpec, check_tier
 
@@ -467,16 +468,6 @@ class _PresetFile:
 def builtin_preset_dir() -> Path:
     """The directory of the presets shipped with agent-vm."""
     return Path(__file__).resolve().parent.parent / "presets"
-
-
-def default_preset_dirs() -> list[Path]:
-    """User preset directories from the environment, highest priority first:
-    ``$AGENTVM_PRESET_PATH`` (``:``-separated), then ``$AGENTVM_HOME/presets``."""
-    dirs = [Path(p) for p in os.environ.get("AGENTVM_PRESET_PATH", "").split(":") if p]
-    home = os.environ.get("AGENTVM_HOME")
-    if home:
-        dirs.append(Path(home) / "presets")
-    return dirs
 
 
 def _discover(preset_dirs: list[Path] | None) -> dict[str, list[_PresetFile]]:

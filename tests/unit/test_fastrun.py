@@ -1,0 +1,79 @@
+"""The thin client of `agentvm run` finds the daemon where the library puts it, and reads
+its chunked NDJSON stream (output, refusals inside the stream) as the full client does."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+
+import pytest
+
+from agentvm.cli import fastrun
+from agentvm.paths import default_paths
+
+
+@pytest.mark.parametrize("env", [
+    {},
+    {"AGENTVM_HOME": "/srv/avm"},
+    {"AGENTVM_HOME": "/srv/avm", "AGENTVM_RUNTIME_DIR": "/run/x"},
+    {"AGENTVM_RUNTIME_DIR": "/run/y"},
+    {"XDG_RUNTIME_DIR": "/run/user/1000"},
+    {"XDG_RUNTIME_DIR": "/run/user/1000", "AGENTVM_HOME": "/srv/h"},
+])
+@pytest.mark.parametrize("euid", [0, 1000])
+def test_socket_path_matches_the_librarys(monkeypatch, env, euid):
+    for k in ("AGENTVM_HOME", "AGENTVM_RUNTIME_DIR", "XDG_RUNTIME_DIR", "XDG_DATA_HOME"):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr("os.geteuid", lambda: euid)
+    assert fastrun.socket_path() == str(default_paths().runtime / "agentvm.sock")
+
+
+def _serve(answer: bytes):
+    a, b = socket.socketpair()
+
+    def run():
+        data = b""
+        while b"\r\n\r\n" not in data:
+            data += b.recv(65536)
+        b.sendall(answer)
+        b.close()
+
+    threading.Thread(target=run, daemon=True).start()
+    return a
+
+
+def _chunked(*lines: dict) -> bytes:
+    out = b""
+    for d in lines:
+        body = json.dumps(d).encode() + b"\n"
+        out += f"{len(body):x}\r\n".encode() + body + b"\r\n"
+    return b"HTTP/1.1 200 OK\r\ncontent-type: application/x-ndjson\r\ntransfer-encoding: chunked\r\n\r\n" + out + b"0\r\n\r\n"
+
+
+def test_stream_events_are_decoded():
+    import base64
+
+    sock = _serve(_chunked({"stream": "stdout", "data": base64.b64encode(b"hi\n").decode()}, {"result": {"exit_code": 3}}))
+    evs = list(fastrun.run_stream(sock, {"command": ["x"]}))
+    assert evs == [{"stream": "stdout", "data": b"hi\n"}, {"result": {"exit_code": 3}}]
+
+
+def test_a_refusal_before_or_inside_the_stream_is_the_same_error():
+    err = {"error": "policy.test", "message": "refused", "hint": "fix", "exit_code": 77}
+    body = json.dumps(err).encode()
+    sock = _serve(b"HTTP/1.1 403 Forbidden\r\ncontent-length: %d\r\n\r\n" % len(body) + body)
+    with pytest.raises(Exception) as ei:
+        list(fastrun.run_stream(sock, {}))
+    assert (ei.value.code, ei.value.message, ei.value.hint, ei.value.exit_code) == ("policy.test", "refused", "fix", 77)
+    sock = _serve(_chunked({"error": err}))
+    with pytest.raises(Exception) as ei:
+        list(fastrun.run_stream(sock, {}))
+    assert ei.value.code == "policy.test" and ei.value.exit_code == 77
+
+
+def test_no_daemon_means_an_embedded_run(monkeypatch, tmp_path):
+    monkeypatch.setenv("AGENTVM_RUNTIME_DIR", str(tmp_path))
+    assert fastrun.connect() is None
