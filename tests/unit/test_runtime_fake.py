@@ -121,8 +121,47 @@ def test_result_json_shape(paths):
 
 
 def test_backends_implement_the_protocol(paths):
+    """Every backend is a Backend (the ABC: instantiating one that lacks a method fails) and
+    declares what callers rely on instead of being asked for it by name."""
     from agentvm.backends.bwrap import BwrapBackend
+    from agentvm.backends.gvisor import GvisorBackend
     from agentvm.backends.protocol import Backend
 
-    assert isinstance(FakeBackend(), Backend)
-    assert isinstance(BwrapBackend(Paths(Path("/nonexistent"), Path("/nonexistent/run"))), Backend)
+    tools = {"helper": "/x/helper", "bwrap": "/x/bwrap", "runsc": "/x/runsc", "compat": "/x/compat.so"}
+    backends = [FakeBackend(), BwrapBackend(Paths(Path("/nonexistent"), Path("/nonexistent/run")), tools=tools),
+                GvisorBackend(Paths(Path("/nonexistent"), Path("/nonexistent/run")), tools=tools)]
+    for b in backends:
+        assert isinstance(b, Backend)
+        assert b.name and b.primitives and b.gate_kinds == ("unix",)
+        assert set(b.required_primitives(POL)) <= set(b.primitives), b.name
+    assert [b.strength for b in backends] == [0, 1, 2]
+    assert [b.host_local for b in backends] == [False, True, True]
+
+    class Incomplete(Backend):
+        name = "incomplete"
+
+    with pytest.raises(TypeError):
+        Incomplete()
+
+
+def test_min_substrate_refuses_a_weaker_substrate(paths):
+    import dataclasses
+
+    pol = dataclasses.replace(POL, min_substrate="gvisor")
+    with pytest.raises(PolicyDenied) as ei:
+        rt(paths).run(pol, tty=False)
+    assert ei.value.code == "policy.min-substrate" and "gvisor" in ei.value.message and ei.value.exit_code == 77
+    assert "--substrate gvisor" in ei.value.hint
+
+
+def test_min_substrate_comes_from_the_agent_file():
+    from agentvm.policy import compile_policy, with_overrides
+    from agentvm.spec.loader import load_agent_text
+
+    spec = ("apiVersion: agentvm/v1\nkind: Agent\nmetadata: {name: hi}\nspec:\n  command: [x]\n  riskTier: L4\n"
+            "  security: {minSubstrate: gvisor}\n")
+    pol = compile_policy(load_agent_text(spec, "a.yaml").spec)
+    assert pol.min_substrate == "gvisor" and pol.substrate == "bwrap"
+    assert with_overrides(pol, substrate="gvisor").substrate == "gvisor"
+    with pytest.raises(ConfigError):
+        with_overrides(pol, substrate="fake")  # never from the command line
