@@ -406,6 +406,11 @@ class Runtime:
         is called once the sandbox exists."""
         if tty is None:
             tty = stdio is None and sys.stdin.isatty() and sys.stdout.isatty()
+        if tty and not self.backend_for(policy).tty:
+            print(f"agentvm: note: the {policy.substrate} substrate cannot give the sandbox a terminal yet: it runs "
+                  "without one (its stdin and output are still this terminal; no job control, no line editing)",
+                  file=sys.stderr)
+            tty = False
         gc_stale(self.paths, self.backend_for(policy))
         gc_logs(self.paths)
         lc = Lifecycle(self, EmbeddedGateHost(self))

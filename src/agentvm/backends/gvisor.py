@@ -116,6 +116,7 @@ class GvisorBackend(Backend):
     primitives = PRIMITIVES
     host_local = True
     strength = 2  # a user-space kernel between the agent and the host's
+    tty = False  # runsc needs a console socket for a terminal: not wired yet
 
     def __init__(self, paths, *, tools: dict[str, str] | None = None, platform: str | None = None) -> None:
         self.paths = paths

@@ -47,6 +47,8 @@ class Backend(abc.ABC):
     gate_kinds: tuple[str, ...] = ("unix",)
     #: how strong the isolation boundary is, for ``minSubstrate`` (higher is stronger)
     strength: int = 0
+    #: can give the sandbox a terminal (a pty whose slave is its controlling tty)
+    tty: bool = True
 
     # ---------------------------------------------------------------- planning (no side effects)
     @abc.abstractmethod
