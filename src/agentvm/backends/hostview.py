@@ -167,6 +167,11 @@ def _etc_fingerprint(extra_ca: bytes = b"") -> str:
     return h.hexdigest()[:16]
 
 
+# how long a process trusts its last check of the host's /etc (a change is picked up after that)
+VIEW_CACHE_SECONDS = 2.0
+_VIEW_CACHE: dict = {}
+
+
 def etc_view(runtime: Path, gate_ca_pem: bytes = b"") -> Path:
     """A host directory holding copies of the allowlisted /etc entries plus synthetic
     accounts/resolver files, bound read-only as the sandbox's /etc in one mount.
@@ -177,9 +182,14 @@ def etc_view(runtime: Path, gate_ca_pem: bytes = b"") -> Path:
     CA alone is at ``/etc/ssl/certs/agentvm-gate-ca.pem`` (for NODE_EXTRA_CA_CERTS)."""
     import shutil
 
+    key = (str(runtime), hash(gate_ca_pem))
+    hit = _VIEW_CACHE.get(key)
+    if hit is not None and time.monotonic() - hit[0] < VIEW_CACHE_SECONDS and hit[1].is_dir():
+        return hit[1]  # a daemon starting sandboxes back to back: the host's /etc was checked just now
     fp = _etc_fingerprint(gate_ca_pem)
     view = runtime / f"etc-view-{fp}"
     if view.is_dir():
+        _VIEW_CACHE[key] = (time.monotonic(), view)
         return view
     runtime.mkdir(parents=True, exist_ok=True)
     tmp = runtime / f".etc-view-{fp}-{os.getpid()}"
@@ -223,6 +233,7 @@ def etc_view(runtime: Path, gate_ca_pem: bytes = b"") -> Path:
         os.rename(tmp, view)
     except OSError:
         shutil.rmtree(tmp, ignore_errors=True)  # another launch won the race
+    _VIEW_CACHE[key] = (time.monotonic(), view)
     # Old views may still be bound in running sandboxes: only remove day-old ones.
     for old in runtime.glob("etc-view-*"):
         if old != view:
