@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from agentvm.selftest import runner
-from agentvm.selftest.framework import CATEGORIES, Env, all_cases, run_cases
+from agentvm.selftest.framework import CATEGORIES, POLICY_WEAKENINGS, Env, all_cases, run_cases
 from tests.helpers import needs_root
 
 pytestmark = [pytest.mark.attack, needs_root]
@@ -50,6 +50,23 @@ def test_every_applicable_case_is_contained_on_gvisor():
     assert all("not applicable on gvisor: " in r["evidence"] and len(r["evidence"]) > 40 for r in na)
     assert report["contained"] == report["applicable"] == len(CASES) - len(na)
     assert report["contained"] >= 100, report["contained"]
+
+
+GVISOR_PROOFS = sorted(w for w in BY_WEAKENING if set(w.split("+")) <= POLICY_WEAKENINGS)
+
+
+@pytest.mark.skipif(_gvisor_unavailable() is not None, reason=str(_gvisor_unavailable()))
+@pytest.mark.parametrize("weakening", GVISOR_PROOFS)
+def test_cases_can_fail_on_gvisor_too(weakening):
+    """The policy- and gate-level weakenings apply on gVisor as well: its 'contained' verdicts
+    can fail there too (the substrate-level ones are proven on bwrap, whose plan they edit)."""
+    env = Env(weaken=weakening, substrate="gvisor")
+    try:
+        results = run_cases([c for c in BY_WEAKENING[weakening] if c.applies_to("gvisor")], env)
+    finally:
+        env.close()
+    not_escaped = [r for r in results if r["status"] != "escaped"]
+    assert results and not not_escaped, "\n".join(f"{r['id']}: {r['status']}: {r['evidence']}" for r in not_escaped)
 
 
 @pytest.mark.parametrize("weakening", sorted(BY_WEAKENING))

@@ -105,10 +105,35 @@ class GvisorPlan:
 
 
 def _runsc_path() -> str | None:
+    """runsc, as an absolute path to a root-owned file no one else can write (it runs as root)."""
     import shutil
 
-    return os.environ.get("AGENTVM_RUNSC") or shutil.which("runsc") or (
+    p = os.environ.get("AGENTVM_RUNSC") or shutil.which("runsc") or (
         "/usr/bin/runsc" if os.path.exists("/usr/bin/runsc") else None)
+    return os.path.realpath(p) if p else None
+
+
+def _check_runsc(path: str) -> str:
+    """Why ``path`` may not be run as root, or "" (absolute, a regular root-owned file that
+    neither group nor others can write, in root-owned directories nobody else can write)."""
+    if not os.path.isabs(path):
+        return f"{path} is not an absolute path"
+    try:
+        st = os.stat(path)
+    except OSError as exc:
+        return f"{path}: {exc.strerror}"
+    import stat as st_
+
+    if not st_.S_ISREG(st.st_mode) or st.st_uid != 0 or st.st_mode & 0o022:
+        return f"{path} must be a regular file owned by root and writable by nobody else (it runs as root)"
+    d = os.path.dirname(path)
+    while True:
+        dst = os.stat(d)
+        if dst.st_uid != 0 or dst.st_mode & 0o022 and not dst.st_mode & st_.S_ISVTX:
+            return f"{d} (a directory above {path}) can be written by a user other than root"
+        if d == "/":
+            return ""
+        d = os.path.dirname(d)
 
 
 class GvisorBackend(Backend):
@@ -131,6 +156,9 @@ class GvisorBackend(Backend):
                 p = _runsc_path()
                 if p is None:
                     raise BackendError("runsc is not installed", hint="apt-get install runsc (Debian's gVisor)")
+                why = _check_runsc(p)
+                if why:
+                    raise BackendError(f"refusing to run runsc as root: {why}", hint="use Debian's /usr/bin/runsc")
                 self._tools[name] = p
             else:
                 from agentvm import native
@@ -158,6 +186,9 @@ class GvisorBackend(Backend):
         elif os.geteuid() != 0:
             prims.append(Primitive("runsc", False, "agent-vm runs runsc rootful: run as root"))
             prims.append(Primitive("gvisor-platform", False, "needs root"))
+        elif _check_runsc(runsc):
+            prims.append(Primitive("runsc", False, _check_runsc(runsc)))
+            prims.append(Primitive("gvisor-platform", False, "needs a trustworthy runsc"))
         else:
             facts["runsc"] = runsc
             probe = self._probe(runsc)
@@ -265,7 +296,13 @@ class GvisorBackend(Backend):
         protects: list[tuple[str, str, tuple]] = []
         protect_args: list[str] = []
         for i, p in enumerate(policy.extra_ro):
-            mounts.append(MountOp("ro-bind", p, os.path.realpath(p)))
+            # opened by the supervisor and staged by the helper, like the grants: runsc binds
+            # by path as root, so nothing may be left to swap between the checks and the bind
+            real = os.path.realpath(p)
+            fd_names.append((f"extra{i}", real))
+            stage = f"{run_dir}/grants/x{i}"
+            stages.append((f"extra{i}", "ro", stage))
+            mounts.append(MountOp("ro-bind", p, stage))
         for i, m in enumerate(policy.mounts):
             real = os.path.realpath(m.host)
             fd_names.append((f"grant{i}", real))
@@ -294,7 +331,9 @@ class GvisorBackend(Backend):
         if gate:
             if ctx.gate is None:
                 raise BackendError("the policy has egress rules but no gate was attached (fail closed)")
-            mounts.append(MountOp("bind", hv.GATE_IN_SANDBOX, ctx.gate.address))
+            # read-only, as under bwrap: connecting needs no write access to the node, and a
+            # writable bind would let the agent chmod the host's socket open to every local user
+            mounts.append(MountOp("ro-bind", hv.GATE_IN_SANDBOX, ctx.gate.address))
             if host.node_shim:
                 mounts.append(MountOp("ro-bind", hv.NODE_SHIM_IN_SANDBOX, host.node_shim))
 
@@ -691,6 +730,10 @@ class GvisorBackend(Backend):
                 proc.wait(timeout=5)
             except subprocess.TimeoutExpired:
                 rep.processes_left.append(proc.pid)
+        # the Sentry, gofer and platform stubs are host processes of uid 65534 (not the agent's
+        # uid), re-parented to us (a subreaper) when runsc dies: reap them, or a long-lived
+        # daemon would collect zombies without end
+        _reap_runtime_zombies()
         if st.get("status_r") is not None:
             _close(st.pop("status_r"))
         _join_relays(st.pop("relays", None))
@@ -732,10 +775,13 @@ class GvisorBackend(Backend):
 # ---------------------------------------------------------------------- helpers
 
 
+RUNSC_HOST_UID = 65534  # runsc runs the Sentry as nobody; agent-vm maps the container's root (the gofer) there too
+
+
 def _nobody_base(uid: int) -> int:
     """The host id root inside a gVisor sandbox maps to: the overflow id (65534), which owns
     nothing of agent-vm's and which no process inside can become (no capabilities, no setuid)."""
-    return 65534
+    return RUNSC_HOST_UID
 
 
 def _oci_mounts(mounts: list[MountOp], kinds: dict[str, str]) -> tuple[list[dict], list[tuple[str, str]]]:
@@ -813,7 +859,8 @@ def _file_safe_stdio(stdio: tuple[int, int, int]):
         if not regular:
             continue
         r, w = os.pipe2(os.O_CLOEXEC)
-        dest = stdio[i]
+        dest = os.dup(stdio[i])  # the thread's own: the caller may close (and reuse) its number
+        os.set_inheritable(dest, False)
 
         def copy(r=r, dest=dest) -> None:
             try:
@@ -825,6 +872,7 @@ def _file_safe_stdio(stdio: tuple[int, int, int]):
                 pass
             finally:
                 os.close(r)
+                os.close(dest)
 
         t = threading.Thread(target=copy, name="agentvm-gvisor-stdio", daemon=True)
         t.start()
@@ -844,6 +892,25 @@ def _close_relay_ends(relays) -> None:
 def _join_relays(relays, timeout: float = 5.0) -> None:
     for t, _ in relays or ():
         t.join(timeout)
+
+
+def _reap_runtime_zombies(passes: int = 3) -> None:
+    """Reap our zombie children of runsc's uid (65534: the Sentry, gofer and stubs of any
+    gVisor sandbox of this process). Never a ``Popen`` child's exit status: those run as root
+    (runsc) or as an agent's uid (bwrap). Live processes of that uid are not touched (they
+    belong to another running sandbox; this one's cgroup was verified empty)."""
+    from agentvm.identity import uid_processes
+
+    me = os.getpid()
+    for k in range(passes):
+        for pid, ppid, state in uid_processes(RUNSC_HOST_UID):
+            if ppid == me and state in ("Z", "X"):
+                try:
+                    os.waitpid(pid, os.WNOHANG)
+                except ChildProcessError:
+                    pass
+        if k + 1 < passes:
+            time.sleep(0.005)
 
 
 def _kvm_usable() -> bool:

@@ -22,10 +22,12 @@ def selftest(substrate, categories, ids, as_json, list_only, markdown, weaken, k
     """Attack real sandboxes on this host; exit non-zero if anything escapes."""
     from agentvm.selftest import runner
 
-    if substrate != "bwrap" and weaken != "none":
+    from agentvm.selftest.framework import POLICY_WEAKENINGS
+
+    if substrate != "bwrap" and weaken != "none" and not set(weaken.split("+")) <= POLICY_WEAKENINGS:
         from agentvm.errors import ConfigError
 
-        raise ConfigError("weakened configurations exist for the bwrap substrate only")
+        raise ConfigError(f"on the {substrate} substrate only these weakenings exist: " + ", ".join(sorted(POLICY_WEAKENINGS)))
     if list_only:
         if markdown:
             click.echo(runner.markdown())

@@ -48,10 +48,12 @@ def _find_cc() -> str | None:
 
 
 @lru_cache(maxsize=None)
-def helper_path(libexec: Path) -> Path:
-    """Path of the compiled helper, building it if the cached copy is missing or stale."""
+def helper_path(libexec: Path, defines: tuple[str, ...] = ()) -> Path:
+    """Path of the compiled helper, building it if the cached copy is missing or stale.
+    ``defines``: only the selftest's weakened environment passes any (a build without a
+    layer, to prove a case can fail); the product's helper is built without."""
     src = _SRC.read_bytes()
-    dest = libexec / f"agentvm-helper-{_digest(src)}"
+    dest = libexec / f"agentvm-helper-{_digest(src + repr(defines).encode() if defines else src)}"
     if dest.is_file() and os.access(dest, os.X_OK):
         return dest
     cc = _find_cc()
@@ -64,7 +66,8 @@ def helper_path(libexec: Path) -> Path:
     def build(tmp: Path) -> None:
         errs = []
         for static in (["-static"], []):
-            r = subprocess.run([cc, *_CFLAGS, *static, "-o", str(tmp), str(_SRC)], capture_output=True, text=True)
+            r = subprocess.run([cc, *_CFLAGS, *(f"-D{d}" for d in defines), *static, "-o", str(tmp), str(_SRC)],
+                               capture_output=True, text=True)
             if r.returncode == 0:
                 return
             errs.append(r.stderr.strip())

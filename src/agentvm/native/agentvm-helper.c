@@ -466,6 +466,16 @@ static int cmd_launch(int argc, char **argv) {
     if (i >= argc) fail("validate", 0, "missing command after --");
     if ((uid < 0) != (gid < 0)) fail("validate", 0, "--uid and --gid go together");
     if (runtime_root && uid >= 0) fail("validate", 0, "--runtime-root and --uid exclude each other");
+    if (runtime_root) {
+        /* what runs as root is runsc by an absolute path, root-owned, writable by root only */
+        const char *prog = argv[i], *base = strrchr(argv[i], '/');
+        struct stat pst;
+        if (prog[0] != '/' || !base || strcmp(base + 1, "runsc")) fail("validate", 0, "--runtime-root runs only an absolute path to runsc, not '%s'", prog);
+        if (stat(prog, &pst) < 0) fail("validate", errno, "stat %s", prog);
+        if (!S_ISREG(pst.st_mode) || pst.st_uid != 0 || (pst.st_mode & 022)) fail("validate", 0, "%s must be a root-owned file only root can write", prog);
+        if (argv0) fail("validate", 0, "--argv0 does not go with --runtime-root");
+        if (ngrants && map_uid < 0) fail("validate", 0, "--runtime-root with grants needs --idmap-to");
+    }
     if (nprotects && !ngrants) fail("validate", 0, "--protect without --grant");
     for (int k = 0; k < ngrants; k++) {
         int kept = 0;
@@ -648,7 +658,12 @@ static void bridge_loop(int ls, const char *gate_path) {
     }
 }
 
-static void start_bridge(const char *gate_path, long port) {
+/* The bridge holds the sandbox's route out, so the agent must not be able to take it over:
+ * it is not dumpable (no ptrace attach, no /proc/PID/mem by the same uid without
+ * CAP_SYS_PTRACE - this matters where Landlock's scoping does not exist, e.g. gVisor, and
+ * for agents allowed to ptrace their own processes) and it runs under the same seccomp filter
+ * as the agent, so even a hijacked bridge has no more syscalls than the agent itself. */
+static void start_bridge(const char *gate_path, long port, const struct sock_fprog *filter) {
     int ls = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
     if (ls < 0) fail("bridge", errno, "socket");
     int one = 1;
@@ -671,6 +686,13 @@ static void start_bridge(const char *gate_path, long port) {
         }
         syscall(__NR_close_range, 3U, (unsigned int)(ls - 1), 0U);
         syscall(__NR_close_range, (unsigned int)(ls + 1), ~0U, 0U);
+#ifndef AGENTVM_SELFTEST_WEAK_BRIDGE /* defined only in the selftest's deliberately weakened build */
+        if (prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) < 0) _exit(3);
+        if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) < 0) _exit(4);
+        if (filter && syscall(SYS_seccomp, SECCOMP_SET_MODE_FILTER, 0, filter) < 0) _exit(5);
+#else
+        (void)filter;
+#endif
         bridge_loop(ls, gate_path);
         _exit(0);
     }
@@ -802,8 +824,19 @@ static int cmd_init(int argc, char **argv) {
         if (ioctl(0, TIOCSCTTY, 0) < 0) fail("tty", errno, "TIOCSCTTY");
     }
 
-    /* 2b. the egress bridge, before Landlock and seccomp (see start_bridge) */
-    if (gate_socket) start_bridge(gate_socket, gate_port);
+    /* 2b. the seccomp filter, read now: the bridge loads it too */
+    static unsigned char filter_buf[1 << 16];
+    struct sock_fprog prog = {0};
+    if (seccomp_fd >= 0) {
+        size_t len = read_all(seccomp_fd, (char *)filter_buf, sizeof filter_buf, "seccomp");
+        if (len == 0 || len % sizeof(struct sock_filter)) fail("seccomp", 0, "bad filter length %zu", len);
+        close(seccomp_fd);
+        prog.len = (unsigned short)(len / sizeof(struct sock_filter));
+        prog.filter = (struct sock_filter *)filter_buf;
+    }
+
+    /* 2c. the egress bridge, before Landlock and the agent's seccomp (see start_bridge) */
+    if (gate_socket) start_bridge(gate_socket, gate_port, prog.len ? &prog : NULL);
 
     /* 3. working directory (before Landlock, which may forbid walking to it) */
     if (chdir_to && chdir(chdir_to) < 0) fail("chdir", errno, "chdir %s", chdir_to);
@@ -868,15 +901,7 @@ static int cmd_init(int argc, char **argv) {
 
 seccomp:
     if (no_landlock && prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) < 0) fail("no-new-privs", errno, "prctl");
-    if (seccomp_fd >= 0) {
-        static unsigned char buf[1 << 16];
-        size_t len = read_all(seccomp_fd, (char *)buf, sizeof buf, "seccomp");
-        if (len == 0 || len % sizeof(struct sock_filter)) fail("seccomp", 0, "bad filter length %zu", len);
-        close(seccomp_fd);
-        struct sock_fprog prog = {.len = (unsigned short)(len / sizeof(struct sock_filter)),
-                                  .filter = (struct sock_filter *)buf};
-        if (syscall(SYS_seccomp, SECCOMP_SET_MODE_FILTER, 0, &prog) < 0) fail("seccomp", errno, "load filter");
-    }
+    if (prog.len && syscall(SYS_seccomp, SECCOMP_SET_MODE_FILTER, 0, &prog) < 0) fail("seccomp", errno, "load filter");
 
     /* 6. exec the command with the sandbox's environment (PATH search like a shell; 127 not
      * found, 126 not executable). */

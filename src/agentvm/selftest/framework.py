@@ -60,7 +60,11 @@ WEAKENINGS = {
     "shared-uid": "two sandboxes share one uid and see each other's workspace",
     "writable-audit": "the audit and decision logs are granted read-write into the sandbox",
     "raw-scrub": "the gate scrubs responses of raw credential values only (no decoding, no encoded forms)",
+    "weak-bridge": "the egress bridge inside the sandbox stays dumpable and runs without the seccomp filter",
 }
+
+# weakenings of the policy or the gate (not of a substrate's plan): they apply on every substrate
+POLICY_WEAKENINGS = frozenset({"grant-canaries", "cred-in-env", "permissive-gate", "raw-scrub"})
 
 SINK_NAME = "canary.selftest"
 CANARY_HOST = "canary-exfil.selftest"
@@ -223,8 +227,9 @@ class Env:
             raise ValueError(f"unknown weakening {weaken}")
         if substrate not in SUBSTRATES:
             raise ValueError(f"unknown substrate {substrate}")
-        if substrate != "bwrap" and weaken != "none":
-            raise ValueError("weakened configurations exist for the bwrap substrate only")
+        if substrate != "bwrap" and weaken != "none" and not set(weaken.split("+")) <= POLICY_WEAKENINGS:
+            raise ValueError("on substrates other than bwrap, only these weakenings exist: "
+                             + ", ".join(sorted(POLICY_WEAKENINGS)))
         self.substrate = substrate
         self.weaken = weaken
         self.weakens = set(weaken.split("+"))
@@ -325,6 +330,7 @@ class Env:
         timeout: float = 30.0,
         disk: int = 32 * 1024**2,
         allow: tuple[str, ...] = (),
+        allow_ptrace: bool = False,
     ):
         """A policy for one attack: egress allowed only to ``allowed.selftest`` (the sink is
         *not* allowed), two credentials bound to ``api.selftest``/``api.github.com``."""
@@ -375,6 +381,7 @@ class Env:
             network="gate" if egress else "none",  # egress=False: no route at all, not even the gate
             egress=eg,
             credentials=creds,
+            allow_ptrace=allow_ptrace,
         )
 
     # -- running ----------------------------------------------------------------------------

@@ -20,6 +20,11 @@ class WeakenedBackend(BwrapBackend):
         super().__init__(paths)
         self.weaken = weaken
         self.env = env
+        if "weak-bridge" in weaken.split("+"):
+            from agentvm import native
+
+            # a helper built without the bridge's hardening (a separate binary, never the product's)
+            self._tools["helper"] = str(native.helper_path(paths.libexec, ("AGENTVM_SELFTEST_WEAK_BRIDGE",)))
 
     def compile(self, policy: Policy, ctx: LaunchContext) -> LaunchPlan:
         ws = set(self.weaken.split("+"))

@@ -101,7 +101,7 @@ class Peer:
         self.ctl = env.root / f"peerctl-{self.mark}"
         self.ctl.mkdir(mode=0o700)
         kw["mounts"] = tuple(kw.get("mounts", ())) + (MountGrant(str(self.ctl), "/peerctl", True),)
-        before = self._before = set(os.listdir(env.paths.sandboxes))
+        self._before = set(os.listdir(env.paths.sandboxes))
         script = _PEER.replace("@MARK@", self.mark).replace("@PORT@", str(self.port)).replace("@IDLE@", str(idle))
         kw.setdefault("name", PEER_NAME)
         kw.setdefault("egress", bool(kw.get("allow")))

@@ -180,7 +180,18 @@ import os, sys
 M = sys.argv[1]
 skip = ("/proc", "/sys", "/dev")
 written, tried = [], 0
-for root, dirs, files in os.walk("/", topdown=True):
+def walk():
+    # everything but /usr first (in a fixed order), then /usr to a shallow depth: the budget
+    # below must not be spent in /usr's thousands of read-only folders
+    tops = sorted(d for d in os.listdir("/") if d != "usr" and not os.path.islink("/" + d))
+    yield "/", [], []
+    for t in tops:
+        yield from os.walk("/" + t, topdown=True)
+    for root, dirs, files in os.walk("/usr", topdown=True):
+        if root.count("/") >= 3:
+            dirs[:] = []
+        yield root, dirs, files
+for root, dirs, files in walk():
     if root == "/dev":
         dirs[:] = [d for d in dirs if d == "shm"]
         continue
@@ -214,9 +225,21 @@ print("DONE")
 _SWEEP_CHECK = r"""
 import os, sys
 M = sys.argv[1]
-# only where session 1 managed to write can a marker have survived: look in exactly those
-# folders (walking all of / again is slow on gVisor's ptrace platform)
-found = [d for d in sys.argv[2:] if os.path.exists(os.path.join(d, f".persist-{M}"))]
+name = f".persist-{M}"
+# exactly where session 1 wrote, and a walk of everything else (a store that comes back at
+# another path); /usr is left to the exact check - it is the host's own, at the same path
+# every session, and walking it is slow under gVisor's ptrace platform
+found = [d for d in sys.argv[2:] if os.path.exists(os.path.join(d, name))]
+for root, dirs, files in os.walk("/", topdown=True):
+    if root == "/dev":
+        dirs[:] = [d for d in dirs if d == "shm"]
+        continue
+    if root == "/":
+        dirs[:] = [d for d in dirs if d not in ("usr", "proc", "sys")]
+    if root.count("/") > 6:
+        dirs[:] = []
+    if name in files and root not in found:
+        found.append(root)
 for f in found:
     print("SURVIVED", f)
 print("CHECKED", len(sys.argv) - 2)

@@ -304,7 +304,8 @@ if rc == 0:
 
 
 _PID1_IS_THE_AGENT = ("pid 1 is the agent's own first process (init execs the command; runsc, the gofer and the "
-                      "Sentry are host processes outside the sandbox's pid namespace): there is no launcher inside")
+                      "Sentry are host processes outside the sandbox's pid namespace); the one agent-vm process "
+                      "inside, the egress bridge, is attacked by proc.bridge-hijack")
 
 
 @case("proc.pid1-memory", "process", "read pid 1's memory (/proc/1/mem) for the launcher's host paths",
@@ -344,6 +345,49 @@ for p in sorted(found)[:40]:
 
 
 # ------------------------------------------------------------------------ signals and other processes
+
+
+@case("proc.bridge-hijack", "process",
+      "ptrace the egress bridge (agent-vm's relay inside the sandbox, started before the agent's filter) or "
+      "open its memory, with ptrace allowed to the agent (allowPtrace, L4)",
+      weakened_by="no-landlock+weak-bridge")
+def _(env: Env) -> Verdict:
+    code = r"""
+import ctypes, os, errno
+libc = ctypes.CDLL(None, use_errno=True)
+me = os.getpid()
+found = []
+for p in os.listdir("/proc"):
+    if not p.isdigit() or int(p) == me:
+        continue
+    pid = int(p)
+    try:
+        cmd = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")[0].decode(errors="replace")
+    except OSError:
+        continue
+    r = libc.ptrace(16, pid, 0, 0)  # PTRACE_ATTACH
+    e = ctypes.get_errno()
+    if r == 0:
+        libc.ptrace(17, pid, 0, 0)  # PTRACE_DETACH
+    try:
+        open(f"/proc/{pid}/mem", "rb").close(); mem = "OK"
+    except OSError as x:
+        mem = errno.errorcode.get(x.errno)
+    found.append(pid)
+    print("PROC", pid, cmd, "attach", "OK" if r == 0 else errno.errorcode.get(e), "mem", mem)
+print("SEEN", len(found))
+"""
+    o = env.sandbox(code, lang="python", allow_ptrace=True)
+    lines = [ln for ln in o.stdout.splitlines() if ln.startswith("PROC")]
+    if "SEEN" not in o.stdout:
+        return Verdict.error("the program did not run: " + o.out[-300:])
+    if not any("/.agentvm/init" in ln for ln in lines):
+        return Verdict.error("the bridge was not found among the sandbox's processes: " + o.stdout[-400:])
+    # the bridge only (pid 1 under bwrap is proc.pid1-memory's and proc.signal-pid1's)
+    won = [ln for ln in lines if "/.agentvm/init" in ln and (" attach OK" in ln or ln.endswith(" mem OK"))]
+    if won:
+        return Verdict.escaped("the agent can take over the bridge, outside its filter: " + "; ".join(won)[:400])
+    return Verdict.contained("the bridge refused ptrace and /proc/PID/mem: " + "; ".join(lines)[:400])
 
 
 @case("proc.signal-pid1", "process", "signal pid 1 (bwrap), a process outside the sandbox's Landlock signal scope",
