@@ -75,8 +75,12 @@ def _claim(home: Path, mine: Path) -> int:
             try:
                 fd = os.open(slot, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
             except FileExistsError:
-                if slot.read_text().strip() == real:
+                owner = slot.read_text().strip()
+                if owner == real:
                     break  # ours already (the home's own record was lost): keep it
+                if _abandoned(owner, base):
+                    slot.write_text(real + "\n")  # its installation is gone, and nothing runs in its range
+                    break
                 continue
             os.write(fd, (real + "\n").encode())
             os.close(fd)
@@ -91,6 +95,32 @@ def _claim(home: Path, mine: Path) -> int:
         return base
     finally:
         os.close(lock)
+
+
+def _abandoned(owner_home: str, base: int) -> bool:
+    """A registered range whose installation no longer exists (its home does not hold the
+    record of this range) and in which no process runs: free to claim again."""
+    try:
+        if int(Path(owner_home, "uid-range").read_text().split()[0]) == base:
+            return False
+    except (OSError, ValueError, IndexError):
+        pass
+    if not owner_home or not os.path.isabs(owner_home):
+        return False  # not a record agent-vm wrote: leave it alone
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                if base <= entry.stat(follow_symlinks=False).st_uid < base + SLOT:
+                    return False
+                with open(f"/proc/{entry.name}/status") as fh:
+                    for line in fh:
+                        if line.startswith("Uid:"):
+                            if any(base <= int(u) < base + SLOT for u in line.split()[1:]):
+                                return False
+                            break
+            except (OSError, ValueError):
+                continue
+    return True
 
 
 @dataclass(frozen=True)

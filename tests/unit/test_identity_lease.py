@@ -12,6 +12,7 @@ from agentvm.errors import BackendError
 
 
 def test_a_lease_released_between_open_and_lock_is_not_double_granted(tmp_path, monkeypatch):
+    monkeypatch.setenv("AGENTVM_UID_REGISTRY", str(tmp_path / "registry"))
     monkeypatch.setattr(identity, "LEASE_RANGE", 1)  # one uid: any double grant shows
     monkeypatch.setattr(identity, "uid_has_processes", lambda uid: [])
     a = identity.lease_identity(tmp_path, "run-a", tmp_path)
@@ -38,6 +39,7 @@ def test_a_lease_released_between_open_and_lock_is_not_double_granted(tmp_path, 
 
 
 def test_a_held_lease_is_not_granted_again(tmp_path, monkeypatch):
+    monkeypatch.setenv("AGENTVM_UID_REGISTRY", str(tmp_path / "registry"))
     monkeypatch.setattr(identity, "LEASE_RANGE", 1)
     monkeypatch.setattr(identity, "uid_has_processes", lambda uid: [])
     a = identity.lease_identity(tmp_path, "run-a", tmp_path)
@@ -90,3 +92,26 @@ def test_each_installation_claims_its_own_uid_range(tmp_path, monkeypatch):
     monkeypatch.setenv("AGENTVM_UID_BASE", "1000")
     with pytest.raises(BackendError):
         identity.uid_base(a)
+
+
+def test_a_range_of_an_installation_that_is_gone_is_claimed_again(tmp_path, monkeypatch):
+    """The host-wide registry of uid ranges does not fill up with installations that no longer
+    exist (test homes, removed installs): a range whose home is gone and in which nothing runs
+    is claimed again; one whose home still holds its record is not."""
+    from agentvm import identity
+
+    reg = tmp_path / "reg"
+    reg.mkdir()
+    monkeypatch.setenv("AGENTVM_UID_REGISTRY", str(reg))
+    monkeypatch.delenv("AGENTVM_UID_BASE", raising=False)
+    live = tmp_path / "live"
+    live.mkdir()
+    base0, base1 = identity.DEFAULT_BASE, identity.DEFAULT_BASE + identity.SLOT
+    (live / "uid-range").write_text(f"{base0}\n")
+    (reg / str(base0)).write_text(f"{live}\n")
+    (reg / str(base1)).write_text(f"{tmp_path / 'gone'}\n")  # its home was removed
+    new = tmp_path / "new"
+    new.mkdir()
+    assert identity.uid_base(new) == base1
+    assert (reg / str(base1)).read_text().strip() == str(new)
+    assert identity.uid_base(live) == base0, "a live installation keeps its range"

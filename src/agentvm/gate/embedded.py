@@ -34,6 +34,7 @@ class PendingEndpoint:
         self._done = threading.Event()
         self._ep = None
         self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None  # the attach thread (it polls the socket)
 
     def _set(self, ep=None, error: BaseException | None = None) -> None:
         self._ep, self._error = ep, error
@@ -61,6 +62,11 @@ class PendingEndpoint:
             pass  # it already stopped
         self._close_wake()
         self.sock.close()  # only here, or by the attach thread: never both (the lock decides)
+        # the attach thread's poll holds the listening socket until it wakes: once it is gone,
+        # the socket is really closed and a connection is refused
+        t = self._thread
+        if t is not None and t is not threading.current_thread():
+            t.join(2.0)
         return True
 
     def _close_wake(self) -> None:
@@ -166,7 +172,8 @@ class LazyGate:
 
         self._pending.add(pending)
 
-        threading.Thread(target=attach, name=f"agentvm-gate-{sandbox_id}", daemon=True).start()
+        pending._thread = threading.Thread(target=attach, name=f"agentvm-gate-{sandbox_id}", daemon=True)
+        pending._thread.start()
         return pending
 
     def close(self, sandbox_id: str):
