@@ -259,6 +259,11 @@ class SandboxCgroup:
                     pass
         if self.pids_dir is not None:
             st["pids_max_hits"] = _read_kv(self.pids_dir / "pids.events").get("max", 0)
+        for d in self.dirs:  # cgroup2 accounts CPU time in every group, with or without its cpu controller
+            usage = _read_kv(d / "cpu.stat").get("usage_usec") if (d / "cpu.stat").exists() else None
+            if usage is not None:
+                st["cpu_time"] = usage / 1e6
+                break
         return st
 
     # -- teardown -------------------------------------------------------------------------

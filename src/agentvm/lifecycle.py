@@ -40,6 +40,7 @@ class RunResult:
     limits: dict = field(default_factory=dict)  # the limits in force (memory, pids, timeout...), for the hints
     egress: dict | None = None  # gate summary: allowed, denied [{rule, target, count}], bytes, log
     substrate: str = ""
+    cpu_time: float | None = None  # seconds of CPU the whole sandbox used (host-side, its cgroup)
 
     @property
     def limits_hit(self) -> list[str]:
@@ -229,6 +230,7 @@ class Lifecycle:
             limits={"memory": policy.limits.memory, "pids": policy.limits.pids, "timeout": policy.limits.timeout,
                     "tmp": policy.limits.tmp, "shm": policy.limits.shm},
             substrate=plan.substrate,
+            cpu_time=status.cpu_time if status else None,
         )
         if s.gate_error is not None:
             result.setup_error = result.setup_error or {"step": "gate", "errno": 0, "message": s.gate_error.message}

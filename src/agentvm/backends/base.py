@@ -183,6 +183,7 @@ class ExitStatus:
     setup_error: dict | None = None  # {"step":..., "message":...} when the sandbox never started
     duration: float = 0.0
     memory_peak: int | None = None
+    cpu_time: float | None = None  # seconds of CPU the whole sandbox used, measured on the host (cgroup)
 
 
 @dataclass

@@ -541,6 +541,7 @@ class BwrapBackend(Backend):
         es.oom_killed = bool(stats.get("oom_kills"))
         es.pids_limit_hit = bool(stats.get("pids_max_hits"))
         es.memory_peak = stats.get("memory_peak")
+        es.cpu_time = stats.get("cpu_time")
         exit_code = status.first("exit-code")
         if exit_code is not None:
             es.exit_code = int(exit_code)

@@ -545,6 +545,7 @@ class GvisorBackend(Backend):
         es.oom_killed = bool(stats.get("oom_kills"))
         es.pids_limit_hit = bool(stats.get("pids_max_hits"))
         es.memory_peak = stats.get("memory_peak")
+        es.cpu_time = stats.get("cpu_time")
         raw = drain(handle.private.get("status_r"))
         _, setup_error = hv.helper_status(raw)
         if setup_error:

@@ -287,21 +287,41 @@ def _(env: Env) -> Verdict:
 
 CPU = r"""
 import os, time
+
+def spin(seconds, w):
+    end = time.monotonic() + seconds
+    n = 0
+    while time.monotonic() < end:
+        n += 1
+    os.write(w, f"{n}\n".encode())
+
+def run(k, seconds):
+    # k processes spin for ``seconds`` at once; returns their loop iterations per second, summed
+    r, w = os.pipe()
+    kids = []
+    for i in range(k):
+        pid = os.fork()
+        if pid == 0:
+            os.close(r); spin(seconds, w); os._exit(0)
+        kids.append(pid)
+    os.close(w)
+    for p in kids:
+        os.waitpid(p, 0)
+    data = b""
+    while chunk := os.read(r, 4096):
+        data += chunk
+    os.close(r)
+    return sum(int(x) for x in data.split()) / seconds
+
 n = int(os.environ["N"])
-kids = []
+one = run(1, 0.5)  # what one CPU does here
 t0 = time.monotonic()
-for i in range(n):
-    pid = os.fork()
-    if pid == 0:
-        end = time.monotonic() + 1.0
-        while time.monotonic() < end:
-            pass
-        os._exit(0)
-    kids.append(pid)
-for p in kids:
-    os.waitpid(p, 0)
+c0 = os.times()
+many = run(n, 1.0)
 t = os.times()
-print("wall", round(time.monotonic() - t0, 3)); print("cpu", round(t.children_user + t.children_system, 3), flush=True)
+print("wall", round(time.monotonic() - t0, 3))
+print("cpu", round(t.children_user + t.children_system - c0.children_user - c0.children_system, 3))
+print("ratio", round(many / one, 3), flush=True)  # how many CPUs' worth n spinners got
 """
 
 
@@ -316,8 +336,14 @@ def _(env: Env) -> Verdict:
     kv = _kv(o.stdout)
     if "cpu" not in kv:
         return Verdict.error("the program did not report: " + o.out[-300:])
-    cpu, wall = float(kv["cpu"]), float(kv["wall"])
+    cpu, wall, ratio = float(kv["cpu"]), float(kv["wall"]), float(kv.get("ratio", 0))
     allowed = defaults.CPUS * wall
-    if cpu > 1.3 * allowed:
-        return Verdict.escaped(f"{cpu:.2f} s of CPU in {wall:.2f} s with {n} spinners (quota {defaults.CPUS} CPU)")
-    return Verdict.contained(f"{cpu:.2f} s of CPU in {wall:.2f} s with {n} spinners (quota {defaults.CPUS} CPU)")
+    what = (f"{cpu:.2f} s of CPU in {wall:.2f} s with {n} spinners, {ratio:.2f} CPUs' worth of work "
+            f"(quota {defaults.CPUS} CPU)")
+    if o.result.get("substrate") == "bwrap":
+        over = cpu > 1.3 * allowed
+    else:
+        # gVisor's own CPU accounting counts a throttled task as running: judge by the work
+        # done - n spinners against one alone, in the same sandbox
+        over = ratio > 1.3 * defaults.CPUS
+    return Verdict.escaped(what) if over else Verdict.contained(what)
