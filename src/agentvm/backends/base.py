@@ -15,21 +15,6 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 
-# Primitives a policy can rely on. ``Capabilities.missing(required)`` names what is absent.
-PRIMITIVES = (
-    "userns",  # unprivileged user namespaces
-    "bwrap",  # bubblewrap present and new enough
-    "seccomp",  # seccomp filters (libseccomp usable)
-    "landlock",  # Landlock (filesystem)
-    "landlock-net",  # Landlock TCP port rules (ABI >= 4)
-    "landlock-scope",  # Landlock scoping of abstract unix sockets and signals (ABI >= 6)
-    "cgroups",  # memory + pids (+cpu) limits
-    "cgroup-kill",  # atomic kill of a whole sandbox (cgroup.kill or v1 freezer)
-    "dedicated-uid",  # sandbox runs as a dedicated unprivileged host uid (needs root)
-    "disk-quota",  # a real size limit on the durable workspace (loop-mounted filesystem)
-)
-
-
 @dataclass(frozen=True)
 class Primitive:
     name: str

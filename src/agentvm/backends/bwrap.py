@@ -18,7 +18,6 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
-import stat
 import subprocess
 import time
 from pathlib import Path
@@ -27,7 +26,6 @@ from dataclasses import asdict, dataclass, field
 
 from agentvm import cgroups as cg
 from agentvm import defaults as D
-from agentvm import grants
 from agentvm import seccomp as sc
 from agentvm.backends import hostview as hv
 from agentvm.backends.base import (
@@ -43,8 +41,7 @@ from agentvm.backends.base import (
 )
 from agentvm.backends.protocol import Backend
 from agentvm.backends.status import JsonStatusParser, drain, read_until
-from agentvm.errors import EXIT_BACKEND, EXIT_POLICY, EXIT_TIMEOUT, AgentVMError, BackendError, LaunchError
-from agentvm.fsutil import check_grant_target
+from agentvm.errors import EXIT_BACKEND, EXIT_POLICY, EXIT_TIMEOUT, BackendError, LaunchError
 from agentvm.policy import Policy
 
 SANDBOX_UID = 1000  # the agent's uid inside (the shared /etc view's accounts assume it)
@@ -129,7 +126,7 @@ class BwrapPlan:
         return d
 
 
-class BwrapBackend(Backend):
+class BwrapBackend(hv.ChildProcessSandbox, Backend):
     name = "bwrap"
     primitives = PRIMITIVES
     host_local = True
@@ -436,39 +433,7 @@ class BwrapBackend(Backend):
             state["cgroup"] = group
             # 3. fds: grants (O_PATH, opened by the supervisor so the agent uid needs no
             # traversal rights on the host path), the seccomp filter, the status pipes.
-            fds: dict[str, int] = {}
-            for name, host in plan.body.fds.get("open_paths", ()):
-                try:
-                    fd = os.open(host, os.O_PATH | os.O_CLOEXEC)
-                except OSError as exc:
-                    raise LaunchError("grant", f"cannot open {host}: {exc.strerror}") from exc
-                opened.append(fd)
-                fds[name] = fd
-                # what was opened is what gets mounted: check *that* (not the name we checked
-                # earlier), so swapping a path component in between gains nothing
-                if name == "workspace":
-                    continue  # agent-vm's own mount, not a grant
-                actual = os.readlink(f"/proc/self/fd/{fd}")
-                if actual != host:
-                    raise LaunchError("grant", f"{host} changed since it was checked (it now leads to {actual}): refused")
-                try:
-                    writable = any(n == name for n, _, _ in plan.body.fds.get("protects", ()))  # every rw grant has an entry
-                    check_grant_target(actual, [self.paths.home.resolve(), self.paths.runtime.resolve()], host, writable)
-                except AgentVMError as exc:
-                    raise LaunchError("grant", exc.message) from None
-            # 3b. staging points for idmapped grants (the helper mounts onto them in a mount
-            # namespace of its own; here they stay empty), and placeholders for the host-trusted
-            # names a read-write grant lacks, so the agent cannot create them
-            for name, _, stage in plan.body.fds.get("stages", ()):
-                Path(stage).parent.mkdir(mode=0o711, exist_ok=True)
-                if stat.S_ISDIR(os.fstat(fds[name]).st_mode):
-                    os.mkdir(stage, 0o700)
-                else:
-                    os.close(os.open(stage, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600))
-            state["grant_holds"] = []
-            for name, host, prot in plan.body.fds.get("protects", ()):
-                state["grant_holds"].append(grants.ensure(fds[name], host, prot, self.paths.runtime / "grants"))
-            grants.save(run_dir, state["grant_holds"])
+            fds = hv.open_grants(plan.body.fds, self.paths, run_dir, state, opened)
             allow_ptrace = plan.body.seccomp_allow_ptrace
             sfd = sc.filter_fd(sc.SeccompOptions(allow_ptrace=allow_ptrace), self.paths.libexec)
             opened.append(sfd)
@@ -670,18 +635,6 @@ class BwrapBackend(Backend):
             "uptime": time.monotonic() - handle.started_at,
         }
 
-    def poll(self, handle: SandboxHandle) -> bool:
-        proc: subprocess.Popen | None = handle.private.get("proc")
-        return proc is None or proc.poll() is not None
-
-    async def wait_async(self, handle: SandboxHandle) -> ExitStatus:
-        import asyncio
-
-        proc: subprocess.Popen | None = handle.private.get("proc")
-        if proc is not None:
-            await hv.process_exit(proc.pid)
-        return await asyncio.to_thread(self.wait, handle, None)
-
     def set_limits(self, handle: SandboxHandle, *, memory: int | None = None, pids: int | None = None,
                    cpus: float | None = None) -> dict:
         group: cg.SandboxCgroup | None = handle.private.get("cgroup")
@@ -739,25 +692,7 @@ class BwrapBackend(Backend):
                 _close(st.pop(key))
         if group is not None:
             rep.cgroups_left = group.destroy()
-        if handle.plan.body.host_uid != os.getuid():
-            # a dedicated uid: nothing of it may remain on the host
-            for pid in hv.sweep_uid(handle.plan.body.host_uid):
-                if pid not in rep.processes_left:
-                    rep.processes_left.append(pid)
-        # the sandbox's processes are gone: release its granted folders (the last sandbox out
-        # removes their placeholders)
-        for hold in st.pop("grant_holds", None) or []:
-            grants.release(hold, self.paths.runtime / "grants")
-        run_dir = Path(st.get("run_dir", ""))
-        if run_dir.name and run_dir.exists():
-            import shutil
-
-            shutil.rmtree(run_dir, ignore_errors=True)
-            if run_dir.exists():
-                rep.files_left.append(str(run_dir))
-        rep.verified = not (rep.processes_left or rep.cgroups_left or rep.mounts_left or rep.files_left)
-        rep.duration = time.monotonic() - t0
-        return rep
+        return hv.finish_teardown(rep, st, handle.plan.body.host_uid, self.paths, t0)
 
 
 # ---------------------------------------------------------------------- helpers

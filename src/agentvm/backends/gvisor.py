@@ -35,7 +35,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from agentvm import cgroups as cg
-from agentvm import grants
 from agentvm import seccomp as sc
 from agentvm.backends import hostview as hv
 from agentvm.backends.base import (
@@ -50,8 +49,7 @@ from agentvm.backends.base import (
 )
 from agentvm.backends.protocol import Backend
 from agentvm.backends.status import drain
-from agentvm.errors import EXIT_BACKEND, EXIT_POLICY, EXIT_TIMEOUT, AgentVMError, BackendError, LaunchError
-from agentvm.fsutil import check_grant_target
+from agentvm.errors import EXIT_BACKEND, EXIT_POLICY, EXIT_TIMEOUT, BackendError
 from agentvm.policy import Policy
 
 PRIMITIVES = (
@@ -136,7 +134,7 @@ def _check_runsc(path: str) -> str:
         d = os.path.dirname(d)
 
 
-class GvisorBackend(Backend):
+class GvisorBackend(hv.ChildProcessSandbox, Backend):
     name = "gvisor"
     primitives = PRIMITIVES
     host_local = True
@@ -458,34 +456,7 @@ class GvisorBackend(Backend):
                 group = cg.SandboxCgroup.create(plan.sandbox_id, cg.detect(), memory=body.cgroup["memory"],
                                                 pids=body.cgroup["pids"], cpus=body.cgroup["cpus"])
             state["cgroup"] = group
-            fds: dict[str, int] = {}
-            for name, host in body.fds.get("open_paths", ()):
-                try:
-                    fd = os.open(host, os.O_PATH | os.O_CLOEXEC)
-                except OSError as exc:
-                    raise LaunchError("grant", f"cannot open {host}: {exc.strerror}") from exc
-                opened.append(fd)
-                fds[name] = fd
-                actual = os.readlink(f"/proc/self/fd/{fd}")
-                if actual != host:
-                    raise LaunchError("grant", f"{host} changed since it was checked (it now leads to {actual}): refused")
-                try:
-                    writable = any(n == name for n, _, _ in body.fds.get("protects", ()))
-                    check_grant_target(actual, [self.paths.home.resolve(), self.paths.runtime.resolve()], host, writable)
-                except AgentVMError as exc:
-                    raise LaunchError("grant", exc.message) from None
-            import stat as st_
-
-            for name, _, stage in body.fds.get("stages", ()):
-                Path(stage).parent.mkdir(mode=0o711, exist_ok=True)
-                if st_.S_ISDIR(os.fstat(fds[name]).st_mode):
-                    os.mkdir(stage, 0o700)
-                else:
-                    os.close(os.open(stage, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600))
-            state["grant_holds"] = []
-            for name, host, prot in body.fds.get("protects", ()):
-                state["grant_holds"].append(grants.ensure(fds[name], host, prot, self.paths.runtime / "grants"))
-            grants.save(run_dir, state["grant_holds"])
+            fds = hv.open_grants(body.fds, self.paths, run_dir, state, opened)
             st_r, st_w = os.pipe2(os.O_CLOEXEC)
             opened.append(st_w)
             state["status_r"] = st_r
@@ -514,18 +485,6 @@ class GvisorBackend(Backend):
         return handle
 
     # ------------------------------------------------------------------ wait / poll
-    def poll(self, handle: SandboxHandle) -> bool:
-        proc = handle.private.get("proc")
-        return proc is None or proc.poll() is not None
-
-    async def wait_async(self, handle: SandboxHandle) -> ExitStatus:
-        import asyncio
-
-        proc = handle.private.get("proc")
-        if proc is not None:
-            await hv.process_exit(proc.pid)
-        return await asyncio.to_thread(self.wait, handle, None)
-
     def wait(self, handle: SandboxHandle, timeout: float | None = None) -> ExitStatus:
         proc: subprocess.Popen = handle.private["proc"]
         timed_out = False
@@ -748,21 +707,7 @@ class GvisorBackend(Backend):
         left = _runsc_state_left(self.state_root, handle.sandbox_id)
         if left:
             rep.files_left += left
-        for pid in hv.sweep_uid(handle.plan.body.host_uid):
-            if pid not in rep.processes_left:
-                rep.processes_left.append(pid)
-        for hold in st.pop("grant_holds", None) or []:
-            grants.release(hold, self.paths.runtime / "grants")
-        run_dir = Path(st.get("run_dir", ""))
-        if run_dir.name and run_dir.exists():
-            import shutil
-
-            shutil.rmtree(run_dir, ignore_errors=True)
-            if run_dir.exists():
-                rep.files_left.append(str(run_dir))
-        rep.verified = not (rep.processes_left or rep.cgroups_left or rep.mounts_left or rep.files_left)
-        rep.duration = time.monotonic() - t0
-        return rep
+        return hv.finish_teardown(rep, st, handle.plan.body.host_uid, self.paths, t0)
 
     def reap_stale(self) -> list[str]:
         out = []

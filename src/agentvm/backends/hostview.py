@@ -429,3 +429,91 @@ def setup_error_line(line: str) -> dict:
     except ValueError:
         errno_ = 0
     return {"step": step, "errno": errno_, "message": msg}
+
+
+# ---------------------------------------------------------------------- grants at launch, teardown
+
+
+def open_grants(plan_fds: dict, paths, run_dir: Path, state: dict, opened: list[int]) -> dict[str, int]:
+    """Open every granted folder ``O_PATH`` (as the supervisor: the agent's uid needs no way
+    through the host path) and check what was opened - not the name checked earlier - so a
+    path component swapped in between gains nothing; make the empty staging points the
+    helper mounts the idmapped grants onto, and the placeholders of the host-trusted names a
+    read-write grant lacks (held in ``state["grant_holds"]``). Opened fds go to ``opened``."""
+    import stat as st_
+
+    from agentvm import grants
+    from agentvm.errors import AgentVMError
+    from agentvm.fsutil import check_grant_target
+
+    fds: dict[str, int] = {}
+    own = [paths.home.resolve(), paths.runtime.resolve()]
+    writable = {n for n, _, _ in plan_fds.get("protects", ())}  # every rw grant has an entry
+    for name, host in plan_fds.get("open_paths", ()):
+        try:
+            fd = os.open(host, os.O_PATH | os.O_CLOEXEC)
+        except OSError as exc:
+            raise LaunchError("grant", f"cannot open {host}: {exc.strerror}") from exc
+        opened.append(fd)
+        fds[name] = fd
+        if name == "workspace":
+            continue  # agent-vm's own mount, not a grant
+        actual = os.readlink(f"/proc/self/fd/{fd}")
+        if actual != host:
+            raise LaunchError("grant", f"{host} changed since it was checked (it now leads to {actual}): refused")
+        try:
+            check_grant_target(actual, own, host, name in writable)
+        except AgentVMError as exc:
+            raise LaunchError("grant", exc.message) from None
+    for name, _, stage in plan_fds.get("stages", ()):
+        Path(stage).parent.mkdir(mode=0o711, exist_ok=True)
+        if st_.S_ISDIR(os.fstat(fds[name]).st_mode):
+            os.mkdir(stage, 0o700)
+        else:
+            os.close(os.open(stage, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600))
+    state["grant_holds"] = []
+    for name, host, prot in plan_fds.get("protects", ()):
+        state["grant_holds"].append(grants.ensure(fds[name], host, prot, paths.runtime / "grants"))
+    grants.save(run_dir, state["grant_holds"])
+    return fds
+
+
+def finish_teardown(rep, state: dict, host_uid: int, paths, t0: float):
+    """The common end of a verified teardown: nothing of the agent's dedicated uid remains,
+    the grants' placeholders are released (the last sandbox out removes them), the run dir
+    is gone; then the verdict."""
+    import shutil
+
+    from agentvm import grants
+
+    if host_uid != os.getuid():
+        for pid in sweep_uid(host_uid):
+            if pid not in rep.processes_left:
+                rep.processes_left.append(pid)
+    for hold in state.pop("grant_holds", None) or []:
+        grants.release(hold, paths.runtime / "grants")
+    run_dir = Path(state.get("run_dir", ""))
+    if run_dir.name and run_dir.exists():
+        shutil.rmtree(run_dir, ignore_errors=True)
+        if run_dir.exists():
+            rep.files_left.append(str(run_dir))
+    rep.verified = not (rep.processes_left or rep.cgroups_left or rep.mounts_left or rep.files_left)
+    rep.duration = time.monotonic() - t0
+    return rep
+
+
+class ChildProcessSandbox:
+    """``poll`` and ``wait_async`` for a backend whose sandbox is one child process of the
+    supervisor (``handle.private["proc"]``, a ``subprocess.Popen``): bwrap's launcher, runsc."""
+
+    def poll(self, handle) -> bool:
+        proc = handle.private.get("proc")
+        return proc is None or proc.poll() is not None
+
+    async def wait_async(self, handle):
+        import asyncio
+
+        proc = handle.private.get("proc")
+        if proc is not None:
+            await process_exit(proc.pid)
+        return await asyncio.to_thread(self.wait, handle, None)

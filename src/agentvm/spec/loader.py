@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import difflib
 import json
-import os
 import re
 import types
 import typing
