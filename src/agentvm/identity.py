@@ -69,25 +69,27 @@ def _claim(home: Path, mine: Path) -> int:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if mine.exists():  # another process of this installation claimed it meanwhile
             return int(mine.read_text().split()[0])
-        for k in range(MAX_SLOTS):
-            base = DEFAULT_BASE + k * SLOT
-            slot = reg / str(base)
-            try:
-                fd = os.open(slot, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-            except FileExistsError:
-                owner = slot.read_text().strip()
-                if owner == real:
-                    break  # ours already (the home's own record was lost): keep it
-                if _abandoned(owner, base):
-                    slot.write_text(real + "\n")  # its installation is gone, and nothing runs in its range
-                    break
-                continue
-            os.write(fd, (real + "\n").encode())
-            os.close(fd)
-            break
-        else:
+        slots = [(DEFAULT_BASE + k * SLOT, reg / str(DEFAULT_BASE + k * SLOT)) for k in range(MAX_SLOTS)]
+        # ours already (the home's own record was lost): keep it, wherever it is
+        found = next((b for b, sl in slots if sl.exists() and _owner(sl) == real), None)
+        if found is None:
+            for b, slot in slots:
+                try:
+                    fd = os.open(slot, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+                except FileExistsError:
+                    if _abandoned(_owner(slot), b):
+                        _write_atomic(slot, real + "\n")  # its installation is gone, and nothing runs in its range
+                        found = b
+                        break
+                    continue
+                os.write(fd, (real + "\n").encode())
+                os.close(fd)
+                found = b
+                break
+        if found is None:
             raise BackendError(f"no free uid range left in {reg} ({MAX_SLOTS} installations)",
                                hint="remove the entries of installations that no longer exist")
+        base = found
         mine.parent.mkdir(parents=True, exist_ok=True)
         tmp = mine.with_suffix(".tmp")
         tmp.write_text(f"{base}\n")
@@ -97,16 +99,39 @@ def _claim(home: Path, mine: Path) -> int:
         os.close(lock)
 
 
-def _abandoned(owner_home: str, base: int) -> bool:
-    """A registered range whose installation no longer exists (its home does not hold the
-    record of this range) and in which no process runs: free to claim again."""
+def _owner(slot: Path) -> str:
     try:
-        if int(Path(owner_home, "uid-range").read_text().split()[0]) == base:
-            return False
-    except (OSError, ValueError, IndexError):
-        pass
+        return slot.read_text().strip()
+    except OSError:
+        return ""
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.chmod(tmp, 0o644)
+    os.replace(tmp, path)
+
+
+def _abandoned(owner_home: str, base: int) -> bool:
+    """A registered range whose installation certainly no longer exists: its home path is an
+    absolute path that is *absent* (its parent is there and says so - not unreadable, not an
+    unmounted disk, not another mount namespace's) and no process runs in its range. Anything
+    less certain keeps the range taken."""
     if not owner_home or not os.path.isabs(owner_home):
         return False  # not a record agent-vm wrote: leave it alone
+    parent = os.path.dirname(owner_home.rstrip("/")) or "/"
+    try:
+        os.lstat(owner_home)
+        return False  # the home is there (whatever its record says, it may still run sandboxes)
+    except FileNotFoundError:
+        pass
+    except OSError:
+        return False
+    try:
+        os.listdir(parent)  # the parent answers: the home's absence is real
+    except OSError:
+        return False
     for entry in os.scandir("/proc"):
         if entry.name.isdigit():
             try:

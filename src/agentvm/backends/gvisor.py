@@ -116,6 +116,8 @@ def _check_runsc(path: str) -> str:
     neither group nor others can write, in root-owned directories nobody else can write)."""
     if not os.path.isabs(path):
         return f"{path} is not an absolute path"
+    if os.path.basename(path) != "runsc":
+        return f"{path} is not named runsc (agent-vm's helper runs only a binary named runsc as root)"
     try:
         st = os.stat(path)
     except OSError as exc:
@@ -294,12 +296,13 @@ class GvisorBackend(hv.ChildProcessSandbox, Backend):
         protects: list[tuple[str, str, tuple]] = []
         protect_args: list[str] = []
         for i, p in enumerate(policy.extra_ro):
-            # opened by the supervisor and staged by the helper, like the grants: runsc binds
-            # by path as root, so nothing may be left to swap between the checks and the bind
+            # opened by the supervisor and staged by the helper, like the grants (runsc binds by
+            # path as root: nothing may be left to swap between the checks and the bind), but not
+            # idmapped: the agent gets what other users get, as under bwrap
             real = os.path.realpath(p)
             fd_names.append((f"extra{i}", real))
             stage = f"{run_dir}/grants/x{i}"
-            stages.append((f"extra{i}", "ro", stage))
+            stages.append((f"extra{i}", "rp", stage))  # read-only, ownership as on the host (not idmapped)
             mounts.append(MountOp("ro-bind", p, stage))
         for i, m in enumerate(policy.mounts):
             real = os.path.realpath(m.host)
@@ -840,23 +843,30 @@ def _join_relays(relays, timeout: float = 5.0) -> None:
         t.join(timeout)
 
 
-def _reap_runtime_zombies(passes: int = 3) -> None:
+def _reap_runtime_zombies(quiet_passes: int = 3, max_passes: int = 40) -> None:
     """Reap our zombie children of runsc's uid (65534: the Sentry, gofer and stubs of any
     gVisor sandbox of this process). Never a ``Popen`` child's exit status: those run as root
     (runsc) or as an agent's uid (bwrap). Live processes of that uid are not touched (they
-    belong to another running sandbox; this one's cgroup was verified empty)."""
+    belong to another running sandbox; this one's cgroup was verified empty). Processes are
+    re-parented to us as their parents die, a little after the cgroup empties: keep going
+    until a few passes in a row find nothing."""
     from agentvm.identity import uid_processes
 
     me = os.getpid()
-    for k in range(passes):
+    quiet = 0
+    for _ in range(max_passes):
+        found = False
         for pid, ppid, state in uid_processes(RUNSC_HOST_UID):
             if ppid == me and state in ("Z", "X"):
+                found = True
                 try:
                     os.waitpid(pid, os.WNOHANG)
                 except ChildProcessError:
                     pass
-        if k + 1 < passes:
-            time.sleep(0.005)
+        quiet = 0 if found else quiet + 1
+        if quiet >= quiet_passes:
+            return
+        time.sleep(0.005)
 
 
 def _kvm_usable() -> bool:

@@ -263,6 +263,7 @@ static void apply_rlimits(const struct common_opts *o) {
 struct grant {
     int fd;     /* O_PATH fd of the folder, opened and checked by the supervisor */
     int ro;
+    int plain;  /* "rp": read-only, not idmapped (ownership as on the host: extra read-only paths) */
     const char *stage;
 };
 
@@ -367,9 +368,9 @@ static void stage_grants(struct grant *g, int ng, long agent_uid, long agent_gid
         struct stat st;
         if (fstat(g[k].fd, &st) < 0) fail("grant", errno, "grant %d: fstat", k);
         int ns = -1;
-        for (int m = 0; m < nmaps; m++)
+        for (int m = 0; m < nmaps && !g[k].plain; m++)
             if (maps[m].uid == st.st_uid && maps[m].gid == st.st_gid) ns = maps[m].ns;
-        if (ns < 0) {
+        if (ns < 0 && !g[k].plain) {
             if (nmaps >= 8) fail("validate", 0, "grants with more than 8 distinct owners");
             ns = idmap_userns(st.st_uid, st.st_gid, agent_uid, agent_gid, map_root);
             maps[nmaps].uid = st.st_uid;
@@ -379,9 +380,9 @@ static void stage_grants(struct grant *g, int ng, long agent_uid, long agent_gid
         int t = (int)syscall(__NR_open_tree, g[k].fd, "", AV_OPEN_TREE_CLONE | O_CLOEXEC | AT_EMPTY_PATH);
         if (t < 0) fail("grant", errno, "grant %d: open_tree", k);
         struct av_mount_attr attr = {
-            .attr_set = AV_MOUNT_ATTR_IDMAP | AV_MOUNT_ATTR_NOSUID | AV_MOUNT_ATTR_NODEV |
+            .attr_set = (g[k].plain ? 0 : AV_MOUNT_ATTR_IDMAP) | AV_MOUNT_ATTR_NOSUID | AV_MOUNT_ATTR_NODEV |
                         (g[k].ro ? AV_MOUNT_ATTR_RDONLY : 0),
-            .userns_fd = (uint64_t)ns,
+            .userns_fd = g[k].plain ? 0 : (uint64_t)ns,
         };
         if (syscall(__NR_mount_setattr, t, "", AT_EMPTY_PATH, &attr, sizeof attr) < 0)
             /* the one failure the caller explains with the filesystem's name (exit 77) */
@@ -443,11 +444,12 @@ static int cmd_launch(int argc, char **argv) {
             /* FD,ro|rw,STAGE (the fd must also be a --keep-fd) */
             int fd, n = 0;
             char mode[3];
-            if (ngrants >= 32 || sscanf(v, "%d,%2[rwo],%n", &fd, mode, &n) != 2 || n == 0 || v[n] != '/' ||
-                (strcmp(mode, "ro") && strcmp(mode, "rw")))
+            if (ngrants >= 32 || sscanf(v, "%d,%2[rwop],%n", &fd, mode, &n) != 2 || n == 0 || v[n] != '/' ||
+                (strcmp(mode, "ro") && strcmp(mode, "rw") && strcmp(mode, "rp")))
                 fail("validate", 0, "bad --grant '%s'", v);
             grants[ngrants].fd = fd;
-            grants[ngrants].ro = !strcmp(mode, "ro");
+            grants[ngrants].ro = strcmp(mode, "rw") != 0;
+            grants[ngrants].plain = !strcmp(mode, "rp");
             grants[ngrants++].stage = v + n;
         } else if (!strcmp(a, "--protect")) {
             /* GRANT,d|f,REL (REL relative to that grant, never absolute, no "..") */
@@ -675,6 +677,15 @@ static void start_bridge(const char *gate_path, long port, const struct sock_fpr
     pid_t p = fork();
     if (p < 0) fail("bridge", errno, "fork");
     if (p == 0) {
+        /* hardened here, before the bridge process exists: it inherits all three, so there is
+         * no moment in which it is dumpable or unfiltered; a failure is init's (exit != 0) */
+#ifndef AGENTVM_SELFTEST_WEAK_BRIDGE /* defined only in the selftest's deliberately weakened build */
+        if (prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) < 0) _exit(3);
+        if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) < 0) _exit(4);
+        if (filter && syscall(SYS_seccomp, SECCOMP_SET_MODE_FILTER, 0, filter) < 0) _exit(5);
+#else
+        (void)filter;
+#endif
         pid_t q = fork();
         if (q != 0) _exit(q < 0 ? 1 : 0);
         setsid();
@@ -686,13 +697,6 @@ static void start_bridge(const char *gate_path, long port, const struct sock_fpr
         }
         syscall(__NR_close_range, 3U, (unsigned int)(ls - 1), 0U);
         syscall(__NR_close_range, (unsigned int)(ls + 1), ~0U, 0U);
-#ifndef AGENTVM_SELFTEST_WEAK_BRIDGE /* defined only in the selftest's deliberately weakened build */
-        if (prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) < 0) _exit(3);
-        if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) < 0) _exit(4);
-        if (filter && syscall(SYS_seccomp, SECCOMP_SET_MODE_FILTER, 0, filter) < 0) _exit(5);
-#else
-        (void)filter;
-#endif
         bridge_loop(ls, gate_path);
         _exit(0);
     }
