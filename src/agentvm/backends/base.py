@@ -139,6 +139,15 @@ class LaunchPlan:
     identity: str = ""  # who the sandbox runs as, for people ("host uid 2100007", "gVisor sandbox uid 1000")
     body: object = None  # the backend's plan (a frozen dataclass with ``to_dict``)
 
+    @classmethod
+    def of(cls, policy, ctx: "LaunchContext", *, substrate: str, command, env: dict, identity: str,
+           body: object) -> "LaunchPlan":
+        """The header every substrate fills the same way from the policy, around its body."""
+        lim = policy.limits
+        return cls(sandbox_id=ctx.sandbox_id, substrate=substrate, policy_digest=policy.digest(),
+                   command=tuple(command), env=tuple(sorted(env.items())), cwd=policy.cwd, timeout=lim.timeout,
+                   limits={"memory": lim.memory, "pids": lim.pids, "cpus": lim.cpus}, identity=identity, body=body)
+
     def to_dict(self) -> dict:
         d = {k: getattr(self, k) for k in ("sandbox_id", "substrate", "policy_digest", "command", "env", "cwd",
                                            "timeout", "limits", "identity")}

@@ -395,19 +395,9 @@ class BwrapBackend(hv.ChildProcessSandbox, Backend):
             seccomp="seccomp" not in degraded,
             fds={"open_paths": tuple(fd_names), "stages": tuple(stages), "protects": tuple(protects)},
         )
-        return LaunchPlan(
-            sandbox_id=ctx.sandbox_id,
-            substrate=self.name,
-            policy_digest=policy.digest(),
-            command=tuple(command),
-            env=tuple(sorted(env.items())),
-            cwd=policy.cwd,
-            timeout=lim.timeout,
-            limits={"memory": lim.memory, "pids": lim.pids, "cpus": lim.cpus},
-            identity=(f"host uid {host.uid}" if host.uid >= 0 else "a dedicated host uid (leased at launch)")
-            + ("" if host.dedicated else " (the operator's own)"),
-            body=body,
-        )
+        return LaunchPlan.of(policy, ctx, substrate=self.name, command=command, env=env,
+                             identity=hv.host_uid_text(host) + ("" if host.dedicated else " (the operator's own)"),
+                             body=body)
 
     # ------------------------------------------------------------------ launch
     def launch(self, plan: LaunchPlan, *, stdio: tuple[int, int, int] | None = None) -> SandboxHandle:
@@ -471,13 +461,13 @@ class BwrapBackend(hv.ChildProcessSandbox, Backend):
             # close our ends now (the fds must not outlive a failed launch) and forget them:
             # closing a number twice could close a descriptor another thread opened meanwhile
             for fd in opened:
-                _close(fd)
+                hv.close_fd(fd)
             opened.clear()
             self.destroy(handle)
             raise
         finally:
             for fd in opened:
-                _close(fd)
+                hv.close_fd(fd)
         return handle
 
     # ------------------------------------------------------------------ wait
@@ -604,7 +594,7 @@ class BwrapBackend(hv.ChildProcessSandbox, Backend):
                                     cwd="/", **kw)
             for fd in opened:
                 if fd != st_r:
-                    _close(fd)
+                    hv.close_fd(fd)
             opened = [st_r]
             timed_out = False
             try:
@@ -621,7 +611,7 @@ class BwrapBackend(hv.ChildProcessSandbox, Backend):
             return es
         finally:
             for fd in opened:
-                _close(fd)
+                hv.close_fd(fd)
 
     def inspect(self, handle: SandboxHandle) -> dict:
         group: cg.SandboxCgroup | None = handle.private.get("cgroup")
@@ -689,7 +679,7 @@ class BwrapBackend(hv.ChildProcessSandbox, Backend):
                 rep.processes_left.append(proc.pid)
         for key in ("status_r", "json_r"):
             if st.get(key) is not None:
-                _close(st.pop(key))
+                hv.close_fd(st.pop(key))
         if group is not None:
             rep.cgroups_left = group.destroy()
         return hv.finish_teardown(rep, st, handle.plan.body.host_uid, self.paths, t0)
@@ -703,13 +693,6 @@ def _memfd(name: str, data: bytes) -> int:
     os.write(fd, data)
     os.lseek(fd, 0, os.SEEK_SET)
     return fd
-
-
-def _close(fd: int) -> None:
-    try:
-        os.close(fd)
-    except OSError:
-        pass
 
 
 def _json_status(handle: SandboxHandle) -> JsonStatusParser:

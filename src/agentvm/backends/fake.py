@@ -70,18 +70,9 @@ class FakeBackend(Backend):
         return tuple(req)
 
     def compile(self, policy: Policy, ctx: LaunchContext) -> LaunchPlan:
-        return LaunchPlan(
-            sandbox_id=ctx.sandbox_id,
-            substrate=self.name,
-            policy_digest=policy.digest(),
-            command=tuple(policy.command),
-            env=tuple(sorted(dict(policy.env).items())),
-            cwd=policy.cwd,
-            timeout=policy.limits.timeout,
-            limits={"memory": policy.limits.memory, "pids": policy.limits.pids, "cpus": policy.limits.cpus},
-            identity="nobody (fake: nothing runs)",
-            body={"gate": ctx.gate.kind if ctx.gate else None, "workspace": ctx.workspace},
-        )
+        return LaunchPlan.of(policy, ctx, substrate=self.name, command=policy.command, env=dict(policy.env),
+                             identity="nobody (fake: nothing runs)",
+                             body={"gate": ctx.gate.kind if ctx.gate else None, "workspace": ctx.workspace})
 
     def launch(self, plan: LaunchPlan, *, stdio=None) -> SandboxHandle:
         self.calls.append(("launch", plan.sandbox_id, plan.command))

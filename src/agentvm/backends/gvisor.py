@@ -406,20 +406,9 @@ class GvisorBackend(hv.ChildProcessSandbox, Backend):
             fds={"open_paths": tuple(fd_names), "stages": tuple(stages), "protects": tuple(protects),
                  "seccomp": seccomp_on, "allow_ptrace": policy.allow_ptrace, "confine": tuple(confine)},
         )
-        return LaunchPlan(
-            sandbox_id=ctx.sandbox_id,
-            substrate=self.name,
-            policy_digest=policy.digest(),
-            command=tuple(command),
-            env=tuple(sorted(env.items())),
-            cwd=policy.cwd,
-            timeout=lim.timeout,
-            limits={"memory": lim.memory, "pids": lim.pids, "cpus": lim.cpus},
-            identity=f"gVisor sandbox uid {SANDBOX_UID} = " + (f"host uid {host.uid}" if host.uid >= 0 else
-                                                              "a dedicated host uid (leased at launch)")
-            + f" ({platform} platform)",
-            body=body,
-        )
+        return LaunchPlan.of(policy, ctx, substrate=self.name, command=command, env=env,
+                             identity=f"gVisor sandbox uid {SANDBOX_UID} = {hv.host_uid_text(host)} ({platform} platform)",
+                             body=body)
 
     # ------------------------------------------------------------------ launch
     def launch(self, plan: LaunchPlan, *, stdio: tuple[int, int, int] | None = None) -> SandboxHandle:
@@ -478,13 +467,13 @@ class GvisorBackend(hv.ChildProcessSandbox, Backend):
             hv.mark_run_dir(run_dir, self.name)
         except BaseException:
             for fd in opened:
-                _close(fd)
+                hv.close_fd(fd)
             opened.clear()
             self.destroy(handle)
             raise
         finally:
             for fd in opened:
-                _close(fd)
+                hv.close_fd(fd)
         return handle
 
     # ------------------------------------------------------------------ wait / poll
@@ -698,7 +687,7 @@ class GvisorBackend(hv.ChildProcessSandbox, Backend):
         # daemon would collect zombies without end
         _reap_runtime_zombies()
         if st.get("status_r") is not None:
-            _close(st.pop("status_r"))
+            hv.close_fd(st.pop("status_r"))
         _join_relays(st.pop("relays", None))
         if group is not None:
             rep.cgroups_left = group.destroy()
@@ -834,7 +823,7 @@ def _close_relay_ends(relays) -> None:
     """Our copies of the pipes' write ends (the runtime has its own)."""
     for k, (t, w) in enumerate(relays or ()):
         if w >= 0:
-            _close(w)
+            hv.close_fd(w)
             relays[k] = (t, -1)
 
 
@@ -909,10 +898,3 @@ def _runsc_state_left(state_root: Path, cid: str) -> list[str]:
                 if p.name == cid or p.name.startswith(f"{cid}_sandbox:{cid}.")]
     except FileNotFoundError:
         return []
-
-
-def _close(fd: int) -> None:
-    try:
-        os.close(fd)
-    except OSError:
-        pass

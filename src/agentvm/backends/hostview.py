@@ -60,6 +60,18 @@ def hostname(name: str) -> str:
 
 
 
+def host_uid_text(host: HostContext) -> str:
+    """Who a host-local sandbox runs as, for people (``-1``: a plan previewed before launch)."""
+    return f"host uid {host.uid}" if host.uid >= 0 else "a dedicated host uid (leased at launch)"
+
+
+def close_fd(fd: int) -> None:
+    try:
+        os.close(fd)
+    except OSError:
+        pass
+
+
 def base_mounts(policy: Policy, host: HostContext) -> list[MountOp]:
     """The read-only root view every host-local sandbox starts from: the host's /usr, the
     allowlisted /etc view with per-sandbox hosts/hostname, and private scratch space."""
