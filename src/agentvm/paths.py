@@ -72,17 +72,10 @@ class Paths:
 
 
 def default_paths() -> Paths:
-    home = os.environ.get("AGENTVM_HOME")
-    runtime = os.environ.get("AGENTVM_RUNTIME_DIR")
-    if os.geteuid() == 0:
-        h = Path(home) if home else Path("/var/lib/agentvm")
-        r = Path(runtime) if runtime else (h / "run" if home else Path("/run/agentvm"))
-    else:
-        xdg_data = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
-        h = Path(home) if home else Path(xdg_data) / "agentvm"
-        xdg_run = os.environ.get("XDG_RUNTIME_DIR")
-        r = Path(runtime) if runtime else (Path(xdg_run) / "agentvm" if xdg_run and not home else h / "run")
-    return Paths(home=h, runtime=r)
+    from agentvm.locations import default_dirs
+
+    home, runtime = default_dirs()
+    return Paths(home=Path(home), runtime=Path(runtime))
 
 
 def default_preset_dirs() -> list[Path]:

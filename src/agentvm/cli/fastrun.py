@@ -16,21 +16,10 @@ DEFAULT_TIMEOUT = 60.0
 
 
 def socket_path() -> str:
-    """The daemon's socket, by the same rules as ``agentvm.paths.default_paths``."""
-    home = os.environ.get("AGENTVM_HOME")
-    runtime = os.environ.get("AGENTVM_RUNTIME_DIR")
-    if runtime:
-        r = runtime
-    elif os.geteuid() == 0:
-        r = os.path.join(home, "run") if home else "/run/agentvm"
-    else:
-        xdg_run = os.environ.get("XDG_RUNTIME_DIR")
-        if xdg_run and not home:
-            r = os.path.join(xdg_run, "agentvm")
-        else:
-            h = home or os.path.join(os.environ.get("XDG_DATA_HOME") or os.path.expanduser("~/.local/share"), "agentvm")
-            r = os.path.join(h, "run")
-    return os.path.join(r, "agentvm.sock")
+    """The daemon's socket, by the rules of ``agentvm.locations`` (as the library's paths)."""
+    from agentvm.locations import default_dirs
+
+    return os.path.join(default_dirs()[1], "agentvm.sock")
 
 
 class _Reader:
