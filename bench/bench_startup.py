@@ -81,17 +81,24 @@ def main() -> int:
     def bare():
         subprocess.run([bwrap, "--unshare-all", "--ro-bind", "/", "/", "/bin/true"], check=True)
 
-    start_exit: list[float] = []
+    def full_run(policy, start_exit: list[float]):
+        """One sandbox of ``policy`` launched, waited for (timed into ``start_exit``), torn down."""
 
-    def sandbox_full():
-        plan, res = rt.prepare(pol, tty=False)
-        t = time.perf_counter()
-        h = backend.launch(plan, stdio=(subprocess.DEVNULL, subprocess.DEVNULL, subprocess.DEVNULL))
-        st = backend.wait(h)
-        start_exit.append((time.perf_counter() - t) * 1000)
-        rep = backend.destroy(h)
-        res.release(rep)
-        assert st.exit_code == 0 and rep.verified, (st, rep)
+        def run():
+            plan, res = rt.prepare(policy, tty=False)
+            b = rt.backend_for(policy)
+            t = time.perf_counter()
+            h = b.launch(plan, stdio=(subprocess.DEVNULL, subprocess.DEVNULL, subprocess.DEVNULL))
+            st = b.wait(h)
+            start_exit.append((time.perf_counter() - t) * 1000)
+            rep = b.destroy(h)
+            res.release(rep)
+            assert st.exit_code == 0 and rep.verified, (st, rep)
+
+        return run
+
+    start_exit: list[float] = []
+    sandbox_full = full_run(pol, start_exit)
 
     def sandbox_gated():
         plan, res = rt.prepare(gated, tty=False)
@@ -132,22 +139,12 @@ def main() -> int:
     runsc = shutil.which("runsc")
     gv_pol = Policy(name="bench", command=("/bin/true",), network="none", substrate="gvisor")
     gv_start: list[float] = []
+    gvisor_full = full_run(gv_pol, gv_start)
 
     def bare_runsc():
         with tempfile.TemporaryDirectory(prefix="agentvm-bench-runsc-") as td:
             subprocess.run([runsc, "--root", td, "--platform=ptrace", "--network=none", "--ignore-cgroups", "do",
                             "/bin/true"], check=True, stdin=subprocess.DEVNULL)
-
-    def gvisor_full():
-        plan, res = rt.prepare(gv_pol, tty=False)
-        gb = rt.backend_for(gv_pol)
-        t = time.perf_counter()
-        h = gb.launch(plan, stdio=(subprocess.DEVNULL, subprocess.DEVNULL, subprocess.DEVNULL))
-        st = gb.wait(h)
-        gv_start.append((time.perf_counter() - t) * 1000)
-        rep = gb.destroy(h)
-        res.release(rep)
-        assert st.exit_code == 0 and rep.verified, (st, rep)
 
     def e2e_gvisor():
         r = subprocess.run(cli + ["run", "--substrate", "gvisor", "--", "/bin/true"], stdin=subprocess.DEVNULL)
