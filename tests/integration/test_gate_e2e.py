@@ -1130,12 +1130,12 @@ def _assert_nothing_left(result, out, gate):
 def test_fail_closed_when_the_gate_cannot_start(gate, monkeypatch, tmp_path):
     """The gate starts on the sandbox's first connection; if it cannot, the connections waiting
     on its socket are refused, and the run says so (exit 125, setup_error.step gate)."""
-    from agentvm.gate import server
+    from agentvm.gate import embedded
 
     def broken(self, *a, **kw):
         raise RuntimeError("simulated gate start failure")
 
-    monkeypatch.setattr(server.EmbeddedGate, "__init__", broken)
+    monkeypatch.setattr(embedded.EmbeddedGate, "__init__", broken)
     result, out = _run_library(gate, tmp_path)
     _assert_nothing_left(result, out, gate)
     assert not isinstance(result, Exception) and result.exit_code == 125, result

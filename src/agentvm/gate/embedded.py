@@ -102,7 +102,6 @@ class LazyGate:
 
     def _start(self) -> None:
         try:
-            from agentvm.gate.server import EmbeddedGate
 
             self._impl = EmbeddedGate(self.state_dir, self.log_dir)
         except BaseException as exc:  # noqa: BLE001 - reported to every endpoint
@@ -190,3 +189,45 @@ class LazyGate:
         if self._ready.is_set() and self._impl is not None:
             self._impl.stop()
         # still starting: nothing of it serves anyone (every endpoint was closed or abandoned)
+
+
+class EmbeddedGate:
+    """The gate in a background thread of the current process (``agentvm run`` without a daemon)."""
+
+    def __init__(self, state_dir: Path, log_dir: Path):
+        import asyncio
+
+        from agentvm.gate.server import Gate
+
+        self.gate = Gate(state_dir, log_dir)
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="agentvm-gate", daemon=True)
+        self._thread.start()
+
+    def call(self, coro, timeout: float = 10.0):
+        import asyncio
+
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def open(self, sandbox_id: str, agent: str, policy, sock_path: Path, uid: int | None, creds=None, sock=None):
+        return self.call(self.gate.open_endpoint(sandbox_id, agent, policy, sock_path, uid=uid, creds=creds, sock=sock))
+
+    def close(self, sandbox_id: str):
+        return self.call(self.gate.close_endpoint(sandbox_id))
+
+    def stop(self) -> None:
+        import asyncio
+
+        async def _shutdown():
+            for sid in list(self.gate.endpoints):
+                await self.gate.close_endpoint(sid)
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in tasks:
+                t.cancel()
+
+        try:
+            self.call(_shutdown(), timeout=5)
+        except Exception:
+            pass
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(5)

@@ -1,0 +1,212 @@
+"""One sandbox's endpoint on the gate: its listener, policy, limits, upstream pool and
+decision log. No request logic here (that is ``exchange``) and no byte moving (``server``)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from agentvm.gate.policy import EgressPolicy, RequestMeta, _safe, decide
+
+if TYPE_CHECKING:
+    import h11
+
+    from agentvm.gate.server import Gate
+    from agentvm.gate.streams import PlainStream
+
+POOL_IDLE = 8  # idle upstream connections kept per (upstream, sandbox)
+
+
+class Cut(Exception):
+    """A limit stopped a connection mid-stream; carries where the bytes were going."""
+
+    def __init__(self, rule_id: str, host: str = "", port: int | None = None):
+        super().__init__(rule_id)
+        self.rule_id, self.host, self.port = rule_id, host, port
+
+
+
+# deny records per second (and burst) an endpoint writes one by one; beyond, they are counted
+DENY_LOG_RATE = 50.0
+DENY_LOG_BURST = 200.0
+MAX_DENIAL_KEYS = 1024  # distinct (rule, target) pairs kept in a run's summary
+
+
+@dataclass
+class TokenBucket:
+    rate: float
+    capacity: float
+    tokens: float = -1.0
+    stamp: float = field(default_factory=time.monotonic)
+
+    def take(self) -> bool:
+        now = time.monotonic()
+        if self.tokens < 0:
+            self.tokens = self.capacity
+        self.tokens = min(self.capacity, self.tokens + (now - self.stamp) * self.rate)
+        self.stamp = now
+        if self.tokens >= 1:
+            self.tokens -= 1
+            return True
+        return False
+
+
+class Endpoint:
+    """One sandbox's listener, policy, limits and decision log."""
+
+    def __init__(self, gate: "Gate", sandbox_id: str, agent: str, policy: EgressPolicy, sock_path: Path, log_path: Path):
+        self.gate = gate
+        self.sandbox_id = sandbox_id
+        self.agent = agent
+        self.policy = policy
+        self.sock_path = sock_path
+        self.log_path = log_path
+        self._log = open(log_path, "a", buffering=1, encoding="utf-8")
+        os.chmod(log_path, 0o600)
+        self.server: asyncio.AbstractServer | None = None
+        self.active = 0
+        self.bucket = TokenBucket(policy.limits.requests_per_second, float(policy.limits.burst))
+        self.bytes_out = 0
+        self.bytes_in = 0
+        self.denials: dict[tuple[str, str], int] = {}
+        self.denial_reasons: dict[tuple[str, str], tuple[str, str | None]] = {}  # first reason, how to allow
+        # deny records are rate-limited (a sandbox must not be able to flood the log, the
+        # audit chain and the daemon's loop by hammering the gate); the excess is counted and
+        # logged as one summary record, so every decision is still accounted for
+        self.deny_log_bucket = TokenBucket(DENY_LOG_RATE, DENY_LOG_BURST)
+        self.deny_suppressed = 0
+        self.resign_buffered = 0  # bytes of signed request bodies held for re-signing right now
+        self.allowed = 0
+        self._paused = False
+        # live connections, so a pause or a narrowed policy reaches those already open
+        self.conns: set[asyncio.Task] = set()
+        self.splices: dict[asyncio.Task, RequestMeta] = {}  # opaque tunnels: decided once, at setup
+        self.cut: dict[asyncio.Task, tuple[str, str]] = {}  # task -> (rule, reason) it was cut for
+        self.creds = None  # CredentialSet of this session (credentials by reference), or None
+        self.alerts = 0
+        # idle upstream connections: per sandbox, never shared across sandboxes
+        self.pool: dict[tuple, list[tuple[PlainStream, h11.Connection]]] = {}
+
+    def pool_get(self, key: tuple):
+        idle = self.pool.get(key)
+        while idle:
+            stream, up = idle.pop()
+            if stream.reusable:
+                return stream, up
+            stream.close()
+        return None
+
+    def pool_put(self, key: tuple, stream: "PlainStream", up: h11.Connection) -> None:
+        idle = self.pool.setdefault(key, [])
+        if len(idle) < POOL_IDLE and stream.reusable:
+            idle.append((stream, up))
+        else:
+            stream.close()
+
+    def pool_close(self) -> None:
+        for idle in self.pool.values():
+            for stream, _ in idle:
+                stream.close()
+        self.pool.clear()
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    @paused.setter
+    def paused(self, value: bool) -> None:
+        self._paused = bool(value)
+        if self._paused:  # all egress stops: requests and tunnels already under way included
+            for t in list(self.conns):
+                self._cut(t, "paused", "egress paused by the operator: connection cut")
+
+    def _cut(self, task: asyncio.Task, rule: str, reason: str) -> None:
+        if task not in self.cut and not task.done():
+            self.cut[task] = (rule, reason)
+            task.cancel()
+
+    def set_policy(self, policy: EgressPolicy) -> None:
+        self.policy = policy
+        self.bucket.rate = policy.limits.requests_per_second
+        self.bucket.capacity = float(policy.limits.burst)
+        # terminated and plain connections decide every request under the new policy; an
+        # opaque tunnel was decided once, so one the new policy denies is cut now
+        for t, meta in list(self.splices.items()):
+            d = decide(meta, policy)
+            if not d.allowed:
+                self._cut(t, d.rule_id, f"policy changed: {d.reason}; tunnel cut")
+
+    def log(self, *, verdict: str, rule_id: str, reason: str, host: str, port: int | None, method: str | None = None,
+            path: str | None = None, phase: str, bytes_out: int = 0, bytes_in: int = 0, **extra) -> None:
+        if path is not None and len(path) > 2048:
+            path = path[:2048] + "...(truncated)"
+        rec = {
+            "time": round(time.time(), 6),
+            "sandbox": self.sandbox_id,
+            "agent": self.agent,
+            "phase": phase,
+            "host": host,
+            "port": port,
+            "method": method,
+            "path": path,
+            "rule": rule_id,
+            "verdict": verdict,
+            "reason": reason,
+            "bytes_out": bytes_out,
+            "bytes_in": bytes_in,
+        }
+        rec.update(extra)
+        if extra.get("alert"):
+            self.alerts += 1
+        if verdict == "deny":
+            # printable ASCII only: the target reaches the operator's terminal in the run summary
+            target = f"{_safe(host, 255).lower()}:{port}" if host else "(malformed request)"
+            key = (rule_id[:128], target)
+            if key not in self.denials and len(self.denials) >= MAX_DENIAL_KEYS:
+                key = ("(other)", "(too many distinct denials to list)")
+            self.denials[key] = self.denials.get(key, 0) + 1
+            if key not in self.denial_reasons and key[0] != "(other)":
+                self.denial_reasons[key] = (reason[:300], extra.get("how_to_allow"))
+            if not extra.get("alert") and not self.deny_log_bucket.take():
+                self.deny_suppressed += 1
+                return
+        else:
+            self.allowed += 1
+        self.flush_suppressed()
+        self._write(rec)
+
+    def _write(self, rec: dict) -> None:
+        # json.dumps escapes every control character (and non-ASCII): one record, one line
+        self._log.write(json.dumps(rec, sort_keys=True, ensure_ascii=True) + "\n")
+        self.gate.emit(rec)
+
+    def flush_suppressed(self) -> None:
+        """One record for the denials not logged one by one (none were lost: they were counted)."""
+        if not self.deny_suppressed:
+            return
+        n, self.deny_suppressed = self.deny_suppressed, 0
+        self._write({"time": round(time.time(), 6), "sandbox": self.sandbox_id, "agent": self.agent,
+                     "phase": "log", "host": "", "port": None, "method": None, "path": None,
+                     "rule": "log:suppressed", "verdict": "deny", "suppressed": n,
+                     "reason": f"{n} further denials were counted but not logged one by one (deny-log rate limit)",
+                     "bytes_out": 0, "bytes_in": 0})
+
+    def count_out(self, n: int, host: str = "", port: int | None = None) -> None:
+        self.bytes_out += n
+        if self.bytes_out > self.policy.limits.bytes_out:
+            raise Cut("limit:bytes-out", host, port)
+
+    def close_log(self) -> None:
+        try:
+            self.flush_suppressed()
+        except Exception:  # noqa: BLE001 - closing must not fail
+            pass
+        try:
+            self._log.close()
+        except OSError:
+            pass

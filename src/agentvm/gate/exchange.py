@@ -1,0 +1,361 @@
+"""The gate's exchange core, sans-IO: what happens to one request, in order, with no socket.
+
+A *flow* is a generator. It reads the endpoint's state (policy, credentials, pause, rate
+bucket) and yields **commands**; the server carries each out and sends the result back in as
+an **event**. The ordering every request goes through lives here and nowhere else:
+
+    admission (pause, rate) -> decide() -> credentials -> resolve (a Lookup command when DNS
+    is needed) -> every candidate address checked -> Forward (the server connects and relays)
+
+and for ``CONNECT``:
+
+    admission -> credentials (host) -> decide(connect) -> resolve -> Accept (the server answers
+    200 and peeks the first bytes) -> Hello / PlainHTTP / NotTLS event -> credentials (SNI) ->
+    decide(clienthello) -> OpenTunnel(splice | terminate | plain)
+
+A tunnel keeps the address resolved at ``CONNECT`` (:class:`Tunnel`): requests inside it are
+not resolved again, but the address is re-checked against the live policy each time.
+
+A flow ends with a terminal command: :class:`Deny` (log it, answer it when ``respond``),
+:class:`Forward` or :class:`OpenTunnel`. Tests drive flows with a script of events and
+compare the commands (``tests/unit/test_gate_exchange.py``) - no sockets, no event loop.
+The server's side of the bargain: ``gate/server.py`` executes commands and moves bytes.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from dataclasses import dataclass, replace
+from typing import Any, Generator
+
+from agentvm.gate import h1
+from agentvm.gate.policy import Decision, RequestMeta, check_address, decide, how_to_allow, normalize_host
+
+# ---------------------------------------------------------------------------- commands
+
+
+@dataclass(frozen=True, slots=True)
+class Deny:
+    """Terminal: log one deny record and, when ``respond``, answer the client.
+
+    ``answer`` is ``"denied"`` (403/429 JSON ``egress-denied`` body with ``X-Agentvm-Denied``)
+    or ``"error"`` (the gate's own error body, e.g. 400 for a request the proxy cannot take)."""
+
+    rule_id: str
+    reason: str
+    phase: str
+    host: str
+    port: int | None
+    method: str | None = None
+    path: str | None = None
+    status: int = 403
+    respond: bool = True
+    answer: str = "denied"
+    how_to_allow: str | None = None
+    credential: str | None = None
+    alert: bool = False
+    sni: str | None = None
+
+    def log_fields(self) -> dict[str, Any]:
+        extra: dict[str, Any] = {}
+        if self.credential is not None:
+            extra["credential"] = self.credential
+            extra["alert"] = self.alert
+        if self.how_to_allow:
+            extra["how_to_allow"] = self.how_to_allow
+        if self.sni is not None:
+            extra["sni"] = self.sni
+        return dict(verdict="deny", rule_id=self.rule_id, reason=self.reason, host=self.host, port=self.port,
+                    method=self.method, path=self.path, phase=self.phase, **extra)
+
+
+@dataclass(frozen=True, slots=True)
+class Lookup:
+    """Resolve ``name`` by DNS. Answer with :class:`Resolved` or :class:`LookupFailed`; the
+    flow checks every address itself (the server never decides which address is fine)."""
+
+    name: str
+    port: int
+
+
+@dataclass(frozen=True, slots=True)
+class Forward:
+    """Terminal: connect to ``addr`` (``scheme`` https: TLS with ``sni``) - or reuse a pooled
+    connection to it - and relay ``req`` (credentials already swapped into it)."""
+
+    req: h1.ProxyRequest
+    decision: Decision
+    addr: str
+    scheme: str
+    sni: str | None
+    swap: Any = None  # credentials.Swap, or None when the sandbox holds no credentials
+    max_body: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Accept:
+    """``CONNECT`` is allowed so far: answer 200 and read the tunnel's first bytes. Answer with
+    :class:`Hello`, :class:`PlainHTTP`, :class:`NotTLS` or ``None`` (the client went away)."""
+
+
+@dataclass(frozen=True, slots=True)
+class OpenTunnel:
+    """Terminal: ``kind`` is ``splice`` (opaque, decided once: ``meta`` is re-decided when the
+    policy changes), ``terminate`` (TLS ended by the gate, each request decided) or ``plain``
+    (plain HTTP inside the tunnel, each request decided)."""
+
+    kind: str
+    tunnel: "Tunnel"
+    decision: Decision
+    meta: RequestMeta | None = None
+
+
+# ---------------------------------------------------------------------------- events
+
+
+@dataclass(frozen=True, slots=True)
+class Resolved:
+    addresses: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class LookupFailed:
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class Hello:
+    sni: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class PlainHTTP:
+    """The tunnel starts with an HTTP request line, not a TLS record."""
+
+
+@dataclass(frozen=True, slots=True)
+class NotTLS:
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class Tunnel:
+    """A decided ``CONNECT``: the requests inside must name this host; ``addr`` is the address
+    resolved and checked at ``CONNECT`` time."""
+
+    host: str
+    port: int
+    addr: str
+    sni: str | None = None
+
+
+Command = Deny | Lookup | Forward | Accept | OpenTunnel
+Flow = Generator[Command, Any, None]
+
+
+# ---------------------------------------------------------------------------- flows
+
+
+def _method(req: h1.ProxyRequest) -> str:
+    return "CONNECT" if req.scheme == "connect" else req.method
+
+
+def deny(req: h1.ProxyRequest, rule_id: str, reason: str, *, phase: str = "request", status: int = 403,
+         explain: bool = True, **kw) -> Deny:
+    """A deny of ``req``; ``explain`` adds the operator action that would allow it, if any."""
+    allow = how_to_allow(rule_id, reason, req.host, req.port) if explain else None
+    return Deny(rule_id=rule_id, reason=reason, phase=phase, host=req.host, port=req.port, method=_method(req),
+                path=req.path or None, status=status, how_to_allow=allow, **kw)
+
+
+def _cred_deny(req: h1.ProxyRequest, err, *, phase: str = "request", respond: bool = True, sni: str | None = None) -> Deny:
+    return Deny(rule_id=err.rule_id, reason=err.reason, phase=phase, host=req.host, port=req.port, method=_method(req),
+                path=req.path or None, respond=respond, credential=err.name, alert=err.alert, sni=sni)
+
+
+def _admission(ep, req: h1.ProxyRequest) -> Deny | None:
+    """Every request, on a plain connection or inside a tunnel: not while paused, and within
+    the rate limit (a token is taken here)."""
+    if ep.paused:
+        return deny(req, "paused", "egress is paused by the operator")
+    if not ep.bucket.take():
+        return deny(req, "limit:rate", "request rate limit", status=429)
+    return None
+
+
+def _is_ip(name: str) -> bool:
+    try:
+        ipaddress.ip_address(name)
+        return True
+    except ValueError:
+        return False
+
+
+def resolve(policy, host: str, port: int) -> Generator[Command, Any, tuple[str | None, str, str]]:
+    """-> (address, "", "") or (None, rule_id, reason). Yields a :class:`Lookup` only when the
+    name is neither an IP literal nor in the operator's static ``hosts`` mapping."""
+    try:
+        name = normalize_host(host)
+    except ValueError as exc:
+        return None, "invalid-host", str(exc)
+    static = policy.static_address(name)
+    if static is not None:
+        cands: list[str] = [static]
+    elif _is_ip(name):
+        cands = [name]
+    else:
+        answer = yield Lookup(name, port)
+        if isinstance(answer, LookupFailed):
+            return None, "dns-failure", f"cannot resolve {name}: {answer.message}"
+        cands = list(dict.fromkeys(answer.addresses))
+    last = None
+    for addr in cands:
+        d = check_address(name, addr, policy)
+        if d is None:
+            return addr, "", ""
+        last = d
+    if last is not None:
+        return None, last.rule_id, last.reason
+    return None, "dns-failure", f"no address for {name}"
+
+
+def request(ep, req: h1.ProxyRequest, *, scheme: str, tunnel: Tunnel | None = None) -> Flow:
+    """One request on a plain proxy connection (``scheme`` http) or inside a tunnel (``scheme``
+    https when the gate terminated TLS, http for plain HTTP in a CONNECT tunnel)."""
+    denied = _admission(ep, req)
+    if denied is not None:
+        yield denied
+        return
+    if tunnel is None and req.scheme != "http":
+        yield deny(req, "bad-request:not-a-proxy-request", "origin-form request to the proxy", status=400,
+                   answer="error", explain=False)
+        return
+    if tunnel is not None:
+        # inside a tunnel: origin-form only, and Host must be the tunnel's host
+        if req.scheme != "origin":
+            yield deny(req, "bad-request:absolute-form-in-tunnel", "absolute-form inside a tunnel")
+            return
+        try:
+            # a Host without a port means the tunnel's port (curl sends "Host: api.x" for :443)
+            same = normalize_host(req.host) == normalize_host(tunnel.host) and (
+                req.port == tunnel.port or not req.explicit_port)
+        except ValueError:
+            same = False
+        if not same:
+            yield deny(req, "host-mismatch", f"Host {req.host!r} does not match the TLS server name (domain fronting)")
+            return
+        req = replace(req, host=tunnel.host, port=tunnel.port)
+    meta = RequestMeta(host=req.host, port=req.port, scheme=scheme, method=req.method, path=req.path,
+                       body_size=req.content_length, websocket=req.upgrade_websocket, phase="request",
+                       sni=tunnel.host if tunnel is not None and scheme == "https" else None)
+    d = decide(meta, ep.policy)
+    if not d.allowed:
+        yield deny(req, d.rule_id, d.reason)
+        return
+    swap = None
+    creds = ep.creds
+    if creds is not None:
+        from agentvm.gate.credentials import CredentialError
+
+        try:
+            creds.check_target(req.host)
+            swap = creds.apply(host=req.host, scheme=scheme, target=req.path, headers=list(req.headers))
+        except CredentialError as err:
+            yield _cred_deny(req, err)
+            return
+        except Exception as exc:  # the vault could not give a value: fail closed
+            yield deny(req, "credential:unavailable", f"a credential value is unavailable ({type(exc).__name__})",
+                       explain=False)
+            return
+        if req.upgrade_websocket and any(b.bound_to(req.host) for b in creds.bindings.values()):
+            # after a 101 the gate relays opaque frames it cannot scrub: a host that holds a
+            # real value (it is bound to a credential) gets no WebSocket (fail closed)
+            yield deny(req, "credential:uninspectable-websocket",
+                       "WebSockets to hosts a credential is bound to are refused: the gate cannot scrub "
+                       "echoes of the real value from WebSocket frames")
+            return
+        if swap.used or swap.target != req.path:
+            req = replace(req, headers=tuple(swap.headers), path=swap.target)
+    max_body = d.max_body
+    if req.content_length is not None and max_body is not None and req.content_length > max_body:
+        yield deny(req, d.rule_id + ":max-body", f"body of {req.content_length} bytes over {max_body}")
+        return
+    if tunnel is not None:
+        # the address resolved at CONNECT time, checked again under the policy in force now
+        try:
+            bad = check_address(normalize_host(tunnel.host), tunnel.addr, ep.policy)
+        except ValueError as exc:
+            yield deny(req, "invalid-host", str(exc))
+            return
+        if bad is not None:
+            yield deny(req, bad.rule_id, bad.reason)
+            return
+        addr = tunnel.addr
+    else:
+        addr, rid, reason = yield from resolve(ep.policy, req.host, req.port)
+        if addr is None:
+            yield deny(req, rid, reason)
+            return
+    yield Forward(req=req, decision=d, addr=addr, scheme=scheme,
+                  sni=normalize_host(req.host) if scheme == "https" else None, swap=swap, max_body=max_body)
+
+
+def connect(ep, req: h1.ProxyRequest) -> Flow:
+    """A ``CONNECT``: decided before any TLS, then again on the ClientHello's SNI."""
+    denied = _admission(ep, req)
+    if denied is not None:
+        yield denied
+        return
+    creds = ep.creds
+    if creds is not None:
+        from agentvm.gate.credentials import CredentialError
+
+        try:
+            creds.check_target(req.host)
+        except CredentialError as err:
+            yield _cred_deny(req, err, phase="connect")
+            return
+    meta = RequestMeta(host=req.host, port=req.port, scheme="connect", phase="connect")
+    d = decide(meta, ep.policy)
+    if not d.allowed:
+        yield deny(req, d.rule_id, d.reason, phase="connect")
+        return
+    addr, rid, reason = yield from resolve(ep.policy, req.host, req.port)
+    if addr is None:
+        yield deny(req, rid, reason, phase="connect")
+        return
+    first = yield Accept()
+    if first is None:
+        return
+    tunnel = Tunnel(host=req.host, port=req.port, addr=addr)
+    if isinstance(first, PlainHTTP):
+        # plain HTTP inside the tunnel (undici, some SDKs tunnel http:// too): every request is
+        # parsed and decided like a forward-proxy request, Host pinned to the CONNECT target
+        yield OpenTunnel(kind="plain", tunnel=tunnel, decision=d)
+        return
+    if isinstance(first, NotTLS):
+        yield Deny(rule_id="not-tls", reason=f"tunnel does not start with a TLS ClientHello: {first.message}",
+                   phase="clienthello", host=req.host, port=req.port, method="CONNECT", respond=False)
+        return
+    sni = first.sni
+    if creds is not None:
+        from agentvm.gate.credentials import CredentialError
+
+        try:
+            creds.check_target(req.host, sni)
+        except CredentialError as err:
+            yield _cred_deny(req, err, phase="clienthello", respond=False)
+            return
+    meta2 = RequestMeta(host=req.host, port=req.port, scheme="connect", phase="clienthello", sni=sni)
+    d2 = decide(meta2, ep.policy)
+    if not d2.allowed:
+        yield Deny(rule_id=d2.rule_id, reason=d2.reason, phase="clienthello", host=req.host, port=req.port,
+                   method="CONNECT", respond=False, sni=sni)
+        return
+    tunnel = replace(tunnel, sni=sni)
+    if d.terminate or d2.terminate or creds is not None:
+        # a sandbox holding placeholders gets every tunnel terminated: a placeholder must be
+        # seen wherever it travels (and swapped only where it is bound)
+        yield OpenTunnel(kind="terminate", tunnel=tunnel, decision=d2)
+        return
+    yield OpenTunnel(kind="splice", tunnel=tunnel, decision=d2, meta=meta2)
