@@ -212,18 +212,26 @@ def test_leaf_is_renewed_before_it_expires(cadir):
     assert x509.load_pem_x509_certificate(b[0]).not_valid_after_utc > now[0] + dt.timedelta(days=6)
 
 
-@pytest.mark.parametrize("host", ["", "*.example.com", "a..b", "-a.test", "a-.test", "a b.test", "bücher.test",
+@pytest.mark.parametrize("host", ["", "*.example.com", "a..b", "-a.test", "a-.test", "a b.test", "_dmarc.x.test", "127.1",
                                   "x" * 64 + ".test", "a.test/", "a\x00.test", ".", " a.test", "a" * 250 + ".test"])
 def test_invalid_hosts_are_refused(ca, host):
     with pytest.raises(ValueError):
         ca.leaf(host)
 
 
-def test_normalize_host():
+def test_normalize_host_is_the_policys():
+    """One canonical form of a host for rules and certificates (a name the policy would refuse
+    never gets a leaf; a unicode name gets the leaf of its A-label, the name TLS carries)."""
+    from agentvm.gate import policy
+
+    assert normalize_host is policy.normalize_host
     assert normalize_host("Example.COM.") == "example.com"
-    assert normalize_host("_dmarc.x-y.test") == "_dmarc.x-y.test"
     assert normalize_host("[::FFFF:1.2.3.4]") == "::ffff:102:304"
     assert normalize_host("10.0.0.1") == "10.0.0.1"
+
+
+def test_a_unicode_name_gets_the_leaf_of_its_a_label(ca):
+    assert ca.leaf("bücher.test") == ca.leaf("xn--bcher-kva.test")
 
 
 def test_leaf_files(ca, cadir):

@@ -12,7 +12,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from agentvm.gate.credentials import (
-    BodyScanner,
     CredentialError,
     CredentialSet,
     Scrubber,

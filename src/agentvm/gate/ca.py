@@ -39,7 +39,6 @@ import fcntl
 import hashlib
 import ipaddress
 import os
-import re
 import secrets
 import stat
 import threading
@@ -53,6 +52,7 @@ from agentvm.fsutil import write_atomic
 from typing import Any, Callable, Iterator
 
 from agentvm.errors import ConfigError
+from agentvm.gate.policy import normalize_host  # the one canonical form of a host, for rules and certificates
 
 __all__ = [
     "CAError",
@@ -75,9 +75,6 @@ LEAF_RENEW_BEFORE = _dt.timedelta(days=2)
 LEAF_CACHE_SIZE = 1024
 SYSTEM_BUNDLE = Path("/etc/ssl/certs/ca-certificates.crt")
 
-_LABEL = re.compile(r"(?!-)[a-z0-9_-]{1,63}(?<!-)\Z")
-
-
 class CAError(ConfigError):
     """The gate's CA cannot be created or loaded as it is on disk."""
 
@@ -88,31 +85,6 @@ class CAKeyInsecure(CAError):
     """The CA key file is readable by others or owned by someone else."""
 
     code = "gate.ca-key-insecure"
-
-
-def normalize_host(host: str) -> str:
-    """The canonical form of a name the CA signs: lower case, no trailing dot, IP
-    literals (``[::1]`` brackets allowed) in compressed form. Raises ValueError otherwise.
-    Only LDH/underscore labels are accepted (IDNs must arrive as A-labels); no wildcards."""
-    if not isinstance(host, str) or not host:
-        raise ValueError("empty host name")
-    h = host.strip()
-    if h != host:
-        raise ValueError(f"host name {host!r} has surrounding whitespace")
-    if h.startswith("[") and h.endswith("]"):
-        h = h[1:-1]
-    try:
-        return str(ipaddress.ip_address(h))
-    except ValueError:
-        pass
-    h = h.lower()
-    if h.endswith("."):
-        h = h[:-1]
-    if not h or len(h) > 253 or not h.isascii():
-        raise ValueError(f"{host!r} is not a valid host name")
-    if not all(_LABEL.match(label) for label in h.split(".")):
-        raise ValueError(f"{host!r} is not a valid host name")
-    return h
 
 
 def _utcnow() -> _dt.datetime:

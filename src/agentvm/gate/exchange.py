@@ -168,6 +168,17 @@ def deny(req: h1.ProxyRequest, rule_id: str, reason: str, *, phase: str = "reque
                 path=req.path or None, status=status, how_to_allow=allow, **kw)
 
 
+def bad_request(exc: h1.ProtocolError, host: str = "", port: int | None = None) -> Deny:
+    """A head the gate refuses to interpret (smuggling-prone, malformed): 400, never forwarded."""
+    return Deny(rule_id=f"bad-request:{exc.code}", reason=str(exc), phase="request", host=host, port=port,
+                status=400, answer="error")
+
+
+def refuse(cmd: Deny) -> Flow:
+    """A flow that is only this denial (a head that could not be parsed has no flow of its own)."""
+    yield cmd
+
+
 def _cred_deny(req: h1.ProxyRequest, err, *, phase: str = "request", respond: bool = True, sni: str | None = None) -> Deny:
     return Deny(rule_id=err.rule_id, reason=err.reason, phase=phase, host=req.host, port=req.port, method=_method(req),
                 path=req.path or None, respond=respond, credential=err.name, alert=err.alert, sni=sni)

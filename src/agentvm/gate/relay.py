@@ -108,6 +108,12 @@ class Relay:
         if not answered:
             await self.client.write(h1.error_response(502, err.rule_id, err.reason))
 
+    async def _over_max_body(self, max_body: int) -> None:
+        rule = (self.d.body_rule_id or self.d.rule_id) + ":max-body"
+        self._log(verdict="deny", rule_id=rule, reason=f"body over {max_body} bytes: cut", phase="stream",
+                  bytes_out=self.sent)
+        await self.client.write(h1.error_response(413, rule, f"request body over {max_body} bytes"))
+
     def _count_out(self, n: int) -> None:
         self.ep.count_out(n, self.req.host, self.req.port)
 
@@ -164,9 +170,7 @@ class Relay:
             async for chunk in request_body(self.client, self.down):
                 self.sent += len(chunk)
                 if max_body is not None and self.sent > max_body:
-                    self._log(verdict="deny", rule_id=(self.d.body_rule_id or self.d.rule_id) + ":max-body",
-                              reason=f"body over {max_body} bytes: cut", phase="stream", bytes_out=self.sent)
-                    await self.client.write(h1.error_response(413, "max-body", f"request body over {max_body} bytes"))
+                    await self._over_max_body(max_body)
                     return False, b"", False
                 self._count_out(len(chunk))
                 data = chunk
@@ -208,8 +212,13 @@ class Relay:
                 body += chunk
                 ep.resign_buffered += len(chunk)
                 held[0] += len(chunk)
-                if len(body) > RESIGN_MAX_BODY or (max_body is not None and len(body) > max_body):
-                    await self.client.write(h1.error_response(413, "max-body", "signed request body too large"))
+                if max_body is not None and len(body) > max_body:
+                    await self._over_max_body(max_body)
+                    return False, b"", False
+                if len(body) > RESIGN_MAX_BODY:
+                    self._log(verdict="deny", rule_id="limit:resign-body", phase="stream", bytes_out=len(body),
+                              reason=f"a signed request body over {RESIGN_MAX_BODY} bytes cannot be buffered to re-sign")
+                    await self.client.write(h1.error_response(413, "limit:resign-body", "signed request body too large"))
                     return False, b"", False
                 if ep.resign_buffered > RESIGN_BUDGET:
                     # all of this sandbox's signed requests in flight share one memory budget

@@ -204,10 +204,6 @@ class Gate:
         except StopIteration:
             return None
 
-    async def _bad_request(self, ep: Endpoint, stream, exc: h1.ProtocolError, host: str = "", port: int | None = None) -> None:
-        ep.log(verdict="deny", rule_id=f"bad-request:{exc.code}", reason=str(exc), host=host, port=port, phase="request")
-        await stream.write(h1.error_response(400, f"bad-request:{exc.code}", str(exc)))
-
     async def _serve(self, ep: Endpoint, client: PlainStream) -> None:
         """Requests on a connection to the proxy: absolute-form http:// (kept alive) or CONNECT."""
         await self._requests(ep, client, b"", scheme="http", tunnel=None)
@@ -223,7 +219,7 @@ class Gate:
                     return
                 req, down = h1.parse_head(head, pending)
             except h1.ProtocolError as exc:
-                await self._bad_request(ep, stream, exc, *where)
+                await self._run(ep, stream, ex.refuse(ex.bad_request(exc, *where)))
                 return
             if tunnel is None and req.scheme == "connect":
                 await self._connect(ep, stream, req, pending)

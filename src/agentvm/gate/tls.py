@@ -591,7 +591,7 @@ def server_context(
     """
     import ssl
 
-    from agentvm.gate.ca import normalize_host
+    from agentvm.gate.policy import normalize_host
 
     ctx = _new_server_ctx()
     hosts = _HostContexts(ca, cache_size, ttl, clock)

@@ -1,0 +1,79 @@
+"""Every rule id the gate can put in a decision record, a 403/400 body or ``X-Agentvm-Denied``.
+
+An allowed request carries the id of the operator's rule that allowed it (``egress.allow[].id``,
+else ``allow[i]``; ``cli[i]`` for ``--allow``). Everything else is a fixed id from this
+registry. ``tests/unit/test_gate_rules.py`` checks that every id the gate's code can produce is
+here and that every id here is documented in ``docs/egress.md`` - a new id without both fails CI.
+
+Families end in ``:`` and take a suffix: ``bad-request:<code>`` (the codes of ``h1``),
+``credential:leak:<name>``, ``credential:revoked:<name>``, ``credential:sigv4:<code>``,
+``credential:hmac:<code>``; ``<rule>:max-body`` is an operator rule's body cap.
+"""
+
+from __future__ import annotations
+
+# id -> what it means (one line; the docs table says the same)
+RULES: dict[str, str] = {
+    # policy (decide(), check_address())
+    "default-deny": "no allow rule matches the request (nothing leaves unless a rule allows it)",
+    "invalid-host": "the host is not a canonical name or IP literal (127.1, 0x7f.1, percent-encoding, NUL...)",
+    "ip-literal": "CONNECT or a request to an IP address that no allow rule names literally",
+    "address-class": "the host resolved to an address the sandbox must not reach (loopback, private, metadata...)",
+    "dns-failure": "the host's name did not resolve (or resolved to no address)",
+    "sni-mismatch": "the TLS ClientHello names another host than CONNECT",
+    "no-sni": "the TLS ClientHello carries no server name",
+    "not-tls": "a CONNECT tunnel that starts with neither a TLS ClientHello nor an HTTP request",
+    "host-mismatch": "a request inside a tunnel names another host than the tunnel (domain fronting)",
+    "path-normalization": "an ambiguous path (encoded slashes, dot segments) where a rule matches on paths",
+    "invalid-request": "a request the policy cannot evaluate (bad method, port or body size)",
+    "internal-error": "a bug in the gate: the request is denied (fail closed) - please report it",
+    # protocol (h1): the request is not interpreted, answered 400
+    "bad-request:": "a request head the gate refuses to interpret (smuggling-prone or malformed); the suffix says why",
+    "bad-request:not-a-proxy-request": "an origin-form request sent to the proxy (send absolute-form http:// or CONNECT)",
+    "bad-request:absolute-form-in-tunnel": "an absolute-form request inside a CONNECT tunnel",
+    "bad-request:bad-body": "a request body whose chunked framing is broken",
+    # operator and limits
+    "paused": "egress of the sandbox is paused by the operator (connections open at the time are cut)",
+    "limit:connections": "too many concurrent connections from the sandbox (429)",
+    "limit:rate": "over the sandbox's request rate (429)",
+    "limit:bytes-out": "over the sandbox's bytes-out budget (the connection is cut)",
+    "limit:resign-memory": "too many signed request bytes buffered for re-signing at once (503)",
+    "limit:resign-body": "a signed request body too large to buffer for re-signing (413)",
+    "log:suppressed": "not a decision: how many denials were counted but not logged one by one (deny-log rate limit)",
+    "client-gone": "the sandbox closed the connection before its request was forwarded (never sent late)",
+    "tls-handshake": "the sandbox's TLS handshake with the gate failed (does it trust the installation's CA?)",
+    # credentials by reference
+    "credential:leak:": "a placeholder outside its declared place or bound hosts; the suffix names the credential",
+    "credential:revoked:": "a placeholder of a revoked credential; the suffix names it",
+    "credential:unavailable": "the real value of a credential could not be read (vault locked or missing): fail closed",
+    "credential:uninspectable-websocket": "a WebSocket to a host a credential is bound to (frames cannot be scrubbed)",
+    "credential:uninspectable-encoding": "a response in a content coding the gate cannot decode, to a sandbox holding credentials",
+    "credential:resign-failed": "re-signing a SigV4/HMAC request failed (502)",
+    "credential:sigv4:": "a SigV4 request the gate refuses to re-sign; the suffix is the reason (bad-signature, expired...)",
+    "credential:hmac:": "an HMAC-signed request the gate refuses to re-sign; the suffix is the reason",
+    # upstream (the request was allowed; the upstream failed it) - logged with phase upstream,
+    # the allowing rule in "rule" and the failure in "error"
+    "upstream:unreachable": "the upstream could not be connected to (502)",
+    "upstream:reset": "the upstream connection failed mid-exchange (502 when no answer had started)",
+    "upstream:protocol-error": "the upstream broke HTTP/1.1 or closed mid-message (502 when no answer had started)",
+    "upstream:bad-encoding": "an upstream body that does not decode in its declared content coding",
+    ":max-body": "suffix of an operator rule id: the request body went over the rule's maxBody",
+}
+
+FAMILIES = tuple(k for k in RULES if k.endswith(":"))
+
+
+def describe(rule_id: str) -> str | None:
+    """What ``rule_id`` means, or None for an operator rule's own id (or an unknown id)."""
+    if rule_id in RULES:
+        return RULES[rule_id]
+    for fam in FAMILIES:
+        if rule_id.startswith(fam) and len(rule_id) > len(fam):
+            return RULES[fam]
+    if rule_id.endswith(":max-body"):
+        return RULES[":max-body"]
+    return None
+
+
+def known(rule_id: str) -> bool:
+    return describe(rule_id) is not None
