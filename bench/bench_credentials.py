@@ -236,7 +236,9 @@ def role_gate(args) -> None:
             prof.dump_stats(args.profile_out)
         await gate.close_endpoint("bench")
 
-    asyncio.run(main())
+    from agentvm.gate.server import run
+
+    run(main())
 
 
 def client_ctx(cafile: str) -> ssl.SSLContext:

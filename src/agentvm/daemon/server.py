@@ -1130,7 +1130,9 @@ def run_daemon(paths: Paths, *, listen: str | None = None, backend=None, accept_
             loop.add_signal_handler(s, d.stopping.set)
         await d.serve()
 
-    asyncio.run(main())
+    from agentvm.gate.server import run
+
+    run(main())
 
 
 def _json_body(body: bytes) -> dict:

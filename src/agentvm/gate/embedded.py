@@ -195,12 +195,10 @@ class EmbeddedGate:
     """The gate in a background thread of the current process (``agentvm run`` without a daemon)."""
 
     def __init__(self, state_dir: Path, log_dir: Path):
-        import asyncio
-
-        from agentvm.gate.server import Gate
+        from agentvm.gate.server import Gate, new_event_loop
 
         self.gate = Gate(state_dir, log_dir)
-        self.loop = asyncio.new_event_loop()
+        self.loop = new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="agentvm-gate", daemon=True)
         self._thread.start()
 

@@ -14,12 +14,14 @@ from typing import TYPE_CHECKING
 from agentvm.gate.policy import EgressPolicy, RequestMeta, _safe, decide
 
 if TYPE_CHECKING:
-    import h11
-
     from agentvm.gate.server import Gate
     from agentvm.gate.streams import PlainStream
 
-POOL_IDLE = 8  # idle upstream connections kept per (upstream, sandbox)
+# idle upstream connections kept per (upstream, sandbox): at least a busy agent's concurrency,
+# or every request beyond it pays a new connection (and a TLS handshake); dropped after
+# POOL_IDLE_SECONDS unused
+POOL_IDLE = 32
+POOL_IDLE_SECONDS = 30.0
 
 
 class Cut(Exception):
@@ -90,23 +92,37 @@ class Endpoint:
         self.creds = None  # CredentialSet of this session (credentials by reference), or None
         self.alerts = 0
         # idle upstream connections: per sandbox, never shared across sandboxes
-        self.pool: dict[tuple, list[tuple[PlainStream, h11.Connection]]] = {}
+        self.pool: dict[tuple, list[tuple[PlainStream, float]]] = {}
+        self._pool_puts = 0
 
     def pool_get(self, key: tuple):
         idle = self.pool.get(key)
+        now = time.monotonic()
         while idle:
-            stream, up = idle.pop()
-            if stream.reusable:
-                return stream, up
+            stream, stamp = idle.pop()
+            if stream.reusable and now - stamp < POOL_IDLE_SECONDS:
+                return stream
             stream.close()
         return None
 
-    def pool_put(self, key: tuple, stream: "PlainStream", up: h11.Connection) -> None:
+    def pool_put(self, key: tuple, stream: "PlainStream") -> None:
         idle = self.pool.setdefault(key, [])
+        now = time.monotonic()
+        self._pool_puts += 1
+        if self._pool_puts % 256 == 0:
+            self.pool_prune(now)
         if len(idle) < POOL_IDLE and stream.reusable:
-            idle.append((stream, up))
+            idle.append((stream, now))
         else:
             stream.close()
+
+    def pool_prune(self, now: float) -> None:
+        """Close the idle connections unused for POOL_IDLE_SECONDS (oldest first, every key)."""
+        for key, idle in list(self.pool.items()):
+            while idle and now - idle[0][1] >= POOL_IDLE_SECONDS:
+                idle.pop(0)[0].close()
+            if not idle:
+                del self.pool[key]
 
     def pool_close(self) -> None:
         for idle in self.pool.values():

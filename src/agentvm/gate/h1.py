@@ -5,8 +5,8 @@
   obs-fold, bare LF, both Content-Length and Transfer-Encoding, repeated Content-Length,
   Transfer-Encoding other than exactly ``chunked``, NUL/control bytes, absurd header counts.
   (CL.TE / TE.CL / CL.CL request smuggling all reduce to these.)
-* :func:`parse_request` runs h11 over a checked head and returns a :class:`ProxyRequest`:
-  the target split into scheme/host/port/path, with the Host header cross-checked.
+* :func:`parse_request` parses a checked head into a :class:`ProxyRequest`: the target split
+  into scheme/host/port/path, exactly one Host (required for HTTP/1.1) cross-checked with it.
 * :func:`deny_response` / :func:`error_response` build the gate's own answers: a 403 with a
   machine-readable JSON body and ``X-Agentvm-Denied: <rule-id>``, so the agent and the
   operator can tell *why* (sandbox-runtime's "blocked means explained").
@@ -17,8 +17,11 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import h11
+if TYPE_CHECKING:
+    from agentvm.gate.framing import RequestBody
+
 
 MAX_HEAD = 64 * 1024
 MAX_HEADERS = 128
@@ -163,29 +166,48 @@ def parse_request(head: bytes) -> ProxyRequest:
     return parse_head(head)[0]
 
 
-def parse_head(head: bytes, rest: bytes = b"") -> tuple[ProxyRequest, h11.Connection]:
-    """Check and parse one request head; also returns the h11 server-side connection, fed
-    with ``head + rest`` and positioned after the Request event, so the body (and the
-    response) go through the same parser: one parse per request."""
+_METHOD = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+\Z")
+_TARGET_BAD = re.compile(rb"[\x00-\x20\x7f-\xff]")
+
+
+def parse_head(head: bytes, rest: bytes = b"") -> tuple[ProxyRequest, "RequestBody"]:
+    """Check and parse one request head; also returns the reader of its body (fed with
+    ``rest``), whose ``trailing`` is the next request once the body is read."""
+    from agentvm.gate.framing import RequestBody
+
     check_head(head)
-    conn = h11.Connection(h11.SERVER)
-    conn.receive_data(head + rest)
-    try:
-        ev = conn.next_event()
-    except h11.RemoteProtocolError as exc:
-        raise ProtocolError("bad-request", str(exc)) from None
-    if not isinstance(ev, h11.Request):
-        raise ProtocolError("bad-request", "incomplete request head")
-    return request_from_h11(ev), conn
+    lines = head[:-4].split(b"\r\n")
+    parts = lines[0].split(b" ")
+    if len(parts) != 3:
+        raise ProtocolError("bad-request", "malformed request line")
+    method, target, version = parts
+    if not _METHOD.match(method):
+        raise ProtocolError("bad-request", "malformed method")
+    if not target or _TARGET_BAD.search(target):
+        raise ProtocolError("bad-target", "non-ASCII or control bytes in the request target")
+    if version == b"HTTP/1.1":
+        http_version = "1.1"
+    elif version == b"HTTP/1.0":
+        http_version = "1.0"
+    else:
+        raise ProtocolError("bad-request", "only HTTP/1.0 and HTTP/1.1 requests are accepted")
+    headers = []
+    hosts = 0
+    for ln in lines[1:]:
+        name, _, value = ln.partition(b":")  # check_head: a token name, no obs-fold, no CTLs
+        name = name.lower()
+        if name == b"host":
+            hosts += 1
+        headers.append((name, value.strip(b" \t")))
+    if hosts > 1:
+        raise ProtocolError("bad-request", "Found multiple Host: headers")
+    if hosts == 0 and http_version == "1.1":
+        raise ProtocolError("bad-request", "Missing mandatory Host: header")
+    req = _request(method.decode("ascii"), target.decode("ascii"), tuple(headers), http_version)
+    return req, RequestBody(req.content_length, req.chunked, rest)
 
 
-def request_from_h11(ev: h11.Request) -> ProxyRequest:
-    method = ev.method.decode("ascii")
-    try:
-        target = ev.target.decode("ascii")
-    except UnicodeDecodeError:
-        raise ProtocolError("bad-target", "non-ASCII request target") from None
-    headers = tuple((bytes(k).lower(), bytes(v)) for k, v in ev.headers)
+def _request(method: str, target: str, headers: tuple[tuple[bytes, bytes], ...], http_version: str) -> ProxyRequest:
     hmap: dict[bytes, bytes] = {}
     for k, v in headers:
         hmap.setdefault(k, v)
@@ -229,7 +251,7 @@ def request_from_h11(ev: h11.Request) -> ProxyRequest:
         content_length=int(cl) if cl is not None else None,
         chunked=chunked,
         upgrade_websocket=upgrade,
-        http_version=ev.http_version.decode("ascii"),
+        http_version=http_version,
         explicit_port=explicit if scheme == "origin" else True,
     )
 

@@ -14,9 +14,7 @@ One :class:`Relay` per request: its context is attributes, not positional argume
 
 from __future__ import annotations
 
-import h11
-
-from agentvm.gate import encoding, h1
+from agentvm.gate import encoding, framing, h1
 from agentvm.gate.endpoint import Endpoint
 from agentvm.gate.exchange import Forward
 
@@ -50,35 +48,31 @@ class BadBody(Exception):
     """The sandbox's request body broke HTTP/1.1 framing (a bad chunk size, for example)."""
 
 
-async def request_body(client, down: h11.Connection):
-    """The chunks of the current request's body from the sandbox, until its end (h11 framing)."""
+async def request_body(client, body: framing.RequestBody):
+    """The pieces of the current request's body from the sandbox, until its end."""
     while True:
         try:
-            ev = down.next_event()
-        except h11.RemoteProtocolError as exc:
+            ev = body.next_event()
+        except framing.FramingError as exc:
             raise BadBody(str(exc)) from None
-        if ev is h11.NEED_DATA:
-            data = await client.read()
-            if not data:
-                raise BodyEnded()
-            down.receive_data(data)
+        except EOFError:
+            raise BodyEnded() from None
+        if ev is framing.NEED_DATA:
+            body.receive_data(await client.read())  # b"" is the sandbox's EOF
             continue
-        if isinstance(ev, h11.Data):
-            yield ev.data
-            continue
-        if isinstance(ev, h11.EndOfMessage):
+        if ev is framing.END:
             return
-        raise BodyEnded()
+        yield ev
 
 
 class Relay:
-    """One request/response between ``client`` (h11 server side ``down``) and ``upstream``
-    (h11 client side ``up``). :meth:`run` returns (keep the client connection, leftover bytes
-    of the client's next request, the upstream connection is reusable)."""
+    """One request/response between ``client`` (its request body read through ``body``) and
+    ``upstream``. :meth:`run` returns (keep the client connection, leftover bytes of the
+    client's next request, the upstream connection is reusable)."""
 
-    def __init__(self, ep: Endpoint, client, down: h11.Connection, upstream, up: h11.Connection, fwd: Forward, *,
+    def __init__(self, ep: Endpoint, client, body: framing.RequestBody, upstream, fwd: Forward, *,
                  pooled: bool, splice):
-        self.ep, self.client, self.down, self.upstream, self.up = ep, client, down, upstream, up
+        self.ep, self.client, self.body, self.upstream = ep, client, body, upstream
         self.fwd, self.req, self.d = fwd, fwd.req, fwd.decision
         self.cred = fwd.swap
         self.pooled = pooled  # a pooled connection may turn out stale: retry once on a fresh one
@@ -90,6 +84,9 @@ class Relay:
         self.scanner = creds.body_scanner(req.host) if creds is not None else None
         self.scrubber = creds.scrubber() if creds is not None else None
         self.sent = 0
+        # the sandbox's connection stays open after this exchange: HTTP/1.1 without "close"
+        conn = {t.strip().lower() for k, v in req.headers if k == b"connection" for t in v.split(b",")}
+        self.client_keep = req.http_version == "1.1" and b"close" not in conn
 
     # -- log/answer helpers ----------------------------------------------------------------
     def _log(self, **kw) -> None:
@@ -153,21 +150,22 @@ class Relay:
         """With credentials in the sandbox, a body is scanned before anything is sent: the head
         waits until the body is complete (or CRED_BUFFER is exceeded - then it streams, and a
         placeholder found later cuts the upstream request mid-body)."""
-        req, up, scanner, max_body = self.req, self.up, self.scanner, self.fwd.max_body
+        req, scanner, max_body = self.req, self.scanner, self.fwd.max_body
         held: list[bytes] | None = [] if scanner is not None else None
         held_len = 0
+        frame = framing.chunk if req.chunked else bytes  # the body is re-framed as it was declared
 
         async def send_head() -> None:
-            head = up.send(h11.Request(method=req.method, target=req.path, headers=headers))
+            head = framing.request_head(req.method, req.path, headers)
             self._count_out(len(head))  # a head carries data out too (path, headers)
             await self._write_up(head, head=True)
 
         if held is None:
             await send_head()
-        if (req.header(b"expect") or b"").lower() == b"100-continue" and self.down.their_state is h11.SEND_BODY:
-            await self.client.write(self.down.send(h11.InformationalResponse(status_code=100, headers=[])))
+        if (req.header(b"expect") or b"").lower() == b"100-continue" and not self.body.done:
+            await self.client.write(b"HTTP/1.1 100 Continue\r\n\r\n")
         try:
-            async for chunk in request_body(self.client, self.down):
+            async for chunk in request_body(self.client, self.body):
                 self.sent += len(chunk)
                 if max_body is not None and self.sent > max_body:
                     await self._over_max_body(max_body)
@@ -188,7 +186,7 @@ class Relay:
                     await send_head()
                     data, held = b"".join(held), None
                 if data:
-                    await self._write_up(up.send(h11.Data(data=data)))
+                    await self._write_up(frame(data))
         except BodyEnded:
             return False, b"", False
         rest = scanner.finish() if scanner is not None else b""
@@ -196,10 +194,9 @@ class Relay:
             await send_head()
             rest = b"".join(held) + rest
         if rest:
-            await self._write_up(up.send(h11.Data(data=rest)))
-        end = up.send(h11.EndOfMessage())
-        if end:
-            await self._write_up(end)
+            await self._write_up(frame(rest))
+        if req.chunked:
+            await self._write_up(framing.LAST_CHUNK)
         return await self._response()
 
     async def _send_resigned(self, headers, held: list[int]) -> tuple[bool, bytes, bool]:
@@ -208,7 +205,7 @@ class Relay:
         ep, req, cred, max_body = self.ep, self.req, self.cred, self.fwd.max_body
         body = bytearray()
         try:
-            async for chunk in request_body(self.client, self.down):
+            async for chunk in request_body(self.client, self.body):
                 body += chunk
                 ep.resign_buffered += len(chunk)
                 held[0] += len(chunk)
@@ -270,25 +267,24 @@ class Relay:
                        if k.lower() not in ("transfer-encoding", "content-length")]
         new_headers.append((b"content-length", str(len(sreq.body)).encode()))
         self._count_out(len(sreq.body))
-        head = self.up.send(h11.Request(method=req.method, target=target, headers=new_headers))
+        head = framing.request_head(req.method, target, new_headers)
         self._count_out(len(head))
         self.pooled = False  # a signed request is never retried (its signature is single-use)
-        await self._write_up(head)
-        if sreq.body:
-            await self._write_up(self.up.send(h11.Data(data=sreq.body)))
-        await self._write_up(self.up.send(h11.EndOfMessage()))
+        await self._write_up(head + sreq.body)
         self.sent = len(sreq.body)
         self.ws = False
         return await self._response()
 
-    # -- response --------------------------------------------------------------------------
+    # -- response ---------------------------------------------------------------------------
     async def _response(self) -> tuple[bool, bytes, bool]:
-        ep, req, d, client, up, down = self.ep, self.req, self.d, self.client, self.up, self.down
+        ep, req, d, client = self.ep, self.req, self.d, self.client
         scrubber, cred = self.scrubber, self.cred
-        leftover = down.trailing_data[0]
+        leftover = self.body.trailing
+        reader = framing.ResponseReader(req.method)
         # response: coalesce what goes to the sandbox (one TLS record/send for a small response)
         pending_out: list[bytes] = []
         pending_len = 0
+        frame = bytes  # how body pieces are framed toward the sandbox (set with the head)
 
         async def emit(data: bytes, flush: bool = False) -> None:
             nonlocal pending_len
@@ -308,7 +304,7 @@ class Relay:
                 for piece in pieces:
                     data = scrubber.feed(piece)
                     if data:
-                        await emit(down.send(h11.Data(data=data)))
+                        await emit(frame(data))
             except encoding.DecodeError as err:
                 await emit(b"", flush=True)
                 await self._undecodable(err, answered=True)
@@ -317,19 +313,19 @@ class Relay:
 
         received = 0
         answered = False
+        keep = self.client_keep
         scrubbing = scrubber is not None and scrubber.active
         decoder = None
         decoded_from = None
         while True:
             try:
-                ev = up.next_event()
-            except h11.RemoteProtocolError as exc:
+                ev = reader.next_event()
+            except framing.FramingError as exc:
                 if self.pooled and not answered:
                     raise Stale() from None
                 await emit(b"", flush=True)
-                raise UpstreamError("upstream:protocol-error", f"the upstream broke HTTP/1.1: {exc}"[:300],
-                                    answered=answered) from None
-            if ev is h11.NEED_DATA:
+                raise UpstreamError("upstream:protocol-error", str(exc)[:300], answered=answered) from None
+            if ev is framing.NEED_DATA:
                 # what was decoded so far goes out before waiting: a stream (SSE, chunked
                 # progress) reaches the agent as it is sent, not when the response ends
                 await emit(b"", flush=True)
@@ -340,28 +336,37 @@ class Relay:
                         raise Stale() from None
                     raise UpstreamError("upstream:reset", f"the upstream connection failed: {type(exc).__name__}",
                                         answered=answered) from None
-                up.receive_data(data)  # b"" signals EOF
-                continue
-            if isinstance(ev, h11.InformationalResponse):
-                if self.ws and ev.status_code == 101:
+                try:
+                    reader.receive_data(data)  # b"" signals EOF
+                except framing.FramingError as exc:
+                    if self.pooled and not answered:
+                        raise Stale() from None
                     await emit(b"", flush=True)
-                    wh = h1.response_headers(ev.headers, keep_upgrade=True)
-                    await client.write(down.send(h11.InformationalResponse(
-                        status_code=101, reason=scrubber.header(bytes(ev.reason)) if scrubbing else ev.reason,
-                        headers=scrubber.headers(wh) if scrubbing else wh)))
-                    # the upgraded connection is relayed as bytes (still counted against bytesOut)
-                    up_rest, down_rest = up.trailing_data[0], down.trailing_data[0]
-                    if up_rest:
-                        await client.write(up_rest)
-                    if down_rest:
-                        self._count_out(len(down_rest))
-                        await self.upstream.write(down_rest)
-                    out, inn = await self.splice(ep, client, self.upstream, (req.host, req.port))
-                    self._log(verdict="allow", rule_id=d.rule_id, reason="websocket relayed", phase="websocket",
-                              bytes_out=self.sent + out, bytes_in=inn)
-                    return False, b"", False
+                    raise UpstreamError("upstream:protocol-error", str(exc)[:300], answered=answered) from None
                 continue
-            if isinstance(ev, h11.Response):
+            if isinstance(ev, framing.Upgraded):
+                if not self.ws:
+                    raise UpstreamError("upstream:protocol-error", "the upstream switched protocols unasked",
+                                        answered=answered)
+                await emit(b"", flush=True)
+                head = ev.head
+                wh = h1.response_headers(head.headers, keep_upgrade=True)
+                await client.write(framing.response_head(
+                    101, scrubber.header(head.reason) if scrubbing else head.reason,
+                    scrubber.headers(wh) if scrubbing else wh))
+                # the upgraded connection is relayed as bytes (still counted against bytesOut)
+                if ev.rest:
+                    await client.write(ev.rest)
+                if leftover:
+                    self._count_out(len(leftover))
+                    await self.upstream.write(leftover)
+                out, inn = await self.splice(ep, client, self.upstream, (req.host, req.port))
+                self._log(verdict="allow", rule_id=d.rule_id, reason="websocket relayed", phase="websocket",
+                          bytes_out=self.sent + out, bytes_in=inn)
+                return False, b"", False
+            if isinstance(ev, framing.Head):
+                if ev.status < 200:
+                    continue  # 100 Continue, 103 Early Hints: the gate answered Expect itself
                 answered = True
                 rh = h1.response_headers(ev.headers)
                 reason = ev.reason
@@ -369,9 +374,9 @@ class Relay:
                     # an upstream echoing a real value must not hand it to the sandbox (names,
                     # values, the reason phrase); the body may change length: re-framed (chunked)
                     rh = scrubber.headers((k, v) for k, v in rh if k not in (b"content-length", b"content-encoding"))
-                    reason = scrubber.header(bytes(ev.reason))
+                    reason = scrubber.header(reason)
                     # the codings as sent, even where Connection: content-encoding tried to hide them
-                    codings = b", ".join(bytes(v) for k, v in ev.headers if bytes(k).lower() == b"content-encoding")
+                    codings = b", ".join(v for k, v in ev.headers if k == b"content-encoding")
                     if codings and scrubber.encoded:
                         # a compressed echo is still an echo: decode, scrub, forward identity
                         try:
@@ -385,28 +390,32 @@ class Relay:
                             decoder = None
                     elif codings:
                         rh.append((b"content-encoding", codings))  # forwarded as it is (raw-scrub)
-                await emit(down.send(h11.Response(status_code=ev.status_code, reason=reason, headers=rh)))
+                bodyless = req.method == "HEAD" or ev.status in (204, 304)
+                if bodyless or any(k == b"content-length" for k, _ in rh):
+                    frame = bytes  # as the upstream declared it (its length was checked by the parser)
+                elif self.client_keep:
+                    rh.append((b"transfer-encoding", b"chunked"))
+                    frame = framing.chunk
+                else:
+                    frame, keep = bytes, False  # HTTP/1.0 or "close": the end of the connection frames it
+                if not keep:
+                    rh.append((b"connection", b"close"))
+                await emit(framing.response_head(ev.status, reason, rh))
                 continue
-            if isinstance(ev, h11.Data):
-                received += len(ev.data)
-                if not scrubbing:
-                    await emit(down.send(h11.Data(data=ev.data)))
-                elif not await scrubbed_out(decoder.feed(ev.data) if decoder is not None else (ev.data,)):
-                    return False, b"", False
-                continue
-            if isinstance(ev, h11.EndOfMessage):
+            if ev is framing.END:
                 if scrubbing:
                     if not await scrubbed_out(decoder.finish() if decoder is not None else ()):
                         return False, b"", False
                     rest = scrubber.finish()
                     if rest:
-                        await emit(down.send(h11.Data(data=rest)))
-                await emit(down.send(h11.EndOfMessage()), flush=True)
+                        await emit(frame(rest))
+                await emit(framing.LAST_CHUNK if frame is framing.chunk else b"", flush=True)
                 break
-            if isinstance(ev, h11.ConnectionClosed):
-                if self.pooled and not answered:
-                    raise Stale()
-                await emit(b"", flush=True)
+            # a piece of the body
+            received += len(ev)
+            if not scrubbing:
+                await emit(frame(ev))
+            elif not await scrubbed_out(decoder.feed(ev) if decoder is not None else (ev,)):
                 return False, b"", False
         ep.bytes_in += received
         extra = {}
@@ -419,8 +428,5 @@ class Relay:
             extra["decoded"] = decoded_from
         self._log(verdict="allow", rule_id=d.rule_id, reason=d.reason, phase="request", bytes_out=self.sent,
                   bytes_in=received, **extra)
-        keep = down.our_state is h11.DONE and down.their_state is h11.DONE
-        reusable = up.our_state is h11.DONE and up.their_state is h11.DONE and self.upstream.reusable
-        if reusable:
-            up.start_next_cycle()
+        reusable = reader.reusable and self.upstream.reusable
         return keep, leftover, reusable

@@ -25,11 +25,10 @@ import socket
 import ssl
 from pathlib import Path
 
-import h11
-
 from agentvm.gate import exchange as ex
 from agentvm.gate import h1
 from agentvm.gate.endpoint import Cut, Endpoint
+from agentvm.gate.framing import RequestBody
 from agentvm.gate.policy import EgressPolicy
 from agentvm.gate.relay import Relay, Stale, UpstreamError
 from agentvm.gate.streams import HELLO_TIMEOUT, PlainStream, TLSStream, client_gone
@@ -38,6 +37,22 @@ from agentvm.gate.tunnel import stream_splice, zero_copy_splice
 HEAD_TIMEOUT = 30.0
 STREAM_LIMIT = 1 << 20  # StreamReader buffer before it pauses the transport (bulk tunnels)
 CONNECT_TIMEOUT = 10.0
+
+
+def new_event_loop() -> asyncio.AbstractEventLoop:
+    """The loop the gate runs on: uvloop (libuv; a declared dependency, about a third less CPU
+    per proxied request than the stdlib loop here), else asyncio's own."""
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency; a broken install still works
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()
+
+
+def run(main) -> None:
+    """``asyncio.run(main)`` on the gate's loop (the daemon's loop is the gate's)."""
+    with asyncio.Runner(loop_factory=new_event_loop) as runner:
+        runner.run(main)
 
 
 class Gate:
@@ -217,7 +232,7 @@ class Gate:
                 head, pending = await self._read_head(stream, pending)
                 if head is None:
                     return
-                req, down = h1.parse_head(head, pending)
+                req, body = h1.parse_head(head, pending)
             except h1.ProtocolError as exc:
                 await self._run(ep, stream, ex.refuse(ex.bad_request(exc, *where)))
                 return
@@ -227,12 +242,12 @@ class Gate:
             fwd = await self._run(ep, stream, ex.request(ep, req, scheme=scheme, tunnel=tunnel))
             if fwd is None:
                 return
-            keep, pending = await self._forward(ep, stream, down, fwd)
+            keep, pending = await self._forward(ep, stream, body, fwd)
             if not keep:
                 return
 
     # -- a forwarded request ----------------------------------------------------------------
-    async def _forward(self, ep: Endpoint, client, down: h11.Connection, fwd: ex.Forward) -> tuple[bool, bytes]:
+    async def _forward(self, ep: Endpoint, client, body: RequestBody, fwd: ex.Forward) -> tuple[bool, bytes]:
         """Connect (or take a pooled connection) to the address the core checked and relay one
         request; returns (keep the client connection, leftover bytes)."""
         req = fwd.req
@@ -248,7 +263,7 @@ class Gate:
         for attempt in (0, 1):
             pooled = ep.pool_get(key) if (attempt == 0 and not req.upgrade_websocket) else None
             if pooled is not None:
-                upstream, up = pooled
+                upstream = pooled
             else:
                 try:
                     async with asyncio.timeout(CONNECT_TIMEOUT):
@@ -264,8 +279,8 @@ class Gate:
                            method=req.method, path=req.path, phase="upstream", error="upstream:unreachable")
                     await client.write(h1.error_response(502, "upstream:unreachable", f"cannot reach {req.host}:{req.port}"))
                     return False, b""
-                upstream, up = PlainStream(ur, uw), h11.Connection(h11.CLIENT)
-            relay = Relay(ep, client, down, upstream, up, fwd, pooled=pooled is not None and retry_ok,
+                upstream = PlainStream(ur, uw)
+            relay = Relay(ep, client, body, upstream, fwd, pooled=pooled is not None and retry_ok,
                           splice=stream_splice)
             try:
                 keep, leftover, reusable = await relay.run()
@@ -283,7 +298,7 @@ class Gate:
                 upstream.close()
                 raise
             if reusable:
-                ep.pool_put(key, upstream, up)
+                ep.pool_put(key, upstream)
             else:
                 upstream.close()
             return keep, leftover
