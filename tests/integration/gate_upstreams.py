@@ -19,7 +19,8 @@ import threading
 import zipfile
 from pathlib import Path
 
-NAMES = ["allowed.test", "api.test", "other.test", "pkgs.test", "git.test", "denied.test", "dns.google", "echo.test", "evil.test", "s3.test"]
+NAMES = ["allowed.test", "api.test", "other.test", "pkgs.test", "git.test", "denied.test", "dns.google", "echo.test", "evil.test",
+         "s3.test", "h2.test", "grpc.test"]
 
 
 def make_test_ca(directory: Path) -> tuple[Path, Path, Path]:
@@ -279,3 +280,107 @@ def serve_https(handler, cert: Path, key: Path):
     httpd.socket = ctx.wrap_socket(httpd.socket, server_side=True)
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     return httpd
+
+
+class H2Upstream:
+    """An HTTP/2 (ALPN h2 only) TLS server on 127.0.0.1, made with the ``h2`` library, in its own
+    thread and event loop. Every request is answered with JSON describing what arrived
+    (method, path, authority, headers, body); ``/trailers...`` also sends trailers
+    (``x-trailer: done``); ``/big?n=N`` answers N bytes. ``seen`` records every request."""
+
+    def __init__(self, cert: Path, key: Path):
+        import asyncio
+
+        self.seen: list[dict] = []
+        self.errors: list[str] = []
+        self.lock = threading.Lock()
+        self.loop = asyncio.new_event_loop()
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        ctx.load_cert_chain(str(cert), str(key))
+        ctx.set_alpn_protocols(["h2"])
+        started = threading.Event()
+
+        async def main():
+            self.stop = asyncio.Event()
+            self.server = await asyncio.start_server(self._conn, "127.0.0.1", 0, ssl=ctx)
+            self.port = self.server.sockets[0].getsockname()[1]
+            started.set()
+            await self.stop.wait()
+            self.server.close()
+
+        self.thread = threading.Thread(target=lambda: self.loop.run_until_complete(main()), daemon=True)
+        self.thread.start()
+        started.wait(10)
+
+    async def _conn(self, reader, writer):
+        import h2.config
+        import h2.connection
+        import h2.events
+
+        conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=False, header_encoding=None))
+        conn.initiate_connection()
+        writer.write(conn.data_to_send())
+        reqs: dict[int, dict] = {}
+        self._pending = {}
+        try:
+            while True:
+                data = await reader.read(65536)
+                if not data:
+                    return
+                for ev in conn.receive_data(data):
+                    if isinstance(ev, h2.events.RequestReceived):
+                        h = [(bytes(k).decode(), bytes(v).decode()) for k, v in ev.headers]
+                        reqs[ev.stream_id] = {"headers": h, "body": b""}
+                    elif isinstance(ev, h2.events.DataReceived):
+                        reqs[ev.stream_id]["body"] += ev.data
+                        conn.acknowledge_received_data(ev.flow_controlled_length, ev.stream_id)
+                    if isinstance(ev, (h2.events.RequestReceived, h2.events.DataReceived)) and ev.stream_ended:
+                        self._answer(conn, ev.stream_id, reqs.pop(ev.stream_id))
+                    elif isinstance(ev, h2.events.StreamEnded) and ev.stream_id in reqs:
+                        self._answer(conn, ev.stream_id, reqs.pop(ev.stream_id))
+                    elif isinstance(ev, h2.events.WindowUpdated):
+                        for sid in list(self._pending):
+                            self._pump(conn, sid)
+                writer.write(conn.data_to_send())
+                await writer.drain()
+        except Exception as exc:  # a broken test client: recorded for the test to see
+            self.errors.append(repr(exc))
+            return
+        finally:
+            writer.close()
+
+    def _answer(self, conn, sid: int, req: dict) -> None:
+        pseudo = {k: v for k, v in req["headers"] if k.startswith(":")}
+        rec = {"method": pseudo.get(":method"), "path": pseudo.get(":path"), "authority": pseudo.get(":authority"),
+               "headers": {k: v for k, v in req["headers"] if not k.startswith(":")},
+               "body": req["body"].decode("latin-1")}
+        with self.lock:
+            self.seen.append(rec)
+        if rec["path"].startswith("/big"):
+            body = b"x" * int(rec["path"].split("n=")[1])
+        else:
+            body = json.dumps(rec).encode()
+        conn.send_headers(sid, [(b":status", b"200"), (b"content-type", b"application/json"),
+                                (b"content-length", str(len(body)).encode())])
+        self._pending[sid] = [memoryview(body), rec["path"].startswith("/trailers")]
+        self._pump(conn, sid)
+
+    def _pump(self, conn, sid: int) -> None:
+        """Send what the flow-control window allows; the end (or trailers) once all is sent."""
+        view, trailers = self._pending[sid]
+        while view:
+            n = min(len(view), conn.local_flow_control_window(sid), conn.max_outbound_frame_size)
+            if n <= 0:
+                self._pending[sid][0] = view
+                return
+            conn.send_data(sid, bytes(view[:n]))
+            view = view[n:]
+        del self._pending[sid]
+        if trailers:
+            conn.send_headers(sid, [(b"x-trailer", b"done")], end_stream=True)
+        else:
+            conn.end_stream(sid)
+
+    def close(self):
+        self.loop.call_soon_threadsafe(self.stop.set)
+        self.thread.join(5)

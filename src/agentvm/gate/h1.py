@@ -295,8 +295,74 @@ def response_headers(headers, *, keep_upgrade: bool = False) -> list[tuple[bytes
     return out
 
 
+_H2_DROP = HOP_BY_HOP | {b"host"}
+
+
+def request_from_h2(headers) -> ProxyRequest:
+    """An HTTP/2 request (its header list, as the ``h2`` library validated it) as the same
+    :class:`ProxyRequest` an HTTP/1.1 request inside a tunnel gives: origin-form, its host
+    from ``:authority`` (or ``host``). ``CONNECT`` (tunnels inside a tunnel) is refused."""
+    pseudo: dict[bytes, bytes] = {}
+    regular: list[tuple[bytes, bytes]] = []
+    for k, v in headers:
+        k, v = bytes(k), bytes(v)
+        if k.startswith(b":"):
+            if k in pseudo:
+                raise ProtocolError("bad-request", f"repeated pseudo-header {k.decode('latin-1')}")
+            pseudo[k] = v
+        else:
+            regular.append((k.lower(), v))
+    method = pseudo.get(b":method", b"").decode("latin-1")
+    if method == "CONNECT":
+        raise ProtocolError("h2-connect", "CONNECT inside an HTTP/2 tunnel is not supported")
+    path = pseudo.get(b":path", b"")
+    if not method or not _METHOD.match(method.encode("latin-1")) or not path.startswith(b"/") or _TARGET_BAD.search(path):
+        raise ProtocolError("bad-request", "HTTP/2 request without a valid :method and origin-form :path")
+    if pseudo.get(b":scheme", b"https") != b"https":
+        raise ProtocolError("bad-request", "HTTP/2 request with a :scheme other than https")
+    auth = (pseudo.get(b":authority") or dict(regular).get(b"host") or b"").decode("latin-1")
+    if not auth:
+        raise ProtocolError("bad-request", "HTTP/2 request without :authority")
+    host, port = _split_authority(auth, 443)
+    cls = [v for k, v in regular if k == b"content-length"]
+    if len(set(cls)) > 1 or (cls and not cls[0].strip().isdigit()):
+        raise ProtocolError("bad-content-length", "Content-Length is not a single number")
+    return ProxyRequest(method=method, target=path.decode("ascii"), scheme="origin", host=host, port=port,
+                        path=path.decode("ascii"), headers=tuple(regular),
+                        content_length=int(cls[0]) if cls else None, chunked=False, upgrade_websocket=False,
+                        http_version="2", explicit_port=":" in auth.rsplit("]", 1)[-1])
+
+
+def h2_forward_headers(req: ProxyRequest, host_value: str) -> list[tuple[bytes, bytes]]:
+    """What an HTTP/2 request carries upstream: the pseudo-headers, then its headers without
+    connection-specific ones (``te: trailers`` stays: gRPC needs it), without ``x-agentvm-*``."""
+    out = [(b":method", req.method.encode("ascii")), (b":scheme", b"https"),
+           (b":authority", host_value.encode("ascii")), (b":path", req.path.encode("ascii"))]
+    for k, v in req.headers:
+        if k == b"te":
+            if v.strip().lower() == b"trailers":
+                out.append((k, b"trailers"))
+            continue
+        if k in _H2_DROP or k == b"expect" or k.startswith(b"x-agentvm-"):
+            continue
+        out.append((k, v))
+    return out
+
+
+def deny_document(rule_id: str, reason: str, *, host: str, port: int, allow: str | None = None) -> tuple[str, bytes]:
+    """(the sanitised rule id, the JSON body) of the gate's denial."""
+    rid = safe_rule_id(rule_id)
+    body = {"error": "egress-denied", "rule": rid, "reason": reason, "host": host, "port": port}
+    if allow:
+        body["how_to_allow"] = allow  # what the operator would change (the agent cannot)
+    return rid, json.dumps(body, sort_keys=True).encode()
+
+
 def _json_response(status: int, reason: str, body: dict, extra: list[tuple[str, str]]) -> bytes:
-    payload = json.dumps(body, sort_keys=True).encode()
+    return _raw_json_response(status, reason, json.dumps(body, sort_keys=True).encode(), extra)
+
+
+def _raw_json_response(status: int, reason: str, payload: bytes, extra: list[tuple[str, str]]) -> bytes:
     lines = [f"HTTP/1.1 {status} {reason}", "Content-Type: application/json", f"Content-Length: {len(payload)}"]
     lines += [f"{k}: {v}" for k, v in extra]
     lines.append("Connection: close")
@@ -308,11 +374,8 @@ def safe_rule_id(rule_id: str) -> str:
 
 
 def deny_response(rule_id: str, reason: str, *, host: str, port: int, status: int = 403, allow: str | None = None) -> bytes:
-    rid = safe_rule_id(rule_id)
-    body = {"error": "egress-denied", "rule": rid, "reason": reason, "host": host, "port": port}
-    if allow:
-        body["how_to_allow"] = allow  # what the operator would change (the agent cannot)
-    return _json_response(status, "Forbidden" if status == 403 else "Too Many Requests", body, [("X-Agentvm-Denied", rid)])
+    rid, body = deny_document(rule_id, reason, host=host, port=port, allow=allow)
+    return _raw_json_response(status, "Forbidden" if status == 403 else "Too Many Requests", body, [("X-Agentvm-Denied", rid)])
 
 
 def error_response(status: int, code: str, message: str) -> bytes:

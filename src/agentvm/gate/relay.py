@@ -65,6 +65,51 @@ async def request_body(client, body: framing.RequestBody):
         yield ev
 
 
+class ResponseScrub:
+    """One response to a sandbox holding credentials, scrubbed (HTTP/1.1 and HTTP/2 alike): an
+    upstream echoing a real value must not hand it to the sandbox - header names and values,
+    the reason phrase, the body; a compressed echo is still an echo, so a body in a coding the
+    gate decodes is decoded, scrubbed and forwarded as identity (its length may change: the
+    caller re-frames it)."""
+
+    def __init__(self, scrubber) -> None:
+        self.scrubber = scrubber
+        self.decoder = None
+        self.decoded_from: str | None = None
+
+    def head(self, headers: list[tuple[bytes, bytes]], raw_headers, reason: bytes) -> tuple[list, bytes]:
+        """-> (headers, reason) to send; raises ``encoding.DecodeError`` for a coding the gate
+        cannot decode. ``headers`` are already without hop-by-hop fields; ``raw_headers`` are
+        as received (the codings as sent, even where ``Connection: content-encoding`` hid them)."""
+        sc = self.scrubber
+        out = sc.headers((k, v) for k, v in headers if k not in (b"content-length", b"content-encoding"))
+        codings = b", ".join(bytes(v) for k, v in raw_headers if bytes(k).lower() == b"content-encoding")
+        if codings and sc.encoded:
+            decoder = encoding.Decoder(codings)
+            if decoder.steps:
+                self.decoder, self.decoded_from = decoder, codings.decode("latin-1")
+        elif codings:
+            out.append((b"content-encoding", codings))  # forwarded as it is (raw-scrub)
+        return out, sc.header(reason)
+
+    def body(self, piece: bytes):
+        """Scrubbed bytes for a piece of the body (lazy: decoding happens as they are taken)."""
+        for part in (self.decoder.feed(piece) if self.decoder is not None else (piece,)):
+            data = self.scrubber.feed(part)
+            if data:
+                yield data
+
+    def finish(self):
+        if self.decoder is not None:
+            for part in self.decoder.finish():
+                data = self.scrubber.feed(part)
+                if data:
+                    yield data
+        rest = self.scrubber.finish()
+        if rest:
+            yield rest
+
+
 class Relay:
     """One request/response between ``client`` (its request body read through ``body``) and
     ``upstream``. :meth:`run` returns (keep the client connection, leftover bytes of the
@@ -298,13 +343,11 @@ class Relay:
                 await client.write(out)
 
         async def scrubbed_out(pieces) -> bool:
-            """Decoded pieces (decoding is lazy: it happens here), scrubbed, to the sandbox; False
-            when the body does not decode (what was sent stays, the response ends unfinished)."""
+            """Scrubbed pieces to the sandbox; False when the body does not decode (what was
+            sent stays, the response ends unfinished)."""
             try:
-                for piece in pieces:
-                    data = scrubber.feed(piece)
-                    if data:
-                        await emit(frame(data))
+                for data in pieces:
+                    await emit(frame(data))
             except encoding.DecodeError as err:
                 await emit(b"", flush=True)
                 await self._undecodable(err, answered=True)
@@ -314,9 +357,7 @@ class Relay:
         received = 0
         answered = False
         keep = self.client_keep
-        scrubbing = scrubber is not None and scrubber.active
-        decoder = None
-        decoded_from = None
+        scrub = ResponseScrub(scrubber) if scrubber is not None and scrubber.active else None
         while True:
             try:
                 ev = reader.next_event()
@@ -352,8 +393,8 @@ class Relay:
                 head = ev.head
                 wh = h1.response_headers(head.headers, keep_upgrade=True)
                 await client.write(framing.response_head(
-                    101, scrubber.header(head.reason) if scrubbing else head.reason,
-                    scrubber.headers(wh) if scrubbing else wh))
+                    101, scrubber.header(head.reason) if scrub else head.reason,
+                    scrubber.headers(wh) if scrub else wh))
                 # the upgraded connection is relayed as bytes (still counted against bytesOut)
                 if ev.rest:
                     await client.write(ev.rest)
@@ -370,26 +411,12 @@ class Relay:
                 answered = True
                 rh = h1.response_headers(ev.headers)
                 reason = ev.reason
-                if scrubbing:
-                    # an upstream echoing a real value must not hand it to the sandbox (names,
-                    # values, the reason phrase); the body may change length: re-framed (chunked)
-                    rh = scrubber.headers((k, v) for k, v in rh if k not in (b"content-length", b"content-encoding"))
-                    reason = scrubber.header(reason)
-                    # the codings as sent, even where Connection: content-encoding tried to hide them
-                    codings = b", ".join(v for k, v in ev.headers if k == b"content-encoding")
-                    if codings and scrubber.encoded:
-                        # a compressed echo is still an echo: decode, scrub, forward identity
-                        try:
-                            decoder = encoding.Decoder(codings)
-                        except encoding.DecodeError as err:
-                            await self._undecodable(err)
-                            return False, b"", False
-                        if decoder.steps:
-                            decoded_from = codings.decode("latin-1")
-                        else:
-                            decoder = None
-                    elif codings:
-                        rh.append((b"content-encoding", codings))  # forwarded as it is (raw-scrub)
+                if scrub is not None:
+                    try:
+                        rh, reason = scrub.head(rh, ev.headers, reason)  # its length may change: chunked
+                    except encoding.DecodeError as err:
+                        await self._undecodable(err)
+                        return False, b"", False
                 bodyless = req.method == "HEAD" or ev.status in (204, 304)
                 if bodyless or any(k == b"content-length" for k, _ in rh):
                     frame = bytes  # as the upstream declared it (its length was checked by the parser)
@@ -403,19 +430,15 @@ class Relay:
                 await emit(framing.response_head(ev.status, reason, rh))
                 continue
             if ev is framing.END:
-                if scrubbing:
-                    if not await scrubbed_out(decoder.finish() if decoder is not None else ()):
-                        return False, b"", False
-                    rest = scrubber.finish()
-                    if rest:
-                        await emit(frame(rest))
+                if scrub is not None and not await scrubbed_out(scrub.finish()):
+                    return False, b"", False
                 await emit(framing.LAST_CHUNK if frame is framing.chunk else b"", flush=True)
                 break
             # a piece of the body
             received += len(ev)
-            if not scrubbing:
+            if scrub is None:
                 await emit(frame(ev))
-            elif not await scrubbed_out(decoder.feed(ev) if decoder is not None else (ev,)):
+            elif not await scrubbed_out(scrub.body(ev)):
                 return False, b"", False
         ep.bytes_in += received
         extra = {}
@@ -424,8 +447,8 @@ class Relay:
         if scrubber is not None and scrubber.hits:
             extra["scrubbed"] = scrubber.hits
             extra["alert"] = True
-        if decoded_from:
-            extra["decoded"] = decoded_from
+        if scrub is not None and scrub.decoded_from:
+            extra["decoded"] = scrub.decoded_from
         self._log(verdict="allow", rule_id=d.rule_id, reason=d.reason, phase="request", bytes_out=self.sent,
                   bytes_in=received, **extra)
         reusable = reader.reusable and self.upstream.reusable

@@ -41,6 +41,7 @@ RULES: dict[str, str] = {
     "limit:resign-body": "a signed request body too large to buffer for re-signing (413)",
     "log:suppressed": "not a decision: how many denials were counted but not logged one by one (deny-log rate limit)",
     "client-gone": "the sandbox closed the connection before its request was forwarded (never sent late)",
+    "client-reset": "not a denial: the sandbox reset an HTTP/2 stream before its response ended (in \"error\")",
     "tls-handshake": "the sandbox's TLS handshake with the gate failed (does it trust the installation's CA?)",
     # credentials by reference
     "credential:leak:": "a placeholder outside its declared place or bound hosts; the suffix names the credential",
@@ -49,6 +50,7 @@ RULES: dict[str, str] = {
     "credential:uninspectable-websocket": "a WebSocket to a host a credential is bound to (frames cannot be scrubbed)",
     "credential:uninspectable-encoding": "a response in a content coding the gate cannot decode, to a sandbox holding credentials",
     "credential:resign-failed": "re-signing a SigV4/HMAC request failed (502)",
+    "credential:resign-h2": "a SigV4/HMAC-signed request on an HTTP/2 stream (re-signing needs HTTP/1.1 for now)",
     "credential:sigv4:": "a SigV4 request the gate refuses to re-sign; the suffix is the reason (bad-signature, expired...)",
     "credential:hmac:": "an HMAC-signed request the gate refuses to re-sign; the suffix is the reason",
     # upstream (the request was allowed; the upstream failed it) - logged with phase upstream,
@@ -77,3 +79,19 @@ def describe(rule_id: str) -> str | None:
 
 def known(rule_id: str) -> bool:
     return describe(rule_id) is not None
+
+
+def shown(rule_id: str) -> str:
+    """How the docs write a registered id (families with their suffix spelled out)."""
+    if rule_id == ":max-body":
+        return "<rule>:max-body"
+    if rule_id.endswith(":"):
+        return rule_id + {"credential:leak:": "<name>", "credential:revoked:": "<name>"}.get(rule_id, "<code>")
+    return rule_id
+
+
+def markdown_table() -> str:
+    """The table of ``docs/egress.md`` (between its rule-ids markers; a test keeps them equal)."""
+    rows = ["| rule id | meaning |", "| --- | --- |"]
+    rows += [f"| `{shown(k)}` | {v} |" for k, v in RULES.items()]
+    return "\n".join(rows)

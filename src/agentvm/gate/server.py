@@ -65,7 +65,7 @@ class Gate:
         self.endpoints: dict[str, Endpoint] = {}
         self._ca = None
         self._server_ctx = None
-        self._client_ctx: dict[str | None, ssl.SSLContext] = {}
+        self._client_ctx: dict[tuple[str | None, bool], ssl.SSLContext] = {}
         self.subscribers: list = []
 
     # -- CA and TLS contexts (lazy: a run without TLS interception never loads cryptography)
@@ -84,12 +84,13 @@ class Gate:
             self._server_ctx = server_context(self.ca)
         return self._server_ctx
 
-    def client_ctx(self, extra_ca: str | None) -> ssl.SSLContext:
-        if extra_ca not in self._client_ctx:
-            from agentvm.gate.tls import client_context
+    def client_ctx(self, extra_ca: str | None, *, h2: bool = False) -> ssl.SSLContext:
+        key = (extra_ca, h2)
+        if key not in self._client_ctx:
+            from agentvm.gate.tls import ALPN_H2, ALPN_HTTP1, client_context
 
-            self._client_ctx[extra_ca] = client_context(extra_ca)
-        return self._client_ctx[extra_ca]
+            self._client_ctx[key] = client_context(extra_ca, alpn=(ALPN_H2, ALPN_HTTP1) if h2 else (ALPN_HTTP1,))
+        return self._client_ctx[key]
 
     def emit(self, rec: dict) -> None:
         for cb in list(self.subscribers):
@@ -315,6 +316,7 @@ class Gate:
         from agentvm.gate.tls import TLSParseError, parse_client_hello
 
         buf = pending
+        alpn: tuple[str, ...] = ()
         while not buf:
             data = await asyncio.wait_for(client.read(), HELLO_TIMEOUT)
             if not data:
@@ -328,7 +330,7 @@ class Gate:
                 while True:
                     hello = parse_client_hello(buf) if buf else None
                     if hello is not None:
-                        first = ex.Hello(hello.sni)
+                        first, alpn = ex.Hello(hello.sni), hello.alpn
                         break
                     data = await asyncio.wait_for(client.read(), HELLO_TIMEOUT)
                     if not data:
@@ -344,7 +346,7 @@ class Gate:
         if cmd.kind == "plain":
             await self._requests(ep, client, buf, scheme="http", tunnel=tunnel)
         elif cmd.kind == "terminate":
-            await self._terminate(ep, client, tunnel, buf)
+            await self._terminate(ep, client, tunnel, buf, alpn)
         else:
             await self._splice(ep, client, cmd, buf)
 
@@ -376,17 +378,51 @@ class Gate:
                host=tunnel.host, port=tunnel.port, method="CONNECT", phase="tunnel", bytes_out=out + len(buf),
                bytes_in=inn, sni=tunnel.sni)
 
-    async def _terminate(self, ep: Endpoint, client: PlainStream, tunnel: ex.Tunnel, hello_bytes: bytes) -> None:
-        from agentvm.gate.tls import TLSServerSide
+    async def _terminate(self, ep: Endpoint, client: PlainStream, tunnel: ex.Tunnel, hello_bytes: bytes,
+                         alpn: tuple[str, ...] = ()) -> None:
+        from agentvm.gate.tls import ALPN_H2, ALPN_HTTP1, TLSServerSide
 
-        tls = TLSStream(client, TLSServerSide(self.server_ctx()))
+        # HTTP/2 is offered to the sandbox only where the upstream speaks it: when the sandbox
+        # offers h2, the gate first opens the upstream connection (to the address checked at
+        # CONNECT) and lets the upstream choose; an HTTP/1.1 answer goes to the pool
+        h2_up = None
+        if ALPN_H2 in alpn:
+            h2_up = await self._open_h2_upstream(ep, tunnel)
+        offer = (ALPN_H2, ALPN_HTTP1) if h2_up is not None else (ALPN_HTTP1,)
+        tls = TLSStream(client, TLSServerSide(self.server_ctx(), alpn=offer))
         try:
-            await tls.handshake(hello_bytes)
-        except (ssl.SSLError, ConnectionError, asyncio.TimeoutError) as exc:
-            ep.log(verdict="deny", rule_id="tls-handshake", reason=f"TLS handshake with the sandbox failed: {type(exc).__name__}",
-                   host=tunnel.host, port=tunnel.port, method="CONNECT", phase="tls")
-            return
-        try:
+            try:
+                await tls.handshake(hello_bytes)
+            except (ssl.SSLError, ConnectionError, asyncio.TimeoutError) as exc:
+                ep.log(verdict="deny", rule_id="tls-handshake",
+                       reason=f"TLS handshake with the sandbox failed: {type(exc).__name__}",
+                       host=tunnel.host, port=tunnel.port, method="CONNECT", phase="tls")
+                return
+            if h2_up is not None and tls.tls.selected_alpn == ALPN_H2:
+                from agentvm.gate.h2relay import H2Bridge
+
+                await H2Bridge(ep, tls, h2_up, tunnel).run()
+                return
             await self._requests(ep, tls, b"", scheme="https", tunnel=tunnel)
         finally:
+            if h2_up is not None:
+                h2_up.close()
             tls.close()
+
+    async def _open_h2_upstream(self, ep: Endpoint, tunnel: ex.Tunnel):
+        """An upstream connection that chose h2, or None (unreachable - the request that follows
+        reports it -, or HTTP/1.1 only: then the connection is pooled for that request)."""
+        from agentvm.gate.h2relay import open_upstream
+        from agentvm.gate.policy import normalize_host
+
+        try:
+            sni = normalize_host(tunnel.host)
+            async with asyncio.timeout(CONNECT_TIMEOUT):
+                up, proto = await open_upstream(tunnel.addr, tunnel.port, sni,
+                                                self.client_ctx(ep.policy.upstream_ca, h2=True))
+        except (OSError, asyncio.TimeoutError, ssl.SSLError, ValueError):
+            return None
+        if proto == "h2":
+            return up
+        ep.pool_put(("https", tunnel.addr, tunnel.port, sni, ep.policy.upstream_ca), up)
+        return None

@@ -45,6 +45,7 @@ __all__ = [
     "server_context",
     "client_context",
     "ALPN_HTTP1",
+    "ALPN_H2",
 ]
 
 #: Largest ClientHello handshake message (4-byte header included) the parser reassembles.
@@ -54,6 +55,7 @@ MAX_HELLO = 16384
 MAX_HELLO_RAW = 2 * MAX_HELLO
 
 ALPN_HTTP1 = "http/1.1"
+ALPN_H2 = "h2"
 
 _CT_HANDSHAKE = 0x16
 _HS_CLIENT_HELLO = 0x01
@@ -490,8 +492,9 @@ class TLSServerSide(_TLSSide):
     sni_callback), available once the ClientHello was processed.
     """
 
-    def __init__(self, context: "ssl.SSLContext", preread: bytes = b"") -> None:
+    def __init__(self, context: "ssl.SSLContext", preread: bytes = b"", alpn: tuple[str, ...] = (ALPN_HTTP1,)) -> None:
         super().__init__(context, server_side=True, server_hostname=None)
+        self._obj._agentvm_alpn = tuple(alpn)  # read by server_context's sni_callback
         self.receive(preread)
 
     @property
@@ -522,19 +525,19 @@ HOST_CONTEXT_CACHE = 1024
 HOST_CONTEXT_TTL = 24 * 3600.0
 
 
-def _harden(ctx: "ssl.SSLContext") -> None:
+def _harden(ctx: "ssl.SSLContext", alpn: tuple[str, ...] = (ALPN_HTTP1,)) -> None:
     import ssl
 
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
     ctx.options |= ssl.OP_NO_COMPRESSION | ssl.OP_NO_RENEGOTIATION
-    ctx.set_alpn_protocols([ALPN_HTTP1])
+    ctx.set_alpn_protocols(list(alpn))
 
 
-def _new_server_ctx() -> "ssl.SSLContext":
+def _new_server_ctx(alpn: tuple[str, ...] = (ALPN_HTTP1,)) -> "ssl.SSLContext":
     import ssl
 
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    _harden(ctx)
+    _harden(ctx, alpn)
     # No session resumption: nothing to gain for a terminating gate, and no ticket keys
     # or cached sessions that could carry across hosts.
     ctx.options |= ssl.OP_NO_TICKET
@@ -552,21 +555,22 @@ class _HostContexts:
         self._ttl = ttl
         self._clock = clock
         self._lock = threading.Lock()
-        self._cache: OrderedDict[str, tuple[float, "ssl.SSLContext"]] = OrderedDict()
+        self._cache: OrderedDict[tuple[str, tuple[str, ...]], tuple[float, "ssl.SSLContext"]] = OrderedDict()
 
-    def get(self, host: str) -> "ssl.SSLContext":
+    def get(self, host: str, alpn: tuple[str, ...] = (ALPN_HTTP1,)) -> "ssl.SSLContext":
         now = self._clock()
+        key = (host, alpn)
         with self._lock:
-            hit = self._cache.get(host)
+            hit = self._cache.get(key)
             if hit is not None and now - hit[0] < self._ttl:
-                self._cache.move_to_end(host)
+                self._cache.move_to_end(key)
                 return hit[1]
         certfile, keyfile = self._ca.leaf_files(host)  # validates host; may mint
-        ctx = _new_server_ctx()
+        ctx = _new_server_ctx(alpn)
         ctx.load_cert_chain(str(certfile), str(keyfile))
         with self._lock:
-            self._cache[host] = (now, ctx)
-            self._cache.move_to_end(host)
+            self._cache[key] = (now, ctx)
+            self._cache.move_to_end(key)
             while len(self._cache) > self._size:
                 self._cache.popitem(last=False)
         return ctx
@@ -584,8 +588,10 @@ def server_context(
 ) -> "ssl.SSLContext":
     """A TLS >= 1.2 server context that presents a CA-minted leaf for the client's SNI.
 
-    Only ``http/1.1`` is offered by ALPN. The ``sni_callback`` swaps the connection to a
-    per-host context (bounded LRU) holding the leaf from ``ca.leaf_files(host)``. A
+    ALPN offers what the :class:`TLSServerSide` asked for (``http/1.1`` unless ``h2`` too: the
+    gate offers ``h2`` only where the upstream speaks it). The ``sni_callback`` swaps the
+    connection to a per-host context (bounded LRU) holding the leaf from
+    ``ca.leaf_files(host)`` (and that ALPN list: OpenSSL selects ALPN after the callback). A
     ClientHello without SNI, or with a name the CA refuses to sign, fails the handshake
     with an ``unrecognized_name`` alert.
     """
@@ -601,7 +607,7 @@ def server_context(
             ssl_obj._agentvm_sni = server_name
             if not server_name:
                 raise TLSParseError("the ClientHello has no SNI; the gate needs one to pick a certificate")
-            ssl_obj.context = hosts.get(normalize_host(server_name))
+            ssl_obj.context = hosts.get(normalize_host(server_name), getattr(ssl_obj, "_agentvm_alpn", (ALPN_HTTP1,)))
         except Exception as exc:  # noqa: BLE001 - an exception here must fail closed, not print
             ssl_obj._agentvm_sni_error = exc
             return ssl.ALERT_DESCRIPTION_UNRECOGNIZED_NAME
@@ -612,11 +618,11 @@ def server_context(
     return ctx
 
 
-def client_context(extra_ca_pem_path: str | None = None) -> "ssl.SSLContext":
+def client_context(extra_ca_pem_path: str | None = None, alpn: tuple[str, ...] = (ALPN_HTTP1,)) -> "ssl.SSLContext":
     """The context for the gate's upstream connections.
 
     Verifies with the system default CAs plus, optionally, an operator CA file (PEM);
-    hostname checking on; TLS >= 1.2; ALPN ``http/1.1``.
+    hostname checking on; TLS >= 1.2; ALPN ``http/1.1`` (or ``alpn``).
     """
     import ssl
 
@@ -625,5 +631,5 @@ def client_context(extra_ca_pem_path: str | None = None) -> "ssl.SSLContext":
         ctx.load_verify_locations(cafile=extra_ca_pem_path)
     ctx.check_hostname = True
     ctx.verify_mode = ssl.CERT_REQUIRED
-    _harden(ctx)
+    _harden(ctx, alpn)
     return ctx
