@@ -60,16 +60,18 @@ if [ -d "$NODE_SHIM" ]; then
   chmod -R a+rX "$NODE_SHIM"
 fi
 
-# --test: real SDKs for the credential tests, importable by Debian's python3 *inside* sandboxes
-# (mounted read-only at run time): the openai SDK and boto3.
+# --test: real SDKs for the credential and HTTP/2 tests, importable by Debian's python3 *inside*
+# sandboxes (mounted read-only at run time): the openai SDK, boto3, httpx with HTTP/2, grpcio.
 if [ "${1:-}" = "--test" ]; then
   TESTLIB="${AGENTVM_TESTLIB:-$(dirname "$VENV")/testlib}"
-  if [ ! -f "$TESTLIB/.done" ]; then
-    echo "install: openai + boto3 into $TESTLIB (for tests inside sandboxes)" >&2
+  TESTLIB_SET="openai boto3 httpx[http2] grpcio"
+  if [ "$(cat "$TESTLIB/.done" 2>/dev/null)" != "$TESTLIB_SET" ]; then
+    echo "install: $TESTLIB_SET into $TESTLIB (for tests inside sandboxes)" >&2
     rm -rf "$TESTLIB"
-    "$VENV/bin/python" -m pip install -q --disable-pip-version-check --target "$TESTLIB" openai boto3 >/dev/null
+    # shellcheck disable=SC2086 # one word per package
+    "$VENV/bin/python" -m pip install -q --disable-pip-version-check --target "$TESTLIB" $TESTLIB_SET >/dev/null
     chmod -R a+rX "$TESTLIB"
-    touch "$TESTLIB/.done"
+    echo "$TESTLIB_SET" > "$TESTLIB/.done"
   fi
 fi
 

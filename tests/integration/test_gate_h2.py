@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import secrets
 import ssl
 from pathlib import Path
@@ -20,6 +21,7 @@ import pytest
 
 from agentvm.gate.policy import compile_egress
 from agentvm.gate.server import Gate
+from tests.helpers import needs_root
 from tests.integration.gate_upstreams import H2Upstream, make_test_ca
 
 REAL = "sk-fake-REAL-" + secrets.token_hex(12)  # an obviously fake test value
@@ -263,3 +265,158 @@ def test_an_http1_only_upstream_gets_http1_and_the_sandbox_is_offered_http1(tmp_
     finally:
         httpd.shutdown()
     assert alpn == "http/1.1" and data.startswith(b"HTTP/1.1 200") and data.endswith(b"h1 only")
+
+
+# ---------------------------------------------------------------------------- real clients in real sandboxes
+
+TESTLIB = Path(os.environ.get("AGENTVM_TESTLIB", "/opt/agentvm/testlib"))
+GRPC_TOKEN = "grpc-fake-REAL-" + secrets.token_hex(12)  # an obviously fake test value
+
+
+class GrpcUpstream:
+    """A grpcio server (TLS, the test CA's certificate) with two methods on raw bytes:
+    ``/echo.Echo/Say`` answers the request and the ``authorization`` metadata it got (so the
+    test sees the swap, and the gate must scrub the echo), ``/echo.Echo/Secret`` exists but no
+    rule allows it. ``seen`` records (method, metadata, request)."""
+
+    def __init__(self, cert: Path, key: Path):
+        import grpc
+        from concurrent import futures
+
+        self.seen: list[tuple[str, dict, bytes]] = []
+
+        def handler(name):
+            def call(request: bytes, context) -> bytes:
+                md = dict(context.invocation_metadata())
+                self.seen.append((name, md, request))
+                return b"said:" + request + b";auth=" + md.get("authorization", "").encode()
+            return grpc.unary_unary_rpc_method_handler(call)
+
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+        self.server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+            "echo.Echo", {"Say": handler("Say"), "Secret": handler("Secret")}),))
+        creds = grpc.ssl_server_credentials([(key.read_bytes(), cert.read_bytes())])
+        self.port = self.server.add_secure_port("127.0.0.1:0", creds)
+        self.server.start()
+
+    def close(self):
+        self.server.stop(0)
+
+
+@pytest.fixture(scope="module")
+def sbx(tmp_path_factory):
+    import shutil
+    import subprocess
+    import textwrap
+
+    from tests.helpers import agentvm_cmd
+
+    if not (TESTLIB / "grpc").is_dir() or not (TESTLIB / "h2").is_dir():
+        pytest.fail(f"{TESTLIB} lacks grpcio/h2: run `bash scripts/install.sh --test`")
+    d = Path(f"/tmp/agentvm-h2-test-{secrets.token_hex(3)}")
+    d.mkdir(mode=0o755)
+    ca, cert, key = make_test_ca(d / "ca")
+    os.chmod(d / "ca", 0o755)
+    h2up, grpcup = H2Upstream(cert, key), GrpcUpstream(cert, key)
+    r = subprocess.run(agentvm_cmd() + ["secret", "set", "grpc-token"], input=GRPC_TOKEN.encode(), capture_output=True)
+    assert r.returncode == 0, r.stderr
+    agent = d / "h2-agent.yaml"
+    agent.write_text(textwrap.dedent(f"""\
+        apiVersion: agentvm/v1
+        kind: Agent
+        metadata: {{name: h2-agent}}
+        spec:
+          riskTier: L3
+          limits: {{timeout: 90s, memory: 1G}}
+          mounts: [{{host: {TESTLIB}, path: /opt/testlib}}]
+          env: {{PYTHONPATH: /opt/testlib}}
+          egress:
+            hosts: {{h2.test: 127.0.0.1, grpc.test: 127.0.0.1}}
+            upstreamCa: {ca}
+            allow:
+              - {{host: h2.test, ports: [{h2up.port}], paths: ["/v1/**"], id: h2-api}}
+              - {{host: grpc.test, ports: [{grpcup.port}], methods: [POST], paths: ["/echo.Echo/Say"], id: grpc-say}}
+          credentials:
+            - {{name: grpc, env: GRPC_TOKEN, ref: "vault:grpc-token", hosts: [grpc.test],
+               inject: {{header: Authorization, format: "Bearer {{}}"}}}}
+        """))
+    yield SimpleNamespace(dir=d, agent=agent, h2=h2up, grpc=grpcup)
+    h2up.close()
+    grpcup.close()
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def _run_py(env, code: str):
+    import subprocess
+
+    from tests.helpers import agentvm_cmd, last_json
+
+    r = subprocess.run(agentvm_cmd() + ["run", "-f", str(env.agent), "--json", "--", "python3", "-c", code],
+                       capture_output=True, timeout=120)
+    res = last_json(r.stdout)
+    recs = [json.loads(ln) for ln in Path(res["egress"]["log"]).read_text().splitlines()]
+    return r, res, recs
+
+
+@pytest.mark.integration
+@needs_root
+def test_httpx_http2_client_in_a_sandbox(sbx):
+    import textwrap
+
+    p = sbx.h2.port
+    code = textwrap.dedent(f"""
+        import httpx
+        with httpx.Client(http2=True) as c:
+            r = c.get("https://h2.test:{p}/v1/items")
+            print("OK", r.http_version, r.status_code, r.json()["path"])
+            r = c.get("https://h2.test:{p}/admin")
+            print("DENIED", r.http_version, r.status_code, r.headers.get("x-agentvm-denied"))
+            r = c.post("https://h2.test:{p}/v1/echo", content=b"payload-h2")
+            print("POST", r.http_version, r.json()["body"])
+    """)
+    before = len(sbx.h2.seen)
+    r, res, recs = _run_py(sbx, code)
+    out = r.stdout.decode()
+    assert r.returncode == 0, (out, r.stderr.decode()[-3000:])
+    assert "OK HTTP/2 200 /v1/items" in out and "POST HTTP/2 payload-h2" in out, out
+    assert "DENIED HTTP/2 403 default-deny" in out, out
+    assert [s["path"] for s in sbx.h2.seen[before:]] == ["/v1/items", "/v1/echo"]  # the denied one never left
+    h2recs = [x for x in recs if x.get("protocol") == "h2"]
+    assert {(x["path"], x["verdict"]) for x in h2recs} >= {("/v1/items", "allow"), ("/admin", "deny"), ("/v1/echo", "allow")}
+
+
+@pytest.mark.integration
+@needs_root
+def test_grpc_client_in_a_sandbox_allowed_denied_and_the_token_swapped(sbx):
+    import textwrap
+
+    g = sbx.grpc.port
+    code = textwrap.dedent(f"""
+        import os, grpc
+        token = os.environ["GRPC_TOKEN"]
+        ch = grpc.secure_channel("grpc.test:{g}", grpc.ssl_channel_credentials())
+        say = ch.unary_unary("/echo.Echo/Say")
+        reply = say(b"hello-grpc", metadata=[("authorization", "Bearer " + token)], timeout=20)
+        print("REPLY", reply.decode())
+        try:
+            ch.unary_unary("/echo.Echo/Secret")(b"x", timeout=20)
+            print("SECRET-ANSWERED")
+        except grpc.RpcError as e:
+            print("SECRET", e.code().name)
+        print("PH", token)
+    """)
+    before = len(sbx.grpc.seen)
+    r, res, recs = _run_py(sbx, code)
+    out = r.stdout.decode()
+    assert r.returncode == 0, (out, r.stderr.decode()[-3000:])
+    ph = out.split("PH ")[1].split()[0]
+    assert ph != GRPC_TOKEN and GRPC_TOKEN not in out  # the echo of the real token was scrubbed
+    assert "REPLY said:hello-grpc;auth=" in out, out
+    assert "SECRET PERMISSION_DENIED" in out, out  # gRPC's reading of the gate's 403 on that stream
+    seen = sbx.grpc.seen[before:]
+    assert [s[0] for s in seen] == ["Say"]  # the denied method never reached the server
+    assert seen[0][1]["authorization"] == f"Bearer {GRPC_TOKEN}" and seen[0][2] == b"hello-grpc"
+    say = [x for x in recs if x.get("path") == "/echo.Echo/Say"]
+    assert say and say[0]["verdict"] == "allow" and say[0]["protocol"] == "h2" and say[0].get("credentials") == ["grpc"]
+    assert say[0].get("scrubbed") and say[0].get("alert")
+    assert any(x.get("path") == "/echo.Echo/Secret" and x["verdict"] == "deny" for x in recs)

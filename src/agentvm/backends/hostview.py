@@ -127,6 +127,7 @@ def sandbox_env(policy: Policy, ctx: LaunchContext, *, term: str | None = None) 
         for k in ("SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", "GIT_SSL_CAINFO", "PIP_CERT", "AWS_CA_BUNDLE"):
             env[k] = CA_BUNDLE
         env["NODE_EXTRA_CA_CERTS"] = GATE_CA_FILE
+        env["GRPC_DEFAULT_SSL_ROOTS_FILE_PATH"] = CA_BUNDLE  # gRPC's own TLS stack (BoringSSL)
         env["NODE_USE_ENV_PROXY"] = "1"  # Node >= 24 honours the proxy variables natively
         if ctx.host is not None and ctx.host.node_shim:
             env["NODE_OPTIONS"] = f"--require {NODE_SHIM_IN_SANDBOX}/proxy.js"
