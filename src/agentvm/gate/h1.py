@@ -38,6 +38,7 @@ HOP_BY_HOP = frozenset(
         b"upgrade",
     }
 )
+_VALUE_CTL = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")  # control characters but HTAB
 _RULE_ID_SAFE = re.compile(rb"[^A-Za-z0-9._:\[\]/*-]")
 
 
@@ -76,22 +77,28 @@ class HeadReader:
         return True
 
 
-def check_head(head: bytes) -> None:
-    """Reject ambiguous or smuggling-prone request heads before any parser sees them."""
+_TCHAR = b"!#$%&'*+-.^_`|~0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+
+
+def check_head(head: bytes) -> tuple[bytes, list[tuple[bytes, bytes]]]:
+    """Reject ambiguous or smuggling-prone request heads before anything interprets them.
+    Returns the request line and the header fields (names lower-case, values trimmed)."""
     if b"\x00" in head:
         raise ProtocolError("bad-bytes", "NUL byte in request head")
-    lines = head[:-4].split(b"\r\n")
-    for ln in lines:
-        if b"\n" in ln or b"\r" in ln:
-            raise ProtocolError("bare-lf", "bare CR or LF in request head")
+    text = head[:-4]
+    crlf = text.count(b"\r\n")
+    if text.count(b"\r") != crlf or text.count(b"\n") != crlf:
+        raise ProtocolError("bare-lf", "bare CR or LF in request head")
+    lines = text.split(b"\r\n")
     if len(lines) - 1 > MAX_HEADERS:
         raise ProtocolError("too-many-headers", f"more than {MAX_HEADERS} header fields")
     cl = te = 0
+    fields = []
     for ln in lines[1:]:
         if ln[:1] in (b" ", b"\t"):
             raise ProtocolError("obs-fold", "obsolete line folding in a header")
         name, sep, value = ln.partition(b":")
-        if not sep or not name or name != name.strip() or name.strip(b"!#$%&'*+-.^_`|~0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"):
+        if not sep or not name or name.strip(_TCHAR):
             raise ProtocolError("bad-header", "malformed header name")
         lname = name.lower()
         if lname == b"content-length":
@@ -102,14 +109,16 @@ def check_head(head: bytes) -> None:
             te += 1
             if value.strip().lower() != b"chunked":
                 raise ProtocolError("bad-transfer-encoding", "only 'Transfer-Encoding: chunked' is accepted")
-        if any(c < 0x20 and c != 0x09 or c == 0x7F for c in value):
+        if _VALUE_CTL.search(value):
             raise ProtocolError("bad-bytes", "control character in a header value")
+        fields.append((lname, value.strip(b" \t")))
     if cl > 1:
         raise ProtocolError("duplicate-content-length", "more than one Content-Length header")
     if te > 1:
         raise ProtocolError("duplicate-transfer-encoding", "more than one Transfer-Encoding header")
     if cl and te:
         raise ProtocolError("cl-and-te", "both Content-Length and Transfer-Encoding (request smuggling)")
+    return lines[0], fields
 
 
 @dataclass(frozen=True)
@@ -175,9 +184,8 @@ def parse_head(head: bytes, rest: bytes = b"") -> tuple[ProxyRequest, "RequestBo
     ``rest``), whose ``trailing`` is the next request once the body is read."""
     from agentvm.gate.framing import RequestBody
 
-    check_head(head)
-    lines = head[:-4].split(b"\r\n")
-    parts = lines[0].split(b" ")
+    request_line, headers = check_head(head)
+    parts = request_line.split(b" ")
     if len(parts) != 3:
         raise ProtocolError("bad-request", "malformed request line")
     method, target, version = parts
@@ -191,14 +199,7 @@ def parse_head(head: bytes, rest: bytes = b"") -> tuple[ProxyRequest, "RequestBo
         http_version = "1.0"
     else:
         raise ProtocolError("bad-request", "only HTTP/1.0 and HTTP/1.1 requests are accepted")
-    headers = []
-    hosts = 0
-    for ln in lines[1:]:
-        name, _, value = ln.partition(b":")  # check_head: a token name, no obs-fold, no CTLs
-        name = name.lower()
-        if name == b"host":
-            hosts += 1
-        headers.append((name, value.strip(b" \t")))
+    hosts = sum(1 for k, _ in headers if k == b"host")
     if hosts > 1:
         raise ProtocolError("bad-request", "Found multiple Host: headers")
     if hosts == 0 and http_version == "1.1":

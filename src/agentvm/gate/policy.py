@@ -579,6 +579,19 @@ def address_problem(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> str | 
     return None
 
 
+@lru_cache(maxsize=4096)
+def _address_class(address: str):
+    """(the parsed address, why it must not be reached or None); cached: pure, per address."""
+    a = address[1:-1] if address.startswith("[") and address.endswith("]") else address
+    ip = ipaddress.ip_address(a)
+    if ip.version == 6 and ip.scope_id:
+        return ip, _ZONE_ID
+    return ip, address_problem(ip)
+
+
+_ZONE_ID = "zone id"
+
+
 def check_address(host: str, address: str, policy: EgressPolicy) -> Decision | None:
     """After resolving ``host`` to ``address`` and before connecting: a deny Decision
     (``address-class``) for an address the sandbox must not reach (loopback, private,
@@ -587,13 +600,11 @@ def check_address(host: str, address: str, policy: EgressPolicy) -> Decision | N
     ``egress.hosts`` or an allow rule names this IP literal. None: the address is fine.
     Never raises."""
     try:
-        a = address[1:-1] if address.startswith("[") and address.endswith("]") else address
-        ip = ipaddress.ip_address(a)
-        if ip.version == 6 and ip.scope_id:
-            return Decision("deny", "address-class", "address with a zone id refused")
-        problem = address_problem(ip)
+        ip, problem = _address_class(address)
         if problem is None:
             return None
+        if problem is _ZONE_ID:
+            return Decision("deny", "address-class", "address with a zone id refused")
         static = policy.static_address(host)
         if static is not None and _ip(static) == ip:
             return None
