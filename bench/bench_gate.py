@@ -59,7 +59,8 @@ RESP_KEEP = (b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: %d
 RESP_CLOSE = (b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: %d\r\nConnection: close\r\n\r\n"
               % len(BODY)) + BODY
 MITM_VENV = Path("/tmp/agentvm-bench-mitm-venv")
-TARGETS = {"gate_vs_squid_c10": 1.0, "tunnel_gate_vs_direct": 0.8}
+TARGETS = {"gate_vs_squid_c10": 1.0, "tunnel_gate_vs_direct": 0.8, "added_p99_ms": 1.0, "rss_500_mib": 200.0}
+DENSITY = 500  # sandboxes, each with one keep-alive connection through the gate
 
 
 def cpu_seconds(pid: int | None) -> float | None:
@@ -165,12 +166,15 @@ def role_gate(args) -> None:
     pol = dataclasses.replace(pol, limits=EgressLimits(connections=4096, requests_per_second=1e9,
                                                        burst=10**9, bytes_out=1 << 60))
     prof = None
+    raise_fd_limit()
 
     async def main():
         nonlocal prof
         d = Path(args.state)
         gate = Gate(d / "state", d / "logs")
         await gate.open_endpoint("bench", "bench", pol, Path(args.sock))
+        for i in range(args.endpoints or 0):  # one more endpoint per simulated sandbox
+            await gate.open_endpoint(f"bench-{i}", "bench", pol, Path(f"{args.sock}.{i}"))
         loop = asyncio.get_running_loop()
         stop = asyncio.Event()
         loop.add_signal_handler(signal.SIGTERM, stop.set)
@@ -638,6 +642,52 @@ def print_profile(path: str, title: str, top: int = 15) -> None:
         print(body.rstrip())
 
 
+def raise_fd_limit() -> None:
+    """The density cell holds thousands of sockets (a listener, a client and an upstream
+    connection per sandbox): lift the soft descriptor limit to the hard one, as the daemon does."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY else 1 << 20, hard))
+
+
+def rss_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        for ln in f:
+            if ln.startswith("VmRSS:"):
+                return int(ln.split()[1]) / 1024
+    return float("nan")
+
+
+def density_cell(pid: int, sock: str, n: int, request: str) -> dict:
+    """``n`` sandboxes (endpoints), each with one keep-alive connection that made one request
+    (so the gate also holds a pooled upstream connection per sandbox): the gate's RSS."""
+    raise_fd_limit()
+    idle = rss_mib(pid)
+    req = request.encode().decode("unicode_escape").encode()
+
+    async def main():
+        conns, ok = [], 0
+        for i in range(n):
+            r, w = await asyncio.open_unix_connection(f"{sock}.{i}")
+            w.write(req)
+            conns.append((r, w))
+        for r, _ in conns:
+            head = await asyncio.wait_for(r.readuntil(b"\r\n\r\n"), 30)
+            if b" 200 " in head.split(b"\r\n")[0]:
+                ok += 1
+                await r.readexactly(len(BODY))
+        await asyncio.sleep(0.5)
+        rss = rss_mib(pid)
+        for _, w in conns:
+            w.close()
+        return ok, rss
+
+    ok, rss = asyncio.run(main())
+    return {"rss_mib": rss, "idle_mib": idle, "ok": ok}
+
+
 # ============================================================================ main
 
 
@@ -665,6 +715,7 @@ def main() -> int:
     ap.add_argument("--unix", help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--watch-pid", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--endpoints", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
     roles = {"upstream": role_upstream, "tls-source": role_tls_source, "gate": role_gate, "loadgen": role_loadgen}
     if args.role:
@@ -754,6 +805,17 @@ def main() -> int:
                 res["tunnel"][kind] = tunnel_cell(kind, env, tunnel_bytes, repeats)
             except Exception as exc:  # noqa: BLE001
                 res["tunnel"][kind] = {"error": f"{type(exc).__name__}: {exc}"}
+
+        log(f"density: {DENSITY} sandboxes, one keep-alive connection each")
+        try:
+            dense = Child("gate", me("gate", "--ports", f"{http_port},{tls_port}", "--sock", str(tmp / "dense.sock"),
+                                     "--state", str(tmp / "gate-dense"), "--endpoints", str(DENSITY)), ready_timeout=120)
+            children.append(dense)
+            res["density"] = density_cell(dense.p.pid, str(tmp / "dense.sock"), DENSITY,
+                                          f"GET http://{NAME}:{http_port}/ HTTP/1.1\r\nHost: {NAME}:{http_port}\r\n\r\n")
+            dense.stop()
+        except Exception as exc:  # noqa: BLE001
+            res["density"] = {"error": f"{type(exc).__name__}: {exc}"}
 
         res["bench_seconds"] = time.monotonic() - t_start
 
@@ -873,6 +935,30 @@ def report(res: dict, duration: float, warmup: float, tunnel_bytes: int, repeats
         line("gate / mitmproxy, HTTP c=10", rps("gate"), rps("mitmproxy"))
         line("gate / mitmproxy, HTTP c=1", rps("gate", "c1"), rps("mitmproxy", "c1"))
     line("gate / direct, HTTP c=10", rps("gate"), rps("direct"))
+
+    def cpu_us(name, c="c10"):
+        cell = res["http"].get(name, {}).get(c, {})
+        return cell["proxy_cpu"] / cell["rps"] * 1e6 if cell.get("proxy_cpu") and cell.get("rps") else None
+
+    g_cpu, s_cpu = cpu_us("gate"), cpu_us("squid")
+    if g_cpu is not None:
+        verdict = (f"(target <= squid's {s_cpu:.0f} us: {'met' if g_cpu <= s_cpu else 'MISSED'})" if s_cpu
+                   else "(squid: n/a)")
+        print(f"  {'gate CPU per request, HTTP c=10':38} {g_cpu:6.0f} us  {verdict}")
+    gp99 = res["http"].get("gate", {}).get("c10", {}).get("p99_ms")
+    dp99 = res["http"].get("direct", {}).get("c10", {}).get("p99_ms")
+    if gp99 is not None and dp99 is not None:
+        added = gp99 - dp99
+        print(f"  {'added p99 latency, HTTP c=10':38} {added:6.2f} ms  (gate {gp99:.2f} - direct {dp99:.2f}; "
+              f"target <= {TARGETS['added_p99_ms']:.1f} ms: {'met' if added <= TARGETS['added_p99_ms'] else 'MISSED'})")
+    dn = res.get("density") or {}
+    if "error" in dn:
+        print(f"  {'gate RSS, ' + str(DENSITY) + ' sandboxes':38} error: {dn['error']}")
+    elif dn:
+        ok = dn["rss_mib"] <= TARGETS["rss_500_mib"]
+        print(f"  {'gate RSS, ' + str(DENSITY) + ' sandboxes':38} {dn['rss_mib']:6.0f} MiB  ({dn['ok']}/{DENSITY} "
+              f"connections answered and held; {dn['idle_mib']:.0f} MiB with the endpoints only; "
+              f"target <= {TARGETS['rss_500_mib']:.0f} MiB: {'met' if ok else 'MISSED'})")
     print()
     for name in ("squid", "mitmproxy"):
         if name in res["labels"]:
