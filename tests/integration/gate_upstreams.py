@@ -341,6 +341,9 @@ class H2Upstream:
                     elif isinstance(ev, h2.events.WindowUpdated):
                         for sid in list(self._pending):
                             self._pump(conn, sid)
+                    elif isinstance(ev, h2.events.StreamReset):
+                        self._pending.pop(ev.stream_id, None)
+                        reqs.pop(ev.stream_id, None)
                 writer.write(conn.data_to_send())
                 await writer.drain()
         except Exception as exc:  # a broken test client: recorded for the test to see

@@ -83,6 +83,7 @@ class H2Client:
         import h2.events
 
         out: dict[int, dict] = {}
+        pending: dict[int, memoryview] = {}
         order = []
         for method, path, headers, body in reqs:
             sid = self.conn.get_next_available_stream_id()
@@ -91,8 +92,26 @@ class H2Client:
             hs += list(headers.items())
             self.conn.send_headers(sid, [(k.encode(), v.encode()) for k, v in hs], end_stream=not body)
             if body:
-                self.conn.send_data(sid, body, end_stream=True)
+                pending[sid] = memoryview(body)
             out[sid] = {"status": None, "headers": {}, "body": b"", "trailers": {}, "ended": False, "reset": None}
+
+        def pump():  # request bodies as the flow-control windows allow
+            for sid, view in list(pending.items()):
+                if out[sid]["reset"] is not None or out[sid]["ended"]:
+                    del pending[sid]
+                    continue
+                while view:
+                    n = min(len(view), self.conn.local_flow_control_window(sid), self.conn.max_outbound_frame_size)
+                    if n <= 0:
+                        break
+                    self.conn.send_data(sid, bytes(view[:n]))
+                    view = view[n:]
+                pending[sid] = view
+                if not view:
+                    self.conn.end_stream(sid)
+                    del pending[sid]
+
+        pump()
         self.w.write(self.conn.data_to_send())
         while not all(v["ended"] or v["reset"] is not None for v in out.values()):
             data = await asyncio.wait_for(self.r.read(65536), 10)
@@ -112,6 +131,7 @@ class H2Client:
                     st["ended"] = True
                 elif isinstance(ev, h2.events.StreamReset) and st is not None:
                     st["reset"] = ev.error_code
+            pump()
             self.w.write(self.conn.data_to_send())
         return [out[s] for s in order]
 
@@ -151,13 +171,14 @@ def test_streams_are_decided_one_by_one_on_one_connection(tmp_path, ca, upstream
             ("POST", "/v1/echo", {"content-type": "text/plain"}, b"hello over h2"),
             ("GET", "/trailers/x", {"te": "trailers"}, b""),
             ("GET", "/big?n=300000", {}, b""),  # more than a window: flow control end to end
+            ("POST", "/v1/upload-big", {}, b"u" * 400000),  # and the other way
         ], authority=f"h2.test:{upstream.port}")
         c.close()
         await gate.close_endpoint("sbx-h2")
         return res, upstream.seen[n_before:], _records(ep)
 
     res, seen, recs = run(go())
-    ok, denied, post, trailers, big = res
+    ok, denied, post, trailers, big, upload = res
     assert ok["status"] == 200 and json.loads(ok["body"])["path"] == "/v1/items?x=1"
     assert denied["status"] == 403 and denied["headers"]["x-agentvm-denied"] == "default-deny"
     assert json.loads(denied["body"])["rule"] == "default-deny"
@@ -165,7 +186,9 @@ def test_streams_are_decided_one_by_one_on_one_connection(tmp_path, ca, upstream
     assert trailers["trailers"] == {"x-trailer": "done"}
     assert json.loads(trailers["body"])["headers"].get("te") == "trailers"
     assert big["status"] == 200 and len(big["body"]) == 300000
-    assert sorted(r["path"] for r in seen) == sorted(["/v1/items?x=1", "/v1/echo", "/trailers/x", "/big?n=300000"])
+    assert upload["status"] == 200 and len(json.loads(upload["body"])["body"]) == 400000
+    assert sorted(r["path"] for r in seen) == sorted(["/v1/items?x=1", "/v1/echo", "/trailers/x", "/big?n=300000",
+                                                      "/v1/upload-big"])
     assert all(r["authority"] == f"h2.test:{upstream.port}" for r in seen)
     by_path = {r["path"]: r for r in recs if r.get("path")}
     assert by_path["/admin"]["verdict"] == "deny" and by_path["/admin"]["protocol"] == "h2"
@@ -420,3 +443,34 @@ def test_grpc_client_in_a_sandbox_allowed_denied_and_the_token_swapped(sbx):
     assert say and say[0]["verdict"] == "allow" and say[0]["protocol"] == "h2" and say[0].get("credentials") == ["grpc"]
     assert say[0].get("scrubbed") and say[0].get("alert")
     assert any(x.get("path") == "/echo.Echo/Secret" and x["verdict"] == "deny" for x in recs)
+
+
+def test_a_stream_the_sandbox_resets_ends_alone_and_is_logged(tmp_path, ca, upstream):
+    import h2.errors
+    import h2.events
+
+    async def go():
+        gate, ep, sock = await _gate(tmp_path, ca, upstream.port)
+        c = await H2Client.open(sock, "h2.test", upstream.port, _gate_ca(tmp_path))
+        conn = c.conn
+        sid = conn.get_next_available_stream_id()
+        conn.send_headers(sid, [(b":method", b"GET"), (b":scheme", b"https"),
+                                (b":authority", f"h2.test:{upstream.port}".encode()), (b":path", b"/big?n=200000")],
+                          end_stream=True)
+        c.w.write(conn.data_to_send())
+        got = 0
+        while got == 0:  # the first data of the response, then the sandbox gives up on it
+            for ev in conn.receive_data(await asyncio.wait_for(c.r.read(65536), 10)):
+                if isinstance(ev, h2.events.DataReceived) and ev.stream_id == sid:
+                    got += len(ev.data)
+        conn.reset_stream(sid, h2.errors.ErrorCodes.CANCEL)
+        c.w.write(conn.data_to_send())
+        (after,) = await c.requests([("GET", "/v1/after", {}, b"")], authority=f"h2.test:{upstream.port}")
+        c.close()
+        await gate.close_endpoint("sbx-h2")
+        return after, _records(ep)
+
+    after, recs = run(go())
+    assert after["status"] == 200 and json.loads(after["body"])["path"] == "/v1/after"  # the connection lives on
+    big = [r for r in recs if r.get("path") == "/big?n=200000"]
+    assert len(big) == 1 and big[0]["error"] == "client-reset" and big[0]["bytes_in"] < 200000

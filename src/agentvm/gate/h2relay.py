@@ -152,7 +152,9 @@ class H2Bridge:
         elif isinstance(ev, h2.events.StreamReset):
             s = self.streams.pop(ev.stream_id, None)
             if s is not None and s.up is not None:
+                self.by_up.pop(s.up, None)
                 self._reset(self.up, s.up, _CANCEL)
+                self._drop(s.to_down, self.up, s.up)  # received from the upstream, never to be sent
                 if not s.done:
                     self._log_stream(s, error="client-reset")
         elif isinstance(ev, h2.events.WindowUpdated):
@@ -239,9 +241,10 @@ class H2Bridge:
         """Log the denial and answer it on this stream only (unless an answer already began)."""
         self.ep.log(**cmd.log_fields(), protocol="h2")
         s.done = True
-        s.to_up.clear()
+        self._drop(s.to_up, self.down, s.down)
         if s.up is not None:
             self.by_up.pop(s.up, None)
+        self._drop(s.to_down, self.up, s.up)
         if s.answered:
             self._reset(self.down, s.down, _CANCEL)
             return
@@ -252,7 +255,6 @@ class H2Bridge:
                                             (b"content-length", str(len(body)).encode()),
                                             (b"x-agentvm-denied", rid.encode())])
             s.answered = True
-            s.to_down.clear()
             s.to_down.append((body, 0))
             s.down_end = True
             self._pump_down(s)
@@ -304,6 +306,9 @@ class H2Bridge:
         elif isinstance(ev, h2.events.StreamReset):
             if s is not None:
                 self.by_up.pop(s.up, None)
+                self.streams.pop(s.down, None)
+                self._drop(s.to_up, self.down, s.down)
+                self._drop(s.to_down, self.up, s.up)
                 self._reset(self.down, s.down, ev.error_code)
                 if not s.done:
                     self._log_stream(s, error="upstream:reset")
@@ -378,7 +383,7 @@ class H2Bridge:
             try:
                 window = min(conn.local_flow_control_window(sid), conn.max_outbound_frame_size)
             except h2.exceptions.StreamClosedError:
-                queue.clear()
+                self._drop(queue, other, other_sid)
                 return False
             if window <= 0 and data:
                 return False
@@ -387,7 +392,7 @@ class H2Bridge:
                 try:
                     conn.send_data(sid, data[:n])
                 except h2.exceptions.ProtocolError:
-                    queue.clear()
+                    self._drop(queue, other, other_sid)
                     return False
             if n < len(data):
                 queue[0] = (data[n:], ack)
@@ -397,12 +402,20 @@ class H2Bridge:
                 self._ack(other, other_sid, ack)
         return True
 
+    def _drop(self, queue: deque, other, other_sid) -> None:
+        """Data that will not be forwarded is still acknowledged to its sender: the connection's
+        window must come back, or every other stream of that connection starves."""
+        for _, ack in queue:
+            if other_sid is not None:
+                self._ack(other, other_sid, ack)
+        queue.clear()
+
     @staticmethod
     def _ack(conn, sid: int, n: int) -> None:
         if n:
             try:
                 conn.acknowledge_received_data(n, sid)
-            except (h2.exceptions.ProtocolError, KeyError):
+            except (h2.exceptions.ProtocolError, KeyError, ValueError):
                 pass
 
     @staticmethod
