@@ -151,3 +151,62 @@ def test_origin_form_host_without_port_is_marked():
 def test_our_header_namespace_is_never_forwarded():
     r = h1.parse_request(head("GET http://a.test/ HTTP/1.1", "Host: a.test", "X-Agentvm-Sandbox: other", "Accept: */*"))
     assert [k for k, _ in h1.forward_headers(r, "a.test")] == [b"host", b"accept"]
+
+
+# ---- the gate's own head parser is at least as strict as h11 (which it replaced) -----------------
+
+METHODS = [b"GET"] * 4 + [b"POST"] * 3 + [b"CONNECT", b"PUT", b"G@T", b"", b"get"]
+TARGETS = [b"http://a.test/", b"http://a.test:80/p?q=1", b"http://a.test:8080", b"/x", b"a.test:443", b"*",
+           b"http://a.test/\xff", b"http://a.test/a b", b"https://a.test/", b"http://[::1]:80/", b"http://u@a.test/"]
+VERSIONS = [b"HTTP/1.1"] * 6 + [b"HTTP/1.0"] * 2 + [b"HTTP/2.0", b"HTTP/1.1 x", b"http/1.1", b""]
+NAMES = [b"X-A", b"Accept", b"User-Agent"] * 4 + [b"Host", b"host", b"Content-Length", b"Transfer-Encoding", b"X A", b"",
+                                                   b"Upgrade", b"Connection"]
+VALUES = [b"v", b"*/*", b"x y"] * 3 + [b"a.test", b"a.test:80", b"a.test:8080", b"5", b"05", b"chunked", b"gzip", b" v ",
+                                       b"", b"\x01", b"\xff", b"websocket", b"close", b"\t"]
+SEPS = [b": "] * 6 + [b":", b" : ", b":\t"]
+
+
+@st.composite
+def request_heads(draw):
+    line = b" ".join([draw(st.sampled_from(METHODS)), draw(st.sampled_from(TARGETS)), draw(st.sampled_from(VERSIONS))])
+    fields = draw(st.lists(st.tuples(st.sampled_from(NAMES), st.sampled_from(SEPS), st.sampled_from(VALUES)), max_size=5))
+    if draw(st.booleans()):
+        fields.insert(0, (b"Host", b": ", draw(st.sampled_from([b"a.test", b"a.test:80", b"a.test:443"]))))
+    eol = draw(st.sampled_from([b"\r\n"] * 8 + [b"\n", b"\r\n "]))
+    return eol.join([line] + [n + sep + v for n, sep, v in fields]) + b"\r\n\r\n"
+
+
+@settings(max_examples=1500, suppress_health_check=[HealthCheck.too_slow], deadline=None)
+@given(request_heads())
+def test_differential_every_head_the_gate_accepts_h11_accepts_the_same_way(raw):
+    import h11
+
+    try:
+        req, _ = h1.parse_head(raw)
+    except h1.ProtocolError:
+        return
+    conn = h11.Connection(h11.SERVER)
+    conn.receive_data(raw)
+    ev = conn.next_event()  # must not raise: the gate accepted it
+    assert isinstance(ev, h11.Request), ev
+    assert ev.method.decode() == req.method and ev.target.decode() == req.target
+    assert [(bytes(k), bytes(v)) for k, v in ev.headers] == list(req.headers)
+    assert ev.http_version.decode() == req.http_version
+
+
+def test_the_differential_generator_reaches_accepted_heads():
+    """The test above is only as good as its inputs: a fair share must be accepted."""
+    import random
+
+    rnd, accepted = random.Random(7), 0
+    for _ in range(3000):
+        line = b" ".join([rnd.choice(METHODS), rnd.choice(TARGETS), rnd.choice(VERSIONS)])
+        fields = [rnd.choice(NAMES) + rnd.choice(SEPS) + rnd.choice(VALUES) for _ in range(rnd.randint(0, 5))]
+        if rnd.random() < 0.5:
+            fields.insert(0, b"Host: " + rnd.choice([b"a.test", b"a.test:80", b"a.test:443"]))
+        try:
+            h1.parse_head(b"\r\n".join([line] + fields) + b"\r\n\r\n")
+            accepted += 1
+        except h1.ProtocolError:
+            pass
+    assert accepted > 100, accepted
