@@ -39,6 +39,22 @@ class DoctorReport:
         }
 
 
+def _gate_stack() -> Primitive:
+    """The gate's libraries (dependencies of agent-vm): without uvloop the gate runs on
+    asyncio's own loop (slower); without httptools or h2 it cannot relay at all - every
+    connection through it fails (closed, never open) - so a broken install shows here."""
+    missing, have = [], []
+    for mod in ("uvloop", "httptools", "h2"):
+        try:
+            m = __import__(mod)
+            have.append(f"{mod} {getattr(m, '__version__', '?')}")
+        except ImportError:
+            missing.append(mod)
+    if missing:
+        return Primitive("gate-stack", False, f"missing {', '.join(missing)} (reinstall agent-vm: pip install -e .)")
+    return Primitive("gate-stack", True, ", ".join(have))
+
+
 def _kvm() -> Primitive:
     if not os.path.exists("/dev/kvm"):
         return Primitive("kvm", False, "no /dev/kvm")
@@ -123,6 +139,6 @@ def run_doctor(smoke: bool = True, substrate: str = "bwrap") -> DoctorReport:
         else:
             prims.append(Primitive("smoke-test", False, "skipped: required primitives missing"))
         required.append("smoke-test")
-    extras = [_favordynmods(), _kvm()] + ([_gvisor()] if substrate != "gvisor" else [])
+    extras = [_gate_stack(), _favordynmods(), _kvm()] + ([_gvisor()] if substrate != "gvisor" else [])
     facts = dict(caps.facts, kernel=os.uname().release)
     return DoctorReport(prims, required, extras, facts, substrate)
