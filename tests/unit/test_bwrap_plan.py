@@ -177,7 +177,7 @@ def test_environment_is_built_from_the_spec_only(plan, monkeypatch):
             "AGENTVM_AGENT", "FOO"}
     gate = {"HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy", "NO_PROXY", "no_proxy",
             "SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", "GIT_SSL_CAINFO", "PIP_CERT", "AWS_CA_BUNDLE",
-            "NODE_EXTRA_CA_CERTS", "NODE_USE_ENV_PROXY"}
+            "NODE_EXTRA_CA_CERTS", "NODE_USE_ENV_PROXY", "GRPC_DEFAULT_SSL_ROOTS_FILE_PATH"}
     assert set(env) == base | gate
     none = backend().compile(dataclasses.replace(POLICY, network="none", egress=None), CTX)
     assert set(dict(none.env)) == base, "network none: no route, so no proxy variables either"
