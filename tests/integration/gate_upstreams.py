@@ -370,14 +370,20 @@ class H2Upstream:
 
     def _pump(self, conn, sid: int) -> None:
         """Send what the flow-control window allows; the end (or trailers) once all is sent."""
+        import h2.exceptions
+
         view, trailers = self._pending[sid]
-        while view:
-            n = min(len(view), conn.local_flow_control_window(sid), conn.max_outbound_frame_size)
-            if n <= 0:
-                self._pending[sid][0] = view
-                return
-            conn.send_data(sid, bytes(view[:n]))
-            view = view[n:]
+        try:
+            while view:
+                n = min(len(view), conn.local_flow_control_window(sid), conn.max_outbound_frame_size)
+                if n <= 0:
+                    self._pending[sid][0] = view
+                    return
+                conn.send_data(sid, bytes(view[:n]))
+                view = view[n:]
+        except h2.exceptions.StreamClosedError:  # the client (the gate) reset it meanwhile
+            del self._pending[sid]
+            return
         del self._pending[sid]
         if trailers:
             conn.send_headers(sid, [(b"x-trailer", b"done")], end_stream=True)

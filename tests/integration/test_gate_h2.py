@@ -474,3 +474,110 @@ def test_a_stream_the_sandbox_resets_ends_alone_and_is_logged(tmp_path, ca, upst
     assert after["status"] == 200 and json.loads(after["body"])["path"] == "/v1/after"  # the connection lives on
     big = [r for r in recs if r.get("path") == "/big?n=200000"]
     assert len(big) == 1 and big[0]["error"] == "client-reset" and big[0]["bytes_in"] < 200000
+
+
+def _zstd_rle(blocks: int) -> bytes:
+    """A valid zstd frame of ``blocks`` RLE blocks of 128 KiB each: 4 bytes per 128 KiB decoded."""
+    import struct
+
+    out = b"\x28\xb5\x2f\xfd\x00" + bytes([(23 - 10) << 3])  # magic, no flags, a 8 MiB window
+    for i in range(blocks):
+        out += struct.pack("<I", (1 if i == blocks - 1 else 0) | 2 | ((128 * 1024) << 3))[:3] + b"A"
+    return out
+
+
+async def _bridged(monkeypatch):
+    """Capture the H2Bridge objects the gate makes (to look at what they hold)."""
+    import agentvm.gate.h2relay as hr
+
+    made = []
+    orig = hr.H2Bridge.__init__
+
+    def init(self, *a, **kw):
+        orig(self, *a, **kw)
+        made.append(self)
+
+    monkeypatch.setattr(hr.H2Bridge, "__init__", init)
+    return made
+
+
+def test_a_compressed_answer_is_decoded_no_faster_than_the_sandbox_reads(tmp_path, ca, monkeypatch):
+    """With credentials in the sandbox a compressed response is decoded to be scrubbed; a
+    32 MiB zstd bomb (1 KiB on the wire) to a sandbox that never opens its window must not
+    make the gate hold the decoded bytes."""
+    import h2.config
+    import h2.connection
+    import h2.events
+
+    from agentvm.gate.credentials import CredentialSet, compile_credentials, make_placeholder
+
+    bomb = _zstd_rle(256)
+
+    async def bomb_upstream(r, w):
+        conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=False, header_encoding=None))
+        conn.initiate_connection()
+        w.write(conn.data_to_send())
+        while data := await r.read(65536):
+            for ev in conn.receive_data(data):
+                if isinstance(ev, h2.events.RequestReceived):
+                    conn.send_headers(ev.stream_id, [(b":status", b"200"), (b"content-encoding", b"zstd")])
+                    conn.send_data(ev.stream_id, bomb, end_stream=True)
+            w.write(conn.data_to_send())
+            await w.drain()
+
+    b = SimpleNamespace(
+        name="api", env="API_KEY", ref="vault:api", hosts=["h2.test"],
+        inject=SimpleNamespace(header="Authorization", format="Bearer {}", basic=None, query=None), file=None,
+        placeholder=SimpleNamespace(prefix="sk-", length=None, charset="alnum"), sigv4=None, hmac=None)
+    bindings = compile_credentials([b])
+    creds = CredentialSet(bindings, {"api": make_placeholder(bindings[0], len(REAL))}, lambda n: REAL, lambda n: False)
+
+    async def go():
+        made = await _bridged(monkeypatch)
+        sctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        sctx.load_cert_chain(str(ca[1]), str(ca[2]))
+        sctx.set_alpn_protocols(["h2"])
+        srv = await asyncio.start_server(bomb_upstream, "127.0.0.1", 0, ssl=sctx)
+        port = srv.sockets[0].getsockname()[1]
+        gate, ep, sock = await _gate(tmp_path, ca, port, creds=creds)
+        c = await H2Client.open(sock, "h2.test", port, _gate_ca(tmp_path))
+        sid = c.conn.get_next_available_stream_id()
+        c.conn.send_headers(sid, [(b":method", b"GET"), (b":scheme", b"https"), (b":authority", f"h2.test:{port}".encode()),
+                                  (b":path", b"/v1/bomb"), (b"accept-encoding", b"zstd")], end_stream=True)
+        c.w.write(c.conn.data_to_send())
+        got = 0
+        for _ in range(10):  # read, never acknowledge: the sandbox's window stays shut
+            try:
+                data = await asyncio.wait_for(c.r.read(65536), 0.3)
+            except asyncio.TimeoutError:
+                break
+            for ev in c.conn.receive_data(data):
+                if isinstance(ev, h2.events.DataReceived):
+                    got += len(ev.data)
+        held = sum(len(x) for s in made[0].streams.values() for x, _ in s.to_down
+                   if isinstance(x, (bytes, bytearray, memoryview)))
+        c.close()
+        await gate.close_endpoint("sbx-h2")
+        srv.close()
+        return got, held
+
+    got, held = run(go())
+    assert got <= 65535 and held < 1 << 20, (got, held)
+
+
+def test_denied_streams_are_not_kept(tmp_path, ca, upstream, monkeypatch):
+    async def go():
+        made = await _bridged(monkeypatch)
+        gate, ep, sock = await _gate(tmp_path, ca, upstream.port)
+        c = await H2Client.open(sock, "h2.test", upstream.port, _gate_ca(tmp_path))
+        statuses = set()
+        for _ in range(4):
+            res = await c.requests([("GET", "/not-allowed", {}, b"")] * 50, authority=f"h2.test:{upstream.port}")
+            statuses |= {r["status"] for r in res}
+        kept = len(made[0].streams) + len(made[0].by_up)
+        c.close()
+        await gate.close_endpoint("sbx-h2")
+        return statuses, kept
+
+    statuses, kept = run(go())
+    assert statuses <= {403, 429} and kept == 0

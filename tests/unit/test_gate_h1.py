@@ -75,6 +75,8 @@ def test_body_framing_and_upgrade_are_reported():
         (head("CONNECT a.test:0 HTTP/1.1", "Host: a.test"), "bad-port"),
         (head("GET http://a/ HTTP/1.1", "Host: a", "Host: b"), "bad-request"),
         (head("GET http://a/ HTTP/1.1"), "bad-request"),  # HTTP/1.1 without Host
+        (head("POST http://a/ HTTP/1.1", "Host: a", "Content-Length: " + "9" * 5000), "bad-content-length"),
+        (head("POST http://a/ HTTP/1.1", "Host: a", "Content-Length: 4", "Connection: content-length"), "bad-connection"),
     ],
 )
 def test_refused_requests(raw, code):

@@ -14,6 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from agentvm.gate import h1
 from agentvm.gate.policy import compile_egress
 from agentvm.gate.server import Gate
 
@@ -527,3 +528,96 @@ def test_a_request_whose_client_has_gone_is_not_forwarded_late(tmp_path):
     assert b"/pay" not in bytes(up.received), "forwarded after the client had gone"
     lines = [json.loads(ln) for ln in ep.log_path.read_text().splitlines()]
     assert any(ln["rule"] == "client-gone" and ln["path"] == "/pay" for ln in lines), lines
+
+
+# ---- regressions from the review of the h11-free relay ----------------------------------------------
+
+
+@pytest.mark.parametrize("connection", ["content-length", "keep-alive, Transfer-Encoding", "upgrade, content-length",
+                                        "Host"])
+def test_a_connection_header_cannot_strip_the_bodys_framing(tmp_path, connection):
+    """``Connection: content-length`` used to make the gate drop Content-Length upstream while
+    still sending the body: the body became a second request the policy never saw."""
+    smuggled = b"GET /admin/secret HTTP/1.1\r\nHost: up.test\r\n\r\n"
+
+    async def go():
+        gate, ep, up, sock = await setup_gate(tmp_path)
+        out = await exchange(sock, req(up.port, path="/public", method="POST", body=smuggled,
+                                       extra=f"Connection: {connection}\r\n"))
+        await asyncio.sleep(0.1)
+        await gate.close_endpoint("sbx-1")
+        return out, bytes(up.received)
+
+    out, seen = run(go())
+    assert out.startswith(b"HTTP/1.1 400") and b"bad-request:bad-connection" in out
+    assert seen == b""  # nothing reached the upstream
+
+
+def test_the_body_framing_upstream_is_always_the_gates_own():
+    r = h1.parse_request(b"POST http://a.test/ HTTP/1.1\r\nHost: a.test\r\nContent-Length: 5\r\nConnection: x-y\r\n\r\n")
+    fwd = h1.forward_headers(r, "a.test")
+    assert [v for k, v in fwd if k == b"content-length"] == [b"5"] and not any(k == b"transfer-encoding" for k, _ in fwd)
+    r = h1.parse_request(b"POST http://a.test/ HTTP/1.1\r\nHost: a.test\r\nTransfer-Encoding: chunked\r\n\r\n")
+    fwd = h1.forward_headers(r, "a.test")
+    assert [v for k, v in fwd if k == b"transfer-encoding"] == [b"chunked"] and not any(k == b"content-length" for k, _ in fwd)
+
+
+def test_an_upstream_cannot_forge_a_response_with_a_1xx_body(tmp_path):
+    """A 1xx head with a body used to put the upstream's bytes in front of the real answer."""
+
+    async def go():
+        async def evil(r, w):
+            await r.read(65536)
+            w.write(b"HTTP/1.1 150 Odd\r\nContent-Length: 40\r\n\r\nHTTP/1.1 200 OK\r\nContent-Length: 6\r\n\r\nforged"
+                    b"HTTP/1.1 200 OK\r\nContent-Length: 4\r\n\r\nreal")
+            await w.drain()
+            await asyncio.sleep(0.5)
+            w.close()
+
+        srv = await asyncio.start_server(evil, "127.0.0.1", 0)
+        port = srv.sockets[0].getsockname()[1]
+        eg = compile_egress(None, extra_allow=[f"up.test:{port}"], extra_hosts={"up.test": "127.0.0.1"})
+        gate = Gate(tmp_path / "gate", tmp_path / "logs")
+        sock = tmp_path / "g.sock"
+        ep = await gate.open_endpoint("sbx-1", "agent", eg, sock)
+        out = await exchange(sock, req(port))
+        await gate.close_endpoint("sbx-1")
+        srv.close()
+        return out, ep
+
+    out, ep = run(go())
+    assert out.startswith(b"HTTP/1.1 502") and b"upstream:protocol-error" in out and b"forged" not in out
+    recs = [json.loads(ln) for ln in ep.log_path.read_text().splitlines()]
+    assert any(r.get("error") == "upstream:protocol-error" for r in recs)
+
+
+def test_a_pooled_connection_with_unread_bytes_is_never_reused(tmp_path):
+    """An upstream that sends a response ahead of any request must not answer a later one."""
+
+    async def go():
+        gate, ep, up, sock = await setup_gate(tmp_path)
+        out = await exchange(sock, req(up.port, path="/one"))
+        assert out.endswith(b"ok")
+        [(key, idle)] = list(ep.pool.items())
+        stream = idle[0][0]
+        stream.reader.feed_data(b"HTTP/1.1 200 OK\r\nContent-Length: 6\r\n\r\nforged")  # as if sent unasked
+        assert not stream.reusable and ep.pool_get(key) is None
+        await gate.close_endpoint("sbx-1")
+
+    run(go())
+
+
+def test_idle_upstream_connections_expire_on_a_timer_and_are_capped(tmp_path, monkeypatch):
+    from agentvm.gate import endpoint
+
+    monkeypatch.setattr(endpoint, "POOL_IDLE_SECONDS", 0.2)
+
+    async def go():
+        gate, ep, up, sock = await setup_gate(tmp_path)
+        out = await exchange(sock, req(up.port, path="/one"))
+        assert out.endswith(b"ok") and ep._pool_idle == 1
+        await asyncio.sleep(0.5)  # no other request: the timer alone expires it
+        assert ep._pool_idle == 0 and not ep.pool
+        await gate.close_endpoint("sbx-1")
+
+    run(go())

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 # POOL_IDLE_SECONDS unused
 POOL_IDLE = 32
 POOL_IDLE_SECONDS = 30.0
+POOL_IDLE_TOTAL = 128  # idle upstream connections one sandbox may hold in all
 
 
 class Cut(Exception):
@@ -93,13 +94,17 @@ class Endpoint:
         self.alerts = 0
         # idle upstream connections: per sandbox, never shared across sandboxes
         self.pool: dict[tuple, list[tuple[PlainStream, float]]] = {}
-        self._pool_puts = 0
+        self._pool_idle = 0
+        self._pool_timer: asyncio.TimerHandle | None = None  # the prune that expires idle connections
 
     def pool_get(self, key: tuple):
+        """An idle connection to ``key`` - only one the upstream has not closed and has sent
+        nothing on since (a response sent ahead of its request must never answer one)."""
         idle = self.pool.get(key)
         now = time.monotonic()
         while idle:
             stream, stamp = idle.pop()
+            self._pool_idle -= 1
             if stream.reusable and now - stamp < POOL_IDLE_SECONDS:
                 return stream
             stream.close()
@@ -107,28 +112,49 @@ class Endpoint:
 
     def pool_put(self, key: tuple, stream: "PlainStream") -> None:
         idle = self.pool.setdefault(key, [])
-        now = time.monotonic()
-        self._pool_puts += 1
-        if self._pool_puts % 256 == 0:
-            self.pool_prune(now)
-        if len(idle) < POOL_IDLE and stream.reusable:
-            idle.append((stream, now))
-        else:
+        if len(idle) >= POOL_IDLE or self._pool_idle >= POOL_IDLE_TOTAL or not stream.reusable:
             stream.close()
+            return
+        idle.append((stream, time.monotonic()))
+        self._pool_idle += 1
+        if self._pool_timer is None:
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:  # pragma: no cover - the gate always runs in its loop
+                return
+            self._pool_timer = loop.call_later(POOL_IDLE_SECONDS / 2, self._pool_tick)
+
+    def _pool_tick(self) -> None:
+        self._pool_timer = None
+        self.pool_prune(time.monotonic())
+        if self._pool_idle:
+            self._pool_timer = asyncio.get_running_loop().call_later(POOL_IDLE_SECONDS / 2, self._pool_tick)
 
     def pool_prune(self, now: float) -> None:
-        """Close the idle connections unused for POOL_IDLE_SECONDS (oldest first, every key)."""
+        """Close the idle connections unused for POOL_IDLE_SECONDS, or closed by the upstream
+        meanwhile (every key): a connection's descriptor is not kept past its use."""
         for key, idle in list(self.pool.items()):
-            while idle and now - idle[0][1] >= POOL_IDLE_SECONDS:
-                idle.pop(0)[0].close()
-            if not idle:
+            keep = []
+            for stream, stamp in idle:
+                if now - stamp < POOL_IDLE_SECONDS and stream.reusable:
+                    keep.append((stream, stamp))
+                else:
+                    stream.close()
+                    self._pool_idle -= 1
+            if keep:
+                self.pool[key] = keep
+            else:
                 del self.pool[key]
 
     def pool_close(self) -> None:
+        if self._pool_timer is not None:
+            self._pool_timer.cancel()
+            self._pool_timer = None
         for idle in self.pool.values():
             for stream, _ in idle:
                 stream.close()
         self.pool.clear()
+        self._pool_idle = 0
 
     @property
     def paused(self) -> bool:

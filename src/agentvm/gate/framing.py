@@ -181,7 +181,7 @@ class ResponseReader:
         self._extra = False  # bytes after the end: not reusable
         self._eof = False
         self._keep_alive = False
-        self._pos = 0
+        self._bad: str | None = None
 
     # -- httptools callbacks
     def on_message_begin(self) -> None:
@@ -201,7 +201,10 @@ class ResponseReader:
         p = self._parser
         code = p.get_status_code()
         head = Head(code, self._reason, self._headers, p.get_http_version())
+        self._headers = []  # trailers (chunked responses) must not join the head's fields
         self._events.append(head)
+        if code < 200 and code != 101 and any(k in (b"content-length", b"transfer-encoding") for k, _ in head.headers):
+            self._bad = "a 1xx response declaring a body"
         if code >= 200 or code == 101:
             self._final = True
             self._keep_alive = p.should_keep_alive()
@@ -209,15 +212,18 @@ class ResponseReader:
                 self._complete = True
                 self._events.append(END)
             else:
-                te = [v for k, v in self._headers if k == b"transfer-encoding"]
+                te = [v for k, v in head.headers if k == b"transfer-encoding"]
                 chunked = bool(te) and te[-1].rsplit(b",", 1)[-1].strip().lower() == b"chunked"
-                has_length = any(k == b"content-length" for k, _ in self._headers)
+                has_length = any(k == b"content-length" for k, _ in head.headers)
                 # RFC 9112 6.3: a response neither chunked nor with a length ends with the connection
                 self._until_close = not chunked and (bool(te) or not has_length)
 
     def on_body(self, body: bytes) -> None:
         if self._complete:
             self._extra = True
+            return
+        if not self._final:  # bytes before the final head: an upstream forging a response
+            self._bad = "a body before the final response head"
             return
         self._events.append(bytes(body))
 
@@ -251,6 +257,9 @@ class ResponseReader:
                 self._extra = True
                 return
             raise FramingError(f"the upstream broke HTTP/1.1: {exc}") from None
+        if self._bad is not None:
+            self._events.clear()
+            raise FramingError(f"the upstream broke HTTP/1.1: {self._bad}")
 
     def next_event(self):
         if self._events:
@@ -280,6 +289,8 @@ def request_head(method: str, target: str, headers: list[tuple[bytes, bytes]]) -
     t = target.encode("ascii")
     if not t or _BAD_TARGET.search(t) or not _TOKEN.match(method.encode("ascii")):
         raise ValueError("a request line the gate would send is malformed")
+    if sum(1 for k, _ in headers if k in (b"content-length", b"transfer-encoding")) > 1:
+        raise ValueError("a request the gate would send declares its framing twice")
     _check_fields(headers)
     return b"".join([method.encode("ascii"), b" ", t, b" HTTP/1.1\r\n",
                      *(k + b": " + v + b"\r\n" for k, v in headers), b"\r\n"])

@@ -38,6 +38,7 @@ HOP_BY_HOP = frozenset(
         b"upgrade",
     }
 )
+_CONNECTION_BAD = re.compile(rb"(?:^|[,\s])(?:content-length|transfer-encoding|host)\s*(?:,|$)")
 _VALUE_CTL = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")  # control characters but HTAB
 _RULE_ID_SAFE = re.compile(rb"[^A-Za-z0-9._:\[\]/*-]")
 
@@ -103,14 +104,17 @@ def check_head(head: bytes) -> tuple[bytes, list[tuple[bytes, bytes]]]:
         lname = name.lower()
         if lname == b"content-length":
             cl += 1
-            if not value.strip().isdigit():
-                raise ProtocolError("bad-content-length", "Content-Length is not a single number")
+            v = value.strip()
+            if not v.isdigit() or len(v) > 18:
+                raise ProtocolError("bad-content-length", "Content-Length is not a single number (at most 18 digits)")
         elif lname == b"transfer-encoding":
             te += 1
             if value.strip().lower() != b"chunked":
                 raise ProtocolError("bad-transfer-encoding", "only 'Transfer-Encoding: chunked' is accepted")
         if _VALUE_CTL.search(value):
             raise ProtocolError("bad-bytes", "control character in a header value")
+        if lname == b"connection" and _CONNECTION_BAD.search(value.lower()):
+            raise ProtocolError("bad-connection", "Connection names a framing or Host header (request smuggling)")
         fields.append((lname, value.strip(b" \t")))
     if cl > 1:
         raise ProtocolError("duplicate-content-length", "more than one Content-Length header")
@@ -257,15 +261,21 @@ def _request(method: str, target: str, headers: tuple[tuple[bytes, bytes], ...],
     )
 
 
+_FRAMING = (b"content-length", b"transfer-encoding")
+
+
 def forward_headers(req: ProxyRequest, host_value: str, *, keep_upgrade: bool = False) -> list[tuple[bytes, bytes]]:
-    """Headers to send upstream: hop-by-hop removed (and those named in Connection), Host set."""
+    """Headers to send upstream: hop-by-hop removed (and those named in Connection), Host set,
+    and the body's framing declared by the gate itself from what it parsed - never the
+    sandbox's own framing headers (a ``Connection: content-length`` must not leave a body
+    without a length upstream: that is request smuggling)."""
     named = set()
     for k, v in req.headers:
         if k == b"connection":
             named |= {t.strip().lower() for t in v.split(b",") if t.strip()}
     out: list[tuple[bytes, bytes]] = [(b"host", host_value.encode("ascii"))]
     for k, v in req.headers:
-        if k == b"host":
+        if k == b"host" or k in _FRAMING:
             continue
         if keep_upgrade and k in (b"upgrade", b"connection"):
             out.append((k, v))
@@ -274,8 +284,9 @@ def forward_headers(req: ProxyRequest, host_value: str, *, keep_upgrade: bool = 
             continue  # the gate answers Expect: 100-continue itself; x-agentvm-* is ours
         out.append((k, v))
     if req.chunked:
-        # Transfer-Encoding is hop-by-hop, but the body's framing must be re-declared upstream
         out.append((b"transfer-encoding", b"chunked"))
+    elif req.content_length is not None:
+        out.append((b"content-length", str(req.content_length).encode("ascii")))
     return out
 
 
@@ -326,7 +337,7 @@ def request_from_h2(headers) -> ProxyRequest:
         raise ProtocolError("bad-request", "HTTP/2 request without :authority")
     host, port = _split_authority(auth, 443)
     cls = [v for k, v in regular if k == b"content-length"]
-    if len(set(cls)) > 1 or (cls and not cls[0].strip().isdigit()):
+    if len(set(cls)) > 1 or (cls and (not cls[0].strip().isdigit() or len(cls[0].strip()) > 18)):
         raise ProtocolError("bad-content-length", "Content-Length is not a single number")
     return ProxyRequest(method=method, target=path.decode("ascii"), scheme="origin", host=host, port=port,
                         path=path.decode("ascii"), headers=tuple(regular),

@@ -30,6 +30,7 @@ import h2.connection
 import h2.errors
 import h2.events
 import h2.exceptions
+import h2.settings
 
 from agentvm.gate import encoding, h1
 from agentvm.gate import exchange as ex
@@ -79,6 +80,7 @@ class H2Bridge:
     async def run(self) -> None:
         self.down.initiate_connection()
         self.up.initiate_connection()
+        self.up.update_settings({h2.settings.SettingCodes.ENABLE_PUSH: 0})  # no pushed streams to track
         await self._flush()
         readers = [asyncio.ensure_future(self._read(self.client, self.down, self._down_event)),
                    asyncio.ensure_future(self._read(self.upstream, self.up, self._up_event))]
@@ -247,6 +249,7 @@ class H2Bridge:
         self._drop(s.to_down, self.up, s.up)
         if s.answered:
             self._reset(self.down, s.down, _CANCEL)
+            self._forget(s)
             return
         rid, body = h1.deny_document(cmd.rule_id, cmd.reason, host=cmd.host, port=cmd.port or 0,
                                      allow=cmd.how_to_allow)
@@ -257,11 +260,10 @@ class H2Bridge:
             s.answered = True
             s.to_down.append((body, 0))
             s.down_end = True
-            self._pump_down(s)
-            if s.down in self.streams and not self._remote_closed(self.down, s.down):
-                self._reset(self.down, s.down, h2.errors.ErrorCodes.NO_ERROR)  # stop its body: not read
+            self._pump_down(s)  # once sent, the stream is forgotten (_forget)
         except h2.exceptions.ProtocolError:
             self._reset(self.down, s.down, _CANCEL)
+            self._forget(s)
 
     # -- the upstream's side ---------------------------------------------------------------
     def _up_event(self, ev) -> None:
@@ -276,16 +278,9 @@ class H2Bridge:
                 return
             s.received += len(ev.data)
             self.ep.bytes_in += len(ev.data)
-            if s.scrub is None:
-                s.to_down.append((ev.data, n))
-            else:
-                try:
-                    data = b"".join(s.scrub.body(ev.data))
-                except encoding.DecodeError as err:
-                    self._ack(self.up, s.up, n)
-                    self._undecodable(s, err)
-                    return
-                s.to_down.append((data, n))
+            # scrubbed (and decoded) lazily, as the sandbox's window allows: a compressed body
+            # is never expanded ahead of what can be sent (no decompression bomb in the gate)
+            s.to_down.append((ev.data if s.scrub is None else s.scrub.body(ev.data), n))
             self._pump_down(s)
         elif isinstance(ev, h2.events.TrailersReceived):
             if s is not None:
@@ -294,13 +289,7 @@ class H2Bridge:
         elif isinstance(ev, h2.events.StreamEnded):
             if s is not None:
                 if s.scrub is not None:
-                    try:
-                        rest = b"".join(s.scrub.finish())
-                    except encoding.DecodeError as err:
-                        self._undecodable(s, err)
-                        return
-                    if rest:
-                        s.to_down.append((rest, 0))
+                    s.to_down.append((s.scrub.finish(), 0))
                 s.down_end = True
                 self._pump_down(s)
         elif isinstance(ev, h2.events.StreamReset):
@@ -362,7 +351,11 @@ class H2Bridge:
             s.up_end = False
 
     def _pump_down(self, s: _Stream) -> None:
-        if not self._pump(self.down, s.down, s.to_down, self.up, s.up):
+        try:
+            if not self._pump(self.down, s.down, s.to_down, self.up, s.up):
+                return
+        except encoding.DecodeError as err:  # a body that does not decode, found as it is sent
+            self._undecodable(s, err)
             return
         if s.down_end:
             try:
@@ -375,9 +368,13 @@ class H2Bridge:
             s.down_end = False
             if not s.done:
                 self._finish(s)
+            else:
+                self._forget(s)
 
     def _pump(self, conn, sid: int, queue: deque, other, other_sid) -> bool:
-        """Send what the window allows; True when ``queue`` is empty."""
+        """Send what the window allows; True when ``queue`` is empty. An entry is bytes, or an
+        iterator of bytes (a scrubbed body) pulled one piece at a time, only while the window
+        is open; its ``ack`` is given back to the sender once it is exhausted."""
         while queue:
             data, ack = queue[0]
             try:
@@ -385,6 +382,17 @@ class H2Bridge:
             except h2.exceptions.StreamClosedError:
                 self._drop(queue, other, other_sid)
                 return False
+            if not isinstance(data, (bytes, bytearray, memoryview)):
+                if window <= 0:
+                    return False
+                piece = next(data, None)  # may raise encoding.DecodeError: the caller's
+                if piece is None:
+                    queue.popleft()
+                    if ack and other_sid is not None:
+                        self._ack(other, other_sid, ack)
+                else:
+                    queue.appendleft((piece, 0))
+                continue
             if window <= 0 and data:
                 return False
             n = min(window, len(data))
@@ -428,14 +436,29 @@ class H2Bridge:
             pass
 
     @staticmethod
+    def _closed(conn, sid: int) -> bool:
+        st = conn.streams.get(sid)
+        return st is None or st.closed
+
+    @staticmethod
     def _remote_closed(conn, sid: int) -> bool:
         st = conn.streams.get(sid)
         return st is None or st.closed or st.state_machine.state.name in ("HALF_CLOSED_REMOTE", "CLOSED")
 
     def _finish(self, s: _Stream) -> None:
         self._log_stream(s)
+        self._forget(s)
+
+    def _forget(self, s: _Stream) -> None:
+        """The stream is over toward the sandbox: nothing of it is kept, and what is still
+        open of it (the sandbox still sending, the upstream stream) is reset."""
         self.by_up.pop(s.up, None)
         self.streams.pop(s.down, None)
+        self._drop(s.to_up, self.down, s.down)
+        if s.up is not None and not self._closed(self.up, s.up):
+            self._reset(self.up, s.up, _CANCEL)
+        if not self._remote_closed(self.down, s.down):
+            self._reset(self.down, s.down, h2.errors.ErrorCodes.NO_ERROR)  # stop its body: not read
 
     def _log_stream(self, s: _Stream, error: str | None = None) -> None:
         s.done = True

@@ -19,7 +19,10 @@ class PlainStream:
 
     @property
     def reusable(self) -> bool:
-        return not self.reader.at_eof() and not self.writer.is_closing()
+        """Open both ways, and nothing unread: bytes an upstream sent unasked (a response ahead
+        of its request) make a connection unusable. (``_buffer`` is StreamReader's buffer, as
+        ``_eof`` below: both in every CPython.)"""
+        return not self.reader.at_eof() and not self.writer.is_closing() and not getattr(self.reader, "_buffer", b"")
 
     async def write(self, data: bytes) -> None:
         self.writer.write(data)
