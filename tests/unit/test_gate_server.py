@@ -361,17 +361,14 @@ def test_upstream_connections_are_reused_and_stale_ones_retried(tmp_path):
 
         srv = await asyncio.start_server(handle, "127.0.0.1", 0)
         port = srv.sockets[0].getsockname()[1]
-        eg = compile_egress(None, extra_allow=[f"up.test:{port}"], extra_hosts={"up.test": "127.0.0.1"})
-        gate = Gate(tmp_path / "gate", tmp_path / "logs")
-        sock = tmp_path / "p.sock"
-        await gate.open_endpoint("sbx-p", "agent", eg, sock)
+        gate, _, sock = await _open_gate_to(tmp_path, port)
         outs = [await exchange(sock, req(port, path=f"/{i}")) for i in range(5)]
         reused = len(accepts)
         for w in conns:  # the upstream drops its idle connections
             w.close()
         await asyncio.sleep(0.1)
         after = await exchange(sock, req(port, path="/after-close"))
-        await gate.close_endpoint("sbx-p")
+        await gate.close_endpoint("sbx-1")
         srv.close()
         return outs, reused, after
 
@@ -576,10 +573,7 @@ def test_an_upstream_cannot_forge_a_response_with_a_1xx_body(tmp_path):
 
         srv = await asyncio.start_server(evil, "127.0.0.1", 0)
         port = srv.sockets[0].getsockname()[1]
-        eg = compile_egress(None, extra_allow=[f"up.test:{port}"], extra_hosts={"up.test": "127.0.0.1"})
-        gate = Gate(tmp_path / "gate", tmp_path / "logs")
-        sock = tmp_path / "g.sock"
-        ep = await gate.open_endpoint("sbx-1", "agent", eg, sock)
+        gate, ep, sock = await _open_gate_to(tmp_path, port)
         out = await exchange(sock, req(port))
         await gate.close_endpoint("sbx-1")
         srv.close()
