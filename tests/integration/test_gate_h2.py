@@ -581,3 +581,46 @@ def test_denied_streams_are_not_kept(tmp_path, ca, upstream, monkeypatch):
 
     statuses, kept = run(go())
     assert statuses <= {403, 429} and kept == 0
+
+
+def test_a_declared_length_the_body_does_not_match_never_reaches_the_upstream_as_a_length(tmp_path, ca, upstream):
+    """H2.CL: a content-length with no body (END_STREAM on the head), or a shorter body ended by
+    trailers, is refused; and the gate never passes a sandbox's content-length upstream (HTTP/2
+    ends bodies with END_STREAM), so a front that would trust it cannot be desynced."""
+    import h2.events
+
+    async def go():
+        gate, ep, sock = await _gate(tmp_path, ca, upstream.port)
+        c = await H2Client.open(sock, "h2.test", upstream.port, _gate_ca(tmp_path))
+        conn, auth = c.conn, f"h2.test:{upstream.port}".encode()
+        base = [(b":method", b"POST"), (b":scheme", b"https"), (b":authority", auth)]
+        n_before = len(upstream.seen)
+        a = conn.get_next_available_stream_id()
+        conn.send_headers(a, base + [(b":path", b"/v1/a"), (b"content-length", b"60")], end_stream=True)
+        b = conn.get_next_available_stream_id()
+        conn.send_headers(b, base + [(b":path", b"/v1/b"), (b"content-length", b"60")])
+        conn.send_data(b, b"0123456789")
+        conn.send_headers(b, [(b"x-trailer", b"t")], end_stream=True)
+        c.w.write(conn.data_to_send())
+        status, done = {}, set()
+        while len(done) < 2:
+            data = await asyncio.wait_for(c.r.read(65536), 10)
+            if not data:
+                break
+            for ev in conn.receive_data(data):
+                if isinstance(ev, h2.events.ResponseReceived):
+                    status[ev.stream_id] = dict(ev.headers)[b":status"]
+                elif isinstance(ev, (h2.events.StreamEnded, h2.events.StreamReset)):
+                    done.add(ev.stream_id)
+            c.w.write(conn.data_to_send())
+        (ok,) = await c.requests([("POST", "/v1/c", {"content-length": "3"}, b"abc")], authority=auth.decode())
+        c.close()
+        await gate.close_endpoint("sbx-h2")
+        return status, upstream.seen[n_before:], _records(ep), ok, a, b
+
+    status, seen, recs, ok, a, b = run(go())
+    assert status.get(a) == b"400" and status.get(b) in (b"400", None)
+    assert not any(r["path"] in ("/v1/a", "/v1/b") and r["body"] for r in seen)  # no body of theirs ever completed
+    assert {r["path"] for r in recs if r["rule"] == "bad-request:bad-content-length"} == {"/v1/a", "/v1/b"}
+    c_seen = [r for r in seen if r["path"] == "/v1/c"]
+    assert ok["status"] == 200 and c_seen and "content-length" not in c_seen[0]["headers"] and c_seen[0]["body"] == "abc"

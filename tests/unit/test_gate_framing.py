@@ -238,3 +238,23 @@ def test_trailers_do_not_join_the_response_head():
     r = fr.ResponseReader("GET")
     evs = events(r, b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nok\r\n0\r\nX-Trailer: t\r\n\r\n")
     assert evs[0].headers == [(b"transfer-encoding", b"chunked")] and evs[-1] is fr.END
+
+
+@pytest.mark.parametrize("flood", [
+    b"HTTP/1.1 200 OK\r\n" + b"X-A: b\r\n" * 20000,  # endless fields
+    b"HTTP/1.1 200 OK\r\nX-A: " + b"b" * 300000,  # an endless value, no CRLF
+    b"HTTP/1.1 200 " + b"O" * 300000,  # an endless reason phrase
+])
+def test_an_upstreams_response_head_is_bounded(flood):
+    r = fr.ResponseReader("GET")
+    with pytest.raises(fr.FramingError):
+        for i in range(0, len(flood), 16384):
+            r.receive_data(flood[i:i + 16384])
+            while r.next_event() is not fr.NEED_DATA:
+                pass
+
+
+def test_trailers_are_dropped_not_kept():
+    r = fr.ResponseReader("GET")
+    evs = events(r, b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nok\r\n0\r\n" + b"X-T: v\r\n" * 500 + b"\r\n")
+    assert evs[-1] is fr.END and r._headers == []

@@ -212,3 +212,10 @@ def test_the_differential_generator_reaches_accepted_heads():
         except h1.ProtocolError:
             pass
     assert accepted > 100, accepted
+
+
+def test_one_upgrade_header_at_most():
+    with pytest.raises(h1.ProtocolError) as ei:
+        h1.parse_request(head("GET http://a.test/ws HTTP/1.1", "Host: a.test", "Upgrade: websocket", "Upgrade: h2c",
+                              "Connection: Upgrade"))
+    assert ei.value.code == "duplicate-upgrade"

@@ -95,6 +95,8 @@ class Endpoint:
         # idle upstream connections: per sandbox, never shared across sandboxes
         self.pool: dict[tuple, list[tuple[PlainStream, float]]] = {}
         self._pool_idle = 0
+        self.decoders: set = set()  # HTTP/2 streams decoding a compressed body now (h2relay)
+        self.decoder_waiters: set = set()
         self._pool_timer: asyncio.TimerHandle | None = None  # the prune that expires idle connections
 
     def pool_get(self, key: tuple):

@@ -25,6 +25,9 @@ import re
 
 import httptools
 
+MAX_RESPONSE_HEAD = 64 * 1024  # bytes of response heads (1xx included) before the final one ends
+MAX_FIELDS = 256
+MAX_REASON = 1024
 NEED_DATA = object()
 END = object()
 
@@ -182,6 +185,9 @@ class ResponseReader:
         self._eof = False
         self._keep_alive = False
         self._bad: str | None = None
+        self._in_head = True  # before the final head: its fields count against the limits
+        self._head_fields = 0
+        self._head_bytes = 0
 
     # -- httptools callbacks
     def on_message_begin(self) -> None:
@@ -190,9 +196,19 @@ class ResponseReader:
         self._headers, self._reason = [], b""
 
     def on_status(self, status: bytes) -> None:
+        if len(self._reason) + len(status) > MAX_REASON:
+            self._bad = "a reason phrase too long"
+            return
         self._reason += status
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        if not self._in_head:
+            return  # a trailer: read (llhttp checks it) and dropped, never kept
+        self._head_fields += 1
+        self._head_bytes += len(name) + len(value) + 4
+        if self._head_fields > MAX_FIELDS or self._head_bytes > MAX_RESPONSE_HEAD:
+            self._bad = f"a response head over {MAX_RESPONSE_HEAD} bytes or {MAX_FIELDS} fields"
+            return
         self._headers.append((name.lower(), value))
 
     def on_headers_complete(self) -> None:
@@ -202,6 +218,7 @@ class ResponseReader:
         code = p.get_status_code()
         head = Head(code, self._reason, self._headers, p.get_http_version())
         self._headers = []  # trailers (chunked responses) must not join the head's fields
+        self._in_head = code < 200 and code != 101  # a 1xx: the final head is still to come
         self._events.append(head)
         if code < 200 and code != 101 and any(k in (b"content-length", b"transfer-encoding") for k, _ in head.headers):
             self._bad = "a 1xx response declaring a body"
@@ -244,6 +261,12 @@ class ResponseReader:
         if self._complete:
             self._extra = True
             return
+        if not self._final:
+            # llhttp keeps a header line it has not seen the end of: count every byte before the
+            # final head, so an endless line cannot grow the gate's memory
+            self._head_bytes += len(data)
+            if self._head_bytes > 2 * MAX_RESPONSE_HEAD + len(data):
+                raise FramingError(f"the upstream broke HTTP/1.1: a response head over {MAX_RESPONSE_HEAD} bytes")
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserUpgrade as up:

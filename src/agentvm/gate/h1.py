@@ -116,6 +116,8 @@ def check_head(head: bytes) -> tuple[bytes, list[tuple[bytes, bytes]]]:
         if lname == b"connection" and _CONNECTION_BAD.search(value.lower()):
             raise ProtocolError("bad-connection", "Connection names a framing or Host header (request smuggling)")
         fields.append((lname, value.strip(b" \t")))
+    if sum(1 for k, _ in fields if k == b"upgrade") > 1:
+        raise ProtocolError("duplicate-upgrade", "more than one Upgrade header")
     if cl > 1:
         raise ProtocolError("duplicate-content-length", "more than one Content-Length header")
     if te > 1:
@@ -347,7 +349,10 @@ def request_from_h2(headers) -> ProxyRequest:
 
 def h2_forward_headers(req: ProxyRequest, host_value: str) -> list[tuple[bytes, bytes]]:
     """What an HTTP/2 request carries upstream: the pseudo-headers, then its headers without
-    connection-specific ones (``te: trailers`` stays: gRPC needs it), without ``x-agentvm-*``."""
+    connection-specific ones (``te: trailers`` stays: gRPC needs it), without ``x-agentvm-*``,
+    and without ``content-length``: HTTP/2 ends a body with END_STREAM, and a length the gate
+    passed on but an HTTP/2-to-1.1 front trusted over the bytes sent would let a body's end
+    spill into the next request (H2.CL smuggling)."""
     out = [(b":method", req.method.encode("ascii")), (b":scheme", b"https"),
            (b":authority", host_value.encode("ascii")), (b":path", req.path.encode("ascii"))]
     for k, v in req.headers:
@@ -355,7 +360,7 @@ def h2_forward_headers(req: ProxyRequest, host_value: str) -> list[tuple[bytes, 
             if v.strip().lower() == b"trailers":
                 out.append((k, b"trailers"))
             continue
-        if k in _H2_DROP or k == b"expect" or k.startswith(b"x-agentvm-"):
+        if k in _H2_DROP or k in _FRAMING or k == b"expect" or k.startswith(b"x-agentvm-"):
             continue
         out.append((k, v))
     return out

@@ -39,6 +39,7 @@ from agentvm.gate.relay import ResponseScrub
 from agentvm.gate.streams import READ
 
 ALPN = "h2"
+MAX_DECODERS = 8  # streams of one sandbox decoding a compressed body at the same time
 _CANCEL = h2.errors.ErrorCodes.CANCEL
 _REFUSED = h2.errors.ErrorCodes.REFUSED_STREAM
 
@@ -94,6 +95,7 @@ class H2Bridge:
             for t in readers:
                 t.cancel()
             await asyncio.gather(*readers, return_exceptions=True)
+            self._release()
             for s in list(self.streams.values()):
                 if s.fwd is not None and not s.done:
                     self._log_stream(s, error="upstream:reset" if s.answered else None)
@@ -141,6 +143,9 @@ class H2Bridge:
         elif isinstance(ev, h2.events.StreamEnded):
             s = self.streams.get(ev.stream_id)
             if s is not None and s.up is not None and not s.done and not s.head_only:
+                if s.req.content_length is not None and s.sent != s.req.content_length:
+                    self._length_mismatch(s)
+                    return
                 if s.scanner is not None:
                     try:
                         rest = s.scanner.finish()
@@ -157,6 +162,7 @@ class H2Bridge:
                 self.by_up.pop(s.up, None)
                 self._reset(self.up, s.up, _CANCEL)
                 self._drop(s.to_down, self.up, s.up)  # received from the upstream, never to be sent
+                self._release(s.down)
                 if not s.done:
                     self._log_stream(s, error="client-reset")
         elif isinstance(ev, h2.events.WindowUpdated):
@@ -184,6 +190,12 @@ class H2Bridge:
             self._deny(s, ex.deny(req, "credential:resign-h2", "SigV4/HMAC re-signing is not supported on HTTP/2 "
                                   "streams; the same client over HTTP/1.1 is re-signed", explain=False))
             return
+        if ev.stream_ended is not None and req.content_length:
+            # a declared body that never came: the upstream must not be told to expect one
+            self._deny(s, ex.Deny(rule_id="bad-request:bad-content-length", reason="Content-Length without a body",
+                                  phase="request", host=req.host, port=req.port, method=req.method, path=req.path,
+                                  status=400, answer="error"))
+            return
         s.fwd = cmd
         creds = self.ep.creds
         if creds is not None:
@@ -198,7 +210,11 @@ class H2Bridge:
             s.up = self.up.get_next_available_stream_id()
             s.head_only = ev.stream_ended is not None
             self.up.send_headers(s.up, headers, end_stream=s.head_only)
-        except (h2.exceptions.ProtocolError, h2.exceptions.TooManyStreamsError):
+        except (h2.exceptions.ProtocolError, h2.exceptions.TooManyStreamsError) as exc:
+            # the sandbox may retry a REFUSED_STREAM; the refusal is still a decision on record
+            self.ep.log(verdict="deny", rule_id="limit:upstream-streams", reason=f"the upstream connection cannot take "
+                        f"another stream ({type(exc).__name__})", host=req.host, port=req.port, method=req.method,
+                        path=req.path, phase="request", protocol="h2")
             self._reset(self.down, s.down, _REFUSED)
             self.streams.pop(s.down, None)
             return
@@ -233,6 +249,16 @@ class H2Bridge:
         s.to_up.append((data, n))
         self._pump_up(s)
 
+    def _length_mismatch(self, s: _Stream) -> None:
+        """The body sent differs from its declared Content-Length: the upstream stream is reset,
+        never ended (an upstream reading the declared length would take the rest from the next
+        request - HTTP/2 to HTTP/1.1 smuggling)."""
+        self._reset(self.up, s.up, _CANCEL)
+        req = s.req
+        self._deny(s, ex.Deny(rule_id="bad-request:bad-content-length", reason=f"body of {s.sent} bytes, "
+                              f"Content-Length {req.content_length}", phase="stream", host=req.host, port=req.port,
+                              method=req.method, path=req.path, status=400, answer="error"))
+
     def _refuse_cred(self, s: _Stream, err) -> None:
         self._reset(self.up, s.up, _CANCEL)
         req = s.req
@@ -247,6 +273,7 @@ class H2Bridge:
         if s.up is not None:
             self.by_up.pop(s.up, None)
         self._drop(s.to_down, self.up, s.up)
+        self._release(s.down)
         if s.answered:
             self._reset(self.down, s.down, _CANCEL)
             self._forget(s)
@@ -298,6 +325,7 @@ class H2Bridge:
                 self.streams.pop(s.down, None)
                 self._drop(s.to_up, self.down, s.down)
                 self._drop(s.to_down, self.up, s.up)
+                self._release(s.down)
                 self._reset(self.down, s.down, ev.error_code)
                 if not s.done:
                     self._log_stream(s, error="upstream:reset")
@@ -319,8 +347,10 @@ class H2Bridge:
         s.answered = True
         try:
             self.down.send_headers(s.down, [(b":status", status)] + rest, end_stream=ev.stream_ended is not None)
-        except h2.exceptions.ProtocolError:
-            self._reset(self.up, s.up, _CANCEL)
+        except h2.exceptions.ProtocolError:  # a head the sandbox's side cannot take (or it is gone)
+            self._reset(self.down, s.down, _CANCEL)
+            self._log_stream(s, error="upstream:protocol-error")
+            self._forget(s)
             return
         if ev.stream_ended is not None:
             self._finish(s)
@@ -381,34 +411,75 @@ class H2Bridge:
                 window = min(conn.local_flow_control_window(sid), conn.max_outbound_frame_size)
             except h2.exceptions.StreamClosedError:
                 self._drop(queue, other, other_sid)
+                if conn is self.down:
+                    self._release(sid)
                 return False
             if not isinstance(data, (bytes, bytearray, memoryview)):
-                if window <= 0:
+                if window <= 0 or not self._decoder_slot(sid):
                     return False
                 piece = next(data, None)  # may raise encoding.DecodeError: the caller's
                 if piece is None:
                     queue.popleft()
+                    self._release(sid)
                     if ack and other_sid is not None:
                         self._ack(other, other_sid, ack)
                 else:
-                    queue.appendleft((piece, 0))
+                    queue.appendleft((memoryview(piece), 0))
                 continue
             if window <= 0 and data:
                 return False
             n = min(window, len(data))
             if n:
                 try:
-                    conn.send_data(sid, data[:n])
+                    conn.send_data(sid, bytes(data[:n]))
                 except h2.exceptions.ProtocolError:
                     self._drop(queue, other, other_sid)
                     return False
             if n < len(data):
-                queue[0] = (data[n:], ack)
+                queue[0] = (memoryview(data)[n:], ack)  # no copy of the rest per window update
                 continue
             queue.popleft()
             if ack and other_sid is not None:
                 self._ack(other, other_sid, ack)
         return True
+
+    # A decoded (scrubbed) body is produced piece by piece as the sandbox reads it; a piece can
+    # be up to ~1 MiB (encoding.PIECE, zstd slices), so the streams that may hold one at a time
+    # are few per sandbox (MAX_DECODERS, across its connections): the rest wait their turn with
+    # only their compressed bytes queued (bounded by the upstream's flow-control window).
+    def _decoder_slot(self, sid: int) -> bool:
+        held = self.ep.decoders
+        key = (id(self), sid)
+        if key in held:
+            return True
+        if len(held) >= MAX_DECODERS:
+            self.ep.decoder_waiters.add(self)
+            return False
+        held.add(key)
+        return True
+
+    def _release(self, sid: int | None = None) -> None:
+        """Give back this bridge's decoder slot for ``sid`` (all of them when None) and let a
+        waiting bridge of the same sandbox take it."""
+        ep = self.ep
+        before = len(ep.decoders)
+        if sid is None:
+            ep.decoders.difference_update({k for k in ep.decoders if k[0] == id(self)})
+            ep.decoder_waiters.discard(self)
+        else:
+            ep.decoders.discard((id(self), sid))
+        if len(ep.decoders) < before:
+            for b in list(ep.decoder_waiters):
+                ep.decoder_waiters.discard(b)
+                b._wake()
+
+    def _wake(self) -> None:
+        """A decoder slot came free: pump the streams whose next data is a body to decode."""
+        for s in list(self.streams.values()):
+            if s.to_down and not isinstance(s.to_down[0][0], (bytes, bytearray, memoryview)):
+                self._pump_down(s)
+        task = asyncio.get_running_loop().create_task(self._flush())
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # a closed connection: nothing to say
 
     def _drop(self, queue: deque, other, other_sid) -> None:
         """Data that will not be forwarded is still acknowledged to its sender: the connection's
@@ -454,6 +525,8 @@ class H2Bridge:
         open of it (the sandbox still sending, the upstream stream) is reset."""
         self.by_up.pop(s.up, None)
         self.streams.pop(s.down, None)
+        self._drop(s.to_down, self.up, s.up)
+        self._release(s.down)
         self._drop(s.to_up, self.down, s.down)
         if s.up is not None and not self._closed(self.up, s.up):
             self._reset(self.up, s.up, _CANCEL)

@@ -386,8 +386,10 @@ class Relay:
                     raise UpstreamError("upstream:protocol-error", str(exc)[:300], answered=answered) from None
                 continue
             if isinstance(ev, framing.Upgraded):
-                if not self.ws:
-                    raise UpstreamError("upstream:protocol-error", "the upstream switched protocols unasked",
+                if not self.ws or not any(k == b"upgrade" and v.strip().lower() == b"websocket"
+                                          for k, v in ev.head.headers):
+                    # only the WebSocket a rule allowed: never another protocol the upstream picked
+                    raise UpstreamError("upstream:protocol-error", "the upstream switched to a protocol not asked for",
                                         answered=answered)
                 await emit(b"", flush=True)
                 head = ev.head

@@ -38,6 +38,7 @@ RULES: dict[str, str] = {
     "limit:rate": "over the sandbox's request rate (429)",
     "limit:bytes-out": "over the sandbox's bytes-out budget (the connection is cut)",
     "limit:resign-memory": "too many signed request bytes buffered for re-signing at once (503)",
+    "limit:upstream-streams": "an HTTP/2 stream refused (REFUSED_STREAM, retryable): the upstream connection takes no more",
     "limit:resign-body": "a signed request body too large to buffer for re-signing (413)",
     "log:suppressed": "not a decision: how many denials were counted but not logged one by one (deny-log rate limit)",
     "client-gone": "the sandbox closed the connection before its request was forwarded (never sent late)",
