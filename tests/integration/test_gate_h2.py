@@ -151,6 +151,19 @@ def _gate_ca(tmp: Path) -> Path:
     return tmp / "gate" / "ca" / "ca.crt"
 
 
+def _bearer_creds():
+    """(a CredentialSet holding REAL for h2.test as ``Authorization: Bearer``, its placeholder)."""
+    from agentvm.gate.credentials import CredentialSet, compile_credentials, make_placeholder
+
+    b = SimpleNamespace(
+        name="api", env="API_KEY", ref="vault:api", hosts=["h2.test"],
+        inject=SimpleNamespace(header="Authorization", format="Bearer {}", basic=None, query=None), file=None,
+        placeholder=SimpleNamespace(prefix="sk-", length=None, charset="alnum"), sigv4=None, hmac=None)
+    bindings = compile_credentials([b])
+    ph = make_placeholder(bindings[0], len(REAL))
+    return CredentialSet(bindings, {"api": ph}, lambda n: REAL, lambda n: False), ph
+
+
 def _records(ep):
     return [json.loads(ln) for ln in ep.log_path.read_text().splitlines()]
 
@@ -220,15 +233,7 @@ def test_authority_must_be_the_tunnel_host_and_max_body_is_enforced(tmp_path, ca
 
 
 def test_a_placeholder_is_swapped_in_a_header_and_an_echo_is_scrubbed(tmp_path, ca, upstream):
-    from agentvm.gate.credentials import CredentialSet, compile_credentials, make_placeholder
-
-    b = SimpleNamespace(
-        name="api", env="API_KEY", ref="vault:api", hosts=["h2.test"],
-        inject=SimpleNamespace(header="Authorization", format="Bearer {}", basic=None, query=None), file=None,
-        placeholder=SimpleNamespace(prefix="sk-", length=None, charset="alnum"), sigv4=None, hmac=None)
-    bindings = compile_credentials([b])
-    ph = make_placeholder(bindings[0], len(REAL))
-    creds = CredentialSet(bindings, {"api": ph}, lambda n: REAL, lambda n: False)
+    creds, ph = _bearer_creds()
 
     async def go():
         gate, ep, sock = await _gate(tmp_path, ca, upstream.port, creds=creds)
@@ -509,8 +514,6 @@ def test_a_compressed_answer_is_decoded_no_faster_than_the_sandbox_reads(tmp_pat
     import h2.connection
     import h2.events
 
-    from agentvm.gate.credentials import CredentialSet, compile_credentials, make_placeholder
-
     bomb = _zstd_rle(256)
 
     async def bomb_upstream(r, w):
@@ -525,12 +528,7 @@ def test_a_compressed_answer_is_decoded_no_faster_than_the_sandbox_reads(tmp_pat
             w.write(conn.data_to_send())
             await w.drain()
 
-    b = SimpleNamespace(
-        name="api", env="API_KEY", ref="vault:api", hosts=["h2.test"],
-        inject=SimpleNamespace(header="Authorization", format="Bearer {}", basic=None, query=None), file=None,
-        placeholder=SimpleNamespace(prefix="sk-", length=None, charset="alnum"), sigv4=None, hmac=None)
-    bindings = compile_credentials([b])
-    creds = CredentialSet(bindings, {"api": make_placeholder(bindings[0], len(REAL))}, lambda n: REAL, lambda n: False)
+    creds, _ = _bearer_creds()
 
     async def go():
         made = await _bridged(monkeypatch)
