@@ -70,6 +70,11 @@ def narrow_accept(value: bytes | None) -> bytes | None:
     return (", ".join(keep) if keep else "identity").encode("latin-1")
 
 
+def narrow_accept_headers(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+    """``headers`` (names lower-case) with ``Accept-Encoding`` narrowed by :func:`narrow_accept`."""
+    return [(k, narrow_accept(v)) if k == b"accept-encoding" else (k, v) for k, v in headers]
+
+
 class _Zlib:
     def __init__(self, coding: str):
         self.coding = coding

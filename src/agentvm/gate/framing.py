@@ -25,6 +25,8 @@ import re
 
 import httptools
 
+from agentvm.gate.h1 import TARGET_BAD_RE, TOKEN_RE, VALUE_CTL_RE
+
 MAX_RESPONSE_HEAD = 64 * 1024  # bytes of response heads (1xx included) before the final one ends
 MAX_FIELDS = 256
 MAX_REASON = 1024
@@ -34,9 +36,6 @@ END = object()
 MAX_CHUNK_LINE = 1024
 MAX_TRAILERS = 64 * 1024
 _CHUNK_LINE = re.compile(rb"([0-9A-Fa-f]{1,16})(?:;[\x21-\x7e \t]*)?[ \t]*\Z")
-_TOKEN = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+\Z")
-_BAD_VALUE = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
-_BAD_TARGET = re.compile(rb"[\x00-\x20\x7f]")
 
 
 class FramingError(ValueError):
@@ -134,7 +133,7 @@ class RequestBody:
                         return END
                     self._trailer_bytes += len(line) + 2
                     name, sep, value = line.partition(b":")
-                    if (not sep or not _TOKEN.match(name) or _BAD_VALUE.search(value)
+                    if (not sep or not TOKEN_RE.match(name) or VALUE_CTL_RE.search(value)
                             or self._trailer_bytes > MAX_TRAILERS):
                         raise FramingError("malformed chunked trailer")
                     continue  # trailers are read and dropped (never forwarded)
@@ -304,13 +303,13 @@ class ResponseReader:
 
 def _check_fields(headers) -> None:
     for k, v in headers:
-        if not _TOKEN.match(k) or _BAD_VALUE.search(v):
+        if not TOKEN_RE.match(k) or VALUE_CTL_RE.search(v):
             raise ValueError("a header the gate would send is malformed (CR, LF or NUL in it)")
 
 
 def request_head(method: str, target: str, headers: list[tuple[bytes, bytes]]) -> bytes:
     t = target.encode("ascii")
-    if not t or _BAD_TARGET.search(t) or not _TOKEN.match(method.encode("ascii")):
+    if not t or TARGET_BAD_RE.search(t) or not TOKEN_RE.match(method.encode("ascii")):
         raise ValueError("a request line the gate would send is malformed")
     if sum(1 for k, _ in headers if k in (b"content-length", b"transfer-encoding")) > 1:
         raise ValueError("a request the gate would send declares its framing twice")
@@ -319,11 +318,8 @@ def request_head(method: str, target: str, headers: list[tuple[bytes, bytes]]) -
                      *(k + b": " + v + b"\r\n" for k, v in headers), b"\r\n"])
 
 
-_REASON_BAD = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
-
-
 def response_head(status: int, reason: bytes, headers: list[tuple[bytes, bytes]]) -> bytes:
-    if _REASON_BAD.search(reason):
+    if VALUE_CTL_RE.search(reason):
         reason = b""
     _check_fields(headers)
     return b"".join([b"HTTP/1.1 %d " % status, reason, b"\r\n", *(k + b": " + v + b"\r\n" for k, v in headers),

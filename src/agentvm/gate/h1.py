@@ -39,7 +39,7 @@ HOP_BY_HOP = frozenset(
     }
 )
 _CONNECTION_BAD = re.compile(rb"(?:^|[,\s])(?:content-length|transfer-encoding|host)\s*(?:,|$)")
-_VALUE_CTL = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")  # control characters but HTAB
+VALUE_CTL_RE = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")  # control characters but HTAB (values, reasons)
 _RULE_ID_SAFE = re.compile(rb"[^A-Za-z0-9._:\[\]/*-]")
 
 
@@ -93,7 +93,7 @@ def check_head(head: bytes) -> tuple[bytes, list[tuple[bytes, bytes]]]:
     lines = text.split(b"\r\n")
     if len(lines) - 1 > MAX_HEADERS:
         raise ProtocolError("too-many-headers", f"more than {MAX_HEADERS} header fields")
-    cl = te = 0
+    cl = te = upgrades = 0
     fields = []
     for ln in lines[1:]:
         if ln[:1] in (b" ", b"\t"):
@@ -107,16 +107,18 @@ def check_head(head: bytes) -> tuple[bytes, list[tuple[bytes, bytes]]]:
             v = value.strip()
             if not v.isdigit() or len(v) > 18:
                 raise ProtocolError("bad-content-length", "Content-Length is not a single number (at most 18 digits)")
+        elif lname == b"upgrade":
+            upgrades += 1
         elif lname == b"transfer-encoding":
             te += 1
             if value.strip().lower() != b"chunked":
                 raise ProtocolError("bad-transfer-encoding", "only 'Transfer-Encoding: chunked' is accepted")
-        if _VALUE_CTL.search(value):
+        if VALUE_CTL_RE.search(value):
             raise ProtocolError("bad-bytes", "control character in a header value")
         if lname == b"connection" and _CONNECTION_BAD.search(value.lower()):
             raise ProtocolError("bad-connection", "Connection names a framing or Host header (request smuggling)")
         fields.append((lname, value.strip(b" \t")))
-    if sum(1 for k, _ in fields if k == b"upgrade") > 1:
+    if upgrades > 1:
         raise ProtocolError("duplicate-upgrade", "more than one Upgrade header")
     if cl > 1:
         raise ProtocolError("duplicate-content-length", "more than one Content-Length header")
@@ -181,8 +183,8 @@ def parse_request(head: bytes) -> ProxyRequest:
     return parse_head(head)[0]
 
 
-_METHOD = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+\Z")
-_TARGET_BAD = re.compile(rb"[\x00-\x20\x7f-\xff]")
+TOKEN_RE = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+\Z")  # a method or a header name (RFC 9110 token)
+TARGET_BAD_RE = re.compile(rb"[\x00-\x20\x7f-\xff]")  # what a request target must not hold
 
 
 def parse_head(head: bytes, rest: bytes = b"") -> tuple[ProxyRequest, "RequestBody"]:
@@ -195,9 +197,9 @@ def parse_head(head: bytes, rest: bytes = b"") -> tuple[ProxyRequest, "RequestBo
     if len(parts) != 3:
         raise ProtocolError("bad-request", "malformed request line")
     method, target, version = parts
-    if not _METHOD.match(method):
+    if not TOKEN_RE.match(method):
         raise ProtocolError("bad-request", "malformed method")
-    if not target or _TARGET_BAD.search(target):
+    if not target or TARGET_BAD_RE.search(target):
         raise ProtocolError("bad-target", "non-ASCII or control bytes in the request target")
     if version == b"HTTP/1.1":
         http_version = "1.1"
@@ -330,7 +332,7 @@ def request_from_h2(headers) -> ProxyRequest:
     if method == "CONNECT":
         raise ProtocolError("h2-connect", "CONNECT inside an HTTP/2 tunnel is not supported")
     path = pseudo.get(b":path", b"")
-    if not method or not _METHOD.match(method.encode("latin-1")) or not path.startswith(b"/") or _TARGET_BAD.search(path):
+    if not method or not TOKEN_RE.match(method.encode("latin-1")) or not path.startswith(b"/") or TARGET_BAD_RE.search(path):
         raise ProtocolError("bad-request", "HTTP/2 request without a valid :method and origin-form :path")
     if pseudo.get(b":scheme", b"https") != b"https":
         raise ProtocolError("bad-request", "HTTP/2 request with a :scheme other than https")

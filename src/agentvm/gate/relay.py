@@ -166,7 +166,7 @@ class Relay:
         if scrubber is not None and scrubber.encoded and not (cred is not None and cred.resign):
             # ask only for codings the gate can decode (and so scrub); a signed request keeps
             # its header (it may be signed) and relies on the response check alone
-            headers = [(k, encoding.narrow_accept(v)) if k == b"accept-encoding" else (k, v) for k, v in headers]
+            headers = encoding.narrow_accept_headers(headers)
         try:
             if cred is not None and cred.resign:
                 # a signed request: the whole body is needed to check and redo the signature
