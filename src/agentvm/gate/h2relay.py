@@ -161,8 +161,7 @@ class H2Bridge:
             if s is not None and s.up is not None:
                 self.by_up.pop(s.up, None)
                 self._reset(self.up, s.up, _CANCEL)
-                self._drop(s.to_down, self.up, s.up)  # received from the upstream, never to be sent
-                self._release(s.down)
+                self._drop_down(s)  # received from the upstream, never to be sent
                 if not s.done:
                     self._log_stream(s, error="client-reset")
         elif isinstance(ev, h2.events.WindowUpdated):
@@ -205,7 +204,7 @@ class H2Bridge:
                 s.scrub = ResponseScrub(scrubber)
         headers = h1.h2_forward_headers(cmd.req, self.host_value)
         if s.scrub is not None and s.scrub.scrubber.encoded:
-            headers = [(k, encoding.narrow_accept(v)) if k == b"accept-encoding" else (k, v) for k, v in headers]
+            headers = encoding.narrow_accept_headers(headers)
         try:
             s.up = self.up.get_next_available_stream_id()
             s.head_only = ev.stream_ended is not None
@@ -272,8 +271,7 @@ class H2Bridge:
         self._drop(s.to_up, self.down, s.down)
         if s.up is not None:
             self.by_up.pop(s.up, None)
-        self._drop(s.to_down, self.up, s.up)
-        self._release(s.down)
+        self._drop_down(s)
         if s.answered:
             self._reset(self.down, s.down, _CANCEL)
             self._forget(s)
@@ -324,8 +322,7 @@ class H2Bridge:
                 self.by_up.pop(s.up, None)
                 self.streams.pop(s.down, None)
                 self._drop(s.to_up, self.down, s.down)
-                self._drop(s.to_down, self.up, s.up)
-                self._release(s.down)
+                self._drop_down(s)
                 self._reset(self.down, s.down, ev.error_code)
                 if not s.done:
                     self._log_stream(s, error="upstream:reset")
@@ -481,6 +478,12 @@ class H2Bridge:
         task = asyncio.get_running_loop().create_task(self._flush())
         task.add_done_callback(lambda t: t.cancelled() or t.exception())  # a closed connection: nothing to say
 
+    def _drop_down(self, s: _Stream) -> None:
+        """Nothing more of the upstream's answer goes to the sandbox: acknowledge what is queued
+        and free the stream's decoder slot."""
+        self._drop(s.to_down, self.up, s.up)
+        self._release(s.down)
+
     def _drop(self, queue: deque, other, other_sid) -> None:
         """Data that will not be forwarded is still acknowledged to its sender: the connection's
         window must come back, or every other stream of that connection starves."""
@@ -525,8 +528,7 @@ class H2Bridge:
         open of it (the sandbox still sending, the upstream stream) is reset."""
         self.by_up.pop(s.up, None)
         self.streams.pop(s.down, None)
-        self._drop(s.to_down, self.up, s.up)
-        self._release(s.down)
+        self._drop_down(s)
         self._drop(s.to_up, self.down, s.down)
         if s.up is not None and not self._closed(self.up, s.up):
             self._reset(self.up, s.up, _CANCEL)
@@ -550,12 +552,3 @@ class H2Bridge:
         self.ep.log(verdict="allow", rule_id=d.rule_id, reason=d.reason, host=req.host, port=req.port,
                     method=req.method, path=req.path, phase="request", bytes_out=s.sent, bytes_in=s.received, **extra)
 
-
-async def open_upstream(addr: str, port: int, sni: str, ctx) -> tuple[object | None, str | None]:
-    """A TLS connection to the upstream offering ``h2`` (ctx's ALPN) -> (PlainStream or None,
-    the protocol it chose)."""
-    from agentvm.gate.streams import PlainStream
-
-    r, w = await asyncio.open_connection(addr, port, ssl=ctx, server_hostname=sni)
-    ssl_obj = w.get_extra_info("ssl_object")
-    return PlainStream(r, w), (ssl_obj.selected_alpn_protocol() if ssl_obj is not None else None)

@@ -259,7 +259,7 @@ class Gate:
             ep.log(verdict="deny", rule_id="client-gone", reason="the client closed the connection before the request "
                    "was forwarded", host=req.host, port=req.port, method=req.method, path=req.path, phase="request")
             return False, b""
-        key = (fwd.scheme, fwd.addr, req.port, fwd.sni, ep.policy.upstream_ca)
+        key = _pool_key(ep, fwd.scheme, fwd.addr, req.port, fwd.sni)
         retry_ok = not req.upgrade_websocket and not req.chunked and not req.content_length
         for attempt in (0, 1):
             pooled = ep.pool_get(key) if (attempt == 0 and not req.upgrade_websocket) else None
@@ -267,20 +267,13 @@ class Gate:
                 upstream = pooled
             else:
                 try:
-                    async with asyncio.timeout(CONNECT_TIMEOUT):
-                        if fwd.scheme == "https":
-                            ur, uw = await asyncio.open_connection(fwd.addr, req.port,
-                                                                   ssl=self.client_ctx(ep.policy.upstream_ca),
-                                                                   server_hostname=fwd.sni)
-                        else:
-                            ur, uw = await asyncio.open_connection(fwd.addr, req.port)
+                    upstream = await self._dial(ep, fwd.addr, req.port, fwd.sni)  # sni: https only
                 except (OSError, asyncio.TimeoutError, ssl.SSLError) as exc:
                     ep.log(verdict="allow", rule_id=fwd.decision.rule_id,
                            reason=f"upstream unreachable: {type(exc).__name__}", host=req.host, port=req.port,
                            method=req.method, path=req.path, phase="upstream", error="upstream:unreachable")
                     await client.write(h1.error_response(502, "upstream:unreachable", f"cannot reach {req.host}:{req.port}"))
                     return False, b""
-                upstream = PlainStream(ur, uw)
             relay = Relay(ep, client, body, upstream, fwd, pooled=pooled is not None and retry_ok,
                           splice=stream_splice)
             try:
@@ -354,14 +347,12 @@ class Gate:
         tunnel = cmd.tunnel
         target = (tunnel.host, tunnel.port)
         try:
-            ur, uw = await asyncio.wait_for(asyncio.open_connection(tunnel.addr, tunnel.port, limit=STREAM_LIMIT),
-                                            CONNECT_TIMEOUT)
+            upstream = await self._dial(ep, tunnel.addr, tunnel.port, limit=STREAM_LIMIT)
         except (OSError, asyncio.TimeoutError) as exc:
             ep.log(verdict="allow", rule_id=cmd.decision.rule_id, reason=f"upstream unreachable: {type(exc).__name__}",
                    host=tunnel.host, port=tunnel.port, method="CONNECT", phase="upstream",
                    error="upstream:unreachable")
             return
-        upstream = PlainStream(ur, uw)
         ep.count_out(len(buf), *target)
         task = asyncio.current_task()
         try:
@@ -412,17 +403,34 @@ class Gate:
     async def _open_h2_upstream(self, ep: Endpoint, tunnel: ex.Tunnel):
         """An upstream connection that chose h2, or None (unreachable - the request that follows
         reports it -, or HTTP/1.1 only: then the connection is pooled for that request)."""
-        from agentvm.gate.h2relay import open_upstream
         from agentvm.gate.policy import normalize_host
 
         try:
             sni = normalize_host(tunnel.host)
-            async with asyncio.timeout(CONNECT_TIMEOUT):
-                up, proto = await open_upstream(tunnel.addr, tunnel.port, sni,
-                                                self.client_ctx(ep.policy.upstream_ca, h2=True))
+            up = await self._dial(ep, tunnel.addr, tunnel.port, sni, h2=True)
         except (OSError, asyncio.TimeoutError, ssl.SSLError, ValueError):
             return None
-        if proto == "h2":
+        ssl_obj = up.writer.get_extra_info("ssl_object")
+        if ssl_obj is not None and ssl_obj.selected_alpn_protocol() == "h2":
             return up
-        ep.pool_put(("https", tunnel.addr, tunnel.port, sni, ep.policy.upstream_ca), up)
+        ep.pool_put(_pool_key(ep, "https", tunnel.addr, tunnel.port, sni), up)
         return None
+
+    async def _dial(self, ep: Endpoint, addr: str, port: int, sni: str | None = None, *, h2: bool = False,
+                    limit: int | None = None) -> PlainStream:
+        """A connection to an address the exchange core checked, within CONNECT_TIMEOUT: TLS
+        (verified with the system CAs plus the policy's ``upstreamCa``, SNI ``sni``, ALPN
+        ``h2`` too when asked) when ``sni`` is given, else plain."""
+        extra = {"limit": limit} if limit else {}
+        async with asyncio.timeout(CONNECT_TIMEOUT):
+            if sni is None:
+                r, w = await asyncio.open_connection(addr, port, **extra)
+            else:
+                r, w = await asyncio.open_connection(addr, port, ssl=self.client_ctx(ep.policy.upstream_ca, h2=h2),
+                                                     server_hostname=sni, **extra)
+        return PlainStream(r, w)
+
+
+def _pool_key(ep: Endpoint, scheme: str, addr: str, port: int, sni: str | None) -> tuple:
+    """Idle upstream connections are kept per sandbox and per (scheme, address, port, SNI, CA)."""
+    return (scheme, addr, port, sni, ep.policy.upstream_ca)
