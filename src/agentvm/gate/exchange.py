@@ -56,6 +56,13 @@ class Deny:
     alert: bool = False
     sni: str | None = None
 
+    def as_http1(self) -> bytes:
+        """The HTTP/1.1 answer: the gate's error body, or the 403/429 ``egress-denied`` one."""
+        if self.answer == "error":
+            return h1.error_response(self.status, self.rule_id, self.reason)
+        return h1.deny_response(self.rule_id, self.reason, host=self.host, port=self.port or 0, status=self.status,
+                                allow=self.how_to_allow)
+
     def log_fields(self) -> dict[str, Any]:
         extra: dict[str, Any] = {}
         if self.credential is not None:
@@ -179,9 +186,11 @@ def refuse(cmd: Deny) -> Flow:
     yield cmd
 
 
-def _cred_deny(req: h1.ProxyRequest, err, *, phase: str = "request", respond: bool = True, sni: str | None = None) -> Deny:
+def cred_deny(req: h1.ProxyRequest, err, *, phase: str = "request", respond: bool = True) -> Deny:
+    """A request that breaks a credential rule (``credentials.CredentialError``): never explained
+    with a way to allow it; an alert when the error says so."""
     return Deny(rule_id=err.rule_id, reason=err.reason, phase=phase, host=req.host, port=req.port, method=_method(req),
-                path=req.path or None, respond=respond, credential=err.name, alert=err.alert, sni=sni)
+                path=req.path or None, respond=respond, credential=err.name, alert=err.alert)
 
 
 def _admission(ep, req: h1.ProxyRequest) -> Deny | None:
@@ -272,7 +281,7 @@ def request(ep, req: h1.ProxyRequest, *, scheme: str, tunnel: Tunnel | None = No
             creds.check_target(req.host)
             swap = creds.apply(host=req.host, scheme=scheme, target=req.path, headers=list(req.headers))
         except CredentialError as err:
-            yield _cred_deny(req, err)
+            yield cred_deny(req, err)
             return
         except Exception as exc:  # the vault could not give a value: fail closed
             yield deny(req, "credential:unavailable", f"a credential value is unavailable ({type(exc).__name__})",
@@ -324,7 +333,7 @@ def connect(ep, req: h1.ProxyRequest) -> Flow:
         try:
             creds.check_target(req.host)
         except CredentialError as err:
-            yield _cred_deny(req, err, phase="connect")
+            yield cred_deny(req, err, phase="connect")
             return
     meta = RequestMeta(host=req.host, port=req.port, scheme="connect", phase="connect")
     d = decide(meta, ep.policy)
@@ -355,7 +364,7 @@ def connect(ep, req: h1.ProxyRequest) -> Flow:
         try:
             creds.check_target(req.host, sni)
         except CredentialError as err:
-            yield _cred_deny(req, err, phase="clienthello", respond=False)
+            yield cred_deny(req, err, phase="clienthello", respond=False)
             return
     meta2 = RequestMeta(host=req.host, port=req.port, scheme="connect", phase="clienthello", sni=sni)
     d2 = decide(meta2, ep.policy)

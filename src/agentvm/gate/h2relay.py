@@ -260,9 +260,7 @@ class H2Bridge:
 
     def _refuse_cred(self, s: _Stream, err) -> None:
         self._reset(self.up, s.up, _CANCEL)
-        req = s.req
-        self._deny(s, ex.Deny(rule_id=err.rule_id, reason=err.reason, phase="request", host=req.host, port=req.port,
-                              method=req.method, path=req.path, credential=err.name, alert=err.alert))
+        self._deny(s, ex.cred_deny(s.req, err))
 
     def _deny(self, s: _Stream, cmd: ex.Deny) -> None:
         """Log the denial and answer it on this stream only (unless an answer already began)."""

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from agentvm.gate import encoding, framing, h1
 from agentvm.gate.endpoint import Endpoint
-from agentvm.gate.exchange import Forward
+from agentvm.gate.exchange import Forward, cred_deny
 
 CRED_BUFFER = 1 << 20  # request bodies held for a placeholder scan before anything is sent
 # a SigV4/HMAC request is buffered whole to be re-signed: per request, and per sandbox in total
@@ -139,9 +139,9 @@ class Relay:
         self.ep.log(host=req.host, port=req.port, method=req.method, path=req.path, **kw)
 
     async def _cred_deny(self, err) -> None:
-        self._log(verdict="deny", rule_id=err.rule_id, reason=err.reason, phase="request", credential=err.name,
-                  alert=err.alert)
-        await self.client.write(h1.deny_response(err.rule_id, err.reason, host=self.req.host, port=self.req.port))
+        cmd = cred_deny(self.req, err)
+        self.ep.log(**cmd.log_fields())
+        await self.client.write(cmd.as_http1())
 
     async def _undecodable(self, err, *, answered: bool = False) -> None:
         """A response the scrubber cannot read is never passed on: 502 (or, once its head has

@@ -200,12 +200,7 @@ class Gate:
                 if isinstance(cmd, ex.Deny):
                     ep.log(**cmd.log_fields())
                     if cmd.respond:
-                        if cmd.answer == "error":
-                            await client.write(h1.error_response(cmd.status, cmd.rule_id, cmd.reason))
-                        else:
-                            await client.write(h1.deny_response(cmd.rule_id, cmd.reason, host=cmd.host,
-                                                                port=cmd.port or 0, status=cmd.status,
-                                                                allow=cmd.how_to_allow))
+                        await client.write(cmd.as_http1())
                     flow.close()
                     return None
                 if isinstance(cmd, ex.Lookup):
