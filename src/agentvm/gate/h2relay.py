@@ -32,7 +32,7 @@ import h2.events
 import h2.exceptions
 import h2.settings
 
-from agentvm.gate import encoding, h1
+from agentvm.gate import encoding, h1, rules
 from agentvm.gate import exchange as ex
 from agentvm.gate.endpoint import Endpoint
 from agentvm.gate.relay import ResponseScrub
@@ -231,10 +231,8 @@ class H2Bridge:
         self.ep.count_out(len(data), s.req.host, s.req.port)
         max_body = s.fwd.max_body
         if max_body is not None and s.sent > max_body:
-            d = s.fwd.decision
-            rule = (d.body_rule_id or d.rule_id) + ":max-body"
             self._reset(self.up, s.up, _CANCEL)
-            self._deny(s, ex.Deny(rule_id=rule, reason=f"body over {max_body} bytes: cut", phase="stream",
+            self._deny(s, ex.Deny(rule_id=rules.max_body(s.fwd.decision), reason=f"body over {max_body} bytes: cut", phase="stream",
                                   host=s.req.host, port=s.req.port, method=s.req.method, path=s.req.path, status=413))
             self._ack(self.down, s.down, n)
             return

@@ -14,7 +14,7 @@ One :class:`Relay` per request: its context is attributes, not positional argume
 
 from __future__ import annotations
 
-from agentvm.gate import encoding, framing, h1
+from agentvm.gate import encoding, framing, h1, rules
 from agentvm.gate.endpoint import Endpoint
 from agentvm.gate.exchange import Forward, cred_deny
 
@@ -151,7 +151,7 @@ class Relay:
             await self.client.write(h1.error_response(502, err.rule_id, err.reason))
 
     async def _over_max_body(self, max_body: int) -> None:
-        rule = (self.d.body_rule_id or self.d.rule_id) + ":max-body"
+        rule = rules.max_body(self.d)
         self._log(verdict="deny", rule_id=rule, reason=f"body over {max_body} bytes: cut", phase="stream",
                   bytes_out=self.sent)
         await self.client.write(h1.error_response(413, rule, f"request body over {max_body} bytes"))

@@ -66,6 +66,11 @@ RULES: dict[str, str] = {
 FAMILIES = tuple(k for k in RULES if k.endswith(":"))
 
 
+def max_body(decision) -> str:
+    """The id of a body cut by a rule's maxBody: the rule that set the cap, ``:max-body``."""
+    return (decision.body_rule_id or decision.rule_id) + ":max-body"
+
+
 def describe(rule_id: str) -> str | None:
     """What ``rule_id`` means, or None for an operator rule's own id (or an unknown id)."""
     if rule_id in RULES:
