@@ -90,10 +90,11 @@ class EmbeddedGateHost:
     def __init__(self, runtime) -> None:
         self.runtime = runtime
 
-    def open(self, sandbox_id: str, agent: str, egress, attachment, uid: int | None, creds):
+    def open(self, sandbox_id: str, agent: str, egress, attachment, uid: int | None, creds, extras=None):
         if attachment.kind != "unix":
             raise BackendError(f"the embedded gate cannot serve a {attachment.kind!r} attachment")
-        return self.runtime.embedded_gate().open(sandbox_id, agent, egress, Path(attachment.address), uid, creds=creds)
+        return self.runtime.embedded_gate().open(sandbox_id, agent, egress, Path(attachment.address), uid, creds=creds,
+                                                 extras=extras)
 
     def close(self, sandbox_id: str, pending) -> dict:
         if pending.abandon_if_unused():
@@ -167,8 +168,11 @@ class Lifecycle:
         run_dir = self.runtime.paths.sandboxes / s.sandbox_id
         run_dir.mkdir(parents=True, exist_ok=True)
         os.chmod(run_dir, 0o711)
+        from agentvm.tools.slot import EndpointExtras
+
         s.endpoint = self.gate.open(s.sandbox_id, s.policy.name, s.policy.egress, s.res.gate,
-                                    s.res.host_uid if s.res.host_uid else None, s.res.creds)
+                                    s.res.host_uid if s.res.host_uid else None, s.res.creds,
+                                    extras=EndpointExtras.of(s.policy, run_dir, s.plan.policy_digest))
 
     def launch(self, s: Session, stdio=None) -> None:
         s.handle = s.backend.launch(s.plan, stdio=stdio)

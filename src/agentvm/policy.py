@@ -23,6 +23,7 @@ from agentvm.errors import ConfigError, PolicyDenied
 if TYPE_CHECKING:  # pragma: no cover
     from agentvm.gate.policy import EgressPolicy
     from agentvm.spec.models import AgentSpec
+    from agentvm.tools.policy import ToolPolicy
 
 POLICY_VERSION = 1
 TIER_LEVEL = {f"L{i}": i for i in range(6)}
@@ -91,6 +92,10 @@ class Policy:
     egress: "EgressPolicy | None" = None
     # Credentials by reference (bindings only: never a value).
     credentials: tuple = ()
+    # MCP tool servers through the tool gateway (agentvm.tools.policy.ToolPolicy), or None.
+    tools: "ToolPolicy | None" = None
+    # How long a held action (a tool call or an egress request that needs a human) waits.
+    approval_timeout: float = 300.0
     # Declared but not yet enforceable sections: a run that needs them is refused.
     pending_features: tuple[str, ...] = ()
     version: int = POLICY_VERSION
@@ -209,10 +214,19 @@ def compile_policy(spec: "AgentSpec") -> Policy:
                 hint="add egress.allow rules for the credential's hosts",
             )
         _check_credential_hosts(credentials, egress)
+    tools = None
     if body.tools:
-        pending.append("tools")
-    if body.approvals:
-        pending.append("approvals")
+        from agentvm.tools.policy import compile_tools
+
+        if body.network != "gate":
+            raise ConfigError("spec.tools needs network: gate (the tool gateway is reached through the gate's port)",
+                              hint="drop network: none, or drop spec.tools")
+        try:
+            tools = compile_tools(body, spec.metadata.name)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from exc
+        if any(s.kind == "remote" for s in tools.servers):
+            pending.append("tools[].url (remote tool servers)")
     lim = body.limits
     return Policy(
         name=spec.metadata.name,
@@ -242,6 +256,8 @@ def compile_policy(spec: "AgentSpec") -> Policy:
         network=body.network,
         egress=egress,
         credentials=credentials,
+        tools=tools,
+        approval_timeout=body.approvals.timeout,
         pending_features=tuple(pending),
     )
 

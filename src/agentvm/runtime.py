@@ -123,8 +123,20 @@ class Runtime:
 
             self.log_dir.mkdir(parents=True, exist_ok=True)
             os.chmod(self.log_dir, 0o700)
-            self._gate = LazyGate(self.gate_dir, self.log_dir)  # comes up off the run's critical path
+            self._gate = LazyGate(self.gate_dir, self.log_dir, self.approval_store)  # comes up off the run's critical path
         return self._gate
+
+    def approval_store(self):
+        """The approvals queue for held actions of this process's sandboxes (opened on first use)."""
+        from agentvm.approvals import open_store
+        from agentvm.audit import AuditLog
+
+        audit = AuditLog(self.paths.audit_dir / "audit.db")
+
+        def record(kind, *, actor, sandbox=None, **data):
+            audit.append(kind, actor=actor, sandbox=sandbox, data=data)
+
+        return open_store(self.paths, record)
 
     @property
     def vault_dir(self) -> Path:

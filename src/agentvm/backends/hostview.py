@@ -129,6 +129,9 @@ def sandbox_env(policy: Policy, ctx: LaunchContext, *, term: str | None = None) 
         env["NODE_EXTRA_CA_CERTS"] = GATE_CA_FILE
         env["GRPC_DEFAULT_SSL_ROOTS_FILE_PATH"] = CA_BUNDLE  # gRPC's own TLS stack (BoringSSL)
         env["NODE_USE_ENV_PROXY"] = "1"  # Node >= 24 honours the proxy variables natively
+        if policy.tools is not None:
+            # the tool gateway: the same port, path /mcp (streamable HTTP); NO_PROXY covers it
+            env["AGENTVM_MCP_URL"] = f"{proxy}/mcp"
         if ctx.host is not None and ctx.host.node_shim:
             env["NODE_OPTIONS"] = f"--require {NODE_SHIM_IN_SANDBOX}/proxy.js"
     spec_env = dict(policy.env)

@@ -40,6 +40,7 @@ _COMMANDS: dict[str, str] = {
     "policy": "agentvm.cli.daemon_cmds:policy",
     "audit": "agentvm.cli.daemon_cmds:audit",
     "events": "agentvm.cli.daemon_cmds:events",
+    "approvals": "agentvm.cli.approvals_cmd:approvals",
 }
 
 

@@ -116,11 +116,11 @@ class DaemonGateHost:
     def _call(self, coro, timeout: float = 30.0):
         return asyncio.run_coroutine_threadsafe(coro, self.daemon.loop).result(timeout)
 
-    def open(self, sandbox_id: str, agent: str, egress, attachment, uid, creds):
+    def open(self, sandbox_id: str, agent: str, egress, attachment, uid, creds, extras=None):
         if attachment.kind != "unix":
             raise AgentVMError(f"the daemon's gate cannot serve a {attachment.kind!r} attachment")
         return self._call(self.daemon.gate.open_endpoint(sandbox_id, agent, egress, Path(attachment.address),
-                                                         uid=uid, creds=creds))
+                                                         uid=uid, creds=creds, extras=extras))
 
     def close(self, sandbox_id: str, ep) -> dict:
         from agentvm.lifecycle import egress_summary
@@ -149,6 +149,7 @@ class Daemon:
         self._uploads = UPLOADS  # free slots for large request bodies
         self.gate = Gate(self.paths.home / "gate", self.paths.home / "logs")
         self.gate.subscribers.append(self._on_decision)
+        self.gate.approvals_factory = self._approval_store
         self.managed: dict[str, Managed] = {}
         self.subscribers: set[asyncio.Queue] = set()
         self.listen = listen
@@ -156,6 +157,11 @@ class Daemon:
         self.servers: list[asyncio.AbstractServer] = []
         self.stopping = asyncio.Event()
         self.socket_path = self.paths.runtime / SOCKET_NAME
+
+    def _approval_store(self):
+        from agentvm.approvals import open_store
+
+        return open_store(self.paths, self.record)
 
     # ---------------------------------------------------------------- events & audit
     def emit(self, kind: str, **data) -> None:

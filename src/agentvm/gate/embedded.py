@@ -85,8 +85,9 @@ class PendingEndpoint:
 
 
 class LazyGate:
-    def __init__(self, state_dir: Path, log_dir: Path) -> None:
+    def __init__(self, state_dir: Path, log_dir: Path, approvals_factory=None) -> None:
         self.state_dir, self.log_dir = state_dir, log_dir
+        self.approvals_factory = approvals_factory
         self._pending: set[PendingEndpoint] = set()  # endpoints not yet served or abandoned
         self._ready = threading.Event()
         self._start_lock = threading.Lock()
@@ -104,6 +105,7 @@ class LazyGate:
         try:
 
             self._impl = EmbeddedGate(self.state_dir, self.log_dir)
+            self._impl.gate.approvals_factory = self.approvals_factory
         except BaseException as exc:  # noqa: BLE001 - reported to every endpoint
             self._error = exc
         finally:
@@ -121,7 +123,8 @@ class LazyGate:
     def gate(self):  # the started gate (its subscribers, endpoints...)
         return self.impl().gate
 
-    def open(self, sandbox_id: str, agent: str, policy, sock_path: Path, uid: int | None, creds=None) -> PendingEndpoint:
+    def open(self, sandbox_id: str, agent: str, policy, sock_path: Path, uid: int | None, creds=None,
+             extras=None) -> PendingEndpoint:
         """Bind, own and listen on the sandbox's socket now; the gate serves it when it is up."""
         sock_path = Path(sock_path)
         sock_path.parent.mkdir(parents=True, exist_ok=True)
@@ -159,7 +162,7 @@ class LazyGate:
                         return
                     pending._claimed = True
                 impl = self.impl()
-                pending._set(impl.open(sandbox_id, agent, policy, sock_path, uid, creds=creds, sock=s))
+                pending._set(impl.open(sandbox_id, agent, policy, sock_path, uid, creds=creds, sock=s, extras=extras))
             except BaseException as exc:  # noqa: BLE001
                 with pending._lock:
                     mine = not pending._abandoned
@@ -207,8 +210,10 @@ class EmbeddedGate:
 
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
-    def open(self, sandbox_id: str, agent: str, policy, sock_path: Path, uid: int | None, creds=None, sock=None):
-        return self.call(self.gate.open_endpoint(sandbox_id, agent, policy, sock_path, uid=uid, creds=creds, sock=sock))
+    def open(self, sandbox_id: str, agent: str, policy, sock_path: Path, uid: int | None, creds=None, sock=None,
+             extras=None):
+        return self.call(self.gate.open_endpoint(sandbox_id, agent, policy, sock_path, uid=uid, creds=creds, sock=sock,
+                                                 extras=extras))
 
     def close(self, sandbox_id: str):
         return self.call(self.gate.close_endpoint(sandbox_id))

@@ -91,6 +91,9 @@ class Endpoint:
         self.splices: dict[asyncio.Task, RequestMeta] = {}  # opaque tunnels: decided once, at setup
         self.cut: dict[asyncio.Task, tuple[str, str]] = {}  # task -> (rule, reason) it was cut for
         self.creds = None  # CredentialSet of this session (credentials by reference), or None
+        self.tools = None  # agentvm.tools.slot.ToolsSlot: this sandbox's tool gateway, or None (no tools)
+        self.approval_timeout = 300.0  # how long a held (action: ask) request waits for a human
+        self.policy_digest = ""  # the sandbox policy's digest, recorded with each held request
         self.alerts = 0
         # idle upstream connections: per sandbox, never shared across sandboxes
         self.pool: dict[tuple, list[tuple[PlainStream, float]]] = {}
@@ -174,6 +177,38 @@ class Endpoint:
             self.cut[task] = (rule, reason)
             task.cancel()
 
+    async def hold(self, cmd) -> "object":
+        """An egress request that needs a human (``action: ask``): queued, then the answer."""
+        from agentvm.gate import exchange as ex
+
+        req = cmd.req
+        store = self.gate.approval_store()
+        if store is None:
+            return ex.Answered(False, "approval:unavailable", "no approvals queue is available to ask a human")
+        path = req.path if len(req.path) <= 512 else req.path[:509] + "..."
+        target = f"{req.method} {req.host}:{req.port}{path}"
+        summary = {"method": req.method, "host": req.host, "port": req.port, "path": path, "rule": cmd.decision.rule_id,
+                   "body_bytes": req.content_length, "preview": target[:200]}
+        try:
+            from agentvm.approvals import digest
+
+            queued = store.submit(kind="egress", sandbox=self.sandbox_id, agent=self.agent, target=target,
+                                  summary=summary, arg_digest=digest([req.method, req.host, req.port, req.path]),
+                                  policy=self.policy_digest, timeout=self.approval_timeout)
+        except Exception as exc:  # noqa: BLE001 - not recorded, not held: denied
+            return ex.Answered(False, "approval:unavailable", f"the request could not be queued ({type(exc).__name__})")
+        self.log(verdict="ask", rule_id="approval:pending", reason=f"waiting for a human ({queued.id})", host=req.host,
+                 port=req.port, method=req.method, path=req.path, phase="request", approval=queued.id)
+        try:
+            done = await store.wait(queued.id)
+        except Exception as exc:  # noqa: BLE001
+            return ex.Answered(False, "approval:unavailable", f"the approvals queue failed ({type(exc).__name__})")
+        if done.state == "approved":
+            return ex.Answered(True, "approval:approved", f"approved by {done.by}", done.id)
+        if done.state == "expired":
+            return ex.Answered(False, "approval:timeout", f"no human answered {done.id} in time", done.id)
+        return ex.Answered(False, "approval:denied", f"{done.id} was denied by {done.by}", done.id)
+
     def set_policy(self, policy: EgressPolicy) -> None:
         self.policy = policy
         self.bucket.rate = policy.limits.requests_per_second
@@ -209,7 +244,8 @@ class Endpoint:
             self.alerts += 1
         if verdict == "deny":
             # printable ASCII only: the target reaches the operator's terminal in the run summary
-            target = f"{_safe(host, 255).lower()}:{port}" if host else "(malformed request)"
+            target = (f"{_safe(host, 255).lower()}:{port}" if host else
+                      f"tool {_safe(extra['tool'], 200)}" if extra.get("tool") else "(malformed request)")
             key = (rule_id[:128], target)
             if key not in self.denials and len(self.denials) >= MAX_DENIAL_KEYS:
                 key = ("(other)", "(too many distinct denials to list)")
@@ -219,7 +255,7 @@ class Endpoint:
             if not extra.get("alert") and not self.deny_log_bucket.take():
                 self.deny_suppressed += 1
                 return
-        else:
+        elif verdict == "allow":
             self.allowed += 1
         self.flush_suppressed()
         self._write(rec)

@@ -117,7 +117,35 @@ class OpenTunnel:
     meta: RequestMeta | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class Hold:
+    """The request matched an allow rule with ``action: ask``: put it before a human and answer
+    with :class:`Answered` (approved, denied, timed out - or no one to ask: denied)."""
+
+    req: h1.ProxyRequest
+    decision: Decision
+
+
+@dataclass(frozen=True, slots=True)
+class ToTools:
+    """Terminal: an origin-form request for ``/mcp`` on the proxy port is for this sandbox's
+    tool gateway (the sandbox's identity is the socket it came in on, as for egress)."""
+
+    req: h1.ProxyRequest
+
+
 # ---------------------------------------------------------------------------- events
+
+
+@dataclass(frozen=True, slots=True)
+class Answered:
+    """A human's (or the timeout's) answer to :class:`Hold`. Denied: ``rule_id`` says why
+    (``approval:denied``, ``approval:timeout``, ``approval:unavailable``)."""
+
+    approved: bool
+    rule_id: str
+    reason: str
+    request_id: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,6 +231,14 @@ def _admission(ep, req: h1.ProxyRequest) -> Deny | None:
     return None
 
 
+TOOLS_PATH = "/mcp"
+
+
+def is_tools_path(path: str) -> bool:
+    """``/mcp`` (with a query, or a sub-path) on the proxy port: the tool gateway's endpoint."""
+    return path == TOOLS_PATH or path.startswith((TOOLS_PATH + "?", TOOLS_PATH + "/"))
+
+
 def _is_ip(name: str) -> bool:
     try:
         ipaddress.ip_address(name)
@@ -246,6 +282,13 @@ def request(ep, req: h1.ProxyRequest, *, scheme: str, tunnel: Tunnel | None = No
     if denied is not None:
         yield denied
         return
+    if tunnel is None and req.scheme == "origin" and is_tools_path(req.path):
+        if ep.tools is None:
+            yield deny(req, "tools:none", "this sandbox declares no tools (spec.tools)", status=404,
+                       answer="error", explain=False)
+            return
+        yield ToTools(req)
+        return
     if tunnel is None and req.scheme != "http":
         yield deny(req, "bad-request:not-a-proxy-request", "origin-form request to the proxy", status=400,
                    answer="error", explain=False)
@@ -269,6 +312,14 @@ def request(ep, req: h1.ProxyRequest, *, scheme: str, tunnel: Tunnel | None = No
                        body_size=req.content_length, websocket=req.upgrade_websocket, phase="request",
                        sni=tunnel.host if tunnel is not None and scheme == "https" else None)
     d = decide(meta, ep.policy)
+    if d.verdict == "ask":
+        answer = yield Hold(req=req, decision=d)
+        if not isinstance(answer, Answered) or not answer.approved:
+            rid = answer.rule_id if isinstance(answer, Answered) else "approval:unavailable"
+            why = answer.reason if isinstance(answer, Answered) else "no answer"
+            yield deny(req, rid, why, explain=False)
+            return
+        d = replace(d, verdict="allow", reason=f"{d.reason}: approved ({answer.request_id})")
     if not d.allowed:
         yield deny(req, d.rule_id, d.reason)
         return

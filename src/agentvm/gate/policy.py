@@ -110,11 +110,12 @@ class Rule:
     paths: tuple[str, ...] = ()  # globs on the decoded path; empty = any
     max_body: int | None = None
     websocket: bool = False
+    ask: bool = False  # allow rules: each matching request waits for a human (verdict "ask")
 
     @property
     def is_l7(self) -> bool:
         """True when the rule can only be checked on HTTP requests (TLS must be terminated)."""
-        return bool(self.methods or self.paths or self.max_body is not None or self.websocket)
+        return bool(self.methods or self.paths or self.max_body is not None or self.websocket or self.ask)
 
 
 @dataclass(frozen=True)
@@ -166,6 +167,7 @@ class EgressPolicy:
                 "paths": list(r.paths),
                 "max_body": r.max_body,
                 "websocket": r.websocket,
+                **({"action": "ask"} if r.ask else {}),
             }
 
         lim = self.limits
@@ -200,7 +202,9 @@ class RequestMeta:
 
 @dataclass(frozen=True)
 class Decision:
-    verdict: str  # "allow" | "deny"
+    # "allow" | "deny" | "ask" (request phase: an allow rule with action ask matched; the
+    # request waits for a human - anything that does not handle "ask" treats it as not allowed)
+    verdict: str
     rule_id: str  # the matched rule's id, or a fixed id (default-deny, invalid-host, ...)
     reason: str  # short, printable ASCII, no secrets (never the path or query)
     terminate: bool = False  # connect phases, allowed: the gate must terminate TLS
@@ -775,9 +779,10 @@ def _decide(meta: RequestMeta, policy: EgressPolicy) -> Decision:
             if bs is None and r.max_body is not None and (cap is None or r.max_body < cap[0]):
                 cap = (r.max_body, r.id)
             return Decision(
-                "allow",
+                "ask" if r.ask else "allow",
                 r.id,
-                f"{method} to {hp} allowed by rule {_safe(r.id)}",
+                f"{method} to {hp} " + (f"needs a human approval (rule {_safe(r.id)})" if r.ask
+                                        else f"allowed by rule {_safe(r.id)}"),
                 max_body=cap[0] if cap else None,
                 body_rule_id=cap[1] if cap else None,
                 host=host,
@@ -849,6 +854,7 @@ def _compile_rule(r: Any, where: str) -> Rule:
         paths=tuple(paths),
         max_body=mb,
         websocket=bool(getattr(r, "websocket", False)),
+        ask=getattr(r, "action", "allow") == "ask",
     )
 
 

@@ -67,6 +67,19 @@ class Gate:
         self._server_ctx = None
         self._client_ctx: dict[tuple[str | None, bool], ssl.SSLContext] = {}
         self.subscribers: list = []
+        # held requests (action: ask, tool approvals): a factory of the approvals queue, set
+        # by the host (daemon, embedded run); opened on first use
+        self.approvals_factory = None
+        self._approvals = None
+
+    def approval_store(self):
+        """The approvals queue, or None (nobody to ask: a held request is denied)."""
+        if self._approvals is None and self.approvals_factory is not None:
+            try:
+                self._approvals = self.approvals_factory()
+            except Exception:  # noqa: BLE001 - no queue: held requests are denied
+                return None
+        return self._approvals
 
     # -- CA and TLS contexts (lazy: a run without TLS interception never loads cryptography)
     @property
@@ -101,13 +114,15 @@ class Gate:
 
     # -- endpoints ------------------------------------------------------------------------
     async def open_endpoint(self, sandbox_id: str, agent: str, policy: EgressPolicy, sock_path: Path, *, uid: int | None = None,
-                            creds=None, sock=None) -> Endpoint:
+                            creds=None, sock=None, extras=None) -> Endpoint:
         """Serve ``sandbox_id``'s socket: bound here, or ``sock`` - already bound, owned and
         listening (``agentvm.gate.embedded`` binds it before the sandbox starts, so connections
         wait in its backlog while the gate comes up)."""
         sock_path = Path(sock_path)
         ep = Endpoint(self, sandbox_id, agent, policy, sock_path, self.log_dir / f"{sandbox_id}.egress.jsonl")
         ep.creds = creds
+        if extras is not None:  # the sandbox policy's tools and approvals (agentvm.tools.slot.EndpointExtras)
+            extras.attach(ep)
         if sock is not None:
             ep.server = await asyncio.start_unix_server(lambda r, w: self._handle(ep, r, w), sock=sock, limit=STREAM_LIMIT)
             self.endpoints[sandbox_id] = ep
@@ -139,6 +154,8 @@ class Gate:
         except FileNotFoundError:
             pass
         ep.pool_close()
+        if ep.tools is not None:
+            await ep.tools.close()
         ep.close_log()
         return ep
 
@@ -203,6 +220,9 @@ class Gate:
                         await client.write(cmd.as_http1())
                     flow.close()
                     return None
+                if isinstance(cmd, ex.Hold):
+                    cmd = flow.send(await ep.hold(cmd))
+                    continue
                 if isinstance(cmd, ex.Lookup):
                     try:
                         infos = await asyncio.get_running_loop().getaddrinfo(cmd.name, cmd.port, type=socket.SOCK_STREAM)
@@ -238,6 +258,13 @@ class Gate:
             fwd = await self._run(ep, stream, ex.request(ep, req, scheme=scheme, tunnel=tunnel))
             if fwd is None:
                 return
+            if isinstance(fwd, ex.ToTools):
+                from agentvm.gate.asgi import serve_one
+
+                keep, pending = await serve_one(ep, stream, body, fwd.req)
+                if not keep:
+                    return
+                continue
             keep, pending = await self._forward(ep, stream, body, fwd)
             if not keep:
                 return

@@ -241,6 +241,9 @@ class EgressRule(_Model):
     )
     max_body: Size | None = Field(None, description="Largest request body allowed, e.g. 10M.")
     websocket: bool = Field(False, description="Allow WebSocket upgrades to this host.")
+    action: Literal["allow", "ask"] = Field(
+        "allow", description="allow rules only: 'ask' holds each matching request until a human approves it "
+        "(`agentvm approvals`); unanswered within approvals.timeout, it is denied.")
     id: str | None = Field(None, description="Rule id reported in decisions and 403 responses.")
 
     @field_validator("max_body", mode="before")
@@ -313,6 +316,14 @@ class Egress(_Model):
     @classmethod
     def _ca(cls, v: str | None) -> str | None:
         return None if v is None else _abs_path(v, "egress.upstreamCA")
+
+    @field_validator("deny")
+    @classmethod
+    def _deny_no_ask(cls, v: list[EgressRule]) -> list[EgressRule]:
+        for r in v:
+            if r.action != "allow":
+                raise ValueError("action: ask belongs on allow rules (a deny rule always denies)")
+        return v
 
 
 class CredentialInject(_Model):
@@ -416,15 +427,170 @@ class Credential(_Model):
         return self
 
 
-class Tool(_Model):
-    name: str = Field(description="Tool (MCP server) name.")
-    allow: bool = Field(False, description="Allow the tool (the allowlist is fail-closed).")
-    approval: bool = Field(False, description="Every call needs a human approval.")
+TOOL_NAME_GLOB_RE = re.compile(r"^[A-Za-z0-9_.*?/-]{1,128}$")
 
 
-class Approval(_Model):
-    action: str = Field(description="The action that needs approval.")
-    require: Literal["human"] = Field("human", description="Who approves (only 'human' for now).")
+def _tool_globs(v: list[str], where: str) -> list[str]:
+    for g in v:
+        if not isinstance(g, str) or not TOOL_NAME_GLOB_RE.fullmatch(g):
+            raise ValueError(f"{where}: {_clip(g)} is not a tool name or glob (letters, digits, _ . - / and * ?)")
+    return v
+
+
+class ToolArgRule(_Model):
+    """A constraint on one named argument of a tool call. Every field given must hold."""
+
+    path: str | None = Field(None, description="The argument is a path inside this folder (normalized; '..' "
+                             "that leaves it, and any other string, is denied).")
+    pattern: str | None = Field(None, description="The argument (a string) fully matches this regular expression.")
+    enum: list[str | int | float | bool] | None = Field(None, description="The argument is one of these values.")
+    max_length: int | None = Field(None, ge=0, description="The argument (a string) has at most this many characters.")
+    required: bool = Field(False, description="The argument must be present.")
+
+    @field_validator("path")
+    @classmethod
+    def _path(cls, v: str | None) -> str | None:
+        return None if v is None else _abs_path(v, "arguments[].path")
+
+    @field_validator("pattern")
+    @classmethod
+    def _pattern(cls, v: str | None) -> str | None:
+        if v is not None:
+            try:
+                re.compile(v)
+            except re.error as exc:
+                raise ValueError(f"pattern {_clip(v)} is not a regular expression: {exc}") from None
+        return v
+
+    @model_validator(mode="after")
+    def _some(self):
+        if self.path is None and self.pattern is None and self.enum is None and self.max_length is None \
+                and not self.required:
+            raise ValueError("an argument rule needs path, pattern, enum, maxLength or required")
+        return self
+
+
+class ToolLimits(_Model):
+    calls_per_minute: int = Field(60, ge=1, le=100000, description="Calls to this server per minute (all tools).")
+    timeout: Duration = Field(60.0, gt=0, description="Longest a call may take before it is answered with an error.")
+    max_arguments: Size = Field(256 * 1024, ge=1, description="Largest arguments of a call (JSON bytes).")
+    max_result: Size = Field(1024 * 1024, ge=1, description="Largest result of a call (JSON bytes).")
+
+    @field_validator("timeout", mode="before")
+    @classmethod
+    def _t(cls, v):
+        return _duration(v)
+
+    @field_validator("max_arguments", "max_result", mode="before")
+    @classmethod
+    def _s(cls, v):
+        return _size(v)
+
+
+class ToolServer(_Model):
+    """One MCP server the agent may use through the gateway (``spec.tools[]``)."""
+
+    name: str = Field(description="The server's name: tools appear to the agent as NAME__TOOL.")
+    command: list[str] = Field(default_factory=list, description="Local server: the stdio MCP server's argv, run in "
+                               "a sandbox of its own (its own grants, egress and credentials).")
+    url: str | None = Field(None, description="Remote server: an https:// streamable-HTTP MCP endpoint (not yet "
+                            "supported: refused at run time).")
+    allow: list[str] = Field(default_factory=list, description="Tool names or globs the agent may see and call; "
+                             "anything else is hidden and denied.")
+    deny: list[str] = Field(default_factory=list, description="Tool names or globs always denied (deny wins).")
+    approve: list[str] = Field(default_factory=list, description="Tool names or globs whose every call waits for "
+                               "a human (they are visible like allowed tools).")
+    risk: dict[str, Literal["read", "write", "destructive"]] = Field(
+        default_factory=dict, description="Tool name or glob -> class (read, write, destructive); unlisted tools "
+        "are 'write'. The risk tier decides which classes always need a human; server hints are never used.")
+    arguments: dict[str, dict[str, ToolArgRule]] = Field(
+        default_factory=dict, description="Tool name -> argument name -> constraint.")
+    resources: list[str] = Field(default_factory=list, description="Resource URI globs the agent may list and read.")
+    prompts: list[str] = Field(default_factory=list, description="Prompt names or globs the agent may list and get.")
+    limits: ToolLimits = Field(default_factory=ToolLimits, description="Rate, time and size limits of this server.")
+    mounts: list[Mount] = Field(default_factory=list, description="Local server: folders granted to its sandbox.")
+    env: dict[str, str] = Field(default_factory=dict, description="Local server: its environment.")
+    egress: Egress = Field(default_factory=Egress, description="Local server: its own egress rules (default: none).")
+    credentials: list[Credential] = Field(default_factory=list, description="Local server: credentials by reference, "
+                                          "swapped in by its own gate (the agent never holds them).")
+    memory: Size = Field(D.MEMORY, ge=1, description="Local server: memory limit of its sandbox.")
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not re.fullmatch(r"[a-z0-9]([a-z0-9-]{0,30}[a-z0-9])?", v):
+            raise ValueError("tool server name: 1-32 of a-z, 0-9 and '-' (no leading/trailing '-')")
+        return v
+
+    @field_validator("allow", "deny", "approve", "prompts")
+    @classmethod
+    def _globs(cls, v: list[str]) -> list[str]:
+        return _tool_globs(v, "tools[]")
+
+    @field_validator("risk", "arguments")
+    @classmethod
+    def _keys(cls, v: dict) -> dict:
+        _tool_globs(list(v), "tools[]")
+        return v
+
+    @field_validator("resources")
+    @classmethod
+    def _res(cls, v: list[str]) -> list[str]:
+        for g in v:
+            if not g or len(g) > 512 or any(ord(c) < 0x21 for c in g):
+                raise ValueError(f"resource glob {_clip(g)} is empty, too long or has spaces/control characters")
+        return v
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, v: str | None) -> str | None:
+        if v is not None and not re.fullmatch(r"https://[^\s/?#]+(/[^\s#]*)?", v):
+            raise ValueError("url must be https://HOST[:PORT]/PATH")
+        return v
+
+    @field_validator("memory", mode="before")
+    @classmethod
+    def _mem(cls, v):
+        return _size(v)
+
+    @field_validator("env")
+    @classmethod
+    def _env(cls, v: dict[str, str]) -> dict[str, str]:
+        for k, val in v.items():
+            if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", k) or "\x00" in val:
+                raise ValueError(f"invalid environment variable {k!r}")
+        return v
+
+    @model_validator(mode="after")
+    def _kind(self):
+        if bool(self.command) == bool(self.url):
+            raise ValueError(f"tool server {self.name!r}: give either command (a local stdio server) or url (remote)")
+        if self.url and (self.mounts or self.env or self.egress.allow or self.credentials):
+            raise ValueError(f"tool server {self.name!r}: mounts, env, egress and credentials are for local servers")
+        if not (self.allow or self.approve):
+            raise ValueError(f"tool server {self.name!r}: allow or approve at least one tool (nothing else is reachable)")
+        return self
+
+
+class Approvals(_Model):
+    """How held actions (tool calls in ``approve``, egress rules with ``action: ask``) are answered."""
+
+    timeout: Duration = Field(300.0, gt=0, le=7 * 86400, description="Unanswered this long: denied.")
+    webhook: str | None = Field(None, description="POST each pending request (JSON) to this URL (http:// on "
+                                "loopback or https://); answers come back through `agentvm approvals`.")
+
+    @field_validator("timeout", mode="before")
+    @classmethod
+    def _t(cls, v):
+        return _duration(v)
+
+    @field_validator("webhook")
+    @classmethod
+    def _wh(cls, v: str | None) -> str | None:
+        if v is not None and not re.fullmatch(r"(https://[^\s/?#]+|http://(127\.0\.0\.1|localhost|\[::1\])(:\d+)?)"
+                                               r"(/[^\s#]*)?", v):
+            raise ValueError("webhook must be https://... or http:// on loopback")
+        return v
 
 
 class AgentSpecBody(_Model):
@@ -450,8 +616,9 @@ class AgentSpecBody(_Model):
     )
     egress: Egress = Field(default_factory=Egress, description="Network egress rules (default: deny all).")
     credentials: list[Credential] = Field(default_factory=list, description="Credentials by reference.")
-    tools: list[Tool] = Field(default_factory=list, description="Tool allowlist.")
-    approvals: list[Approval] = Field(default_factory=list, description="Actions that need a human.")
+    tools: list[ToolServer] = Field(default_factory=list, description="MCP servers the agent may use, through "
+                                    "the tool gateway (fail closed: only allowed tools are visible and callable).")
+    approvals: Approvals = Field(default_factory=Approvals, description="How held actions are answered.")
 
     @field_validator("env")
     @classmethod
@@ -525,6 +692,16 @@ TIER_CEILINGS: dict[str, dict] = {
     "L3": {"rw_mounts": True, "egress": True, "credentials": True, "ptrace": False, "tools": True},
     "L4": {"rw_mounts": True, "egress": True, "credentials": True, "ptrace": True, "tools": True},
     "L5": {"rw_mounts": True, "egress": True, "credentials": True, "ptrace": True, "tools": True},
+}
+# Tool classes (``tools[].risk``) whose every call needs a human at each tier, whatever the
+# agent file says: the tier is the ceiling, an agent file can only add approvals.
+TIER_TOOL_APPROVAL: dict[str, frozenset[str]] = {
+    "L0": frozenset({"read", "write", "destructive"}),
+    "L1": frozenset({"read", "write", "destructive"}),
+    "L2": frozenset({"write", "destructive"}),
+    "L3": frozenset({"destructive"}),
+    "L4": frozenset({"destructive"}),
+    "L5": frozenset(),
 }
 
 

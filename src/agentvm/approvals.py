@@ -1,0 +1,229 @@
+"""Human approvals: a durable queue of held actions, answered by a person or by the timeout.
+
+A held action is a tool call whose tool is in ``tools[].approve`` (or whose risk class the
+agent's tier always puts before a human), or an egress request that matched an allow rule
+with ``action: ask``. Whoever holds it (the tool gateway, the egress gate - in the daemon or
+in an embedded ``agentvm run``) puts a row into ``approvals.db`` and waits; a human answers
+with ``agentvm approvals approve|deny ID`` (or the SDK), which only moves a *pending* row to
+*approved* or *denied* - atomically, so two answers cannot both win. Nothing is ever allowed
+without that row saying ``approved``:
+
+- the deadline passes: the holder moves the row to ``expired`` (denied, ``approval:timeout``);
+- the holder dies (``kill -9`` of the daemon, a crashed run): the row stays ``pending`` in the
+  database - never lost - and the next holder to open the store (or ``agentvm approvals``)
+  moves it to ``expired`` with the reason "the requester is gone": answered, never silently
+  allowed, and the held request itself died with its connection;
+- the database cannot be written: the holder denies (``approval:unavailable``).
+
+Every request and every answer goes on the audit chain (who, when, what: kind, target and a
+digest plus a redacted preview of the arguments - never a credential value: the gate's
+placeholders are what the agent sent, and the real values are never in a held request).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+import secrets
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from agentvm import statedb
+from agentvm.errors import AgentVMError, ConfigError
+
+SCHEMA = """
+CREATE TABLE approvals (
+    id TEXT PRIMARY KEY,
+    created REAL NOT NULL,
+    kind TEXT NOT NULL,          -- tool | egress | access
+    sandbox TEXT NOT NULL,
+    agent TEXT NOT NULL,
+    target TEXT NOT NULL,        -- server__tool, or METHOD host:port/path
+    summary TEXT NOT NULL,       -- JSON: the redacted preview shown to the human
+    digest TEXT NOT NULL,        -- sha256 of the exact arguments / request line
+    policy TEXT NOT NULL,        -- the policy digest that decided to hold it
+    state TEXT NOT NULL,         -- pending | approved | denied | expired
+    deadline REAL NOT NULL,
+    answered REAL,
+    by TEXT,
+    note TEXT,
+    owner_pid INTEGER NOT NULL,
+    owner_start TEXT NOT NULL
+);
+CREATE INDEX approvals_state ON approvals(state, created);
+"""
+
+POLL = 0.05  # how often a holder looks for the answer (seconds)
+PREVIEW_CHARS = 200
+STATES = ("pending", "approved", "denied", "expired")
+
+
+class ApprovalError(AgentVMError):
+    code = "approvals.error"
+    exit_code = 2
+
+
+@dataclass(frozen=True)
+class Request:
+    id: str
+    created: float
+    kind: str
+    sandbox: str
+    agent: str
+    target: str
+    summary: dict
+    digest: str
+    policy: str
+    state: str
+    deadline: float
+    answered: float | None
+    by: str | None
+    note: str | None
+
+    def to_dict(self) -> dict:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+    @property
+    def approved(self) -> bool:
+        return self.state == "approved"
+
+
+def _row(r) -> Request:
+    return Request(id=r[0], created=r[1], kind=r[2], sandbox=r[3], agent=r[4], target=r[5], summary=json.loads(r[6]),
+                   digest=r[7], policy=r[8], state=r[9], deadline=r[10], answered=r[11], by=r[12], note=r[13])
+
+
+_COLS = "id, created, kind, sandbox, agent, target, summary, digest, policy, state, deadline, answered, by, note"
+
+
+def _proc_start(pid: int) -> str:
+    """The process's start time (field 22 of /proc/PID/stat): a pid with another start time is
+    another process (pids are reused)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            raw = f.read()
+        return raw[raw.rindex(b")") + 2:].split()[19].decode()
+    except (OSError, ValueError, IndexError):
+        return ""
+
+
+def preview(value, limit: int = PREVIEW_CHARS) -> str:
+    """A short, printable rendering of arguments for a human (cut, control characters escaped)."""
+    try:
+        text = json.dumps(value, sort_keys=True, ensure_ascii=True, default=str)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def digest(value) -> str:
+    blob = json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=True, default=str).encode()
+    return "sha256:" + hashlib.sha256(blob).hexdigest()
+
+
+class ApprovalStore:
+    """The queue (``approvals.db`` in agent-vm's home). ``record(kind, sandbox=..., actor=...,
+    **data)`` puts an event on the audit chain; it may raise - then the action is refused."""
+
+    def __init__(self, path: Path, record: Callable | None = None) -> None:
+        self.path = Path(path)
+        self._db = statedb.connect(self.path, "approvals", SCHEMA)
+        self._record = record
+        self._me = (os.getpid(), _proc_start(os.getpid()))
+        self.reap_orphans()
+
+    def close(self) -> None:
+        self._db.close()
+
+    def record(self, kind: str, *, actor: str, sandbox: str | None, **data) -> None:
+        if self._record is not None:
+            self._record(kind, actor=actor, sandbox=sandbox, **data)
+
+    # ------------------------------------------------------------------ holder side
+    def submit(self, *, kind: str, sandbox: str, agent: str, target: str, summary: dict, arg_digest: str,
+               policy: str, timeout: float) -> Request:
+        now = time.time()
+        rid = "apr-" + secrets.token_hex(6)
+        row = (rid, now, kind, sandbox, agent, target[:512], json.dumps(summary, sort_keys=True, ensure_ascii=True),
+               arg_digest, policy, "pending", now + timeout, None, None, None, self._me[0], self._me[1])
+        # on the chain first: a request that cannot be recorded is not held (it is denied)
+        self.record("approval.requested", actor=f"sandbox:{sandbox}", sandbox=sandbox, id=rid, what=kind,
+                    agent=agent, target=target[:512], digest=arg_digest, preview=summary.get("preview"),
+                    policy=policy, timeout=timeout)
+        self._db.execute(f"INSERT INTO approvals ({_COLS}, owner_pid, owner_start) VALUES "
+                         "(?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)", row)
+        return self.get(rid)
+
+    async def wait(self, rid: str) -> Request:
+        """Until the row is answered or its deadline passes (then: ``expired``)."""
+        while True:
+            req = self.get(rid)
+            if req.state != "pending":
+                return req
+            if time.time() >= req.deadline:
+                return self._finish(rid, "expired", "timeout", "no answer before the deadline")
+            await asyncio.sleep(POLL)
+
+    def _finish(self, rid: str, state: str, by: str, note: str | None) -> Request:
+        cur = self._db.execute("UPDATE approvals SET state=?, answered=?, by=?, note=? WHERE id=? AND state='pending'",
+                               (state, time.time(), by, note, rid))
+        req = self.get(rid)
+        if cur.rowcount == 1:
+            self.record("approval.answered", actor=by if ":" in by else f"agentvm:{by}", sandbox=req.sandbox, id=rid,
+                        state=state, what=req.kind, target=req.target, digest=req.digest, note=note)
+        return req
+
+    def reap_orphans(self) -> int:
+        """Pending rows whose holder is gone (its process died): ``expired`` - answered, never
+        left to be approved into nothing, never allowed."""
+        n = 0
+        rows = self._db.execute("SELECT id, owner_pid, owner_start FROM approvals WHERE state='pending'").fetchall()
+        for rid, pid, start in rows:
+            if (pid, start) == self._me:
+                continue
+            if _proc_start(pid) != start or not start:
+                if self._finish(rid, "expired", "reaper", "the requester is gone (its process ended)").state == "expired":
+                    n += 1
+        return n
+
+    # ------------------------------------------------------------------ human side
+    def get(self, rid: str) -> Request:
+        r = self._db.execute(f"SELECT {_COLS} FROM approvals WHERE id=?", (rid,)).fetchone()
+        if r is None:
+            raise ApprovalError(f"no approval request {rid!r}", hint="`agentvm approvals list` shows the pending ones")
+        return _row(r)
+
+    def list(self, states: tuple[str, ...] = ("pending",), limit: int = 200) -> list[Request]:
+        self.reap_orphans()
+        q = ",".join("?" * len(states))
+        rows = self._db.execute(f"SELECT {_COLS} FROM approvals WHERE state IN ({q}) ORDER BY created DESC LIMIT ?",
+                                (*states, limit)).fetchall()
+        return [_row(r) for r in rows]
+
+    def answer(self, rid: str, approve: bool, by: str, note: str | None = None) -> Request:
+        self.reap_orphans()
+        req = self.get(rid)
+        if req.state != "pending":
+            raise ApprovalError(f"{rid} is already {req.state}" + (f" (by {req.by})" if req.by else ""),
+                                code="approvals.answered")
+        if time.time() >= req.deadline:
+            self._finish(rid, "expired", "timeout", "no answer before the deadline")
+            raise ApprovalError(f"{rid} expired before this answer (its timeout passed): it was denied",
+                                code="approvals.answered")
+        out = self._finish(rid, "approved" if approve else "denied", by, note)
+        if out.by != by:
+            raise ApprovalError(f"{rid} was answered meanwhile: {out.state} (by {out.by})", code="approvals.answered")
+        return out
+
+
+def open_store(paths, record: Callable | None = None) -> ApprovalStore:
+    try:
+        return ApprovalStore(paths.home / "approvals.db", record)
+    except AgentVMError:
+        raise
+    except Exception as exc:  # noqa: BLE001
+        raise ConfigError(f"cannot open the approvals queue: {type(exc).__name__}: {exc}") from exc

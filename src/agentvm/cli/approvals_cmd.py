@@ -1,0 +1,116 @@
+"""``agentvm approvals``: the human side of held actions (list, show, approve, deny).
+
+The queue is agent-vm's ``approvals.db``, shared by the daemon and embedded runs; answering
+needs write access to it (root, or agent-vm's owner) and puts the answer on the audit chain
+with the answering user as the actor. Nothing inside a sandbox can reach either file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import click
+
+
+def _store():
+    from agentvm.approvals import open_store
+    from agentvm.audit import AuditLog
+    from agentvm.paths import default_paths
+
+    paths = default_paths()
+    audit = AuditLog(paths.audit_dir / "audit.db")
+
+    def record(kind, *, actor, sandbox=None, **data):
+        audit.append(kind, actor=actor, sandbox=sandbox, data=data)
+
+    return open_store(paths, record)
+
+
+def _actor() -> str:
+    import pwd
+
+    uid = os.getuid()
+    try:
+        name = pwd.getpwuid(uid).pw_name
+    except KeyError:
+        name = str(uid)
+    sudo = os.environ.get("SUDO_USER")
+    return f"cli:{name}" + (f"(sudo:{sudo})" if sudo and sudo != name else "")
+
+
+def _line(r) -> str:
+    t = time.strftime("%H:%M:%S", time.localtime(r.created))
+    left = max(0, int(r.deadline - time.time()))
+    status = f"{r.state} ({left}s left)" if r.state == "pending" else f"{r.state} by {r.by}"
+    return f"{r.id}  {t}  {r.kind:<6} {r.agent:<16} {r.target[:60]:<60}  {status}"
+
+
+@click.group()
+def approvals():
+    """Held actions waiting for a human: tool calls in `approve`, egress rules with `action: ask`."""
+
+
+@approvals.command("list")
+@click.option("--all", "show_all", is_flag=True, help="answered ones too (newest first)")
+@click.option("--json", "as_json", is_flag=True)
+def list_cmd(show_all, as_json):
+    """Pending requests (with --all: every request)."""
+    from agentvm.approvals import STATES
+
+    rows = _store().list(STATES if show_all else ("pending",))
+    if as_json:
+        click.echo(json.dumps([r.to_dict() for r in rows], sort_keys=True))
+        return 0
+    if not rows:
+        click.echo("no pending approvals" if not show_all else "no approval requests")
+    for r in rows:
+        click.echo(_line(r))
+    return 0
+
+
+@approvals.command("show")
+@click.argument("request_id")
+@click.option("--json", "as_json", is_flag=True)
+def show_cmd(request_id, as_json):
+    """One request: what is held, by which sandbox and rule, and its preview."""
+    r = _store().get(request_id)
+    if as_json:
+        click.echo(json.dumps(r.to_dict(), sort_keys=True))
+        return 0
+    click.echo(_line(r))
+    for k in ("sandbox", "agent", "kind", "target", "digest", "policy"):
+        click.echo(f"  {k:<8} {getattr(r, k)}")
+    for k, v in sorted(r.summary.items()):
+        click.echo(f"  {k:<8} {v}")
+    if r.note:
+        click.echo(f"  note     {r.note}")
+    return 0
+
+
+def _answer(request_id: str, approve: bool, note: str | None, as_json: bool) -> int:
+    r = _store().answer(request_id, approve, _actor(), note)
+    if as_json:
+        click.echo(json.dumps(r.to_dict(), sort_keys=True))
+    else:
+        click.echo(f"{r.id}: {r.state} ({r.kind} {r.target[:80]})")
+    return 0
+
+
+@approvals.command("approve")
+@click.argument("request_id")
+@click.option("--note", help="why (kept on the audit chain)")
+@click.option("--json", "as_json", is_flag=True)
+def approve_cmd(request_id, note, as_json):
+    """Let one held action go ahead (once: the next one asks again)."""
+    return _answer(request_id, True, note, as_json)
+
+
+@approvals.command("deny")
+@click.argument("request_id")
+@click.option("--note", help="why (kept on the audit chain; the agent sees it)")
+@click.option("--json", "as_json", is_flag=True)
+def deny_cmd(request_id, note, as_json):
+    """Refuse one held action."""
+    return _answer(request_id, False, note, as_json)

@@ -1,0 +1,1 @@
+"""Tools: the MCP tool gateway, its policy, and the tool servers' sandboxes."""

@@ -1,0 +1,459 @@
+"""The tool gateway: one MCP endpoint per sandbox, outside it, fail closed.
+
+The agent reaches it as streamable HTTP at ``http://127.0.0.1:$AGENTVM_GATE_PORT/mcp`` - the
+same loopback port that leads to the egress gate, so the sandbox's identity is the socket it
+arrived on, never anything it sends. The gate hands such requests to this sandbox's
+:class:`ToolGateway` (an ASGI app: the official ``mcp`` SDK's streamable-HTTP server, which
+speaks both the handshake-era revisions and the stateless 2026-07-28 one).
+
+Behind it, each declared server is an MCP client session of the SDK:
+
+- a **local** server (``command``) runs in a sandbox of its own - ``agentvm run`` of an agent
+  file made from its entry (its grants, environment, egress and credentials; none of the
+  agent's) with its stdio as the MCP stdio transport. Its egress goes through its own gate,
+  which swaps its credentials in: the agent never holds them, the tool server never holds
+  the agent's workspace;
+- **remote** servers (``url``) are refused at run time for now (``pending_features``).
+
+What the gateway does with each message:
+
+- ``tools/list``: every server's tools, filtered by :func:`agentvm.tools.policy.visible`
+  (hidden = absent), renamed ``SERVER__TOOL``; plus ``agentvm__request_access``;
+- ``tools/call``: :func:`agentvm.tools.policy.decide` (deny wins, no match denies, bad
+  arguments deny, an exception denies); ``ask`` holds the call in the approvals queue until a
+  human answers or the timeout denies; allowed calls are rate-limited per server, forwarded
+  with a timeout, and their result bounded in size. Every call is logged (decision, rule,
+  policy digest, argument digest - never argument values) in the sandbox's decision log;
+- resources and prompts: only those named by ``resources`` / ``prompts`` globs.
+
+A server that crashes, hangs, floods or answers garbage costs the agent that server's calls
+(a JSON-RPC error naming the reason), never the gateway or another server or sandbox.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import mcp_types as types
+from mcp import Client
+from mcp.client.stdio import StdioServerParameters, stdio_client
+from mcp.server.lowlevel import Server
+from mcp.server.streamable_http_manager import StreamableHTTPSessionManager
+from mcp.server.transport_security import TransportSecuritySettings
+from mcp.shared.exceptions import MCPError
+
+from agentvm.approvals import digest as arg_digest
+from agentvm.approvals import preview
+from agentvm.tools import policy as tp
+
+START_TIMEOUT = 60.0  # a local server's sandbox and MCP handshake
+LIST_PAGES = 20  # at most this many pages of tools/list per server
+MAX_TOOLS = 1000  # per server: a server that lists more is cut here
+MAX_REQUEST_ACCESS = 4096  # bytes of a request_access justification
+
+# JSON-RPC error codes of the gateway's own answers (the -32000..-32099 server range)
+DENIED = -32010
+APPROVAL_DENIED = -32011
+SERVER_FAILED = -32012
+LIMITED = -32013
+
+
+class ToolFailure(Exception):
+    def __init__(self, rule_id: str, reason: str, code: int = SERVER_FAILED) -> None:
+        super().__init__(reason)
+        self.rule_id, self.reason, self.code = rule_id, reason, code
+
+
+class _Bucket:
+    def __init__(self, per_minute: int) -> None:
+        self.rate = per_minute / 60.0
+        self.capacity = float(per_minute)
+        self.tokens = self.capacity
+        self.t = time.monotonic()
+
+    def take(self) -> bool:
+        now = time.monotonic()
+        self.tokens = min(self.capacity, self.tokens + (now - self.t) * self.rate)
+        self.t = now
+        if self.tokens >= 1:
+            self.tokens -= 1
+            return True
+        return False
+
+
+class Upstream:
+    """One declared server: its MCP client session, held open by a task of its own."""
+
+    def __init__(self, gw: "ToolGateway", sp: tp.ServerPolicy) -> None:
+        self.gw, self.sp = gw, sp
+        self.client: Client | None = None
+        self.error: str | None = None
+        self.bucket = _Bucket(sp.calls_per_minute)
+        self._ready = asyncio.Event()
+        self._stop = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self._lock = asyncio.Lock()
+
+    def _transport(self):
+        spec_file = self.gw.run_dir / f"tool-{self.sp.name}.json"
+        spec_file.write_text(self.sp.sandbox_spec)
+        os.chmod(spec_file, 0o600)
+        env = {"AGENTVM_NO_DAEMON": "1"}
+        for k in ("AGENTVM_HOME", "AGENTVM_PRESET_PATH", "PATH"):
+            if k in os.environ:
+                env[k] = os.environ[k]
+        params = StdioServerParameters(command=sys.executable, args=["-m", "agentvm", "run", "--no-tty", "-f",
+                                                                     str(spec_file)], env=env)
+        errlog = open(self.gw.run_dir / f"tool-{self.sp.name}.log", "a", buffering=1)  # noqa: SIM115 - held by the task
+        self._errlog = errlog
+        return stdio_client(params, errlog=errlog)
+
+    async def _hold(self) -> None:
+        try:
+            async with Client(self._transport(), cache=None, read_timeout_seconds=self.sp.timeout,
+                              client_info=types.Implementation(name="agentvm-tool-gateway", version="1")) as c:
+                self.client = c
+                self._ready.set()
+                await self._stop.wait()
+        except BaseException as exc:  # noqa: BLE001 - the server's failure is this server's only
+            self.error = f"{type(exc).__name__}: {str(exc)[:200]}" if str(exc) else type(exc).__name__
+            if isinstance(exc, BaseExceptionGroup):
+                inner = exc.exceptions[0] if exc.exceptions else exc
+                self.error = f"{type(inner).__name__}: {str(inner)[:200]}"
+        finally:
+            self.client = None
+            self._ready.set()
+            try:
+                self._errlog.close()
+            except Exception:  # noqa: BLE001
+                pass
+
+    async def get(self) -> Client:
+        async with self._lock:
+            if self._task is not None and self._task.done() and not self._stop.is_set():
+                # it ended (crashed): one fresh start per request that finds it dead
+                self._task, self.client, self.error = None, None, None
+                self._ready = asyncio.Event()
+            if self._task is None:
+                if self.sp.kind != "local":
+                    raise ToolFailure("tools:remote-unsupported", f"remote tool server {self.sp.name} is not supported")
+                self._task = asyncio.get_running_loop().create_task(self._hold())
+        try:
+            async with asyncio.timeout(START_TIMEOUT):
+                await self._ready.wait()
+        except TimeoutError:
+            raise ToolFailure("tools:server-unavailable", f"tool server {self.sp.name} did not start within "
+                              f"{START_TIMEOUT:g}s") from None
+        if self.client is None:
+            raise ToolFailure("tools:server-unavailable", f"tool server {self.sp.name} is not running "
+                              f"({self.error or 'it exited'}); see tool-{self.sp.name}.log in the sandbox's run folder")
+        return self.client
+
+    async def close(self) -> None:
+        self._stop.set()
+        if self._task is not None:
+            try:
+                async with asyncio.timeout(10):
+                    await asyncio.shield(self._task)
+            except (TimeoutError, Exception):  # noqa: BLE001
+                self._task.cancel()
+
+
+class ToolGateway:
+    def __init__(self, *, sandbox_id: str, agent: str, policy: tp.ToolPolicy, policy_digest: str, run_dir: Path,
+                 log: Callable[..., None], approvals=None) -> None:
+        self.sandbox_id, self.agent = sandbox_id, agent
+        self.policy, self.policy_digest = policy, policy_digest
+        self.run_dir = Path(run_dir)
+        self.log = log
+        self.approvals = approvals
+        self.upstreams = {sp.name: Upstream(self, sp) for sp in policy.servers}
+        self.server = Server(
+            "agentvm-tool-gateway",
+            on_list_tools=self._list_tools,
+            on_call_tool=self._call_tool,
+            on_list_resources=self._list_resources,
+            on_read_resource=self._read_resource,
+            on_list_prompts=self._list_prompts,
+            on_get_prompt=self._get_prompt,
+        )
+        self.manager = StreamableHTTPSessionManager(
+            app=self.server, json_response=True, stateless=True,
+            security_settings=TransportSecuritySettings(
+                enable_dns_rebinding_protection=True,
+                allowed_hosts=["127.0.0.1:*", "localhost:*", "127.0.0.1", "localhost"],
+                allowed_origins=["http://127.0.0.1:*", "http://localhost:*"]),
+        )
+        self._running: asyncio.Task | None = None
+        self._up = asyncio.Event()
+        self._closing = asyncio.Event()
+
+    # ------------------------------------------------------------------ lifecycle
+    async def start(self) -> None:
+        if self._running is None:
+            self._running = asyncio.get_running_loop().create_task(self._run())
+        await self._up.wait()
+
+    async def _run(self) -> None:
+        try:
+            async with self.manager.run():
+                self._up.set()
+                await self._closing.wait()
+        finally:
+            self._up.set()
+
+    async def handle(self, scope, receive, send) -> None:
+        await self.start()
+        await self.manager.handle_request(scope, receive, send)
+
+    async def close(self) -> None:
+        for u in self.upstreams.values():
+            await u.close()
+        self._closing.set()
+        if self._running is not None:
+            try:
+                async with asyncio.timeout(5):
+                    await self._running
+            except (TimeoutError, Exception):  # noqa: BLE001
+                self._running.cancel()
+
+    def set_policy(self, policy: tp.ToolPolicy, digest: str) -> None:
+        """Live change (``agentvm policy NAME tools ...``): the next call is decided under it."""
+        self.policy, self.policy_digest = policy, digest
+        for sp in policy.servers:
+            u = self.upstreams.get(sp.name)
+            if u is not None:
+                u.sp = sp
+
+    # ------------------------------------------------------------------ logging
+    def _log(self, *, verdict: str, rule: str, reason: str, target: str, args_digest: str | None = None,
+             **extra) -> None:
+        self.log(verdict=verdict, rule_id=rule, reason=reason, host="", port=None,
+                 method="tools/call", path=target, phase="tool", tool=target, policy=self.policy_digest,
+                 **({"arguments": args_digest} if args_digest else {}), **extra)
+
+    # ------------------------------------------------------------------ tools
+    async def _server_tools(self, u: Upstream) -> list[types.Tool]:
+        c = await u.get()
+        out: list[types.Tool] = []
+        cursor = None
+        for _ in range(LIST_PAGES):
+            try:
+                async with asyncio.timeout(u.sp.timeout):
+                    res = await c.list_tools(cursor=cursor)
+            except TimeoutError:
+                raise ToolFailure("tools:server-timeout", f"tool server {u.sp.name} did not list its tools within "
+                                  f"{u.sp.timeout:g}s") from None
+            out.extend(res.tools)
+            cursor = res.next_cursor
+            if not cursor or len(out) >= MAX_TOOLS:
+                break
+        return out[:MAX_TOOLS]
+
+    async def _list_tools(self, ctx, params) -> types.ListToolsResult:
+        tools: list[types.Tool] = [_request_access_tool()]
+        for name, u in self.upstreams.items():
+            sp = self.policy.server(name)
+            if sp is None:
+                continue
+            try:
+                listed = await self._server_tools(u)
+            except ToolFailure as f:
+                self._log(verdict="deny", rule=f.rule_id, reason=f.reason, target=f"{name}{tp.SEP}*")
+                continue  # that server's tools are absent; the others are listed
+            except Exception as exc:  # noqa: BLE001
+                self._log(verdict="deny", rule="tools:server-error", reason=f"{type(exc).__name__}",
+                          target=f"{name}{tp.SEP}*")
+                continue
+            for t in listed:
+                if tp.visible(sp, t.name):
+                    tools.append(t.model_copy(update={"name": f"{name}{tp.SEP}{t.name}"}))
+        return types.ListToolsResult(tools=tools)
+
+    def _deny(self, rule: str, reason: str, target: str, code: int = DENIED, args_digest: str | None = None):
+        self._log(verdict="deny", rule=rule, reason=reason, target=target, args_digest=args_digest)
+        return MCPError(code, f"agent-vm tool gateway: {reason} [{rule}]", {"rule": rule, "reason": reason})
+
+    async def _call_tool(self, ctx, params) -> types.CallToolResult:
+        exposed = params.name
+        args = params.arguments or {}
+        ad = arg_digest(args)
+        if exposed == tp.REQUEST_ACCESS:
+            return await self._request_access(args, ad)
+        split = tp.split_name(exposed)
+        if split is None:
+            raise self._deny("tools:not-allowed", "unknown tool (tools are named SERVER__TOOL)", str(exposed)[:200],
+                             args_digest=ad)
+        server, tool = split
+        policy = self.policy
+        d = tp.decide(server, tool, args, policy)
+        target = f"{server}{tp.SEP}{tool}"
+        if d.verdict == "ask":
+            answer = await self._hold("tool", target, {"server": server, "tool": tool, "preview": preview(args),
+                                                       "risk": d.risk, "rule": d.rule_id}, ad)
+            if answer is not None:
+                raise self._deny(answer[0], answer[1], target, APPROVAL_DENIED, ad)
+        elif not d.allowed:
+            raise self._deny(d.rule_id, d.reason, target, args_digest=ad)
+        u = self.upstreams.get(server)
+        sp = policy.server(server)
+        if u is None or sp is None:
+            raise self._deny("tools:unknown-server", "no tool server of that name is declared", target, args_digest=ad)
+        if not u.bucket.take():
+            raise self._deny("tools:rate", f"more than {sp.calls_per_minute} calls a minute to {server}", target,
+                             LIMITED, ad)
+        t0 = time.monotonic()
+        try:
+            c = await u.get()
+            async with asyncio.timeout(sp.timeout):
+                result = await c.call_tool(tool, args)
+        except ToolFailure as f:
+            raise self._deny(f.rule_id, f.reason, target, f.code, ad) from None
+        except TimeoutError:
+            raise self._deny("tools:server-timeout", f"{target} did not answer within {sp.timeout:g}s", target,
+                             SERVER_FAILED, ad) from None
+        except MCPError as exc:
+            # the server's own JSON-RPC error: passed on, named as the server's
+            self._log(verdict="allow", rule=d.rule_id, reason=f"server error {exc.code}", target=target,
+                      args_digest=ad, error="tools:server-error")
+            raise MCPError(exc.code, f"{target}: {exc.message}"[:1000]) from None
+        except Exception as exc:  # noqa: BLE001 - a broken server is that server's problem only
+            raise self._deny("tools:server-error", f"{target} failed: {type(exc).__name__}", target, SERVER_FAILED,
+                             ad) from None
+        size = len(result.model_dump_json(by_alias=True, exclude_none=True).encode())
+        if size > sp.max_result:
+            raise self._deny("tools:result-too-large", f"the result of {target} is {size} bytes, over {sp.max_result}",
+                             target, LIMITED, ad)
+        self._log(verdict="allow", rule=d.rule_id, reason=d.reason, target=target, args_digest=ad,
+                  ms=round((time.monotonic() - t0) * 1000, 2), result_bytes=size)
+        return result
+
+    async def _hold(self, kind: str, target: str, summary: dict, ad: str) -> tuple[str, str] | None:
+        """Put the action before a human; None when approved, else (rule, reason)."""
+        if self.approvals is None:
+            return "approval:unavailable", "no approvals queue is available to ask a human"
+        try:
+            req = self.approvals.submit(kind=kind, sandbox=self.sandbox_id, agent=self.agent, target=target,
+                                        summary=summary, arg_digest=ad, policy=self.policy_digest,
+                                        timeout=self.policy.approval_timeout)
+        except Exception as exc:  # noqa: BLE001 - not recorded, not held: denied
+            return "approval:unavailable", f"the request could not be queued ({type(exc).__name__})"
+        self._log(verdict="ask", rule="approval:pending", reason=f"waiting for a human ({req.id})", target=target,
+                  args_digest=ad, approval=req.id)
+        try:
+            req = await self.approvals.wait(req.id)
+        except Exception as exc:  # noqa: BLE001
+            return "approval:unavailable", f"the approvals queue failed ({type(exc).__name__})"
+        if req.state == "approved":
+            self._log(verdict="ask", rule="approval:approved", reason=f"approved by {req.by} ({req.id})",
+                      target=target, args_digest=ad, approval=req.id)
+            return None
+        if req.state == "expired":
+            return "approval:timeout", f"no human answered {req.id} in time ({req.note or 'expired'})"
+        return "approval:denied", f"{req.id} was denied by {req.by}" + (f": {req.note}" if req.note else "")
+
+    async def _request_access(self, args: dict, ad: str) -> types.CallToolResult:
+        """The agent asks for more access: queued for a human with the request as the agent
+        wrote it. Nothing is ever applied from here: an operator who agrees widens the policy
+        themselves (``agentvm policy``); the answer is reported back to the agent."""
+        what = args.get("access")
+        why = args.get("reason")
+        if not isinstance(what, str) or not what.strip() or not isinstance(why, str):
+            raise self._deny("tools:bad-arguments", "request_access needs 'access' and 'reason' strings",
+                             tp.REQUEST_ACCESS, args_digest=ad)
+        if len(what) + len(why) > MAX_REQUEST_ACCESS:
+            raise self._deny("tools:arguments-too-large", "request_access text is too long", tp.REQUEST_ACCESS,
+                             args_digest=ad)
+        answer = await self._hold("access", tp.REQUEST_ACCESS, {"preview": preview({"access": what, "reason": why}, 600),
+                                                                "access": what[:1000], "reason": why[:2000]}, ad)
+        text = ("approved: an operator agreed; the policy changes only when they apply it (retry later)"
+                if answer is None else f"not granted: {answer[1]}")
+        return types.CallToolResult(content=[types.TextContent(type="text", text=text)], is_error=answer is not None)
+
+    # ------------------------------------------------------------------ resources and prompts
+    async def _list_resources(self, ctx, params) -> types.ListResourcesResult:
+        out = []
+        for name, u in self.upstreams.items():
+            sp = self.policy.server(name)
+            if sp is None or not sp.resources:
+                continue
+            try:
+                c = await u.get()
+                async with asyncio.timeout(sp.timeout):
+                    res = await c.list_resources()
+            except Exception:  # noqa: BLE001
+                continue
+            out.extend(r for r in res.resources[:MAX_TOOLS] if tp.resource_allowed(sp, str(r.uri)))
+        return types.ListResourcesResult(resources=out)
+
+    async def _read_resource(self, ctx, params) -> types.ReadResourceResult:
+        uri = str(params.uri)
+        for name, u in self.upstreams.items():
+            sp = self.policy.server(name)
+            if sp is not None and tp.resource_allowed(sp, uri):
+                try:
+                    c = await u.get()
+                    async with asyncio.timeout(sp.timeout):
+                        res = await c.read_resource(uri)
+                except ToolFailure as f:
+                    raise self._deny(f.rule_id, f.reason, uri[:200], f.code) from None
+                except TimeoutError:
+                    raise self._deny("tools:server-timeout", f"{name} did not answer in time", uri[:200],
+                                     SERVER_FAILED) from None
+                size = len(res.model_dump_json(by_alias=True, exclude_none=True).encode())
+                if size > sp.max_result:
+                    raise self._deny("tools:result-too-large", f"resource of {size} bytes, over {sp.max_result}",
+                                     uri[:200], LIMITED)
+                self._log(verdict="allow", rule=f"tools:resource:{name}", reason="resource allowed", target=uri[:200])
+                return res
+        raise self._deny("tools:resource-not-allowed", "no server's resources rule names this resource", uri[:200])
+
+    async def _list_prompts(self, ctx, params) -> types.ListPromptsResult:
+        out = []
+        for name, u in self.upstreams.items():
+            sp = self.policy.server(name)
+            if sp is None or not sp.prompts:
+                continue
+            try:
+                c = await u.get()
+                async with asyncio.timeout(sp.timeout):
+                    res = await c.list_prompts()
+            except Exception:  # noqa: BLE001
+                continue
+            out.extend(p.model_copy(update={"name": f"{name}{tp.SEP}{p.name}"}) for p in res.prompts[:MAX_TOOLS]
+                       if tp.prompt_allowed(sp, p.name))
+        return types.ListPromptsResult(prompts=out)
+
+    async def _get_prompt(self, ctx, params) -> types.GetPromptResult:
+        split = tp.split_name(params.name)
+        sp = self.policy.server(split[0]) if split else None
+        if split is None or sp is None or not tp.prompt_allowed(sp, split[1]):
+            raise self._deny("tools:prompt-not-allowed", "no server's prompts rule names this prompt",
+                             str(params.name)[:200])
+        try:
+            c = await self.upstreams[split[0]].get()
+            async with asyncio.timeout(sp.timeout):
+                return await c.get_prompt(split[1], params.arguments)
+        except ToolFailure as f:
+            raise self._deny(f.rule_id, f.reason, params.name, f.code) from None
+        except TimeoutError:
+            raise self._deny("tools:server-timeout", f"{split[0]} did not answer in time", params.name,
+                             SERVER_FAILED) from None
+
+
+def _request_access_tool() -> types.Tool:
+    return types.Tool(
+        name=tp.REQUEST_ACCESS,
+        description="Ask a human operator for access this sandbox does not have (an egress host, a tool, a folder). "
+        "The request is queued for approval; nothing changes until an operator applies it.",
+        input_schema={"type": "object", "required": ["access", "reason"], "additionalProperties": False,
+                      "properties": {"access": {"type": "string", "description": "What access, e.g. "
+                                                "'egress to api.example.com:443, GET /v1/*'"},
+                                     "reason": {"type": "string", "description": "Why it is needed"}}},
+    )
+

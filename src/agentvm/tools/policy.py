@@ -1,0 +1,258 @@
+"""The tool policy and its one decision function (pure; no I/O, never raises).
+
+``decide(server, tool, arguments, policy)`` is to a tool call what ``gate.policy.decide`` is
+to an egress request: deny rules first (deny wins), then the allowlist (no match: denied -
+and hidden from ``tools/list``), then the argument constraints, then whether a human must
+answer first (``approve`` globs, or a risk class the tier always puts before a human). An
+exception is a deny. The risk class of a tool comes only from the agent file (``risk``);
+what a server says about its own tools (``destructiveHint``...) is never consulted.
+"""
+
+from __future__ import annotations
+
+import json
+import posixpath
+import re
+from dataclasses import dataclass, field
+from fnmatch import fnmatchcase
+from typing import Any
+
+SEP = "__"  # the agent sees SERVER__TOOL
+TOOL_NAME_RE = re.compile(r"[A-Za-z0-9_.\-/]{1,128}")
+REQUEST_ACCESS = "agentvm__request_access"  # the tool the gateway itself always offers
+
+
+@dataclass(frozen=True)
+class ArgRule:
+    name: str
+    path: str | None = None
+    pattern: str | None = None
+    enum: tuple = ()
+    has_enum: bool = False
+    max_length: int | None = None
+    required: bool = False
+
+
+@dataclass(frozen=True)
+class ServerPolicy:
+    name: str
+    kind: str  # "local" | "remote"
+    command: tuple[str, ...] = ()
+    url: str | None = None
+    allow: tuple[str, ...] = ()
+    deny: tuple[str, ...] = ()
+    approve: tuple[str, ...] = ()
+    risk: tuple[tuple[str, str], ...] = ()  # (glob, class), in file order
+    arguments: tuple[tuple[str, tuple[ArgRule, ...]], ...] = ()  # (tool glob, rules)
+    resources: tuple[str, ...] = ()
+    prompts: tuple[str, ...] = ()
+    calls_per_minute: int = 60
+    timeout: float = 60.0
+    max_arguments: int = 256 * 1024
+    max_result: int = 1024 * 1024
+    sandbox_spec: str = ""  # local: the agent file (JSON) of the server's own sandbox
+
+
+@dataclass(frozen=True)
+class ToolPolicy:
+    servers: tuple[ServerPolicy, ...] = ()
+    tier_approval: tuple[str, ...] = ()  # risk classes that always need a human at this tier
+    approval_timeout: float = 300.0
+    webhook: str | None = None
+
+    def server(self, name: str) -> ServerPolicy | None:
+        for s in self.servers:
+            if s.name == name:
+                return s
+        return None
+
+
+@dataclass(frozen=True)
+class ToolDecision:
+    verdict: str  # "allow" | "deny" | "ask"
+    rule_id: str
+    reason: str
+    risk: str = "write"
+    extra: dict = field(default_factory=dict, compare=False)
+
+    @property
+    def allowed(self) -> bool:
+        return self.verdict == "allow"
+
+
+def _deny(rule: str, reason: str) -> ToolDecision:
+    return ToolDecision("deny", rule, reason)
+
+
+def _match(globs, name: str) -> str | None:
+    for g in globs:
+        if fnmatchcase(name, g):
+            return g
+    return None
+
+
+def split_name(exposed: str) -> tuple[str, str] | None:
+    """``SERVER__TOOL`` -> (server, tool); None if it has no server part."""
+    if not isinstance(exposed, str):
+        return None
+    server, sep, tool = exposed.partition(SEP)
+    if not sep or not server or not tool:
+        return None
+    return server, tool
+
+
+def visible(sp: ServerPolicy, tool: str) -> bool:
+    """Whether the agent may see ``tool`` of ``sp`` in ``tools/list`` (the same rules as a call,
+    minus arguments: a hidden tool is also denied)."""
+    try:
+        return (isinstance(tool, str) and TOOL_NAME_RE.fullmatch(tool) is not None and _match(sp.deny, tool) is None
+                and (_match(sp.allow, tool) is not None or _match(sp.approve, tool) is not None))
+    except Exception:  # noqa: BLE001 - fail closed
+        return False
+
+
+def risk_of(sp: ServerPolicy, tool: str) -> str:
+    for g, cls in sp.risk:
+        if fnmatchcase(tool, g):
+            return cls
+    return "write"
+
+
+def _check_arg(rule: ArgRule, present: bool, value: Any) -> str | None:
+    if not present:
+        return "is required" if rule.required else None
+    if rule.has_enum and not any(type(value) is type(e) and value == e for e in rule.enum):
+        return "is not one of the allowed values"
+    if rule.max_length is not None:
+        if not isinstance(value, str):
+            return "must be a string"
+        if len(value) > rule.max_length:
+            return f"is longer than {rule.max_length} characters"
+    if rule.pattern is not None:
+        if not isinstance(value, str) or re.fullmatch(rule.pattern, value) is None:
+            return "does not match the allowed pattern"
+    if rule.path is not None:
+        if not isinstance(value, str) or "\x00" in value or not value.startswith("/"):
+            return f"must be an absolute path inside {rule.path}"
+        norm = posixpath.normpath(value)
+        if norm.startswith("//"):
+            norm = "/" + norm.lstrip("/")
+        root = rule.path.rstrip("/") or "/"
+        if not (norm == root or norm.startswith(root + "/") or root == "/"):
+            return f"is outside {rule.path}"
+    return None
+
+
+def _decide(sp: ServerPolicy, tool: str, arguments: Any, policy: ToolPolicy) -> ToolDecision:
+    if not isinstance(tool, str) or not TOOL_NAME_RE.fullmatch(tool):
+        return _deny("tools:invalid-name", "the tool name is not a valid tool name")
+    target = f"{sp.name}{SEP}{tool}"
+    g = _match(sp.deny, tool)
+    if g is not None:
+        return _deny(f"tools:deny:{sp.name}:{g}", f"{target} is denied by the rule {g!r} of server {sp.name}")
+    allow_g = _match(sp.allow, tool)
+    approve_g = _match(sp.approve, tool)
+    if allow_g is None and approve_g is None:
+        return _deny("tools:not-allowed", f"{target} is not allowed (no allow or approve rule of server "
+                     f"{sp.name} names it)")
+    if arguments is None:
+        arguments = {}
+    if not isinstance(arguments, dict):
+        return _deny("tools:bad-arguments", f"the arguments of {target} are not an object")
+    size = len(json.dumps(arguments, separators=(",", ":"), ensure_ascii=False, default=str).encode())
+    if size > sp.max_arguments:
+        return _deny("tools:arguments-too-large", f"the arguments of {target} are {size} bytes, over "
+                     f"{sp.max_arguments}")
+    for glob, rules in sp.arguments:
+        if not fnmatchcase(tool, glob):
+            continue
+        for r in rules:
+            why = _check_arg(r, r.name in arguments, arguments.get(r.name))
+            if why is not None:
+                return _deny(f"tools:argument:{r.name}", f"argument {r.name!r} of {target} {why}")
+    cls = risk_of(sp, tool)
+    if approve_g is not None:
+        return ToolDecision("ask", f"tools:approve:{sp.name}:{approve_g}",
+                            f"{target} needs a human approval (rule {approve_g!r})", cls)
+    if cls in policy.tier_approval:
+        return ToolDecision("ask", f"tools:tier:{cls}", f"{target} is a {cls} tool: every call needs a human "
+                            "approval at this risk tier", cls)
+    return ToolDecision("allow", f"tools:allow:{sp.name}:{allow_g}", f"{target} allowed by rule {allow_g!r}", cls)
+
+
+def decide(server: str, tool: str, arguments: Any, policy: ToolPolicy) -> ToolDecision:
+    """The single place tool policy is evaluated. Never raises: an exception denies."""
+    try:
+        sp = policy.server(server) if isinstance(server, str) else None
+        if sp is None:
+            return _deny("tools:unknown-server", "no tool server of that name is declared")
+        return _decide(sp, tool, arguments, policy)
+    except Exception as exc:  # noqa: BLE001 - fail closed
+        return _deny("tools:internal-error", f"tool policy evaluation failed ({type(exc).__name__})")
+
+
+def resource_allowed(sp: ServerPolicy, uri: str) -> bool:
+    try:
+        return isinstance(uri, str) and len(uri) <= 4096 and _match(sp.resources, uri) is not None
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def prompt_allowed(sp: ServerPolicy, name: str) -> bool:
+    try:
+        return isinstance(name, str) and TOOL_NAME_RE.fullmatch(name) is not None and _match(sp.prompts, name) is not None
+    except Exception:  # noqa: BLE001
+        return False
+
+
+# ---------------------------------------------------------------------------- compile
+
+def _sandbox_spec(agent: str, tier: str, srv) -> str:
+    """The agent file of a local server's own sandbox: its command, grants, environment, egress
+    and credentials - nothing of the agent's (no workspace, no grants, no credentials)."""
+    name = f"{agent[:24].rstrip('-')}-tool-{srv.name}"[:63].rstrip("-")
+    spec: dict = {
+        "command": list(srv.command),
+        "riskTier": tier,
+        "workspace": {"enabled": False},
+        "limits": {"memory": srv.memory, "timeout": 0},
+    }
+    if srv.mounts:
+        spec["mounts"] = [m.model_dump(by_alias=True, exclude_defaults=True) | {"host": m.host, "path": m.path}
+                          for m in srv.mounts]
+    if srv.env:
+        spec["env"] = dict(srv.env)
+    if srv.egress.allow or srv.egress.deny or srv.egress.hosts:
+        spec["egress"] = srv.egress.model_dump(by_alias=True, exclude_defaults=True)
+    if srv.credentials:
+        spec["credentials"] = [c.model_dump(by_alias=True, exclude_defaults=True) for c in srv.credentials]
+    doc = {"apiVersion": "agentvm/v1", "kind": "Agent", "metadata": {"name": name}, "spec": spec}
+    return json.dumps(doc, sort_keys=True)
+
+
+def compile_tools(body, agent: str) -> ToolPolicy:
+    """``spec.tools`` + ``spec.approvals`` (validated models) -> :class:`ToolPolicy`."""
+    from agentvm.spec.models import TIER_TOOL_APPROVAL
+
+    tier = body.risk_tier.value
+    seen = set()
+    servers = []
+    for srv in body.tools:
+        if srv.name in seen:
+            raise ValueError(f"spec.tools: two servers are named {srv.name!r}")
+        seen.add(srv.name)
+        args = tuple(
+            (glob, tuple(ArgRule(name=a, path=r.path, pattern=r.pattern, enum=tuple(r.enum or ()),
+                                 has_enum=r.enum is not None, max_length=r.max_length, required=r.required)
+                         for a, r in sorted(rules.items())))
+            for glob, rules in srv.arguments.items())
+        lim = srv.limits
+        servers.append(ServerPolicy(
+            name=srv.name, kind="local" if srv.command else "remote", command=tuple(srv.command), url=srv.url,
+            allow=tuple(srv.allow), deny=tuple(srv.deny), approve=tuple(srv.approve),
+            risk=tuple(srv.risk.items()), arguments=args, resources=tuple(srv.resources), prompts=tuple(srv.prompts),
+            calls_per_minute=lim.calls_per_minute, timeout=lim.timeout, max_arguments=lim.max_arguments,
+            max_result=lim.max_result,
+            sandbox_spec=_sandbox_spec(agent, tier, srv) if srv.command else ""))
+    return ToolPolicy(servers=tuple(servers), tier_approval=tuple(sorted(TIER_TOOL_APPROVAL[tier])),
+                      approval_timeout=body.approvals.timeout, webhook=body.approvals.webhook)

@@ -1,0 +1,70 @@
+"""What a sandbox's gate endpoint carries beyond egress: its tool gateway and approvals.
+
+Kept free of the ``mcp`` SDK: importing it costs about a second, so it is imported in a
+worker thread when an endpoint with tools opens (never on the gate's loop, never for a
+sandbox without tools), and the gateway itself is built on the first ``/mcp`` request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class EndpointExtras:
+    tools: object  # agentvm.tools.policy.ToolPolicy | None
+    approval_timeout: float
+    policy_digest: str
+    run_dir: Path
+
+    @classmethod
+    def of(cls, policy, run_dir: Path, digest: str) -> "EndpointExtras":
+        return cls(policy.tools, policy.approval_timeout, digest, Path(run_dir))
+
+    def attach(self, ep) -> None:
+        ep.approval_timeout = self.approval_timeout
+        ep.policy_digest = self.policy_digest
+        if self.tools is not None and self.tools.servers:
+            ep.tools = ToolsSlot(ep, self.tools, self.policy_digest, self.run_dir)
+
+
+def _import_gateway():
+    return importlib.import_module("agentvm.tools.gateway")
+
+
+class ToolsSlot:
+    """The endpoint's tool gateway, built when first asked for."""
+
+    def __init__(self, ep, policy, digest: str, run_dir: Path) -> None:
+        self.ep, self.policy, self.digest, self.run_dir = ep, policy, digest, run_dir
+        self._gw = None
+        self._lock = asyncio.Lock()
+        self._closed = False
+        self._warm = asyncio.get_running_loop().run_in_executor(None, _import_gateway)
+
+    async def gateway(self):
+        async with self._lock:
+            if self._closed:
+                raise RuntimeError("the sandbox's endpoint is closing")
+            if self._gw is None:
+                mod = await self._warm
+                ep = self.ep
+                self._gw = mod.ToolGateway(sandbox_id=ep.sandbox_id, agent=ep.agent, policy=self.policy,
+                                           policy_digest=self.digest, run_dir=self.run_dir, log=ep.log,
+                                           approvals=ep.gate.approval_store())
+            return self._gw
+
+    def set_policy(self, policy, digest: str) -> None:
+        self.policy, self.digest = policy, digest
+        if self._gw is not None:
+            self._gw.set_policy(policy, digest)
+
+    async def close(self) -> None:
+        async with self._lock:
+            self._closed = True
+            gw, self._gw = self._gw, None
+        if gw is not None:
+            await gw.close()
