@@ -120,7 +120,6 @@ def _abandoned(owner_home: str, base: int) -> bool:
     less certain keeps the range taken."""
     if not owner_home or not os.path.isabs(owner_home):
         return False  # not a record agent-vm wrote: leave it alone
-    parent = os.path.dirname(owner_home.rstrip("/")) or "/"
     try:
         os.lstat(owner_home)
         return False  # the home is there (whatever its record says, it may still run sandboxes)
@@ -128,8 +127,20 @@ def _abandoned(owner_home: str, base: int) -> bool:
         pass
     except OSError:
         return False
+    # the nearest ancestor that exists must answer (a listable folder without the next part of
+    # the path): then the home's absence is real. A test's temporary home goes with its whole
+    # temporary folder, so its parent is gone too - the ancestor above says so.
+    parent = os.path.dirname(owner_home.rstrip("/")) or "/"
+    while True:
+        try:
+            os.lstat(parent)
+            break
+        except FileNotFoundError:
+            parent = os.path.dirname(parent) or "/"
+        except OSError:
+            return False
     try:
-        os.listdir(parent)  # the parent answers: the home's absence is real
+        os.listdir(parent)
     except OSError:
         return False
     for entry in os.scandir("/proc"):

@@ -49,8 +49,9 @@ def test_a_held_lease_is_not_granted_again(tmp_path, monkeypatch):
     identity.release_lease(identity.lease_identity(tmp_path, "run-c", tmp_path))
 
 
-def test_a_state_database_that_was_emptied_or_damaged_is_refused(tmp_path):
+def test_a_state_database_that_was_emptied_or_damaged_is_refused(tmp_path, monkeypatch):
     """Never silently recreated: uids would be reassigned to other agents."""
+    monkeypatch.setenv("AGENTVM_UID_REGISTRY", str(tmp_path / "registry"))  # not the host's
     from agentvm.errors import ConfigError
     from agentvm.identity import agent_identity
 
@@ -115,3 +116,10 @@ def test_a_range_of_an_installation_that_is_gone_is_claimed_again(tmp_path, monk
     assert identity.uid_base(new) == base1
     assert (reg / str(base1)).read_text().strip() == str(new)
     assert identity.uid_base(live) == base0, "a live installation keeps its range"
+    # a test's home goes with its whole temporary folder: the parent is gone too, and the
+    # nearest ancestor that exists says the home is absent
+    base2 = identity.DEFAULT_BASE + 2 * identity.SLOT
+    (reg / str(base2)).write_text(f"{tmp_path / 'tmpdir-gone' / 'sub' / 'home'}\n")
+    other = tmp_path / "other"
+    other.mkdir()
+    assert identity.uid_base(other) == base2

@@ -39,9 +39,13 @@ def test_digest_changes_with_any_field():
 
 
 def test_pending_features_are_recorded_for_refusal():
-    text = AGENT.replace("riskTier: L1", "riskTier: L3") + "  tools:\n    - {name: fs, allow: true}\n"
+    # remote tool servers are declared-but-not-enforceable: a run that needs one is refused
+    text = AGENT.replace("riskTier: L1", "riskTier: L3") + "  tools:\n    - {name: fs, url: 'https://mcp.example.com/mcp', allow: [x]}\n"
     p = compile_policy(load_agent_text(text, "a.yaml").spec)
-    assert p.pending_features == ("tools",)
+    assert p.pending_features == ("tools[].url (remote tool servers)",)
+    local = AGENT.replace("riskTier: L1", "riskTier: L3") + "  tools:\n    - {name: fs, command: [fs-mcp], allow: [x]}\n"
+    p = compile_policy(load_agent_text(local, "a.yaml").spec)
+    assert p.pending_features == () and p.tools.servers[0].name == "fs"
 
 
 CRED = """  egress:

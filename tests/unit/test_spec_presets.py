@@ -121,11 +121,12 @@ def test_mounts_merge_by_sandbox_path(tmp_path):
 
 
 def test_tools_and_credentials_merge_by_name(tmp_path):
-    write_preset(tmp_path, "a", "tools:\n  - {name: git, allow: false}\n  - {name: fs, allow: true}\n"
+    write_preset(tmp_path, "a", "tools:\n  - {name: git, command: [git-mcp], allow: [log]}\n"
+                                "  - {name: fs, command: [fs-mcp], allow: [read_*]}\n"
                                 "credentials:\n  - {name: gh, env: GH, ref: 'env:GH', hosts: [github.com], inject: {header: Authorization}}\n")
-    la = load(agent("spec:\n  riskTier: L3\n  presets: [a]\n  tools:\n    - {name: git, allow: true}\n"
+    la = load(agent("spec:\n  riskTier: L3\n  presets: [a]\n  tools:\n    - {name: git, command: [git-mcp], allow: [log, diff]}\n"
                     "  credentials:\n    - {name: gh, env: GH2, ref: 'env:GH', hosts: [api.github.com], inject: {header: Authorization}}\n"), tmp_path)
-    assert [(t.name, t.allow) for t in la.spec.spec.tools] == [("git", True), ("fs", True)]
+    assert [(t.name, t.allow) for t in la.spec.spec.tools] == [("git", ["log", "diff"]), ("fs", ["read_*"])]
     assert [(c.name, c.env) for c in la.spec.spec.credentials] == [("gh", "GH2")]
 
 

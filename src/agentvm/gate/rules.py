@@ -32,6 +32,16 @@ RULES: dict[str, str] = {
     "bad-request:not-a-proxy-request": "an origin-form request sent to the proxy (send absolute-form http:// or CONNECT)",
     "bad-request:absolute-form-in-tunnel": "an absolute-form request inside a CONNECT tunnel",
     "bad-request:bad-body": "a request body whose chunked framing is broken",
+    # approvals (an allow rule with action: ask) and the tool gateway's door
+    "approval:pending": "not a denial: the request waits for a human (`agentvm approvals`); logged with verdict \"ask\"",
+    "approval:approved": "not a denial: a human approved the held request (its allow record follows)",
+    "approval:denied": "a human denied the held request",
+    "approval:timeout": "nobody answered the held request before approvals.timeout (or its requester died)",
+    "approval:unavailable": "the held request could not be queued or watched (the approvals queue failed): denied",
+    "tools:none": "a request for /mcp from a sandbox that declares no tools (404)",
+    "tools:unavailable": "the sandbox's tool gateway could not start (503): no tool calls",
+    "tools:internal-error": "a bug in the tool gateway: the request is refused (fail closed)",
+    "tools:request-too-large": "a request to /mcp over 8 MiB (413)",
     # operator and limits
     "paused": "egress of the sandbox is paused by the operator (connections open at the time are cut)",
     "limit:connections": "too many concurrent connections from the sandbox (429)",
