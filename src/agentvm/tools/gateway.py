@@ -109,43 +109,44 @@ class Upstream:
                 env[k] = os.environ[k]
         params = StdioServerParameters(command=sys.executable, args=["-m", "agentvm", "run", "--no-tty", "-f",
                                                                      str(spec_file)], env=env)
-        errlog = open(self.gw.run_dir / f"tool-{self.sp.name}.log", "a", buffering=1)  # noqa: SIM115 - held by the task
-        self._errlog = errlog
-        return stdio_client(params, errlog=errlog)
+        errlog = open(self.gw.run_dir / f"tool-{self.sp.name}.log", "a", buffering=1)  # noqa: SIM115 - closed by _hold
+        return stdio_client(params, errlog=errlog), errlog
 
-    async def _hold(self) -> None:
+    async def _hold(self, ready: asyncio.Event, stop: asyncio.Event) -> None:
+        errlog = None
         try:
-            async with Client(self._transport(), cache=None, read_timeout_seconds=self.sp.timeout,
+            transport, errlog = self._transport()
+            async with Client(transport, cache=None, read_timeout_seconds=self.sp.timeout,
                               client_info=types.Implementation(name="agentvm-tool-gateway", version="1")) as c:
                 self.client = c
-                self._ready.set()
-                await self._stop.wait()
+                ready.set()
+                await stop.wait()
         except BaseException as exc:  # noqa: BLE001 - the server's failure is this server's only
-            self.error = f"{type(exc).__name__}: {str(exc)[:200]}" if str(exc) else type(exc).__name__
-            if isinstance(exc, BaseExceptionGroup):
-                inner = exc.exceptions[0] if exc.exceptions else exc
-                self.error = f"{type(inner).__name__}: {str(inner)[:200]}"
+            inner = exc
+            while isinstance(inner, BaseExceptionGroup) and inner.exceptions:
+                inner = inner.exceptions[0]
+            self.error = f"{type(inner).__name__}: {str(inner)[:200]}" if str(inner) else type(inner).__name__
         finally:
-            self.client = None
-            self._ready.set()
-            try:
-                self._errlog.close()
-            except Exception:  # noqa: BLE001
-                pass
+            if self._stop is stop:
+                self.client = None
+            ready.set()
+            if errlog is not None:
+                errlog.close()
 
     async def get(self) -> Client:
         async with self._lock:
-            if self._task is not None and self._task.done() and not self._stop.is_set():
-                # it ended (crashed): one fresh start per request that finds it dead
-                self._task, self.client, self.error = None, None, None
-                self._ready = asyncio.Event()
+            if self._task is not None and self._task.done():
+                self._task = None  # it ended (the server exited): started again below
             if self._task is None:
                 if self.sp.kind != "local":
                     raise ToolFailure("tools:remote-unsupported", f"remote tool server {self.sp.name} is not supported")
-                self._task = asyncio.get_running_loop().create_task(self._hold())
+                self.client, self.error = None, None
+                self._ready, self._stop = asyncio.Event(), asyncio.Event()
+                self._task = asyncio.get_running_loop().create_task(self._hold(self._ready, self._stop))
+            ready = self._ready
         try:
             async with asyncio.timeout(START_TIMEOUT):
-                await self._ready.wait()
+                await ready.wait()
         except TimeoutError:
             raise ToolFailure("tools:server-unavailable", f"tool server {self.sp.name} did not start within "
                               f"{START_TIMEOUT:g}s") from None
@@ -153,6 +154,12 @@ class Upstream:
             raise ToolFailure("tools:server-unavailable", f"tool server {self.sp.name} is not running "
                               f"({self.error or 'it exited'}); see tool-{self.sp.name}.log in the sandbox's run folder")
         return self.client
+
+    def discard(self) -> None:
+        """The session is dead (the server's stdio closed): the next call starts it again."""
+        self._stop.set()
+        self._task = None
+        self.client = None
 
     async def close(self) -> None:
         self._stop.set()
@@ -267,6 +274,8 @@ class ToolGateway:
                 self._log(verdict="deny", rule=f.rule_id, reason=f.reason, target=f"{name}{tp.SEP}*")
                 continue  # that server's tools are absent; the others are listed
             except Exception as exc:  # noqa: BLE001
+                if isinstance(exc, MCPError) and exc.code == types.CONNECTION_CLOSED:
+                    u.discard()
                 self._log(verdict="deny", rule="tools:server-error", reason=f"{type(exc).__name__}",
                           target=f"{name}{tp.SEP}*")
                 continue
@@ -318,6 +327,13 @@ class ToolGateway:
             raise self._deny("tools:server-timeout", f"{target} did not answer within {sp.timeout:g}s", target,
                              SERVER_FAILED, ad) from None
         except MCPError as exc:
+            if exc.code == types.CONNECTION_CLOSED:  # the SDK's own: the server's stdio closed (it exited)
+                u.discard()
+                raise self._deny("tools:server-exited", f"tool server {server} exited during the call to {target} "
+                                 "(it is started again on the next call)", target, SERVER_FAILED, ad) from None
+            if exc.code == types.REQUEST_TIMEOUT:
+                raise self._deny("tools:server-timeout", f"{target} did not answer within {sp.timeout:g}s", target,
+                                 SERVER_FAILED, ad) from None
             # the server's own JSON-RPC error: passed on, named as the server's
             self._log(verdict="allow", rule=d.rule_id, reason=f"server error {exc.code}", target=target,
                       args_digest=ad, error="tools:server-error")

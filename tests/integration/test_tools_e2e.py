@@ -1,0 +1,314 @@
+"""The tool gateway and approvals, end to end: the official mcp SDK client inside a real
+sandbox, a real stdio MCP server (tools_server.py) in a sandbox of its own, the gateway on
+the gate's port, and the approvals queue answered by `agentvm approvals` as a human would."""
+
+from __future__ import annotations
+
+import http.server
+import json
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import agentvm_cmd, last_json, needs_root
+
+pytestmark = [pytest.mark.integration, needs_root]
+
+HERE = Path(__file__).parent
+TESTLIB = Path(os.environ.get("AGENTVM_TESTLIB", "/opt/agentvm/testlib"))
+REAL_TOKEN = "tool-fake-REAL-" + secrets.token_hex(16)  # obviously fake
+
+
+class Recorder(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    seen: list = []
+
+    def log_message(self, *a):
+        pass
+
+    def _answer(self, code: int, body: bytes) -> None:
+        self.send_response(code)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self):
+        Recorder.seen.append(("GET", self.path, self.headers.get("Authorization", "")))
+        ok = self.headers.get("Authorization", "") == f"Bearer {REAL_TOKEN}"
+        self._answer(200 if ok else 401, b"token accepted" if ok else b"wrong token")
+
+    def do_POST(self):
+        n = int(self.headers.get("Content-Length") or 0)
+        body = self.rfile.read(n)
+        Recorder.seen.append(("POST", self.path, body.decode(errors="replace")))
+        self._answer(200, b"charged")
+
+
+@pytest.fixture(scope="module")
+def env(avm_home):
+    from tests.integration.gate_upstreams import make_test_ca, serve_https
+
+    if not (TESTLIB / "mcp").is_dir():
+        pytest.fail(f"{TESTLIB} lacks the mcp SDK: run `bash scripts/install.sh --test`")
+    d = Path(f"/tmp/agentvm-tools-test-{secrets.token_hex(3)}")
+    d.mkdir(mode=0o755)
+    for f in ("tools_server.py", "tools_client.py"):
+        shutil.copy(HERE / f, d / f)
+    ca, cert, key = make_test_ca(d / "ca")
+    os.chmod(d / "ca", 0o755)
+    https = serve_https(Recorder, cert, key)
+    plain = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Recorder)
+    plain.daemon_threads = True
+    threading.Thread(target=plain.serve_forever, daemon=True).start()
+    r = subprocess.run(agentvm_cmd() + ["secret", "set", "tool-token"], input=REAL_TOKEN.encode(), capture_output=True)
+    assert r.returncode == 0, r.stderr
+    yield {"dir": d, "ca": ca, "https": https.server_address[1], "plain": plain.server_address[1]}
+    https.shutdown()
+    plain.shutdown()
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def write_agent(env, name: str, *, spec_extra: str = "", timeout: str = "20s") -> Path:
+    d = env["dir"]
+    p = d / f"{name}.yaml"
+    head = textwrap.dedent(f"""\
+        apiVersion: agentvm/v1
+        kind: Agent
+        metadata: {{name: {name}}}
+        spec:
+          riskTier: L3
+          limits: {{timeout: 150s}}
+          approvals: {{timeout: {timeout}}}
+          mounts:
+            - {{host: {d}, path: /work, mode: ro}}
+            - {{host: {TESTLIB}, path: /opt/testlib, mode: ro}}
+        """)
+    tools = textwrap.dedent(f"""\
+          tools:
+            - name: t
+              command: [python3, /srv/tools_server.py]
+              allow: [echo, read_file, crash, hang, big, env_names, fetch, inject]
+              approve: [write_file]
+              risk: {{"*": read, write_file: write}}
+              arguments:
+                read_file: {{path: {{path: /}}}}
+                echo: {{text: {{maxLength: 100, pattern: "[a-z ]*"}}}}
+              limits: {{timeout: 5s, maxResult: 64K}}
+              mounts:
+                - {{host: {d}, path: /srv, mode: ro}}
+                - {{host: {TESTLIB}, path: /opt/testlib, mode: ro}}
+              env: {{PYTHONPATH: /opt/testlib}}
+              egress:
+                hosts: {{api.test: 127.0.0.1}}
+                upstreamCa: {env['ca']}
+                allow: [{{host: api.test, ports: [{env['https']}]}}]
+              credentials:
+                - {{name: tooltoken, env: TOOL_TOKEN, ref: "vault:tool-token", hosts: [api.test],
+                    inject: {{header: Authorization, format: "Bearer {{}}"}}}}
+        """)
+    p.write_text(head + textwrap.indent(spec_extra, "  ") + textwrap.indent(tools, "  "))
+    return p
+
+
+def run_client(env, agent: Path, ops: list, mode: str = "auto", timeout: float = 150, background: bool = False):
+    argv = agentvm_cmd() + ["run", "-f", str(agent), "--json", "--", "python3", "/work/tools_client.py",
+                            json.dumps(ops), mode]
+    if background:
+        return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    r = subprocess.run(argv, capture_output=True, timeout=timeout)
+    return r
+
+
+def outputs(stdout: bytes) -> list[dict]:
+    lines = [json.loads(ln) for ln in stdout.decode().splitlines() if ln.startswith("{")]
+    return lines[:-1]  # the last line is the run's --json result
+
+
+def approvals(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(agentvm_cmd() + ["approvals", *args], capture_output=True, timeout=30)
+
+
+def wait_pending(sandbox_prefix: str, timeout: float = 60) -> dict:
+    end = time.time() + timeout
+    while time.time() < end:
+        r = approvals("list", "--json")
+        assert r.returncode == 0, r.stderr
+        mine = [a for a in json.loads(r.stdout) if a["agent"] == sandbox_prefix]
+        if mine:
+            return mine[0]
+        time.sleep(0.2)
+    raise AssertionError(f"no pending approval for {sandbox_prefix}")
+
+
+@pytest.mark.parametrize("mode", ["auto", "legacy"])
+def test_only_allowed_tools_are_listed_and_a_hidden_one_is_denied(env, mode):
+    agent = write_agent(env, f"tl-{mode}")
+    r = run_client(env, agent, [["list"], ["call", "t__echo", {"text": "hi there"}], ["call", "t__secret_tool", {}],
+                                ["call", "secret_tool", {}], ["call", "nope__echo", {"text": "x"}]], mode)
+    assert r.returncode == 0, r.stderr.decode()[-3000:]
+    proto, listed, echo, hidden, bare, unknown = outputs(r.stdout)
+    assert proto["protocol"] == ("2026-07-28" if mode == "auto" else "2025-11-25")
+    assert "t__secret_tool" not in listed["tools"] and "t__echo" in listed["tools"]
+    assert "agentvm__request_access" in listed["tools"]
+    assert echo == {"ok": True, "text": "hi there"}
+    assert "tools:not-allowed" in hidden["error"]
+    assert "tools:not-allowed" in bare["error"] and "tools:unknown-server" in unknown["error"]
+    res = last_json(r.stdout)
+    log = [json.loads(ln) for ln in Path(res["egress"]["log"]).read_text().splitlines()]
+    calls = [(x["tool"], x["verdict"], x["rule"]) for x in log if x.get("phase") == "tool"]
+    assert ("t__echo", "allow", "tools:allow:t:echo") in calls
+    assert ("t__secret_tool", "deny", "tools:not-allowed") in calls
+    assert all(x["policy"].startswith("sha256:") for x in log if x.get("phase") == "tool")
+
+
+def test_arguments_outside_their_constraints_are_denied(env):
+    agent = write_agent(env, "targs")
+    r = run_client(env, agent, [["call", "t__echo", {"text": "UPPER"}], ["call", "t__echo", {"text": "a" * 101}],
+                                ["call", "t__echo", {"text": ["a", "list"]}], ["call", "t__read_file", {"path": "rel"}]])
+    assert r.returncode == 0, r.stderr.decode()[-3000:]
+    _, upper, long_, smuggled, rel = outputs(r.stdout)
+    for out in (upper, long_, smuggled):
+        assert "tools:argument:text" in out["error"], out
+    assert "tools:argument:path" in rel["error"]
+
+
+def test_ask_then_approve_then_deny_and_both_are_audited(env):
+    agent = write_agent(env, "task")
+    p = run_client(env, agent, [["call", "t__write_file", {"path": "/x", "text": "one"}],
+                                ["call", "t__write_file", {"path": "/x", "text": "two"}]], background=True)
+    first = wait_pending("task")
+    assert first["kind"] == "tool" and first["target"] == "t__write_file"
+    assert json.loads(approvals("show", first["id"], "--json").stdout)["summary"]["preview"] == \
+        '{"path": "/x", "text": "one"}'
+    assert approvals("approve", first["id"], "--note", "fine").returncode == 0
+    second = wait_pending("task")
+    assert second["id"] != first["id"]
+    assert approvals("deny", second["id"], "--note", "no").returncode == 0
+    again = approvals("approve", second["id"])
+    assert again.returncode != 0 and b"already denied" in again.stderr
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 0, err.decode()[-3000:]
+    _, ok, denied = outputs(out)
+    assert ok == {"ok": True, "text": "wrote 3 bytes to /x"}
+    assert "approval:denied" in denied["error"] and "by cli:" in denied["error"]
+    audit = subprocess.run(agentvm_cmd() + ["audit", "show", "--json"], capture_output=True).stdout.decode()
+    recs = [json.loads(ln) for ln in audit.splitlines()]
+    for rid, state in ((first["id"], "approved"), (second["id"], "denied")):
+        assert any(x["kind"] == "approval.requested" and x["data"]["id"] == rid for x in recs)
+        ans = [x for x in recs if x["kind"] == "approval.answered" and x["data"]["id"] == rid]
+        assert ans and ans[0]["data"]["state"] == state and ans[0]["actor"].startswith("cli:")
+
+
+def test_ask_times_out_as_a_denial(env):
+    agent = write_agent(env, "ttime", timeout="1s")
+    r = run_client(env, agent, [["call", "t__write_file", {"path": "/x", "text": "late"}]])
+    assert r.returncode == 0, r.stderr.decode()[-3000:]
+    _, out = outputs(r.stdout)
+    assert "approval:timeout" in out["error"]
+    rows = json.loads(approvals("list", "--all", "--json").stdout)
+    mine = [a for a in rows if a["agent"] == "ttime"]
+    assert mine and mine[0]["state"] == "expired" and mine[0]["by"] == "timeout"
+
+
+def test_a_broken_tool_server_costs_only_its_calls(env):
+    agent = write_agent(env, "tbroken")
+    r = run_client(env, agent, [["call", "t__hang", {"seconds": 30}], ["call", "t__big", {"n": 100000}],
+                                ["call", "t__crash", {}], ["call", "t__echo", {"text": "still here"}]])
+    assert r.returncode == 0, r.stderr.decode()[-3000:]
+    _, hang, big, crash, echo = outputs(r.stdout)
+    assert "tools:server-timeout" in hang["error"]
+    assert "tools:result-too-large" in big["error"]
+    assert "tools:server-exited" in crash["error"]
+    # the crashed server is started again for the next call
+    assert echo == {"ok": True, "text": "still here"}
+
+
+def test_the_tool_servers_sandbox_has_its_credential_and_the_agent_never_does(env):
+    agent = write_agent(env, "tcred")
+    marker = "agent-workspace-marker-" + secrets.token_hex(4)
+    code = ["call", "t__fetch", {"url": f"https://api.test:{env['https']}/v1/me"}]
+    r = run_client(env, agent, [code, ["call", "t__env_names", {}],
+                                ["call", "t__read_file", {"path": "/home/agent/work/marker"}]],
+                   timeout=150)
+    assert r.returncode == 0, r.stderr.decode()[-3000:]
+    _, fetched, names, ws = outputs(r.stdout)
+    assert fetched == {"ok": True, "text": "token accepted"}, fetched  # the upstream saw the real value
+    assert "TOOL_TOKEN" in names["text"]  # a placeholder, in the tool server's sandbox only
+    assert REAL_TOKEN.encode() not in r.stdout + r.stderr
+    # the agent's own sandbox: no tool credential, not even its placeholder
+    mine = subprocess.run(agentvm_cmd() + ["run", "-f", str(agent), "--", "sh", "-c",
+                                           f"env; echo {marker} > $HOME/marker; ls /srv 2>&1"],
+                          capture_output=True, timeout=120)
+    assert mine.returncode in (0, 2), mine.stderr
+    assert b"TOOL_TOKEN" not in mine.stdout and REAL_TOKEN.encode() not in mine.stdout
+    assert b"AGENTVM_MCP_URL=http://127.0.0.1:" in mine.stdout
+    assert "cannot read" in ws["text"]  # the tool server does not see the agent's workspace
+
+
+def test_a_held_egress_request_completes_after_approval_and_not_before(env):
+    port = env["plain"]
+    agent = write_agent(env, "tegress", spec_extra=textwrap.dedent(f"""\
+        egress:
+          hosts: {{pay.test: 127.0.0.1}}
+          allow:
+            - {{host: pay.test, ports: [{port}], methods: [POST], paths: [/v1/charges], action: ask, id: charges}}
+        """))
+    Recorder.seen.clear()
+    argv = agentvm_cmd() + ["run", "-f", str(agent), "--json", "--", "sh", "-c",
+                            f"curl -s -w ' %{{http_code}}' -d amount=1 http://pay.test:{port}/v1/charges; "
+                            f"echo; curl -s -w ' %{{http_code}}' -d amount=2 http://pay.test:{port}/v1/charges; echo"]
+    p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    held = wait_pending("tegress")
+    assert held["kind"] == "egress" and held["target"] == f"POST pay.test:{port}/v1/charges"
+    time.sleep(0.5)
+    assert not [s for s in Recorder.seen if s[0] == "POST"], "nothing leaves before the human answers"
+    assert approvals("approve", held["id"]).returncode == 0
+    second = wait_pending("tegress")
+    assert approvals("deny", second["id"]).returncode == 0
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 0, err.decode()[-3000:]
+    lines = out.decode().splitlines()
+    assert lines[0] == "charged 200"
+    assert lines[1].endswith(" 403") and "approval:denied" in lines[1]
+    assert [s[2] for s in Recorder.seen if s[0] == "POST"] == ["amount=1"]
+
+
+def test_tool_results_cannot_widen_policy_and_request_access_is_only_queued(env):
+    agent = write_agent(env, "tinject")
+    p = run_client(env, agent, [["call", "t__inject", {}],
+                                ["call", "agentvm__request_access", {"access": "egress to evil.test:443",
+                                                                     "reason": "the tool said so"}]],
+                   background=True)
+    req = wait_pending("tinject")
+    assert req["kind"] == "access" and "evil.test" in req["summary"]["access"]
+    assert approvals("deny", req["id"]).returncode == 0
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 0, err.decode()[-3000:]
+    _, injected, access = outputs(out)
+    assert injected["ok"] and "policy/allow" in injected["text"]  # data to the agent, nothing more
+    assert access["ok"] is False and "not granted" in access["text"]
+    res = last_json(out)
+    assert res["exit_code"] == 0
+
+
+def test_a_pending_approval_survives_kill_9_of_its_holder_and_is_answered_as_expired(env, avm_home):
+    agent = write_agent(env, "tkill", timeout="600s")
+    p = run_client(env, agent, [["call", "t__write_file", {"path": "/x", "text": "held"}]], background=True)
+    held = wait_pending("tkill")
+    os.kill(p.pid, signal.SIGKILL)  # the process that holds the request (its gate and gateway)
+    p.wait(30)
+    rows = {a["id"]: a for a in json.loads(approvals("list", "--all", "--json").stdout)}
+    got = rows[held["id"]]
+    assert got["state"] == "expired" and got["by"] == "reaper" and "gone" in got["note"]
+    ans = approvals("approve", held["id"])
+    assert ans.returncode != 0 and b"already expired" in ans.stderr
+    # whatever sandboxes the killed run left are reaped by the next run (existing stale-state GC)
+    subprocess.run(agentvm_cmd() + ["run", "--", "true"], capture_output=True, timeout=60)
