@@ -102,11 +102,14 @@ _COLS = "id, created, kind, sandbox, agent, target, summary, digest, policy, sta
 
 def _proc_start(pid: int) -> str:
     """The process's start time (field 22 of /proc/PID/stat): a pid with another start time is
-    another process (pids are reused)."""
+    another process (pids are reused); "" for no process, or a dead one (a zombie)."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             raw = f.read()
-        return raw[raw.rindex(b")") + 2:].split()[19].decode()
+        fields = raw[raw.rindex(b")") + 2:].split()
+        if fields[0] in (b"Z", b"X"):
+            return ""  # a zombie is no holder: it will never answer anyone
+        return fields[19].decode()
     except (OSError, ValueError, IndexError):
         return ""
 

@@ -312,3 +312,34 @@ def test_a_pending_approval_survives_kill_9_of_its_holder_and_is_answered_as_exp
     assert ans.returncode != 0 and b"already expired" in ans.stderr
     # whatever sandboxes the killed run left are reaped by the next run (existing stale-state GC)
     subprocess.run(agentvm_cmd() + ["run", "--", "true"], capture_output=True, timeout=60)
+
+
+def test_through_the_daemon_a_pending_approval_survives_kill_9_of_the_daemon(env, avm_home):
+    """`agentvm run` through the daemon: the daemon's gate hosts the gateway and holds the
+    call. kill -9 of the daemon: the request is still in the queue, answered as expired by the
+    restarted side (never lost, never allowed)."""
+    up = subprocess.run(agentvm_cmd() + ["up"], capture_output=True, timeout=60)
+    assert up.returncode == 0, up.stderr
+    pidf = avm_home / "run" / "daemon.pid"
+    try:
+        agent = write_agent(env, "tdaemon", timeout="600s")
+        r = run_client(env, agent, [["call", "t__echo", {"text": "via the daemon"}]])
+        assert r.returncode == 0, r.stderr.decode()[-3000:]
+        assert outputs(r.stdout)[1] == {"ok": True, "text": "via the daemon"}
+        p = run_client(env, agent, [["call", "t__write_file", {"path": "/x", "text": "held"}]], background=True)
+        held = wait_pending("tdaemon")
+        os.kill(int(pidf.read_text()), signal.SIGKILL)
+        p.wait(60)
+        rows = {a["id"]: a for a in json.loads(approvals("list", "--all", "--json").stdout)}
+        got = rows[held["id"]]
+        assert got["state"] == "expired" and got["by"] == "reaper", got
+        restarted = subprocess.run(agentvm_cmd() + ["up"], capture_output=True, timeout=60)
+        assert restarted.returncode == 0, restarted.stderr
+        assert approvals("approve", held["id"]).returncode != 0
+    finally:
+        subprocess.run(agentvm_cmd() + ["down"], capture_output=True, timeout=60)
+        if pidf.exists():
+            try:
+                os.kill(int(pidf.read_text()), signal.SIGKILL)
+            except (ProcessLookupError, ValueError):
+                pass
