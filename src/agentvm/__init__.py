@@ -5,7 +5,7 @@ __version__ = "0.1.0"
 
 def __getattr__(name: str):
     # lazy: `import agentvm` stays cheap for the CLI's hot path
-    if name in ("Sandbox", "AsyncSandbox", "ExecResult"):
+    if name in ("Sandbox", "AsyncSandbox", "ExecResult", "pending_approvals", "approve", "deny"):
         from agentvm import sdk
 
         return getattr(sdk, name)

@@ -94,6 +94,23 @@ class Sandbox:
     def tighten(self, *, memory: str | int | None = None, pids: int | None = None, cpus: float | None = None):
         return self.client.policy(self.name, "limits", memory=memory, pids=pids, cpus=cpus)
 
+    def tools(self, action: str, tool: str):
+        """``allow``, ``deny`` or ``approve`` SERVER__TOOL (or SERVER__glob) live."""
+        return self.client.policy(self.name, "tools", action=action, tool=tool)
+
+
+def pending_approvals(*, all_states: bool = False, client: Client | None = None) -> list[dict]:
+    """Held actions waiting for a human (with ``all_states``: answered ones too)."""
+    return (client or Client()).approvals(all_states)
+
+
+def approve(request_id: str, note: str | None = None, *, client: Client | None = None) -> dict:
+    return (client or Client()).answer(request_id, True, note)
+
+
+def deny(request_id: str, note: str | None = None, *, client: Client | None = None) -> dict:
+    return (client or Client()).answer(request_id, False, note)
+
 
 class AsyncSandbox:
     """The same API for asyncio programs (the blocking calls run in a worker thread)."""

@@ -343,3 +343,70 @@ def test_through_the_daemon_a_pending_approval_survives_kill_9_of_the_daemon(env
                 os.kill(int(pidf.read_text()), signal.SIGKILL)
             except (ProcessLookupError, ValueError):
                 pass
+
+
+def test_live_tool_policy_narrows_a_running_sandbox_at_once(env, avm_home):
+    """`agentvm policy NAME tools deny|approve|allow SERVER__TOOL` on a daemon sandbox: the next
+    call is decided under the change (and the change is audited); the SDK answers approvals."""
+    import agentvm.sdk as sdk
+
+    up = subprocess.run(agentvm_cmd() + ["up"], capture_output=True, timeout=60)
+    assert up.returncode == 0, up.stderr
+    try:
+        agent = write_agent(env, "tlive")
+        # a persistent sandbox whose agent waits for a go file between calls
+        loop = ("import json,os,subprocess,sys,time\n"
+                "for i in range(3):\n"
+                "    while not os.path.exists(f'/home/agent/go{i}'): time.sleep(0.1)\n"
+                "    r = subprocess.run(['python3', '/work/tools_client.py', json.dumps([['call', 't__echo', {'text': 'x'}]])],"
+                " capture_output=True, text=True)\n"
+                "    print('ROUND', i, r.stdout.splitlines()[-1], flush=True)\n"
+                "time.sleep(600)\n")
+        (env["dir"] / "live_agent.py").write_text(loop)
+        spec = agent.read_text().replace("  limits: {timeout: 150s}", "  lifecycle: persistent\n  command: [python3, /work/live_agent.py]\n  limits: {timeout: 0}")
+        agent.write_text(spec)
+        assert subprocess.run(agentvm_cmd() + ["create", "-f", str(agent)], capture_output=True, timeout=60).returncode == 0
+        assert subprocess.run(agentvm_cmd() + ["start", "tlive"], capture_output=True, timeout=60).returncode == 0
+
+        def go(i):
+            r = subprocess.run(agentvm_cmd() + ["exec", "tlive", "--", "touch", f"/home/agent/go{i}"], capture_output=True,
+                               timeout=60)
+            assert r.returncode == 0, r.stderr
+
+        def rounds():
+            return subprocess.run(agentvm_cmd() + ["logs", "tlive"], capture_output=True, timeout=30).stdout.decode()
+
+        def wait_round(i):
+            end = time.time() + 90
+            while time.time() < end:
+                for ln in rounds().splitlines():
+                    if ln.startswith(f"ROUND {i} "):
+                        return json.loads(ln.split(" ", 2)[2])
+                time.sleep(0.2)
+            raise AssertionError(rounds())
+
+        go(0)
+        assert wait_round(0) == {"ok": True, "text": "x"}
+        r = subprocess.run(agentvm_cmd() + ["policy", "tlive", "tools", "deny", "t__echo"], capture_output=True, timeout=30)
+        assert r.returncode == 0 and b"applied live" in r.stdout, r.stderr
+        go(1)
+        assert "tools:deny:t:echo" in wait_round(1)["error"]
+        show = json.loads(subprocess.run(agentvm_cmd() + ["policy", "tlive", "show", "--json"], capture_output=True).stdout)
+        assert show["tools"][0]["deny"] == ["echo"]
+        # allow lifts the live deny, approve puts it before a human; the SDK answers
+        assert subprocess.run(agentvm_cmd() + ["policy", "tlive", "tools", "allow", "t__echo"], capture_output=True).returncode == 0
+        assert subprocess.run(agentvm_cmd() + ["policy", "tlive", "tools", "approve", "t__echo"], capture_output=True).returncode == 0
+        go(2)
+        held = wait_pending("tlive")
+        assert [a["id"] for a in sdk.pending_approvals() if a["agent"] == "tlive"] == [held["id"]]
+        assert sdk.approve(held["id"], "looks fine")["state"] == "approved"
+        assert wait_round(2) == {"ok": True, "text": "x"}
+        audit = subprocess.run(agentvm_cmd() + ["audit", "show", "--json"], capture_output=True).stdout.decode()
+        changes = [json.loads(ln) for ln in audit.splitlines() if '"policy.change"' in ln and '"tlive"' in ln]
+        assert [c["data"]["detail"]["action"] for c in changes if c["data"]["op"] == "tools"] == ["deny", "allow", "approve"]
+        answered = [json.loads(ln) for ln in audit.splitlines() if held["id"] in ln and "approval.answered" in ln]
+        assert answered and answered[0]["actor"].startswith("api:")
+    finally:
+        subprocess.run(agentvm_cmd() + ["stop", "tlive"], capture_output=True, timeout=60)
+        subprocess.run(agentvm_cmd() + ["rm", "tlive"], capture_output=True, timeout=60)
+        subprocess.run(agentvm_cmd() + ["down"], capture_output=True, timeout=60)

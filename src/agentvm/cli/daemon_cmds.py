@@ -236,17 +236,27 @@ def logs(name):
 
 @click.command()
 @click.argument("name")
-@click.argument("op", type=click.Choice(["show", "allow", "deny", "remove", "pause", "resume", "revoke", "restore", "limits"]))
-@click.argument("arg", required=False)
+@click.argument("op", type=click.Choice(["show", "allow", "deny", "remove", "pause", "resume", "revoke", "restore", "limits",
+                                        "tools"]))
+@click.argument("args", nargs=-1)
 @click.option("--memory", help="limits: lower the memory limit, e.g. 256M")
 @click.option("--pids", type=int, help="limits: lower the pids limit")
 @click.option("--cpus", type=float, help="limits: lower the CPU quota")
 @click.option("--json", "as_json", is_flag=True, help="show: one JSON object")
-def policy(name, op, arg, memory, pids, cpus, as_json):
+def policy(name, op, args, memory, pids, cpus, as_json):
     """Show or change a sandbox's policy live: show, allow|deny HOST[:PORT] (deny without a port:
     every port), remove RULE_ID, pause|resume (all egress), revoke|restore CREDENTIAL (this
-    session), limits --memory/--pids/--cpus (lower only). A change that would exceed the
-    agent's risk tier is refused."""
+    session), limits --memory/--pids/--cpus (lower only), tools allow|deny|approve SERVER__TOOL
+    (the next tool call is decided under it). A change that would exceed the agent's risk tier
+    is refused."""
+    from agentvm.errors import ConfigError
+
+    want = 2 if op == "tools" else (0 if op in ("show", "pause", "resume", "limits") else 1)
+    if len(args) != want:
+        raise ConfigError(f"policy {op} takes {want} argument(s), got {len(args)}",
+                          hint="e.g. `agentvm policy NAME tools deny github__create_issue`" if op == "tools" else
+                          f"see `agentvm policy --help`")
+    arg = args[0] if args else None
     if op == "show":
         v = _client().policy(name, "show")
         if as_json:
@@ -262,6 +272,9 @@ def policy(name, op, arg, memory, pids, cpus, as_json):
             click.echo("  (no rules: every request is denied)" if v["network"] == "gate" else "  (no route out at all)")
         if v["revoked"]:
             click.echo(f"  revoked credentials: {', '.join(v['revoked'])}")
+        for t in v.get("tools", []):
+            click.echo(f"  tools {t['server']}: allow {','.join(t['allow']) or '-'}; approve {','.join(t['approve']) or '-'}; "
+                       f"deny {','.join(t['deny']) or '-'}")
         return 0
     kw = {}
     if op == "limits":
@@ -272,6 +285,8 @@ def policy(name, op, arg, memory, pids, cpus, as_json):
         kw["rule_id"] = arg
     elif op in ("revoke", "restore"):
         kw["credential"] = arg
+    elif op == "tools":
+        kw = {"action": args[0], "tool": args[1]}
     r = _client().policy(name, op, **kw)
     click.echo(f"{name}: {op} applied {'live' if r['live'] else '(takes effect at next start)'} in {r['ms']} ms")
     if r.get("limits"):

@@ -195,6 +195,16 @@ class Client:
     def policy(self, name: str, op: str, **kw):
         return self.request("POST", f"/v1/sandboxes/{quote(name)}/policy", {"op": op, **kw})
 
+    def approvals(self, all_states: bool = False):
+        return self.request("GET", "/v1/approvals" + ("?all=1" if all_states else ""))
+
+    def approval(self, request_id: str):
+        return self.request("GET", f"/v1/approvals/{quote(request_id)}")
+
+    def answer(self, request_id: str, approve: bool, note: str | None = None):
+        return self.request("POST", f"/v1/approvals/{quote(request_id)}/{'approve' if approve else 'deny'}",
+                            {"note": note} if note is not None else {})
+
     def audit(self, since: float | None = None, sandbox: str | None = None):
         q = []
         if since is not None:

@@ -279,6 +279,10 @@ class Daemon:
             from agentvm.policy import _with_default_denies
 
             policy = dataclasses.replace(policy, egress=_with_default_denies(dataclasses.replace(eg, allow=allow, deny=deny)))
+        if patch.get("tools") and policy.tools is not None:
+            from agentvm.tools.policy import apply_live
+
+            policy = dataclasses.replace(policy, tools=apply_live(policy.tools, patch["tools"]))
         from agentvm.policy import check_tier
 
         check_tier(policy)  # a live change may not widen past the agent's risk tier
@@ -678,6 +682,8 @@ class Daemon:
                 return await self._files(name, method, q.get("path", ""), body, conn, writer, actor)
             if action == "policy" and method == "POST":
                 return await self._json(conn, writer, 200, await self._policy(name, doc or {}, actor))
+        if p[:1] == ["approvals"]:
+            return await self._approvals(method, p[1:], doc or {}, q, conn, writer, actor)
         if p == ["run"] and method == "POST":
             return await self._run(doc or {}, conn, writer, actor)
         if p == ["audit"] and method == "GET":
@@ -967,7 +973,9 @@ class Daemon:
         return {"name": name, "network": policy.network, "live": live, "paused": bool(patch.get("paused")),
                 "rules": ([rule(r, "deny") for r in eg.deny] + [rule(r, "allow") for r in eg.allow]) if eg else [],
                 "revoked": patch.get("revoked", []), "limits": {"memory": policy.limits.memory, "pids": policy.limits.pids,
-                                                                "cpus": policy.limits.cpus}}
+                                                                "cpus": policy.limits.cpus},
+                "tools": [{"server": sp.name, "allow": list(sp.allow), "approve": list(sp.approve), "deny": list(sp.deny)}
+                          for sp in (policy.tools.servers if policy.tools else ())]}
 
     async def _policy(self, name: str, doc: dict, actor: str) -> dict:
         """Live policy change: validated first (a failing change changes nothing), applied to
@@ -1004,6 +1012,23 @@ class Daemon:
                 raise ApiError(409, "not-removable", f"{rid!r} is a deny rule every sandbox gets (DNS-over-HTTPS "
                                "endpoints): it cannot be removed", exit_code=77)
             patch.setdefault("removed", []).append(rid)
+        elif op == "tools":
+            from agentvm.tools.policy import LIVE_ACTIONS, apply_live, split_name
+
+            action, exposed = doc.get("action"), doc.get("tool")
+            split = split_name(exposed) if isinstance(exposed, str) else None
+            if action not in LIVE_ACTIONS or split is None:
+                raise ApiError(400, "bad-request", "tools needs an action (allow, deny, approve) and a tool as "
+                               "SERVER__TOOL (a glob may follow the server: SERVER__read_*)")
+            current = self._policy_for(row).tools
+            if current is None:
+                raise ApiError(409, "no-tools", f"{name} declares no tools (spec.tools)")
+            change = {"action": action, "server": split[0], "tool": split[1]}
+            try:
+                apply_live(current, [change])
+            except ValueError as exc:
+                raise ApiError(400, "invalid-tool-change", str(exc)) from None
+            patch.setdefault("tools", []).append(change)
         elif op == "show":
             return self._policy_view(name, row, patch)
         elif op in ("pause", "resume"):
@@ -1050,7 +1075,8 @@ class Daemon:
                         ms=round(took, 3))
             return {"applied": True, "live": True, "ms": round(took, 3), "limits": applied}
         else:
-            raise ApiError(400, "bad-request", "op is one of show, allow, deny, remove, pause, resume, revoke, restore, limits")
+            raise ApiError(400, "bad-request", "op is one of show, allow, deny, remove, pause, resume, revoke, restore, "
+                           "limits, tools")
         new_row = dataclasses.replace(row, policy_patch=json.dumps(patch))
         policy = self._policy_for(new_row)  # raises on anything invalid: nothing applied yet
         self.state.update(name, policy_patch=json.dumps(patch))
@@ -1058,10 +1084,36 @@ class Daemon:
             if policy.egress is not None:
                 ep.set_policy(policy.egress)
             ep.paused = bool(patch.get("paused"))
+            if ep.tools is not None and policy.tools is not None:
+                ep.tools.set_policy(policy.tools, policy.digest())  # the next tool call is decided under it
         took = (time.perf_counter() - t0) * 1000
         self.record("policy.change", actor=actor, sandbox=name, op=op, detail={k: v for k, v in doc.items() if k != "op"},
                     applied_live=ep is not None, ms=round(took, 3))
         return {"applied": True, "live": ep is not None, "ms": round(took, 3), "patch": patch}
+
+    async def _approvals(self, method: str, p: list, doc: dict, q: dict, conn, writer, actor: str) -> None:
+        """The approvals queue over the API (the SDK, a webhook's answer): list, show, approve, deny."""
+        from agentvm.approvals import STATES, ApprovalError
+
+        store = self.gate.approval_store()
+        if store is None:
+            raise ApiError(503, "approvals-unavailable", "the approvals queue cannot be opened")
+        try:
+            if not p and method == "GET":
+                states = STATES if q.get("all") in ("1", "true") else ("pending",)
+                return await self._json(conn, writer, 200, [r.to_dict() for r in store.list(states)])
+            if len(p) == 1 and method == "GET":
+                return await self._json(conn, writer, 200, store.get(p[0]).to_dict())
+            if len(p) == 2 and p[1] in ("approve", "deny") and method == "POST":
+                note = doc.get("note")
+                if note is not None and (not isinstance(note, str) or len(note) > 1000):
+                    raise ApiError(400, "bad-request", "'note' is a string of at most 1000 characters")
+                r = store.answer(p[0], p[1] == "approve", f"api:{actor}", note)
+                return await self._json(conn, writer, 200, r.to_dict())
+        except ApprovalError as exc:
+            raise ApiError(404 if "no approval request" in exc.message else 409, exc.code, exc.message,
+                           exc.hint) from None
+        raise ApiError(404, "not-found", "approvals: GET /v1/approvals[/ID], POST /v1/approvals/ID/approve|deny")
 
     async def _events(self, conn, writer) -> None:
         q: asyncio.Queue = asyncio.Queue()

@@ -256,3 +256,34 @@ def compile_tools(body, agent: str) -> ToolPolicy:
             sandbox_spec=_sandbox_spec(agent, tier, srv) if srv.command else ""))
     return ToolPolicy(servers=tuple(servers), tier_approval=tuple(sorted(TIER_TOOL_APPROVAL[tier])),
                       approval_timeout=body.approvals.timeout, webhook=body.approvals.webhook)
+
+
+LIVE_ACTIONS = ("allow", "deny", "approve")
+
+
+def apply_live(policy: ToolPolicy, changes: list) -> ToolPolicy:
+    """Live changes (``agentvm policy NAME tools allow|deny|approve SERVER__TOOL``) over the
+    agent file's tool policy, in order. ``deny`` wins over everything and ``approve`` over
+    ``allow`` (as in :func:`decide`), so narrowing is immediate; ``allow`` also lifts a live
+    ``deny`` of the same name. Raises ValueError on a change that names nothing declared."""
+    from dataclasses import replace
+
+    servers = {s.name: s for s in policy.servers}
+    for ch in changes:
+        action, server, tool = ch.get("action"), ch.get("server"), ch.get("tool")
+        if action not in LIVE_ACTIONS:
+            raise ValueError(f"tools action is one of {', '.join(LIVE_ACTIONS)}")
+        if server not in servers:
+            raise ValueError(f"no tool server {server!r} (declared: {', '.join(servers) or 'none'})")
+        if not isinstance(tool, str) or not re.fullmatch(r"[A-Za-z0-9_.*?/-]{1,128}", tool):
+            raise ValueError("the tool is a name or glob (letters, digits, _ . - / and * ?)")
+        sp = servers[server]
+        if action == "allow":
+            sp = replace(sp, allow=sp.allow + (tool,), deny=tuple(g for g in sp.deny if g != tool),
+                         approve=tuple(g for g in sp.approve if g != tool))
+        elif action == "deny":
+            sp = replace(sp, deny=sp.deny + (tool,))
+        else:
+            sp = replace(sp, approve=sp.approve + (tool,))
+        servers[server] = sp
+    return replace(policy, servers=tuple(servers[s.name] for s in policy.servers))
