@@ -29,6 +29,16 @@ def connect(path: Path, table: str, schema: str) -> sqlite3.Connection:
     fresh = not path.exists() or path.stat().st_size == 0
     if fresh and made:
         raise _lost(path, "is missing or empty")
+    # agent-vm's databases are its own: created 0600 (SQLite gives its -wal and -shm files the
+    # same mode), and an older one readable by others is tightened
+    if fresh and not made:
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600))
+    try:
+        st = path.stat()
+        if st.st_uid == os.geteuid() and st.st_mode & 0o077:
+            os.chmod(path, st.st_mode & 0o700)
+    except OSError:
+        pass
     try:
         conn = sqlite3.connect(str(path), timeout=10.0, isolation_level=None, check_same_thread=False)
         conn.execute("PRAGMA busy_timeout=10000")

@@ -77,7 +77,7 @@ def play(flow, *answers):
         cmd = next(flow)
         while True:
             cmds.append(cmd)
-            if isinstance(cmd, (ex.Deny, ex.Forward, ex.OpenTunnel)):
+            if isinstance(cmd, (ex.Deny, ex.Forward, ex.OpenTunnel, ex.ToTools)):
                 break
             cmd = flow.send(answers.pop(0))
     except StopIteration:
@@ -356,3 +356,60 @@ def test_smuggling_prone_heads_never_reach_a_flow(raw, code):
         h1.parse_head(raw)
     d = only(play(ex.refuse(ex.bad_request(err.value))), ex.Deny)
     assert (d.rule_id, d.status, d.answer) == (f"bad-request:{code}", 400, "error")
+
+
+# ---------------------------------------------------------------------------- held requests and the tool gateway's door
+
+ASK = compile_egress(load_agent_text(agent("""\
+    spec:
+      egress:
+        allow:
+          - {host: pay.test, ports: [80], methods: [POST], paths: ["/v1/charges"], action: ask, id: charges}
+          - {host: pay.test, ports: [80], methods: [GET], id: read}
+        hosts: {pay.test: 10.0.0.5}
+    """), "a.yaml", preset_dirs=[]).spec.spec.egress)
+
+
+def test_an_ask_rule_holds_the_request_and_only_an_approval_forwards_it():
+    req = head("POST http://pay.test/v1/charges HTTP/1.1\nContent-Length: 3")
+    cmds = play(ex.request(endpoint(ASK), req, scheme="http"), ex.Answered(True, "approval:approved", "ok", "apr-1"))
+    hold, fwd = cmds
+    assert isinstance(hold, ex.Hold) and hold.decision.verdict == "ask" and hold.decision.rule_id == "charges"
+    assert isinstance(fwd, ex.Forward) and fwd.decision.allowed and "apr-1" in fwd.decision.reason
+    for answer, rid in ((ex.Answered(False, "approval:denied", "no"), "approval:denied"),
+                        (ex.Answered(False, "approval:timeout", "late"), "approval:timeout"),
+                        (None, "approval:unavailable"), ("garbage", "approval:unavailable")):
+        d = only(play(ex.request(endpoint(ASK), req, scheme="http"), answer), ex.Deny)
+        assert d.rule_id == rid and d.status == 403
+    # a request the ask rule does not match is decided as usual, never held
+    assert isinstance(play(ex.request(endpoint(ASK), head("GET http://pay.test/v1/charges HTTP/1.1"), scheme="http"))[0],
+                      ex.Forward)
+
+
+def test_an_ask_rule_makes_the_gate_terminate_tls_so_each_request_can_be_held():
+    policy = compile_egress(load_agent_text(agent("""\
+        spec:
+          egress:
+            allow: [{host: pay.test, ports: [443], action: ask}]
+        """), "a.yaml", preset_dirs=[]).spec.spec.egress)
+    assert policy.needs_termination("pay.test", 443)
+
+
+def test_mcp_on_the_proxy_port_goes_to_the_tool_gateway_only_when_tools_are_declared():
+    req = head("POST /mcp HTTP/1.1\nHost: 127.0.0.1:3128\nContent-Length: 2")
+    ep = endpoint()
+    ep.tools = None
+    d = only(play(ex.request(ep, req, scheme="http")), ex.Deny)
+    assert (d.rule_id, d.status) == ("tools:none", 404)
+    ep.tools = object()
+    cmd = play(ex.request(ep, req, scheme="http"))[-1]
+    assert isinstance(cmd, ex.ToTools) and cmd.req is req
+    for other in ("POST /mcpx HTTP/1.1", "POST /other/mcp HTTP/1.1"):
+        d = only(play(ex.request(ep, head(other + "\nHost: 127.0.0.1:3128"), scheme="http")), ex.Deny)
+        assert d.rule_id == "bad-request:not-a-proxy-request"
+    # absolute-form to a host named like the door is egress, decided by policy
+    d = only(play(ex.request(ep, head("POST http://mcp.test/mcp HTTP/1.1"), scheme="http")), ex.Deny)
+    assert d.rule_id == "default-deny"
+    # admission still comes first: a paused sandbox reaches no tools either
+    ep.paused = True
+    assert only(play(ex.request(ep, req, scheme="http")), ex.Deny).rule_id == "paused"

@@ -1,0 +1,98 @@
+"""The approvals queue: only a pending request can be answered, once; the deadline and a dead
+holder answer it as expired; every request and answer reaches the audit record function."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from agentvm.approvals import ApprovalError, ApprovalStore
+
+
+def store(tmp_path, records=None):
+    return ApprovalStore(tmp_path / "approvals.db",
+                         (lambda kind, **kw: records.append((kind, kw))) if records is not None else None)
+
+
+def submit(s, timeout=60.0, **kw):
+    return s.submit(kind="tool", sandbox="sb-1", agent="a", target="gh__create_issue",
+                    summary={"preview": '{"title": "x"}'}, arg_digest="sha256:00", policy="sha256:11", timeout=timeout, **kw)
+
+
+def test_answered_once_and_recorded(tmp_path):
+    recs = []
+    s = store(tmp_path, recs)
+    r = submit(s)
+    assert r.state == "pending" and r.id.startswith("apr-")
+    assert s.answer(r.id, True, "cli:alice", "ok").state == "approved"
+    with pytest.raises(ApprovalError, match="already approved"):
+        s.answer(r.id, False, "cli:bob")
+    assert [k for k, _ in recs] == ["approval.requested", "approval.answered"]
+    assert recs[1][1]["actor"] == "cli:alice" and recs[1][1]["state"] == "approved"
+    with pytest.raises(ApprovalError, match="no approval request"):
+        s.get("apr-nope")
+
+
+def test_the_deadline_denies(tmp_path):
+    s = store(tmp_path)
+    r = submit(s, timeout=0.2)
+    done = asyncio.run(s.wait(r.id))
+    assert done.state == "expired" and done.by == "timeout"
+    with pytest.raises(ApprovalError):
+        s.answer(r.id, True, "cli:late")
+
+
+def test_an_answer_from_another_process_reaches_the_waiter(tmp_path):
+    s = store(tmp_path)
+    r = submit(s)
+    code = (f"from agentvm.approvals import ApprovalStore; ApprovalStore({str(tmp_path / 'approvals.db')!r})"
+            f".answer({r.id!r}, False, 'cli:other', 'no')")
+
+    async def main():
+        proc = await asyncio.create_subprocess_exec(sys.executable, "-c", code)
+        done = await asyncio.wait_for(s.wait(r.id), 30)
+        await proc.wait()
+        return done
+
+    done = asyncio.run(main())
+    assert (done.state, done.by, done.note) == ("denied", "cli:other", "no")
+
+
+def test_a_request_whose_holder_died_is_expired_not_left_to_be_approved(tmp_path):
+    code = ("from agentvm.approvals import ApprovalStore; s = ApprovalStore(%r); "
+            "r = s.submit(kind='egress', sandbox='sb', agent='a', target='POST x:80/', summary={}, arg_digest='d', "
+            "policy='p', timeout=600); print(r.id)") % str(tmp_path / "approvals.db")
+    rid = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    s = store(tmp_path)  # opening reaps
+    r = s.get(rid)
+    assert r.state == "expired" and r.by == "reaper"
+    with pytest.raises(ApprovalError, match="already expired"):
+        s.answer(rid, True, "cli:alice")
+
+
+def test_a_live_holders_request_is_not_reaped(tmp_path):
+    s = store(tmp_path)
+    r = submit(s)
+    other = ApprovalStore(tmp_path / "approvals.db")  # same process: the holder is alive
+    assert other.get(r.id).state == "pending"
+    assert other.list()[0].id == r.id
+
+
+def test_a_request_that_cannot_be_recorded_is_not_queued(tmp_path):
+    def refuse(kind, **kw):
+        raise OSError("disk full")
+
+    s = ApprovalStore(tmp_path / "approvals.db", refuse)
+    with pytest.raises(OSError):
+        submit(s)
+    assert s.list(("pending", "approved", "denied", "expired")) == []
+
+
+def test_the_database_is_not_world_readable(tmp_path):
+    store(tmp_path)
+    assert os.stat(tmp_path / "approvals.db").st_mode & 0o077 == 0  # previews of arguments: not for others

@@ -1,0 +1,190 @@
+"""The tool policy: the agent file's `tools` section, validated with file:line errors, and the
+one pure decide() (deny wins, no match denies, bad arguments deny, the tier's approvals)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from agentvm.errors import SpecError
+from agentvm.policy import compile_policy
+from agentvm.spec.loader import load_agent_text
+from agentvm.tools import policy as tp
+
+from _spec_helpers import agent
+
+
+def tools_policy(body: str, tier: str = "L3"):
+    text = agent(f"spec:\n  riskTier: {tier}\n" + body)
+    return compile_policy(load_agent_text(text, "a.yaml", preset_dirs=[]).spec).tools
+
+
+BASE = """\
+  tools:
+    - name: gh
+      command: [gh-mcp]
+      allow: [get_*, list_issues, search]
+      approve: [create_issue]
+      deny: [get_secret]
+      risk: {"get_*": read, list_issues: read, search: read, delete_repo: destructive}
+      arguments:
+        get_file: {path: {path: /repo, required: true}}
+        search: {q: {maxLength: 20, pattern: "[a-z ]+"}, order: {enum: [asc, desc]}}
+      limits: {callsPerMinute: 5, timeout: 2s, maxArguments: 1K}
+"""
+
+
+def test_deny_wins_no_match_denies_and_approve_asks():
+    p = tools_policy(BASE)
+    d = tp.decide
+    assert d("gh", "get_issue", {}, p).verdict == "allow"
+    assert d("gh", "get_secret", {}, p).rule_id == "tools:deny:gh:get_secret"
+    assert d("gh", "delete_repo", {}, p).rule_id == "tools:not-allowed"
+    assert d("gh", "create_issue", {}, p).verdict == "ask"
+    assert d("nope", "get_issue", {}, p).rule_id == "tools:unknown-server"
+    assert d("gh", "get issue", {}, p).rule_id == "tools:invalid-name"
+    assert d("gh", 7, {}, p).verdict == "deny"  # not even a string
+
+
+def test_hidden_means_denied_visible_means_allowed_or_approved():
+    p = tools_policy(BASE)
+    sp = p.server("gh")
+    for tool in ("get_issue", "list_issues", "create_issue"):
+        assert tp.visible(sp, tool)
+    for tool in ("get_secret", "delete_repo", "", "x" * 200, "../x y"):
+        assert not tp.visible(sp, tool)
+        assert tp.decide("gh", tool, {}, p).verdict == "deny"
+
+
+@pytest.mark.parametrize("args, rule", [
+    ({"path": "/repo/a/b"}, None),
+    ({"path": "/repo"}, None),
+    ({"path": "/repo/../etc/passwd"}, "tools:argument:path"),
+    ({"path": "/repository"}, "tools:argument:path"),
+    ({"path": "relative"}, "tools:argument:path"),
+    ({"path": "/repo/\x00"}, "tools:argument:path"),
+    ({"path": ["/repo"]}, "tools:argument:path"),
+    ({}, "tools:argument:path"),  # required
+])
+def test_path_constraints(args, rule):
+    d = tp.decide("gh", "get_file", args, tools_policy(BASE))
+    assert (d.rule_id if d.verdict == "deny" else None) == rule, d
+
+
+@pytest.mark.parametrize("args, ok", [
+    ({"q": "find me"}, True),
+    ({"q": "FIND"}, False),
+    ({"q": "a" * 21}, False),
+    ({"q": 5}, False),
+    ({"q": "ok", "order": "asc"}, True),
+    ({"q": "ok", "order": "sideways"}, False),
+    ({"q": "ok", "order": True}, False),
+    ({"q": "x" * 2000}, False),  # over maxArguments too
+])
+def test_pattern_enum_length_and_size(args, ok):
+    assert (tp.decide("gh", "search", args, tools_policy(BASE)).verdict == "allow") is ok
+
+
+def test_arguments_must_be_an_object():
+    assert tp.decide("gh", "search", ["q"], tools_policy(BASE)).rule_id == "tools:bad-arguments"
+
+
+def test_the_tier_sets_which_classes_always_need_a_human():
+    body = BASE.replace("approve: [create_issue]", "approve: []").replace("allow: [get_*, list_issues, search]",
+                                                                          "allow: [get_*, list_issues, search, create_issue]")
+    assert tp.decide("gh", "create_issue", {}, tools_policy(body, "L2")).rule_id == "tools:tier:write"
+    assert tp.decide("gh", "create_issue", {}, tools_policy(body, "L3")).verdict == "allow"
+    destructive = body.replace("create_issue]", "create_issue, delete_repo]")
+    for tier in ("L3", "L4"):
+        assert tp.decide("gh", "delete_repo", {}, tools_policy(destructive, tier)).rule_id == "tools:tier:destructive"
+    assert tp.decide("gh", "delete_repo", {}, tools_policy(destructive, "L5")).verdict == "allow"
+
+
+def test_server_hints_are_never_consulted_only_the_agent_file():
+    # a tool with no risk entry is "write", whatever the server would annotate it with
+    sp = tools_policy(BASE).server("gh")
+    assert tp.risk_of(sp, "get_anything") == "read" and tp.risk_of(sp, "unlisted") == "write"
+
+
+def test_an_exception_denies():
+    class Boom:
+        servers = property(lambda self: 1 / 0)
+
+    assert tp.decide("gh", "get_issue", {}, Boom()).rule_id == "tools:internal-error"
+
+
+@settings(max_examples=300, deadline=None)
+@given(tool=st.text(max_size=40), args=st.dictionaries(st.text(max_size=8), st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(max_size=30), lambda c: st.lists(c, max_size=3), max_leaves=5),
+    max_size=4))
+def test_decide_never_raises_and_never_allows_what_is_not_listed(tool, args):
+    p = tools_policy(BASE)
+    d = tp.decide("gh", tool, args, p)
+    assert d.verdict in ("allow", "deny", "ask")
+    if d.verdict != "deny":
+        assert tp.visible(p.server("gh"), tool)
+
+
+def test_live_changes_narrow_and_widen_in_order():
+    p = tools_policy(BASE)
+    p2 = tp.apply_live(p, [{"action": "deny", "server": "gh", "tool": "get_*"}])
+    assert tp.decide("gh", "get_issue", {}, p2).rule_id == "tools:deny:gh:get_*"
+    p3 = tp.apply_live(p, [{"action": "approve", "server": "gh", "tool": "search"}])
+    assert tp.decide("gh", "search", {"q": "x"}, p3).verdict == "ask"
+    p4 = tp.apply_live(p2, [{"action": "allow", "server": "gh", "tool": "get_*"}])
+    assert tp.decide("gh", "get_issue", {}, p4).verdict == "allow"
+    for bad in ({"action": "grant", "server": "gh", "tool": "x"}, {"action": "allow", "server": "nope", "tool": "x"},
+                {"action": "allow", "server": "gh", "tool": "a b"}):
+        with pytest.raises(ValueError):
+            tp.apply_live(p, [bad])
+
+
+@pytest.mark.parametrize("body, where", [
+    ("  tools:\n    - {name: gh, allow: [x]}\n", "either command"),
+    ("  tools:\n    - {name: gh, command: [x], url: 'https://a.test/mcp', allow: [x]}\n", "either command"),
+    ("  tools:\n    - {name: gh, command: [x]}\n", "allow or approve"),
+    ("  tools:\n    - {name: GH, command: [x], allow: [x]}\n", "tool server name"),
+    ("  tools:\n    - {name: gh, command: [x], allow: ['a b']}\n", "not a tool name"),
+    ("  tools:\n    - {name: gh, command: [x], allow: [x], arguments: {x: {p: {}}}}\n", "needs path, pattern"),
+    ("  tools:\n    - {name: gh, command: [x], allow: [x], arguments: {x: {p: {pattern: '('}}}}\n", "regular expression"),
+    ("  tools:\n    - {name: gh, url: 'http://a.test/mcp', allow: [x]}\n", "https"),
+    ("  tools:\n    - {name: gh, url: 'https://a.test/mcp', allow: [x], env: {A: b}}\n", "local servers"),
+    ("  egress:\n    deny: [{host: a.test, action: ask}]\n", "allow rules"),
+    ("  approvals: {webhook: 'http://evil.test/hook'}\n", "webhook"),
+])
+def test_bad_tool_sections_are_refused_with_file_and_line(body, where):
+    with pytest.raises(SpecError) as e:
+        load_agent_text(agent("spec:\n  riskTier: L3\n" + body), "a.yaml", preset_dirs=[])
+    text = str(e.value) + " ".join(str(p) for p in e.value.problems)
+    assert where in text and "a.yaml:" in text
+
+
+def test_two_servers_of_one_name_are_refused():
+    from agentvm.errors import ConfigError
+
+    body = "  tools:\n    - {name: gh, command: [x], allow: [x]}\n    - {name: gh, command: [y], allow: [y]}\n"
+    with pytest.raises((ConfigError, SpecError)):
+        tools_policy(body)
+
+
+def test_tools_need_a_tier_that_allows_them_and_a_route_through_the_gate():
+    from agentvm.errors import ConfigError
+
+    with pytest.raises(SpecError, match="tools need risk tier"):
+        load_agent_text(agent("spec:\n  riskTier: L1\n  tools:\n    - {name: gh, command: [x], allow: [x]}\n"),
+                        "a.yaml", preset_dirs=[])
+    with pytest.raises(ConfigError, match="network: gate"):
+        tools_policy("  network: none\n  tools:\n    - {name: gh, command: [x], allow: [x]}\n")
+
+
+def test_the_tool_servers_sandbox_holds_its_own_grants_and_none_of_the_agents():
+    import json
+
+    p = tools_policy("  mounts: [{host: /srv/agent-data, path: /data}]\n" + BASE.replace(
+        "      limits:", "      mounts: [{host: /srv/gh, path: /repo}]\n      env: {GH_HOST: github.test}\n      limits:"))
+    doc = json.loads(p.server("gh").sandbox_spec)
+    assert doc["spec"]["command"] == ["gh-mcp"] and doc["spec"]["workspace"] == {"enabled": False}
+    assert [m["host"] for m in doc["spec"]["mounts"]] == ["/srv/gh"]
+    assert doc["spec"]["env"] == {"GH_HOST": "github.test"} and "credentials" not in doc["spec"]
+    assert doc["metadata"]["name"] == "a-tool-gh" or doc["metadata"]["name"].endswith("-tool-gh")
