@@ -126,6 +126,24 @@ class Runtime:
             self._gate = LazyGate(self.gate_dir, self.log_dir, self.approval_store)  # comes up off the run's critical path
         return self._gate
 
+    def mcp_shim(self) -> str:
+        """agentvm-mcp (the tool gateway as a stdio server) in agent-vm's libexec, executable,
+        as shipped: refreshed when the package's copy changes."""
+        src = Path(__file__).parent / "native" / "agentvm-mcp.py"
+        dst = self.paths.libexec / "agentvm-mcp"
+        data = src.read_bytes()
+        try:
+            if dst.read_bytes() == data and dst.stat().st_mode & 0o777 == 0o755:
+                return str(dst)
+        except OSError:
+            pass
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        tmp = dst.with_name(f".agentvm-mcp.{os.getpid()}")
+        tmp.write_bytes(data)
+        os.chmod(tmp, 0o755)
+        os.replace(tmp, dst)
+        return str(dst)
+
     def approval_store(self):
         """The approvals queue for held actions of this process's sandboxes (opened on first use)."""
         from agentvm.approvals import open_store
@@ -357,7 +375,8 @@ class Runtime:
                 ca_pem = self.gate_ca_pem() if gate is not None else b""
                 host = HostContext(uid=uid, gid=gid, dedicated=drop, run_dir=run_dir,
                                    etc_view=str(etc_view(self.paths.runtime, ca_pem)),
-                                   node_shim=_node_shim() if gate is not None else "")
+                                   node_shim=_node_shim() if gate is not None else "",
+                                   mcp_shim=self.mcp_shim() if gate is not None and policy.tools is not None else "")
             ctx = LaunchContext(
                 sandbox_id=sandbox_id,
                 workspace=ws_host,
@@ -391,7 +410,8 @@ class Runtime:
             ca_pem = self.gate_ca_pem() if gate is not None else b""
             host = HostContext(uid=-1, gid=-1, dedicated=os.geteuid() == 0 and "dedicated-uid" not in degrade,
                                run_dir=run_dir, etc_view=str(etc_view(self.paths.runtime, ca_pem)),
-                               node_shim=_node_shim() if gate is not None else "")
+                               node_shim=_node_shim() if gate is not None else "",
+                               mcp_shim=self.mcp_shim() if gate is not None and policy.tools is not None else "")
         ctx = LaunchContext(
             sandbox_id=sandbox_id,
             workspace=str(self.paths.runtime / "ws" / policy.name) if policy.workspace and policy.agent else None,

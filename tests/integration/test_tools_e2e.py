@@ -118,9 +118,10 @@ def write_agent(env, name: str, *, spec_extra: str = "", timeout: str = "20s") -
     return p
 
 
-def run_client(env, agent: Path, ops: list, mode: str = "auto", timeout: float = 150, background: bool = False):
+def run_client(env, agent: Path, ops: list, mode: str = "auto", timeout: float = 150, background: bool = False,
+               via: str = "http"):
     argv = agentvm_cmd() + ["run", "-f", str(agent), "--json", "--", "python3", "/work/tools_client.py",
-                            json.dumps(ops), mode]
+                            json.dumps(ops), mode, via]
     if background:
         return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     r = subprocess.run(argv, capture_output=True, timeout=timeout)
@@ -148,11 +149,11 @@ def wait_pending(sandbox_prefix: str, timeout: float = 60) -> dict:
     raise AssertionError(f"no pending approval for {sandbox_prefix}")
 
 
-@pytest.mark.parametrize("mode", ["auto", "legacy"])
-def test_only_allowed_tools_are_listed_and_a_hidden_one_is_denied(env, mode):
-    agent = write_agent(env, f"tl-{mode}")
+@pytest.mark.parametrize("mode, via", [("auto", "http"), ("legacy", "http"), ("auto", "stdio"), ("legacy", "stdio")])
+def test_only_allowed_tools_are_listed_and_a_hidden_one_is_denied(env, mode, via):
+    agent = write_agent(env, f"tl-{mode}-{via}")
     r = run_client(env, agent, [["list"], ["call", "t__echo", {"text": "hi there"}], ["call", "t__secret_tool", {}],
-                                ["call", "secret_tool", {}], ["call", "nope__echo", {"text": "x"}]], mode)
+                                ["call", "secret_tool", {}], ["call", "nope__echo", {"text": "x"}]], mode, via=via)
     assert r.returncode == 0, r.stderr.decode()[-3000:]
     proto, listed, echo, hidden, bare, unknown = outputs(r.stdout)
     assert proto["protocol"] == ("2026-07-28" if mode == "auto" else "2025-11-25")

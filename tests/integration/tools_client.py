@@ -1,7 +1,8 @@
 """The agent's side: the official mcp SDK client inside the sandbox, against the tool gateway
 at $AGENTVM_MCP_URL. argv[1]: JSON list of operations; argv[2]: the client's connect mode
 ("auto": the 2026-07-28 revision when the server speaks it; "legacy": the initialize handshake
-of the revisions clients speak today). One JSON line per operation."""
+of the revisions clients speak today); argv[3] "stdio": through the agentvm-mcp shim (a
+command on PATH) instead of HTTP. One JSON line per operation."""
 
 import asyncio
 import json
@@ -15,7 +16,12 @@ from mcp import Client  # noqa: E402
 async def main() -> None:
     ops = json.loads(sys.argv[1])
     mode = sys.argv[2] if len(sys.argv) > 2 else "auto"
-    async with Client(os.environ["AGENTVM_MCP_URL"], mode=mode) as c:
+    target = os.environ["AGENTVM_MCP_URL"]
+    if len(sys.argv) > 3 and sys.argv[3] == "stdio":
+        from mcp.client.stdio import StdioServerParameters
+
+        target = StdioServerParameters(command="agentvm-mcp", env=dict(os.environ))
+    async with Client(target, mode=mode) as c:
         print(json.dumps({"protocol": c.protocol_version}), flush=True)
         for op in ops:
             try:

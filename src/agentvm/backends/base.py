@@ -102,6 +102,7 @@ class HostContext:
     run_dir: str  # per-sandbox runtime dir (per-sandbox /etc/hosts, /etc/hostname, the gate socket)
     etc_view: str  # host dir with the allowlisted, read-only /etc (agentvm.rootview)
     node_shim: str = ""  # host dir with proxy.js + undici (Node fetch through the gate), "" = none
+    mcp_shim: str = ""  # host file of the agentvm-mcp stdio shim (sandboxes with tools), "" = none
 
 
 @dataclass(frozen=True)

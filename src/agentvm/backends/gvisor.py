@@ -337,6 +337,8 @@ class GvisorBackend(hv.ChildProcessSandbox, Backend):
             mounts.append(MountOp("ro-bind", hv.GATE_IN_SANDBOX, ctx.gate.address))
             if host.node_shim:
                 mounts.append(MountOp("ro-bind", hv.NODE_SHIM_IN_SANDBOX, host.node_shim))
+            if host.mcp_shim and policy.tools is not None:
+                mounts.append(MountOp("ro-bind", hv.MCP_SHIM_IN_SANDBOX, host.mcp_shim))
 
         env = hv.sandbox_env(policy, ctx)
         command = list(policy.command) or ["/bin/sh"]

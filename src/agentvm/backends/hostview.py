@@ -24,6 +24,8 @@ GATE_IN_SANDBOX = "/.agentvm/gate.sock"
 CA_BUNDLE = "/etc/ssl/certs/ca-certificates.crt"  # system CAs + the gate's CA (see etc_view)
 GATE_CA_FILE = "/etc/ssl/certs/agentvm-gate-ca.pem"
 NODE_SHIM_IN_SANDBOX = "/.agentvm/node"
+MCP_SHIM_DIR_IN_SANDBOX = "/.agentvm/bin"
+MCP_SHIM_IN_SANDBOX = MCP_SHIM_DIR_IN_SANDBOX + "/agentvm-mcp"
 # /etc entries visible in the sandbox (read-only, if they exist). Everything else of the
 # host's /etc - shadow, sudoers, ssh keys, machine-id, pip/npm configs with tokens - is absent.
 ETC_ALLOW = (
@@ -132,6 +134,8 @@ def sandbox_env(policy: Policy, ctx: LaunchContext, *, term: str | None = None) 
         if policy.tools is not None:
             # the tool gateway: the same port, path /mcp (streamable HTTP); NO_PROXY covers it
             env["AGENTVM_MCP_URL"] = f"{proxy}/mcp"
+            if ctx.host is not None and ctx.host.mcp_shim:
+                env["PATH"] = f"{BASE_PATH}:{MCP_SHIM_DIR_IN_SANDBOX}"  # agentvm-mcp, the stdio shim
         if ctx.host is not None and ctx.host.node_shim:
             env["NODE_OPTIONS"] = f"--require {NODE_SHIM_IN_SANDBOX}/proxy.js"
     spec_env = dict(policy.env)

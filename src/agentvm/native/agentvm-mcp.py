@@ -1,0 +1,153 @@
+#!/usr/bin/python3
+"""agentvm-mcp: the sandbox's tool gateway as a stdio MCP server, for clients that only launch
+commands (``"command": "agentvm-mcp"`` in a client's MCP configuration).
+
+It is a pipe, nothing more: each JSON-RPC message read from stdin is POSTed to the gateway at
+$AGENTVM_MCP_URL (streamable HTTP on the sandbox's loopback, the same port as the egress
+gate), and every message of the answer (JSON, or server-sent events) is written to stdout,
+one per line. The gateway decides everything; if it cannot be reached, each request gets a
+JSON-RPC error that says so (fail closed, and visible). Standard library only: it runs under
+the sandbox's own python3.
+"""
+
+import base64
+import json
+import os
+import re
+import sys
+import threading
+import urllib.error
+import urllib.request
+
+URL = os.environ.get("AGENTVM_MCP_URL", "")
+VERSION_META = "io.modelcontextprotocol/protocolVersion"
+TIMEOUT = float(os.environ.get("AGENTVM_MCP_TIMEOUT", "3600"))  # held calls wait for a human
+_out = threading.Lock()
+_state = {"version": None}
+MODERN = ("2026-07-28",)  # revisions with the per-request envelope: routing headers mirror the body
+NAMED = {"tools/call": "name", "prompts/get": "name", "resources/read": "uri"}
+_SAFE = re.compile(r"[\x20-\x7e]*")
+
+
+def header_value(value: str) -> str:
+    """As the 2026-07-28 transport wants it: printable ASCII verbatim, anything else base64-wrapped."""
+    if _SAFE.fullmatch(value) and value == value.strip() and not (value.startswith("=?base64?") and value.endswith("?=")):
+        return value
+    return "=?base64?" + base64.b64encode(value.encode("utf-8")).decode("ascii") + "?="
+# straight to the gateway: never through a proxy (the gateway is the proxy's own port)
+_opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+def emit(msg) -> None:
+    line = json.dumps(msg, separators=(",", ":"))
+    with _out:
+        sys.stdout.write(line + "\n")
+        sys.stdout.flush()
+
+
+def fail(msg, reason: str) -> None:
+    if isinstance(msg, dict) and "id" in msg and "method" in msg:
+        emit({"jsonrpc": "2.0", "id": msg["id"], "error": {"code": -32000, "message": f"agentvm-mcp: {reason}"}})
+    else:
+        sys.stderr.write(f"agentvm-mcp: {reason}\n")
+
+
+def version_of(msg):
+    params = msg.get("params") if isinstance(msg, dict) else None
+    meta = params.get("_meta") if isinstance(params, dict) else None
+    v = meta.get(VERSION_META) if isinstance(meta, dict) else None
+    return v if isinstance(v, str) else _state["version"]
+
+
+def learn(msg, answer) -> None:
+    if isinstance(msg, dict) and msg.get("method") == "initialize" and isinstance(answer, dict):
+        v = (answer.get("result") or {}).get("protocolVersion")
+        if isinstance(v, str):
+            _state["version"] = v
+
+
+def send(raw: bytes) -> None:
+    try:
+        msg = json.loads(raw)
+    except ValueError:
+        emit({"jsonrpc": "2.0", "id": None, "error": {"code": -32700, "message": "agentvm-mcp: not JSON"}})
+        return
+    headers = {"Content-Type": "application/json", "Accept": "application/json, text/event-stream"}
+    v = version_of(msg)
+    if v and not (isinstance(msg, dict) and msg.get("method") == "initialize"):
+        headers["MCP-Protocol-Version"] = v
+    if v in MODERN and isinstance(msg, dict) and isinstance(msg.get("method"), str):
+        headers["Mcp-Method"] = msg["method"]
+        key = NAMED.get(msg["method"])
+        params = msg.get("params")
+        if key and isinstance(params, dict) and isinstance(params.get(key), str):
+            headers["Mcp-Name"] = header_value(params[key])
+    req = urllib.request.Request(URL, data=raw, headers=headers, method="POST")
+    try:
+        resp = _opener.open(req, timeout=TIMEOUT)
+    except urllib.error.HTTPError as exc:
+        resp = exc  # a JSON-RPC error body comes with 4xx/5xx: pass it on
+    except OSError as exc:
+        fail(msg, f"the tool gateway at {URL} cannot be reached ({exc}): no tools")
+        return
+    with resp:
+        ctype = (resp.headers.get("Content-Type") or "").split(";")[0].strip()
+        if ctype == "text/event-stream":
+            data = []
+            for line in resp:
+                line = line.decode("utf-8", "replace").rstrip("\r\n")
+                if line.startswith("data:"):
+                    data.append(line[5:].lstrip())
+                elif not line and data:
+                    _forward(msg, "\n".join(data))
+                    data = []
+            if data:
+                _forward(msg, "\n".join(data))
+            return
+        body = resp.read()
+        if body.strip():
+            if ctype == "application/json":
+                _forward(msg, body.decode("utf-8", "replace"))
+            else:
+                fail(msg, f"the gateway answered HTTP {getattr(resp, 'status', '?')} without JSON")
+        elif getattr(resp, "status", 200) >= 400:
+            fail(msg, f"the gateway answered HTTP {resp.status}")
+
+
+def _forward(msg, text: str) -> None:
+    try:
+        answer = json.loads(text)
+    except ValueError:
+        fail(msg, "the gateway's answer is not JSON")
+        return
+    for one in answer if isinstance(answer, list) else [answer]:
+        learn(msg, one)
+        emit(one)
+
+
+def main() -> int:
+    if not URL:
+        sys.stderr.write("agentvm-mcp: AGENTVM_MCP_URL is not set: this sandbox declares no tools (spec.tools)\n")
+        return 78
+    threads = []
+    for raw in sys.stdin.buffer:
+        if not raw.strip():
+            continue
+        try:
+            first = json.loads(raw)
+        except ValueError:
+            first = None
+        if isinstance(first, dict) and first.get("method") == "initialize":
+            send(raw)  # the handshake first, alone: later requests carry its version
+            continue
+        t = threading.Thread(target=send, args=(raw,), daemon=True)
+        t.start()
+        threads.append(t)
+        threads = [x for x in threads if x.is_alive()]
+    for t in threads:
+        t.join()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
