@@ -3,7 +3,7 @@
 A held action is a tool call whose tool is in ``tools[].approve`` (or whose risk class the
 agent's tier always puts before a human), or an egress request that matched an allow rule
 with ``action: ask``. Whoever holds it (the tool gateway, the egress gate - in the daemon or
-in an embedded ``agentvm run``) puts a row into ``approvals.db`` and waits; a human answers
+in an embedded ``agentvm run``) puts a row into ``<home>/approvals/approvals.db`` and waits; a human answers
 with ``agentvm approvals approve|deny ID`` (or the SDK), which only moves a *pending* row to
 *approved* or *denied* - atomically, so two answers cannot both win. Nothing is ever allowed
 without that row saying ``approved``:
@@ -223,9 +223,17 @@ class ApprovalStore:
         return out
 
 
+def store_path(paths) -> Path:
+    """``<home>/approvals/approvals.db`` (a folder of its own: SQLite's -wal and -shm files go
+    beside it; 0700, root's)."""
+    return paths.home / "approvals" / "approvals.db"
+
+
 def open_store(paths, record: Callable | None = None) -> ApprovalStore:
     try:
-        return ApprovalStore(paths.home / "approvals.db", record)
+        d = store_path(paths).parent
+        d.mkdir(mode=0o700, parents=True, exist_ok=True)
+        return ApprovalStore(store_path(paths), record)
     except AgentVMError:
         raise
     except Exception as exc:  # noqa: BLE001

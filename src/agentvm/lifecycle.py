@@ -172,7 +172,8 @@ class Lifecycle:
 
         s.endpoint = self.gate.open(s.sandbox_id, s.policy.name, s.policy.egress, s.res.gate,
                                     s.res.host_uid if s.res.host_uid else None, s.res.creds,
-                                    extras=EndpointExtras.of(s.policy, run_dir, s.plan.policy_digest))
+                                    extras=EndpointExtras.of(s.policy, run_dir, s.plan.policy_digest,
+                                                             self.runtime.paths))
 
     def launch(self, s: Session, stdio=None) -> None:
         s.handle = s.backend.launch(s.plan, stdio=stdio)

@@ -43,6 +43,7 @@ CATEGORIES = (
     "persistence",
     "isolation",
     "control-plane",
+    "tools",
 )
 
 WEAKENINGS = {
@@ -61,10 +62,12 @@ WEAKENINGS = {
     "writable-audit": "the audit and decision logs are granted read-write into the sandbox",
     "raw-scrub": "the gate scrubs responses of raw credential values only (no decoding, no encoded forms)",
     "weak-bridge": "the egress bridge inside the sandbox stays dumpable and runs without the seccomp filter",
+    "permissive-tools": "the tool gateway allows every tool of the test server, with no argument constraints",
+    "writable-approvals": "the approvals queue's folder is granted read-write into the sandbox",
 }
 
 # weakenings of the policy or the gate (not of a substrate's plan): they apply on every substrate
-POLICY_WEAKENINGS = frozenset({"grant-canaries", "cred-in-env", "permissive-gate", "raw-scrub"})
+POLICY_WEAKENINGS = frozenset({"grant-canaries", "cred-in-env", "permissive-gate", "raw-scrub", "permissive-tools"})
 
 SINK_NAME = "canary.selftest"
 CANARY_HOST = "canary-exfil.selftest"
@@ -291,6 +294,19 @@ class Env:
                         return creds, env, files
 
                 cls = RawScrubRuntime
+            if "writable-approvals" in self.weakens:
+                base = cls
+
+                class OpenQueueRuntime(base):
+                    def approval_store(self):
+                        from agentvm.approvals import store_path
+
+                        store = super().approval_store()  # opening tightens the file: loosen it again
+                        for f in store_path(self.paths).parent.iterdir():
+                            os.chmod(f, 0o666)
+                        return store
+
+                cls = OpenQueueRuntime
             if self.substrate == "bwrap":
                 backend = WeakenedBackend(self.paths, self.weaken, self)
             else:
@@ -331,6 +347,9 @@ class Env:
         disk: int = 32 * 1024**2,
         allow: tuple[str, ...] = (),
         allow_ptrace: bool = False,
+        tools=None,
+        ask: tuple = (),
+        approval_timeout: float = 300.0,
     ):
         """A policy for one attack: egress allowed only to ``allowed.selftest`` (the sink is
         *not* allowed), two credentials bound to ``api.selftest``/``api.github.com``."""
@@ -348,6 +367,8 @@ class Env:
                 extra_allow += [f"{SINK_NAME}:{self.sink.port}", f"{CANARY_HOST}:{self.sink.port}", f"*.selftest:{self.sink.port}",
                                 f"127.0.0.1:{self.sink.port}"]
             eg = _with_default_denies(compile_egress(None, extra_allow=extra_allow, extra_hosts=hosts))
+            if ask:  # allow rules with action: ask, after the others (as an operator would append them)
+                eg = replace(eg, allow=eg.allow + tuple(ask))
             if credentials:
                 from types import SimpleNamespace as NS
 
@@ -382,6 +403,8 @@ class Env:
             egress=eg,
             credentials=creds,
             allow_ptrace=allow_ptrace,
+            tools=tools,
+            approval_timeout=approval_timeout,
         )
 
     # -- running ----------------------------------------------------------------------------

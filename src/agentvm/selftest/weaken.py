@@ -66,6 +66,22 @@ class WeakenedBackend(BwrapBackend):
                 while start >= 2 and bw[start - 2] in ("--size", "--perms"):
                     start -= 2
                 bw[start : i + 2] = ["--bind", str(shared / sub), dest]
+        if "writable-approvals" in ws:
+            from agentvm.approvals import open_store, store_path
+
+            open_store(self.paths).close()  # the queue exists before the sandbox does
+            import sqlite3
+
+            # no -wal/-shm files (created later by the holder, 0600): the agent's uid can write it
+            c = sqlite3.connect(str(store_path(self.paths)))
+            c.execute("PRAGMA journal_mode=DELETE")
+            c.close()
+            qdir = store_path(self.paths).parent
+            os.chmod(qdir, 0o777)
+            for f in qdir.iterdir():
+                os.chmod(f, 0o666)
+            i = bw.index("--remount-ro")
+            bw[i:i] = ["--bind", str(qdir), "/mnt/approvals"]
         if "writable-audit" in ws:
             logs = self.paths.home / "logs"
             logs.mkdir(parents=True, exist_ok=True)
@@ -111,6 +127,9 @@ class WeakenedBackend(BwrapBackend):
             # the agent's Landlock view must include them, or the bind is useless
             i = argv.index("--", argv.index("/.agentvm/init"))
             argv[i:i] = ["--rw", "/mnt/logs", "--rw", "/mnt/audit"]
+        if "writable-approvals" in ws:
+            i = argv.index("--", argv.index("/.agentvm/init"))
+            argv[i:i] = ["--rw", "/mnt/approvals"]
         body = dataclasses.replace(body, bwrap_args=tuple(bw), argv=tuple(argv), mounts=tuple(mounts),
                                    host_uid=host_uid, host_gid=host_gid)
         return dataclasses.replace(plan, body=body, identity=f"host uid {host_uid}")

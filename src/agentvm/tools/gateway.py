@@ -103,10 +103,12 @@ class Upstream:
         spec_file = self.gw.run_dir / f"tool-{self.sp.name}.json"
         spec_file.write_text(self.sp.sandbox_spec)
         os.chmod(spec_file, 0o600)
-        env = {"AGENTVM_NO_DAEMON": "1"}
-        for k in ("AGENTVM_HOME", "AGENTVM_PRESET_PATH", "PATH"):
-            if k in os.environ:
-                env[k] = os.environ[k]
+        # agent-vm's own settings (home, uid range...) pass on, the daemon's address does not: the
+        # server's sandbox runs embedded, in this installation
+        env = {k: v for k, v in os.environ.items()
+               if (k.startswith("AGENTVM_") and not k.startswith("AGENTVM_DAEMON")) or k in ("PATH", "LANG")}
+        env.update(self.gw.env)
+        env["AGENTVM_NO_DAEMON"] = "1"
         params = StdioServerParameters(command=sys.executable, args=["-m", "agentvm", "run", "--no-tty", "-f",
                                                                      str(spec_file)], env=env)
         errlog = open(self.gw.run_dir / f"tool-{self.sp.name}.log", "a", buffering=1)  # noqa: SIM115 - closed by _hold
@@ -173,12 +175,13 @@ class Upstream:
 
 class ToolGateway:
     def __init__(self, *, sandbox_id: str, agent: str, policy: tp.ToolPolicy, policy_digest: str, run_dir: Path,
-                 log: Callable[..., None], approvals=None) -> None:
+                 log: Callable[..., None], approvals=None, env: dict | None = None) -> None:
         self.sandbox_id, self.agent = sandbox_id, agent
         self.policy, self.policy_digest = policy, policy_digest
         self.run_dir = Path(run_dir)
         self.log = log
         self.approvals = approvals
+        self.env = dict(env or {})
         self.upstreams = {sp.name: Upstream(self, sp) for sp in policy.servers}
         self.server = Server(
             "agentvm-tool-gateway",

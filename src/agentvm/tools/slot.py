@@ -19,16 +19,20 @@ class EndpointExtras:
     approval_timeout: float
     policy_digest: str
     run_dir: Path
+    env: tuple = ()  # where agent-vm lives (AGENTVM_HOME...): a local tool server's `agentvm run` uses the same
 
     @classmethod
-    def of(cls, policy, run_dir: Path, digest: str) -> "EndpointExtras":
-        return cls(policy.tools, policy.approval_timeout, digest, Path(run_dir))
+    def of(cls, policy, run_dir: Path, digest: str, paths=None) -> "EndpointExtras":
+        env = ()
+        if paths is not None:
+            env = (("AGENTVM_HOME", str(paths.home)), ("AGENTVM_RUNTIME_DIR", str(paths.runtime)))
+        return cls(policy.tools, policy.approval_timeout, digest, Path(run_dir), env)
 
     def attach(self, ep) -> None:
         ep.approval_timeout = self.approval_timeout
         ep.policy_digest = self.policy_digest
         if self.tools is not None and self.tools.servers:
-            ep.tools = ToolsSlot(ep, self.tools, self.policy_digest, self.run_dir)
+            ep.tools = ToolsSlot(ep, self.tools, self.policy_digest, self.run_dir, dict(self.env))
 
 
 def _import_gateway():
@@ -38,8 +42,9 @@ def _import_gateway():
 class ToolsSlot:
     """The endpoint's tool gateway, built when first asked for."""
 
-    def __init__(self, ep, policy, digest: str, run_dir: Path) -> None:
+    def __init__(self, ep, policy, digest: str, run_dir: Path, env: dict | None = None) -> None:
         self.ep, self.policy, self.digest, self.run_dir = ep, policy, digest, run_dir
+        self.env = env or {}
         self._gw = None
         self._lock = asyncio.Lock()
         self._closed = False
@@ -54,7 +59,7 @@ class ToolsSlot:
                 ep = self.ep
                 self._gw = mod.ToolGateway(sandbox_id=ep.sandbox_id, agent=ep.agent, policy=self.policy,
                                            policy_digest=self.digest, run_dir=self.run_dir, log=ep.log,
-                                           approvals=ep.gate.approval_store())
+                                           approvals=ep.gate.approval_store(), env=self.env)
             return self._gw
 
     def set_policy(self, policy, digest: str) -> None:
