@@ -80,7 +80,7 @@ async def serve_one(ep, stream, body: RequestBody, req: h1.ProxyRequest) -> tupl
             if not has_len:
                 state["chunked"] = True
                 lines.append(b"transfer-encoding: chunked")
-            await stream.write(b"\r\n".join(lines) + b"\r\n\r\n")
+            state["head"] = b"\r\n".join(lines) + b"\r\n\r\n"  # sent with the first piece of body: one write
         elif kind == "http.response.body":
             if not state["started"] or state["done"]:
                 raise RuntimeError("body outside a response")
@@ -90,10 +90,11 @@ async def serve_one(ep, stream, body: RequestBody, req: h1.ProxyRequest) -> tupl
                 out = (b"%x\r\n" % len(piece) + piece + b"\r\n") if piece else b""
                 if not more:
                     out += b"0\r\n\r\n"
-                if out:
-                    await stream.write(out)
-            elif piece:
-                await stream.write(piece)
+            else:
+                out = piece
+            head, state["head"] = state.get("head", b""), b""
+            if head or out:
+                await stream.write(head + out)
             if not more:
                 state["done"] = True
 

@@ -29,6 +29,7 @@
 #include <string.h>
 #include <arpa/inet.h>
 #include <netinet/in.h>
+#include <netinet/tcp.h>
 #include <poll.h>
 #include <signal.h>
 #include <sys/ioctl.h>
@@ -606,6 +607,10 @@ static void bridge_loop(int ls, const char *gate_path) {
                     close(cfd); /* gate down or too many connections: no route */
                     if (gfd >= 0) close(gfd);
                 } else {
+                    /* a relay must not add Nagle's wait: what the gate wrote as two pieces (a
+                     * response head, then its body) would otherwise sit out a delayed ACK */
+                    int nd = 1;
+                    setsockopt(cfd, IPPROTO_TCP, TCP_NODELAY, &nd, sizeof nd);
                     fcntl(gfd, F_SETFL, fcntl(gfd, F_GETFL) | O_NONBLOCK);
                     memset(&conns[slot], 0, sizeof conns[slot]);
                     conns[slot].fd[0] = cfd;
