@@ -27,6 +27,7 @@ import hashlib
 import json
 import os
 import secrets
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,12 +53,14 @@ CREATE TABLE approvals (
     by TEXT,
     note TEXT,
     owner_pid INTEGER NOT NULL,
-    owner_start TEXT NOT NULL
+    owner_start TEXT NOT NULL,
+    notified TEXT                -- the webhook's delivery: "delivered 200", "failed: ...", NULL (none)
 );
 CREATE INDEX approvals_state ON approvals(state, created);
 """
 
 POLL = 0.05  # how often a holder looks for the answer (seconds)
+WEBHOOK_TIMEOUT = 5.0
 PREVIEW_CHARS = 200
 STATES = ("pending", "approved", "denied", "expired")
 
@@ -83,6 +86,7 @@ class Request:
     answered: float | None
     by: str | None
     note: str | None
+    notified: str | None = None
 
     def to_dict(self) -> dict:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -94,10 +98,12 @@ class Request:
 
 def _row(r) -> Request:
     return Request(id=r[0], created=r[1], kind=r[2], sandbox=r[3], agent=r[4], target=r[5], summary=json.loads(r[6]),
-                   digest=r[7], policy=r[8], state=r[9], deadline=r[10], answered=r[11], by=r[12], note=r[13])
+                   digest=r[7], policy=r[8], state=r[9], deadline=r[10], answered=r[11], by=r[12], note=r[13],
+                   notified=r[14] if len(r) > 14 else None)
 
 
 _COLS = "id, created, kind, sandbox, agent, target, summary, digest, policy, state, deadline, answered, by, note"
+_ALL = _COLS + ", notified"
 
 
 def _proc_start(pid: int) -> str:
@@ -135,8 +141,12 @@ class ApprovalStore:
     def __init__(self, path: Path, record: Callable | None = None) -> None:
         self.path = Path(path)
         self._db = statedb.connect(self.path, "approvals", SCHEMA)
+        cols = {r[1] for r in self._db.execute("PRAGMA table_info(approvals)")}
+        if "notified" not in cols:  # a queue made before webhooks
+            self._db.execute("ALTER TABLE approvals ADD COLUMN notified TEXT")
         self._record = record
         self._me = (os.getpid(), _proc_start(os.getpid()))
+        self.notified: list = []  # (id, outcome) of webhook deliveries by this process
         self.reap_orphans()
 
     def close(self) -> None:
@@ -148,7 +158,7 @@ class ApprovalStore:
 
     # ------------------------------------------------------------------ holder side
     def submit(self, *, kind: str, sandbox: str, agent: str, target: str, summary: dict, arg_digest: str,
-               policy: str, timeout: float) -> Request:
+               policy: str, timeout: float, webhook: str | None = None) -> Request:
         now = time.time()
         rid = "apr-" + secrets.token_hex(6)
         row = (rid, now, kind, sandbox, agent, target[:512], json.dumps(summary, sort_keys=True, ensure_ascii=True),
@@ -159,7 +169,45 @@ class ApprovalStore:
                     policy=policy, timeout=timeout)
         self._db.execute(f"INSERT INTO approvals ({_COLS}, owner_pid, owner_start) VALUES "
                          "(?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)", row)
-        return self.get(rid)
+        req = self.get(rid)
+        if webhook:
+            threading.Thread(target=self._notify, args=(webhook, req), name=f"approvals-webhook-{rid}",
+                             daemon=True).start()
+        return req
+
+    def _notify(self, url: str, req: Request) -> None:
+        """POST the pending request (no argument values beyond its redacted preview) to the
+        operator's webhook; the outcome is kept on the row (``agentvm approvals show``). The
+        answer comes back through ``agentvm approvals`` or the daemon's API, never the webhook."""
+        import urllib.error
+        import urllib.request
+
+        doc = {"id": req.id, "kind": req.kind, "sandbox": req.sandbox, "agent": req.agent, "target": req.target,
+               "summary": req.summary, "digest": req.digest, "policy": req.policy, "created": req.created,
+               "deadline": req.deadline,
+               "answer": {"cli": f"agentvm approvals approve|deny {req.id}",
+                          "api": f"POST /v1/approvals/{req.id}/approve | /deny"}}
+        body = json.dumps(doc, sort_keys=True).encode()
+        try:
+            opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+            with opener.open(urllib.request.Request(url, data=body, method="POST", headers={
+                    "Content-Type": "application/json", "User-Agent": "agentvm-approvals"}), timeout=WEBHOOK_TIMEOUT) as r:
+                outcome = f"delivered {r.status}"
+        except urllib.error.HTTPError as exc:
+            outcome = f"failed: HTTP {exc.code}"
+        except Exception as exc:  # noqa: BLE001 - the request still waits; the failure is shown
+            outcome = f"failed: {type(exc).__name__}"
+        try:  # a connection of this thread's own
+            import sqlite3
+
+            db = sqlite3.connect(str(self.path), timeout=10.0, isolation_level=None)
+            try:
+                db.execute("UPDATE approvals SET notified=? WHERE id=?", (outcome, req.id))
+            finally:
+                db.close()
+        except Exception:  # noqa: BLE001
+            pass
+        self.notified.append((req.id, outcome))
 
     async def wait(self, rid: str) -> Request:
         """Until the row is answered or its deadline passes (then: ``expired``)."""
@@ -195,7 +243,7 @@ class ApprovalStore:
 
     # ------------------------------------------------------------------ human side
     def get(self, rid: str) -> Request:
-        r = self._db.execute(f"SELECT {_COLS} FROM approvals WHERE id=?", (rid,)).fetchone()
+        r = self._db.execute(f"SELECT {_ALL} FROM approvals WHERE id=?", (rid,)).fetchone()
         if r is None:
             raise ApprovalError(f"no approval request {rid!r}", hint="`agentvm approvals list` shows the pending ones")
         return _row(r)
@@ -203,7 +251,7 @@ class ApprovalStore:
     def list(self, states: tuple[str, ...] = ("pending",), limit: int = 200) -> list[Request]:
         self.reap_orphans()
         q = ",".join("?" * len(states))
-        rows = self._db.execute(f"SELECT {_COLS} FROM approvals WHERE state IN ({q}) ORDER BY created DESC LIMIT ?",
+        rows = self._db.execute(f"SELECT {_ALL} FROM approvals WHERE state IN ({q}) ORDER BY created DESC LIMIT ?",
                                 (*states, limit)).fetchall()
         return [_row(r) for r in rows]
 

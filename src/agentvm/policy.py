@@ -96,6 +96,7 @@ class Policy:
     tools: "ToolPolicy | None" = None
     # How long a held action (a tool call or an egress request that needs a human) waits.
     approval_timeout: float = 300.0
+    approval_webhook: str | None = None  # POSTed each pending request (approvals.webhook)
     # Declared but not yet enforceable sections: a run that needs them is refused.
     pending_features: tuple[str, ...] = ()
     version: int = POLICY_VERSION
@@ -258,6 +259,7 @@ def compile_policy(spec: "AgentSpec") -> Policy:
         credentials=credentials,
         tools=tools,
         approval_timeout=body.approvals.timeout,
+        approval_webhook=body.approvals.webhook,
         pending_features=tuple(pending),
     )
 

@@ -46,7 +46,9 @@ def _policy(ca_pem: Path, port: int):
     spec = SimpleNamespace(
         allow=[rule("h2.test", ["/v1/**", "/trailers/**", "/big"], "h2-api"),
                SimpleNamespace(host="h2.test", ports=[port], methods=["POST"], paths=["/upload"], max_body=100,
-                               websocket=False, id="h2-upload")],
+                               websocket=False, id="h2-upload"),
+               SimpleNamespace(host="h2.test", ports=[port], methods=["POST"], paths=["/charge"], max_body=None,
+                               websocket=False, id="h2-ask", action="ask")],
         deny=[], hosts={"h2.test": "127.0.0.1"}, upstream_ca=str(ca_pem), limits=None)
     return compile_egress(spec)
 
@@ -230,6 +232,24 @@ def test_authority_must_be_the_tunnel_host_and_max_body_is_enforced(tmp_path, ca
     assert fronted["status"] == 403 and fronted["headers"]["x-agentvm-denied"] == "host-mismatch"
     assert not any(r["path"] == "/upload" and len(r["body"]) > 100 for r in seen)
     assert any(r["rule"] == "h2-upload:max-body" for r in recs)
+
+
+def test_a_request_that_needs_an_approval_is_refused_on_http2_and_never_forwarded(tmp_path, ca, upstream):
+    async def go():
+        gate, ep, sock = await _gate(tmp_path, ca, upstream.port)
+        c = await H2Client.open(sock, "h2.test", upstream.port, _gate_ca(tmp_path))
+        n_before = len(upstream.seen)
+        res = await c.requests([("POST", "/charge", {}, b"amount=1"), ("GET", "/v1/x", {}, b"")],
+                               authority=f"h2.test:{upstream.port}")
+        c.close()
+        await gate.close_endpoint("sbx-h2")
+        return res, upstream.seen[n_before:], _records(ep)
+
+    (held, ok), seen, recs = run(go())
+    assert held["status"] == 403 and held["headers"]["x-agentvm-denied"] == "approval:h2-unsupported"
+    assert ok["status"] == 200  # the connection's other streams go on
+    assert not any(r["path"] == "/charge" for r in seen)
+    assert any(r["rule"] == "approval:h2-unsupported" for r in recs)
 
 
 def test_a_placeholder_is_swapped_in_a_header_and_an_echo_is_scrubbed(tmp_path, ca, upstream):

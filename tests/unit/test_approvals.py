@@ -96,3 +96,52 @@ def test_a_request_that_cannot_be_recorded_is_not_queued(tmp_path):
 def test_the_database_is_not_world_readable(tmp_path):
     store(tmp_path)
     assert os.stat(tmp_path / "approvals.db").st_mode & 0o077 == 0  # previews of arguments: not for others
+
+
+def test_the_webhook_gets_the_pending_request_and_its_outcome_is_kept(tmp_path):
+    import http.server
+    import json
+    import threading
+
+    got = []
+
+    class H(http.server.BaseHTTPRequestHandler):
+        def log_message(self, *a):
+            pass
+
+        def do_POST(self):
+            got.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+            self.send_response(204)
+            self.end_headers()
+
+    srv = http.server.HTTPServer(("127.0.0.1", 0), H)
+    threading.Thread(target=srv.handle_request, daemon=True).start()
+    s = store(tmp_path)
+    r = submit(s, webhook=f"http://127.0.0.1:{srv.server_address[1]}/hook")
+    end = time.time() + 10
+    while not s.notified and time.time() < end:
+        time.sleep(0.05)
+    assert s.notified == [(r.id, "delivered 204")]
+    assert got[0]["id"] == r.id and got[0]["summary"]["preview"] == '{"title": "x"}'
+    assert "approve" in got[0]["answer"]["cli"]
+    assert s.get(r.id).notified == "delivered 204" and s.get(r.id).state == "pending"  # a webhook never answers
+    srv.server_close()
+    r2 = submit(s, webhook=f"http://127.0.0.1:{srv.server_address[1]}/hook")  # nobody listens now
+    end = time.time() + 10
+    while len(s.notified) < 2 and time.time() < end:
+        time.sleep(0.05)
+    assert s.get(r2.id).notified.startswith("failed: ")
+
+
+def test_what_a_sandbox_wrote_cannot_drive_the_operators_terminal(tmp_path, monkeypatch):
+    from click.testing import CliRunner
+
+    from agentvm.cli import approvals_cmd
+
+    s = store(tmp_path)
+    r = s.submit(kind="access", sandbox="sb", agent="a", target="agentvm__request_access",
+                 summary={"access": "\x1b]52;c;ZXZpbA==\x07 and \x1b[2J", "preview": "x"}, arg_digest="d", policy="p",
+                 timeout=60)
+    monkeypatch.setattr(approvals_cmd, "_store", lambda: s)
+    out = CliRunner().invoke(approvals_cmd.approvals, ["show", r.id]).output
+    assert "\x1b" not in out and "\x07" not in out and "\\x1b]52" in out

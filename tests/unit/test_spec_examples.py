@@ -44,3 +44,20 @@ def test_reference_documents_every_spec_field():
     for model in (AgentSpecBody, Limits, Security):
         for name, f in model.model_fields.items():
             assert f"| `{f.alias or name}` |" in doc, f"{model.__name__}.{f.alias or name} is not documented"
+
+
+def test_tools_agent_example():
+    from agentvm.policy import compile_policy
+    from agentvm.tools.policy import decide
+
+    la = load_agent(ROOT / "examples" / "tools-agent.yaml", preset_dirs=[])
+    assert la.presets == ["python", "github-readonly"]
+    p = compile_policy(la.spec)
+    assert [s.name for s in p.tools.servers] == ["github", "notes"]
+    assert decide("github", "get_issue", {}, p.tools).verdict == "allow"
+    assert decide("github", "create_issue", {}, p.tools).rule_id == "tools:not-allowed"
+    assert decide("github", "get_secret_scanning_alert", {}, p.tools).verdict == "deny"
+    assert decide("notes", "write_note", {"title": "x"}, p.tools).verdict == "ask"
+    assert [r.id for r in p.egress.allow if r.ask] == ["charges"]
+    gh = p.tools.server("github")
+    assert "vault:github-token" in gh.sandbox_spec and p.credentials == ()  # the token is the server's, not the agent's

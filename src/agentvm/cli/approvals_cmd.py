@@ -40,11 +40,18 @@ def _actor() -> str:
     return f"cli:{name}" + (f"(sudo:{sudo})" if sudo and sudo != name else "")
 
 
+def _safe(v) -> str:
+    """Printable ASCII only: what a sandbox wrote (a request_access text, a path) must not
+    drive the operator's terminal."""
+    s = v if isinstance(v, str) else json.dumps(v, sort_keys=True, ensure_ascii=True)
+    return "".join(c if " " <= c <= "~" else f"\\x{ord(c):02x}" if ord(c) < 256 else f"\\u{ord(c):04x}" for c in s)
+
+
 def _line(r) -> str:
     t = time.strftime("%H:%M:%S", time.localtime(r.created))
     left = max(0, int(r.deadline - time.time()))
     status = f"{r.state} ({left}s left)" if r.state == "pending" else f"{r.state} by {r.by}"
-    return f"{r.id}  {t}  {r.kind:<6} {r.agent:<16} {r.target[:60]:<60}  {status}"
+    return f"{_safe(r.id)}  {t}  {r.kind:<6} {_safe(r.agent):<16} {_safe(r.target)[:60]:<60}  {_safe(status)}"
 
 
 @click.group()
@@ -81,11 +88,13 @@ def show_cmd(request_id, as_json):
         return 0
     click.echo(_line(r))
     for k in ("sandbox", "agent", "kind", "target", "digest", "policy"):
-        click.echo(f"  {k:<8} {getattr(r, k)}")
+        click.echo(f"  {k:<8} {_safe(getattr(r, k))}")
     for k, v in sorted(r.summary.items()):
-        click.echo(f"  {k:<8} {v}")
+        click.echo(f"  {_safe(k):<8} {_safe(v)}")
     if r.note:
-        click.echo(f"  note     {r.note}")
+        click.echo(f"  note     {_safe(r.note)}")
+    if r.notified:
+        click.echo(f"  webhook  {_safe(r.notified)}")
     return 0
 
 
@@ -94,7 +103,7 @@ def _answer(request_id: str, approve: bool, note: str | None, as_json: bool) -> 
     if as_json:
         click.echo(json.dumps(r.to_dict(), sort_keys=True))
     else:
-        click.echo(f"{r.id}: {r.state} ({r.kind} {r.target[:80]})")
+        click.echo(f"{_safe(r.id)}: {r.state} ({r.kind} {_safe(r.target)[:80]})")
     return 0
 
 

@@ -93,6 +93,7 @@ class Endpoint:
         self.creds = None  # CredentialSet of this session (credentials by reference), or None
         self.tools = None  # agentvm.tools.slot.ToolsSlot: this sandbox's tool gateway, or None (no tools)
         self.approval_timeout = 300.0  # how long a held (action: ask) request waits for a human
+        self.approval_webhook = None  # where pending requests are POSTed (approvals.webhook)
         self.policy_digest = ""  # the sandbox policy's digest, recorded with each held request
         self.alerts = 0
         # idle upstream connections: per sandbox, never shared across sandboxes
@@ -194,7 +195,8 @@ class Endpoint:
 
             queued = store.submit(kind="egress", sandbox=self.sandbox_id, agent=self.agent, target=target,
                                   summary=summary, arg_digest=digest([req.method, req.host, req.port, req.path]),
-                                  policy=self.policy_digest, timeout=self.approval_timeout)
+                                  policy=self.policy_digest, timeout=self.approval_timeout,
+                                  webhook=self.approval_webhook)
         except Exception as exc:  # noqa: BLE001 - not recorded, not held: denied
             return ex.Answered(False, "approval:unavailable", f"the request could not be queued ({type(exc).__name__})")
         self.log(verdict="ask", rule_id="approval:pending", reason=f"waiting for a human ({queued.id})", host=req.host,

@@ -181,6 +181,10 @@ class H2Bridge:
         if isinstance(cmd, ex.Deny):
             self._deny(s, cmd)
             return
+        if isinstance(cmd, ex.Hold):  # holding one stream for a human would stall the connection's others
+            self._deny(s, ex.deny(req, "approval:h2-unsupported", "a request that needs a human approval (action: "
+                                  "ask) is refused on HTTP/2; the same client over HTTP/1.1 is held", explain=False))
+            return
         if not isinstance(cmd, ex.Forward):  # a tunnel's requests never need a lookup
             self._deny(s, ex.Deny(rule_id="internal-error", reason="unexpected command", phase="request",
                                   host=req.host, port=req.port, method=req.method, path=req.path))

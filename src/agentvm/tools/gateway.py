@@ -359,7 +359,7 @@ class ToolGateway:
         try:
             req = self.approvals.submit(kind=kind, sandbox=self.sandbox_id, agent=self.agent, target=target,
                                         summary=summary, arg_digest=ad, policy=self.policy_digest,
-                                        timeout=self.policy.approval_timeout)
+                                        timeout=self.policy.approval_timeout, webhook=self.policy.webhook)
         except Exception as exc:  # noqa: BLE001 - not recorded, not held: denied
             return "approval:unavailable", f"the request could not be queued ({type(exc).__name__})"
         self._log(verdict="ask", rule="approval:pending", reason=f"waiting for a human ({req.id})", target=target,

@@ -20,16 +20,19 @@ class EndpointExtras:
     policy_digest: str
     run_dir: Path
     env: tuple = ()  # where agent-vm lives (AGENTVM_HOME...): a local tool server's `agentvm run` uses the same
+    webhook: str | None = None
 
     @classmethod
     def of(cls, policy, run_dir: Path, digest: str, paths=None) -> "EndpointExtras":
         env = ()
         if paths is not None:
             env = (("AGENTVM_HOME", str(paths.home)), ("AGENTVM_RUNTIME_DIR", str(paths.runtime)))
-        return cls(policy.tools, policy.approval_timeout, digest, Path(run_dir), env)
+        return cls(policy.tools, policy.approval_timeout, digest, Path(run_dir), env,
+                   getattr(policy, "approval_webhook", None))
 
     def attach(self, ep) -> None:
         ep.approval_timeout = self.approval_timeout
+        ep.approval_webhook = self.webhook
         ep.policy_digest = self.policy_digest
         if self.tools is not None and self.tools.servers:
             ep.tools = ToolsSlot(ep, self.tools, self.policy_digest, self.run_dir, dict(self.env))
