@@ -226,8 +226,9 @@ def compile_policy(spec: "AgentSpec") -> Policy:
             tools = compile_tools(body, spec.metadata.name)
         except ValueError as exc:
             raise ConfigError(str(exc)) from exc
-        if any(s.kind == "remote" for s in tools.servers):
-            pending.append("tools[].url (remote tool servers)")
+        if any(s.remote_credentials for s in tools.servers) and TIER_LEVEL[body.risk_tier.value] < 3:
+            raise ConfigError("a remote tool server's credentials need risk tier L3 or higher",
+                              hint=f"raise riskTier, or drop the credentials of the remote server")
     lim = body.limits
     return Policy(
         name=spec.metadata.name,

@@ -165,45 +165,7 @@ class Runtime:
 
         Every reference must resolve now (fail closed: a missing secret refuses the run).
         Returns (CredentialSet, extra env, extra files)."""
-        from agentvm.gate.credentials import CredentialSet, make_placeholder
-        from agentvm.vault import Vault
-
-        vault = Vault(self.vault_dir)
-        bindings = {b.name: b for b in policy.credentials}
-        values: dict[str, str] = {}
-        for b in policy.credentials:
-            try:
-                values[b.name] = vault.resolve(b.ref)
-            except AgentVMError as exc:
-                raise ConfigError(f"credential {b.name!r}: {exc.message}", hint=exc.hint or
-                                  f"store it with `agentvm secret set {b.ref.partition(':')[2]}`") from None
-        placeholders = {b.name: make_placeholder(b, len(values[b.name])) for b in policy.credentials}
-        cache = {"version": vault.version(), "values": values}
-
-        def value(name: str) -> str:
-            b = bindings[name]
-            if b.ref.startswith("file:"):
-                return vault.resolve(b.ref)  # re-read: rotating the file needs nothing else
-            v = vault.version()
-            if v != cache["version"]:
-                cache["values"] = {}
-                cache["version"] = v
-            if name not in cache["values"]:
-                cache["values"][name] = vault.resolve(b.ref)
-            return cache["values"][name]
-
-        def revoked(name: str) -> bool:
-            b = bindings[name]
-            if vault.is_revoked(name, sandbox_id):
-                return True
-            return b.ref.startswith("vault:") and vault.is_revoked(b.ref[6:], sandbox_id)
-
-        creds = CredentialSet(policy.credentials, placeholders, value, revoked)
-        env = [(b.env, placeholders[b.name]) for b in policy.credentials]
-        env += [(b.sigv4_key_env, b.sigv4_access_key_id) for b in policy.credentials if b.sigv4_access_key_id]
-        files = [(b.file, placeholders[b.name] + "\n") for b in policy.credentials if b.file]
-        values.clear()
-        return creds, tuple(env), tuple(files)
+        return session_credentials(policy.credentials, self.vault_dir, sandbox_id)
 
     def close(self) -> None:
         if self._gate is not None:
@@ -654,3 +616,49 @@ def _gc_workspace_mounts(paths: Paths) -> list[str]:
         finally:
             os.close(fd)
     return out
+
+
+def session_credentials(bindings_: tuple, vault_dir, sandbox_id: str):
+    """Placeholders for one session and the gate's view of the real values (a CredentialSet),
+    for the bindings of a sandbox - or of a remote tool server's gate endpoint. Every reference
+    must resolve now (fail closed: a missing secret refuses). -> (CredentialSet, env, files)."""
+    from agentvm.gate.credentials import CredentialSet, make_placeholder
+    from agentvm.vault import Vault
+
+    vault = Vault(vault_dir)
+    bindings = {b.name: b for b in bindings_}
+    values: dict[str, str] = {}
+    for b in bindings_:
+        try:
+            values[b.name] = vault.resolve(b.ref)
+        except AgentVMError as exc:
+            raise ConfigError(f"credential {b.name!r}: {exc.message}", hint=exc.hint or
+                              f"store it with `agentvm secret set {b.ref.partition(':')[2]}`") from None
+    placeholders = {b.name: make_placeholder(b, len(values[b.name])) for b in bindings_}
+    cache = {"version": vault.version(), "values": values}
+
+    def value(name: str) -> str:
+        b = bindings[name]
+        if b.ref.startswith("file:"):
+            return vault.resolve(b.ref)  # re-read: rotating the file needs nothing else
+        v = vault.version()
+        if v != cache["version"]:
+            cache["values"] = {}
+            cache["version"] = v
+        if name not in cache["values"]:
+            cache["values"][name] = vault.resolve(b.ref)
+        return cache["values"][name]
+
+    def revoked(name: str) -> bool:
+        b = bindings[name]
+        if vault.is_revoked(name, sandbox_id):
+            return True
+        return b.ref.startswith("vault:") and vault.is_revoked(b.ref[6:], sandbox_id)
+
+    creds = CredentialSet(bindings_, placeholders, value, revoked)
+    env = [(b.env, placeholders[b.name]) for b in bindings_]
+    env += [(b.sigv4_key_env, b.sigv4_access_key_id) for b in bindings_ if b.sigv4_access_key_id]
+    files = [(b.file, placeholders[b.name] + "\n") for b in bindings_ if b.file]
+    values.clear()
+    return creds, tuple(env), tuple(files)
+

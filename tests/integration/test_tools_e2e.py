@@ -411,3 +411,98 @@ def test_live_tool_policy_narrows_a_running_sandbox_at_once(env, avm_home):
         subprocess.run(agentvm_cmd() + ["stop", "tlive"], capture_output=True, timeout=60)
         subprocess.run(agentvm_cmd() + ["rm", "tlive"], capture_output=True, timeout=60)
         subprocess.run(agentvm_cmd() + ["down"], capture_output=True, timeout=60)
+
+
+class RemoteMCP:
+    """A remote streamable-HTTP MCP server over TLS on loopback (the SDK's app under uvicorn),
+    answering only requests that carry the real token - which only the gate can add."""
+
+    def __init__(self, cert: Path, key: Path):
+        import socket
+
+        import uvicorn
+        from mcp.server.mcpserver import MCPServer
+        from mcp.server.transport_security import TransportSecuritySettings
+
+        srv = MCPServer("remote")
+
+        @srv.tool()
+        def shout(text: str) -> str:
+            return text.upper()
+
+        @srv.tool()
+        def drop_tables() -> str:
+            return "dropped"
+
+        inner = srv.streamable_http_app(json_response=True, stateless_http=True,
+                                        transport_security=TransportSecuritySettings(enable_dns_rebinding_protection=False))
+        self.auth: list[str] = []
+
+        async def app(scope, receive, send):
+            if scope["type"] == "http":
+                auth = dict(scope["headers"]).get(b"authorization", b"").decode()
+                self.auth.append(auth)
+                if auth != f"Bearer {REAL_TOKEN}":
+                    await send({"type": "http.response.start", "status": 401, "headers": [(b"content-length", b"0")]})
+                    await send({"type": "http.response.body", "body": b""})
+                    return
+            await inner(scope, receive, send)
+
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        self.port = sock.getsockname()[1]
+        cfg = uvicorn.Config(app, log_level="warning", ssl_certfile=str(cert), ssl_keyfile=str(key), lifespan="on")
+        self.server = uvicorn.Server(cfg)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
+        self.thread.start()
+        end = time.time() + 20
+        while not self.server.started and time.time() < end:
+            time.sleep(0.05)
+
+    def close(self):
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+def test_a_remote_server_is_reached_through_the_gate_with_its_token_swapped_in(env):
+    d = env["dir"]
+    remote = RemoteMCP(d / "ca" / "server.pem", d / "ca" / "server.key")
+    try:
+        agent = d / "tremote.yaml"
+        agent.write_text(textwrap.dedent(f"""\
+            apiVersion: agentvm/v1
+            kind: Agent
+            metadata: {{name: tremote}}
+            spec:
+              riskTier: L3
+              limits: {{timeout: 150s}}
+              mounts:
+                - {{host: {d}, path: /work, mode: ro}}
+                - {{host: {TESTLIB}, path: /opt/testlib, mode: ro}}
+              tools:
+                - name: r
+                  url: https://api.test:{remote.port}/mcp
+                  allow: [shout]
+                  risk: {{shout: read}}
+                  egress: {{hosts: {{api.test: 127.0.0.1}}, upstreamCa: {env['ca']}}}
+                  credentials:
+                    - {{name: rtoken, env: UNUSED, ref: "vault:tool-token", hosts: [api.test],
+                        inject: {{header: Authorization, format: "Bearer {{}}"}}}}
+            """))
+        r = run_client(env, agent, [["list"], ["call", "r__shout", {"text": "quiet"}], ["call", "r__drop_tables", {}]])
+        assert r.returncode == 0, r.stderr.decode()[-3000:]
+        _, listed, shout, drop = outputs(r.stdout)
+        res = last_json(r.stdout)
+        log = Path(res["egress"]["log"])
+        assert "r__shout" in listed["tools"], ([json.loads(x)["reason"] for x in log.read_text().splitlines()], [p.read_text()[-2000:] for p in log.parent.glob(f"{res['sandbox_id']}.tool-r*")])
+        assert "r__shout" in listed["tools"] and "r__drop_tables" not in listed["tools"]
+        assert shout == {"ok": True, "text": "QUIET"}
+        assert "tools:not-allowed" in drop["error"]
+        assert remote.auth and all(a == f"Bearer {REAL_TOKEN}" for a in remote.auth)  # swapped by the gate
+        assert REAL_TOKEN.encode() not in r.stdout + r.stderr
+        res = last_json(r.stdout)
+        tool_log = Path(res["egress"]["log"]).with_name(f"{res['sandbox_id']}.tool-r.egress.jsonl")
+        recs = [json.loads(ln) for ln in tool_log.read_text().splitlines()]
+        assert recs and all(x["host"] == "api.test" for x in recs if x["verdict"] == "allow")
+    finally:
+        remote.close()

@@ -38,11 +38,14 @@ def test_digest_changes_with_any_field():
     assert p.digest().startswith("sha256:")
 
 
-def test_pending_features_are_recorded_for_refusal():
-    # remote tool servers are declared-but-not-enforceable: a run that needs one is refused
-    text = AGENT.replace("riskTier: L1", "riskTier: L3") + "  tools:\n    - {name: fs, url: 'https://mcp.example.com/mcp', allow: [x]}\n"
+def test_tool_servers_compile_local_and_remote():
+    # a remote server's own egress is its url (host, port, path) and nothing else
+    text = AGENT.replace("riskTier: L1", "riskTier: L3") + "  tools:\n    - {name: fs, url: 'https://mcp.example.com:8443/v1/mcp', allow: [x]}\n"
     p = compile_policy(load_agent_text(text, "a.yaml").spec)
-    assert p.pending_features == ("tools[].url (remote tool servers)",)
+    assert p.pending_features == ()
+    eg = p.tools.servers[0].remote_egress
+    assert [(r.host, r.ports, r.paths) for r in eg.allow] == [("mcp.example.com", (8443,), ("/v1/mcp",))]
+    assert p.egress.allow == ()  # the agent gains no egress from it
     local = AGENT.replace("riskTier: L1", "riskTier: L3") + "  tools:\n    - {name: fs, command: [fs-mcp], allow: [x]}\n"
     p = compile_policy(load_agent_text(local, "a.yaml").spec)
     assert p.pending_features == () and p.tools.servers[0].name == "fs"

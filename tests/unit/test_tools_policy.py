@@ -150,6 +150,8 @@ def test_live_changes_narrow_and_widen_in_order():
     ("  tools:\n    - {name: gh, command: [x], allow: [x], arguments: {x: {p: {pattern: '('}}}}\n", "regular expression"),
     ("  tools:\n    - {name: gh, url: 'http://a.test/mcp', allow: [x]}\n", "https"),
     ("  tools:\n    - {name: gh, url: 'https://a.test/mcp', allow: [x], env: {A: b}}\n", "local servers"),
+    ("  tools:\n    - {name: gh, url: 'https://a.test/mcp', allow: [x], credentials: [{name: k, env: K, ref: 'vault:k', "
+     "hosts: [a.test], sigv4: {accessKeyId: AKIDX}}]}\n", "inject.header"),
     ("  egress:\n    deny: [{host: a.test, action: ask}]\n", "allow rules"),
     ("  approvals: {webhook: 'http://evil.test/hook'}\n", "webhook"),
 ])

@@ -493,8 +493,9 @@ class ToolServer(_Model):
     name: str = Field(description="The server's name: tools appear to the agent as NAME__TOOL.")
     command: list[str] = Field(default_factory=list, description="Local server: the stdio MCP server's argv, run in "
                                "a sandbox of its own (its own grants, egress and credentials).")
-    url: str | None = Field(None, description="Remote server: an https:// streamable-HTTP MCP endpoint (not yet "
-                            "supported: refused at run time).")
+    url: str | None = Field(None, description="Remote server: an https:// streamable-HTTP MCP endpoint, reached "
+                            "by the gateway through an egress gate endpoint of its own (only that URL's host and "
+                            "path; credentials swapped in there).")
     allow: list[str] = Field(default_factory=list, description="Tool names or globs the agent may see and call; "
                              "anything else is hidden and denied.")
     deny: list[str] = Field(default_factory=list, description="Tool names or globs always denied (deny wins).")
@@ -565,8 +566,11 @@ class ToolServer(_Model):
     def _kind(self):
         if bool(self.command) == bool(self.url):
             raise ValueError(f"tool server {self.name!r}: give either command (a local stdio server) or url (remote)")
-        if self.url and (self.mounts or self.env or self.egress.allow or self.credentials):
-            raise ValueError(f"tool server {self.name!r}: mounts, env, egress and credentials are for local servers")
+        if self.url and (self.mounts or self.env or self.egress.allow or self.egress.deny):
+            raise ValueError(f"tool server {self.name!r}: mounts, env and egress rules are for local servers (a remote "
+                             "server's egress is its url; egress.hosts and egress.upstreamCa may be given)")
+        if self.url and any(c.sigv4 or c.hmac or not c.inject.header for c in self.credentials):
+            raise ValueError(f"tool server {self.name!r}: a remote server's credentials go in a header (inject.header)")
         if not (self.allow or self.approve):
             raise ValueError(f"tool server {self.name!r}: allow or approve at least one tool (nothing else is reachable)")
         return self

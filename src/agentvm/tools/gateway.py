@@ -42,6 +42,7 @@ from typing import Any, Callable
 import mcp_types as types
 from mcp import Client
 from mcp.client.stdio import StdioServerParameters, stdio_client
+from mcp.client.streamable_http import streamable_http_client
 from mcp.server.lowlevel import Server
 from mcp.server.streamable_http_manager import StreamableHTTPSessionManager
 from mcp.server.transport_security import TransportSecuritySettings
@@ -99,7 +100,9 @@ class Upstream:
         self._task: asyncio.Task | None = None
         self._lock = asyncio.Lock()
 
-    def _transport(self):
+    async def _transport(self):
+        if self.sp.kind == "remote":
+            return await self._remote_transport(), None
         spec_file = self.gw.run_dir / f"tool-{self.sp.name}.json"
         spec_file.write_text(self.sp.sandbox_spec)
         os.chmod(spec_file, 0o600)
@@ -117,7 +120,7 @@ class Upstream:
     async def _hold(self, ready: asyncio.Event, stop: asyncio.Event) -> None:
         errlog = None
         try:
-            transport, errlog = self._transport()
+            transport, errlog = await self._transport()
             async with Client(transport, cache=None, read_timeout_seconds=self.sp.timeout,
                               client_info=types.Implementation(name="agentvm-tool-gateway", version="1")) as c:
                 self.client = c
@@ -140,8 +143,6 @@ class Upstream:
             if self._task is not None and self._task.done():
                 self._task = None  # it ended (the server exited): started again below
             if self._task is None:
-                if self.sp.kind != "local":
-                    raise ToolFailure("tools:remote-unsupported", f"remote tool server {self.sp.name} is not supported")
                 self.client, self.error = None, None
                 self._ready, self._stop = asyncio.Event(), asyncio.Event()
                 self._task = asyncio.get_running_loop().create_task(self._hold(self._ready, self._stop))
@@ -157,6 +158,58 @@ class Upstream:
                               f"({self.error or 'it exited'}); see tool-{self.sp.name}.log in the sandbox's run folder")
         return self.client
 
+    async def _remote_transport(self):
+        """A remote server is reached through an egress gate endpoint of its own, in the same
+        gate: its policy allows only the url's host, port and path (TLS terminated by the gate,
+        which verifies the server), and its credentials are swapped in there. The gateway's
+        HTTP client holds placeholders only, and talks to that endpoint's unix socket (0600,
+        root's) as to a proxy."""
+        import ssl
+
+        import httpcore2
+        import httpx2
+
+        from agentvm.runtime import session_credentials
+
+        gw, sp = self.gw, self.sp
+        gate = gw.gate
+        if gate is None:
+            raise ToolFailure("tools:server-unavailable", "no gate to reach a remote tool server through")
+        ep_id = f"{gw.sandbox_id}.tool-{sp.name}"
+        sock = gw.run_dir / f"tool-{sp.name}.sock"
+        creds = None
+        headers = {}
+        if sp.remote_credentials:
+            home = gw.env.get("AGENTVM_HOME") or os.environ.get("AGENTVM_HOME") or "/var/lib/agentvm"
+            creds, _, _ = await asyncio.get_running_loop().run_in_executor(
+                None, session_credentials, sp.remote_credentials, Path(home) / "vault", ep_id)
+            for b in sp.remote_credentials:
+                headers[b.header] = b.format.replace("{}", creds.placeholders[b.name])
+        if ep_id in gate.endpoints:
+            await gate.close_endpoint(ep_id)
+        await gate.open_endpoint(ep_id, gw.agent, sp.remote_egress, sock, creds=creds)
+        self._endpoint_id = ep_id
+        ctx = ssl.create_default_context(cadata=gate.ca.cert_pem.decode())
+
+        from httpcore2._backends.auto import AutoBackend
+
+        class GateSocket(AutoBackend):
+            """Every connection the proxy pool opens goes to this endpoint's unix socket."""
+
+            async def connect_tcp(self, host, port, timeout=None, local_address=None, socket_options=None):
+                return await self.connect_unix_socket(str(sock), timeout=timeout)
+
+        class ThroughGate(httpx2.AsyncHTTPTransport):
+            def __init__(self) -> None:
+                super().__init__()
+                self._pool = httpcore2.AsyncHTTPProxy(proxy_url=httpcore2.URL("http://agentvm-gate/"),
+                                                      ssl_context=ctx, network_backend=GateSocket(), max_connections=8)
+
+        client = httpx2.AsyncClient(transport=ThroughGate(), headers=headers,
+                                    timeout=httpx2.Timeout(sp.timeout, read=max(sp.timeout, 300.0)))
+        self._http = client
+        return streamable_http_client(sp.url, http_client=client)
+
     def discard(self) -> None:
         """The session is dead (the server's stdio closed): the next call starts it again."""
         self._stop.set()
@@ -164,6 +217,9 @@ class Upstream:
         self.client = None
 
     async def close(self) -> None:
+        ep_id = getattr(self, "_endpoint_id", None)
+        if ep_id is not None and self.gw.gate is not None:
+            await self.gw.gate.close_endpoint(ep_id)
         self._stop.set()
         if self._task is not None:
             try:
@@ -175,13 +231,14 @@ class Upstream:
 
 class ToolGateway:
     def __init__(self, *, sandbox_id: str, agent: str, policy: tp.ToolPolicy, policy_digest: str, run_dir: Path,
-                 log: Callable[..., None], approvals=None, env: dict | None = None) -> None:
+                 log: Callable[..., None], approvals=None, env: dict | None = None, gate=None) -> None:
         self.sandbox_id, self.agent = sandbox_id, agent
         self.policy, self.policy_digest = policy, policy_digest
         self.run_dir = Path(run_dir)
         self.log = log
         self.approvals = approvals
         self.env = dict(env or {})
+        self.gate = gate  # the gate this sandbox's endpoint is on: remote servers get endpoints of their own there
         self.upstreams = {sp.name: Upstream(self, sp) for sp in policy.servers}
         self.server = Server(
             "agentvm-tool-gateway",

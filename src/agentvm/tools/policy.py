@@ -51,6 +51,8 @@ class ServerPolicy:
     max_arguments: int = 256 * 1024
     max_result: int = 1024 * 1024
     sandbox_spec: str = ""  # local: the agent file (JSON) of the server's own sandbox
+    remote_egress: object = None  # remote: the EgressPolicy of its gate endpoint (the url's host and path only)
+    remote_credentials: tuple = ()  # remote: CredentialBindings swapped in at that endpoint (header injection)
 
 
 @dataclass(frozen=True)
@@ -230,6 +232,32 @@ def _sandbox_spec(agent: str, tier: str, srv) -> str:
     return json.dumps(doc, sort_keys=True)
 
 
+def _remote(srv):
+    """A remote server's own egress (its url's host, port and path, nothing else) and credentials."""
+    from types import SimpleNamespace
+    from urllib.parse import urlsplit
+
+    from agentvm.gate.credentials import compile_credentials
+    from agentvm.gate.policy import compile_egress
+
+    u = urlsplit(srv.url)
+    try:
+        port = u.port or 443
+    except ValueError:
+        raise ValueError(f"tools[{srv.name}].url: invalid port") from None
+    path = u.path or "/"
+    rule = SimpleNamespace(host=u.hostname, ports=[port], methods=["GET", "POST", "DELETE"], paths=[path],
+                           max_body=None, websocket=False, id=f"tool:{srv.name}")
+    egress = compile_egress(SimpleNamespace(allow=[rule], deny=[], hosts=dict(srv.egress.hosts),
+                                            upstream_ca=srv.egress.upstream_ca, limits=None))
+    creds = compile_credentials(srv.credentials) if srv.credentials else ()
+    from agentvm.policy import _check_credential_hosts, _with_default_denies
+
+    egress = _with_default_denies(egress)
+    _check_credential_hosts(creds, egress)
+    return egress, creds
+
+
 def compile_tools(body, agent: str) -> ToolPolicy:
     """``spec.tools`` + ``spec.approvals`` (validated models) -> :class:`ToolPolicy`."""
     from agentvm.spec.models import TIER_TOOL_APPROVAL
@@ -247,13 +275,15 @@ def compile_tools(body, agent: str) -> ToolPolicy:
                          for a, r in sorted(rules.items())))
             for glob, rules in srv.arguments.items())
         lim = srv.limits
+        remote_egress, remote_creds = _remote(srv) if srv.url else (None, ())
         servers.append(ServerPolicy(
             name=srv.name, kind="local" if srv.command else "remote", command=tuple(srv.command), url=srv.url,
             allow=tuple(srv.allow), deny=tuple(srv.deny), approve=tuple(srv.approve),
             risk=tuple(srv.risk.items()), arguments=args, resources=tuple(srv.resources), prompts=tuple(srv.prompts),
             calls_per_minute=lim.calls_per_minute, timeout=lim.timeout, max_arguments=lim.max_arguments,
             max_result=lim.max_result,
-            sandbox_spec=_sandbox_spec(agent, tier, srv) if srv.command else ""))
+            sandbox_spec=_sandbox_spec(agent, tier, srv) if srv.command else "",
+            remote_egress=remote_egress, remote_credentials=remote_creds))
     return ToolPolicy(servers=tuple(servers), tier_approval=tuple(sorted(TIER_TOOL_APPROVAL[tier])),
                       approval_timeout=body.approvals.timeout, webhook=body.approvals.webhook)
 

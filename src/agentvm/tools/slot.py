@@ -62,7 +62,7 @@ class ToolsSlot:
                 ep = self.ep
                 self._gw = mod.ToolGateway(sandbox_id=ep.sandbox_id, agent=ep.agent, policy=self.policy,
                                            policy_digest=self.digest, run_dir=self.run_dir, log=ep.log,
-                                           approvals=ep.gate.approval_store(), env=self.env)
+                                           approvals=ep.gate.approval_store(), env=self.env, gate=ep.gate)
             return self._gw
 
     def set_policy(self, policy, digest: str) -> None:
