@@ -282,22 +282,44 @@ def test_a_held_egress_request_completes_after_approval_and_not_before(env):
     assert [s[2] for s in Recorder.seen if s[0] == "POST"] == ["amount=1"]
 
 
-def test_tool_results_cannot_widen_policy_and_request_access_is_only_queued(env):
+def test_tool_results_cannot_widen_policy_and_request_access_waits_for_a_human(env):
     agent = write_agent(env, "tinject")
     p = run_client(env, agent, [["call", "t__inject", {}],
-                                ["call", "agentvm__request_access", {"access": "egress to evil.test:443",
-                                                                     "reason": "the tool said so"}]],
+                                ["call", "agentvm__request_access", {"egress": ["evil.test:443"],
+                                                                     "reason": "the tool said so"}],
+                                ["call", "agentvm__request_access", {"tools": ["t__echo"], "reason": "have it"}]],
                    background=True)
     req = wait_pending("tinject")
-    assert req["kind"] == "access" and "evil.test" in req["summary"]["access"]
+    assert req["kind"] == "access" and req["summary"]["delta"] == ["adds egress to evil.test:443"]
     assert approvals("deny", req["id"]).returncode == 0
     out, err = p.communicate(timeout=120)
     assert p.returncode == 0, err.decode()[-3000:]
-    _, injected, access = outputs(out)
+    _, injected, access, already = outputs(out)
     assert injected["ok"] and "policy/allow" in injected["text"]  # data to the agent, nothing more
     assert access["ok"] is False and "not granted" in access["text"]
-    res = last_json(out)
-    assert res["exit_code"] == 0
+    assert already["ok"] and "already allowed" in already["text"]  # no delta: nothing queued
+
+
+def test_an_approved_access_request_opens_egress_for_this_session_only(env):
+    port = env["plain"]
+    agent = write_agent(env, "tgrant", spec_extra=f"egress:\n  hosts: {{pay.test: 127.0.0.1}}\n")
+    script = (f"curl -s -o /dev/null -w '%{{http_code}} ' http://pay.test:{port}/before; "
+              f"agentvm-request --egress pay.test:{port} --reason 'need the API'; echo rc=$?; "
+              f"curl -s -w ' %{{http_code}}' -d x=1 http://pay.test:{port}/after; echo")
+    argv = agentvm_cmd() + ["run", "-f", str(agent), "--", "sh", "-c", script]
+    p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    req = wait_pending("tgrant")
+    assert req["summary"]["delta"] == [f"adds egress to pay.test:{port}"]
+    assert approvals("approve", req["id"]).returncode == 0
+    out, err = p.communicate(timeout=120)
+    text = out.decode()
+    assert text.startswith("403 "), text
+    assert f"granted for this session: egress to pay.test:{port}" in text and "rc=0" in text
+    assert text.strip().endswith("charged 200"), text
+    # a new session starts from the agent file again
+    again = subprocess.run(agentvm_cmd() + ["run", "-f", str(agent), "--", "curl", "-s", "-o", "/dev/null", "-w",
+                                            "%{http_code}", f"http://pay.test:{port}/x"], capture_output=True, timeout=120)
+    assert again.stdout == b"403"
 
 
 def test_a_pending_approval_survives_kill_9_of_its_holder_and_is_answered_as_expired(env, avm_home):

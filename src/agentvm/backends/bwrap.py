@@ -273,6 +273,7 @@ class BwrapBackend(hv.ChildProcessSandbox, Backend):
                 mounts.append(MountOp("ro-bind", hv.NODE_SHIM_IN_SANDBOX, host.node_shim))
             if host.mcp_shim and policy.tools is not None:
                 mounts.append(MountOp("ro-bind", hv.MCP_SHIM_IN_SANDBOX, host.mcp_shim))
+                mounts.append(MountOp("ro-bind", hv.REQUEST_IN_SANDBOX, host.mcp_shim))
         mounts.append(MountOp("remount-ro", "/"))
 
         ro = ["/usr", "/etc", "/.agentvm", *policy.extra_ro] + [m.path for m in policy.mounts if not m.writable]

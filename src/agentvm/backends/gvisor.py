@@ -339,6 +339,7 @@ class GvisorBackend(hv.ChildProcessSandbox, Backend):
                 mounts.append(MountOp("ro-bind", hv.NODE_SHIM_IN_SANDBOX, host.node_shim))
             if host.mcp_shim and policy.tools is not None:
                 mounts.append(MountOp("ro-bind", hv.MCP_SHIM_IN_SANDBOX, host.mcp_shim))
+                mounts.append(MountOp("ro-bind", hv.REQUEST_IN_SANDBOX, host.mcp_shim))
 
         env = hv.sandbox_env(policy, ctx)
         command = list(policy.command) or ["/bin/sh"]

@@ -26,6 +26,7 @@ GATE_CA_FILE = "/etc/ssl/certs/agentvm-gate-ca.pem"
 NODE_SHIM_IN_SANDBOX = "/.agentvm/node"
 MCP_SHIM_DIR_IN_SANDBOX = "/.agentvm/bin"
 MCP_SHIM_IN_SANDBOX = MCP_SHIM_DIR_IN_SANDBOX + "/agentvm-mcp"
+REQUEST_IN_SANDBOX = MCP_SHIM_DIR_IN_SANDBOX + "/agentvm-request"  # the same file: it looks at its name
 # /etc entries visible in the sandbox (read-only, if they exist). Everything else of the
 # host's /etc - shadow, sudoers, ssh keys, machine-id, pip/npm configs with tokens - is absent.
 ETC_ALLOW = (

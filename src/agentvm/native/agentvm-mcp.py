@@ -125,7 +125,47 @@ def _forward(msg, text: str) -> None:
         emit(one)
 
 
+def request_access(argv) -> int:
+    """agentvm-request: ask a human for more access (agentvm__request_access), wait for the answer."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="agentvm-request", description="Ask the operator for access this sandbox "
+                                 "does not have; waits for a human's answer (exit 0: granted or already allowed).")
+    ap.add_argument("--egress", action="append", default=[], metavar="HOST[:PORT]", help="egress to a host (443 if no port)")
+    ap.add_argument("--tool", action="append", default=[], metavar="SERVER__TOOL", help="a tool of a declared server")
+    ap.add_argument("--reason", required=True, help="why it is needed (the operator reads it)")
+    ap.add_argument("access", nargs="*", help="anything else, in words")
+    a = ap.parse_args(argv)
+    if not URL:
+        sys.stderr.write("agentvm-request: AGENTVM_MCP_URL is not set: this sandbox declares no tools, so it has no "
+                         "gateway to ask through\n")
+        return 78
+    args = {"egress": a.egress, "tools": a.tool, "reason": a.reason, "access": " ".join(a.access)}
+    msg = {"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {"name": "agentvm__request_access",
+                                                                          "arguments": args}}
+    req = urllib.request.Request(URL, data=json.dumps(msg).encode(), method="POST", headers={
+        "Content-Type": "application/json", "Accept": "application/json, text/event-stream",
+        "MCP-Protocol-Version": "2025-11-25"})
+    try:
+        with _opener.open(req, timeout=TIMEOUT) as resp:
+            answer = json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        answer = json.loads(exc.read() or b"{}")
+    except OSError as exc:
+        sys.stderr.write(f"agentvm-request: the tool gateway cannot be reached ({exc})\n")
+        return 69
+    if "error" in answer:
+        sys.stderr.write(f"agentvm-request: {answer['error'].get('message')}\n")
+        return 1
+    res = answer.get("result") or {}
+    text = "".join(c.get("text", "") for c in res.get("content", []) if isinstance(c, dict))
+    print(text)
+    return 1 if res.get("isError") else 0
+
+
 def main() -> int:
+    if os.path.basename(sys.argv[0]) == "agentvm-request":
+        return request_access(sys.argv[1:])
     if not URL:
         sys.stderr.write("agentvm-mcp: AGENTVM_MCP_URL is not set: this sandbox declares no tools (spec.tools)\n")
         return 78

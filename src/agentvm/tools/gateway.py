@@ -231,7 +231,8 @@ class Upstream:
 
 class ToolGateway:
     def __init__(self, *, sandbox_id: str, agent: str, policy: tp.ToolPolicy, policy_digest: str, run_dir: Path,
-                 log: Callable[..., None], approvals=None, env: dict | None = None, gate=None) -> None:
+                 log: Callable[..., None], approvals=None, env: dict | None = None, gate=None,
+                 endpoint=None) -> None:
         self.sandbox_id, self.agent = sandbox_id, agent
         self.policy, self.policy_digest = policy, policy_digest
         self.run_dir = Path(run_dir)
@@ -239,6 +240,7 @@ class ToolGateway:
         self.approvals = approvals
         self.env = dict(env or {})
         self.gate = gate  # the gate this sandbox's endpoint is on: remote servers get endpoints of their own there
+        self.endpoint = endpoint  # this sandbox's gate endpoint (an approved request_access changes its policy)
         self.upstreams = {sp.name: Upstream(self, sp) for sp in policy.servers}
         self.server = Server(
             "agentvm-tool-gateway",
@@ -426,6 +428,7 @@ class ToolGateway:
         except Exception as exc:  # noqa: BLE001
             return "approval:unavailable", f"the approvals queue failed ({type(exc).__name__})"
         if req.state == "approved":
+            self._approver = req.by
             self._log(verdict="ask", rule="approval:approved", reason=f"approved by {req.by} ({req.id})",
                       target=target, args_digest=ad, approval=req.id)
             return None
@@ -433,23 +436,110 @@ class ToolGateway:
             return "approval:timeout", f"no human answered {req.id} in time ({req.note or 'expired'})"
         return "approval:denied", f"{req.id} was denied by {req.by}" + (f": {req.note}" if req.note else "")
 
+    def _access_delta(self, args: dict) -> tuple[list, list, list]:
+        """What the request would add to the policy in force now: (egress rules, tool changes,
+        refusals). Items already allowed are no delta; items the tier forbids are refused."""
+        from agentvm.gate.policy import RequestMeta, cli_rule, decide
+        from agentvm.spec.models import TIER_CEILINGS
+
+        egress_items, tool_items, refused = [], [], []
+        ep = self.endpoint
+        want_egress = args.get("egress") or []
+        want_tools = args.get("tools") or []
+        if not isinstance(want_egress, list) or not isinstance(want_tools, list) or \
+                len(want_egress) + len(want_tools) > 20 or not all(isinstance(x, str) for x in want_egress + want_tools):
+            raise ValueError("'egress' and 'tools' are lists of at most 20 strings in all")
+        for i, item in enumerate(want_egress):
+            rule = cli_rule(f"granted[{i}]", item, default_ports=(443,))  # raises ValueError on a bad item
+            if "*" in rule.host:
+                refused.append(f"egress to {rule.host}: a pattern is never granted on request")
+                continue
+            if not TIER_CEILINGS.get(self.policy.tier, {}).get("egress"):
+                refused.append(f"egress to {rule.host}: risk tier {self.policy.tier} allows no egress")
+                continue
+            if ep is None:
+                refused.append(f"egress to {rule.host}: no gate endpoint to change")
+                continue
+            missing = [p for p in rule.ports if not decide(RequestMeta(host=rule.host, port=p, scheme="connect",
+                                                                       phase="connect"), ep.policy).allowed]
+            if missing:
+                egress_items.append((rule.host, tuple(missing)))
+        for item in want_tools:
+            split = tp.split_name(item)
+            sp = self.policy.server(split[0]) if split else None
+            if split is None or sp is None or not tp.TOOL_NAME_RE.fullmatch(split[1]) or "*" in split[1] or "?" in split[1]:
+                refused.append(f"tool {item[:100]!r}: not a tool of a declared server (SERVER__TOOL, no globs)")
+                continue
+            if tp.visible(sp, split[1]):
+                continue  # already callable (with its constraints, perhaps with an approval: both stay)
+            tool_items.append({"action": "allow", "server": split[0], "tool": split[1]})
+        return egress_items, tool_items, refused
+
     async def _request_access(self, args: dict, ad: str) -> types.CallToolResult:
-        """The agent asks for more access: queued for a human with the request as the agent
-        wrote it. Nothing is ever applied from here: an operator who agrees widens the policy
-        themselves (``agentvm policy``); the answer is reported back to the agent."""
-        what = args.get("access")
+        """The agent asks for more access: the request is computed as a delta against the policy
+        in force (what it would add), queued for a human, and applied to this sandbox's running
+        gate endpoint and gateway only once a human approves it - never otherwise. A request
+        whose delta adds nothing is answered at once (nothing to approve)."""
         why = args.get("reason")
-        if not isinstance(what, str) or not what.strip() or not isinstance(why, str):
-            raise self._deny("tools:bad-arguments", "request_access needs 'access' and 'reason' strings",
-                             tp.REQUEST_ACCESS, args_digest=ad)
+        what = args.get("access", "")
+        if not isinstance(why, str) or not why.strip() or not isinstance(what, str):
+            raise self._deny("tools:bad-arguments", "request_access needs a 'reason' (and 'egress', 'tools' or "
+                             "'access')", tp.REQUEST_ACCESS, args_digest=ad)
         if len(what) + len(why) > MAX_REQUEST_ACCESS:
             raise self._deny("tools:arguments-too-large", "request_access text is too long", tp.REQUEST_ACCESS,
                              args_digest=ad)
-        answer = await self._hold("access", tp.REQUEST_ACCESS, {"preview": preview({"access": what, "reason": why}, 600),
-                                                                "access": what[:1000], "reason": why[:2000]}, ad)
-        text = ("approved: an operator agreed; the policy changes only when they apply it (retry later)"
-                if answer is None else f"not granted: {answer[1]}")
-        return types.CallToolResult(content=[types.TextContent(type="text", text=text)], is_error=answer is not None)
+        try:
+            egress_items, tool_items, refused = self._access_delta(args)
+        except ValueError as exc:
+            raise self._deny("tools:bad-arguments", f"request_access: {str(exc)[:300]}", tp.REQUEST_ACCESS,
+                             args_digest=ad) from None
+        delta = [f"adds egress to {h}:{','.join(map(str, ports))}" for h, ports in egress_items]
+        delta += [f"adds tool {t['server']}{tp.SEP}{t['tool']}" for t in tool_items]
+
+        def result(text: str, error: bool) -> types.CallToolResult:
+            return types.CallToolResult(content=[types.TextContent(type="text", text=text)], is_error=error)
+
+        if not delta and not what.strip():
+            msg = "nothing to approve: " + ("; ".join(refused) if refused else "everything asked for is already allowed")
+            self._log(verdict="allow" if not refused else "deny", rule="tools:access-no-delta", reason=msg[:300],
+                      target=tp.REQUEST_ACCESS, args_digest=ad)
+            return result(msg, bool(refused))
+        answer = await self._hold("access", tp.REQUEST_ACCESS, {
+            "preview": preview({"delta": delta, "reason": why}, 600), "delta": delta, "refused": refused,
+            "access": what[:1000], "reason": why[:2000]}, ad)
+        if answer is not None:
+            return result(f"not granted: {answer[1]}", True)
+        applied = self._apply_access(egress_items, tool_items, getattr(self, "_approver", None) or "approvals")
+        text = ("granted for this session: " + "; ".join(applied)) if applied else \
+            "approved: an operator agreed; nothing could be applied automatically (ask them to change the policy)"
+        if refused:
+            text += " (not grantable: " + "; ".join(refused) + ")"
+        return result(text, False)
+
+    def _apply_access(self, egress_items: list, tool_items: list, approver: str) -> list[str]:
+        """A human approved: the delta is applied to the running gate endpoint and gateway (for
+        this session; the agent file and the daemon's stored policy do not change)."""
+        from dataclasses import replace
+
+        from agentvm.gate.policy import Rule
+
+        done = []
+        ep = self.endpoint
+        if egress_items and ep is not None:
+            n = len(ep.policy.allow)
+            rules = tuple(Rule(id=f"granted[{n + i}]", host=h, ports=ports) for i, (h, ports) in enumerate(egress_items))
+            ep.set_policy(replace(ep.policy, allow=ep.policy.allow + rules))
+            done += [f"egress to {h}:{','.join(map(str, p))}" for h, p in egress_items]
+        if tool_items:
+            self.set_policy(tp.apply_live(self.policy, tool_items), self.policy_digest + "+access")
+            done += [f"tool {t['server']}{tp.SEP}{t['tool']}" for t in tool_items]
+        if done and self.approvals is not None:
+            try:
+                self.approvals.record("policy.change", actor=approver, sandbox=self.sandbox_id, op="request_access",
+                                      detail=done, applied_live=True)
+            except Exception:  # noqa: BLE001 - the change is made; the approval is on the chain already
+                pass
+        return done
 
     # ------------------------------------------------------------------ resources and prompts
     async def _list_resources(self, ctx, params) -> types.ListResourcesResult:
@@ -525,11 +615,16 @@ class ToolGateway:
 def _request_access_tool() -> types.Tool:
     return types.Tool(
         name=tp.REQUEST_ACCESS,
-        description="Ask a human operator for access this sandbox does not have (an egress host, a tool, a folder). "
-        "The request is queued for approval; nothing changes until an operator applies it.",
-        input_schema={"type": "object", "required": ["access", "reason"], "additionalProperties": False,
-                      "properties": {"access": {"type": "string", "description": "What access, e.g. "
-                                                "'egress to api.example.com:443, GET /v1/*'"},
-                                     "reason": {"type": "string", "description": "Why it is needed"}}},
+        description="Ask a human operator for access this sandbox does not have: egress to hosts, tools of the "
+        "declared servers, or anything else in words. The request waits for a human; if approved, the egress and "
+        "tools asked for are granted for this session. Nothing is granted without a human.",
+        input_schema={"type": "object", "required": ["reason"], "additionalProperties": False,
+                      "properties": {
+                          "egress": {"type": "array", "items": {"type": "string"},
+                                     "description": "HOST[:PORT] items, e.g. 'api.example.com:443'"},
+                          "tools": {"type": "array", "items": {"type": "string"},
+                                    "description": "SERVER__TOOL names of declared servers"},
+                          "access": {"type": "string", "description": "Anything else, in words (a folder...)"},
+                          "reason": {"type": "string", "description": "Why it is needed"}}},
     )
 

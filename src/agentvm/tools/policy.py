@@ -61,6 +61,7 @@ class ToolPolicy:
     tier_approval: tuple[str, ...] = ()  # risk classes that always need a human at this tier
     approval_timeout: float = 300.0
     webhook: str | None = None
+    tier: str = "L2"  # the agent's risk tier: the ceiling of what agentvm__request_access can be granted
 
     def server(self, name: str) -> ServerPolicy | None:
         for s in self.servers:
@@ -285,7 +286,7 @@ def compile_tools(body, agent: str) -> ToolPolicy:
             sandbox_spec=_sandbox_spec(agent, tier, srv) if srv.command else "",
             remote_egress=remote_egress, remote_credentials=remote_creds))
     return ToolPolicy(servers=tuple(servers), tier_approval=tuple(sorted(TIER_TOOL_APPROVAL[tier])),
-                      approval_timeout=body.approvals.timeout, webhook=body.approvals.webhook)
+                      approval_timeout=body.approvals.timeout, webhook=body.approvals.webhook, tier=tier)
 
 
 LIVE_ACTIONS = ("allow", "deny", "approve")

@@ -62,7 +62,8 @@ class ToolsSlot:
                 ep = self.ep
                 self._gw = mod.ToolGateway(sandbox_id=ep.sandbox_id, agent=ep.agent, policy=self.policy,
                                            policy_digest=self.digest, run_dir=self.run_dir, log=ep.log,
-                                           approvals=ep.gate.approval_store(), env=self.env, gate=ep.gate)
+                                           approvals=ep.gate.approval_store(), env=self.env, gate=ep.gate,
+                                           endpoint=ep)
             return self._gw
 
     def set_policy(self, policy, digest: str) -> None:
