@@ -210,13 +210,14 @@ def prompt_allowed(sp: ServerPolicy, name: str) -> bool:
 
 # ---------------------------------------------------------------------------- compile
 
-def _sandbox_spec(agent: str, tier: str, srv) -> str:
+def _sandbox_spec(agent: str, tier: str, srv, substrate: str = "bwrap") -> str:
     """The agent file of a local server's own sandbox: its command, grants, environment, egress
     and credentials - nothing of the agent's (no workspace, no grants, no credentials)."""
     name = f"{agent[:24].rstrip('-')}-tool-{srv.name}"[:63].rstrip("-")
     spec: dict = {
         "command": list(srv.command),
         "riskTier": tier,
+        "substrate": substrate,  # the agent's: a server is never on a weaker boundary than its agent
         "workspace": {"enabled": False},
         "limits": {"memory": srv.memory, "timeout": 0},
     }
@@ -283,7 +284,7 @@ def compile_tools(body, agent: str) -> ToolPolicy:
             risk=tuple(srv.risk.items()), arguments=args, resources=tuple(srv.resources), prompts=tuple(srv.prompts),
             calls_per_minute=lim.calls_per_minute, timeout=lim.timeout, max_arguments=lim.max_arguments,
             max_result=lim.max_result,
-            sandbox_spec=_sandbox_spec(agent, tier, srv) if srv.command else "",
+            sandbox_spec=_sandbox_spec(agent, tier, srv, body.substrate) if srv.command else "",
             remote_egress=remote_egress, remote_credentials=remote_creds))
     return ToolPolicy(servers=tuple(servers), tier_approval=tuple(sorted(TIER_TOOL_APPROVAL[tier])),
                       approval_timeout=body.approvals.timeout, webhook=body.approvals.webhook, tier=tier)

@@ -95,7 +95,7 @@ def _tools(env: Env, *, approve: tuple[str, ...] = ()):
 
     d, canaries = _setup(env)
     spec = {"apiVersion": "agentvm/v1", "kind": "Agent", "metadata": {"name": "selftest-tool-t"},
-            "spec": {"command": ["/usr/bin/python3", "/srv/server.py"], "riskTier": "L4",
+            "spec": {"command": ["/usr/bin/python3", "/srv/server.py"], "riskTier": "L4", "substrate": env.substrate,
                      "workspace": {"enabled": False}, "limits": {"timeout": 0},
                      "mounts": [{"host": d, "path": "/srv", "mode": "ro"},
                                 {"host": canaries, "path": "/canaries", "mode": "ro"}]}}
