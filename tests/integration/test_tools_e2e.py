@@ -102,6 +102,8 @@ def write_agent(env, name: str, *, spec_extra: str = "", timeout: str = "20s") -
                 read_file: {{path: {{path: /}}}}
                 echo: {{text: {{maxLength: 100, pattern: "[a-z ]*"}}}}
               limits: {{timeout: 5s, maxResult: 64K}}
+              resources: ["note://public"]
+              prompts: [summarize]
               mounts:
                 - {{host: {d}, path: /srv, mode: ro}}
                 - {{host: {TESTLIB}, path: /opt/testlib, mode: ro}}
@@ -168,6 +170,20 @@ def test_only_allowed_tools_are_listed_and_a_hidden_one_is_denied(env, mode, via
     assert ("t__echo", "allow", "tools:allow:t:echo") in calls
     assert ("t__secret_tool", "deny", "tools:not-allowed") in calls
     assert all(x["policy"].startswith("sha256:") for x in log if x.get("phase") == "tool")
+
+
+def test_resources_and_prompts_follow_the_allowlist(env):
+    agent = write_agent(env, "tres")
+    r = run_client(env, agent, [["resources"], ["read", "note://public"], ["read", "note://private"], ["prompts"],
+                                ["prompt", "t__summarize", {"text": "x"}], ["prompt", "t__exfiltrate", {}]])
+    assert r.returncode == 0, r.stderr.decode()[-3000:]
+    _, res, public, private, prompts, ok, hidden = outputs(r.stdout)
+    assert res == {"resources": ["note://public"]}
+    assert public == {"text": "a public note"}
+    assert "tools:resource-not-allowed" in private["error"]
+    assert prompts == {"prompts": ["t__summarize"]}
+    assert ok == {"text": "Summarize: x"}
+    assert "tools:prompt-not-allowed" in hidden["error"]
 
 
 def test_arguments_outside_their_constraints_are_denied(env):

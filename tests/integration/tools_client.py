@@ -31,6 +31,16 @@ async def main() -> None:
                 elif op[0] == "call":
                     r = await c.call_tool(op[1], op[2])
                     out = {"ok": not r.is_error, "text": "".join(getattr(x, "text", "") for x in r.content)}
+                elif op[0] == "resources":
+                    out = {"resources": sorted(str(r.uri) for r in (await c.list_resources()).resources)}
+                elif op[0] == "read":
+                    r = await c.read_resource(op[1])
+                    out = {"text": "".join(getattr(x, "text", "") for x in r.contents)}
+                elif op[0] == "prompts":
+                    out = {"prompts": sorted(p.name for p in (await c.list_prompts()).prompts)}
+                elif op[0] == "prompt":
+                    r = await c.get_prompt(op[1], op[2])
+                    out = {"text": "".join(getattr(m.content, "text", "") for m in r.messages)}
                 else:
                     out = {"bad-op": op[0]}
             except Exception as exc:  # noqa: BLE001

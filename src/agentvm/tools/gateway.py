@@ -49,6 +49,7 @@ from mcp.server.transport_security import TransportSecuritySettings
 from mcp.shared.exceptions import MCPError
 
 from agentvm.approvals import digest as arg_digest
+from agentvm.gate.endpoint import TokenBucket
 from agentvm.approvals import preview
 from agentvm.tools import policy as tp
 
@@ -70,23 +71,6 @@ class ToolFailure(Exception):
         self.rule_id, self.reason, self.code = rule_id, reason, code
 
 
-class _Bucket:
-    def __init__(self, per_minute: int) -> None:
-        self.rate = per_minute / 60.0
-        self.capacity = float(per_minute)
-        self.tokens = self.capacity
-        self.t = time.monotonic()
-
-    def take(self) -> bool:
-        now = time.monotonic()
-        self.tokens = min(self.capacity, self.tokens + (now - self.t) * self.rate)
-        self.t = now
-        if self.tokens >= 1:
-            self.tokens -= 1
-            return True
-        return False
-
-
 class Upstream:
     """One declared server: its MCP client session, held open by a task of its own."""
 
@@ -94,7 +78,7 @@ class Upstream:
         self.gw, self.sp = gw, sp
         self.client: Client | None = None
         self.error: str | None = None
-        self.bucket = _Bucket(sp.calls_per_minute)
+        self.bucket = TokenBucket(sp.calls_per_minute / 60.0, float(sp.calls_per_minute))
         self._ready = asyncio.Event()
         self._stop = asyncio.Event()
         self._task: asyncio.Task | None = None
@@ -542,20 +526,26 @@ class ToolGateway:
         return done
 
     # ------------------------------------------------------------------ resources and prompts
-    async def _list_resources(self, ctx, params) -> types.ListResourcesResult:
+    async def _gather(self, wants, fetch) -> list:
+        """(server policy, its upstream, its items) of every server ``wants`` something of; a
+        server that fails or is slow is left out (its items are absent, the others listed)."""
         out = []
         for name, u in self.upstreams.items():
             sp = self.policy.server(name)
-            if sp is None or not sp.resources:
+            if sp is None or not wants(sp):
                 continue
             try:
                 c = await u.get()
                 async with asyncio.timeout(sp.timeout):
-                    res = await c.list_resources()
+                    out.append((sp, await fetch(c)))
             except Exception:  # noqa: BLE001
                 continue
-            out.extend(r for r in res.resources[:MAX_TOOLS] if tp.resource_allowed(sp, str(r.uri)))
-        return types.ListResourcesResult(resources=out)
+        return out
+
+    async def _list_resources(self, ctx, params) -> types.ListResourcesResult:
+        got = await self._gather(lambda sp: sp.resources, lambda c: c.list_resources())
+        return types.ListResourcesResult(resources=[r for sp, res in got for r in res.resources[:MAX_TOOLS]
+                                                    if tp.resource_allowed(sp, str(r.uri))])
 
     async def _read_resource(self, ctx, params) -> types.ReadResourceResult:
         uri = str(params.uri)
@@ -580,20 +570,10 @@ class ToolGateway:
         raise self._deny("tools:resource-not-allowed", "no server's resources rule names this resource", uri[:200])
 
     async def _list_prompts(self, ctx, params) -> types.ListPromptsResult:
-        out = []
-        for name, u in self.upstreams.items():
-            sp = self.policy.server(name)
-            if sp is None or not sp.prompts:
-                continue
-            try:
-                c = await u.get()
-                async with asyncio.timeout(sp.timeout):
-                    res = await c.list_prompts()
-            except Exception:  # noqa: BLE001
-                continue
-            out.extend(p.model_copy(update={"name": f"{name}{tp.SEP}{p.name}"}) for p in res.prompts[:MAX_TOOLS]
-                       if tp.prompt_allowed(sp, p.name))
-        return types.ListPromptsResult(prompts=out)
+        got = await self._gather(lambda sp: sp.prompts, lambda c: c.list_prompts())
+        return types.ListPromptsResult(prompts=[p.model_copy(update={"name": f"{sp.name}{tp.SEP}{p.name}"})
+                                                for sp, res in got for p in res.prompts[:MAX_TOOLS]
+                                                if tp.prompt_allowed(sp, p.name)])
 
     async def _get_prompt(self, ctx, params) -> types.GetPromptResult:
         split = tp.split_name(params.name)
