@@ -118,10 +118,12 @@ def test_invalid_options_are_config_errors(agentvm):
     assert r.returncode == 78 and b"nothing to run" in r.stderr
 
 
-def test_unenforceable_sections_refused_with_77(agentvm, tmp_path):
+def test_a_tools_section_in_the_old_placeholder_format_is_refused_with_the_line(agentvm, tmp_path):
+    # `tools` was a placeholder (name + allow: true) before the gateway existed: such a file is
+    # refused before anything runs, at the line, never run with its tools ignored
     f = write_agent(tmp_path, "tooly", "  tools:\n    - {name: fs, allow: true}\n")
     r = agentvm("run", "-f", str(f))
-    assert r.returncode == 77 and b"tools" in r.stderr
+    assert r.returncode == 78 and b"tooly.yaml:" in r.stderr and b"spec.tools[0]" in r.stderr
 
 
 def test_named_agent_workspace_is_durable_private_and_size_limited(agentvm, tmp_path, avm_home):

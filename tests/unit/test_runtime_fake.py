@@ -165,3 +165,13 @@ def test_min_substrate_comes_from_the_agent_file():
     assert with_overrides(pol, substrate="gvisor").substrate == "gvisor"
     with pytest.raises(ConfigError):
         with_overrides(pol, substrate="fake")  # never from the command line
+
+
+def test_a_section_this_version_cannot_enforce_is_refused_not_ignored(paths):
+    import dataclasses
+
+    fb = FakeBackend()
+    with pytest.raises(PolicyDenied) as e:
+        Runtime(paths, fb).run(dataclasses.replace(POL, pending_features=("some.section",)), tty=False)
+    assert e.value.code == "policy.unenforceable" and "some.section" in e.value.message
+    assert not fb.launched
