@@ -61,6 +61,7 @@ CREATE INDEX approvals_state ON approvals(state, created);
 
 POLL = 0.05  # how often a holder looks for the answer (seconds)
 WEBHOOK_TIMEOUT = 5.0
+MAX_PENDING = 16  # per sandbox: more held at once are refused (no flooding the queue, the human or the loop)
 PREVIEW_CHARS = 200
 STATES = ("pending", "approved", "denied", "expired")
 
@@ -159,6 +160,11 @@ class ApprovalStore:
     # ------------------------------------------------------------------ holder side
     def submit(self, *, kind: str, sandbox: str, agent: str, target: str, summary: dict, arg_digest: str,
                policy: str, timeout: float, webhook: str | None = None) -> Request:
+        pending = self._db.execute("SELECT COUNT(*) FROM approvals WHERE sandbox=? AND state='pending'",
+                                   (sandbox,)).fetchone()[0]
+        if pending >= MAX_PENDING:
+            raise ApprovalError(f"{sandbox} already has {pending} requests waiting for a human (at most {MAX_PENDING})",
+                                code="approvals.too-many")
         now = time.time()
         rid = "apr-" + secrets.token_hex(6)
         row = (rid, now, kind, sandbox, agent, target[:512], json.dumps(summary, sort_keys=True, ensure_ascii=True),

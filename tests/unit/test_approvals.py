@@ -145,3 +145,16 @@ def test_what_a_sandbox_wrote_cannot_drive_the_operators_terminal(tmp_path, monk
     monkeypatch.setattr(approvals_cmd, "_store", lambda: s)
     out = CliRunner().invoke(approvals_cmd.approvals, ["show", r.id]).output
     assert "\x1b" not in out and "\x07" not in out and "\\x1b]52" in out
+
+
+def test_a_sandbox_cannot_flood_the_queue(tmp_path):
+    from agentvm.approvals import MAX_PENDING
+
+    s = store(tmp_path)
+    for _ in range(MAX_PENDING):
+        submit(s)
+    with pytest.raises(ApprovalError, match="waiting for a human"):
+        submit(s)
+    other = s.submit(kind="tool", sandbox="sb-2", agent="b", target="x", summary={}, arg_digest="d", policy="p",
+                     timeout=60)
+    assert other.state == "pending"  # another sandbox is not affected

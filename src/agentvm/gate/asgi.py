@@ -15,7 +15,7 @@ from agentvm.gate import h1
 from agentvm.gate.framing import RequestBody
 from agentvm.gate.relay import BadBody, BodyEnded, request_body
 
-MAX_BODY = 8 * 1024 * 1024  # a JSON-RPC message to the gateway (each server has its own, smaller, limits)
+MAX_BODY = 4 * 1024 * 1024  # a JSON-RPC message to the gateway, buffered whole (each server has its own, smaller, limits)
 _HOP = {b"connection", b"keep-alive", b"transfer-encoding", b"upgrade", b"proxy-connection", b"te", b"trailer"}
 
 

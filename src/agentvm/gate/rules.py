@@ -42,7 +42,7 @@ RULES: dict[str, str] = {
     "tools:none": "a request for /mcp from a sandbox that declares no tools (404)",
     "tools:unavailable": "the sandbox's tool gateway could not start (503): no tool calls",
     "tools:internal-error": "a bug in the tool gateway: the request is refused (fail closed)",
-    "tools:request-too-large": "a request to /mcp over 8 MiB (413)",
+    "tools:request-too-large": "a request to /mcp over 4 MiB (413)",
     # operator and limits
     "paused": "egress of the sandbox is paused by the operator (connections open at the time are cut)",
     "limit:connections": "too many concurrent connections from the sandbox (429)",
