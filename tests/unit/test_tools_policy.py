@@ -189,4 +189,12 @@ def test_the_tool_servers_sandbox_holds_its_own_grants_and_none_of_the_agents():
     assert doc["spec"]["command"] == ["gh-mcp"] and doc["spec"]["workspace"] == {"enabled": False}
     assert [m["host"] for m in doc["spec"]["mounts"]] == ["/srv/gh"]
     assert doc["spec"]["env"] == {"GH_HOST": "github.test"} and "credentials" not in doc["spec"]
-    assert doc["metadata"]["name"] == "a-tool-gh" or doc["metadata"]["name"].endswith("-tool-gh")
+    assert doc["metadata"]["name"].endswith("-tool-gh") and len(doc["metadata"]["name"]) <= 63
+    # two agents whose names start the same never share a tool server's identity
+    from agentvm.tools.policy import _sandbox_spec
+
+    srv = type("S", (), {"command": ["x"], "memory": 1 << 29, "mounts": [], "env": {}, "credentials": [], "name": "gh",
+                         "egress": type("E", (), {"allow": [], "deny": [], "hosts": {}})()})()
+    a = json.loads(_sandbox_spec("research-assistant-team-alpha", "L3", srv))["metadata"]["name"]
+    b = json.loads(_sandbox_spec("research-assistant-team-beta", "L3", srv))["metadata"]["name"]
+    assert a != b and len(a) <= 63

@@ -213,7 +213,12 @@ def prompt_allowed(sp: ServerPolicy, name: str) -> bool:
 def _sandbox_spec(agent: str, tier: str, srv, substrate: str = "bwrap") -> str:
     """The agent file of a local server's own sandbox: its command, grants, environment, egress
     and credentials - nothing of the agent's (no workspace, no grants, no credentials)."""
-    name = f"{agent[:24].rstrip('-')}-tool-{srv.name}"[:63].rstrip("-")
+    # unique per (agent, server): a tool server's sandbox gets a uid of its own, never one shared
+    # with another agent's server whose agent name starts the same
+    import hashlib
+
+    tag = hashlib.sha256(agent.encode()).hexdigest()[:6]
+    name = f"{agent[:18].rstrip('-')}-{tag}-tool-{srv.name}"[:63].rstrip("-")
     spec: dict = {
         "command": list(srv.command),
         "riskTier": tier,
