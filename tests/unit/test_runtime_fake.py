@@ -170,8 +170,11 @@ def test_min_substrate_comes_from_the_agent_file():
 def test_a_section_this_version_cannot_enforce_is_refused_not_ignored(paths):
     import dataclasses
 
+    launched = []
     fb = FakeBackend()
+    real = fb.launch
+    fb.launch = lambda *a, **kw: launched.append(a) or real(*a, **kw)
     with pytest.raises(PolicyDenied) as e:
         Runtime(paths, fb).run(dataclasses.replace(POL, pending_features=("some.section",)), tty=False)
     assert e.value.code == "policy.unenforceable" and "some.section" in e.value.message
-    assert not fb.launched
+    assert not launched
