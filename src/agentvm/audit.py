@@ -176,7 +176,9 @@ class AuditLog:
         os.replace(tmp, self.head_path)
 
     def records(self, *, since: float | None = None, sandbox: str | None = None, limit: int | None = None,
-                kinds: tuple[str, ...] | None = None) -> list[Record]:
+                kinds: tuple[str, ...] | None = None, newest: bool = False) -> list[Record]:
+        """Records in chain order; ``newest`` with ``limit``: the last ``limit`` of them (still in
+        chain order)."""
         q = "SELECT seq, time, kind, actor, sandbox, data, prev, hash FROM audit"
         cond, args = [], []
         if kinds:
@@ -190,7 +192,7 @@ class AuditLog:
             args.append(sandbox)
         if cond:
             q += " WHERE " + " AND ".join(cond)
-        q += " ORDER BY seq"
+        q += " ORDER BY seq DESC" if newest else " ORDER BY seq"
         if limit is not None:
             q += f" LIMIT {int(limit)}"
         out = []
@@ -200,7 +202,12 @@ class AuditLog:
             except ValueError:
                 d = {"_unparseable": data}
             out.append(Record(seq, t, kind, actor, sb, d, prev, h))
-        return out
+        return out[::-1] if newest else out
+
+    def length(self) -> int:
+        """How many records the chain holds (its last sequence number)."""
+        row = self._conn.execute("SELECT MAX(seq) FROM audit").fetchone()
+        return int(row[0] or 0)
 
     def verify(self, require_head: bool = True) -> Verification:
         """Walk the chain; report the first record that does not hold, and a missing tail.

@@ -251,6 +251,10 @@ class SandboxCgroup:
                     st["memory_peak"] = int((self.mem_dir / "memory.peak").read_text())
                 except (OSError, ValueError):
                     pass
+                try:
+                    st["memory_current"] = int((self.mem_dir / "memory.current").read_text())
+                except (OSError, ValueError):
+                    pass
             else:
                 st["oom_kills"] = _read_kv(self.mem_dir / "memory.oom_control").get("oom_kill", 0)
                 try:

@@ -40,6 +40,7 @@ _COMMANDS: dict[str, str] = {
     "policy": "agentvm.cli.daemon_cmds:policy",
     "audit": "agentvm.cli.daemon_cmds:audit",
     "events": "agentvm.cli.daemon_cmds:events",
+    "console": "agentvm.cli.daemon_cmds:console",
     "approvals": "agentvm.cli.approvals_cmd:approvals",
 }
 

@@ -351,6 +351,53 @@ def audit_verify(db):
     return EXIT_POLICY
 
 
+@audit.command("export")
+@click.option("--format", "fmt", type=click.Choice(["ocsf", "json"]), default="ocsf", show_default=True,
+              help="ocsf: OCSF 1.3 events (HTTP Activity for decisions, API Activity for audit records); json: as stored.")
+@click.option("--what", type=click.Choice(["all", "audit", "decisions"]), default="all", show_default=True,
+              help="The audit chain's records, the gate's decisions (its logs), or both.")
+@click.option("--since", type=_since(), help="From this time on: a Unix time, a duration ago (10m, 2h) or an ISO date.")
+@click.option("--sandbox", help="Only this sandbox (its name, or a run's sandbox id for decisions).")
+@click.option("--file", "db", type=click.Path(dir_okay=False), help="Read this audit database (default: this installation's).")
+def audit_export(fmt, what, since, sandbox, db):
+    """Export audit records and egress decisions as JSON lines (read-only; the daemon need not run)."""
+    from agentvm.observe import ocsf
+    from agentvm.paths import default_paths
+
+    if what in ("all", "audit"):
+        local = _local_audit(db)
+        recs = [r.to_dict() for r in local.records(since=since, sandbox=sandbox)] if local else _client().audit(since, sandbox)
+        for r in recs:
+            click.echo(json.dumps(ocsf.audit_record(r) if fmt == "ocsf" else r, sort_keys=True))
+    if what in ("all", "decisions"):
+        import os
+
+        if os.environ.get("AGENTVM_DAEMON_URL") and not db:
+            raise ConfigError("decisions are exported from the gate's logs on the daemon's host, not over the API",
+                              hint="run `agentvm audit export --what decisions` on that host (or --what audit here)")
+        logs = default_paths().home / "logs"
+        for path in sorted(logs.glob("*.egress.jsonl"), key=lambda p: p.stat().st_mtime) if logs.is_dir() else ():
+            with open(path, encoding="utf-8", errors="replace") as f:
+                for rec in ocsf.decisions_from_logs(f, since=since, sandbox=sandbox):
+                    click.echo(json.dumps(ocsf.decision(rec) if fmt == "ocsf" else rec, sort_keys=True))
+    return 0
+
+
+@click.command()
+@click.option("--open", "open_browser", is_flag=True, help="Also open the link in this machine's browser.")
+def console(open_browser):
+    """Print a one-time login link to the daemon's web console (valid 60 s, single use)."""
+    r = _client().console_login()
+    click.echo(r["url"])
+    click.echo(f"agentvm: the link signs one browser in; it expires in {r['expires_in']:g} s and works once",
+               err=True)
+    if open_browser:
+        import webbrowser
+
+        webbrowser.open(r["url"])
+    return 0
+
+
 @click.command()
 def events():
     """Stream decisions and lifecycle events (NDJSON) until interrupted."""

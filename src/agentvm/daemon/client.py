@@ -216,6 +216,9 @@ class Client:
     def verify(self):
         return self.request("GET", "/v1/audit/verify")
 
+    def console_login(self):
+        return self.request("POST", "/v1/console/login", {})
+
     def events(self) -> Iterator[dict]:
         return self.stream("GET", "/v1/events")
 

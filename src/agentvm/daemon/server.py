@@ -50,6 +50,8 @@ MAX_BODY = 64 * 1024 * 1024
 LARGE_BODY = 1024 * 1024  # bodies above this (cp uploads) are buffered at most UPLOADS at a time
 UPLOADS = 2
 BODY_TIMEOUT = 30.0  # seconds a request body may stall between reads
+CONSOLE_BODY = 64 * 1024  # a console form (and anything else sent before the console's own check)
+METRICS_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 RESERVE = 8 * 1024 * 1024  # disk space held back for the daemon's own state when the disk fills
 
 
@@ -157,15 +159,36 @@ class Daemon:
         self.servers: list[asyncio.AbstractServer] = []
         self.stopping = asyncio.Event()
         self.socket_path = self.paths.runtime / SOCKET_NAME
+        from agentvm.observe.metrics import CachedVerify, Observer
+
+        self.observer = Observer(sandboxes_by_state=self._by_state, approvals_pending=self._pending_count,
+                                 audit_status=CachedVerify(self._verify_readonly, self.audit.length))
+        self._console = None  # the web console's app, made on its first request
 
     def _approval_store(self):
         from agentvm.approvals import open_store
 
         return open_store(self.paths, self.record)
 
+    # ---------------------------------------------------------------- what /metrics reads
+    def _by_state(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for row in self.state.all():
+            out[row.state] = out.get(row.state, 0) + 1
+        return out
+
+    def _pending_count(self) -> int | None:
+        store = self.gate.approval_store()
+        return None if store is None else len(store.list(("pending",)))
+
+    def _verify_readonly(self):
+        # its own read-only connection: the walk runs in a worker thread, beside the loop's appends
+        return AuditLog.open_readonly(self.audit.path).verify()
+
     # ---------------------------------------------------------------- events & audit
     def emit(self, kind: str, **data) -> None:
         rec = {"time": time.time(), "kind": kind, **data}
+        self.observer.observe(rec)
         for q in list(self.subscribers):
             if q.qsize() < 10000:
                 q.put_nowait(rec)
@@ -520,6 +543,8 @@ class Daemon:
                     self.record("operator.request-dropped", actor=actor, method=req.method.decode(),
                                 target=req.target.decode()[:200], reason="the client closed the connection first")
                     return
+            if _is_console(req.target):
+                return await self._serve_console(req, body, conn, writer, reader, tcp)
             await self._dispatch(req.method.decode(), req.target.decode(), body, conn, writer, actor)
         except ApiError as e:
             await self._fail(conn, writer, e.status, e.to_dict())
@@ -555,6 +580,7 @@ class Daemon:
         how many large ones are buffered at once; on TCP the token is checked before a byte of
         the body is read."""
         req, body = None, bytearray()
+        console_limit = False
         while True:
             ev = conn.next_event()
             if ev is h11.NEED_DATA:
@@ -568,18 +594,26 @@ class Daemon:
                 continue
             if isinstance(ev, h11.Request):
                 req = ev
-                if tcp:
+                length = next((v for k, v in ev.headers if k.lower() == b"content-length"), b"0")
+                size = int(length) if length.isdigit() else 0
+                if tcp and _is_console(ev.target):
+                    # the console checks its own sessions (a browser has a cookie, not the
+                    # token); what it may be sent before that check is small
+                    if size > CONSOLE_BODY:
+                        raise ApiError(413, "too-large", f"a console request over {CONSOLE_BODY} bytes")
+                    console_limit = True
+                elif tcp:
                     auth = next((v.decode("latin-1") for k, v in ev.headers if k.lower() == b"authorization"), "")
                     if not (self.token and auth.startswith("Bearer ") and hmac.compare_digest(auth[7:], self.token)):
                         raise ApiError(401, "unauthorized", "a bearer token is required on the TCP listener")
-                length = next((v for k, v in ev.headers if k.lower() == b"content-length"), b"0")
-                size = int(length) if length.isdigit() else 0
                 if size > MAX_BODY:
                     raise ApiError(413, "too-large", f"request body of {size} bytes is over the limit of {MAX_BODY}")
                 if size > LARGE_BODY:
                     self._take_upload_slot(held)
             elif isinstance(ev, h11.Data):
                 body += ev.data
+                if console_limit and len(body) > CONSOLE_BODY:
+                    raise ApiError(413, "too-large", f"a console request over {CONSOLE_BODY} bytes")
                 if len(body) > MAX_BODY:
                     raise ApiError(413, "too-large", "request body too large")
                 if len(body) > LARGE_BODY and not held:  # a chunked body grew large: same rule
@@ -605,6 +639,81 @@ class Daemon:
         writer.write(conn.send(h11.Data(data=data)))
         writer.write(conn.send(h11.EndOfMessage()))
         await writer.drain()
+
+    async def _raw(self, conn, writer, status: int, data: bytes, ctype: str) -> None:
+        writer.write(conn.send(h11.Response(status_code=status, headers=[("content-type", ctype),
+                                                                         ("content-length", str(len(data))),
+                                                                         ("connection", "close")])))
+        writer.write(conn.send(h11.Data(data=data)))
+        writer.write(conn.send(h11.EndOfMessage()))
+        await writer.drain()
+
+    # ---------------------------------------------------------------- the web console
+    def console(self):
+        if self._console is None:
+            from agentvm.console.app import Console
+
+            self._console = Console(self)
+        return self._console
+
+    def _console_login(self, actor: str) -> dict:
+        """A one-time login link for a browser (minted for whoever holds the API: the socket's
+        owner or the token's holder)."""
+        if not self.listen:
+            raise ApiError(409, "no-listener", "the console is served on the daemon's TCP listener, and this daemon "
+                           "has none", hint="restart the daemon with `agentvm up --listen 127.0.0.1:7070`", exit_code=78)
+        from agentvm.console.app import CODE_TTL
+
+        code = self.console().sessions.mint_code()
+        self.record("console.login-link", actor=actor, expires_in=CODE_TTL)
+        host, _, port = self.listen.rpartition(":")
+        host = host or "127.0.0.1"
+        host = f"[{host}]" if ":" in host else host
+        return {"url": f"http://{host}:{port}/login?code={code}", "expires_in": CODE_TTL}
+
+    async def _serve_console(self, req, body: bytes, conn, writer, reader, tcp: bool) -> None:
+        """One request to the console app (ASGI, in-process), framed back through h11."""
+        app = self.console()
+        target = req.target.decode("ascii", "replace")
+        path, _, query = target.partition("?")
+        scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
+                 "method": req.method.decode("ascii", "replace"), "scheme": "http", "path": path,
+                 "raw_path": path.encode("ascii", "replace"), "query_string": query.encode("ascii", "replace"),
+                 "root_path": "", "headers": [(bytes(k).lower(), bytes(v)) for k, v in req.headers],
+                 "client": ("127.0.0.1", 0) if tcp else None, "server": None, "state": {},
+                 "agentvm.transport": "tcp" if tcp else "unix"}
+        delivered = False
+        gone = asyncio.Event()
+
+        async def receive():
+            nonlocal delivered
+            if not delivered:
+                delivered = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            if not gone.is_set():  # until the browser goes away (a stream ends with it)
+                try:
+                    while await reader.read(65536):
+                        pass
+                except (ConnectionError, OSError):
+                    pass
+                gone.set()
+            return {"type": "http.disconnect"}
+
+        async def send(msg):
+            kind = msg.get("type")
+            if kind == "http.response.start":
+                headers = [(k, v) for k, v in msg.get("headers", []) if k.lower() not in (b"connection",)]
+                headers.append((b"connection", b"close"))
+                status = int(msg["status"])
+                writer.write(conn.send(h11.Response(status_code=status, headers=headers, reason=_phrase(status))))
+            elif kind == "http.response.body":
+                if msg.get("body"):
+                    writer.write(conn.send(h11.Data(data=bytes(msg["body"]))))
+                if not msg.get("more_body", False):
+                    writer.write(conn.send(h11.EndOfMessage()))
+            await writer.drain()
+
+        await app(scope, receive, send)
 
     async def _fail(self, conn, writer, status: int, doc: dict) -> None:
         """One error path for every route: an error object (code, message, hint, exit code - what
@@ -635,6 +744,9 @@ class Daemon:
         parts = [p for p in u.path.split("/") if p]
         q = {k: v[-1] for k, v in parse_qs(u.query).items()}
         doc = _json_body(body) if body and method in ("POST",) and parts[-1:] != ["files"] else None
+        if parts == ["metrics"] and method == "GET":
+            data = await asyncio.to_thread(self.observer.exposition)
+            return await self._raw(conn, writer, 200, data, METRICS_TYPE)
         if parts[:1] != ["v1"]:
             raise ApiError(404, "not-found", "unknown path")
         p = parts[1:]
@@ -682,6 +794,8 @@ class Daemon:
                 return await self._files(name, method, q.get("path", ""), body, conn, writer, actor)
             if action == "policy" and method == "POST":
                 return await self._json(conn, writer, 200, await self._policy(name, doc or {}, actor))
+        if p == ["console", "login"] and method == "POST":
+            return await self._json(conn, writer, 200, self._console_login(actor))
         if p[:1] == ["approvals"]:
             return await self._approvals(method, p[1:], doc or {}, q, conn, writer, actor)
         if p == ["run"] and method == "POST":
@@ -1128,6 +1242,21 @@ class Daemon:
         finally:
             self.subscribers.discard(q)
         await self._stream_end(conn, writer)
+
+
+def _phrase(status: int) -> bytes:
+    from http import HTTPStatus
+
+    try:
+        return HTTPStatus(status).phrase.encode()
+    except ValueError:
+        return b""
+
+
+def _is_console(target: bytes) -> bool:
+    """Everything but the API (``/v1/...``) and ``/metrics`` is the console's."""
+    path = target.split(b"?", 1)[0]
+    return not (path == b"/v1" or path.startswith(b"/v1/") or path == b"/metrics")
 
 
 def _deny_rules(specs: list[str]):

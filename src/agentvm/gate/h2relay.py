@@ -23,6 +23,7 @@ SigV4/HMAC re-signing needs the whole body before the head and is refused on HTT
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import deque
 
 import h2.config
@@ -59,6 +60,7 @@ class _Stream:
         self.up_end = self.down_end = False  # END_STREAM queued toward that side
         self.trailers = None
         self.sent = self.received = 0
+        self.t0 = time.monotonic()  # for the decision's upstream_ms
         self.answered = False
         self.done = False  # decided and logged (or refused): nothing more to relay
         self.status = 0
@@ -550,5 +552,6 @@ class H2Bridge:
         if error:
             extra["error"] = error
         self.ep.log(verdict="allow", rule_id=d.rule_id, reason=d.reason, host=req.host, port=req.port,
-                    method=req.method, path=req.path, phase="request", bytes_out=s.sent, bytes_in=s.received, **extra)
+                    method=req.method, path=req.path, phase="request", bytes_out=s.sent, bytes_in=s.received,
+                    upstream_ms=round((time.monotonic() - s.t0) * 1000, 3), **extra)
 

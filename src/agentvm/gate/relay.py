@@ -14,6 +14,8 @@ One :class:`Relay` per request: its context is attributes, not positional argume
 
 from __future__ import annotations
 
+import time
+
 from agentvm.gate import encoding, framing, h1, rules
 from agentvm.gate.endpoint import Endpoint
 from agentvm.gate.exchange import Forward, cred_deny
@@ -129,6 +131,7 @@ class Relay:
         self.scanner = creds.body_scanner(req.host) if creds is not None else None
         self.scrubber = creds.scrubber() if creds is not None else None
         self.sent = 0
+        self.t0 = time.monotonic()  # for the decision's upstream_ms
         # the sandbox's connection stays open after this exchange: HTTP/1.1 without "close"
         conn = {t.strip().lower() for k, v in req.headers if k == b"connection" for t in v.split(b",")}
         self.client_keep = req.http_version == "1.1" and b"close" not in conn
@@ -452,6 +455,6 @@ class Relay:
         if scrub is not None and scrub.decoded_from:
             extra["decoded"] = scrub.decoded_from
         self._log(verdict="allow", rule_id=d.rule_id, reason=d.reason, phase="request", bytes_out=self.sent,
-                  bytes_in=received, **extra)
+                  bytes_in=received, upstream_ms=round((time.monotonic() - self.t0) * 1000, 3), **extra)
         reusable = reader.reusable and self.upstream.reusable
         return keep, leftover, reusable

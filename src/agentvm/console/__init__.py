@@ -1,0 +1,1 @@
+"""The daemon's web console (see ``app``)."""

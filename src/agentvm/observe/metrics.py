@@ -1,0 +1,192 @@
+"""What the daemon has seen: Prometheus metrics and the console's recent-activity view.
+
+Everything the daemon learns arrives as an event (``Daemon.emit``: gate decisions as
+``egress``, lifecycle and approval records by their audit kind). :class:`Observer` takes each
+event once and keeps
+
+* counters and a latency histogram in its own ``prometheus_client`` registry (never the
+  process-global one: two daemons in one test process must not share counts);
+* gauges read at scrape time from the daemon's state (sandboxes by state, approvals pending,
+  the audit chain's length and whether it verifies - the walk is cached, at most one per
+  ``VERIFY_EVERY`` seconds);
+* the last ``RECENT`` decisions and a per-sandbox, per-host egress summary for the console
+  (in memory, since the daemon started; the gate's NDJSON logs stay the record).
+
+Label values are bounded: agent names and rule ids come from agent files and the gate's rule
+registry; hosts never become labels (a sandbox could mint unbounded series with them).
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from typing import Callable
+
+import prometheus_client
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+
+# no "<name>_created" series beside every counter: they double the output and nothing here uses them
+prometheus_client.disable_created_metrics()
+
+RECENT = 2000  # decisions kept for the console's stream page
+MAX_HOSTS = 500  # hosts summarised per sandbox (the rest are counted under "(other hosts)")
+MAX_AGENTS = 1000  # distinct agent label values; later ones are counted as "(other)"
+VERIFY_EVERY = 30.0
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# upstream latency buckets, seconds: a loopback hop is ~1 ms, an LLM call tens of seconds
+_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+
+class Observer:
+    def __init__(self, *, sandboxes_by_state: Callable[[], dict[str, int]],
+                 approvals_pending: Callable[[], int | None],
+                 audit_status: Callable[[], tuple[int, bool]]) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.decisions = Counter("agentvm_egress_decisions", "Gate decisions, by agent, verdict (allow, deny, ask) and "
+                                 "rule id", ["agent", "verdict", "rule"], registry=r)
+        self.bytes = Counter("agentvm_egress_bytes", "Bytes relayed by the gate (out: toward upstreams; in: toward "
+                             "the sandbox)", ["agent", "direction"], registry=r)
+        self.swaps = Counter("agentvm_credential_swaps", "Requests into which the gate swapped a real credential",
+                             ["agent", "credential"], registry=r)
+        self.leaks = Counter("agentvm_credential_leaks_blocked", "Credential leaks stopped: a placeholder sent where it "
+                             "is not bound (request) or a real secret scrubbed from a response (response)",
+                             ["agent", "where"], registry=r)
+        self.latency = Histogram("agentvm_gate_upstream_seconds", "Time from forwarding a request to the end of its "
+                                 "response, for requests the gate relayed", buckets=_BUCKETS, registry=r)
+        self.lifecycle = Counter("agentvm_sandbox_events", "Sandbox lifecycle events: start (running), restart "
+                                 "(scheduled), failure, exit, stop, run (a run of the agent began), refused (a run was refused)",
+                                 ["agent", "event"], registry=r)
+        self.approvals = Counter("agentvm_approvals", "Approval requests made and answered",
+                                 ["state"], registry=r)
+        self._dyn = _Dynamic(sandboxes_by_state, approvals_pending, audit_status)
+        r.register(self._dyn)
+        self.recent: collections.deque = collections.deque(maxlen=RECENT)
+        self.summary: dict[str, dict[str, list]] = {}  # agent -> host -> [allow, deny, bytes_out, bytes_in, last]
+        self._agents: set[str] = set()
+
+    # ------------------------------------------------------------------ intake
+    def _agent(self, name) -> str:
+        name = str(name or "(none)")[:128]
+        if name not in self._agents:
+            if len(self._agents) >= MAX_AGENTS:
+                return "(other)"
+            self._agents.add(name)
+        return name
+
+    def observe(self, rec: dict) -> None:
+        """One event from ``Daemon.emit`` (never raises: metrics must not break the daemon)."""
+        try:
+            kind = rec.get("kind")
+            if kind == "egress":
+                self._decision(rec)
+            elif kind in _LIFECYCLE:
+                # a run's records name its session (sandbox) and its agent: the label is the agent
+                self.lifecycle.labels(self._agent(rec.get("agent") or rec.get("sandbox")), _LIFECYCLE[kind]).inc()
+            elif kind == "run.refused":
+                self.lifecycle.labels(self._agent(rec.get("agent")), "refused").inc()
+            elif kind == "approval.requested":
+                self.approvals.labels("requested").inc()
+            elif kind == "approval.answered":
+                self.approvals.labels(str(rec.get("state") or "?")[:16]).inc()
+        except Exception:  # noqa: BLE001
+            pass
+
+    def _decision(self, rec: dict) -> None:
+        agent = self._agent(rec.get("agent"))
+        verdict = str(rec.get("verdict") or "?")[:8]
+        rule = str(rec.get("rule") or "?")[:160]
+        # a "log:suppressed" record stands for n denials that the deny-log rate limit folded
+        n = int(rec.get("suppressed") or 1) if rule == "log:suppressed" else 1
+        self.decisions.labels(agent, verdict, rule).inc(n)
+        out, inn = int(rec.get("bytes_out") or 0), int(rec.get("bytes_in") or 0)
+        if out:
+            self.bytes.labels(agent, "out").inc(out)
+        if inn:
+            self.bytes.labels(agent, "in").inc(inn)
+        for cred in rec.get("credentials") or ():
+            self.swaps.labels(agent, str(cred)[:128]).inc()
+        if rule.startswith("credential:leak:"):
+            self.leaks.labels(agent, "request").inc()
+        if rec.get("scrubbed"):
+            self.leaks.labels(agent, "response").inc()
+        ms = rec.get("upstream_ms")
+        if isinstance(ms, (int, float)) and ms >= 0:
+            self.latency.observe(ms / 1000.0)
+        light = {k: rec.get(k) for k in _KEEP if rec.get(k) is not None}
+        self.recent.append(light)
+        host = str(rec.get("host") or "")
+        if host:
+            hosts = self.summary.setdefault(agent, {})
+            if host not in hosts and len(hosts) >= MAX_HOSTS:
+                host = "(other hosts)"
+            row = hosts.setdefault(host, [0, 0, 0, 0, 0.0])
+            row[0 if verdict == "allow" else 1] += 1
+            row[2] += out
+            row[3] += inn
+            row[4] = float(rec.get("time") or time.time())
+
+    # ------------------------------------------------------------------ output
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def egress_summary(self, agent: str) -> list[dict]:
+        hosts = self.summary.get(agent, {})
+        return [{"host": h, "allowed": r[0], "denied": r[1], "bytes_out": r[2], "bytes_in": r[3], "last": r[4]}
+                for h, r in sorted(hosts.items(), key=lambda kv: -kv[1][4])]
+
+
+_LIFECYCLE = {"lifecycle.running": "start", "lifecycle.restart-scheduled": "restart", "lifecycle.failed": "failure",
+              "lifecycle.exited": "exit", "lifecycle.stopped": "stop", "run.started": "run"}
+_KEEP = ("time", "agent", "sandbox", "phase", "host", "port", "method", "path", "rule", "verdict", "reason",
+         "bytes_out", "bytes_in", "credentials", "alert", "tool", "suppressed", "upstream_ms")
+
+
+class _Dynamic:
+    """Gauges read when Prometheus scrapes."""
+
+    def __init__(self, by_state, pending, audit) -> None:
+        self.by_state, self.pending, self.audit = by_state, pending, audit
+        self._lock = threading.Lock()
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        g = GaugeMetricFamily("agentvm_sandboxes", "Sandboxes the daemon manages, by state", labels=["state"])
+        for state, n in sorted(self.by_state().items()):
+            g.add_metric([state], n)
+        yield g
+        pending = self.pending()
+        if pending is not None:
+            yield GaugeMetricFamily("agentvm_approvals_pending", "Approval requests waiting for a human", value=pending)
+        length, ok = self.audit()
+        yield GaugeMetricFamily("agentvm_audit_records", "Records on the audit chain", value=length)
+        yield GaugeMetricFamily("agentvm_audit_chain_valid", "1 when the audit chain verifies (hashes and head), "
+                                "else 0; re-walked at most every %gs" % VERIFY_EVERY, value=1 if ok else 0)
+
+
+class CachedVerify:
+    """The chain's verification, walked at most once per ``every`` seconds (a scrape every 15 s
+    must not re-hash a long chain each time)."""
+
+    def __init__(self, verify: Callable[[], object], length: Callable[[], int], every: float = VERIFY_EVERY) -> None:
+        self._verify, self._length, self.every = verify, length, every
+        self._at, self._ok = 0.0, True
+        self._lock = threading.Lock()
+
+    def __call__(self) -> tuple[int, bool]:
+        with self._lock:
+            if time.monotonic() - self._at >= self.every or not self._at:
+                try:
+                    self._ok = bool(getattr(self._verify(), "ok", False))
+                except Exception:  # noqa: BLE001 - a chain that cannot be read does not verify
+                    self._ok = False
+                self._at = time.monotonic()
+            try:
+                return self._length(), self._ok
+            except Exception:  # noqa: BLE001
+                return 0, False
