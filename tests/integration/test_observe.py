@@ -316,3 +316,59 @@ def test_console_in_chromium(daemon_tcp, tmp_path):
     assert any(r["kind"] == "lifecycle.stopped" and r["actor"] == "console" for r in recs)
     assert b"intact" in av("audit", "verify").stdout
     av("rm", "-f", "c-web", check=False)
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed (scripts/install.sh --test installs it)")
+def test_console_answers_an_approval(daemon_tcp, tmp_path):
+    """An egress request held for a human (``action: ask``) shows on the approvals page; the
+    Approve button releases it, and the answer is on the audit chain with the console's name."""
+    from playwright.sync_api import sync_playwright
+
+    from tests.integration.gate_upstreams import Upstream
+
+    home, port = daemon_tcp
+    up = Upstream()
+    try:
+        f = write_agent(tmp_path, "c-ask", f"""\
+            riskTier: L3
+            approvals: {{timeout: 60s}}
+            egress:
+              hosts: {{pay.test: 127.0.0.1}}
+              allow:
+                - {{host: pay.test, ports: [{up.port}], methods: [POST], paths: [/v1/charges], action: ask, id: charges}}
+            """)
+        av("create", "-f", str(f), "--start")
+        held = subprocess.Popen(agentvm_cmd() + ["exec", "c-ask", "--", "curl", "-s", "-o", "/dev/null", "-w", "%{http_code}",
+                                                 "-d", "amount=1", f"http://pay.test:{up.port}/v1/charges"],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        problems: list[str] = []
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+            try:
+                page = browser.new_page(viewport={"width": 1400, "height": 700})
+                page.on("console", lambda m: problems.append(m.text) if m.type in ("error", "warning") else None)
+                page.on("pageerror", lambda e: problems.append(str(e)))
+                page.goto(login(port))
+                deadline = time.monotonic() + 20
+                while page.locator("#pending tbody tr").count() == 0 and time.monotonic() < deadline:
+                    page.goto(f"http://127.0.0.1:{port}/approvals")
+                row = page.locator("#pending tbody tr").first
+                assert "c-ask" in row.inner_text() and f"POST pay.test:{up.port}/v1/charges" in row.inner_text()
+                assert not up.requests_to("pay.test"), "nothing leaves before the human answers"
+                ARTIFACTS.mkdir(parents=True, exist_ok=True)
+                page.screenshot(path=str(ARTIFACTS / "approvals-pending.png"), full_page=True)
+                row.locator("button", has_text="Approve").click()
+                page.wait_for_selector("#flash", timeout=10000)
+                assert page.locator("#none-pending").count() == 1
+            finally:
+                browser.close()
+        out, err = held.communicate(timeout=60)
+        assert out == b"200", (out, err)
+        assert len(up.requests_to("pay.test")) == 1
+        assert problems == [], problems
+        recs = [json.loads(x) for x in av("audit", "show", "--json", "--sandbox", "c-ask").stdout.splitlines()]
+        answered = [r for r in recs if r["kind"] == "approval.answered"]
+        assert answered and answered[-1]["data"]["state"] == "approved" and answered[-1]["actor"].startswith("console")
+        av("rm", "-f", "c-ask", check=False)
+    finally:
+        up.close()

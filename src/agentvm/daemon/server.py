@@ -168,7 +168,19 @@ class Daemon:
     def _approval_store(self):
         from agentvm.approvals import open_store
 
-        return open_store(self.paths, self.record)
+        def record(kind, *, actor, sandbox, **data):
+            # on the daemon's chain under the sandbox's name (as its other records), the run's id kept
+            name = self._name_of(sandbox)
+            extra = {"sandbox_id": sandbox} if name != sandbox else {}
+            self.record(kind, actor=actor, sandbox=name, **extra, **data)
+
+        return open_store(self.paths, record)
+
+    def _name_of(self, sandbox_id: str | None) -> str | None:
+        for name, m in self.managed.items():
+            if m.session is not None and m.session.plan.sandbox_id == sandbox_id:
+                return name
+        return sandbox_id
 
     # ---------------------------------------------------------------- what /metrics reads
     def _by_state(self) -> dict[str, int]:
