@@ -61,10 +61,11 @@ if [ -d "$NODE_SHIM" ]; then
 fi
 
 # --test: real SDKs for the credential and HTTP/2 tests, importable by Debian's python3 *inside*
-# sandboxes (mounted read-only at run time): the openai SDK, boto3, httpx with HTTP/2, grpcio, the mcp SDK.
+# sandboxes (mounted read-only at run time): the openai SDK, boto3, httpx with HTTP/2, grpcio, the mcp SDK,
+# the OpenTelemetry SDK and its OTLP/HTTP exporter (an agent exporting its own spans).
 if [ "${1:-}" = "--test" ]; then
   TESTLIB="${AGENTVM_TESTLIB:-$(dirname "$VENV")/testlib}"
-  TESTLIB_SET="openai boto3 httpx[http2] grpcio mcp==2.3.0"
+  TESTLIB_SET="openai boto3 httpx[http2] grpcio mcp==2.3.0 opentelemetry-sdk opentelemetry-exporter-otlp-proto-http"
   if [ "$(cat "$TESTLIB/.done" 2>/dev/null)" != "$TESTLIB_SET" ]; then
     echo "install: $TESTLIB_SET into $TESTLIB (for tests inside sandboxes)" >&2
     rm -rf "$TESTLIB"

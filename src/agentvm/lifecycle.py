@@ -13,6 +13,7 @@ before launch (a run that cannot be recorded does not start), ``run.exited`` aft
 from __future__ import annotations
 
 import os
+import time
 import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -120,6 +121,8 @@ class Session:
     egress: dict | None = None
     gate_error: AgentVMError | None = None
     torn_down: bool = False
+    trace: object = None  # observe.tracing.SessionTrace when the daemon exports traces
+    began: float = 0.0
 
     @property
     def sandbox_id(self) -> str:
@@ -127,23 +130,33 @@ class Session:
 
 
 class Lifecycle:
-    def __init__(self, runtime, gate) -> None:
+    def __init__(self, runtime, gate, tracing=None) -> None:
         """``gate``: the gate host - ``open(sandbox_id, agent, egress, attachment, uid, creds)``
         returns a token, ``close(sandbox_id, token)`` the egress summary (it raises when the
-        gate never served)."""
+        gate never served). ``tracing``: an ``observe.tracing.Tracing`` (the daemon's, when it
+        exports traces), else None."""
         self.runtime = runtime
         self.gate = gate
+        self.tracing = tracing
 
     # ---------------------------------------------------------------- prepare
     def prepare(self, policy, *, degrade: tuple[str, ...] = (), tty: bool = False, notes=None) -> Session:
         """Preflight (fail closed), host resources, compile - and ``run.started`` on the chain."""
         rt = self.runtime
+        began = time.time()
+        trace = self.tracing.begin(policy) if self.tracing is not None else None
         try:
-            plan, res = rt.prepare(policy, degrade=degrade, tty=tty)
+            plan, res = rt.prepare(policy, degrade=degrade, tty=tty, session_env=trace.env() if trace else (),
+                                   telemetry=trace is not None and getattr(self.gate, "relays_telemetry", False))
         except AgentVMError as exc:
             rt.record("run.refused", agent=policy.name, code=exc.code, message=exc.message[:500])
+            if trace is not None:
+                trace.end(error=f"refused: {exc.code}")
             raise
         s = Session(policy, rt.backend_for(policy), plan, res, tuple(degrade))
+        s.trace, s.began = trace, began
+        if trace is not None:
+            trace.bind(plan.sandbox_id, substrate=plan.substrate, policy=plan.policy_digest)
         ws_notes = list(res.workspace.notes) if res.workspace is not None else []
         if notes is not None:
             for n in ws_notes:
@@ -176,7 +189,15 @@ class Lifecycle:
                                                              self.runtime.paths))
 
     def launch(self, s: Session, stdio=None) -> None:
-        s.handle = s.backend.launch(s.plan, stdio=stdio)
+        try:
+            s.handle = s.backend.launch(s.plan, stdio=stdio)
+        except AgentVMError as exc:
+            if s.trace is not None:
+                s.trace.span("launch", s.began, attributes={"agentvm.substrate": s.plan.substrate}, error=exc.message)
+            raise
+        if s.trace is not None:
+            s.trace.span("launch", s.began, attributes={"agentvm.substrate": s.plan.substrate,
+                                                        "agentvm.policy": s.plan.policy_digest})
 
     def wait(self, s: Session, timeout: float | None = None) -> ExitStatus:
         s.status = s.backend.wait(s.handle, (s.plan.timeout or None) if timeout is None else timeout)
@@ -196,6 +217,18 @@ class Lifecycle:
         if s.torn_down:
             return
         s.torn_down = True
+        began = time.time()
+        try:
+            self._teardown(s)
+        finally:
+            if s.trace is not None:
+                verified = bool(s.report.verified) if s.report is not None else None
+                s.trace.span("teardown", began, attributes={"agentvm.teardown.verified": verified},
+                             error=None if verified is not False else "teardown not verified")
+                if s.status is None:  # it never ran to an exit (a failed attach or launch): no result() follows
+                    s.trace.end(error="the sandbox did not run to an exit")
+
+    def _teardown(self, s: Session) -> None:
         if s.handle is not None:
             s.report = s.backend.destroy(s.handle)
         else:
@@ -243,6 +276,8 @@ class Lifecycle:
         if report is not None and not report.verified:
             result.exit_code = EXIT_BACKEND if result.exit_code == 0 else result.exit_code
         eg = result.egress or {}
+        if s.trace is not None:
+            s.trace.end(exit_code=result.exit_code)
         try:
             self.runtime.record(
                 "run.exited", sandbox=result.sandbox_id, agent=result.agent, exit_code=result.exit_code,

@@ -253,8 +253,11 @@ class Runtime:
             check_grant_target(str(real), own, m.host, m.writable)
 
     # ------------------------------------------------------------------ run
-    def prepare(self, policy: Policy, *, degrade: tuple[str, ...] = (), tty: bool = False):
-        """Everything before launch. Returns (plan, resources) - resources must be released."""
+    def prepare(self, policy: Policy, *, degrade: tuple[str, ...] = (), tty: bool = False,
+                session_env: tuple[tuple[str, str], ...] = (), telemetry: bool = False):
+        """Everything before launch. Returns (plan, resources) - resources must be released.
+        ``session_env``: agent-vm's own per-session variables (the trace context);
+        ``telemetry``: the gate relays the agent's OTLP export."""
         self.preflight(policy, degrade)
         backend = self.backend_for(policy)
         sandbox_id = f"{policy.name}-{os.urandom(4).hex()}"
@@ -345,6 +348,8 @@ class Runtime:
                 gate=gate,
                 host=host,
                 extra_env=extra_env,
+                session_env=tuple(session_env),
+                telemetry=bool(telemetry and gate is not None),
                 extra_files=extra_files,
                 tty=tty,
                 degraded=tuple(degrade),

@@ -77,7 +77,7 @@ def play(flow, *answers):
         cmd = next(flow)
         while True:
             cmds.append(cmd)
-            if isinstance(cmd, (ex.Deny, ex.Forward, ex.OpenTunnel, ex.ToTools)):
+            if isinstance(cmd, (ex.Deny, ex.Forward, ex.OpenTunnel, ex.ToTools, ex.ToTelemetry)):
                 break
             cmd = flow.send(answers.pop(0))
     except StopIteration:
@@ -413,3 +413,32 @@ def test_mcp_on_the_proxy_port_goes_to_the_tool_gateway_only_when_tools_are_decl
     # admission still comes first: a paused sandbox reaches no tools either
     ep.paused = True
     assert only(play(ex.request(ep, req, scheme="http")), ex.Deny).rule_id == "paused"
+
+
+def test_otlp_on_the_proxy_port_is_relayed_only_to_the_daemons_collector():
+    """The agent's own OpenTelemetry export: POST /otlp/v1/<signal> goes to the relay when the
+    daemon has a collector; without one, or for anything else under /otlp, a 404 that says so."""
+    req = head("POST /otlp/v1/traces HTTP/1.1\nHost: 127.0.0.1:3128\nContent-Length: 2")
+    ep = endpoint()
+    ep.tools = None
+    ep.gate = SimpleNamespace(telemetry=None)
+    d = only(play(ex.request(ep, req, scheme="http")), ex.Deny)
+    assert (d.rule_id, d.status, d.how_to_allow) == ("telemetry:not-configured", 404, None)
+    ep.gate.telemetry = object()
+    for signal in ("traces", "metrics", "logs"):
+        r = head(f"POST /otlp/v1/{signal} HTTP/1.1\nHost: 127.0.0.1:3128\nContent-Length: 2")
+        cmd = only(play(ex.request(ep, r, scheme="http")), ex.ToTelemetry)
+        assert cmd.signal == signal and cmd.req is r
+    for bad in ("GET /otlp/v1/traces HTTP/1.1", "POST /otlp/v1/profiles HTTP/1.1", "POST /otlp/v2/traces HTTP/1.1",
+                "POST /otlp HTTP/1.1", "POST /otlp/v1/traces/../../x HTTP/1.1"):
+        d = only(play(ex.request(ep, head(bad + "\nHost: 127.0.0.1:3128\nContent-Length: 0"), scheme="http")), ex.Deny)
+        assert d.rule_id == "telemetry:bad-request", bad
+    # the pause (admission) comes first: a paused sandbox exports nothing either
+    ep.paused = True
+    d = only(play(ex.request(ep, req, scheme="http")), ex.Deny)
+    assert d.rule_id == "paused"
+    # absolute-form to a host is egress, decided by policy, not the relay
+    ep.paused = False
+    d = only(play(ex.request(ep, head("POST http://collector.test/otlp/v1/traces HTTP/1.1\nContent-Length: 0"),
+                             scheme="http")), ex.Deny)
+    assert d.rule_id == "default-deny"

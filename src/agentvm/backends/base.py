@@ -114,6 +114,8 @@ class LaunchContext:
     gate: GateAttachment | None = None  # None only for ``network: none``
     host: HostContext | None = None
     extra_env: tuple[tuple[str, str], ...] = ()  # per-session variables (credential placeholders)
+    session_env: tuple[tuple[str, str], ...] = ()  # per-session variables of agent-vm's own (TRACEPARENT)
+    telemetry: bool = False  # the gate relays the agent's OTLP export: point OTEL_EXPORTER_OTLP_ENDPOINT at it
     extra_files: tuple[tuple[str, str], ...] = ()  # per-session files: sandbox path -> content
     tty: bool = False
     degraded: tuple[str, ...] = ()  # primitives the operator explicitly waived

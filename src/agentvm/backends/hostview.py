@@ -139,6 +139,12 @@ def sandbox_env(policy: Policy, ctx: LaunchContext, *, term: str | None = None) 
                 env["PATH"] = f"{BASE_PATH}:{MCP_SHIM_DIR_IN_SANDBOX}"  # agentvm-mcp, the stdio shim
         if ctx.host is not None and ctx.host.node_shim:
             env["NODE_OPTIONS"] = f"--require {NODE_SHIM_IN_SANDBOX}/proxy.js"
+        if ctx.telemetry:
+            # the agent's own OpenTelemetry export: to the gate's /otlp door (relayed to the
+            # operator's collector); an agent file may still name another endpoint
+            env["OTEL_EXPORTER_OTLP_ENDPOINT"] = f"{proxy}/otlp"
+            env["OTEL_EXPORTER_OTLP_PROTOCOL"] = "http/protobuf"
+    env.update(dict(ctx.session_env))  # the session's trace context: the agent's spans join its trace
     spec_env = dict(policy.env)
     if "NODE_OPTIONS" in env and spec_env.get("NODE_OPTIONS"):
         # the agent's Node options (a preset's heap size...) join the gate's preload: a

@@ -52,7 +52,10 @@ def _client():
 @click.option("--listen", metavar="HOST:PORT", help="Also serve the API on TCP, with a bearer token (<home>/daemon.token).")
 @click.option("--accept-broken-chain", is_flag=True,
               help="Start although the audit chain does not verify (the break is recorded first).")
-def up(foreground, listen, accept_broken_chain):
+@click.option("--otlp-endpoint", metavar="URL", envvar="AGENTVM_OTLP_ENDPOINT",
+              help="Export traces to this OpenTelemetry collector (OTLP/HTTP base URL, e.g. http://127.0.0.1:4318) "
+              "and relay the agents' own OTLP export to it (env: AGENTVM_OTLP_ENDPOINT).")
+def up(foreground, listen, accept_broken_chain, otlp_endpoint):
     """Start the control-plane daemon."""
     from agentvm.daemon.server import check_chain
     from agentvm.paths import default_paths
@@ -66,12 +69,17 @@ def up(foreground, listen, accept_broken_chain):
     if foreground:
         from agentvm.daemon.server import run_daemon
 
-        run_daemon(paths, listen=listen, accept_broken_chain=accept_broken_chain)
+        run_daemon(paths, listen=listen, accept_broken_chain=accept_broken_chain, otlp_endpoint=otlp_endpoint)
         return 0
+    if otlp_endpoint:
+        from agentvm.observe.tracing import check_endpoint
+
+        check_endpoint(otlp_endpoint)  # refused here, with the reason, not in a log file
     log = paths.home / "daemon.log"
     fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
     args = [sys.executable, "-m", "agentvm", "up", "--foreground"] + (["--listen", listen] if listen else [])
     args += ["--accept-broken-chain"] if accept_broken_chain else []
+    args += ["--otlp-endpoint", otlp_endpoint] if otlp_endpoint else []
     proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=fd, stderr=fd, start_new_session=True, close_fds=True)
     os.close(fd)
     (paths.runtime / "daemon.pid").write_text(f"{proc.pid}\n")

@@ -118,6 +118,10 @@ class DaemonGateHost:
     def _call(self, coro, timeout: float = 30.0):
         return asyncio.run_coroutine_threadsafe(coro, self.daemon.loop).result(timeout)
 
+    @property
+    def relays_telemetry(self) -> bool:
+        return getattr(self.daemon.gate, "telemetry", None) is not None
+
     def open(self, sandbox_id: str, agent: str, egress, attachment, uid, creds, extras=None):
         if attachment.kind != "unix":
             raise AgentVMError(f"the daemon's gate cannot serve a {attachment.kind!r} attachment")
@@ -132,7 +136,7 @@ class DaemonGateHost:
 
 
 class Daemon:
-    def __init__(self, paths: Paths, *, backend=None, listen: str | None = None) -> None:
+    def __init__(self, paths: Paths, *, backend=None, listen: str | None = None, tracing=None) -> None:
         from agentvm.gate.server import Gate
         from agentvm.runtime import Runtime
 
@@ -164,6 +168,11 @@ class Daemon:
         self.observer = Observer(sandboxes_by_state=self._by_state, approvals_pending=self._pending_count,
                                  audit_status=CachedVerify(self._verify_readonly, self.audit.length))
         self._console = None  # the web console's app, made on its first request
+        self.tracing = tracing  # observe.tracing.Tracing when an OTLP collector is configured
+        if tracing is not None:
+            from agentvm.gate.telemetry import TelemetryRelay
+
+            self.gate.telemetry = TelemetryRelay(tracing.endpoint)
 
     def _approval_store(self):
         from agentvm.approvals import open_store
@@ -201,6 +210,8 @@ class Daemon:
     def emit(self, kind: str, **data) -> None:
         rec = {"time": time.time(), "kind": kind, **data}
         self.observer.observe(rec)
+        if self.tracing is not None:
+            self.tracing.observe(rec)
         for q in list(self.subscribers):
             if q.qsize() < 10000:
                 q.put_nowait(rec)
@@ -241,7 +252,7 @@ class Daemon:
     def _lifecycle(self):
         from agentvm.lifecycle import Lifecycle
 
-        return Lifecycle(self.runtime, DaemonGateHost(self))
+        return Lifecycle(self.runtime, DaemonGateHost(self), self.tracing)
 
     def flush_audit(self) -> bool:
         while self._audit_queue:
@@ -529,6 +540,8 @@ class Daemon:
         for q in list(self.subscribers):
             q.put_nowait(None)
         self.record("daemon.stopped", pid=os.getpid())
+        if self.tracing is not None:
+            await asyncio.to_thread(self.tracing.shutdown)  # the last spans reach the collector
         if self._audit_queue:  # the disk never took them: at least the log shows what they were
             for kind, actor, sandbox, data, at in self._audit_queue:
                 log.error("unwritten audit record: %s", json.dumps({"time": at, "kind": kind, "actor": actor,
@@ -889,8 +902,14 @@ class Daemon:
         stdin = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
         fut = asyncio.ensure_future(asyncio.to_thread(backend.exec, m.handle, argv, stdio=(stdin, o_w, e_w),
                                                       timeout=doc.get("timeout")))
+        began = time.time()
         await self._stream_start(conn, writer)
         status = await self._pump(conn, writer, {o_r: "stdout", e_r: "stderr"}, fut, (o_w, e_w, stdin))
+        trace = m.session.trace if m.session is not None else None
+        if trace is not None:
+            trace.span("exec", began, attributes={"agentvm.exec.command": os.path.basename(argv[0])[:128],
+                                                  "agentvm.exec.exit_code": status.exit_code,
+                                                  "agentvm.exec.timed_out": bool(status.timed_out)})
         await self._stream_line(conn, writer, {"exit_code": status.exit_code, "timed_out": status.timed_out,
                                                "setup_error": status.setup_error})
         await self._stream_end(conn, writer)
@@ -1303,9 +1322,13 @@ def check_chain(paths: Paths, accept_broken: bool) -> str | None:
     return v.problem
 
 
-def run_daemon(paths: Paths, *, listen: str | None = None, backend=None, accept_broken_chain: bool = False) -> None:
+def run_daemon(paths: Paths, *, listen: str | None = None, backend=None, accept_broken_chain: bool = False,
+               otlp_endpoint: str | None = None) -> None:
     """Foreground entry point (``agentvm up --foreground``)."""
     accepted = check_chain(paths, accept_broken_chain)
+    from agentvm.observe.tracing import from_env_or
+
+    tracing = from_env_or(otlp_endpoint)  # a bad URL refuses here, before anything starts
     import resource
 
     # one daemon serves every sandbox, client and gate connection of the host: the default
@@ -1321,7 +1344,9 @@ def run_daemon(paths: Paths, *, listen: str | None = None, backend=None, accept_
         # let a busy fleet starve them (the default pool is cpu+4 threads)
         asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(max_workers=256,
                                                                            thread_name_prefix="agentvm"))
-        d = Daemon(paths, backend=backend, listen=listen)
+        d = Daemon(paths, backend=backend, listen=listen, tracing=tracing)
+        if tracing is not None:
+            d.record("daemon.tracing", endpoint=tracing.endpoint)
         if accepted:
             d.record("daemon.accepted-broken-chain", problem=accepted)
         loop = asyncio.get_running_loop()

@@ -127,6 +127,16 @@ class Hold:
 
 
 @dataclass(frozen=True, slots=True)
+class ToTelemetry:
+    """Terminal: an origin-form ``POST /otlp/v1/<signal>`` on the proxy port is the agent's own
+    OpenTelemetry export, relayed to the daemon's collector (no egress rule involved: the
+    destination is the operator's, not the agent's, choice)."""
+
+    req: h1.ProxyRequest
+    signal: str  # traces | metrics | logs
+
+
+@dataclass(frozen=True, slots=True)
 class ToTools:
     """Terminal: an origin-form request for ``/mcp`` on the proxy port is for this sandbox's
     tool gateway (the sandbox's identity is the socket it came in on, as for egress)."""
@@ -234,6 +244,14 @@ def _admission(ep, req: h1.ProxyRequest) -> Deny | None:
 TOOLS_PATH = "/mcp"
 
 
+TELEMETRY_PATH = "/otlp"
+
+
+def is_telemetry_path(path: str) -> bool:
+    """``/otlp/...`` on the proxy port: the relay of the agent's OpenTelemetry export."""
+    return path == TELEMETRY_PATH or path.startswith((TELEMETRY_PATH + "/", TELEMETRY_PATH + "?"))
+
+
 def is_tools_path(path: str) -> bool:
     """``/mcp`` (with a query, or a sub-path) on the proxy port: the tool gateway's endpoint."""
     return path == TOOLS_PATH or path.startswith((TOOLS_PATH + "?", TOOLS_PATH + "/"))
@@ -288,6 +306,19 @@ def request(ep, req: h1.ProxyRequest, *, scheme: str, tunnel: Tunnel | None = No
                        answer="error", explain=False)
             return
         yield ToTools(req)
+        return
+    if tunnel is None and req.scheme == "origin" and is_telemetry_path(req.path):
+        relay = getattr(getattr(ep, "gate", None), "telemetry", None)
+        signal = req.path.split("?", 1)[0][len(TELEMETRY_PATH) + len("/v1/"):]
+        if relay is None:
+            yield deny(req, "telemetry:not-configured", "the daemon exports no traces: there is no collector to "
+                       "relay to", status=404, answer="error", explain=False)
+        elif req.method != "POST" or signal not in ("traces", "metrics", "logs") or \
+                not req.path.startswith(TELEMETRY_PATH + "/v1/"):
+            yield deny(req, "telemetry:bad-request", "only POST /otlp/v1/traces, /otlp/v1/metrics and /otlp/v1/logs",
+                       status=404, answer="error", explain=False)
+        else:
+            yield ToTelemetry(req, signal)
         return
     if tunnel is None and req.scheme != "http":
         yield deny(req, "bad-request:not-a-proxy-request", "origin-form request to the proxy", status=400,

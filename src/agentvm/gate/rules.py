@@ -43,6 +43,12 @@ RULES: dict[str, str] = {
     "tools:unavailable": "the sandbox's tool gateway could not start (503): no tool calls",
     "tools:internal-error": "a bug in the tool gateway: the request is refused (fail closed)",
     "tools:request-too-large": "a request to /mcp over 4 MiB (413)",
+    # the agent's own OpenTelemetry export, relayed to the daemon's collector (POST /otlp/v1/...)
+    "telemetry:relay": "not a denial: the agent's OTLP export was relayed to the operator's collector",
+    "telemetry:not-configured": "a request for /otlp while the daemon exports no traces (404): no collector to relay to",
+    "telemetry:bad-request": "a request for /otlp that is not a POST of OTLP (protobuf or JSON) to /otlp/v1/traces, "
+                             "/metrics or /logs, or is over 4 MiB",
+    "telemetry:unreachable": "the collector did not take the relayed export (502): the agent's SDK retries",
     # operator and limits
     "paused": "egress of the sandbox is paused by the operator (connections open at the time are cut)",
     "limit:connections": "too many concurrent connections from the sandbox (429)",

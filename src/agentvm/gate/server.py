@@ -70,6 +70,7 @@ class Gate:
         # held requests (action: ask, tool approvals): a factory of the approvals queue, set
         # by the host (daemon, embedded run); opened on first use
         self.approvals_factory = None
+        self.telemetry = None  # gate.telemetry.TelemetryRelay when the daemon exports traces
         self._approvals = None
 
     def approval_store(self):
@@ -262,6 +263,11 @@ class Gate:
                 from agentvm.gate.asgi import serve_one
 
                 keep, pending = await serve_one(ep, stream, body, fwd.req)
+                if not keep:
+                    return
+                continue
+            if isinstance(fwd, ex.ToTelemetry):
+                keep, pending = await self.telemetry.relay(ep, stream, body, fwd.req, fwd.signal)
                 if not keep:
                     return
                 continue

@@ -1,0 +1,103 @@
+"""The relay of an agent's own OpenTelemetry export to the daemon's collector.
+
+An instrumented agent (its SDK reads ``OTEL_EXPORTER_OTLP_ENDPOINT``, which agent-vm points
+at ``http://127.0.0.1:<proxy port>/otlp``) posts OTLP/HTTP to the gate's proxy port; the gate
+forwards the body, unchanged, to ``<collector>/v1/<signal>``. The operator writes no egress
+rule for it, and the agent cannot choose where it goes: the collector is the daemon's.
+
+Bounded like every other door: POST of ``application/x-protobuf`` or ``application/json``
+only (gzip allowed, as the SDKs send it), at most ``MAX_BODY`` bytes, counted against the
+sandbox's bytes-out budget, ``CONCURRENCY`` exports in flight per gate, ``TIMEOUT`` seconds
+for the collector. Every relayed export is a decision on the log (``telemetry:relay``).
+
+What an agent sends here reaches the operator's collector, and only it: spans are data the
+agent chose to write (treat them as such; they are not agent-vm's own, which carry
+``service.name=agent-vm``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import urllib.error
+import urllib.request
+
+from agentvm.gate import h1
+from agentvm.gate.endpoint import Cut
+from agentvm.gate.relay import BadBody, BodyEnded, request_body
+
+MAX_BODY = 4 * 1024 * 1024
+MAX_ANSWER = 64 * 1024
+TIMEOUT = 10.0
+CONCURRENCY = 4
+_TYPES = (b"application/x-protobuf", b"application/json")
+
+
+class TelemetryRelay:
+    def __init__(self, collector: str) -> None:
+        self.collector = collector.rstrip("/")
+        self._slots = asyncio.Semaphore(CONCURRENCY)
+
+    async def relay(self, ep, stream, body, req: h1.ProxyRequest, signal: str) -> tuple[bool, bytes]:
+        """-> (keep the connection, bytes after this request)."""
+        ctype = (req.header(b"content-type") or b"").split(b";", 1)[0].strip().lower()
+        coding = (req.header(b"content-encoding") or b"").strip().lower()
+        if ctype not in _TYPES or coding not in (b"", b"gzip"):
+            return await self._refuse(ep, stream, req, 415, "telemetry:bad-request",
+                                      "OTLP/HTTP only: application/x-protobuf or application/json, optionally gzip")
+        if req.content_length is not None and req.content_length > MAX_BODY:
+            return await self._refuse(ep, stream, req, 413, "telemetry:bad-request", f"an export over {MAX_BODY} bytes")
+        chunks, size = [], 0
+        try:
+            async with asyncio.timeout(30):
+                async for piece in request_body(stream, body):
+                    size += len(piece)
+                    if size > MAX_BODY:
+                        return await self._refuse(ep, stream, req, 413, "telemetry:bad-request",
+                                                  f"an export over {MAX_BODY} bytes")
+                    chunks.append(piece)
+        except (BadBody, BodyEnded, TimeoutError):
+            return False, b""
+        data = b"".join(chunks)
+        try:
+            ep.count_out(len(data))
+        except Cut as cut:
+            return await self._refuse(ep, stream, req, 413, cut.rule_id, "over the sandbox's bytes-out budget")
+        headers = {"Content-Type": ctype.decode()}
+        if coding:
+            headers["Content-Encoding"] = coding.decode()
+        url = f"{self.collector}/v1/{signal}"
+        async with self._slots:
+            try:
+                status, answer, atype = await asyncio.to_thread(_post, url, data, headers)
+                atype = "".join(c for c in atype if 32 <= ord(c) < 127)[:100] or "application/octet-stream"
+            except (OSError, ValueError) as exc:
+                ep.log(verdict="allow", rule_id="telemetry:relay", reason=f"the collector did not answer ({type(exc).__name__})",
+                       host="", port=None, method="POST", path=req.path, phase="telemetry", bytes_out=len(data),
+                       error="telemetry:unreachable")
+                await stream.write(h1.error_response(502, "telemetry:unreachable", "the collector did not take the export"))
+                return False, b""
+        ep.log(verdict="allow", rule_id="telemetry:relay", reason=f"OTLP {signal} relayed to the collector ({status})",
+               host="", port=None, method="POST", path=req.path, phase="telemetry", bytes_out=len(data),
+               bytes_in=len(answer))
+        head = (f"HTTP/1.1 {status} {'OK' if status < 300 else 'Error'}\r\ncontent-type: {atype}\r\n"
+                f"content-length: {len(answer)}\r\n\r\n").encode("latin-1")
+        await stream.write(head + answer)
+        close = (req.header(b"connection") or b"").lower() == b"close" or req.http_version == "1.0"
+        return not close, body.trailing
+
+    async def _refuse(self, ep, stream, req, status: int, rule: str, reason: str) -> tuple[bool, bytes]:
+        ep.log(verdict="deny", rule_id=rule, reason=reason, host="", port=None, method=req.method, path=req.path,
+               phase="telemetry")
+        await stream.write(h1.error_response(status, rule, reason))
+        return False, b""
+
+
+def _post(url: str, data: bytes, headers: dict) -> tuple[int, bytes, str]:
+    # the collector is the operator's: no proxy variables of the daemon's environment apply
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    req = urllib.request.Request(url, data=data, headers=headers, method="POST")
+    try:
+        with opener.open(req, timeout=TIMEOUT) as r:
+            return r.status, r.read(MAX_ANSWER), r.headers.get("Content-Type", "application/x-protobuf")
+    except urllib.error.HTTPError as e:
+        return e.code, e.read(MAX_ANSWER), e.headers.get("Content-Type", "text/plain")
