@@ -66,6 +66,7 @@ class Limits:
     tmp: int = D.TMP
     shm: int = D.SHM
     nofile: int = D.NOFILE
+    budget: "BudgetSpec | None" = None  # agentvm.gate.budget: LLM usage/spend, enforced at the gate
 
 
 @dataclass(frozen=True)
@@ -116,6 +117,8 @@ class Policy:
         d = asdict(self)
         if self.egress is not None:
             d["egress"] = self.egress.to_dict()
+        if self.limits.budget is None:  # fields added later are left out when unset: digests stay stable
+            d["limits"].pop("budget", None)
         return d
 
     def digest(self) -> str:
@@ -125,6 +128,14 @@ class Policy:
     @property
     def cwd(self) -> str:
         return self.workdir or self.workspace or "/"
+
+
+def _budget(b):
+    if b is None:
+        return None
+    from agentvm.gate.budget import compile_budget
+
+    return compile_budget(b)
 
 
 def default_deny_rules() -> tuple:
@@ -251,6 +262,7 @@ def compile_policy(spec: "AgentSpec") -> Policy:
             tmp=lim.tmp,
             shm=lim.shm,
             nofile=lim.nofile,
+            budget=_budget(lim.budget),
         ),
         allow_ptrace=body.security.allow_ptrace,
         min_substrate=body.security.min_substrate,

@@ -21,14 +21,18 @@ def _marker(path: Path) -> Path:
     return path.with_name(f".{path.name}.made")
 
 
-def connect(path: Path, table: str, schema: str) -> sqlite3.Connection:
-    """A connection to ``path`` (WAL, busy timeout), created with ``schema`` the first time."""
+_UIDS = "agent uids would be handed out again, and files still owned by the old ones would pass to other agents"
+
+
+def connect(path: Path, table: str, schema: str, consequence: str = _UIDS) -> sqlite3.Connection:
+    """A connection to ``path`` (WAL, busy timeout), created with ``schema`` the first time.
+    ``consequence``: what starting over silently would do (said when the database is lost)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     made = _marker(path).exists()
     fresh = not path.exists() or path.stat().st_size == 0
     if fresh and made:
-        raise _lost(path, "is missing or empty")
+        raise _lost(path, "is missing or empty", consequence)
     # agent-vm's databases are its own: created 0600 (SQLite gives its -wal and -shm files the
     # same mode), and an older one readable by others is tightened
     if fresh and not made:
@@ -45,7 +49,7 @@ def connect(path: Path, table: str, schema: str) -> sqlite3.Connection:
         has = conn.execute("SELECT 1 FROM sqlite_master WHERE type='table' AND name=?", (table,)).fetchone()
         if not has and made:
             conn.close()
-            raise _lost(path, f"has no {table} table")
+            raise _lost(path, f"has no {table} table", consequence)
         if not has:
             conn.execute("PRAGMA journal_mode=WAL")
             conn.executescript(schema)
@@ -55,17 +59,16 @@ def connect(path: Path, table: str, schema: str) -> sqlite3.Connection:
         raise BackendError(f"cannot use {path}: {exc}", hint="another agent-vm process may hold it; retry, and check "
                            "the disk (free space, permissions) if it persists", code="state.unavailable") from None
     except sqlite3.DatabaseError as exc:
-        raise _lost(path, f"is not a readable database ({exc})") from None
+        raise _lost(path, f"is not a readable database ({exc})", consequence) from None
     if not made:
         fd = os.open(_marker(path), os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
         os.close(fd)
     return conn
 
 
-def _lost(path: Path, what: str) -> ConfigError:
+def _lost(path: Path, what: str, consequence: str = _UIDS) -> ConfigError:
     return ConfigError(
-        f"{path} {what}, but agent-vm created it before: refusing to start over silently (agent uids would be "
-        "handed out again, and files still owned by the old ones would pass to other agents)",
+        f"{path} {what}, but agent-vm created it before: refusing to start over silently ({consequence})",
         hint=f"restore {path.name} from a backup; or, to start this installation over on purpose, move {path.name}, "
         f"{_marker(path).name} and the workspaces/ folder aside (see docs/daemon.md, 'Recovering state and audit databases')",
         code="state.lost",

@@ -20,7 +20,7 @@ import zipfile
 from pathlib import Path
 
 NAMES = ["allowed.test", "api.test", "other.test", "pkgs.test", "git.test", "denied.test", "dns.google", "echo.test", "evil.test",
-         "s3.test", "h2.test", "grpc.test"]
+         "s3.test", "h2.test", "grpc.test", "llm.test"]
 
 
 def make_test_ca(directory: Path) -> tuple[Path, Path, Path]:

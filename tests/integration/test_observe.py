@@ -184,7 +184,7 @@ def test_metrics_match_the_decision_log(daemon_tcp, tmp_path):
         assert all(e["metadata"]["version"].startswith("1.") and e["type_uid"] == 600300 + e["activity_id"]
                    for e in api_act)
         assert b"fake-metrics-key" not in av("audit", "export").stdout, "an export never carries a secret"
-        av("rm", "-f", "m-obs", check=False)
+        av("rm", "m-obs", check=False)
     finally:
         up.close()
 
@@ -242,7 +242,7 @@ def test_console_refuses_what_it_must(daemon_tcp, tmp_path):
     r = subprocess.run(["curl", "-s", "--unix-socket", str(home / "run" / "agentvm.sock"), "http://d/"],
                        capture_output=True, timeout=30)
     assert b"c-sec" in r.stdout
-    av("rm", "-f", "c-sec", check=False)
+    av("rm", "c-sec", check=False)
 
 
 def test_console_login_needs_a_tcp_listener(avm_home):
@@ -315,7 +315,7 @@ def test_console_in_chromium(daemon_tcp, tmp_path):
     recs = [json.loads(x) for x in av("audit", "show", "--json", "--sandbox", "c-web").stdout.splitlines()]
     assert any(r["kind"] == "lifecycle.stopped" and r["actor"] == "console" for r in recs)
     assert b"intact" in av("audit", "verify").stdout
-    av("rm", "-f", "c-web", check=False)
+    av("rm", "c-web", check=False)
 
 
 @pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed (scripts/install.sh --test installs it)")
@@ -369,6 +369,6 @@ def test_console_answers_an_approval(daemon_tcp, tmp_path):
         recs = [json.loads(x) for x in av("audit", "show", "--json", "--sandbox", "c-ask").stdout.splitlines()]
         answered = [r for r in recs if r["kind"] == "approval.answered"]
         assert answered and answered[-1]["data"]["state"] == "approved" and answered[-1]["actor"].startswith("console")
-        av("rm", "-f", "c-ask", check=False)
+        av("rm", "c-ask", check=False)
     finally:
         up.close()

@@ -203,6 +203,7 @@ def test_one_trace_links_launch_exec_egress_credential_and_the_agents_own_span(a
         log = "".join(p.read_text() for p in (avm_home / "logs").glob("*.egress.jsonl"))
         assert '"rule": "telemetry:relay"' in log
     finally:
+        av("rm", "t-obs", check=False)
         av("down", check=False)
         up.close()
 
@@ -231,6 +232,7 @@ def test_without_a_collector_nothing_is_exported_and_otlp_is_refused(avm_home, t
         time.sleep(1.0)
         assert collector.posts == []
     finally:
+        av("rm", "t-none", check=False)
         av("down", check=False)
 
 

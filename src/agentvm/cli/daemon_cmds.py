@@ -245,21 +245,26 @@ def logs(name):
 @click.command()
 @click.argument("name")
 @click.argument("op", type=click.Choice(["show", "allow", "deny", "remove", "pause", "resume", "revoke", "restore", "limits",
-                                        "tools"]))
+                                        "tools", "budget"]))
 @click.argument("args", nargs=-1)
 @click.option("--memory", help="limits: lower the memory limit, e.g. 256M")
 @click.option("--pids", type=int, help="limits: lower the pids limit")
 @click.option("--cpus", type=float, help="limits: lower the CPU quota")
+@click.option("--tokens", type=int, help="budget: the LLM token budget (total)")
+@click.option("--requests", "budget_requests", type=int, help="budget: the LLM request budget (total)")
+@click.option("--cost", type=float, help="budget: the LLM spend budget (total, in the price table's currency)")
+@click.option("--reset", is_flag=True, help="budget: start the agent's usage counters over")
 @click.option("--json", "as_json", is_flag=True, help="show: one JSON object")
-def policy(name, op, args, memory, pids, cpus, as_json):
+def policy(name, op, args, memory, pids, cpus, tokens, budget_requests, cost, reset, as_json):
     """Show or change a sandbox's policy live: show, allow|deny HOST[:PORT] (deny without a port:
     every port), remove RULE_ID, pause|resume (all egress), revoke|restore CREDENTIAL (this
     session), limits --memory/--pids/--cpus (lower only), tools allow|deny|approve SERVER__TOOL
-    (the next tool call is decided under it). A change that would exceed the agent's risk tier
-    is refused."""
+    (the next tool call is decided under it), budget --tokens/--requests/--cost/--reset (the
+    LLM budget; the next request is checked against it). A change that would exceed the
+    agent's risk tier is refused."""
     from agentvm.errors import ConfigError
 
-    want = 2 if op == "tools" else (0 if op in ("show", "pause", "resume", "limits") else 1)
+    want = 2 if op == "tools" else (0 if op in ("show", "pause", "resume", "limits", "budget") else 1)
     if len(args) != want:
         raise ConfigError(f"policy {op} takes {want} argument(s), got {len(args)}",
                           hint="e.g. `agentvm policy NAME tools deny github__create_issue`" if op == "tools" else
@@ -283,10 +288,20 @@ def policy(name, op, args, memory, pids, cpus, as_json):
         for t in v.get("tools", []):
             click.echo(f"  tools {t['server']}: allow {','.join(t['allow']) or '-'}; approve {','.join(t['approve']) or '-'}; "
                        f"deny {','.join(t['deny']) or '-'}")
+        b = v.get("budget")
+        if b:
+            u = b["used"]
+            lims = ", ".join(f"{u[k] if k != 'cost' else round(u[k], 4)}/{b[k]} {k}" for k in ("tokens", "requests", "cost")
+                             if b[k] is not None)
+            click.echo(f"  LLM budget: {lims}" + (f" ({u['estimated']} responses estimated)" if u["estimated"] else ""))
         return 0
     kw = {}
     if op == "limits":
         kw = {"memory": memory, "pids": pids, "cpus": cpus}
+    if op == "budget":
+        kw = {k: v for k, v in (("tokens", tokens), ("requests", budget_requests), ("cost", cost)) if v is not None}
+        if reset:
+            kw["reset"] = True
     if op in ("allow", "deny"):
         kw["rule"] = arg
     elif op == "remove":

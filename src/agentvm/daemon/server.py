@@ -332,6 +332,13 @@ class Daemon:
         from agentvm.policy import check_tier
 
         check_tier(policy)  # a live change may not widen past the agent's risk tier
+        if patch.get("budget"):  # a budget changed live (raised, lowered, added) holds for later starts too
+            from agentvm.gate.budget import BudgetSpec
+
+            b = patch["budget"]
+            cur = policy.limits.budget or BudgetSpec()
+            spec = cur.with_limits(**{k: b[k] for k in ("tokens", "requests", "cost") if k in b})
+            policy = dataclasses.replace(policy, limits=dataclasses.replace(policy.limits, budget=spec))
         lim = patch.get("limits") or {}
         if lim:  # live-tightened limits hold for every later start too (only ever lower)
             cur = policy.limits
@@ -1120,7 +1127,23 @@ class Daemon:
                 "revoked": patch.get("revoked", []), "limits": {"memory": policy.limits.memory, "pids": policy.limits.pids,
                                                                 "cpus": policy.limits.cpus},
                 "tools": [{"server": sp.name, "allow": list(sp.allow), "approve": list(sp.approve), "deny": list(sp.deny)}
-                          for sp in (policy.tools.servers if policy.tools else ())]}
+                          for sp in (policy.tools.servers if policy.tools else ())],
+                "budget": self._budget_view(name, policy)}
+
+    def _budget_view(self, name: str, policy) -> dict | None:
+        spec = policy.limits.budget
+        if spec is None:
+            return None
+        m = self.managed.get(name)
+        ep = m.endpoint if m else None
+        if ep is not None and getattr(ep, "budget", None) is not None:
+            usage = ep.budget.usage
+        else:
+            from agentvm.gate.budget import BudgetStore
+
+            usage = BudgetStore(self.paths.home / "budgets.db").load(policy.name)
+        return {"tokens": spec.tokens, "requests": spec.requests, "cost": spec.cost, "hosts": list(spec.hosts),
+                "used": usage.to_dict(), "by_model": usage.by_model}
 
     async def _policy(self, name: str, doc: dict, actor: str) -> dict:
         """Live policy change: validated first (a failing change changes nothing), applied to
@@ -1174,6 +1197,31 @@ class Daemon:
             except ValueError as exc:
                 raise ApiError(400, "invalid-tool-change", str(exc)) from None
             patch.setdefault("tools", []).append(change)
+        elif op == "budget":
+            change = {}
+            for k, kind in (("tokens", int), ("requests", int), ("cost", float)):
+                v = doc.get(k)
+                if v is None:
+                    continue
+                try:
+                    if isinstance(v, bool):
+                        raise ValueError
+                    v = kind(v)
+                    if v <= 0 or (kind is int and v != doc.get(k)):
+                        raise ValueError
+                except (TypeError, ValueError):
+                    raise ApiError(400, "invalid-budget", f"budget {k} is a positive {'whole ' if kind is int else ''}"
+                                   f"number, not {doc.get(k)!r}") from None
+                change[k] = v
+            if not change and not doc.get("reset"):
+                raise ApiError(400, "bad-request", "budget: give --tokens, --requests, --cost and/or --reset")
+            patch["budget"] = {**patch.get("budget", {}), **change}
+            if doc.get("reset"):
+                from agentvm.gate.budget import BudgetStore
+
+                BudgetStore(self.paths.home / "budgets.db").reset(self._policy_for(row).name)
+                if ep is not None and getattr(ep, "budget", None) is not None:
+                    ep.budget.reset()
         elif op == "show":
             return self._policy_view(name, row, patch)
         elif op in ("pause", "resume"):
@@ -1221,7 +1269,7 @@ class Daemon:
             return {"applied": True, "live": True, "ms": round(took, 3), "limits": applied}
         else:
             raise ApiError(400, "bad-request", "op is one of show, allow, deny, remove, pause, resume, revoke, restore, "
-                           "limits, tools")
+                           "limits, tools, budget")
         new_row = dataclasses.replace(row, policy_patch=json.dumps(patch))
         policy = self._policy_for(new_row)  # raises on anything invalid: nothing applied yet
         self.state.update(name, policy_patch=json.dumps(patch))
@@ -1231,6 +1279,13 @@ class Daemon:
             ep.paused = bool(patch.get("paused"))
             if ep.tools is not None and policy.tools is not None:
                 ep.tools.set_policy(policy.tools, policy.digest())  # the next tool call is decided under it
+            if policy.limits.budget is not None:  # the next request is checked against it
+                if getattr(ep, "budget", None) is not None:
+                    ep.budget.set_spec(policy.limits.budget)
+                else:
+                    from agentvm.gate.budget import Budget, BudgetStore
+
+                    ep.budget = Budget(ep.agent, policy.limits.budget, BudgetStore(self.paths.home / "budgets.db"))
         took = (time.perf_counter() - t0) * 1000
         self.record("policy.change", actor=actor, sandbox=name, op=op, detail={k: v for k, v in doc.items() if k != "op"},
                     applied_live=ep is not None, ms=round(took, 3))

@@ -63,6 +63,7 @@ class Endpoint:
     """One sandbox's listener, policy, limits and decision log."""
 
     def __init__(self, gate: "Gate", sandbox_id: str, agent: str, policy: EgressPolicy, sock_path: Path, log_path: Path):
+        self.budget = None  # agentvm.gate.budget.Budget when limits.budget is set (EndpointExtras)
         self.gate = gate
         self.sandbox_id = sandbox_id
         self.agent = agent

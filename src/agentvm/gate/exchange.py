@@ -38,8 +38,9 @@ from agentvm.gate.policy import Decision, RequestMeta, check_address, decide, ho
 class Deny:
     """Terminal: log one deny record and, when ``respond``, answer the client.
 
-    ``answer`` is ``"denied"`` (403/429 JSON ``egress-denied`` body with ``X-Agentvm-Denied``)
-    or ``"error"`` (the gate's own error body, e.g. 400 for a request the proxy cannot take)."""
+    ``answer`` is ``"denied"`` (403/429 JSON ``egress-denied`` body with ``X-Agentvm-Denied``),
+    ``"error"`` (the gate's own error body, e.g. 400 for a request the proxy cannot take) or
+    ``"budget"`` (429 in the error shape of LLM APIs, for a spent budget)."""
 
     rule_id: str
     reason: str
@@ -60,6 +61,8 @@ class Deny:
         """The HTTP/1.1 answer: the gate's error body, or the 403/429 ``egress-denied`` one."""
         if self.answer == "error":
             return h1.error_response(self.status, self.rule_id, self.reason)
+        if self.answer == "budget":
+            return h1.budget_response(self.rule_id, self.reason)
         return h1.deny_response(self.rule_id, self.reason, host=self.host, port=self.port or 0, status=self.status,
                                 allow=self.how_to_allow)
 
@@ -68,6 +71,8 @@ class Deny:
         if self.credential is not None:
             extra["credential"] = self.credential
             extra["alert"] = self.alert
+        elif self.alert:
+            extra["alert"] = True
         if self.how_to_allow:
             extra["how_to_allow"] = self.how_to_allow
         if self.sni is not None:
@@ -354,6 +359,12 @@ def request(ep, req: h1.ProxyRequest, *, scheme: str, tunnel: Tunnel | None = No
     if not d.allowed:
         yield deny(req, d.rule_id, d.reason)
         return
+    budget = getattr(ep, "budget", None)
+    if budget is not None and budget.covers(req.host):
+        spent = budget.refusal()
+        if spent is not None:
+            yield deny(req, "budget:exceeded", spent, status=429, explain=False, alert=True, answer="budget")
+            return
     swap = None
     creds = ep.creds
     if creds is not None:
@@ -455,7 +466,8 @@ def connect(ep, req: h1.ProxyRequest) -> Flow:
                    method="CONNECT", respond=False, sni=sni)
         return
     tunnel = replace(tunnel, sni=sni)
-    if d.terminate or d2.terminate or creds is not None:
+    budget = getattr(ep, "budget", None)
+    if d.terminate or d2.terminate or creds is not None or (budget is not None and budget.covers(req.host)):
         # a sandbox holding placeholders gets every tunnel terminated: a placeholder must be
         # seen wherever it travels (and swapped only where it is bound)
         yield OpenTunnel(kind="terminate", tunnel=tunnel, decision=d2)

@@ -397,6 +397,17 @@ def deny_response(rule_id: str, reason: str, *, host: str, port: int, status: in
     return _raw_json_response(status, "Forbidden" if status == 403 else "Too Many Requests", body, [("X-Agentvm-Denied", rid)])
 
 
+def budget_response(rule_id: str, reason: str) -> bytes:
+    """429 for a spent LLM budget, shaped as OpenAI- and Anthropic-compatible APIs answer errors
+    (``error.message``), so an SDK shows the reason; ``x-should-retry: false`` stops the SDKs'
+    automatic retries (waiting does not refill a budget)."""
+    msg = f"{reason} (agent-vm {rule_id}: the operator raises it with `agentvm policy NAME budget`)"
+    body = {"type": "error", "error": {"type": "budget_exceeded", "code": rule_id, "message": msg},
+            "rule": rule_id, "reason": reason}
+    return _json_response(429, "Too Many Requests", body, [("X-Agentvm-Denied", safe_rule_id(rule_id)),
+                                                           ("x-should-retry", "false")])
+
+
 def error_response(status: int, code: str, message: str) -> bytes:
     reasons = {400: "Bad Request", 413: "Payload Too Large", 502: "Bad Gateway", 504: "Gateway Timeout", 429: "Too Many Requests"}
     return _json_response(status, reasons.get(status, "Error"), {"error": code, "reason": message}, [("X-Agentvm-Denied", safe_rule_id(code))])

@@ -128,6 +128,9 @@ class Relay:
         self.host_value = req.host if req.port in (80, 443) else f"{req.host}:{req.port}"
         self.ws = req.upgrade_websocket  # decide() allowed it, so a rule says websocket: true
         creds = ep.creds
+        budget = getattr(ep, "budget", None)
+        self.budget = budget if budget is not None and budget.covers(req.host) else None
+        self.meter, self.llm_counted = None, False
         self.scanner = creds.body_scanner(req.host) if creds is not None else None
         self.scrubber = creds.scrubber() if creds is not None else None
         self.sent = 0
@@ -159,6 +162,15 @@ class Relay:
                   bytes_out=self.sent)
         await self.client.write(h1.error_response(413, rule, f"request body over {max_body} bytes"))
 
+    def _count_llm(self) -> dict | None:
+        """Count the metered response once - also when it ended early (the sandbox hung up
+        mid-stream, the upstream cut it): tokens generated are tokens spent."""
+        meter = self.meter
+        if meter is None or not meter.answered or self.llm_counted:
+            return None
+        self.llm_counted = True
+        return self.budget.add(*meter.finish(self.sent))
+
     def _count_out(self, n: int) -> None:
         self.ep.count_out(n, self.req.host, self.req.port)
 
@@ -170,6 +182,20 @@ class Relay:
             # ask only for codings the gate can decode (and so scrub); a signed request keeps
             # its header (it may be signed) and relies on the response check alone
             headers = encoding.narrow_accept_headers(headers)
+        if self.budget is not None and not (cred is not None and cred.resign):
+            # a metered LLM API answers uncompressed: its usage is read as it streams past
+            headers = [(k, v) for k, v in headers if k.lower() != b"accept-encoding"] + [(b"accept-encoding",
+                                                                                          b"identity")]
+        try:
+            return await self._run(headers)
+        finally:
+            llm = self._count_llm()  # a response cut short still counts
+            if llm is not None:
+                self._log(verdict="allow", rule_id=self.d.rule_id, reason="LLM response ended early: counted",
+                          phase="budget", bytes_out=self.sent, llm=llm)
+
+    async def _run(self, headers) -> tuple[bool, bytes, bool]:
+        req, cred = self.req, self.cred
         try:
             if cred is not None and cred.resign:
                 # a signed request: the whole body is needed to check and redo the signature
@@ -350,6 +376,8 @@ class Relay:
             sent stays, the response ends unfinished)."""
             try:
                 for data in pieces:
+                    if meter is not None:
+                        meter.feed(data)
                     await emit(frame(data))
             except encoding.DecodeError as err:
                 await emit(b"", flush=True)
@@ -361,6 +389,7 @@ class Relay:
         answered = False
         keep = self.client_keep
         scrub = ResponseScrub(scrubber) if scrubber is not None and scrubber.active else None
+        meter = self.meter = self.budget.meter() if self.budget is not None else None
         while True:
             try:
                 ev = reader.next_event()
@@ -422,6 +451,8 @@ class Relay:
                     except encoding.DecodeError as err:
                         await self._undecodable(err)
                         return False, b"", False
+                if meter is not None:
+                    meter.head(ev.status, ev.headers)
                 bodyless = req.method == "HEAD" or ev.status in (204, 304)
                 if bodyless or any(k == b"content-length" for k, _ in rh):
                     frame = bytes  # as the upstream declared it (its length was checked by the parser)
@@ -442,6 +473,8 @@ class Relay:
             # a piece of the body
             received += len(ev)
             if scrub is None:
+                if meter is not None:
+                    meter.feed(ev)
                 await emit(frame(ev))
             elif not await scrubbed_out(scrub.body(ev)):
                 return False, b"", False
@@ -454,6 +487,9 @@ class Relay:
             extra["alert"] = True
         if scrub is not None and scrub.decoded_from:
             extra["decoded"] = scrub.decoded_from
+        llm = self._count_llm()
+        if llm is not None:
+            extra["llm"] = llm
         self._log(verdict="allow", rule_id=d.rule_id, reason=d.reason, phase="request", bytes_out=self.sent,
                   bytes_in=received, upstream_ms=round((time.monotonic() - self.t0) * 1000, 3), **extra)
         reusable = reader.reusable and self.upstream.reusable

@@ -49,6 +49,9 @@ RULES: dict[str, str] = {
     "telemetry:bad-request": "a request for /otlp that is not a POST of OTLP (protobuf or JSON) to /otlp/v1/traces, "
                              "/metrics or /logs, or is over 4 MiB",
     "telemetry:unreachable": "the collector did not take the relayed export (502): the agent's SDK retries",
+    # LLM budgets (limits.budget)
+    "budget:exceeded": "the agent's LLM budget (tokens, requests or cost) is spent (429, alerted); "
+                       "`agentvm policy NAME budget` raises it",
     # operator and limits
     "paused": "egress of the sandbox is paused by the operator (connections open at the time are cut)",
     "limit:connections": "too many concurrent connections from the sandbox (429)",

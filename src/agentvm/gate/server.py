@@ -405,7 +405,9 @@ class Gate:
         # offers h2, the gate first opens the upstream connection (to the address checked at
         # CONNECT) and lets the upstream choose; an HTTP/1.1 answer goes to the pool
         h2_up = None
-        if ALPN_H2 in alpn:
+        budget = getattr(ep, "budget", None)
+        # an LLM API under a budget is metered on HTTP/1.1 (the usage is read from each response)
+        if ALPN_H2 in alpn and not (budget is not None and budget.covers(tunnel.host)):
             h2_up = await self._open_h2_upstream(ep, tunnel)
         offer = (ALPN_H2, ALPN_HTTP1) if h2_up is not None else (ALPN_HTTP1,)
         tls = TLSStream(client, TLSServerSide(self.server_ctx(), alpn=offer))

@@ -62,6 +62,14 @@ class Observer:
                                  ["agent", "event"], registry=r)
         self.approvals = Counter("agentvm_approvals", "Approval requests made and answered",
                                  ["state"], registry=r)
+        self.llm_tokens = Counter("agentvm_llm_tokens", "LLM tokens counted by the gate from the responses of "
+                                  "budget-metered hosts (estimated ones included)", ["agent", "model", "direction"],
+                                  registry=r)
+        self.llm_requests = Counter("agentvm_llm_requests", "LLM API responses counted by the gate",
+                                    ["agent", "model"], registry=r)
+        self.llm_cost = Counter("agentvm_llm_cost", "LLM spend counted by the gate (the price table's currency)",
+                                ["agent"], registry=r)
+        self._models: set[str] = set()
         self._dyn = _Dynamic(sandboxes_by_state, approvals_pending, audit_status)
         r.register(self._dyn)
         self.recent: collections.deque = collections.deque(maxlen=RECENT)
@@ -113,6 +121,19 @@ class Observer:
             self.leaks.labels(agent, "request").inc()
         if rec.get("scrubbed"):
             self.leaks.labels(agent, "response").inc()
+        llm = rec.get("llm")
+        if isinstance(llm, dict):
+            model = str(llm.get("model") or "unknown")[:128]
+            if model not in self._models:
+                if len(self._models) < 256:
+                    self._models.add(model)
+                else:
+                    model = "(other)"
+            self.llm_requests.labels(agent, model).inc()
+            self.llm_tokens.labels(agent, model, "input").inc(int(llm.get("input_tokens") or 0))
+            self.llm_tokens.labels(agent, model, "output").inc(int(llm.get("output_tokens") or 0))
+            if llm.get("cost"):
+                self.llm_cost.labels(agent).inc(float(llm["cost"]))
         ms = rec.get("upstream_ms")
         if isinstance(ms, (int, float)) and ms >= 0:
             self.latency.observe(ms / 1000.0)
@@ -142,7 +163,7 @@ class Observer:
 _LIFECYCLE = {"lifecycle.running": "start", "lifecycle.restart-scheduled": "restart", "lifecycle.failed": "failure",
               "lifecycle.exited": "exit", "lifecycle.stopped": "stop", "run.started": "run"}
 _KEEP = ("time", "agent", "sandbox", "phase", "host", "port", "method", "path", "rule", "verdict", "reason",
-         "bytes_out", "bytes_in", "credentials", "alert", "tool", "suppressed", "upstream_ms")
+         "bytes_out", "bytes_in", "credentials", "alert", "tool", "suppressed", "upstream_ms", "llm")
 
 
 class _Dynamic:

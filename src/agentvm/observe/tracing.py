@@ -189,6 +189,13 @@ class Tracing:
         }
         if rec.get("method"):
             attrs["http.request.method"] = rec["method"]
+        llm = rec.get("llm")
+        if isinstance(llm, dict):  # OpenTelemetry's GenAI conventions
+            attrs["gen_ai.response.model"] = llm.get("model")
+            attrs["gen_ai.usage.input_tokens"] = llm.get("input_tokens")
+            attrs["gen_ai.usage.output_tokens"] = llm.get("output_tokens")
+            attrs["agentvm.llm.cost"] = llm.get("cost")
+            attrs["agentvm.llm.estimated"] = bool(llm.get("estimated"))
         if rec.get("tool"):
             name = f"tool {rec['tool']}"
             attrs["agentvm.tool"] = rec["tool"]

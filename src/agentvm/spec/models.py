@@ -165,6 +165,53 @@ class Workspace(_Model):
         return _sandbox_path(v, "workspace.path")
 
 
+class BudgetPrice(_Model):
+    """A model's price, per million tokens (any currency: the budget's ``cost`` is in the same)."""
+
+    input: float = Field(ge=0, description="Price per million input (prompt) tokens.")
+    output: float = Field(ge=0, description="Price per million output (completion) tokens.")
+
+
+class Budget(_Model):
+    """LLM usage and spend, counted by the gate from the responses of LLM APIs (OpenAI- and
+    Anthropic-compatible) and enforced before each request: past a limit, ``429 budget:exceeded``."""
+
+    tokens: int | None = Field(None, ge=1, description="Input + output tokens, in total.")
+    requests: int | None = Field(None, ge=1, description="Requests to the budget's hosts, in total.")
+    cost: float | None = Field(None, gt=0, description="Money, in total, priced with `prices`.")
+    hosts: list[str] = Field(default_factory=lambda: list(_llm_hosts()),
+                             description="The LLM API hosts the budget meters (exact or '*.suffix'); the default is "
+                             "the common OpenAI- and Anthropic-compatible APIs.")
+    prices: dict[str, BudgetPrice] = Field(default_factory=dict, description="Model name or glob -> price per million "
+                                           "tokens; '*' prices every other model (required with `cost`).")
+
+    @field_validator("hosts")
+    @classmethod
+    def _hosts(cls, v: list[str]) -> list[str]:
+        if not v:
+            raise ValueError("a budget meters at least one host")
+        for h in v:
+            name = h[2:] if h.startswith("*.") else h
+            if not name or "*" in name or "/" in name or ":" in name or " " in name or "." not in name.strip("."):
+                raise ValueError(f"{h!r} is not a host name or '*.suffix'")
+        return [h.lower().rstrip(".") for h in v]
+
+    @model_validator(mode="after")
+    def _some_limit(self):
+        if self.tokens is None and self.requests is None and self.cost is None:
+            raise ValueError("a budget sets at least one of tokens, requests, cost")
+        if self.cost is not None and "*" not in self.prices:
+            raise ValueError("a budget with `cost` needs a price for '*' (every model not listed): a response whose "
+                             "model has no price could not be counted")
+        return self
+
+
+def _llm_hosts():
+    from agentvm.gate.budget import DEFAULT_LLM_HOSTS
+
+    return DEFAULT_LLM_HOSTS
+
+
 class Limits(_Model):
     """Resource limits. Sizes accept ``256M``/``2G``; durations ``30s``/``5m``."""
 
@@ -176,6 +223,8 @@ class Limits(_Model):
     tmp: Size = Field(D.TMP, description="Size of the private /tmp tmpfs.")
     shm: Size = Field(D.SHM, description="Size of the private /dev/shm tmpfs.")
     nofile: int = Field(D.NOFILE, ge=64, le=1048576, description="Open files (RLIMIT_NOFILE).")
+    budget: Budget | None = Field(None, description="LLM usage/spend budget enforced at the gate (tokens, requests, "
+                                  "cost).")
 
     @field_validator("memory", "disk", "tmp", "shm", mode="before")
     @classmethod

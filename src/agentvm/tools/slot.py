@@ -21,14 +21,18 @@ class EndpointExtras:
     run_dir: Path
     env: tuple = ()  # where agent-vm lives (AGENTVM_HOME...): a local tool server's `agentvm run` uses the same
     webhook: str | None = None
+    budget: object = None  # agentvm.gate.budget.BudgetSpec | None
+    budget_db: Path | None = None  # <home>/budgets.db: the agent's counters, kept across runs
 
     @classmethod
     def of(cls, policy, run_dir: Path, digest: str, paths=None) -> "EndpointExtras":
         env = ()
         if paths is not None:
             env = (("AGENTVM_HOME", str(paths.home)), ("AGENTVM_RUNTIME_DIR", str(paths.runtime)))
+        budget = getattr(policy.limits, "budget", None)
         return cls(policy.tools, policy.approval_timeout, digest, Path(run_dir), env,
-                   getattr(policy, "approval_webhook", None))
+                   getattr(policy, "approval_webhook", None), budget,
+                   (paths.home / "budgets.db") if paths is not None and budget is not None else None)
 
     def attach(self, ep) -> None:
         ep.approval_timeout = self.approval_timeout
@@ -36,6 +40,10 @@ class EndpointExtras:
         ep.policy_digest = self.policy_digest
         if self.tools is not None and self.tools.servers:
             ep.tools = ToolsSlot(ep, self.tools, self.policy_digest, self.run_dir, dict(self.env))
+        if self.budget is not None:
+            from agentvm.gate.budget import Budget, BudgetStore
+
+            ep.budget = Budget(ep.agent, self.budget, BudgetStore(self.budget_db) if self.budget_db else None)
 
 
 def _import_gateway():

@@ -1,0 +1,316 @@
+"""LLM usage and spend budgets, enforced at the gate.
+
+For requests to the budget's hosts (known LLM APIs by default; the gate terminates TLS to
+them and speaks HTTP/1.1 there), the gate reads the model and the token usage from each
+response - OpenAI- and Anthropic-compatible JSON bodies and server-sent-event streams - and
+adds them to the agent's counters. Before each request it checks the budget
+(``limits.budget``: tokens, requests, or money from the agent file's price table): once a
+limit is reached, requests to those hosts get ``429 budget:exceeded`` (alerted, on the
+audit chain) until the operator raises the budget (``agentvm policy NAME budget``).
+
+Counting is fail-closed: a successful response whose usage the gate cannot read (a stream
+without a usage event, a body too large to keep) is *estimated* (request and response bytes
+/ 4) and marked as such, never counted as free. Requests already in flight when a limit is
+crossed complete; the next one is refused.
+
+The counters are per agent name, kept in ``<home>/budgets.db``: a daemon restart, a worker
+restart or a new run of the same agent continues from them (``--reset`` starts over).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import sqlite3
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+# OpenAI- and Anthropic-compatible APIs (the default ``limits.budget.hosts``)
+DEFAULT_LLM_HOSTS = ("api.openai.com", "api.anthropic.com", "*.openai.azure.com", "openrouter.ai", "api.groq.com",
+                     "api.mistral.ai", "api.deepseek.com", "api.together.xyz", "api.fireworks.ai", "api.x.ai")
+MAX_JSON = 4 * 1024 * 1024  # a JSON response kept whole to read its usage (bigger: estimated)
+MAX_LINE = 1024 * 1024  # one SSE line
+
+
+@dataclass(frozen=True)
+class BudgetSpec:
+    tokens: int | None = None
+    requests: int | None = None
+    cost: float | None = None
+    hosts: tuple[str, ...] = DEFAULT_LLM_HOSTS
+    prices: tuple[tuple[str, float, float], ...] = ()  # (model glob, per 1M input, per 1M output)
+
+    def price(self, model: str) -> tuple[float, float] | None:
+        for glob, pin, pout in self.prices:
+            if fnmatch.fnmatchcase(model, glob):
+                return pin, pout
+        return None
+
+    def covers(self, host: str) -> bool:
+        h = (host or "").lower().rstrip(".")
+        for pat in self.hosts:
+            if pat.startswith("*.") and h.endswith(pat[1:]) and h != pat[2:]:
+                return True
+            if h == pat:
+                return True
+        return False
+
+    def with_limits(self, *, tokens=..., requests=..., cost=...) -> "BudgetSpec":
+        from dataclasses import replace
+
+        kw = {k: v for k, v in (("tokens", tokens), ("requests", requests), ("cost", cost)) if v is not ...}
+        return replace(self, **kw)
+
+
+@dataclass
+class Usage:
+    requests: int = 0
+    input_tokens: int = 0
+    output_tokens: int = 0
+    cost: float = 0.0
+    estimated: int = 0  # responses whose usage was estimated
+    by_model: dict = field(default_factory=dict)
+
+    @property
+    def tokens(self) -> int:
+        return self.input_tokens + self.output_tokens
+
+    def to_dict(self) -> dict:
+        return {"requests": self.requests, "input_tokens": self.input_tokens, "output_tokens": self.output_tokens,
+                "tokens": self.tokens, "cost": round(self.cost, 6), "estimated": self.estimated}
+
+
+class BudgetStore:
+    """Per-agent counters in ``<home>/budgets.db`` (owner-only)."""
+
+    def __init__(self, path: Path) -> None:
+        from agentvm import statedb
+
+        self.path = Path(path)
+        self._c = statedb.connect(self.path, "budgets", _SCHEMA,
+                                  consequence="every agent's LLM budget would start over at zero")
+        self._lock = threading.Lock()
+
+    def load(self, agent: str) -> Usage:
+        with self._lock:
+            row = self._c.execute("SELECT requests, input_tokens, output_tokens, cost, estimated, by_model FROM budgets "
+                                  "WHERE agent=?", (agent,)).fetchone()
+        if row is None:
+            return Usage()
+        try:
+            by_model = json.loads(row[5] or "{}")
+        except ValueError:
+            by_model = {}
+        return Usage(int(row[0]), int(row[1]), int(row[2]), float(row[3]), int(row[4]), by_model)
+
+    def save(self, agent: str, u: Usage) -> None:
+        with self._lock:
+            self._c.execute("INSERT INTO budgets (agent, requests, input_tokens, output_tokens, cost, estimated, by_model, "
+                            "updated) VALUES (?,?,?,?,?,?,?,?) ON CONFLICT(agent) DO UPDATE SET requests=excluded.requests, "
+                            "input_tokens=excluded.input_tokens, output_tokens=excluded.output_tokens, cost=excluded.cost, "
+                            "estimated=excluded.estimated, by_model=excluded.by_model, updated=excluded.updated",
+                            (agent, u.requests, u.input_tokens, u.output_tokens, u.cost, u.estimated,
+                             json.dumps(u.by_model, sort_keys=True)[:65536], time.time()))
+
+    def reset(self, agent: str) -> None:
+        with self._lock:
+            self._c.execute("DELETE FROM budgets WHERE agent=?", (agent,))
+
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS budgets (
+    agent TEXT PRIMARY KEY,
+    requests INTEGER NOT NULL,
+    input_tokens INTEGER NOT NULL,
+    output_tokens INTEGER NOT NULL,
+    cost REAL NOT NULL,
+    estimated INTEGER NOT NULL,
+    by_model TEXT,
+    updated REAL NOT NULL
+);
+"""
+
+
+class Budget:
+    """One agent's budget in a gate endpoint: the check before a request, the count after."""
+
+    def __init__(self, agent: str, spec: BudgetSpec, store: BudgetStore | None) -> None:
+        self.agent, self.spec, self.store = agent, spec, store
+        self.usage = store.load(agent) if store is not None else Usage()
+
+    def covers(self, host: str) -> bool:
+        return self.spec.covers(host)
+
+    def refusal(self) -> str | None:
+        """Why the next request must be refused (a limit is reached), or None."""
+        s, u = self.spec, self.usage
+        if s.requests is not None and u.requests >= s.requests:
+            return f"the LLM budget of {s.requests} requests is spent ({u.requests} made)"
+        if s.tokens is not None and u.tokens >= s.tokens:
+            return f"the LLM budget of {s.tokens} tokens is spent ({u.tokens} used)"
+        if s.cost is not None and u.cost >= s.cost:
+            return f"the LLM budget of {s.cost:g} is spent ({u.cost:.4f} used)"
+        return None
+
+    def meter(self) -> "Meter":
+        return Meter()
+
+    def add(self, model: str | None, input_tokens: int, output_tokens: int, estimated: bool) -> dict:
+        """Count one response; -> the fields its decision record carries (``llm``)."""
+        u = self.usage
+        model = (model or "unknown")[:128]
+        price = self.spec.price(model)
+        cost = (input_tokens * price[0] + output_tokens * price[1]) / 1e6 if price else 0.0
+        u.requests += 1
+        u.input_tokens += input_tokens
+        u.output_tokens += output_tokens
+        u.cost += cost
+        u.estimated += int(estimated)
+        if model in u.by_model or len(u.by_model) < 64:
+            m = u.by_model.setdefault(model, [0, 0, 0])
+            m[0] += 1
+            m[1] += input_tokens
+            m[2] += output_tokens
+        self.save()
+        out = {"model": model, "input_tokens": input_tokens, "output_tokens": output_tokens}
+        if price is not None:
+            out["cost"] = round(cost, 8)
+        if estimated:
+            out["estimated"] = True
+        return out
+
+    def save(self) -> None:
+        if self.store is not None:
+            try:
+                self.store.save(self.agent, self.usage)
+            except sqlite3.Error:
+                pass  # the count stays in memory; the next save retries
+
+    def set_spec(self, spec: BudgetSpec) -> None:
+        self.spec = spec
+
+    def reset(self) -> None:
+        self.usage = Usage()
+        if self.store is not None:
+            self.store.reset(self.agent)
+
+
+class Meter:
+    """Reads one response's model and usage as it streams past (never changes a byte)."""
+
+    def __init__(self) -> None:
+        self.ok = False
+        self.answered = False  # the upstream's response head arrived (the request was served)
+        self.kind = ""  # "sse" | "json" | ""
+        self.buf = bytearray()
+        self.line = bytearray()
+        self.overflow = False
+        self.body_bytes = 0
+        self.model: str | None = None
+        self.input: int | None = None
+        self.output: int | None = None
+
+    def head(self, status: int, headers) -> None:
+        self.answered = True
+        self.ok = 200 <= status < 300
+        ctype = b""
+        for k, v in headers:
+            if k.lower() == b"content-type":
+                ctype = v.lower()
+        self.kind = "sse" if b"text/event-stream" in ctype else "json" if b"json" in ctype else ""
+
+    def feed(self, data: bytes) -> None:
+        self.body_bytes += len(data)
+        if self.kind == "json":
+            if len(self.buf) + len(data) > MAX_JSON:
+                self.overflow = True
+                self.buf.clear()
+                self.kind = ""
+            else:
+                self.buf += data
+        elif self.kind == "sse":
+            self.line += data
+            while True:
+                nl = self.line.find(b"\n")
+                if nl < 0:
+                    if len(self.line) > MAX_LINE:
+                        self.line.clear()
+                        self.overflow = True
+                    return
+                raw, self.line = bytes(self.line[:nl]).rstrip(b"\r"), self.line[nl + 1:]
+                if raw.startswith(b"data:"):
+                    payload = raw[5:].strip()
+                    if payload and payload != b"[DONE]":
+                        self._take_bytes(payload)
+
+    def _take_bytes(self, payload: bytes) -> None:
+        try:
+            obj = json.loads(payload)
+        except ValueError:
+            return
+        if isinstance(obj, dict):
+            self._take(obj)
+
+    def _take(self, obj: dict) -> None:
+        msg = obj.get("message") if isinstance(obj.get("message"), dict) else None  # Anthropic message_start
+        resp = obj.get("response") if isinstance(obj.get("response"), dict) else None  # OpenAI Responses events
+        for src in (obj, msg, resp):
+            if not src:
+                continue
+            m = src.get("model")
+            if isinstance(m, str) and m:
+                self.model = m
+            u = src.get("usage")
+            if isinstance(u, dict):
+                self._usage(u)
+
+    def _usage(self, u: dict) -> None:
+        def num(*keys) -> int | None:
+            total, seen = 0, False
+            for k in keys:
+                v = u.get(k)
+                if isinstance(v, int) and not isinstance(v, bool) and v >= 0:
+                    total += v
+                    seen = True
+            return total if seen else None
+
+        # OpenAI chat/completions: prompt/completion; Responses API and Anthropic: input/output
+        # (Anthropic's cache reads and writes are input tokens too)
+        inp = num("prompt_tokens") if "prompt_tokens" in u else num(
+            "input_tokens", "cache_creation_input_tokens", "cache_read_input_tokens")
+        out = num("completion_tokens") if "completion_tokens" in u else num("output_tokens")
+        # streams repeat usage (Anthropic: input at message_start, the running output total at
+        # each message_delta): the largest value seen is the total
+        if inp is not None:
+            self.input = max(self.input or 0, inp)
+        if out is not None:
+            self.output = max(self.output or 0, out)
+
+    def finish(self, request_bytes: int) -> tuple[str | None, int, int, bool]:
+        """-> (model, input tokens, output tokens, estimated)."""
+        if self.kind == "json" and self.buf:
+            self._take_bytes(bytes(self.buf))
+        if self.kind == "sse" and self.line:
+            raw = bytes(self.line).strip()
+            if raw.startswith(b"data:"):
+                self._take_bytes(raw[5:].strip())
+        if self.input is not None or self.output is not None:
+            return self.model, self.input or 0, self.output or 0, False
+        if not self.ok:
+            return self.model, 0, 0, False  # an error answer: no tokens were generated
+        # a success whose usage is not readable: estimated, never free
+        return self.model, (request_bytes + 3) // 4, (self.body_bytes + 3) // 4, True
+
+
+def compile_budget(spec_budget) -> BudgetSpec | None:
+    """From the agent file's ``limits.budget`` (``spec.models.Budget``)."""
+    if spec_budget is None:
+        return None
+    prices = tuple((g, float(p.input), float(p.output)) for g, p in spec_budget.prices.items() if g != "*")
+    if "*" in spec_budget.prices:  # the catch-all is tried last
+        p = spec_budget.prices["*"]
+        prices += (("*", float(p.input), float(p.output)),)
+    return BudgetSpec(tokens=spec_budget.tokens, requests=spec_budget.requests, cost=spec_budget.cost,
+                      hosts=tuple(h.lower().rstrip(".") for h in spec_budget.hosts), prices=prices)

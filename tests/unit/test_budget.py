@@ -1,0 +1,127 @@
+"""The LLM budget's pieces without a gate: reading usage from OpenAI- and Anthropic-compatible
+responses (JSON and SSE, split anywhere), estimation when usage is missing, the checks before
+a request, prices, the per-agent store, and the agent file's validation."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from agentvm.gate.budget import Budget, BudgetSpec, BudgetStore, Meter, compile_budget
+
+JSON_H = [(b"content-type", b"application/json")]
+SSE_H = [(b"content-type", b"text/event-stream; charset=utf-8")]
+
+
+def run(meter_headers, body: bytes, status=200, split=1, request_bytes=100):
+    m = Meter()
+    m.head(status, meter_headers)
+    for i in range(0, len(body), split):
+        m.feed(body[i:i + split])
+    return m.finish(request_bytes)
+
+
+def sse(*events) -> bytes:
+    return b"".join(b"data: " + json.dumps(e).encode() + b"\r\n\r\n" for e in events) + b"data: [DONE]\n\n"
+
+
+@pytest.mark.parametrize("split", [1, 7, 4096])
+def test_openai_json_and_stream(split):
+    doc = {"model": "gpt-4o", "usage": {"prompt_tokens": 11, "completion_tokens": 22, "total_tokens": 33}}
+    assert run(JSON_H, json.dumps(doc).encode(), split=split) == ("gpt-4o", 11, 22, False)
+    body = sse({"model": "gpt-4o", "choices": [{"delta": {"content": "x"}}], "usage": None},
+               {"model": "gpt-4o", "choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 9}})
+    assert run(SSE_H, body, split=split) == ("gpt-4o", 5, 9, False)
+
+
+@pytest.mark.parametrize("split", [1, 13, 4096])
+def test_anthropic_stream_and_message(split):
+    body = (b"event: message_start\n" + b"data: " + json.dumps({"type": "message_start", "message": {
+        "model": "claude-x", "usage": {"input_tokens": 40, "cache_read_input_tokens": 60, "output_tokens": 1}}}).encode()
+        + b"\n\nevent: message_delta\ndata: " + json.dumps({"type": "message_delta", "usage": {"output_tokens": 25}}).encode()
+        + b"\n\n")
+    assert run(SSE_H, body, split=split) == ("claude-x", 100, 25, False)
+    msg = {"type": "message", "model": "claude-x", "usage": {"input_tokens": 3, "output_tokens": 4}}
+    assert run(JSON_H, json.dumps(msg).encode(), split=split) == ("claude-x", 3, 4, False)
+
+
+def test_openai_responses_api_events():
+    body = sse({"type": "response.created", "response": {"model": "gpt-5", "usage": None}},
+               {"type": "response.completed", "response": {"model": "gpt-5", "usage": {"input_tokens": 7, "output_tokens": 8}}})
+    assert run(SSE_H, body) == ("gpt-5", 7, 8, False)
+
+
+def test_missing_usage_is_estimated_never_free_and_errors_cost_nothing():
+    body = sse({"model": "gpt-4o", "choices": [{"delta": {"content": "x" * 400}}]})
+    model, i, o, est = run(SSE_H, body, request_bytes=400)
+    assert (model, i, est) == ("gpt-4o", 100, True) and o >= 100
+    # a body too large to keep: estimated from its size
+    big = b'{"model": "m", "pad": "' + b"x" * (5 * 1024 * 1024) + b'"}'
+    assert run(JSON_H, big, split=65536)[3] is True
+    # not JSON at all (HTML, gzip the upstream sent anyway): estimated
+    assert run([(b"content-type", b"text/html")], b"<html>" * 100)[3] is True
+    # an error answer generated nothing
+    assert run(JSON_H, b'{"error": {"message": "bad"}}', status=400) == (None, 0, 0, False)
+    # hostile numbers are ignored, not trusted
+    doc = {"usage": {"prompt_tokens": -5, "completion_tokens": True, "output_tokens": "9"}}
+    assert run(JSON_H, json.dumps(doc).encode())[3] is True
+
+
+def test_budget_checks_before_each_request_prices_and_live_changes(tmp_path):
+    spec = BudgetSpec(tokens=100, requests=4, cost=0.001, hosts=("api.test", "*.llm.test"),
+                      prices=(("gpt-4o*", 2.5, 10.0), ("*", 1.0, 1.0)))
+    assert spec.covers("api.test") and spec.covers("API.TEST.") and spec.covers("eu.llm.test")
+    assert not spec.covers("llm.test") and not spec.covers("api.test.evil") and not spec.covers("xapi.test")
+    store = BudgetStore(tmp_path / "budgets.db")
+    b = Budget("w", spec, store)
+    assert b.refusal() is None
+    llm = b.add("gpt-4o-mini", 10, 20, False)
+    assert llm == {"model": "gpt-4o-mini", "input_tokens": 10, "output_tokens": 20, "cost": (10 * 2.5 + 20 * 10) / 1e6}
+    assert b.add("other", 10, 10, True)["estimated"] is True
+    assert b.refusal() is None
+    b.add("other", 30, 30, False)
+    assert "tokens" in b.refusal() and "110 used" in b.refusal()
+    b.set_spec(spec.with_limits(tokens=1000, requests=3))
+    assert "requests" in b.refusal()
+    b.set_spec(spec.with_limits(tokens=1000, requests=10))
+    assert b.refusal() is None or "budget of 0.001" in b.refusal()
+    # the counters survive (a new Budget over the same store: a restart)
+    again = Budget("w", spec, BudgetStore(tmp_path / "budgets.db"))
+    assert again.usage.to_dict() == b.usage.to_dict() and again.usage.by_model["other"] == [2, 40, 40]
+    again.reset()
+    assert Budget("w", spec, store).usage.tokens == 0
+    assert oct((tmp_path / "budgets.db").stat().st_mode & 0o777) == "0o600"
+
+
+def test_a_lost_budgets_db_is_refused_not_silently_reset(tmp_path):
+    from agentvm.errors import ConfigError
+
+    BudgetStore(tmp_path / "budgets.db")
+    (tmp_path / "budgets.db").unlink()
+    with pytest.raises(ConfigError) as e:
+        BudgetStore(tmp_path / "budgets.db")
+    assert "LLM budget would start over" in e.value.message
+
+
+def test_agent_file_validation():
+    from _spec_helpers import agent
+
+    from agentvm.errors import ConfigError
+    from agentvm.spec.loader import load_agent_text
+
+    def load(budget: str):
+        return load_agent_text(agent(f"spec:\n  limits:\n    budget: {budget}\n"), "a.yaml", preset_dirs=[])
+
+    ok = load("{tokens: 5, prices: {'gpt-*': {input: 1, output: 2}}}").spec.spec.limits.budget
+    c = compile_budget(ok)
+    assert c.tokens == 5 and "api.openai.com" in c.hosts and c.prices == (("gpt-*", 1.0, 2.0),)
+    c = compile_budget(load("{cost: 1, prices: {'*': {input: 1, output: 1}, 'a*': {input: 2, output: 2}}}")
+                       .spec.spec.limits.budget)
+    assert c.prices[-1][0] == "*", "the catch-all is tried last"
+    for bad, why in [("{}", "at least one"), ("{cost: 1}", "'*'"), ("{tokens: 0}", "greater than"),
+                     ("{tokens: 5, hosts: []}", "at least one host"), ("{tokens: 5, hosts: ['a.test:443']}", "not a host"),
+                     ("{tokens: 5, hosts: ['*']}", "not a host"), ("{tokens: 5, extra: 1}", "xtra")]:
+        with pytest.raises(ConfigError) as e:
+            load(bad)
+        assert why in str(e.value.message) + str(getattr(e.value, "hint", "")), (bad, e.value.message)
