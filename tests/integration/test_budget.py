@@ -216,6 +216,18 @@ def test_the_request_past_the_budget_is_refused_and_the_count_survives_a_restart
         r = subprocess.run(["curl", "-s", "--unix-socket", str(avm_home / "run" / "agentvm.sock"), "http://d/metrics"],
                            capture_output=True, timeout=30)
         assert b'agentvm_llm_tokens_total{agent="b-llm",direction="output",model="gpt-stub"}' in r.stdout
+        # the console shows it and sets it (here over the operator's socket: no browser session needed)
+        sock = str(avm_home / "run" / "agentvm.sock")
+        page = subprocess.run(["curl", "-s", "--unix-socket", sock, "http://d/sandboxes/b-llm"], capture_output=True,
+                              timeout=30).stdout.decode()
+        assert "LLM budget" in page and ">200<" in page
+        r = subprocess.run(["curl", "-s", "-o", "/dev/null", "-w", "%{http_code}", "--unix-socket", sock, "-d",
+                            "action=budget&tokens=500", "http://d/sandboxes/b-llm/action"], capture_output=True, timeout=30)
+        assert r.stdout == b"303"
+        show = json.loads(av("policy", "b-llm", "show", "--json").stdout)["budget"]
+        assert show["tokens"] == 500
+        recs = [json.loads(x) for x in av("audit", "show", "--json", "--sandbox", "b-llm").stdout.splitlines()]
+        assert any(x["kind"] == "policy.change" and x["actor"] == "console" and x["data"]["op"] == "budget" for x in recs)
         av("policy", "b-llm", "budget", "--reset")
         show = json.loads(av("policy", "b-llm", "show", "--json").stdout)["budget"]
         assert show["used"]["tokens"] == 0

@@ -259,6 +259,18 @@ class Console:
                 await self.d._policy(name, {"op": action}, ACTOR)
             elif action in ("revoke", "restore"):
                 await self.d._policy(name, {"op": action, "credential": form.get("credential", "")}, ACTOR)
+            elif action == "budget":
+                change = {}
+                for k in ("tokens", "requests", "cost"):
+                    v = form.get(k, "").strip()
+                    if v:
+                        try:
+                            change[k] = float(v) if k == "cost" else int(v)
+                        except ValueError:
+                            raise _Refused(400, f"budget {k} is a number, not {v[:40]!r}") from None
+                if not change:
+                    raise _Refused(400, "give a new tokens, requests or cost limit")
+                await self.d._policy(name, {"op": "budget", **change}, ACTOR)
             elif action in ("allow", "deny"):
                 rule = form.get("rule", "").strip()
                 if not rule:
