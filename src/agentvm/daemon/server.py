@@ -16,7 +16,11 @@ connection; streaming responses (``exec``, ``events``) are newline-delimited JSO
     POST   /v1/sandboxes/NAME/policy          {"op": allow|deny|remove|pause|resume|revoke|restore, ...}
     GET    /v1/audit?since=&sandbox=          GET /v1/audit/verify
     GET    /v1/events                         NDJSON stream of decisions and lifecycle events
+    GET    /v1/approvals[/ID], POST /v1/approvals/ID/approve|deny
+    POST   /v1/console/login                  a one-time login link for the web console
     POST   /v1/shutdown
+    GET    /metrics                           Prometheus exposition (agentvm.observe.metrics)
+    *      everything else                    the web console (agentvm.console; its own sessions on TCP)
 """
 
 from __future__ import annotations
