@@ -16,6 +16,17 @@ def agentvm_cmd() -> list[str]:
     return [sys.executable, "-m", "agentvm"]
 
 
+def av(*args: str, check: bool = True, input: bytes | None = None, timeout: float = 120):
+    """Run the real CLI -> CompletedProcess (bytes); ``check``: a non-zero exit fails the test
+    with the command's output."""
+    import subprocess
+
+    r = subprocess.run(agentvm_cmd() + list(args), capture_output=True, input=input, timeout=timeout)
+    if check and r.returncode != 0:
+        raise AssertionError(f"agentvm {' '.join(args)} -> {r.returncode}\n{r.stdout.decode()}\n{r.stderr.decode()}")
+    return r
+
+
 def last_json(stdout: str | bytes) -> dict:
     """The ``--json`` result of ``agentvm run``: the last non-empty stdout line."""
     if isinstance(stdout, bytes):

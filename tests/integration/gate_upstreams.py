@@ -72,6 +72,17 @@ def make_test_ca(directory: Path) -> tuple[Path, Path, Path]:
     return ca_pem, cert_pem, key_pem
 
 
+def sandbox_test_ca(tmp_path: Path) -> tuple[Path, Path, Path]:
+    """``make_test_ca`` under ``tmp_path/ca``, readable by the gate and the agent's uid (an
+    agent file's ``upstreamCa`` is read from the host by the gate)."""
+    d = tmp_path / "ca"
+    ca, cert, key = make_test_ca(d)
+    for x in (tmp_path, d):
+        os.chmod(x, 0o755)
+    os.chmod(ca, 0o644)
+    return ca, cert, key
+
+
 def make_wheel() -> bytes:
     buf = io.BytesIO()
     with zipfile.ZipFile(buf, "w") as z:

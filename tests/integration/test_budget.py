@@ -14,12 +14,11 @@ import ssl
 import subprocess
 import textwrap
 import threading
-import time
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import agentvm_cmd, needs_root
+from tests.helpers import av, needs_root
 
 pytestmark = [pytest.mark.integration, needs_root]
 
@@ -97,12 +96,6 @@ class StubLLM:
         self.httpd.server_close()
 
 
-def av(*args, check=True, input=None, timeout=120):
-    r = subprocess.run(agentvm_cmd() + list(args), capture_output=True, input=input, timeout=timeout)
-    if check and r.returncode != 0:
-        raise AssertionError(f"agentvm {' '.join(args)} -> {r.returncode}\n{r.stdout.decode()}\n{r.stderr.decode()}")
-    return r
-
 
 OPENAI_CALL = textwrap.dedent("""\
     import sys, json
@@ -124,13 +117,9 @@ OPENAI_CALL = textwrap.dedent("""\
 
 @pytest.fixture
 def stub(tmp_path):
-    from tests.integration.gate_upstreams import make_test_ca
+    from tests.integration.gate_upstreams import sandbox_test_ca
 
-    d = tmp_path / "ca"
-    ca, cert, key = make_test_ca(d)
-    for x in (tmp_path, d):
-        os.chmod(x, 0o755)
-    os.chmod(ca, 0o644)
+    ca, cert, key = sandbox_test_ca(tmp_path)
     s = StubLLM(cert, key)
     s.ca = ca
     yield s

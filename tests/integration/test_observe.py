@@ -21,19 +21,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import agentvm_cmd, needs_root
+from tests.helpers import agentvm_cmd, av, needs_root
 
 pytestmark = [pytest.mark.integration, needs_root]
 
 CHROMIUM = shutil.which("chromium")
 ARTIFACTS = Path(os.environ.get("AGENTVM_ARTIFACTS", Path(__file__).resolve().parents[2] / "artifacts")) / "console"
 
-
-def av(*args, check=True, input=None, timeout=120):
-    r = subprocess.run(agentvm_cmd() + list(args), capture_output=True, input=input, timeout=timeout)
-    if check and r.returncode != 0:
-        raise AssertionError(f"agentvm {' '.join(args)} -> {r.returncode}\n{r.stdout.decode()}\n{r.stderr.decode()}")
-    return r
 
 
 def free_port() -> int:
@@ -95,14 +89,10 @@ def gate_log(home: Path, agent: str) -> list[dict]:
 def test_metrics_match_the_decision_log(daemon_tcp, tmp_path):
     from prometheus_client.parser import text_string_to_metric_families
 
-    from tests.integration.gate_upstreams import Upstream, make_test_ca
+    from tests.integration.gate_upstreams import Upstream, sandbox_test_ca
 
     home, port = daemon_tcp
-    d = tmp_path / "ca"
-    ca, cert, key = make_test_ca(d)
-    for x in (tmp_path, d):
-        os.chmod(x, 0o755)
-    os.chmod(ca, 0o644)
+    ca, cert, key = sandbox_test_ca(tmp_path)
     up = Upstream(tls=(cert, key))
     try:
         av("secret", "set", "m-key", input=b"fake-metrics-key-0123456789")

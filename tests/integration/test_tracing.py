@@ -11,7 +11,6 @@ import gzip
 import http.server
 import json
 import os
-import subprocess
 import textwrap
 import threading
 import time
@@ -19,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import agentvm_cmd, needs_root
+from tests.helpers import av, needs_root
 
 pytestmark = [pytest.mark.integration, needs_root]
 
@@ -108,12 +107,6 @@ class Collector:
         self.httpd.server_close()
 
 
-def av(*args, check=True, input=None, timeout=120):
-    r = subprocess.run(agentvm_cmd() + list(args), capture_output=True, input=input, timeout=timeout)
-    if check and r.returncode != 0:
-        raise AssertionError(f"agentvm {' '.join(args)} -> {r.returncode}\n{r.stdout.decode()}\n{r.stderr.decode()}")
-    return r
-
 
 @pytest.fixture
 def collector():
@@ -123,15 +116,11 @@ def collector():
 
 
 def test_one_trace_links_launch_exec_egress_credential_and_the_agents_own_span(avm_home, tmp_path, collector):
-    from tests.integration.gate_upstreams import Upstream, make_test_ca
+    from tests.integration.gate_upstreams import Upstream, sandbox_test_ca
 
     if not (TESTLIB / "opentelemetry").is_dir():
         pytest.fail(f"{TESTLIB} lacks the OpenTelemetry SDK: run `bash scripts/install.sh --test`")
-    d = tmp_path / "ca"
-    ca, cert, key = make_test_ca(d)
-    for x in (tmp_path, d):
-        os.chmod(x, 0o755)
-    os.chmod(ca, 0o644)
+    ca, cert, key = sandbox_test_ca(tmp_path)
     (tmp_path / "agent_span.py").write_text(AGENT_SPAN)
     os.chmod(tmp_path / "agent_span.py", 0o644)
     up = Upstream(tls=(cert, key))
@@ -182,7 +171,7 @@ def test_one_trace_links_launch_exec_egress_credential_and_the_agents_own_span(a
         assert launch["parent"] == root["id"]
         execs = by_name["exec"]
         assert len(execs) == 3 and all(e["parent"] == root["id"] for e in execs)
-        egress = by_name[f"egress GET api.test"][0]
+        egress = by_name["egress GET api.test"][0]
         assert egress["parent"] == root["id"]
         a = egress["attrs"]
         assert a["agentvm.egress.verdict"] == "allow" and a["agentvm.egress.rule"] == "allow[0]"

@@ -19,23 +19,38 @@ MAX_BODY = 4 * 1024 * 1024  # a JSON-RPC message to the gateway, buffered whole 
 _HOP = {b"connection", b"keep-alive", b"transfer-encoding", b"upgrade", b"proxy-connection", b"te", b"trailer"}
 
 
-async def serve_one(ep, stream, body: RequestBody, req: h1.ProxyRequest) -> tuple[bool, bytes]:
-    """-> (keep the connection, bytes after this request)."""
-    if req.content_length is not None and req.content_length > MAX_BODY:
-        await stream.write(h1.error_response(413, "tools:request-too-large", f"a request over {MAX_BODY} bytes"))
-        return False, b""
+class TooLarge(Exception):
+    pass
+
+
+async def read_body(stream, body: RequestBody, req: h1.ProxyRequest, limit: int, timeout: float = 30.0) -> bytes | None:
+    """A request body buffered whole for one of the gate's own doors (/mcp, /otlp): at most
+    ``limit`` bytes (``TooLarge`` as soon as it is known to be more) within ``timeout``
+    seconds; None when the body is malformed, cut off or too slow."""
+    if req.content_length is not None and req.content_length > limit:
+        raise TooLarge()
     chunks, size = [], 0
     try:
-        async with asyncio.timeout(30):
+        async with asyncio.timeout(timeout):
             async for piece in request_body(stream, body):
                 size += len(piece)
-                if size > MAX_BODY:
-                    await stream.write(h1.error_response(413, "tools:request-too-large", f"a request over {MAX_BODY} bytes"))
-                    return False, b""
+                if size > limit:
+                    raise TooLarge()
                 chunks.append(piece)
     except (BadBody, BodyEnded, TimeoutError):
+        return None
+    return b"".join(chunks)
+
+
+async def serve_one(ep, stream, body: RequestBody, req: h1.ProxyRequest) -> tuple[bool, bytes]:
+    """-> (keep the connection, bytes after this request)."""
+    try:
+        data = await read_body(stream, body, req, MAX_BODY)
+    except TooLarge:
+        await stream.write(h1.error_response(413, "tools:request-too-large", f"a request over {MAX_BODY} bytes"))
         return False, b""
-    data = b"".join(chunks)
+    if data is None:
+        return False, b""
     try:
         gw = await ep.tools.gateway()
     except Exception as exc:  # noqa: BLE001 - no gateway, no tools: fail closed

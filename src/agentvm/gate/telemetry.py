@@ -22,8 +22,8 @@ import urllib.error
 import urllib.request
 
 from agentvm.gate import h1
+from agentvm.gate.asgi import TooLarge, read_body
 from agentvm.gate.endpoint import Cut
-from agentvm.gate.relay import BadBody, BodyEnded, request_body
 
 MAX_BODY = 4 * 1024 * 1024
 MAX_ANSWER = 64 * 1024
@@ -44,20 +44,12 @@ class TelemetryRelay:
         if ctype not in _TYPES or coding not in (b"", b"gzip"):
             return await self._refuse(ep, stream, req, 415, "telemetry:bad-request",
                                       "OTLP/HTTP only: application/x-protobuf or application/json, optionally gzip")
-        if req.content_length is not None and req.content_length > MAX_BODY:
-            return await self._refuse(ep, stream, req, 413, "telemetry:bad-request", f"an export over {MAX_BODY} bytes")
-        chunks, size = [], 0
         try:
-            async with asyncio.timeout(30):
-                async for piece in request_body(stream, body):
-                    size += len(piece)
-                    if size > MAX_BODY:
-                        return await self._refuse(ep, stream, req, 413, "telemetry:bad-request",
-                                                  f"an export over {MAX_BODY} bytes")
-                    chunks.append(piece)
-        except (BadBody, BodyEnded, TimeoutError):
+            data = await read_body(stream, body, req, MAX_BODY)
+        except TooLarge:
+            return await self._refuse(ep, stream, req, 413, "telemetry:bad-request", f"an export over {MAX_BODY} bytes")
+        if data is None:
             return False, b""
-        data = b"".join(chunks)
         try:
             ep.count_out(len(data))
         except Cut as cut:
