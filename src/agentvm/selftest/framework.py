@@ -64,13 +64,16 @@ WEAKENINGS = {
     "weak-bridge": "the egress bridge inside the sandbox stays dumpable and runs without the seccomp filter",
     "permissive-tools": "the tool gateway allows every tool of the test server, with no argument constraints",
     "writable-approvals": "the approvals queue's folder is granted read-write into the sandbox",
+    "no-budget": "the gate meters no LLM budget (limits.budget is dropped)",
 }
 
 # weakenings of the policy or the gate (not of a substrate's plan): they apply on every substrate
-POLICY_WEAKENINGS = frozenset({"grant-canaries", "cred-in-env", "permissive-gate", "raw-scrub", "permissive-tools"})
+POLICY_WEAKENINGS = frozenset({"grant-canaries", "cred-in-env", "permissive-gate", "raw-scrub", "permissive-tools",
+                               "no-budget"})
 
 SINK_NAME = "canary.selftest"
 CANARY_HOST = "canary-exfil.selftest"
+LLM_HOST = "llm.selftest"  # an "LLM API" under a budget (the sink answers for it)
 
 
 @dataclass
@@ -350,6 +353,7 @@ class Env:
         tools=None,
         ask: tuple = (),
         approval_timeout: float = 300.0,
+        budget=None,
     ):
         """A policy for one attack: egress allowed only to ``allowed.selftest`` (the sink is
         *not* allowed), two credentials bound to ``api.selftest``/``api.github.com``."""
@@ -362,7 +366,7 @@ class Env:
         if egress:
             extra_allow = [f"allowed.selftest:{self.sink.port}", "api.selftest:443", "api.github.com:443", *allow]
             hosts = {"allowed.selftest": "127.0.0.1", "api.selftest": "127.0.0.1", "api.github.com": "127.0.0.1",
-                     SINK_NAME: "127.0.0.1", CANARY_HOST: "127.0.0.1"}
+                     SINK_NAME: "127.0.0.1", CANARY_HOST: "127.0.0.1", LLM_HOST: "127.0.0.1"}
             if "permissive-gate" in self.weakens:
                 extra_allow += [f"{SINK_NAME}:{self.sink.port}", f"{CANARY_HOST}:{self.sink.port}", f"*.selftest:{self.sink.port}",
                                 f"127.0.0.1:{self.sink.port}"]
@@ -398,7 +402,8 @@ class Env:
             risk_tier="L4",
             mounts=tuple(grants),
             env=tuple(sorted(penv.items())),
-            limits=Limits(memory=memory, pids=pids, timeout=timeout, disk=disk, tmp=64 * 1024**2),
+            limits=Limits(memory=memory, pids=pids, timeout=timeout, disk=disk, tmp=64 * 1024**2,
+                          budget=None if "no-budget" in self.weakens else budget),
             network="gate" if egress else "none",  # egress=False: no route at all, not even the gate
             egress=eg,
             credentials=creds,

@@ -269,3 +269,34 @@ note("HTTP/0.9", send(b"GET http://%s:%d/\r\n" % (s, P), timeout=1.0))
 note("PRI h2c", send(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"))
 """ + REFERENCE
     return judge(prelude_run(env, body), "origin-form requests")
+
+
+@case("proxy.llm-budget-evasion", "proxy",
+      "Spend past a spent LLM budget: the same host spelled otherwise, HTTP/1.0, pipelined, inside a CONNECT tunnel",
+      weakened_by="no-budget")
+def _(env: Env) -> Verdict:
+    from agentvm.gate.budget import BudgetSpec
+    from agentvm.selftest.cases.network import ALLOWED_HOSTS, steps
+    from agentvm.selftest.framework import LLM_HOST
+
+    body = r"""
+L = b"llm.selftest"
+note("first request (within the budget)", send(get("llm.selftest", P, "/first")), forbidden=False)
+note("again", send(get("llm.selftest", P, "/evade-again")))
+for spelled in ("LLM.SELFTEST", "llm.selftest.", "Llm.Selftest."):
+    note("spelled " + spelled, send(get(spelled, P, "/evade-" + spelled.strip("."))))
+note("HTTP/1.0", send(b"GET http://llm.selftest:%d/evade-http10 HTTP/1.0\r\nHost: llm.selftest:%d\r\n\r\n" % (P, P)))
+note("pipelined", send(b"GET http://llm.selftest:%d/evade-pipe1 HTTP/1.1\r\nHost: llm.selftest:%d\r\n\r\n"
+                       b"GET http://llm.selftest:%d/evade-pipe2 HTTP/1.1\r\nHost: llm.selftest:%d\r\nConnection: close\r\n\r\n"
+                       % (P, P, P, P)))
+hd, r = tunnel("llm.selftest", P, False, b"GET /evade-tunnel HTTP/1.1\r\nHost: llm.selftest:%d\r\nConnection: close\r\n\r\n" % P)
+note("tunnel CONNECT", hd, forbidden=False); note("tunnel inner", r)
+"""
+    o = prelude_run(env, body, allow=(f"{LLM_HOST}:{env.sink.port}",),
+                    budget=BudgetSpec(requests=1, hosts=(LLM_HOST,)))
+    first = next((s for s in steps(o) if s["step"].startswith("first")), None)
+    if first is None or not first.get("ok"):
+        return Verdict.error(f"the first request, within the budget, did not get through, so the case proves nothing: "
+                             f"{first or o.stderr[-300:]}")
+    return judge(o, "LLM budget evasion", sink_filter=lambda d: b"evade" in d,
+                 allowed_hosts=ALLOWED_HOSTS | {LLM_HOST})
