@@ -172,3 +172,27 @@ def test_console_login_codes_work_once_and_expire(monkeypatch):
     for _ in range(100):
         s.mint_code()
     assert len(s.codes) <= 32, "unredeemed codes are bounded"
+
+
+def test_trace_sampling_keeps_everything_but_plain_allowed_requests(monkeypatch):
+    from agentvm.errors import ConfigError
+    from agentvm.observe.tracing import Tracing, check_sample
+
+    tr = Tracing("http://127.0.0.1:9", sample_allowed=0.0)
+    try:
+        got = []
+        monkeypatch.setattr(tr, "submit", got.append)
+        plain = {"kind": "egress", "verdict": "allow", "rule": "a"}
+        kept = [{"kind": "egress", "verdict": "deny", "rule": "default-deny"},
+                {"kind": "egress", "verdict": "allow", "rule": "a", "credentials": ["k"]},
+                {"kind": "egress", "verdict": "allow", "rule": "a", "llm": {"model": "m"}},
+                {"kind": "approval.requested", "id": "x"}, {"kind": "approval.answered", "id": "x"}]
+        for rec in [plain] * 50 + kept + [{"kind": "lifecycle.running"}]:
+            tr.observe(rec)
+        assert [g[1] for g in got] == kept
+    finally:
+        tr.shutdown()
+    for bad in ("x", -0.1, 1.5):
+        with pytest.raises(ConfigError):
+            check_sample(bad)
+    assert check_sample("0.25") == 0.25

@@ -55,7 +55,10 @@ def _client():
 @click.option("--otlp-endpoint", metavar="URL", envvar="AGENTVM_OTLP_ENDPOINT",
               help="Export traces to this OpenTelemetry collector (OTLP/HTTP base URL, e.g. http://127.0.0.1:4318) "
               "and relay the agents' own OTLP export to it (env: AGENTVM_OTLP_ENDPOINT).")
-def up(foreground, listen, accept_broken_chain, otlp_endpoint):
+@click.option("--otlp-sample-allowed", type=float, metavar="RATIO", envvar="AGENTVM_OTLP_SAMPLE_ALLOWED",
+              help="The share (0-1, default 1) of plain allowed egress decisions that become spans; denials, "
+              "credential uses, LLM calls, tools, approvals and lifecycle always do.")
+def up(foreground, listen, accept_broken_chain, otlp_endpoint, otlp_sample_allowed):
     """Start the control-plane daemon."""
     from agentvm.daemon.server import check_chain
     from agentvm.paths import default_paths
@@ -69,17 +72,21 @@ def up(foreground, listen, accept_broken_chain, otlp_endpoint):
     if foreground:
         from agentvm.daemon.server import run_daemon
 
-        run_daemon(paths, listen=listen, accept_broken_chain=accept_broken_chain, otlp_endpoint=otlp_endpoint)
+        run_daemon(paths, listen=listen, accept_broken_chain=accept_broken_chain, otlp_endpoint=otlp_endpoint,
+                   otlp_sample_allowed=otlp_sample_allowed)
         return 0
     if otlp_endpoint:
-        from agentvm.observe.tracing import check_endpoint
+        from agentvm.observe.tracing import check_endpoint, check_sample
 
         check_endpoint(otlp_endpoint)  # refused here, with the reason, not in a log file
+        if otlp_sample_allowed is not None:
+            check_sample(otlp_sample_allowed)
     log = paths.home / "daemon.log"
     fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
     args = [sys.executable, "-m", "agentvm", "up", "--foreground"] + (["--listen", listen] if listen else [])
     args += ["--accept-broken-chain"] if accept_broken_chain else []
     args += ["--otlp-endpoint", otlp_endpoint] if otlp_endpoint else []
+    args += ["--otlp-sample-allowed", str(otlp_sample_allowed)] if otlp_sample_allowed is not None else []
     proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=fd, stderr=fd, start_new_session=True, close_fds=True)
     os.close(fd)
     (paths.runtime / "daemon.pid").write_text(f"{proc.pid}\n")
@@ -268,7 +275,7 @@ def policy(name, op, args, memory, pids, cpus, tokens, budget_requests, cost, re
     if len(args) != want:
         raise ConfigError(f"policy {op} takes {want} argument(s), got {len(args)}",
                           hint="e.g. `agentvm policy NAME tools deny github__create_issue`" if op == "tools" else
-                          f"see `agentvm policy --help`")
+                          "see `agentvm policy --help`")
     arg = args[0] if args else None
     if op == "show":
         v = _client().policy(name, "show")

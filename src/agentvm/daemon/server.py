@@ -1382,12 +1382,13 @@ def check_chain(paths: Paths, accept_broken: bool) -> str | None:
 
 
 def run_daemon(paths: Paths, *, listen: str | None = None, backend=None, accept_broken_chain: bool = False,
-               otlp_endpoint: str | None = None) -> None:
+               otlp_endpoint: str | None = None, otlp_sample_allowed: float | None = None) -> None:
     """Foreground entry point (``agentvm up --foreground``)."""
     accepted = check_chain(paths, accept_broken_chain)
     from agentvm.observe.tracing import from_env_or
 
-    tracing = from_env_or(otlp_endpoint)  # a bad URL refuses here, before anything starts
+    # a bad URL or ratio refuses here, before anything starts
+    tracing = from_env_or(otlp_endpoint, otlp_sample_allowed)
     import resource
 
     # one daemon serves every sandbox, client and gate connection of the host: the default
@@ -1405,7 +1406,7 @@ def run_daemon(paths: Paths, *, listen: str | None = None, backend=None, accept_
                                                                            thread_name_prefix="agentvm"))
         d = Daemon(paths, backend=backend, listen=listen, tracing=tracing)
         if tracing is not None:
-            d.record("daemon.tracing", endpoint=tracing.endpoint)
+            d.record("daemon.tracing", endpoint=tracing.endpoint, sample_allowed=tracing.sample_allowed)
         if accepted:
             d.record("daemon.accepted-broken-chain", problem=accepted)
         loop = asyncio.get_running_loop()

@@ -242,7 +242,9 @@ class Meter:
                 raw, self.line = bytes(self.line[:nl]).rstrip(b"\r"), self.line[nl + 1:]
                 if raw.startswith(b"data:"):
                     payload = raw[5:].strip()
-                    if payload and payload != b"[DONE]":
+                    # only events that can carry what is counted are parsed (most chunks of a
+                    # stream are text deltas: a substring test, not a JSON parse)
+                    if b'"usage"' in payload or (self.model is None and b'"model"' in payload):
                         self._take_bytes(payload)
 
     def _take_bytes(self, payload: bytes) -> None:

@@ -73,6 +73,7 @@ class Observer:
         self._dyn = _Dynamic(sandboxes_by_state, approvals_pending, audit_status)
         r.register(self._dyn)
         self.recent: collections.deque = collections.deque(maxlen=RECENT)
+        self._children: dict = {}
         self.summary: dict[str, dict[str, list]] = {}  # agent -> host -> [allow, deny, bytes_out, bytes_in, last]
         self._agents: set[str] = set()
 
@@ -103,20 +104,28 @@ class Observer:
         except Exception:  # noqa: BLE001
             pass
 
+    def _child(self, metric, *labels):
+        """``metric.labels(*labels)``, cached: the library's lookup costs more than the count."""
+        key = (id(metric), labels)
+        c = self._children.get(key)
+        if c is None:
+            c = self._children[key] = metric.labels(*labels)
+        return c
+
     def _decision(self, rec: dict) -> None:
         agent = self._agent(rec.get("agent"))
         verdict = str(rec.get("verdict") or "?")[:8]
         rule = str(rec.get("rule") or "?")[:160]
         # a "log:suppressed" record stands for n denials that the deny-log rate limit folded
         n = int(rec.get("suppressed") or 1) if rule == "log:suppressed" else 1
-        self.decisions.labels(agent, verdict, rule).inc(n)
+        self._child(self.decisions, agent, verdict, rule).inc(n)
         out, inn = int(rec.get("bytes_out") or 0), int(rec.get("bytes_in") or 0)
         if out:
-            self.bytes.labels(agent, "out").inc(out)
+            self._child(self.bytes, agent, "out").inc(out)
         if inn:
-            self.bytes.labels(agent, "in").inc(inn)
+            self._child(self.bytes, agent, "in").inc(inn)
         for cred in rec.get("credentials") or ():
-            self.swaps.labels(agent, str(cred)[:128]).inc()
+            self._child(self.swaps, agent, str(cred)[:128]).inc()
         if rule.startswith("credential:leak:"):
             self.leaks.labels(agent, "request").inc()
         if rec.get("scrubbed"):
@@ -137,8 +146,7 @@ class Observer:
         ms = rec.get("upstream_ms")
         if isinstance(ms, (int, float)) and ms >= 0:
             self.latency.observe(ms / 1000.0)
-        light = {k: rec.get(k) for k in _KEEP if rec.get(k) is not None}
-        self.recent.append(light)
+        self.recent.append(rec)  # the event itself (nobody changes it after emit)
         host = str(rec.get("host") or "")
         if host:
             hosts = self.summary.setdefault(agent, {})
@@ -162,8 +170,6 @@ class Observer:
 
 _LIFECYCLE = {"lifecycle.running": "start", "lifecycle.restart-scheduled": "restart", "lifecycle.failed": "failure",
               "lifecycle.exited": "exit", "lifecycle.stopped": "stop", "run.started": "run"}
-_KEEP = ("time", "agent", "sandbox", "phase", "host", "port", "method", "path", "rule", "verdict", "reason",
-         "bytes_out", "bytes_in", "credentials", "alert", "tool", "suppressed", "upstream_ms", "llm")
 
 
 class _Dynamic:

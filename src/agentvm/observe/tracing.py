@@ -19,13 +19,16 @@ The agent joins its trace
     relays them to the same collector (``gate/telemetry.py``) with no egress rule to write.
 
 Spans are built from the events the daemon already has (gate decisions, records), after
-the fact, with their real start and end times: tracing adds no work to the gate's request
-path, and a slow or dead collector costs the daemon a bounded queue (the SDK's batch
-processor drops spans past it), never a blocked sandbox.
+the fact, with their real start and end times, on a worker thread: the gate's loop pays one
+append to a bounded queue per decision; a slow or dead collector costs the daemon bounded
+queues (this one and the SDK's batch processor drop what does not fit, counted and logged),
+never a blocked sandbox.
 """
 
 from __future__ import annotations
 
+import collections
+import random
 import re
 import threading
 import time
@@ -36,6 +39,7 @@ from agentvm import __version__
 _ID = re.compile(r"^(?:\d+|[0-9a-fA-F]{16,}|[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}"
                  r"|[A-Za-z0-9_-]{24,})$")
 MAX_SESSIONS = 4096
+MAX_QUEUE = 50000  # events waiting to become spans
 
 
 def path_template(path: str | None) -> str:
@@ -105,9 +109,13 @@ class SessionTrace:
         return sp
 
     def end(self, exit_code: int | None = None, error: str | None = None) -> None:
+        """End the session's trace after the events already queued for it."""
         if self.ended:
             return
         self.ended = True
+        self.t.submit(("end", self, exit_code, error))
+
+    def _end_now(self, exit_code: int | None, error: str | None) -> None:
         from opentelemetry.trace import Status, StatusCode
 
         if exit_code is not None:
@@ -120,13 +128,17 @@ class SessionTrace:
 
 
 class Tracing:
-    def __init__(self, endpoint: str) -> None:
+    def __init__(self, endpoint: str, sample_allowed: float = 1.0) -> None:
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
         from opentelemetry.sdk.resources import Resource
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
+        _quiet_exporter_logs()
         self.endpoint = endpoint.rstrip("/")
+        # the share of plain allowed egress decisions (no credential, no LLM usage) that become
+        # spans; denials, credential uses, LLM calls, tools, approvals and lifecycle always do
+        self.sample_allowed = max(0.0, min(1.0, float(sample_allowed)))
         self.provider = TracerProvider(resource=Resource.create({"service.name": "agent-vm",
                                                                  "service.version": __version__}))
         self.provider.add_span_processor(BatchSpanProcessor(
@@ -136,6 +148,14 @@ class Tracing:
         self._sessions: dict[str, SessionTrace] = {}
         self._approvals: dict[str, float] = {}
         self._lock = threading.Lock()
+        # events are turned into spans on a worker thread: the daemon's loop (which is also the
+        # gate's) only appends to a bounded queue; what does not fit is dropped and counted
+        self._q: collections.deque = collections.deque()
+        self._wake = threading.Event()
+        self.dropped = 0
+        self._stop = False
+        self._worker = threading.Thread(target=self._work, name="agentvm-tracing", daemon=True)
+        self._worker.start()
 
     # ------------------------------------------------------------------ sessions
     def begin(self, policy) -> SessionTrace:
@@ -157,7 +177,49 @@ class Tracing:
 
     # ------------------------------------------------------------------ events
     def observe(self, rec: dict) -> None:
-        """One daemon event (``Daemon.emit``); never raises."""
+        """One daemon event (``Daemon.emit``): queued for the worker; never raises or blocks."""
+        kind = rec.get("kind")
+        if kind not in ("egress", "approval.requested", "approval.answered"):
+            return
+        if (kind == "egress" and self.sample_allowed < 1.0 and rec.get("verdict") == "allow"
+                and not rec.get("credentials") and not rec.get("llm") and random.random() >= self.sample_allowed):
+            return
+        self.submit(("event", rec))
+
+    def submit(self, item: tuple) -> None:
+        if len(self._q) >= MAX_QUEUE:
+            self.dropped += 1
+            if self.dropped == 1 or self.dropped % 10000 == 0:
+                import logging
+
+                logging.getLogger("agentvm.tracing").warning(
+                    "tracing is behind: %d events dropped (spans not exported)", self.dropped)
+            return
+        self._q.append(item)
+        self._wake.set()
+
+    def _work(self) -> None:
+        while not self._stop or self._q:
+            if not self._q:
+                self._wake.wait(0.5)
+                self._wake.clear()
+                continue
+            item = self._q.popleft()
+            try:
+                if item[0] == "event":
+                    self._event(item[1])
+                elif item[0] == "end":
+                    item[1]._end_now(*item[2:])
+            except Exception:  # noqa: BLE001 - tracing must never break the daemon
+                pass
+
+    def flush(self, timeout: float = 5.0) -> None:
+        """Until the queue is empty (the spans are handed to the exporter)."""
+        deadline = time.monotonic() + timeout
+        while self._q and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    def _event(self, rec: dict) -> None:
         try:
             kind = rec.get("kind")
             if kind == "egress":
@@ -230,10 +292,44 @@ class Tracing:
                 error=None if state == "approved" else f"approval {state}")
 
     def shutdown(self) -> None:
+        self.flush()
+        self._stop = True
+        self._wake.set()
+        self._worker.join(timeout=5)
         try:
             self.provider.shutdown()
         except Exception:  # noqa: BLE001
             pass
+
+
+class _OncePerMinute:
+    """A logging filter: the SDK logs every failed batch (a dead collector would fill the
+    daemon's log); one line a minute says it is still failing."""
+
+    def __init__(self) -> None:
+        self.last = 0.0
+        self.held = 0
+
+    def filter(self, record) -> bool:
+        now = time.monotonic()
+        if now - self.last >= 60:
+            if self.held:
+                record.msg = f"{record.msg} ({self.held} similar messages in the last minute not shown)"
+            self.last, self.held = now, 0
+            return True
+        self.held += 1
+        return False
+
+
+def _quiet_exporter_logs() -> None:
+    import logging
+
+    for name in ("opentelemetry.exporter.otlp.proto.http.trace_exporter", "opentelemetry.sdk.trace.export",
+                 "opentelemetry.sdk._shared_internal", "opentelemetry.exporter.otlp.proto.http",
+                 "opentelemetry.exporter"):
+        lg = logging.getLogger(name)
+        if not any(isinstance(f, _OncePerMinute) for f in lg.filters):
+            lg.addFilter(_OncePerMinute())
 
 
 def check_endpoint(url: str) -> str:
@@ -249,10 +345,26 @@ def check_endpoint(url: str) -> str:
     return url.rstrip("/")
 
 
-def from_env_or(endpoint: str | None) -> "Tracing | None":
+def from_env_or(endpoint: str | None, sample_allowed: float | None = None) -> "Tracing | None":
     import os
 
     url = endpoint or os.environ.get("AGENTVM_OTLP_ENDPOINT") or ""
     if not url:
         return None
-    return Tracing(check_endpoint(url))
+    if sample_allowed is None:
+        sample_allowed = check_sample(os.environ.get("AGENTVM_OTLP_SAMPLE_ALLOWED") or 1.0)
+    return Tracing(check_endpoint(url), check_sample(sample_allowed))
+
+
+def check_sample(v) -> float:
+    from agentvm.errors import ConfigError
+
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        f = -1.0
+    if not 0.0 <= f <= 1.0:
+        raise ConfigError(f"the trace sample ratio {v!r} is not a number from 0 to 1",
+                          hint="e.g. --otlp-sample-allowed 0.1 (one plain allowed request in ten becomes a span)",
+                          code="config.otlp-sample")
+    return f
