@@ -7,6 +7,7 @@ private uid range so parallel sessions and a real installation never collide.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import shutil
@@ -18,26 +19,42 @@ import pytest
 from tests.helpers import ROOT, agentvm_cmd, needs_root  # noqa: F401 (re-exported)
 
 
-@pytest.fixture(scope="session")
-def avm_home() -> Path:
+@contextlib.contextmanager
+def _private_home():
+    """An installation of its own (AGENTVM_HOME) and a uid range of its own, removed after."""
     home = Path(f"/tmp/agentvm-test-{secrets.token_hex(4)}")
     home.mkdir(mode=0o711)
     os.chmod(home, 0o711)
     old = {k: os.environ.get(k) for k in ("AGENTVM_HOME", "AGENTVM_UID_BASE")}
     os.environ["AGENTVM_HOME"] = str(home)
-    # a uid range of this session's own (kept well away from the default 2100000)
+    # a uid range of its own (kept well away from the default 2100000)
     os.environ["AGENTVM_UID_BASE"] = str(3_000_000 + (int.from_bytes(secrets.token_bytes(2), "big") % 50) * 200_000)
-    yield home
-    for k, v in old.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
-    ws = home / "run" / "ws"
-    if ws.is_dir():
-        for d in ws.iterdir():
-            subprocess.run(["umount", "-l", str(d)], capture_output=True)
-    shutil.rmtree(home, ignore_errors=True)
+    try:
+        yield home
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        ws = home / "run" / "ws"
+        if ws.is_dir():
+            for d in ws.iterdir():
+                subprocess.run(["umount", "-l", str(d)], capture_output=True)
+        shutil.rmtree(home, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def avm_home() -> Path:
+    with _private_home() as home:
+        yield home
+
+
+@pytest.fixture
+def fresh_home() -> Path:
+    """An installation for one test only (state that must not see other tests': fleets)."""
+    with _private_home() as home:
+        yield home
 
 
 @pytest.fixture

@@ -41,6 +41,10 @@ _COMMANDS: dict[str, str] = {
     "audit": "agentvm.cli.daemon_cmds:audit",
     "events": "agentvm.cli.daemon_cmds:events",
     "console": "agentvm.cli.daemon_cmds:console",
+    "plan": "agentvm.cli.fleet_cmds:plan",
+    "apply": "agentvm.cli.fleet_cmds:apply",
+    "status": "agentvm.cli.fleet_cmds:status",
+    "rollback": "agentvm.cli.fleet_cmds:rollback",
     "approvals": "agentvm.cli.approvals_cmd:approvals",
 }
 

@@ -216,6 +216,11 @@ class Client:
     def verify(self):
         return self.request("GET", "/v1/audit/verify")
 
+    def fleet(self, op: str, doc: dict | None = None):
+        if op == "status":
+            return self.request("GET", "/v1/fleet/status")
+        return self.request("POST", f"/v1/fleet/{op}", doc or {})
+
     def console_login(self):
         return self.request("POST", "/v1/console/login", {})
 

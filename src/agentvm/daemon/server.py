@@ -497,7 +497,9 @@ class Daemon:
                     restarted.append(row.name)
                 else:
                     self.state.update(row.name, desired="stopped")
-        self.record("daemon.recovered", reaped=reaped, restarted=restarted)
+        interrupted = self.state.promotions_interrupted()
+        self.record("daemon.recovered", reaped=reaped, restarted=restarted,
+                    **({"interrupted_promotions": interrupted} if interrupted else {}))
         return {"reaped": reaped, "restarted": restarted}
 
     # ---------------------------------------------------------------- HTTP plumbing
@@ -834,6 +836,8 @@ class Daemon:
             return await self._json(conn, writer, 200, self._console_login(actor))
         if p[:1] == ["approvals"]:
             return await self._approvals(method, p[1:], doc or {}, q, conn, writer, actor)
+        if p[:1] == ["fleet"]:
+            return await self._json(conn, writer, 200, await self._fleet(method, p[1:], doc or {}, actor))
         if p == ["run"] and method == "POST":
             return await self._run(doc or {}, conn, writer, actor)
         if p == ["audit"] and method == "GET":
@@ -1318,6 +1322,252 @@ class Daemon:
             raise ApiError(404 if "no approval request" in exc.message else 409, exc.code, exc.message,
                            exc.hint) from None
         raise ApiError(404, "not-found", "approvals: GET /v1/approvals[/ID], POST /v1/approvals/ID/approve|deny")
+
+    # ---------------------------------------------------------------- fleet promotion
+    def _fleet_current(self) -> tuple[dict, str | None]:
+        """name -> what runs now (its policy from the stored spec, without live changes), and
+        the commit of the last applied promotion."""
+        from agentvm.policy import compile_policy
+        from agentvm.spec.loader import load_agent_text
+
+        meta = self.state.fleet_agents()
+        cur = {}
+        for row in self.state.all():
+            try:
+                policy = compile_policy(load_agent_text(row.spec_text, row.spec_file).spec)
+            except AgentVMError:
+                continue
+            cur[row.name] = {"policy": policy, "digest": policy.digest(), "fleet": row.name in meta,
+                             "running": row.state in ("running", "starting", "backoff"), "desired": row.desired,
+                             "state": row.state, "row": row}
+        done = [x for x in self.state.promotions() if x["result"] in ("applied", "rolled-back")]
+        return cur, (done[0]["commit"] if done else None)
+
+    async def _fleet_plan(self, doc: dict):
+        from agentvm import fleet as fl
+
+        repo, ref = doc.get("repo"), doc.get("commit") or "HEAD"
+        if not isinstance(repo, str) or not repo:
+            raise ApiError(400, "bad-request", "'repo' (the fleet's git repository on the daemon's host) is required")
+        sha = await asyncio.to_thread(fl.resolve, repo, ref)
+        trust = fl.load_trust(self.paths.home)
+        fleet = await asyncio.to_thread(fl.load, repo, sha, trust=trust)
+        cur, previous = self._fleet_current()
+        plan = fl.make_plan(fleet, {k: {kk: v[kk] for kk in ("policy", "digest", "fleet", "running")}
+                                    for k, v in cur.items()}, previous)
+        rp = doc.get("replay")
+        if rp is not None:
+            since = float(rp.get("since")) if rp.get("since") is not None else None
+            last = int(rp.get("last") or 1000)
+            for a in plan.actions:
+                if a.kind in ("update", "create") or (a.kind == "unchanged" and rp.get("all")):
+                    old = cur.get(a.name, {}).get("policy")
+                    recs = await asyncio.to_thread(fl.recorded, self.paths.home / "logs", a.name, since=since, last=last)
+                    a.replay = fl.replay(recs, old, fleet.agents[a.name].policy)
+        return fleet, plan, ref
+
+    async def _fleet(self, method: str, p: list, doc: dict, actor: str) -> dict:
+        from agentvm import fleet as fl
+
+        if p == ["plan"] and method == "POST":
+            fleet, plan, ref = await self._fleet_plan(doc)
+            out = plan.to_dict()
+            out["ref"] = ref
+            self.record("fleet.planned", actor=actor, repo=plan.repo, commit=plan.commit, ref=ref, digest=out["digest"],
+                        changes=out["changes"], widening=out["widening"],
+                        breakage=sum(len((a.replay or {}).get("breakage", [])) for a in plan.actions))
+            return out
+        if p == ["apply"] and method == "POST":
+            if not fl.is_full_id(str(doc.get("commit") or "")):
+                raise ApiError(400, "not-a-commit-id", "apply takes a full commit id (40 hex digits), not a branch, a tag "
+                               "or a short id", hint="`agentvm apply` resolves a ref and shows it first (with --yes)",
+                               exit_code=2)
+            fleet, plan, _ = await self._fleet_plan(doc)
+            if plan.commit != doc["commit"]:
+                raise ApiError(409, "not-a-commit-id", f"{doc['commit']} resolves to {plan.commit}", exit_code=2)
+            want = doc.get("digest")
+            if want is not None and want != plan.digest():
+                raise ApiError(409, "plan-changed", "the plan changed since it was shown (the daemon's state or the "
+                               "repository moved)", hint="run `agentvm plan` again and review it", exit_code=1)
+            return await self._fleet_apply(fleet, plan, doc, actor)
+        if p == ["status"] and method == "GET":
+            return self._fleet_status()
+        if p == ["rollback"] and method == "POST":
+            to = doc.get("to")
+            hist = self.state.promotions(200)
+            if to is None:
+                last = next((x for x in hist if x["result"] in ("applied", "rolled-back")), None)
+                if last is None or not last["previous"]:
+                    raise ApiError(409, "no-rollback-target", "no earlier promotion is recorded to go back to",
+                                   exit_code=1)
+                repo, to = last["repo"], last["previous"]
+            else:
+                match = next((x for x in hist if x["commit"].startswith(str(to)) and len(str(to)) >= 7), None)
+                if match is None:
+                    raise ApiError(404, "not-found", f"no promotion of a commit {to!r} is recorded",
+                                   hint="`agentvm status --json` lists the promotions", exit_code=1)
+                repo, to = match["repo"], match["commit"]
+            fleet, plan, _ = await self._fleet_plan({"repo": repo, "commit": to})
+            return await self._fleet_apply(fleet, plan, {"canary": doc.get("canary")}, actor, rollback=True)
+        raise ApiError(404, "not-found", "fleet: POST /v1/fleet/plan|apply|rollback, GET /v1/fleet/status")
+
+    async def _fleet_apply(self, fleet, plan, doc: dict, actor: str, rollback: bool = False) -> dict:
+        """Apply exactly ``plan`` (creates, then updates, then removes), each agent atomically:
+        its new spec and fleet record in one transaction; an update that does not come up
+        (or fails its canary) is put back on its old version and the apply stops there."""
+        from agentvm import fleet as fl
+
+        canary = fleet.config.get("canary") or {}
+        canary_all = bool(doc.get("canary"))
+        pid = self.state.promotion_start(plan.repo, plan.commit, plan.previous, plan.digest(), actor)
+        self.record("fleet.rollback-started" if rollback else "fleet.apply-started", actor=actor, repo=plan.repo,
+                    commit=plan.commit, previous=plan.previous, digest=plan.digest(), signed=plan.signed)
+        done, failed = [], None
+        for a in plan.actions:
+            if a.kind == "unchanged":
+                continue
+            fa = fleet.agents.get(a.name)
+            try:
+                if a.kind == "remove":
+                    if self.state.get(a.name) is not None:
+                        await self.stop(a.name, actor=actor)
+                    self.state.fleet_put(a.name, None, None)
+                    self.managed.pop(a.name, None)
+                    self.record("lifecycle.removed", actor=actor, sandbox=a.name, commit=plan.commit)
+                else:
+                    check = a.kind == "update" and (canary_all or fl.matches(a.name, list(canary.get("agents") or [])))
+                    await self._fleet_put_agent(fleet, fa, a, actor, canary=(canary if check else None))
+                done.append(a.name)
+            except ApiError as exc:
+                failed = {"agent": a.name, "error": exc.code, "message": exc.message}
+            except AgentVMError as exc:
+                failed = {"agent": a.name, "error": exc.code, "message": exc.message}
+            if failed:
+                break
+        result = "failed" if failed else ("rolled-back" if rollback else "applied")
+        self.state.promotion_end(pid, result, json.dumps(failed) if failed else None)
+        self.record("fleet." + result, actor=actor, repo=plan.repo, commit=plan.commit, previous=plan.previous,
+                    digest=plan.digest(), agents=done, failure=failed)
+        return {"result": result, "commit": plan.commit, "previous": plan.previous, "done": done, "failure": failed,
+                "digest": plan.digest()}
+
+    async def _fleet_put_agent(self, fleet, fa, action, actor: str, canary: dict | None) -> None:
+        old = self.state.get(fa.name)
+        old_meta = self.state.fleet_agents().get(fa.name)
+        spec = {"spec_text": fa.spec_text, "spec_file": f"{fleet.repo}@{fleet.commit[:12]}:{fa.path}",
+                "lifecycle": fa.policy.lifecycle, "policy_patch": "{}"}
+        meta = {"repo": fleet.repo, "commit": fleet.commit, "path": fa.path, "digest": fa.digest}
+        was_running = old is not None and old.desired == "running"
+        if old is not None and old.policy_patch not in ("", "{}"):
+            self.record("fleet.live-changes-dropped", actor=actor, sandbox=fa.name, patch=json.loads(old.policy_patch))
+        # the new version is the state first (one transaction): a daemon killed from here on
+        # restarts the agent on it; before here, on the old one
+        self.state.fleet_put(fa.name, spec, meta)
+        self.record("fleet.agent-" + ("created" if old is None else "updated"), actor=actor, sandbox=fa.name,
+                    commit=fleet.commit, path=fa.path, policy=fa.digest, previous=action.old_digest)
+        if was_running:
+            await self.stop(fa.name, actor=actor)
+            self.state.update(fa.name, desired="running")  # (no await since the stop: nothing can come between)
+        if not (was_running or (old is None and fa.policy.lifecycle == "persistent")):
+            return
+        problem = await self._fleet_start_checked(fa.name, actor, canary)
+        if problem is None:
+            return
+        # the new version did not come up: back to the old one, which is started again
+        self.record("fleet.agent-failed", actor=actor, sandbox=fa.name, commit=fleet.commit, problem=problem)
+        await self.stop(fa.name, actor=actor)
+        if old is None:
+            self.state.fleet_put(fa.name, None, None)
+            self.managed.pop(fa.name, None)
+        else:
+            self.state.fleet_put(fa.name, {"spec_text": old.spec_text, "spec_file": old.spec_file,
+                                           "lifecycle": old.lifecycle, "policy_patch": old.policy_patch}, old_meta)
+            if was_running:
+                m = self.managed.get(fa.name)
+                if m is not None:
+                    m.last_error = None
+                await self.start(fa.name, actor=actor)
+        self.record("fleet.agent-rolled-back", actor=actor, sandbox=fa.name, to=(old_meta or {}).get("commit"))
+        raise ApiError(409, "fleet.agent-failed", f"{fa.name} at {fleet.commit[:12]} did not pass: {problem}; it runs "
+                       "its previous version again and the apply stopped here", exit_code=1)
+
+    async def _fleet_start_checked(self, name: str, actor: str, canary: dict | None) -> str | None:
+        m = self.managed.get(name)
+        if m is not None:
+            m.last_error = None
+        await self.start(name, actor=actor)
+        await self._wait_state(name, ("running", "exited", "failed", "stopped", "backoff"), 30)
+        row = self.state.get(name)
+        if row is None or row.state != "running":
+            err = (self.managed.get(name).last_error if self.managed.get(name) else None) or {}
+            return f"it did not start ({row.state if row else 'gone'}{': ' + err.get('message', '') if err else ''})"
+        if canary is None:
+            return None
+        seconds = float(canary.get("seconds", 3))
+        deadline = time.monotonic() + seconds
+        start_restarts = row.restarts
+        while time.monotonic() < deadline:
+            await asyncio.sleep(0.2)
+            row = self.state.get(name)
+            if row is None or row.state != "running" or row.restarts != start_restarts:
+                return f"it did not stay up for {seconds:g}s (state {row.state if row else 'gone'})"
+        hc = (canary.get("healthchecks") or {}).get(name)
+        if hc:
+            m = self.managed.get(name)
+            if m is None or m.handle is None:
+                return "it is not running for its health check"
+            def run_check():
+                null = os.open(os.devnull, os.O_RDWR)
+                try:
+                    return m.backend.exec(m.handle, [str(x) for x in hc], stdio=(null, null, null), timeout=30)
+                finally:
+                    os.close(null)
+
+            status = await asyncio.to_thread(run_check)
+            if status.exit_code != 0:
+                return f"its health check {hc} exited {status.exit_code}"
+        self.record("fleet.canary-passed", actor=actor, sandbox=name, seconds=seconds, healthcheck=hc or None)
+        return None
+
+    def _fleet_status(self) -> dict:
+        meta = self.state.fleet_agents()
+        cur, desired = self._fleet_current()
+        agents, drifted = [], False
+        for name, c in sorted(cur.items()):
+            fm = meta.get(name)
+            row = c["row"]
+            d = {"name": name, "state": row.state, "commit": fm["commit"] if fm else None, "desired": desired,
+                 "path": fm["path"] if fm else None, "drift": []}
+            if fm is None:
+                if c["running"]:
+                    d["drift"].append("running, but no commit declares it")
+            else:
+                if desired and fm["commit"] != desired:
+                    d["drift"].append(f"runs {fm['commit'][:12]}, the last promotion is {desired[:12]}")
+                if c["digest"] != fm["digest"]:
+                    d["drift"].append("its stored config differs from its commit's")
+                patch = json.loads(row.policy_patch or "{}")
+                if patch:
+                    d["drift"].append("live policy changes: " + ", ".join(sorted(patch)))
+                    try:
+                        d["running_digest"] = self._policy_for(row).digest()
+                    except AgentVMError:
+                        pass
+                if c["policy"].lifecycle == "persistent" and row.desired != "running":
+                    d["drift"].append("declared, not running")
+            d["config_digest"] = c["digest"]
+            drifted = drifted or bool(d["drift"])
+            agents.append(d)
+        for name, fm in sorted(meta.items()):
+            if name not in cur:
+                agents.append({"name": name, "state": "missing", "commit": fm["commit"], "desired": desired,
+                               "path": fm["path"], "drift": ["declared, but its sandbox is gone"]})
+                drifted = True
+        out = {"desired": desired, "drift": drifted, "agents": agents, "promotions": self.state.promotions(20)}
+        if drifted:  # a drift finding is on the audit chain (what was found, when, by whom)
+            self.record("fleet.drift", desired=desired,
+                        agents={a["name"]: a["drift"] for a in agents if a["drift"]})
+        return out
 
     async def _events(self, conn, writer) -> None:
         q: asyncio.Queue = asyncio.Queue()

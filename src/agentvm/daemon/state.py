@@ -34,6 +34,30 @@ CREATE TABLE IF NOT EXISTS sandboxes (
 """
 
 
+# what was applied from a fleet repository (agentvm.fleet): per agent, and every promotion
+_FLEET_SCHEMA = """
+CREATE TABLE IF NOT EXISTS fleet_agents (
+    name TEXT PRIMARY KEY,
+    repo TEXT NOT NULL,
+    commit_id TEXT NOT NULL,
+    path TEXT NOT NULL,
+    digest TEXT NOT NULL,           -- the policy digest of the agent at that commit
+    applied REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS promotions (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    time REAL NOT NULL,
+    repo TEXT NOT NULL,
+    commit_id TEXT NOT NULL,
+    previous TEXT,                  -- the commit applied before: the rollback target
+    plan TEXT NOT NULL,             -- the plan's digest
+    actor TEXT NOT NULL,
+    result TEXT NOT NULL,           -- applying | applied | failed | rolled-back
+    detail TEXT
+);
+"""
+
+
 # The daemon's sandbox states and the only transitions between them. The supervisor changes a
 # state only through ``State.update(state=...)``, which refuses anything not in this table;
 # the tests read the same table.
@@ -86,6 +110,7 @@ class State:
         from agentvm import statedb
 
         self._c = statedb.connect(self.path, "sandboxes", _SCHEMA)
+        self._c.executescript(_FLEET_SCHEMA)  # added later: created in older state files too
 
     def close(self) -> None:
         self._c.close()
@@ -129,3 +154,65 @@ class State:
     def delete(self, name: str) -> None:
         with self._lock:
             self._c.execute("DELETE FROM sandboxes WHERE name=?", (name,))
+
+    # ---------------------------------------------------------------- fleet (agentvm.fleet)
+    def fleet_agents(self) -> dict[str, dict]:
+        with self._lock:
+            rows = self._c.execute("SELECT name, repo, commit_id, path, digest, applied FROM fleet_agents").fetchall()
+        return {r[0]: {"repo": r[1], "commit": r[2], "path": r[3], "digest": r[4], "applied": r[5]} for r in rows}
+
+    def fleet_put(self, name: str, spec: dict | None, meta: dict | None) -> None:
+        """One agent's version, in one transaction: its sandbox row (``spec``: spec_text,
+        spec_file, lifecycle, policy_patch; None: the row is deleted) and its fleet record
+        (``meta``: repo, commit, path, digest; None: not from a fleet). A daemon killed at
+        any point leaves the agent wholly on one version."""
+        with self._lock:
+            c = self._c
+            c.execute("BEGIN IMMEDIATE")
+            try:
+                if spec is None:
+                    c.execute("DELETE FROM sandboxes WHERE name=?", (name,))
+                elif c.execute("SELECT 1 FROM sandboxes WHERE name=?", (name,)).fetchone():
+                    c.execute("UPDATE sandboxes SET spec_text=?, spec_file=?, lifecycle=?, policy_patch=? WHERE name=?",
+                              (spec["spec_text"], spec["spec_file"], spec["lifecycle"], spec.get("policy_patch", "{}"),
+                               name))
+                else:
+                    c.execute("INSERT INTO sandboxes(name, spec_text, spec_file, lifecycle, desired, state, created) "
+                              "VALUES (?,?,?,?,?,?,?)", (name, spec["spec_text"], spec["spec_file"], spec["lifecycle"],
+                                                         "stopped", "created", time.time()))
+                if meta is None:
+                    c.execute("DELETE FROM fleet_agents WHERE name=?", (name,))
+                else:
+                    c.execute("INSERT INTO fleet_agents(name, repo, commit_id, path, digest, applied) VALUES (?,?,?,?,?,?) "
+                              "ON CONFLICT(name) DO UPDATE SET repo=excluded.repo, commit_id=excluded.commit_id, "
+                              "path=excluded.path, digest=excluded.digest, applied=excluded.applied",
+                              (name, meta["repo"], meta["commit"], meta["path"], meta["digest"], time.time()))
+                c.execute("COMMIT")
+            except BaseException:
+                c.execute("ROLLBACK")
+                raise
+
+    def promotion_start(self, repo: str, commit: str, previous: str | None, plan: str, actor: str) -> int:
+        with self._lock:
+            cur = self._c.execute("INSERT INTO promotions(time, repo, commit_id, previous, plan, actor, result) "
+                                  "VALUES (?,?,?,?,?,?,?)", (time.time(), repo, commit, previous, plan, actor, "applying"))
+            return int(cur.lastrowid)
+
+    def promotion_end(self, pid: int, result: str, detail: str | None = None) -> None:
+        with self._lock:
+            self._c.execute("UPDATE promotions SET result=?, detail=? WHERE id=?", (result, detail, pid))
+
+    def promotions(self, limit: int = 50) -> list[dict]:
+        with self._lock:
+            rows = self._c.execute("SELECT id, time, repo, commit_id, previous, plan, actor, result, detail FROM promotions "
+                                   "ORDER BY id DESC LIMIT ?", (limit,)).fetchall()
+        return [{"id": r[0], "time": r[1], "repo": r[2], "commit": r[3], "previous": r[4], "plan": r[5], "actor": r[6],
+                 "result": r[7], "detail": r[8]} for r in rows]
+
+    def promotions_interrupted(self) -> list[int]:
+        """Promotions a dead daemon left half-applied: marked ``interrupted`` (each agent is on
+        one version or the other; ``agentvm status`` says which, ``apply`` can be run again)."""
+        with self._lock:
+            ids = [r[0] for r in self._c.execute("SELECT id FROM promotions WHERE result='applying'")]
+            self._c.execute("UPDATE promotions SET result='interrupted' WHERE result='applying'")
+        return ids
