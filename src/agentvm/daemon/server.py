@@ -18,6 +18,7 @@ connection; streaming responses (``exec``, ``events``) are newline-delimited JSO
     GET    /v1/events                         NDJSON stream of decisions and lifecycle events
     GET    /v1/approvals[/ID], POST /v1/approvals/ID/approve|deny
     POST   /v1/console/login                  a one-time login link for the web console
+    POST   /v1/fleet/plan|apply|rollback, GET /v1/fleet/status   promotion (agentvm.fleet)
     POST   /v1/shutdown
     GET    /metrics                           Prometheus exposition (agentvm.observe.metrics)
     *      everything else                    the web console (agentvm.console; its own sessions on TCP)
