@@ -249,6 +249,20 @@ def test_the_percent_encoded_query_swap_echoed_back_is_scrubbed(env):
     assert dict(parse_qsl(urlsplit(path).query))["key"] != REAL["q"]
 
 
+def test_a_query_string_swap_is_never_logged_with_the_real_value(env):
+    """The swapped value is on the wire only: the decision log (which feeds the audit chain,
+    the console, OCSF export and spans) shows the agent's own target with the placeholder."""
+    raw, headers, body, res = curl(env, f"https://other.test:{env['port']}/q?a=1&key=$Q_KEY", auth="none")
+    assert headers[":status"] == "200", raw[:400]
+    log = Path(res["egress"]["log"]).read_bytes()
+    for view in decoded_views(log):
+        assert REAL["q"].encode() not in view, "the real query-string value reached the gate's log"
+    lines = [json.loads(ln) for ln in log.splitlines()]
+    hit = [l for l in lines if l.get("host") == "other.test" and l.get("path", "").startswith("/q?")]
+    assert hit and all("key=" in l["path"] for l in hit), lines
+    assert hit[-1].get("credentials") == ["q"], hit[-1]  # it was swapped, and the log says by which
+
+
 def test_a_json_escaped_echo_is_scrubbed(env):
     raw, _, body, _ = curl(env, f"https://echo.test:{env['port']}/h")
     assert '\\"' in json.dumps(REAL["echo"])  # the value is one JSON escapes

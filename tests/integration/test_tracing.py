@@ -43,6 +43,36 @@ AGENT_SPAN = textwrap.dedent("""\
     """)
 
 
+FORGE = textwrap.dedent("""\
+    import json, os, sys, urllib.request
+    sys.path.insert(0, "/opt/testlib")
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+    def export(service, extra, as_json=False):
+        req = ExportTraceServiceRequest()
+        rs = req.resource_spans.add()
+        for k, v in [("service.name", service)] + extra:
+            a = rs.resource.attributes.add(); a.key = k; a.value.string_value = v
+        sp = rs.scope_spans.add().spans.add()
+        sp.name = "forged-" + service; sp.trace_id = bytes(range(1, 17)); sp.span_id = bytes(range(1, 9))
+        if as_json:
+            from google.protobuf import json_format
+            body, ctype = json_format.MessageToJson(req).encode(), "application/json"
+        else:
+            body, ctype = req.SerializeToString(), "application/x-protobuf"
+        r = urllib.request.Request(os.environ["OTEL_EXPORTER_OTLP_ENDPOINT"] + "/v1/traces", data=body,
+                                   headers={"Content-Type": ctype}, method="POST")
+        try:
+            with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(r, timeout=10) as resp:
+                return resp.status
+        except urllib.error.HTTPError as e:
+            return e.code
+
+    print(export("agent-vm", []), export("sneaky", [("agentvm.agent", "someone-else"), ("agentvm.relayed", "no")]),
+          export("json-agent", [], as_json=True))
+    """)
+
+
 class Collector:
     """An OTLP/HTTP receiver: every POST to /v1/traces decoded into spans."""
 
@@ -70,6 +100,8 @@ class Collector:
                     req.ParseFromString(body)
                     for rs in req.resource_spans:
                         service = next((a.value.string_value for a in rs.resource.attributes if a.key == "service.name"), "")
+                        resource = {a.key: getattr(a.value, a.value.WhichOneof("value") or "string_value")
+                                    for a in rs.resource.attributes}
                         for ss in rs.scope_spans:
                             for sp in ss.spans:
                                 attrs = {}
@@ -81,6 +113,7 @@ class Collector:
                                 with outer.lock:
                                     outer.spans.append({"name": sp.name, "trace": sp.trace_id.hex(), "id": sp.span_id.hex(),
                                                         "parent": sp.parent_span_id.hex(), "service": service,
+                                                        "resource": resource,
                                                         "attrs": attrs, "status": sp.status.code})
                 self.send_response(200)
                 self.send_header("Content-Type", "application/x-protobuf")
@@ -122,7 +155,9 @@ def test_one_trace_links_launch_exec_egress_credential_and_the_agents_own_span(a
         pytest.fail(f"{TESTLIB} lacks the OpenTelemetry SDK: run `bash scripts/install.sh --test`")
     ca, cert, key = sandbox_test_ca(tmp_path)
     (tmp_path / "agent_span.py").write_text(AGENT_SPAN)
+    (tmp_path / "forge.py").write_text(FORGE)
     os.chmod(tmp_path / "agent_span.py", 0o644)
+    os.chmod(tmp_path / "forge.py", 0o644)
     up = Upstream(tls=(cert, key))
     av("up", "--otlp-endpoint", f"http://127.0.0.1:{collector.port}")
     try:
@@ -156,6 +191,13 @@ def test_one_trace_links_launch_exec_egress_credential_and_the_agents_own_span(a
                f'curl -s -o /dev/null -w "%{{http_code}}" -H "X-Api-Key: $K" https://api.test:{up.port}/v1/users/12345')
         assert r.stdout == b"200"
         assert av("exec", "t-obs", "--", "python3", "/opt/t/agent_span.py").stdout.strip() == b"exported"
+        # a forged export: agent-vm's own service name is refused; the gate's marks cannot be overwritten
+        assert av("exec", "t-obs", "--", "python3", "/opt/t/forge.py").stdout.split() == [b"400", b"200", b"200"]
+        forged = collector.wait_for(lambda ss: any(s["name"] == "forged-sneaky" for s in ss)
+                                    and any(s["name"] == "forged-json-agent" for s in ss))
+        assert not any(s["name"] == "forged-agent-vm" for s in forged)
+        sneaky = next(s for s in forged if s["name"] == "forged-sneaky")["resource"]
+        assert sneaky["agentvm.agent"] == "t-obs" and sneaky["agentvm.relayed"] is True
         av("stop", "t-obs")
         spans = collector.wait_for(lambda ss: any(s["name"].startswith("agentvm.session") for s in ss)
                                    and any(s["name"] == "agent-thinks" for s in ss))
@@ -170,7 +212,7 @@ def test_one_trace_links_launch_exec_egress_credential_and_the_agents_own_span(a
         launch = by_name["launch"][0]
         assert launch["parent"] == root["id"]
         execs = by_name["exec"]
-        assert len(execs) == 3 and all(e["parent"] == root["id"] for e in execs)
+        assert len(execs) == 4 and all(e["parent"] == root["id"] for e in execs)
         egress = by_name["egress GET api.test"][0]
         assert egress["parent"] == root["id"]
         a = egress["attrs"]
@@ -184,6 +226,9 @@ def test_one_trace_links_launch_exec_egress_credential_and_the_agents_own_span(a
         # the agent's own span: made inside, relayed by the gate, in the same trace
         agent = by_name["agent-thinks"][0]
         assert agent["service"] == "the-agent" and agent["parent"] == root["id"]
+        # marked by the gate as the agent's, so it can never pass for agent-vm's own
+        assert agent["resource"]["agentvm.relayed"] is True and agent["resource"]["agentvm.agent"] == "t-obs"
+        assert "agentvm.relayed" not in root["resource"]
         relayed = by_name["egress POST"][0]  # the relay is itself a decision on the log
         assert relayed["attrs"]["agentvm.egress.rule"] == "telemetry:relay"
         assert by_name["teardown"][0]["attrs"]["agentvm.teardown.verified"] is True

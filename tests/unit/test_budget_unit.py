@@ -125,3 +125,59 @@ def test_agent_file_validation():
         with pytest.raises(ConfigError) as e:
             load(bad)
         assert why in str(e.value.message) + str(getattr(e.value, "hint", "")), (bad, e.value.message)
+
+
+def test_the_request_limit_is_exact_with_requests_in_flight(tmp_path):
+    """Reserved at admission, settled with the response: N concurrent requests cannot all
+    pass a check that sees the same count (the agent's sandboxes share one ledger)."""
+    spec = BudgetSpec(requests=3, hosts=("api.test",))
+    store = BudgetStore(tmp_path / "budgets.db")
+    a, b = Budget("w", spec, store), Budget("w", spec, BudgetStore(tmp_path / "budgets.db"))  # two sandboxes
+    assert a.ledger is b.ledger
+    got = [x.admit() for x in (a, b, a, b, a)]
+    assert got[:3] == [None, None, None], got
+    assert all(g is not None and g[0] == "budget:reserved" for g in got[3:]), got
+    a.release()  # one never got an answer: its reservation ends uncounted
+    assert b.admit() is None
+    for x in (a, b, a):
+        x.add("m", 1, 1, False)
+    why = a.admit()
+    assert why is not None and why[0] == "budget:exceeded" and "3 made" in why[1]
+
+
+def test_token_limits_count_requests_in_flight_at_their_average(tmp_path):
+    spec = BudgetSpec(tokens=1000, hosts=("api.test",))
+    b = Budget("t", spec, BudgetStore(tmp_path / "budgets.db"))
+    assert b.admit() is None
+    b.add("m", 100, 100, False)  # 200 per response so far
+    held = [b.admit() for _ in range(5)]
+    assert held[:4] == [None] * 4 and held[4][0] == "budget:reserved" and "in flight" in held[4][1], held
+    for _ in range(4):
+        b.add("m", 100, 100, False)
+    assert b.admit()[0] == "budget:exceeded"
+
+
+def test_another_process_counting_the_same_agent_is_seen_at_the_next_admission(tmp_path):
+    from agentvm.gate.budget import Ledger
+
+    spec = BudgetSpec(requests=2, hosts=("api.test",))
+    here = Budget("p", spec, BudgetStore(tmp_path / "budgets.db"))
+    there = Ledger("p", BudgetStore(tmp_path / "budgets.db"))  # an embedded run's gate: its own process
+    assert there.admit(spec) is None
+    there.settle(spec, "m", 5, 5, False)
+    assert here.admit() is None
+    here.add("m", 5, 5, False)
+    assert here.admit()[0] == "budget:exceeded"  # both counts, not the last writer's
+    assert BudgetStore(tmp_path / "budgets.db").load("p").requests == 2
+
+
+def test_non_finite_money_is_refused():
+    from _spec_helpers import agent
+
+    from agentvm.errors import ConfigError
+    from agentvm.spec.loader import load_agent_text
+
+    for bad in ("{cost: .inf, prices: {'*': {input: 1, output: 1}}}", "{cost: .nan, prices: {'*': {input: 1, output: 1}}}",
+                "{cost: 1, prices: {'*': {input: .inf, output: 1}}}"):
+        with pytest.raises(ConfigError):
+            load_agent_text(agent(f"spec:\n  limits:\n    budget: {bad}\n"), "a.yaml", preset_dirs=[])

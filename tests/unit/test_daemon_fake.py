@@ -166,6 +166,30 @@ def test_events_stream(d):
     assert [e["kind"] for e in got][-1] == "lifecycle.running"
 
 
+def test_a_reader_that_falls_behind_is_cut_off_and_costs_no_record(d, monkeypatch):
+    """A stalled live reader (a console tab in the background) must not make the daemon drop
+    audit records or fail an operator's action: it is cut off with a ``stream.lagged`` record."""
+    import agentvm.daemon.server as server
+
+    monkeypatch.setattr(server, "SUBSCRIBER_BACKLOG", 5)
+    stalled: asyncio.Queue = asyncio.Queue()
+    d.loop.call_soon_threadsafe(d.daemon.subscribers.add, stalled)
+    time.sleep(0.1)
+    c = d.client
+    c.create(spec())
+    for _ in range(4):
+        assert c.action("w1", "start")["state"] == "running"
+        assert c.action("w1", "stop")["state"] in ("stopped", "exited")
+    kinds = []
+    while not stalled.empty():
+        rec = stalled.get_nowait()
+        kinds.append(None if rec is None else rec["kind"])
+    assert kinds[-2:] == ["stream.lagged", None] and len(kinds) == 5 + 2, kinds
+    assert stalled not in d.daemon.subscribers
+    recs = [r.kind for r in d.daemon.audit.records(sandbox="w1", limit=1000)]
+    assert recs.count("lifecycle.start-requested") == 4 and recs.count("lifecycle.stopped") == 4, recs
+
+
 def test_control_socket_is_owner_only(d):
     st = os.stat(d.paths.runtime / "agentvm.sock")
     assert st.st_mode & 0o077 == 0
@@ -187,6 +211,14 @@ def test_tcp_listener_requires_the_token(tmp_path, monkeypatch):
             Client(url=f"http://127.0.0.1:{port}", token="wrong").ps()
         assert ei.value.status == 401
         assert Client(url=f"http://127.0.0.1:{port}", token=token).ps() == []
+        # a peer that never finishes its head is answered and dropped, not kept forever
+        import agentvm.daemon.server as server
+
+        monkeypatch.setattr(server, "HEAD_TIMEOUT", 0.5)
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as slow:
+            slow.sendall(b"GET /v1/sandboxes HTTP/1.1\r\nHost: x\r\n")
+            got = slow.recv(4096)
+        assert got.startswith(b"HTTP/1.1 408") and b"request head" in got, got
     finally:
         r.stop()
 

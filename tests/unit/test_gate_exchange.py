@@ -228,6 +228,32 @@ def test_a_placeholder_is_swapped_only_on_a_terminated_request_to_its_bound_host
     assert ph.encode() not in repr(fwd.req.headers).encode()
 
 
+def query_credset():
+    b = SimpleNamespace(
+        name="q", env="Q_KEY", ref="vault:q", hosts=["api.test"],
+        inject=SimpleNamespace(header=None, format="{}", basic=None, query="key"), file=None,
+        placeholder=SimpleNamespace(prefix="", length=None, charset="alnum"), sigv4=None, hmac=None)
+    bindings = compile_credentials([b])
+    ph = {"q": make_placeholder(bindings[0], len(REAL))}
+    return CredentialSet(bindings, ph, lambda n: REAL, lambda n: False), ph["q"]
+
+
+def test_a_query_string_swap_goes_on_the_wire_but_the_logged_request_keeps_the_placeholder():
+    cs, ph = query_credset()
+    req = head(f"GET /v1/search?key={ph}&a=1 HTTP/1.1\nHost: api.test")
+    fwd = only(play(ex.request(endpoint(creds=cs), req, scheme="https", tunnel=TUN)), ex.Forward)
+    assert REAL in fwd.req.path and ph not in fwd.req.path  # the wire
+    assert ph in fwd.logged.path and REAL not in fwd.logged.path  # the log, the audit chain, the console
+
+
+def test_a_denial_after_the_query_swap_logs_the_placeholder():
+    cs, ph = query_credset()
+    req = head(f"GET /v1/up?key={ph} HTTP/1.1\nHost: api.test")
+    bad = ex.Tunnel("api.test", 443, "169.254.169.254", "api.test")  # refused when re-checked at request time
+    d = only(play(ex.request(endpoint(creds=cs), req, scheme="https", tunnel=bad)), ex.Deny)
+    assert d.rule_id == "address-class" and ph in d.path and REAL not in repr(d.log_fields())
+
+
 @pytest.mark.parametrize("text", [
     "GET http://plain.test/ HTTP/1.1\nAuthorization: Bearer {ph}",  # unbound host
     "GET http://plain.test/?k={ph} HTTP/1.1",  # in the query
@@ -442,3 +468,37 @@ def test_otlp_on_the_proxy_port_is_relayed_only_to_the_daemons_collector():
     d = only(play(ex.request(ep, head("POST http://collector.test/otlp/v1/traces HTTP/1.1\nContent-Length: 0"),
                              scheme="http")), ex.Deny)
     assert d.rule_id == "default-deny"
+
+
+# ---------------------------------------------------------------------------- LLM budgets
+
+
+def test_a_metered_request_is_reserved_last_and_carries_its_reservation(tmp_path):
+    from agentvm.gate.budget import Budget, BudgetSpec
+
+    budget = Budget("b", BudgetSpec(requests=1, hosts=("api.test",)), None)
+    ep = endpoint()
+    ep.budget = budget
+    fwd = only(play(ex.request(ep, head("GET /v1/x HTTP/1.1\nHost: api.test"), scheme="https", tunnel=TUN)),
+               ex.Forward)
+    assert fwd.budget is budget and budget.ledger.inflight == 1
+    d = only(play(ex.request(ep, head("GET /v1/y HTTP/1.1\nHost: api.test"), scheme="https", tunnel=TUN)), ex.Deny)
+    assert d.rule_id == "budget:reserved" and b"x-should-retry: true" in d.as_http1().lower()
+    # a request the policy denies takes no reservation
+    d = only(play(ex.request(ep, head("GET /v1/admin/z HTTP/1.1\nHost: api.test"), scheme="https", tunnel=TUN)),
+             ex.Deny)
+    assert d.rule_id == "no-admin" and budget.ledger.inflight == 1
+    budget.add("m", 1, 1, False)
+    d = only(play(ex.request(ep, head("GET /v1/y HTTP/1.1\nHost: api.test"), scheme="https", tunnel=TUN)), ex.Deny)
+    assert d.rule_id == "budget:exceeded" and b"x-should-retry: false" in d.as_http1().lower()
+
+
+def test_a_websocket_to_a_metered_api_is_refused():
+    from agentvm.gate.budget import Budget, BudgetSpec
+
+    ep = endpoint()
+    ep.budget = Budget("b", BudgetSpec(tokens=10, hosts=("ws.test",)), None)
+    d = only(play(ex.request(ep, head("GET http://ws.test/ HTTP/1.1\nUpgrade: websocket\nConnection: Upgrade\n"
+                                      "Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\nSec-WebSocket-Version: 13"),
+                             scheme="http")), ex.Deny)
+    assert d.rule_id == "budget:websocket" and ep.budget.ledger.inflight == 0

@@ -167,6 +167,15 @@ def test_console_login_codes_work_once_and_expire(monkeypatch):
     monkeypatch.setattr(capp.time, "monotonic", lambda: now + capp.SESSION_TTL + 10)
     assert s.get(got[0]) is None, "sessions expire"
     monkeypatch.setattr(capp.time, "monotonic", time.monotonic)
+    idle = s.redeem(s.mint_code())[0]
+    t0 = time.monotonic()
+    monkeypatch.setattr(capp.time, "monotonic", lambda: t0 + capp.SESSION_IDLE / 2)
+    assert s.get(idle) is not None, "use keeps a session alive"
+    monkeypatch.setattr(capp.time, "monotonic", lambda: t0 + capp.SESSION_IDLE * 1.4)
+    assert s.get(idle) is not None
+    monkeypatch.setattr(capp.time, "monotonic", lambda: t0 + capp.SESSION_IDLE * 2.5)
+    assert s.get(idle) is None and idle not in s.sessions, "an unused session ends"
+    monkeypatch.setattr(capp.time, "monotonic", time.monotonic)
     sids = [s.redeem(s.mint_code())[0] for _ in range(capp.MAX_SESSIONS + 5)]
     assert len(s.sessions) == capp.MAX_SESSIONS and s.get(sids[0]) is None and s.get(sids[-1]) is not None
     for _ in range(100):
@@ -196,3 +205,34 @@ def test_trace_sampling_keeps_everything_but_plain_allowed_requests(monkeypatch)
         with pytest.raises(ConfigError):
             check_sample(bad)
     assert check_sample("0.25") == 0.25
+
+
+def test_a_relayed_export_is_marked_and_bombs_and_garbage_are_refused():
+    import gzip
+
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+    from agentvm.gate.telemetry import MAX_DECODED, ExportRefused, stamp
+
+    req = ExportTraceServiceRequest()
+    rs = req.resource_spans.add()
+    for k, v in (("service.name", "mine"), ("agentvm.sandbox", "forged")):
+        a = rs.resource.attributes.add()
+        a.key, a.value.string_value = k, v
+    out = ExportTraceServiceRequest()
+    out.ParseFromString(stamp(gzip.compress(req.SerializeToString()), b"application/x-protobuf", b"gzip", "traces",
+                              "sb-1", "ag"))
+    attrs = {a.key: a.value for a in out.resource_spans[0].resource.attributes}
+    assert attrs["agentvm.sandbox"].string_value == "sb-1" and attrs["agentvm.agent"].string_value == "ag"
+    assert attrs["agentvm.relayed"].bool_value is True and attrs["service.name"].string_value == "mine"
+    assert [a.key for a in out.resource_spans[0].resource.attributes].count("agentvm.sandbox") == 1
+    bomb = gzip.compress(b"\0" * (MAX_DECODED + 1))
+    for body, ctype, coding, why in [(bomb, b"application/x-protobuf", b"gzip", "inflates"),
+                                     (b"not gzip", b"application/x-protobuf", b"gzip", "gzip"),
+                                     (b"\xff\xff\xff", b"application/x-protobuf", b"", "not an OTLP"),
+                                     (b"{", b"application/json", b"", "not an OTLP")]:
+        with pytest.raises(ExportRefused, match=why):
+            stamp(body, ctype, coding, "traces", "sb", "ag")
+    rs.resource.attributes[0].value.string_value = "agent-vm"
+    with pytest.raises(ExportRefused, match="agent-vm"):
+        stamp(req.SerializeToString(), b"application/x-protobuf", b"", "traces", "sb", "ag")

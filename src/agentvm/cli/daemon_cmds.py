@@ -430,7 +430,13 @@ def console(open_browser):
 
 @click.command()
 def events():
-    """Stream decisions and lifecycle events (NDJSON) until interrupted."""
+    """Stream decisions and lifecycle events (NDJSON) until interrupted.
+
+    Exits 3 if the daemon cut the stream off because this reader fell too far behind (the
+    last line is a ``stream.lagged`` record; the audit trail has everything)."""
     for ev in _client().events():
         click.echo(json.dumps(ev, sort_keys=True, default=str))
+        if ev.get("kind") == "stream.lagged":
+            click.echo("agentvm: " + ev.get("reason", "cut off") + " (agentvm audit show)", err=True)
+            return 3
     return 0

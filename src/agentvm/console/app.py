@@ -52,6 +52,7 @@ HERE = Path(__file__).parent
 COOKIE = "agentvm_console"
 CODE_TTL = 60.0
 SESSION_TTL = 12 * 3600.0
+SESSION_IDLE = 3600.0  # a session unused this long ends (cookies reach every port of the host)
 MAX_SESSIONS = 64
 MAX_FORM = 16 * 1024
 HEARTBEAT = 15.0
@@ -98,7 +99,7 @@ class Sessions:
         while len(self.sessions) >= MAX_SESSIONS:
             self.sessions.pop(next(iter(self.sessions)))
         sid = secrets.token_urlsafe(32)
-        sess = {"csrf": secrets.token_urlsafe(24), "expires": now + SESSION_TTL}
+        sess = {"csrf": secrets.token_urlsafe(24), "expires": now + SESSION_TTL, "seen": now}
         self.sessions[sid] = sess
         return sid, sess
 
@@ -106,8 +107,12 @@ class Sessions:
         if not sid:
             return None
         sess = self.sessions.get(sid)
-        if sess is None or sess["expires"] <= time.monotonic():
+        now = time.monotonic()
+        if sess is None or sess["expires"] <= now or now - sess.get("seen", now) > SESSION_IDLE:
+            if sess is not None:
+                self.sessions.pop(sid, None)
             return None
+        sess["seen"] = now
         return sess
 
 
@@ -295,7 +300,7 @@ class Console:
     async def stream(self, request: Request) -> Response:
         """Server-sent events: each new decision that matches the filters, as JSON."""
         f = _filters(request)
-        q: asyncio.Queue = asyncio.Queue(maxsize=2000)
+        q: asyncio.Queue = asyncio.Queue()  # unbounded: the daemon cuts a lagging reader off
         self.d.subscribers.add(q)
 
         async def events():
@@ -308,6 +313,9 @@ class Console:
                         yield b": keep-alive\n\n"
                         continue
                     if rec is None:
+                        return
+                    if rec.get("kind") == "stream.lagged":  # the browser reconnects and reloads
+                        yield b"event: lagged\ndata: " + json.dumps({"reason": rec["reason"]}).encode() + b"\n\n"
                         return
                     if rec.get("kind") != "egress" or not _match(rec, f):
                         continue

@@ -33,6 +33,7 @@ import dataclasses
 import hmac
 import json
 import logging
+import math
 import os
 import signal
 import sqlite3
@@ -55,6 +56,8 @@ MAX_BODY = 64 * 1024 * 1024
 LARGE_BODY = 1024 * 1024  # bodies above this (cp uploads) are buffered at most UPLOADS at a time
 UPLOADS = 2
 BODY_TIMEOUT = 30.0  # seconds a request body may stall between reads
+HEAD_TIMEOUT = 30.0  # seconds a TCP client has to send a whole request head (before any auth)
+TCP_CONNECTIONS = 256  # TCP connections open at once (the unix socket is the owner's only)
 CONSOLE_BODY = 64 * 1024  # a console form (and anything else sent before the console's own check)
 METRICS_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 RESERVE = 8 * 1024 * 1024  # disk space held back for the daemon's own state when the disk fills
@@ -163,6 +166,7 @@ class Daemon:
         self.gate.approvals_factory = self._approval_store
         self.managed: dict[str, Managed] = {}
         self.subscribers: set[asyncio.Queue] = set()
+        self._tcp_conns = 0  # TCP connections open now (capped: TCP_CONNECTIONS)
         self.listen = listen
         self.token = None
         self.servers: list[asyncio.AbstractServer] = []
@@ -213,21 +217,35 @@ class Daemon:
 
     # ---------------------------------------------------------------- events & audit
     def emit(self, kind: str, **data) -> None:
+        """Fan one event out to metrics, spans and the live streams. Never raises: a broken
+        exporter or a stalled reader must not cost an audit record or an operator's action."""
         rec = {"time": time.time(), "kind": kind, **data}
-        self.observer.observe(rec)
-        if self.tracing is not None:
-            self.tracing.observe(rec)
+        for sink in (self.observer.observe, self.tracing.observe if self.tracing is not None else None):
+            if sink is None:
+                continue
+            try:
+                sink(rec)
+            except Exception:  # noqa: BLE001 - observability is never allowed to break control
+                log.exception("observer failed on a %s event", kind)
         for q in list(self.subscribers):
-            if q.qsize() < 10000:
-                q.put_nowait(rec)
+            if q.qsize() >= SUBSCRIBER_BACKLOG:
+                # a reader this far behind is cut off, told so (never silently skipped): its
+                # queue is unbounded, so these two puts cannot fail
+                self.subscribers.discard(q)
+                q.put_nowait({"time": rec["time"], "kind": "stream.lagged",
+                              "reason": f"this reader fell {SUBSCRIBER_BACKLOG} events behind and was cut off; "
+                                        "reconnect and read the audit trail for what was missed"})
+                q.put_nowait(None)
+                continue
+            q.put_nowait(rec)
 
     def record(self, kind: str, *, actor: str = "agentvm", sandbox: str | None = None, **data) -> None:
         """On the audit chain - or, while the disk refuses writes (full, read-only), queued in
         memory and written as soon as it takes them again: an operator's stop never waits for
         the disk, and no record is dropped while the daemon lives."""
-        self.emit(kind, actor=actor, sandbox=sandbox, **data)
         self._audit_queue.append((kind, actor, sandbox, data, time.time()))
-        self.flush_audit()
+        self.flush_audit()  # on the chain first: the live views come second
+        self.emit(kind, actor=actor, sandbox=sandbox, **data)
 
     def _record_from_driver(self, kind: str, sandbox: str | None = None, **data) -> None:
         """The lifecycle driver's run records (``run.started``...), usually from a worker
@@ -569,6 +587,11 @@ class Daemon:
         conn = h11.Connection(h11.SERVER, max_incomplete_event_size=65536)
         _CLIENT_READER.set(reader)
         held: list[bool] = []  # whether this request holds an upload slot
+        if tcp:
+            if self._tcp_conns >= TCP_CONNECTIONS:  # unauthenticated peers cannot hold the loop's sockets
+                writer.close()
+                return
+            self._tcp_conns += 1
         try:
             req, body = await self._read_request(conn, reader, held, tcp)
             if req is None:
@@ -607,6 +630,8 @@ class Daemon:
             except Exception:
                 pass
         finally:
+            if tcp:
+                self._tcp_conns -= 1
             if held:
                 self._uploads += 1
             try:
@@ -620,12 +645,23 @@ class Daemon:
         the body is read."""
         req, body = None, bytearray()
         console_limit = False
+        # a TCP peer (not yet authenticated) has HEAD_TIMEOUT for the whole head; the owner's
+        # unix socket may idle before its first byte
+        head_deadline = time.monotonic() + HEAD_TIMEOUT if tcp else None
         while True:
             ev = conn.next_event()
             if ev is h11.NEED_DATA:
+                if req is not None:
+                    wait = BODY_TIMEOUT
+                elif head_deadline is not None:
+                    wait = max(0.0, head_deadline - time.monotonic())
+                else:
+                    wait = None
                 try:
-                    data = await asyncio.wait_for(reader.read(65536), BODY_TIMEOUT if req is not None else None)
+                    data = await asyncio.wait_for(reader.read(65536), wait)
                 except asyncio.TimeoutError:
+                    if req is None:
+                        raise ApiError(408, "timeout", f"no whole request head within {HEAD_TIMEOUT:g}s") from None
                     raise ApiError(408, "timeout", f"the request body stalled for {BODY_TIMEOUT:g}s") from None
                 conn.receive_data(data)
                 if not data and req is None:
@@ -1216,7 +1252,7 @@ class Daemon:
                     if isinstance(v, bool):
                         raise ValueError
                     v = kind(v)
-                    if v <= 0 or (kind is int and v != doc.get(k)):
+                    if not math.isfinite(v) or v <= 0 or (kind is int and v != doc.get(k)):
                         raise ValueError
                 except (TypeError, ValueError):
                     raise ApiError(400, "invalid-budget", f"budget {k} is a positive {'whole ' if kind is int else ''}"
@@ -1294,7 +1330,7 @@ class Daemon:
                 else:
                     from agentvm.gate.budget import Budget, BudgetStore
 
-                    ep.budget = Budget(ep.agent, policy.limits.budget, BudgetStore(self.paths.home / "budgets.db"))
+                    ep.set_budget(Budget(ep.agent, policy.limits.budget, BudgetStore(self.paths.home / "budgets.db")))
         took = (time.perf_counter() - t0) * 1000
         self.record("policy.change", actor=actor, sandbox=name, op=op, detail={k: v for k, v in doc.items() if k != "op"},
                     applied_live=ep is not None, ms=round(took, 3))
@@ -1583,6 +1619,11 @@ class Daemon:
         finally:
             self.subscribers.discard(q)
         await self._stream_end(conn, writer)
+
+
+#: events a live reader (``agentvm events``, the console's decision stream) may be behind
+#: before it is cut off with a ``stream.lagged`` record
+SUBSCRIBER_BACKLOG = 10000
 
 
 def _phrase(status: int) -> bytes:

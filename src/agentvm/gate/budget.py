@@ -10,11 +10,20 @@ audit chain) until the operator raises the budget (``agentvm policy NAME budget`
 
 Counting is fail-closed: a successful response whose usage the gate cannot read (a stream
 without a usage event, a body too large to keep) is *estimated* (request and response bytes
-/ 4) and marked as such, never counted as free. Requests already in flight when a limit is
-crossed complete; the next one is refused.
+/ 4) and marked as such, never counted as free.
 
 The counters are per agent name, kept in ``<home>/budgets.db``: a daemon restart, a worker
-restart or a new run of the same agent continues from them (``--reset`` starts over).
+restart or a new run of the same agent continues from them (``--reset`` starts over). Every
+sandbox of one agent shares them: in one gate process through one :class:`Ledger`; across
+processes (an embedded ``agentvm run`` beside the daemon) because each admission re-reads
+the database and each count is an atomic ``SET x = x + ?``.
+
+Concurrency: a request is *reserved* when it is admitted and settled when its response is
+counted, so the request limit is exact however many are in flight. Token and cost limits
+cannot know a response's size in advance: a request is admitted only while what is spent
+plus the requests in flight at the agent's running average per response stays under the
+limit (``429 budget:reserved``, retryable, when it would not), which bounds the overshoot
+to what in-flight requests generate beyond their average.
 """
 
 from __future__ import annotations
@@ -114,6 +123,30 @@ class BudgetStore:
                             (agent, u.requests, u.input_tokens, u.output_tokens, u.cost, u.estimated,
                              json.dumps(u.by_model, sort_keys=True)[:65536], time.time()))
 
+    def add(self, agent: str, model: str, requests: int, input_tokens: int, output_tokens: int, cost: float,
+            estimated: int) -> Usage:
+        """Add one response's counts atomically (other processes count the same agent) and
+        return the totals as they are now."""
+        with self._lock, self._c:
+            self._c.execute("INSERT INTO budgets (agent, requests, input_tokens, output_tokens, cost, estimated, by_model, "
+                            "updated) VALUES (?,0,0,0,0,0,'{}',?) ON CONFLICT(agent) DO NOTHING", (agent, time.time()))
+            row = self._c.execute("SELECT by_model FROM budgets WHERE agent=?", (agent,)).fetchone()
+            try:
+                by_model = json.loads(row[0] or "{}") if row else {}
+            except ValueError:
+                by_model = {}
+            if model in by_model or len(by_model) < 64:
+                m = by_model.setdefault(model, [0, 0, 0])
+                m[0] += requests
+                m[1] += input_tokens
+                m[2] += output_tokens
+            self._c.execute("UPDATE budgets SET requests = requests + ?, input_tokens = input_tokens + ?, "
+                            "output_tokens = output_tokens + ?, cost = cost + ?, estimated = estimated + ?, "
+                            "by_model = ?, updated = ? WHERE agent = ?",
+                            (requests, input_tokens, output_tokens, cost, estimated,
+                             json.dumps(by_model, sort_keys=True)[:65536], time.time(), agent))
+        return self.load(agent)
+
     def reset(self, agent: str) -> None:
         with self._lock:
             self._c.execute("DELETE FROM budgets WHERE agent=?", (agent,))
@@ -133,47 +166,63 @@ CREATE TABLE IF NOT EXISTS budgets (
 """
 
 
-class Budget:
-    """One agent's budget in a gate endpoint: the check before a request, the count after."""
+class Ledger:
+    """One agent's counters in one gate process, shared by all of its sandboxes' endpoints
+    (a persistent worker and its runs, two runs at once): the reservations of requests in
+    flight and the totals, refreshed from the store at each admission."""
 
-    def __init__(self, agent: str, spec: BudgetSpec, store: BudgetStore | None) -> None:
-        self.agent, self.spec, self.store = agent, spec, store
-        self.usage = store.load(agent) if store is not None else Usage()
+    def __init__(self, agent: str, store: BudgetStore | None) -> None:
+        self.agent, self.store = agent, store
+        self.lock = threading.Lock()
+        self.usage = self._load()
+        self.inflight = 0
+        self.unsaved = False  # a count the store did not take (it is kept in memory)
 
-    def covers(self, host: str) -> bool:
-        return self.spec.covers(host)
+    def _load(self) -> Usage:
+        if self.store is None:
+            return Usage()
+        try:
+            return self.store.load(self.agent)
+        except sqlite3.Error:
+            return getattr(self, "usage", Usage())  # the last totals seen: never zero on a read error
 
-    def refusal(self) -> str | None:
-        """Why the next request must be refused (a limit is reached), or None."""
-        s, u = self.spec, self.usage
-        if s.requests is not None and u.requests >= s.requests:
-            return f"the LLM budget of {s.requests} requests is spent ({u.requests} made)"
-        if s.tokens is not None and u.tokens >= s.tokens:
-            return f"the LLM budget of {s.tokens} tokens is spent ({u.tokens} used)"
-        if s.cost is not None and u.cost >= s.cost:
-            return f"the LLM budget of {s.cost:g} is spent ({u.cost:.4f} used)"
-        return None
+    def admit(self, spec: BudgetSpec) -> tuple[str, str] | None:
+        """Reserve one request, or say why not: (rule id, reason)."""
+        with self.lock:
+            self.usage = self._load()  # what other processes counted meanwhile
+            why = refusal(spec, self.usage, self.inflight)
+            if why is None:
+                self.inflight += 1
+            return why
 
-    def meter(self) -> "Meter":
-        return Meter()
+    def release(self) -> None:
+        with self.lock:
+            self.inflight = max(0, self.inflight - 1)
 
-    def add(self, model: str | None, input_tokens: int, output_tokens: int, estimated: bool) -> dict:
-        """Count one response; -> the fields its decision record carries (``llm``)."""
-        u = self.usage
+    def settle(self, spec: BudgetSpec, model: str | None, input_tokens: int, output_tokens: int,
+               estimated: bool) -> dict:
+        """Count one response (its reservation ends); -> the fields its decision record carries."""
         model = (model or "unknown")[:128]
-        price = self.spec.price(model)
+        price = spec.price(model)
         cost = (input_tokens * price[0] + output_tokens * price[1]) / 1e6 if price else 0.0
-        u.requests += 1
-        u.input_tokens += input_tokens
-        u.output_tokens += output_tokens
-        u.cost += cost
-        u.estimated += int(estimated)
-        if model in u.by_model or len(u.by_model) < 64:
-            m = u.by_model.setdefault(model, [0, 0, 0])
-            m[0] += 1
-            m[1] += input_tokens
-            m[2] += output_tokens
-        self.save()
+        with self.lock:
+            self.inflight = max(0, self.inflight - 1)
+            u = self.usage
+            u.requests += 1
+            u.input_tokens += input_tokens
+            u.output_tokens += output_tokens
+            u.cost += cost
+            u.estimated += int(estimated)
+            if model in u.by_model or len(u.by_model) < 64:
+                m = u.by_model.setdefault(model, [0, 0, 0])
+                m[0] += 1
+                m[1] += input_tokens
+                m[2] += output_tokens
+            if self.store is not None:
+                try:
+                    self.usage = self.store.add(self.agent, model, 1, input_tokens, output_tokens, cost, int(estimated))
+                except sqlite3.Error:
+                    self.unsaved = True  # counted in memory (refusals still see it); the store missed it
         out = {"model": model, "input_tokens": input_tokens, "output_tokens": output_tokens}
         if price is not None:
             out["cost"] = round(cost, 8)
@@ -181,20 +230,95 @@ class Budget:
             out["estimated"] = True
         return out
 
-    def save(self) -> None:
-        if self.store is not None:
-            try:
-                self.store.save(self.agent, self.usage)
-            except sqlite3.Error:
-                pass  # the count stays in memory; the next save retries
+    def reset(self) -> None:
+        with self.lock:
+            self.usage = Usage()
+            if self.store is not None:
+                self.store.reset(self.agent)
+
+
+def refusal(spec: BudgetSpec, u: Usage, inflight: int = 0) -> tuple[str, str] | None:
+    """Why one more request must not start: (rule id, reason), or None."""
+    if spec.requests is not None and u.requests >= spec.requests:
+        return "budget:exceeded", f"the LLM budget of {spec.requests} requests is spent ({u.requests} made)"
+    if spec.tokens is not None and u.tokens >= spec.tokens:
+        return "budget:exceeded", f"the LLM budget of {spec.tokens} tokens is spent ({u.tokens} used)"
+    if spec.cost is not None and u.cost >= spec.cost:
+        return "budget:exceeded", f"the LLM budget of {spec.cost:g} is spent ({u.cost:.4f} used)"
+    if not inflight:
+        return None
+    if spec.requests is not None and u.requests + inflight >= spec.requests:
+        return "budget:reserved", (f"the rest of the LLM budget of {spec.requests} requests is taken by {inflight} "
+                                   "in flight; retry when they finish")
+    avg_tokens = u.tokens / u.requests if u.requests else 0.0
+    if spec.tokens is not None and u.tokens + inflight * avg_tokens >= spec.tokens:
+        return "budget:reserved", (f"{inflight} LLM requests in flight may use the rest of the {spec.tokens}-token "
+                                   f"budget ({u.tokens} used); retry when they finish")
+    avg_cost = u.cost / u.requests if u.requests else 0.0
+    if spec.cost is not None and u.cost + inflight * avg_cost >= spec.cost:
+        return "budget:reserved", (f"{inflight} LLM requests in flight may use the rest of the budget of "
+                                   f"{spec.cost:g} ({u.cost:.4f} used); retry when they finish")
+    return None
+
+
+_LEDGERS: dict[tuple[str, str], Ledger] = {}
+_LEDGERS_LOCK = threading.Lock()
+
+
+def ledger(agent: str, store: BudgetStore | None) -> Ledger:
+    """The process's one ledger for ``agent`` in ``store``'s database."""
+    if store is None:  # nothing kept: nothing to share either
+        return Ledger(agent, None)
+    key = (str(store.path.resolve()), agent)
+    with _LEDGERS_LOCK:
+        led = _LEDGERS.get(key)
+        if led is None:
+            led = _LEDGERS[key] = Ledger(agent, store)
+        return led
+
+
+class Budget:
+    """One endpoint's view of its agent's budget: the spec in force for this sandbox, the
+    agent's shared :class:`Ledger`."""
+
+    def __init__(self, agent: str, spec: BudgetSpec, store: BudgetStore | None) -> None:
+        self.agent, self.spec, self.store = agent, spec, store
+        self.ledger = ledger(agent, store)
+
+    @property
+    def usage(self) -> Usage:
+        return self.ledger.usage
+
+    def covers(self, host: str) -> bool:
+        return self.spec.covers(host)
+
+    def admit(self) -> tuple[str, str] | None:
+        """Reserve one request (it must be settled or released), or (rule id, reason)."""
+        return self.ledger.admit(self.spec)
+
+    def refusal_now(self) -> tuple[str, str] | None:
+        """Why the next request would be refused now (reserves nothing): (rule id, reason)."""
+        return refusal(self.spec, self.ledger.usage, self.ledger.inflight)
+
+    def refusal(self) -> str | None:
+        why = self.refusal_now()
+        return why[1] if why else None
+
+    def release(self) -> None:
+        self.ledger.release()
+
+    def meter(self) -> "Meter":
+        return Meter()
+
+    def add(self, model: str | None, input_tokens: int, output_tokens: int, estimated: bool) -> dict:
+        """Count one admitted request's response (settles its reservation)."""
+        return self.ledger.settle(self.spec, model, input_tokens, output_tokens, estimated)
 
     def set_spec(self, spec: BudgetSpec) -> None:
         self.spec = spec
 
     def reset(self) -> None:
-        self.usage = Usage()
-        if self.store is not None:
-            self.store.reset(self.agent)
+        self.ledger.reset()
 
 
 class Meter:
@@ -231,15 +355,18 @@ class Meter:
             else:
                 self.buf += data
         elif self.kind == "sse":
-            self.line += data
-            while True:
-                nl = self.line.find(b"\n")
-                if nl < 0:
-                    if len(self.line) > MAX_LINE:
-                        self.line.clear()
-                        self.overflow = True
-                    return
-                raw, self.line = bytes(self.line[:nl]).rstrip(b"\r"), self.line[nl + 1:]
+            if b"\n" not in data:
+                self.line += data
+                if len(self.line) > MAX_LINE:
+                    self.line.clear()
+                    self.overflow = True
+                return
+            # whole lines: the held partial one plus this chunk, split once (linear in the chunk)
+            *lines, rest = (bytes(self.line) + data).split(b"\n")
+            self.line = bytearray(rest if len(rest) <= MAX_LINE else b"")
+            if len(rest) > MAX_LINE:
+                self.overflow = True
+            for raw in lines:
                 if raw.startswith(b"data:"):
                     payload = raw[5:].strip()
                     # only events that can carry what is counted are parsed (most chunks of a

@@ -223,6 +223,16 @@ class Endpoint:
             if not d.allowed:
                 self._cut(t, d.rule_id, f"policy changed: {d.reason}; tunnel cut")
 
+    def set_budget(self, budget) -> None:
+        """An LLM budget set live: every later request to its hosts is metered, and an opaque
+        tunnel to one of them (opened before, never metered) is cut; the client reconnects
+        through a terminated, metered one."""
+        self.budget = budget
+        for t, meta in list(self.splices.items()):
+            if budget.covers(meta.host):
+                self._cut(t, "budget:unmetered-connection", "an LLM budget was set: this tunnel, opened before it, "
+                          "is cut so that every request is metered")
+
     def log(self, *, verdict: str, rule_id: str, reason: str, host: str, port: int | None, method: str | None = None,
             path: str | None = None, phase: str, bytes_out: int = 0, bytes_in: int = 0, **extra) -> None:
         if path is not None and len(path) > 2048:

@@ -102,6 +102,17 @@ class Forward:
     sni: str | None
     swap: Any = None  # credentials.Swap, or None when the sandbox holds no credentials
     max_body: int | None = None
+    #: the request as the sandbox sent it (placeholders, not values): what is logged. ``req``
+    #: carries swapped-in real values (a query-string credential is in its path) and only
+    #: ever goes on the wire.
+    shown: h1.ProxyRequest | None = None
+    #: the LLM budget holding a reservation for this request (gate.budget.Budget): whoever
+    #: relays it settles the reservation with the response's usage, or releases it
+    budget: Any = None
+
+    @property
+    def logged(self) -> h1.ProxyRequest:
+        return self.shown if self.shown is not None else self.req
 
 
 @dataclass(frozen=True, slots=True)
@@ -360,12 +371,21 @@ def request(ep, req: h1.ProxyRequest, *, scheme: str, tunnel: Tunnel | None = No
         yield deny(req, d.rule_id, d.reason)
         return
     budget = getattr(ep, "budget", None)
-    if budget is not None and budget.covers(req.host):
-        spent = budget.refusal()
+    if budget is None or not budget.covers(req.host):
+        budget = None
+    elif req.upgrade_websocket:
+        # frames after a 101 carry no usage the gate can read: a metered API gets no WebSocket
+        yield deny(req, "budget:websocket", "WebSockets to an LLM API under a budget are refused: the gate cannot "
+                   "meter their usage", explain=False)
+        return
+    else:
+        spent = budget.refusal_now()  # spent: refused before anything else is done
         if spent is not None:
-            yield deny(req, "budget:exceeded", spent, status=429, explain=False, alert=True, answer="budget")
+            yield deny(req, spent[0], spent[1], status=429, explain=False, alert=spent[0] == "budget:exceeded",
+                       answer="budget")
             return
     swap = None
+    shown = req  # what the log, the audit chain and the console see: never a swapped value
     creds = ep.creds
     if creds is not None:
         from agentvm.gate.credentials import CredentialError
@@ -391,26 +411,35 @@ def request(ep, req: h1.ProxyRequest, *, scheme: str, tunnel: Tunnel | None = No
             req = replace(req, headers=tuple(swap.headers), path=swap.target)
     max_body = d.max_body
     if req.content_length is not None and max_body is not None and req.content_length > max_body:
-        yield deny(req, d.rule_id + ":max-body", f"body of {req.content_length} bytes over {max_body}")
+        yield deny(shown, d.rule_id + ":max-body", f"body of {req.content_length} bytes over {max_body}")
         return
     if tunnel is not None:
         # the address resolved at CONNECT time, checked again under the policy in force now
         try:
             bad = check_address(normalize_host(tunnel.host), tunnel.addr, ep.policy)
         except ValueError as exc:
-            yield deny(req, "invalid-host", str(exc))
+            yield deny(shown, "invalid-host", str(exc))
             return
         if bad is not None:
-            yield deny(req, bad.rule_id, bad.reason)
+            yield deny(shown, bad.rule_id, bad.reason)
             return
         addr = tunnel.addr
     else:
         addr, rid, reason = yield from resolve(ep.policy, req.host, req.port)
         if addr is None:
-            yield deny(req, rid, reason)
+            yield deny(shown, rid, reason)
+            return
+    if budget is not None:
+        # the last check: a reservation is only taken for a request that is forwarded (the
+        # relay settles it with the response's usage, or releases it)
+        why = budget.admit()
+        if why is not None:
+            yield deny(shown, why[0], why[1], status=429, explain=False, alert=why[0] == "budget:exceeded",
+                       answer="budget")
             return
     yield Forward(req=req, decision=d, addr=addr, scheme=scheme,
-                  sni=normalize_host(req.host) if scheme == "https" else None, swap=swap, max_body=max_body)
+                  sni=normalize_host(req.host) if scheme == "https" else None, swap=swap, max_body=max_body,
+                  shown=shown if shown is not req else None, budget=budget)
 
 
 def connect(ep, req: h1.ProxyRequest) -> Flow:

@@ -401,11 +401,15 @@ def budget_response(rule_id: str, reason: str) -> bytes:
     """429 for a spent LLM budget, shaped as OpenAI- and Anthropic-compatible APIs answer errors
     (``error.message``), so an SDK shows the reason; ``x-should-retry: false`` stops the SDKs'
     automatic retries (waiting does not refill a budget)."""
-    msg = f"{reason} (agent-vm {rule_id}: the operator raises it with `agentvm policy NAME budget`)"
+    if rule_id == "budget:reserved":  # the rest is held by requests in flight: worth a retry soon
+        msg = f"{reason} (agent-vm {rule_id})"
+        retry = [("x-should-retry", "true"), ("Retry-After", "1")]
+    else:
+        msg = f"{reason} (agent-vm {rule_id}: the operator raises it with `agentvm policy NAME budget`)"
+        retry = [("x-should-retry", "false")]
     body = {"type": "error", "error": {"type": "budget_exceeded", "code": rule_id, "message": msg},
             "rule": rule_id, "reason": reason}
-    return _json_response(429, "Too Many Requests", body, [("X-Agentvm-Denied", safe_rule_id(rule_id)),
-                                                           ("x-should-retry", "false")])
+    return _json_response(429, "Too Many Requests", body, [("X-Agentvm-Denied", safe_rule_id(rule_id)), *retry])
 
 
 def error_response(status: int, code: str, message: str) -> bytes:

@@ -191,6 +191,14 @@ class H2Bridge:
             self._deny(s, ex.Deny(rule_id="internal-error", reason="unexpected command", phase="request",
                                   host=req.host, port=req.port, method=req.method, path=req.path))
             return
+        if cmd.budget is not None:
+            # a metered API is only offered HTTP/1.1 (its usage is read there); an HTTP/2
+            # connection that predates a budget set live is refused per stream, so the client
+            # reconnects and is metered
+            cmd.budget.release()
+            self._deny(s, ex.deny(req, "budget:unmetered-connection", "this HTTP/2 connection was opened before the "
+                                  "LLM budget was set; reconnect (metered requests use HTTP/1.1)", explain=False))
+            return
         if cmd.swap is not None and cmd.swap.resign:
             self._deny(s, ex.deny(req, "credential:resign-h2", "SigV4/HMAC re-signing is not supported on HTTP/2 "
                                   "streams; the same client over HTTP/1.1 is re-signed", explain=False))

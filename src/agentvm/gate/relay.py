@@ -128,8 +128,7 @@ class Relay:
         self.host_value = req.host if req.port in (80, 443) else f"{req.host}:{req.port}"
         self.ws = req.upgrade_websocket  # decide() allowed it, so a rule says websocket: true
         creds = ep.creds
-        budget = getattr(ep, "budget", None)
-        self.budget = budget if budget is not None and budget.covers(req.host) else None
+        self.budget = fwd.budget  # the budget that reserved this request (metered), or None
         self.meter, self.llm_counted = None, False
         self.scanner = creds.body_scanner(req.host) if creds is not None else None
         self.scrubber = creds.scrubber() if creds is not None else None
@@ -141,11 +140,11 @@ class Relay:
 
     # -- log/answer helpers ----------------------------------------------------------------
     def _log(self, **kw) -> None:
-        req = self.req
+        req = self.fwd.logged  # the agent's own target: a swapped query-string value is never logged
         self.ep.log(host=req.host, port=req.port, method=req.method, path=req.path, **kw)
 
     async def _cred_deny(self, err) -> None:
-        cmd = cred_deny(self.req, err)
+        cmd = cred_deny(self.fwd.logged, err)
         self.ep.log(**cmd.log_fields())
         await self.client.write(cmd.as_http1())
 

@@ -52,6 +52,11 @@ RULES: dict[str, str] = {
     # LLM budgets (limits.budget)
     "budget:exceeded": "the agent's LLM budget (tokens, requests or cost) is spent (429, alerted); "
                        "`agentvm policy NAME budget` raises it",
+    "budget:reserved": "the rest of the agent's LLM budget is reserved by requests in flight (429, retryable): "
+                       "the request limit is exact, token and cost limits count in-flight requests at their average",
+    "budget:websocket": "a WebSocket to an LLM API under a budget: refused, its usage cannot be metered",
+    "budget:unmetered-connection": "a connection opened before an LLM budget was set live (a tunnel is cut, an "
+                                   "HTTP/2 stream refused): the client reconnects and is metered",
     # operator and limits
     "paused": "egress of the sandbox is paused by the operator (connections open at the time are cut)",
     "limit:connections": "too many concurrent connections from the sandbox (429)",

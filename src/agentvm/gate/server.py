@@ -279,13 +279,23 @@ class Gate:
     async def _forward(self, ep: Endpoint, client, body: RequestBody, fwd: ex.Forward) -> tuple[bool, bytes]:
         """Connect (or take a pooled connection) to the address the core checked and relay one
         request; returns (keep the client connection, leftover bytes)."""
+        counted: list = []  # the relay that counted the metered response, if one did
+        try:
+            return await self._forward_once(ep, client, body, fwd, counted)
+        finally:
+            if fwd.budget is not None and not (counted and counted[0].llm_counted):
+                fwd.budget.release()  # never answered: its LLM budget reservation ends uncounted
+
+    async def _forward_once(self, ep: Endpoint, client, body: RequestBody, fwd: ex.Forward,
+                            counted: list) -> tuple[bool, bytes]:
         req = fwd.req
+        shown = fwd.logged.path  # logged: the agent's target, never a swapped query-string value
         await asyncio.sleep(0)  # let an EOF that already arrived be seen
         if client_gone(client):
             # the client gave up (its timeout passed while the gate was stopped or slow): what it
             # sent is not forwarded late, unseen - a replayed POST is a real harm
             ep.log(verdict="deny", rule_id="client-gone", reason="the client closed the connection before the request "
-                   "was forwarded", host=req.host, port=req.port, method=req.method, path=req.path, phase="request")
+                   "was forwarded", host=req.host, port=req.port, method=req.method, path=shown, phase="request")
             return False, b""
         key = _pool_key(ep, fwd.scheme, fwd.addr, req.port, fwd.sni)
         retry_ok = not req.upgrade_websocket and not req.chunked and not req.content_length
@@ -299,11 +309,12 @@ class Gate:
                 except (OSError, asyncio.TimeoutError, ssl.SSLError) as exc:
                     ep.log(verdict="allow", rule_id=fwd.decision.rule_id,
                            reason=f"upstream unreachable: {type(exc).__name__}", host=req.host, port=req.port,
-                           method=req.method, path=req.path, phase="upstream", error="upstream:unreachable")
+                           method=req.method, path=shown, phase="upstream", error="upstream:unreachable")
                     await client.write(h1.error_response(502, "upstream:unreachable", f"cannot reach {req.host}:{req.port}"))
                     return False, b""
             relay = Relay(ep, client, body, upstream, fwd, pooled=pooled is not None and retry_ok,
                           splice=stream_splice)
+            counted[:] = [relay]
             try:
                 keep, leftover, reusable = await relay.run()
             except Stale:
@@ -312,7 +323,7 @@ class Gate:
             except UpstreamError as exc:
                 upstream.close()
                 ep.log(verdict="allow", rule_id=fwd.decision.rule_id, reason=exc.reason, host=req.host, port=req.port,
-                       method=req.method, path=req.path, phase="upstream", error=exc.rule_id)
+                       method=req.method, path=shown, phase="upstream", error=exc.rule_id)
                 if not exc.answered:
                     await client.write(h1.error_response(502, exc.rule_id, exc.reason))
                 return False, b""

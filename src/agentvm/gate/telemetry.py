@@ -10,9 +10,14 @@ only (gzip allowed, as the SDKs send it), at most ``MAX_BODY`` bytes, counted ag
 sandbox's bytes-out budget, ``CONCURRENCY`` exports in flight per gate, ``TIMEOUT`` seconds
 for the collector. Every relayed export is a decision on the log (``telemetry:relay``).
 
-What an agent sends here reaches the operator's collector, and only it: spans are data the
-agent chose to write (treat them as such; they are not agent-vm's own, which carry
-``service.name=agent-vm``).
+What an agent sends here reaches the operator's collector, and only it. Spans are data the
+agent chose to write, so the relay marks them: each export is parsed (OTLP protobuf or JSON,
+gzip undone within ``MAX_DECODED`` bytes) and every resource in it gets the attributes
+``agentvm.relayed=true``, ``agentvm.sandbox`` and ``agentvm.agent`` set by the gate (any the
+agent wrote under ``agentvm.`` are dropped first), and an export that claims agent-vm's own
+``service.name`` is refused. A collector or a query can so always tell agent-vm's own spans
+(``service.name=agent-vm``, no ``agentvm.relayed``) from what an agent sent. The export goes
+on as protobuf.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from agentvm.gate.asgi import TooLarge, read_body
 from agentvm.gate.endpoint import Cut
 
 MAX_BODY = 4 * 1024 * 1024
+MAX_DECODED = 16 * 1024 * 1024  # a gzip export, inflated (a bomb is refused, not expanded)
 MAX_ANSWER = 64 * 1024
 TIMEOUT = 10.0
 CONCURRENCY = 4
@@ -54,13 +60,15 @@ class TelemetryRelay:
             ep.count_out(len(data))
         except Cut as cut:
             return await self._refuse(ep, stream, req, 413, cut.rule_id, "over the sandbox's bytes-out budget")
-        headers = {"Content-Type": ctype.decode()}
-        if coding:
-            headers["Content-Encoding"] = coding.decode()
         url = f"{self.collector}/v1/{signal}"
         async with self._slots:
             try:
-                status, answer, atype = await asyncio.to_thread(_post, url, data, headers)
+                data = await asyncio.to_thread(stamp, data, ctype, coding, signal, ep.sandbox_id, ep.agent)
+            except ExportRefused as exc:
+                return await self._refuse(ep, stream, req, 400, "telemetry:bad-request", str(exc))
+            try:
+                status, answer, atype = await asyncio.to_thread(_post, url, data,
+                                                                {"Content-Type": "application/x-protobuf"})
                 atype = "".join(c for c in atype if 32 <= ord(c) < 127)[:100] or "application/octet-stream"
             except (OSError, ValueError) as exc:
                 ep.log(verdict="allow", rule_id="telemetry:relay", reason=f"the collector did not answer ({type(exc).__name__})",
@@ -82,6 +90,62 @@ class TelemetryRelay:
                phase="telemetry")
         await stream.write(h1.error_response(status, rule, reason))
         return False, b""
+
+
+class ExportRefused(ValueError):
+    pass
+
+
+def _messages():
+    from opentelemetry.proto.collector.logs.v1 import logs_service_pb2
+    from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2
+    from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
+
+    return {"traces": (trace_service_pb2.ExportTraceServiceRequest, "resource_spans"),
+            "metrics": (metrics_service_pb2.ExportMetricsServiceRequest, "resource_metrics"),
+            "logs": (logs_service_pb2.ExportLogsServiceRequest, "resource_logs")}
+
+
+def stamp(data: bytes, ctype: bytes, coding: bytes, signal: str, sandbox: str, agent: str) -> bytes:
+    """The export with the gate's marks on every resource, as protobuf (see the module's doc)."""
+    import zlib
+
+    from google.protobuf import json_format
+    from google.protobuf.message import DecodeError
+
+    if coding == b"gzip":
+        d = zlib.decompressobj(16 + zlib.MAX_WBITS)
+        try:
+            data = d.decompress(data, MAX_DECODED)
+        except zlib.error as exc:
+            raise ExportRefused(f"the gzip body does not decode ({exc})") from None
+        if d.unconsumed_tail:
+            raise ExportRefused(f"the export inflates to over {MAX_DECODED} bytes")
+    cls, field = _messages()[signal]
+    msg = cls()
+    try:
+        if ctype == b"application/json":
+            json_format.Parse(data, msg, ignore_unknown_fields=True)
+        else:
+            msg.ParseFromString(data)
+    except (DecodeError, json_format.ParseError, ValueError, RecursionError) as exc:
+        raise ExportRefused(f"not an OTLP {signal} export ({type(exc).__name__})") from None
+    for rs in getattr(msg, field):
+        attrs = rs.resource.attributes
+        for kv in attrs:
+            if kv.key == "service.name" and kv.value.string_value == "agent-vm":
+                raise ExportRefused("service.name 'agent-vm' is agent-vm's own; an agent's spans must use another name")
+        keep = [kv for kv in attrs if not kv.key.startswith("agentvm.")]
+        del attrs[:]
+        attrs.extend(keep)
+        for key, value in (("agentvm.relayed", None), ("agentvm.sandbox", sandbox), ("agentvm.agent", agent)):
+            kv = attrs.add()
+            kv.key = key
+            if value is None:
+                kv.value.bool_value = True
+            else:
+                kv.value.string_value = value
+    return msg.SerializeToString()
 
 
 def _post(url: str, data: bytes, headers: dict) -> tuple[int, bytes, str]:

@@ -168,8 +168,8 @@ class Workspace(_Model):
 class BudgetPrice(_Model):
     """A model's price, per million tokens (any currency: the budget's ``cost`` is in the same)."""
 
-    input: float = Field(ge=0, description="Price per million input (prompt) tokens.")
-    output: float = Field(ge=0, description="Price per million output (completion) tokens.")
+    input: float = Field(ge=0, allow_inf_nan=False, description="Price per million input (prompt) tokens.")
+    output: float = Field(ge=0, allow_inf_nan=False, description="Price per million output (completion) tokens.")
 
 
 class Budget(_Model):
@@ -178,7 +178,7 @@ class Budget(_Model):
 
     tokens: int | None = Field(None, ge=1, description="Input + output tokens, in total.")
     requests: int | None = Field(None, ge=1, description="Requests to the budget's hosts, in total.")
-    cost: float | None = Field(None, gt=0, description="Money, in total, priced with `prices`.")
+    cost: float | None = Field(None, gt=0, allow_inf_nan=False, description="Money, in total, priced with `prices`.")
     hosts: list[str] = Field(default_factory=lambda: list(_llm_hosts()),
                              description="The LLM API hosts the budget meters (exact or '*.suffix'); the default is "
                              "the common OpenAI- and Anthropic-compatible APIs.")

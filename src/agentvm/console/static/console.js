@@ -53,6 +53,8 @@ document.addEventListener("DOMContentLoaded", () => {
   live.hidden = false;
   es.onopen = () => { live.classList.remove("down"); live.textContent = "live"; };
   es.onerror = () => { live.classList.add("down"); live.textContent = "reconnecting"; };
+  // the daemon cut this stream off because it fell behind: reload, so nothing shown is stale
+  es.addEventListener("lagged", () => { es.close(); window.location.reload(); });
   es.onmessage = (ev) => {
     let r;
     try { r = JSON.parse(ev.data); } catch (e) { return; }
