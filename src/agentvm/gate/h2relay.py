@@ -49,7 +49,7 @@ class _Stream:
     """One sandbox stream and the upstream stream it became."""
 
     __slots__ = ("down", "up", "req", "fwd", "scanner", "scrub", "to_up", "to_down", "up_end", "down_end",
-                 "trailers", "sent", "received", "answered", "done", "status", "head_only")
+                 "trailers", "sent", "received", "t0", "answered", "done", "status", "head_only")
 
     def __init__(self, down: int) -> None:
         self.down = down

@@ -20,6 +20,7 @@ decision is one JSON line in the sandbox's log (``endpoint``).
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import socket
 import ssl
@@ -33,6 +34,8 @@ from agentvm.gate.policy import EgressPolicy
 from agentvm.gate.relay import Relay, Stale, UpstreamError
 from agentvm.gate.streams import HELLO_TIMEOUT, PlainStream, TLSStream, client_gone
 from agentvm.gate.tunnel import stream_splice, zero_copy_splice
+
+log = logging.getLogger("agentvm.gate")
 
 HEAD_TIMEOUT = 30.0
 STREAM_LIMIT = 1 << 20  # StreamReader buffer before it pauses the transport (bulk tunnels)
@@ -188,6 +191,7 @@ class Gate:
             ep.log(verdict="deny", rule_id=cut.rule_id, reason=f"limit reached: connection cut ({ep.bytes_out} bytes out)",
                    host=cut.host, port=cut.port, phase="stream")
         except Exception as exc:  # never let one connection take the gate down
+            log.exception("internal error on a connection of sandbox %s", ep.sandbox_id)  # a gate bug: the traceback
             ep.log(verdict="deny", rule_id="internal-error", reason=f"{type(exc).__name__}", host="", port=None, phase="internal")
         finally:
             ep.active -= 1
