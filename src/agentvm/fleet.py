@@ -47,28 +47,113 @@ class FleetError(ConfigError):
 
 
 # ---------------------------------------------------------------------------- git
-def _git(repo: Path, *args: str, input: bytes | None = None, check: bool = True,
-         env: dict | None = None) -> subprocess.CompletedProcess:
-    e = {**os.environ, "GIT_TERMINAL_PROMPT": "0", "GIT_CONFIG_NOSYSTEM": "1", "LC_ALL": "C", **(env or {})}
-    try:
-        r = subprocess.run(["git", "-C", str(repo), *args], input=input, capture_output=True, timeout=GIT_TIMEOUT, env=e)
-    except FileNotFoundError:
-        raise FleetError("git is not installed", hint="apt-get install git") from None
-    except subprocess.TimeoutExpired:
-        raise FleetError(f"git {args[0]} did not finish within {GIT_TIMEOUT}s in {repo}") from None
-    if check and r.returncode != 0:
-        raise FleetError(f"git {' '.join(args[:2])} failed in {repo}: {r.stderr.decode(errors='replace').strip()[:300]}")
-    return r
+# git never runs *in* the fleet's repository: its .git/config could name programs (a gpg or
+# ssh signature program, a promisor remote's upload-pack fetched lazily, a pager...), and its
+# refs/replace could swap objects under a verified commit. Every git command runs in a
+# scratch repository agent-vm makes: the fleet's objects are reached through
+# objects/info/alternates (read only), its refs are copied in as data (never refs/replace),
+# the environment is clean (no system or global config, replace objects off), and there is
+# no remote, so nothing is ever fetched.
+_REF_NAME = re.compile(r"^[A-Za-z0-9._/-]{1,200}$")
+
+
+def _gitdir(repo: Path) -> tuple[Path, Path]:
+    """(git dir, common dir) of a work tree, a linked work tree or a bare repository."""
+    dot = repo / ".git"
+    if dot.is_dir():
+        gitdir = dot
+    elif dot.is_file():
+        text = dot.read_text(errors="replace").strip()
+        if not text.startswith("gitdir:"):
+            raise FleetError(f"{dot} is not a git link file")
+        gitdir = (repo / text[7:].strip()).resolve()
+    elif (repo / "HEAD").is_file() and (repo / "objects").is_dir():
+        gitdir = repo
+    else:
+        raise FleetError(f"{repo} is not a git repository", hint="--repo names the fleet's repository")
+    common = gitdir
+    if (gitdir / "commondir").is_file():
+        common = (gitdir / (gitdir / "commondir").read_text().strip()).resolve()
+    if not (common / "objects").is_dir():
+        raise FleetError(f"{repo}: no object directory at {common / 'objects'}")
+    return gitdir, common
+
+
+class _Scratch:
+    """A scratch repository reading the fleet repository's objects and refs (see above)."""
+
+    def __init__(self, repo: Path) -> None:
+        import shutil
+
+        self.repo = repo
+        gitdir, common = _gitdir(repo)
+        self.tmp = Path(tempfile.mkdtemp(prefix="agentvm-fleet-git-"))
+        try:
+            self.dir = self.tmp / "scratch.git"
+            self.env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(self.tmp), "LC_ALL": "C",
+                        "GIT_CONFIG_NOSYSTEM": "1", "GIT_CONFIG_GLOBAL": "/dev/null", "GIT_NO_REPLACE_OBJECTS": "1",
+                        "GIT_TERMINAL_PROMPT": "0", "GIT_NO_LAZY_FETCH": "1", "GIT_DIR": str(self.dir)}
+            self._run("init", "--bare", "-q", str(self.dir), env={k: v for k, v in self.env.items() if k != "GIT_DIR"})
+            (self.dir / "objects" / "info").mkdir(parents=True, exist_ok=True)
+            (self.dir / "objects" / "info" / "alternates").write_text(str((common / "objects").resolve()) + "\n")
+            # refs, as data: loose refs (not refs/replace), packed-refs (the same), HEAD
+            for src in (common / "refs").rglob("*") if (common / "refs").is_dir() else ():
+                rel = src.relative_to(common).as_posix()
+                if rel.startswith("refs/replace") or src.is_symlink() or not src.is_file():
+                    continue
+                if not _REF_NAME.match(rel) or src.stat().st_size > 4096:
+                    continue
+                dst = self.dir / rel
+                dst.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(src, dst)
+            packed = common / "packed-refs"
+            if packed.is_file() and not packed.is_symlink():
+                if packed.stat().st_size > 64 * 1024 * 1024:
+                    raise FleetError(f"{packed} is over 64 MiB")
+                keep = [ln for ln in packed.read_bytes().split(b"\n") if b" refs/replace/" not in ln]
+                (self.dir / "packed-refs").write_bytes(b"\n".join(keep))
+            head = gitdir / "HEAD"
+            if head.is_file() and not head.is_symlink() and head.stat().st_size <= 4096:
+                shutil.copyfile(head, self.dir / "HEAD")
+        except BaseException:
+            self.close()
+            raise
+
+    def _run(self, *args: str, input: bytes | None = None, env: dict | None = None) -> subprocess.CompletedProcess:
+        try:
+            return subprocess.run(["git", *args], input=input, capture_output=True, timeout=GIT_TIMEOUT,
+                                  env=env if env is not None else self.env, cwd=str(self.tmp))
+        except FileNotFoundError:
+            raise FleetError("git is not installed", hint="apt-get install git") from None
+        except subprocess.TimeoutExpired:
+            raise FleetError(f"git {args[0]} did not finish within {GIT_TIMEOUT}s for {self.repo}") from None
+
+    def git(self, *args: str, input: bytes | None = None, check: bool = True) -> subprocess.CompletedProcess:
+        r = self._run(*args, input=input)
+        if check and r.returncode != 0:
+            raise FleetError(f"git {' '.join(args[:2])} failed for {self.repo}: "
+                             f"{r.stderr.decode(errors='replace').strip()[:300]}")
+        return r
+
+    def close(self) -> None:
+        import shutil
+
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def __enter__(self) -> "_Scratch":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def resolve(repo: str | Path, ref: str) -> str:
     """REF -> the full commit id it names (a branch, a tag, a short id, a full id)."""
     repo = Path(repo)
-    if not (repo / ".git").exists() and not (repo / "HEAD").exists():
-        raise FleetError(f"{repo} is not a git repository", hint="--repo names the fleet's repository")
     if not ref or ref.startswith("-") or any(c in ref for c in "\n\0"):
         raise FleetError(f"{ref!r} is not a git ref")
-    r = _git(repo, "rev-parse", "--verify", "--quiet", "--end-of-options", f"{ref}^{{commit}}", check=False)
+    with _Scratch(repo) as g:
+        r = g.git("rev-parse", "--verify", "--quiet", "--end-of-options", f"{ref}^{{commit}}", check=False)
     if r.returncode != 0:
         raise FleetError(f"{ref!r} names no commit in {repo}", hint="give a branch, a tag or a commit id")
     return r.stdout.decode().strip()
@@ -78,28 +163,37 @@ def is_full_id(ref: str) -> bool:
     return bool(_SHA.match(ref or ""))
 
 
-def _tree(repo: Path, sha: str) -> list[tuple[str, str, str]]:
-    """(mode, blob id, path) of every blob of the commit."""
-    out = _git(repo, "ls-tree", "-r", "-z", "--full-tree", sha).stdout
+MAX_ENTRIES = 100_000
+
+
+def _tree(g: _Scratch, sha: str) -> list[tuple[str, str, str, int]]:
+    """(mode, blob id, path, size) of every blob of the commit."""
+    out = g.git("ls-tree", "-r", "-z", "-l", "--full-tree", sha).stdout
     entries = []
     for item in out.split(b"\0"):
         if not item:
             continue
         meta, _, path = item.partition(b"\t")
-        mode, kind, oid = meta.decode().split()
+        mode, kind, oid, size = meta.decode().split()
         if kind == "blob":
-            entries.append((mode, oid, path.decode("utf-8", "surrogateescape")))
+            entries.append((mode, oid, path.decode("utf-8", "surrogateescape"), int(size) if size.isdigit() else 0))
+            if len(entries) > MAX_ENTRIES:
+                raise FleetError(f"commit {sha[:12]} has over {MAX_ENTRIES} files")
     return entries
 
 
-def _blobs(repo: Path, oids: list[str]) -> dict[str, bytes]:
+def _blobs(g: _Scratch, oids: list[str]) -> dict[str, bytes]:
+    """Blobs by id; each at most MAX_BLOB bytes (checked before it is read: ``ls-tree -l``)."""
     if not oids:
         return {}
-    out = _git(repo, "cat-file", "--batch", input=("\n".join(oids) + "\n").encode()).stdout
+    out = g.git("cat-file", "--batch", input=("\n".join(oids) + "\n").encode()).stdout
     res, i = {}, 0
     for oid in oids:
-        nl = out.index(b"\n", i)
-        header = out[i:nl].decode().split()
+        nl = out.find(b"\n", i)
+        header = out[i:nl].decode(errors="replace").split() if nl >= 0 else []
+        if len(header) != 3 or header[1] != "blob":
+            raise FleetError(f"object {oid[:12]} is missing from the repository (a partial or shallow clone?)",
+                             hint="fetch the whole history of the fleet's repository", code="fleet.missing-object")
         size = int(header[2])
         res[oid] = out[nl + 1:nl + 1 + size]
         i = nl + 1 + size + 1
@@ -125,47 +219,104 @@ class Fleet:
     signed: str | None = None  # who signed the commit (when checked)
 
 
+MAX_PINNED = 16 * 1024 * 1024  # a pinned file (a tool server's script) is hashed whole
+MAX_CANARY_SECONDS = 600
+
+
+def _config_doc(text: str, path: str) -> dict:
+    """The fleet config: YAML without anchors or aliases (no alias bombs), a small mapping of
+    known keys with the right types - checked at load, not halfway through an apply."""
+    try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.YAMLError as exc:
+        raise ValueError(str(exc)) from None
+    seen: set[int] = set()
+    stack = [node] if node is not None else []
+    while stack:
+        n = stack.pop()
+        if id(n) in seen or getattr(n, "anchor", None):
+            raise ValueError("anchors and aliases are not allowed")
+        seen.add(id(n))
+        if len(seen) > 10000:
+            raise ValueError("over 10000 YAML nodes")
+        if isinstance(n, yaml.MappingNode):
+            for k, v in n.value:
+                stack += [k, v]
+        elif isinstance(n, yaml.SequenceNode):
+            stack += list(n.value)
+    doc = yaml.safe_load(text) or {}
+    if not isinstance(doc, dict):
+        raise ValueError("not a mapping")
+    unknown = set(doc) - {"requireSigned", "pins", "canary"}
+    if unknown:
+        raise ValueError(f"unknown keys {sorted(map(str, unknown))} (requireSigned, pins, canary)")
+    if not isinstance(doc.get("requireSigned", False), bool):
+        raise ValueError("requireSigned is true or false")
+    pins = doc.get("pins") or {}
+    if not isinstance(pins, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in pins.items()):
+        raise ValueError("pins is a map PATH: sha256:HEX")
+    canary = doc.get("canary") or {}
+    if not isinstance(canary, dict) or set(canary) - {"agents", "seconds", "healthchecks"}:
+        raise ValueError("canary takes agents, seconds and healthchecks")
+    agents = canary.get("agents") or []
+    if not isinstance(agents, list) or not all(isinstance(a, str) for a in agents):
+        raise ValueError("canary.agents is a list of names or globs")
+    sec = canary.get("seconds", 3)
+    if isinstance(sec, bool) or not isinstance(sec, (int, float)) or not 0 <= sec <= MAX_CANARY_SECONDS:
+        raise ValueError(f"canary.seconds is a number from 0 to {MAX_CANARY_SECONDS}")
+    hcs = canary.get("healthchecks") or {}
+    if not isinstance(hcs, dict) or not all(
+            isinstance(k, str) and isinstance(v, list) and v and all(isinstance(x, (str, int)) for x in v)
+            for k, v in hcs.items()):
+        raise ValueError("canary.healthchecks maps an agent name to a command (a list of strings)")
+    return doc
+
+
 def load(repo: str | Path, commit: str, *, trust: dict | None = None) -> Fleet:
     """Every agent of ``commit``, validated (all problems of all files at once, with
     file:line), presets from the commit's ``presets/``; the signature and pins checked."""
+    repo = Path(repo).resolve()
+    with _Scratch(repo) as g:
+        return _load(g, repo, commit, trust or {})
+
+
+def _load(g: _Scratch, repo: Path, commit: str, trust: dict) -> Fleet:
     from agentvm.errors import SpecError
     from agentvm.policy import compile_policy
     from agentvm.spec.loader import dump_resolved, load_agent_text
 
-    repo = Path(repo).resolve()
-    entries = _tree(repo, commit)
-    wanted = [(m, o, p) for m, o, p in entries if p.endswith((".yaml", ".yml")) or p == FLEET_CONFIG]
-    links = [p for m, _, p in wanted if m == "120000"]
-    blobs = _blobs(repo, [o for m, o, p in wanted if m != "120000"])
-    config: dict = {}
+    if g.git("cat-file", "-t", commit, check=False).stdout.strip() != b"commit":
+        raise FleetError(f"{commit[:12]} is not a commit of {repo}")
+    entries = _tree(g, commit)
+    wanted = [(m, o, p, n) for m, o, p, n in entries if p.endswith((".yaml", ".yml")) or p == FLEET_CONFIG]
+    links = [p for m, _, p, _ in wanted if m == "120000"]
     problems: list[str] = []
-    for m, oid, path in wanted:
+    big = [p for m, _, p, n in wanted if m != "120000" and n > MAX_BLOB]
+    problems += [f"{p}: over {MAX_BLOB} bytes" for p in big]
+    blobs = _blobs(g, [o for m, o, p, n in wanted if m != "120000" and n <= MAX_BLOB])
+    config: dict = {}
+    for m, oid, path, n in wanted:
         if path == FLEET_CONFIG and m != "120000":
-            if len(blobs[oid]) > 65536:
+            if n > 65536:
                 problems.append(f"{path}: over 64 KiB")
                 continue
             try:
-                config = yaml.safe_load(blobs[oid].decode("utf-8")) or {}
-                if not isinstance(config, dict):
-                    raise ValueError("not a mapping")
-            except (ValueError, yaml.YAMLError, UnicodeDecodeError) as exc:
+                config = _config_doc(blobs[oid].decode("utf-8"), path)
+            except (ValueError, UnicodeDecodeError) as exc:
                 problems.append(f"{path}: {exc}")
-    signed = verify(repo, commit, trust or {}, config)
-    problems += _check_pins(repo, commit, config, entries)
+    signed = verify(g, commit, trust, config)
+    problems += _check_pins(g, config, entries)
     agents: dict[str, FleetAgent] = {}
     with tempfile.TemporaryDirectory(prefix="agentvm-fleet-") as tmp:
         pdir = Path(tmp) / "presets"
         pdir.mkdir()
-        for m, oid, path in wanted:
-            if path.startswith("presets/") and path.count("/") == 1 and m != "120000":
+        for m, oid, path, n in wanted:
+            if path.startswith("presets/") and path.count("/") == 1 and m != "120000" and oid in blobs:
                 (pdir / path.split("/", 1)[1]).write_bytes(blobs[oid])
-        for m, oid, path in sorted(wanted, key=lambda e: e[2]):
-            if m == "120000" or path.startswith("presets/") or path == FLEET_CONFIG:
+        for m, oid, path, n in sorted(wanted, key=lambda e: e[2]):
+            if m == "120000" or path.startswith("presets/") or path == FLEET_CONFIG or oid not in blobs:
                 continue
             data = blobs[oid]
-            if len(data) > MAX_BLOB:
-                problems.append(f"{path}: over {MAX_BLOB} bytes")
-                continue
             try:
                 text = data.decode("utf-8")
             except UnicodeDecodeError:
@@ -192,23 +343,33 @@ def load(repo: str | Path, commit: str, *, trust: dict | None = None) -> Fleet:
             if name in agents:
                 problems.append(f"{path}: the agent name {name!r} is also declared in {agents[name].path}")
                 continue
-            agents[name] = FleetAgent(name, path, yaml.safe_dump(resolved, sort_keys=True), policy, policy.digest())
+            stored = yaml.safe_dump(resolved, sort_keys=True)
+            # what runs is the stored text: it must compile to exactly the commit's policy
+            # (a default written out can change a meaning - a deny rule without ports)
+            try:
+                again = compile_policy(load_agent_text(stored, path, preset_dirs=[]).spec)
+            except Exception as exc:  # noqa: BLE001
+                problems.append(f"{path}: its resolved form does not load again ({exc}): a bug in agent-vm")
+                continue
+            if again.digest() != policy.digest():
+                problems.append(f"{path}: its resolved form compiles to another policy than the file: a bug in "
+                                "agent-vm, refused rather than run something else")
+                continue
+            agents[name] = FleetAgent(name, path, stored, policy, policy.digest())
     if links:
-        problems += [f"{p}: a symbolic link (agent files and presets must be regular files of the commit)" for p in links
-                     if not p.startswith(".")]
+        problems += [f"{p}: a symbolic link (agent files and presets must be regular files of the commit)" for p in links]
     if problems:
         raise FleetError(f"commit {commit[:12]} has {len(problems)} problem(s); nothing was applied:\n  "
                          + "\n  ".join(problems[:50]), hint="fix the files and commit again", code="fleet.invalid")
     return Fleet(str(repo), commit, agents, config, signed)
 
 
-def _check_pins(repo: Path, commit: str, config: dict, entries) -> list[str]:
+def _check_pins(g: _Scratch, config: dict, entries) -> list[str]:
     pins = config.get("pins") or {}
-    if not isinstance(pins, dict):
-        return [f"{FLEET_CONFIG}: pins is a map PATH: sha256:HEX"]
-    by_path = {p: (m, o) for m, o, p in entries}
+    by_path = {p: (m, o, n) for m, o, p, n in entries}
     out = []
-    blobs = _blobs(repo, [by_path[p][1] for p in pins if p in by_path and by_path[p][0] != "120000"])
+    ok = [p for p in pins if p in by_path and by_path[p][0] != "120000" and by_path[p][2] <= MAX_PINNED]
+    blobs = _blobs(g, [by_path[p][1] for p in ok])
     for path, want in sorted(pins.items()):
         if path not in by_path:
             out.append(f"{FLEET_CONFIG}: pinned {path} is not in the commit")
@@ -216,15 +377,39 @@ def _check_pins(repo: Path, commit: str, config: dict, entries) -> list[str]:
         if by_path[path][0] == "120000":
             out.append(f"{FLEET_CONFIG}: pinned {path} is a symbolic link")
             continue
+        if by_path[path][2] > MAX_PINNED:
+            out.append(f"{FLEET_CONFIG}: pinned {path} is over {MAX_PINNED} bytes")
+            continue
         got = "sha256:" + hashlib.sha256(blobs[by_path[path][1]]).hexdigest()
         if str(want).lower() != got:
             out.append(f"{path}: content {got} does not match its pin {want}")
     return out
 
 
-def verify(repo: Path, commit: str, trust: dict, config: dict) -> str | None:
+def _signed_payload(raw: bytes) -> tuple[bytes, bytes]:
+    """A commit object -> (its signature, the bytes it signs: the object without the header)."""
+    header, sep, message = raw.partition(b"\n\n")
+    payload, sig, in_sig = [], [], False
+    for ln in header.split(b"\n"):
+        if ln.startswith((b"gpgsig ", b"gpgsig-sha256 ")):
+            in_sig = True
+            sig.append(ln.split(b" ", 1)[1])
+            continue
+        if in_sig and ln.startswith(b" "):
+            sig.append(ln[1:])
+            continue
+        in_sig = False
+        payload.append(ln)
+    return (b"\n".join(sig) + b"\n" if sig else b""), b"\n".join(payload) + sep + message
+
+
+def verify(g: _Scratch, commit: str, trust: dict, config: dict) -> str | None:
     """Check the commit's signature when the operator's trust (``<home>/fleet.yaml``) or the
-    repository's config requires it. -> the signer, or None when not required."""
+    repository's config requires it: an SSH signature (only), checked by agent-vm with
+    ``ssh-keygen -Y verify`` against the operator's allowed-signers file (never by a program
+    the repository could name). -> the signer, or None when not required."""
+    from agentvm.sshsig import check_signers_file, principals
+
     required = bool(trust.get("requireSigned")) or bool(config.get("requireSigned"))
     signers = trust.get("allowedSigners")
     if not required:
@@ -233,14 +418,21 @@ def verify(repo: Path, commit: str, trust: dict, config: dict) -> str | None:
         raise FleetError("signed commits are required, but no signers are configured",
                          hint="name an SSH allowed-signers file as allowedSigners in <home>/fleet.yaml",
                          code="fleet.unsigned")
-    r = _git(repo, "-c", "gpg.format=ssh", "-c", f"gpg.ssh.allowedSignersFile={signers}", "verify-commit", "--raw",
-             commit, check=False)
-    text = (r.stderr + r.stdout).decode(errors="replace").strip()
-    if r.returncode != 0:
-        raise FleetError(f"commit {commit[:12]} is not signed by a configured signer: {text[:300] or 'no signature'}",
-                         hint=f"sign it (git commit -S with a key listed in {signers})", code="fleet.unsigned")
-    m = re.search(r'Good "git" signature for (\S+)', text)
-    return m.group(1) if m else "verified"
+    signers = check_signers_file(signers, "allowedSigners")
+    raw = g.git("cat-file", "commit", commit).stdout
+    sig, payload = _signed_payload(raw)
+    if not sig:
+        raise FleetError(f"commit {commit[:12]} is not signed", code="fleet.unsigned",
+                         hint=f"sign it (git commit -S with an SSH key listed in {signers})")
+    if not sig.startswith(b"-----BEGIN SSH SIGNATURE-----"):
+        raise FleetError(f"commit {commit[:12]} has a GPG or X.509 signature: only SSH signatures are accepted "
+                         "(checked against the operator's allowed signers)", code="fleet.unsigned",
+                         hint="git config gpg.format ssh; sign with a key listed in " + str(signers))
+    who = principals(sig, payload, signers, "git")
+    if not who:
+        raise FleetError(f"commit {commit[:12]} is not signed by a configured signer", code="fleet.unsigned",
+                         hint=f"sign it (git commit -S with a key listed in {signers})")
+    return who[0]
 
 
 def load_trust(home: Path) -> dict:
@@ -301,8 +493,12 @@ def make_plan(fleet: Fleet, current: dict[str, dict], previous: str | None) -> P
             creates.append(Action("create", name, fa.path, None, fa.digest, changes=["new agent"],
                                   widening=widening(None, fa.policy)))
         elif cur["digest"] != fa.digest:
+            changes = diff(cur["policy"], fa.policy)
+            if cur.get("live"):
+                changes.append("drops the live changes made with `agentvm policy`: " + cur["live"])
+            # widening is judged against what runs now (live changes included)
             updates.append(Action("update", name, fa.path, cur["digest"], fa.digest, restart=bool(cur.get("running")),
-                                  changes=diff(cur["policy"], fa.policy), widening=widening(cur["policy"], fa.policy)))
+                                  changes=changes, widening=widening(cur.get("effective") or cur["policy"], fa.policy)))
         else:
             same.append(Action("unchanged", name, fa.path, cur["digest"], fa.digest))
     unmanaged = []
@@ -337,6 +533,11 @@ def widening(old, new) -> list[str]:
         out += [f"credential {b.name} for {', '.join(b.hosts)}" for b in new.credentials]
         if new.tools is not None:
             out += [f"tool server {s.name}: {', '.join(s.allow)}" for s in new.tools.servers]
+        out += [f"read-only host path {p}" for p in new.extra_ro]
+        if new.allow_ptrace:
+            out.append("ptrace allowed")
+        if new.risk_tier in ("L4", "L5"):
+            out.append(f"risk tier {new.risk_tier}")
         return out
     for h in sorted(_egress_hosts(new) - _egress_hosts(old)):
         out.append(f"new egress {h}")
@@ -362,7 +563,74 @@ def widening(old, new) -> list[str]:
     ob, nb = old.limits.budget, new.limits.budget
     if ob is not None and nb is None:
         out.append("no LLM budget any more")
+    elif ob is not None and nb is not None:
+        for k in ("tokens", "requests", "cost"):
+            o, n = getattr(ob, k), getattr(nb, k)
+            if o is not None and (n is None or n > o):
+                out.append(f"LLM budget {k}: {o} -> {n if n is not None else 'no limit'}")
+    if new.allow_ptrace and not old.allow_ptrace:
+        out.append("ptrace allowed")
+    from agentvm.policy import SUBSTRATE_STRENGTH
+
+    if SUBSTRATE_STRENGTH.get(new.substrate, 0) < SUBSTRATE_STRENGTH.get(old.substrate, 0):
+        out.append(f"substrate {old.substrate} -> {new.substrate} (weaker isolation)")
+    if (old.min_substrate or "") != (new.min_substrate or "") and SUBSTRATE_STRENGTH.get(new.min_substrate or "", 0) \
+            < SUBSTRATE_STRENGTH.get(old.min_substrate or "", 0):
+        out.append(f"minSubstrate {old.min_substrate} -> {new.min_substrate or 'none'}")
+    for p in sorted(set(new.extra_ro) - set(old.extra_ro)):
+        out.append(f"new read-only host path {p}")
+    for port in sorted(set(new.local_ports) - set(old.local_ports)):
+        out.append(f"new local port {port}")
+    if (new.approval_webhook or "") != (old.approval_webhook or "") and new.approval_webhook:
+        out.append(f"approvals webhook -> {new.approval_webhook}")
+    # anything else changed in a section that grants something is not known to be narrower:
+    # it is called out for review rather than passed over in silence
+    a, b = old.to_dict(), new.to_dict()
+    said = " ".join(out)
+    for key, label, marks in _GRANTING:
+        if a.get(key) != b.get(key) and not any(m in said for m in marks) and not _narrower(key, a.get(key), b.get(key)):
+            out.append(f"{label} changed (not known to be narrower: review it)")
     return out
+
+
+def _canon(x) -> str:
+    return json.dumps(x, sort_keys=True, default=str)
+
+
+def _subset(new: list | None, old: list | None) -> bool:
+    have = {_canon(x) for x in old or ()}
+    return all(_canon(x) in have for x in new or ())
+
+
+def _narrower(key: str, old, new) -> bool:
+    """Only removals (and, for egress, more deny rules or lower limits): nothing new granted."""
+    if key == "egress":
+        if not isinstance(old, dict) or not isinstance(new, dict):
+            return new is None
+        if not _subset(new.get("allow"), old.get("allow")) or not _subset(old.get("deny"), new.get("deny")):
+            return False
+        if new.get("hosts") != old.get("hosts") or new.get("upstream_ca") != old.get("upstream_ca"):
+            return False
+        lo, ln = old.get("limits") or {}, new.get("limits") or {}
+        return all((ln.get(k) or 0) <= (lo.get(k) or 0) for k in set(lo) | set(ln))
+    if key == "approval_timeout":
+        return False
+    if key == "tools":
+        if not isinstance(old, dict) or not isinstance(new, dict):
+            return new is None
+        return _subset(new.get("servers"), old.get("servers")) and {k: v for k, v in new.items() if k != "servers"} \
+            == {k: v for k, v in old.items() if k != "servers"}
+    return _subset(new, old)
+
+
+# (policy field, how the plan names it, words of specific widening lines that cover it)
+_GRANTING = (
+    ("egress", "egress rules (deny rules, paths, methods, host addresses, CA, limits)", ("new egress", "network:")),
+    ("credentials", "credentials (refs, injection, hosts)", ("new credential",)),
+    ("tools", "tool servers (commands, mounts, egress, deny/approve lists)", ("new tool server", "tool server ")),
+    ("mounts", "grants (modes, trusted entries)", ("new grant",)),
+    ("approval_timeout", "approval timeout", ()),
+)
 
 
 def diff(old, new) -> list[str]:

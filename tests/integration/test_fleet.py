@@ -215,7 +215,7 @@ def test_signed_commits_only(daemon, tmp_path, cleanup):
     sign = lambda key: ("-c", "gpg.format=ssh", "-c", f"user.signingkey={keys / key}")  # noqa: E731
     unsigned = repo.commit({"s.yaml": agent_yaml("pf-s")}, "unsigned")
     r = av("apply", "--repo", str(repo.path), "--commit", unsigned, check=False)
-    assert r.returncode == 78 and b"not signed by a configured signer" in r.stderr
+    assert r.returncode == 78 and b"is not signed" in r.stderr
     eve = repo.commit({}, "by eve", *sign("eve"), "-c", "commit.gpgsign=true")
     r = av("apply", "--repo", str(repo.path), "--commit", eve, check=False)
     assert r.returncode == 78 and b"not signed by a configured signer" in r.stderr, "a key not in the list"

@@ -134,3 +134,145 @@ def test_replay_verdicts():
     assert r == {"replayed": 2, "breakage": [{"request": "CONNECT a.test:443", "count": 1}],
                  "widening": [{"request": "CONNECT b.test:443", "count": 1}]}
     assert fl.replay(recs, None, pol(["a.test"]))["breakage"] == []
+
+
+# ---------------------------------------------------------------------------- a hostile repository
+def _keys(tmp_path: Path):
+    keys = tmp_path / "keys"
+    keys.mkdir()
+    for who in ("op", "eve"):
+        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", who, "-f", str(keys / who)], check=True)
+    (keys / "allowed").write_text(f"op@example.test {(keys / 'op.pub').read_text()}")
+    return keys
+
+
+def _signed_commit(repo: Path, keys: Path, who: str, files: dict) -> str:
+    git(repo, "config", "gpg.format", "ssh")
+    git(repo, "config", "user.signingkey", str(keys / who))
+    for rel, text in files.items():
+        (repo / rel).write_text(text)
+    git(repo, "add", "-A")
+    git(repo, "commit", "-q", "-S", "-m", "signed")
+    return git(repo, "rev-parse", "HEAD")
+
+
+def test_the_repositorys_own_git_config_never_runs_and_cannot_vouch(repo, tmp_path):
+    """A gpg.ssh.program in the fleet's .git/config would run as the daemon's user and could
+    print "Good signature": agent-vm checks signatures itself, in a scratch repository."""
+    keys = _keys(tmp_path)
+    c = _signed_commit(repo, keys, "eve", {"a.yaml": agent("a")})
+    marker = tmp_path / "pwned"
+    evil = tmp_path / "evil.sh"
+    evil.write_text(f"#!/bin/sh\ntouch {marker}\necho 'Good \"git\" signature for op@example.test'\nexit 0\n")
+    evil.chmod(0o755)
+    git(repo, "config", "gpg.ssh.program", str(evil))
+    git(repo, "config", "core.pager", str(evil))
+    trust = {"requireSigned": True, "allowedSigners": str(keys / "allowed")}
+    with pytest.raises(ConfigError) as e:
+        fl.load(repo, c, trust=trust)
+    assert e.value.code == "fleet.unsigned" and not marker.exists()
+    git(repo, "config", "--unset", "gpg.ssh.program")  # (git itself would sign with it)
+    good = _signed_commit(repo, keys, "op", {"a.yaml": agent("a", "env: {X: '1'}\n")})
+    git(repo, "config", "gpg.ssh.program", str(evil))
+    assert fl.load(repo, good, trust=trust).signed == "op@example.test" and not marker.exists()
+    with pytest.raises(ConfigError) as e:  # the signers file is the operator's: an absolute path
+        fl.load(repo, good, trust={"requireSigned": True, "allowedSigners": "allowed"})
+    assert "absolute" in e.value.message
+
+
+def test_replace_refs_cannot_swap_content_under_a_verified_commit(repo, tmp_path):
+    keys = _keys(tmp_path)
+    good = _signed_commit(repo, keys, "op", {"a.yaml": agent("a")})
+    blob = git(repo, "rev-parse", f"{good}:a.yaml")
+    (tmp_path / "evil.yaml").write_text(agent("a", "riskTier: L5\n"))
+    evil_blob = git(repo, "hash-object", "-w", str(tmp_path / "evil.yaml"))
+    git(repo, "replace", blob, evil_blob)
+    assert "L5" in git(repo, "show", f"{good}:a.yaml"), "git itself now shows the replacement"
+    f = fl.load(repo, good, trust={"requireSigned": True, "allowedSigners": str(keys / "allowed")})
+    assert f.agents["a"].policy.risk_tier != "L5", "agent-vm reads the signed commit's own objects"
+
+
+def test_a_gpg_signature_is_not_checked_against_a_keyring(repo, tmp_path):
+    keys = _keys(tmp_path)
+    c = commit(repo, {"a.yaml": agent("a")})
+    raw = subprocess.run(["git", "-C", str(repo), "cat-file", "commit", c], capture_output=True).stdout
+    head, _, msg = raw.partition(b"\n\n")
+    forged = head + b"\ngpgsig -----BEGIN PGP SIGNATURE-----\n \n iQEz\n -----END PGP SIGNATURE-----\n\n" + msg
+    p = tmp_path / "forged"
+    p.write_bytes(forged)
+    sha = git(repo, "hash-object", "-t", "commit", "-w", str(p))
+    with pytest.raises(ConfigError) as e:
+        fl.load(repo, sha, trust={"requireSigned": True, "allowedSigners": str(keys / "allowed")})
+    assert "only SSH signatures" in e.value.message
+
+
+def test_a_lazy_fetch_from_a_promisor_remote_never_runs(repo, tmp_path):
+    c = commit(repo, {"a.yaml": agent("a")})
+    blob = git(repo, "rev-parse", f"{c}:a.yaml")
+    marker = tmp_path / "fetched"
+    git(repo, "config", "extensions.partialClone", "origin")
+    git(repo, "config", "remote.origin.promisor", "true")
+    git(repo, "config", "remote.origin.url", str(tmp_path / "nowhere"))
+    git(repo, "config", "remote.origin.uploadpack", f"sh -c 'touch {marker}'")
+    obj = repo / ".git" / "objects" / blob[:2] / blob[2:]
+    obj.unlink()  # the blob is now "missing" (as in a partial clone)
+    with pytest.raises(ConfigError) as e:
+        fl.load(repo, c)
+    assert "missing" in e.value.message and not marker.exists()
+
+
+def test_the_stored_spec_means_what_the_commit_says(repo):
+    """A deny rule without ports denies every port; the stored (resolved) spec keeps it so."""
+    c = commit(repo, {"a.yaml": agent("a", """\
+        egress:
+          allow: [{host: "*.corp.test", ports: [8080, 443]}]
+          deny: [{host: admin.corp.test}]
+        """)})
+    fa = fl.load(repo, c).agents["a"]
+    from agentvm.gate.policy import RequestMeta, decide
+    from agentvm.policy import compile_policy
+    from agentvm.spec.loader import load_agent_text
+
+    stored = compile_policy(load_agent_text(fa.spec_text, "stored.yaml").spec)
+    assert stored.digest() == fa.digest
+    meta = RequestMeta(host="admin.corp.test", port=8080, scheme="http", method="GET", path="/", body_size=None,
+                       websocket=False, phase="request", sni=None)
+    assert not decide(meta, stored.egress).allowed
+
+
+def test_fleet_config_is_bounded_and_typed(repo):
+    bomb = "pins: &a {x: y}\ncanary: {agents: [*a]}\n"
+    c = commit(repo, {"a.yaml": agent("a"), "agentvm-fleet.yaml": bomb})
+    with pytest.raises(ConfigError) as e:
+        fl.load(repo, c)
+    assert "aliases" in e.value.message
+    for bad, why in (("canary: {seconds: .inf}", "canary.seconds"), ("canary: {seconds: soon}", "canary.seconds"),
+                     ("canary: {healthchecks: {a: 5}}", "healthchecks"), ("requireSigned: yes please", "true or false"),
+                     ("whatever: 1", "unknown keys")):
+        c = commit(repo, {"agentvm-fleet.yaml": bad + "\n"})
+        with pytest.raises(ConfigError) as e:
+            fl.load(repo, c)
+        assert why in e.value.message, (bad, e.value.message)
+
+
+def test_widening_beyond_new_hosts_is_called_out(repo):
+    from agentvm.policy import compile_policy
+    from agentvm.spec.loader import load_agent_text
+
+    def pol(extra=""):
+        return compile_policy(load_agent_text(agent("w", extra), "w.yaml", preset_dirs=[]).spec)
+
+    base = pol("riskTier: L3\negress:\n  allow: [{host: a.test, ports: [443], paths: ['/v1/**']}]\n"
+               "  deny: [{host: a.test, paths: ['/v1/admin/**']}]\n")
+    for extra, word in [
+        ("riskTier: L3\negress:\n  allow: [{host: a.test, ports: [443], paths: ['/v1/**']}]\n", "egress rules"),
+        ("riskTier: L3\negress:\n  allow: [{host: a.test, ports: [443], paths: ['/**']}]\n"
+         "  deny: [{host: a.test, paths: ['/v1/admin/**']}]\n", "egress rules"),
+        ("riskTier: L3\negress:\n  allow: [{host: a.test, ports: [443], paths: ['/v1/**']}]\n"
+         "  deny: [{host: a.test, paths: ['/v1/admin/**']}]\n  hosts: {a.test: 10.0.0.9}\n", "egress rules"),
+        ("riskTier: L4\nsecurity: {allowPtrace: true}\negress:\n  allow: [{host: a.test, ports: [443], "
+         "paths: ['/v1/**']}]\n  deny: [{host: a.test, paths: ['/v1/admin/**']}]\n", "ptrace"),
+    ]:
+        assert any(word in w for w in fl.widening(base, pol(extra))), extra
+    narrower = pol("riskTier: L3\negress:\n  allow: []\n  deny: [{host: a.test, paths: ['/v1/admin/**']}]\n")
+    assert fl.widening(base, narrower) == []

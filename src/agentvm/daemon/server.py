@@ -161,6 +161,7 @@ class Daemon:
         self._reserve = self.paths.home / ".reserve"
         _make_reserve(self._reserve)
         self._uploads = UPLOADS  # free slots for large request bodies
+        self._fleet_lock = asyncio.Lock()  # one apply or rollback at a time, from its plan to its end
         self.gate = Gate(self.paths.home / "gate", self.paths.home / "logs")
         self.gate.subscribers.append(self._on_decision)
         self.gate.approvals_factory = self._approval_store
@@ -1377,6 +1378,12 @@ class Daemon:
             cur[row.name] = {"policy": policy, "digest": policy.digest(), "fleet": row.name in meta,
                              "running": row.state in ("running", "starting", "backoff"), "desired": row.desired,
                              "state": row.state, "row": row}
+            if row.policy_patch not in ("", "{}"):
+                cur[row.name]["live"] = row.policy_patch
+                try:
+                    cur[row.name]["effective"] = self._policy_for(row)
+                except AgentVMError:
+                    pass
         done = [x for x in self.state.promotions() if x["result"] in ("applied", "rolled-back")]
         return cur, (done[0]["commit"] if done else None)
 
@@ -1390,12 +1397,20 @@ class Daemon:
         trust = fl.load_trust(self.paths.home)
         fleet = await asyncio.to_thread(fl.load, repo, sha, trust=trust)
         cur, previous = self._fleet_current()
-        plan = fl.make_plan(fleet, {k: {kk: v[kk] for kk in ("policy", "digest", "fleet", "running")}
-                                    for k, v in cur.items()}, previous)
+        plan = fl.make_plan(fleet, {k: {kk: v[kk] for kk in ("policy", "digest", "fleet", "running", "live", "effective")
+                                        if kk in v} for k, v in cur.items()}, previous)
         rp = doc.get("replay")
         if rp is not None:
-            since = float(rp.get("since")) if rp.get("since") is not None else None
-            last = int(rp.get("last") or 1000)
+            try:
+                if not isinstance(rp, dict):
+                    raise ValueError
+                since = float(rp.get("since")) if rp.get("since") is not None else None
+                last = int(rp.get("last") or 1000)
+                if not 1 <= last <= 100000:
+                    raise ValueError
+            except (TypeError, ValueError):
+                raise ApiError(400, "bad-request", "replay takes {since: SECONDS-SINCE-EPOCH, last: 1..100000, all: "
+                               "BOOL}") from None
             for a in plan.actions:
                 if a.kind in ("update", "create") or (a.kind == "unchanged" and rp.get("all")):
                     old = cur.get(a.name, {}).get("policy")
@@ -1415,18 +1430,28 @@ class Daemon:
                         breakage=sum(len((a.replay or {}).get("breakage", [])) for a in plan.actions))
             return out
         if p == ["apply"] and method == "POST":
-            if not fl.is_full_id(str(doc.get("commit") or "")):
-                raise ApiError(400, "not-a-commit-id", "apply takes a full commit id (40 hex digits), not a branch, a tag "
-                               "or a short id", hint="`agentvm apply` resolves a ref and shows it first (with --yes)",
-                               exit_code=2)
-            fleet, plan, _ = await self._fleet_plan(doc)
-            if plan.commit != doc["commit"]:
-                raise ApiError(409, "not-a-commit-id", f"{doc['commit']} resolves to {plan.commit}", exit_code=2)
-            want = doc.get("digest")
-            if want is not None and want != plan.digest():
-                raise ApiError(409, "plan-changed", "the plan changed since it was shown (the daemon's state or the "
-                               "repository moved)", hint="run `agentvm plan` again and review it", exit_code=1)
-            return await self._fleet_apply(fleet, plan, doc, actor)
+            if self._fleet_lock.locked():
+                raise ApiError(409, "fleet.busy", "another apply or rollback is in progress", exit_code=1,
+                               hint="wait for it (`agentvm status`), then plan again")
+            async with self._fleet_lock:
+                try:
+                    if not fl.is_full_id(str(doc.get("commit") or "")):
+                        raise ApiError(400, "not-a-commit-id", "apply takes a full commit id (40 hex digits), not a "
+                                       "branch, a tag or a short id",
+                                       hint="`agentvm apply` resolves a ref and shows it first (with --yes)", exit_code=2)
+                    fleet, plan, _ = await self._fleet_plan(doc)
+                    if plan.commit != doc["commit"]:
+                        raise ApiError(409, "not-a-commit-id", f"{doc['commit']} resolves to {plan.commit}", exit_code=2)
+                    want = doc.get("digest")
+                    if want is not None and want != plan.digest():
+                        raise ApiError(409, "plan-changed", "the plan changed since it was shown (the daemon's state or "
+                                       "the repository moved)", hint="run `agentvm plan` again and review it",
+                                       exit_code=1)
+                except (ApiError, AgentVMError) as exc:  # a refused apply is on the chain too
+                    self.record("fleet.refused", actor=actor, repo=str(doc.get("repo"))[:500],
+                                commit=str(doc.get("commit"))[:100], error=exc.code, message=exc.message[:500])
+                    raise
+                return await self._fleet_apply(fleet, plan, doc, actor)
         if p == ["status"] and method == "GET":
             return self._fleet_status()
         if p == ["rollback"] and method == "POST":
@@ -1439,13 +1464,22 @@ class Daemon:
                                    exit_code=1)
                 repo, to = last["repo"], last["previous"]
             else:
-                match = next((x for x in hist if x["commit"].startswith(str(to)) and len(str(to)) >= 7), None)
+                match = next((x for x in hist if x["commit"].startswith(str(to)) and len(str(to)) >= 7
+                              and x["result"] in ("applied", "rolled-back")), None)
                 if match is None:
                     raise ApiError(404, "not-found", f"no promotion of a commit {to!r} is recorded",
                                    hint="`agentvm status --json` lists the promotions", exit_code=1)
                 repo, to = match["repo"], match["commit"]
-            fleet, plan, _ = await self._fleet_plan({"repo": repo, "commit": to})
-            return await self._fleet_apply(fleet, plan, {"canary": doc.get("canary")}, actor, rollback=True)
+            if self._fleet_lock.locked():
+                raise ApiError(409, "fleet.busy", "another apply or rollback is in progress", exit_code=1)
+            async with self._fleet_lock:
+                try:
+                    fleet, plan, _ = await self._fleet_plan({"repo": repo, "commit": to})
+                except (ApiError, AgentVMError) as exc:
+                    self.record("fleet.refused", actor=actor, repo=str(repo)[:500], commit=str(to)[:100],
+                                error=exc.code, message=exc.message[:500], rollback=True)
+                    raise
+                return await self._fleet_apply(fleet, plan, {"canary": doc.get("canary")}, actor, rollback=True)
         raise ApiError(404, "not-found", "fleet: POST /v1/fleet/plan|apply|rollback, GET /v1/fleet/status")
 
     async def _fleet_apply(self, fleet, plan, doc: dict, actor: str, rollback: bool = False) -> dict:
@@ -1460,8 +1494,30 @@ class Daemon:
         self.record("fleet.rollback-started" if rollback else "fleet.apply-started", actor=actor, repo=plan.repo,
                     commit=plan.commit, previous=plan.previous, digest=plan.digest(), signed=plan.signed)
         done, failed = [], None
+        try:
+            failed = await self._fleet_actions(fleet, plan, canary, canary_all, actor, done)
+        except BaseException as exc:  # noqa: BLE001 - the promotion is always closed and recorded
+            failed = {"agent": None, "error": "internal", "message": f"{type(exc).__name__}: {exc}"[:500]}
+            if not isinstance(exc, Exception):
+                self.state.promotion_end(pid, "failed", json.dumps(failed))
+                raise
+        result = "failed" if failed else ("rolled-back" if rollback else "applied")
+        self.state.promotion_end(pid, result, json.dumps(failed) if failed else None)
+        self.record("fleet." + result, actor=actor, repo=plan.repo, commit=plan.commit, previous=plan.previous,
+                    digest=plan.digest(), agents=done, failure=failed)
+        return {"result": result, "commit": plan.commit, "previous": plan.previous, "done": done, "failure": failed,
+                "digest": plan.digest()}
+
+    async def _fleet_actions(self, fleet, plan, canary: dict, canary_all: bool, actor: str, done: list) -> dict | None:
+        from agentvm import fleet as fl
+
+        failed = None
         for a in plan.actions:
             if a.kind == "unchanged":
+                # the same content: only the record of which commit it comes from moves on
+                fa = fleet.agents.get(a.name)
+                self.state.fleet_touch(a.name, {"repo": fleet.repo, "commit": fleet.commit, "path": fa.path,
+                                                "digest": fa.digest})
                 continue
             fa = fleet.agents.get(a.name)
             try:
@@ -1481,12 +1537,7 @@ class Daemon:
                 failed = {"agent": a.name, "error": exc.code, "message": exc.message}
             if failed:
                 break
-        result = "failed" if failed else ("rolled-back" if rollback else "applied")
-        self.state.promotion_end(pid, result, json.dumps(failed) if failed else None)
-        self.record("fleet." + result, actor=actor, repo=plan.repo, commit=plan.commit, previous=plan.previous,
-                    digest=plan.digest(), agents=done, failure=failed)
-        return {"result": result, "commit": plan.commit, "previous": plan.previous, "done": done, "failure": failed,
-                "digest": plan.digest()}
+        return failed
 
     async def _fleet_put_agent(self, fleet, fa, action, actor: str, canary: dict | None) -> None:
         old = self.state.get(fa.name)
@@ -1507,7 +1558,10 @@ class Daemon:
             self.state.update(fa.name, desired="running")  # (no await since the stop: nothing can come between)
         if not (was_running or (old is None and fa.policy.lifecycle == "persistent")):
             return
-        problem = await self._fleet_start_checked(fa.name, actor, canary)
+        try:
+            problem = await self._fleet_start_checked(fa.name, actor, canary)
+        except Exception as exc:  # noqa: BLE001 - whatever failed, the old version comes back
+            problem = f"{type(exc).__name__}: {getattr(exc, 'message', exc)}"[:500]
         if problem is None:
             return
         # the new version did not come up: back to the old one, which is started again

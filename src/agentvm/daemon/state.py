@@ -161,6 +161,15 @@ class State:
             rows = self._c.execute("SELECT name, repo, commit_id, path, digest, applied FROM fleet_agents").fetchall()
         return {r[0]: {"repo": r[1], "commit": r[2], "path": r[3], "digest": r[4], "applied": r[5]} for r in rows}
 
+    def fleet_touch(self, name: str, meta: dict) -> None:
+        """An unchanged agent's fleet record moves to the new commit (its sandbox row stays;
+        one made by hand with exactly this content becomes the fleet's)."""
+        with self._lock:
+            self._c.execute("INSERT INTO fleet_agents(name, repo, commit_id, path, digest, applied) VALUES (?,?,?,?,?,?) "
+                            "ON CONFLICT(name) DO UPDATE SET repo=excluded.repo, commit_id=excluded.commit_id, "
+                            "path=excluded.path, digest=excluded.digest, applied=excluded.applied",
+                            (name, meta["repo"], meta["commit"], meta["path"], meta["digest"], time.time()))
+
     def fleet_put(self, name: str, spec: dict | None, meta: dict | None) -> None:
         """One agent's version, in one transaction: its sandbox row (``spec``: spec_text,
         spec_file, lifecycle, policy_patch; None: the row is deleted) and its fleet record

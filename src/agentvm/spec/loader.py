@@ -1009,5 +1009,33 @@ def validate_file(path: str | Path, *, preset_dirs: list[Path] | None = None, st
 
 
 def dump_resolved(loaded: LoadedAgent) -> dict:
-    """The resolved spec as plain YAML/JSON-able data in camelCase (sizes stay ints)."""
-    return loaded.spec.model_dump(by_alias=True, mode="json")
+    """The resolved spec as plain YAML/JSON-able data in camelCase (sizes stay ints).
+
+    Loading the result again gives the same policy: where a field's absence means something
+    other than its default (a deny rule without ``ports`` denies every port), it stays absent."""
+    data = loaded.spec.model_dump(by_alias=True, mode="json")
+    _keep_absent(loaded.spec, data)
+    return data
+
+
+def _keep_absent(model: Any, data: Any) -> None:
+    from pydantic import BaseModel
+
+    from agentvm.spec.models import Egress
+
+    if isinstance(model, Egress) and isinstance(data, dict):
+        for rule, out in zip(model.deny, data.get("deny") or []):
+            if "ports" not in rule.model_fields_set and isinstance(out, dict):
+                out.pop("ports", None)
+    if isinstance(model, BaseModel) and isinstance(data, dict):
+        for name, info in type(model).model_fields.items():
+            key = info.alias or name
+            if key in data:
+                _keep_absent(getattr(model, name), data[key])
+    elif isinstance(model, (list, tuple)) and isinstance(data, list):
+        for m, d in zip(model, data):
+            _keep_absent(m, d)
+    elif isinstance(model, dict) and isinstance(data, dict):
+        for k, m in model.items():
+            if k in data:
+                _keep_absent(m, data[k])
