@@ -15,9 +15,13 @@ without that row saying ``approved``:
   allowed, and the held request itself died with its connection;
 - the database cannot be written: the holder denies (``approval:unavailable``).
 
-Every request and every answer goes on the audit chain (who, when, what: kind, target and a
-digest plus a redacted preview of the arguments - never a credential value: the gate's
-placeholders are what the agent sent, and the real values are never in a held request).
+Every request and every answer goes on the audit chain (who, when, what: kind, target, the
+digest of the exact arguments and their names - never their values, never a credential
+value: the gate's placeholders are what the agent sent). The queue itself (owner-only) keeps
+the whole arguments (at most ``SHOW_MAX`` bytes; bigger actions are refused, not held), and
+that is what the human is shown (``agentvm approvals show``, the console): nobody approves
+what they cannot see. A waiter that is cancelled (its sandbox stopped, paused, hung up)
+expires its row.
 """
 
 from __future__ import annotations
@@ -63,6 +67,9 @@ POLL = 0.05  # how often a holder looks for the answer (seconds)
 WEBHOOK_TIMEOUT = 5.0
 MAX_PENDING = 16  # per sandbox: more held at once are refused (no flooding the queue, the human or the loop)
 PREVIEW_CHARS = 200
+#: a held action is shown to the human whole (every argument, the full path and query); one
+#: bigger than this is refused, never held with parts the human cannot see
+SHOW_MAX = 64 * 1024
 STATES = ("pending", "approved", "denied", "expired")
 
 
@@ -130,6 +137,11 @@ def preview(value, limit: int = PREVIEW_CHARS) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+def shown(value) -> str:
+    """The whole of a held action's arguments as the human sees them (canonical JSON, ASCII)."""
+    return json.dumps(value, sort_keys=True, ensure_ascii=True, indent=1, default=str)
+
+
 def digest(value) -> str:
     blob = json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=True, default=str).encode()
     return "sha256:" + hashlib.sha256(blob).hexdigest()
@@ -160,8 +172,8 @@ class ApprovalStore:
     # ------------------------------------------------------------------ holder side
     def submit(self, *, kind: str, sandbox: str, agent: str, target: str, summary: dict, arg_digest: str,
                policy: str, timeout: float, webhook: str | None = None) -> Request:
-        pending = self._db.execute("SELECT COUNT(*) FROM approvals WHERE sandbox=? AND state='pending'",
-                                   (sandbox,)).fetchone()[0]
+        pending = self._db.execute("SELECT COUNT(*) FROM approvals WHERE sandbox=? AND state='pending' AND deadline > ?",
+                                   (sandbox, time.time())).fetchone()[0]
         if pending >= MAX_PENDING:
             raise ApprovalError(f"{sandbox} already has {pending} requests waiting for a human (at most {MAX_PENDING})",
                                 code="approvals.too-many")
@@ -170,8 +182,10 @@ class ApprovalStore:
         row = (rid, now, kind, sandbox, agent, target[:512], json.dumps(summary, sort_keys=True, ensure_ascii=True),
                arg_digest, policy, "pending", now + timeout, None, None, None, self._me[0], self._me[1])
         # on the chain first: a request that cannot be recorded is not held (it is denied)
+        # the chain gets the digest and the argument names, never their values (a held call's
+        # arguments may carry data the agent read); the queue (owner-only) keeps them whole
         self.record("approval.requested", actor=f"sandbox:{sandbox}", sandbox=sandbox, id=rid, what=kind,
-                    agent=agent, target=target[:512], digest=arg_digest, preview=summary.get("preview"),
+                    agent=agent, target=target[:512], digest=arg_digest, keys=summary.get("keys"),
                     policy=policy, timeout=timeout)
         self._db.execute(f"INSERT INTO approvals ({_COLS}, owner_pid, owner_start) VALUES "
                          "(?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)", row)
@@ -182,14 +196,15 @@ class ApprovalStore:
         return req
 
     def _notify(self, url: str, req: Request) -> None:
-        """POST the pending request (no argument values beyond its redacted preview) to the
-        operator's webhook; the outcome is kept on the row (``agentvm approvals show``). The
+        """POST the pending request (no argument values: their names and digest; the human
+        reads them whole with ``agentvm approvals show`` or the console) to the operator's webhook; the outcome is kept on the row (``agentvm approvals show``). The
         answer comes back through ``agentvm approvals`` or the daemon's API, never the webhook."""
         import urllib.error
         import urllib.request
 
+        public = {k: v for k, v in req.summary.items() if k not in ("arguments", "preview")}
         doc = {"id": req.id, "kind": req.kind, "sandbox": req.sandbox, "agent": req.agent, "target": req.target,
-               "summary": req.summary, "digest": req.digest, "policy": req.policy, "created": req.created,
+               "summary": public, "digest": req.digest, "policy": req.policy, "created": req.created,
                "deadline": req.deadline,
                "answer": {"cli": f"agentvm approvals approve|deny {req.id}",
                           "api": f"POST /v1/approvals/{req.id}/approve | /deny"}}
@@ -216,14 +231,24 @@ class ApprovalStore:
         self.notified.append((req.id, outcome))
 
     async def wait(self, rid: str) -> Request:
-        """Until the row is answered or its deadline passes (then: ``expired``)."""
-        while True:
-            req = self.get(rid)
-            if req.state != "pending":
-                return req
-            if time.time() >= req.deadline:
-                return self._finish(rid, "expired", "timeout", "no answer before the deadline")
-            await asyncio.sleep(POLL)
+        """Until the row is answered or its deadline passes (then: ``expired``). A waiter that
+        is cancelled (the sandbox stopped or paused, its connection cut) expires its row: no
+        human approves an action that can no longer happen."""
+        try:
+            while True:
+                req = self.get(rid)
+                if req.state != "pending":
+                    return req
+                if time.time() >= req.deadline:
+                    return self._finish(rid, "expired", "timeout", "no answer before the deadline")
+                await asyncio.sleep(POLL)
+        except BaseException:
+            try:
+                self._finish(rid, "expired", "agentvm", "the held action was abandoned (its sandbox stopped, paused or "
+                             "hung up)")
+            except Exception:  # noqa: BLE001
+                pass
+            raise
 
     def _finish(self, rid: str, state: str, by: str, note: str | None) -> Request:
         cur = self._db.execute("UPDATE approvals SET state=?, answered=?, by=?, note=? WHERE id=? AND state='pending'",
@@ -238,9 +263,12 @@ class ApprovalStore:
         """Pending rows whose holder is gone (its process died): ``expired`` - answered, never
         left to be approved into nothing, never allowed."""
         n = 0
-        rows = self._db.execute("SELECT id, owner_pid, owner_start FROM approvals WHERE state='pending'").fetchall()
-        for rid, pid, start in rows:
+        rows = self._db.execute("SELECT id, owner_pid, owner_start, deadline FROM approvals WHERE state='pending'").fetchall()
+        for rid, pid, start, deadline in rows:
             if (pid, start) == self._me:
+                if deadline < time.time() - 5:  # ours, past its deadline, no waiter took it
+                    if self._finish(rid, "expired", "reaper", "no answer before the deadline").state == "expired":
+                        n += 1
                 continue
             if _proc_start(pid) != start or not start:
                 if self._finish(rid, "expired", "reaper", "the requester is gone (its process ended)").state == "expired":
@@ -261,9 +289,14 @@ class ApprovalStore:
                                 (*states, limit)).fetchall()
         return [_row(r) for r in rows]
 
-    def answer(self, rid: str, approve: bool, by: str, note: str | None = None) -> Request:
+    def answer(self, rid: str, approve: bool, by: str, note: str | None = None, digest: str | None = None) -> Request:
+        """``digest``: the one the human was shown (the console sends it): an approval of
+        anything else is refused."""
         self.reap_orphans()
         req = self.get(rid)
+        if approve and digest is not None and digest != req.digest:
+            raise ApprovalError(f"{rid} is not the request you were shown (its digest is {req.digest})",
+                                code="approvals.digest-mismatch")
         if req.state != "pending":
             raise ApprovalError(f"{rid} is already {req.state}" + (f" (by {req.by})" if req.by else ""),
                                 code="approvals.answered")

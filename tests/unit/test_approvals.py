@@ -21,7 +21,8 @@ def store(tmp_path, records=None):
 
 def submit(s, timeout=60.0, **kw):
     return s.submit(kind="tool", sandbox="sb-1", agent="a", target="gh__create_issue",
-                    summary={"preview": '{"title": "x"}'}, arg_digest="sha256:00", policy="sha256:11", timeout=timeout, **kw)
+                    summary={"preview": '{"title": "x"}', "keys": ["title"], "arguments": '{"title": "x"}'},
+                    arg_digest="sha256:00", policy="sha256:11", timeout=timeout, **kw)
 
 
 def test_answered_once_and_recorded(tmp_path):
@@ -122,7 +123,8 @@ def test_the_webhook_gets_the_pending_request_and_its_outcome_is_kept(tmp_path):
     while not s.notified and time.time() < end:
         time.sleep(0.05)
     assert s.notified == [(r.id, "delivered 204")]
-    assert got[0]["id"] == r.id and got[0]["summary"]["preview"] == '{"title": "x"}'
+    # argument names and the digest, never their values (a webhook may be a third party's)
+    assert got[0]["id"] == r.id and got[0]["summary"] == {"keys": ["title"]} and got[0]["digest"] == "sha256:00"
     assert "approve" in got[0]["answer"]["cli"]
     assert s.get(r.id).notified == "delivered 204" and s.get(r.id).state == "pending"  # a webhook never answers
     srv.server_close()
@@ -158,3 +160,29 @@ def test_a_sandbox_cannot_flood_the_queue(tmp_path):
     other = s.submit(kind="tool", sandbox="sb-2", agent="b", target="x", summary={}, arg_digest="d", policy="p",
                      timeout=60)
     assert other.state == "pending"  # another sandbox is not affected
+
+
+def test_an_abandoned_wait_expires_its_request_and_does_not_count_against_the_sandbox(tmp_path):
+    """A waiter cancelled (its sandbox stopped, paused or hung up) expires its row: nobody can
+    approve an action that will never run, and dead rows never fill the per-sandbox limit."""
+    import asyncio
+
+    from agentvm.approvals import MAX_PENDING
+
+    s = store(tmp_path)
+
+    async def go():
+        for _ in range(MAX_PENDING + 2):
+            r = submit(s)
+            t = asyncio.ensure_future(s.wait(r.id))
+            await asyncio.sleep(0.01)
+            t.cancel()
+            try:
+                await t
+            except asyncio.CancelledError:
+                pass
+            assert s.get(r.id).state == "expired" and "abandoned" in s.get(r.id).note
+        return submit(s)
+
+    r = asyncio.run(go())
+    assert r.state == "pending"

@@ -90,6 +90,11 @@ def show_cmd(request_id, as_json):
     for k in ("sandbox", "agent", "kind", "target", "digest", "policy"):
         click.echo(f"  {k:<8} {_safe(getattr(r, k))}")
     for k, v in sorted(r.summary.items()):
+        if k == "arguments" and isinstance(v, str):  # the whole of them, one safe line at a time
+            click.echo("  arguments (all of them: what you approve)")
+            for ln in v.splitlines():
+                click.echo(f"    {_safe(ln)}")
+            continue
         click.echo(f"  {_safe(k):<8} {_safe(v)}")
     if r.note:
         click.echo(f"  note     {_safe(r.note)}")

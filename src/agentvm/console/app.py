@@ -359,7 +359,7 @@ class Console:
             from agentvm.approvals import ApprovalError
 
             try:
-                store.answer(rid, answer == "approve", f"console:{ACTOR}", note)
+                store.answer(rid, answer == "approve", f"console:{ACTOR}", note, digest=form.get("digest") or None)
             except ApprovalError as exc:
                 raise _Refused(409, exc.message) from None
         except _Refused as exc:

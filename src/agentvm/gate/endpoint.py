@@ -187,10 +187,19 @@ class Endpoint:
         store = self.gate.approval_store()
         if store is None:
             return ex.Answered(False, "approval:unavailable", "no approvals queue is available to ask a human")
+        from agentvm.approvals import SHOW_MAX
+
+        if len(req.path) > SHOW_MAX:  # a human approves only what a human can see, whole
+            return ex.Answered(False, "approval:unshowable", f"the request target ({len(req.path)} bytes) is too long "
+                               f"to show a human for approval (at most {SHOW_MAX})")
         path = req.path if len(req.path) <= 512 else req.path[:509] + "..."
         target = f"{req.method} {req.host}:{req.port}{path}"
-        summary = {"method": req.method, "host": req.host, "port": req.port, "path": path, "rule": cmd.decision.rule_id,
-                   "body_bytes": req.content_length, "preview": target[:200]}
+        body = ("none" if not req.content_length and not req.chunked else
+                f"{req.content_length if req.content_length is not None else 'chunked, unknown'} bytes, NOT shown: the "
+                "gate has not read it (approve only if the target alone tells you enough)")
+        summary = {"method": req.method, "host": req.host, "port": req.port, "path": req.path,
+                   "rule": cmd.decision.rule_id, "body": body, "body_bytes": req.content_length, "preview": target[:200],
+                   "keys": ["method", "host", "port", "path"]}
         try:
             from agentvm.approvals import digest
 

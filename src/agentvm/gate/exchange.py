@@ -366,6 +366,12 @@ def request(ep, req: h1.ProxyRequest, *, scheme: str, tunnel: Tunnel | None = No
             why = answer.reason if isinstance(answer, Answered) else "no answer"
             yield deny(req, rid, why, explain=False)
             return
+        # decided again under the policy in force now: a deny made while it waited wins
+        again = decide(meta, ep.policy)
+        if not again.allowed and again.verdict != "ask":
+            yield deny(req, again.rule_id, f"{again.reason} (the policy changed while the request waited for its "
+                       "approval)")
+            return
         d = replace(d, verdict="allow", reason=f"{d.reason}: approved ({answer.request_id})")
     if not d.allowed:
         yield deny(req, d.rule_id, d.reason)

@@ -39,6 +39,7 @@ RULES: dict[str, str] = {
     "approval:timeout": "nobody answered the held request before approvals.timeout (or its requester died)",
     "approval:h2-unsupported": "a request that needs an approval arrived on an HTTP/2 stream (refused; HTTP/1.1 is held)",
     "approval:unavailable": "the held request could not be queued or watched (the approvals queue failed): denied",
+    "approval:unshowable": "the request's target is too long to show a human whole (over 64 KiB): refused, not held",
     "tools:none": "a request for /mcp from a sandbox that declares no tools (404)",
     "tools:unavailable": "the sandbox's tool gateway could not start (503): no tool calls",
     "tools:internal-error": "a bug in the tool gateway: the request is refused (fail closed)",

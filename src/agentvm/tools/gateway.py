@@ -50,7 +50,7 @@ from mcp.shared.exceptions import MCPError
 
 from agentvm.approvals import digest as arg_digest
 from agentvm.gate.endpoint import TokenBucket
-from agentvm.approvals import preview
+from agentvm.approvals import SHOW_MAX, preview, shown
 from agentvm.tools import policy as tp
 
 START_TIMEOUT = 60.0  # a local server's sandbox and MCP handshake
@@ -349,10 +349,21 @@ class ToolGateway:
         d = tp.decide(server, tool, args, policy)
         target = f"{server}{tp.SEP}{tool}"
         if d.verdict == "ask":
+            whole = shown(args)
+            if len(whole) > SHOW_MAX:  # a human approves only what a human can see, whole
+                raise self._deny("approval:unshowable", f"the arguments ({len(whole)} bytes) are too large to show a "
+                                 f"human for approval (at most {SHOW_MAX})", target, APPROVAL_DENIED, ad)
             answer = await self._hold("tool", target, {"server": server, "tool": tool, "preview": preview(args),
+                                                       "keys": sorted(map(str, args)), "arguments": whole,
                                                        "risk": d.risk, "rule": d.rule_id}, ad)
             if answer is not None:
                 raise self._deny(answer[0], answer[1], target, APPROVAL_DENIED, ad)
+            # decided again under the policy in force now: a deny made while it waited wins
+            policy = self.policy
+            again = tp.decide(server, tool, args, policy)
+            if again.verdict not in ("ask", "allow"):
+                raise self._deny(again.rule_id, f"{again.reason} (the policy changed while the call waited for its "
+                                 "approval)", target, args_digest=ad)
         elif not d.allowed:
             raise self._deny(d.rule_id, d.reason, target, args_digest=ad)
         u = self.upstreams.get(server)
@@ -456,7 +467,10 @@ class ToolGateway:
                 continue
             if tp.visible(sp, split[1]):
                 continue  # already callable (with its constraints, perhaps with an approval: both stay)
-            tool_items.append({"action": "allow", "server": split[0], "tool": split[1]})
+            if tp._match(sp.deny, split[1]) is not None:
+                refused.append(f"tool {item[:100]!r}: denied by the operator (a deny rule is not grantable)")
+                continue
+            tool_items.append({"action": tp.GRANT, "server": split[0], "tool": split[1]})
         return egress_items, tool_items, refused
 
     async def _request_access(self, args: dict, ad: str) -> types.CallToolResult:
@@ -515,7 +529,7 @@ class ToolGateway:
             ep.set_policy(replace(ep.policy, allow=ep.policy.allow + rules))
             done += [f"egress to {h}:{','.join(map(str, p))}" for h, p in egress_items]
         if tool_items:
-            self.set_policy(tp.apply_live(self.policy, tool_items), self.policy_digest + "+access")
+            self.set_policy(tp.apply_live(self.policy, tool_items, grants=True), self.policy_digest + "+access")
             done += [f"tool {t['server']}{tp.SEP}{t['tool']}" for t in tool_items]
         if done and self.approvals is not None:
             try:

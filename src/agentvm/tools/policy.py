@@ -194,9 +194,16 @@ def decide(server: str, tool: str, arguments: Any, policy: ToolPolicy) -> ToolDe
         return _deny("tools:internal-error", f"tool policy evaluation failed ({type(exc).__name__})")
 
 
+_URI_TRICKS = re.compile(r"(^|/)\.\.?(/|$)|%2e|%2f|%5c|%00|\\", re.IGNORECASE)
+
+
 def resource_allowed(sp: ServerPolicy, uri: str) -> bool:
+    """Whether ``uri`` matches the server's ``resources`` globs. A URI with dot segments (raw
+    or percent-encoded), an encoded slash or backslash, a backslash or a control character is
+    refused before matching: a glob like ``file:///srv/notes/*`` must not reach ``../..``."""
     try:
-        return isinstance(uri, str) and len(uri) <= 4096 and _match(sp.resources, uri) is not None
+        return (isinstance(uri, str) and len(uri) <= 4096 and uri.isprintable() and _URI_TRICKS.search(uri) is None
+                and _match(sp.resources, uri) is not None)
     except Exception:  # noqa: BLE001
         return False
 
@@ -296,9 +303,10 @@ def compile_tools(body, agent: str) -> ToolPolicy:
 
 
 LIVE_ACTIONS = ("allow", "deny", "approve")
+GRANT = "grant"  # an approved request_access: adds to allow only (never lifts a deny or an approve)
 
 
-def apply_live(policy: ToolPolicy, changes: list) -> ToolPolicy:
+def apply_live(policy: ToolPolicy, changes: list, *, grants: bool = False) -> ToolPolicy:
     """Live changes (``agentvm policy NAME tools allow|deny|approve SERVER__TOOL``) over the
     agent file's tool policy, in order. ``deny`` wins over everything and ``approve`` over
     ``allow`` (as in :func:`decide`), so narrowing is immediate; ``allow`` also lifts a live
@@ -308,14 +316,16 @@ def apply_live(policy: ToolPolicy, changes: list) -> ToolPolicy:
     servers = {s.name: s for s in policy.servers}
     for ch in changes:
         action, server, tool = ch.get("action"), ch.get("server"), ch.get("tool")
-        if action not in LIVE_ACTIONS:
+        if action not in LIVE_ACTIONS and not (grants and action == GRANT):
             raise ValueError(f"tools action is one of {', '.join(LIVE_ACTIONS)}")
         if server not in servers:
             raise ValueError(f"no tool server {server!r} (declared: {', '.join(servers) or 'none'})")
         if not isinstance(tool, str) or not re.fullmatch(r"[A-Za-z0-9_.*?/-]{1,128}", tool):
             raise ValueError("the tool is a name or glob (letters, digits, _ . - / and * ?)")
         sp = servers[server]
-        if action == "allow":
+        if action == GRANT:
+            sp = replace(sp, allow=sp.allow + (tool,))
+        elif action == "allow":
             sp = replace(sp, allow=sp.allow + (tool,), deny=tuple(g for g in sp.deny if g != tool),
                          approve=tuple(g for g in sp.approve if g != tool))
         elif action == "deny":

@@ -1,0 +1,103 @@
+"""The tool gateway's decisions around a human approval, driven in-process (a fake tool
+server, the real approvals queue): what the human is shown, a deny made while a call waits,
+what an agent's request for access can grant, resource URIs that climb out of their glob."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import types as pytypes
+
+import mcp_types as mt
+import pytest
+
+from agentvm.approvals import ApprovalStore
+from agentvm.tools import policy as tp
+from agentvm.tools.gateway import ToolGateway
+
+
+def gateway(tmp_path, sp):
+    audit, logs, called = [], [], []
+    store = ApprovalStore(tmp_path / "approvals.db", record=lambda k, **kw: audit.append((k, kw)))
+    pol = tp.ToolPolicy(servers=(sp,), tier_approval=("destructive",), tier="L3", approval_timeout=30)
+    gw = ToolGateway(sandbox_id="sbx1", agent="a", policy=pol, policy_digest="sha256:v1", run_dir=tmp_path,
+                     log=lambda **kw: logs.append(kw), approvals=store)
+
+    class FakeClient:
+        async def call_tool(self, name, args):
+            called.append((name, args))
+            return mt.CallToolResult(content=[mt.TextContent(type="text", text="done")])
+
+    async def get():
+        return FakeClient()
+
+    gw.upstreams[sp.name].get = get
+    return gw, store, pol, audit, called
+
+
+def call(gw, name, args):
+    return gw._call_tool(None, pytypes.SimpleNamespace(name=name, arguments=args))
+
+
+def test_the_human_sees_every_argument_and_the_chain_sees_none(tmp_path):
+    sp = tp.ServerPolicy(name="fs", kind="local", approve=("write_file",))
+    gw, store, pol, audit, called = gateway(tmp_path, sp)
+    args = {"content": "x" * 250, "path": "/home/op/.bashrc"}
+
+    async def go():
+        t = asyncio.ensure_future(call(gw, "fs__write_file", args))
+        await asyncio.sleep(0.2)
+        r = store.list()[0]
+        assert r.summary["keys"] == ["content", "path"]
+        assert json.loads(r.summary["arguments"]) == args, "the whole of it, not a cut preview"
+        requested = [kw for k, kw in audit if k == "approval.requested"][0]
+        assert "/home/op/.bashrc" not in json.dumps(requested) and requested["keys"] == ["content", "path"]
+        store.answer(r.id, False, "cli:op")
+        with pytest.raises(Exception):
+            await t
+
+    asyncio.run(go())
+    assert called == []
+
+
+def test_a_deny_made_while_a_call_waits_wins_over_its_approval(tmp_path):
+    sp = tp.ServerPolicy(name="notes", kind="local", allow=("read_note",), approve=("write_note",))
+    gw, store, pol, audit, called = gateway(tmp_path, sp)
+
+    async def go():
+        t = asyncio.ensure_future(call(gw, "notes__write_note", {"title": "x"}))
+        await asyncio.sleep(0.2)
+        gw.set_policy(tp.apply_live(pol, [{"action": "deny", "server": "notes", "tool": "write_note"}]), "sha256:v2")
+        store.answer(store.list()[0].id, True, "cli:op")
+        with pytest.raises(Exception) as e:
+            await t
+        assert "policy changed while the call waited" in str(e.value)
+
+    asyncio.run(go())
+    assert called == [], "the call never reached the server"
+
+
+def test_request_access_cannot_lift_a_deny_or_an_approval(tmp_path):
+    sp = tp.ServerPolicy(name="notes", kind="local", allow=("read_note",), approve=("write_note",),
+                         deny=("delete_note",))
+    gw, store, pol, audit, called = gateway(tmp_path, sp)
+    _, tools, refused = gw._access_delta({"tools": ["notes__delete_note", "notes__write_note", "notes__list_notes"]})
+    assert any("delete_note" in r and "not grantable" in r for r in refused)
+    assert tools == [{"action": tp.GRANT, "server": "notes", "tool": "list_notes"}]  # write_note is visible already
+    granted = tp.apply_live(pol, tools, grants=True)
+    assert tp.decide("notes", "list_notes", {}, granted).verdict == "allow"
+    assert tp.decide("notes", "write_note", {}, granted).verdict == "ask", "its approval stays"
+    live_denied = tp.apply_live(granted, [{"action": "deny", "server": "notes", "tool": "list_notes"}])
+    again = tp.apply_live(live_denied, [{"action": tp.GRANT, "server": "notes", "tool": "list_notes"}], grants=True)
+    assert tp.decide("notes", "list_notes", {}, again).verdict == "deny", "a grant never lifts a deny"
+    with pytest.raises(ValueError):  # the operator's API has no "grant"
+        tp.apply_live(pol, [{"action": tp.GRANT, "server": "notes", "tool": "x"}])
+
+
+@pytest.mark.parametrize("uri", ["file:///srv/notes/../../etc/shadow", "file:///srv/notes/%2e%2e/%2E%2E/etc/shadow",
+                                 "file:///srv/notes/a%2f..%2f..%2fetc", "file:///srv/notes/..\\..\\etc",
+                                 "file:///srv/notes/./x/../../y", "file:///srv/notes/a\x00b"])
+def test_resource_uris_cannot_climb_out_of_their_glob(uri):
+    sp = tp.ServerPolicy(name="n", kind="local", resources=("file:///srv/notes/*",))
+    assert not tp.resource_allowed(sp, uri)
+    assert tp.resource_allowed(sp, "file:///srv/notes/today.md")
