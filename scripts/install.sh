@@ -2,7 +2,8 @@
 # Install agent-vm and everything it needs on a Debian 12 host (idempotent, quiet when done).
 #   - Debian packages: a C compiler + libc headers (the small agentvm-helper is built from
 #     source on first use), libseccomp, e2fsprogs (workspace filesystems), util-linux, and
-#     runsc (gVisor, the `substrate: gvisor` sandbox).
+#     runsc (gVisor, the `substrate: gvisor` sandbox), mmdebstrap (`agentvm image build`)
+#     and openssh-client (ssh-keygen: signed images and signed fleet commits).
 #   - a virtualenv (default /opt/agentvm/venv) with agentvm and its test extras.
 #   - /usr/local/bin/agentvm -> the venv's entry point (no pyenv shim in the hot path).
 #   --test: also the HTTP clients the end-to-end tests run inside sandboxes (curl, git, node,
@@ -13,7 +14,7 @@ cd "$(dirname "$0")/.."
 VENV="${AGENTVM_VENV:-/opt/agentvm/venv}"
 PY="${PYTHON:-python3}"
 
-want=(gcc libc6-dev libseccomp2 e2fsprogs util-linux mount procps runsc)
+want=(gcc libc6-dev libseccomp2 e2fsprogs util-linux mount procps runsc mmdebstrap openssh-client)
 if [ "${1:-}" = "--test" ]; then
   # real clients the end-to-end tests run *inside* sandboxes (Debian's, under /usr)
   want+=(curl git nodejs python3-requests python3-httpx python3-aiohttp python3-pip)

@@ -146,6 +146,7 @@ class Lifecycle:
         began = time.time()
         trace = self.tracing.begin(policy) if self.tracing is not None else None
         try:
+            policy = rt.resolve_image(policy)  # a name -> the digest that runs (and its signature, if required)
             plan, res = rt.prepare(policy, degrade=degrade, tty=tty, session_env=trace.env() if trace else (),
                                    telemetry=trace is not None and getattr(self.gate, "relays_telemetry", False))
         except AgentVMError as exc:
@@ -166,6 +167,7 @@ class Lifecycle:
                       policy=plan.policy_digest, substrate=plan.substrate, identity=plan.identity,
                       host_uid=res.host_uid, degraded=list(degrade), network=policy.network,
                       grants=[f"{m.host}:{m.path}:{'rw' if m.writable else 'ro'}" for m in policy.mounts],
+                      **({"image": policy.image} if policy.image else {}),
                       **({"notes": ws_notes} if ws_notes else {}))
         except Exception as exc:
             res.release()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from agentvm.errors import ConfigError
 
-FIELDS = ("mounts", "env", "timeout", "memory", "allow", "add_host", "network", "substrate")
+FIELDS = ("mounts", "env", "timeout", "memory", "allow", "add_host", "network", "substrate", "image")
 
 
 def parse_env(values: list[str]) -> dict[str, str]:
@@ -66,4 +66,5 @@ def from_cli(raw: dict, command: list[str] | None) -> dict:
         hosts=parse_hosts(strings("add_host")),
         network=one("network"),
         substrate=one("substrate"),
+        image=one("image"),
     )

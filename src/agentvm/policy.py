@@ -77,6 +77,10 @@ class Policy:
     lifecycle: str = "ephemeral"
     substrate: str = "bwrap"
     min_substrate: str | None = None  # the weakest substrate this agent may run on (security.minSubstrate)
+    # the read-only root: an image (a name, or sha256:... - a launch resolves a name to its
+    # digest and runs exactly that), or None for the host's /usr and filtered /etc
+    image: str | None = None
+    image_signers: tuple[str, ...] = ()  # principals one of whom must have signed the image
     risk_tier: str = D.RISK_TIER
     workdir: str | None = None
     extra_ro: tuple[str, ...] = ()
@@ -119,6 +123,10 @@ class Policy:
             d["egress"] = self.egress.to_dict()
         if self.limits.budget is None:  # fields added later are left out when unset: digests stay stable
             d["limits"].pop("budget", None)
+        if self.image is None:
+            d.pop("image", None)
+        if not self.image_signers:
+            d.pop("image_signers", None)
         return d
 
     def digest(self) -> str:
@@ -247,6 +255,8 @@ def compile_policy(spec: "AgentSpec") -> Policy:
         agent=True,
         lifecycle=body.lifecycle.value,
         substrate=body.substrate,
+        image=body.image,
+        image_signers=tuple(body.image_signers),
         risk_tier=body.risk_tier.value,
         workdir=body.workdir,
         extra_ro=tuple(body.rootfs.extra_paths),
@@ -319,9 +329,16 @@ def with_overrides(
     hosts: dict[str, str] | None = None,
     network: str | None = None,
     substrate: str | None = None,
+    image: str | None = None,
 ) -> Policy:
     """Apply CLI overrides; the result is re-checked against the policy's risk tier."""
     changes: dict = {}
+    if image is not None:
+        from agentvm.images import DIGEST_RE, check_name
+
+        if not DIGEST_RE.fullmatch(image):
+            check_name(image)
+        changes["image"] = image
     if substrate is not None:
         if substrate not in SUBSTRATE_STRENGTH or substrate == "fake":
             raise ConfigError(f"unknown --substrate {substrate!r}", hint="bwrap (the default) or gvisor")

@@ -186,6 +186,31 @@ class Runtime:
         return b
 
     # ------------------------------------------------------------------ preflight
+    def resolve_image(self, policy: Policy) -> Policy:
+        """``image: NAME`` -> ``image: sha256:...`` (what runs, and what the plan and the audit
+        record carry); a signature checked when the agent file names signers or its tier is
+        L4/L5. Without an image, the policy as it is."""
+        if not policy.image:
+            return policy
+        from dataclasses import replace
+
+        from agentvm.images import Store, require_signature
+
+        store = Store(self.paths.home)
+        digest, _ = store.root_for_run(policy.image)
+        if policy.image_signers or policy.risk_tier in ("L4", "L5"):
+            why = (f"the agent file (imageSigners: {', '.join(policy.image_signers)})" if policy.image_signers
+                   else f"risk tier {policy.risk_tier}")
+            require_signature(store, digest, self.paths.home / "image-signers", policy.image_signers, why)
+        return replace(policy, image=digest)
+
+    def _image_root(self, policy: Policy) -> str:
+        if not policy.image:
+            return ""
+        from agentvm.images import Store
+
+        return str(Store(self.paths.home).root_for_run(policy.image)[1])
+
     def preflight(self, policy: Policy, degrade: tuple[str, ...] = ()) -> list[str]:
         """Fail closed: every primitive the policy relies on must be present, unless waived."""
         backend = self.backend_for(policy)
@@ -338,8 +363,10 @@ class Runtime:
                 from agentvm.backends.hostview import etc_view
 
                 ca_pem = self.gate_ca_pem() if gate is not None else b""
+                image_root = self._image_root(policy)
                 host = HostContext(uid=uid, gid=gid, dedicated=drop, run_dir=run_dir,
-                                   etc_view=str(etc_view(self.paths.runtime, ca_pem)),
+                                   etc_view=str(etc_view(self.paths.runtime, ca_pem, root=image_root or "/")),
+                                   image_root=image_root,
                                    node_shim=_node_shim() if gate is not None else "",
                                    mcp_shim=self.mcp_shim() if gate is not None and policy.tools is not None else "")
             ctx = LaunchContext(
@@ -365,6 +392,7 @@ class Runtime:
         """The plan ``prepare`` would compile for ``policy``, without leasing a uid, mounting a
         workspace or resolving a secret (``agentvm compile --plan``): the same preflight, and
         placeholders where launch-time values go (uid -1, placeholder credentials)."""
+        policy = self.resolve_image(policy)
         self.preflight(policy, degrade)
         backend = self.backend_for(policy)
         sandbox_id = f"{policy.name}-00000000"
@@ -375,8 +403,10 @@ class Runtime:
             from agentvm.backends.hostview import etc_view
 
             ca_pem = self.gate_ca_pem() if gate is not None else b""
+            image_root = self._image_root(policy)
             host = HostContext(uid=-1, gid=-1, dedicated=os.geteuid() == 0 and "dedicated-uid" not in degrade,
-                               run_dir=run_dir, etc_view=str(etc_view(self.paths.runtime, ca_pem)),
+                               run_dir=run_dir, etc_view=str(etc_view(self.paths.runtime, ca_pem, root=image_root or "/")),
+                               image_root=image_root,
                                node_shim=_node_shim() if gate is not None else "",
                                mcp_shim=self.mcp_shim() if gate is not None and policy.tools is not None else "")
         ctx = LaunchContext(

@@ -103,6 +103,7 @@ class HostContext:
     etc_view: str  # host dir with the allowlisted, read-only /etc (agentvm.rootview)
     node_shim: str = ""  # host dir with proxy.js + undici (Node fetch through the gate), "" = none
     mcp_shim: str = ""  # host file of the agentvm-mcp stdio shim (sandboxes with tools), "" = none
+    image_root: str = ""  # host dir of the agent's image (agentvm.images), "" = the host's own /usr
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
+import stat
 import time
 from pathlib import Path
 
@@ -79,7 +80,9 @@ def base_mounts(policy: Policy, host: HostContext) -> list[MountOp]:
     """The read-only root view every host-local sandbox starts from: the host's /usr, the
     allowlisted /etc view with per-sandbox hosts/hostname, and private scratch space."""
     lim = policy.limits
-    mounts: list[MountOp] = [MountOp("ro-bind", "/usr", "/usr")]
+    # the image's /usr (checked a real directory when the image was resolved), or the host's
+    usr = f"{host.image_root}/usr" if host.image_root else "/usr"
+    mounts: list[MountOp] = [MountOp("ro-bind", "/usr", usr)]
     for name, target in MERGED_USR:
         mounts.append(MountOp("symlink", "/" + name, target))
     mounts.append(MountOp("ro-bind", "/etc", host.etc_view))
@@ -169,15 +172,15 @@ def write_run_files(run_dir: Path, files: tuple[tuple[str, str], ...]) -> None:
         os.chmod(f, 0o644)
 
 
-def _etc_fingerprint(extra_ca: bytes = b"") -> str:
-    """Cheap identity of the host's allowlisted /etc entries (lstat of each and of the
-    entries one level down), so the view is rebuilt when the host changes them."""
+def _etc_fingerprint(extra_ca: bytes = b"", root: str = "/") -> str:
+    """Cheap identity of the host's (or an image's) allowlisted /etc entries (lstat of each
+    and of the entries one level down), so the view is rebuilt when they change."""
     import hashlib
 
-    h = hashlib.sha256(f"v{ETC_VIEW_VERSION}:{sorted(VIEW_SYNTHETIC.items())}".encode())
+    h = hashlib.sha256(f"v{ETC_VIEW_VERSION}:{sorted(VIEW_SYNTHETIC.items())}:{root}".encode())
     h.update(extra_ca)
     for name in ETC_ALLOW:
-        p = "/etc/" + name
+        p = os.path.join(root, "etc", name)
         try:
             st = os.lstat(p)
         except OSError:
@@ -199,7 +202,23 @@ VIEW_CACHE_SECONDS = 2.0
 _VIEW_CACHE: dict = {}
 
 
-def etc_view(runtime: Path, gate_ca_pem: bytes = b"") -> Path:
+def _in_tree(root: str, rel: str) -> Path | None:
+    """``root/rel`` when no component of it but the last is a symlink (an image's tree is
+    never followed out of), else None."""
+    p = Path(root)
+    parts = rel.split("/")
+    for i, part in enumerate(parts):
+        p = p / part
+        if i < len(parts) - 1:
+            try:
+                if not stat.S_ISDIR(os.lstat(p).st_mode):
+                    return None
+            except OSError:
+                return None
+    return p
+
+
+def etc_view(runtime: Path, gate_ca_pem: bytes = b"", root: str = "/") -> Path:
     """A host directory holding copies of the allowlisted /etc entries plus synthetic
     accounts/resolver files, bound read-only as the sandbox's /etc in one mount.
 
@@ -209,11 +228,11 @@ def etc_view(runtime: Path, gate_ca_pem: bytes = b"") -> Path:
     CA alone is at ``/etc/ssl/certs/agentvm-gate-ca.pem`` (for NODE_EXTRA_CA_CERTS)."""
     import shutil
 
-    key = (str(runtime), hash(gate_ca_pem))
+    key = (str(runtime), hash(gate_ca_pem), root)
     hit = _VIEW_CACHE.get(key)
     if hit is not None and time.monotonic() - hit[0] < VIEW_CACHE_SECONDS and hit[1].is_dir():
         return hit[1]  # a daemon starting sandboxes back to back: the host's /etc was checked just now
-    fp = _etc_fingerprint(gate_ca_pem)
+    fp = _etc_fingerprint(gate_ca_pem, root)
     view = runtime / f"etc-view-{fp}"
     if view.is_dir():
         _VIEW_CACHE[key] = (time.monotonic(), view)
@@ -224,7 +243,9 @@ def etc_view(runtime: Path, gate_ca_pem: bytes = b"") -> Path:
     tmp.mkdir(mode=0o755)
     ignore = shutil.ignore_patterns("private", "*.key", "*.pem.key")
     for name in ETC_ALLOW:
-        src = Path("/etc") / name
+        src = _in_tree(root, "etc/" + name) if root != "/" else Path("/etc") / name
+        if src is None:
+            continue
         dst = tmp / name
         dst.parent.mkdir(parents=True, exist_ok=True)
         try:
@@ -240,11 +261,17 @@ def etc_view(runtime: Path, gate_ca_pem: bytes = b"") -> Path:
         (tmp / name).write_text(content)
         os.chmod(tmp / name, 0o644)
     if gate_ca_pem:
+        for d in (tmp / "ssl", tmp / "ssl" / "certs"):  # copied from an image: never write through its links
+            if d.is_symlink() or (d.exists() and not d.is_dir()):
+                d.unlink()
         certs = tmp / "ssl" / "certs"
         certs.mkdir(parents=True, exist_ok=True)
         bundle = certs / "ca-certificates.crt"
+        src_bundle = _in_tree(root, CA_BUNDLE.lstrip("/")) if root != "/" else Path(CA_BUNDLE)
         try:
-            system = Path(CA_BUNDLE).read_bytes()
+            if src_bundle is None or (root != "/" and not stat.S_ISREG(os.lstat(src_bundle).st_mode)):
+                raise OSError
+            system = src_bundle.read_bytes()
         except OSError:
             system = b""
         if bundle.exists() or bundle.is_symlink():
@@ -254,6 +281,8 @@ def etc_view(runtime: Path, gate_ca_pem: bytes = b"") -> Path:
         for f in (bundle, certs / "agentvm-gate-ca.pem"):
             os.chmod(f, 0o644)
     for name in PER_SANDBOX_ETC:  # bind targets, overmounted per sandbox
+        if (tmp / name).is_symlink():
+            (tmp / name).unlink()
         (tmp / name).write_text("")
     os.chmod(tmp, 0o755)
     try:

@@ -46,6 +46,7 @@ _COMMANDS: dict[str, str] = {
     "status": "agentvm.cli.fleet_cmds:status",
     "rollback": "agentvm.cli.fleet_cmds:rollback",
     "approvals": "agentvm.cli.approvals_cmd:approvals",
+    "image": "agentvm.cli.image_cmds:image",
 }
 
 

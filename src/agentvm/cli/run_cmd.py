@@ -62,6 +62,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="the sandbox technology (default: the agent file's, else bwrap); the agent's minSubstrate still holds",
     )
     p.add_argument(
+        "--image",
+        metavar="REF",
+        help="run on this image (a name of `agentvm image ls`, or sha256:...) instead of the host's /usr",
+    )
+    p.add_argument(
         "--network",
         choices=("gate", "none"),
         help="gate (default): every request goes through the egress gate, which denies what no rule allows, "
@@ -103,7 +108,7 @@ def _run(argv: list[str]) -> int:
     if not ns.agent_file and not command:
         raise ConfigError("nothing to run", hint="agentvm run -- CMD [ARGS...], or agentvm run -f AGENT.yaml")
     raw = {"mounts": ns.mount, "env": ns.env, "timeout": ns.timeout, "memory": ns.memory, "allow": ns.allow,
-           "add_host": ns.add_host, "network": ns.network, "substrate": ns.substrate}
+           "add_host": ns.add_host, "network": ns.network, "substrate": ns.substrate, "image": ns.image}
     degrade = tuple(dict.fromkeys(ns.degrade))
     if degrade:
         print(

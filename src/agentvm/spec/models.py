@@ -655,6 +655,12 @@ class AgentSpecBody(_Model):
     substrate: Literal["bwrap", "gvisor", "fake"] = Field(
         "bwrap", description="Sandbox backend: bwrap (namespaces, seccomp, Landlock), gvisor (runsc), fake (tests only).")
     risk_tier: RiskTier = Field(RiskTier.L2, description="Risk tier L0-L5: the ceiling of what may be granted.")
+    image: str | None = Field(
+        None, description="The read-only root: an image of `agentvm image ls` by name or by digest (sha256:...). "
+        "Without it the sandbox sees the host's /usr and a filtered /etc.")
+    image_signers: list[str] = Field(
+        default_factory=list, description="Principals of the operator's image-signers file, one of whom must have "
+        "signed the image (`agentvm image sign`). Tiers L4 and L5 require a signature by any of them anyway.")
     workdir: str | None = Field(None, description="Working directory inside the sandbox (default: the workspace).")
     rootfs: RootfsView = Field(default_factory=RootfsView, description="The read-only system view.")
     mounts: list[Mount] = Field(default_factory=list, description="Granted host folders.")
@@ -681,6 +687,23 @@ class AgentSpecBody(_Model):
                 raise ValueError(f"invalid environment variable name {k!r}")
             if "\x00" in val:
                 raise ValueError(f"env {k} contains NUL")
+        return v
+
+    @field_validator("image")
+    @classmethod
+    def _image(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        if not (re.fullmatch(r"sha256:[0-9a-f]{64}", v) or re.fullmatch(r"[a-z0-9][a-z0-9._-]{0,62}", v)):
+            raise ValueError("an image is a name (lower-case letters, digits, '.', '_', '-') or sha256:<64 hex>")
+        return v
+
+    @field_validator("image_signers")
+    @classmethod
+    def _signers(cls, v: list[str]) -> list[str]:
+        for p in v:
+            if not re.fullmatch(r"[A-Za-z0-9@._+-]{1,128}", p):
+                raise ValueError(f"{p!r} is not a signer principal (as in an allowed_signers file)")
         return v
 
     @field_validator("workdir")

@@ -1,0 +1,208 @@
+"""``agentvm image build FILE``: a declarative image file, built with Debian's ``mmdebstrap``.
+
+::
+
+    apiVersion: agentvm/v1
+    kind: Image
+    metadata: {name: py311}
+    spec:
+      suite: bookworm              # a Debian suite the host's apt sources serve
+      variant: essential           # essential | minbase | apt (mmdebstrap's variants)
+      packages: [python3, curl]
+      files:                       # host files or folders copied in (relative to this file)
+        - {src: app/, dest: /opt/app}
+      run:                         # commands run in the new tree: as its root, no network
+        - python3 -m compileall -q /opt/app
+      epoch: 0                     # SOURCE_DATE_EPOCH: fixed times, a reproducible tarball
+
+The packages come from the host's own apt sources (``/etc/apt/sources.list`` and
+``sources.list.d``): no mirror is named here, and the operator's mirror or proxy applies.
+``run`` commands execute in a bubblewrap sandbox whose root is the tree being built, with
+no network at all; installing from pip or npm at build time is not supported yet (copy a
+wheelhouse in with ``files`` and install it offline in ``run``).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Callable, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from agentvm.errors import ConfigError
+from agentvm.images import NAME_RE, ImageError, Image, Store
+from agentvm.images.layers import Limits, Stats, apply_layer, copy_in
+
+MMDEBSTRAP_TIMEOUT = 1800
+RUN_TIMEOUT = 600
+
+
+class _M(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class FileCopy(_M):
+    src: str
+    dest: str
+    mode: str | None = Field(None, pattern=r"^0?[0-7]{3,4}$")
+
+
+class ImageSpec(_M):
+    suite: str = Field("bookworm", pattern=r"^[a-z][a-z0-9-]{1,30}$")
+    variant: Literal["essential", "minbase", "apt"] = "essential"
+    packages: list[str] = Field(default_factory=list)
+    files: list[FileCopy] = Field(default_factory=list)
+    run: list[str] = Field(default_factory=list)
+    epoch: int = Field(0, ge=0)
+
+    @field_validator("packages")
+    @classmethod
+    def _pkgs(cls, v: list[str]) -> list[str]:
+        import re
+
+        for p in v:
+            if not re.fullmatch(r"[a-z0-9][a-z0-9+.-]+(=[A-Za-z0-9.+~:-]+)?", p):
+                raise ValueError(f"{p!r} is not a Debian package name (name or name=version)")
+        return v
+
+
+class Meta(_M):
+    name: str
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not NAME_RE.fullmatch(v):
+            raise ValueError("lower-case letters, digits, '.', '_' and '-', starting with a letter or digit")
+        return v
+
+
+class ImageFile(_M):
+    api_version: Literal["agentvm/v1"] = Field(alias="apiVersion")
+    kind: Literal["Image"]
+    metadata: Meta
+    spec: ImageSpec = Field(default_factory=ImageSpec)
+
+
+def load(path: Path) -> ImageFile:
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read {path}: {exc.strerror}") from None
+    if len(text) > 1024 * 1024:
+        raise ConfigError(f"{path}: an image file over 1 MiB")
+    try:
+        doc = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: invalid YAML ({exc})") from None
+    try:
+        return ImageFile.model_validate(doc)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(x) for x in first["loc"])
+        raise ConfigError(f"{path}: {where}: {first['msg']}",
+                          hint="see docs/images.md for the image file format") from None
+
+
+def host_sources() -> list[str]:
+    """The host's apt source files, handed to mmdebstrap as they are."""
+    out = []
+    if Path("/etc/apt/sources.list").is_file() and any(
+            ln.strip() and not ln.lstrip().startswith("#") for ln in Path("/etc/apt/sources.list").read_text().splitlines()):
+        out.append("/etc/apt/sources.list")
+    d = Path("/etc/apt/sources.list.d")
+    if d.is_dir():
+        out += sorted(str(p) for p in d.iterdir() if p.suffix in (".list", ".sources") and p.is_file())
+    if not out:
+        raise ImageError("the host has no apt sources to build from", code="image.no-sources",
+                         hint="configure /etc/apt/sources.list(.d) as for apt-get")
+    return out
+
+
+def build(store: Store, path: Path, *, progress: Callable[[str], None] = lambda s: None,
+          bwrap: str | None = None) -> tuple[Image, Stats]:
+    import shutil
+
+    f = load(path)
+    spec = f.spec
+    exe = shutil.which("mmdebstrap")
+    if exe is None:
+        raise ImageError("mmdebstrap is not installed", code="image.no-mmdebstrap",
+                         hint="apt-get install mmdebstrap (scripts/install.sh does)")
+    base = Path(path).resolve().parent
+    for fc in spec.files:  # checked before a long build, not after
+        src = (base / fc.src).resolve()
+        if not src.exists():
+            raise ConfigError(f"{path}: files: {fc.src} does not exist (relative to {base})")
+    staging = store.staging()
+    root = staging / "root"
+    root.mkdir(mode=0o755)
+    try:
+        with tempfile.TemporaryDirectory(dir=staging) as td:
+            tarball = Path(td) / "rootfs.tar"
+            # no device nodes in the tree (the sandbox has its own /dev); no docs (smaller)
+            argv = [exe, f"--variant={spec.variant}", "--mode=root", "--format=tar", "--skip=output/dev"]
+            if spec.packages:
+                argv.append("--include=" + ",".join(spec.packages))
+            argv += [spec.suite, str(tarball), *host_sources()]
+            env = {**os.environ, "SOURCE_DATE_EPOCH": str(spec.epoch), "LC_ALL": "C.UTF-8"}
+            progress(f"mmdebstrap {spec.suite} ({spec.variant}) + {len(spec.packages)} packages")
+            proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
+                                    stdin=subprocess.DEVNULL)
+            tail: list[str] = []
+            try:
+                for raw in proc.stdout:
+                    line = raw.decode(errors="replace").rstrip()
+                    tail = (tail + [line])[-20:]
+                    if line.startswith(("I: ", "E: ", "W: ")):
+                        progress("  " + line)
+                rc = proc.wait(timeout=MMDEBSTRAP_TIMEOUT)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                raise ImageError(f"mmdebstrap took over {MMDEBSTRAP_TIMEOUT}s", code="image.build-failed") from None
+            if rc != 0:
+                raise ImageError(f"mmdebstrap failed (exit {rc}): " + " | ".join(tail[-5:]), code="image.build-failed",
+                                 hint="a package name or the suite may be wrong; the lines above say which")
+            progress("unpacking into the image tree")
+            stats = Stats()
+            with open(tarball, "rb") as t:
+                apply_layer(t, root, Limits(), stats, "the mmdebstrap tarball")
+        for fc in spec.files:
+            progress(f"copying {fc.src} -> {fc.dest}")
+            copy_in(root, (base / fc.src).resolve(), fc.dest, int(fc.mode, 8) if fc.mode else None)
+        for cmd in spec.run:
+            progress(f"run: {cmd}")
+            _run_in(root, cmd, bwrap)
+        progress("hashing the tree")
+        meta = {"source": "build", "file": str(Path(path).resolve()), "name": f.metadata.name,
+                "spec": spec.model_dump(), "setuid_removed": stats.setuid_removed[:100]}
+        img = store.commit(root, meta, f.metadata.name)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return img, stats
+
+
+def _run_in(root: Path, cmd: str, bwrap: str | None) -> None:
+    """A build command, with the tree as its root and no network (bubblewrap, as root)."""
+    import shutil
+
+    exe = bwrap or shutil.which("bwrap")
+    if exe is None:
+        raise ImageError("bwrap is needed to run build commands", code="image.no-bwrap")
+    argv = [exe, "--bind", str(root), "/", "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp",
+            "--unshare-all", "--die-with-parent", "--new-session", "--clearenv",
+            "--setenv", "PATH", "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+            "--setenv", "HOME", "/root", "--setenv", "LC_ALL", "C.UTF-8", "--chdir", "/",
+            "/bin/sh", "-c", cmd]
+    try:
+        r = subprocess.run(argv, capture_output=True, timeout=RUN_TIMEOUT, stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        raise ImageError(f"run: {cmd!r} took over {RUN_TIMEOUT}s", code="image.build-failed") from None
+    if r.returncode != 0:
+        out = (r.stdout + r.stderr).decode(errors="replace").strip().splitlines()[-5:]
+        raise ImageError(f"run: {cmd!r} failed (exit {r.returncode}): " + " | ".join(out), code="image.build-failed",
+                         hint="build commands have no network: copy what they need in with `files`")

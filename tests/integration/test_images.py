@@ -1,0 +1,183 @@
+"""Agent images end to end: an image built from Debian packages with mmdebstrap (the host's
+apt sources), an agent on it (its python, not the host's /usr), two agents on two images at
+once (the second imported from an OCI layout made here), signatures demanded by a risk tier,
+and a hostile archive refused with nothing left behind."""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import io
+import json
+import os
+import secrets
+import subprocess
+import tarfile
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import agentvm_cmd, av, needs_root
+
+pytestmark = [pytest.mark.integration, needs_root]
+
+IMAGE = textwrap.dedent("""\
+    apiVersion: agentvm/v1
+    kind: Image
+    metadata: {name: t-img-one}
+    spec:
+      packages: [python3-minimal]
+      files:
+        - {src: marker.txt, dest: /usr/share/agentvm-image-marker}
+        - {src: mod.py, dest: /usr/lib/python3.11/agentvm_image_mod.py}
+      run:
+        - python3 -m py_compile /usr/lib/python3.11/agentvm_image_mod.py
+    """)
+
+
+@pytest.fixture(scope="module")
+def built(avm_home, tmp_path_factory):
+    d = tmp_path_factory.mktemp("img")
+    (d / "marker.txt").write_text("one\n")
+    (d / "mod.py").write_text('WHERE = "image-one"\n')
+    (d / "one.yaml").write_text(IMAGE)
+    r = av("image", "build", str(d / "one.yaml"), "--json", timeout=900)
+    out = json.loads(r.stdout.decode().strip().splitlines()[-1])
+    assert "mmdebstrap" in r.stderr.decode() and out["names"] == ["t-img-one"]
+    return out["digest"]
+
+
+@pytest.fixture
+def host_marker():
+    p = Path(f"/usr/local/share/agentvm-host-marker-{secrets.token_hex(4)}")
+    p.write_text("host\n")
+    yield p
+    p.unlink()
+
+
+def agent(tmp_path: Path, name: str, image: str, command: str, extra: str = "") -> Path:
+    f = tmp_path / f"{name}.yaml"
+    f.write_text(textwrap.dedent(f"""\
+        apiVersion: agentvm/v1
+        kind: Agent
+        metadata: {{name: {name}}}
+        spec:
+          image: {image}
+          command: ["/bin/sh", "-c", {json.dumps(command)}]
+        """) + extra)
+    return f
+
+
+def test_an_agent_runs_on_its_image_and_never_sees_the_hosts_usr(built, tmp_path, host_marker):
+    cmd = (f"python3 -c 'import agentvm_image_mod as m, sys; print(m.WHERE, sys.executable)'; "
+           f"cat /usr/share/agentvm-image-marker; test -e {host_marker} && echo HOST-LEAK || echo no-host-usr")
+    r = av("run", "-f", str(agent(tmp_path, "img-a", "t-img-one", cmd)))
+    assert r.stdout.decode().split() == ["image-one", "/usr/bin/python3", "one", "no-host-usr"], r.stdout
+    # the run is recorded with the digest that ran (the name resolved at launch)
+    recs = [json.loads(x) for x in av("audit", "show", "--json").stdout.splitlines()]
+    started = [x for x in recs if x["kind"] == "run.started" and x["data"].get("agent") == "img-a"]
+    assert started and started[-1]["data"]["image"] == built
+    # the same through --image, by digest; the host's own view has none of it
+    r = av("run", "--image", built, "--", "/bin/sh", "-c", "cat /usr/share/agentvm-image-marker")
+    assert r.stdout == b"one\n"
+    r = av("run", "--", "/bin/sh", "-c", "test -e /usr/share/agentvm-image-marker && echo IMAGE || echo host-view")
+    assert r.stdout == b"host-view\n"
+
+
+def _oci_from(tree: Path, dest: Path, marker: bytes) -> Path:
+    """An OCI layout: the tree as one layer, a second layer replacing the marker (a whiteout
+    first, as a tool that deletes and re-adds would write it)."""
+    blobs = dest / "blobs" / "sha256"
+    blobs.mkdir(parents=True)
+
+    def put(data: bytes) -> dict:
+        hx = hashlib.sha256(data).hexdigest()
+        (blobs / hx).write_bytes(data)
+        return {"digest": "sha256:" + hx, "size": len(data)}
+
+    base = io.BytesIO()
+    with tarfile.open(fileobj=base, mode="w:gz", compresslevel=1) as t:
+        t.add(tree, arcname=".", recursive=True)
+    top = io.BytesIO()
+    with tarfile.open(fileobj=top, mode="w:gz") as t:
+        for name, data in (("usr/share/.wh.agentvm-image-marker", b""), ("usr/share/agentvm-image-marker", marker)):
+            ti = tarfile.TarInfo(name)
+            ti.size, ti.mode = len(data), 0o644
+            t.addfile(ti, io.BytesIO(data))
+    layers = [{"mediaType": "application/vnd.oci.image.layer.v1.tar+gzip", **put(b.getvalue())} for b in (base, top)]
+    cfg = put(json.dumps({"os": "linux", "architecture": "amd64"}).encode())
+    man = json.dumps({"schemaVersion": 2, "mediaType": "application/vnd.oci.image.manifest.v1+json",
+                      "config": {"mediaType": "application/vnd.oci.image.config.v1+json", **cfg},
+                      "layers": layers}).encode()
+    (dest / "oci-layout").write_text('{"imageLayoutVersion": "1.0.0"}')
+    (dest / "index.json").write_text(json.dumps({"schemaVersion": 2, "manifests": [
+        {"mediaType": "application/vnd.oci.image.manifest.v1+json", **put(man)}]}))
+    return dest
+
+
+def test_two_agents_on_two_images_at_the_same_time(built, avm_home, tmp_path):
+    tree = avm_home / "images" / "trees" / built.split(":")[1]
+    layout = _oci_from(tree, tmp_path / "oci", b"two\n")
+    r = av("image", "import", str(layout), "--name", "t-img-two", "--json", timeout=600)
+    two = json.loads(r.stdout.decode().strip().splitlines()[-1])["digest"]
+    assert two != built
+    cmd = "cat /usr/share/agentvm-image-marker; sleep 3; cat /usr/share/agentvm-image-marker"
+    procs = {img: subprocess.Popen(agentvm_cmd() + ["run", "-f", str(agent(tmp_path, f"img-{img}", img, cmd))],
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+             for img in ("t-img-one", "t-img-two")}
+    t0 = time.monotonic()
+    outs = {img: p.communicate(timeout=120) for img, p in procs.items()}
+    assert time.monotonic() - t0 < 6 + 4, "they ran side by side, not one after the other"
+    assert outs["t-img-one"][0] == b"one\none\n", outs["t-img-one"]
+    assert outs["t-img-two"][0] == b"two\ntwo\n", outs["t-img-two"]
+
+
+def test_a_risk_tier_demands_an_operators_signature(built, avm_home, tmp_path):
+    keys = tmp_path / "keys"
+    keys.mkdir()
+    for who in ("op", "eve"):
+        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", who, "-f", str(keys / who)], check=True)
+    f = agent(tmp_path, "img-l4", "t-img-one", "echo ran", "  riskTier: L4\n")
+    signers = avm_home / "image-signers"
+    try:
+        r = av("run", "-f", str(f), check=False)
+        assert r.returncode == 77 and b"no signers are configured" in r.stderr, r.stderr
+        signers.write_text(f"op@example.test {(keys / 'op.pub').read_text()}")
+        r = av("run", "-f", str(f), check=False)
+        assert r.returncode == 77 and b"no valid signature" in r.stderr and b"risk tier L4" in r.stderr, r.stderr
+        av("image", "sign", "t-img-one", "--key", str(keys / "eve"))
+        r = av("run", "-f", str(f), check=False)
+        assert r.returncode == 77 and b"no valid signature" in r.stderr, "a key the operator does not list"
+        av("image", "sign", "t-img-one", "--key", str(keys / "op"))
+        assert av("run", "-f", str(f)).stdout == b"ran\n"
+        assert b"signed by op@example.test" in av("image", "verify", "t-img-one").stdout
+    finally:
+        signers.unlink(missing_ok=True)
+
+
+def test_a_hostile_archive_is_refused_and_leaves_nothing(avm_home, tmp_path):
+    evil = io.BytesIO()
+    with tarfile.open(fileobj=evil, mode="w") as t:
+        ti = tarfile.TarInfo("usr/lib/ok")
+        ti.size = 2
+        t.addfile(ti, io.BytesIO(b"ok"))
+        ti = tarfile.TarInfo("../../../../tmp/agentvm-escaped")
+        ti.size = 4
+        t.addfile(ti, io.BytesIO(b"evil"))
+    layer = gzip.compress(evil.getvalue())
+    arc = tmp_path / "evil.tar"
+    with tarfile.open(arc, "w") as t:
+        for name, data in (("l/layer.tar", layer), ("manifest.json", json.dumps(
+                [{"Config": "", "RepoTags": ["evil:1"], "Layers": ["l/layer.tar"]}]).encode())):
+            ti = tarfile.TarInfo(name)
+            ti.size = len(data)
+            t.addfile(ti, io.BytesIO(data))
+    before = set((avm_home / "images" / "trees").iterdir()) if (avm_home / "images" / "trees").is_dir() else set()
+    r = av("image", "import", str(arc), "--name", "t-evil", check=False)
+    assert r.returncode == 78 and b"path traversal" in r.stderr and b"agentvm-escaped" in r.stderr, r.stderr
+    assert not Path("/tmp/agentvm-escaped").exists()
+    assert set((avm_home / "images" / "trees").iterdir()) == before
+    assert not any((avm_home / "images" / "staging").iterdir()), "nothing half-written is left"
+    assert av("image", "inspect", "t-evil", check=False).returncode != 0
