@@ -231,3 +231,23 @@ def test_signatures_by_the_operators_signers_only(tmp_path):
         require_signature(store, img.digest, signers, ("ci@example.test",), "the agent file")
     with pytest.raises(PolicyDenied, match="no signers are configured"):
         require_signature(store, img.digest, tmp_path / "missing", (), "risk tier L5")
+
+
+def test_a_preset_can_name_an_image_and_the_policy_carries_it(tmp_path):
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from _spec_helpers import agent, write_preset
+
+    from agentvm.errors import ConfigError
+    from agentvm.policy import compile_policy
+    from agentvm.spec.loader import load_agent_text
+
+    write_preset(tmp_path, "py-img", "image: python-3-11\nimageSigners: [ci@example.test]\n")
+    p = compile_policy(load_agent_text(agent("spec:\n  presets: [py-img]\n"), "a.yaml", preset_dirs=[tmp_path]).spec)
+    assert p.image == "python-3-11" and p.image_signers == ("ci@example.test",)
+    assert "image" not in compile_policy(load_agent_text(agent(""), "b.yaml", preset_dirs=[]).spec).to_dict(), \
+        "digests of agents without images do not change"
+    for bad in ("Bad_Name", "sha256:abc", "../x"):
+        with pytest.raises(ConfigError):
+            load_agent_text(agent(f"spec:\n  image: '{bad}'\n"), "c.yaml", preset_dirs=[])
