@@ -33,6 +33,7 @@ A server that crashes, hangs, floods or answers garbage costs the agent that ser
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import sys
 import time
@@ -65,6 +66,10 @@ SERVER_FAILED = -32012
 LIMITED = -32013
 
 
+RESTART_BASE = 0.5  # seconds before a failed tool server is started again, doubling per failure
+RESTART_MAX = 30.0
+
+
 class ToolFailure(Exception):
     def __init__(self, rule_id: str, reason: str, code: int = SERVER_FAILED) -> None:
         super().__init__(reason)
@@ -83,6 +88,8 @@ class Upstream:
         self._stop = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._lock = asyncio.Lock()
+        self._failures = 0  # starts in a row that ended without a working client
+        self._retry_at = 0.0  # no new start before this (monotonic): a failing server is not restarted per request
 
     async def _transport(self):
         if self.sp.kind == "remote":
@@ -126,6 +133,12 @@ class Upstream:
         async with self._lock:
             if self._task is not None and self._task.done():
                 self._task = None  # it ended (the server exited): started again below
+                self._failures += 1
+                self._retry_at = time.monotonic() + min(RESTART_MAX, RESTART_BASE * 2 ** (self._failures - 1))
+            if self._task is None and time.monotonic() < self._retry_at:
+                raise ToolFailure("tools:server-unavailable", f"tool server {self.sp.name} failed "
+                                  f"({self.error or 'it exited'}); it is started again in "
+                                  f"{self._retry_at - time.monotonic():.1f}s")
             if self._task is None:
                 self.client, self.error = None, None
                 self._ready, self._stop = asyncio.Event(), asyncio.Event()
@@ -137,6 +150,8 @@ class Upstream:
         except TimeoutError:
             raise ToolFailure("tools:server-unavailable", f"tool server {self.sp.name} did not start within "
                               f"{START_TIMEOUT:g}s") from None
+        if self.client is not None and self._task is not None and not self._task.done():
+            self._failures = 0  # a working start: the next failure backs off from the start again
         if self.client is None:
             raise ToolFailure("tools:server-unavailable", f"tool server {self.sp.name} is not running "
                               f"({self.error or 'it exited'}); see tool-{self.sp.name}.log in the sandbox's run folder")
@@ -521,22 +536,28 @@ class ToolGateway:
 
         from agentvm.gate.policy import Rule
 
-        done = []
         ep = self.endpoint
-        if egress_items and ep is not None:
+        if ep is None:
+            egress_items = []
+        done = [f"egress to {h}:{','.join(map(str, p))}" for h, p in egress_items]
+        done += [f"tool {t['server']}{tp.SEP}{t['tool']}" for t in tool_items]
+        if not done:
+            return done
+        # on the chain first: a grant that cannot be recorded is not made
+        if self.approvals is None:
+            raise self._deny("approval:unavailable", "the grant cannot be recorded: not applied", tp.REQUEST_ACCESS)
+        try:
+            self.approvals.record("policy.change", actor=approver, sandbox=self.sandbox_id, op="request_access",
+                                  detail=done, applied_live=True)
+        except Exception as exc:  # noqa: BLE001
+            raise self._deny("approval:unavailable", f"the grant could not be recorded ({type(exc).__name__}): not "
+                             "applied", tp.REQUEST_ACCESS) from None
+        if egress_items:
             n = len(ep.policy.allow)
             rules = tuple(Rule(id=f"granted[{n + i}]", host=h, ports=ports) for i, (h, ports) in enumerate(egress_items))
             ep.set_policy(replace(ep.policy, allow=ep.policy.allow + rules))
-            done += [f"egress to {h}:{','.join(map(str, p))}" for h, p in egress_items]
         if tool_items:
             self.set_policy(tp.apply_live(self.policy, tool_items, grants=True), self.policy_digest + "+access")
-            done += [f"tool {t['server']}{tp.SEP}{t['tool']}" for t in tool_items]
-        if done and self.approvals is not None:
-            try:
-                self.approvals.record("policy.change", actor=approver, sandbox=self.sandbox_id, op="request_access",
-                                      detail=done, applied_live=True)
-            except Exception:  # noqa: BLE001 - the change is made; the approval is on the chain already
-                pass
         return done
 
     # ------------------------------------------------------------------ resources and prompts
@@ -566,6 +587,9 @@ class ToolGateway:
         for name, u in self.upstreams.items():
             sp = self.policy.server(name)
             if sp is not None and tp.resource_allowed(sp, uri):
+                if not u.bucket.take():  # reads count against the server's rate, as calls do
+                    raise self._deny("tools:rate", f"more than {sp.calls_per_minute} requests a minute to {name}",
+                                     uri[:200], LIMITED)
                 try:
                     c = await u.get()
                     async with asyncio.timeout(sp.timeout):
@@ -595,15 +619,30 @@ class ToolGateway:
         if split is None or sp is None or not tp.prompt_allowed(sp, split[1]):
             raise self._deny("tools:prompt-not-allowed", "no server's prompts rule names this prompt",
                              str(params.name)[:200])
+        target = str(params.name)[:200]
+        args = params.arguments or {}
+        size = len(json.dumps(args, default=str).encode())
+        if size > sp.max_arguments:
+            raise self._deny("tools:arguments-too-large", f"prompt arguments of {size} bytes, over {sp.max_arguments}",
+                             target, LIMITED)
+        u = self.upstreams[split[0]]
+        if not u.bucket.take():
+            raise self._deny("tools:rate", f"more than {sp.calls_per_minute} requests a minute to {split[0]}", target,
+                             LIMITED)
         try:
-            c = await self.upstreams[split[0]].get()
+            c = await u.get()
             async with asyncio.timeout(sp.timeout):
-                return await c.get_prompt(split[1], params.arguments)
+                res = await c.get_prompt(split[1], params.arguments)
         except ToolFailure as f:
-            raise self._deny(f.rule_id, f.reason, params.name, f.code) from None
+            raise self._deny(f.rule_id, f.reason, target, f.code) from None
         except TimeoutError:
-            raise self._deny("tools:server-timeout", f"{split[0]} did not answer in time", params.name,
+            raise self._deny("tools:server-timeout", f"{split[0]} did not answer in time", target,
                              SERVER_FAILED) from None
+        out = len(res.model_dump_json(by_alias=True, exclude_none=True).encode())
+        if out > sp.max_result:
+            raise self._deny("tools:result-too-large", f"prompt of {out} bytes, over {sp.max_result}", target, LIMITED)
+        self._log(verdict="allow", rule=f"tools:prompt:{split[0]}", reason="prompt allowed", target=target)
+        return res
 
 
 def _request_access_tool() -> types.Tool:
