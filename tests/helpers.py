@@ -47,3 +47,14 @@ def parse_table(stdout: str) -> dict[str, list[str]]:
         if parts:
             out[parts[0]] = parts[1:]
     return out
+
+
+def write_agent(directory, name: str, spec: str):
+    """``directory/NAME.yaml``: an agent file whose ``spec:`` is ``spec`` (dedented YAML)."""
+    import textwrap
+    from pathlib import Path
+
+    p = Path(directory) / f"{name}.yaml"
+    p.write_text(f"apiVersion: agentvm/v1\nkind: Agent\nmetadata: {{name: {name}}}\nspec:\n"
+                 + textwrap.indent(textwrap.dedent(spec), "  "))
+    return p

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import av, needs_root
+from tests.helpers import av, needs_root, write_agent
 
 pytestmark = [pytest.mark.integration, needs_root]
 
@@ -129,27 +129,21 @@ def stub(tmp_path):
 def agent_file(tmp_path: Path, stub, budget: str, name: str = "b-llm") -> Path:
     (tmp_path / "call.py").write_text(OPENAI_CALL)
     os.chmod(tmp_path / "call.py", 0o644)
-    f = tmp_path / f"{name}.yaml"
-    f.write_text(textwrap.dedent(f"""\
-        apiVersion: agentvm/v1
-        kind: Agent
-        metadata: {{name: {name}}}
-        spec:
-          lifecycle: persistent
-          command: ["/bin/sh", "-c", "exec sleep 600"]
-          riskTier: L3
-          limits:
-            disk: 16M
-            budget: {budget}
-          mounts:
-            - {{host: {TESTLIB}, path: /opt/testlib, mode: ro}}
-            - {{host: {tmp_path}, path: /opt/t, mode: ro}}
-          egress:
-            hosts: {{llm.test: 127.0.0.1}}
-            upstreamCa: {stub.ca}
-            allow: [{{host: llm.test, ports: [{stub.port}]}}]
-        """))
-    return f
+    return write_agent(tmp_path, name, f"""\
+        lifecycle: persistent
+        command: ["/bin/sh", "-c", "exec sleep 600"]
+        riskTier: L3
+        limits:
+          disk: 16M
+          budget: {budget}
+        mounts:
+          - {{host: {TESTLIB}, path: /opt/testlib, mode: ro}}
+          - {{host: {tmp_path}, path: /opt/t, mode: ro}}
+        egress:
+          hosts: {{llm.test: 127.0.0.1}}
+          upstreamCa: {stub.ca}
+          allow: [{{host: llm.test, ports: [{stub.port}]}}]
+        """)
 
 
 def test_the_request_past_the_budget_is_refused_and_the_count_survives_a_restart(avm_home, tmp_path, stub):

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import agentvm_cmd, av, needs_root
+from tests.helpers import agentvm_cmd, av, needs_root, write_agent
 
 pytestmark = [pytest.mark.integration, needs_root]
 
@@ -58,16 +58,8 @@ def host_marker():
 
 
 def agent(tmp_path: Path, name: str, image: str, command: str, extra: str = "") -> Path:
-    f = tmp_path / f"{name}.yaml"
-    f.write_text(textwrap.dedent(f"""\
-        apiVersion: agentvm/v1
-        kind: Agent
-        metadata: {{name: {name}}}
-        spec:
-          image: {image}
-          command: ["/bin/sh", "-c", {json.dumps(command)}]
-        """) + extra)
-    return f
+    return write_agent(tmp_path, name, f"image: {image}\ncommand: [\"/bin/sh\", \"-c\", {json.dumps(command)}]\n"
+                       + extra)
 
 
 def test_an_agent_runs_on_its_image_and_never_sees_the_hosts_usr(built, tmp_path, host_marker):
@@ -139,7 +131,7 @@ def test_a_risk_tier_demands_an_operators_signature(built, avm_home, tmp_path):
     keys.mkdir()
     for who in ("op", "eve"):
         subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", who, "-f", str(keys / who)], check=True)
-    f = agent(tmp_path, "img-l4", "t-img-one", "echo ran", "  riskTier: L4\n")
+    f = agent(tmp_path, "img-l4", "t-img-one", "echo ran", "riskTier: L4\n")
     signers = avm_home / "image-signers"
     try:
         r = av("run", "-f", str(f), check=False)

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import helpers
 from tests.helpers import agentvm_cmd, av, needs_root
 
 pytestmark = [pytest.mark.integration, needs_root]
@@ -47,17 +48,8 @@ def daemon_tcp(avm_home):
 
 
 def write_agent(tmp_path: Path, name: str, extra: str = "") -> Path:
-    p = tmp_path / f"{name}.yaml"
-    p.write_text(textwrap.dedent(f"""\
-        apiVersion: agentvm/v1
-        kind: Agent
-        metadata: {{name: {name}}}
-        spec:
-          lifecycle: persistent
-          command: ["/bin/sh", "-c", "exec sleep 600"]
-          limits: {{disk: 16M}}
-        """) + textwrap.indent(textwrap.dedent(extra), "  "))
-    return p
+    return helpers.write_agent(tmp_path, name, 'lifecycle: persistent\ncommand: ["/bin/sh", "-c", "exec sleep 600"]\n'
+                               "limits: {disk: 16M}\n" + textwrap.dedent(extra))
 
 
 def http(port: int, path: str, *, method: str = "GET", headers: dict | None = None, data: bytes | None = None):
