@@ -217,7 +217,9 @@ def test_tcp_listener_requires_the_token(tmp_path, monkeypatch):
         monkeypatch.setattr(server, "HEAD_TIMEOUT", 0.5)
         with socket.create_connection(("127.0.0.1", port), timeout=10) as slow:
             slow.sendall(b"GET /v1/sandboxes HTTP/1.1\r\nHost: x\r\n")
-            got = slow.recv(4096)
+            got = b""
+            while chunk := slow.recv(4096):  # until the daemon closes it
+                got += chunk
         assert got.startswith(b"HTTP/1.1 408") and b"request head" in got, got
     finally:
         r.stop()

@@ -1397,6 +1397,10 @@ class Daemon:
         trust = fl.load_trust(self.paths.home)
         fleet = await asyncio.to_thread(fl.load, repo, sha, trust=trust)
         cur, previous = self._fleet_current()
+        meta = self.state.fleet_agents()
+        for name, c in cur.items():  # another repository's agents are not this plan's to remove
+            if c["fleet"] and meta.get(name, {}).get("repo") != fleet.repo:
+                c["fleet"] = False
         plan = fl.make_plan(fleet, {k: {kk: v[kk] for kk in ("policy", "digest", "fleet", "running", "live", "effective")
                                         if kk in v} for k, v in cur.items()}, previous)
         rp = doc.get("replay")
