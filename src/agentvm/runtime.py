@@ -196,8 +196,10 @@ class Runtime:
 
         from agentvm.images import Store, require_signature
 
-        store = Store(self.paths.home)
+        store = Store(self.images_home)
         digest, _ = store.root_for_run(policy.image)
+        if self.images_home != self.paths.home:
+            return replace(policy, image=digest)  # the selftest's: the operator's image, verified whole by it
         if policy.image_signers or policy.risk_tier in ("L4", "L5"):
             why = (f"the agent file (imageSigners: {', '.join(policy.image_signers)})" if policy.image_signers
                    else f"risk tier {policy.risk_tier}")
@@ -209,7 +211,17 @@ class Runtime:
             return ""
         from agentvm.images import Store
 
-        return str(Store(self.paths.home).root_for_run(policy.image)[1])
+        return str(Store(self.images_home).root_for_run(policy.image)[1])
+
+    @property
+    def images_home(self) -> Path:
+        """Where the image store is: agent-vm's home (the selftest points its own runtime at
+        the operator's)."""
+        return getattr(self, "_images_home", None) or self.paths.home
+
+    @images_home.setter
+    def images_home(self, value) -> None:
+        self._images_home = Path(value)
 
     def preflight(self, policy: Policy, degrade: tuple[str, ...] = ()) -> list[str]:
         """Fail closed: every primitive the policy relies on must be present, unless waived."""

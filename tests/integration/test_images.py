@@ -173,3 +173,25 @@ def test_a_hostile_archive_is_refused_and_leaves_nothing(avm_home, tmp_path):
     assert set((avm_home / "images" / "trees").iterdir()) == before
     assert not any((avm_home / "images" / "staging").iterdir()), "nothing half-written is left"
     assert av("image", "inspect", "t-evil", check=False).returncode != 0
+
+
+SELFTEST_IMAGE = textwrap.dedent("""\
+    apiVersion: agentvm/v1
+    kind: Image
+    metadata: {name: t-img-selftest}
+    spec:
+      packages: [python3, curl, git, nodejs, openssh-client, ca-certificates, iproute2, procps, util-linux, mount]
+    """)
+
+
+def test_the_selftest_passes_on_an_image_based_sandbox(avm_home, tmp_path):
+    """Every attack of `agentvm selftest` against sandboxes whose root is an image (the tools the
+    attacks use - python3, curl, git, node, ssh, ip - come from the image, not the host)."""
+    (tmp_path / "st.yaml").write_text(SELFTEST_IMAGE)
+    digest = json.loads(av("image", "build", str(tmp_path / "st.yaml"), "--json", timeout=900)
+                        .stdout.decode().strip().splitlines()[-1])["digest"]
+    r = av("selftest", "--image", "t-img-selftest", "--json", check=False, timeout=1500)
+    report = json.loads(r.stdout)
+    bad = [(x["id"], x["status"], x["evidence"][:200]) for x in report["results"] if x["status"] in ("escaped", "error")]
+    assert r.returncode == 0 and not bad, bad
+    assert report["image"] == digest and report["contained"] == report["applicable"] == report["total"]

@@ -10,6 +10,8 @@ from agentvm.errors import EXIT_BACKEND, EXIT_POLICY
 @click.command()
 @click.option("--substrate", type=click.Choice(["bwrap", "gvisor"]), default="bwrap", show_default=True,
               help="Substrate to attack.")
+@click.option("--image", default=None, metavar="REF",
+              help="Attack sandboxes whose root is this image (`agentvm image ls`) instead of the host's /usr.")
 @click.option("--category", "categories", multiple=True, help="Only these categories (repeatable).")
 @click.option("--case", "ids", multiple=True, help="Only these case ids (repeatable).")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable report.")
@@ -18,7 +20,7 @@ from agentvm.errors import EXIT_BACKEND, EXIT_POLICY
 @click.option("--weaken", default="none", hidden=True,
               help="Run against a deliberately weakened configuration (proves the cases can fail; never for real use).")
 @click.option("--keep", is_flag=True, hidden=True, help="Keep the canary environment for inspection.")
-def selftest(substrate, categories, ids, as_json, list_only, markdown, weaken, keep):
+def selftest(substrate, image, categories, ids, as_json, list_only, markdown, weaken, keep):
     """Attack real sandboxes on this host; exit non-zero if anything escapes."""
     from agentvm.selftest import runner
 
@@ -35,7 +37,7 @@ def selftest(substrate, categories, ids, as_json, list_only, markdown, weaken, k
             for c in runner.select(tuple(categories), tuple(ids)):
                 click.echo(f"{c.id:<40} {c.category:<14} {c.title}")
         return 0
-    report = runner.run(tuple(categories), tuple(ids), weaken=weaken, keep=keep, substrate=substrate)
+    report = runner.run(tuple(categories), tuple(ids), weaken=weaken, keep=keep, substrate=substrate, image=image)
     click.echo(runner.to_json(report) if as_json else runner.render_text(report))
     if report["escaped"]:
         return EXIT_POLICY

@@ -228,7 +228,8 @@ class Outcome:
 class Env:
     """The canary environment and a way to run attack programs in sandboxes."""
 
-    def __init__(self, weaken: str = "none", *, keep: bool = False, substrate: str = "bwrap") -> None:
+    def __init__(self, weaken: str = "none", *, keep: bool = False, substrate: str = "bwrap",
+                 image: str | None = None) -> None:
         if any(w not in WEAKENINGS for w in weaken.split("+")):
             raise ValueError(f"unknown weakening {weaken}")
         if substrate not in SUBSTRATES:
@@ -237,6 +238,19 @@ class Env:
             raise ValueError("on substrates other than bwrap, only these weakenings exist: "
                              + ", ".join(sorted(POLICY_WEAKENINGS)))
         self.substrate = substrate
+        # an image of the operator's store (its digest, verified whole once here): every
+        # sandbox of the run has it as its root
+        self.image, self.images_home = None, None
+        if image:
+            from agentvm.images import ImageError, Store
+            from agentvm.paths import default_paths
+
+            store = Store(default_paths().home)
+            self.image = store.resolve(image)
+            ok, why = store.verify(self.image)
+            if not ok:
+                raise ImageError(f"image {self.image}: {why}", code="image.corrupt")
+            self.images_home = default_paths().home
         self.weaken = weaken
         self.weakens = set(weaken.split("+"))
         self.keep = keep
@@ -317,6 +331,8 @@ class Env:
 
                 backend = get_backend(self.substrate, self.paths)
             self._runtime = cls(self.paths, backend)
+            if self.image:
+                self._runtime.images_home = self.images_home  # the operator's store; verified in __init__
             self._runtime.embedded_gate()  # created up front (its log dir, and no lazy race under threads)
         return self._runtime
 
@@ -398,6 +414,7 @@ class Env:
             name=name,
             command=tuple(command),
             substrate=self.substrate,
+            image=self.image,
             agent=agent,
             risk_tier="L4",
             mounts=tuple(grants),

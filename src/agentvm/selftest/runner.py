@@ -22,10 +22,11 @@ def select(categories: tuple[str, ...] = (), ids: tuple[str, ...] = ()):
     return cases
 
 
-def run(categories=(), ids=(), weaken: str = "none", keep: bool = False, substrate: str = "bwrap") -> dict:
+def run(categories=(), ids=(), weaken: str = "none", keep: bool = False, substrate: str = "bwrap",
+        image: str | None = None) -> dict:
     cases = select(categories, ids)
     t0 = time.monotonic()
-    env = Env(weaken=weaken, keep=keep, substrate=substrate)
+    env = Env(weaken=weaken, keep=keep, substrate=substrate, image=image)
     try:
         results = run_cases(cases, env)
     finally:
@@ -37,6 +38,7 @@ def run(categories=(), ids=(), weaken: str = "none", keep: bool = False, substra
     return {
         "weaken": weaken,
         "substrate": substrate,
+        "image": env.image,
         "total": len(results),
         "applicable": sum(r["status"] != "n/a" for r in results),
         "not_applicable": sum(r["status"] == "n/a" for r in results),

@@ -496,6 +496,8 @@ ip route add 192.0.2.0/24 dev lo 2>&1 && echo "MODIFIED route"
 ip link add agentvm-st0 type dummy 2>&1 && echo "MODIFIED link"
 """
     o = env.sandbox(code, egress=False)
+    if "ip: not found" in o.stdout or "ip: not found" in o.stderr:
+        return Verdict.error("the sandbox has no `ip` (iproute2): the attack could not be made")
     dump, _, mod = o.stdout.partition("---mod")
     routes = [l for l in _route_lines(dump) if not l.startswith("---")]
     changed = [l for l in mod.splitlines() if l.startswith("MODIFIED")]
