@@ -195,3 +195,11 @@ def test_the_selftest_passes_on_an_image_based_sandbox(avm_home, tmp_path):
     bad = [(x["id"], x["status"], x["evidence"][:200]) for x in report["results"] if x["status"] in ("escaped", "error")]
     assert r.returncode == 0 and not bad, bad
     assert report["image"] == digest and report["contained"] == report["applicable"] == report["total"]
+
+
+@pytest.mark.skipif(__import__("shutil").which("runsc") is None, reason="gVisor's runsc is not installed here")
+def test_an_image_is_the_root_on_gvisor_too(built, host_marker):
+    r = av("run", "--substrate", "gvisor", "--image", "t-img-one", "--", "/bin/sh", "-c",
+           f"cat /usr/share/agentvm-image-marker; test -e {host_marker} && echo HOST-LEAK || echo no-host-usr",
+           timeout=300)
+    assert r.stdout == b"one\nno-host-usr\n", r.stdout

@@ -251,3 +251,117 @@ def test_a_preset_can_name_an_image_and_the_policy_carries_it(tmp_path):
     for bad in ("Bad_Name", "sha256:abc", "../x"):
         with pytest.raises(ConfigError):
             load_agent_text(agent(f"spec:\n  image: '{bad}'\n"), "c.yaml", preset_dirs=[])
+
+
+# ---------------------------------------------------------------------------- review regressions
+def test_a_directory_replaced_by_a_symlink_never_gets_its_mode_applied_through_it(root, tmp_path):
+    """A deferred chmod of a directory must not follow a symlink that later replaced it (or a
+    parent): the host file it points at keeps its mode."""
+    host = tmp_path / "host"
+    (host / "shadow").mkdir(parents=True)
+    os.chmod(host / "shadow", 0o700)
+    victim = tmp_path / "victim"
+    victim.write_text("v")
+    os.chmod(victim, 0o600)
+    apply(root, layer([("x", "dir", None, 0o755), ("x/shadow", "dir", None, 0o4777), ("x", "sym", str(host), 0o777),
+                       ("y", "dir", None, 0o6777), ("y", "sym", str(victim), 0o777)]))
+    assert oct((host / "shadow").stat().st_mode & 0o7777) == "0o700"
+    assert oct(victim.stat().st_mode & 0o7777) == "0o600"
+
+
+def test_setuid_from_a_replaced_directory_never_lands_on_a_file(root):
+    st = apply(root, layer([("usr", "dir", None, 0o755), ("usr/rootsh", "dir", None, 0o6755),
+                            ("usr/rootsh", "file", b"#!", 0o755), ("w", "dir", None, 0o777)]))
+    assert oct((root / "usr/rootsh").stat().st_mode & 0o7777) == "0o755" and st.setuid_removed == []
+    assert oct((root / "w").stat().st_mode & 0o777) == "0o755", "nothing world-writable in a tree"
+
+
+def test_the_digest_cannot_be_shared_by_two_trees(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    (a / "usr/bin").mkdir(parents=True)
+    (b / "usr/bin").mkdir(parents=True)
+    os.symlink("evil", a / "usr/bin/x y")
+    os.symlink("evil usr/bin/x", b / "y")
+    assert tree_digest(a)[0] != tree_digest(b)[0]
+
+
+def test_a_huge_extended_header_is_refused_before_it_is_read(root):
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as t:
+        ti = tarfile.TarInfo("a" * (2 * 1024 * 1024))
+        ti.size = 0
+        t.addfile(ti)
+    with pytest.raises(ImageError, match="extended header"):
+        apply(root, gzip.compress(buf.getvalue()))
+
+
+def test_a_stored_tree_is_sanitized(tmp_path):
+    store = Store(tmp_path / "home")
+    st = store.staging()
+    r = st / "root"
+    (r / "usr/bin").mkdir(parents=True)
+    (r / "etc").mkdir()
+    (r / "usr/bin/su").write_text("#!")
+    os.chmod(r / "usr/bin/su", 0o4755)
+    (r / "usr/bin/open").write_text("x")
+    os.chmod(r / "usr/bin/open", 0o666)
+    os.chmod(r / "usr", 0o777)
+    try:
+        os.setxattr(r / "usr/bin/open", "user.agentvm-test", b"1")
+        xattr = True
+    except OSError:
+        xattr = False
+    img = store.commit(r, {}, "s")
+    assert oct((img.root / "usr/bin/su").stat().st_mode & 0o7777) == "0o755"
+    assert oct((img.root / "usr/bin/open").stat().st_mode & 0o777) == "0o644"
+    assert oct((img.root / "usr").stat().st_mode & 0o777) == "0o755"
+    assert img.meta["setuid_removed"] == ["usr/bin/su"]
+    if xattr:
+        assert os.listxattr(img.root / "usr/bin/open") == []
+
+
+def test_the_etc_view_never_writes_through_an_images_links(tmp_path):
+    from agentvm.backends.hostview import etc_view
+
+    img = tmp_path / "img"
+    certs = img / "etc/ssl/certs"
+    certs.mkdir(parents=True)
+    (img / "usr").mkdir()
+    victim = tmp_path / "authorized_keys"
+    victim.write_text("ssh-ed25519 AAAA operator\n")
+    os.chmod(victim, 0o600)
+    os.symlink(str(victim), certs / "agentvm-gate-ca.pem")
+    os.symlink(str(victim), img / "etc/hostname")
+    (img / "etc/os-release").write_text("ID=t\n")
+    os.chmod(img / "etc/os-release", 0o666)
+    view = etc_view(tmp_path / "run", b"-----BEGIN CERTIFICATE-----\nX\n-----END CERTIFICATE-----\n", root=str(img))
+    assert victim.read_text() == "ssh-ed25519 AAAA operator\n" and oct(victim.stat().st_mode & 0o777) == "0o600"
+    assert not (view / "ssl/certs/agentvm-gate-ca.pem").is_symlink()
+    assert oct((view / "os-release").stat().st_mode & 0o777) == "0o644"
+
+
+def test_build_files_stay_inside_the_build_files_folder(tmp_path):
+    from agentvm.errors import ConfigError
+    from agentvm.images.build import build
+
+    (tmp_path / "b.yaml").write_text("apiVersion: agentvm/v1\nkind: Image\nmetadata: {name: b}\n"
+                                     "spec:\n  files: [{src: /etc/hostname, dest: /etc/x}]\n")
+    with pytest.raises(ConfigError, match="outside the build file's folder"):
+        build(Store(tmp_path / "home"), tmp_path / "b.yaml")
+    (tmp_path / "c.yaml").write_text("apiVersion: agentvm/v1\nkind: Image\nmetadata: {name: c}\n"
+                                     "spec:\n  files: [{src: x, dest: /x, mode: '4755'}]\n")
+    with pytest.raises(ConfigError):
+        build(Store(tmp_path / "home"), tmp_path / "c.yaml")
+
+
+def test_a_malformed_layout_is_an_image_error(tmp_path):
+    d = tmp_path / "oci"
+    d.mkdir()
+    (d / "oci-layout").write_text("{}")
+    (d / "index.json").write_text("[1, 2]")
+    with pytest.raises(ImageError, match="malformed"):
+        import_layers(d, tmp_path, Limits())
+    (d / "index.json").unlink()
+    os.symlink("/etc/hostname", d / "index.json")
+    with pytest.raises(ImageError):
+        import_layers(d, tmp_path, Limits())

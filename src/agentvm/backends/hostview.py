@@ -218,6 +218,44 @@ def _in_tree(root: str, rel: str) -> Path | None:
     return p
 
 
+CA_BUNDLE_MAX = 16 * 1024 * 1024
+
+
+def _write_new(path: Path, data: bytes, mode: int = 0o644) -> None:
+    """Replace whatever is at ``path`` (a file, a symlink, a tree) with a new regular file:
+    O_EXCL|O_NOFOLLOW, so nothing is ever written through a link an image put there."""
+    import shutil
+
+    try:
+        st = os.lstat(path)
+        if stat.S_ISDIR(st.st_mode):
+            shutil.rmtree(path)
+        else:
+            os.unlink(path)
+    except FileNotFoundError:
+        pass
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode)
+    try:
+        os.write(fd, data)
+        os.fchmod(fd, mode)
+    finally:
+        os.close(fd)
+
+
+def _mask_tree(top: Path) -> None:
+    """Clear group/world write and setuid/setgid in a directory agent-vm just wrote (links skipped)."""
+    for dirpath, dirnames, filenames in os.walk(top):
+        for n in [*dirnames, *filenames]:
+            p = os.path.join(dirpath, n)
+            st = os.lstat(p)
+            if stat.S_ISLNK(st.st_mode):
+                continue
+            mode = stat.S_IMODE(st.st_mode)
+            new = mode & ~0o022 & ~(stat.S_ISUID | stat.S_ISGID)
+            if new != mode:
+                os.chmod(p, new)  # not a link (lstat): the view is agent-vm's own, written just now
+
+
 def etc_view(runtime: Path, gate_ca_pem: bytes = b"", root: str = "/") -> Path:
     """A host directory holding copies of the allowlisted /etc entries plus synthetic
     accounts/resolver files, bound read-only as the sandbox's /etc in one mount.
@@ -257,9 +295,10 @@ def etc_view(runtime: Path, gate_ca_pem: bytes = b"", root: str = "/") -> Path:
                 shutil.copy2(src, dst)
         except FileNotFoundError:
             continue
+    if root != "/":  # copied from an image: nothing in the view writable by others than root
+        _mask_tree(tmp)
     for name, content in VIEW_SYNTHETIC.items():
-        (tmp / name).write_text(content)
-        os.chmod(tmp / name, 0o644)
+        _write_new(tmp / name, content.encode())
     if gate_ca_pem:
         for d in (tmp / "ssl", tmp / "ssl" / "certs"):  # copied from an image: never write through its links
             if d.is_symlink() or (d.exists() and not d.is_dir()):
@@ -271,19 +310,15 @@ def etc_view(runtime: Path, gate_ca_pem: bytes = b"", root: str = "/") -> Path:
         try:
             if src_bundle is None or (root != "/" and not stat.S_ISREG(os.lstat(src_bundle).st_mode)):
                 raise OSError
-            system = src_bundle.read_bytes()
+            with open(src_bundle, "rb") as f:
+                system = f.read(CA_BUNDLE_MAX)
         except OSError:
             system = b""
-        if bundle.exists() or bundle.is_symlink():
-            bundle.unlink()
-        bundle.write_bytes(system.rstrip(b"\n") + b"\n" + gate_ca_pem)
-        (certs / "agentvm-gate-ca.pem").write_bytes(gate_ca_pem)
-        for f in (bundle, certs / "agentvm-gate-ca.pem"):
-            os.chmod(f, 0o644)
+        # new files, never written through whatever the image put at those names
+        _write_new(bundle, system.rstrip(b"\n") + b"\n" + gate_ca_pem)
+        _write_new(certs / "agentvm-gate-ca.pem", gate_ca_pem)
     for name in PER_SANDBOX_ETC:  # bind targets, overmounted per sandbox
-        if (tmp / name).is_symlink():
-            (tmp / name).unlink()
-        (tmp / name).write_text("")
+        _write_new(tmp / name, b"")
     os.chmod(tmp, 0o755)
     try:
         os.rename(tmp, view)

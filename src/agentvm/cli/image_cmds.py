@@ -72,7 +72,8 @@ def import_cmd(source, name, ref, allow_setuid, max_size, as_json):
         stats, desc = import_layers(source, root, lim, ref=ref, progress=_say)
         _say("hashing the tree")
         img = store.commit(root, {"source": "import", "from": str(Path(source).resolve()), **desc,
-                                  "setuid_removed": stats.setuid_removed[:100], "whiteouts": stats.whiteouts}, name)
+                                  "setuid_removed": stats.setuid_removed[:100], "whiteouts": stats.whiteouts}, name,
+                           allow_setuid=allow_setuid)
     finally:
         shutil.rmtree(staging, ignore_errors=True)  # nothing half-written is left
     if stats.setuid_removed:

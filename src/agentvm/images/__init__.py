@@ -87,24 +87,70 @@ def tree_digest(root: Path) -> tuple[str, int, int]:
                 if e.is_dir(follow_symlinks=False):
                     stack.append(path)
     paths.sort()
-    h = hashlib.sha256(b"agentvm-tree-v1\n")
+    h = hashlib.sha256(b"agentvm-tree-v2\n")
     size = 0
     for path in paths:
         st = os.lstat(root / path)
         mode = stat.S_IMODE(st.st_mode)
         if stat.S_ISDIR(st.st_mode):
-            line = f"d {mode:o} {path}"
+            rec = ["d", mode, "", path]
         elif stat.S_ISREG(st.st_mode):
-            line = f"f {mode:o} {_file_sha(root / path)} {path}"
+            rec = ["f", mode, _file_sha(root / path), path]
             size += st.st_size
         elif stat.S_ISLNK(st.st_mode):
-            line = f"l {os.readlink(root / path)} {path}"
+            rec = ["l", 0, os.readlink(root / path), path]
         elif stat.S_ISFIFO(st.st_mode):
-            line = f"p {mode:o} {path}"
+            rec = ["p", mode, "", path]
         else:
             raise ImageError(f"{path} in the image is a device or socket", code="image.corrupt")
-        h.update(line.encode("utf-8", "surrogateescape") + b"\0")
+        if not stat.S_ISLNK(st.st_mode) and os.listxattr(root / path, follow_symlinks=False):
+            raise ImageError(f"{path} in the image has extended attributes (file capabilities?)", code="image.corrupt")
+        # one JSON array a record: no field can run into the next (a name with spaces, a link target)
+        h.update(json.dumps(rec, ensure_ascii=True).encode("ascii", "surrogateescape") + b"\n")
     return "sha256:" + h.hexdigest(), len(paths), size
+
+
+def sanitize(root: Path, allow_setuid: bool = False) -> list[str]:
+    """Before a tree is stored (after a build's files and commands, too): no group- or world-
+    writable entry, no setuid or setgid file (unless ``allow_setuid``), no extended attribute
+    (file capabilities), nothing but directories, files, symlinks and FIFOs. Symlinks are never
+    followed (directories are walked with lstat, modes set through O_NOFOLLOW descriptors).
+    -> the paths whose setuid/setgid bits were removed."""
+    removed = []
+    stack = [Path(root)]
+    while stack:
+        d = stack.pop()
+        with os.scandir(d) as it:
+            entries = list(it)
+        for e in [None, *entries]:
+            p = d if e is None else Path(e.path)
+            st = os.lstat(p)
+            if stat.S_ISLNK(st.st_mode):
+                continue
+            if e is not None and stat.S_ISDIR(st.st_mode):
+                stack.append(p)
+                continue
+            if not (stat.S_ISDIR(st.st_mode) or stat.S_ISREG(st.st_mode) or stat.S_ISFIFO(st.st_mode)):
+                raise ImageError(f"{p.relative_to(root)} is a device or socket: refused", code="image.hostile")
+            flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | (os.O_DIRECTORY if stat.S_ISDIR(st.st_mode) else 0)
+            fd = os.open(p, flags)
+            try:
+                for name in os.listxattr(fd):
+                    os.removexattr(fd, name)
+                mode = stat.S_IMODE(os.fstat(fd).st_mode)
+                new = mode & ~0o022
+                if stat.S_ISDIR(st.st_mode):
+                    new &= ~(stat.S_ISUID | stat.S_ISGID)
+                elif not allow_setuid and new & (stat.S_ISUID | stat.S_ISGID):
+                    new &= ~(stat.S_ISUID | stat.S_ISGID)
+                    removed.append(str(p.relative_to(root)))
+                if new != mode:
+                    os.fchmod(fd, new)
+                if os.geteuid() == 0 and (os.fstat(fd).st_uid or os.fstat(fd).st_gid):
+                    os.fchown(fd, 0, 0)  # root-owned: nobody else can change the tree
+            finally:
+                os.close(fd)
+    return removed
 
 
 def _file_sha(p: Path) -> str:
@@ -142,8 +188,11 @@ class Store:
         return self.dir / "trees" / digest.split(":", 1)[1]
 
     # -- adding -----------------------------------------------------------------------------
-    def commit(self, staged_root: Path, meta: dict, name: str | None = None) -> Image:
-        """Move a finished tree into the store (digest computed here), name it, return it."""
+    def commit(self, staged_root: Path, meta: dict, name: str | None = None, *, allow_setuid: bool = False) -> Image:
+        """Move a finished tree into the store (sanitized, its digest computed here), name it."""
+        stripped = sanitize(staged_root, allow_setuid)
+        if stripped:
+            meta = {**meta, "setuid_removed": sorted(set(meta.get("setuid_removed", [])) | set(stripped))[:100]}
         digest, entries, size = tree_digest(staged_root)
         dest = self.tree(digest)
         os.chmod(staged_root, 0o755)
@@ -265,7 +314,9 @@ class Store:
     def gc(self, keep: set[str] = frozenset()) -> list[str]:
         """Remove trees no name points at (except ``keep``: digests agents use) and stale staging."""
         named = set(self.names().values()) | set(keep)
-        out = [d for d in self.digests() if d not in named]
+        now = time.time()
+        # a tree stored in the last 10 minutes may be a build about to be named: kept
+        out = [d for d in self.digests() if d not in named and now - os.lstat(self.tree(d)).st_mtime > 600]
         for d in out:
             self._drop(d)
         staging = self.dir / "staging"
@@ -291,6 +342,9 @@ def require_signature(store: Store, digest: str, signers_file: Path, identities:
         raise PolicyDenied(f"{why} requires a signed image, and no signers are configured ({signers_file} is missing)",
                            hint="list the operator's signers there in ssh-keygen's allowed_signers format",
                            code="image.unsigned")
+    from agentvm.sshsig import check_signers_file
+
+    check_signers_file(signers_file, "the image signers file")  # root's, writable by nobody else
     got = verified_principals(store, digest, signers_file)
     ok = [p for p in got if not identities or p in identities]
     if not ok:

@@ -48,7 +48,7 @@ class _M(BaseModel):
 class FileCopy(_M):
     src: str
     dest: str
-    mode: str | None = Field(None, pattern=r"^0?[0-7]{3,4}$")
+    mode: str | None = Field(None, pattern=r"^0?[0-7]{3}$")  # no setuid, setgid or sticky bits
 
 
 class ImageSpec(_M):
@@ -136,6 +136,9 @@ def build(store: Store, path: Path, *, progress: Callable[[str], None] = lambda 
     base = Path(path).resolve().parent
     for fc in spec.files:  # checked before a long build, not after
         src = (base / fc.src).resolve()
+        if src != base and base not in src.parents:
+            raise ConfigError(f"{path}: files: {fc.src} is outside the build file's folder ({base})",
+                              hint="a build copies only what sits beside its file: copy what you need there first")
         if not src.exists():
             raise ConfigError(f"{path}: files: {fc.src} does not exist (relative to {base})")
     staging = store.staging()
@@ -193,8 +196,10 @@ def _run_in(root: Path, cmd: str, bwrap: str | None) -> None:
     exe = bwrap or shutil.which("bwrap")
     if exe is None:
         raise ImageError("bwrap is needed to run build commands", code="image.no-bwrap")
+    # no capabilities (no setcap, no chown to others, no mknod); what the command leaves in the
+    # tree is sanitized before it is stored (no setuid, no xattrs, nothing writable by others)
     argv = [exe, "--bind", str(root), "/", "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp",
-            "--unshare-all", "--die-with-parent", "--new-session", "--clearenv",
+            "--unshare-all", "--die-with-parent", "--new-session", "--clearenv", "--cap-drop", "ALL",
             "--setenv", "PATH", "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
             "--setenv", "HOME", "/root", "--setenv", "LC_ALL", "C.UTF-8", "--chdir", "/",
             "/bin/sh", "-c", cmd]

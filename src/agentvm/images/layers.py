@@ -27,6 +27,21 @@ from typing import BinaryIO, Callable
 
 from agentvm.images import ImageError
 
+MAX_HEADER = 1024 * 1024  # a pax or GNU long-name header (tarfile reads it whole into memory)
+MAX_ARCHIVE_MEMBERS = 100_000  # members of an outer docker-save / OCI archive
+
+
+class _SafeTarInfo(tarfile.TarInfo):
+    """Refuses a pax or GNU long-name/long-link header before ``tarfile`` reads its payload
+    into memory (a 500 KB gzip layer can otherwise claim gigabytes there)."""
+
+    def _proc_member(self, tarfile_):  # noqa: D401 - tarfile's own hook
+        if self.type in (tarfile.XHDTYPE, tarfile.XGLTYPE, tarfile.SOLARIS_XHDTYPE, tarfile.GNUTYPE_LONGNAME,
+                         tarfile.GNUTYPE_LONGLINK) and self.size > MAX_HEADER:
+            raise tarfile.HeaderError(f"an extended header of {self.size} bytes (over {MAX_HEADER})")
+        return super()._proc_member(tarfile_)
+
+
 MAX_FILE = 4 * 1024**3
 MAX_TOTAL = 16 * 1024**3
 MAX_ENTRIES = 1_000_000
@@ -122,9 +137,9 @@ def apply_layer(stream: BinaryIO, root: Path, limits: Limits, stats: Stats, what
     counting = _Counting(raw, limits.max_total - stats.bytes + 64 * 1024**2, what)
     buffered = io.BufferedReader(counting, 1 << 16)
     written_here: set[str] = set()
-    dir_modes: list[tuple[Path, int]] = []
+    dir_modes: list[tuple[list[str], int, int]] = []  # (path parts, mode, inode) of directories made
     try:
-        tar = tarfile.open(fileobj=buffered, mode="r|")
+        tar = tarfile.open(fileobj=buffered, mode="r|", tarinfo=_SafeTarInfo)
         for m in tar:
             stats.entries += 1
             if stats.entries > limits.max_entries:
@@ -132,15 +147,33 @@ def apply_layer(stream: BinaryIO, root: Path, limits: Limits, stats: Stats, what
             _entry(tar, m, root, limits, stats, written_here, dir_modes)
         while buffered.read(1 << 16):  # the rest (tar padding) counts toward the digest
             pass
+    except ImageError:
+        raise
     except tarfile.TarError as exc:
         raise ImageError(f"{what} is not a valid tar archive ({exc})", code="image.bad-archive") from None
-    except (EOFError, gzip.BadGzipFile, OSError) as exc:
-        if isinstance(exc, ImageError):
-            raise
+    except (EOFError, gzip.BadGzipFile, OSError, ValueError) as exc:
         raise ImageError(f"{what} could not be read ({type(exc).__name__}: {exc})", code="image.bad-archive") from None
-    for d, mode in reversed(dir_modes):  # last: a read-only directory is still written into first
-        os.chmod(d, mode)
+    for parts, mode, ino in reversed(dir_modes):  # last: a read-only directory is still written into first
+        _chmod_dir(root, parts, mode, ino)
     return "sha256:" + counting.sha.hexdigest()
+
+
+def _chmod_dir(root: Path, parts: list[str], mode: int, ino: int) -> None:
+    """A directory's final mode, set through file descriptors opened with O_NOFOLLOW from the
+    root down: a later entry that replaced it (or a parent) with a symlink is never followed -
+    the mode of whatever it points at, on the host, is never touched."""
+    fds = [os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)]
+    try:
+        for part in parts:
+            try:
+                fds.append(os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fds[-1]))
+            except OSError:
+                return  # gone, or no longer a directory (a whiteout, a later entry): nothing to set
+        if os.fstat(fds[-1]).st_ino == ino:
+            os.fchmod(fds[-1], mode)
+    finally:
+        for fd in fds:
+            os.close(fd)
 
 
 class _Prefixed(io.RawIOBase):
@@ -186,11 +219,14 @@ def _entry(tar, m: tarfile.TarInfo, root: Path, limits: Limits, stats: Stats, wr
     parent = _ensure_parents(root, parts, name)
     dest = parent / base
     rel = "/".join(parts)
-    mode = m.mode & 0o7777
-    if mode & (stat.S_ISUID | stat.S_ISGID) and not m.isdir():
-        if not limits.allow_setuid:
-            stats.setuid_removed.append(rel)
-            mode &= ~(stat.S_ISUID | stat.S_ISGID)
+    # nothing group- or world-writable (the tree is reachable by path on the host; the sandbox
+    # binds it read-only anyway); setuid and setgid only when asked for, never on a directory
+    mode = m.mode & 0o7755
+    if m.isdir():
+        mode &= ~(stat.S_ISUID | stat.S_ISGID)
+    elif mode & (stat.S_ISUID | stat.S_ISGID) and not limits.allow_setuid:
+        stats.setuid_removed.append(rel)
+        mode &= ~(stat.S_ISUID | stat.S_ISGID)
     if m.ischr() or m.isblk():
         raise _refuse(name, "a device node (an image never carries devices; /dev is the sandbox's own)")
     try:
@@ -203,7 +239,7 @@ def _entry(tar, m: tarfile.TarInfo, root: Path, limits: Limits, stats: Stats, wr
             existing = None
         if existing is None:
             os.mkdir(dest, 0o700)
-        dir_modes.append((dest, mode))
+        dir_modes.append((parts, mode, os.lstat(dest).st_ino))
         written.add(rel)
         return
     if existing is not None:
@@ -276,37 +312,48 @@ class _Source:
             self.members = None
         elif self.path.is_file():
             try:
-                self.tar = tarfile.open(self.path, "r:*")
-            except tarfile.TarError as exc:
-                raise ImageError(f"{path} is not a tar archive ({exc})", code="image.bad-archive") from None
-            self.members = {}
-            for m in self.tar.getmembers():
-                n = "/".join(_parts(m.name, "an archive path"))
-                if m.isreg():
-                    self.members[n] = m
+                self.tar = tarfile.open(self.path, "r:*", tarinfo=_SafeTarInfo)
+                self.members = {}
+                for i, m in enumerate(self.tar):
+                    if i >= MAX_ARCHIVE_MEMBERS:
+                        raise ImageError(f"{path} has over {MAX_ARCHIVE_MEMBERS} members", code="image.too-large")
+                    n = "/".join(_parts(m.name, "an archive path"))
+                    if m.isreg():
+                        self.members[n] = m
+            except (tarfile.TarError, ValueError, EOFError, OSError) as exc:
+                raise ImageError(f"{path} is not a readable tar archive ({exc})", code="image.bad-archive") from None
         else:
             raise ImageError(f"{path} does not exist", code="image.missing")
 
     def has(self, rel: str) -> bool:
         if self.members is None:
-            p = self._path(rel)
-            return p.is_file()
+            try:
+                self.open(rel).close()
+                return True
+            except ImageError:
+                return False
         return rel in self.members
-
-    def _path(self, rel: str) -> Path:
-        parts = _parts(rel, "a path in the layout")
-        p = self.path.joinpath(*parts)
-        real = os.path.realpath(p)
-        if not (real == str(self.path.resolve()) or real.startswith(str(self.path.resolve()) + os.sep)):
-            raise ImageError(f"{rel} leaves the layout directory (a symlink?)", code="image.hostile")
-        return p
 
     def open(self, rel: str) -> BinaryIO:
         if self.members is None:
+            parts = _parts(rel, "a path in the layout")
+            fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY)
             try:
-                return open(self._path(rel), "rb")
+                for i, part in enumerate(parts):  # never through a symlink, checked and opened at once
+                    flags = os.O_RDONLY | os.O_NOFOLLOW | (os.O_DIRECTORY if i < len(parts) - 1 else 0)
+                    nxt = os.open(part, flags, dir_fd=fd)
+                    os.close(fd)
+                    fd = nxt
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    raise ImageError(f"{rel} in {self.path} is not a regular file", code="image.bad-archive")
+                return os.fdopen(fd, "rb")
             except FileNotFoundError:
+                os.close(fd)
                 raise ImageError(f"{rel} is missing from {self.path}", code="image.bad-archive") from None
+            except OSError as exc:
+                os.close(fd)
+                raise ImageError(f"{rel} in {self.path} cannot be opened without following a link ({exc.strerror})",
+                                 code="image.hostile") from None
         m = self.members.get("/".join(_parts(rel, "a path in the archive")))
         if m is None:
             raise ImageError(f"{rel} is missing from {self.path}", code="image.bad-archive")
@@ -319,7 +366,7 @@ class _Source:
             raise ImageError(f"{rel} is over {limit} bytes", code="image.bad-archive")
         try:
             return json.loads(data)
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:
             raise ImageError(f"{rel} is not JSON ({exc})", code="image.bad-archive") from None
 
 
@@ -327,6 +374,15 @@ def import_layers(src_path: Path, root: Path, limits: Limits, *, ref: str | None
                   progress: Callable[[str], None] = lambda s: None) -> tuple[Stats, dict]:
     """Apply every layer of the image at ``src_path`` (OCI layout or docker save; a directory
     or a tar file) to ``root``; -> (stats, a description of the source for the metadata)."""
+    try:
+        return _import_layers(src_path, root, limits, ref, progress)
+    except (AttributeError, TypeError, KeyError, IndexError) as exc:  # a manifest of the wrong shape
+        raise ImageError(f"{src_path}: the image's manifest or index is malformed ({type(exc).__name__}: {exc})",
+                         code="image.bad-archive") from None
+
+
+def _import_layers(src_path: Path, root: Path, limits: Limits, ref: str | None,
+                   progress: Callable[[str], None]) -> tuple[Stats, dict]:
     src = _Source(src_path)
     stats = Stats()
     if src.has("index.json") and src.has("oci-layout"):
@@ -362,13 +418,13 @@ def import_layers(src_path: Path, root: Path, limits: Limits, *, ref: str | None
         config = src.json(pick["Config"]) if pick.get("Config") else {}
         diff_ids = (config.get("rootfs") or {}).get("diff_ids") or []
         layers = pick.get("Layers") or []
-        if diff_ids and len(diff_ids) != len(layers):
-            raise ImageError("the image's config lists a different number of layers", code="image.bad-archive")
+        if len(diff_ids) != len(layers):  # every layer is checked against its digest, or none is taken
+            raise ImageError("the image's config does not list a diff id for each layer", code="image.bad-archive")
         for i, layer in enumerate(layers):
             progress(f"layer {i + 1}/{len(layers)} {layer[:40]}")
             with src.open(layer) as f:
                 got = apply_layer(f, root, limits, stats, f"layer {layer}")
-            if diff_ids and got != diff_ids[i]:
+            if got != diff_ids[i]:
                 raise ImageError(f"layer {layer} does not match the config's diff id", code="image.digest-mismatch")
         return stats, {"format": "docker-save", "tags": pick.get("RepoTags") or []}
     raise ImageError(f"{src_path} is neither an OCI image layout (index.json, oci-layout) nor a docker save "
@@ -453,7 +509,7 @@ def copy_in(root: Path, src: Path, dest: str, mode: int | None) -> None:
     out = parent / parts[-1]
     _remove(out)
     if src.is_dir() and not src.is_symlink():
-        shutil.copytree(src, out, symlinks=True)
+        shutil.copytree(src, out, symlinks=True)  # links are copied as links, never followed
     elif src.is_file() and not src.is_symlink():
         shutil.copyfile(src, out)
         os.chmod(out, mode if mode is not None else (0o755 if os.access(src, os.X_OK) else 0o644))
