@@ -160,9 +160,11 @@ def test_a_hostile_archive_is_refused_and_leaves_nothing(avm_home, tmp_path):
         t.addfile(ti, io.BytesIO(b"evil"))
     layer = gzip.compress(evil.getvalue())
     arc = tmp_path / "evil.tar"
+    config = json.dumps({"rootfs": {"type": "layers", "diff_ids": ["sha256:" + hashlib.sha256(evil.getvalue())
+                                                                   .hexdigest()]}}).encode()
     with tarfile.open(arc, "w") as t:
-        for name, data in (("l/layer.tar", layer), ("manifest.json", json.dumps(
-                [{"Config": "", "RepoTags": ["evil:1"], "Layers": ["l/layer.tar"]}]).encode())):
+        for name, data in (("l/layer.tar", layer), ("c.json", config), ("manifest.json", json.dumps(
+                [{"Config": "c.json", "RepoTags": ["evil:1"], "Layers": ["l/layer.tar"]}]).encode())):
             ti = tarfile.TarInfo(name)
             ti.size = len(data)
             t.addfile(ti, io.BytesIO(data))
