@@ -205,3 +205,76 @@ def test_an_image_is_the_root_on_gvisor_too(built, host_marker):
            f"cat /usr/share/agentvm-image-marker; test -e {host_marker} && echo HOST-LEAK || echo no-host-usr",
            timeout=300)
     assert r.stdout == b"one\nno-host-usr\n", r.stdout
+
+
+def _wheel(d: Path) -> tuple[str, bytes]:
+    import base64
+    import zipfile
+
+    files = {"agentvm_testpkg.py": b'VALUE = "from-pip"\n',
+             "agentvm_testpkg-1.0.dist-info/METADATA": b"Metadata-Version: 2.1\nName: agentvm-testpkg\nVersion: 1.0\n",
+             "agentvm_testpkg-1.0.dist-info/WHEEL": b"Wheel-Version: 1.0\nGenerator: agentvm-test\n"
+                                                    b"Root-Is-Purelib: true\nTag: py3-none-any\n"}
+    record = "".join(f"{n},sha256={base64.urlsafe_b64encode(hashlib.sha256(b).digest()).rstrip(b'=').decode()},"
+                     f"{len(b)}\n" for n, b in files.items()) + "agentvm_testpkg-1.0.dist-info/RECORD,,\n"
+    name = "agentvm_testpkg-1.0-py3-none-any.whl"
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as z:
+        for n, b in {**files, "agentvm_testpkg-1.0.dist-info/RECORD": record.encode()}.items():
+            z.writestr(n, b)
+    return name, buf.getvalue()
+
+
+def test_pip_packages_come_through_the_gate_from_the_index_only(avm_home, tmp_path):
+    """A build's pip step runs the image's own pip in a sandbox whose only route out is the
+    gate, to the declared index (here a PyPI-style index on loopback, served by the test)."""
+    import http.server
+    import threading
+
+    name, whl = _wheel(tmp_path)
+    sha = hashlib.sha256(whl).hexdigest()
+    seen = []
+
+    class Index(http.server.BaseHTTPRequestHandler):
+        def log_message(self, *a):
+            pass
+
+        def do_GET(self):
+            seen.append(self.path)
+            if self.path.rstrip("/") == "/simple/agentvm-testpkg":
+                body = f'<html><body><a href="/files/{name}#sha256={sha}">{name}</a></body></html>'.encode()
+                ctype = "text/html"
+            elif self.path == f"/files/{name}":
+                body, ctype = whl, "application/octet-stream"
+            else:
+                self.send_error(404)
+                return
+            self.send_response(200)
+            self.send_header("Content-Type", ctype)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Index)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        (tmp_path / "pip.yaml").write_text(textwrap.dedent(f"""\
+            apiVersion: agentvm/v1
+            kind: Image
+            metadata: {{name: t-img-pip}}
+            spec:
+              packages: [python3, python3-pip]
+              pip:
+                packages: [agentvm-testpkg==1.0]
+                indexUrl: http://pypi.test:{srv.server_address[1]}/simple/
+                hosts: {{pypi.test: 127.0.0.1}}
+            """))
+        r = av("image", "build", str(tmp_path / "pip.yaml"), timeout=900)
+        assert b"through the gate" in r.stderr
+        assert any(p.startswith("/files/") for p in seen), seen
+        out = av("run", "--image", "t-img-pip", "--", "python3", "-c",
+                 "import agentvm_testpkg; print(agentvm_testpkg.VALUE)")
+        assert out.stdout == b"from-pip\n"
+    finally:
+        srv.shutdown()
+        srv.server_close()

@@ -51,10 +51,40 @@ class FileCopy(_M):
     mode: str | None = Field(None, pattern=r"^0?[0-7]{3}$")  # no setuid, setgid or sticky bits
 
 
+class PipSpec(_M):
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    packages: list[str] = Field(min_length=1)
+    index_url: str = Field("https://pypi.org/simple/", alias="indexUrl",
+                           pattern=r"^https?://[A-Za-z0-9.-]+(:[0-9]{1,5})?(/[A-Za-z0-9._~/-]*)?$")
+    hosts: dict[str, str] = Field(default_factory=dict)  # name -> address for the gate (a private index)
+
+    @field_validator("packages")
+    @classmethod
+    def _reqs(cls, v: list[str]) -> list[str]:
+        import re
+
+        for p in v:
+            if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*(\[[A-Za-z0-9,._-]+\])?([<>=!~]=?[A-Za-z0-9.*+!-]+)?", p):
+                raise ValueError(f"{p!r} is not a requirement (NAME[EXTRAS][==VERSION]; no URLs, no options)")
+        return v
+
+    def allow(self) -> list[str]:
+        from urllib.parse import urlsplit
+
+        u = urlsplit(self.index_url)
+        port = u.port or (443 if u.scheme == "https" else 80)
+        out = [f"{u.hostname}:{port}"]
+        if u.hostname == "pypi.org":
+            out.append("files.pythonhosted.org:443")  # where pypi.org's files are
+        return out
+
+
 class ImageSpec(_M):
     suite: str = Field("bookworm", pattern=r"^[a-z][a-z0-9-]{1,30}$")
     variant: Literal["essential", "minbase", "apt"] = "essential"
     packages: list[str] = Field(default_factory=list)
+    pip: PipSpec | None = None
     files: list[FileCopy] = Field(default_factory=list)
     run: list[str] = Field(default_factory=list)
     epoch: int = Field(0, ge=0)
@@ -174,6 +204,8 @@ def build(store: Store, path: Path, *, progress: Callable[[str], None] = lambda 
             stats = Stats()
             with open(tarball, "rb") as t:
                 apply_layer(t, root, Limits(), stats, "the mmdebstrap tarball")
+        if spec.pip is not None:
+            root = _pip(store, root, staging, spec.pip, progress)
         for fc in spec.files:
             progress(f"copying {fc.src} -> {fc.dest}")
             copy_in(root, (base / fc.src).resolve(), fc.dest, int(fc.mode, 8) if fc.mode else None)
@@ -187,6 +219,61 @@ def build(store: Store, path: Path, *, progress: Callable[[str], None] = lambda 
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return img, stats
+
+
+PIP_TIMEOUT = "20m"
+
+
+def _pip(store: Store, root: Path, staging: Path, pip: PipSpec, progress) -> Path:
+    """pip packages, installed by the image's own pip in an agent-vm sandbox on the image so far:
+    its only route out is the egress gate, to the package index and nothing else; what pip
+    writes (under a granted folder, ``--root``) is applied to the tree as one more layer, with
+    every check a layer gets. -> the new tree."""
+    import shutil
+    import sys
+    import tarfile
+    from urllib.parse import urlsplit
+
+    progress(f"pip: {len(pip.packages)} packages from {pip.index_url} (through the gate: "
+             f"{', '.join(pip.allow())} only)")
+    interim = store.commit(root, {"source": "build-interim"})
+    # the grant is outside agent-vm's home (a sandbox is never granted agent-vm's own state)
+    out = Path(tempfile.mkdtemp(prefix="agentvm-pip-"))
+    os.chmod(out, 0o755)
+    try:
+        argv = [sys.executable, "-m", "agentvm", "run", "--image", interim.digest, "--mount", f"{out}:/out:rw",
+                "--timeout", PIP_TIMEOUT, "--memory", "2G"]
+        for a in pip.allow():
+            argv += ["--allow", a]
+        for name, addr in sorted(pip.hosts.items()):
+            argv += ["--add-host", f"{name}={addr}"]
+        argv += ["--", "python3", "-m", "pip", "install", "--root", "/out", "--no-cache-dir",
+                 "--disable-pip-version-check", "--no-warn-script-location", "--break-system-packages",
+                 "--index-url", pip.index_url]
+        if pip.index_url.startswith("http://"):
+            argv += ["--trusted-host", urlsplit(pip.index_url).hostname]
+        argv += pip.packages
+        env = {**os.environ, "AGENTVM_NO_DAEMON": "1"}
+        r = subprocess.run(argv, capture_output=True, env=env, stdin=subprocess.DEVNULL, timeout=1500)
+        for line in r.stdout.decode(errors="replace").splitlines()[-8:]:
+            progress("  " + line)
+        if r.returncode != 0:
+            tail = (r.stdout + r.stderr).decode(errors="replace").strip().splitlines()[-6:]
+            raise ImageError(f"pip install failed (exit {r.returncode}): " + " | ".join(tail), code="image.build-failed",
+                             hint="the image needs python3-pip in its packages; the index must serve the packages")
+        final = staging / "root2"
+        subprocess.run(["cp", "-a", "--", str(interim.root), str(final)], check=True)
+        layer = staging / "pip-layer.tar"
+        with tarfile.open(layer, "w") as t:
+            t.add(out, arcname=".")  # links are stored as links (never followed)
+        with open(layer, "rb") as f:
+            apply_layer(f, final, Limits(), Stats(), "what pip installed")
+        layer.unlink()
+        return final
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+        if interim.digest not in store.names().values():
+            store._drop(interim.digest)
 
 
 def _run_in(root: Path, cmd: str, bwrap: str | None) -> None:
