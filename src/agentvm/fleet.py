@@ -306,6 +306,8 @@ def _load(g: _Scratch, repo: Path, commit: str, trust: dict) -> Fleet:
                 problems.append(f"{path}: {exc}")
     signed = verify(g, commit, trust, config)
     problems += _check_pins(g, config, entries)
+    if trust.get("pins"):  # the operator's own pins: a commit cannot change these
+        problems += [p.replace(FLEET_CONFIG, "<home>/fleet.yaml") for p in _check_pins(g, {"pins": trust["pins"]}, entries)]
     agents: dict[str, FleetAgent] = {}
     with tempfile.TemporaryDirectory(prefix="agentvm-fleet-") as tmp:
         pdir = Path(tmp) / "presets"
@@ -443,8 +445,11 @@ def load_trust(home: Path) -> dict:
         doc = yaml.safe_load(path.read_text()) or {}
     except (OSError, yaml.YAMLError) as exc:
         raise FleetError(f"{path}: {exc}") from None
-    if not isinstance(doc, dict) or not set(doc) <= {"requireSigned", "allowedSigners"}:
-        raise FleetError(f"{path}: only requireSigned and allowedSigners are known")
+    if not isinstance(doc, dict) or not set(doc) <= {"requireSigned", "allowedSigners", "pins"}:
+        raise FleetError(f"{path}: only requireSigned, allowedSigners and pins are known")
+    pins = doc.get("pins") or {}
+    if not isinstance(pins, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in pins.items()):
+        raise FleetError(f"{path}: pins is a map PATH: sha256:HEX")
     return doc
 
 

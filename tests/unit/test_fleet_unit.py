@@ -276,3 +276,17 @@ def test_widening_beyond_new_hosts_is_called_out(repo):
         assert any(word in w for w in fl.widening(base, pol(extra))), extra
     narrower = pol("riskTier: L3\negress:\n  allow: []\n  deny: [{host: a.test, paths: ['/v1/admin/**']}]\n")
     assert fl.widening(base, narrower) == []
+
+
+def test_the_operators_pins_hold_whatever_the_commit_says(repo):
+    import hashlib
+
+    good = "print('v1')\n"
+    c = commit(repo, {"a.yaml": agent("a"), "tools/server.py": good})
+    pin = {"tools/server.py": "sha256:" + hashlib.sha256(good.encode()).hexdigest()}
+    assert fl.load(repo, c, trust={"pins": pin}).agents
+    c2 = commit(repo, {"tools/server.py": "print('evil')\n",
+                       "agentvm-fleet.yaml": "pins: {}\n"})  # the commit drops its own pins: not the operator's
+    with pytest.raises(ConfigError) as e:
+        fl.load(repo, c2, trust={"pins": pin})
+    assert "tools/server.py: content" in e.value.message and "does not match its pin" in e.value.message
