@@ -178,6 +178,7 @@ def test_a_failing_canary_is_rolled_back_and_stops_the_apply(daemon, tmp_path, c
     cfg = "canary:\n  agents: ['pf-*']\n  seconds: 2\n  healthchecks:\n    pf-c1: [/bin/sh, -c, 'test -e /tmp/ok']\n"
     c1 = repo.commit({"agentvm-fleet.yaml": cfg, "c1.yaml": agent_yaml("pf-c1"), "c2.yaml": agent_yaml("pf-c2")}, "one")
     av("apply", "--repo", str(repo.path), "--commit", c1)
+    first_seq = max(json.loads(x)["seq"] for x in av("audit", "show", "--json").stdout.splitlines())
     # pf-c1's new version starts but fails its health check (no /tmp/ok); pf-c2 comes after it
     c2 = repo.commit({"c1.yaml": agent_yaml("pf-c1", command="echo v2; exec sleep 600"),
                       "c2.yaml": agent_yaml("pf-c2", command="echo v2; exec sleep 600")}, "two")
@@ -194,7 +195,12 @@ def test_a_failing_canary_is_rolled_back_and_stops_the_apply(daemon, tmp_path, c
     out = json.loads(av("apply", "--repo", str(repo.path), "--commit", c3, "--json", check=False).stdout)
     assert out["result"] == "failed" and "stay up" in out["failure"]["message"]
     recs = [json.loads(x) for x in av("audit", "show", "--json", "--sandbox", "pf-c1").stdout.splitlines()]
-    assert sum(r["kind"] == "fleet.agent-rolled-back" for r in recs) == 2
+    # the canaries ran beside the old version, which was never stopped: nothing to roll back
+    assert sum(r["kind"] == "fleet.canary-failed" for r in recs) == 2
+    assert not any(r["kind"] in ("fleet.agent-rolled-back", "lifecycle.stopped") for r in recs
+                   if r["seq"] > first_seq), [r["kind"] for r in recs]
+    assert agents(status()[1])["pf-c1"]["state"] == "running"
+    assert "pf-c1-canary" not in {r["name"] for r in json.loads(av("ps", "--json").stdout)}, "the canary is gone"
     # a version that passes: applied
     c4 = repo.commit({"c1.yaml": agent_yaml("pf-c1", command="touch /tmp/ok; exec sleep 600")}, "four")
     out = json.loads(av("apply", "--repo", str(repo.path), "--commit", c4, "--json").stdout)

@@ -1550,6 +1550,11 @@ class Daemon:
                 "lifecycle": fa.policy.lifecycle, "policy_patch": "{}"}
         meta = {"repo": fleet.repo, "commit": fleet.commit, "path": fa.path, "digest": fa.digest}
         was_running = old is not None and old.desired == "running"
+        if canary is not None and was_running:
+            # beside the old version, which keeps running: the new one under a name of its own
+            # (its own uid, a fresh workspace: the durable one has one writer), checked, removed
+            await self._fleet_canary_beside(fleet, fa, actor, canary)
+            canary = {**canary, "seconds": 0}  # the replacement still has to come up (checked below)
         if old is not None and old.policy_patch not in ("", "{}"):
             self.record("fleet.live-changes-dropped", actor=actor, sandbox=fa.name, patch=json.loads(old.policy_patch))
         # the new version is the state first (one transaction): a daemon killed from here on
@@ -1585,6 +1590,41 @@ class Daemon:
         self.record("fleet.agent-rolled-back", actor=actor, sandbox=fa.name, to=(old_meta or {}).get("commit"))
         raise ApiError(409, "fleet.agent-failed", f"{fa.name} at {fleet.commit[:12]} did not pass: {problem}; it runs "
                        "its previous version again and the apply stopped here", exit_code=1)
+
+    async def _fleet_canary_beside(self, fleet, fa, actor: str, canary: dict) -> None:
+        import yaml
+
+        cname = (fa.name[:56] + "-canary").strip("-")
+        if self.state.get(cname) is not None:
+            raise ApiError(409, "fleet.canary-name-taken", f"cannot run the canary of {fa.name} beside it: a sandbox "
+                           f"named {cname} exists", exit_code=1)
+        doc = yaml.safe_load(fa.spec_text)
+        doc["metadata"]["name"] = cname
+        doc["spec"]["workspace"] = {"enabled": False}
+        doc["spec"]["lifecycle"] = "persistent"
+        spec = {"spec_text": yaml.safe_dump(doc, sort_keys=True),
+                "spec_file": f"{fleet.repo}@{fleet.commit[:12]}:{fa.path} (canary)", "lifecycle": "persistent",
+                "policy_patch": "{}"}
+        hc = (canary.get("healthchecks") or {}).get(fa.name)
+        check = {**canary, "healthchecks": {cname: hc} if hc else {}}
+        self.record("fleet.canary-started", actor=actor, sandbox=fa.name, canary=cname, commit=fleet.commit)
+        self.state.fleet_put(cname, spec, None)
+        try:
+            try:
+                problem = await self._fleet_start_checked(cname, actor, check)
+            except Exception as exc:  # noqa: BLE001
+                problem = f"{type(exc).__name__}: {getattr(exc, 'message', exc)}"[:500]
+        finally:
+            try:
+                if self.state.get(cname) is not None:
+                    await self.stop(cname, actor=actor)
+            finally:
+                self.state.fleet_put(cname, None, None)
+                self.managed.pop(cname, None)
+        if problem is not None:
+            self.record("fleet.canary-failed", actor=actor, sandbox=fa.name, commit=fleet.commit, problem=problem)
+            raise ApiError(409, "fleet.agent-failed", f"the canary of {fa.name} at {fleet.commit[:12]} did not pass: "
+                           f"{problem}; the old version ran on untouched and the apply stopped here", exit_code=1)
 
     async def _fleet_start_checked(self, name: str, actor: str, canary: dict | None) -> str | None:
         m = self.managed.get(name)
