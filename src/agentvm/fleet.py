@@ -656,17 +656,33 @@ def diff(old, new) -> list[str]:
 
 # ---------------------------------------------------------------------------- replay
 def replay(records: list[dict], old, new) -> dict:
-    """Decide each recorded egress decision again under ``new``: what it would break (allowed
-    today, denied then) and widen (denied today, allowed then). Only decisions a policy made
-    (rule ids of allow rules or of policy denials) are replayed; limits, credentials and
-    protocol errors are not policy and are skipped."""
+    """Decide each recorded egress decision and tool call again under ``new``: what it would
+    break (allowed today, denied - or, for a tool, held for a human - then) and widen (denied
+    today, allowed then). Only decisions a policy made (rule ids of allow rules or of policy
+    denials) are replayed; limits, credentials and protocol errors are not policy and are
+    skipped. Tool calls are replayed by the tool's name (the log keeps a digest of the
+    arguments, not the arguments: argument constraints are not replayed)."""
     from agentvm.gate.policy import RequestMeta, decide
 
     breakage, widened, n = {}, {}, 0
-    if new.egress is None:
-        return {"replayed": 0, "breakage": [], "widening": []}
+    for rec in records:
+        if rec.get("phase") != "tool" or not rec.get("tool"):
+            continue
+        was = _was_tool(rec)
+        if was is None:
+            continue
+        now = _tool_verdict(str(rec["tool"]), new)
+        n += 1
+        key = f"tool {rec['tool']}"
+        if was == "allow" and now != "allow":
+            k = key + (" (now needs a human)" if now == "ask" else "")
+            breakage[k] = breakage.get(k, 0) + 1
+        elif was == "deny" and now != "deny":
+            widened[key] = widened.get(key, 0) + 1
     for rec in records:
         rule = str(rec.get("rule") or "")
+        if new.egress is None:
+            break
         if not rec.get("host") or rec.get("phase") not in ("request", "connect", "clienthello"):
             continue
         if rec.get("verdict") == "deny" and not (rule == "default-deny" or rule.startswith(("deny", "doh:"))
@@ -691,6 +707,35 @@ def replay(records: list[dict], old, new) -> dict:
             widened[key] = widened.get(key, 0) + 1
     return {"replayed": n, "breakage": [{"request": k, "count": c} for k, c in sorted(breakage.items())],
             "widening": [{"request": k, "count": c} for k, c in sorted(widened.items())]}
+
+
+def _was_tool(rec: dict) -> str | None:
+    """A recorded tool call's verdict, when a policy made it by the tool's name: "allow",
+    "deny", or None (arguments, limits, servers and approvals are not replayed: the log keeps
+    only a digest of the arguments)."""
+    rule = str(rec.get("rule") or "")
+    if rec.get("verdict") == "allow" and rule.startswith("tools:allow:"):
+        return "allow"
+    if rec.get("verdict") == "deny" and (rule in ("tools:not-allowed", "tools:unknown-server")
+                                         or rule.startswith("tools:deny:")):
+        return "deny"
+    return None
+
+
+def _tool_verdict(target: str, policy) -> str:
+    """What ``policy`` says of calling ``target`` (SERVER__TOOL) by its name alone."""
+    from agentvm.tools import policy as tp
+
+    tools = getattr(policy, "tools", None)
+    split = tp.split_name(target)
+    if tools is None or split is None:
+        return "deny"
+    sp = tools.server(split[0])
+    if sp is None or not tp.visible(sp, split[1]):
+        return "deny"
+    if tp._match(sp.approve, split[1]) is not None or tp.risk_of(sp, split[1]) in tools.tier_approval:
+        return "ask"
+    return "allow"
 
 
 def recorded(logs_dir: Path, agent: str, *, since: float | None = None, last: int = 1000) -> list[dict]:

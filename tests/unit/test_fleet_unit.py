@@ -290,3 +290,32 @@ def test_the_operators_pins_hold_whatever_the_commit_says(repo):
     with pytest.raises(ConfigError) as e:
         fl.load(repo, c2, trust={"pins": pin})
     assert "tools/server.py: content" in e.value.message and "does not match its pin" in e.value.message
+
+
+def test_replay_of_recorded_tool_calls_by_name(repo):
+    from agentvm.policy import compile_policy
+    from agentvm.spec.loader import load_agent_text
+
+    def pol(tools):
+        return compile_policy(load_agent_text(agent("w", "riskTier: L3\ntools:\n" + textwrap.indent(
+            textwrap.dedent(tools), "  ")), "w.yaml", preset_dirs=[]).spec)
+
+    old = pol("""\
+        - name: gh
+          command: [/bin/true]
+          allow: [get_issue, list_prs]
+        """)
+    new = pol("""\
+        - name: gh
+          command: [/bin/true]
+          allow: [list_prs, search]
+          approve: [get_issue]
+        """)
+    recs = [{"phase": "tool", "tool": "gh__get_issue", "verdict": "allow", "rule": "tools:allow:gh:get_issue"},
+            {"phase": "tool", "tool": "gh__list_prs", "verdict": "allow", "rule": "tools:allow:gh:list_prs"},
+            {"phase": "tool", "tool": "gh__search", "verdict": "deny", "rule": "tools:not-allowed"},
+            {"phase": "tool", "tool": "gh__x", "verdict": "deny", "rule": "tools:rate"}]  # a limit: not replayed
+    out = fl.replay(recs, old, new)
+    assert out["replayed"] == 3
+    assert out["breakage"] == [{"request": "tool gh__get_issue (now needs a human)", "count": 1}]
+    assert out["widening"] == [{"request": "tool gh__search", "count": 1}]
