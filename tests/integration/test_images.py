@@ -278,3 +278,67 @@ def test_pip_packages_come_through_the_gate_from_the_index_only(avm_home, tmp_pa
     finally:
         srv.shutdown()
         srv.server_close()
+
+
+def test_npm_packages_come_through_the_gate_from_the_registry_only(avm_home, tmp_path):
+    """The same for npm: the image's own npm, a registry on loopback served by the test."""
+    import base64
+    import http.server
+    import threading
+
+    pkg = {"name": "agentvm-testnpm", "version": "1.0.0", "bin": {"agentvm-testnpm": "index.js"}}
+    tgz = io.BytesIO()
+    with tarfile.open(fileobj=tgz, mode="w:gz") as t:
+        for name, data in (("package/package.json", json.dumps(pkg).encode()),
+                           ("package/index.js", b'#!/usr/bin/env node\nconsole.log("from-npm");\n')):
+            ti = tarfile.TarInfo(name)
+            ti.size, ti.mode = len(data), 0o755
+            t.addfile(ti, io.BytesIO(data))
+    blob = tgz.getvalue()
+    seen = []
+
+    class Registry(http.server.BaseHTTPRequestHandler):
+        def log_message(self, *a):
+            pass
+
+        def do_GET(self):
+            seen.append(self.path)
+            port = self.server.server_address[1]
+            if self.path.split("?")[0] == "/agentvm-testnpm":
+                doc = {"name": "agentvm-testnpm", "dist-tags": {"latest": "1.0.0"}, "versions": {"1.0.0": {
+                    **pkg, "dist": {"tarball": f"http://npm.test:{port}/agentvm-testnpm/-/agentvm-testnpm-1.0.0.tgz",
+                                    "shasum": hashlib.sha1(blob).hexdigest(),
+                                    "integrity": "sha512-" + base64.b64encode(hashlib.sha512(blob).digest()).decode()}}}}
+                body, ctype = json.dumps(doc).encode(), "application/json"
+            elif self.path == "/agentvm-testnpm/-/agentvm-testnpm-1.0.0.tgz":
+                body, ctype = blob, "application/octet-stream"
+            else:
+                self.send_error(404)
+                return
+            self.send_response(200)
+            self.send_header("Content-Type", ctype)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Registry)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        (tmp_path / "npm.yaml").write_text(textwrap.dedent(f"""\
+            apiVersion: agentvm/v1
+            kind: Image
+            metadata: {{name: t-img-npm}}
+            spec:
+              packages: [nodejs, npm]
+              npm:
+                packages: [agentvm-testnpm@1.0.0]
+                registry: http://npm.test:{srv.server_address[1]}/
+                hosts: {{npm.test: 127.0.0.1}}
+            """))
+        av("image", "build", str(tmp_path / "npm.yaml"), timeout=1200)
+        assert any(p.endswith(".tgz") for p in seen), seen
+        out = av("run", "--image", "t-img-npm", "--", "/usr/local/bin/agentvm-testnpm")
+        assert out.stdout == b"from-npm\n"
+    finally:
+        srv.shutdown()
+        srv.server_close()

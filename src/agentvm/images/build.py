@@ -80,11 +80,37 @@ class PipSpec(_M):
         return out
 
 
+class NpmSpec(_M):
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    packages: list[str] = Field(min_length=1)
+    registry: str = Field("https://registry.npmjs.org/",
+                          pattern=r"^https?://[A-Za-z0-9.-]+(:[0-9]{1,5})?(/[A-Za-z0-9._~/-]*)?$")
+    hosts: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("packages")
+    @classmethod
+    def _pkgs(cls, v: list[str]) -> list[str]:
+        import re
+
+        for p in v:
+            if not re.fullmatch(r"(@[a-z0-9][a-z0-9._-]*/)?[a-z0-9][a-z0-9._-]*(@[A-Za-z0-9.^~<>=*+-]+)?", p):
+                raise ValueError(f"{p!r} is not an npm package (NAME or @SCOPE/NAME, optionally @VERSION)")
+        return v
+
+    def allow(self) -> list[str]:
+        from urllib.parse import urlsplit
+
+        u = urlsplit(self.registry)
+        return [f"{u.hostname}:{u.port or (443 if u.scheme == 'https' else 80)}"]
+
+
 class ImageSpec(_M):
     suite: str = Field("bookworm", pattern=r"^[a-z][a-z0-9-]{1,30}$")
     variant: Literal["essential", "minbase", "apt"] = "essential"
     packages: list[str] = Field(default_factory=list)
     pip: PipSpec | None = None
+    npm: NpmSpec | None = None
     files: list[FileCopy] = Field(default_factory=list)
     run: list[str] = Field(default_factory=list)
     epoch: int = Field(0, ge=0)
@@ -205,7 +231,9 @@ def build(store: Store, path: Path, *, progress: Callable[[str], None] = lambda 
             with open(tarball, "rb") as t:
                 apply_layer(t, root, Limits(), stats, "the mmdebstrap tarball")
         if spec.pip is not None:
-            root = _pip(store, root, staging, spec.pip, progress)
+            root = _registry_step(store, root, staging, "pip", spec.pip, progress)
+        if spec.npm is not None:
+            root = _registry_step(store, root, staging, "npm", spec.npm, progress)
         for fc in spec.files:
             progress(f"copying {fc.src} -> {fc.dest}")
             copy_in(root, (base / fc.src).resolve(), fc.dest, int(fc.mode, 8) if fc.mode else None)
@@ -221,53 +249,62 @@ def build(store: Store, path: Path, *, progress: Callable[[str], None] = lambda 
     return img, stats
 
 
-PIP_TIMEOUT = "20m"
+REGISTRY_TIMEOUT = "20m"
 
 
-def _pip(store: Store, root: Path, staging: Path, pip: PipSpec, progress) -> Path:
-    """pip packages, installed by the image's own pip in an agent-vm sandbox on the image so far:
-    its only route out is the egress gate, to the package index and nothing else; what pip
-    writes (under a granted folder, ``--root``) is applied to the tree as one more layer, with
-    every check a layer gets. -> the new tree."""
+def _registry_step(store: Store, root: Path, staging: Path, kind: str, spec, progress) -> Path:
+    """pip or npm packages, installed by the image's own pip or npm in an agent-vm sandbox on the
+    image so far: its only route out is the egress gate, to the package registry and nothing
+    else; what they write (under a granted folder: pip ``--root``, npm ``--prefix``) is applied
+    to the tree as one more layer, with every check a layer gets. -> the new tree."""
     import shutil
     import sys
     import tarfile
     from urllib.parse import urlsplit
 
-    progress(f"pip: {len(pip.packages)} packages from {pip.index_url} (through the gate: "
-             f"{', '.join(pip.allow())} only)")
+    where = spec.index_url if kind == "pip" else spec.registry
+    progress(f"{kind}: {len(spec.packages)} packages from {where} (through the gate: {', '.join(spec.allow())} only)")
     interim = store.commit(root, {"source": "build-interim"})
     # the grant is outside agent-vm's home (a sandbox is never granted agent-vm's own state)
-    out = Path(tempfile.mkdtemp(prefix="agentvm-pip-"))
+    out = Path(tempfile.mkdtemp(prefix=f"agentvm-{kind}-"))
     os.chmod(out, 0o755)
     try:
         argv = [sys.executable, "-m", "agentvm", "run", "--image", interim.digest, "--mount", f"{out}:/out:rw",
-                "--timeout", PIP_TIMEOUT, "--memory", "2G"]
-        for a in pip.allow():
+                "--timeout", REGISTRY_TIMEOUT, "--memory", "2G"]
+        for a in spec.allow():
             argv += ["--allow", a]
-        for name, addr in sorted(pip.hosts.items()):
+        for name, addr in sorted(spec.hosts.items()):
             argv += ["--add-host", f"{name}={addr}"]
-        argv += ["--", "python3", "-m", "pip", "install", "--root", "/out", "--no-cache-dir",
-                 "--disable-pip-version-check", "--no-warn-script-location", "--break-system-packages",
-                 "--index-url", pip.index_url]
-        if pip.index_url.startswith("http://"):
-            argv += ["--trusted-host", urlsplit(pip.index_url).hostname]
-        argv += pip.packages
+        if kind == "pip":
+            argv += ["--", "python3", "-m", "pip", "install", "--root", "/out", "--no-cache-dir",
+                     "--disable-pip-version-check", "--no-warn-script-location", "--break-system-packages",
+                     "--index-url", spec.index_url]
+            if spec.index_url.startswith("http://"):
+                argv += ["--trusted-host", urlsplit(spec.index_url).hostname]
+            argv += spec.packages
+            hint = "the image needs python3-pip in its packages; the index must serve the packages"
+            prefix = ""
+        else:
+            argv += ["--env", "HOME=/tmp", "--", "npm", "install", "--global", "--prefix", "/out/usr/local",
+                     "--registry", spec.registry, "--no-audit", "--no-fund", "--no-update-notifier", "--ignore-scripts",
+                     *spec.packages]
+            hint = "the image needs npm in its packages; the registry must serve the packages"
+            prefix = ""
         env = {**os.environ, "AGENTVM_NO_DAEMON": "1"}
         r = subprocess.run(argv, capture_output=True, env=env, stdin=subprocess.DEVNULL, timeout=1500)
         for line in r.stdout.decode(errors="replace").splitlines()[-8:]:
             progress("  " + line)
         if r.returncode != 0:
             tail = (r.stdout + r.stderr).decode(errors="replace").strip().splitlines()[-6:]
-            raise ImageError(f"pip install failed (exit {r.returncode}): " + " | ".join(tail), code="image.build-failed",
-                             hint="the image needs python3-pip in its packages; the index must serve the packages")
-        final = staging / "root2"
+            raise ImageError(f"{kind} install failed (exit {r.returncode}): " + " | ".join(tail),
+                             code="image.build-failed", hint=hint)
+        final = staging / f"root-{kind}"
         subprocess.run(["cp", "-a", "--", str(interim.root), str(final)], check=True)
-        layer = staging / "pip-layer.tar"
+        layer = staging / f"{kind}-layer.tar"
         with tarfile.open(layer, "w") as t:
-            t.add(out, arcname=".")  # links are stored as links (never followed)
+            t.add(out / prefix if prefix else out, arcname=".")  # links are stored as links (never followed)
         with open(layer, "rb") as f:
-            apply_layer(f, final, Limits(), Stats(), "what pip installed")
+            apply_layer(f, final, Limits(), Stats(), f"what {kind} installed")
         layer.unlink()
         return final
     finally:
