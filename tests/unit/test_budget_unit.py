@@ -181,3 +181,40 @@ def test_non_finite_money_is_refused():
                 "{cost: 1, prices: {'*': {input: .inf, output: 1}}}"):
         with pytest.raises(ConfigError):
             load_agent_text(agent(f"spec:\n  limits:\n    budget: {bad}\n"), "a.yaml", preset_dirs=[])
+
+
+def test_cheap_or_failed_calls_cannot_shrink_the_reservation(tmp_path):
+    spec = BudgetSpec(tokens=100_000, hosts=("api.test",))
+    b = Budget("m1", spec, BudgetStore(tmp_path / "budgets.db"))
+    assert b.admit() is None
+    assert b.admit()[0] == "budget:reserved", "no response size known yet: one at a time"
+    b.add("m", 0, 0, False)  # an error answer: no tokens
+    assert b.admit() is None and b.admit()[0] == "budget:reserved"
+    b.add("m", 0, 0, False)
+    b.add("m", 20_000, 20_000, False)  # now a real one: 40k a response
+    got = [b.admit() for _ in range(4)]
+    assert got[:2] == [None, None] and got[2][0] == "budget:reserved", got
+
+
+def test_a_count_the_database_refused_is_not_forgotten(tmp_path, monkeypatch):
+    import sqlite3
+
+    spec = BudgetSpec(requests=3, hosts=("api.test",))
+    store = BudgetStore(tmp_path / "budgets.db")
+    b = Budget("m2", spec, store)
+
+    def full(*a, **kw):
+        raise sqlite3.OperationalError("database or disk is full")
+
+    monkeypatch.setattr(store, "add", full)
+    for _ in range(3):
+        assert b.admit() is None
+        b.add("m", 1, 1, False)
+    why = b.admit()
+    assert why is not None and why[0] == "budget:exceeded", "the counts the disk refused still count"
+    monkeypatch.undo()
+    assert b.ledger.pending.requests == 3  # kept until a write succeeds, added to every read meanwhile
+    b.set_spec(spec.with_limits(requests=10))
+    assert b.admit() is None
+    b.add("m", 1, 1, False)  # the disk takes writes again: this count and the three it missed
+    assert b.ledger.pending.requests == 0 and BudgetStore(tmp_path / "budgets.db").load("m2").requests == 4

@@ -236,3 +236,34 @@ def test_a_relayed_export_is_marked_and_bombs_and_garbage_are_refused():
     rs.resource.attributes[0].value.string_value = "agent-vm"
     with pytest.raises(ExportRefused, match="agent-vm"):
         stamp(req.SerializeToString(), b"application/x-protobuf", b"", "traces", "sb", "ag")
+
+
+def test_a_tiny_export_cannot_become_a_huge_one_and_look_alikes_are_refused():
+    import gzip
+
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+    from agentvm.gate.telemetry import ExportRefused, stamp
+
+    amp = gzip.compress(b"\x0a\x00" * 200_000)  # 200k empty resources in a few hundred bytes
+    assert len(amp) < 2000
+    with pytest.raises(ExportRefused, match="resources"):
+        stamp(amp, b"application/x-protobuf", b"gzip", "traces", "sb", "ag")
+    for name in ("agent-vm ", "Agent\u2011VM", "agentvm"):
+        req = ExportTraceServiceRequest()
+        a = req.resource_spans.add().resource.attributes.add()
+        a.key, a.value.string_value = "service.name", name
+        with pytest.raises(ExportRefused, match="agent-vm"):
+            stamp(req.SerializeToString(), b"application/x-protobuf", b"", "traces", "sb", "ag")
+    req = ExportTraceServiceRequest()
+    rs = req.resource_spans.add()
+    a = rs.resource.attributes.add()
+    a.key, a.value.string_value = "service.name", "mine"
+    sp = rs.scope_spans.add().spans.add()
+    sp.name = "x"
+    for k, v in (("agentvm.sandbox", "victim"), ("keep", "1")):
+        kv = sp.attributes.add()
+        kv.key, kv.value.string_value = k, v
+    out = ExportTraceServiceRequest()
+    out.ParseFromString(stamp(req.SerializeToString(), b"application/x-protobuf", b"", "traces", "sb", "ag"))
+    assert [kv.key for kv in out.resource_spans[0].scope_spans[0].spans[0].attributes] == ["keep"]

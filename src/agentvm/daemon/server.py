@@ -649,11 +649,16 @@ class Daemon:
         # a TCP peer (not yet authenticated) has HEAD_TIMEOUT for the whole head; the owner's
         # unix socket may idle before its first byte
         head_deadline = time.monotonic() + HEAD_TIMEOUT if tcp else None
+        # a console body on TCP is read before its session is checked: all of it within one
+        # deadline (no trickle of a byte per BODY_TIMEOUT can hold a connection slot)
+        unauth_deadline = time.monotonic() + HEAD_TIMEOUT + BODY_TIMEOUT if tcp else None
         while True:
             ev = conn.next_event()
             if ev is h11.NEED_DATA:
                 if req is not None:
                     wait = BODY_TIMEOUT
+                    if console_limit:
+                        wait = min(wait, max(0.0, unauth_deadline - time.monotonic()))
                 elif head_deadline is not None:
                     wait = max(0.0, head_deadline - time.monotonic())
                 else:

@@ -19,11 +19,14 @@ processes (an embedded ``agentvm run`` beside the daemon) because each admission
 the database and each count is an atomic ``SET x = x + ?``.
 
 Concurrency: a request is *reserved* when it is admitted and settled when its response is
-counted, so the request limit is exact however many are in flight. Token and cost limits
-cannot know a response's size in advance: a request is admitted only while what is spent
-plus the requests in flight at the agent's running average per response stays under the
-limit (``429 budget:reserved``, retryable, when it would not), which bounds the overshoot
-to what in-flight requests generate beyond their average.
+counted, so the request limit is exact however many are in flight (in one gate process).
+Token and cost limits cannot know a response's size in advance: each request in flight is
+reserved at the largest response seen so far (one at a time until one is seen), and a
+request is admitted only while what is spent plus those reservations stays under the limit
+(``429 budget:reserved``, retryable, when it would not).
+
+A count the database does not take (disk full, locked) is kept in memory, added to every
+read and written with the next count: it is never forgotten while the gate runs.
 """
 
 from __future__ import annotations
@@ -174,23 +177,29 @@ class Ledger:
     def __init__(self, agent: str, store: BudgetStore | None) -> None:
         self.agent, self.store = agent, store
         self.lock = threading.Lock()
+        self.pending = Usage()  # counts the store did not take yet (a write failed): added to every read
         self.usage = self._load()
         self.inflight = 0
-        self.unsaved = False  # a count the store did not take (it is kept in memory)
+        # the largest response seen (tokens, cost): what each request in flight is reserved at
+        self.max_tokens = 0
+        self.max_cost = 0.0
 
     def _load(self) -> Usage:
         if self.store is None:
-            return Usage()
+            return getattr(self, "usage", None) or Usage()
         try:
-            return self.store.load(self.agent)
+            u = self.store.load(self.agent)
         except sqlite3.Error:
             return getattr(self, "usage", Usage())  # the last totals seen: never zero on a read error
+        p = self.pending
+        return Usage(u.requests + p.requests, u.input_tokens + p.input_tokens, u.output_tokens + p.output_tokens,
+                     u.cost + p.cost, u.estimated + p.estimated, u.by_model)
 
     def admit(self, spec: BudgetSpec) -> tuple[str, str] | None:
         """Reserve one request, or say why not: (rule id, reason)."""
         with self.lock:
             self.usage = self._load()  # what other processes counted meanwhile
-            why = refusal(spec, self.usage, self.inflight)
+            why = refusal(spec, self.usage, self.inflight, self.max_tokens, self.max_cost)
             if why is None:
                 self.inflight += 1
             return why
@@ -207,6 +216,8 @@ class Ledger:
         cost = (input_tokens * price[0] + output_tokens * price[1]) / 1e6 if price else 0.0
         with self.lock:
             self.inflight = max(0, self.inflight - 1)
+            self.max_tokens = max(self.max_tokens, input_tokens + output_tokens)
+            self.max_cost = max(self.max_cost, cost)
             u = self.usage
             u.requests += 1
             u.input_tokens += input_tokens
@@ -219,10 +230,18 @@ class Ledger:
                 m[1] += input_tokens
                 m[2] += output_tokens
             if self.store is not None:
-                try:
-                    self.usage = self.store.add(self.agent, model, 1, input_tokens, output_tokens, cost, int(estimated))
+                p = self.pending
+                p.requests += 1
+                p.input_tokens += input_tokens
+                p.output_tokens += output_tokens
+                p.cost += cost
+                p.estimated += int(estimated)
+                try:  # this count and any the store missed before, at once
+                    self.store.add(self.agent, model, p.requests, p.input_tokens, p.output_tokens, p.cost, p.estimated)
+                    self.pending = Usage()
+                    self.usage = self._load()
                 except sqlite3.Error:
-                    self.unsaved = True  # counted in memory (refusals still see it); the store missed it
+                    pass  # kept in pending: every later read adds it, the next count writes it
         out = {"model": model, "input_tokens": input_tokens, "output_tokens": output_tokens}
         if price is not None:
             out["cost"] = round(cost, 8)
@@ -237,7 +256,8 @@ class Ledger:
                 self.store.reset(self.agent)
 
 
-def refusal(spec: BudgetSpec, u: Usage, inflight: int = 0) -> tuple[str, str] | None:
+def refusal(spec: BudgetSpec, u: Usage, inflight: int = 0, per_tokens: int = 0,
+            per_cost: float = 0.0) -> tuple[str, str] | None:
     """Why one more request must not start: (rule id, reason), or None."""
     if spec.requests is not None and u.requests >= spec.requests:
         return "budget:exceeded", f"the LLM budget of {spec.requests} requests is spent ({u.requests} made)"
@@ -250,13 +270,13 @@ def refusal(spec: BudgetSpec, u: Usage, inflight: int = 0) -> tuple[str, str] | 
     if spec.requests is not None and u.requests + inflight >= spec.requests:
         return "budget:reserved", (f"the rest of the LLM budget of {spec.requests} requests is taken by {inflight} "
                                    "in flight; retry when they finish")
-    avg_tokens = u.tokens / u.requests if u.requests else 0.0
-    if spec.tokens is not None and u.tokens + inflight * avg_tokens >= spec.tokens:
-        return "budget:reserved", (f"{inflight} LLM requests in flight may use the rest of the {spec.tokens}-token "
+    # each request in flight is reserved at the largest response seen; until one is seen, one
+    # request at a time (an agent cannot make the reservation small with cheap or failed calls)
+    if spec.tokens is not None and (not per_tokens or u.tokens + inflight * per_tokens >= spec.tokens):
+        return "budget:reserved", (f"{inflight} LLM request(s) in flight may use the rest of the {spec.tokens}-token "
                                    f"budget ({u.tokens} used); retry when they finish")
-    avg_cost = u.cost / u.requests if u.requests else 0.0
-    if spec.cost is not None and u.cost + inflight * avg_cost >= spec.cost:
-        return "budget:reserved", (f"{inflight} LLM requests in flight may use the rest of the budget of "
+    if spec.cost is not None and (not per_cost or u.cost + inflight * per_cost >= spec.cost):
+        return "budget:reserved", (f"{inflight} LLM request(s) in flight may use the rest of the budget of "
                                    f"{spec.cost:g} ({u.cost:.4f} used); retry when they finish")
     return None
 
@@ -298,7 +318,8 @@ class Budget:
 
     def refusal_now(self) -> tuple[str, str] | None:
         """Why the next request would be refused now (reserves nothing): (rule id, reason)."""
-        return refusal(self.spec, self.ledger.usage, self.ledger.inflight)
+        led = self.ledger
+        return refusal(self.spec, led.usage, led.inflight, led.max_tokens, led.max_cost)
 
     def refusal(self) -> str | None:
         why = self.refusal_now()

@@ -372,7 +372,8 @@ def request(ep, req: h1.ProxyRequest, *, scheme: str, tunnel: Tunnel | None = No
             yield deny(req, again.rule_id, f"{again.reason} (the policy changed while the request waited for its "
                        "approval)")
             return
-        d = replace(d, verdict="allow", reason=f"{d.reason}: approved ({answer.request_id})")
+        base = again if again.verdict == "allow" else d  # the rule in force now (its maxBody too)
+        d = replace(base, verdict="allow", reason=f"{d.reason}: approved ({answer.request_id})")
     if not d.allowed:
         yield deny(req, d.rule_id, d.reason)
         return

@@ -31,7 +31,10 @@ from agentvm.gate.asgi import TooLarge, read_body
 from agentvm.gate.endpoint import Cut
 
 MAX_BODY = 4 * 1024 * 1024
-MAX_DECODED = 16 * 1024 * 1024  # a gzip export, inflated (a bomb is refused, not expanded)
+MAX_DECODED = MAX_BODY  # a gzip export, inflated: no bigger than a plain one (a bomb is refused)
+MAX_RESOURCES = 1000  # resources in one export (each is stamped: counted before anything is parsed)
+MAX_RECORDS = 100_000  # scopes + spans/metrics/log records in one export
+MAX_OUT = 2 * MAX_BODY  # the stamped export
 MAX_ANSWER = 64 * 1024
 TIMEOUT = 10.0
 CONCURRENCY = 4
@@ -61,7 +64,13 @@ class TelemetryRelay:
         except Cut as cut:
             return await self._refuse(ep, stream, req, 413, cut.rule_id, "over the sandbox's bytes-out budget")
         url = f"{self.collector}/v1/{signal}"
-        async with self._slots:
+        mine = getattr(ep, "_otlp_slot", None)
+        if mine is None:
+            mine = ep._otlp_slot = asyncio.Semaphore(1)  # one export of a sandbox at a time
+        if mine.locked():
+            return await self._refuse(ep, stream, req, 429, "telemetry:bad-request",
+                                      "another export of this sandbox is being relayed: the SDK retries")
+        async with mine, self._slots:
             try:
                 data = await asyncio.to_thread(stamp, data, ctype, coding, signal, ep.sandbox_id, ep.agent)
             except ExportRefused as exc:
@@ -125,19 +134,32 @@ def stamp(data: bytes, ctype: bytes, coding: bytes, signal: str, sandbox: str, a
     msg = cls()
     try:
         if ctype == b"application/json":
-            json_format.Parse(data, msg, ignore_unknown_fields=True)
+            import json
+
+            doc = json.loads(data)
+            res = doc.get({"traces": "resourceSpans", "metrics": "resourceMetrics", "logs": "resourceLogs"}[signal]) \
+                if isinstance(doc, dict) else None
+            if isinstance(res, list) and len(res) > MAX_RESOURCES:
+                raise ExportRefused(f"over {MAX_RESOURCES} resources in one export")
+            json_format.ParseDict(doc, msg, ignore_unknown_fields=True)
         else:
+            n = _top_level_count(data)  # before protobuf builds an object for each
+            if n < 0:
+                raise ExportRefused(f"not an OTLP {signal} export (malformed protobuf)")
+            if n > MAX_RESOURCES:
+                raise ExportRefused(f"over {MAX_RESOURCES} resources in one export")
             msg.ParseFromString(data)
-    except (DecodeError, json_format.ParseError, ValueError, RecursionError) as exc:
+    except ExportRefused:
+        raise
+    except (DecodeError, json_format.ParseError, ValueError, RecursionError, TypeError, AttributeError) as exc:
         raise ExportRefused(f"not an OTLP {signal} export ({type(exc).__name__})") from None
+    records = 0
     for rs in getattr(msg, field):
         attrs = rs.resource.attributes
         for kv in attrs:
-            if kv.key == "service.name" and kv.value.string_value == "agent-vm":
+            if kv.key == "service.name" and _looks_like_ours(kv.value.string_value):
                 raise ExportRefused("service.name 'agent-vm' is agent-vm's own; an agent's spans must use another name")
-        keep = [kv for kv in attrs if not kv.key.startswith("agentvm.")]
-        del attrs[:]
-        attrs.extend(keep)
+        _strip_ours(attrs)
         for key, value in (("agentvm.relayed", None), ("agentvm.sandbox", sandbox), ("agentvm.agent", agent)):
             kv = attrs.add()
             kv.key = key
@@ -145,7 +167,91 @@ def stamp(data: bytes, ctype: bytes, coding: bytes, signal: str, sandbox: str, a
                 kv.value.bool_value = True
             else:
                 kv.value.string_value = value
-    return msg.SerializeToString()
+        # agent-vm's own spans carry agentvm.* attributes at span level too: none of an agent's may
+        for scope in _children(rs):
+            records += 1
+            if hasattr(scope, "scope"):
+                _strip_ours(scope.scope.attributes)
+                if _looks_like_ours(scope.scope.name):
+                    raise ExportRefused("an instrumentation scope named like agent-vm's own")
+            for rec in _children(scope):
+                records += 1
+                if records > MAX_RECORDS:
+                    raise ExportRefused(f"over {MAX_RECORDS} records in one export")
+                if hasattr(rec, "attributes"):
+                    for kv in rec.attributes:
+                        if kv.key == "service.name" and _looks_like_ours(kv.value.string_value):
+                            raise ExportRefused("a record claims service.name 'agent-vm'")
+                    _strip_ours(rec.attributes)
+    out = msg.SerializeToString()
+    if len(out) > MAX_OUT:
+        raise ExportRefused(f"the export is over {MAX_OUT} bytes once marked")
+    return out
+
+
+def _children(m) -> list:
+    for name in ("scope_spans", "scope_metrics", "scope_logs", "spans", "metrics", "log_records"):
+        if hasattr(m, name):
+            return list(getattr(m, name))
+    return []
+
+
+def _strip_ours(attrs) -> None:
+    keep = [kv for kv in attrs if not kv.key.lower().startswith("agentvm")]
+    if len(keep) != len(attrs):
+        del attrs[:]
+        attrs.extend(keep)
+
+
+def _looks_like_ours(name: str) -> bool:
+    """``agent-vm`` however it is dressed up: NFKC, format characters removed, any dash a
+    hyphen, spaces and case ignored ("agent-vm ", "Agent\u2011VM", "agentvm")."""
+    import unicodedata
+
+    n = unicodedata.normalize("NFKC", name or "")
+    n = "".join("-" if unicodedata.category(c) == "Pd" else c for c in n if unicodedata.category(c) != "Cf")
+    n = "".join(n.split()).lower()
+    return n in ("agent-vm", "agentvm", "agent_vm")
+
+
+def _top_level_count(data: bytes) -> int:
+    """Top-level fields of a protobuf message, counted from the wire format without parsing it
+    (each is one resource of an OTLP export); -1 for a malformed buffer."""
+    i, n, end = 0, 0, len(data)
+    try:
+        while i < end:
+            tag, i = _varint(data, i)
+            wt = tag & 7
+            if wt == 2:
+                ln, i = _varint(data, i)
+                i += ln
+            elif wt == 0:
+                _, i = _varint(data, i)
+            elif wt == 1:
+                i += 8
+            elif wt == 5:
+                i += 4
+            else:
+                return -1
+            n += 1
+            if n > MAX_RESOURCES:
+                return n
+    except IndexError:
+        return -1
+    return n if i == end else -1
+
+
+def _varint(b: bytes, i: int) -> tuple[int, int]:
+    shift = v = 0
+    while True:
+        c = b[i]
+        i += 1
+        v |= (c & 0x7F) << shift
+        if not c & 0x80:
+            return v, i
+        shift += 7
+        if shift > 63:
+            raise IndexError
 
 
 def _post(url: str, data: bytes, headers: dict) -> tuple[int, bytes, str]:
