@@ -510,6 +510,11 @@ class Daemon:
         reaped = await asyncio.to_thread(gc_stale, self.paths)
         restarted = []
         for row in self.state.all():
+            if str(row.spec_file).endswith("(canary)"):
+                # a fleet canary the dead daemon was checking: its apply was interrupted, it goes
+                self.state.fleet_put(row.name, None, None)
+                reaped = [*reaped, f"canary {row.name}"]
+                continue
             if row.state in ("running", "starting", "backoff") or row.desired == "running":
                 self.state.update(row.name, state="stopped")
                 if row.desired == "running" and row.lifecycle == "persistent":
@@ -1600,7 +1605,15 @@ class Daemon:
         import yaml
 
         cname = (fa.name[:56] + "-canary").strip("-")
-        if self.state.get(cname) is not None:
+        left = self.state.get(cname)
+        if left is not None and str(left.spec_file).endswith("(canary)"):
+            # a canary an interrupted apply left behind (the daemon was killed): removed first
+            if left.state in ("running", "starting", "backoff"):
+                await self.stop(cname, actor=actor)
+            self.state.fleet_put(cname, None, None)
+            self.managed.pop(cname, None)
+            self.record("fleet.canary-removed", actor=actor, sandbox=cname, reason="left by an interrupted apply")
+        elif left is not None:
             raise ApiError(409, "fleet.canary-name-taken", f"cannot run the canary of {fa.name} beside it: a sandbox "
                            f"named {cname} exists", exit_code=1)
         doc = yaml.safe_load(fa.spec_text)
