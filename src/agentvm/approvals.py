@@ -251,13 +251,17 @@ class ApprovalStore:
             raise
 
     def _finish(self, rid: str, state: str, by: str, note: str | None) -> Request:
+        return self._transition(rid, state, by, note)[0]
+
+    def _transition(self, rid: str, state: str, by: str, note: str | None) -> tuple[Request, bool]:
+        """-> (the row now, whether this call answered it: two answers cannot both win)."""
         cur = self._db.execute("UPDATE approvals SET state=?, answered=?, by=?, note=? WHERE id=? AND state='pending'",
                                (state, time.time(), by, note, rid))
         req = self.get(rid)
         if cur.rowcount == 1:
             self.record("approval.answered", actor=by if ":" in by else f"agentvm:{by}", sandbox=req.sandbox, id=rid,
                         state=state, what=req.kind, target=req.target, digest=req.digest, note=note)
-        return req
+        return req, cur.rowcount == 1
 
     def reap_orphans(self) -> int:
         """Pending rows whose holder is gone (its process died): ``expired`` - answered, never
@@ -304,8 +308,8 @@ class ApprovalStore:
             self._finish(rid, "expired", "timeout", "no answer before the deadline")
             raise ApprovalError(f"{rid} expired before this answer (its timeout passed): it was denied",
                                 code="approvals.answered")
-        out = self._finish(rid, "approved" if approve else "denied", by, note)
-        if out.by != by:
+        out, mine = self._transition(rid, "approved" if approve else "denied", by, note)
+        if not mine:  # (two console tabs answer as the same user: only one of them answered)
             raise ApprovalError(f"{rid} was answered meanwhile: {out.state} (by {out.by})", code="approvals.answered")
         return out
 

@@ -186,3 +186,12 @@ def test_an_abandoned_wait_expires_its_request_and_does_not_count_against_the_sa
 
     r = asyncio.run(go())
     assert r.state == "pending"
+
+
+def test_two_answers_by_the_same_user_cannot_both_win(tmp_path):
+    s = store(tmp_path)
+    r = submit(s)
+    assert s.answer(r.id, True, "console:console").state == "approved"
+    with pytest.raises(ApprovalError):  # a second console tab, the same actor
+        s.answer(r.id, False, "console:console")
+    assert s.get(r.id).state == "approved"

@@ -421,8 +421,9 @@ class ToolGateway:
                   ms=round((time.monotonic() - t0) * 1000, 2), result_bytes=size)
         return result
 
-    async def _hold(self, kind: str, target: str, summary: dict, ad: str) -> tuple[str, str] | None:
-        """Put the action before a human; None when approved, else (rule, reason)."""
+    async def _hold(self, kind: str, target: str, summary: dict, ad: str, who: list | None = None) -> tuple[str, str] | None:
+        """Put the action before a human; None when approved (``who`` gets the approver), else
+        (rule, reason)."""
         if self.approvals is None:
             return "approval:unavailable", "no approvals queue is available to ask a human"
         try:
@@ -438,7 +439,8 @@ class ToolGateway:
         except Exception as exc:  # noqa: BLE001
             return "approval:unavailable", f"the approvals queue failed ({type(exc).__name__})"
         if req.state == "approved":
-            self._approver = req.by
+            if who is not None:
+                who.append(req.by)  # per call: concurrent holds never mix up their approvers
             self._log(verdict="ask", rule="approval:approved", reason=f"approved by {req.by} ({req.id})",
                       target=target, args_digest=ad, approval=req.id)
             return None
@@ -517,12 +519,13 @@ class ToolGateway:
             self._log(verdict="allow" if not refused else "deny", rule="tools:access-no-delta", reason=msg[:300],
                       target=tp.REQUEST_ACCESS, args_digest=ad)
             return result(msg, bool(refused))
+        who: list = []
         answer = await self._hold("access", tp.REQUEST_ACCESS, {
             "preview": preview({"delta": delta, "reason": why}, 600), "delta": delta, "refused": refused,
-            "access": what[:1000], "reason": why[:2000]}, ad)
+            "access": what[:1000], "reason": why[:2000]}, ad, who)
         if answer is not None:
             return result(f"not granted: {answer[1]}", True)
-        applied = self._apply_access(egress_items, tool_items, getattr(self, "_approver", None) or "approvals")
+        applied = self._apply_access(egress_items, tool_items, who[0] if who else "approvals")
         text = ("granted for this session: " + "; ".join(applied)) if applied else \
             "approved: an operator agreed; nothing could be applied automatically (ask them to change the policy)"
         if refused:
