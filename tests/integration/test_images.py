@@ -207,6 +207,46 @@ def test_an_image_is_the_root_on_gvisor_too(built, host_marker):
     assert r.stdout == b"one\nno-host-usr\n", r.stdout
 
 
+class _Registry:
+    """A package registry on loopback for a build's pip or npm step: ``route(path, port)`` ->
+    (body, content type), or None for a 404; ``seen`` lists the paths asked for."""
+
+    def __init__(self, route):
+        import http.server
+        import threading
+
+        self.seen: list[str] = []
+        outer = self
+
+        class H(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *a):
+                pass
+
+            def do_GET(self):
+                outer.seen.append(self.path)
+                got = route(self.path, self.server.server_address[1])
+                if got is None:
+                    self.send_error(404)
+                    return
+                body, ctype = got
+                self.send_response(200)
+                self.send_header("Content-Type", ctype)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+        self.srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
+        self.port = self.srv.server_address[1]
+        threading.Thread(target=self.srv.serve_forever, daemon=True).start()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.srv.shutdown()
+        self.srv.server_close()
+
+
 def _wheel(d: Path) -> tuple[str, bytes]:
     import base64
     import zipfile
@@ -228,36 +268,15 @@ def _wheel(d: Path) -> tuple[str, bytes]:
 def test_pip_packages_come_through_the_gate_from_the_index_only(avm_home, tmp_path):
     """A build's pip step runs the image's own pip in a sandbox whose only route out is the
     gate, to the declared index (here a PyPI-style index on loopback, served by the test)."""
-    import http.server
-    import threading
-
     name, whl = _wheel(tmp_path)
     sha = hashlib.sha256(whl).hexdigest()
-    seen = []
 
-    class Index(http.server.BaseHTTPRequestHandler):
-        def log_message(self, *a):
-            pass
+    def route(path, port):
+        if path.rstrip("/") == "/simple/agentvm-testpkg":
+            return f'<html><body><a href="/files/{name}#sha256={sha}">{name}</a></body></html>'.encode(), "text/html"
+        return (whl, "application/octet-stream") if path == f"/files/{name}" else None
 
-        def do_GET(self):
-            seen.append(self.path)
-            if self.path.rstrip("/") == "/simple/agentvm-testpkg":
-                body = f'<html><body><a href="/files/{name}#sha256={sha}">{name}</a></body></html>'.encode()
-                ctype = "text/html"
-            elif self.path == f"/files/{name}":
-                body, ctype = whl, "application/octet-stream"
-            else:
-                self.send_error(404)
-                return
-            self.send_response(200)
-            self.send_header("Content-Type", ctype)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Index)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    try:
+    with _Registry(route) as index:
         (tmp_path / "pip.yaml").write_text(textwrap.dedent(f"""\
             apiVersion: agentvm/v1
             kind: Image
@@ -266,25 +285,19 @@ def test_pip_packages_come_through_the_gate_from_the_index_only(avm_home, tmp_pa
               packages: [python3, python3-pip]
               pip:
                 packages: [agentvm-testpkg==1.0]
-                indexUrl: http://pypi.test:{srv.server_address[1]}/simple/
+                indexUrl: http://pypi.test:{index.port}/simple/
                 hosts: {{pypi.test: 127.0.0.1}}
             """))
         r = av("image", "build", str(tmp_path / "pip.yaml"), timeout=900)
         assert b"through the gate" in r.stderr
-        assert any(p.startswith("/files/") for p in seen), seen
-        out = av("run", "--image", "t-img-pip", "--", "python3", "-c",
-                 "import agentvm_testpkg; print(agentvm_testpkg.VALUE)")
-        assert out.stdout == b"from-pip\n"
-    finally:
-        srv.shutdown()
-        srv.server_close()
+        assert any(p.startswith("/files/") for p in index.seen), index.seen
+    out = av("run", "--image", "t-img-pip", "--", "python3", "-c", "import agentvm_testpkg; print(agentvm_testpkg.VALUE)")
+    assert out.stdout == b"from-pip\n"
 
 
 def test_npm_packages_come_through_the_gate_from_the_registry_only(avm_home, tmp_path):
     """The same for npm: the image's own npm, a registry on loopback served by the test."""
     import base64
-    import http.server
-    import threading
 
     pkg = {"name": "agentvm-testnpm", "version": "1.0.0", "bin": {"agentvm-testnpm": "index.js"}}
     tgz = io.BytesIO()
@@ -295,35 +308,17 @@ def test_npm_packages_come_through_the_gate_from_the_registry_only(avm_home, tmp
             ti.size, ti.mode = len(data), 0o755
             t.addfile(ti, io.BytesIO(data))
     blob = tgz.getvalue()
-    seen = []
 
-    class Registry(http.server.BaseHTTPRequestHandler):
-        def log_message(self, *a):
-            pass
+    def route(path, port):
+        if path.split("?")[0] == "/agentvm-testnpm":
+            doc = {"name": "agentvm-testnpm", "dist-tags": {"latest": "1.0.0"}, "versions": {"1.0.0": {
+                **pkg, "dist": {"tarball": f"http://npm.test:{port}/agentvm-testnpm/-/agentvm-testnpm-1.0.0.tgz",
+                                "shasum": hashlib.sha1(blob).hexdigest(),
+                                "integrity": "sha512-" + base64.b64encode(hashlib.sha512(blob).digest()).decode()}}}}
+            return json.dumps(doc).encode(), "application/json"
+        return (blob, "application/octet-stream") if path == "/agentvm-testnpm/-/agentvm-testnpm-1.0.0.tgz" else None
 
-        def do_GET(self):
-            seen.append(self.path)
-            port = self.server.server_address[1]
-            if self.path.split("?")[0] == "/agentvm-testnpm":
-                doc = {"name": "agentvm-testnpm", "dist-tags": {"latest": "1.0.0"}, "versions": {"1.0.0": {
-                    **pkg, "dist": {"tarball": f"http://npm.test:{port}/agentvm-testnpm/-/agentvm-testnpm-1.0.0.tgz",
-                                    "shasum": hashlib.sha1(blob).hexdigest(),
-                                    "integrity": "sha512-" + base64.b64encode(hashlib.sha512(blob).digest()).decode()}}}}
-                body, ctype = json.dumps(doc).encode(), "application/json"
-            elif self.path == "/agentvm-testnpm/-/agentvm-testnpm-1.0.0.tgz":
-                body, ctype = blob, "application/octet-stream"
-            else:
-                self.send_error(404)
-                return
-            self.send_response(200)
-            self.send_header("Content-Type", ctype)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Registry)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    try:
+    with _Registry(route) as registry:
         (tmp_path / "npm.yaml").write_text(textwrap.dedent(f"""\
             apiVersion: agentvm/v1
             kind: Image
@@ -332,13 +327,10 @@ def test_npm_packages_come_through_the_gate_from_the_registry_only(avm_home, tmp
               packages: [nodejs, npm]
               npm:
                 packages: [agentvm-testnpm@1.0.0]
-                registry: http://npm.test:{srv.server_address[1]}/
+                registry: http://npm.test:{registry.port}/
                 hosts: {{npm.test: 127.0.0.1}}
             """))
         av("image", "build", str(tmp_path / "npm.yaml"), timeout=1200)
-        assert any(p.endswith(".tgz") for p in seen), seen
-        out = av("run", "--image", "t-img-npm", "--", "/usr/local/bin/agentvm-testnpm")
-        assert out.stdout == b"from-npm\n"
-    finally:
-        srv.shutdown()
-        srv.server_close()
+        assert any(p.endswith(".tgz") for p in registry.seen), registry.seen
+    out = av("run", "--image", "t-img-npm", "--", "/usr/local/bin/agentvm-testnpm")
+    assert out.stdout == b"from-npm\n"
