@@ -89,9 +89,28 @@ class Usage:
     def tokens(self) -> int:
         return self.input_tokens + self.output_tokens
 
+    def count(self, model: str, requests: int, input_tokens: int, output_tokens: int, cost: float,
+              estimated: int) -> None:
+        """Add counts to the totals and to the model's (at most 64 models are kept apart)."""
+        self.requests += requests
+        self.input_tokens += input_tokens
+        self.output_tokens += output_tokens
+        self.cost += cost
+        self.estimated += estimated
+        count_model(self.by_model, model, requests, input_tokens, output_tokens)
+
     def to_dict(self) -> dict:
         return {"requests": self.requests, "input_tokens": self.input_tokens, "output_tokens": self.output_tokens,
                 "tokens": self.tokens, "cost": round(self.cost, 6), "estimated": self.estimated}
+
+
+def count_model(by_model: dict, model: str, requests: int, input_tokens: int, output_tokens: int) -> None:
+    """A model's (requests, input, output) counts; at most 64 models are kept apart."""
+    if model in by_model or len(by_model) < 64:
+        m = by_model.setdefault(model, [0, 0, 0])
+        m[0] += requests
+        m[1] += input_tokens
+        m[2] += output_tokens
 
 
 class BudgetStore:
@@ -127,9 +146,8 @@ class BudgetStore:
                              json.dumps(u.by_model, sort_keys=True)[:65536], time.time()))
 
     def add(self, agent: str, model: str, requests: int, input_tokens: int, output_tokens: int, cost: float,
-            estimated: int) -> Usage:
-        """Add one response's counts atomically (other processes count the same agent) and
-        return the totals as they are now."""
+            estimated: int) -> None:
+        """Add counts atomically (other processes count the same agent)."""
         with self._lock, self._c:
             self._c.execute("INSERT INTO budgets (agent, requests, input_tokens, output_tokens, cost, estimated, by_model, "
                             "updated) VALUES (?,0,0,0,0,0,'{}',?) ON CONFLICT(agent) DO NOTHING", (agent, time.time()))
@@ -138,17 +156,12 @@ class BudgetStore:
                 by_model = json.loads(row[0] or "{}") if row else {}
             except ValueError:
                 by_model = {}
-            if model in by_model or len(by_model) < 64:
-                m = by_model.setdefault(model, [0, 0, 0])
-                m[0] += requests
-                m[1] += input_tokens
-                m[2] += output_tokens
+            count_model(by_model, model, requests, input_tokens, output_tokens)
             self._c.execute("UPDATE budgets SET requests = requests + ?, input_tokens = input_tokens + ?, "
                             "output_tokens = output_tokens + ?, cost = cost + ?, estimated = estimated + ?, "
                             "by_model = ?, updated = ? WHERE agent = ?",
                             (requests, input_tokens, output_tokens, cost, estimated,
                              json.dumps(by_model, sort_keys=True)[:65536], time.time(), agent))
-        return self.load(agent)
 
     def reset(self, agent: str) -> None:
         with self._lock:
@@ -218,24 +231,10 @@ class Ledger:
             self.inflight = max(0, self.inflight - 1)
             self.max_tokens = max(self.max_tokens, input_tokens + output_tokens)
             self.max_cost = max(self.max_cost, cost)
-            u = self.usage
-            u.requests += 1
-            u.input_tokens += input_tokens
-            u.output_tokens += output_tokens
-            u.cost += cost
-            u.estimated += int(estimated)
-            if model in u.by_model or len(u.by_model) < 64:
-                m = u.by_model.setdefault(model, [0, 0, 0])
-                m[0] += 1
-                m[1] += input_tokens
-                m[2] += output_tokens
+            self.usage.count(model, 1, input_tokens, output_tokens, cost, int(estimated))
             if self.store is not None:
                 p = self.pending
-                p.requests += 1
-                p.input_tokens += input_tokens
-                p.output_tokens += output_tokens
-                p.cost += cost
-                p.estimated += int(estimated)
+                p.count(model, 1, input_tokens, output_tokens, cost, int(estimated))
                 try:  # this count and any the store missed before, at once
                     self.store.add(self.agent, model, p.requests, p.input_tokens, p.output_tokens, p.cost, p.estimated)
                     self.pending = Usage()
