@@ -51,58 +51,71 @@ class FileCopy(_M):
     mode: str | None = Field(None, pattern=r"^0?[0-7]{3}$")  # no setuid, setgid or sticky bits
 
 
-class PipSpec(_M):
+_URL = r"^https?://[A-Za-z0-9.-]+(:[0-9]{1,5})?(/[A-Za-z0-9._~/-]*)?$"
+
+
+def _all_match(values: list[str], pattern: str, what: str) -> list[str]:
+    """A validator's body: every value matches ``pattern`` (whole), else ``VALUE is not WHAT``."""
+    import re
+
+    for p in values:
+        if not re.fullmatch(pattern, p):
+            raise ValueError(f"{p!r} is not {what}")
+    return values
+
+
+class _RegistrySpec(_M):
+    """Packages from a registry (pip, npm), reached through the gate only."""
+
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
     packages: list[str] = Field(min_length=1)
-    index_url: str = Field("https://pypi.org/simple/", alias="indexUrl",
-                           pattern=r"^https?://[A-Za-z0-9.-]+(:[0-9]{1,5})?(/[A-Za-z0-9._~/-]*)?$")
-    hosts: dict[str, str] = Field(default_factory=dict)  # name -> address for the gate (a private index)
+    hosts: dict[str, str] = Field(default_factory=dict)  # name -> address for the gate (a private registry)
+
+    @property
+    def url(self) -> str:
+        raise NotImplementedError
+
+    def allow(self) -> list[str]:
+        """The egress the install gets: the registry's host and port, nothing else."""
+        from urllib.parse import urlsplit
+
+        u = urlsplit(self.url)
+        return [f"{u.hostname}:{u.port or (443 if u.scheme == 'https' else 80)}"]
+
+
+class PipSpec(_RegistrySpec):
+    index_url: str = Field("https://pypi.org/simple/", alias="indexUrl", pattern=_URL)
 
     @field_validator("packages")
     @classmethod
     def _reqs(cls, v: list[str]) -> list[str]:
-        import re
+        return _all_match(v, r"[A-Za-z0-9][A-Za-z0-9._-]*(\[[A-Za-z0-9,._-]+\])?([<>=!~]=?[A-Za-z0-9.*+!-]+)?",
+                          "a requirement (NAME[EXTRAS][==VERSION]; no URLs, no options)")
 
-        for p in v:
-            if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*(\[[A-Za-z0-9,._-]+\])?([<>=!~]=?[A-Za-z0-9.*+!-]+)?", p):
-                raise ValueError(f"{p!r} is not a requirement (NAME[EXTRAS][==VERSION]; no URLs, no options)")
-        return v
+    @property
+    def url(self) -> str:
+        return self.index_url
 
     def allow(self) -> list[str]:
-        from urllib.parse import urlsplit
-
-        u = urlsplit(self.index_url)
-        port = u.port or (443 if u.scheme == "https" else 80)
-        out = [f"{u.hostname}:{port}"]
-        if u.hostname == "pypi.org":
+        out = super().allow()
+        if out[0].startswith("pypi.org:"):
             out.append("files.pythonhosted.org:443")  # where pypi.org's files are
         return out
 
 
-class NpmSpec(_M):
-    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
-
-    packages: list[str] = Field(min_length=1)
-    registry: str = Field("https://registry.npmjs.org/",
-                          pattern=r"^https?://[A-Za-z0-9.-]+(:[0-9]{1,5})?(/[A-Za-z0-9._~/-]*)?$")
-    hosts: dict[str, str] = Field(default_factory=dict)
+class NpmSpec(_RegistrySpec):
+    registry: str = Field("https://registry.npmjs.org/", pattern=_URL)
 
     @field_validator("packages")
     @classmethod
     def _pkgs(cls, v: list[str]) -> list[str]:
-        import re
+        return _all_match(v, r"(@[a-z0-9][a-z0-9._-]*/)?[a-z0-9][a-z0-9._-]*(@[A-Za-z0-9.^~<>=*+-]+)?",
+                          "an npm package (NAME or @SCOPE/NAME, optionally @VERSION)")
 
-        for p in v:
-            if not re.fullmatch(r"(@[a-z0-9][a-z0-9._-]*/)?[a-z0-9][a-z0-9._-]*(@[A-Za-z0-9.^~<>=*+-]+)?", p):
-                raise ValueError(f"{p!r} is not an npm package (NAME or @SCOPE/NAME, optionally @VERSION)")
-        return v
-
-    def allow(self) -> list[str]:
-        from urllib.parse import urlsplit
-
-        u = urlsplit(self.registry)
-        return [f"{u.hostname}:{u.port or (443 if u.scheme == 'https' else 80)}"]
+    @property
+    def url(self) -> str:
+        return self.registry
 
 
 class ImageSpec(_M):
@@ -118,12 +131,8 @@ class ImageSpec(_M):
     @field_validator("packages")
     @classmethod
     def _pkgs(cls, v: list[str]) -> list[str]:
-        import re
-
-        for p in v:
-            if not re.fullmatch(r"[a-z0-9][a-z0-9+.-]+(=[A-Za-z0-9.+~:-]+)?", p):
-                raise ValueError(f"{p!r} is not a Debian package name (name or name=version)")
-        return v
+        return _all_match(v, r"[a-z0-9][a-z0-9+.-]+(=[A-Za-z0-9.+~:-]+)?",
+                          "a Debian package name (name or name=version)")
 
 
 class Meta(_M):
@@ -262,8 +271,7 @@ def _registry_step(store: Store, root: Path, staging: Path, kind: str, spec, pro
     import tarfile
     from urllib.parse import urlsplit
 
-    where = spec.index_url if kind == "pip" else spec.registry
-    progress(f"{kind}: {len(spec.packages)} packages from {where} (through the gate: {', '.join(spec.allow())} only)")
+    progress(f"{kind}: {len(spec.packages)} packages from {spec.url} (through the gate: {', '.join(spec.allow())} only)")
     interim = store.commit(root, {"source": "build-interim"})
     # the grant is outside agent-vm's home (a sandbox is never granted agent-vm's own state)
     out = Path(tempfile.mkdtemp(prefix=f"agentvm-{kind}-"))
@@ -283,13 +291,11 @@ def _registry_step(store: Store, root: Path, staging: Path, kind: str, spec, pro
                 argv += ["--trusted-host", urlsplit(spec.index_url).hostname]
             argv += spec.packages
             hint = "the image needs python3-pip in its packages; the index must serve the packages"
-            prefix = ""
         else:
             argv += ["--env", "HOME=/tmp", "--", "npm", "install", "--global", "--prefix", "/out/usr/local",
                      "--registry", spec.registry, "--no-audit", "--no-fund", "--no-update-notifier", "--ignore-scripts",
                      *spec.packages]
             hint = "the image needs npm in its packages; the registry must serve the packages"
-            prefix = ""
         env = {**os.environ, "AGENTVM_NO_DAEMON": "1"}
         r = subprocess.run(argv, capture_output=True, env=env, stdin=subprocess.DEVNULL, timeout=1500)
         for line in r.stdout.decode(errors="replace").splitlines()[-8:]:
@@ -302,7 +308,7 @@ def _registry_step(store: Store, root: Path, staging: Path, kind: str, spec, pro
         subprocess.run(["cp", "-a", "--", str(interim.root), str(final)], check=True)
         layer = staging / f"{kind}-layer.tar"
         with tarfile.open(layer, "w") as t:
-            t.add(out / prefix if prefix else out, arcname=".")  # links are stored as links (never followed)
+            t.add(out, arcname=".")  # links are stored as links (never followed)
         with open(layer, "rb") as f:
             apply_layer(f, final, Limits(), Stats(), f"what {kind} installed")
         layer.unlink()
