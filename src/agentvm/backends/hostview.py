@@ -221,25 +221,17 @@ def _in_tree(root: str, rel: str) -> Path | None:
 CA_BUNDLE_MAX = 16 * 1024 * 1024
 
 
-def _write_new(path: Path, data: bytes, mode: int = 0o644) -> None:
-    """Replace whatever is at ``path`` (a file, a symlink, a tree) with a new regular file:
-    O_EXCL|O_NOFOLLOW, so nothing is ever written through a link an image put there."""
+def _write_new(path: Path, data: bytes) -> None:
+    """Replace whatever is at ``path`` (a file, a symlink, a tree) with a new regular file,
+    0644: written beside it and renamed over it (``fsutil.write_atomic``), so nothing is ever
+    written through a link an image put there."""
     import shutil
 
-    try:
-        st = os.lstat(path)
-        if stat.S_ISDIR(st.st_mode):
-            shutil.rmtree(path)
-        else:
-            os.unlink(path)
-    except FileNotFoundError:
-        pass
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode)
-    try:
-        os.write(fd, data)
-        os.fchmod(fd, mode)
-    finally:
-        os.close(fd)
+    from agentvm.fsutil import write_atomic
+
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    write_atomic(path, data, 0o644)
 
 
 def _mask_tree(top: Path) -> None:

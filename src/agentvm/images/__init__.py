@@ -367,7 +367,6 @@ def _alive(pid: int) -> bool:
 
 
 def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, path)
+    from agentvm.fsutil import write_atomic
+
+    write_atomic(path, text.encode(), 0o644)
