@@ -1444,28 +1444,21 @@ class Daemon:
                         breakage=sum(len((a.replay or {}).get("breakage", [])) for a in plan.actions))
             return out
         if p == ["apply"] and method == "POST":
-            if self._fleet_lock.locked():
-                raise ApiError(409, "fleet.busy", "another apply or rollback is in progress", exit_code=1,
-                               hint="wait for it (`agentvm status`), then plan again")
-            async with self._fleet_lock:
-                try:
-                    if not fl.is_full_id(str(doc.get("commit") or "")):
-                        raise ApiError(400, "not-a-commit-id", "apply takes a full commit id (40 hex digits), not a "
-                                       "branch, a tag or a short id",
-                                       hint="`agentvm apply` resolves a ref and shows it first (with --yes)", exit_code=2)
-                    fleet, plan, _ = await self._fleet_plan(doc)
-                    if plan.commit != doc["commit"]:
-                        raise ApiError(409, "not-a-commit-id", f"{doc['commit']} resolves to {plan.commit}", exit_code=2)
-                    want = doc.get("digest")
-                    if want is not None and want != plan.digest():
-                        raise ApiError(409, "plan-changed", "the plan changed since it was shown (the daemon's state or "
-                                       "the repository moved)", hint="run `agentvm plan` again and review it",
-                                       exit_code=1)
-                except (ApiError, AgentVMError) as exc:  # a refused apply is on the chain too
-                    self.record("fleet.refused", actor=actor, repo=str(doc.get("repo"))[:500],
-                                commit=str(doc.get("commit"))[:100], error=exc.code, message=exc.message[:500])
-                    raise
-                return await self._fleet_apply(fleet, plan, doc, actor)
+            async def planned():
+                if not fl.is_full_id(str(doc.get("commit") or "")):
+                    raise ApiError(400, "not-a-commit-id", "apply takes a full commit id (40 hex digits), not a "
+                                   "branch, a tag or a short id",
+                                   hint="`agentvm apply` resolves a ref and shows it first (with --yes)", exit_code=2)
+                fleet, plan, _ = await self._fleet_plan(doc)
+                if plan.commit != doc["commit"]:
+                    raise ApiError(409, "not-a-commit-id", f"{doc['commit']} resolves to {plan.commit}", exit_code=2)
+                want = doc.get("digest")
+                if want is not None and want != plan.digest():
+                    raise ApiError(409, "plan-changed", "the plan changed since it was shown (the daemon's state or "
+                                   "the repository moved)", hint="run `agentvm plan` again and review it", exit_code=1)
+                return fleet, plan
+
+            return await self._fleet_exclusive(planned, doc, actor, doc.get("repo"), doc.get("commit"))
         if p == ["status"] and method == "GET":
             return self._fleet_status()
         if p == ["rollback"] and method == "POST":
@@ -1484,17 +1477,28 @@ class Daemon:
                     raise ApiError(404, "not-found", f"no promotion of a commit {to!r} is recorded",
                                    hint="`agentvm status --json` lists the promotions", exit_code=1)
                 repo, to = match["repo"], match["commit"]
-            if self._fleet_lock.locked():
-                raise ApiError(409, "fleet.busy", "another apply or rollback is in progress", exit_code=1)
-            async with self._fleet_lock:
-                try:
-                    fleet, plan, _ = await self._fleet_plan({"repo": repo, "commit": to})
-                except (ApiError, AgentVMError) as exc:
-                    self.record("fleet.refused", actor=actor, repo=str(repo)[:500], commit=str(to)[:100],
-                                error=exc.code, message=exc.message[:500], rollback=True)
-                    raise
-                return await self._fleet_apply(fleet, plan, {"canary": doc.get("canary")}, actor, rollback=True)
+            async def planned():
+                fleet, plan, _ = await self._fleet_plan({"repo": repo, "commit": to})
+                return fleet, plan
+
+            return await self._fleet_exclusive(planned, {"canary": doc.get("canary")}, actor, repo, to, rollback=True)
         raise ApiError(404, "not-found", "fleet: POST /v1/fleet/plan|apply|rollback, GET /v1/fleet/status")
+
+    async def _fleet_exclusive(self, planned, doc: dict, actor: str, repo, commit, rollback: bool = False) -> dict:
+        """An apply or a rollback: one at a time, holding the fleet lock from its plan to its
+        end; a refusal before anything is applied (not a commit id, unsigned, plan changed)
+        is on the audit chain too."""
+        if self._fleet_lock.locked():
+            raise ApiError(409, "fleet.busy", "another apply or rollback is in progress", exit_code=1,
+                           hint="wait for it (`agentvm status`), then plan again")
+        async with self._fleet_lock:
+            try:
+                fleet, plan = await planned()
+            except (ApiError, AgentVMError) as exc:
+                self.record("fleet.refused", actor=actor, repo=str(repo)[:500], commit=str(commit)[:100],
+                            error=exc.code, message=exc.message[:500], **({"rollback": True} if rollback else {}))
+                raise
+            return await self._fleet_apply(fleet, plan, doc, actor, rollback=rollback)
 
     async def _fleet_apply(self, fleet, plan, doc: dict, actor: str, rollback: bool = False) -> dict:
         """Apply exactly ``plan`` (creates, then updates, then removes), each agent atomically:
