@@ -332,7 +332,8 @@ class Env:
                 backend = get_backend(self.substrate, self.paths)
             self._runtime = cls(self.paths, backend)
             if self.image:
-                self._runtime.images_home = self.images_home  # the operator's store; verified in __init__
+                self._runtime.images_home = self.images_home  # the operator's store
+                self._runtime.check_image_signatures = False  # the image was verified whole in __init__
             self._runtime.embedded_gate()  # created up front (its log dir, and no lazy race under threads)
         return self._runtime
 
