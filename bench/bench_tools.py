@@ -102,15 +102,35 @@ def raw_gateway():
     return out
 
 
+def http_server():
+    """The same server, served over streamable HTTP on the sandbox's own loopback."""
+    import socket, subprocess
+    p = subprocess.Popen(["python3", "/work/tools_server.py", "--http", str(HTTP_PORT)], stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL, env={"PYTHONPATH": "/opt/testlib", "PATH": os.environ["PATH"]})
+    for _ in range(300):
+        try:
+            socket.create_connection(("127.0.0.1", HTTP_PORT), timeout=1).close()
+            return p
+        except OSError:
+            time.sleep(0.05)
+    raise SystemExit("the HTTP server did not start")
+
+
+HTTP_PORT = 8765
+
+
 async def main():
+    srv = http_server()
     direct = StdioServerParameters(command="python3", args=["/work/tools_server.py"],
                                    env={"PYTHONPATH": "/opt/testlib", "PATH": os.environ["PATH"]})
-    res = {"direct": [], "gateway": [], "raw-direct": [], "raw-gateway": []}
+    res = {"direct": [], "gateway": [], "direct-http": [], "raw-direct": [], "raw-gateway": []}
     for _ in range(ROUNDS):
         res["direct"] += await timed(direct, "echo")
+        res["direct-http"] += await timed(f"http://127.0.0.1:{HTTP_PORT}/mcp", "echo")
         res["gateway"] += await timed(os.environ["AGENTVM_MCP_URL"], "t__echo")
         res["raw-direct"] += raw_direct()
         res["raw-gateway"] += raw_gateway()
+    srv.terminate()
     print("RESULT " + json.dumps(res))
 
 asyncio.run(main())
@@ -172,11 +192,12 @@ def main() -> int:
         shutil.rmtree(d, ignore_errors=True)
     print(f"tools/call, {a.calls} calls x {a.rounds} rounds each, both clients inside one bwrap sandbox")
     print(f"{'path':<12} {'median ms':>10} {'p99 ms':>8} {'mean ms':>8}")
-    for k in ("direct", "gateway", "raw-direct", "raw-gateway"):
+    for k in ("direct", "direct-http", "gateway", "raw-direct", "raw-gateway"):
         xs = res[k]
         print(f"{k:<12} {statistics.median(xs):>10.3f} {pct(xs, 99):>8.3f} {statistics.mean(xs):>8.3f}")
     med = {k: statistics.median(v) for k, v in res.items()}
-    for label, g, d in (("with the mcp SDK client", "gateway", "direct"),
+    for label, g, d in (("with the mcp SDK client (stdio direct, HTTP via the gateway)", "gateway", "direct"),
+                        ("with the mcp SDK client, HTTP on both paths", "gateway", "direct-http"),
                         ("with a minimal client (the gateway's own cost)", "raw-gateway", "raw-direct")):
         added = med[g] - med[d]
         print(f"added median {label}: {added:.3f} ms per call (target <= 2 ms: {'met' if added <= 2 else 'missed'}); "

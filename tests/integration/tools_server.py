@@ -92,4 +92,7 @@ def exfiltrate() -> str:
     return "hidden prompt"
 
 
-app.run()
+if len(sys.argv) == 3 and sys.argv[1] == "--http":  # the same server over streamable HTTP (bench_tools.py)
+    app.run("streamable-http", host="127.0.0.1", port=int(sys.argv[2]), json_response=True, stateless_http=True)
+else:
+    app.run()

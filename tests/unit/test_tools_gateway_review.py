@@ -101,3 +101,53 @@ def test_resource_uris_cannot_climb_out_of_their_glob(uri):
     sp = tp.ServerPolicy(name="n", kind="local", resources=("file:///srv/notes/*",))
     assert not tp.resource_allowed(sp, uri)
     assert tp.resource_allowed(sp, "file:///srv/notes/today.md")
+
+
+def test_a_modern_tools_call_does_not_list_every_server_first(tmp_path):
+    """The SDK's 2026-07-28 transport checks Mcp-Param-* headers against the called tool's input
+    schema. Unless the gateway names the schema, the SDK gets it by running the whole tools/list
+    - a round trip to every declared tool server - before each call. The gateway answers from
+    the last listing instead: one listing for many calls, and the calls still work."""
+    import httpx2
+    from mcp import Client
+    from mcp.client.streamable_http import streamable_http_client
+
+    sp = tp.ServerPolicy(name="t", kind="local", allow=("echo",))
+    gw, store, pol, audit, called = gateway(tmp_path, sp)
+    listed = []
+
+    class Upstream:
+        async def list_tools(self, cursor=None):
+            listed.append(cursor)
+            return mt.ListToolsResult(tools=[mt.Tool(name="echo", input_schema={
+                "type": "object", "properties": {"text": {"type": "string"}}})])
+
+        async def call_tool(self, name, args):
+            called.append((name, args))
+            return mt.CallToolResult(content=[mt.TextContent(type="text", text=args["text"])])
+
+    async def get():
+        return Upstream()
+
+    gw.upstreams["t"].get = get
+
+    async def go():
+        http = httpx2.AsyncClient(transport=httpx2.ASGITransport(app=gw.handle), base_url="http://127.0.0.1:3128")
+        try:
+            async with Client(streamable_http_client("http://127.0.0.1:3128/mcp", http_client=http)) as c:
+                first = await c.call_tool("t__echo", {"text": "before any listing"})  # nothing cached: still served
+                names = [t.name for t in (await c.list_tools()).tools]
+                out = [await c.call_tool("t__echo", {"text": f"n{i}"}) for i in range(5)]
+        finally:
+            await gw.close()
+            await http.aclose()
+        return first, names, out
+
+    first, names, out = asyncio.run(go())
+    assert names == [tp.REQUEST_ACCESS, "t__echo"]
+    assert first.content[0].text == "before any listing"
+    assert [r.content[0].text for r in out] == [f"n{i}" for i in range(5)]
+    assert len(called) == 6
+    # two listings: the one asked for, and the SDK client's own before its first call (it learns
+    # the tools' output schemas); without the gateway's schema lookup it is eight (one per call)
+    assert len(listed) == 2, f"tools/list ran {len(listed)} times for one listing and six calls"

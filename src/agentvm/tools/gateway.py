@@ -241,8 +241,13 @@ class ToolGateway:
         self.gate = gate  # the gate this sandbox's endpoint is on: remote servers get endpoints of their own there
         self.endpoint = endpoint  # this sandbox's gate endpoint (an approved request_access changes its policy)
         self.upstreams = {sp.name: Upstream(self, sp) for sp in policy.servers}
+        # input schemas of the tools the last tools/list showed, by exposed name: what the SDK's
+        # 2026-07-28 transport checks Mcp-Param-* headers against. Without it the SDK runs the
+        # whole tools/list (a round trip to every tool server) before each tools/call.
+        self._schemas: dict[str, Any] = {tp.REQUEST_ACCESS: _request_access_tool().input_schema}
         self.server = Server(
             "agentvm-tool-gateway",
+            get_tool_input_schema=self._schemas.get,
             on_list_tools=self._list_tools,
             on_call_tool=self._call_tool,
             on_list_resources=self._list_resources,
@@ -343,6 +348,8 @@ class ToolGateway:
             for t in listed:
                 if tp.visible(sp, t.name):
                     tools.append(t.model_copy(update={"name": f"{name}{tp.SEP}{t.name}"}))
+        self._schemas.clear()
+        self._schemas.update((t.name, t.input_schema) for t in tools)
         return types.ListToolsResult(tools=tools)
 
     def _deny(self, rule: str, reason: str, target: str, code: int = DENIED, args_digest: str | None = None):
