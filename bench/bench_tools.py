@@ -123,9 +123,11 @@ async def main():
     srv = http_server()
     direct = StdioServerParameters(command="python3", args=["/work/tools_server.py"],
                                    env={"PYTHONPATH": "/opt/testlib", "PATH": os.environ["PATH"]})
-    res = {"direct": [], "gateway": [], "direct-http": [], "raw-direct": [], "raw-gateway": []}
+    shim = StdioServerParameters(command="agentvm-mcp", env=dict(os.environ))
+    res = {"direct": [], "gateway": [], "direct-http": [], "gateway-stdio": [], "raw-direct": [], "raw-gateway": []}
     for _ in range(ROUNDS):
         res["direct"] += await timed(direct, "echo")
+        res["gateway-stdio"] += await timed(shim, "t__echo")
         res["direct-http"] += await timed(f"http://127.0.0.1:{HTTP_PORT}/mcp", "echo")
         res["gateway"] += await timed(os.environ["AGENTVM_MCP_URL"], "t__echo")
         res["raw-direct"] += raw_direct()
@@ -192,12 +194,13 @@ def main() -> int:
         shutil.rmtree(d, ignore_errors=True)
     print(f"tools/call, {a.calls} calls x {a.rounds} rounds each, both clients inside one bwrap sandbox")
     print(f"{'path':<12} {'median ms':>10} {'p99 ms':>8} {'mean ms':>8}")
-    for k in ("direct", "direct-http", "gateway", "raw-direct", "raw-gateway"):
+    for k in ("direct", "gateway-stdio", "direct-http", "gateway", "raw-direct", "raw-gateway"):
         xs = res[k]
         print(f"{k:<12} {statistics.median(xs):>10.3f} {pct(xs, 99):>8.3f} {statistics.mean(xs):>8.3f}")
     med = {k: statistics.median(v) for k, v in res.items()}
-    for label, g, d in (("with the mcp SDK client (stdio direct, HTTP via the gateway)", "gateway", "direct"),
+    for label, g, d in (("with the mcp SDK client, stdio on both paths (agentvm-mcp)", "gateway-stdio", "direct"),
                         ("with the mcp SDK client, HTTP on both paths", "gateway", "direct-http"),
+                        ("with the mcp SDK client, stdio direct against HTTP via the gateway", "gateway", "direct"),
                         ("with a minimal client (the gateway's own cost)", "raw-gateway", "raw-direct")):
         added = med[g] - med[d]
         print(f"added median {label}: {added:.3f} ms per call (target <= 2 ms: {'met' if added <= 2 else 'missed'}); "

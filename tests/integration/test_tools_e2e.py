@@ -11,6 +11,7 @@ import secrets
 import shutil
 import signal
 import subprocess
+import sys
 import textwrap
 import threading
 import time
@@ -95,7 +96,7 @@ def write_agent(env, name: str, *, spec_extra: str = "", timeout: str = "20s") -
           tools:
             - name: t
               command: [python3, /srv/tools_server.py]
-              allow: [echo, read_file, crash, hang, big, env_names, fetch, inject]
+              allow: [echo, read_file, crash, hang, big, env_names, fetch, inject, flood]
               approve: [write_file]
               risk: {{"*": read, write_file: write}}
               arguments:
@@ -246,6 +247,32 @@ def test_a_broken_tool_server_costs_only_its_calls(env):
     assert "tools:server-exited" in crash["error"]
     # the crashed server is started again for the next call
     assert echo == {"ok": True, "text": "still here"}
+
+
+def test_a_tool_server_flooding_its_output_is_cut_off_and_the_gateway_stays_small(env):
+    """One endless line (256 MiB, no newline) from a tool server: the gateway reads at most its
+    line limit (4 MiB here), stops that server, answers tools:server-flood, and starts it again
+    for the next call. Measured: the largest RSS among the processes of the run (the gateway's
+    among them; the server writes 1 MiB at a time and holds little)."""
+    import resource  # noqa: F401 - read in the wrapper below
+
+    agent = write_agent(env, "tflood")
+    ops = [["call", "t__flood", {"mib": 256}], ["call", "t__echo", {"text": "still here"}]]
+    argv = agentvm_cmd() + ["run", "-f", str(agent), "--json", "--", "python3", "/work/tools_client.py",
+                            json.dumps(ops), "auto", "http"]
+    wrapper = ("import json, resource, subprocess, sys\n"
+               "r = subprocess.run(json.loads(sys.argv[1]), capture_output=True)\n"
+               "sys.stdout.buffer.write(r.stdout)\n"
+               "sys.stderr.buffer.write(r.stderr)\n"
+               "print('MAXRSS_KIB', resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, file=sys.stderr)\n"
+               "sys.exit(r.returncode)\n")
+    r = subprocess.run([sys.executable, "-c", wrapper, json.dumps(argv)], capture_output=True, timeout=150)
+    assert r.returncode == 0, r.stderr.decode()[-3000:]
+    _, flood, echo = outputs(r.stdout)
+    assert "tools:server-flood" in flood.get("error", ""), (flood, r.stderr.decode()[-2000:])
+    assert echo == {"ok": True, "text": "still here"}
+    maxrss_mib = int(r.stderr.decode().rsplit("MAXRSS_KIB", 1)[1].split()[0]) / 1024
+    assert maxrss_mib < 200, f"a process of the run grew to {maxrss_mib:.0f} MiB reading one line"
 
 
 def test_the_tool_servers_sandbox_has_its_credential_and_the_agent_never_does(env):

@@ -10,6 +10,7 @@ sys.path.insert(0, "/opt/testlib")
 from mcp.server.mcpserver import MCPServer  # noqa: E402
 
 app = MCPServer("testtools")
+WIRE = os.dup(1)  # the transport's own pipe (the SDK diverts fd 1 to stderr while it serves)
 
 
 @app.tool()
@@ -50,6 +51,19 @@ def hang(seconds: float) -> str:
 @app.tool()
 def big(n: int) -> str:
     return "x" * n
+
+
+@app.tool()
+def flood(mib: int) -> str:
+    """One endless line on the MCP transport itself (stdout), written a MiB at a time: the
+    server holds little; a client that buffers the line whole holds it all."""
+    chunk = b"x" * (1 << 20)
+    for _ in range(mib):
+        try:
+            os.write(WIRE, chunk)
+        except OSError:  # the gateway stopped reading (and stopped us)
+            break
+    return "flooded"
 
 
 @app.tool()

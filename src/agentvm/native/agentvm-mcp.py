@@ -11,12 +11,15 @@ the sandbox's own python3.
 """
 
 import base64
+import http.client
 import json
 import os
 import re
+import socket
 import sys
 import threading
 import urllib.error
+import urllib.parse
 import urllib.request
 
 URL = os.environ.get("AGENTVM_MCP_URL", "")
@@ -36,6 +39,49 @@ def header_value(value: str) -> str:
     return "=?base64?" + base64.b64encode(value.encode("utf-8")).decode("ascii") + "?="
 # straight to the gateway: never through a proxy (the gateway is the proxy's own port)
 _opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+_idle: list = []  # keep-alive connections to the gateway, free for the next request
+_idle_lock = threading.Lock()
+
+
+def _connection():
+    """(an idle keep-alive connection to the gateway, or a new one; whether it was reused)."""
+    with _idle_lock:
+        if _idle:
+            return _idle.pop(), True
+    u = urllib.parse.urlsplit(URL)
+    c = http.client.HTTPConnection(u.hostname or "127.0.0.1", u.port or 80, timeout=TIMEOUT)
+    c.connect()
+    c.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return c, False
+
+
+def _post(raw: bytes, headers: dict):
+    """POST one message on a keep-alive connection: (connection, response). A reused connection
+    the gateway closed while it sat idle fails before anything was sent or answered: that one
+    request is sent again on a new connection (never one that may have reached the gateway)."""
+    path = urllib.parse.urlsplit(URL).path or "/"
+    for attempt in (0, 1):
+        c, reused = _connection()
+        try:
+            c.request("POST", path, body=raw, headers=headers)
+            return c, c.getresponse()
+        except (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError):
+            c.close()
+            if not reused or attempt:
+                raise
+        except BaseException:
+            c.close()
+            raise
+    raise OSError("unreachable")
+
+
+def _done(c, resp) -> None:
+    """The answer was read whole: its connection serves the next request, unless it closes."""
+    if resp.will_close:
+        c.close()
+    else:
+        with _idle_lock:
+            _idle.append(c)
 
 
 def emit(msg) -> None:
@@ -82,19 +128,19 @@ def send(raw: bytes) -> None:
         params = msg.get("params")
         if key and isinstance(params, dict) and isinstance(params.get(key), str):
             headers["Mcp-Name"] = header_value(params[key])
-    req = urllib.request.Request(URL, data=raw, headers=headers, method="POST")
     try:
-        resp = _opener.open(req, timeout=TIMEOUT)
-    except urllib.error.HTTPError as exc:
-        resp = exc  # a JSON-RPC error body comes with 4xx/5xx: pass it on
-    except OSError as exc:
+        c, resp = _post(raw, headers)
+    except (OSError, http.client.HTTPException) as exc:
         fail(msg, f"the tool gateway at {URL} cannot be reached ({exc}): no tools")
         return
-    with resp:
+    try:
         ctype = (resp.headers.get("Content-Type") or "").split(";")[0].strip()
         if ctype == "text/event-stream":
             data = []
-            for line in resp:
+            while True:
+                line = resp.readline()
+                if not line:
+                    break
                 line = line.decode("utf-8", "replace").rstrip("\r\n")
                 if line.startswith("data:"):
                     data.append(line[5:].lstrip())
@@ -103,15 +149,20 @@ def send(raw: bytes) -> None:
                     data = []
             if data:
                 _forward(msg, "\n".join(data))
-            return
-        body = resp.read()
-        if body.strip():
-            if ctype == "application/json":
-                _forward(msg, body.decode("utf-8", "replace"))
-            else:
-                fail(msg, f"the gateway answered HTTP {getattr(resp, 'status', '?')} without JSON")
-        elif getattr(resp, "status", 200) >= 400:
-            fail(msg, f"the gateway answered HTTP {resp.status}")
+        else:
+            body = resp.read()
+            if body.strip():
+                if ctype == "application/json":
+                    _forward(msg, body.decode("utf-8", "replace"))
+                else:
+                    fail(msg, f"the gateway answered HTTP {resp.status} without JSON")
+            elif resp.status >= 400:
+                fail(msg, f"the gateway answered HTTP {resp.status}")
+    except (OSError, http.client.HTTPException) as exc:
+        c.close()
+        fail(msg, f"the tool gateway's answer broke off ({exc})")
+        return
+    _done(c, resp)
 
 
 def _forward(msg, text: str) -> None:

@@ -42,7 +42,7 @@ from typing import Any, Callable
 
 import mcp_types as types
 from mcp import Client
-from mcp.client.stdio import StdioServerParameters, stdio_client
+from mcp.client.stdio import get_default_environment
 from mcp.client.streamable_http import streamable_http_client
 from mcp.server.lowlevel import Server
 from mcp.server.streamable_http_manager import StreamableHTTPSessionManager
@@ -53,6 +53,7 @@ from agentvm.approvals import digest as arg_digest
 from agentvm.gate.endpoint import TokenBucket
 from agentvm.approvals import SHOW_MAX, preview, shown
 from agentvm.tools import policy as tp
+from agentvm.tools.stdio import MAX_LINE_FLOOR, Flooded, StdioSession
 
 START_TIMEOUT = 60.0  # a local server's sandbox and MCP handshake
 LIST_PAGES = 20  # at most this many pages of tools/list per server
@@ -68,6 +69,7 @@ LIMITED = -32013
 
 RESTART_BASE = 0.5  # seconds before a failed tool server is started again, doubling per failure
 RESTART_MAX = 30.0
+STOP_WAIT = 12.0  # seconds to wait for a stopped server's sandbox to end (stdin closed, SIGTERM, SIGKILL)
 
 
 class ToolFailure(Exception):
@@ -81,7 +83,7 @@ class Upstream:
 
     def __init__(self, gw: "ToolGateway", sp: tp.ServerPolicy) -> None:
         self.gw, self.sp = gw, sp
-        self.client: Client | None = None
+        self.client: Client | StdioSession | None = None
         self.error: str | None = None
         self.bucket = TokenBucket(sp.calls_per_minute / 60.0, float(sp.calls_per_minute))
         self._ready = asyncio.Event()
@@ -90,33 +92,55 @@ class Upstream:
         self._lock = asyncio.Lock()
         self._failures = 0  # starts in a row that ended without a working client
         self._retry_at = 0.0  # no new start before this (monotonic): a failing server is not restarted per request
+        self._served = False  # the current start got as far as a session (its end is not a failed start)
+        self._ending: asyncio.Task | None = None  # a discarded session, until its server is stopped
 
-    async def _transport(self):
-        if self.sp.kind == "remote":
-            return await self._remote_transport(), None
+    def _local_argv_env(self) -> tuple[list[str], dict[str, str]]:
+        """``agentvm run`` of the server's own agent file, embedded, in this installation."""
         spec_file = self.gw.run_dir / f"tool-{self.sp.name}.json"
         spec_file.write_text(self.sp.sandbox_spec)
         os.chmod(spec_file, 0o600)
         # agent-vm's own settings (home, uid range...) pass on, the daemon's address does not: the
         # server's sandbox runs embedded, in this installation
-        env = {k: v for k, v in os.environ.items()
-               if (k.startswith("AGENTVM_") and not k.startswith("AGENTVM_DAEMON")) or k in ("PATH", "LANG")}
+        env = get_default_environment()
+        env.update({k: v for k, v in os.environ.items()
+                    if (k.startswith("AGENTVM_") and not k.startswith("AGENTVM_DAEMON")) or k in ("PATH", "LANG")})
         env.update(self.gw.env)
         env["AGENTVM_NO_DAEMON"] = "1"
-        params = StdioServerParameters(command=sys.executable, args=["-m", "agentvm", "run", "--no-tty", "-f",
-                                                                     str(spec_file)], env=env)
-        errlog = open(self.gw.run_dir / f"tool-{self.sp.name}.log", "a", buffering=1)  # noqa: SIM115 - closed by _hold
-        return stdio_client(params, errlog=errlog), errlog
+        return [sys.executable, "-m", "agentvm", "run", "--no-tty", "-f", str(spec_file)], env
 
     async def _hold(self, ready: asyncio.Event, stop: asyncio.Event) -> None:
+        """The server's session, from its start until ``stop`` or its end: a local server is a
+        :class:`StdioSession` (bounded lines), a remote one the SDK's streamable-HTTP client."""
         errlog = None
         try:
-            transport, errlog = await self._transport()
-            async with Client(transport, cache=None, read_timeout_seconds=self.sp.timeout,
-                              client_info=types.Implementation(name="agentvm-tool-gateway", version="1")) as c:
-                self.client = c
+            if self.sp.kind == "remote":
+                transport = await self._remote_transport()
+                async with Client(transport, cache=None, read_timeout_seconds=self.sp.timeout,
+                                  client_info=types.Implementation(name="agentvm-tool-gateway", version="1")) as c:
+                    self.client, self._served = c, True
+                    ready.set()
+                    await stop.wait()
+                return
+            argv, env = self._local_argv_env()
+            errlog = open("/tmp/exp14/tool.log", "a", buffering=1)  # noqa: SIM115 - closed below
+            session = await StdioSession.spawn(argv, env=env, errlog=errlog, name=self.sp.name,
+                                               max_line=max(MAX_LINE_FLOOR, 2 * self.sp.max_result + 65536))
+            try:
+                await session.initialize()
+                self.client, self._served = session, True
                 ready.set()
-                await stop.wait()
+                ended = asyncio.ensure_future(session.closed.wait())
+                stopped = asyncio.ensure_future(stop.wait())
+                try:
+                    await asyncio.wait((ended, stopped), return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    ended.cancel()
+                    stopped.cancel()
+                if session.end is not None and not stop.is_set():
+                    raise session.end
+            finally:
+                await asyncio.shield(session.close())
         except BaseException as exc:  # noqa: BLE001 - the server's failure is this server's only
             inner = exc
             while isinstance(inner, BaseExceptionGroup) and inner.exceptions:
@@ -129,18 +153,23 @@ class Upstream:
             if errlog is not None:
                 errlog.close()
 
-    async def get(self) -> Client:
+    async def get(self) -> "Client | StdioSession":
         async with self._lock:
             if self._task is not None and self._task.done():
                 self._task = None  # it ended (the server exited): started again below
-                self._failures += 1
-                self._retry_at = time.monotonic() + min(RESTART_MAX, RESTART_BASE * 2 ** (self._failures - 1))
+                if not self._served:  # it never got as far as a session: the next start waits
+                    self._failures += 1
+                    self._retry_at = time.monotonic() + min(RESTART_MAX, RESTART_BASE * 2 ** (self._failures - 1))
             if self._task is None and time.monotonic() < self._retry_at:
                 raise ToolFailure("tools:server-unavailable", f"tool server {self.sp.name} failed "
                                   f"({self.error or 'it exited'}); it is started again in "
                                   f"{self._retry_at - time.monotonic():.1f}s")
             if self._task is None:
-                self.client, self.error = None, None
+                # a discarded session's server must be gone first: a second sandbox of the same
+                # tool server would share its uid, so it is refused while the first still runs
+                await self._reap(self._ending)
+                self._ending = None
+                self.client, self.error, self._served = None, None, False
                 self._ready, self._stop = asyncio.Event(), asyncio.Event()
                 self._task = asyncio.get_running_loop().create_task(self._hold(self._ready, self._stop))
             ready = self._ready
@@ -210,22 +239,30 @@ class Upstream:
         return streamable_http_client(sp.url, http_client=client)
 
     def discard(self) -> None:
-        """The session is dead (the server's stdio closed): the next call starts it again."""
+        """The session is dead (the server's stdio closed, or it flooded): the next call starts it
+        again, once this one's server is stopped."""
         self._stop.set()
-        self._task = None
+        self._ending, self._task = self._task, None
         self.client = None
+
+    @staticmethod
+    async def _reap(task: asyncio.Task | None) -> None:
+        """Wait (bounded) for a session's task, which stops its server on the way out."""
+        if task is None or task.done():
+            return
+        try:
+            async with asyncio.timeout(STOP_WAIT):
+                await asyncio.shield(task)
+        except (TimeoutError, Exception):  # noqa: BLE001 - it is cancelled below; its end is logged by it
+            task.cancel()
 
     async def close(self) -> None:
         ep_id = getattr(self, "_endpoint_id", None)
         if ep_id is not None and self.gw.gate is not None:
             await self.gw.gate.close_endpoint(ep_id)
         self._stop.set()
-        if self._task is not None:
-            try:
-                async with asyncio.timeout(10):
-                    await asyncio.shield(self._task)
-            except (TimeoutError, Exception):  # noqa: BLE001
-                self._task.cancel()
+        await self._reap(self._ending)
+        await self._reap(self._task)
 
 
 class ToolGateway:
@@ -405,6 +442,10 @@ class ToolGateway:
         except TimeoutError:
             raise self._deny("tools:server-timeout", f"{target} did not answer within {sp.timeout:g}s", target,
                              SERVER_FAILED, ad) from None
+        except Flooded as exc:
+            u.discard()
+            raise self._deny("tools:server-flood", f"{exc} (it is stopped, and started again on the next call)",
+                             target, SERVER_FAILED, ad) from None
         except MCPError as exc:
             if exc.code == types.CONNECTION_CLOSED:  # the SDK's own: the server's stdio closed (it exited)
                 u.discard()
