@@ -127,3 +127,43 @@ def test_tier_ceiling_for_ptrace():
     with pytest.raises(PolicyDenied):
         check_tier(Policy(name="x", allow_ptrace=True, risk_tier="L3"))
     check_tier(Policy(name="x", allow_ptrace=True, risk_tier="L4"))
+
+
+def _old_to_dict(p: Policy) -> dict:
+    """Policy.to_dict as it was (asdict of everything, then egress replaced): digests that were
+    stored (fleet commits, audit records) must keep meaning the same policy."""
+    from dataclasses import asdict
+
+    d = asdict(p)
+    if p.egress is not None:
+        d["egress"] = p.egress.to_dict()
+    if p.limits.budget is None:
+        d["limits"].pop("budget", None)
+    if p.image is None:
+        d.pop("image", None)
+    if not p.image_signers:
+        d.pop("image_signers", None)
+    return d
+
+
+def test_to_dict_is_exactly_what_asdict_made_and_digests_are_unchanged():
+    import json
+    from pathlib import Path
+
+    examples = Path(__file__).resolve().parents[2] / "examples"
+    policies = [Policy(name="x", command=("true",)), Policy(name="n", network="none"),
+                compile_policy(load_agent_text(AGENT, "builder.yaml").spec),
+                compile_policy(load_agent_text(AGENT.replace("riskTier: L1", "riskTier: L3") + CRED, "c.yaml").spec),
+                compile_policy(load_agent_text(AGENT.replace("riskTier: L1", "riskTier: L3")
+                                               + "  tools:\n    - {name: fs, command: [fs-mcp], allow: [x]}\n",
+                                               "t.yaml").spec)]
+    for f in sorted(examples.rglob("*.yaml")):
+        try:
+            policies.append(compile_policy(load_agent_text(f.read_text(), str(f)).spec))
+        except Exception:  # noqa: BLE001 - presets and other kinds in examples/
+            continue
+    assert len(policies) >= 7
+    for p in policies:
+        new, old = p.to_dict(), _old_to_dict(p)
+        assert list(new) == list(old)
+        assert json.dumps(new, sort_keys=True, default=str) == json.dumps(old, sort_keys=True, default=str)
