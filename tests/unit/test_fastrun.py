@@ -77,3 +77,55 @@ def test_a_refusal_before_or_inside_the_stream_is_the_same_error():
 def test_no_daemon_means_an_embedded_run(monkeypatch, tmp_path):
     monkeypatch.setenv("AGENTVM_RUNTIME_DIR", str(tmp_path))
     assert fastrun.connect() is None
+
+
+def _python_client(env: dict, *args: str):
+    import subprocess
+    import sys
+
+    code = "import sys; from agentvm.cli import main; sys.exit(main(sys.argv[1:]))"
+    return subprocess.run([sys.executable, "-c", code, *args], env=env, stdin=subprocess.DEVNULL,
+                          capture_output=True, timeout=60)
+
+
+def test_the_python_thin_client_relays_frames_and_imports_nothing_it_does_not_need(tmp_path):
+    """`run -- CMD` with a daemon up, when the compiled entry point is not there (python -m
+    agentvm, or no compiler at install): the same request, the frames relayed byte for byte,
+    the report as rendered by the daemon, the exit code - and no json, socket, argparse or
+    runtime imported on the way."""
+    import os
+
+    from tests.unit.test_client_c import FakeDaemon, frames
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AGENTVM_", "XDG_"))}
+    env["AGENTVM_RUNTIME_DIR"] = str(tmp_path / "rt")
+    d = FakeDaemon(str(tmp_path / "rt" / "agentvm.sock"),
+                   frames((b"o", b"out\xff\n"), (b"e", b"err\n"), (b"x", b"3\nthe report\n")))
+    try:
+        r = _python_client({**env, "PYTHONPROFILEIMPORTTIME": "1"}, "run", "--", "echo", 'q"uote', "ünï")
+    finally:
+        d.close()
+    assert r.returncode == 3 and r.stdout == b"out\xff\n"
+    err = r.stderr.decode()
+    assert err.endswith("err\nthe report\n"), err[-300:]
+    imported = {ln.split("|")[-1].strip() for ln in err.splitlines() if ln.startswith("import time:")}
+    assert "agentvm.cli.fastrun" in imported
+    for heavy in ("json", "socket", "argparse", "agentvm.cli.run_cmd", "agentvm.runtime", "typing"):
+        assert heavy not in imported, f"the thin client imported {heavy}"
+    assert d.requests == [json.loads('{"command":["echo","q\\"uote","ünï"],' + fastrun._NO_OPTIONS
+                                     + ',"framing":"frames"}')]
+
+
+def test_the_python_thin_client_says_when_the_daemon_breaks_off(tmp_path):
+    import os
+
+    from tests.unit.test_client_c import FakeDaemon, frames
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AGENTVM_", "XDG_"))}
+    env["AGENTVM_RUNTIME_DIR"] = str(tmp_path / "rt")
+    d = FakeDaemon(str(tmp_path / "rt" / "agentvm.sock"), frames((b"o", b"partial\n"))[:-5])
+    try:
+        r = _python_client(env, "run", "--", "true")
+    finally:
+        d.close()
+    assert r.returncode == 125 and r.stdout == b"partial\n" and b"without a result" in r.stderr

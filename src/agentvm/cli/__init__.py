@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import sys
 
-from agentvm.errors import AgentVMError
+TYPE_CHECKING = False  # not typing's: importing typing costs the thin client more than all the rest
+if TYPE_CHECKING:
+    from agentvm.errors import AgentVMError
 
 
 def report_error(err: AgentVMError, as_json: bool = False) -> int:
@@ -19,18 +21,34 @@ def report_error(err: AgentVMError, as_json: bool = False) -> int:
 
         print(json.dumps(err.to_dict()), flush=True)
     else:
-        print(f"agentvm: error [{err.code}]: {err.message}", file=sys.stderr)
-        if err.hint:
-            print(f"  hint: {err.hint}", file=sys.stderr)
+        from agentvm.runreport import error_text
+
+        sys.stderr.write(error_text(err.code, err.message, err.hint))
     return err.exit_code
+
+
+def _site() -> None:
+    """The installed entry point starts the interpreter without ``site`` (-S: the thin client
+    needs nothing from it); every other path gets it, .pth files and all, as a normal start."""
+    if sys.flags.no_site and "site" not in sys.modules:
+        import site
+
+        site.main()
 
 
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if args and args[0] == "run":
+        from agentvm.cli.fastrun import fast_run
+
+        rc = fast_run(args[1:])  # `run -- CMD` with a daemon up: nothing else is imported
+        if rc is not None:
+            return rc
+        _site()
         from agentvm.cli.run_cmd import main_run
 
         return main_run(args[1:])
+    _site()
     from agentvm.cli.app import cli_main
 
     return cli_main(args)

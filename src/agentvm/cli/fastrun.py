@@ -1,18 +1,30 @@
 """`agentvm run` through a daemon that is up: the thin client.
 
 Everything a run needs happens in the daemon (policy, sandbox, gate, audit); the client sends
-the command line as typed and relays the output stream. It imports nothing it does not need
-(no dataclasses, no http.client - whose email parser and ssl cost more than the rest of the
-client together): one unix socket, one HTTP/1.1 request, a chunked NDJSON response.
+the command line as typed and relays the output stream.
+
+Two ways in:
+
+- :func:`fast_run` - ``agentvm run [--] CMD...`` with no options, no terminal and no stdin to
+  send: it imports nothing beyond the interpreter's own start-up set (the C ``_socket`` and
+  ``_json`` modules; no ``json``, ``socket``, ``argparse`` or ``re``, which cost more than the
+  rest of the client on a small machine). The daemon answers in frames (output bytes as they
+  come, then the exit code and the report already rendered by :mod:`agentvm.runreport`), so
+  the client parses no JSON either. Anything else returns None and takes the full path;
+- :func:`connect` and :func:`run_stream` - the full path's client (one HTTP/1.1 request, a
+  chunked NDJSON response), used with every option.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import socket
+import sys
 
 DEFAULT_TIMEOUT = 60.0
+
+# every option of `agentvm run` at its default: what the full path would send for `run -- CMD`
+_NO_OPTIONS = ('"cli":{"mounts":[],"env":[],"timeout":null,"memory":null,"allow":[],"add_host":[],'
+               '"network":null,"substrate":null,"image":null}')
 
 
 def socket_path() -> str:
@@ -22,8 +34,176 @@ def socket_path() -> str:
     return os.path.join(default_dirs()[1], "agentvm.sock")
 
 
+def _timeout() -> float:
+    try:
+        return float(os.environ.get("AGENTVM_CLIENT_TIMEOUT", DEFAULT_TIMEOUT))
+    except ValueError:
+        return DEFAULT_TIMEOUT
+
+
+def _stdin_is_sendable() -> bool:
+    """The daemon is used unless stdin could stream (a pipe, a socket, a terminal or other
+    character device but /dev/null) or must be sent (a regular file: the full path sends it)."""
+    import stat
+
+    try:
+        st = os.fstat(0)
+    except OSError:
+        return True  # closed: nothing to send
+    if stat.S_ISFIFO(st.st_mode) or stat.S_ISSOCK(st.st_mode) or stat.S_ISREG(st.st_mode):
+        return False
+    if stat.S_ISCHR(st.st_mode):
+        try:
+            dn = os.stat(os.devnull)
+        except OSError:
+            return False
+        return (st.st_rdev, st.st_ino) == (dn.st_rdev, dn.st_ino)
+    return True
+
+
+def fast_run(argv: list[str]) -> int | None:
+    """Run ``argv`` (what follows ``run``) through the daemon if it is the plain form and a
+    daemon is listening; its exit code, or None for the full path."""
+    if not argv:
+        return None
+    if argv[0] == "--":
+        command = argv[1:]
+    elif argv[0].startswith("-"):
+        return None  # an option: the full path parses it
+    else:
+        command = argv
+    if not command or os.environ.get("AGENTVM_NO_DAEMON") == "1":
+        return None
+    if os.isatty(0) and os.isatty(1):
+        return None  # a terminal: the full path decides whether the sandbox gets one
+    if not _stdin_is_sendable():
+        return None
+    try:
+        import _socket
+    except ImportError:  # not CPython: the full path
+        return None
+    try:
+        from _json import encode_basestring_ascii as quote
+    except ImportError:
+        from json.encoder import encode_basestring_ascii as quote
+    path = socket_path()
+    sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
+    try:
+        sock.connect(path)
+    except (FileNotFoundError, ConnectionRefusedError, NotADirectoryError, PermissionError):
+        sock.close()
+        return None  # no daemon listening: the run is embedded
+    body = ('{"command":[' + ",".join(quote(a) for a in command) + "]," + _NO_OPTIONS
+            + ',"framing":"frames"}').encode("ascii")
+    head = ("POST /v1/run HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode("ascii")
+    timeout = _timeout()
+    sock.settimeout(timeout)
+    try:
+        sock.sendall(head + body)
+        r = _Reader(sock)
+        status, headers = r.head()
+    except (TimeoutError, OSError) as exc:
+        sock.close()
+        return _say(_unavailable(timeout, exc))
+    if status >= 300 or headers.get("content-type") != "application/x-agentvm-frames":
+        # a refusal before the run (a JSON error) or an older daemon: read as the full path does
+        from agentvm.errors import AgentVMError
+
+        try:
+            for _ in _events(r, status, headers):
+                pass
+        except AgentVMError as err:
+            from agentvm.cli import report_error
+
+            return report_error(err)
+        finally:
+            sock.close()
+        return _say("agentvm: the daemon answered an unexpected stream\n", 125)
+    sock.settimeout(None)  # the stream is as long as the run; the answer came in time
+    out, err = sys.stdout.buffer, sys.stderr.buffer
+    try:
+        frames = _Frames(r, headers)
+        while True:
+            kind, payload = frames.next()
+            if kind == b"o":
+                out.write(payload)
+                out.flush()
+            elif kind == b"e":
+                err.write(payload)
+                err.flush()
+            elif kind == b"x":  # the end: "CODE\n" and what to print on stderr
+                code, _, text = payload.partition(b"\n")
+                if text:
+                    out.flush()
+                    err.write(text)
+                    err.flush()
+                return int(code)
+            else:
+                raise ConnectionError(f"unknown frame {kind!r}")
+    except BrokenPipeError:
+        # our reader went away (`| head`): dropping the connection makes the daemon stop the run
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
+    except KeyboardInterrupt:
+        return 130
+    except (ConnectionError, ValueError, OSError) as exc:
+        return _say(f"agentvm: the daemon ended the run without a result ({exc})\n", 125)
+    finally:
+        sock.close()
+
+
+def _say(text_or_err, code: int = 0) -> int:
+    if isinstance(text_or_err, tuple):
+        text_or_err, code = text_or_err
+    sys.stderr.write(text_or_err)
+    return code
+
+
+def _unavailable(timeout: float, exc: BaseException) -> tuple[str, int]:
+    from agentvm.runreport import error_text
+
+    if isinstance(exc, TimeoutError):
+        return error_text("daemon.timeout", f"the agent-vm daemon did not answer within {timeout:g}s ({socket_path()})",
+                          "it may be stopped or overloaded; AGENTVM_CLIENT_TIMEOUT sets the wait"), 125
+    return error_text("daemon.unavailable", f"the agent-vm daemon broke off the connection ({exc})",
+                      "see the daemon's log (`agentvm status`)"), 125
+
+
+class _Frames:
+    """The run's frames, across the HTTP chunks: ``KIND LENGTH\\n PAYLOAD``."""
+
+    def __init__(self, r: "_Reader", headers: dict) -> None:
+        self.r = r
+        self.chunked = headers.get("transfer-encoding", "").lower() == "chunked"
+        self.buf = b""
+
+    def _more(self) -> None:
+        if not self.chunked:
+            data = self.r.some()
+            if not data:
+                raise ConnectionError("the daemon closed the connection mid-answer")
+            self.buf += data
+            return
+        size = int(self.r.line().split(b";")[0] or b"0", 16)
+        if size == 0:
+            raise ConnectionError("the daemon's answer ended before the run's result")
+        self.buf += self.r.exactly(size)
+        self.r.exactly(2)
+
+    def next(self) -> tuple[bytes, bytes]:
+        while b"\n" not in self.buf:
+            self._more()
+        head, _, self.buf = self.buf.partition(b"\n")
+        kind, n = head[:1], int(head[1:])
+        while len(self.buf) < n:
+            self._more()
+        payload, self.buf = self.buf[:n], self.buf[n:]
+        return kind, payload
+
+
 class _Reader:
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock) -> None:
         self.sock = sock
         self.buf = b""
 
@@ -48,6 +228,27 @@ class _Reader:
         out, self.buf = self.buf[:n], self.buf[n:]
         return out
 
+    def some(self) -> bytes:
+        if not self.buf:
+            self._fill()
+        out, self.buf = self.buf, b""
+        return out
+
+    def head(self) -> tuple[int, dict]:
+        """The status code and the headers (names lower-cased)."""
+        status_line = self.line().decode("latin-1")
+        try:
+            status = int(status_line.split()[1])
+        except (IndexError, ValueError):
+            raise ConnectionError(f"not an HTTP answer: {status_line[:80]!r}") from None
+        headers = {}
+        while True:
+            ln = self.line()
+            if not ln:
+                return status, headers
+            k, _, v = ln.decode("latin-1").partition(":")
+            headers[k.strip().lower()] = v.strip()
+
     def rest(self) -> bytes:
         while self._fill():
             pass
@@ -55,8 +256,10 @@ class _Reader:
         return out
 
 
-def connect() -> socket.socket | None:
+def connect():
     """A connection to the daemon, or None when none is listening (then the run is embedded)."""
+    import socket
+
     path = socket_path()
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
@@ -67,15 +270,12 @@ def connect() -> socket.socket | None:
     return s
 
 
-def run_stream(sock: socket.socket, doc: dict):
+def run_stream(sock, doc: dict):
     """POST /v1/run on ``sock``; yields the events (``data`` decoded). A refusal - before the
     stream or inside it - raises the same error the embedded path raises."""
-    import binascii
+    import json
 
-    try:
-        timeout = float(os.environ.get("AGENTVM_CLIENT_TIMEOUT", DEFAULT_TIMEOUT))
-    except ValueError:
-        timeout = DEFAULT_TIMEOUT
+    timeout = _timeout()
     body = json.dumps(doc).encode()
     head = (f"POST /v1/run HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
             f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
@@ -83,25 +283,28 @@ def run_stream(sock: socket.socket, doc: dict):
     try:
         sock.sendall(head + body)
         r = _Reader(sock)
-        status_line = r.line().decode("latin-1")
-        try:
-            status = int(status_line.split()[1])
-        except (IndexError, ValueError):
-            raise ConnectionError(f"not an HTTP answer: {status_line[:80]!r}") from None
-        headers = {}
-        while True:
-            ln = r.line()
-            if not ln:
-                break
-            k, _, v = ln.decode("latin-1").partition(":")
-            headers[k.strip().lower()] = v.strip()
-    except (TimeoutError, socket.timeout):
+        status, headers = r.head()
+    except TimeoutError:
         sock.close()
         from agentvm.daemon.client import DaemonUnavailable
 
         raise DaemonUnavailable(f"the agent-vm daemon did not answer within {timeout:g}s ({socket_path()})",
                                 hint="it may be stopped or overloaded; AGENTVM_CLIENT_TIMEOUT sets the wait",
                                 code="daemon.timeout") from None
+    try:
+        if status < 300:
+            sock.settimeout(None)  # the stream is as long as the run; the answer came in time
+        yield from _events(r, status, headers)
+    finally:
+        sock.close()
+
+
+def _events(r: _Reader, status: int, headers: dict):
+    """The NDJSON events of an answer whose head was read; an error answer, or an error event
+    in the stream, raises the same error the embedded path raises."""
+    import binascii
+    import json
+
     chunked = headers.get("transfer-encoding", "").lower() == "chunked"
 
     def chunks():
@@ -117,31 +320,27 @@ def run_stream(sock: socket.socket, doc: dict):
         else:
             yield r.rest()
 
-    try:
-        if status >= 300:
-            data = b"".join(chunks())
-            try:
-                doc_ = json.loads(data or b"{}")
-            except ValueError:
-                doc_ = {}
-            from agentvm.daemon.client import error_from
+    if status >= 300:
+        data = b"".join(chunks())
+        try:
+            doc_ = json.loads(data or b"{}")
+        except ValueError:
+            doc_ = {}
+        from agentvm.daemon.client import error_from
 
-            raise error_from(doc_ if isinstance(doc_, dict) else {}, status)
-        sock.settimeout(None)  # the stream is as long as the run; the answer came in time
-        pending = b""
-        for chunk in chunks():
-            pending += chunk
-            while b"\n" in pending:
-                ln, _, pending = pending.partition(b"\n")
-                if not ln.strip():
-                    continue
-                ev = json.loads(ln)
-                if isinstance(ev, dict) and isinstance(ev.get("error"), dict):
-                    from agentvm.daemon.client import error_from
+        raise error_from(doc_ if isinstance(doc_, dict) else {}, status)
+    pending = b""
+    for chunk in chunks():
+        pending += chunk
+        while b"\n" in pending:
+            ln, _, pending = pending.partition(b"\n")
+            if not ln.strip():
+                continue
+            ev = json.loads(ln)
+            if isinstance(ev, dict) and isinstance(ev.get("error"), dict):
+                from agentvm.daemon.client import error_from
 
-                    raise error_from(ev["error"])
-                if "data" in ev:
-                    ev["data"] = binascii.a2b_base64(ev["data"])
-                yield ev
-    finally:
-        sock.close()
+                raise error_from(ev["error"])
+            if "data" in ev:
+                ev["data"] = binascii.a2b_base64(ev["data"])
+            yield ev

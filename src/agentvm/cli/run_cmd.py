@@ -146,7 +146,7 @@ def _run(argv: list[str]) -> int:
         result = rt.run(policy, degrade=degrade, tty=ns.tty)
     finally:
         rt.close()
-    _report(result, ns.as_json)
+    _report(result.to_dict(), ns.as_json)
     return result.exit_code
 
 
@@ -227,64 +227,19 @@ def _run_via_daemon(sock, ns, command: list[str], raw: dict) -> int:
     if result is None:
         print("agentvm: the daemon ended the run without a result", file=sys.stderr)
         return 125
-    _report(_ResultView(result), ns.as_json)
+    _report(result, ns.as_json)
     return int(result["exit_code"])
 
 
-class _ResultView:
-    """A RunResult dict from the daemon, seen through the attributes `_report` uses."""
-
-    def __init__(self, d: dict):
-        self._d = d
-        for k, v in d.items():
-            setattr(self, k, v)
-
-    def to_dict(self) -> dict:
-        return dict(self._d)
-
-
-def _report(result, as_json: bool) -> None:
+def _report(result: dict, as_json: bool) -> None:
+    """The run's result: as JSON (the last stdout line) or as the stderr report."""
     if as_json:
         sys.stdout.flush()
-        print(json.dumps(result.to_dict(), sort_keys=True), flush=True)
+        print(json.dumps(result, sort_keys=True), flush=True)
         return
-    err = result.setup_error
-    out = sys.stderr
-    if err:
-        if err.get("step") == "exec":
-            print(f"agentvm: cannot execute: {err.get('message')}", file=out)
-        else:
-            print(f"agentvm: sandbox setup failed at step '{err.get('step')}': {err.get('message')}", file=out)
-        if err.get("hint"):
-            print(f"  hint: {err['hint']}", file=out)
-    lim = getattr(result, "limits", None) or {}
-    if result.oom_killed:
-        from agentvm.units import format_size
-    if result.timed_out:
-        print(f"agentvm: timed out after {result.duration:.1f}s; the sandbox was killed "
-              "(raise it with --timeout or limits.timeout in the agent file)", file=out)
-    if result.oom_killed:  # noqa: SIM114 (format_size is imported above only when needed)
-        print(f"agentvm: the memory limit{' (' + format_size(lim['memory']) + ')' if lim.get('memory') else ''} was hit (a process was OOM-killed inside the "
-              "sandbox): raise it with --memory 2G or limits.memory in the agent file "
-              "(the presets 'jupyter' and 'browser' give 2G)", file=out)
-    if result.pids_limit_hit:
-        print(f"agentvm: the task limit{' (' + str(lim['pids']) + ')' if lim.get('pids') else ''} was hit (a fork or "
-              "thread was refused inside the sandbox; threads count): raise limits.pids in the agent file "
-              "(the presets 'build' and 'browser' give 1024)", file=out)
-    eg = result.egress
-    if eg and eg.get("denied"):
-        from agentvm.gate.policy import _safe as printable  # what a sandbox sent: printable ASCII only
+    from agentvm.runreport import render
 
-        total = sum(d["count"] for d in eg["denied"])
-        print(f"agentvm: egress: {eg['allowed']} allowed, {total} denied (log: {eg['log']})", file=out)
-        for d in eg["denied"][:20]:
-            why = f": {printable(d['reason'], 400)}" if d.get("reason") else ""
-            print(f"agentvm:   denied {printable(d['target'], 300)} by {printable(d['rule'], 200)} x{d['count']}{why}",
-                  file=out)
-            if d.get("how_to_allow"):
-                print(f"agentvm:     to allow it: {printable(d['how_to_allow'], 1000)}", file=out)
-    if not result.teardown.get("verified"):
-        print(f"agentvm: error: teardown NOT verified: {json.dumps(result.teardown)}", file=out)
+    sys.stderr.write(render(result))
 
 
 def _click_command():

@@ -65,6 +65,9 @@ RESERVE = 8 * 1024 * 1024  # disk space held back for the daemon's own state whe
 
 # the request's stream reader, for handlers that must notice the client hanging up mid-response
 _CLIENT_READER: contextvars.ContextVar = contextvars.ContextVar("agentvm_client_reader", default=None)
+# this connection's run streams frames (agentvm.cli.fastrun's thin client) instead of NDJSON
+_FRAMED: contextvars.ContextVar = contextvars.ContextVar("agentvm_framed", default=False)
+FRAMES_TYPE = "application/x-agentvm-frames"
 
 
 def _tail(path: Path, n: int) -> bytes:
@@ -806,15 +809,33 @@ class Daemon:
         the embedded path prints), as the response, or as the last line of a response that is
         already streaming (a refusal found after a run's output began)."""
         if conn.our_state is h11.SEND_BODY:
-            await self._stream_line(conn, writer, {"error": doc})
+            if _FRAMED.get():
+                from agentvm.runreport import error_text
+
+                text = error_text(str(doc.get("error", "daemon.error")), str(doc.get("message", "")),
+                                  str(doc.get("hint") or ""))
+                await self._stream_exit(conn, writer, doc.get("exit_code", 125), text)
+            else:
+                await self._stream_line(conn, writer, {"error": doc})
             await self._stream_end(conn, writer)
         elif conn.our_state in (h11.IDLE, h11.SEND_RESPONSE):
             await self._json(conn, writer, status, doc)
 
     async def _stream_start(self, conn, writer) -> None:
-        writer.write(conn.send(h11.Response(status_code=200, headers=[("content-type", "application/x-ndjson"),
+        ctype = FRAMES_TYPE if _FRAMED.get() else "application/x-ndjson"
+        writer.write(conn.send(h11.Response(status_code=200, headers=[("content-type", ctype),
                                                                       ("connection", "close")])))
         await writer.drain()
+
+    async def _stream_frame(self, conn, writer, kind: bytes, payload: bytes) -> None:
+        """One frame of a framed run: ``KIND LENGTH\\n PAYLOAD`` (o: stdout, e: stderr, x: the end)."""
+        writer.write(conn.send(h11.Data(data=kind + str(len(payload)).encode() + b"\n" + payload)))
+        await writer.drain()
+
+    async def _stream_exit(self, conn, writer, exit_code, text: str) -> None:
+        """A framed run's last frame: its exit code, and what the client prints on stderr."""
+        code = exit_code if isinstance(exit_code, int) and not isinstance(exit_code, bool) else 125
+        await self._stream_frame(conn, writer, b"x", f"{code}\n{text}".encode("utf-8", "replace"))
 
     async def _stream_line(self, conn, writer, doc) -> None:
         writer.write(conn.send(h11.Data(data=json.dumps(doc, default=str).encode() + b"\n")))
@@ -1042,8 +1063,11 @@ class Daemon:
                     live.discard(fd)
                 elif client:
                     try:
-                        await self._stream_line(conn, writer, {"stream": streams[fd],
-                                                               "data": base64.b64encode(data).decode()})
+                        if _FRAMED.get():
+                            await self._stream_frame(conn, writer, b"o" if streams[fd] == "stdout" else b"e", data)
+                        else:
+                            await self._stream_line(conn, writer, {"stream": streams[fd],
+                                                                   "data": base64.b64encode(data).decode()})
                     except (ConnectionError, OSError):
                         gone()
                 for p in paused:
@@ -1097,6 +1121,8 @@ class Daemon:
             )
         if not policy.command:
             raise ApiError(400, "bad-request", "nothing to run")
+        if doc.get("framing") == "frames":  # the thin client: frames, the report rendered here
+            _FRAMED.set(True)
         o_r, o_w = os.pipe2(os.O_CLOEXEC)
         e_r, e_w = os.pipe2(os.O_CLOEXEC)
         i_r, i_w = os.pipe2(os.O_CLOEXEC)
@@ -1142,7 +1168,12 @@ class Daemon:
             result = await self._pump(conn, writer, {o_r: "stdout", e_r: "stderr"}, fut, (o_w, e_w, i_r), client_gone)
         finally:
             await feeder
-        await self._stream_line(conn, writer, {"result": result.to_dict()})
+        if _FRAMED.get():
+            from agentvm.runreport import render
+
+            await self._stream_exit(conn, writer, result.exit_code, render(result.to_dict()))
+        else:
+            await self._stream_line(conn, writer, {"result": result.to_dict()})
         await self._stream_end(conn, writer)
 
     def _workspace_dir(self, name: str) -> Path:
