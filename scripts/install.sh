@@ -5,7 +5,8 @@
 #     runsc (gVisor, the `substrate: gvisor` sandbox), mmdebstrap (`agentvm image build`)
 #     and openssh-client (ssh-keygen: signed images and signed fleet commits).
 #   - a virtualenv (default /opt/agentvm/venv) with agentvm and its test extras.
-#   - /usr/local/bin/agentvm -> the venv's entry point (no pyenv shim in the hot path).
+#   - /usr/local/bin/agentvm -> the venv's entry point (no pyenv shim in the hot path; a
+#     compiled client for `agentvm run` through the daemon, see below).
 #   --test: also the HTTP clients the end-to-end tests run inside sandboxes (curl, git, node,
 #   Debian's python3-requests/httpx/aiohttp/pip) and the software the compatibility suite runs
 #   (CPython's test suite, ipykernel/jupyter_client, Flask, chromium, websocket-client).
@@ -46,6 +47,36 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ "$(cat "$stamp")" !
   echo "install: pip install -e .[test] into $VENV" >&2
   "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e ".[test]"
   echo "$PWD" > "$stamp"
+fi
+# The entry point. `agentvm run -- CMD` with a daemon up is the hot path, and a Python start
+# costs more than the whole round trip to the daemon: bin/agentvm is a small compiled client
+# (src/agentvm/native/agentvm-client.c) that serves exactly that case and hands everything else
+# to bin/agentvm-py - a lean Python entry point in place of pip's, which imports `re` on every
+# start: it starts without `site` (-S), finds agent-vm where pip put it, and the CLI loads
+# `site` itself on every path but the thin client's (agentvm.cli.main).
+pkgdir="$("$VENV/bin/python" -c 'import agentvm, os; print(os.path.dirname(os.path.dirname(os.path.abspath(agentvm.__file__))))')"
+pyentry="#!$VENV/bin/python -S
+# agent-vm's Python entry point, written by scripts/install.sh (see there)
+import sys
+sys.path.append('$pkgdir')
+from agentvm.cli import main
+sys.exit(main())"
+if [ "$(cat "$VENV/bin/agentvm-py" 2>/dev/null)" != "$pyentry" ]; then
+  printf '%s\n' "$pyentry" > "$VENV/bin/agentvm-py.new"
+  chmod 755 "$VENV/bin/agentvm-py.new"
+  mv -f "$VENV/bin/agentvm-py.new" "$VENV/bin/agentvm-py"
+fi
+client_src=src/agentvm/native/agentvm-client.c
+client_stamp="$(sha256sum "$client_src" | cut -c1-64) $VENV"
+if [ "$(cat "$VENV/.agentvm-client" 2>/dev/null)" != "$client_stamp" ]; then
+  if gcc -O2 -Wall -Werror -o "$VENV/bin/agentvm.new" -DAGENTVM_PYTHON="\"$VENV/bin/python\"" \
+       -DAGENTVM_PY_ENTRY="\"$VENV/bin/agentvm-py\"" "$client_src"; then
+    mv -f "$VENV/bin/agentvm.new" "$VENV/bin/agentvm"
+    echo "$client_stamp" > "$VENV/.agentvm-client"
+  else
+    echo "install: warning: could not build $client_src; bin/agentvm is the Python entry point" >&2
+    cp -f "$VENV/bin/agentvm-py" "$VENV/bin/agentvm"
+  fi
 fi
 # Node's fetch ignores proxy variables before Node 24: a preload with undici routes it through
 # the egress gate (see src/agentvm/native/node-proxy.js). Optional: only where npm exists.

@@ -8,13 +8,14 @@ import os
 import signal
 import sqlite3
 import subprocess
+import sys
 import textwrap
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import agentvm_cmd, needs_root
+from tests.helpers import agentvm_cmd, last_json, needs_root
 
 pytestmark = [pytest.mark.integration, needs_root]
 
@@ -302,6 +303,36 @@ def test_run_goes_through_the_daemon_when_it_is_up(daemon, tmp_path):
     assert r.returncode == 0 and r.stdout == b"piped\n"
     recs = [json.loads(line) for line in av("audit", "show", "--json").stdout.decode().splitlines() if line]
     assert len([x for x in recs if x["kind"] == "operator.run"]) == n_before, "piped stdin ran embedded"
+
+
+def test_the_installed_entry_point_runs_through_the_daemon_and_hands_the_rest_to_python(daemon, tmp_path):
+    """The venv's bin/agentvm as installed (scripts/install.sh: the compiled client, or the
+    Python entry point where no compiler was found): `run -- CMD` goes to the daemon - output,
+    exit code, the denial report, on the daemon's chain -, and a run with an option, a piped
+    stdin and another command take the Python path and still work."""
+    entry = Path(sys.executable).parent / "agentvm"
+    cmd = [str(entry)] if entry.exists() else agentvm_cmd()
+
+    def runs() -> int:
+        recs = [json.loads(x) for x in av("audit", "show", "--json").stdout.decode().splitlines() if x]
+        return len([x for x in recs if x["kind"] == "operator.run"])
+
+    before = runs()
+    r = subprocess.run(cmd + ["run", "--", "/bin/sh", "-c", "echo out; echo err >&2; curl -s -o /dev/null "
+                              "--max-time 5 http://denied.test/; exit 5"], stdin=subprocess.DEVNULL,
+                       capture_output=True, timeout=120)
+    assert r.returncode == 5, r.stderr.decode()
+    assert r.stdout == b"out\n"
+    err = r.stderr.decode()
+    assert err.startswith("err\n") and "denied denied.test:80 by default-deny" in err, err
+    assert runs() == before + 1, "it ran through the daemon"
+    r = subprocess.run(cmd + ["run", "--json", "--network", "none", "--", "/bin/true"], stdin=subprocess.DEVNULL,
+                       capture_output=True, timeout=120)
+    assert r.returncode == 0 and last_json(r.stdout)["exit_code"] == 0, r.stderr.decode()
+    r = subprocess.run(cmd + ["run", "--", "cat"], input=b"piped\n", capture_output=True, timeout=120)
+    assert r.returncode == 0 and r.stdout == b"piped\n", r.stderr.decode()
+    r = subprocess.run(cmd + ["--version"], capture_output=True, timeout=60)
+    assert r.returncode == 0 and b"version" in r.stdout
 
 
 def test_exec_sheds_the_daemons_supplementary_groups(daemon, tmp_path):

@@ -1,0 +1,394 @@
+/* agentvm: the command's entry point, compiled (scripts/install.sh builds it as the venv's
+ * bin/agentvm).
+ *
+ * One job of its own: `agentvm run [--] CMD...` with no options, no terminal and no stdin to
+ * send, while a daemon is up - the hot path. It sends the command line to the daemon exactly as
+ * agent-vm's Python thin client would (agentvm/cli/fastrun.py: the same JSON document, asking
+ * for frames), relays the run's output as it comes, prints the report the daemon rendered and
+ * exits with the run's exit code. A Python interpreter's start alone costs more than the whole
+ * round trip to the daemon.
+ *
+ * Everything else - every other command, any option, a terminal, piped or file stdin, an
+ * argument that is not UTF-8, no daemon listening, a refusal - is not decided here: it execs
+ * the Python entry point (AGENTVM_PY_ENTRY, run by AGENTVM_PYTHON -S) with the same arguments,
+ * which does all of it the one way it is done everywhere. A refusal is answered before the run
+ * starts, so asking again there changes nothing.
+ *
+ * The socket's path follows agentvm/locations.py (tests/unit/test_client_c.py checks the two
+ * agree).
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <limits.h>
+#include <poll.h>
+#include <pwd.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#ifndef AGENTVM_PYTHON
+#error "build with -DAGENTVM_PYTHON=\"/path/to/python\" -DAGENTVM_PY_ENTRY=\"/path/to/entry.py\""
+#endif
+
+static char **g_argv;
+
+/* Not ours to decide: the Python entry point, same arguments. */
+static void fallback(void) {
+    int n = 0;
+    while (g_argv[n]) n++;
+    char **args = calloc((size_t)n + 4, sizeof *args);
+    if (!args) _exit(125);
+    args[0] = AGENTVM_PYTHON;
+    args[1] = "-S";
+    args[2] = AGENTVM_PY_ENTRY;
+    for (int i = 1; i < n; i++) args[i + 2] = g_argv[i];
+    execv(AGENTVM_PYTHON, args);
+    fprintf(stderr, "agentvm: error [install.broken]: cannot run %s: %s\n  hint: reinstall: bash scripts/install.sh\n",
+            AGENTVM_PYTHON, strerror(errno));
+    _exit(125);
+}
+
+/* ---------------------------------------------------------------- a growable buffer */
+struct buf {
+    char *p;
+    size_t len, cap;
+};
+
+static void put(struct buf *b, const void *data, size_t n) {
+    if (b->len + n + 1 > b->cap) {
+        size_t cap = b->cap ? b->cap : 4096;
+        while (b->len + n + 1 > cap) cap *= 2;
+        char *p = realloc(b->p, cap);
+        if (!p) _exit(125);
+        b->p = p;
+        b->cap = cap;
+    }
+    memcpy(b->p + b->len, data, n);
+    b->len += n;
+    b->p[b->len] = 0;
+}
+
+static void puts_(struct buf *b, const char *s) { put(b, s, strlen(s)); }
+
+/* A JSON string of a strictly valid UTF-8 argument (what Python's json.dumps of the decoded
+ * argument means); 0 when it is not valid UTF-8 (then Python decides: surrogateescape). */
+static int json_string(struct buf *b, const unsigned char *s) {
+    put(b, "\"", 1);
+    while (*s) {
+        unsigned c = *s;
+        if (c < 0x80) {
+            char esc[8];
+            if (c == '"' || c == '\\') {
+                esc[0] = '\\';
+                esc[1] = (char)c;
+                put(b, esc, 2);
+            } else if (c < 0x20 || c == 0x7f) {
+                snprintf(esc, sizeof esc, "\\u%04x", c);
+                put(b, esc, 6);
+            } else {
+                put(b, s, 1);
+            }
+            s++;
+            continue;
+        }
+        int n;
+        unsigned cp;
+        if (c >= 0xc2 && c <= 0xdf) {
+            n = 1;
+            cp = c & 0x1f;
+        } else if (c >= 0xe0 && c <= 0xef) {
+            n = 2;
+            cp = c & 0x0f;
+        } else if (c >= 0xf0 && c <= 0xf4) {
+            n = 3;
+            cp = c & 0x07;
+        } else {
+            return 0;
+        }
+        for (int i = 1; i <= n; i++) {
+            if ((s[i] & 0xc0) != 0x80) return 0;
+            cp = (cp << 6) | (s[i] & 0x3f);
+        }
+        if ((n == 2 && cp < 0x800) || (n == 3 && cp < 0x10000) || cp > 0x10ffff || (cp >= 0xd800 && cp <= 0xdfff))
+            return 0; /* overlong, out of range, or a surrogate: not UTF-8 */
+        put(b, s, (size_t)n + 1);
+        s += n + 1;
+    }
+    put(b, "\"", 1);
+    return 1;
+}
+
+/* ---------------------------------------------------------------- where the daemon is */
+static int join(char *out, size_t size, const char *a, const char *b) {
+    int n = snprintf(out, size, "%s/%s", a, b);
+    return n > 0 && (size_t)n < size;
+}
+
+/* agentvm/locations.py default_dirs()[1] + "/agentvm.sock"; 0 when an unusual environment
+ * (then Python decides). */
+static int socket_path(char *out, size_t size) {
+    const char *home = getenv("AGENTVM_HOME"), *runtime = getenv("AGENTVM_RUNTIME_DIR");
+    if ((home && !*home) || (runtime && !*runtime)) return 0; /* "" is falsy in Python: rare, not ours */
+    char rt[PATH_MAX];
+    if (runtime) {
+        if (strlen(runtime) >= sizeof rt) return 0;
+        strcpy(rt, runtime);
+    } else if (geteuid() == 0) {
+        if (home) {
+            if (!join(rt, sizeof rt, home, "run")) return 0;
+        } else {
+            strcpy(rt, "/run/agentvm");
+        }
+    } else {
+        const char *xdg_run = getenv("XDG_RUNTIME_DIR");
+        if (xdg_run && *xdg_run && !home) {
+            if (!join(rt, sizeof rt, xdg_run, "agentvm")) return 0;
+        } else {
+            char h[PATH_MAX];
+            if (home) {
+                if (strlen(home) >= sizeof h) return 0;
+                strcpy(h, home);
+            } else {
+                const char *xdg_data = getenv("XDG_DATA_HOME");
+                if (xdg_data && *xdg_data) {
+                    if (!join(h, sizeof h, xdg_data, "agentvm")) return 0;
+                } else {
+                    const char *uhome = getenv("HOME");
+                    if (!uhome || !*uhome) return 0; /* expanduser's other cases: Python's */
+                    if (snprintf(h, sizeof h, "%s/.local/share/agentvm", uhome) >= (int)sizeof h) return 0;
+                }
+            }
+            if (!join(rt, sizeof rt, h, "run")) return 0;
+        }
+    }
+    return join(out, size, rt, "agentvm.sock");
+}
+
+/* ---------------------------------------------------------------- the answer */
+struct conn {
+    int fd;
+    char buf[65536];
+    size_t off, len;
+};
+
+static int fill(struct conn *c) {
+    if (c->off == c->len) c->off = c->len = 0;
+    if (c->len == sizeof c->buf) {
+        if (c->off == 0) return -1; /* a line longer than the buffer: not a daemon's answer */
+        memmove(c->buf, c->buf + c->off, c->len - c->off);
+        c->len -= c->off;
+        c->off = 0;
+    }
+    ssize_t r;
+    do r = read(c->fd, c->buf + c->len, sizeof c->buf - c->len);
+    while (r < 0 && errno == EINTR);
+    if (r <= 0) return -1;
+    c->len += (size_t)r;
+    return 0;
+}
+
+/* The next CRLF-terminated line (NUL-terminated, CRLF removed), or NULL at the end. */
+static char *line(struct conn *c) {
+    for (;;) {
+        char *start = c->buf + c->off;
+        char *nl = memmem(start, c->len - c->off, "\r\n", 2);
+        if (nl) {
+            *nl = 0;
+            c->off = (size_t)(nl - c->buf) + 2;
+            return start;
+        }
+        if (fill(c) < 0) return NULL;
+    }
+}
+
+/* Exactly n bytes of the body, into dst (may be NULL: skipped). */
+static int take(struct conn *c, char *dst, size_t n) {
+    while (n) {
+        if (c->off == c->len && fill(c) < 0) return -1;
+        size_t k = c->len - c->off < n ? c->len - c->off : n;
+        if (dst) {
+            memcpy(dst, c->buf + c->off, k);
+            dst += k;
+        }
+        c->off += k;
+        n -= k;
+    }
+    return 0;
+}
+
+static int write_all(int fd, const char *p, size_t n) {
+    while (n) {
+        ssize_t w = write(fd, p, n);
+        if (w < 0) {
+            if (errno == EINTR) continue;
+            return -1;
+        }
+        p += w;
+        n -= (size_t)w;
+    }
+    return 0;
+}
+
+static int ended(const char *why) {
+    fprintf(stderr, "agentvm: the daemon ended the run without a result (%s)\n", why);
+    return 125;
+}
+
+int main(int argc, char **argv) {
+    g_argv = argv;
+    if (argc < 3 || strcmp(argv[1], "run") != 0) fallback();
+    int first = 2;
+    if (strcmp(argv[2], "--") == 0)
+        first = 3;
+    else if (argv[2][0] == '-')
+        fallback(); /* an option: Python parses it */
+    if (first >= argc) fallback();
+    const char *nd = getenv("AGENTVM_NO_DAEMON");
+    if (nd && strcmp(nd, "1") == 0) fallback();
+    if (isatty(0) && isatty(1)) fallback(); /* Python decides whether the sandbox gets a terminal */
+    struct stat st;
+    if (fstat(0, &st) == 0) {
+        if (S_ISFIFO(st.st_mode) || S_ISSOCK(st.st_mode) || S_ISREG(st.st_mode)) fallback();
+        if (S_ISCHR(st.st_mode)) {
+            struct stat dn;
+            if (stat("/dev/null", &dn) != 0 || st.st_rdev != dn.st_rdev || st.st_ino != dn.st_ino) fallback();
+        }
+    }
+
+    struct buf body = {0};
+    puts_(&body, "{\"command\":[");
+    for (int i = first; i < argc; i++) {
+        if (i > first) put(&body, ",", 1);
+        if (!json_string(&body, (const unsigned char *)argv[i])) fallback();
+    }
+    puts_(&body, "],\"cli\":{\"mounts\":[],\"env\":[],\"timeout\":null,\"memory\":null,\"allow\":[],\"add_host\":[],"
+                 "\"network\":null,\"substrate\":null,\"image\":null},\"framing\":\"frames\"}");
+
+    struct sockaddr_un sa = {.sun_family = AF_UNIX};
+    if (!socket_path(sa.sun_path, sizeof sa.sun_path)) fallback();
+    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) fallback();
+    if (connect(fd, (struct sockaddr *)&sa, sizeof sa) < 0) {
+        close(fd);
+        fallback(); /* no daemon listening: the run is embedded (Python's) */
+    }
+    signal(SIGPIPE, SIG_IGN);
+
+    struct buf req = {0};
+    char head[256];
+    snprintf(head, sizeof head,
+             "POST /v1/run HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+             "Content-Length: %zu\r\nConnection: close\r\n\r\n",
+             body.len);
+    puts_(&req, head);
+    put(&req, body.p, body.len);
+    if (write_all(fd, req.p, req.len) < 0) {
+        close(fd);
+        fallback();
+    }
+
+    /* the answer's head, within AGENTVM_CLIENT_TIMEOUT (as the Python client) */
+    double timeout = 60.0;
+    const char *ts = getenv("AGENTVM_CLIENT_TIMEOUT");
+    if (ts && *ts) {
+        char *end;
+        double v = strtod(ts, &end);
+        if (*end == 0 && v == v) timeout = v;
+    }
+    struct pollfd p = {.fd = fd, .events = POLLIN};
+    int pr;
+    do pr = poll(&p, 1, timeout <= 0 ? 0 : timeout > 2e6 ? -1 : (int)(timeout * 1000));
+    while (pr < 0 && errno == EINTR);
+    if (pr == 0) {
+        char path[sizeof sa.sun_path];
+        socket_path(path, sizeof path);
+        fprintf(stderr, "agentvm: error [daemon.timeout]: the agent-vm daemon did not answer within %gs (%s)\n"
+                        "  hint: it may be stopped or overloaded; AGENTVM_CLIENT_TIMEOUT sets the wait\n",
+                timeout, path);
+        return 125;
+    }
+
+    struct conn c = {.fd = fd};
+    char *status = line(&c);
+    if (!status || strncmp(status, "HTTP/1.", 7) != 0) return ended("not an HTTP answer");
+    int code = atoi(strchr(status, ' ') ? strchr(status, ' ') + 1 : "0");
+    int frames = 0, chunked = 0;
+    for (;;) {
+        char *h = line(&c);
+        if (!h) return ended("the connection closed mid-answer");
+        if (!*h) break;
+        if (strcasecmp(h, "content-type: application/x-agentvm-frames") == 0) frames = 1;
+        if (strcasecmp(h, "transfer-encoding: chunked") == 0) chunked = 1;
+    }
+    if (code != 200 || !frames || !chunked) {
+        close(fd); /* a refusal before the run, or another daemon: Python asks again and says it */
+        fallback();
+    }
+
+    /* the body: chunks of frames "KIND LENGTH\n PAYLOAD" */
+    struct buf fb = {0};
+    size_t used = 0;
+    for (;;) {
+        /* a whole frame in fb? */
+        char *nl = fb.len > used ? memchr(fb.p + used, '\n', fb.len - used) : NULL;
+        if (nl) {
+            char kind = fb.p[used];
+            char *end;
+            unsigned long n = strtoul(fb.p + used + 1, &end, 10);
+            if (end != nl) return ended("a malformed frame");
+            size_t at = (size_t)(nl - fb.p) + 1;
+            if (fb.len - at >= n) {
+                const char *payload = fb.p + at;
+                used = at + n;
+                if (kind == 'o' || kind == 'e') {
+                    if (write_all(kind == 'o' ? 1 : 2, payload, n) < 0) {
+                        if (errno == EPIPE) return 141; /* our reader went away: so does the run */
+                        return 125;
+                    }
+                } else if (kind == 'x') {
+                    const char *eol = memchr(payload, '\n', n);
+                    if (!eol) return ended("a malformed end frame");
+                    int rc = atoi(payload);
+                    write_all(2, eol + 1, n - (size_t)(eol + 1 - payload));
+                    return rc;
+                } else {
+                    return ended("an unknown frame");
+                }
+                if (used == fb.len) fb.len = used = 0;
+                continue;
+            }
+        }
+        /* more: one chunk */
+        char *sz = line(&c);
+        if (!sz) return ended("the connection closed mid-answer");
+        char *end;
+        unsigned long n = strtoul(sz, &end, 16);
+        if (end == sz) return ended("a malformed chunk");
+        if (n == 0) return ended("the answer ended before the run's result");
+        if (used) { /* drop what was consumed */
+            memmove(fb.p, fb.p + used, fb.len - used);
+            fb.len -= used;
+            used = 0;
+        }
+        size_t at = fb.len;
+        char tmp[1];
+        put(&fb, tmp, 0);
+        if (fb.len + n + 1 > fb.cap) {
+            size_t cap = fb.cap;
+            while (fb.len + n + 1 > cap) cap *= 2;
+            char *np = realloc(fb.p, cap);
+            if (!np) return 125;
+            fb.p = np;
+            fb.cap = cap;
+        }
+        if (take(&c, fb.p + at, n) < 0) return ended("the connection closed mid-answer");
+        fb.len = at + n;
+        if (take(&c, NULL, 2) < 0) return ended("the connection closed mid-answer");
+    }
+}

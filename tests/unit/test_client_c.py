@@ -1,0 +1,254 @@
+"""The compiled entry point (src/agentvm/native/agentvm-client.c), built here with gcc and run
+against a fake daemon on a real unix socket: what it sends is what the Python thin client
+sends, it relays frames byte for byte, and everything that is not its one job goes to the
+Python entry point unchanged - with no request sent to the daemon first."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+import pytest
+
+from agentvm.cli import fastrun
+from agentvm.locations import default_dirs
+
+SRC = Path(__file__).resolve().parents[2] / "src" / "agentvm" / "native" / "agentvm-client.c"
+ENTRY = 'import json, sys\nprint("FALLBACK " + json.dumps(sys.argv[1:]))\n'
+
+pytestmark = pytest.mark.skipif(shutil.which("gcc") is None, reason="gcc is needed to build the client "
+                                "(scripts/install.sh installs it)")
+
+
+@pytest.fixture(scope="module")
+def client():
+    d = Path(tempfile.mkdtemp(prefix="agentvm-client-test-", dir="/tmp"))  # reachable by another uid
+    entry = d / "entry.py"
+    entry.write_text(ENTRY)
+    exe = d / "agentvm"
+    subprocess.run(["gcc", "-O2", "-Wall", "-Werror", "-o", str(exe), f'-DAGENTVM_PYTHON="{sys.executable}"',
+                    f'-DAGENTVM_PY_ENTRY="{entry}"', str(SRC)], check=True)
+    os.chmod(d, 0o755)
+    os.chmod(entry, 0o644)
+    yield exe
+    shutil.rmtree(d, ignore_errors=True)
+
+
+class FakeDaemon:
+    """A unix socket at ``path`` that records each request and answers with ``answer``."""
+
+    def __init__(self, path: str, answer: bytes | None) -> None:
+        self.path, self.answer, self.requests = path, answer, []
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        self.s = socket.socket(socket.AF_UNIX)
+        self.s.bind(path)
+        os.chmod(path, 0o777)
+        self.s.listen(8)
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                c, _ = self.s.accept()
+            except OSError:
+                return
+            data = b""
+            while b"\r\n\r\n" not in data:
+                data += c.recv(65536)
+            head, _, body = data.partition(b"\r\n\r\n")
+            n = int([h for h in head.split(b"\r\n") if h.lower().startswith(b"content-length")][0].split(b":")[1])
+            while len(body) < n:
+                body += c.recv(65536)
+            self.requests.append(json.loads(body))
+            if self.answer is not None:
+                try:
+                    c.sendall(self.answer)
+                except OSError:
+                    pass
+                c.close()
+            else:
+                threading.Timer(5, c.close).start()  # never answers in time
+
+    def close(self) -> None:
+        self.s.close()
+        os.unlink(self.path)
+
+
+def frames(*items: tuple[bytes, bytes], cut: int = 7) -> bytes:
+    """A framed answer, its frames cut across chunks of ``cut`` bytes on purpose."""
+    body = b"".join(k + str(len(p)).encode() + b"\n" + p for k, p in items)
+    chunks = [b"%x\r\n" % len(body[i:i + cut]) + body[i:i + cut] + b"\r\n" for i in range(0, len(body), cut)]
+    return (b"HTTP/1.1 200 OK\r\ncontent-type: application/x-agentvm-frames\r\ntransfer-encoding: chunked\r\n\r\n"
+            + b"".join(chunks) + b"0\r\n\r\n")
+
+
+def env_for(tmp_path, **extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AGENTVM_", "XDG_"))}
+    env.update({"AGENTVM_HOME": str(tmp_path / "home")}, **extra)
+    return env
+
+
+def sock_path(env: dict) -> str:
+    old = dict(os.environ)
+    try:
+        os.environ.clear()
+        os.environ.update(env)
+        return os.path.join(default_dirs()[1], "agentvm.sock")
+    finally:
+        os.environ.clear()
+        os.environ.update(old)
+
+
+def run(client, args, env, stdin=subprocess.DEVNULL, **kw):
+    return subprocess.run([str(client), *args], env=env, stdin=stdin, capture_output=True, timeout=30, **kw)
+
+
+def test_a_run_is_sent_as_the_python_client_sends_it_and_its_frames_are_relayed(client, tmp_path):
+    env = env_for(tmp_path)
+    answer = frames((b"o", b"out \x00\xff bytes\n"), (b"e", b"err\n"), (b"o", b"more\n"),
+                    (b"x", b"7\nagentvm: the report\n"))
+    d = FakeDaemon(sock_path(env), answer)
+    try:
+        args = ["/bin/echo", 'a"b\\c', "tab\there", "\x01ctl\x7f", "ünïcødé 😀", "--json", "-f"]
+        r = run(client, ["run", "--", *args], env)
+    finally:
+        d.close()
+    assert r.returncode == 7, r.stderr
+    assert r.stdout == b"out \x00\xff bytes\nmore\n"
+    assert r.stderr == b"err\nagentvm: the report\n"
+    body = d.requests[0]
+    expected = json.loads('{"command":' + json.dumps(args) + "," + fastrun._NO_OPTIONS + ',"framing":"frames"}')
+    assert body == expected
+
+
+def test_the_form_without_double_dash_is_the_same_run(client, tmp_path):
+    env = env_for(tmp_path)
+    d = FakeDaemon(sock_path(env), frames((b"x", b"0\n")))
+    try:
+        r = run(client, ["run", "true", "--json"], env)
+    finally:
+        d.close()
+    assert r.returncode == 0 and d.requests[0]["command"] == ["true", "--json"]
+
+
+@pytest.mark.parametrize("case", ["option", "no-command", "other-command", "no-daemon-env", "pipe-stdin",
+                                  "file-stdin", "not-utf8", "no-socket"])
+def test_what_is_not_its_job_goes_to_python_unchanged_and_unsent(client, tmp_path, case):
+    env = env_for(tmp_path)
+    args = {"option": ["run", "--json", "--", "true"], "no-command": ["run", "--"], "other-command": ["status"],
+            "not-utf8": ["run", "--", "echo", os.fsdecode(b"\xff\xfe")]}.get(case, ["run", "--", "true"])
+    stdin = subprocess.DEVNULL
+    if case == "no-daemon-env":
+        env["AGENTVM_NO_DAEMON"] = "1"
+    if case == "pipe-stdin":
+        stdin = subprocess.PIPE
+    if case == "file-stdin":
+        f = tmp_path / "in.txt"
+        f.write_text("x")
+        stdin = open(f)  # noqa: SIM115 - closed with the test
+    d = None if case == "no-socket" else FakeDaemon(sock_path(env), frames((b"x", b"0\n")))
+    try:
+        r = run(client, args, env, stdin=stdin)
+    finally:
+        if d is not None:
+            d.close()
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.decode(errors="surrogateescape").strip() == "FALLBACK " + json.dumps(args)
+    assert d is None or d.requests == [], "nothing is sent to the daemon before handing over"
+
+
+def test_a_refusal_before_the_run_is_handed_to_python_to_ask_again_and_say(client, tmp_path):
+    env = env_for(tmp_path)
+    body = b'{"error": "policy.denied", "message": "no", "exit_code": 77}'
+    d = FakeDaemon(sock_path(env), b"HTTP/1.1 403 Forbidden\r\ncontent-type: application/json\r\n"
+                   b"content-length: %d\r\n\r\n" % len(body) + body)
+    try:
+        r = run(client, ["run", "--", "true"], env)
+    finally:
+        d.close()
+    assert r.stdout.decode().startswith("FALLBACK ") and len(d.requests) == 1
+
+
+def test_a_broken_or_silent_daemon_is_an_error_not_a_hang(client, tmp_path):
+    env = env_for(tmp_path, AGENTVM_CLIENT_TIMEOUT="0.5")
+    d = FakeDaemon(sock_path(env), None)
+    try:
+        r = run(client, ["run", "--", "true"], env)
+    finally:
+        d.close()
+    assert r.returncode == 125 and b"did not answer within 0.5s" in r.stderr and b"AGENTVM_CLIENT_TIMEOUT" in r.stderr
+    env = env_for(tmp_path)
+    d = FakeDaemon(sock_path(env), frames((b"o", b"partial\n"))[:-5])  # cut before its end frame
+    try:
+        r = run(client, ["run", "--", "true"], env)
+    finally:
+        d.close()
+    assert r.returncode == 125 and r.stdout == b"partial\n" and b"without a result" in r.stderr
+
+
+def test_a_reader_that_goes_away_ends_the_client_with_141(client, tmp_path):
+    env = env_for(tmp_path)
+    d = FakeDaemon(sock_path(env), frames(*[(b"o", b"y" * 60000)] * 50, (b"x", b"0\n"), cut=65536))
+    try:
+        p = subprocess.Popen([str(client), "run", "--", "yes"], env=env, stdin=subprocess.DEVNULL,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        p.stdout.read(10)
+        p.stdout.close()
+        assert p.wait(timeout=30) == 141
+    finally:
+        d.close()
+
+
+@pytest.mark.parametrize("extra", [
+    {},
+    {"AGENTVM_RUNTIME_DIR": "RT"},
+    {"AGENTVM_HOME": None, "AGENTVM_RUNTIME_DIR": "RT2"},  # never the system daemon's own path
+])
+def test_it_finds_the_daemon_where_the_library_puts_it_as_root(client, tmp_path, extra):
+    env = env_for(tmp_path)
+    for k, v in extra.items():
+        if v is None:
+            env.pop(k, None)
+        else:
+            env[k] = str(tmp_path / v)
+    path = sock_path(env)
+    assert path.startswith(str(tmp_path))
+    d = FakeDaemon(path, frames((b"x", b"0\n")))
+    try:
+        r = run(client, ["run", "--", "true"], env)
+    finally:
+        d.close()
+    assert r.returncode == 0 and len(d.requests) == 1, r.stdout
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="runs the client as another user")
+@pytest.mark.parametrize("kind", ["xdg-runtime", "home", "xdg-data"])
+def test_it_finds_the_daemon_where_the_library_puts_it_as_a_user(client, kind, monkeypatch):
+    uid = 54321
+    base = Path(tempfile.mkdtemp(prefix="agentvm-client-user-", dir="/tmp"))
+    os.chmod(base, 0o755)
+    env = {"PATH": os.environ["PATH"], "HOME": str(base / "h")}
+    if kind == "xdg-runtime":
+        env["XDG_RUNTIME_DIR"] = str(base / "xdg")
+    if kind == "xdg-data":
+        env["XDG_DATA_HOME"] = str(base / "data")
+    # the library's answer for that user and environment
+    monkeypatch.setattr("os.geteuid", lambda: uid)
+    path = sock_path(env)
+    monkeypatch.undo()
+    assert path.startswith(str(base))
+    d = FakeDaemon(path, frames((b"x", b"0\n")))
+    try:
+        r = subprocess.run([str(client), "run", "--", "true"], env=env, stdin=subprocess.DEVNULL, capture_output=True,
+                           timeout=30, user=uid)
+    finally:
+        d.close()
+    shutil.rmtree(base, ignore_errors=True)
+    assert r.returncode == 0 and len(d.requests) == 1, (r.stdout, r.stderr)
