@@ -16,8 +16,14 @@ Rows (median and p90 of N runs, /bin/true as the payload):
   ... --network none     the same with no route at all (no gate): the gate's cost is the
                          difference between these two rows (target: <= 5 ms)
   run via daemon         `agentvm run -- true` with a daemon up: the CLI is a thin client
-                         (target: <= 30 ms median); the daemon runs the same lifecycle
+                         (the compiled entry point; target: <= 30 ms median); the daemon runs
+                         the same lifecycle
   python -c pass         the interpreter's own start-up, for context
+  cgroup migration       the kernel's cost of moving one new process into a cgroup after a
+                         quiet moment (every sandbox start pays it once): on this kernel a
+                         writer of cgroup_threadgroup_rwsem waits for an RCU grace period
+                         (~8 ms) unless a cgroup hierarchy was mounted with `favordynmods`
+                         (then ~0.4 ms, at some cost to every fork and exit on the host)
   gvisor rows            bare `runsc do /bin/true` (the gVisor baseline), a gVisor sandbox's
                          start-to-exit in-process, and `agentvm run --substrate gvisor -- true`
                          (skipped, and said so, where runsc cannot run)
@@ -48,6 +54,40 @@ def measure(fn, runs: int, warmup: int = 3) -> list[float]:
         t = time.perf_counter()
         fn()
         out.append((time.perf_counter() - t) * 1000)
+    return out
+
+
+def cgroup_migration(runs: int) -> list[float]:
+    """Milliseconds to write a new process's pid into a fresh cgroup's cgroup.procs, each after
+    30 ms of quiet (the first migration of a sandbox start); [] where there is no cgroup to use."""
+    root = next((Path(p) for p in ("/sys/fs/cgroup/memory", "/sys/fs/cgroup/pids", "/sys/fs/cgroup")
+                 if (Path(p) / "cgroup.procs").exists()), None)
+    if root is None:
+        return []
+    d = root / f"agentvm-bench-migration-{os.getpid()}"
+    try:
+        d.mkdir()
+    except OSError:
+        return []
+    out = []
+    try:
+        for _ in range(runs):
+            r, w = os.pipe()
+            pid = os.fork()
+            if pid == 0:
+                os.read(r, 1)
+                os._exit(0)
+            time.sleep(0.03)
+            t = time.perf_counter()
+            with open(d / "cgroup.procs", "w") as f:
+                f.write(str(pid))
+            out.append((time.perf_counter() - t) * 1000)
+            os.write(w, b"x")
+            os.waitpid(pid, 0)
+            os.close(r)
+            os.close(w)
+    finally:
+        d.rmdir()
     return out
 
 
@@ -178,6 +218,9 @@ def main() -> int:
     else:
         print(f"bench_startup: no daemon row (agentvm up failed: {up.stderr.strip()[-200:]})", file=sys.stderr)
     rows["python -c pass"] = summary(measure(py, max(10, args.runs // 2)))
+    mig = cgroup_migration(max(10, args.runs // 2))
+    if mig:
+        rows["cgroup migration"] = summary(mig)
     gv_runs = max(5, args.runs // 3)
     if runsc and rt.backend_for(gv_pol).capabilities().has("gvisor-platform"):
         rows["gvisor: bare runsc do"] = summary(measure(bare_runsc, gv_runs))

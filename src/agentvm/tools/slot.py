@@ -7,7 +7,6 @@ sandbox without tools), and the gateway itself is built on the first ``/mcp`` re
 
 from __future__ import annotations
 
-import asyncio
 import importlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,6 +56,8 @@ class ToolsSlot:
         self.ep, self.policy, self.digest, self.run_dir = ep, policy, digest, run_dir
         self.env = env or {}
         self._gw = None
+        import asyncio  # here, not at the top: every run's gate endpoint imports this module
+
         self._lock = asyncio.Lock()
         self._closed = False
         self._warm = asyncio.get_running_loop().run_in_executor(None, _import_gateway)
