@@ -86,21 +86,15 @@ def fast_run(argv: list[str]) -> int | None:
         from _json import encode_basestring_ascii as quote
     except ImportError:
         from json.encoder import encode_basestring_ascii as quote
-    path = socket_path()
-    sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
-    try:
-        sock.connect(path)
-    except (FileNotFoundError, ConnectionRefusedError, NotADirectoryError, PermissionError):
-        sock.close()
+    sock = _connect(_socket)
+    if sock is None:
         return None  # no daemon listening: the run is embedded
     body = ('{"command":[' + ",".join(quote(a) for a in command) + "]," + _NO_OPTIONS
             + ',"framing":"frames"}').encode("ascii")
-    head = ("POST /v1/run HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode("ascii")
     timeout = _timeout()
     sock.settimeout(timeout)
     try:
-        sock.sendall(head + body)
+        sock.sendall(_post_run(body))
         r = _Reader(sock)
         status, headers = r.head()
     except (TimeoutError, OSError) as exc:
@@ -260,14 +254,24 @@ def connect():
     """A connection to the daemon, or None when none is listening (then the run is embedded)."""
     import socket
 
-    path = socket_path()
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    return _connect(socket)
+
+
+def _connect(module):
+    """A unix-socket connection to the daemon made with ``module`` (``socket``, or the thin
+    client's ``_socket``), or None when none is listening."""
+    s = module.socket(module.AF_UNIX, module.SOCK_STREAM)
     try:
-        s.connect(path)
+        s.connect(socket_path())
     except (FileNotFoundError, ConnectionRefusedError, NotADirectoryError, PermissionError):
         s.close()
         return None
     return s
+
+
+def _post_run(body: bytes) -> bytes:
+    return (b"POST /v1/run HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(body)) + body
 
 
 def run_stream(sock, doc: dict):
@@ -276,12 +280,9 @@ def run_stream(sock, doc: dict):
     import json
 
     timeout = _timeout()
-    body = json.dumps(doc).encode()
-    head = (f"POST /v1/run HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
     sock.settimeout(timeout)
     try:
-        sock.sendall(head + body)
+        sock.sendall(_post_run(json.dumps(doc).encode()))
         r = _Reader(sock)
         status, headers = r.head()
     except TimeoutError:
