@@ -13,6 +13,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${AGENTVM_VENV:-/opt/agentvm/venv}"
+case "$VENV" in
+  /*[!A-Za-z0-9._/-]* | [!/]*)  # it is written into a shebang, a Python and a C string below
+    echo "install: AGENTVM_VENV must be an absolute path of letters, digits and ._/- (got: $VENV)" >&2
+    exit 1 ;;
+esac
 PY="${PYTHON:-python3}"
 
 want=(gcc libc6-dev libseccomp2 e2fsprogs util-linux mount procps runsc mmdebstrap openssh-client)
@@ -47,6 +52,7 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ "$(cat "$stamp")" !
   echo "install: pip install -e .[test] into $VENV" >&2
   "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e ".[test]"
   echo "$PWD" > "$stamp"
+  rm -f "$VENV/.agentvm-client"  # pip wrote its own bin/agentvm: the client below is built again
 fi
 # The entry point. `agentvm run -- CMD` with a daemon up is the hot path, and a Python start
 # costs more than the whole round trip to the daemon: bin/agentvm is a small compiled client
@@ -54,11 +60,11 @@ fi
 # to bin/agentvm-py - a lean Python entry point in place of pip's, which imports `re` on every
 # start: it starts without `site` (-S), finds agent-vm where pip put it, and the CLI loads
 # `site` itself on every path but the thin client's (agentvm.cli.main).
-pkgdir="$("$VENV/bin/python" -c 'import agentvm, os; print(os.path.dirname(os.path.dirname(os.path.abspath(agentvm.__file__))))')"
+pkgdir="$("$VENV/bin/python" -c 'import agentvm, os; print(repr(os.path.dirname(os.path.dirname(os.path.abspath(agentvm.__file__)))))')"
 pyentry="#!$VENV/bin/python -S
 # agent-vm's Python entry point, written by scripts/install.sh (see there)
 import sys
-sys.path.append('$pkgdir')
+sys.path.append($pkgdir)
 from agentvm.cli import main
 sys.exit(main())"
 if [ "$(cat "$VENV/bin/agentvm-py" 2>/dev/null)" != "$pyentry" ]; then

@@ -27,25 +27,40 @@ pytestmark = pytest.mark.skipif(shutil.which("gcc") is None, reason="gcc is need
                                 "(scripts/install.sh installs it)")
 
 
-@pytest.fixture(scope="module")
-def client():
-    d = Path(tempfile.mkdtemp(prefix="agentvm-client-test-", dir="/tmp"))  # reachable by another uid
+def _build(d: Path, name: str, *flags: str) -> Path:
     entry = d / "entry.py"
     entry.write_text(ENTRY)
-    exe = d / "agentvm"
-    subprocess.run(["gcc", "-O2", "-Wall", "-Werror", "-o", str(exe), f'-DAGENTVM_PYTHON="{sys.executable}"',
-                    f'-DAGENTVM_PY_ENTRY="{entry}"', str(SRC)], check=True)
-    os.chmod(d, 0o755)
     os.chmod(entry, 0o644)
-    yield exe
+    exe = d / name
+    subprocess.run(["gcc", "-O2", "-Wall", "-Werror", *flags, "-o", str(exe), f'-DAGENTVM_PYTHON="{sys.executable}"',
+                    f'-DAGENTVM_PY_ENTRY="{entry}"', str(SRC)], check=True)
+    return exe
+
+
+@pytest.fixture(scope="module")
+def build_dir():
+    d = Path(tempfile.mkdtemp(prefix="agentvm-client-test-", dir="/tmp"))  # reachable by another uid
+    os.chmod(d, 0o755)
+    yield d
     shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def client(build_dir):
+    return _build(build_dir, "agentvm")
+
+
+@pytest.fixture(scope="module")
+def asan_client(build_dir):
+    """The same client with AddressSanitizer and UBSan: a memory error is a crash, not luck."""
+    return _build(build_dir, "agentvm-asan", "-fsanitize=address,undefined", "-fno-sanitize-recover=all")
 
 
 class FakeDaemon:
     """A unix socket at ``path`` that records each request and answers with ``answer``."""
 
     def __init__(self, path: str, answer: bytes | None) -> None:
-        self.path, self.answer, self.requests = path, answer, []
+        self.path, self.answer, self.requests, self.paths = path, answer, [], []
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         self.s = socket.socket(socket.AF_UNIX)
         self.s.bind(path)
@@ -66,6 +81,7 @@ class FakeDaemon:
             n = int([h for h in head.split(b"\r\n") if h.lower().startswith(b"content-length")][0].split(b":")[1])
             while len(body) < n:
                 body += c.recv(65536)
+            self.paths.append(head.split(b" ")[1].decode())
             self.requests.append(json.loads(body))
             if self.answer is not None:
                 try:
@@ -124,8 +140,8 @@ def test_a_run_is_sent_as_the_python_client_sends_it_and_its_frames_are_relayed(
     assert r.stdout == b"out \x00\xff bytes\nmore\n"
     assert r.stderr == b"err\nagentvm: the report\n"
     body = d.requests[0]
-    expected = json.loads('{"command":' + json.dumps(args) + "," + fastrun._NO_OPTIONS + ',"framing":"frames"}')
-    assert body == expected
+    expected = json.loads('{"command":' + json.dumps(args) + "," + fastrun._NO_OPTIONS + "}")
+    assert body == expected and d.paths == [fastrun.FRAMES_PATH]
 
 
 def test_the_form_without_double_dash_is_the_same_run(client, tmp_path):
@@ -164,16 +180,59 @@ def test_what_is_not_its_job_goes_to_python_unchanged_and_unsent(client, tmp_pat
     assert d is None or d.requests == [], "nothing is sent to the daemon before handing over"
 
 
-def test_a_refusal_before_the_run_is_handed_to_python_to_ask_again_and_say(client, tmp_path):
+@pytest.mark.parametrize("status", [b"403 Forbidden", b"404 Not Found"])
+def test_a_refusal_or_an_older_daemon_is_handed_to_python_to_ask_again_and_say(client, tmp_path, status):
+    """Before the run: a refusal, or a daemon without /v1/run/frames (404). Nothing ran, so
+    Python may ask again (its own way)."""
     env = env_for(tmp_path)
     body = b'{"error": "policy.denied", "message": "no", "exit_code": 77}'
-    d = FakeDaemon(sock_path(env), b"HTTP/1.1 403 Forbidden\r\ncontent-type: application/json\r\n"
+    d = FakeDaemon(sock_path(env), b"HTTP/1.1 " + status + b"\r\ncontent-type: application/json\r\n"
                    b"content-length: %d\r\n\r\n" % len(body) + body)
     try:
         r = run(client, ["run", "--", "true"], env)
     finally:
         d.close()
     assert r.stdout.decode().startswith("FALLBACK ") and len(d.requests) == 1
+
+
+def test_a_run_that_started_is_never_asked_for_twice(client, tmp_path):
+    """A 200 in another form (not frames): the run may be under way - an error, no second ask."""
+    env = env_for(tmp_path)
+    d = FakeDaemon(sock_path(env), b"HTTP/1.1 200 OK\r\ncontent-type: application/x-ndjson\r\n"
+                   b"transfer-encoding: chunked\r\n\r\n5\r\n{}\n\n\n\r\n0\r\n\r\n")
+    try:
+        r = run(client, ["run", "--", "true"], env)
+    finally:
+        d.close()
+    assert r.returncode == 125 and not r.stdout.startswith(b"FALLBACK") and len(d.requests) == 1
+
+
+HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: application/x-agentvm-frames\r\ntransfer-encoding: chunked\r\n\r\n"
+
+
+@pytest.mark.parametrize("body", [
+    b"ffffffffffffffff\r\n" + b"A" * 5000,           # a size that wraps
+    b"-1\r\n" + b"A" * 5000,                         # strtoul would take it
+    b"8000000000000000\r\nAAAA",                     # a size that would double its buffer forever
+    b"0x10\r\n" + b"A" * 16 + b"\r\n",                # not hex digits only
+    b" 10\r\n" + b"A" * 16 + b"\r\n",
+    b"5\r\nx2\n0\nXY0\r\n\r\n",                      # no CRLF after the chunk
+    b"4\r\no\n\n\n\r\n0\r\n\r\n",                     # a frame with no length
+    b"e\r\no99999999999\n\r\n0\r\n\r\n",               # a frame length over the limit
+    b"6\r\nx-1\n0\n\r\n0\r\n\r\n",                   # a sign
+])
+def test_a_hostile_answer_is_refused_without_a_memory_error(asan_client, tmp_path, body):
+    """Whatever listens at the socket path (a daemon, or something that took its place) cannot
+    make the client overflow, spin or read what it did not send: under ASan/UBSan, exit 125."""
+    env = env_for(tmp_path, ASAN_OPTIONS="detect_leaks=0")
+    d = FakeDaemon(sock_path(env), HEAD + body)
+    try:
+        r = run(asan_client, ["run", "--", "true"], env)
+    finally:
+        d.close()
+    assert r.returncode == 125, (r.returncode, r.stderr[-2000:])
+    assert b"AddressSanitizer" not in r.stderr and b"runtime error" not in r.stderr
+    assert b"agentvm: the daemon ended the run without a result" in r.stderr
 
 
 def test_a_broken_or_silent_daemon_is_an_error_not_a_hang(client, tmp_path):

@@ -112,8 +112,8 @@ def test_the_python_thin_client_relays_frames_and_imports_nothing_it_does_not_ne
     assert "agentvm.cli.fastrun" in imported
     for heavy in ("json", "socket", "argparse", "agentvm.cli.run_cmd", "agentvm.runtime", "typing"):
         assert heavy not in imported, f"the thin client imported {heavy}"
-    assert d.requests == [json.loads('{"command":["echo","q\\"uote","ünï"],' + fastrun._NO_OPTIONS
-                                     + ',"framing":"frames"}')]
+    assert d.requests == [json.loads('{"command":["echo","q\\"uote","ünï"],' + fastrun._NO_OPTIONS + "}")]
+    assert d.paths == [fastrun.FRAMES_PATH]
 
 
 def test_the_python_thin_client_says_when_the_daemon_breaks_off(tmp_path):
@@ -129,3 +129,41 @@ def test_the_python_thin_client_says_when_the_daemon_breaks_off(tmp_path):
     finally:
         d.close()
     assert r.returncode == 125 and r.stdout == b"partial\n" and b"without a result" in r.stderr
+
+
+def test_the_python_thin_client_takes_the_full_path_for_a_daemon_without_frames(tmp_path):
+    """An older daemon (404 for /v1/run/frames, having run nothing): asked again the full
+    path's way (NDJSON on /v1/run), once."""
+    import base64
+    import os
+
+    from tests.unit.test_client_c import FakeDaemon
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AGENTVM_", "XDG_"))}
+    env["AGENTVM_RUNTIME_DIR"] = str(tmp_path / "rt")
+
+    class OldDaemon(FakeDaemon):
+        def _serve(self):
+            while True:
+                try:
+                    c, _ = self.s.accept()
+                except OSError:
+                    return
+                data = b""
+                while b"\r\n\r\n" not in data:
+                    data += c.recv(65536)
+                self.paths.append(data.split(b" ")[1].decode())
+                if self.paths[-1] != "/v1/run":
+                    c.sendall(b'HTTP/1.1 404 Not Found\r\ncontent-length: 2\r\n\r\n{}')
+                else:
+                    c.sendall(_chunked({"stream": "stdout", "data": base64.b64encode(b"old\n").decode()},
+                                       {"result": {"exit_code": 4, "teardown": {"verified": True}}}))
+                c.close()
+
+    d = OldDaemon(str(tmp_path / "rt" / "agentvm.sock"), None)
+    try:
+        r = _python_client(env, "run", "--", "true")
+    finally:
+        d.close()
+    assert d.paths == [fastrun.FRAMES_PATH, "/v1/run"]
+    assert r.returncode == 4 and r.stdout == b"old\n", r.stderr

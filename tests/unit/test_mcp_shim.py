@@ -25,8 +25,8 @@ class Server:
     """HTTP/1.1 on loopback: answers each POST with its JSON-RPC id echoed; closes a connection
     after ``close_after`` answers on it (without saying so, as an idle timeout does)."""
 
-    def __init__(self, close_after: int) -> None:
-        self.close_after = close_after
+    def __init__(self, close_after: int, for_first: int = 1 << 30) -> None:
+        self.close_after, self.for_first = close_after, for_first  # ... on the first ``for_first`` connections
         self.connections = 0
         self.bodies: list[dict] = []
         self.ls = socket.create_server(("127.0.0.1", 0))
@@ -40,11 +40,12 @@ class Server:
             except OSError:
                 return
             self.connections += 1
-            threading.Thread(target=self._serve, args=(c,), daemon=True).start()
+            n = self.close_after if self.connections <= self.for_first else 1 << 30
+            threading.Thread(target=self._serve, args=(c, n), daemon=True).start()
 
-    def _serve(self, c: socket.socket) -> None:
+    def _serve(self, c: socket.socket, answers: int) -> None:
         f = c.makefile("rb")
-        for _ in range(self.close_after):
+        for _ in range(answers):
             head = []
             while (line := f.readline()) not in (b"\r\n", b""):
                 head.append(line)
@@ -56,6 +57,7 @@ class Server:
             body = json.dumps({"jsonrpc": "2.0", "id": msg["id"], "result": {}}).encode()
             c.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body)
                       + body)
+        f.close()
         c.close()
 
 
@@ -69,14 +71,28 @@ def test_connections_are_kept_alive(monkeypatch, capsys):
     assert srv.connections == 1
 
 
-def test_a_connection_closed_while_idle_costs_one_resend_and_no_message_twice(monkeypatch, capsys):
-    srv = Server(close_after=1)  # every connection is closed after its first answer
+def test_connections_the_gateway_closed_while_idle_are_not_used_and_nothing_is_sent_twice(monkeypatch, capsys):
+    import time
+
+    srv = Server(close_after=1, for_first=3)  # closed after one answer, as by an idle timeout
     shim = load_shim(monkeypatch, f"http://127.0.0.1:{srv.port}/mcp")
+    # several idle connections at once, as concurrent requests leave them
+    held = []
     for i in range(3):
+        c = shim._connection()
+        c.request("POST", "/mcp", body=json.dumps({"jsonrpc": "2.0", "id": i, "method": "x"}).encode(),
+                  headers={"Content-Type": "application/json"})
+        resp = c.getresponse()
+        print(resp.read().decode())
+        held.append((c, resp))
+    for c, resp in held:
+        shim._done(c, resp)
+    time.sleep(0.2)  # the server has closed them all
+    for i in range(3, 6):
         shim.send(json.dumps({"jsonrpc": "2.0", "id": i, "method": "tools/call", "params": {"name": "x"}}).encode())
     out = [json.loads(ln) for ln in capsys.readouterr().out.splitlines()]
-    assert [m["id"] for m in out] == [0, 1, 2] and all("result" in m for m in out)
-    assert [m["id"] for m in srv.bodies] == [0, 1, 2], "each message reached the server exactly once"
+    assert sorted(m["id"] for m in out) == [0, 1, 2, 3, 4, 5] and all("result" in m for m in out), out
+    assert sorted(m["id"] for m in srv.bodies) == [0, 1, 2, 3, 4, 5], "each message reached the server exactly once"
 
 
 def test_a_gateway_that_is_down_answers_each_request_with_an_error(monkeypatch, capsys):

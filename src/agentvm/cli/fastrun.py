@@ -21,6 +21,8 @@ import os
 import sys
 
 DEFAULT_TIMEOUT = 60.0
+FRAMES_PATH = "/v1/run/frames"  # the daemon's framed run (a daemon without it answers 404, having run nothing)
+FRAMES_TYPE = "application/x-agentvm-frames"
 
 # every option of `agentvm run` at its default: what the full path would send for `run -- CMD`
 _NO_OPTIONS = ('"cli":{"mounts":[],"env":[],"timeout":null,"memory":null,"allow":[],"add_host":[],'
@@ -35,10 +37,12 @@ def socket_path() -> str:
 
 
 def _timeout() -> float:
+    """AGENTVM_CLIENT_TIMEOUT, seconds: a positive finite number, else the default."""
     try:
-        return float(os.environ.get("AGENTVM_CLIENT_TIMEOUT", DEFAULT_TIMEOUT))
+        t = float(os.environ.get("AGENTVM_CLIENT_TIMEOUT", DEFAULT_TIMEOUT))
     except ValueError:
         return DEFAULT_TIMEOUT
+    return t if 0 < t < 1e9 else DEFAULT_TIMEOUT
 
 
 def _stdin_is_sendable() -> bool:
@@ -89,19 +93,20 @@ def fast_run(argv: list[str]) -> int | None:
     sock = _connect(_socket)
     if sock is None:
         return None  # no daemon listening: the run is embedded
-    body = ('{"command":[' + ",".join(quote(a) for a in command) + "]," + _NO_OPTIONS
-            + ',"framing":"frames"}').encode("ascii")
+    body = ('{"command":[' + ",".join(quote(a) for a in command) + "]," + _NO_OPTIONS + "}").encode("ascii")
     timeout = _timeout()
     sock.settimeout(timeout)
     try:
-        sock.sendall(_post_run(body))
+        sock.sendall(_post_run(body, FRAMES_PATH))
         r = _Reader(sock)
         status, headers = r.head()
     except (TimeoutError, OSError) as exc:
         sock.close()
         return _say(_unavailable(timeout, exc))
-    if status >= 300 or headers.get("content-type") != "application/x-agentvm-frames":
-        # a refusal before the run (a JSON error) or an older daemon: read as the full path does
+    if status == 404:
+        sock.close()
+        return None  # a daemon from before frames: nothing ran; the full path asks it its way
+    if status >= 300:  # a refusal before the run: said as the full path says it
         from agentvm.errors import AgentVMError
 
         try:
@@ -113,7 +118,10 @@ def fast_run(argv: list[str]) -> int | None:
             return report_error(err)
         finally:
             sock.close()
-        return _say("agentvm: the daemon answered an unexpected stream\n", 125)
+    if headers.get("content-type") != FRAMES_TYPE:
+        sock.close()  # the run may have started: never asked for a second time
+        return _say("agentvm: the daemon answered the run in a form this client does not read; nothing was "
+                    "shown of it (see `agentvm runs`)\n", 125)
     sock.settimeout(None)  # the stream is as long as the run; the answer came in time
     out, err = sys.stdout.buffer, sys.stderr.buffer
     try:
@@ -269,9 +277,9 @@ def _connect(module):
     return s
 
 
-def _post_run(body: bytes) -> bytes:
-    return (b"POST /v1/run HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
-            b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(body)) + body
+def _post_run(body: bytes, path: str = "/v1/run") -> bytes:
+    return (b"POST %s HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\nConnection: close\r\n\r\n" % (path.encode(), len(body))) + body
 
 
 def run_stream(sock, doc: dict):

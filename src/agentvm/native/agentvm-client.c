@@ -11,8 +11,12 @@
  * Everything else - every other command, any option, a terminal, piped or file stdin, an
  * argument that is not UTF-8, no daemon listening, a refusal - is not decided here: it execs
  * the Python entry point (AGENTVM_PY_ENTRY, run by AGENTVM_PYTHON -S) with the same arguments,
- * which does all of it the one way it is done everywhere. A refusal is answered before the run
- * starts, so asking again there changes nothing.
+ * which does all of it the one way it is done everywhere. Only an answer that is not a 200 is
+ * handed over after asking the daemon: a refusal (or a daemon without /v1/run/frames, 404)
+ * comes before anything runs, so asking again there runs nothing twice. After a 200, never.
+ *
+ * What the daemon sends is bounded before it is believed: chunk and frame sizes are digits
+ * only, at most MAX_PIECE, and every chunk ends in CRLF.
  *
  * The socket's path follows agentvm/locations.py (tests/unit/test_client_c.py checks the two
  * agree).
@@ -29,8 +33,11 @@
 #include <string.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/time.h>
 #include <sys/un.h>
 #include <unistd.h>
+
+#define MAX_PIECE (16u << 20) /* bytes of one chunk or one frame: the daemon's are at most 64 KiB */
 
 #ifndef AGENTVM_PYTHON
 #error "build with -DAGENTVM_PYTHON=\"/path/to/python\" -DAGENTVM_PY_ENTRY=\"/path/to/entry.py\""
@@ -40,6 +47,7 @@ static char **g_argv;
 
 /* Not ours to decide: the Python entry point, same arguments. */
 static void fallback(void) {
+    signal(SIGPIPE, SIG_DFL); /* as it found it */
     int n = 0;
     while (g_argv[n]) n++;
     char **args = calloc((size_t)n + 4, sizeof *args);
@@ -268,7 +276,7 @@ int main(int argc, char **argv) {
         if (!json_string(&body, (const unsigned char *)argv[i])) fallback();
     }
     puts_(&body, "],\"cli\":{\"mounts\":[],\"env\":[],\"timeout\":null,\"memory\":null,\"allow\":[],\"add_host\":[],"
-                 "\"network\":null,\"substrate\":null,\"image\":null},\"framing\":\"frames\"}");
+                 "\"network\":null,\"substrate\":null,\"image\":null}}");
 
     struct sockaddr_un sa = {.sun_family = AF_UNIX};
     if (!socket_path(sa.sun_path, sizeof sa.sun_path)) fallback();
@@ -283,7 +291,7 @@ int main(int argc, char **argv) {
     struct buf req = {0};
     char head[256];
     snprintf(head, sizeof head,
-             "POST /v1/run HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+             "POST /v1/run/frames HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
              "Content-Length: %zu\r\nConnection: close\r\n\r\n",
              body.len);
     puts_(&req, head);
@@ -294,16 +302,20 @@ int main(int argc, char **argv) {
     }
 
     /* the answer's head, within AGENTVM_CLIENT_TIMEOUT (as the Python client) */
-    double timeout = 60.0;
+    double timeout = 60.0; /* as fastrun._timeout: a positive finite number, else the default */
     const char *ts = getenv("AGENTVM_CLIENT_TIMEOUT");
     if (ts && *ts) {
         char *end;
         double v = strtod(ts, &end);
-        if (*end == 0 && v == v) timeout = v;
+        if (*end == 0 && v > 0 && v < 1e9) timeout = v;
     }
+    /* the whole head within the timeout: the first byte, and every read until the body */
+    struct timeval tv = {.tv_sec = (time_t)timeout, .tv_usec = (suseconds_t)((timeout - (double)(time_t)timeout) * 1e6)};
+    if (tv.tv_sec == 0 && tv.tv_usec == 0) tv.tv_usec = 1;
+    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
     struct pollfd p = {.fd = fd, .events = POLLIN};
     int pr;
-    do pr = poll(&p, 1, timeout <= 0 ? 0 : timeout > 2e6 ? -1 : (int)(timeout * 1000));
+    do pr = poll(&p, 1, timeout > 2e6 ? -1 : (int)(timeout * 1000) + 1);
     while (pr < 0 && errno == EINTR);
     if (pr == 0) {
         char path[sizeof sa.sun_path];
@@ -326,10 +338,13 @@ int main(int argc, char **argv) {
         if (strcasecmp(h, "content-type: application/x-agentvm-frames") == 0) frames = 1;
         if (strcasecmp(h, "transfer-encoding: chunked") == 0) chunked = 1;
     }
-    if (code != 200 || !frames || !chunked) {
-        close(fd); /* a refusal before the run, or another daemon: Python asks again and says it */
+    if (code != 200) {
+        close(fd); /* a refusal before the run (or no /v1/run/frames: 404): Python asks again and says it */
         fallback();
     }
+    if (!frames || !chunked) return ended("an answer this client does not read");
+    struct timeval none = {0};
+    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &none, sizeof none); /* the run is as long as it is */
 
     /* the body: chunks of frames "KIND LENGTH\n PAYLOAD" */
     struct buf fb = {0};
@@ -339,9 +354,14 @@ int main(int argc, char **argv) {
         char *nl = fb.len > used ? memchr(fb.p + used, '\n', fb.len - used) : NULL;
         if (nl) {
             char kind = fb.p[used];
-            char *end;
-            unsigned long n = strtoul(fb.p + used + 1, &end, 10);
-            if (end != nl) return ended("a malformed frame");
+            size_t n = 0;
+            const char *d = fb.p + used + 1;
+            if (d == nl || nl - d > 9) return ended("a malformed frame");
+            for (; d < nl; d++) {
+                if (*d < '0' || *d > '9') return ended("a malformed frame");
+                n = n * 10 + (size_t)(*d - '0');
+            }
+            if (n > MAX_PIECE) return ended("a frame over the size limit");
             size_t at = (size_t)(nl - fb.p) + 1;
             if (fb.len - at >= n) {
                 const char *payload = fb.p + at;
@@ -367,9 +387,16 @@ int main(int argc, char **argv) {
         /* more: one chunk */
         char *sz = line(&c);
         if (!sz) return ended("the connection closed mid-answer");
-        char *end;
-        unsigned long n = strtoul(sz, &end, 16);
-        if (end == sz) return ended("a malformed chunk");
+        size_t n = 0;
+        const char *h = sz;
+        for (; *h && *h != ';'; h++) { /* hex digits only (no sign, no 0x, no spaces), bounded */
+            int v = *h >= '0' && *h <= '9' ? *h - '0' : *h >= 'a' && *h <= 'f' ? *h - 'a' + 10
+                  : *h >= 'A' && *h <= 'F' ? *h - 'A' + 10 : -1;
+            if (v < 0 || h - sz >= 8) return ended("a malformed chunk");
+            n = n * 16 + (size_t)v;
+        }
+        if (h == sz) return ended("a malformed chunk");
+        if (n > MAX_PIECE) return ended("a chunk over the size limit");
         if (n == 0) return ended("the answer ended before the run's result");
         if (used) { /* drop what was consumed */
             memmove(fb.p, fb.p + used, fb.len - used);
@@ -389,6 +416,9 @@ int main(int argc, char **argv) {
         }
         if (take(&c, fb.p + at, n) < 0) return ended("the connection closed mid-answer");
         fb.len = at + n;
-        if (take(&c, NULL, 2) < 0) return ended("the connection closed mid-answer");
+        fb.p[fb.len] = 0;
+        char crlf[2];
+        if (take(&c, crlf, 2) < 0) return ended("the connection closed mid-answer");
+        if (crlf[0] != '\r' || crlf[1] != '\n') return ended("a malformed chunk");
     }
 }

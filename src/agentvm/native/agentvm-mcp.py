@@ -15,6 +15,7 @@ import http.client
 import json
 import os
 import re
+import select
 import socket
 import sys
 import threading
@@ -44,35 +45,39 @@ _idle_lock = threading.Lock()
 
 
 def _connection():
-    """(an idle keep-alive connection to the gateway, or a new one; whether it was reused)."""
-    with _idle_lock:
-        if _idle:
-            return _idle.pop(), True
+    """An idle keep-alive connection to the gateway that is still open, or a new one. The gate
+    closes connections idle for a while: one it closed reads as ready (end of file) and is
+    dropped here, before anything is sent on it."""
+    while True:
+        with _idle_lock:
+            c = _idle.pop() if _idle else None
+        if c is None:
+            break
+        try:
+            ready, _, _ = select.select([c.sock], [], [], 0)
+        except (OSError, ValueError):
+            ready = [c.sock]
+        if not ready:
+            return c
+        c.close()  # closed by the gateway (or it sent something unasked): never reused
     u = urllib.parse.urlsplit(URL)
     c = http.client.HTTPConnection(u.hostname or "127.0.0.1", u.port or 80, timeout=TIMEOUT)
     c.connect()
     c.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    return c, False
+    return c
 
 
 def _post(raw: bytes, headers: dict):
-    """POST one message on a keep-alive connection: (connection, response). A reused connection
-    the gateway closed while it sat idle fails before anything was sent or answered: that one
-    request is sent again on a new connection (never one that may have reached the gateway)."""
-    path = urllib.parse.urlsplit(URL).path or "/"
-    for attempt in (0, 1):
-        c, reused = _connection()
-        try:
-            c.request("POST", path, body=raw, headers=headers)
-            return c, c.getresponse()
-        except (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError):
-            c.close()
-            if not reused or attempt:
-                raise
-        except BaseException:
-            c.close()
-            raise
-    raise OSError("unreachable")
+    """POST one message on a keep-alive connection: (connection, response). A message is sent
+    once: a connection that breaks is an error, never a second send that could run a tool call
+    twice."""
+    c = _connection()
+    try:
+        c.request("POST", urllib.parse.urlsplit(URL).path or "/", body=raw, headers=headers)
+        return c, c.getresponse()
+    except BaseException:
+        c.close()
+        raise
 
 
 def _done(c, resp) -> None:

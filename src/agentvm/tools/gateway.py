@@ -69,6 +69,7 @@ LIMITED = -32013
 
 RESTART_BASE = 0.5  # seconds before a failed tool server is started again, doubling per failure
 RESTART_MAX = 30.0
+QUICK_EXIT = 5.0  # seconds: a session that ends sooner than this counts as a failed start
 STOP_WAIT = 12.0  # seconds to wait for a stopped server's sandbox to end (stdin closed, SIGTERM, SIGKILL)
 
 
@@ -93,6 +94,7 @@ class Upstream:
         self._failures = 0  # starts in a row that ended without a working client
         self._retry_at = 0.0  # no new start before this (monotonic): a failing server is not restarted per request
         self._served = False  # the current start got as far as a session (its end is not a failed start)
+        self._served_at = 0.0  # when it did (monotonic)
         self._ending: asyncio.Task | None = None  # a discarded session, until its server is stopped
 
     def _local_argv_env(self) -> tuple[list[str], dict[str, str]]:
@@ -118,17 +120,25 @@ class Upstream:
                 transport = await self._remote_transport()
                 async with Client(transport, cache=None, read_timeout_seconds=self.sp.timeout,
                                   client_info=types.Implementation(name="agentvm-tool-gateway", version="1")) as c:
-                    self.client, self._served = c, True
+                    self.client, self._served, self._served_at = c, True, time.monotonic()
                     ready.set()
                     await stop.wait()
                 return
             argv, env = self._local_argv_env()
-            errlog = open("/tmp/exp14/tool.log", "a", buffering=1)  # noqa: SIM115 - closed below
+            # the run folder is root's; never through a link
+            log_fd = os.open(self.gw.run_dir / f"tool-{self.sp.name}.log",
+                             os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            errlog = os.fdopen(log_fd, "a", buffering=1)
             session = await StdioSession.spawn(argv, env=env, errlog=errlog, name=self.sp.name,
                                                max_line=max(MAX_LINE_FLOOR, 2 * self.sp.max_result + 65536))
             try:
-                await session.initialize()
-                self.client, self._served = session, True
+                try:
+                    async with asyncio.timeout(START_TIMEOUT):
+                        await session.initialize()
+                except TimeoutError:
+                    raise MCPError(types.REQUEST_TIMEOUT, f"tool server {self.sp.name} did not answer initialize "
+                                   f"within {START_TIMEOUT:g}s") from None
+                self.client, self._served, self._served_at = session, True, time.monotonic()
                 ready.set()
                 ended = asyncio.ensure_future(session.closed.wait())
                 stopped = asyncio.ensure_future(stop.wait())
@@ -160,6 +170,8 @@ class Upstream:
                 if not self._served:  # it never got as far as a session: the next start waits
                     self._failures += 1
                     self._retry_at = time.monotonic() + min(RESTART_MAX, RESTART_BASE * 2 ** (self._failures - 1))
+                else:
+                    self._ended_session()
             if self._task is None and time.monotonic() < self._retry_at:
                 raise ToolFailure("tools:server-unavailable", f"tool server {self.sp.name} failed "
                                   f"({self.error or 'it exited'}); it is started again in "
@@ -179,8 +191,6 @@ class Upstream:
         except TimeoutError:
             raise ToolFailure("tools:server-unavailable", f"tool server {self.sp.name} did not start within "
                               f"{START_TIMEOUT:g}s") from None
-        if self.client is not None and self._task is not None and not self._task.done():
-            self._failures = 0  # a working start: the next failure backs off from the start again
         if self.client is None:
             raise ToolFailure("tools:server-unavailable", f"tool server {self.sp.name} is not running "
                               f"({self.error or 'it exited'}); see tool-{self.sp.name}.log in the sandbox's run folder")
@@ -240,10 +250,23 @@ class Upstream:
 
     def discard(self) -> None:
         """The session is dead (the server's stdio closed, or it flooded): the next call starts it
-        again, once this one's server is stopped."""
+        again, once this one's server is stopped. Several calls failing at once discard it once."""
         self._stop.set()
-        self._ending, self._task = self._task, None
+        if self._task is not None:
+            self._ending, self._task = self._task, None
+            self._ended_session()
         self.client = None
+
+    def _ended_session(self) -> None:
+        """A session that served and ended: one that lived less than QUICK_EXIT counts as a
+        failure (the second in a row waits before the next start: a server that dies on every
+        call is not restarted per call), a longer one clears the count."""
+        if time.monotonic() - self._served_at < QUICK_EXIT:
+            self._failures += 1
+            if self._failures >= 2:
+                self._retry_at = time.monotonic() + min(RESTART_MAX, RESTART_BASE * 2 ** (self._failures - 2))
+        else:
+            self._failures = 0
 
     @staticmethod
     async def _reap(task: asyncio.Task | None) -> None:

@@ -32,6 +32,8 @@ from mcp.shared.exceptions import MCPError
 from mcp_types.version import HANDSHAKE_PROTOCOL_VERSIONS, LATEST_HANDSHAKE_VERSION
 
 MAX_LINE_FLOOR = 4 * 1024 * 1024  # a tools/list of many tools with long schemas fits
+MAX_UNREAD = 4 * 1024 * 1024  # bytes written to the server and not yet read by it: over this, it is flooding
+MAX_ID = 256  # characters of a server request's id the gateway echoes back (a longer one is not answered)
 STOP_GRACE = 2.0  # seconds between closing the server's stdin and SIGTERM, then SIGTERM and SIGKILL
 METHOD_NOT_FOUND = -32601
 
@@ -63,9 +65,19 @@ class StdioSession:
 
     # ------------------------------------------------------------------ the wire
     def _write(self, msg: dict) -> None:
-        if self.closed.is_set() or self.proc.stdin is None or self.proc.stdin.is_closing():
+        """One message to the server. Nothing waits for it to be read, so what it has not read is
+        bounded: a server that does not read its input (and asks things, or is asked things)
+        is flooding, and its session ends."""
+        stdin = self.proc.stdin
+        if self.closed.is_set() or stdin is None or stdin.is_closing():
             raise MCPError(types.CONNECTION_CLOSED, f"tool server {self.name} is gone")
-        self.proc.stdin.write(json.dumps(msg, separators=(",", ":")).encode() + b"\n")
+        data = json.dumps(msg, separators=(",", ":")).encode() + b"\n"
+        unread = stdin.transport.get_write_buffer_size()
+        if unread + len(data) > MAX_UNREAD:
+            exc = Flooded(f"tool server {self.name} does not read its input ({unread} bytes waiting)")
+            self._finish(exc)
+            raise exc
+        stdin.write(data)
 
     async def _read(self) -> None:
         out = self.proc.stdout
@@ -93,7 +105,8 @@ class StdioSession:
         if "method" in msg:
             if "id" in msg:  # the server asks something of the client: nothing is offered but ping
                 mid = msg["id"]
-                if not isinstance(mid, (str, int)) or isinstance(mid, bool):
+                if not isinstance(mid, (str, int)) or isinstance(mid, bool) or (isinstance(mid, str) and
+                                                                                 len(mid) > MAX_ID):
                     return
                 try:
                     if msg["method"] == "ping":
@@ -101,8 +114,8 @@ class StdioSession:
                     else:
                         self._write({"jsonrpc": "2.0", "id": mid, "error": {
                             "code": METHOD_NOT_FOUND, "message": "not offered by the agent-vm tool gateway"}})
-                except MCPError:
-                    pass
+                except (MCPError, Flooded):
+                    pass  # gone, or flooding: the session's end says so
             return  # notifications (progress, logging, list_changed): dropped
         fut = self._pending.pop(msg.get("id"), None) if isinstance(msg.get("id"), int) else None
         if fut is None or fut.done():
@@ -135,20 +148,20 @@ class StdioSession:
                 types.CONNECTION_CLOSED, f"tool server {self.name} is gone")
         self._ids += 1
         rid = self._ids
-        fut = asyncio.get_running_loop().create_future()
-        self._pending[rid] = fut
         msg: dict = {"jsonrpc": "2.0", "id": rid, "method": method}
         if params is not None:
             msg["params"] = params
+        self._write(msg)  # before the answer can be read: nothing runs in between
+        fut = asyncio.get_running_loop().create_future()
+        self._pending[rid] = fut
         try:
-            self._write(msg)
             return await fut
         except asyncio.CancelledError:  # a timeout above: the server is told to stop working on it
             if self._pending.pop(rid, None) is not None:
                 try:
                     self._write({"jsonrpc": "2.0", "method": "notifications/cancelled",
                                  "params": {"requestId": rid, "reason": "timed out at the agent-vm tool gateway"}})
-                except MCPError:
+                except (MCPError, Flooded):
                     pass
             raise
         finally:
