@@ -13,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -59,8 +60,9 @@ def asan_client(build_dir):
 class FakeDaemon:
     """A unix socket at ``path`` that records each request and answers with ``answer``."""
 
-    def __init__(self, path: str, answer: bytes | None) -> None:
+    def __init__(self, path: str, answer: bytes | None, trickle: float = 0.0) -> None:
         self.path, self.answer, self.requests, self.paths = path, answer, [], []
+        self.trickle = trickle  # seconds between bytes of the answer
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         self.s = socket.socket(socket.AF_UNIX)
         self.s.bind(path)
@@ -85,7 +87,12 @@ class FakeDaemon:
             self.requests.append(json.loads(body))
             if self.answer is not None:
                 try:
-                    c.sendall(self.answer)
+                    if self.trickle:
+                        for i in range(len(self.answer)):
+                            c.sendall(self.answer[i:i + 1])
+                            time.sleep(self.trickle)
+                    else:
+                        c.sendall(self.answer)
                 except OSError:
                     pass
                 c.close()
@@ -195,16 +202,35 @@ def test_a_refusal_or_an_older_daemon_is_handed_to_python_to_ask_again_and_say(c
     assert r.stdout.decode().startswith("FALLBACK ") and len(d.requests) == 1
 
 
-def test_a_run_that_started_is_never_asked_for_twice(client, tmp_path):
-    """A 200 in another form (not frames): the run may be under way - an error, no second ask."""
+@pytest.mark.parametrize("answer", [
+    b"HTTP/1.1 200 OK\r\ncontent-type: application/x-ndjson\r\ntransfer-encoding: chunked\r\n\r\n"
+    b"5\r\n{}\n\n\n\r\n0\r\n\r\n",
+    b"HTTP/1.1 204 No Content\r\n\r\n",
+    b"HTTP/1.1 2",
+])
+def test_a_run_that_may_have_started_is_never_asked_for_twice(client, tmp_path, answer):
+    """A 2xx in another form (or a broken answer): the run may be under way - an error, no
+    second ask."""
     env = env_for(tmp_path)
-    d = FakeDaemon(sock_path(env), b"HTTP/1.1 200 OK\r\ncontent-type: application/x-ndjson\r\n"
-                   b"transfer-encoding: chunked\r\n\r\n5\r\n{}\n\n\n\r\n0\r\n\r\n")
+    d = FakeDaemon(sock_path(env), answer)
     try:
         r = run(client, ["run", "--", "true"], env)
     finally:
         d.close()
     assert r.returncode == 125 and not r.stdout.startswith(b"FALLBACK") and len(d.requests) == 1
+
+
+def test_the_whole_head_is_due_within_the_timeout_however_it_trickles(client, tmp_path):
+    env = env_for(tmp_path, AGENTVM_CLIENT_TIMEOUT="0.5")
+    d = FakeDaemon(sock_path(env), b"HTTP/1.1 200 OK\r\ncontent-type: application/x-agentvm-frames\r\n"
+                   b"transfer-encoding: chunked\r\n\r\n", trickle=0.05)
+    try:
+        t = time.monotonic()
+        r = run(client, ["run", "--", "true"], env)
+        took = time.monotonic() - t
+    finally:
+        d.close()
+    assert r.returncode == 125 and b"did not answer within 0.5s" in r.stderr and took < 2
 
 
 HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: application/x-agentvm-frames\r\ntransfer-encoding: chunked\r\n\r\n"
@@ -220,6 +246,8 @@ HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: application/x-agentvm-frames\r\ntransf
     b"4\r\no\n\n\n\r\n0\r\n\r\n",                     # a frame with no length
     b"e\r\no99999999999\n\r\n0\r\n\r\n",               # a frame length over the limit
     b"6\r\nx-1\n0\n\r\n0\r\n\r\n",                   # a sign
+    b"7\r\nx4\n256\n\r\n0\r\n\r\n",                   # an exit code over 255 (would wrap to 0)
+    b"5\r\nAAAAA\r\n" * 400,                        # a frame head that never ends (would grow forever)
 ])
 def test_a_hostile_answer_is_refused_without_a_memory_error(asan_client, tmp_path, body):
     """Whatever listens at the socket path (a daemon, or something that took its place) cannot

@@ -167,3 +167,47 @@ def test_the_python_thin_client_takes_the_full_path_for_a_daemon_without_frames(
         d.close()
     assert d.paths == [fastrun.FRAMES_PATH, "/v1/run"]
     assert r.returncode == 4 and r.stdout == b"old\n", r.stderr
+
+
+@pytest.mark.parametrize("body", [
+    b"ffffffffffffffff\r\n" + b"A" * 5000,
+    b"-1\r\n" + b"A" * 5000,
+    b"0x10\r\n" + b"A" * 16 + b"\r\n",
+    b"5\r\nx2\n0\nXY0\r\n\r\n",
+    b"4\r\no\n\n\n\r\n0\r\n\r\n",
+    b"e\r\no99999999999\n\r\n0\r\n\r\n",
+    b"6\r\nx-1\n0\n\r\n0\r\n\r\n",
+    b"7\r\nx4\n256\n\r\n0\r\n\r\n",
+    b"5\r\nAAAAA\r\n" * 400,
+])
+def test_the_python_thin_client_refuses_a_hostile_answer_cleanly(tmp_path, body):
+    import os
+
+    from tests.unit.test_client_c import HEAD, FakeDaemon
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AGENTVM_", "XDG_"))}
+    env["AGENTVM_RUNTIME_DIR"] = str(tmp_path / "rt")
+    d = FakeDaemon(str(tmp_path / "rt" / "agentvm.sock"), HEAD + body)
+    try:
+        r = _python_client(env, "run", "--", "true")
+    finally:
+        d.close()
+    assert r.returncode == 125 and b"without a result" in r.stderr and b"Traceback" not in r.stderr, r.stderr
+
+
+def test_the_python_thin_client_wants_the_whole_head_within_the_timeout(tmp_path):
+    import os
+    import time
+
+    from tests.unit.test_client_c import HEAD, FakeDaemon
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AGENTVM_", "XDG_"))}
+    env.update(AGENTVM_RUNTIME_DIR=str(tmp_path / "rt"), AGENTVM_CLIENT_TIMEOUT="0.5")
+    d = FakeDaemon(str(tmp_path / "rt" / "agentvm.sock"), HEAD, trickle=0.05)
+    try:
+        t = time.monotonic()
+        r = _python_client(env, "run", "--", "true")
+        took = time.monotonic() - t
+    finally:
+        d.close()
+    assert r.returncode == 125 and b"did not answer within 0.5s" in r.stderr and took < 3, r.stderr

@@ -12,7 +12,7 @@ import mcp_types as mt
 import pytest
 from mcp.shared.exceptions import MCPError
 
-from agentvm.tools.stdio import Flooded, StdioSession
+from agentvm.tools.stdio import Busy, Flooded, StdioSession
 
 # A scripted server: answers initialize, then for each request runs the action named by the
 # tool's name; it logs every message it got to stderr (read back by the tests).
@@ -164,37 +164,39 @@ def test_a_server_of_another_era_is_refused_at_the_handshake(tmp_path):
     assert "2099-01-01" in run(go()).message
 
 
-def test_a_server_that_asks_and_never_reads_is_a_flood_not_a_growing_gateway(tmp_path):
-    """Its own requests (with long ids) answered into a stdin it never reads: the bytes waiting
-    are bounded, the session ends as a flood, a long id is not echoed at all."""
+def test_a_server_that_asks_and_never_reads_costs_the_gateway_a_bounded_buffer(tmp_path):
+    """Its own requests (one with a long id) answered into a stdin it never reads: what waits is
+    bounded (answers past the bound are not sent, a long id is not echoed at all), the session
+    goes on, and a request of the gateway's is refused as Busy, not queued."""
     script = tmp_path / "asker.py"
     script.write_text(textwrap.dedent('''
-        import json, sys
+        import json, sys, time
         line = sys.stdin.readline()  # initialize
         m = json.loads(line)
         sys.stdout.write(json.dumps({"jsonrpc": "2.0", "id": m["id"], "result": {"protocolVersion": "2025-11-25",
                          "capabilities": {}, "serverInfo": {"name": "s", "version": "1"}}}) + "\\n")
         sys.stdout.flush()
         sys.stdout.write(json.dumps({"jsonrpc": "2.0", "id": "L" * 100000, "method": "sampling/createMessage"}) + "\\n")
-        for i in range(200000):  # never reads again
+        for i in range(100000):  # never reads again
             sys.stdout.write(json.dumps({"jsonrpc": "2.0", "id": "k%d" % i + "p" * 200, "method": "roots/list"}) + "\\n")
+        sys.stdout.write("DONE\\n")
         sys.stdout.flush()
-        import time; time.sleep(30)
+        time.sleep(30)
     '''))
 
     async def go():
         err = open(tmp_path / "err.log", "w")  # noqa: SIM115
         s = await StdioSession.spawn([sys.executable, str(script)], env={}, errlog=err, name="asker",
-                                     max_line=1 << 20)
+                                     max_line=1 << 20, max_unread=1 << 20)
         await s.initialize()
-        async with asyncio.timeout(20):
-            await s.closed.wait()
-        unread = s.proc.stdin.transport.get_write_buffer_size() if s.proc.stdin.transport else 0
+        await asyncio.sleep(3)  # it has written every request by now (each answered until the bound)
+        unread = s.proc.stdin.transport.get_write_buffer_size()
+        closed = s.closed.is_set()
+        with pytest.raises(Busy):
+            await s.call_tool("x", {})
         await s.close()
-        return s.end, unread
+        return unread, closed
 
-    end, unread = run(go())
-    from agentvm.tools.stdio import MAX_UNREAD
-
-    assert isinstance(end, Flooded) and "does not read its input" in str(end)
-    assert unread <= MAX_UNREAD
+    unread, closed = run(go())
+    assert not closed, "a slow reader is not ended for it"
+    assert unread <= (1 << 20) + 4096, unread

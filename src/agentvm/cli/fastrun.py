@@ -21,6 +21,7 @@ import os
 import sys
 
 DEFAULT_TIMEOUT = 60.0
+MAX_PIECE = 16 << 20  # bytes of one chunk or one frame (the daemon's are at most 64 KiB)
 FRAMES_PATH = "/v1/run/frames"  # the daemon's framed run (a daemon without it answers 404, having run nothing)
 FRAMES_TYPE = "application/x-agentvm-frames"
 
@@ -98,8 +99,9 @@ def fast_run(argv: list[str]) -> int | None:
     sock.settimeout(timeout)
     try:
         sock.sendall(_post_run(body, FRAMES_PATH))
-        r = _Reader(sock)
+        r = _Reader(sock, timeout)
         status, headers = r.head()
+        r.deadline = None
     except (TimeoutError, OSError) as exc:
         sock.close()
         return _say(_unavailable(timeout, exc))
@@ -116,6 +118,8 @@ def fast_run(argv: list[str]) -> int | None:
             from agentvm.cli import report_error
 
             return report_error(err)
+        except (TimeoutError, OSError, ValueError) as exc:
+            return _say(_unavailable(timeout, exc))
         finally:
             sock.close()
     if headers.get("content-type") != FRAMES_TYPE:
@@ -135,7 +139,9 @@ def fast_run(argv: list[str]) -> int | None:
                 err.write(payload)
                 err.flush()
             elif kind == b"x":  # the end: "CODE\n" and what to print on stderr
-                code, _, text = payload.partition(b"\n")
+                code, nl, text = payload.partition(b"\n")
+                if not nl or not 0 < len(code) <= 3 or not code.isdigit() or not code.isascii() or int(code) > 255:
+                    raise ConnectionError("a malformed end frame")
                 if text:
                     out.flush()
                     err.write(text)
@@ -187,17 +193,30 @@ class _Frames:
                 raise ConnectionError("the daemon closed the connection mid-answer")
             self.buf += data
             return
-        size = int(self.r.line().split(b";")[0] or b"0", 16)
-        if size == 0:
+        size = self.r.line().split(b";")[0]
+        if not 0 < len(size) <= 8 or size.strip(b"0123456789abcdefABCDEF"):
+            raise ConnectionError("a malformed chunk")
+        n = int(size, 16)
+        if n == 0:
             raise ConnectionError("the daemon's answer ended before the run's result")
-        self.buf += self.r.exactly(size)
-        self.r.exactly(2)
+        if n > MAX_PIECE:
+            raise ConnectionError("a chunk over the size limit")
+        self.buf += self.r.exactly(n)
+        if self.r.exactly(2) != b"\r\n":
+            raise ConnectionError("a malformed chunk")
 
     def next(self) -> tuple[bytes, bytes]:
         while b"\n" not in self.buf:
+            if len(self.buf) > 10:  # a kind and 9 digits at most
+                raise ConnectionError("a malformed frame")
             self._more()
         head, _, self.buf = self.buf.partition(b"\n")
-        kind, n = head[:1], int(head[1:])
+        kind, digits = head[:1], head[1:]
+        if not 0 < len(digits) <= 9 or not digits.isdigit() or not digits.isascii():
+            raise ConnectionError("a malformed frame")
+        n = int(digits)
+        if n > MAX_PIECE:
+            raise ConnectionError("a frame over the size limit")
         while len(self.buf) < n:
             self._more()
         payload, self.buf = self.buf[:n], self.buf[n:]
@@ -205,11 +224,20 @@ class _Frames:
 
 
 class _Reader:
-    def __init__(self, sock) -> None:
+    def __init__(self, sock, timeout: float | None = None) -> None:
+        import time
+
         self.sock = sock
         self.buf = b""
+        self._clock = time.monotonic
+        self.deadline = self._clock() + timeout if timeout else None  # the whole head, not each read
 
     def _fill(self) -> bool:
+        if self.deadline is not None:
+            left = self.deadline - self._clock()
+            if left <= 0:
+                raise TimeoutError("the head did not arrive in time")
+            self.sock.settimeout(left)
         data = self.sock.recv(65536)
         if not data:
             return False
@@ -291,8 +319,9 @@ def run_stream(sock, doc: dict):
     sock.settimeout(timeout)
     try:
         sock.sendall(_post_run(json.dumps(doc).encode()))
-        r = _Reader(sock)
+        r = _Reader(sock, timeout)
         status, headers = r.head()
+        r.deadline = None
     except TimeoutError:
         sock.close()
         from agentvm.daemon.client import DaemonUnavailable

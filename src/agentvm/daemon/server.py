@@ -81,6 +81,10 @@ def _tail(path: Path, n: int) -> bytes:
         return b""
 
 
+class ClientGone(ConnectionError):
+    """The client of a streamed answer went away (not an error of the run itself)."""
+
+
 class ApiError(Exception):
     def __init__(self, status: int, code: str, message: str, hint: str = "", exit_code: int | None = None):
         super().__init__(message)
@@ -1091,12 +1095,15 @@ class Daemon:
             for fd in streams:
                 os.close(fd)
         if not client:
-            raise ConnectionError("the client went away")
+            raise ClientGone("the client went away")
         return await fut
 
     async def _run(self, doc: dict, conn, writer, actor: str) -> None:
         """`agentvm run` through the daemon: one sandbox for one command, output streamed,
         the same policy semantics as the embedded path (the same library builds it)."""
+        if "framing" in doc:  # a client of this session's first framed runs: refused before anything runs
+            raise ApiError(400, "bad-request", "'framing' is not a field of /v1/run: the framed run is "
+                           "POST /v1/run/frames", "reinstall agent-vm's client: bash scripts/install.sh")
         from agentvm.policy import MountGrant, Policy, compile_policy, with_overrides
         from agentvm.spec.loader import load_agent_text
 
@@ -1169,6 +1176,13 @@ class Daemon:
         await self._stream_start(conn, writer)
         try:
             result = await self._pump(conn, writer, {o_r: "stdout", e_r: "stderr"}, fut, (o_w, e_w, i_r), client_gone)
+        except ConnectionError as exc:
+            if isinstance(exc, ClientGone):
+                raise
+            # the run's own failure (not the client's leaving): an answer, in the stream
+            log.exception("a run failed")
+            raise ApiError(500, "internal", f"the run failed: {type(exc).__name__}: {exc}",
+                           "a bug in agent-vm: the daemon's log has the traceback") from exc
         finally:
             await feeder
         if _FRAMED.get():

@@ -34,6 +34,7 @@
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/time.h>
+#include <time.h>
 #include <sys/un.h>
 #include <unistd.h>
 
@@ -181,9 +182,17 @@ static int socket_path(char *out, size_t size) {
 /* ---------------------------------------------------------------- the answer */
 struct conn {
     int fd;
+    double deadline; /* CLOCK_MONOTONIC seconds by which the head must be in; 0: none */
+    int timed_out;
     char buf[65536];
     size_t off, len;
 };
+
+static double now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
+}
 
 static int fill(struct conn *c) {
     if (c->off == c->len) c->off = c->len = 0;
@@ -192,6 +201,19 @@ static int fill(struct conn *c) {
         memmove(c->buf, c->buf + c->off, c->len - c->off);
         c->len -= c->off;
         c->off = 0;
+    }
+    if (c->deadline > 0) { /* the whole head within the timeout, however it trickles in */
+        int pr;
+        do {
+            double left = c->deadline - now();
+            if (left <= 0) {
+                c->timed_out = 1;
+                return -1;
+            }
+            struct pollfd p = {.fd = c->fd, .events = POLLIN};
+            pr = poll(&p, 1, (int)(left * 1000) + 1);
+        } while (pr == 0 || (pr < 0 && errno == EINTR));
+        if (pr < 0) return -1;
     }
     ssize_t r;
     do r = read(c->fd, c->buf + c->len, sizeof c->buf - c->len);
@@ -309,15 +331,26 @@ int main(int argc, char **argv) {
         double v = strtod(ts, &end);
         if (*end == 0 && v > 0 && v < 1e9) timeout = v;
     }
-    /* the whole head within the timeout: the first byte, and every read until the body */
-    struct timeval tv = {.tv_sec = (time_t)timeout, .tv_usec = (suseconds_t)((timeout - (double)(time_t)timeout) * 1e6)};
-    if (tv.tv_sec == 0 && tv.tv_usec == 0) tv.tv_usec = 1;
-    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
-    struct pollfd p = {.fd = fd, .events = POLLIN};
-    int pr;
-    do pr = poll(&p, 1, timeout > 2e6 ? -1 : (int)(timeout * 1000) + 1);
-    while (pr < 0 && errno == EINTR);
-    if (pr == 0) {
+    static struct conn c; /* 64 KiB: not on the stack */
+    c.fd = fd;
+    c.deadline = now() + timeout;
+    char *status = line(&c);
+    int code = 0;
+    if (status && strncmp(status, "HTTP/1.1 ", 9) == 0 && status[9] >= '1' && status[9] <= '5' &&
+        status[10] >= '0' && status[10] <= '9' && status[11] >= '0' && status[11] <= '9')
+        code = (status[9] - '0') * 100 + (status[10] - '0') * 10 + (status[11] - '0');
+    int frames = 0, chunked = 0, whole = 0;
+    while (code) {
+        char *h = line(&c);
+        if (!h) break;
+        if (!*h) {
+            whole = 1;
+            break;
+        }
+        if (strcasecmp(h, "content-type: application/x-agentvm-frames") == 0) frames = 1;
+        if (strcasecmp(h, "transfer-encoding: chunked") == 0) chunked = 1;
+    }
+    if (c.timed_out) {
         char path[sizeof sa.sun_path];
         socket_path(path, sizeof path);
         fprintf(stderr, "agentvm: error [daemon.timeout]: the agent-vm daemon did not answer within %gs (%s)\n"
@@ -325,26 +358,14 @@ int main(int argc, char **argv) {
                 timeout, path);
         return 125;
     }
-
-    struct conn c = {.fd = fd};
-    char *status = line(&c);
-    if (!status || strncmp(status, "HTTP/1.", 7) != 0) return ended("not an HTTP answer");
-    int code = atoi(strchr(status, ' ') ? strchr(status, ' ') + 1 : "0");
-    int frames = 0, chunked = 0;
-    for (;;) {
-        char *h = line(&c);
-        if (!h) return ended("the connection closed mid-answer");
-        if (!*h) break;
-        if (strcasecmp(h, "content-type: application/x-agentvm-frames") == 0) frames = 1;
-        if (strcasecmp(h, "transfer-encoding: chunked") == 0) chunked = 1;
-    }
-    if (code != 200) {
+    if (!code) return ended("not an HTTP answer");
+    if (!whole) return ended("the connection closed mid-answer");
+    if (code < 200 || code > 299) {
         close(fd); /* a refusal before the run (or no /v1/run/frames: 404): Python asks again and says it */
         fallback();
     }
-    if (!frames || !chunked) return ended("an answer this client does not read");
-    struct timeval none = {0};
-    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &none, sizeof none); /* the run is as long as it is */
+    if (code != 200 || !frames || !chunked) return ended("an answer this client does not read");
+    c.deadline = 0; /* the run is as long as it is */
 
     /* the body: chunks of frames "KIND LENGTH\n PAYLOAD" */
     struct buf fb = {0};
@@ -352,6 +373,7 @@ int main(int argc, char **argv) {
     for (;;) {
         /* a whole frame in fb? */
         char *nl = fb.len > used ? memchr(fb.p + used, '\n', fb.len - used) : NULL;
+        if (!nl && fb.len - used > 11) return ended("a malformed frame"); /* a kind and 9 digits at most */
         if (nl) {
             char kind = fb.p[used];
             size_t n = 0;
@@ -373,8 +395,13 @@ int main(int argc, char **argv) {
                     }
                 } else if (kind == 'x') {
                     const char *eol = memchr(payload, '\n', n);
-                    if (!eol) return ended("a malformed end frame");
-                    int rc = atoi(payload);
+                    int rc = 0;
+                    if (!eol || eol == payload || eol - payload > 3) return ended("a malformed end frame");
+                    for (const char *d = payload; d < eol; d++) {
+                        if (*d < '0' || *d > '9') return ended("a malformed end frame");
+                        rc = rc * 10 + (*d - '0');
+                    }
+                    if (rc > 255) return ended("a malformed end frame");
                     write_all(2, eol + 1, n - (size_t)(eol + 1 - payload));
                     return rc;
                 } else {

@@ -53,7 +53,7 @@ from agentvm.approvals import digest as arg_digest
 from agentvm.gate.endpoint import TokenBucket
 from agentvm.approvals import SHOW_MAX, preview, shown
 from agentvm.tools import policy as tp
-from agentvm.tools.stdio import MAX_LINE_FLOOR, Flooded, StdioSession
+from agentvm.tools.stdio import MAX_LINE_FLOOR, MAX_UNREAD, Busy, Flooded, StdioSession
 
 START_TIMEOUT = 60.0  # a local server's sandbox and MCP handshake
 LIST_PAGES = 20  # at most this many pages of tools/list per server
@@ -129,8 +129,10 @@ class Upstream:
             log_fd = os.open(self.gw.run_dir / f"tool-{self.sp.name}.log",
                              os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
             errlog = os.fdopen(log_fd, "a", buffering=1)
+            # room for eight of the largest requests (escaped JSON is at most 6 bytes a character)
             session = await StdioSession.spawn(argv, env=env, errlog=errlog, name=self.sp.name,
-                                               max_line=max(MAX_LINE_FLOOR, 2 * self.sp.max_result + 65536))
+                                               max_line=max(MAX_LINE_FLOOR, 2 * self.sp.max_result + 65536),
+                                               max_unread=max(MAX_UNREAD, 8 * (6 * self.sp.max_arguments + 4096)))
             try:
                 try:
                     async with asyncio.timeout(START_TIMEOUT):
@@ -186,7 +188,7 @@ class Upstream:
                 self._task = asyncio.get_running_loop().create_task(self._hold(self._ready, self._stop))
             ready = self._ready
         try:
-            async with asyncio.timeout(START_TIMEOUT):
+            async with asyncio.timeout(START_TIMEOUT + 5):  # the start's own deadline says why first
                 await ready.wait()
         except TimeoutError:
             raise ToolFailure("tools:server-unavailable", f"tool server {self.sp.name} did not start within "
@@ -248,9 +250,12 @@ class Upstream:
         self._http = client
         return streamable_http_client(sp.url, http_client=client)
 
-    def discard(self) -> None:
+    def discard(self, client=None) -> None:
         """The session is dead (the server's stdio closed, or it flooded): the next call starts it
-        again, once this one's server is stopped. Several calls failing at once discard it once."""
+        again, once this one's server is stopped. Several calls failing at once discard it once;
+        ``client``: the session the caller saw fail (a newer one is left alone)."""
+        if client is not None and client is not self.client:
+            return
         self._stop.set()
         if self._task is not None:
             self._ending, self._task = self._task, None
@@ -456,6 +461,7 @@ class ToolGateway:
             raise self._deny("tools:rate", f"more than {sp.calls_per_minute} calls a minute to {server}", target,
                              LIMITED, ad)
         t0 = time.monotonic()
+        c = None
         try:
             c = await u.get()
             async with asyncio.timeout(sp.timeout):
@@ -466,12 +472,15 @@ class ToolGateway:
             raise self._deny("tools:server-timeout", f"{target} did not answer within {sp.timeout:g}s", target,
                              SERVER_FAILED, ad) from None
         except Flooded as exc:
-            u.discard()
+            u.discard(c)
             raise self._deny("tools:server-flood", f"{exc} (it is stopped, and started again on the next call)",
                              target, SERVER_FAILED, ad) from None
+        except Busy as exc:
+            raise self._deny("tools:server-busy", f"{exc}: this call is not sent; try again when it has caught up",
+                             target, LIMITED, ad) from None
         except MCPError as exc:
             if exc.code == types.CONNECTION_CLOSED:  # the SDK's own: the server's stdio closed (it exited)
-                u.discard()
+                u.discard(c)
                 raise self._deny("tools:server-exited", f"tool server {server} exited during the call to {target} "
                                  "(it is started again on the next call)", target, SERVER_FAILED, ad) from None
             if exc.code == types.REQUEST_TIMEOUT:

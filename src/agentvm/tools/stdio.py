@@ -13,6 +13,8 @@ the part of the transport the gateway needs and no more:
 - a line that is not JSON is ignored (servers that print to stdout exist), a line over the
   limit ends the session (``tools:server-flood``), end of file ends it (the SDK's
   ``CONNECTION_CLOSED``, so the gateway starts the server again on the next call);
+- what the server has not read of its input is bounded: past the bound its own requests go
+  unanswered and the gateway's are refused (``Busy``: ``tools:server-busy``) until it reads;
 - results are validated with the SDK's own types (``mcp_types``), as its client would.
 
 The MCP revision is the handshake era's latest (``initialize``), which every stdio server
@@ -32,7 +34,7 @@ from mcp.shared.exceptions import MCPError
 from mcp_types.version import HANDSHAKE_PROTOCOL_VERSIONS, LATEST_HANDSHAKE_VERSION
 
 MAX_LINE_FLOOR = 4 * 1024 * 1024  # a tools/list of many tools with long schemas fits
-MAX_UNREAD = 4 * 1024 * 1024  # bytes written to the server and not yet read by it: over this, it is flooding
+MAX_UNREAD = 4 * 1024 * 1024  # bytes written to the server and not yet read: at least this much room
 MAX_ID = 256  # characters of a server request's id the gateway echoes back (a longer one is not answered)
 STOP_GRACE = 2.0  # seconds between closing the server's stdin and SIGTERM, then SIGTERM and SIGKILL
 METHOD_NOT_FOUND = -32601
@@ -42,11 +44,17 @@ class Flooded(Exception):
     """The server wrote a line over the limit: the session is over."""
 
 
+class Busy(Exception):
+    """The server has not read what the gateway sent it before: this request is not sent (the
+    session goes on; the server may be slow, not hostile)."""
+
+
 class StdioSession:
     """One running server process and its JSON-RPC session. ``closed`` is set when it ends."""
 
-    def __init__(self, proc: asyncio.subprocess.Process, name: str, max_line: int) -> None:
-        self.proc, self.name, self.max_line = proc, name, max_line
+    def __init__(self, proc: asyncio.subprocess.Process, name: str, max_line: int,
+                 max_unread: int = MAX_UNREAD) -> None:
+        self.proc, self.name, self.max_line, self.max_unread = proc, name, max_line, max_unread
         self.protocol_version: str | None = None
         self.closed = asyncio.Event()
         self.end: BaseException | None = None  # why the session ended
@@ -56,28 +64,29 @@ class StdioSession:
 
     @classmethod
     async def spawn(cls, argv: list[str], *, env: dict[str, str], errlog, name: str,
-                    max_line: int = MAX_LINE_FLOOR) -> "StdioSession":
+                    max_line: int = MAX_LINE_FLOOR, max_unread: int = MAX_UNREAD) -> "StdioSession":
         # its own session: the whole tree is signalled at the end, as the SDK's client does
         proc = await asyncio.create_subprocess_exec(
             *argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=errlog, env=env,
             limit=max_line, start_new_session=True)
-        return cls(proc, name, max_line)
+        return cls(proc, name, max_line, max_unread)
 
     # ------------------------------------------------------------------ the wire
-    def _write(self, msg: dict) -> None:
-        """One message to the server. Nothing waits for it to be read, so what it has not read is
-        bounded: a server that does not read its input (and asks things, or is asked things)
-        is flooding, and its session ends."""
+    def _write(self, msg: dict, request: bool = False) -> bool:
+        """One message to the server; nothing waits for it to be read, so what it has not read
+        is bounded: over ``max_unread`` bytes waiting, a request is refused (Busy: the session
+        goes on), and an answer or a notice is not sent (False) - a server that asks and never
+        reads gets nothing, and costs the gateway nothing more."""
         stdin = self.proc.stdin
         if self.closed.is_set() or stdin is None or stdin.is_closing():
             raise MCPError(types.CONNECTION_CLOSED, f"tool server {self.name} is gone")
-        data = json.dumps(msg, separators=(",", ":")).encode() + b"\n"
         unread = stdin.transport.get_write_buffer_size()
-        if unread + len(data) > MAX_UNREAD:
-            exc = Flooded(f"tool server {self.name} does not read its input ({unread} bytes waiting)")
-            self._finish(exc)
-            raise exc
-        stdin.write(data)
+        if unread > self.max_unread:
+            if request:
+                raise Busy(f"tool server {self.name} has not read {unread} bytes of earlier requests")
+            return False
+        stdin.write(json.dumps(msg, separators=(",", ":")).encode() + b"\n")
+        return True
 
     async def _read(self) -> None:
         out = self.proc.stdout
@@ -114,8 +123,8 @@ class StdioSession:
                     else:
                         self._write({"jsonrpc": "2.0", "id": mid, "error": {
                             "code": METHOD_NOT_FOUND, "message": "not offered by the agent-vm tool gateway"}})
-                except (MCPError, Flooded):
-                    pass  # gone, or flooding: the session's end says so
+                except MCPError:
+                    pass  # gone: the session's end says so
             return  # notifications (progress, logging, list_changed): dropped
         fut = self._pending.pop(msg.get("id"), None) if isinstance(msg.get("id"), int) else None
         if fut is None or fut.done():
@@ -151,7 +160,7 @@ class StdioSession:
         msg: dict = {"jsonrpc": "2.0", "id": rid, "method": method}
         if params is not None:
             msg["params"] = params
-        self._write(msg)  # before the answer can be read: nothing runs in between
+        self._write(msg, request=True)  # before the answer can be read: nothing runs in between
         fut = asyncio.get_running_loop().create_future()
         self._pending[rid] = fut
         try:
@@ -161,7 +170,7 @@ class StdioSession:
                 try:
                     self._write({"jsonrpc": "2.0", "method": "notifications/cancelled",
                                  "params": {"requestId": rid, "reason": "timed out at the agent-vm tool gateway"}})
-                except (MCPError, Flooded):
+                except MCPError:
                     pass
             raise
         finally:
@@ -177,7 +186,7 @@ class StdioSession:
             raise MCPError(types.INVALID_REQUEST, f"tool server {self.name} answered initialize with protocol "
                            f"version {str(version)[:40]!r}, which the gateway does not speak")
         self.protocol_version = version
-        self._write({"jsonrpc": "2.0", "method": "notifications/initialized"})
+        self._write({"jsonrpc": "2.0", "method": "notifications/initialized"}, request=True)
 
     async def list_tools(self, cursor: str | None = None) -> types.ListToolsResult:
         return types.ListToolsResult.model_validate(
