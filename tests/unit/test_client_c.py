@@ -206,6 +206,7 @@ def test_a_refusal_or_an_older_daemon_is_handed_to_python_to_ask_again_and_say(c
     b"HTTP/1.1 200 OK\r\ncontent-type: application/x-ndjson\r\ntransfer-encoding: chunked\r\n\r\n"
     b"5\r\n{}\n\n\n\r\n0\r\n\r\n",
     b"HTTP/1.1 204 No Content\r\n\r\n",
+    b"HTTP/1.1 102 Processing\r\n\r\n",  # interim: the daemon has the request
     b"HTTP/1.1 2",
 ])
 def test_a_run_that_may_have_started_is_never_asked_for_twice(client, tmp_path, answer):

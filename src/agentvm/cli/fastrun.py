@@ -178,6 +178,17 @@ def _unavailable(timeout: float, exc: BaseException) -> tuple[str, int]:
                       "see the daemon's log (`agentvm status`)"), 125
 
 
+def _chunk_size(line: bytes) -> int:
+    """A chunk-size line: hex digits only (no sign, no 0x, no spaces), at most MAX_PIECE."""
+    size = line.split(b";")[0]
+    if not 0 < len(size) <= 8 or size.strip(b"0123456789abcdefABCDEF"):
+        raise ConnectionError("a malformed chunk")
+    n = int(size, 16)
+    if n > MAX_PIECE:
+        raise ConnectionError("a chunk over the size limit")
+    return n
+
+
 class _Frames:
     """The run's frames, across the HTTP chunks: ``KIND LENGTH\\n PAYLOAD``."""
 
@@ -193,14 +204,9 @@ class _Frames:
                 raise ConnectionError("the daemon closed the connection mid-answer")
             self.buf += data
             return
-        size = self.r.line().split(b";")[0]
-        if not 0 < len(size) <= 8 or size.strip(b"0123456789abcdefABCDEF"):
-            raise ConnectionError("a malformed chunk")
-        n = int(size, 16)
+        n = _chunk_size(self.r.line())
         if n == 0:
             raise ConnectionError("the daemon's answer ended before the run's result")
-        if n > MAX_PIECE:
-            raise ConnectionError("a chunk over the size limit")
         self.buf += self.r.exactly(n)
         if self.r.exactly(2) != b"\r\n":
             raise ConnectionError("a malformed chunk")
@@ -246,6 +252,8 @@ class _Reader:
 
     def line(self) -> bytes:
         while b"\r\n" not in self.buf:
+            if len(self.buf) > 65536:  # no daemon's line is this long
+                raise ConnectionError("a line over 64 KiB")
             if not self._fill():
                 raise ConnectionError("the daemon closed the connection mid-answer")
         ln, _, self.buf = self.buf.partition(b"\r\n")
@@ -281,7 +289,8 @@ class _Reader:
 
     def rest(self) -> bytes:
         while self._fill():
-            pass
+            if len(self.buf) > MAX_PIECE:
+                raise ConnectionError("an answer over the size limit")
         out, self.buf = self.buf, b""
         return out
 
@@ -348,15 +357,22 @@ def _events(r: _Reader, status: int, headers: dict):
     def chunks():
         if chunked:
             while True:
-                size = int(r.line().split(b";")[0] or b"0", 16)
+                size = _chunk_size(r.line())
                 if size == 0:
                     return
                 yield r.exactly(size)
-                r.exactly(2)
+                if r.exactly(2) != b"\r\n":
+                    raise ConnectionError("a malformed chunk")
         elif "content-length" in headers:
-            yield r.exactly(int(headers["content-length"]))
+            n = headers["content-length"]
+            if not n.isdigit() or int(n) > MAX_PIECE:
+                raise ConnectionError("a malformed Content-Length")
+            yield r.exactly(int(n))
         else:
-            yield r.rest()
+            data = r.rest()
+            if len(data) > MAX_PIECE:
+                raise ConnectionError("an answer over the size limit")
+            yield data
 
     if status >= 300:
         data = b"".join(chunks())

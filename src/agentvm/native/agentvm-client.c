@@ -360,7 +360,7 @@ int main(int argc, char **argv) {
     }
     if (!code) return ended("not an HTTP answer");
     if (!whole) return ended("the connection closed mid-answer");
-    if (code < 200 || code > 299) {
+    if (code >= 300) {
         close(fd); /* a refusal before the run (or no /v1/run/frames: 404): Python asks again and says it */
         fallback();
     }

@@ -137,9 +137,13 @@ class Upstream:
                 try:
                     async with asyncio.timeout(START_TIMEOUT):
                         await session.initialize()
-                except TimeoutError:
-                    raise MCPError(types.REQUEST_TIMEOUT, f"tool server {self.sp.name} did not answer initialize "
-                                   f"within {START_TIMEOUT:g}s") from None
+                except BaseException as exc:  # said now: stopping its server below can take seconds
+                    if isinstance(exc, TimeoutError):
+                        exc = MCPError(types.REQUEST_TIMEOUT, f"tool server {self.sp.name} did not answer "
+                                       f"initialize within {START_TIMEOUT:g}s")
+                    self.error = f"{type(exc).__name__}: {str(exc)[:200]}" if str(exc) else type(exc).__name__
+                    ready.set()
+                    raise exc from None
                 self.client, self._served, self._served_at = session, True, time.monotonic()
                 ready.set()
                 ended = asyncio.ensure_future(session.closed.wait())
@@ -157,7 +161,8 @@ class Upstream:
             inner = exc
             while isinstance(inner, BaseExceptionGroup) and inner.exceptions:
                 inner = inner.exceptions[0]
-            self.error = f"{type(inner).__name__}: {str(inner)[:200]}" if str(inner) else type(inner).__name__
+            if not ready.is_set() or self.error is None:
+                self.error = f"{type(inner).__name__}: {str(inner)[:200]}" if str(inner) else type(inner).__name__
         finally:
             if self._stop is stop:
                 self.client = None
@@ -405,9 +410,11 @@ class ToolGateway:
                 self._log(verdict="deny", rule=f.rule_id, reason=f.reason, target=f"{name}{tp.SEP}*")
                 continue  # that server's tools are absent; the others are listed
             except Exception as exc:  # noqa: BLE001
-                if isinstance(exc, MCPError) and exc.code == types.CONNECTION_CLOSED:
+                if isinstance(exc, MCPError) and exc.code == types.CONNECTION_CLOSED or isinstance(exc, Flooded):
                     u.discard()
-                self._log(verdict="deny", rule="tools:server-error", reason=f"{type(exc).__name__}",
+                rule = ("tools:server-busy" if isinstance(exc, Busy) else "tools:server-flood"
+                        if isinstance(exc, Flooded) else "tools:server-error")
+                self._log(verdict="deny", rule=rule, reason=str(exc)[:300] or type(exc).__name__,
                           target=f"{name}{tp.SEP}*")
                 continue
             for t in listed:
@@ -416,6 +423,16 @@ class ToolGateway:
         self._schemas.clear()
         self._schemas.update((t.name, t.input_schema) for t in tools)
         return types.ListToolsResult(tools=tools)
+
+    def _server_limit(self, u: Upstream, c, exc: Exception, target: str, args_digest: str | None = None):
+        """A server past a bound of the stdio session: flooding (stopped, started again on the
+        next call) or not reading its input (busy: this request is not sent)."""
+        if isinstance(exc, Flooded):
+            u.discard(c)
+            return self._deny("tools:server-flood", f"{exc} (it is stopped, and started again on the next call)",
+                              target, SERVER_FAILED, args_digest)
+        return self._deny("tools:server-busy", f"{exc}: this request is not sent; try again when it has caught up",
+                          target, LIMITED, args_digest)
 
     def _deny(self, rule: str, reason: str, target: str, code: int = DENIED, args_digest: str | None = None):
         self._log(verdict="deny", rule=rule, reason=reason, target=target, args_digest=args_digest)
@@ -471,13 +488,8 @@ class ToolGateway:
         except TimeoutError:
             raise self._deny("tools:server-timeout", f"{target} did not answer within {sp.timeout:g}s", target,
                              SERVER_FAILED, ad) from None
-        except Flooded as exc:
-            u.discard(c)
-            raise self._deny("tools:server-flood", f"{exc} (it is stopped, and started again on the next call)",
-                             target, SERVER_FAILED, ad) from None
-        except Busy as exc:
-            raise self._deny("tools:server-busy", f"{exc}: this call is not sent; try again when it has caught up",
-                             target, LIMITED, ad) from None
+        except (Busy, Flooded) as exc:
+            raise self._server_limit(u, c, exc, target, ad) from None
         except MCPError as exc:
             if exc.code == types.CONNECTION_CLOSED:  # the SDK's own: the server's stdio closed (it exited)
                 u.discard(c)
@@ -673,6 +685,7 @@ class ToolGateway:
                 if not u.bucket.take():  # reads count against the server's rate, as calls do
                     raise self._deny("tools:rate", f"more than {sp.calls_per_minute} requests a minute to {name}",
                                      uri[:200], LIMITED)
+                c = None
                 try:
                     c = await u.get()
                     async with asyncio.timeout(sp.timeout):
@@ -682,6 +695,8 @@ class ToolGateway:
                 except TimeoutError:
                     raise self._deny("tools:server-timeout", f"{name} did not answer in time", uri[:200],
                                      SERVER_FAILED) from None
+                except (Busy, Flooded) as exc:
+                    raise self._server_limit(u, c, exc, uri[:200]) from None
                 size = len(res.model_dump_json(by_alias=True, exclude_none=True).encode())
                 if size > sp.max_result:
                     raise self._deny("tools:result-too-large", f"resource of {size} bytes, over {sp.max_result}",
@@ -712,6 +727,7 @@ class ToolGateway:
         if not u.bucket.take():
             raise self._deny("tools:rate", f"more than {sp.calls_per_minute} requests a minute to {split[0]}", target,
                              LIMITED)
+        c = None
         try:
             c = await u.get()
             async with asyncio.timeout(sp.timeout):
@@ -721,6 +737,8 @@ class ToolGateway:
         except TimeoutError:
             raise self._deny("tools:server-timeout", f"{split[0]} did not answer in time", target,
                              SERVER_FAILED) from None
+        except (Busy, Flooded) as exc:
+            raise self._server_limit(u, c, exc, target) from None
         out = len(res.model_dump_json(by_alias=True, exclude_none=True).encode())
         if out > sp.max_result:
             raise self._deny("tools:result-too-large", f"prompt of {out} bytes, over {sp.max_result}", target, LIMITED)
