@@ -58,7 +58,8 @@ def asan_client(build_dir):
 
 
 class FakeDaemon:
-    """A unix socket at ``path`` that records each request and answers with ``answer``."""
+    """A unix socket at ``path`` that records each request and answers with ``answer`` (bytes,
+    or a function of the request's path; None: never in time)."""
 
     def __init__(self, path: str, answer: bytes | None, trickle: float = 0.0) -> None:
         self.path, self.answer, self.requests, self.paths = path, answer, [], []
@@ -85,14 +86,15 @@ class FakeDaemon:
                 body += c.recv(65536)
             self.paths.append(head.split(b" ")[1].decode())
             self.requests.append(json.loads(body))
-            if self.answer is not None:
+            answer = self.answer(self.paths[-1]) if callable(self.answer) else self.answer
+            if answer is not None:
                 try:
                     if self.trickle:
-                        for i in range(len(self.answer)):
-                            c.sendall(self.answer[i:i + 1])
+                        for i in range(len(answer)):
+                            c.sendall(answer[i:i + 1])
                             time.sleep(self.trickle)
                     else:
-                        c.sendall(self.answer)
+                        c.sendall(answer)
                 except OSError:
                     pass
                 c.close()

@@ -142,25 +142,13 @@ def test_the_python_thin_client_takes_the_full_path_for_a_daemon_without_frames(
     env = {k: v for k, v in os.environ.items() if not k.startswith(("AGENTVM_", "XDG_"))}
     env["AGENTVM_RUNTIME_DIR"] = str(tmp_path / "rt")
 
-    class OldDaemon(FakeDaemon):
-        def _serve(self):
-            while True:
-                try:
-                    c, _ = self.s.accept()
-                except OSError:
-                    return
-                data = b""
-                while b"\r\n\r\n" not in data:
-                    data += c.recv(65536)
-                self.paths.append(data.split(b" ")[1].decode())
-                if self.paths[-1] != "/v1/run":
-                    c.sendall(b'HTTP/1.1 404 Not Found\r\ncontent-length: 2\r\n\r\n{}')
-                else:
-                    c.sendall(_chunked({"stream": "stdout", "data": base64.b64encode(b"old\n").decode()},
-                                       {"result": {"exit_code": 4, "teardown": {"verified": True}}}))
-                c.close()
+    def old_daemon(path: str) -> bytes:
+        if path != "/v1/run":
+            return b'HTTP/1.1 404 Not Found\r\ncontent-length: 2\r\n\r\n{}'
+        return _chunked({"stream": "stdout", "data": base64.b64encode(b"old\n").decode()},
+                        {"result": {"exit_code": 4, "teardown": {"verified": True}}})
 
-    d = OldDaemon(str(tmp_path / "rt" / "agentvm.sock"), None)
+    d = FakeDaemon(str(tmp_path / "rt" / "agentvm.sock"), old_daemon)
     try:
         r = _python_client(env, "run", "--", "true")
     finally:
