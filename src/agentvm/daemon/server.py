@@ -1616,7 +1616,9 @@ class Daemon:
             # beside the old version, which keeps running: the new one under a name of its own
             # (its own uid, a fresh workspace: the durable one has one writer), checked, removed
             await self._fleet_canary_beside(fleet, fa, actor, canary)
-            canary = {**canary, "seconds": 0}  # the replacement still has to come up (checked below)
+            # the replacement still has to come up (checked below): no second stay-up window, but
+            # its health check has as long to pass as the canary had - it has only just started
+            canary = {**canary, "seconds": 0, "settle": float(canary.get("seconds", 3))}
         if old is not None and old.policy_patch not in ("", "{}"):
             self.record("fleet.live-changes-dropped", actor=actor, sandbox=fa.name, patch=json.loads(old.policy_patch))
         # the new version is the state first (one transaction): a daemon killed from here on
@@ -1718,19 +1720,30 @@ class Daemon:
                 return f"it did not stay up for {seconds:g}s (state {row.state if row else 'gone'})"
         hc = (canary.get("healthchecks") or {}).get(name)
         if hc:
-            m = self.managed.get(name)
-            if m is None or m.handle is None:
-                return "it is not running for its health check"
-            def run_check():
-                null = os.open(os.devnull, os.O_RDWR)
-                try:
-                    return m.backend.exec(m.handle, [str(x) for x in hc], stdio=(null, null, null), timeout=30)
-                finally:
-                    os.close(null)
+            settle = float(canary.get("settle", 0))  # a just-started replacement: retried this long
+            until = time.monotonic() + settle
+            while True:
+                m = self.managed.get(name)
+                if m is None or m.handle is None:
+                    return "it is not running for its health check"
 
-            status = await asyncio.to_thread(run_check)
-            if status.exit_code != 0:
-                return f"its health check {hc} exited {status.exit_code}"
+                def run_check(m=m):
+                    null = os.open(os.devnull, os.O_RDWR)
+                    try:
+                        return m.backend.exec(m.handle, [str(x) for x in hc], stdio=(null, null, null), timeout=30)
+                    finally:
+                        os.close(null)
+
+                status = await asyncio.to_thread(run_check)
+                if status.exit_code == 0:
+                    break
+                if time.monotonic() >= until:
+                    within = f" (retried for {settle:g}s after its start)" if settle else ""
+                    return f"its health check {hc} exited {status.exit_code}{within}"
+                await asyncio.sleep(0.2)
+                row = self.state.get(name)
+                if row is None or row.state != "running" or row.restarts != start_restarts:
+                    return f"it did not stay up for its health check (state {row.state if row else 'gone'})"
         self.record("fleet.canary-passed", actor=actor, sandbox=name, seconds=seconds, healthcheck=hc or None)
         return None
 
