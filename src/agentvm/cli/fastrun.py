@@ -46,24 +46,27 @@ def _timeout() -> float:
     return t if 0 < t < 1e9 else DEFAULT_TIMEOUT
 
 
-def _stdin_is_sendable() -> bool:
-    """The daemon is used unless stdin could stream (a pipe, a socket, a terminal or other
-    character device but /dev/null) or must be sent (a regular file: the full path sends it)."""
+def stdin_kind() -> str:
+    """What is on stdin, for the daemon: "stream" (a pipe, a socket, a terminal or another
+    character device but /dev/null: it could stream forever, and the daemon relays no stdin
+    stream), "file" (a regular file: the full client sends its content), else "none"."""
     import stat
 
     try:
         st = os.fstat(0)
     except OSError:
-        return True  # closed: nothing to send
-    if stat.S_ISFIFO(st.st_mode) or stat.S_ISSOCK(st.st_mode) or stat.S_ISREG(st.st_mode):
-        return False
+        return "none"  # closed: nothing to send
+    if stat.S_ISFIFO(st.st_mode) or stat.S_ISSOCK(st.st_mode):
+        return "stream"
+    if stat.S_ISREG(st.st_mode):
+        return "file"
     if stat.S_ISCHR(st.st_mode):
         try:
             dn = os.stat(os.devnull)
         except OSError:
-            return False
-        return (st.st_rdev, st.st_ino) == (dn.st_rdev, dn.st_ino)
-    return True
+            return "stream"
+        return "none" if (st.st_rdev, st.st_ino) == (dn.st_rdev, dn.st_ino) else "stream"
+    return "none"
 
 
 def fast_run(argv: list[str]) -> int | None:
@@ -81,8 +84,8 @@ def fast_run(argv: list[str]) -> int | None:
         return None
     if os.isatty(0) and os.isatty(1):
         return None  # a terminal: the full path decides whether the sandbox gets one
-    if not _stdin_is_sendable():
-        return None
+    if stdin_kind() != "none":
+        return None  # a stream (embedded) or a file to send (the full client sends it)
     try:
         import _socket
     except ImportError:  # not CPython: the full path
@@ -168,12 +171,17 @@ def _say(text_or_err, code: int = 0) -> int:
     return code
 
 
+def _timed_out(timeout: float) -> tuple[str, str]:
+    """(message, hint) of a daemon that did not answer in time, for both clients."""
+    return (f"the agent-vm daemon did not answer within {timeout:g}s ({socket_path()})",
+            "it may be stopped or overloaded; AGENTVM_CLIENT_TIMEOUT sets the wait")
+
+
 def _unavailable(timeout: float, exc: BaseException) -> tuple[str, int]:
     from agentvm.runreport import error_text
 
     if isinstance(exc, TimeoutError):
-        return error_text("daemon.timeout", f"the agent-vm daemon did not answer within {timeout:g}s ({socket_path()})",
-                          "it may be stopped or overloaded; AGENTVM_CLIENT_TIMEOUT sets the wait"), 125
+        return error_text("daemon.timeout", *_timed_out(timeout)), 125
     return error_text("daemon.unavailable", f"the agent-vm daemon broke off the connection ({exc})",
                       "see the daemon's log (`agentvm status`)"), 125
 
@@ -335,9 +343,8 @@ def run_stream(sock, doc: dict):
         sock.close()
         from agentvm.daemon.client import DaemonUnavailable
 
-        raise DaemonUnavailable(f"the agent-vm daemon did not answer within {timeout:g}s ({socket_path()})",
-                                hint="it may be stopped or overloaded; AGENTVM_CLIENT_TIMEOUT sets the wait",
-                                code="daemon.timeout") from None
+        message, hint = _timed_out(timeout)
+        raise DaemonUnavailable(message, hint=hint, code="daemon.timeout") from None
     try:
         if status < 300:
             sock.settimeout(None)  # the stream is as long as the run; the answer came in time

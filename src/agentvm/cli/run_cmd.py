@@ -154,31 +154,16 @@ def _daemon_for(ns, degrade):
     """Use the daemon when one is up - unless a terminal is involved (the daemon has no TTY
     relay yet), stdin is a pipe (it could stream forever), or a primitive is degraded."""
     import os
-    import stat
+
+    from agentvm.cli.fastrun import connect, stdin_kind
 
     if os.environ.get("AGENTVM_NO_DAEMON") == "1" or degrade or ns.tty:
         return None
     if ns.tty is None and sys.stdin.isatty() and sys.stdout.isatty():
         return None
-    try:
-        st = os.fstat(0)
-        if stat.S_ISFIFO(st.st_mode) or stat.S_ISSOCK(st.st_mode) or stat.S_ISCHR(st.st_mode) and not _is_devnull(st):
-            return None
-    except OSError:
-        pass
-    from agentvm.cli.fastrun import connect
-
+    if stdin_kind() == "stream":
+        return None
     return connect()  # None: no daemon listening - the run is embedded
-
-
-def _is_devnull(st) -> bool:
-    import os
-
-    try:
-        dn = os.stat(os.devnull)
-        return (st.st_rdev, st.st_ino) == (dn.st_rdev, dn.st_ino)
-    except OSError:
-        return False
 
 
 def _run_via_daemon(sock, ns, command: list[str], raw: dict) -> int:

@@ -73,6 +73,11 @@ QUICK_EXIT = 5.0  # seconds: a session that ends sooner than this counts as a fa
 STOP_WAIT = 12.0  # seconds to wait for a stopped server's sandbox to end (stdin closed, SIGTERM, SIGKILL)
 
 
+def _described(exc: BaseException) -> str:
+    """An exception as a tool server's error: its type, and its message (bounded) if it has one."""
+    return f"{type(exc).__name__}: {str(exc)[:200]}" if str(exc) else type(exc).__name__
+
+
 class ToolFailure(Exception):
     def __init__(self, rule_id: str, reason: str, code: int = SERVER_FAILED) -> None:
         super().__init__(reason)
@@ -141,7 +146,7 @@ class Upstream:
                     if isinstance(exc, TimeoutError):
                         exc = MCPError(types.REQUEST_TIMEOUT, f"tool server {self.sp.name} did not answer "
                                        f"initialize within {START_TIMEOUT:g}s")
-                    self.error = f"{type(exc).__name__}: {str(exc)[:200]}" if str(exc) else type(exc).__name__
+                    self.error = _described(exc)
                     ready.set()
                     raise exc from None
                 self.client, self._served, self._served_at = session, True, time.monotonic()
@@ -162,7 +167,7 @@ class Upstream:
             while isinstance(inner, BaseExceptionGroup) and inner.exceptions:
                 inner = inner.exceptions[0]
             if not ready.is_set() or self.error is None:
-                self.error = f"{type(inner).__name__}: {str(inner)[:200]}" if str(inner) else type(inner).__name__
+                self.error = _described(inner)
         finally:
             if self._stop is stop:
                 self.client = None
@@ -176,7 +181,7 @@ class Upstream:
                 self._task = None  # it ended (the server exited): started again below
                 if not self._served:  # it never got as far as a session: the next start waits
                     self._failures += 1
-                    self._retry_at = time.monotonic() + min(RESTART_MAX, RESTART_BASE * 2 ** (self._failures - 1))
+                    self._back_off(self._failures - 1)
                 else:
                     self._ended_session()
             if self._task is None and time.monotonic() < self._retry_at:
@@ -274,9 +279,13 @@ class Upstream:
         if time.monotonic() - self._served_at < QUICK_EXIT:
             self._failures += 1
             if self._failures >= 2:
-                self._retry_at = time.monotonic() + min(RESTART_MAX, RESTART_BASE * 2 ** (self._failures - 2))
+                self._back_off(self._failures - 2)
         else:
             self._failures = 0
+
+    def _back_off(self, doublings: int) -> None:
+        """No new start for RESTART_BASE seconds, doubled ``doublings`` times (at most RESTART_MAX)."""
+        self._retry_at = time.monotonic() + min(RESTART_MAX, RESTART_BASE * 2 ** doublings)
 
     @staticmethod
     async def _reap(task: asyncio.Task | None) -> None:

@@ -57,7 +57,7 @@ class StdioSession:
         self.proc, self.name, self.max_line, self.max_unread = proc, name, max_line, max_unread
         self.protocol_version: str | None = None
         self.closed = asyncio.Event()
-        self.end: BaseException | None = None  # why the session ended
+        self.end: MCPError | Flooded | None = None  # why the session ended
         self._ids = 0
         self._pending: dict[int, asyncio.Future] = {}
         self._reader = asyncio.get_running_loop().create_task(self._read())
@@ -141,20 +141,21 @@ class StdioSession:
             fut.set_exception(MCPError(-32603, f"tool server {self.name} sent an answer with neither result nor error"))
 
     def _finish(self, exc: BaseException) -> None:
+        """The session is over: ``end`` says why (a flood, or the SDK's CONNECTION_CLOSED for any
+        other end), as every pending and later request fails."""
         if self.closed.is_set():
             return
-        self.end = exc
+        self.end = exc if isinstance(exc, (MCPError, Flooded)) else MCPError(
+            types.CONNECTION_CLOSED, f"tool server {self.name}: {type(exc).__name__}")
         self.closed.set()
         for fut in self._pending.values():
             if not fut.done():
-                fut.set_exception(exc if isinstance(exc, (MCPError, Flooded)) else
-                                  MCPError(types.CONNECTION_CLOSED, f"tool server {self.name}: {type(exc).__name__}"))
+                fut.set_exception(self.end)
         self._pending.clear()
 
     async def request(self, method: str, params: dict | None = None) -> Any:
         if self.end is not None:
-            raise self.end if isinstance(self.end, (MCPError, Flooded)) else MCPError(
-                types.CONNECTION_CLOSED, f"tool server {self.name} is gone")
+            raise self.end
         self._ids += 1
         rid = self._ids
         msg: dict = {"jsonrpc": "2.0", "id": rid, "method": method}
