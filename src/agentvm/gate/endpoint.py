@@ -39,6 +39,10 @@ DENY_LOG_RATE = 50.0
 DENY_LOG_BURST = 200.0
 MAX_DENIAL_KEYS = 1024  # distinct (rule, target) pairs kept in a run's summary
 
+# a decision record as one line: keys sorted, ASCII only (json.dumps with these options, without
+# building an encoder per record). Records are flat dicts of plain values: no cycles to check.
+_encode = json.JSONEncoder(sort_keys=True, ensure_ascii=True, check_circular=False).encode
+
 
 @dataclass
 class TokenBucket:
@@ -70,8 +74,10 @@ class Endpoint:
         self.policy = policy
         self.sock_path = sock_path
         self.log_path = log_path
-        self._log = open(log_path, "a", buffering=1, encoding="utf-8")
-        os.chmod(log_path, 0o600)
+        # one os.write per record on an O_APPEND descriptor: a record is one line, written
+        # whole and at once (no text-layer buffer between the gate and the file)
+        self._log_fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        os.fchmod(self._log_fd, 0o600)
         self.server: asyncio.AbstractServer | None = None
         self.active = 0
         self.bucket = TokenBucket(policy.limits.requests_per_second, float(policy.limits.burst))
@@ -283,8 +289,8 @@ class Endpoint:
         self._write(rec)
 
     def _write(self, rec: dict) -> None:
-        # json.dumps escapes every control character (and non-ASCII): one record, one line
-        self._log.write(json.dumps(rec, sort_keys=True, ensure_ascii=True) + "\n")
+        # the encoder escapes every control character (and non-ASCII): one record, one line
+        os.write(self._log_fd, (_encode(rec) + "\n").encode("ascii"))
         self.gate.emit(rec)
 
     def flush_suppressed(self) -> None:
@@ -308,7 +314,9 @@ class Endpoint:
             self.flush_suppressed()
         except Exception:  # noqa: BLE001 - closing must not fail
             pass
-        try:
-            self._log.close()
-        except OSError:
-            pass
+        fd, self._log_fd = self._log_fd, -1
+        if fd >= 0:
+            try:
+                os.close(fd)
+            except OSError:
+                pass

@@ -190,8 +190,6 @@ TARGET_BAD_RE = re.compile(rb"[\x00-\x20\x7f-\xff]")  # what a request target mu
 def parse_head(head: bytes, rest: bytes = b"") -> tuple[ProxyRequest, "RequestBody"]:
     """Check and parse one request head; also returns the reader of its body (fed with
     ``rest``), whose ``trailing`` is the next request once the body is read."""
-    from agentvm.gate.framing import RequestBody
-
     request_line, headers = check_head(head)
     parts = request_line.split(b" ")
     if len(parts) != 3:
@@ -207,13 +205,31 @@ def parse_head(head: bytes, rest: bytes = b"") -> tuple[ProxyRequest, "RequestBo
         http_version = "1.0"
     else:
         raise ProtocolError("bad-request", "only HTTP/1.0 and HTTP/1.1 requests are accepted")
-    hosts = sum(1 for k, _ in headers if k == b"host")
+    hosts = 0
+    for k, _ in headers:
+        if k == b"host":
+            hosts += 1
     if hosts > 1:
         raise ProtocolError("bad-request", "Found multiple Host: headers")
     if hosts == 0 and http_version == "1.1":
         raise ProtocolError("bad-request", "Missing mandatory Host: header")
     req = _request(method.decode("ascii"), target.decode("ascii"), tuple(headers), http_version)
-    return req, RequestBody(req.content_length, req.chunked, rest)
+    return req, _request_body()(req.content_length, req.chunked, rest)
+
+
+def _request_body():
+    """framing.RequestBody (framing imports this module: bound on first use, not per call)."""
+    global _RequestBody
+    if _RequestBody is None:
+        from agentvm.gate.framing import RequestBody
+
+        _RequestBody = RequestBody
+    return _RequestBody
+
+
+_RequestBody = None
+_ABSOLUTE_HTTP = re.compile(r"(?i)(http)://([^/?#]*)([^#]*)")
+_ABSOLUTE_HTTPS = re.compile(r"(?i)https://")
 
 
 def _request(method: str, target: str, headers: tuple[tuple[bytes, bytes], ...], http_version: str) -> ProxyRequest:
@@ -235,9 +251,9 @@ def _request(method: str, target: str, headers: tuple[tuple[bytes, bytes], ...],
         host, port = _split_authority(host_hdr, 80) if host_hdr else ("", 0)
         explicit = bool(host_hdr) and ":" in host_hdr.rsplit("]", 1)[-1]
     else:
-        m = re.fullmatch(r"(?i)(http)://([^/?#]*)([^#]*)", target)
+        m = _ABSOLUTE_HTTP.fullmatch(target)
         if not m:
-            if re.match(r"(?i)https://", target):
+            if _ABSOLUTE_HTTPS.match(target):
                 raise ProtocolError("https-absolute-form", "use CONNECT for https:// URLs")
             raise ProtocolError("bad-target", "request target must be http://host/... or host:port (CONNECT)")
         scheme = "http"
