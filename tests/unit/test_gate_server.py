@@ -615,3 +615,63 @@ def test_idle_upstream_connections_expire_on_a_timer_and_are_capped(tmp_path, mo
         await gate.close_endpoint("sbx-1")
 
     run(go())
+
+
+def test_a_head_sent_too_slowly_and_an_idle_keep_alive_are_cut_at_the_head_deadline(tmp_path, monkeypatch):
+    """HEAD_TIMEOUT is for the whole head: a client trickling a byte at a time (slowloris) is
+    cut when it runs out, not kept alive by each byte; a kept-alive connection that sends no
+    next request is closed too; a prompt client on the same gate is served all along."""
+    from agentvm.gate import server
+
+    monkeypatch.setattr(server, "HEAD_TIMEOUT", 0.6)
+    monkeypatch.setattr(server, "HEAD_SWEEP", 0.05)
+
+    async def go():
+        gate, ep, up, sock = await setup_gate(tmp_path)
+        loop = asyncio.get_running_loop()
+
+        async def slowloris() -> tuple[float, bytes]:
+            r, w = await asyncio.open_unix_connection(str(sock))
+            t0 = loop.time()
+            got = b""
+            try:
+                for b in b"GET http://up.test:%d/ HTTP/1.1\r\nHost: up.test\r\nX-Slow: " % up.port + b"a" * 100:
+                    w.write(bytes([b]))
+                    await w.drain()
+                    try:
+                        got = await asyncio.wait_for(r.read(65536), 0.05)
+                    except asyncio.TimeoutError:
+                        continue
+                    break  # EOF (or an answer): the gate acted
+            except ConnectionError:
+                pass
+            w.close()
+            return loop.time() - t0, got
+
+        async def idle_after_one() -> tuple[bytes, float, bytes]:
+            r, w = await asyncio.open_unix_connection(str(sock))
+            w.write(req(up.port))
+            await w.drain()
+            first = await asyncio.wait_for(r.read(65536), 5)
+            t0 = loop.time()
+            rest = await asyncio.wait_for(r.read(65536), 5)  # b"": the gate closed it
+            w.close()
+            return first, loop.time() - t0, rest
+
+        async def prompt() -> list[bytes]:
+            outs = []
+            for _ in range(8):
+                outs.append(await exchange(sock, req(up.port)))
+                await asyncio.sleep(0.1)
+            return outs
+
+        (slow_s, slow_got), (first, idle_s, rest), outs = await asyncio.gather(slowloris(), idle_after_one(), prompt())
+        waiting = dict(gate._head_waits)
+        await gate.close_endpoint("sbx-1")
+        return slow_s, slow_got, first, idle_s, rest, outs, waiting
+
+    slow_s, slow_got, first, idle_s, rest, outs, waiting = run(go())
+    assert slow_got == b"" and 0.5 <= slow_s < 3.0, (slow_s, slow_got)  # cut, unanswered, near the deadline
+    assert first.startswith(b"HTTP/1.1 200") and rest == b"" and 0.5 <= idle_s < 3.0, (first, idle_s, rest)
+    assert all(o.startswith(b"HTTP/1.1 200") and o.endswith(b"ok") for o in outs)
+    assert not waiting  # nothing left registered once the connections ended

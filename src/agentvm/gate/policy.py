@@ -228,6 +228,8 @@ _DOT_LIKE = "\u3002\uff0e\uff61"
 
 def _safe(s: Any, limit: int = 80) -> str:
     """Printable-ASCII rendering of an untrusted value for reasons and error messages."""
+    if type(s) is str and len(s) <= limit and s.isascii() and s.isprintable():
+        return s  # already printable ASCII (0x20-0x7e) and short: the common case, per request
     if not isinstance(s, str):
         s = repr(s)
     out = "".join(c if 0x20 <= ord(c) < 0x7F else "?" for c in s)

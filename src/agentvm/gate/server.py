@@ -24,6 +24,7 @@ import logging
 import os
 import socket
 import ssl
+import time
 from pathlib import Path
 
 from agentvm.gate import exchange as ex
@@ -37,7 +38,8 @@ from agentvm.gate.tunnel import stream_splice, zero_copy_splice
 
 log = logging.getLogger("agentvm.gate")
 
-HEAD_TIMEOUT = 30.0
+HEAD_TIMEOUT = 30.0  # seconds a connection has for a whole request head (and a keep-alive one between requests)
+HEAD_SWEEP = 1.0  # how often connections waiting for a head are checked against HEAD_TIMEOUT
 STREAM_LIMIT = 1 << 20  # StreamReader buffer before it pauses the transport (bulk tunnels)
 CONNECT_TIMEOUT = 10.0
 
@@ -75,6 +77,14 @@ class Gate:
         self.approvals_factory = None
         self.telemetry = None  # gate.telemetry.TelemetryRelay when the daemon exports traces
         self._approvals = None
+        # connections waiting for a request head: task -> when it began waiting. One timer
+        # sweeps them (HEAD_SWEEP) instead of a timeout armed and cancelled around every read
+        # (that was ~10 us of the gate's CPU per request, measured); a task past HEAD_TIMEOUT
+        # is cancelled and noted in _head_expired, and its connection closed quietly
+        self._head_waits: dict[asyncio.Task, float] = {}
+        self._head_expired: set[asyncio.Task] = set()
+        self._head_sweep: asyncio.TimerHandle | None = None
+        self._head_sweep_loop: asyncio.AbstractEventLoop | None = None
 
     def approval_store(self):
         """The approvals queue, or None (nobody to ask: a held request is denied)."""
@@ -183,6 +193,8 @@ class Gate:
         except (ConnectionError, asyncio.TimeoutError, asyncio.IncompleteReadError, ssl.SSLError):
             pass
         except asyncio.CancelledError:
+            if task in self._head_expired:
+                return  # no whole request head within HEAD_TIMEOUT: closed (finally), as before
             if task not in ep.cut:
                 raise  # the gate is shutting down
             rule, reason = ep.cut[task]
@@ -197,19 +209,44 @@ class Gate:
             ep.active -= 1
             ep.conns.discard(task)
             ep.cut.pop(task, None)
+            self._head_expired.discard(task)
             client.close()
 
     async def _read_head(self, stream, pending: bytes) -> tuple[bytes | None, bytes]:
+        """The next request head (None at a clean EOF between requests), within HEAD_TIMEOUT
+        for the whole head: a slow sender (slowloris) or an idle keep-alive connection is cut."""
         hr = h1.HeadReader()
         if pending and hr.feed(pending):
             return hr.head, hr.rest
-        async with asyncio.timeout(HEAD_TIMEOUT):
+        task = asyncio.current_task()
+        self._head_waits[task] = time.monotonic()
+        if self._head_sweep is None or self._head_sweep_loop is not asyncio.get_running_loop():
+            self._arm_head_sweep()  # (a Gate may serve on a later loop: arm on the one running)
+        try:
             while True:
                 data = await stream.read()
                 if not data:
                     return None, b""
                 if hr.feed(data):
                     return hr.head, hr.rest
+        finally:
+            self._head_waits.pop(task, None)
+
+    def _arm_head_sweep(self) -> None:
+        self._head_sweep_loop = loop = asyncio.get_running_loop()
+        self._head_sweep = loop.call_later(min(HEAD_SWEEP, HEAD_TIMEOUT / 4), self._sweep_heads)
+
+    def _sweep_heads(self) -> None:
+        """Cancel the connections that have waited HEAD_TIMEOUT for a head; re-armed while any wait."""
+        self._head_sweep = None
+        late = time.monotonic() - HEAD_TIMEOUT
+        for task, since in list(self._head_waits.items()):
+            if since <= late:
+                del self._head_waits[task]
+                self._head_expired.add(task)
+                task.cancel()
+        if self._head_waits:
+            self._arm_head_sweep()
 
     # -- carrying out the exchange core's commands -----------------------------------------
     async def _run(self, ep: Endpoint, client, flow: ex.Flow, event=None, *, started: bool = False):
