@@ -594,7 +594,7 @@ def test_a_pooled_connection_with_unread_bytes_is_never_reused(tmp_path):
         assert out.endswith(b"ok")
         [(key, idle)] = list(ep.pool.items())
         stream = idle[0][0]
-        stream.reader.feed_data(b"HTTP/1.1 200 OK\r\nContent-Length: 6\r\n\r\nforged")  # as if sent unasked
+        stream.data_received(b"HTTP/1.1 200 OK\r\nContent-Length: 6\r\n\r\nforged")  # as if sent unasked
         assert not stream.reusable and ep.pool_get(key) is None
         await gate.close_endpoint("sbx-1")
 

@@ -238,28 +238,29 @@ class Relay:
         if (req.header(b"expect") or b"").lower() == b"100-continue" and not self.body.done:
             await self.client.write(b"HTTP/1.1 100 Continue\r\n\r\n")
         try:
-            async for chunk in request_body(self.client, self.body):
-                self.sent += len(chunk)
-                if max_body is not None and self.sent > max_body:
-                    await self._over_max_body(max_body)
-                    return False, b"", False
-                self._count_out(len(chunk))
-                data = chunk
-                if scanner is not None:
-                    try:
-                        data = scanner.feed(data)
-                    except Exception as err:  # CredentialError: a placeholder in the body
-                        await self._cred_deny(err)
+            if not self.body.done:  # (most requests have no body: no reader to start)
+                async for chunk in request_body(self.client, self.body):
+                    self.sent += len(chunk)
+                    if max_body is not None and self.sent > max_body:
+                        await self._over_max_body(max_body)
                         return False, b"", False
-                if held is not None:
-                    held.append(data)
-                    held_len += len(data)
-                    if held_len <= CRED_BUFFER:
-                        continue
-                    await send_head()
-                    data, held = b"".join(held), None
-                if data:
-                    await self._write_up(frame(data))
+                    self._count_out(len(chunk))
+                    data = chunk
+                    if scanner is not None:
+                        try:
+                            data = scanner.feed(data)
+                        except Exception as err:  # CredentialError: a placeholder in the body
+                            await self._cred_deny(err)
+                            return False, b"", False
+                    if held is not None:
+                        held.append(data)
+                        held_len += len(data)
+                        if held_len <= CRED_BUFFER:
+                            continue
+                        await send_head()
+                        data, held = b"".join(held), None
+                    if data:
+                        await self._write_up(frame(data))
         except BodyEnded:
             return False, b"", False
         rest = scanner.finish() if scanner is not None else b""

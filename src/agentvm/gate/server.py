@@ -40,7 +40,8 @@ log = logging.getLogger("agentvm.gate")
 
 HEAD_TIMEOUT = 30.0  # seconds a connection has for a whole request head (and a keep-alive one between requests)
 HEAD_SWEEP = 1.0  # how often connections waiting for a head are checked against HEAD_TIMEOUT
-STREAM_LIMIT = 1 << 20  # StreamReader buffer before it pauses the transport (bulk tunnels)
+STREAM_LIMIT = 1 << 20  # a sandbox's connection (and a tunnel's upstream): unread bytes before reading pauses
+STREAM_DEFAULT = 1 << 16  # an upstream connection of the relay
 CONNECT_TIMEOUT = 10.0
 
 
@@ -138,14 +139,13 @@ class Gate:
         if extras is not None:  # the sandbox policy's tools and approvals (agentvm.tools.slot.EndpointExtras)
             extras.attach(ep)
         if sock is not None:
-            ep.server = await asyncio.start_unix_server(lambda r, w: self._handle(ep, r, w), sock=sock, limit=STREAM_LIMIT)
+            ep.server = await asyncio.get_running_loop().create_unix_server(self._accepting(ep), sock=sock)
             self.endpoints[sandbox_id] = ep
             return ep
         sock_path.parent.mkdir(parents=True, exist_ok=True)
         if sock_path.exists():
             sock_path.unlink()
-        ep.server = await asyncio.start_unix_server(lambda r, w: self._handle(ep, r, w), path=str(sock_path),
-                                                    limit=STREAM_LIMIT)
+        ep.server = await asyncio.get_running_loop().create_unix_server(self._accepting(ep), path=str(sock_path))
         # only the sandbox's uid (and root) may connect
         if uid is not None and os.geteuid() == 0:
             os.chown(sock_path, uid, uid)
@@ -174,8 +174,17 @@ class Gate:
         return ep
 
     # -- per connection -------------------------------------------------------------------
-    async def _handle(self, ep: Endpoint, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        client = PlainStream(reader, writer)
+    def _accepting(self, ep: Endpoint):
+        """The protocol factory of ``ep``'s listener: each connection a PlainStream, served by
+        its own task (:meth:`_handle`)."""
+        loop = asyncio.get_running_loop()
+
+        def start(stream: PlainStream) -> asyncio.Task:
+            return loop.create_task(self._handle(ep, stream))
+
+        return lambda: PlainStream(STREAM_LIMIT, on_connect=start)
+
+    async def _handle(self, ep: Endpoint, client: PlainStream) -> None:
         if ep.active >= ep.policy.limits.connections:
             ep.log(verdict="deny", rule_id="limit:connections", reason="too many concurrent connections",
                    host="", port=None, phase="connect")
@@ -492,7 +501,7 @@ class Gate:
             up = await self._dial(ep, tunnel.addr, tunnel.port, sni, h2=True)
         except (OSError, asyncio.TimeoutError, ssl.SSLError, ValueError):
             return None
-        ssl_obj = up.writer.get_extra_info("ssl_object")
+        ssl_obj = up.get_extra_info("ssl_object")
         if ssl_obj is not None and ssl_obj.selected_alpn_protocol() == "h2":
             return up
         ep.pool_put(_pool_key(ep, "https", tunnel.addr, tunnel.port, sni), up)
@@ -503,14 +512,16 @@ class Gate:
         """A connection to an address the exchange core checked, within CONNECT_TIMEOUT: TLS
         (verified with the system CAs plus the policy's ``upstreamCa``, SNI ``sni``, ALPN
         ``h2`` too when asked) when ``sni`` is given, else plain."""
-        extra = {"limit": limit} if limit else {}
+        loop = asyncio.get_running_loop()
+        size = limit or STREAM_DEFAULT
         async with asyncio.timeout(CONNECT_TIMEOUT):
             if sni is None:
-                r, w = await asyncio.open_connection(addr, port, **extra)
+                _, stream = await loop.create_connection(lambda: PlainStream(size), addr, port)
             else:
-                r, w = await asyncio.open_connection(addr, port, ssl=self.client_ctx(ep.policy.upstream_ca, h2=h2),
-                                                     server_hostname=sni, **extra)
-        return PlainStream(r, w)
+                _, stream = await loop.create_connection(lambda: PlainStream(size), addr, port,
+                                                         ssl=self.client_ctx(ep.policy.upstream_ca, h2=h2),
+                                                         server_hostname=sni)
+        return stream
 
 
 def _pool_key(ep: Endpoint, scheme: str, addr: str, port: int, sni: str | None) -> tuple:

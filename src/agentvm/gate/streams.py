@@ -1,47 +1,189 @@
-"""Byte streams the gate relays over: a plain socket (asyncio streams) and TLS terminated by
-the gate on top of one (a sans-IO ``ssl.MemoryBIO`` session from ``gate.tls``)."""
+"""Byte streams the gate relays over: a plain connection (:class:`PlainStream`, an asyncio
+Protocol with a buffer one coroutine reads) and TLS terminated by the gate on top of one (a
+sans-IO ``ssl.MemoryBIO`` session from ``gate.tls``)."""
 
 from __future__ import annotations
 
 import asyncio
 import ssl
+from collections import deque
 
 READ = 65536
 HELLO_TIMEOUT = 10.0
+LIMIT = 65536  # bytes buffered unread before the socket is no longer read (x2, as asyncio's streams)
 
 
-class PlainStream:
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
-        self.reader, self.writer = reader, writer
+class PlainStream(asyncio.Protocol):
+    """One connection, as the relay's coroutine sees it: ``await read()`` the bytes that
+    arrived (b"" at EOF), ``await write()`` (waits only while the peer is not taking them).
 
+    The loop's callbacks append what arrives to a buffer and wake the one reader; reading
+    stops past ``2 * limit`` unread bytes (back-pressure to the sender) and resumes once the
+    reader caught up. This replaced asyncio's StreamReader/StreamWriter pair on the gate's hot
+    path: the same semantics with about half the Python per read and per write, and a chunk
+    that arrived whole is handed on without a copy. ``on_connect`` (servers) is called with
+    the stream once the connection is made."""
+
+    __slots__ = ("transport", "_chunks", "_size", "_limit", "_eof", "_exc", "_lost", "_waiter", "_reading_paused",
+                 "_writing_paused", "_drain", "_on_connect", "_over_ssl", "task", "_loop")
+
+    def __init__(self, limit: int = LIMIT, on_connect=None) -> None:
+        self.transport: asyncio.Transport | None = None
+        self._chunks: deque[bytes] = deque()
+        self._size = 0
+        self._limit = limit
+        self._eof = False  # the peer's EOF arrived (bytes before it may still be buffered)
+        self._exc: BaseException | None = None
+        self._lost = False
+        self._waiter: asyncio.Future | None = None
+        self._reading_paused = False
+        self._writing_paused = False
+        self._drain: asyncio.Future | None = None
+        self._on_connect = on_connect
+        self._over_ssl = False
+        self.task: asyncio.Task | None = None  # the handler serving this connection (servers)
+
+    # -- protocol callbacks (the loop) -----------------------------------------------------
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+        self._loop = asyncio.get_running_loop()
+        self._over_ssl = transport.get_extra_info("sslcontext") is not None
+        if self._on_connect is not None:
+            cb, self._on_connect = self._on_connect, None
+            self.task = cb(self)
+
+    def data_received(self, data: bytes) -> None:
+        if not data:
+            return
+        self._chunks.append(bytes(data))
+        self._size += len(data)
+        self._wake()
+        if self._size > 2 * self._limit and not self._reading_paused:
+            try:
+                self.transport.pause_reading()
+                self._reading_paused = True
+            except (AttributeError, NotImplementedError, RuntimeError):
+                pass
+
+    def eof_received(self) -> bool:
+        self._eof = True
+        self._wake()
+        return not self._over_ssl  # keep a plain socket half-open: the answer can still be written
+
+    def connection_lost(self, exc) -> None:
+        self._lost = True
+        self._eof = True
+        if exc is not None:
+            self._exc = exc
+        self._wake()
+        d, self._drain = self._drain, None
+        if d is not None and not d.done():
+            d.set_exception(ConnectionResetError("Connection lost"))
+
+    def pause_writing(self) -> None:
+        self._writing_paused = True
+
+    def resume_writing(self) -> None:
+        self._writing_paused = False
+        d, self._drain = self._drain, None
+        if d is not None and not d.done():
+            d.set_result(None)
+
+    def _wake(self) -> None:
+        w = self._waiter
+        if w is not None:
+            self._waiter = None
+            if not w.done():
+                w.set_result(None)
+
+    # -- the relay's side -----------------------------------------------------------------
     async def read(self, n: int = READ) -> bytes:
-        return await self.reader.read(n)
+        """Up to ``n`` bytes that arrived; b"" once the peer ended (a reset raises)."""
+        while not self._chunks:
+            if self._exc is not None:
+                raise self._exc
+            if self._eof:
+                return b""
+            w = self._waiter = self._loop.create_future()
+            try:
+                await w
+            finally:
+                if self._waiter is w:
+                    self._waiter = None
+        chunks = self._chunks
+        data = chunks.popleft()
+        if len(data) > n:
+            chunks.appendleft(data[n:])
+            data = data[:n]
+        elif chunks and len(data) < n:
+            parts = [data]
+            size = len(data)
+            while chunks and size < n:
+                nxt = chunks.popleft()
+                if size + len(nxt) > n:
+                    chunks.appendleft(nxt[n - size:])
+                    nxt = nxt[: n - size]
+                parts.append(nxt)
+                size += len(nxt)
+            data = b"".join(parts)
+        self._size -= len(data)
+        if self._reading_paused and self._size <= self._limit:
+            self._reading_paused = False
+            try:
+                self.transport.resume_reading()
+            except (AttributeError, NotImplementedError, RuntimeError):
+                pass
+        return data
+
+    async def write(self, data: bytes) -> None:
+        """Hand ``data`` to the socket; waits only while the peer is not reading (flow control)."""
+        if self._lost:
+            raise ConnectionResetError("Connection lost")
+        self.transport.write(data)
+        if self._writing_paused:
+            if self._drain is None:
+                self._drain = self._loop.create_future()
+            await self._drain
+
+    @property
+    def eof(self) -> bool:
+        """The peer's EOF (or a reset) arrived, even if bytes it sent before are still unread."""
+        return self._eof
 
     @property
     def reusable(self) -> bool:
         """Open both ways, and nothing unread: bytes an upstream sent unasked (a response ahead
-        of its request) make a connection unusable. (``_buffer`` is StreamReader's buffer, as
-        ``_eof`` below: both in every CPython.)"""
-        return not self.reader.at_eof() and not self.writer.is_closing() and not getattr(self.reader, "_buffer", b"")
+        of its request) make a connection unusable."""
+        return not self._eof and not self.transport.is_closing() and not self._chunks
 
-    async def write(self, data: bytes) -> None:
-        self.writer.write(data)
-        await self.writer.drain()
+    def take_buffered(self) -> bytes:
+        """What arrived and was not read yet (handing the socket over to a splice)."""
+        data = b"".join(self._chunks)
+        self._chunks.clear()
+        self._size = 0
+        return data
+
+    def write_eof(self) -> None:
+        t = self.transport
+        if t is not None and not t.is_closing() and t.can_write_eof():
+            t.write_eof()
+
+    def get_extra_info(self, name: str, default=None):
+        return self.transport.get_extra_info(name, default) if self.transport is not None else default
 
     def close(self) -> None:
         try:
-            self.writer.close()
+            if self.transport is not None:
+                self.transport.close()
         except Exception:
             pass
 
 
 def client_gone(client) -> bool:
     """The sandbox side has closed its connection: its EOF has arrived, even if bytes it sent
-    before (a request body) are still buffered. (``StreamReader`` exposes only "EOF and empty
-    buffer" publicly; ``_eof`` is the flag ``feed_eof`` sets, present in every CPython.)"""
+    before (a request body) are still buffered."""
     raw = getattr(client, "raw", client)
-    reader = getattr(raw, "reader", None)
-    return reader is not None and bool(getattr(reader, "_eof", reader.at_eof()))
+    return bool(getattr(raw, "eof", False))
 
 
 class TLSStream:
@@ -94,8 +236,8 @@ class TLSStream:
         try:
             self.tls.close()
             out = self.tls.outgoing()
-            if out:
-                self.raw.writer.write(out)
+            if out and self.raw.transport is not None:
+                self.raw.transport.write(out)
         except Exception:
             pass
         self.raw.close()

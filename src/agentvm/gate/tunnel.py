@@ -31,9 +31,9 @@ async def stream_splice(ep: Endpoint, client, upstream: PlainStream, target: tup
                 await dst.write(data)
         finally:
             try:
-                w = getattr(dst, "writer", None)
-                if w is not None and w.can_write_eof():
-                    w.write_eof()
+                write_eof = getattr(dst, "write_eof", None)  # a plain connection (TLS: none)
+                if write_eof is not None:
+                    write_eof()
             except (OSError, RuntimeError):
                 pass
 
@@ -58,13 +58,11 @@ async def _wait_fd(fd: int, *, write: bool) -> None:
 def _detach(stream: PlainStream) -> tuple[int, bytes]:
     """Take a stream's socket out of asyncio: a dup of its fd plus the bytes asyncio had
     already read but nobody consumed. The transport is aborted (the dup keeps the socket)."""
-    tr = stream.writer.transport
+    tr = stream.transport
     tr.pause_reading()
     fd = os.dup(tr.get_extra_info("socket").fileno())
     os.set_blocking(fd, False)
-    buffered = bytes(getattr(stream.reader, "_buffer", b""))
-    if buffered:
-        stream.reader._buffer.clear()
+    buffered = stream.take_buffered()
     tr.abort()
     return fd, buffered
 
