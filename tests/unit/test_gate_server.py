@@ -675,3 +675,43 @@ def test_a_head_sent_too_slowly_and_an_idle_keep_alive_are_cut_at_the_head_deadl
     assert first.startswith(b"HTTP/1.1 200") and rest == b"" and 0.5 <= idle_s < 3.0, (first, idle_s, rest)
     assert all(o.startswith(b"HTTP/1.1 200") and o.endswith(b"ok") for o in outs)
     assert not waiting  # nothing left registered once the connections ended
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.dictionaries(st.text(max_size=8), st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
+    lambda kids: st.lists(kids, max_size=3) | st.dictionaries(st.text(max_size=5), kids, max_size=3), max_leaves=8),
+    max_size=12))
+def test_a_decision_line_is_exactly_what_json_dumps_gives(rec):
+    """The log's own encoder (built once) writes the same bytes json.dumps(sort_keys, ASCII) would."""
+    from agentvm.gate.endpoint import _encode
+
+    assert _encode(rec) == json.dumps(rec, sort_keys=True, ensure_ascii=True)
+
+
+def test_decision_records_are_written_once_per_loop_turn_and_none_is_lost(tmp_path):
+    """Records of one turn of the loop reach the file together at its end (one write), in
+    order; past LOG_BATCH they are written at once; closing writes what is still held."""
+    from agentvm.gate import endpoint
+
+    async def go():
+        gate, ep, up, sock = await setup_gate(tmp_path)
+        size0 = ep.log_path.stat().st_size
+        for i in range(3):
+            ep.log(verdict="allow", rule_id="r", reason=f"n{i}", host="h", port=1, phase="request")
+        held = ep.log_path.stat().st_size == size0  # not yet: the turn has not ended
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        after_turn = [json.loads(ln)["reason"] for ln in ep.log_path.read_text().splitlines()]
+        for i in range(endpoint.LOG_BATCH // 100 + 2):  # past the batch size: written without waiting
+            ep.log(verdict="allow", rule_id="r", reason="x" * 100, host="h", port=1, phase="request")
+        big = ep.log_path.stat().st_size - size0
+        ep.log(verdict="deny", rule_id="last", reason="last one", host="h", port=1, phase="request")
+        await gate.close_endpoint("sbx-1")  # no turn in between: closing writes it
+        return held, after_turn, big, ep
+
+    held, after_turn, big, ep = run(go())
+    assert held and after_turn[-3:] == ["n0", "n1", "n2"]
+    assert big >= endpoint.LOG_BATCH
+    lines = [json.loads(ln) for ln in ep.log_path.read_text().splitlines()]
+    assert lines[-1]["rule"] == "last" and sum(ln["reason"] == "x" * 100 for ln in lines) == endpoint.LOG_BATCH // 100 + 2
