@@ -19,6 +19,8 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from agentvm.gate.frozen import quick_init
+
 if TYPE_CHECKING:
     from agentvm.gate.framing import RequestBody
 
@@ -129,6 +131,7 @@ def check_head(head: bytes) -> tuple[bytes, list[tuple[bytes, bytes]]]:
     return lines[0], fields
 
 
+@quick_init
 @dataclass(frozen=True)
 class ProxyRequest:
     method: str

@@ -76,6 +76,8 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any, Mapping, Sequence
 
+from agentvm.gate.frozen import quick_init
+
 __all__ = [
     "Decision",
     "EgressLimits",
@@ -185,6 +187,7 @@ class EgressPolicy:
         }
 
 
+@quick_init
 @dataclass(frozen=True)
 class RequestMeta:
     """What the gate knows about one connection or request (see the module docstring)."""
@@ -200,6 +203,7 @@ class RequestMeta:
     phase: str = "request"  # "connect" | "clienthello" | "request"
 
 
+@quick_init
 @dataclass(frozen=True)
 class Decision:
     # "allow" | "deny" | "ask" (request phase: an allow rule with action ask matched; the

@@ -371,6 +371,14 @@ class Relay:
                 pending_len = 0
                 await client.write(out)
 
+        def held(data: bytes) -> bool:
+            """``data`` held for the next write (no coroutine): True when a write is due."""
+            nonlocal pending_len
+            if data:
+                pending_out.append(data)
+                pending_len += len(data)
+            return pending_len >= EMIT_BATCH
+
         async def scrubbed_out(pieces) -> bool:
             """Scrubbed pieces to the sandbox; False when the body does not decode (what was
             sent stays, the response ends unfinished)."""
@@ -401,7 +409,8 @@ class Relay:
             if ev is framing.NEED_DATA:
                 # what was decoded so far goes out before waiting: a stream (SSE, chunked
                 # progress) reaches the agent as it is sent, not when the response ends
-                await emit(b"", flush=True)
+                if pending_out:
+                    await emit(b"", flush=True)
                 try:
                     data = await self.upstream.read()
                 except (ConnectionError, OSError) as exc:
@@ -463,7 +472,8 @@ class Relay:
                     frame, keep = bytes, False  # HTTP/1.0 or "close": the end of the connection frames it
                 if not keep:
                     rh.append((b"connection", b"close"))
-                await emit(framing.response_head(ev.status, reason, rh))
+                if held(framing.response_head(ev.status, reason, rh)):
+                    await emit(b"")
                 continue
             if ev is framing.END:
                 if scrub is not None and not await scrubbed_out(scrub.finish()):
@@ -475,7 +485,8 @@ class Relay:
             if scrub is None:
                 if meter is not None:
                     meter.feed(ev)
-                await emit(frame(ev))
+                if held(frame(ev)):
+                    await emit(b"")
             elif not await scrubbed_out(scrub.body(ev)):
                 return False, b"", False
         ep.bytes_in += received
