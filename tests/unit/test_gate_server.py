@@ -715,3 +715,35 @@ def test_decision_records_are_written_once_per_loop_turn_and_none_is_lost(tmp_pa
     assert big >= endpoint.LOG_BATCH
     lines = [json.loads(ln) for ln in ep.log_path.read_text().splitlines()]
     assert lines[-1]["rule"] == "last" and sum(ln["reason"] == "x" * 100 for ln in lines) == endpoint.LOG_BATCH // 100 + 2
+
+
+def test_a_log_write_that_fails_part_way_never_glues_two_records_together(tmp_path, monkeypatch):
+    """Disk full in the middle of a batch: the half line is ended before the next batch, so
+    every later record still parses as its own line."""
+    from agentvm.gate import endpoint
+
+    async def go():
+        gate, ep, up, sock = await setup_gate(tmp_path)
+        real = endpoint.os.write
+        calls = []
+
+        def failing(fd, data):
+            calls.append(len(data))
+            if len(calls) == 1:
+                return real(fd, bytes(data)[:10])  # a short write...
+            if len(calls) == 2:
+                raise OSError(28, "No space left on device")  # ...then the disk is full
+            return real(fd, data)
+
+        monkeypatch.setattr(endpoint.os, "write", failing)
+        ep.log(verdict="allow", rule_id="r", reason="lost", host="h", port=1, phase="request")
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        ep.log(verdict="deny", rule_id="after", reason="kept", host="h", port=1, phase="request")
+        await gate.close_endpoint("sbx-1")
+        monkeypatch.setattr(endpoint.os, "write", real)
+        return ep
+
+    ep = run(go())
+    lines = ep.log_path.read_text().splitlines()
+    assert json.loads(lines[-1])["rule"] == "after" and not lines[-2].endswith("}")

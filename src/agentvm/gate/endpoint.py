@@ -95,6 +95,7 @@ class Endpoint:
         os.fchmod(self._log_fd, 0o600)
         self._log_pending: list[bytes] | None = None  # lines waiting for the end of the loop's turn
         self._log_pending_len = 0
+        self._log_torn = False
         self.server: asyncio.AbstractServer | None = None
         self.active = 0
         self.bucket = TokenBucket(policy.limits.requests_per_second, float(policy.limits.burst))
@@ -331,11 +332,15 @@ class Endpoint:
             self._log_out(b"".join(pending))
 
     def _log_out(self, data: bytes) -> None:
+        if self._log_torn:  # a write that failed part-way left a line without its end: end it first
+            data = b"\n" + data
         view = memoryview(data)
         try:
             while view:
                 view = view[os.write(self._log_fd, view):]
+            self._log_torn = False
         except OSError:  # the disk is full, the file gone: said on the gate's own log, once per batch
+            self._log_torn = len(view) < len(data)
             logging.getLogger("agentvm.gate").exception("cannot write the decision log of sandbox %s (%d bytes lost)",
                                                         self.sandbox_id, len(view))
 

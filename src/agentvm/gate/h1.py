@@ -264,7 +264,7 @@ def _request(method: str, target: str, headers: tuple[tuple[bytes, bytes], ...],
         path = m.group(3) or "/"
         if not path.startswith("/"):
             path = "/" + path
-        if host_hdr:
+        if host_hdr and host_hdr != m.group(2):  # (the same text as the URI's authority: the same host)
             hh, hp = _split_authority(host_hdr, 80)
             if hh.lower().rstrip(".") != host.lower().rstrip(".") or hp != port:
                 raise ProtocolError("host-mismatch", "Host header does not match the request URI")

@@ -202,9 +202,9 @@ class Gate:
         except (ConnectionError, asyncio.TimeoutError, asyncio.IncompleteReadError, ssl.SSLError):
             pass
         except asyncio.CancelledError:
-            if task in self._head_expired:
-                return  # no whole request head within HEAD_TIMEOUT: closed (finally), as before
             if task not in ep.cut:
+                if task in self._head_expired:
+                    return  # no whole request head within HEAD_TIMEOUT: closed (finally), as before
                 raise  # the gate is shutting down
             rule, reason = ep.cut[task]
             ep.log(verdict="deny", rule_id=rule, reason=reason, host="", port=None, phase="cut")

@@ -11,6 +11,7 @@ from collections import deque
 READ = 65536
 HELLO_TIMEOUT = 10.0
 LIMIT = 65536  # bytes buffered unread before the socket is no longer read (x2, as asyncio's streams)
+COALESCE = 4096  # a piece smaller than this is appended to a last piece smaller than this
 
 
 class PlainStream(asyncio.Protocol):
@@ -25,7 +26,7 @@ class PlainStream(asyncio.Protocol):
     the stream once the connection is made."""
 
     __slots__ = ("transport", "_chunks", "_size", "_limit", "_eof", "_exc", "_lost", "_waiter", "_reading_paused",
-                 "_writing_paused", "_drain", "_on_connect", "_over_ssl", "task", "_loop")
+                 "_writing_paused", "_drains", "_on_connect", "_over_ssl", "task", "_loop")
 
     def __init__(self, limit: int = LIMIT, on_connect=None) -> None:
         self.transport: asyncio.Transport | None = None
@@ -38,7 +39,7 @@ class PlainStream(asyncio.Protocol):
         self._waiter: asyncio.Future | None = None
         self._reading_paused = False
         self._writing_paused = False
-        self._drain: asyncio.Future | None = None
+        self._drains: deque[asyncio.Future] = deque()  # one per writer waiting for the peer to read
         self._on_connect = on_connect
         self._over_ssl = False
         self.task: asyncio.Task | None = None  # the handler serving this connection (servers)
@@ -55,7 +56,13 @@ class PlainStream(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if not data:
             return
-        self._chunks.append(bytes(data))
+        chunks = self._chunks
+        if len(data) < COALESCE and chunks and len(chunks[-1]) < COALESCE:
+            # small pieces join the last one: a peer sending 2-byte writes must not cost the
+            # gate ~40 bytes of object overhead per byte (the limit counts bytes, not objects)
+            chunks[-1] += data
+        else:
+            chunks.append(bytes(data))
         self._size += len(data)
         self._wake()
         if self._size > 2 * self._limit and not self._reading_paused:
@@ -76,18 +83,22 @@ class PlainStream(asyncio.Protocol):
         if exc is not None:
             self._exc = exc
         self._wake()
-        d, self._drain = self._drain, None
-        if d is not None and not d.done():
-            d.set_exception(ConnectionResetError("Connection lost"))
+        drains = self._drains
+        while drains:
+            d = drains.popleft()
+            if not d.done():
+                d.set_exception(ConnectionResetError("Connection lost"))
 
     def pause_writing(self) -> None:
         self._writing_paused = True
 
     def resume_writing(self) -> None:
         self._writing_paused = False
-        d, self._drain = self._drain, None
-        if d is not None and not d.done():
-            d.set_result(None)
+        drains = self._drains
+        while drains:
+            d = drains.popleft()
+            if not d.done():
+                d.set_result(None)
 
     def _wake(self) -> None:
         w = self._waiter
@@ -104,6 +115,8 @@ class PlainStream(asyncio.Protocol):
                 raise self._exc
             if self._eof:
                 return b""
+            if self._waiter is not None:
+                raise RuntimeError("read() called while another coroutine is already waiting for data")
             w = self._waiter = self._loop.create_future()
             try:
                 await w
@@ -141,9 +154,18 @@ class PlainStream(asyncio.Protocol):
             raise ConnectionResetError("Connection lost")
         self.transport.write(data)
         if self._writing_paused:
-            if self._drain is None:
-                self._drain = self._loop.create_future()
-            await self._drain
+            # each waiting writer has its own future: cancelling one never fails another
+            d = self._loop.create_future()
+            self._drains.append(d)
+            try:
+                await d
+            finally:
+                if not d.done():
+                    d.cancel()
+                try:
+                    self._drains.remove(d)
+                except ValueError:
+                    pass
 
     @property
     def eof(self) -> bool:
