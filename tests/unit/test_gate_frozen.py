@@ -7,7 +7,7 @@ import inspect
 
 import pytest
 
-from agentvm.gate.frozen import quick_init
+from agentvm.gate.frozen import evolve, quick_init
 from agentvm.gate.h1 import ProxyRequest
 from agentvm.gate.policy import Decision, RequestMeta
 
@@ -26,8 +26,13 @@ def test_the_quick_init_takes_the_same_arguments_and_gives_the_same_object(cls):
         setattr(obj, fields[0].name, "other")
     with pytest.raises(dataclasses.FrozenInstanceError):
         delattr(obj, fields[0].name)
-    changed = dataclasses.replace(obj, **{fields[-1].name: "new"})
-    assert getattr(changed, fields[-1].name) == "new" and getattr(obj, fields[-1].name) == values[fields[-1].name]
+    for how in (dataclasses.replace, evolve):
+        changed = how(obj, **{fields[-1].name: "new"})
+        assert type(changed) is cls and getattr(changed, fields[-1].name) == "new"
+        assert getattr(obj, fields[-1].name) == values[fields[-1].name]
+        assert dataclasses.asdict(changed) == {**values, fields[-1].name: "new"}
+    with pytest.raises(TypeError):
+        evolve(obj, no_such_field=1)
 
 
 def test_quick_init_refuses_what_it_would_get_wrong():

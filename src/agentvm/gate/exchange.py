@@ -29,6 +29,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Generator
 
 from agentvm.gate import h1
+from agentvm.gate.frozen import evolve
 from agentvm.gate.policy import Decision, RequestMeta, check_address, decide, how_to_allow, normalize_host
 
 # ---------------------------------------------------------------------------- commands
@@ -354,7 +355,7 @@ def request(ep, req: h1.ProxyRequest, *, scheme: str, tunnel: Tunnel | None = No
         if not same:
             yield deny(req, "host-mismatch", f"Host {req.host!r} does not match the TLS server name (domain fronting)")
             return
-        req = replace(req, host=tunnel.host, port=tunnel.port)
+        req = evolve(req, host=tunnel.host, port=tunnel.port)
     meta = RequestMeta(host=req.host, port=req.port, scheme=scheme, method=req.method, path=req.path,
                        body_size=req.content_length, websocket=req.upgrade_websocket, phase="request",
                        sni=tunnel.host if tunnel is not None and scheme == "https" else None)
@@ -415,7 +416,7 @@ def request(ep, req: h1.ProxyRequest, *, scheme: str, tunnel: Tunnel | None = No
                        "echoes of the real value from WebSocket frames")
             return
         if swap.used or swap.target != req.path:
-            req = replace(req, headers=tuple(swap.headers), path=swap.target)
+            req = evolve(req, headers=tuple(swap.headers), path=swap.target)
     max_body = d.max_body
     if req.content_length is not None and max_body is not None and req.content_length > max_body:
         yield deny(shown, d.rule_id + ":max-body", f"body of {req.content_length} bytes over {max_body}")

@@ -419,9 +419,14 @@ class _TLSSide:
             return b""
         ssl = self._ssl
         chunks: list[bytes] = []
+        incoming, obj = self._incoming, self._obj
         while True:
+            if chunks and not incoming.pending and not obj.pending() and not incoming.eof:
+                # nothing left to decrypt: another read could only raise SSLWantReadError (an
+                # exception per read, on every request of a terminated tunnel)
+                break
             try:
-                chunk = self._obj.read(65536)
+                chunk = obj.read(65536)
             except ssl.SSLWantReadError:
                 break
             except ssl.SSLZeroReturnError:
