@@ -421,9 +421,11 @@ class _TLSSide:
         chunks: list[bytes] = []
         incoming, obj = self._incoming, self._obj
         while True:
-            if chunks and not incoming.pending and not obj.pending() and not incoming.eof:
-                # nothing left to decrypt: another read could only raise SSLWantReadError (an
-                # exception per read, on every request of a terminated tunnel)
+            if not incoming.pending and not obj.pending() and not incoming.eof:
+                # nothing left to decrypt: a read could only raise SSLWantReadError (an exception
+                # per read, on every request of a terminated tunnel). OpenSSL reads one record at
+                # a time from the BIO (no read-ahead), so an empty BIO and nothing decrypted
+                # pending means no whole record is waiting
                 break
             try:
                 chunk = obj.read(65536)
