@@ -55,6 +55,16 @@ def test_quick_init_refuses_what_it_would_get_wrong():
         def __post_init__(self):
             pass
 
-    for cls in (NotFrozen, Slots, Factory, Post):
+    @dataclasses.dataclass(frozen=True)
+    class Clash:
+        _quick_init_fields: int
+
+    @dataclasses.dataclass(frozen=True)
+    class D:  # "d" was the local name once: a field called d held the instance's own dict
+        a: int
+        d: int
+
+    assert quick_init(D)(1, 7).d == 7
+    for cls in (NotFrozen, Slots, Factory, Post, Clash):
         with pytest.raises(TypeError):
             quick_init(cls)

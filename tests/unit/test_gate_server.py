@@ -731,12 +731,16 @@ def test_a_log_write_that_fails_part_way_never_glues_two_records_together(tmp_pa
             calls.append(len(data))
             if len(calls) == 1:
                 return real(fd, bytes(data)[:10])  # a short write...
-            if len(calls) == 2:
+            if len(calls) in (2, 4):
                 raise OSError(28, "No space left on device")  # ...then the disk is full
             return real(fd, data)
 
         monkeypatch.setattr(endpoint.os, "write", failing)
         ep.log(verdict="allow", rule_id="r", reason="lost", host="h", port=1, phase="request")
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        calls.append(0)  # the disk is still full at the next turn: that write fails with nothing written
+        ep.log(verdict="allow", rule_id="r", reason="lost too", host="h", port=1, phase="request")
         await asyncio.sleep(0)
         await asyncio.sleep(0)
         ep.log(verdict="deny", rule_id="after", reason="kept", host="h", port=1, phase="request")
@@ -747,3 +751,51 @@ def test_a_log_write_that_fails_part_way_never_glues_two_records_together(tmp_pa
     ep = run(go())
     lines = ep.log_path.read_text().splitlines()
     assert json.loads(lines[-1])["rule"] == "after" and not lines[-2].endswith("}")
+
+    async def reopen():  # a gate killed mid-line: the next endpoint on that log ends the line first
+        with open(ep.log_path, "ab") as f:
+            f.write(b'{"half": ')
+        gate = Gate(tmp_path / "gate", tmp_path / "logs")
+        ep2 = await gate.open_endpoint("sbx-1", "agent", ep.policy, tmp_path / "again.sock")
+        ep2.log(verdict="deny", rule_id="next-run", reason="kept", host="h", port=1, phase="request")
+        await gate.close_endpoint("sbx-1")
+
+    run(reopen())
+    assert json.loads(ep.log_path.read_text().splitlines()[-1])["rule"] == "next-run"
+
+
+def test_a_client_hello_trickled_a_byte_at_a_time_is_cut_at_the_hello_deadline(tmp_path, monkeypatch):
+    """HELLO_TIMEOUT is for the whole ClientHello after CONNECT, not for each read."""
+    from agentvm.gate import server
+
+    monkeypatch.setattr(server, "HELLO_TIMEOUT", 0.5)
+
+    async def go():
+        gate, ep, up, sock = await setup_gate(tmp_path)
+        loop = asyncio.get_running_loop()
+        r, w = await asyncio.open_unix_connection(str(sock))
+        w.write(f"CONNECT up.test:{up.port} HTTP/1.1\r\nHost: up.test:{up.port}\r\n\r\n".encode())
+        await w.drain()
+        head = await asyncio.wait_for(r.readuntil(b"\r\n\r\n"), 5)
+        t0 = loop.time()
+        record = b"\x16\x03\x01\x02\x00" + b"\x01\x00\x01\xfc" + b"\x03\x03" + b"\x00" * 600  # a 512-byte hello
+        closed_after = None
+        try:
+            for b in record:
+                w.write(bytes([b]))
+                await w.drain()
+                try:
+                    if await asyncio.wait_for(r.read(1), 0.05) == b"":
+                        closed_after = loop.time() - t0
+                        break
+                except asyncio.TimeoutError:
+                    continue
+        except ConnectionError:
+            closed_after = loop.time() - t0
+        w.close()
+        await gate.close_endpoint("sbx-1")
+        return head, closed_after
+
+    head, closed_after = run(go())
+    assert head.startswith(b"HTTP/1.1 200")
+    assert closed_after is not None and closed_after < 3.0, closed_after  # not 0.5 s per byte

@@ -549,3 +549,34 @@ def test_contexts_are_hardened(ca, sctx):
 def test_write_before_handshake_is_an_error(sctx):
     with pytest.raises(RuntimeError):
         TLSServerSide(sctx).write(b"x")
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(sizes=st.lists(st.integers(1, 20000), min_size=1, max_size=12), cuts=st.lists(st.integers(1, 9000), max_size=40))
+def test_a_read_that_skips_openssl_never_leaves_data_behind(ca, sctx, sizes, cuts):
+    """_TLSSide.read() does not call OpenSSL when no ciphertext and no decrypted bytes wait
+    (it would only raise SSLWantReadError). That holds only while OpenSSL reads one record at a
+    time (no read-ahead): after every read, whatever piece of the ciphertext arrived, a raw read
+    must find nothing more - and every byte comes out, in order, then the close_notify."""
+    client = TLSClientSide(client_context(str(ca.cert_path)), "allowed.test")
+    server = TLSServerSide(sctx)
+    pump(client, server)
+    sent = b""
+    for i, n in enumerate(sizes):
+        piece = bytes([i % 251]) * n
+        client.write(piece)
+        sent += piece
+    client.close()
+    wire = client.outgoing()
+    got = b""
+    pos = 0
+    for cut in [*cuts, len(wire)]:
+        if pos >= len(wire):
+            break
+        server.receive(wire[pos:pos + cut])
+        pos += cut
+        got += server.read()
+        if not server.eof:
+            with pytest.raises(ssl.SSLWantReadError):
+                server._obj.read(65536)
+    assert got == sent and server.eof

@@ -43,6 +43,15 @@ MAX_DENIAL_KEYS = 1024  # distinct (rule, target) pairs kept in a run's summary
 LOG_BATCH = 1 << 16  # decision-log bytes held before they are written at once (else: end of the loop turn)
 
 
+def _ends_torn(fd: int) -> bool:
+    """True when the file is not empty and its last byte is not a newline."""
+    try:
+        size = os.fstat(fd).st_size
+        return size > 0 and os.pread(fd, 1, size - 1) != b"\n"
+    except OSError:
+        return False
+
+
 def _line_encoder():
     """A decision record -> one line of JSON: keys sorted, ASCII only - exactly what
     ``json.dumps(rec, sort_keys=True, ensure_ascii=True)`` gives (a test checks), without the
@@ -91,11 +100,11 @@ class Endpoint:
         self.log_path = log_path
         # one os.write per record on an O_APPEND descriptor: a record is one line, written
         # whole and at once (no text-layer buffer between the gate and the file)
-        self._log_fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        self._log_fd = os.open(log_path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)  # (read: its last byte)
         os.fchmod(self._log_fd, 0o600)
         self._log_pending: list[bytes] | None = None  # lines waiting for the end of the loop's turn
         self._log_pending_len = 0
-        self._log_torn = False
+        self._log_torn = _ends_torn(self._log_fd)  # a file left mid-line (a gate killed while writing)
         self.server: asyncio.AbstractServer | None = None
         self.active = 0
         self.bucket = TokenBucket(policy.limits.requests_per_second, float(policy.limits.burst))
@@ -338,11 +347,12 @@ class Endpoint:
         try:
             while view:
                 view = view[os.write(self._log_fd, view):]
-            self._log_torn = False
         except OSError:  # the disk is full, the file gone: said on the gate's own log, once per batch
-            self._log_torn = len(view) < len(data)
             logging.getLogger("agentvm.gate").exception("cannot write the decision log of sandbox %s (%d bytes lost)",
                                                         self.sandbox_id, len(view))
+        written = len(data) - len(view)
+        if written:  # what reached the file decides (a write of nothing leaves the file as it was)
+            self._log_torn = data[written - 1] != 0x0A
 
     def flush_suppressed(self) -> None:
         """One record for the denials not logged one by one (none were lost: they were counted)."""

@@ -12,6 +12,9 @@ from __future__ import annotations
 import dataclasses
 
 
+_LOCAL = "_quick_init_fields"  # the generated __init__'s one local name (no field may take it)
+
+
 def quick_init(cls):
     """Class decorator, applied above ``@dataclass(frozen=True)``: replaces its ``__init__``."""
     params, body, defaults = [], [], {}
@@ -19,6 +22,8 @@ def quick_init(cls):
             or hasattr(cls, "__post_init__"):
         raise TypeError(f"{cls.__name__}: quick_init is for frozen dataclasses with a __dict__ and no __post_init__")
     for f in dataclasses.fields(cls):
+        if f.name in ("self", _LOCAL):
+            raise TypeError(f"{cls.__name__}.{f.name}: a field name the generated __init__ uses itself")
         if not f.init or f.default_factory is not dataclasses.MISSING:
             raise TypeError(f"{cls.__name__}.{f.name}: quick_init takes plain fields and plain defaults only")
         if f.default is dataclasses.MISSING:
@@ -26,8 +31,8 @@ def quick_init(cls):
         else:
             defaults[f"_default_{f.name}"] = f.default
             params.append(f"{f.name}=_default_{f.name}")
-        body.append(f"    d[{f.name!r}] = {f.name}")
-    src = f"def __init__(self, {', '.join(params)}):\n    d = self.__dict__\n" + "\n".join(body) + "\n"
+        body.append(f"    {_LOCAL}[{f.name!r}] = {f.name}")
+    src = f"def __init__(self, {', '.join(params)}):\n    {_LOCAL} = self.__dict__\n" + "\n".join(body) + "\n"
     ns: dict = {}
     exec(src, defaults, ns)  # noqa: S102 - field names of our own dataclasses, as dataclasses itself does
     init = ns["__init__"]

@@ -399,8 +399,11 @@ class Gate:
 
         buf = pending
         alpn: tuple[str, ...] = ()
+        # HELLO_TIMEOUT for the whole ClientHello (not per read: a client trickling it a byte at
+        # a time must not hold the connection for HELLO_TIMEOUT per byte)
+        deadline = asyncio.get_running_loop().time() + HELLO_TIMEOUT
         while not buf:
-            data = await asyncio.wait_for(client.read(), HELLO_TIMEOUT)
+            data = await _read_by(client, deadline)
             if not data:
                 flow.close()
                 return
@@ -414,7 +417,7 @@ class Gate:
                     if hello is not None:
                         first, alpn = ex.Hello(hello.sni), hello.alpn
                         break
-                    data = await asyncio.wait_for(client.read(), HELLO_TIMEOUT)
+                    data = await _read_by(client, deadline)
                     if not data:
                         flow.close()
                         return
@@ -514,14 +517,30 @@ class Gate:
         ``h2`` too when asked) when ``sni`` is given, else plain."""
         loop = asyncio.get_running_loop()
         size = limit or STREAM_DEFAULT
-        async with asyncio.timeout(CONNECT_TIMEOUT):
-            if sni is None:
-                _, stream = await loop.create_connection(lambda: PlainStream(size), addr, port)
-            else:
-                _, stream = await loop.create_connection(lambda: PlainStream(size), addr, port,
-                                                         ssl=self.client_ctx(ep.policy.upstream_ca, h2=h2),
-                                                         server_hostname=sni)
+        made: list[PlainStream] = []
+
+        def protocol() -> PlainStream:
+            made.append(PlainStream(size))
+            return made[-1]
+
+        try:
+            async with asyncio.timeout(CONNECT_TIMEOUT):
+                if sni is None:
+                    _, stream = await loop.create_connection(protocol, addr, port)
+                else:
+                    _, stream = await loop.create_connection(protocol, addr, port,
+                                                             ssl=self.client_ctx(ep.policy.upstream_ca, h2=h2),
+                                                             server_hostname=sni)
+        except BaseException:
+            for s in made:  # the deadline passed just as the connection was made: not left open
+                s.close()
+            raise
         return stream
+
+
+async def _read_by(stream, deadline: float) -> bytes:
+    async with asyncio.timeout_at(deadline):
+        return await stream.read()
 
 
 def _pool_key(ep: Endpoint, scheme: str, addr: str, port: int, sni: str | None) -> tuple:

@@ -215,19 +215,22 @@ class TLSStream:
         self.raw, self.tls = raw, session
 
     async def handshake(self, initial: bytes) -> None:
+        """The whole handshake within HELLO_TIMEOUT (not per read: a peer trickling its flight
+        a byte at a time does not get HELLO_TIMEOUT per byte)."""
         if initial:
             self.tls.receive(initial)
-        while True:
-            done = self.tls.handshake()
-            out = self.tls.outgoing()
-            if out:
-                await self.raw.write(out)
-            if done:
-                return
-            data = await asyncio.wait_for(self.raw.read(), HELLO_TIMEOUT)
-            if not data:
-                raise ConnectionError("client closed during TLS handshake")
-            self.tls.receive(data)
+        async with asyncio.timeout(HELLO_TIMEOUT):
+            while True:
+                done = self.tls.handshake()
+                out = self.tls.outgoing()
+                if out:
+                    await self.raw.write(out)
+                if done:
+                    return
+                data = await self.raw.read()
+                if not data:
+                    raise ConnectionError("client closed during TLS handshake")
+                self.tls.receive(data)
 
     async def read(self, n: int = READ) -> bytes:
         while True:
