@@ -228,11 +228,16 @@ class ResponseReader:
                 self._complete = True
                 self._events.append(END)
             else:
-                te = [v for k, v in head.headers if k == b"transfer-encoding"]
-                chunked = bool(te) and te[-1].rsplit(b",", 1)[-1].strip().lower() == b"chunked"
-                has_length = any(k == b"content-length" for k, _ in head.headers)
+                te = None  # the last Transfer-Encoding field
+                has_length = False
+                for k, v in head.headers:
+                    if k == b"transfer-encoding":
+                        te = v
+                    elif k == b"content-length":
+                        has_length = True
+                chunked = te is not None and te.rsplit(b",", 1)[-1].strip().lower() == b"chunked"
                 # RFC 9112 6.3: a response neither chunked nor with a length ends with the connection
-                self._until_close = not chunked and (bool(te) or not has_length)
+                self._until_close = not chunked and (te is not None or not has_length)
 
     def on_body(self, body: bytes) -> None:
         if self._complete:

@@ -66,6 +66,11 @@ class HeadReader:
         if self.head is not None:
             self.rest += data
             return True
+        if not self._buf:  # the usual case: a whole head in the first piece - taken without a buffer
+            end = data.find(b"\r\n\r\n")
+            if 0 <= end and end + 4 <= self.limit:
+                self.head, self.rest = bytes(data[: end + 4]), bytes(data[end + 4 :])
+                return True
         self._buf += data
         end = self._buf.find(b"\r\n\r\n")
         if end < 0:
