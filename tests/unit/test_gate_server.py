@@ -799,3 +799,30 @@ def test_a_client_hello_trickled_a_byte_at_a_time_is_cut_at_the_hello_deadline(t
     head, closed_after = run(go())
     assert head.startswith(b"HTTP/1.1 200")
     assert closed_after is not None and closed_after < 3.0, closed_after  # not 0.5 s per byte
+
+
+def test_a_log_the_gate_may_only_append_to_still_opens(tmp_path, monkeypatch):
+    """Reading the log's last byte is a nicety: where only appending is allowed (a mode, an
+    LSM policy), the endpoint still opens and logs."""
+    import os
+
+    from agentvm.gate import endpoint
+
+    real_open = os.open
+
+    def append_only(path, flags, *a):
+        if str(path).endswith(".egress.jsonl") and flags & os.O_RDWR:
+            raise PermissionError(13, "Permission denied")
+        return real_open(path, flags, *a)
+
+    monkeypatch.setattr(endpoint.os, "open", append_only)
+
+    async def go():
+        gate, ep, up, sock = await setup_gate(tmp_path)
+        out = await exchange(sock, req(up.port, path="/appended"))
+        await gate.close_endpoint("sbx-1")
+        return out, ep
+
+    out, ep = run(go())
+    monkeypatch.setattr(endpoint.os, "open", real_open)
+    assert out.endswith(b"ok") and json.loads(ep.log_path.read_text().splitlines()[-1])["path"] == "/appended"

@@ -580,3 +580,42 @@ def test_a_read_that_skips_openssl_never_leaves_data_behind(ca, sctx, sizes, cut
             with pytest.raises(ssl.SSLWantReadError):
                 server._obj.read(65536)
     assert got == sent and server.eof
+
+
+def test_a_handshake_trickled_a_byte_at_a_time_is_cut_at_the_hello_deadline(ca, sctx, monkeypatch):
+    """TLSStream.handshake has HELLO_TIMEOUT for the whole handshake: a client sending its
+    second flight (Finished) a byte every 50 ms is cut, not given HELLO_TIMEOUT per byte."""
+    import asyncio
+
+    from agentvm.gate import streams
+
+    monkeypatch.setattr(streams, "HELLO_TIMEOUT", 0.5)
+    client = TLSClientSide(client_context(str(ca.cert_path)), "allowed.test")
+    client.handshake()
+    hello = client.outgoing()
+
+    class Trickle:  # the raw connection: the client's bytes one at a time, 50 ms apart
+        def __init__(self):
+            self.pending = b""
+
+        async def write(self, data):
+            client.receive(data)
+            client.handshake()
+            self.pending += client.outgoing()
+
+        async def read(self, n=65536):
+            while True:
+                await asyncio.sleep(0.05)
+                if self.pending:
+                    one, self.pending = self.pending[:1], self.pending[1:]
+                    return one
+
+    async def go():
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        with pytest.raises(asyncio.TimeoutError):
+            await streams.TLSStream(Trickle(), TLSServerSide(sctx)).handshake(hello)
+        return loop.time() - t0
+
+    took = asyncio.run(go())
+    assert 0.4 <= took < 2.0, took

@@ -47,7 +47,7 @@ def _ends_torn(fd: int) -> bool:
     """True when the file is not empty and its last byte is not a newline."""
     try:
         size = os.fstat(fd).st_size
-        return size > 0 and os.pread(fd, 1, size - 1) != b"\n"
+        return size > 0 and os.pread(fd, 1, size - 1) not in (b"\n", b"")
     except OSError:
         return False
 
@@ -100,7 +100,10 @@ class Endpoint:
         self.log_path = log_path
         # one os.write per record on an O_APPEND descriptor: a record is one line, written
         # whole and at once (no text-layer buffer between the gate and the file)
-        self._log_fd = os.open(log_path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)  # (read: its last byte)
+        try:  # read too: its last byte says whether a killed gate left a line unfinished
+            self._log_fd = os.open(log_path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        except PermissionError:  # append-only for us (a policy, a mode): still a log, unchecked
+            self._log_fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
         os.fchmod(self._log_fd, 0o600)
         self._log_pending: list[bytes] | None = None  # lines waiting for the end of the loop's turn
         self._log_pending_len = 0
