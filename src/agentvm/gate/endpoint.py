@@ -98,8 +98,8 @@ class Endpoint:
         self.policy = policy
         self.sock_path = sock_path
         self.log_path = log_path
-        # one os.write per record on an O_APPEND descriptor: a record is one line, written
-        # whole and at once (no text-layer buffer between the gate and the file)
+        # an O_APPEND descriptor, written with os.write (no text-layer buffer between the gate
+        # and the file): the lines of a loop turn go in one write, each line whole (_write)
         try:  # read too: its last byte says whether a killed gate left a line unfinished
             self._log_fd = os.open(log_path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
         except PermissionError:  # append-only for us (a policy, a mode): still a log, unchecked
@@ -326,15 +326,14 @@ class Endpoint:
         if self._log_pending is None:
             try:
                 asyncio.get_running_loop().call_soon(self.flush_log)
+                self._log_pending, self._log_pending_len = [], 0
             except RuntimeError:  # no loop running (a caller outside the gate): written now
                 self._log_out(line)
-                self.gate.emit(rec)
-                return
-            self._log_pending, self._log_pending_len = [], 0
-        self._log_pending.append(line)
-        self._log_pending_len += len(line)
-        if self._log_pending_len >= LOG_BATCH:
-            self.flush_log()
+        if self._log_pending is not None:
+            self._log_pending.append(line)
+            self._log_pending_len += len(line)
+            if self._log_pending_len >= LOG_BATCH:
+                self.flush_log()
         self.gate.emit(rec)
 
     def flush_log(self) -> None:

@@ -360,17 +360,6 @@ class Relay:
         pending_len = 0
         frame = bytes  # how body pieces are framed toward the sandbox (set with the head)
 
-        async def emit(data: bytes, flush: bool = False) -> None:
-            nonlocal pending_len
-            if data:
-                pending_out.append(data)
-                pending_len += len(data)
-            if pending_out and (flush or pending_len >= EMIT_BATCH):
-                out = b"".join(pending_out)
-                pending_out.clear()
-                pending_len = 0
-                await client.write(out)
-
         def held(data: bytes) -> bool:
             """``data`` held for the next write (no coroutine): True when a write is due."""
             nonlocal pending_len
@@ -378,6 +367,15 @@ class Relay:
                 pending_out.append(data)
                 pending_len += len(data)
             return pending_len >= EMIT_BATCH
+
+        async def emit(data: bytes, flush: bool = False) -> None:
+            """``data`` held, and all that is held written when ``flush`` or a write is due."""
+            nonlocal pending_len
+            if (held(data) or flush) and pending_out:
+                out = b"".join(pending_out)
+                pending_out.clear()
+                pending_len = 0
+                await client.write(out)
 
         async def scrubbed_out(pieces) -> bool:
             """Scrubbed pieces to the sandbox; False when the body does not decode (what was

@@ -42,7 +42,8 @@ class PlainStream(asyncio.Protocol):
         self._drains: deque[asyncio.Future] = deque()  # one per writer waiting for the peer to read
         self._on_connect = on_connect
         self._over_ssl = False
-        self.task: asyncio.Task | None = None  # the handler serving this connection (servers)
+        # the handler serving this connection (servers): held here, the loop keeps only a weak reference
+        self.task: asyncio.Task | None = None
 
     # -- protocol callbacks (the loop) -----------------------------------------------------
     def connection_made(self, transport) -> None:
