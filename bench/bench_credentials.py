@@ -65,6 +65,7 @@ from bench_gate import (  # noqa: E402 - the sibling benchmark's reusable pieces
     cpu_seconds,
     find_py312,
     free_port,
+    gate_hot_path,
     print_profile,
     wait_listen,
 )
@@ -680,7 +681,7 @@ def main() -> int:
     children: list[Child] = []
     procs: list[subprocess.Popen] = []
     res: dict = {"python": f"{platform.python_implementation()} {platform.python_version()} ({sys.executable})",
-                 "http": {}, "unavailable": {}, "labels": {}}
+                 "http": {}, "unavailable": {}, "labels": {}, "gate_hot_path": gate_hot_path()}
     profile = None
     try:
         test_ca, leaf, leaf_key = make_test_ca(tmp)
@@ -698,7 +699,9 @@ def main() -> int:
         def gate_child(tag: str, *extra: str) -> tuple[Child, dict]:
             c = Child(f"gate-{tag}", me("gate", "--ports", str(up_port), "--sock", str(tmp / f"gate-{tag}.sock"),
                                         "--state", str(tmp / f"gate-{tag}"), "--cred-file", str(cred_file),
-                                        "--upstream-ca", test_ca, *extra))
+                                        "--upstream-ca", test_ca, *extra),
+                      # cProfile cannot see into compiled functions: the profiled gate runs the .py
+                      env=dict(os.environ, AGENTVM_GATE_PURE="1") if "--profile-out" in extra else None)
             children.append(c)
             return c, json.loads(c.info)
 
@@ -839,6 +842,7 @@ def report(res: dict, duration: float, warmup: float) -> None:
     print()
     print(f"agent-vm gate credential swap benchmark - loopback only, {os.cpu_count()} cores")
     print(f"python: {res['python']}")
+    print(f"gate hot path: {res['gate_hot_path']}")
     print("gate: one process, one thread (asyncio event loop) -> it uses at most one core")
     print("cpu = the proxy process's CPU time / wall time during the cell (100% = one core busy)")
     print()

@@ -154,6 +154,16 @@ def role_tls_source(args) -> None:
         threading.Thread(target=serve, args=(c,), daemon=True).start()
 
 
+def gate_hot_path() -> str:
+    """How the gate children run the request path (they import the same tree with the same
+    environment): compiled (agentvm.gate.accel) or pure Python, and why."""
+    try:
+        from agentvm.gate import accel
+    except ImportError as exc:
+        return f"unknown ({exc})"
+    return accel.summary()[1]
+
+
 def role_gate(args) -> None:
     """The agent-vm gate with one endpoint, serving until SIGTERM (optionally under cProfile)."""
     import dataclasses
@@ -737,7 +747,8 @@ def main() -> int:
     children: list[Child] = []
     procs: list[subprocess.Popen] = []
     res: dict = {"python": f"{platform.python_implementation()} {platform.python_version()} ({sys.executable})",
-                 "http": {}, "tunnel": {}, "unavailable": {}, "labels": {}}
+                 "http": {}, "tunnel": {}, "unavailable": {}, "labels": {},
+                 "gate_hot_path": gate_hot_path()}
     try:
         up = Child("upstream", me("upstream"))
         children.append(up)
@@ -753,7 +764,9 @@ def main() -> int:
             sock = str(tmp / ("gate-prof.sock" if profile_out else "gate.sock"))
             extra = ["--profile-out", profile_out] if profile_out else []
             return Child("gate", me("gate", "--ports", f"{http_port},{tls_port}", "--sock", sock,
-                                    "--state", str(tmp / "gate"), *extra))
+                                    "--state", str(tmp / "gate"), *extra),
+                         # cProfile cannot see into compiled functions: the profiled gate runs the .py
+                         env=dict(os.environ, AGENTVM_GATE_PURE="1") if profile_out else None)
 
         gate = gate_child()
         children.append(gate)
@@ -864,6 +877,7 @@ def report(res: dict, duration: float, warmup: float, tunnel_bytes: int, repeats
     print()
     print(f"agent-vm egress gate benchmark - loopback only, {os.cpu_count()} cores")
     print(f"python: {res['python']}")
+    print(f"gate hot path: {res['gate_hot_path']}")
     print("gate: one process, one thread (asyncio event loop) -> it uses at most one core")
     print("cpu = the proxy process's CPU time / wall time during the cell (100% = one core busy)")
     print()

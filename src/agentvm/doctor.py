@@ -55,6 +55,17 @@ def _gate_stack() -> Primitive:
     return Primitive("gate-stack", True, ", ".join(have))
 
 
+def _gate_hot_path() -> Primitive:
+    """Whether the gate's request path runs compiled (``agentvm.gate.accel``): the same source
+    either way; plain Python costs about a sixth more CPU per request."""
+    from agentvm.gate import accel
+
+    ok, line = accel.summary()
+    if not ok:
+        line += " - the gate works, slower; scripts/install.sh (or python -m agentvm.gate build) compiles it"
+    return Primitive("gate-compiled", ok, line)
+
+
 def _kvm() -> Primitive:
     if not os.path.exists("/dev/kvm"):
         return Primitive("kvm", False, "no /dev/kvm")
@@ -139,6 +150,6 @@ def run_doctor(smoke: bool = True, substrate: str = "bwrap") -> DoctorReport:
         else:
             prims.append(Primitive("smoke-test", False, "skipped: required primitives missing"))
         required.append("smoke-test")
-    extras = [_gate_stack(), _favordynmods(), _kvm()] + ([_gvisor()] if substrate != "gvisor" else [])
+    extras = [_gate_stack(), _gate_hot_path(), _favordynmods(), _kvm()] + ([_gvisor()] if substrate != "gvisor" else [])
     facts = dict(caps.facts, kernel=os.uname().release)
     return DoctorReport(prims, required, extras, facts, substrate)

@@ -1,0 +1,216 @@
+"""The gate's hot path, compiled: Cython builds of its own modules, from the very same source.
+
+Every request through the gate runs a dozen pieces of Python of 2-6 us each (the strict head
+parser, ``decide()``, the exchange, the relay, the decision record); no one piece is a hot
+spot, so the interpreter itself is the cost. Compiling the modules in ``COMPILED`` unchanged
+with Cython (``annotation_typing`` off: a type hint is never turned into a check Python would
+not make) takes about a sixth off the gate's CPU per request (``bench/README.md``).
+
+* ``python -m agentvm.gate build`` (``scripts/install.sh`` runs it) compiles each module
+  into ``_accel/`` next to it, one file per module named after the SHA-256 of the source it
+  was built from and this build's settings. Nothing is written into the source tree's own
+  modules, and a compiled file can never stand in for a source it was not built from.
+* ``agentvm.gate`` installs ``Finder`` first on ``sys.meta_path``: importing one of these
+  modules loads the compiled file only when it matches the ``.py`` as it is now, is a regular
+  file owned by root or by us, and neither it nor its folder is writable by anyone else (a
+  shared library is code). Otherwise the ``.py`` is imported as before: the same code,
+  slower. ``AGENTVM_GATE_PURE=1`` forces the ``.py`` (profiling, and the pure-Python half of
+  the test suite).
+* ``status()`` says, per module, which one runs and why; ``agentvm doctor`` shows it.
+
+Speed only: the policy, the parsers and every check are the same source either way, and the
+test suite runs against both (``scripts/test.sh``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.machinery
+import os
+import stat
+import sys
+from pathlib import Path
+
+# The request path's modules: pure Python with no import-time tricks (frozen.py generates code
+# at run time and is left alone; the rest of the package is off the per-request path).
+COMPILED = ("streams", "server", "relay", "exchange", "h1", "framing", "policy", "endpoint",
+            "tls", "credentials", "encoding", "tunnel")
+PACKAGE = __name__.rpartition(".")[0]
+HERE = Path(__file__).resolve().parent
+OUT = HERE / "_accel"
+# Cython directives: Python's semantics exactly (no checks from type hints, functions that
+# introspect like Python's); part of every build's key, so changing them rebuilds everything.
+DIRECTIVES = {"language_level": 3, "binding": True, "annotation_typing": False, "embedsignature": False}
+BUILD = "1:" + ",".join(f"{k}={v}" for k, v in sorted(DIRECTIVES.items()))
+SUFFIX = importlib.machinery.EXTENSION_SUFFIXES[0]  # e.g. .cpython-311-x86_64-linux-gnu.so
+
+
+def _key(source: bytes) -> str:
+    return hashlib.sha256(BUILD.encode() + b"\0" + source).hexdigest()[:24]
+
+
+def _path(mod: str, source: bytes) -> Path:
+    return OUT / f"{mod}-{_key(source)}{SUFFIX}"
+
+
+def _pure() -> bool:
+    return os.environ.get("AGENTVM_GATE_PURE", "") not in ("", "0")
+
+
+def _trusted(p: Path) -> str | None:
+    """Why ``p`` (or its folder) may not be loaded as code, or None when it may."""
+    me = os.geteuid()
+    for q in (p, p.parent):
+        try:
+            st = os.lstat(q)
+        except OSError as exc:
+            return f"{q}: {exc.strerror}"
+        if q is p and not stat.S_ISREG(st.st_mode):
+            return f"{q} is not a regular file"
+        if st.st_uid not in (0, me):
+            return f"{q} is owned by uid {st.st_uid}, not root or this user"
+        if st.st_mode & 0o022:
+            return f"{q} is writable by group or others"
+    return None
+
+
+def compiled_for(mod: str) -> tuple[Path | None, str]:
+    """(the compiled file to load for ``mod``, or None; what was decided and why)."""
+    if _pure():
+        return None, "pure Python: AGENTVM_GATE_PURE is set"
+    try:
+        source = (HERE / f"{mod}.py").read_bytes()
+    except OSError as exc:
+        return None, f"pure Python: cannot read {mod}.py ({exc.strerror})"
+    p = _path(mod, source)
+    if not p.exists():
+        return None, "pure Python: no build of this source (python -m agentvm.gate build)"
+    why = _trusted(p)
+    if why is not None:
+        return None, f"pure Python: not loading {p.name}: {why}"
+    return p, f"compiled ({p.name})"
+
+
+class Finder:
+    """Loads ``agentvm.gate.<mod>`` from its matching compiled build, when there is one (a
+    meta path finder; not derived from ``importlib.abc``, whose import alone costs the CLI
+    ~30 ms)."""
+
+    def find_spec(self, name, path=None, target=None):
+        pkg, _, mod = name.rpartition(".")
+        if pkg != PACKAGE or mod not in COMPILED:
+            return None
+        p, _why = compiled_for(mod)
+        if p is None:
+            return None  # the regular finders import the .py
+        spec = importlib.machinery.ModuleSpec(name, importlib.machinery.ExtensionFileLoader(name, str(p)),
+                                              origin=str(p))
+        spec.has_location = True  # __file__ is the compiled file
+        return spec
+
+
+def install() -> None:
+    """Put ``Finder`` first on ``sys.meta_path`` (once)."""
+    if not any(isinstance(f, Finder) for f in sys.meta_path):
+        sys.meta_path.insert(0, Finder())
+
+
+def status() -> dict[str, str]:
+    """module -> how it runs in this process: ``compiled (...)`` or ``pure Python: why``."""
+    out = {}
+    for mod in COMPILED:
+        m = sys.modules.get(f"{PACKAGE}.{mod}")
+        f = (getattr(m, "__file__", None) or "") if m is not None else None
+        if f is not None and f.endswith(SUFFIX):
+            out[mod] = f"compiled ({Path(f).name})"
+            continue
+        why = compiled_for(mod)[1]
+        if f is not None and why.startswith("compiled"):
+            why = "pure Python: imported before its build existed (a new process will load it)"
+        out[mod] = why
+    return out
+
+
+def summary() -> tuple[bool, str]:
+    """(every module compiled?, one line for people)."""
+    st = status()
+    pure = {m: why for m, why in st.items() if not why.startswith("compiled")}
+    if not pure:
+        return True, f"compiled: {len(st)} modules (Cython)"
+    reasons = sorted(set(w.removeprefix("pure Python: ") for w in pure.values()))
+    return False, f"pure Python for {', '.join(sorted(pure))}: {'; '.join(reasons)}"
+
+
+# -- build ------------------------------------------------------------------------------------
+
+def _compile_one(mod: str, work: Path) -> str | None:
+    """Compile ``mod`` into OUT; None when done, else what failed."""
+    import subprocess
+    import sysconfig
+
+    source = (HERE / f"{mod}.py").read_bytes()
+    target = _path(mod, source)
+    if target.exists():
+        return None
+    c = work / f"{mod}.c"
+    so = work / f"{mod}{SUFFIX}"
+    # compile from a copy of exactly the bytes the key was taken from
+    src = work / f"{mod}.py"
+    src.write_bytes(source)
+    args = [sys.executable, "-m", "cython", f"--module-name={PACKAGE}.{mod}", "-o", str(c), str(src)]
+    for k, v in DIRECTIVES.items():
+        args += ["-X", f"{k}={v}"] if k != "language_level" else [f"-{v}"]
+    r = subprocess.run(args, capture_output=True, text=True)
+    if r.returncode != 0:
+        return f"{mod}: cython failed: {(r.stderr or r.stdout).strip()[-600:]}"
+    inc = sysconfig.get_paths()["include"]
+    cc = os.environ.get("CC", "gcc")
+    r = subprocess.run([cc, "-shared", "-fPIC", "-O2", "-fwrapv", "-fno-strict-aliasing", "-DNDEBUG", "-w",
+                        f"-I{inc}", "-o", str(so), str(c)], capture_output=True, text=True)
+    if r.returncode != 0:
+        return f"{mod}: {cc} failed: {(r.stderr or r.stdout).strip()[-600:]}"
+    os.chmod(so, 0o644)
+    os.replace(so, target)  # work is inside OUT: the compiled file appears whole or not at all
+    return None
+
+
+def unbuilt() -> list[str]:
+    """The modules whose current source has no build yet."""
+    return [m for m in COMPILED if not _path(m, (HERE / f"{m}.py").read_bytes()).exists()]
+
+
+def build(jobs: int = 2) -> list[str]:
+    """Compile every module whose current source has no build; remove builds of old sources.
+    Returns what failed (empty: all compiled)."""
+    import concurrent.futures
+    import shutil
+    import tempfile
+    import time
+
+    try:
+        import Cython  # noqa: F401
+    except ImportError:
+        return ["Cython is not installed (pip install 'cython>=3.0'; scripts/install.sh installs it)"]
+    OUT.mkdir(mode=0o755, exist_ok=True)
+    os.chmod(OUT, 0o755)
+    for old in OUT.glob(".build-*"):  # left by a build that was killed (a running one is younger)
+        try:
+            if time.time() - old.stat().st_mtime > 3600:
+                shutil.rmtree(old, ignore_errors=True)
+        except OSError:
+            pass
+    # built in a private folder inside OUT (same filesystem: the final rename is atomic)
+    work = Path(tempfile.mkdtemp(prefix=".build-", dir=OUT))
+    try:
+        with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, jobs)) as ex:
+            errors = [e for e in ex.map(lambda m: _compile_one(m, work), COMPILED) if e]
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    keep = {_path(m, (HERE / f"{m}.py").read_bytes()).name for m in COMPILED}
+    for f in OUT.iterdir():
+        if f.name not in keep and not f.name.startswith(".build-"):
+            try:
+                f.unlink()
+            except OSError:
+                pass
+    return errors
