@@ -826,3 +826,51 @@ def test_a_log_the_gate_may_only_append_to_still_opens(tmp_path, monkeypatch):
     out, ep = run(go())
     monkeypatch.setattr(endpoint.os, "open", real_open)
     assert out.endswith(b"ok") and json.loads(ep.log_path.read_text().splitlines()[-1])["path"] == "/appended"
+
+
+def test_a_proxied_request_leaves_no_garbage_cycles(tmp_path):
+    # every object of an exchange must be freed when it ends, by reference counting: a cycle per
+    # request (the response parser holding its reader's callbacks, closures sharing a compiled
+    # scope) left ~20 objects per request to the cyclic GC - ~7% of the gate's CPU under load
+    import gc
+
+    async def go():
+        gate, ep, up, sock = await setup_gate(tmp_path)
+        r, w = await asyncio.open_unix_connection(str(sock))
+
+        async def one(data: bytes) -> bytes:
+            w.write(data)
+            await w.drain()
+            out = b""
+            while not out.endswith(b"ok"):
+                chunk = await asyncio.wait_for(r.read(65536), 5)
+                assert chunk, out
+                out += chunk
+            return out
+
+        for i in range(5):  # warm: the pooled upstream connection, the log file, caches
+            await one(req(up.port, path=f"/warm{i}"))
+        gc.collect()
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        try:
+            outs = []
+            for i in range(40):
+                outs.append(await one(req(up.port, path=f"/n{i}")))
+                outs.append(await one(req(up.port, path=f"/p{i}", method="POST", body=b"x" * (i + 1))))
+            gc.collect()
+            garbage = list(gc.garbage)
+        finally:
+            gc.set_debug(0)
+            gc.garbage.clear()
+        w.close()
+        await gate.close_endpoint("sbx-1")
+        return outs, garbage
+
+    outs, garbage = run(go())
+    assert len(outs) == 80 and all(o.startswith(b"HTTP/1.1 200") for o in outs)
+    # what an earlier test left (its event loop, say) may be freed in this window: one-offs; a
+    # cycle per request shows as 80 (or 40) of one kind
+    import collections
+
+    kinds = collections.Counter(f"{type(o).__module__}.{type(o).__qualname__}" for o in garbage)
+    assert not [k for k, n in kinds.items() if n >= 40], f"objects left in cycles per request: {kinds.most_common(12)}"

@@ -279,6 +279,7 @@ class ResponseReader:
                 raise FramingError("the upstream switched protocols without a 101") from None
             self._events.append(Upgraded(head, bytes(data[up.args[0]:])))
             self._complete = True
+            self._parser = None  # nothing more is parsed (see next_event)
         except httptools.HttpParserError as exc:
             if self._complete:  # the message ended; what followed is garbage: not reusable
                 self._extra = True
@@ -291,8 +292,14 @@ class ResponseReader:
     def next_event(self):
         if self._events:
             ev = self._events.pop(0)
+            if ev is END:
+                self._parser = None  # see below
             return ev
         if self._complete:
+            # the parser holds this reader's bound methods and the reader holds the parser: a
+            # cycle only the garbage collector would free. The response is over, so the cycle is
+            # broken here and both go at once (nothing is fed to the parser after the end).
+            self._parser = None
             return END
         if self._eof:
             raise FramingError("the upstream closed the connection inside a response")

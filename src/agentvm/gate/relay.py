@@ -219,6 +219,12 @@ class Relay:
             raise UpstreamError("upstream:reset", f"sending to the upstream failed: {type(exc).__name__}",
                                 answered=False) from None
 
+    async def _send_head(self, headers) -> None:
+        req = self.req
+        head = framing.request_head(req.method, req.path, headers)
+        self._count_out(len(head))  # a head carries data out too (path, headers)
+        await self._write_up(head, head=True)
+
     async def _send_streamed(self, headers) -> tuple[bool, bytes, bool]:
         """With credentials in the sandbox, a body is scanned before anything is sent: the head
         waits until the body is complete (or CRED_BUFFER is exceeded - then it streams, and a
@@ -227,14 +233,8 @@ class Relay:
         held: list[bytes] | None = [] if scanner is not None else None
         held_len = 0
         frame = framing.chunk if req.chunked else bytes  # the body is re-framed as it was declared
-
-        async def send_head() -> None:
-            head = framing.request_head(req.method, req.path, headers)
-            self._count_out(len(head))  # a head carries data out too (path, headers)
-            await self._write_up(head, head=True)
-
         if held is None:
-            await send_head()
+            await self._send_head(headers)
         if (req.header(b"expect") or b"").lower() == b"100-continue" and not self.body.done:
             await self.client.write(b"HTTP/1.1 100 Continue\r\n\r\n")
         try:
@@ -257,7 +257,7 @@ class Relay:
                         held_len += len(data)
                         if held_len <= CRED_BUFFER:
                             continue
-                        await send_head()
+                        await self._send_head(headers)
                         data, held = b"".join(held), None
                     if data:
                         await self._write_up(frame(data))
@@ -265,7 +265,7 @@ class Relay:
             return False, b"", False
         rest = scanner.finish() if scanner is not None else b""
         if held is not None:
-            await send_head()
+            await self._send_head(headers)
             rest = b"".join(held) + rest
         if rest:
             await self._write_up(frame(rest))
@@ -350,46 +350,49 @@ class Relay:
         return await self._response()
 
     # -- response ---------------------------------------------------------------------------
+    # What goes to the sandbox is coalesced: one TLS record/send for a small response. Methods,
+    # not closures inside _response: compiled (agentvm.gate.accel), closures that call each
+    # other share one scope object that holds them - a reference cycle per request that only
+    # the garbage collector frees.
+    def _held(self, data: bytes) -> bool:
+        """``data`` held for the next write (no coroutine): True when a write is due."""
+        if data:
+            self._out.append(data)
+            self._out_len += len(data)
+        return self._out_len >= EMIT_BATCH
+
+    async def _emit(self, data: bytes, flush: bool = False) -> None:
+        """``data`` held, and all that is held written when ``flush`` or a write is due."""
+        if (self._held(data) or flush) and self._out:
+            out = b"".join(self._out)
+            self._out.clear()
+            self._out_len = 0
+            await self.client.write(out)
+
+    async def _scrubbed_out(self, pieces) -> bool:
+        """Scrubbed pieces to the sandbox; False when the body does not decode (what was sent
+        stays, the response ends unfinished)."""
+        meter = self.meter
+        try:
+            for data in pieces:
+                if meter is not None:
+                    meter.feed(data)
+                await self._emit(self._frame(data))
+        except encoding.DecodeError as err:
+            await self._emit(b"", flush=True)
+            await self._undecodable(err, answered=True)
+            return False
+        return True
+
     async def _response(self) -> tuple[bool, bytes, bool]:
         ep, req, d, client = self.ep, self.req, self.d, self.client
         scrubber, cred = self.scrubber, self.cred
         leftover = self.body.trailing
         reader = framing.ResponseReader(req.method)
-        # response: coalesce what goes to the sandbox (one TLS record/send for a small response)
-        pending_out: list[bytes] = []
-        pending_len = 0
-        frame = bytes  # how body pieces are framed toward the sandbox (set with the head)
-
-        def held(data: bytes) -> bool:
-            """``data`` held for the next write (no coroutine): True when a write is due."""
-            nonlocal pending_len
-            if data:
-                pending_out.append(data)
-                pending_len += len(data)
-            return pending_len >= EMIT_BATCH
-
-        async def emit(data: bytes, flush: bool = False) -> None:
-            """``data`` held, and all that is held written when ``flush`` or a write is due."""
-            nonlocal pending_len
-            if (held(data) or flush) and pending_out:
-                out = b"".join(pending_out)
-                pending_out.clear()
-                pending_len = 0
-                await client.write(out)
-
-        async def scrubbed_out(pieces) -> bool:
-            """Scrubbed pieces to the sandbox; False when the body does not decode (what was
-            sent stays, the response ends unfinished)."""
-            try:
-                for data in pieces:
-                    if meter is not None:
-                        meter.feed(data)
-                    await emit(frame(data))
-            except encoding.DecodeError as err:
-                await emit(b"", flush=True)
-                await self._undecodable(err, answered=True)
-                return False
-            return True
+        self._out: list[bytes] = []  # held for the sandbox (see _held)
+        self._out_len = 0
+        self._frame = bytes  # how body pieces are framed toward the sandbox (set with the head)
+        held, emit, scrubbed_out = self._held, self._emit, self._scrubbed_out
 
         received = 0
         answered = False
@@ -407,7 +410,7 @@ class Relay:
             if ev is framing.NEED_DATA:
                 # what was decoded so far goes out before waiting: a stream (SSE, chunked
                 # progress) reaches the agent as it is sent, not when the response ends
-                if pending_out:
+                if self._out:
                     await emit(b"", flush=True)
                 try:
                     data = await self.upstream.read()
@@ -462,12 +465,12 @@ class Relay:
                     meter.head(ev.status, ev.headers)
                 bodyless = req.method == "HEAD" or ev.status in (204, 304)
                 if bodyless or any(k == b"content-length" for k, _ in rh):
-                    frame = bytes  # as the upstream declared it (its length was checked by the parser)
+                    self._frame = bytes  # as the upstream declared it (its length was checked by the parser)
                 elif self.client_keep:
                     rh.append((b"transfer-encoding", b"chunked"))
-                    frame = framing.chunk
+                    self._frame = framing.chunk
                 else:
-                    frame, keep = bytes, False  # HTTP/1.0 or "close": the end of the connection frames it
+                    self._frame, keep = bytes, False  # HTTP/1.0 or "close": the end of the connection frames it
                 if not keep:
                     rh.append((b"connection", b"close"))
                 if held(framing.response_head(ev.status, reason, rh)):
@@ -476,14 +479,14 @@ class Relay:
             if ev is framing.END:
                 if scrub is not None and not await scrubbed_out(scrub.finish()):
                     return False, b"", False
-                await emit(framing.LAST_CHUNK if frame is framing.chunk else b"", flush=True)
+                await emit(framing.LAST_CHUNK if self._frame is framing.chunk else b"", flush=True)
                 break
             # a piece of the body
             received += len(ev)
             if scrub is None:
                 if meter is not None:
                     meter.feed(ev)
-                if held(frame(ev)):
+                if held(self._frame(ev)):
                     await emit(b"")
             elif not await scrubbed_out(scrub.body(ev)):
                 return False, b"", False
