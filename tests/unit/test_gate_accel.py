@@ -146,3 +146,36 @@ def test_the_gate_unit_tests_pass_as_plain_python():
                        capture_output=True, text=True, env=dict(os.environ, AGENTVM_GATE_PURE="1"), timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
     assert " passed" in r.stdout.splitlines()[-1] and "failed" not in r.stdout.splitlines()[-1]
+
+
+def test_a_build_that_does_not_load_falls_back_to_the_source_and_says_so(fake, monkeypatch):
+    # a file cut short by a crash, say: the name matches, the library does not load
+    p = _place(fake)
+    name = f"{accel.PACKAGE}.tiny"
+    monkeypatch.setattr(sys, "meta_path", [accel.Finder(), *sys.meta_path])
+    monkeypatch.setattr(accel, "FAILED", {})
+    monkeypatch.setitem(sys.modules, accel.PACKAGE, sys.modules[accel.PACKAGE])
+    try:
+        import importlib.util
+
+        spec = accel.Finder().find_spec(name)
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        spec.loader.exec_module(mod)
+        assert mod.f() == "tiny" and mod.__file__ == str(fake / "tiny.py")
+        st = accel.status()["tiny"]
+        assert st.startswith(f"pure Python: {p.name} did not load"), st
+    finally:
+        sys.modules.pop(name, None)
+
+
+def test_build_refuses_an_output_folder_that_is_a_symbolic_link(fake, tmp_path):
+    pytest.importorskip("Cython", reason="the accel extra (cython) is not installed")
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    (private / "important.txt").write_text("keep me")
+    (fake / "_accel").symlink_to(private)
+    errors = accel.build()
+    assert len(errors) == 1 and "not a folder of this user's" in errors[0]
+    assert (private / "important.txt").read_text() == "keep me" and oct(private.stat().st_mode & 0o777) == "0o700"
+    assert accel.compiled_for("tiny")[0] is None

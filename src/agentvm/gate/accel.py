@@ -65,6 +65,8 @@ def _trusted(p: Path) -> str | None:
             st = os.lstat(q)
         except OSError as exc:
             return f"{q}: {exc.strerror}"
+        if stat.S_ISLNK(st.st_mode):
+            return f"{q} is a symbolic link"
         if q is p and not stat.S_ISREG(st.st_mode):
             return f"{q} is not a regular file"
         if st.st_uid not in (0, me):
@@ -91,6 +93,35 @@ def compiled_for(mod: str) -> tuple[Path | None, str]:
     return p, f"compiled ({p.name})"
 
 
+# modules whose compiled build was found but did not load in this process: module -> why
+FAILED: dict[str, str] = {}
+
+
+class _Loader(importlib.machinery.ExtensionFileLoader):
+    """The compiled build - or, when it does not load (a file cut short by a crash, say), the
+    ``.py``: a bad build costs speed, never the gate (``status()`` says why)."""
+
+    def __init__(self, name: str, path: str, source: str) -> None:
+        super().__init__(name, path)
+        self._source = source
+        self._fallback = None
+
+    def create_module(self, spec):
+        try:
+            return super().create_module(spec)
+        except (ImportError, OSError) as exc:
+            FAILED[spec.name.rpartition(".")[2]] = f"pure Python: {Path(self.path).name} did not load ({exc})"
+            self._fallback = importlib.machinery.SourceFileLoader(self.name, self._source)
+            spec.origin = self._source  # __file__ is the .py that runs
+            return None  # a plain module, executed from the source below
+
+    def exec_module(self, module) -> None:
+        if self._fallback is not None:
+            module.__loader__ = self._fallback
+            return self._fallback.exec_module(module)
+        return super().exec_module(module)
+
+
 class Finder:
     """Loads ``agentvm.gate.<mod>`` from its matching compiled build, when there is one (a
     meta path finder; not derived from ``importlib.abc``, whose import alone costs the CLI
@@ -103,8 +134,7 @@ class Finder:
         p, _why = compiled_for(mod)
         if p is None:
             return None  # the regular finders import the .py
-        spec = importlib.machinery.ModuleSpec(name, importlib.machinery.ExtensionFileLoader(name, str(p)),
-                                              origin=str(p))
+        spec = importlib.machinery.ModuleSpec(name, _Loader(name, str(p), str(HERE / f"{mod}.py")), origin=str(p))
         spec.has_location = True  # __file__ is the compiled file
         return spec
 
@@ -126,7 +156,7 @@ def status() -> dict[str, str]:
             continue
         why = compiled_for(mod)[1]
         if f is not None and why.startswith("compiled"):
-            why = "pure Python: imported before its build existed (a new process will load it)"
+            why = FAILED.get(mod, "pure Python: imported before its build existed (a new process will load it)")
         out[mod] = why
     return out
 
@@ -157,7 +187,7 @@ def _compile_one(mod: str, work: Path) -> str | None:
     # compile from a copy of exactly the bytes the key was taken from
     src = work / f"{mod}.py"
     src.write_bytes(source)
-    args = [sys.executable, "-m", "cython", f"--module-name={PACKAGE}.{mod}", "-o", str(c), str(src)]
+    args = [sys.executable, "-I", "-m", "cython", f"--module-name={PACKAGE}.{mod}", "-o", str(c), str(src)]
     for k, v in DIRECTIVES.items():
         args += ["-X", f"{k}={v}"] if k != "language_level" else [f"-{v}"]
     r = subprocess.run(args, capture_output=True, text=True)
@@ -165,11 +195,19 @@ def _compile_one(mod: str, work: Path) -> str | None:
         return f"{mod}: cython failed: {(r.stderr or r.stdout).strip()[-600:]}"
     inc = sysconfig.get_paths()["include"]
     cc = os.environ.get("CC", "gcc")
-    r = subprocess.run([cc, "-shared", "-fPIC", "-O2", "-fwrapv", "-fno-strict-aliasing", "-DNDEBUG", "-w",
-                        f"-I{inc}", "-o", str(so), str(c)], capture_output=True, text=True)
+    try:
+        r = subprocess.run([cc, "-shared", "-fPIC", "-O2", "-fwrapv", "-fno-strict-aliasing", "-DNDEBUG", "-w",
+                            f"-I{inc}", "-o", str(so), str(c)], capture_output=True, text=True)
+    except OSError as exc:
+        return f"{mod}: cannot run the C compiler {cc!r}: {exc.strerror} (apt-get install gcc python3-dev)"
     if r.returncode != 0:
         return f"{mod}: {cc} failed: {(r.stderr or r.stdout).strip()[-600:]}"
     os.chmod(so, 0o644)
+    fd = os.open(so, os.O_RDONLY)
+    try:
+        os.fsync(fd)  # whole on disk before its name appears (a crash must not leave a file cut short)
+    finally:
+        os.close(fd)
     os.replace(so, target)  # work is inside OUT: the compiled file appears whole or not at all
     return None
 
@@ -192,6 +230,9 @@ def build(jobs: int = 2) -> list[str]:
     except ImportError:
         return ["Cython is not installed (pip install 'cython>=3.0'; scripts/install.sh installs it)"]
     OUT.mkdir(mode=0o755, exist_ok=True)
+    st = os.lstat(OUT)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+        return [f"{OUT} is not a folder of this user's (a symbolic link?): not building into it"]
     os.chmod(OUT, 0o755)
     for old in OUT.glob(".build-*"):  # left by a build that was killed (a running one is younger)
         try:
@@ -207,8 +248,14 @@ def build(jobs: int = 2) -> list[str]:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     keep = {_path(m, (HERE / f"{m}.py").read_bytes()).name for m in COMPILED}
+    dfd = os.open(OUT, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(dfd)  # the new names, durable
+    finally:
+        os.close(dfd)
     for f in OUT.iterdir():
-        if f.name not in keep and not f.name.startswith(".build-"):
+        # builds of older sources, for this interpreter (another one's builds are its own)
+        if f.name.endswith(SUFFIX) and f.name not in keep and not f.name.startswith(".build-"):
             try:
                 f.unlink()
             except OSError:

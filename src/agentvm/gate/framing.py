@@ -262,7 +262,7 @@ class ResponseReader:
                 self._keep_alive = False
                 self._events.append(END)
             return
-        if self._complete:
+        if self._complete or self._parser is None:  # (the parser goes with the end: next_event)
             self._extra = True
             return
         if not self._final:
