@@ -874,3 +874,101 @@ def test_a_proxied_request_leaves_no_garbage_cycles(tmp_path):
 
     kinds = collections.Counter(f"{type(o).__module__}.{type(o).__qualname__}" for o in garbage)
     assert not [k for k, n in kinds.items() if n >= 40], f"objects left in cycles per request: {kinds.most_common(12)}"
+
+
+class SilentUpstream:
+    """Reads requests and never answers; notes when the gate closes a connection."""
+
+    async def start(self):
+        self.requests = 0
+        self.ended = 0
+
+        async def handle(r, w):
+            try:
+                while True:
+                    data = await r.read(65536)
+                    if not data:
+                        break
+                    self.requests += data.count(b"HTTP/1.1\r\n")
+            except ConnectionError:
+                pass
+            self.ended += 1
+            w.close()
+
+        self.server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        self.port = self.server.sockets[0].getsockname()[1]
+
+
+def test_a_sandbox_that_gives_up_on_a_silent_upstream_frees_its_connection_at_once(tmp_path):
+    """The sandbox's client times out and closes while the gate waits for an answer that never
+    comes: the wait ends then - the upstream connection is closed, the sandbox's connection slot
+    freed, the record says client-left - not whenever the upstream decides to close."""
+
+    async def go():
+        up = SilentUpstream()
+        await up.start()
+        gate, ep, sock = await _open_gate_to(tmp_path, up.port)
+        slots = []
+        for i in range(3):
+            r, w = await asyncio.open_unix_connection(str(sock))
+            w.write(req(up.port, path=f"/slow{i}"))
+            await w.drain()
+            for _ in range(100):  # the request reached the upstream
+                if up.requests > i:
+                    break
+                await asyncio.sleep(0.01)
+            slots.append(ep.active)
+            w.close()  # the client gives up
+        for _ in range(100):
+            if up.ended == 3 and ep.active == 0:
+                break
+            await asyncio.sleep(0.01)
+        ended, active = up.ended, ep.active
+        await gate.close_endpoint("sbx-1")
+        up.server.close()
+        return slots, ended, active, ep
+
+    slots, ended, active, ep = run(go())
+    assert slots == [1, 1, 1] and ended == 3 and active == 0, (slots, ended, active)
+    recs = [json.loads(ln) for ln in ep.log_path.read_text().splitlines()]
+    left = [r for r in recs if r.get("error") == "client-left"]
+    assert [r["path"] for r in left] == ["/slow0", "/slow1", "/slow2"], recs
+    assert all(r["verdict"] == "allow" and r["phase"] == "response" for r in left)
+
+
+def test_an_upstream_silent_past_the_idle_timeout_gets_the_sandbox_a_504(tmp_path, monkeypatch):
+    from agentvm.gate import server
+
+    monkeypatch.setattr(server, "UPSTREAM_IDLE_TIMEOUT", 0.4)
+    monkeypatch.setattr(server, "HEAD_SWEEP", 0.1)
+
+    async def go():
+        up = SilentUpstream()
+        await up.start()
+        gate, ep, sock = await _open_gate_to(tmp_path, up.port)
+        r, w = await asyncio.open_unix_connection(str(sock))
+        t0 = asyncio.get_running_loop().time()
+        w.write(req(up.port, path="/never"))
+        await w.drain()
+        out = b""
+        while True:
+            chunk = await asyncio.wait_for(r.read(65536), 5)
+            if not chunk:
+                break
+            out += chunk
+        took = asyncio.get_running_loop().time() - t0
+        w.close()
+        for _ in range(100):
+            if up.ended == 1:
+                break
+            await asyncio.sleep(0.01)
+        ended = up.ended
+        await gate.close_endpoint("sbx-1")
+        up.server.close()
+        return out, took, ended, ep
+
+    out, took, ended, ep = run(go())
+    assert out.startswith(b"HTTP/1.1 504") and b"X-Agentvm-Denied: upstream:timeout" in out, out[:300]
+    assert 0.4 <= took < 3.0 and ended == 1, (took, ended)
+    recs = [json.loads(ln) for ln in ep.log_path.read_text().splitlines()]
+    assert any(r.get("error") == "upstream:timeout" and r["path"] == "/never" and r["phase"] == "upstream" for r in recs)

@@ -19,12 +19,18 @@ import time
 from agentvm.gate import encoding, framing, h1, rules
 from agentvm.gate.endpoint import Endpoint
 from agentvm.gate.exchange import Forward, cred_deny
+from agentvm.gate.streams import Interrupted, PlainStream, client_gone
 
 CRED_BUFFER = 1 << 20  # request bodies held for a placeholder scan before anything is sent
 # a SigV4/HMAC request is buffered whole to be re-signed: per request, and per sandbox in total
 RESIGN_MAX_BODY = 64 * 1024 * 1024
 RESIGN_BUDGET = 96 * 1024 * 1024
 EMIT_BATCH = 65536  # response bytes coalesced into one write (one TLS record for a small answer)
+# seconds the gate waits for the next bytes of an upstream's answer (Squid's read_timeout is 15
+# minutes; a model thinking before its first token can take minutes). A sandbox that gives up
+# first is seen at once (its EOF interrupts the wait): this only bounds an upstream that goes
+# silent while the sandbox keeps waiting too. Checked by the gate's sweep (server.py)
+UPSTREAM_IDLE_TIMEOUT = 900.0
 
 
 class BodyEnded(Exception):
@@ -41,9 +47,9 @@ class UpstreamError(Exception):
     ``upstream:reset``: its connection failed), never as ``internal-error``; ``answered`` says
     whether the sandbox already got a response head (else it gets a 502)."""
 
-    def __init__(self, rule_id: str, reason: str, *, answered: bool):
+    def __init__(self, rule_id: str, reason: str, *, answered: bool, status: int = 502):
         super().__init__(reason)
-        self.rule_id, self.reason, self.answered = rule_id, reason, answered
+        self.rule_id, self.reason, self.answered, self.status = rule_id, reason, answered, status
 
 
 class BadBody(Exception):
@@ -133,6 +139,7 @@ class Relay:
         self.scanner = creds.body_scanner(req.host) if creds is not None else None
         self.scrubber = creds.scrubber() if creds is not None else None
         self.sent = 0
+        self._watching: PlainStream | None = None  # the sandbox's connection, while its EOF interrupts the upstream
         self.t0 = time.monotonic()  # for the decision's upstream_ms
         # the sandbox's connection stays open after this exchange: HTTP/1.1 without "close"
         conn = {t.strip().lower() for k, v in req.headers if k == b"connection" for t in v.split(b",")}
@@ -188,6 +195,8 @@ class Relay:
         try:
             return await self._run(headers)
         finally:
+            if self._watching is not None:  # the sandbox's connection stops interrupting this upstream
+                self._watching.on_gone = None
             llm = self._count_llm()  # a response cut short still counts
             if llm is not None:
                 self._log(verdict="allow", rule_id=self.d.rule_id, reason="LLM response ended early: counted",
@@ -393,6 +402,16 @@ class Relay:
         self._out_len = 0
         self._frame = bytes  # how body pieces are framed toward the sandbox (set with the head)
         held, emit, scrubbed_out = self._held, self._emit, self._scrubbed_out
+        up, gate = self.upstream, ep.gate
+        # the sandbox closing its connection (its client gave up) ends the wait for the answer at
+        # once: the upstream connection is closed, not held until the upstream answers
+        raw = getattr(client, "raw", client)
+        if isinstance(raw, PlainStream) and isinstance(up, PlainStream):
+            if client_gone(raw):
+                up.interrupt()
+            else:
+                raw.on_gone = up.interrupt
+                self._watching = raw
 
         received = 0
         answered = False
@@ -412,13 +431,24 @@ class Relay:
                 # progress) reaches the agent as it is sent, not when the response ends
                 if self._out:
                     await emit(b"", flush=True)
+                gate.watch_read(up)
                 try:
-                    data = await self.upstream.read()
+                    data = await up.read()
+                except Interrupted as exc:
+                    if exc.why == "client-left":
+                        self._log(verdict="allow", rule_id=d.rule_id, phase="response", error="client-left",
+                                  reason="the sandbox closed its connection before the answer ended: the upstream "
+                                  "connection is closed too", bytes_out=self.sent, bytes_in=received)
+                        return False, b"", False
+                    raise UpstreamError("upstream:timeout", f"the upstream sent nothing for {UPSTREAM_IDLE_TIMEOUT:g} s "
+                                        "while its answer was awaited", answered=answered, status=504) from None
                 except (ConnectionError, OSError) as exc:
                     if self.pooled and not answered:
                         raise Stale() from None
                     raise UpstreamError("upstream:reset", f"the upstream connection failed: {type(exc).__name__}",
                                         answered=answered) from None
+                finally:
+                    gate.unwatch_read(up)
                 try:
                     reader.receive_data(data)  # b"" signals EOF
                 except framing.FramingError as exc:

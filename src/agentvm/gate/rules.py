@@ -69,6 +69,7 @@ RULES: dict[str, str] = {
     "log:suppressed": "not a decision: how many denials were counted but not logged one by one (deny-log rate limit)",
     "client-gone": "the sandbox closed the connection before its request was forwarded (never sent late)",
     "client-reset": "not a denial: the sandbox reset an HTTP/2 stream before its response ended (in \"error\")",
+    "client-left": "not a denial: the sandbox closed its connection while the gate waited for the answer; the upstream connection is closed too (in \"error\")",
     "tls-handshake": "the sandbox's TLS handshake with the gate failed (does it trust the installation's CA?)",
     # credentials by reference
     "credential:leak:": "a placeholder outside its declared place or bound hosts; the suffix names the credential",
@@ -84,6 +85,7 @@ RULES: dict[str, str] = {
     # the allowing rule in "rule" and the failure in "error"
     "upstream:unreachable": "the upstream could not be connected to (502)",
     "upstream:reset": "the upstream connection failed mid-exchange (502 when no answer had started)",
+    "upstream:timeout": "the upstream sent nothing for 15 minutes while its answer was awaited (504 when no answer had started)",
     "upstream:protocol-error": "the upstream broke HTTP/1.1 or closed mid-message (502 when no answer had started)",
     "upstream:bad-encoding": "an upstream body that does not decode in its declared content coding",
     ":max-body": "suffix of an operator rule id: the request body went over the rule's maxBody",

@@ -32,7 +32,7 @@ from agentvm.gate import h1
 from agentvm.gate.endpoint import Cut, Endpoint
 from agentvm.gate.framing import RequestBody
 from agentvm.gate.policy import EgressPolicy
-from agentvm.gate.relay import Relay, Stale, UpstreamError
+from agentvm.gate.relay import UPSTREAM_IDLE_TIMEOUT, Relay, Stale, UpstreamError
 from agentvm.gate.streams import HELLO_TIMEOUT, PlainStream, TLSStream, client_gone
 from agentvm.gate.tunnel import stream_splice, zero_copy_splice
 
@@ -84,6 +84,9 @@ class Gate:
         # is cancelled and noted in _head_expired, and its connection closed quietly
         self._head_waits: dict[asyncio.Task, float] = {}
         self._head_expired: set[asyncio.Task] = set()
+        # upstream connections a relay is waiting to read from: stream -> since when. The same
+        # sweep interrupts a read idle past UPSTREAM_IDLE_TIMEOUT (the relay answers 504)
+        self._upstream_waits: dict[PlainStream, float] = {}
         self._head_sweep: asyncio.TimerHandle | None = None
         self._head_sweep_loop: asyncio.AbstractEventLoop | None = None
 
@@ -245,16 +248,32 @@ class Gate:
         self._head_sweep_loop = loop = asyncio.get_running_loop()
         self._head_sweep = loop.call_later(min(HEAD_SWEEP, HEAD_TIMEOUT / 4), self._sweep_heads)
 
+    def watch_read(self, upstream: PlainStream) -> None:
+        """A relay starts waiting for ``upstream``'s next bytes (see UPSTREAM_IDLE_TIMEOUT)."""
+        self._upstream_waits[upstream] = time.monotonic()
+        if self._head_sweep is None or self._head_sweep_loop is not asyncio.get_running_loop():
+            self._arm_head_sweep()
+
+    def unwatch_read(self, upstream: PlainStream) -> None:
+        self._upstream_waits.pop(upstream, None)
+
     def _sweep_heads(self) -> None:
-        """Cancel the connections that have waited HEAD_TIMEOUT for a head; re-armed while any wait."""
+        """Cancel the connections that have waited HEAD_TIMEOUT for a head, interrupt the reads
+        of upstreams silent for UPSTREAM_IDLE_TIMEOUT; re-armed while any wait."""
         self._head_sweep = None
-        late = time.monotonic() - HEAD_TIMEOUT
+        now = time.monotonic()
+        late = now - HEAD_TIMEOUT
         for task, since in list(self._head_waits.items()):
             if since <= late:
                 del self._head_waits[task]
                 self._head_expired.add(task)
                 task.cancel()
-        if self._head_waits:
+        late = now - UPSTREAM_IDLE_TIMEOUT
+        for up, since in list(self._upstream_waits.items()):
+            if since <= late:
+                del self._upstream_waits[up]
+                up.interrupt("upstream-timeout")
+        if self._head_waits or self._upstream_waits:
             self._arm_head_sweep()
 
     # -- carrying out the exchange core's commands -----------------------------------------
@@ -375,7 +394,7 @@ class Gate:
                 ep.log(verdict="allow", rule_id=fwd.decision.rule_id, reason=exc.reason, host=req.host, port=req.port,
                        method=req.method, path=shown, phase="upstream", error=exc.rule_id)
                 if not exc.answered:
-                    await client.write(h1.error_response(502, exc.rule_id, exc.reason))
+                    await client.write(h1.error_response(exc.status, exc.rule_id, exc.reason))
                 return False, b""
             except BaseException:
                 upstream.close()

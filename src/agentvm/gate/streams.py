@@ -14,6 +14,16 @@ LIMIT = 65536  # bytes buffered unread before the socket is no longer read (x2, 
 COALESCE = 4096  # a piece smaller than this is appended to a last piece smaller than this
 
 
+class Interrupted(Exception):
+    """A read stopped by :meth:`PlainStream.interrupt`: ``why`` is ``client-left`` (the sandbox
+    closed its side while the relay waited for the upstream) or ``upstream-timeout``. Not a
+    ConnectionError: the relay tells it apart from the upstream failing."""
+
+    def __init__(self, why: str) -> None:
+        super().__init__(why)
+        self.why = why
+
+
 class PlainStream(asyncio.Protocol):
     """One connection, as the relay's coroutine sees it: ``await read()`` the bytes that
     arrived (b"" at EOF), ``await write()`` (waits only while the peer is not taking them).
@@ -26,7 +36,7 @@ class PlainStream(asyncio.Protocol):
     the stream once the connection is made."""
 
     __slots__ = ("transport", "_chunks", "_size", "_limit", "_eof", "_exc", "_lost", "_waiter", "_reading_paused",
-                 "_writing_paused", "_drains", "_on_connect", "_over_ssl", "task", "_loop")
+                 "_writing_paused", "_drains", "_on_connect", "_over_ssl", "task", "_loop", "on_gone")
 
     def __init__(self, limit: int = LIMIT, on_connect=None) -> None:
         self.transport: asyncio.Transport | None = None
@@ -44,6 +54,9 @@ class PlainStream(asyncio.Protocol):
         self._over_ssl = False
         # the handler serving this connection (servers): held here, the loop keeps only a weak reference
         self.task: asyncio.Task | None = None
+        # called (no arguments) when the peer's EOF arrives or the connection is lost: the relay
+        # sets it on the sandbox's connection while it waits for the upstream's answer
+        self.on_gone = None
 
     # -- protocol callbacks (the loop) -----------------------------------------------------
     def connection_made(self, transport) -> None:
@@ -76,6 +89,7 @@ class PlainStream(asyncio.Protocol):
     def eof_received(self) -> bool:
         self._eof = True
         self._wake()
+        self._gone()
         return not self._over_ssl  # keep a plain socket half-open: the answer can still be written
 
     def connection_lost(self, exc) -> None:
@@ -84,6 +98,7 @@ class PlainStream(asyncio.Protocol):
         if exc is not None:
             self._exc = exc
         self._wake()
+        self._gone()
         drains = self._drains
         while drains:
             d = drains.popleft()
@@ -100,6 +115,23 @@ class PlainStream(asyncio.Protocol):
             d = drains.popleft()
             if not d.done():
                 d.set_result(None)
+
+    def _gone(self) -> None:
+        cb = self.on_gone
+        if cb is not None:
+            self.on_gone = None
+            cb()
+
+    def interrupt(self, why: str = "client-left") -> None:
+        """Stop waiting on this peer: the pending read - or the next one that finds nothing
+        buffered - raises :class:`Interrupted` (the connection is not to be read again)."""
+        if self._exc is None:
+            self._exc = Interrupted(why)
+        w = self._waiter
+        if w is not None:
+            self._waiter = None
+            if not w.done():
+                w.set_exception(self._exc)
 
     def _wake(self) -> None:
         w = self._waiter
