@@ -37,8 +37,9 @@ def _place(here: Path) -> Path:
     out = here / "_accel"
     out.mkdir(mode=0o755, exist_ok=True)
     os.chmod(out, 0o755)
-    p = accel._path("tiny", (here / "tiny.py").read_bytes())
-    p.write_bytes(b"not really a library")
+    content = b"not really a library"
+    p = out / f"{accel._prefix('tiny', (here / 'tiny.py').read_bytes())}{len(content)}{accel.SUFFIX}"
+    p.write_bytes(content)
     os.chmod(p, 0o644)
     return p
 
@@ -179,3 +180,14 @@ def test_build_refuses_an_output_folder_that_is_a_symbolic_link(fake, tmp_path):
     assert len(errors) == 1 and "not a folder of this user's" in errors[0]
     assert (private / "important.txt").read_text() == "keep me" and oct(private.stat().st_mode & 0o777) == "0o700"
     assert accel.compiled_for("tiny")[0] is None
+
+
+def test_a_build_cut_short_is_never_loaded_and_is_built_again(fake):
+    # a shared library cut short can kill the process that maps it (SIGBUS), past any fallback
+    p = _place(fake)
+    with open(p, "r+b") as f:
+        f.truncate(5)
+    path, why = accel.compiled_for("tiny")
+    assert path is None and "cut short" in why, why
+    assert accel.Finder().find_spec(f"{accel.PACKAGE}.tiny") is None
+    assert accel.unbuilt() == ["tiny"]

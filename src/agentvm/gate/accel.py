@@ -8,8 +8,9 @@ not make) takes about a sixth off the gate's CPU per request (``bench/README.md`
 
 * ``python -m agentvm.gate build`` (``scripts/install.sh`` runs it) compiles each module
   into ``_accel/`` next to it, one file per module named after the SHA-256 of the source it
-  was built from and this build's settings. Nothing is written into the source tree's own
-  modules, and a compiled file can never stand in for a source it was not built from.
+  was built from and this build's settings, and after its own size (a file cut short is never
+  loaded: it could crash the loader). Nothing is written into the source tree's own modules,
+  and a compiled file can never stand in for a source it was not built from.
 * ``agentvm.gate`` installs ``Finder`` first on ``sys.meta_path``: importing one of these
   modules loads the compiled file only when it matches the ``.py`` as it is now, is a regular
   file owned by root or by us, and neither it nor its folder is writable by anyone else (a
@@ -49,8 +50,32 @@ def _key(source: bytes) -> str:
     return hashlib.sha256(BUILD.encode() + b"\0" + source).hexdigest()[:24]
 
 
-def _path(mod: str, source: bytes) -> Path:
-    return OUT / f"{mod}-{_key(source)}{SUFFIX}"
+def _prefix(mod: str, source: bytes) -> str:
+    """A build's name is ``<prefix><its size in bytes><SUFFIX>``: a file cut short never loads."""
+    return f"{mod}-{_key(source)}-"
+
+
+def _find(mod: str, source: bytes) -> Path | None:
+    """The build of exactly this source, whatever its state, or None."""
+    pre = _prefix(mod, source)
+    try:
+        names = os.listdir(OUT)
+    except OSError:
+        return None
+    for n in names:
+        if n.startswith(pre) and n.endswith(SUFFIX) and n[len(pre):-len(SUFFIX)].isdigit():
+            return OUT / n
+    return None
+
+
+def _cut_short(p: Path, mod: str, source: bytes) -> str | None:
+    """Why the build at ``p`` is not whole (its size differs from the one in its name), or None."""
+    want = int(p.name[len(_prefix(mod, source)):-len(SUFFIX)])
+    try:
+        have = os.lstat(p).st_size
+    except OSError as exc:
+        return f"{p.name}: {exc.strerror}"
+    return None if have == want else f"{p.name} is cut short or grown ({have} bytes, built as {want})"
 
 
 def _pure() -> bool:
@@ -84,10 +109,10 @@ def compiled_for(mod: str) -> tuple[Path | None, str]:
         source = (HERE / f"{mod}.py").read_bytes()
     except OSError as exc:
         return None, f"pure Python: cannot read {mod}.py ({exc.strerror})"
-    p = _path(mod, source)
-    if not p.exists():
+    p = _find(mod, source)
+    if p is None:
         return None, "pure Python: no build of this source (python -m agentvm.gate build)"
-    why = _trusted(p)
+    why = _trusted(p) or _cut_short(p, mod, source)  # (a library cut short can crash the loader: SIGBUS)
     if why is not None:
         return None, f"pure Python: not loading {p.name}: {why}"
     return p, f"compiled ({p.name})"
@@ -98,8 +123,8 @@ FAILED: dict[str, str] = {}
 
 
 class _Loader(importlib.machinery.ExtensionFileLoader):
-    """The compiled build - or, when it does not load (a file cut short by a crash, say), the
-    ``.py``: a bad build costs speed, never the gate (``status()`` says why)."""
+    """The compiled build - or, when it does not load (a damaged file that still has its size,
+    say), the ``.py``: it costs speed, not the gate (``status()`` says why)."""
 
     def __init__(self, name: str, path: str, source: str) -> None:
         super().__init__(name, path)
@@ -179,8 +204,8 @@ def _compile_one(mod: str, work: Path) -> str | None:
     import sysconfig
 
     source = (HERE / f"{mod}.py").read_bytes()
-    target = _path(mod, source)
-    if target.exists():
+    old = _find(mod, source)
+    if old is not None and _cut_short(old, mod, source) is None:
         return None
     c = work / f"{mod}.c"
     so = work / f"{mod}{SUFFIX}"
@@ -206,15 +231,27 @@ def _compile_one(mod: str, work: Path) -> str | None:
     fd = os.open(so, os.O_RDONLY)
     try:
         os.fsync(fd)  # whole on disk before its name appears (a crash must not leave a file cut short)
+        size = os.fstat(fd).st_size
     finally:
         os.close(fd)
-    os.replace(so, target)  # work is inside OUT: the compiled file appears whole or not at all
+    os.replace(so, OUT / f"{_prefix(mod, source)}{size}{SUFFIX}")  # work is inside OUT: appears whole or not at all
+    if old is not None:  # a build of this source that was not whole
+        try:
+            old.unlink()
+        except OSError:
+            pass
     return None
 
 
 def unbuilt() -> list[str]:
     """The modules whose current source has no build yet."""
-    return [m for m in COMPILED if not _path(m, (HERE / f"{m}.py").read_bytes()).exists()]
+    out = []
+    for m in COMPILED:
+        source = (HERE / f"{m}.py").read_bytes()
+        p = _find(m, source)
+        if p is None or _cut_short(p, m, source) is not None:
+            out.append(m)
+    return out
 
 
 def build(jobs: int = 2) -> list[str]:
@@ -229,7 +266,10 @@ def build(jobs: int = 2) -> list[str]:
         import Cython  # noqa: F401
     except ImportError:
         return ["Cython is not installed (pip install 'cython>=3.0'; scripts/install.sh installs it)"]
-    OUT.mkdir(mode=0o755, exist_ok=True)
+    try:
+        OUT.mkdir(mode=0o755, exist_ok=True)
+    except FileExistsError:
+        pass  # a symbolic link to nowhere: refused below
     st = os.lstat(OUT)
     if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
         return [f"{OUT} is not a folder of this user's (a symbolic link?): not building into it"]
@@ -247,7 +287,7 @@ def build(jobs: int = 2) -> list[str]:
             errors = [e for e in ex.map(lambda m: _compile_one(m, work), COMPILED) if e]
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    keep = {_path(m, (HERE / f"{m}.py").read_bytes()).name for m in COMPILED}
+    keep = {p.name for p in (_find(m, (HERE / f"{m}.py").read_bytes()) for m in COMPILED) if p is not None}
     dfd = os.open(OUT, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(dfd)  # the new names, durable

@@ -186,7 +186,8 @@ class ResponseReader:
         self._bad: str | None = None
         self._in_head = True  # before the final head: its fields count against the limits
         self._head_fields = 0
-        self._head_bytes = 0
+        self._head_bytes = 0  # the head's fields, as llhttp reports them (name + value + 4 each)
+        self._fed_before_head = 0  # every byte fed before the final head was complete
 
     # -- httptools callbacks
     def on_message_begin(self) -> None:
@@ -268,8 +269,10 @@ class ResponseReader:
         if not self._final:
             # llhttp keeps a header line it has not seen the end of: count every byte before the
             # final head, so an endless line cannot grow the gate's memory
-            self._head_bytes += len(data)
-            if self._head_bytes > 2 * MAX_RESPONSE_HEAD + len(data):
+            # (a count of its own: the body that follows the head in the same read is not part
+            # of the head's fields, which on_header counts against MAX_RESPONSE_HEAD)
+            self._fed_before_head += len(data)
+            if self._fed_before_head > 2 * MAX_RESPONSE_HEAD + len(data):
                 raise FramingError(f"the upstream broke HTTP/1.1: a response head over {MAX_RESPONSE_HEAD} bytes")
         try:
             self._parser.feed_data(data)

@@ -52,6 +52,10 @@ class UpstreamError(Exception):
         self.rule_id, self.reason, self.answered, self.status = rule_id, reason, answered, status
 
 
+class ClientGone(Exception):
+    """The sandbox closed its connection before the request went upstream: it is not sent."""
+
+
 class BadBody(Exception):
     """The sandbox's request body broke HTTP/1.1 framing (a bad chunk size, for example)."""
 
@@ -177,6 +181,12 @@ class Relay:
         self.llm_counted = True
         return self.budget.add(*meter.finish(self.sent))
 
+    def _unwatch(self) -> None:
+        """The sandbox's connection stops interrupting this relay's upstream (see _response)."""
+        if self._watching is not None:
+            self._watching.on_gone = None
+            self._watching = None
+
     def _count_out(self, n: int) -> None:
         self.ep.count_out(n, self.req.host, self.req.port)
 
@@ -195,8 +205,7 @@ class Relay:
         try:
             return await self._run(headers)
         finally:
-            if self._watching is not None:  # the sandbox's connection stops interrupting this upstream
-                self._watching.on_gone = None
+            self._unwatch()
             llm = self._count_llm()  # a response cut short still counts
             if llm is not None:
                 self._log(verdict="allow", rule_id=self.d.rule_id, reason="LLM response ended early: counted",
@@ -213,6 +222,10 @@ class Relay:
                 finally:
                     self.ep.resign_buffered -= held[0]
             return await self._send_streamed(headers)
+        except ClientGone:
+            self._log(verdict="deny", rule_id="client-gone", phase="request", bytes_out=self.sent,
+                      reason="the client closed the connection before the request was forwarded")
+            return False, b"", False
         except BadBody as exc:
             self._log(verdict="deny", rule_id="bad-request:bad-body", reason=f"request body framing: {exc}"[:300],
                       phase="stream", bytes_out=self.sent)
@@ -230,6 +243,8 @@ class Relay:
 
     async def _send_head(self, headers) -> None:
         req = self.req
+        if client_gone(self.client):
+            raise ClientGone()  # its EOF came with (or after) the body: the request is not sent late
         head = framing.request_head(req.method, req.path, headers)
         self._count_out(len(head))  # a head carries data out too (path, headers)
         await self._write_up(head, head=True)
@@ -353,6 +368,8 @@ class Relay:
         head = framing.request_head(req.method, target, new_headers)
         self._count_out(len(head))
         self.pooled = False  # a signed request is never retried (its signature is single-use)
+        if client_gone(self.client):
+            raise ClientGone()  # the sandbox closed while the body was read: not sent late
         await self._write_up(head + sreq.body)
         self.sent = len(sreq.body)
         self.ws = False
@@ -463,6 +480,7 @@ class Relay:
                     # only the WebSocket a rule allowed: never another protocol the upstream picked
                     raise UpstreamError("upstream:protocol-error", "the upstream switched to a protocol not asked for",
                                         answered=answered)
+                self._unwatch()  # the splice ends each way on its own: an EOF is not a client gone
                 await emit(b"", flush=True)
                 head = ev.head
                 wh = h1.response_headers(head.headers, keep_upgrade=True)
@@ -507,6 +525,7 @@ class Relay:
                     await emit(b"")
                 continue
             if ev is framing.END:
+                self._unwatch()  # nothing more is read from the upstream
                 if scrub is not None and not await scrubbed_out(scrub.finish()):
                     return False, b"", False
                 await emit(framing.LAST_CHUNK if self._frame is framing.chunk else b"", flush=True)

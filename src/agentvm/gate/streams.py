@@ -209,7 +209,7 @@ class PlainStream(asyncio.Protocol):
     def reusable(self) -> bool:
         """Open both ways, and nothing unread: bytes an upstream sent unasked (a response ahead
         of its request) make a connection unusable."""
-        return not self._eof and not self.transport.is_closing() and not self._chunks
+        return not self._eof and self._exc is None and not self.transport.is_closing() and not self._chunks
 
     def take_buffered(self) -> bytes:
         """What arrived and was not read yet (handing the socket over to a splice)."""
