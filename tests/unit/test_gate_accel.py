@@ -184,10 +184,27 @@ def test_build_refuses_an_output_folder_that_is_a_symbolic_link(fake, tmp_path):
 
 def test_a_build_cut_short_is_never_loaded_and_is_built_again(fake):
     # a shared library cut short can kill the process that maps it (SIGBUS), past any fallback
-    p = _place(fake)
+    pytest.importorskip("Cython", reason="the accel extra (cython) is not installed")
+    assert accel.build() == []
+    p = accel.compiled_for("tiny")[0]
+    size = p.stat().st_size
     with open(p, "r+b") as f:
-        f.truncate(5)
+        f.truncate(size // 2)
     path, why = accel.compiled_for("tiny")
     assert path is None and "cut short" in why, why
     assert accel.Finder().find_spec(f"{accel.PACKAGE}.tiny") is None
     assert accel.unbuilt() == ["tiny"]
+    assert accel.build() == []  # built again: the same name (the same size), whole this time
+    assert accel.compiled_for("tiny")[0] == p and p.stat().st_size == size and accel.unbuilt() == []
+
+
+def test_a_stray_file_with_a_strange_size_in_its_name_is_ignored(fake):
+    src = (fake / "tiny.py").read_bytes()
+    out = fake / "_accel"
+    out.mkdir(mode=0o755)
+    os.chmod(out, 0o755)
+    (out / f"{accel._prefix('tiny', src)}\u00b2{accel.SUFFIX}").write_bytes(b"x")  # not an ASCII number
+    assert accel.compiled_for("tiny")[0] is None and accel.Finder().find_spec(f"{accel.PACKAGE}.tiny") is None
+    whole = _place(fake)  # beside one cut short, the whole build is the one found
+    (out / f"{accel._prefix('tiny', src)}999{accel.SUFFIX}").write_bytes(b"y")
+    assert accel.compiled_for("tiny")[0] == whole

@@ -277,3 +277,21 @@ def test_a_head_that_never_ends_is_still_bounded():
     with pytest.raises(fr.FramingError):
         for _ in range(40):
             r.receive_data(b"a" * 8192)
+
+
+def test_a_trailer_that_never_ends_is_bounded_too():
+    # after the body, llhttp keeps an unfinished trailer line (and grows it): cut, like a head
+    r = fr.ResponseReader("GET")
+    evs = events(r, b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n0\r\nX-T: ")
+    assert evs[0].status == 200
+    with pytest.raises(fr.FramingError):
+        for _ in range(40):
+            r.receive_data(b"a" * 8192)
+
+
+def test_a_long_chunked_body_in_small_pieces_is_not_taken_for_an_endless_trailer():
+    r = fr.ResponseReader("GET")
+    pieces = [b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"]
+    pieces += [b"400\r\n" + b"z" * 1024 + b"\r\n" for _ in range(600)] + [b"0\r\nX-T: done\r\n\r\n"]
+    evs = events(r, *pieces)
+    assert b"".join(e for e in evs if isinstance(e, bytes)) == b"z" * (1024 * 600) and evs[-1] is fr.END

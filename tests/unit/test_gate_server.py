@@ -98,6 +98,16 @@ async def exchange(sock: Path, data: bytes, *, read_timeout: float = 5.0) -> byt
     return out
 
 
+async def read_to_eof(r) -> bytes:
+    """All the gate sends on a connection until it closes it (5 s at most per read)."""
+    out = b""
+    while True:
+        chunk = await asyncio.wait_for(r.read(65536), 5)
+        if not chunk:
+            return out
+        out += chunk
+
+
 def req(port: int, host: str = "up.test", path: str = "/", extra: str = "", body: bytes = b"", method: str = "GET") -> bytes:
     h = f"{method} http://{host}:{port}{path} HTTP/1.1\r\nHost: {host}:{port}\r\n{extra}"
     if body:
@@ -169,12 +179,7 @@ def test_pipelined_second_request_is_checked_too(tmp_path):
         r, w = await asyncio.open_unix_connection(str(sock))
         w.write(data)
         await w.drain()
-        out = b""
-        while True:
-            chunk = await asyncio.wait_for(r.read(65536), 5)
-            if not chunk:
-                break
-            out += chunk
+        out = await read_to_eof(r)
         w.close()
         return out, bytes(up.received)
 
@@ -299,22 +304,29 @@ def test_fuzz_gate_stays_up(tmp_path_factory, chunks):
         assert json.loads(ln)["rule"] != "internal-error", ln
 
 
+async def ws_echo_upstream(r, w, last: bytes = b""):
+    """A WebSocket upstream: 101, then echoes what it gets; ``last`` sent after the sandbox's EOF
+    (its close frame, say)."""
+    hd = await r.readuntil(b"\r\n\r\n")
+    assert b"upgrade: websocket" in hd.lower()
+    w.write(b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\n")
+    await w.drain()
+    while True:
+        data = await r.read(100)
+        if not data:
+            break
+        w.write(b"echo:" + data)
+        await w.drain()
+    if last:
+        await asyncio.sleep(0.1)
+        w.write(last)
+        await w.drain()
+    w.close()
+
+
 def test_websocket_upgrade_only_where_allowed_and_relayed(tmp_path):
     async def go():
-        async def ws_upstream(r, w):
-            hd = await r.readuntil(b"\r\n\r\n")
-            assert b"upgrade: websocket" in hd.lower()
-            w.write(b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\n")
-            await w.drain()
-            while True:
-                data = await r.read(100)
-                if not data:
-                    break
-                w.write(b"echo:" + data)
-                await w.drain()
-            w.close()
-
-        srv = await asyncio.start_server(ws_upstream, "127.0.0.1", 0)
+        srv = await asyncio.start_server(ws_echo_upstream, "127.0.0.1", 0)
         port = srv.sockets[0].getsockname()[1]
         from types import SimpleNamespace
 
@@ -953,12 +965,7 @@ def test_an_upstream_silent_past_the_idle_timeout_gets_the_sandbox_a_504(tmp_pat
         t0 = asyncio.get_running_loop().time()
         w.write(req(up.port, path="/never"))
         await w.drain()
-        out = b""
-        while True:
-            chunk = await asyncio.wait_for(r.read(65536), 5)
-            if not chunk:
-                break
-            out += chunk
+        out = await read_to_eof(r)
         took = asyncio.get_running_loop().time() - t0
         w.close()
         for _ in range(100):
@@ -984,22 +991,7 @@ def test_a_websocket_the_sandbox_closes_first_ends_as_relayed_not_as_a_gate_erro
     from types import SimpleNamespace
 
     async def go():
-        async def ws_upstream(r, w):
-            await r.readuntil(b"\r\n\r\n")
-            w.write(b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\n")
-            await w.drain()
-            while True:
-                data = await r.read(100)
-                if not data:
-                    break
-                w.write(b"echo:" + data)
-                await w.drain()
-            await asyncio.sleep(0.1)
-            w.write(b"bye-after-client-eof")
-            await w.drain()
-            w.close()
-
-        srv = await asyncio.start_server(ws_upstream, "127.0.0.1", 0)
+        srv = await asyncio.start_server(lambda r, w: ws_echo_upstream(r, w, b"bye-after-client-eof"), "127.0.0.1", 0)
         port = srv.sockets[0].getsockname()[1]
         rule = SimpleNamespace(host="ws.test", ports=[port], methods=[], paths=[], max_body=None, websocket=True, id="ws")
         eg = compile_egress(SimpleNamespace(allow=[rule], hosts={"ws.test": "127.0.0.1"}))
@@ -1075,3 +1067,46 @@ def test_an_upstream_connection_the_sandbox_left_on_never_goes_back_to_the_pool(
         return bad
 
     assert run(go()) == []
+
+
+def test_a_websocket_whose_101_and_the_sandboxs_eof_come_together_is_still_relayed(tmp_path):
+    from types import SimpleNamespace
+
+    async def go():
+        got = asyncio.Queue()
+
+        async def ws_upstream(r, w):
+            await r.readuntil(b"\r\n\r\n")
+            await got.put(w)
+            while await r.read(100):
+                pass
+            await asyncio.sleep(0.1)
+            w.write(b"bye")
+            await w.drain()
+            w.close()
+
+        srv = await asyncio.start_server(ws_upstream, "127.0.0.1", 0)
+        port = srv.sockets[0].getsockname()[1]
+        rule = SimpleNamespace(host="ws.test", ports=[port], methods=[], paths=[], max_body=None, websocket=True, id="ws")
+        eg = compile_egress(SimpleNamespace(allow=[rule], hosts={"ws.test": "127.0.0.1"}))
+        gate = Gate(tmp_path / "gate", tmp_path / "logs")
+        ep = await gate.open_endpoint("sbx-ws", "agent", eg, tmp_path / "ws.sock")
+        r, w = await asyncio.open_unix_connection(str(tmp_path / "ws.sock"))
+        w.write(f"GET http://ws.test:{port}/chat HTTP/1.1\r\nHost: ws.test:{port}\r\nUpgrade: websocket\r\n"
+                f"Connection: Upgrade\r\nSec-WebSocket-Key: x\r\nSec-WebSocket-Version: 13\r\n\r\n".encode())
+        await w.drain()
+        uw = await asyncio.wait_for(got.get(), 5)
+        await asyncio.sleep(0.05)
+        uw.write(b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\n")
+        w.write_eof()  # the same loop turn as the 101
+        out = await read_to_eof(r)
+        w.close()
+        await asyncio.sleep(0.2)
+        await gate.close_endpoint("sbx-ws")
+        srv.close()
+        return out, ep
+
+    out, ep = run(go())
+    recs = [json.loads(ln) for ln in ep.log_path.read_text().splitlines()]
+    assert [(r["phase"], r["rule"], r["reason"]) for r in recs] == [("websocket", "ws", "websocket relayed")], recs
+    assert out.startswith(b"HTTP/1.1 101") and out.endswith(b"bye")

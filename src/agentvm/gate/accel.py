@@ -56,16 +56,20 @@ def _prefix(mod: str, source: bytes) -> str:
 
 
 def _find(mod: str, source: bytes) -> Path | None:
-    """The build of exactly this source, whatever its state, or None."""
+    """The build of exactly this source - a whole one when there is one - or None."""
     pre = _prefix(mod, source)
     try:
         names = os.listdir(OUT)
     except OSError:
         return None
+    found = None
     for n in names:
-        if n.startswith(pre) and n.endswith(SUFFIX) and n[len(pre):-len(SUFFIX)].isdigit():
-            return OUT / n
-    return None
+        size = n[len(pre):-len(SUFFIX)] if n.startswith(pre) and n.endswith(SUFFIX) else ""
+        if size and size.isascii() and size.isdigit():
+            found = OUT / n
+            if _cut_short(found, mod, source) is None:
+                return found
+    return found
 
 
 def _cut_short(p: Path, mod: str, source: bytes) -> str | None:
@@ -76,6 +80,14 @@ def _cut_short(p: Path, mod: str, source: bytes) -> str | None:
     except OSError as exc:
         return f"{p.name}: {exc.strerror}"
     return None if have == want else f"{p.name} is cut short or grown ({have} bytes, built as {want})"
+
+
+def _usable(p: Path | None, mod: str, source: bytes) -> str | None:
+    """Why the build at ``p`` is not to be loaded (or is missing), or None."""
+    if p is None:
+        return "no build of this source (python -m agentvm.gate build)"
+    why = _trusted(p) or _cut_short(p, mod, source)  # (a library cut short can crash the loader: SIGBUS)
+    return None if why is None else f"not loading {p.name}: {why}"
 
 
 def _pure() -> bool:
@@ -110,11 +122,9 @@ def compiled_for(mod: str) -> tuple[Path | None, str]:
     except OSError as exc:
         return None, f"pure Python: cannot read {mod}.py ({exc.strerror})"
     p = _find(mod, source)
-    if p is None:
-        return None, "pure Python: no build of this source (python -m agentvm.gate build)"
-    why = _trusted(p) or _cut_short(p, mod, source)  # (a library cut short can crash the loader: SIGBUS)
+    why = _usable(p, mod, source)
     if why is not None:
-        return None, f"pure Python: not loading {p.name}: {why}"
+        return None, f"pure Python: {why}"
     return p, f"compiled ({p.name})"
 
 
@@ -205,7 +215,7 @@ def _compile_one(mod: str, work: Path) -> str | None:
 
     source = (HERE / f"{mod}.py").read_bytes()
     old = _find(mod, source)
-    if old is not None and _cut_short(old, mod, source) is None:
+    if _usable(old, mod, source) is None:
         return None
     c = work / f"{mod}.c"
     so = work / f"{mod}{SUFFIX}"
@@ -234,8 +244,9 @@ def _compile_one(mod: str, work: Path) -> str | None:
         size = os.fstat(fd).st_size
     finally:
         os.close(fd)
-    os.replace(so, OUT / f"{_prefix(mod, source)}{size}{SUFFIX}")  # work is inside OUT: appears whole or not at all
-    if old is not None:  # a build of this source that was not whole
+    new = OUT / f"{_prefix(mod, source)}{size}{SUFFIX}"
+    os.replace(so, new)  # work is inside OUT: the file appears whole or not at all (over one of its name)
+    if old is not None and old.name != new.name:  # a build of this source that was not usable
         try:
             old.unlink()
         except OSError:
@@ -248,8 +259,7 @@ def unbuilt() -> list[str]:
     out = []
     for m in COMPILED:
         source = (HERE / f"{m}.py").read_bytes()
-        p = _find(m, source)
-        if p is None or _cut_short(p, m, source) is not None:
+        if _usable(_find(m, source), m, source) is not None:
             out.append(m)
     return out
 

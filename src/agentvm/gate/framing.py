@@ -188,6 +188,7 @@ class ResponseReader:
         self._head_fields = 0
         self._head_bytes = 0  # the head's fields, as llhttp reports them (name + value + 4 each)
         self._fed_before_head = 0  # every byte fed before the final head was complete
+        self._fed_idle = 0  # bytes fed after the head since llhttp last handed on body (a trailer)
 
     # -- httptools callbacks
     def on_message_begin(self) -> None:
@@ -212,6 +213,7 @@ class ResponseReader:
         self._headers.append((name.lower(), value))
 
     def on_headers_complete(self) -> None:
+        self._fed_idle = 0
         if self._complete:
             return
         p = self._parser
@@ -241,6 +243,7 @@ class ResponseReader:
                 self._until_close = not chunked and (te is not None or not has_length)
 
     def on_body(self, body: bytes) -> None:
+        self._fed_idle = 0
         if self._complete:
             self._extra = True
             return
@@ -250,6 +253,7 @@ class ResponseReader:
         self._events.append(bytes(body))
 
     def on_message_complete(self) -> None:
+        self._fed_idle = 0
         if self._final and not self._complete and not self._until_close:
             self._complete = True
             self._events.append(END)
@@ -274,6 +278,12 @@ class ResponseReader:
             self._fed_before_head += len(data)
             if self._fed_before_head > 2 * MAX_RESPONSE_HEAD + len(data):
                 raise FramingError(f"the upstream broke HTTP/1.1: a response head over {MAX_RESPONSE_HEAD} bytes")
+        else:
+            # the same for what follows the body (trailers, a chunk-size line): llhttp keeps a
+            # line it has not seen the end of, and hands nothing on meanwhile
+            self._fed_idle += len(data)
+            if self._fed_idle > 2 * MAX_RESPONSE_HEAD + len(data):
+                raise FramingError(f"the upstream broke HTTP/1.1: trailers or a chunk line over {MAX_RESPONSE_HEAD} bytes")
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserUpgrade as up:

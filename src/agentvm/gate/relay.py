@@ -222,10 +222,10 @@ class Relay:
                 finally:
                     self.ep.resign_buffered -= held[0]
             return await self._send_streamed(headers)
-        except ClientGone:
-            self._log(verdict="deny", rule_id="client-gone", phase="request", bytes_out=self.sent,
+        except ClientGone:  # nothing was written upstream: the connection stays good for the pool
+            self._log(verdict="deny", rule_id="client-gone", phase="request",
                       reason="the client closed the connection before the request was forwarded")
-            return False, b"", False
+            return False, b"", self.upstream.reusable
         except BadBody as exc:
             self._log(verdict="deny", rule_id="bad-request:bad-body", reason=f"request body framing: {exc}"[:300],
                       phase="stream", bytes_out=self.sent)
@@ -364,12 +364,12 @@ class Relay:
         new_headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in sreq.headers
                        if k.lower() not in ("transfer-encoding", "content-length")]
         new_headers.append((b"content-length", str(len(sreq.body)).encode()))
+        if client_gone(self.client):
+            raise ClientGone()  # the sandbox closed while the body was read: not sent late (nor counted)
         self._count_out(len(sreq.body))
         head = framing.request_head(req.method, target, new_headers)
         self._count_out(len(head))
         self.pooled = False  # a signed request is never retried (its signature is single-use)
-        if client_gone(self.client):
-            raise ClientGone()  # the sandbox closed while the body was read: not sent late
         await self._write_up(head + sreq.body)
         self.sent = len(sreq.body)
         self.ws = False
@@ -481,6 +481,8 @@ class Relay:
                     raise UpstreamError("upstream:protocol-error", "the upstream switched to a protocol not asked for",
                                         answered=answered)
                 self._unwatch()  # the splice ends each way on its own: an EOF is not a client gone
+                if isinstance(up, PlainStream):
+                    up.uninterrupt()  # (an EOF that came with the 101 had interrupted it already)
                 await emit(b"", flush=True)
                 head = ev.head
                 wh = h1.response_headers(head.headers, keep_upgrade=True)

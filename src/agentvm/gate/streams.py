@@ -133,6 +133,12 @@ class PlainStream(asyncio.Protocol):
             if not w.done():
                 w.set_exception(self._exc)
 
+    def uninterrupt(self) -> None:
+        """Undo a ``client-left`` interruption (a WebSocket's splice: the sandbox's EOF ends one
+        direction there, not the connection)."""
+        if isinstance(self._exc, Interrupted) and self._exc.why == "client-left":
+            self._exc = None
+
     def _wake(self) -> None:
         w = self._waiter
         if w is not None:
