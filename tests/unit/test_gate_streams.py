@@ -144,3 +144,30 @@ def test_small_pieces_are_joined_only_up_to_the_coalescing_size():
         assert all(len(c) <= 2 * streams.COALESCE for c in s._chunks) and len(s._chunks) <= 4
 
     run(go())
+
+
+def test_an_interrupted_read_still_returns_what_arrived_in_the_same_turn_and_the_next_one_raises():
+    async def go():
+        s = PlainStream()
+        s.connection_made(FakeTransport())
+        reader = asyncio.ensure_future(s.read())
+        await asyncio.sleep(0)  # the read waits
+        assert s.waiting
+        s.interrupt()  # the sandbox left...
+        s.data_received(b"HTTP/1.1 101 Switching Protocols\r\n\r\n")  # ...as the answer came
+        first = await reader
+        with pytest.raises(streams.Interrupted):
+            await s.read()
+        s2 = PlainStream()
+        s2.connection_made(FakeTransport())
+        s2.interrupt("upstream-timeout")
+        s2.uninterrupt()  # only a client-left is ever undone
+        with pytest.raises(streams.Interrupted):
+            await s2.read()
+        s2._exc = None
+        assert s2.reusable
+        s2.interrupt()
+        assert not s2.reusable  # never pooled once interrupted
+        return first
+
+    assert asyncio.run(go()) == b"HTTP/1.1 101 Switching Protocols\r\n\r\n"

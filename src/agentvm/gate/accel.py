@@ -63,12 +63,13 @@ def _find(mod: str, source: bytes) -> Path | None:
     except OSError:
         return None
     found = None
-    for n in names:
+    for n in sorted(names):
         size = n[len(pre):-len(SUFFIX)] if n.startswith(pre) and n.endswith(SUFFIX) else ""
         if size and size.isascii() and size.isdigit():
-            found = OUT / n
-            if _cut_short(found, mod, source) is None:
-                return found
+            p = OUT / n
+            if _trusted(p) is None and _cut_short(p, mod, source) is None:
+                return p
+            found = found or p
     return found
 
 
@@ -245,7 +246,10 @@ def _compile_one(mod: str, work: Path) -> str | None:
     finally:
         os.close(fd)
     new = OUT / f"{_prefix(mod, source)}{size}{SUFFIX}"
-    os.replace(so, new)  # work is inside OUT: the file appears whole or not at all (over one of its name)
+    try:
+        os.replace(so, new)  # work is inside OUT: the file appears whole or not at all (over one of its name)
+    except OSError as exc:
+        return f"{mod}: cannot put the build in place as {new.name}: {exc.strerror}"
     if old is not None and old.name != new.name:  # a build of this source that was not usable
         try:
             old.unlink()
@@ -267,11 +271,6 @@ def unbuilt() -> list[str]:
 def build(jobs: int = 2) -> list[str]:
     """Compile every module whose current source has no build; remove builds of old sources.
     Returns what failed (empty: all compiled)."""
-    import concurrent.futures
-    import shutil
-    import tempfile
-    import time
-
     try:
         import Cython  # noqa: F401
     except ImportError:
@@ -284,6 +283,22 @@ def build(jobs: int = 2) -> list[str]:
     if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
         return [f"{OUT} is not a folder of this user's (a symbolic link?): not building into it"]
     os.chmod(OUT, 0o755)
+    import fcntl
+
+    lock = os.open(OUT, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one build at a time: each removes what the others would keep
+        return _build_locked(jobs)
+    finally:
+        os.close(lock)
+
+
+def _build_locked(jobs: int) -> list[str]:
+    import concurrent.futures
+    import shutil
+    import tempfile
+    import time
+
     for old in OUT.glob(".build-*"):  # left by a build that was killed (a running one is younger)
         try:
             if time.time() - old.stat().st_mtime > 3600:

@@ -270,7 +270,7 @@ class Gate:
                 task.cancel()
         late = now - UPSTREAM_IDLE_TIMEOUT
         for up, since in list(self._upstream_waits.items()):
-            if since <= late:
+            if since <= late and up.waiting:  # (bytes that just arrived are not a silence)
                 del self._upstream_waits[up]
                 up.interrupt("upstream-timeout")
         if self._head_waits or self._upstream_waits:

@@ -133,6 +133,11 @@ class PlainStream(asyncio.Protocol):
             if not w.done():
                 w.set_exception(self._exc)
 
+    @property
+    def waiting(self) -> bool:
+        """A read is waiting for bytes (none have arrived since it began)."""
+        return self._waiter is not None
+
     def uninterrupt(self) -> None:
         """Undo a ``client-left`` interruption (a WebSocket's splice: the sandbox's EOF ends one
         direction there, not the connection)."""
@@ -159,6 +164,11 @@ class PlainStream(asyncio.Protocol):
             w = self._waiter = self._loop.create_future()
             try:
                 await w
+            except Interrupted:
+                if not self._chunks:
+                    raise
+                # bytes arrived in the same turn as the interruption: they are read first (the
+                # next read raises)
             finally:
                 if self._waiter is w:
                     self._waiter = None
