@@ -324,6 +324,23 @@ async def ws_echo_upstream(r, w, last: bytes = b""):
     w.close()
 
 
+async def ws_upgrade_through_gate(tmp_path: Path, srv):
+    """A gate whose one rule allows WebSockets to ``srv`` as ws.test, and a sandbox connection
+    that has sent the upgrade request -> (gate, endpoint, reader, writer)."""
+    from types import SimpleNamespace
+
+    port = srv.sockets[0].getsockname()[1]
+    rule = SimpleNamespace(host="ws.test", ports=[port], methods=[], paths=[], max_body=None, websocket=True, id="ws")
+    eg = compile_egress(SimpleNamespace(allow=[rule], hosts={"ws.test": "127.0.0.1"}))
+    gate = Gate(tmp_path / "gate", tmp_path / "logs")
+    ep = await gate.open_endpoint("sbx-ws", "agent", eg, tmp_path / "ws.sock")
+    r, w = await asyncio.open_unix_connection(str(tmp_path / "ws.sock"))
+    w.write(f"GET http://ws.test:{port}/chat HTTP/1.1\r\nHost: ws.test:{port}\r\nUpgrade: websocket\r\n"
+            f"Connection: Upgrade\r\nSec-WebSocket-Key: x\r\nSec-WebSocket-Version: 13\r\n\r\n".encode())
+    await w.drain()
+    return gate, ep, r, w
+
+
 def test_websocket_upgrade_only_where_allowed_and_relayed(tmp_path):
     async def go():
         srv = await asyncio.start_server(ws_echo_upstream, "127.0.0.1", 0)
@@ -988,19 +1005,9 @@ def test_an_upstream_silent_past_the_idle_timeout_gets_the_sandbox_a_504(tmp_pat
 def test_a_websocket_the_sandbox_closes_first_ends_as_relayed_not_as_a_gate_error(tmp_path, how):
     # the sandbox's EOF ends a spliced WebSocket one way; the upstream's last bytes (its close
     # frame) still reach a half-closed sandbox, and the record is the relay's own
-    from types import SimpleNamespace
-
     async def go():
         srv = await asyncio.start_server(lambda r, w: ws_echo_upstream(r, w, b"bye-after-client-eof"), "127.0.0.1", 0)
-        port = srv.sockets[0].getsockname()[1]
-        rule = SimpleNamespace(host="ws.test", ports=[port], methods=[], paths=[], max_body=None, websocket=True, id="ws")
-        eg = compile_egress(SimpleNamespace(allow=[rule], hosts={"ws.test": "127.0.0.1"}))
-        gate = Gate(tmp_path / "gate", tmp_path / "logs")
-        ep = await gate.open_endpoint("sbx-ws", "agent", eg, tmp_path / "ws.sock")
-        r, w = await asyncio.open_unix_connection(str(tmp_path / "ws.sock"))
-        w.write(f"GET http://ws.test:{port}/chat HTTP/1.1\r\nHost: ws.test:{port}\r\nUpgrade: websocket\r\n"
-                f"Connection: Upgrade\r\nSec-WebSocket-Key: x\r\nSec-WebSocket-Version: 13\r\n\r\n".encode())
-        await w.drain()
+        gate, ep, r, w = await ws_upgrade_through_gate(tmp_path, srv)
         await asyncio.wait_for(r.readuntil(b"\r\n\r\n"), 5)
         w.write(b"ping")
         await w.drain()
@@ -1070,8 +1077,6 @@ def test_an_upstream_connection_the_sandbox_left_on_never_goes_back_to_the_pool(
 
 
 def test_a_websocket_whose_101_and_the_sandboxs_eof_come_together_is_still_relayed(tmp_path):
-    from types import SimpleNamespace
-
     async def go():
         got = asyncio.Queue()
 
@@ -1086,15 +1091,7 @@ def test_a_websocket_whose_101_and_the_sandboxs_eof_come_together_is_still_relay
             w.close()
 
         srv = await asyncio.start_server(ws_upstream, "127.0.0.1", 0)
-        port = srv.sockets[0].getsockname()[1]
-        rule = SimpleNamespace(host="ws.test", ports=[port], methods=[], paths=[], max_body=None, websocket=True, id="ws")
-        eg = compile_egress(SimpleNamespace(allow=[rule], hosts={"ws.test": "127.0.0.1"}))
-        gate = Gate(tmp_path / "gate", tmp_path / "logs")
-        ep = await gate.open_endpoint("sbx-ws", "agent", eg, tmp_path / "ws.sock")
-        r, w = await asyncio.open_unix_connection(str(tmp_path / "ws.sock"))
-        w.write(f"GET http://ws.test:{port}/chat HTTP/1.1\r\nHost: ws.test:{port}\r\nUpgrade: websocket\r\n"
-                f"Connection: Upgrade\r\nSec-WebSocket-Key: x\r\nSec-WebSocket-Version: 13\r\n\r\n".encode())
-        await w.drain()
+        gate, ep, r, w = await ws_upgrade_through_gate(tmp_path, srv)
         uw = await asyncio.wait_for(got.get(), 5)
         await asyncio.sleep(0.05)
         uw.write(b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\n")

@@ -187,8 +187,10 @@ class ResponseReader:
         self._in_head = True  # before the final head: its fields count against the limits
         self._head_fields = 0
         self._head_bytes = 0  # the head's fields, as llhttp reports them (name + value + 4 each)
-        self._fed_before_head = 0  # every byte fed before the final head was complete
-        self._fed_idle = 0  # bytes fed after the head since llhttp last handed on body (a trailer)
+        # bytes fed while llhttp handed nothing on: all of them before the final head, then
+        # those since the last piece of body (a chunk-size line, trailers). llhttp keeps a line
+        # it has not seen the end of, so this is what bounds its buffer
+        self._fed_idle = 0
 
     # -- httptools callbacks
     def on_message_begin(self) -> None:
@@ -213,7 +215,6 @@ class ResponseReader:
         self._headers.append((name.lower(), value))
 
     def on_headers_complete(self) -> None:
-        self._fed_idle = 0
         if self._complete:
             return
         p = self._parser
@@ -226,6 +227,7 @@ class ResponseReader:
             self._bad = "a 1xx response declaring a body"
         if code >= 200 or code == 101:
             self._final = True
+            self._fed_idle = 0
             self._keep_alive = p.should_keep_alive()
             if self._head_only or code in (204, 304):
                 self._complete = True
@@ -243,7 +245,8 @@ class ResponseReader:
                 self._until_close = not chunked and (te is not None or not has_length)
 
     def on_body(self, body: bytes) -> None:
-        self._fed_idle = 0
+        if self._final:
+            self._fed_idle = 0
         if self._complete:
             self._extra = True
             return
@@ -253,7 +256,8 @@ class ResponseReader:
         self._events.append(bytes(body))
 
     def on_message_complete(self) -> None:
-        self._fed_idle = 0
+        if self._final:
+            self._fed_idle = 0
         if self._final and not self._complete and not self._until_close:
             self._complete = True
             self._events.append(END)
@@ -270,20 +274,13 @@ class ResponseReader:
         if self._complete or self._parser is None:  # (the parser goes with the end: next_event)
             self._extra = True
             return
-        if not self._final:
-            # llhttp keeps a header line it has not seen the end of: count every byte before the
-            # final head, so an endless line cannot grow the gate's memory
-            # (a count of its own: the body that follows the head in the same read is not part
-            # of the head's fields, which on_header counts against MAX_RESPONSE_HEAD)
-            self._fed_before_head += len(data)
-            if self._fed_before_head > 2 * MAX_RESPONSE_HEAD + len(data):
-                raise FramingError(f"the upstream broke HTTP/1.1: a response head over {MAX_RESPONSE_HEAD} bytes")
-        else:
-            # the same for what follows the body (trailers, a chunk-size line): llhttp keeps a
-            # line it has not seen the end of, and hands nothing on meanwhile
-            self._fed_idle += len(data)
-            if self._fed_idle > 2 * MAX_RESPONSE_HEAD + len(data):
-                raise FramingError(f"the upstream broke HTTP/1.1: trailers or a chunk line over {MAX_RESPONSE_HEAD} bytes")
+        # an endless line (head, chunk size, trailer) cannot grow the gate's memory. A count of
+        # its own: the body that follows the head in the same read is not part of the head's
+        # fields, which on_header counts against MAX_RESPONSE_HEAD
+        self._fed_idle += len(data)
+        if self._fed_idle > 2 * MAX_RESPONSE_HEAD + len(data):
+            what = "trailers or a chunk line" if self._final else "a response head"
+            raise FramingError(f"the upstream broke HTTP/1.1: {what} over {MAX_RESPONSE_HEAD} bytes")
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserUpgrade as up:
