@@ -52,6 +52,8 @@ def main() -> int:
     ap.add_argument("--idle", type=int, default=20, help="idle sandboxes for the memory row")
     ap.add_argument("--load", type=int, default=0, help="persistent workers for the load run (0: skip)")
     ap.add_argument("--seconds", type=float, default=60.0)
+    ap.add_argument("--gate-rounds", type=int, default=6,
+                    help="rounds of the gate-throughput row (daemon's gate vs a bare gate; 0: skip)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     if os.geteuid() != 0:
@@ -184,6 +186,11 @@ spec:
                 c.rm(f"w{i}")
             res["load"]["fds_after_rm"] = nfds(pid)
             res["load"]["rss_mib_after_rm"] = rss_kb(pid) / 1024
+        # 5. gate throughput for a supervised sandbox: the daemon's gate - its decision
+        # subscribers (events, metrics, activity) included - against a bare gate process
+        # (bench_gate.py's), same upstream, the load alternated between them in the same minutes
+        if args.gate_rounds:
+            res["gate"] = gate_rows(c, home, pid, args.gate_rounds)
         v = c.verify()
         res["audit_chain"] = v
     finally:
@@ -206,8 +213,66 @@ spec:
               f"all started in {L['start_all_s']} s")
         print("      daemon RSS MiB / fds over time: " + ", ".join(f"{t}s:{r:.0f}/{f}" for t, r, f in L["rss_mib_fds_samples"]))
         print(f"      after removing them: RSS {L['rss_mib_after_rm']:.0f} MiB, fds {L['fds_after_rm']}")
+    if "gate" in res:
+        g, b = res["gate"]["daemon"], res["gate"]["bare"]
+        print(f"gate via the daemon (c=10)      {g['rps']:,.0f} req/s, {g['cpu_us']:.0f} us daemon CPU/request, "
+              f"p99 {g['p99_ms']:.2f} ms;  bare gate {b['rps']:,.0f} req/s, {b['cpu_us']:.0f} us/request:  "
+              f"{g['rps'] / b['rps']:.2f}x  (the daemon's share of a decision: {g['cpu_us'] - b['cpu_us']:.0f} us)")
     print(f"audit chain: {res['audit_chain']}")
     return 0
+
+
+def gate_rows(c, home: Path, daemon_pid: int, rounds: int) -> dict:
+    """c=10 keep-alive requests straight to a persistent worker's gate socket (the host side of
+    its bridge) and to a bare gate's, alternated in 1.5 s cells; req/s and the serving
+    process's CPU per request (the daemon's, for the daemon's gate)."""
+    bg = ROOT / "bench" / "bench_gate.py"
+    tmp = Path(tempfile.mkdtemp(prefix="agentvm-bench-gate-", dir="/tmp"))
+    procs = []
+    try:
+        upp = subprocess.Popen([sys.executable, str(bg), "--role", "upstream"], stdout=subprocess.PIPE, text=True)
+        procs.append(upp)
+        port = int(upp.stdout.readline().split()[1])
+        c.create(f"""apiVersion: agentvm/v1
+kind: Agent
+metadata: {{name: gl}}
+spec:
+  lifecycle: persistent
+  command: [/bin/sh, -c, "exec sleep 100000"]
+  workspace: {{enabled: false}}
+  egress:
+    hosts: {{bench.test: 127.0.0.1}}
+    allow: [{{host: bench.test, ports: [{port}]}}]
+    limits: {{requestsPerSecond: 1000000000, burst: 1000000000, bytesOut: 1T}}
+""")
+        sid = c.action("gl", "start")["sandbox_id"]
+        socks = [p for p in home.rglob("gate.sock") if sid in str(p)]
+        if len(socks) != 1:
+            raise SystemExit(f"cannot find the gate socket of sandbox {sid}: {socks}")
+        bare = subprocess.Popen([sys.executable, str(bg), "--role", "gate", "--ports", f"{port},1",
+                                 "--sock", str(tmp / "bare.sock"), "--state", str(tmp / "state")],
+                                stdout=subprocess.PIPE, text=True)
+        procs.append(bare)
+        if "READY" not in (bare.stdout.readline() or ""):
+            raise SystemExit("the bare gate did not start")
+        req = f"GET http://bench.test:{port}/ HTTP/1.1\\r\\nHost: bench.test:{port}\\r\\n\\r\\n"
+        rows: dict[str, list] = {"daemon": [], "bare": []}
+        for _ in range(rounds):
+            for name, sock, watch in (("daemon", socks[0], daemon_pid), ("bare", tmp / "bare.sock", bare.pid)):
+                out = subprocess.run([sys.executable, str(bg), "--role", "loadgen", "--conc", "10", "--warmup", "0.3",
+                                      "--duration", "1.5", "--request", req, "--unix", str(sock),
+                                      "--watch-pid", str(watch)], capture_output=True, text=True, check=True)
+                d = json.loads(out.stdout)
+                if d["bad_status"] or d["errors"]:
+                    raise SystemExit(f"{name} gate: {d}")
+                rows[name].append((d["rps"], 1e6 * d["proxy_cpu"] / d["rps"], d["p99_ms"]))
+        c.rm("gl")
+        return {k: {"rps": med([r[0] for r in v]), "cpu_us": med([r[1] for r in v]), "p99_ms": med([r[2] for r in v])}
+                for k, v in rows.items()}
+    finally:
+        for p in procs:
+            p.terminate()
+            p.wait()
 
 
 if __name__ == "__main__":

@@ -701,6 +701,36 @@ def density_cell(pid: int, sock: str, n: int, request: str) -> dict:
 # ============================================================================ main
 
 
+def role_sequential(args) -> None:
+    """``--count`` requests one after another on one keep-alive connection to ``--unix`` (for
+    icount_gate.sh: a fixed amount of work, not a duration); every answer must be a 200."""
+    req = args.request.encode().decode("unicode_escape").encode("latin-1")
+    s = socket.socket(socket.AF_UNIX)
+    s.connect(args.unix)
+    buf = b""
+    for _ in range(args.count):
+        s.sendall(req)
+        while True:
+            end = buf.find(b"\r\n\r\n")
+            if end >= 0:
+                head = buf[:end]
+                length = 0
+                for line in head.split(b"\r\n")[1:]:
+                    k, v = line.split(b":", 1)
+                    if k.strip().lower() == b"content-length":
+                        length = int(v)
+                if len(buf) >= end + 4 + length:
+                    if not head.startswith(b"HTTP/1.1 200"):
+                        raise SystemExit(f"not a 200: {head[:200]!r}")
+                    buf = buf[end + 4 + length:]
+                    break
+            data = s.recv(65536)
+            if not data:
+                raise SystemExit("the gate closed the connection")
+            buf += data
+    s.close()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="~20 s run: shorter cells, smaller tunnel")
@@ -726,8 +756,10 @@ def main() -> int:
     ap.add_argument("--port", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--watch-pid", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--endpoints", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--count", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
-    roles = {"upstream": role_upstream, "tls-source": role_tls_source, "gate": role_gate, "loadgen": role_loadgen}
+    roles = {"upstream": role_upstream, "tls-source": role_tls_source, "gate": role_gate, "loadgen": role_loadgen,
+             "sequential": role_sequential}
     if args.role:
         roles[args.role](args)
         return 0

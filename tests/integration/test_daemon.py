@@ -407,3 +407,63 @@ def test_ttl_ends_a_persistent_worker_for_good(daemon, tmp_path):
     assert any(r["kind"] == "lifecycle.ttl-expired" for r in recs)
     assert not any(r["kind"] == "lifecycle.restart-scheduled" for r in recs)
     c.rm("d-ttl")
+
+
+def test_idle_timeout_counts_gate_traffic_and_ends_a_quiet_worker(daemon, tmp_path):
+    """A worker that keeps making requests through the gate is active: it outlives its idle
+    timeout; once it goes quiet it is stopped for good. Its row keeps the time of its last
+    request (the daemon holds activity in memory and writes it every ACTIVITY_SAVE seconds, not
+    per request: that commit cost more than the gate's whole decision)."""
+    from agentvm.daemon.client import Client
+    from tests.integration.gate_upstreams import Upstream
+
+    up = Upstream()
+    d = Path(f"/tmp/agentvm-dtest-idle-{os.getpid()}")
+    d.mkdir(mode=0o755, exist_ok=True)
+    try:
+        # requests every 0.3 s for 7 s (more than twice the idle timeout), then nothing
+        (d / "loop.py").write_text(textwrap.dedent(f"""\
+            import time, urllib.request
+            end = time.time() + 7
+            while time.time() < end:
+                urllib.request.urlopen("http://up.test:{up.port}/w", timeout=5).read()
+                time.sleep(0.3)
+            print("QUIET", time.time(), flush=True)
+            time.sleep(600)
+            """))
+        os.chmod(d / "loop.py", 0o644)
+        f = agent(tmp_path, "d-idle", ["python3", "/opt/loop/loop.py"], extra=textwrap.dedent(f"""\
+              mounts: [{{host: {d}, path: /opt/loop}}]
+              egress:
+                hosts: {{up.test: 127.0.0.1}}
+                allow: [{{host: up.test, ports: [{up.port}]}}]
+            """).replace("\n", "\n  ").rstrip(" "))
+        f.write_text(f.read_text().replace("mounts:", "  mounts:", 1))
+        c = Client(daemon / "run" / "agentvm.sock")
+        c.create(f.read_text(), str(f), idle_timeout=3.0)
+        t0 = time.time()
+        c.action("d-idle", "start")
+        time.sleep(6.0)
+        row = c.get("d-idle")
+        assert row["state"] == "running", (row, av("logs", "d-idle").stdout.decode()[-500:])
+        assert len(up.requests_to("up.test")) >= 10
+        deadline = time.monotonic() + 20
+        while c.get("d-idle")["state"] == "running" and time.monotonic() < deadline:
+            time.sleep(0.2)
+        ended = time.time()
+        row = c.get("d-idle")
+        assert row["state"] in ("exited", "stopped") and row["restarts"] == 0, row
+        quiet = float(next(ln.split()[1] for ln in av("logs", "d-idle").stdout.decode().splitlines()
+                           if ln.startswith("QUIET")))
+        assert ended - quiet >= 3.0, "stopped before it had been idle for its timeout"
+        recs = [json.loads(x) for x in av("audit", "show", "--json", "--sandbox", "d-idle").stdout.splitlines()]
+        assert any(r["kind"] == "lifecycle.idle-timeout" for r in recs)
+        # the row has the last request's time (saved when the run ended), not the start's
+        db = sqlite3.connect(f"file:{daemon / 'daemon.db'}?mode=ro", uri=True)
+        (last,) = db.execute("SELECT last_activity FROM sandboxes WHERE name='d-idle'").fetchone()
+        db.close()
+        assert t0 + 6.0 <= last <= quiet + 0.5, (t0, last, quiet)
+        c.rm("d-idle")
+    finally:
+        up.close()
+        subprocess.run(["rm", "-rf", str(d)])

@@ -718,6 +718,49 @@ def test_a_decision_line_is_exactly_what_json_dumps_gives(rec):
     assert _encode(rec) == json.dumps(rec, sort_keys=True, ensure_ascii=True)
 
 
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(sid=st.text(max_size=12), agent=st.text(max_size=12), host=st.text(max_size=30), method=st.text(max_size=8),
+       path=st.text(max_size=40) | st.text(min_size=2040, max_size=2060), reason=st.text(max_size=40),
+       rule=st.text(max_size=20), port=st.integers(0, 65535) | st.none(), out=st.integers(0, 2**50),
+       inn=st.integers(0, 2**50), ms=st.floats(0, 1e9, allow_nan=False) | st.integers(0, 10),
+       now=st.floats(1e9, 4e9))
+def test_the_relayed_record_is_the_record_log_writes(tmp_path, sid, agent, host, method, path, reason, rule, port,
+                                                    out, inn, ms, now):
+    """Endpoint.log_relayed (the record every relayed request ends with, on its own fast path)
+    writes the same line and hands subscribers the same record as the generic log() - any text
+    (control characters, non-ASCII, '%'), a port that is not an int, a path over 2048."""
+    from unittest import mock
+
+    from agentvm.gate import endpoint
+
+    class G:
+        def __init__(self):
+            self.recs = []
+
+        def emit(self, rec):
+            self.recs.append(rec)
+
+    eg = compile_egress(None)
+    d = Path(tmp_path) / secrets.token_hex(4)
+    d.mkdir()
+    got = []
+    for how in ("log", "fast"):
+        g = G()
+        ep = endpoint.Endpoint(g, sid, agent, eg, d / f"{how}.sock", d / f"{how}.log")
+        with mock.patch.object(endpoint.time, "time", return_value=now):
+            if how == "log":
+                ep.log(verdict="allow", rule_id=rule, reason=reason, host=host, port=port, method=method, path=path,
+                       phase="request", bytes_out=out, bytes_in=inn, upstream_ms=ms)
+            else:
+                ep.log_relayed(rule, reason, host, port, method, path, out, inn, ms)
+        ep.close_log()
+        got.append(((d / f"{how}.log").read_bytes(), g.recs, ep.allowed))
+    assert got[0] == got[1]
+    line = got[1][0]
+    assert line.endswith(b"\n") and line.count(b"\n") == 1
+    assert json.loads(line) == json.loads(json.dumps(got[1][1][0]))
+
+
 def test_decision_records_are_written_once_per_loop_turn_and_none_is_lost(tmp_path):
     """Records of one turn of the loop reach the file together at its end (one write), in
     order; past LOG_BATCH they are written at once; closing writes what is still held."""

@@ -60,6 +60,7 @@ HEAD_TIMEOUT = 30.0  # seconds a TCP client has to send a whole request head (be
 TCP_CONNECTIONS = 256  # TCP connections open at once (the unix socket is the owner's only)
 CONSOLE_BODY = 64 * 1024  # a console form (and anything else sent before the console's own check)
 METRICS_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+ACTIVITY_SAVE = 5.0  # seconds between writes of a busy sandbox's last activity to its row
 RESERVE = 8 * 1024 * 1024  # disk space held back for the daemon's own state when the disk fills
 
 
@@ -108,6 +109,18 @@ class Managed:
         self.policy = None
         self.stop_requested = asyncio.Event()
         self.started_at = 0.0
+        # the wall time of its last gate decision or exec: kept here, per request, and written
+        # to its row at most every ACTIVITY_SAVE seconds (a SQLite commit per request cost more
+        # than the gate's whole decision, on the loop every sandbox shares)
+        self.activity = 0.0
+        self.activity_saved = 0.0
+
+    def save_activity(self, state, *, now: float | None = None) -> None:
+        """Write ``activity`` to the row if it moved (and, given ``now``, if the last write is
+        ACTIVITY_SAVE old)."""
+        if self.activity > self.activity_saved and (now is None or now - self.activity_saved >= ACTIVITY_SAVE):
+            state.update(self.name, last_activity=self.activity)
+            self.activity_saved = self.activity
 
     @property
     def handle(self):
@@ -227,14 +240,16 @@ class Daemon:
     def emit(self, kind: str, **data) -> None:
         """Fan one event out to metrics, spans and the live streams. Never raises: a broken
         exporter or a stalled reader must not cost an audit record or an operator's action."""
-        rec = {"time": time.time(), "kind": kind, **data}
+        self._fan_out({"time": time.time(), "kind": kind, **data})
+
+    def _fan_out(self, rec: dict) -> None:
         for sink in (self.observer.observe, self.tracing.observe if self.tracing is not None else None):
             if sink is None:
                 continue
             try:
                 sink(rec)
             except Exception:  # noqa: BLE001 - observability is never allowed to break control
-                log.exception("observer failed on a %s event", kind)
+                log.exception("observer failed on a %s event", rec.get("kind"))
         for q in list(self.subscribers):
             if q.qsize() >= SUBSCRIBER_BACKLOG:
                 # a reader this far behind is cut off, told so (never silently skipped): its
@@ -327,11 +342,11 @@ class Daemon:
 
     def _on_decision(self, rec: dict) -> None:
         """Every gate decision is an event; denials, alerts and credential uses go to the audit chain."""
-        self.emit("egress", **rec)
+        self._fan_out({"time": rec.get("time") or time.time(), "kind": "egress", **rec})  # (emit's event, one copy)
         name = rec.get("agent")
         m = self.managed.get(name) if name else None
         if m is not None and rec.get("verdict") == "allow":
-            self.state.update(name, last_activity=time.time())
+            m.activity = rec.get("time") or time.time()  # (the row follows within ACTIVITY_SAVE: _watch)
         if rec.get("verdict") == "deny" or rec.get("alert") or rec.get("credentials"):
             data = {k: rec.get(k) for k in ("sandbox", "host", "port", "method", "path", "rule", "verdict", "reason",
                                             "alert", "credentials", "credential", "suppressed") if rec.get(k) is not None}
@@ -468,6 +483,10 @@ class Daemon:
             for t in (watch, stop):
                 t.cancel()
         finally:
+            try:
+                m.save_activity(self.state)  # the row keeps the last activity of a run that ended
+            except Exception:  # noqa: BLE001 - a full disk must not keep a sandbox from being torn down
+                log.exception("cannot save the last activity of %s", m.name)
             await asyncio.to_thread(lc.teardown, s)
             for fd in (logfd, devnull):
                 if fd >= 0:
@@ -492,7 +511,9 @@ class Daemon:
                 self.record("lifecycle.ttl-expired", sandbox=m.name, ttl=r.ttl)
                 self.state.update(m.name, desired="stopped")
                 return
-            if r.idle_timeout and r.last_activity and now - r.last_activity > r.idle_timeout:
+            m.save_activity(self.state, now=now)
+            last = max(r.last_activity or 0.0, m.activity)
+            if r.idle_timeout and last and now - last > r.idle_timeout:
                 self.record("lifecycle.idle-timeout", sandbox=m.name, idle_timeout=r.idle_timeout)
                 self.state.update(m.name, desired="stopped")
                 return

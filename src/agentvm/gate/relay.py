@@ -553,7 +553,12 @@ class Relay:
         llm = self._count_llm()
         if llm is not None:
             extra["llm"] = llm
-        self._log(verdict="allow", rule_id=d.rule_id, reason=d.reason, phase="request", bytes_out=self.sent,
-                  bytes_in=received, upstream_ms=round((time.monotonic() - self.t0) * 1000, 3), **extra)
+        ms = round((time.monotonic() - self.t0) * 1000, 3)
+        if extra:
+            self._log(verdict="allow", rule_id=d.rule_id, reason=d.reason, phase="request", bytes_out=self.sent,
+                      bytes_in=received, upstream_ms=ms, **extra)
+        else:  # the common record, on its own path (the log line was ~10% of the gate's CPU)
+            lg = self.fwd.logged
+            ep.log_relayed(d.rule_id, d.reason, lg.host, lg.port, lg.method, lg.path, self.sent, received, ms)
         reusable = reader.reusable and self.upstream.reusable
         return keep, leftover, reusable

@@ -18,14 +18,16 @@ registry; hosts never become labels (a sandbox could mint unbounded series with 
 
 from __future__ import annotations
 
+import bisect
 import collections
 import threading
 import time
 from typing import Callable
 
 import prometheus_client
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
 
 # no "<name>_created" series beside every counter: they double the output and nothing here uses them
 prometheus_client.disable_created_metrics()
@@ -46,17 +48,16 @@ class Observer:
                  audit_status: Callable[[], tuple[int, bool]]) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
-        self.decisions = Counter("agentvm_egress_decisions", "Gate decisions, by agent, verdict (allow, deny, ask) and "
-                                 "rule id", ["agent", "verdict", "rule"], registry=r)
-        self.bytes = Counter("agentvm_egress_bytes", "Bytes relayed by the gate (out: toward upstreams; in: toward "
-                             "the sandbox)", ["agent", "direction"], registry=r)
+        # the counts every decision moves are plain numbers here, turned into metric families
+        # when Prometheus scrapes (_Counts): the library's counter takes a lock and checks per
+        # increment, and the daemon pays it for each request of every sandbox
+        self.counts = _Counts()
+        r.register(self.counts)
         self.swaps = Counter("agentvm_credential_swaps", "Requests into which the gate swapped a real credential",
                              ["agent", "credential"], registry=r)
         self.leaks = Counter("agentvm_credential_leaks_blocked", "Credential leaks stopped: a placeholder sent where it "
                              "is not bound (request) or a real secret scrubbed from a response (response)",
                              ["agent", "where"], registry=r)
-        self.latency = Histogram("agentvm_gate_upstream_seconds", "Time from forwarding a request to the end of its "
-                                 "response, for requests the gate relayed", buckets=_BUCKETS, registry=r)
         self.lifecycle = Counter("agentvm_sandbox_events", "Sandbox lifecycle events: start (running), restart "
                                  "(scheduled), failure, exit, stop, run (a run of the agent began), refused (a run was refused)",
                                  ["agent", "event"], registry=r)
@@ -118,12 +119,14 @@ class Observer:
         rule = str(rec.get("rule") or "?")[:160]
         # a "log:suppressed" record stands for n denials that the deny-log rate limit folded
         n = int(rec.get("suppressed") or 1) if rule == "log:suppressed" else 1
-        self._child(self.decisions, agent, verdict, rule).inc(n)
+        counts = self.counts
+        key = (agent, verdict, rule)
+        counts.decisions[key] = counts.decisions.get(key, 0) + n
         out, inn = int(rec.get("bytes_out") or 0), int(rec.get("bytes_in") or 0)
         if out:
-            self._child(self.bytes, agent, "out").inc(out)
+            counts.bytes[(agent, "out")] = counts.bytes.get((agent, "out"), 0) + out
         if inn:
-            self._child(self.bytes, agent, "in").inc(inn)
+            counts.bytes[(agent, "in")] = counts.bytes.get((agent, "in"), 0) + inn
         for cred in rec.get("credentials") or ():
             self._child(self.swaps, agent, str(cred)[:128]).inc()
         if rule.startswith("credential:leak:"):
@@ -145,7 +148,7 @@ class Observer:
                 self.llm_cost.labels(agent).inc(float(llm["cost"]))
         ms = rec.get("upstream_ms")
         if isinstance(ms, (int, float)) and ms >= 0:
-            self.latency.observe(ms / 1000.0)
+            counts.observe(ms / 1000.0)
         self.recent.append(rec)  # the event itself (nobody changes it after emit)
         host = str(rec.get("host") or "")
         if host:
@@ -170,6 +173,45 @@ class Observer:
 
 _LIFECYCLE = {"lifecycle.running": "start", "lifecycle.restart-scheduled": "restart", "lifecycle.failed": "failure",
               "lifecycle.exited": "exit", "lifecycle.stopped": "stop", "run.started": "run"}
+
+
+class _Counts:
+    """The per-decision counters and the upstream latency histogram: numbers the loop adds to,
+    exposed as metric families at scrape time (the scrape may run in another thread: it
+    copies each dict in one C call, under the GIL, before iterating)."""
+
+    def __init__(self) -> None:
+        self.decisions: dict[tuple[str, str, str], int] = {}  # (agent, verdict, rule) -> count
+        self.bytes: dict[tuple[str, str], int] = {}  # (agent, direction) -> bytes
+        self.buckets = [0] * (len(_BUCKETS) + 1)  # per bucket (not cumulative); the last is +Inf
+        self.lat_sum = 0.0
+
+    def observe(self, seconds: float) -> None:
+        self.buckets[bisect.bisect_left(_BUCKETS, seconds)] += 1  # the first bound >= seconds
+        self.lat_sum += seconds
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        c = CounterMetricFamily("agentvm_egress_decisions", "Gate decisions, by agent, verdict (allow, deny, ask) "
+                                "and rule id", labels=["agent", "verdict", "rule"])
+        for labels, n in sorted(dict(self.decisions).items()):
+            c.add_metric(list(labels), n)
+        yield c
+        c = CounterMetricFamily("agentvm_egress_bytes", "Bytes relayed by the gate (out: toward upstreams; in: "
+                                "toward the sandbox)", labels=["agent", "direction"])
+        for labels, n in sorted(dict(self.bytes).items()):
+            c.add_metric(list(labels), n)
+        yield c
+        per, total, cumulative = list(self.buckets), self.lat_sum, []
+        acc = 0
+        for bound, n in zip((*(floatToGoString(b) for b in _BUCKETS), "+Inf"), per):
+            acc += n
+            cumulative.append((bound, acc))
+        yield HistogramMetricFamily("agentvm_gate_upstream_seconds", "Time from forwarding a request to the end "
+                                    "of its response, for requests the gate relayed", buckets=cumulative,
+                                    sum_value=total)
 
 
 class _Dynamic:
