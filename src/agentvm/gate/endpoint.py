@@ -67,6 +67,8 @@ def _line_encoder():
 
 _encode = _line_encoder()
 _esc = json.encoder.encode_basestring_ascii  # a str -> its JSON string, ASCII only (json's own, in C)
+_ESCAPED: dict[str, str] = {}  # str -> _esc(str) for the few strings every relayed record repeats
+ESCAPED_MAX = 4096  # (emptied when full: a sandbox minting hosts cannot grow it)
 
 
 def _relayed_format(sandbox_id: str, agent: str) -> str:
@@ -348,8 +350,24 @@ class Endpoint:
         self.allowed += 1
         if self.deny_suppressed:
             self.flush_suppressed()
-        self._put((self._relayed_fmt % (bytes_in, bytes_out, _esc(host), _esc(method), _esc(path), port,
-                                        _esc(reason), _esc(rule_id), t, upstream_ms)).encode("ascii"), rec)
+        # a rule's id and reason, a host and a method recur request after request: escaped once
+        cache = _ESCAPED
+        if len(cache) >= ESCAPED_MAX:
+            cache.clear()
+        e_host = cache.get(host)
+        if e_host is None:
+            e_host = cache[host] = _esc(host)
+        e_method = cache.get(method)
+        if e_method is None:
+            e_method = cache[method] = _esc(method)
+        e_reason = cache.get(reason)
+        if e_reason is None:
+            e_reason = cache[reason] = _esc(reason)
+        e_rule = cache.get(rule_id)
+        if e_rule is None:
+            e_rule = cache[rule_id] = _esc(rule_id)
+        self._put((self._relayed_fmt % (bytes_in, bytes_out, e_host, e_method, _esc(path), port, e_reason, e_rule, t,
+                                        upstream_ms)).encode("ascii"), rec)
 
     def _write(self, rec: dict) -> None:
         # the encoder escapes every control character (and non-ASCII): one record, one line
