@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -266,13 +267,17 @@ spec:
                 if d["bad_status"] or d["errors"]:
                     raise SystemExit(f"{name} gate: {d}")
                 rows[name].append((d["rps"], 1e6 * d["proxy_cpu"] / d["rps"], d["p99_ms"]))
-        c.rm("gl")
         return {k: {"rps": med([r[0] for r in v]), "cpu_us": med([r[1] for r in v]), "p99_ms": med([r[2] for r in v])}
                 for k, v in rows.items()}
     finally:
         for p in procs:
             p.terminate()
             p.wait()
+        try:
+            c.rm("gl")
+        except Exception:  # noqa: BLE001 - never created, or already gone
+            pass
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -427,8 +427,9 @@ def test_idle_timeout_counts_gate_traffic_and_ends_a_quiet_worker(daemon, tmp_pa
             end = time.time() + 7
             while time.time() < end:
                 urllib.request.urlopen("http://up.test:{up.port}/w", timeout=5).read()
+                last = time.time()
                 time.sleep(0.3)
-            print("QUIET", time.time(), flush=True)
+            print("QUIET", last, flush=True)
             time.sleep(600)
             """))
         os.chmod(d / "loop.py", 0o644)
@@ -455,7 +456,8 @@ def test_idle_timeout_counts_gate_traffic_and_ends_a_quiet_worker(daemon, tmp_pa
         assert row["state"] in ("exited", "stopped") and row["restarts"] == 0, row
         quiet = float(next(ln.split()[1] for ln in av("logs", "d-idle").stdout.decode().splitlines()
                            if ln.startswith("QUIET")))
-        assert ended - quiet >= 3.0, "stopped before it had been idle for its timeout"
+        # (the last decision is logged as its answer ends, just before the client has it)
+        assert ended - quiet >= 2.9, "stopped before it had been idle for its timeout"
         recs = [json.loads(x) for x in av("audit", "show", "--json", "--sandbox", "d-idle").stdout.splitlines()]
         assert any(r["kind"] == "lifecycle.idle-timeout" for r in recs)
         # the row has the last request's time (saved when the run ended), not the start's

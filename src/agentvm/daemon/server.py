@@ -114,12 +114,19 @@ class Managed:
         # than the gate's whole decision, on the loop every sandbox shares)
         self.activity = 0.0
         self.activity_saved = 0.0
+        self.activity_save_failed = False
+
+    def touch(self, state, t: float) -> None:
+        """Activity the daemon saw itself (an exec, a start): in memory and on the row at once."""
+        self.activity = max(self.activity, t)
+        state.touch(self.name, t)
+        self.activity_saved = max(self.activity_saved, t)
 
     def save_activity(self, state, *, now: float | None = None) -> None:
         """Write ``activity`` to the row if it moved (and, given ``now``, if the last write is
-        ACTIVITY_SAVE old)."""
+        ACTIVITY_SAVE old). The row never moves back (State.touch): a later exec stays."""
         if self.activity > self.activity_saved and (now is None or now - self.activity_saved >= ACTIVITY_SAVE):
-            state.update(self.name, last_activity=self.activity)
+            state.touch(self.name, self.activity)
             self.activity_saved = self.activity
 
     @property
@@ -469,8 +476,8 @@ class Daemon:
                     s.endpoint.creds.local_revoked.update(patch.get("revoked", []))
             await asyncio.to_thread(lc.launch, s, (devnull, logfd, logfd))
             m.started_at = time.monotonic()
-            self.state.update(m.name, state="running", sandbox_id=s.sandbox_id, started=time.time(),
-                              last_activity=time.time())
+            self.state.update(m.name, state="running", sandbox_id=s.sandbox_id, started=time.time())
+            m.touch(self.state, time.time())  # a start is activity (the idle clock starts here)
             self.record("lifecycle.running", sandbox=m.name, sandbox_id=s.sandbox_id, uid=s.res.host_uid, substrate=s.plan.substrate,
                         identity=s.plan.identity, policy=s.plan.policy_digest)
             waiter = asyncio.ensure_future(lc.wait_async(s))
@@ -511,7 +518,16 @@ class Daemon:
                 self.record("lifecycle.ttl-expired", sandbox=m.name, ttl=r.ttl)
                 self.state.update(m.name, desired="stopped")
                 return
-            m.save_activity(self.state, now=now)
+            try:
+                m.save_activity(self.state, now=now)
+            except (sqlite3.Error, OSError) as exc:
+                # a full or read-only disk must not end the watch (and with it the sandbox):
+                # the idle check goes on from memory; said once per failing stretch
+                if not m.activity_save_failed:
+                    log.warning("cannot save the last activity of %s: %s", m.name, exc)
+                m.activity_save_failed = True
+            else:
+                m.activity_save_failed = False
             last = max(r.last_activity or 0.0, m.activity)
             if r.idle_timeout and last and now - last > r.idle_timeout:
                 self.record("lifecycle.idle-timeout", sandbox=m.name, idle_timeout=r.idle_timeout)
@@ -1008,7 +1024,7 @@ class Daemon:
         argv = doc.get("argv")
         if not isinstance(argv, list) or not argv or not all(isinstance(a, str) for a in argv):
             raise ApiError(400, "bad-request", "'argv' must be a non-empty list of strings")
-        self.state.update(name, last_activity=time.time())
+        m.touch(self.state, time.time())
         self.record("operator.exec", actor=actor, sandbox=name, argv=argv)
         backend = m.backend
         o_r, o_w = os.pipe2(os.O_CLOEXEC)

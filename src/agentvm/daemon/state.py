@@ -151,6 +151,12 @@ class State:
                     raise IllegalTransition(f"{name}: {cur} -> {new} is not a transition of the daemon's state table")
             self._c.execute(f"UPDATE sandboxes SET {cols} WHERE name=?", (*fields.values(), name))
 
+    def touch(self, name: str, t: float) -> None:
+        """``last_activity`` moves to ``t`` unless the row already has a later time."""
+        with self._lock:
+            self._c.execute("UPDATE sandboxes SET last_activity = MAX(COALESCE(last_activity, 0), ?) WHERE name=?",
+                            (t, name))
+
     def delete(self, name: str) -> None:
         with self._lock:
             self._c.execute("DELETE FROM sandboxes WHERE name=?", (name,))

@@ -336,6 +336,7 @@ class Endpoint:
         the record every relayed request ends with. The same record and the same line (a test
         compares them), without keyword parsing and without the generic encoder."""
         if not (type(port) is int and type(bytes_out) is int and type(bytes_in) is int and type(upstream_ms) is float
+                and upstream_ms - upstream_ms == 0.0  # finite (json writes inf/nan its own way)
                 and type(host) is str and type(method) is str and type(path) is str and type(rule_id) is str
                 and type(reason) is str):
             self.log(verdict="allow", rule_id=rule_id, reason=reason, host=host, port=port, method=method, path=path,
