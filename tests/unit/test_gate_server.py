@@ -723,12 +723,13 @@ def test_a_decision_line_is_exactly_what_json_dumps_gives(rec):
        path=st.text(max_size=40) | st.text(min_size=2040, max_size=2060), reason=st.text(max_size=40),
        rule=st.text(max_size=20), port=st.integers(0, 65535) | st.none(), out=st.integers(0, 2**50),
        inn=st.integers(0, 2**50), ms=st.floats(0, 1e9) | st.integers(0, 10) | st.sampled_from([float("inf"), float("nan")]),
-       now=st.floats(1e9, 4e9))
+       now=st.floats(1e9, 4e9), creds=st.none() | st.lists(st.text(max_size=10), max_size=3))
 def test_the_relayed_record_is_the_record_log_writes(tmp_path, sid, agent, host, method, path, reason, rule, port,
-                                                    out, inn, ms, now):
+                                                    out, inn, ms, now, creds):
     """Endpoint.log_relayed (the record every relayed request ends with, on its own fast path)
     writes the same line and hands subscribers the same record as the generic log() - any text
-    (control characters, non-ASCII, '%'), a port that is not an int, a path over 2048."""
+    (control characters, non-ASCII, '%'), a port that is not an int, a path over 2048, with and
+    without the names of credentials swapped in."""
     from unittest import mock
 
     from agentvm.gate import endpoint
@@ -749,10 +750,11 @@ def test_the_relayed_record_is_the_record_log_writes(tmp_path, sid, agent, host,
         ep = endpoint.Endpoint(g, sid, agent, eg, d / f"{how}.sock", d / f"{how}.log")
         with mock.patch.object(endpoint.time, "time", return_value=now):
             if how == "log":
+                extra = {} if creds is None else {"credentials": creds}
                 ep.log(verdict="allow", rule_id=rule, reason=reason, host=host, port=port, method=method, path=path,
-                       phase="request", bytes_out=out, bytes_in=inn, upstream_ms=ms)
+                       phase="request", bytes_out=out, bytes_in=inn, upstream_ms=ms, **extra)
             else:
-                ep.log_relayed(rule, reason, host, port, method, path, out, inn, ms)
+                ep.log_relayed(rule, reason, host, port, method, path, out, inn, ms, creds)
         ep.close_log()
         got.append(((d / f"{how}.log").read_bytes(), g.recs, ep.allowed))
     assert got[0][0] == got[1][0] and got[0][2] == got[1][2]

@@ -479,6 +479,7 @@ class ScrubTable:
         for f in forms:
             self.by_start.setdefault(f[:2], []).append(f)
         self.first_bytes = frozenset(f[:1] for f in forms)
+        self.first_ints = frozenset(f[0] for f in forms)  # the same, as buf[i] gives them
         self.maxlen = max((len(f) for f in forms), default=1)
 
     def could_start(self, tail: bytes) -> bool:
@@ -539,9 +540,11 @@ class Scrubber:
     def _scan(self, buf: bytes, final: bool) -> tuple[bytes, int]:
         """Replace every form in ``buf``; returns (the new buffer, how many bytes at its end
         must wait for more input)."""
+        matches = list(self._t.regex.finditer(buf))
+        if not matches:  # (most pieces of most responses: nothing to copy)
+            return bytes(buf), 0
         out = bytearray()
         pos = 0
-        matches = list(self._t.regex.finditer(buf))
         for i, m in enumerate(matches):
             start, end = m.span()
             real, ph = self._t.table[m.group(0)]
@@ -572,8 +575,10 @@ class Scrubber:
             return data
         buf, hold = self._scan(self.tail + data, final=False)
         if not hold:
-            for i in range(max(0, len(buf) - self._t.maxlen + 1), len(buf)):
-                if self._t.could_start(buf[i:]):
+            t = self._t
+            first = t.first_ints
+            for i in range(max(0, len(buf) - t.maxlen + 1), len(buf)):
+                if buf[i] in first and t.could_start(buf[i:]):
                     # a possible match, and the base64 characters before it that share its group
                     hold = min(len(buf), len(buf) - i + self.CONTEXT)
                     break
@@ -603,4 +608,11 @@ class Scrubber:
 
     def headers(self, headers) -> list[tuple[bytes, bytes]]:
         """Names and values of a response's headers, scrubbed."""
-        return [(self.header(bytes(k)), self.header(bytes(v))) for k, v in headers]
+        hs = [(bytes(k), bytes(v)) for k, v in headers]
+        if not self.active:
+            return hs
+        # one search over all of them first: a form found in one name or value is found in
+        # their concatenation too, so no match there means nothing to replace (the usual case)
+        if self._t.regex.search(b"\x00".join([p for kv in hs for p in kv])) is None:
+            return hs
+        return [(self.header(k), self.header(v)) for k, v in hs]

@@ -71,10 +71,11 @@ _ESCAPED: dict[str, str] = {}  # str -> _esc(str) for the few strings every rela
 ESCAPED_MAX = 4096  # (emptied when full: a sandbox minting hosts cannot grow it)
 
 
-def _relayed_format(sandbox_id: str, agent: str) -> str:
+def _relayed_format(sandbox_id: str, agent: str, *, credentials: bool = False) -> str:
     """The line of a relayed request's record (Endpoint.log_relayed) as a %-format: the keys
     sorted, as _encode orders them; this endpoint's sandbox and agent in place."""
-    return ('{"agent": ' + _esc(agent).replace("%", "%%") + ', "bytes_in": %d, "bytes_out": %d, "host": %s, '
+    return ('{"agent": ' + _esc(agent).replace("%", "%%") + ', "bytes_in": %d, "bytes_out": %d, '
+            + ('"credentials": %s, ' if credentials else '') + '"host": %s, '
             '"method": %s, "path": %s, "phase": "request", "port": %d, "reason": %s, "rule": %s, "sandbox": '
             + _esc(sandbox_id).replace("%", "%%") + ', "time": %r, "upstream_ms": %r, "verdict": "allow"}\n')
 
@@ -120,6 +121,7 @@ class Endpoint:
         self._log_pending_len = 0
         self._log_torn = _ends_torn(self._log_fd)  # a file left mid-line (a gate killed while writing)
         self._relayed_fmt = _relayed_format(sandbox_id, agent)
+        self._relayed_cred_fmt = _relayed_format(sandbox_id, agent, credentials=True)
         self.server: asyncio.AbstractServer | None = None
         self.active = 0
         self.bucket = TokenBucket(policy.limits.requests_per_second, float(policy.limits.burst))
@@ -331,16 +333,19 @@ class Endpoint:
         self._write(rec)
 
     def log_relayed(self, rule_id: str, reason: str, host: str, port: int, method: str, path: str, bytes_out: int,
-                    bytes_in: int, upstream_ms: float) -> None:
-        """``log(verdict="allow", phase="request", ..., upstream_ms=...)`` with no other field:
-        the record every relayed request ends with. The same record and the same line (a test
-        compares them), without keyword parsing and without the generic encoder."""
+                    bytes_in: int, upstream_ms: float, credentials: list[str] | None = None) -> None:
+        """``log(verdict="allow", phase="request", ..., upstream_ms=...[, credentials=...])``
+        with no other field: the record every relayed request ends with (``credentials``: the
+        names swapped in). The same record and the same line (a test compares them), without
+        keyword parsing and without the generic encoder."""
         if not (type(port) is int and type(bytes_out) is int and type(bytes_in) is int and type(upstream_ms) is float
                 and upstream_ms - upstream_ms == 0.0  # finite (json writes inf/nan its own way)
                 and type(host) is str and type(method) is str and type(path) is str and type(rule_id) is str
-                and type(reason) is str):
+                and type(reason) is str
+                and (credentials is None or (type(credentials) is list and all(type(c) is str for c in credentials)))):
+            extra = {} if credentials is None else {"credentials": credentials}
             self.log(verdict="allow", rule_id=rule_id, reason=reason, host=host, port=port, method=method, path=path,
-                     phase="request", bytes_out=bytes_out, bytes_in=bytes_in, upstream_ms=upstream_ms)
+                     phase="request", bytes_out=bytes_out, bytes_in=bytes_in, upstream_ms=upstream_ms, **extra)
             return
         if len(path) > 2048:
             path = path[:2048] + "...(truncated)"
@@ -348,6 +353,8 @@ class Endpoint:
         rec = {"time": t, "sandbox": self.sandbox_id, "agent": self.agent, "phase": "request", "host": host,
                "port": port, "method": method, "path": path, "rule": rule_id, "verdict": "allow", "reason": reason,
                "bytes_out": bytes_out, "bytes_in": bytes_in, "upstream_ms": upstream_ms}
+        if credentials is not None:
+            rec["credentials"] = credentials
         self.allowed += 1
         if self.deny_suppressed:
             self.flush_suppressed()
@@ -367,8 +374,13 @@ class Endpoint:
         e_rule = cache.get(rule_id)
         if e_rule is None:
             e_rule = cache[rule_id] = _esc(rule_id)
-        self._put((self._relayed_fmt % (bytes_in, bytes_out, e_host, e_method, _esc(path), port, e_reason, e_rule, t,
-                                        upstream_ms)).encode("ascii"), rec)
+        if credentials is None:
+            line = self._relayed_fmt % (bytes_in, bytes_out, e_host, e_method, _esc(path), port, e_reason, e_rule, t,
+                                        upstream_ms)
+        else:
+            line = self._relayed_cred_fmt % (bytes_in, bytes_out, "[" + ", ".join([_esc(c) for c in credentials]) + "]",
+                                             e_host, e_method, _esc(path), port, e_reason, e_rule, t, upstream_ms)
+        self._put(line.encode("ascii"), rec)
 
     def _write(self, rec: dict) -> None:
         # the encoder escapes every control character (and non-ASCII): one record, one line
