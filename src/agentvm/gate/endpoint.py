@@ -71,6 +71,14 @@ _ESCAPED: dict[str, str] = {}  # str -> _esc(str) for the few strings every rela
 ESCAPED_MAX = 4096  # (emptied when full: a sandbox minting hosts cannot grow it)
 
 
+def _escaped(s: str) -> str:
+    """_esc(s), remembered in _ESCAPED."""
+    if len(_ESCAPED) >= ESCAPED_MAX:
+        _ESCAPED.clear()
+    e = _ESCAPED[s] = _esc(s)
+    return e
+
+
 def _relayed_format(sandbox_id: str, agent: str, *, credentials: bool = False) -> str:
     """The line of a relayed request's record (Endpoint.log_relayed) as a %-format: the keys
     sorted, as _encode orders them; this endpoint's sandbox and agent in place."""
@@ -359,21 +367,12 @@ class Endpoint:
         if self.deny_suppressed:
             self.flush_suppressed()
         # a rule's id and reason, a host and a method recur request after request: escaped once
+        # (an escaped string is never empty: at least its quotes)
         cache = _ESCAPED
-        if len(cache) >= ESCAPED_MAX:
-            cache.clear()
-        e_host = cache.get(host)
-        if e_host is None:
-            e_host = cache[host] = _esc(host)
-        e_method = cache.get(method)
-        if e_method is None:
-            e_method = cache[method] = _esc(method)
-        e_reason = cache.get(reason)
-        if e_reason is None:
-            e_reason = cache[reason] = _esc(reason)
-        e_rule = cache.get(rule_id)
-        if e_rule is None:
-            e_rule = cache[rule_id] = _esc(rule_id)
+        e_host = cache.get(host) or _escaped(host)
+        e_method = cache.get(method) or _escaped(method)
+        e_reason = cache.get(reason) or _escaped(reason)
+        e_rule = cache.get(rule_id) or _escaped(rule_id)
         if credentials is None:
             line = self._relayed_fmt % (bytes_in, bytes_out, e_host, e_method, _esc(path), port, e_reason, e_rule, t,
                                         upstream_ms)
