@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import secrets
+import time
 from pathlib import Path
 
 import pytest
@@ -267,6 +268,38 @@ def test_connect_requires_a_tls_client_hello(tmp_path):
     assert first.startswith(b"HTTP/1.1 200")
     assert rest == b"" and received == b""
     assert any(json.loads(ln)["rule"] == "not-tls" for ln in ep.log_path.read_text().splitlines())
+
+
+def test_a_tunnel_that_never_sends_its_client_hello_is_closed_and_logged(tmp_path, monkeypatch):
+    """A CONNECT granted, then nothing decidable (a ClientHello cut short, or silence): the
+    tunnel is closed at HELLO_TIMEOUT with a record that says so, not in silence."""
+    from agentvm.gate import server
+
+    monkeypatch.setattr(server, "HELLO_TIMEOUT", 0.5)
+
+    async def go():
+        gate, ep, up, sock = await setup_gate(tmp_path)
+        outs = []
+        for first_bytes in (b"", b"\x16\x03\x01\x02\x00\x01"):  # silence; a ClientHello cut short
+            r, w = await asyncio.open_unix_connection(str(sock))
+            w.write(f"CONNECT up.test:{up.port} HTTP/1.1\r\nHost: up.test:{up.port}\r\n\r\n".encode() + first_bytes)
+            await w.drain()
+            t0 = time.monotonic()
+            first = await asyncio.wait_for(r.read(65536), 5)
+            rest = await asyncio.wait_for(r.read(65536), 5)  # b"": closed by the gate
+            outs.append((first, rest, time.monotonic() - t0))
+            w.close()
+        ep.flush_log()
+        return outs, ep, bytes(up.received)
+
+    outs, ep, received = run(go())
+    for first, rest, waited in outs:
+        assert first.startswith(b"HTTP/1.1 200") and rest == b"" and 0.4 <= waited < 3.0, (first, rest, waited)
+    assert received == b""
+    recs = [json.loads(ln) for ln in ep.log_path.read_text().splitlines()]
+    cut = [r for r in recs if r["rule"] == "clienthello-timeout"]
+    assert len(cut) == 2 and all(r["verdict"] == "deny" and r["phase"] == "clienthello" for r in cut), recs
+    assert "(0 bytes came)" in cut[0]["reason"] and "(6 bytes came)" in cut[1]["reason"]
 
 
 _STATE: dict = {}

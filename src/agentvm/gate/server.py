@@ -421,28 +421,36 @@ class Gate:
         # HELLO_TIMEOUT for the whole ClientHello (not per read: a client trickling it a byte at
         # a time must not hold the connection for HELLO_TIMEOUT per byte)
         deadline = asyncio.get_running_loop().time() + HELLO_TIMEOUT
-        while not buf:
-            data = await _read_by(client, deadline)
-            if not data:
-                flow.close()
-                return
-            buf += data
-        if buf[:1] != b"\x16" and buf[:1].isalpha():
-            first = ex.PlainHTTP()
-        else:
-            try:
-                while True:
-                    hello = parse_client_hello(buf) if buf else None
-                    if hello is not None:
-                        first, alpn = ex.Hello(hello.sni), hello.alpn
-                        break
-                    data = await _read_by(client, deadline)
-                    if not data:
-                        flow.close()
-                        return
-                    buf += data
-            except TLSParseError as exc:
-                first = ex.NotTLS(str(exc))
+        try:
+            while not buf:
+                data = await _read_by(client, deadline)
+                if not data:
+                    flow.close()
+                    return
+                buf += data
+            if buf[:1] != b"\x16" and buf[:1].isalpha():
+                first = ex.PlainHTTP()
+            else:
+                try:
+                    while True:
+                        hello = parse_client_hello(buf) if buf else None
+                        if hello is not None:
+                            first, alpn = ex.Hello(hello.sni), hello.alpn
+                            break
+                        data = await _read_by(client, deadline)
+                        if not data:
+                            flow.close()
+                            return
+                        buf += data
+                except TLSParseError as exc:
+                    first = ex.NotTLS(str(exc))
+        except asyncio.TimeoutError:
+            # the tunnel was granted and nothing decidable came: said, not closed in silence
+            flow.close()
+            ep.log(verdict="deny", rule_id="clienthello-timeout", reason=f"no whole TLS ClientHello (or first request) "
+                   f"within {HELLO_TIMEOUT:g} s of the CONNECT ({len(buf)} bytes came): the tunnel is closed",
+                   host=req.host, port=req.port, method="CONNECT", phase="clienthello")
+            return
         cmd = await self._run(ep, client, flow, first, started=True)
         if not isinstance(cmd, ex.OpenTunnel):
             return
