@@ -72,3 +72,45 @@ def test_a_state_database_that_refuses_writes_does_not_end_the_watch(tmp_path, c
     assert alive and still and done and failed
     assert records == ["lifecycle.idle-timeout"]
     assert sum("cannot save the last activity" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_a_row_ahead_of_the_clock_does_not_keep_a_sandbox_from_idling_out(tmp_path):
+    """A last activity in the future (written while the wall clock ran ahead) counts as now:
+    the idle timeout still ends a quiet sandbox."""
+    st = State(tmp_path / "d.db")
+    st.create("w", "x", "f", "persistent", None, 1.0)
+    st.update("w", last_activity=time.time() + 3600)
+    records = []
+    fake = types.SimpleNamespace(state=st, record=lambda kind, **kw: records.append(kind))
+
+    async def go():
+        watch = asyncio.ensure_future(Daemon._watch(fake, Managed("w"), st.get("w")))
+        await asyncio.wait({watch}, timeout=5.0)
+        return watch.done()
+
+    assert asyncio.run(go()) and records == ["lifecycle.idle-timeout"]
+
+
+def test_a_failed_activity_write_is_retried_after_activity_retry_not_every_tick(tmp_path, monkeypatch):
+    st = State(tmp_path / "d.db")
+    st.create("w", "x", "f", "persistent", None, None)
+    calls = []
+
+    def touch(name, t):
+        calls.append(t)
+        raise server.sqlite3.OperationalError("database is locked")
+
+    monkeypatch.setattr(st, "touch", touch)
+    monkeypatch.setattr(server, "ACTIVITY_RETRY", 1.2)
+    fake = types.SimpleNamespace(state=st, record=lambda kind, **kw: None)
+
+    async def go():
+        m = Managed("w")
+        watch = asyncio.ensure_future(Daemon._watch(fake, m, st.get("w")))
+        for _ in range(6):  # activity all along: every tick would want to write
+            m.activity = time.time()
+            await asyncio.sleep(0.5)
+        watch.cancel()
+
+    asyncio.run(go())
+    assert 2 <= len(calls) <= 3, calls  # at ~0.5 s, then ~1.2 s later (and maybe once more)

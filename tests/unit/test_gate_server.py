@@ -755,10 +755,10 @@ def test_a_decision_line_is_exactly_what_json_dumps_gives(rec):
 @given(sid=st.text(max_size=12), agent=st.text(max_size=12), host=st.text(max_size=30), method=st.text(max_size=8),
        path=st.text(max_size=40) | st.text(min_size=2040, max_size=2060), reason=st.text(max_size=40),
        rule=st.text(max_size=20), port=st.integers(0, 65535) | st.none(), out=st.integers(0, 2**50),
-       inn=st.integers(0, 2**50), ms=st.floats(0, 1e9) | st.integers(0, 10) | st.sampled_from([float("inf"), float("nan")]),
-       now=st.floats(1e9, 4e9), creds=st.none() | st.lists(st.text(max_size=10), max_size=3))
+       inn=st.integers(0, 2**50), us=st.integers(0, 10**12) | st.integers(-3, 3) | st.sampled_from([2.5, True, 4 * 10**15]),
+       now=st.integers(10**15, 4_294_967_295 * 10**6) | st.sampled_from([5, 4 * 10**15 + 7]), creds=st.none() | st.lists(st.text(max_size=10), max_size=3))
 def test_the_relayed_record_is_the_record_log_writes(tmp_path, sid, agent, host, method, path, reason, rule, port,
-                                                    out, inn, ms, now, creds):
+                                                    out, inn, us, now, creds):
     """Endpoint.log_relayed (the record every relayed request ends with, on its own fast path)
     writes the same line and hands subscribers the same record as the generic log() - any text
     (control characters, non-ASCII, '%'), a port that is not an int, a path over 2048, with and
@@ -781,13 +781,15 @@ def test_the_relayed_record_is_the_record_log_writes(tmp_path, sid, agent, host,
     for how in ("log", "fast"):
         g = G()
         ep = endpoint.Endpoint(g, sid, agent, eg, d / f"{how}.sock", d / f"{how}.log")
-        with mock.patch.object(endpoint.time, "time", return_value=now):
+        # the same clock reading for both (microseconds since the epoch; the fast path reads ns)
+        with mock.patch.object(endpoint.time, "time", return_value=now / 1e6), \
+                mock.patch.object(endpoint.time, "time_ns", return_value=now * 1000 + 499):
             if how == "log":
                 extra = {} if creds is None else {"credentials": creds}
                 ep.log(verdict="allow", rule_id=rule, reason=reason, host=host, port=port, method=method, path=path,
-                       phase="request", bytes_out=out, bytes_in=inn, upstream_ms=ms, **extra)
+                       phase="request", bytes_out=out, bytes_in=inn, upstream_ms=us / 1000, **extra)
             else:
-                ep.log_relayed(rule, reason, host, port, method, path, out, inn, ms, creds)
+                ep.log_relayed(rule, reason, host, port, method, path, out, inn, us, creds)
         ep.close_log()
         got.append(((d / f"{how}.log").read_bytes(), g.recs, ep.allowed))
     assert got[0][0] == got[1][0] and got[0][2] == got[1][2]
@@ -795,6 +797,19 @@ def test_the_relayed_record_is_the_record_log_writes(tmp_path, sid, agent, host,
     line = got[1][0]
     assert line.endswith(b"\n") and line.count(b"\n") == 1
     assert json.loads(line) == json.loads(json.dumps(got[1][1][0]))
+
+
+@settings(max_examples=3000, deadline=None)
+@given(n=st.integers(0, 4 * 10**15 - 1) | st.integers(0, 10**7) | st.sampled_from(
+    [0, 1, 10, 999, 1000, 10**6, 10**10, 10**10 + 1, 10**15, 4 * 10**15 - 1]))
+def test_a_decimal_from_integers_is_the_floats_repr(n):
+    """_decimal writes n / 10**k exactly as repr() writes that float, without formatting one
+    (in the ranges the relayed record uses it for)."""
+    from agentvm.gate.endpoint import _MIN_TIME_US, _decimal
+
+    assert _decimal(n, 1000, "%d.%03d") == repr(n / 1000)
+    if n >= _MIN_TIME_US:
+        assert _decimal(n, 1000000, "%d.%06d") == repr(n / 1e6)
 
 
 def test_decision_records_are_written_once_per_loop_turn_and_none_is_lost(tmp_path):

@@ -61,6 +61,7 @@ TCP_CONNECTIONS = 256  # TCP connections open at once (the unix socket is the ow
 CONSOLE_BODY = 64 * 1024  # a console form (and anything else sent before the console's own check)
 METRICS_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 ACTIVITY_SAVE = 5.0  # seconds between writes of a busy sandbox's last activity to its row
+ACTIVITY_RETRY = 30.0  # seconds before a failed write of it is tried again
 RESERVE = 8 * 1024 * 1024  # disk space held back for the daemon's own state when the disk fills
 
 
@@ -115,6 +116,7 @@ class Managed:
         self.activity = 0.0
         self.activity_saved = 0.0
         self.activity_save_failed = False
+        self.activity_retry_at = 0.0
 
     def touch(self, state, t: float) -> None:
         """Activity the daemon saw itself (an exec, a start): in memory and on the row at once."""
@@ -476,8 +478,9 @@ class Daemon:
                     s.endpoint.creds.local_revoked.update(patch.get("revoked", []))
             await asyncio.to_thread(lc.launch, s, (devnull, logfd, logfd))
             m.started_at = time.monotonic()
-            self.state.update(m.name, state="running", sandbox_id=s.sandbox_id, started=time.time())
-            m.touch(self.state, time.time())  # a start is activity (the idle clock starts here)
+            # a start is activity: the idle clock starts here, also after the wall clock went back
+            m.activity = m.activity_saved = now = time.time()
+            self.state.update(m.name, state="running", sandbox_id=s.sandbox_id, started=now, last_activity=now)
             self.record("lifecycle.running", sandbox=m.name, sandbox_id=s.sandbox_id, uid=s.res.host_uid, substrate=s.plan.substrate,
                         identity=s.plan.identity, policy=s.plan.policy_digest)
             waiter = asyncio.ensure_future(lc.wait_async(s))
@@ -518,17 +521,25 @@ class Daemon:
                 self.record("lifecycle.ttl-expired", sandbox=m.name, ttl=r.ttl)
                 self.state.update(m.name, desired="stopped")
                 return
-            try:
-                m.save_activity(self.state, now=now)
-            except (sqlite3.Error, OSError) as exc:
-                # a full or read-only disk must not end the watch (and with it the sandbox):
-                # the idle check goes on from memory; said once per failing stretch
-                if not m.activity_save_failed:
-                    log.warning("cannot save the last activity of %s: %s", m.name, exc)
-                m.activity_save_failed = True
-            else:
-                m.activity_save_failed = False
-            last = max(r.last_activity or 0.0, m.activity)
+            if now >= m.activity_retry_at:
+                try:
+                    m.save_activity(self.state, now=now)
+                except (sqlite3.Error, OSError) as exc:
+                    # a full or read-only disk must not end the watch (and with it the sandbox):
+                    # the idle check goes on from memory; said once per failing stretch, tried
+                    # again after ACTIVITY_RETRY (a locked database blocks for its busy timeout)
+                    if not m.activity_save_failed:
+                        log.warning("cannot save the last activity of %s: %s", m.name, exc)
+                    m.activity_save_failed = True
+                    m.activity_retry_at = now + ACTIVITY_RETRY
+                else:
+                    m.activity_save_failed = False
+            # a time in the future (written while the wall clock ran ahead) counts from now on:
+            # it must not keep the sandbox from ever idling out
+            row_last = r.last_activity or 0.0
+            if m.activity > now or (row_last > now and not m.activity):
+                m.activity = now
+            last = max(row_last if row_last <= now else 0.0, m.activity)
             if r.idle_timeout and last and now - last > r.idle_timeout:
                 self.record("lifecycle.idle-timeout", sandbox=m.name, idle_timeout=r.idle_timeout)
                 self.state.update(m.name, desired="stopped")

@@ -479,7 +479,7 @@ class ScrubTable:
         for f in forms:
             self.by_start.setdefault(f[:2], []).append(f)
         self.first_bytes = frozenset(f[:1] for f in forms)
-        self.first_ints = frozenset(f[0] for f in forms)  # the same, as buf[i] gives them
+        self.first_ints = frozenset(f[0] for f in forms if f)  # the same, as buf[i] gives them
         self.maxlen = max((len(f) for f in forms), default=1)
 
     def could_start(self, tail: bytes) -> bool:

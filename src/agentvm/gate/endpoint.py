@@ -85,7 +85,22 @@ def _relayed_format(sandbox_id: str, agent: str, *, credentials: bool = False) -
     return ('{"agent": ' + _esc(agent).replace("%", "%%") + ', "bytes_in": %d, "bytes_out": %d, '
             + ('"credentials": %s, ' if credentials else '') + '"host": %s, '
             '"method": %s, "path": %s, "phase": "request", "port": %d, "reason": %s, "rule": %s, "sandbox": '
-            + _esc(sandbox_id).replace("%", "%%") + ', "time": %r, "upstream_ms": %r, "verdict": "allow"}\n')
+            + _esc(sandbox_id).replace("%", "%%") + ', "time": %s, "upstream_ms": %s, "verdict": "allow"}\n')
+
+
+# integers below this, divided by 10**k (k = 3, 6), are written exactly by _decimal: the double
+# nearest such a value is closer to it than to any other k-decimal value while it is under 2**32
+_MAX_DECIMAL = 4_000_000_000_000_000
+_MIN_TIME_US = 10**10  # (repr writes n / 10**6 under 10**-4 with an exponent; times are far above)
+
+
+def _decimal(n: int, scale: int, fmt: str) -> str:
+    """repr(n / scale) for 0 <= n < _MAX_DECIMAL with scale 10**3, or _MIN_TIME_US <= n <
+    _MAX_DECIMAL with scale 10**6, from the integers:
+    ``n / scale`` is the double nearest the decimal n * 10**-k, the shortest string that reads
+    back as that double is that decimal without its trailing zeros (a test compares them)."""
+    text = (fmt % divmod(n, scale)).rstrip("0")
+    return text + "0" if text[-1] == "." else text
 
 
 @dataclass
@@ -341,23 +356,31 @@ class Endpoint:
         self._write(rec)
 
     def log_relayed(self, rule_id: str, reason: str, host: str, port: int, method: str, path: str, bytes_out: int,
-                    bytes_in: int, upstream_ms: float, credentials: list[str] | None = None) -> None:
-        """``log(verdict="allow", phase="request", ..., upstream_ms=...[, credentials=...])``
-        with no other field: the record every relayed request ends with (``credentials``: the
-        names swapped in). The same record and the same line (a test compares them), without
-        keyword parsing and without the generic encoder."""
-        if not (type(port) is int and type(bytes_out) is int and type(bytes_in) is int and type(upstream_ms) is float
-                and upstream_ms - upstream_ms == 0.0  # finite (json writes inf/nan its own way)
+                    bytes_in: int, upstream_us: int, credentials: list[str] | None = None) -> None:
+        """``log(verdict="allow", phase="request", ..., upstream_ms=upstream_us / 1000[,
+        credentials=...])`` with no other field: the record every relayed request ends with
+        (``credentials``: the names swapped in). The same record and the same line (a test
+        compares them), without keyword parsing, the generic encoder or float formatting: the
+        time and the latency are written from integers (_decimal)."""
+        if not (type(port) is int and type(bytes_out) is int and type(bytes_in) is int and type(upstream_us) is int
+                and 0 <= upstream_us < _MAX_DECIMAL
                 and type(host) is str and type(method) is str and type(path) is str and type(rule_id) is str
                 and type(reason) is str
                 and (credentials is None or (type(credentials) is list and all(type(c) is str for c in credentials)))):
             extra = {} if credentials is None else {"credentials": credentials}
             self.log(verdict="allow", rule_id=rule_id, reason=reason, host=host, port=port, method=method, path=path,
-                     phase="request", bytes_out=bytes_out, bytes_in=bytes_in, upstream_ms=upstream_ms, **extra)
+                     phase="request", bytes_out=bytes_out, bytes_in=bytes_in, upstream_ms=upstream_us / 1000, **extra)
             return
         if len(path) > 2048:
             path = path[:2048] + "...(truncated)"
-        t = round(time.time(), 6)
+        now_us = (time.time_ns() + 500) // 1000
+        if not _MIN_TIME_US <= now_us < _MAX_DECIMAL:  # (a clock set far off: the float's own repr)
+            t = round(time.time(), 6)
+            t_text = repr(t)
+        else:
+            t = now_us / 1e6  # the double nearest the 6-decimal value, as round(time.time(), 6) gives
+            t_text = _decimal(now_us, 1000000, "%d.%06d")
+        upstream_ms = upstream_us / 1000
         rec = {"time": t, "sandbox": self.sandbox_id, "agent": self.agent, "phase": "request", "host": host,
                "port": port, "method": method, "path": path, "rule": rule_id, "verdict": "allow", "reason": reason,
                "bytes_out": bytes_out, "bytes_in": bytes_in, "upstream_ms": upstream_ms}
@@ -373,12 +396,13 @@ class Endpoint:
         e_method = cache.get(method) or _escaped(method)
         e_reason = cache.get(reason) or _escaped(reason)
         e_rule = cache.get(rule_id) or _escaped(rule_id)
+        ms_text = _decimal(upstream_us, 1000, "%d.%03d")
         if credentials is None:
-            line = self._relayed_fmt % (bytes_in, bytes_out, e_host, e_method, _esc(path), port, e_reason, e_rule, t,
-                                        upstream_ms)
+            line = self._relayed_fmt % (bytes_in, bytes_out, e_host, e_method, _esc(path), port, e_reason, e_rule,
+                                        t_text, ms_text)
         else:
             line = self._relayed_cred_fmt % (bytes_in, bytes_out, "[" + ", ".join([_esc(c) for c in credentials]) + "]",
-                                             e_host, e_method, _esc(path), port, e_reason, e_rule, t, upstream_ms)
+                                             e_host, e_method, _esc(path), port, e_reason, e_rule, t_text, ms_text)
         self._put(line.encode("ascii"), rec)
 
     def _write(self, rec: dict) -> None:
