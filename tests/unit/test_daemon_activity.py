@@ -17,6 +17,31 @@ def row_activity(st: State, name: str) -> float:
     return st.get(name).last_activity
 
 
+class FakeDaemon:
+    """What Daemon._watch uses of the daemon: its state, its records, its two helpers."""
+
+    _expired = Daemon._expired
+    _watch_trouble = Daemon._watch_trouble
+
+    def __init__(self, st: State) -> None:
+        self.state = st
+        self.records: list[str] = []
+
+    def record(self, kind, **kw) -> None:
+        self.records.append(kind)
+
+
+def started(name: str) -> Managed:
+    m = Managed(name)
+    m.started_at = m.activity_mono = time.monotonic()  # as _run_once does at launch
+    return m
+
+
+def traffic(m: Managed) -> None:
+    """An allowed gate decision, as Daemon._on_decision notes it."""
+    m.activity_mono, m.activity = time.monotonic(), time.time()
+
+
 def test_activity_is_written_at_most_every_activity_save_and_the_row_never_moves_back(tmp_path):
     st = State(tmp_path / "d.db")
     st.create("w", "x", "f", "persistent", None, None)
@@ -44,51 +69,80 @@ def test_activity_is_written_at_most_every_activity_save_and_the_row_never_moves
 
 
 def test_a_state_database_that_refuses_writes_does_not_end_the_watch(tmp_path, caplog):
-    """_run_once stops a sandbox as soon as its watch ends: a failed activity write (a full or
-    read-only disk) must not end it - the idle timeout is still enforced, from memory."""
+    """_run_once stops a sandbox as soon as its watch ends: a failed write (a full or read-only
+    disk) must not end it - the idle timeout is still enforced, from memory."""
     st = State(tmp_path / "d.db")
     st.create("w", "x", "f", "persistent", None, 1.5)  # idle timeout 1.5 s
-    st.update("w", last_activity=time.time() - 100)  # the row says: idle long ago
     st._c.execute("PRAGMA query_only=1")  # from now on every write fails
-    records = []
-    fake = types.SimpleNamespace(state=st, record=lambda kind, **kw: records.append(kind))
+    d = FakeDaemon(st)
 
     async def go():
-        m = Managed("w")
-        m.activity = time.time()  # but a request went through the gate just now
-        m.activity_saved = 0.0
-        watch = asyncio.ensure_future(Daemon._watch(fake, m, st.get("w")))
+        m = started("w")
+        traffic(m)
+        watch = asyncio.ensure_future(Daemon._watch(d, m, st.get("w")))
         await asyncio.sleep(1.0)
         alive = not watch.done()
-        m.activity = time.time()  # more traffic
+        traffic(m)  # more traffic
         await asyncio.sleep(1.0)
         still = not watch.done()
-        # then quiet: the idle timeout ends it (its own write of desired=stopped fails here too,
-        # which ends the watch as well - the sandbox is stopped either way)
+        await asyncio.wait({watch}, timeout=5.0)  # then quiet: the idle timeout ends it
+        return alive, still, watch.done() and watch.exception() is None, m.activity_save_failed
+
+    alive, still, ended_cleanly, failed = asyncio.run(go())
+    assert alive and still and ended_cleanly and failed
+    assert d.records == ["lifecycle.idle-timeout"]
+    said = [r.getMessage() for r in caplog.records]
+    assert sum("cannot save the last activity" in m for m in said) == 1
+    assert sum("cannot mark as stopped" in m for m in said) == 1  # (desired=stopped: refused too)
+
+
+def test_a_failed_read_of_the_row_does_not_end_the_watch(tmp_path, monkeypatch):
+    """A transient error reading the row (locked past its busy timeout, an I/O error): the
+    last row read still rules; TTL and idle timeout still end the sandbox when they run out."""
+    st = State(tmp_path / "d.db")
+    st.create("w", "x", "f", "persistent", 2.0, None)  # TTL 2 s
+    real_get, fails = st.get, []
+
+    def get(name):
+        if len(fails) < 2:
+            fails.append(name)
+            raise server.sqlite3.OperationalError("database is locked")
+        return real_get(name)
+
+    monkeypatch.setattr(st, "get", get)
+    d = FakeDaemon(st)
+
+    async def go():
+        m = started("w")
+        watch = asyncio.ensure_future(Daemon._watch(d, m, real_get("w")))
+        await asyncio.sleep(1.3)  # two failed reads
+        alive = not watch.done()
         await asyncio.wait({watch}, timeout=5.0)
-        return alive, still, watch.done(), m.activity_save_failed
+        return alive, watch.done() and watch.exception() is None, time.monotonic() - m.started_at
 
-    alive, still, done, failed = asyncio.run(go())
-    assert alive and still and done and failed
-    assert records == ["lifecycle.idle-timeout"]
-    assert sum("cannot save the last activity" in r.getMessage() for r in caplog.records) == 1
+    alive, ended_cleanly, after = asyncio.run(go())
+    assert alive and ended_cleanly and len(fails) == 2 and 2.0 <= after < 4.0
+    assert d.records == ["lifecycle.ttl-expired"]
 
 
-def test_a_row_ahead_of_the_clock_does_not_keep_a_sandbox_from_idling_out(tmp_path):
-    """A last activity in the future (written while the wall clock ran ahead) counts as now:
-    the idle timeout still ends a quiet sandbox."""
+def test_the_wall_clock_does_not_move_the_idle_timeout(tmp_path, monkeypatch):
+    """Idle and TTL run on the monotonic clock: a row written while the wall clock ran an hour
+    ahead, then a clock an hour behind, change neither."""
     st = State(tmp_path / "d.db")
     st.create("w", "x", "f", "persistent", None, 1.0)
     st.update("w", last_activity=time.time() + 3600)
-    records = []
-    fake = types.SimpleNamespace(state=st, record=lambda kind, **kw: records.append(kind))
+    real_time = time.time
+    monkeypatch.setattr(server.time, "time", lambda: real_time() - 3600)
+    d = FakeDaemon(st)
 
     async def go():
-        watch = asyncio.ensure_future(Daemon._watch(fake, Managed("w"), st.get("w")))
+        m = started("w")
+        watch = asyncio.ensure_future(Daemon._watch(d, m, st.get("w")))
         await asyncio.wait({watch}, timeout=5.0)
-        return watch.done()
+        return watch.done(), time.monotonic() - m.started_at
 
-    assert asyncio.run(go()) and records == ["lifecycle.idle-timeout"]
+    done, after = asyncio.run(go())
+    assert done and 1.0 <= after < 2.5 and d.records == ["lifecycle.idle-timeout"]
 
 
 def test_a_failed_activity_write_is_retried_after_activity_retry_not_every_tick(tmp_path, monkeypatch):
@@ -102,13 +156,13 @@ def test_a_failed_activity_write_is_retried_after_activity_retry_not_every_tick(
 
     monkeypatch.setattr(st, "touch", touch)
     monkeypatch.setattr(server, "ACTIVITY_RETRY", 1.2)
-    fake = types.SimpleNamespace(state=st, record=lambda kind, **kw: None)
+    d = FakeDaemon(st)
 
     async def go():
-        m = Managed("w")
-        watch = asyncio.ensure_future(Daemon._watch(fake, m, st.get("w")))
+        m = started("w")
+        watch = asyncio.ensure_future(Daemon._watch(d, m, st.get("w")))
         for _ in range(6):  # activity all along: every tick would want to write
-            m.activity = time.time()
+            traffic(m)
             await asyncio.sleep(0.5)
         watch.cancel()
 

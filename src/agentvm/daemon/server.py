@@ -110,16 +110,20 @@ class Managed:
         self.policy = None
         self.stop_requested = asyncio.Event()
         self.started_at = 0.0
-        # the wall time of its last gate decision or exec: kept here, per request, and written
-        # to its row at most every ACTIVITY_SAVE seconds (a SQLite commit per request cost more
-        # than the gate's whole decision, on the loop every sandbox shares)
+        # its last gate decision or exec: kept here, per request - on the monotonic clock for the
+        # idle timeout, as wall time for its row, written there at most every ACTIVITY_SAVE
+        # seconds (a SQLite commit per request cost more than the gate's whole decision, on
+        # the loop every sandbox shares)
+        self.activity_mono = 0.0
         self.activity = 0.0
         self.activity_saved = 0.0
         self.activity_save_failed = False
-        self.activity_retry_at = 0.0
+        self.activity_retry_at = 0.0  # (monotonic)
+        self.watch_failed = False
 
     def touch(self, state, t: float) -> None:
-        """Activity the daemon saw itself (an exec, a start): in memory and on the row at once."""
+        """Activity the daemon saw itself (an exec): in memory and on the row at once."""
+        self.activity_mono = time.monotonic()
         self.activity = max(self.activity, t)
         state.touch(self.name, t)
         self.activity_saved = max(self.activity_saved, t)
@@ -355,6 +359,7 @@ class Daemon:
         name = rec.get("agent")
         m = self.managed.get(name) if name else None
         if m is not None and rec.get("verdict") == "allow":
+            m.activity_mono = time.monotonic()
             m.activity = rec.get("time") or time.time()  # (the row follows within ACTIVITY_SAVE: _watch)
         if rec.get("verdict") == "deny" or rec.get("alert") or rec.get("credentials"):
             data = {k: rec.get(k) for k in ("sandbox", "host", "port", "method", "path", "rule", "verdict", "reason",
@@ -477,8 +482,7 @@ class Daemon:
                 if s.endpoint.creds is not None:  # per-sandbox revocations survive restarts
                     s.endpoint.creds.local_revoked.update(patch.get("revoked", []))
             await asyncio.to_thread(lc.launch, s, (devnull, logfd, logfd))
-            m.started_at = time.monotonic()
-            # a start is activity: the idle clock starts here, also after the wall clock went back
+            m.started_at = m.activity_mono = time.monotonic()  # the TTL and idle clocks start here
             m.activity = m.activity_saved = now = time.time()
             self.state.update(m.name, state="running", sandbox_id=s.sandbox_id, started=now, last_activity=now)
             self.record("lifecycle.running", sandbox=m.name, sandbox_id=s.sandbox_id, uid=s.res.host_uid, substrate=s.plan.substrate,
@@ -509,41 +513,57 @@ class Daemon:
         return result.exit_code
 
     async def _watch(self, m: Managed, row) -> None:
-        """Ephemeral TTL and idle timeout."""
+        """Ephemeral TTL and idle timeout, on the monotonic clock (a wall clock set back or
+        forward stretches or cuts neither); the row gets the last activity's wall time. A state
+        database that fails (locked, full, read-only) ends neither the watch nor the sandbox:
+        the last row read still rules, and it is said once."""
+        r = row
         while True:
             await asyncio.sleep(0.5)
-            now = time.time()
-            r = self.state.get(m.name)
-            if r is None:
-                return
-            # either ends the sandbox for good: a persistent worker is not restarted after it
-            if r.ttl and r.started and now - r.started > r.ttl:
-                self.record("lifecycle.ttl-expired", sandbox=m.name, ttl=r.ttl)
-                self.state.update(m.name, desired="stopped")
-                return
-            if now >= m.activity_retry_at:
+            mono = time.monotonic()
+            try:
+                fresh = self.state.get(m.name)
+            except (sqlite3.Error, OSError) as exc:
+                self._watch_trouble(m, "read the row of", exc)
+            else:
+                if fresh is None:
+                    return
+                r = fresh
+            if mono >= m.activity_retry_at:
                 try:
-                    m.save_activity(self.state, now=now)
+                    m.save_activity(self.state, now=time.time())
                 except (sqlite3.Error, OSError) as exc:
-                    # a full or read-only disk must not end the watch (and with it the sandbox):
-                    # the idle check goes on from memory; said once per failing stretch, tried
-                    # again after ACTIVITY_RETRY (a locked database blocks for its busy timeout)
+                    # tried again after ACTIVITY_RETRY: a locked database blocks for its busy timeout
                     if not m.activity_save_failed:
                         log.warning("cannot save the last activity of %s: %s", m.name, exc)
                     m.activity_save_failed = True
-                    m.activity_retry_at = now + ACTIVITY_RETRY
+                    m.activity_retry_at = mono + ACTIVITY_RETRY
                 else:
                     m.activity_save_failed = False
-            # a time in the future (written while the wall clock ran ahead) counts from now on:
-            # it must not keep the sandbox from ever idling out
-            row_last = r.last_activity or 0.0
-            if m.activity > now or (row_last > now and not m.activity):
-                m.activity = now
-            last = max(row_last if row_last <= now else 0.0, m.activity)
-            if r.idle_timeout and last and now - last > r.idle_timeout:
-                self.record("lifecycle.idle-timeout", sandbox=m.name, idle_timeout=r.idle_timeout)
-                self.state.update(m.name, desired="stopped")
+            # either ends the sandbox for good: a persistent worker is not restarted after it
+            if r.ttl and mono - m.started_at > r.ttl:
+                self._expired(m, "lifecycle.ttl-expired", ttl=r.ttl)
                 return
+            if r.idle_timeout and mono - max(m.activity_mono, m.started_at) > r.idle_timeout:
+                self._expired(m, "lifecycle.idle-timeout", idle_timeout=r.idle_timeout)
+                return
+
+    def _watch_trouble(self, m: Managed, what: str, exc: BaseException) -> None:
+        if not m.watch_failed:
+            log.warning("cannot %s %s (its TTL and idle timeout still hold): %s", what, m.name, exc)
+        m.watch_failed = True
+
+    def _expired(self, m: Managed, kind: str, **data) -> None:
+        """A TTL or idle timeout ran out: recorded, and the sandbox is not to run again (the
+        watch ends, and with it the run, even if the disk refuses these writes)."""
+        try:
+            self.record(kind, sandbox=m.name, **data)
+        except Exception:  # noqa: BLE001 - the sandbox is stopped all the same
+            log.exception("cannot record %s of %s", kind, m.name)
+        try:
+            self.state.update(m.name, desired="stopped")
+        except (sqlite3.Error, OSError) as exc:
+            self._watch_trouble(m, "mark as stopped", exc)
 
     async def stop(self, name: str, *, actor: str = "operator") -> None:
         """Stop first, write after: a full or read-only disk never keeps a sandbox running."""

@@ -470,7 +470,7 @@ class ScrubTable:
                 for r, p in zip(_all_forms(real), _all_forms(ph, like=real)):
                     if r.text:
                         self.table.setdefault(r.text, (r, p))
-            else:
+            elif real:
                 self.table.setdefault(real, (_Form(real), _Form(ph)))
         forms = sorted(self.table, key=len, reverse=True)
         self.regex = re.compile(b"|".join(re.escape(f) for f in forms)) if forms else None

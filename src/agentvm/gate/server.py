@@ -447,8 +447,9 @@ class Gate:
         except asyncio.TimeoutError:
             # the tunnel was granted and nothing decidable came: said, not closed in silence
             flow.close()
-            ep.log(verdict="deny", rule_id="clienthello-timeout", reason=f"no whole TLS ClientHello (or first request) "
-                   f"within {HELLO_TIMEOUT:g} s of the CONNECT ({len(buf)} bytes came): the tunnel is closed",
+            ep.log(verdict="deny", rule_id="clienthello-timeout", reason=f"neither a whole TLS ClientHello nor a first "
+                   f"byte of plain HTTP within {HELLO_TIMEOUT:g} s of the CONNECT ({len(buf)} bytes came): the tunnel "
+                   "is closed",
                    host=req.host, port=req.port, method="CONNECT", phase="clienthello")
             return
         cmd = await self._run(ep, client, flow, first, started=True)
