@@ -18,10 +18,9 @@ def row_activity(st: State, name: str) -> float:
 
 
 class FakeDaemon:
-    """What Daemon._watch uses of the daemon: its state, its records, its two helpers."""
+    """What Daemon._watch uses of the daemon: its state, its records, its helper."""
 
     _expired = Daemon._expired
-    _watch_trouble = Daemon._watch_trouble
 
     def __init__(self, st: State) -> None:
         self.state = st
@@ -33,13 +32,13 @@ class FakeDaemon:
 
 def started(name: str) -> Managed:
     m = Managed(name)
-    m.started_at = m.activity_mono = time.monotonic()  # as _run_once does at launch
+    m.started_at = m.activity_mono = server._clock()  # as _run_once does at launch
     return m
 
 
 def traffic(m: Managed) -> None:
     """An allowed gate decision, as Daemon._on_decision notes it."""
-    m.activity_mono, m.activity = time.monotonic(), time.time()
+    m.activity_mono, m.activity = server._clock(), time.time()
 
 
 def test_activity_is_written_at_most_every_activity_save_and_the_row_never_moves_back(tmp_path):
@@ -93,7 +92,7 @@ def test_a_state_database_that_refuses_writes_does_not_end_the_watch(tmp_path, c
     assert d.records == ["lifecycle.idle-timeout"]
     said = [r.getMessage() for r in caplog.records]
     assert sum("cannot save the last activity" in m for m in said) == 1
-    assert sum("cannot mark as stopped" in m for m in said) == 1  # (desired=stopped: refused too)
+    assert sum("cannot mark w as stopped" in m for m in said) == 1  # (desired=stopped: refused too)
 
 
 def test_a_failed_read_of_the_row_does_not_end_the_watch(tmp_path, monkeypatch):
@@ -118,7 +117,7 @@ def test_a_failed_read_of_the_row_does_not_end_the_watch(tmp_path, monkeypatch):
         await asyncio.sleep(1.3)  # two failed reads
         alive = not watch.done()
         await asyncio.wait({watch}, timeout=5.0)
-        return alive, watch.done() and watch.exception() is None, time.monotonic() - m.started_at
+        return alive, watch.done() and watch.exception() is None, server._clock() - m.started_at
 
     alive, ended_cleanly, after = asyncio.run(go())
     assert alive and ended_cleanly and len(fails) == 2 and 2.0 <= after < 4.0
@@ -139,7 +138,7 @@ def test_the_wall_clock_does_not_move_the_idle_timeout(tmp_path, monkeypatch):
         m = started("w")
         watch = asyncio.ensure_future(Daemon._watch(d, m, st.get("w")))
         await asyncio.wait({watch}, timeout=5.0)
-        return watch.done(), time.monotonic() - m.started_at
+        return watch.done(), server._clock() - m.started_at
 
     done, after = asyncio.run(go())
     assert done and 1.0 <= after < 2.5 and d.records == ["lifecycle.idle-timeout"]
@@ -168,3 +167,90 @@ def test_a_failed_activity_write_is_retried_after_activity_retry_not_every_tick(
 
     asyncio.run(go())
     assert 2 <= len(calls) <= 3, calls  # at ~0.5 s, then ~1.2 s later (and maybe once more)
+
+
+# -- the same on a real daemon (the fake substrate: no sandbox is started) --------------------
+
+def _daemon(tmp_path, monkeypatch):
+    monkeypatch.setenv("AGENTVM_ALLOW_FAKE", "1")
+    from tests.unit.test_daemon_fake import Running
+
+    return Running(tmp_path)
+
+
+def test_allowed_decisions_and_an_exec_keep_a_worker_alive_then_quiet_ends_it(tmp_path, monkeypatch):
+    """Through the daemon's own paths: _on_decision (as the gate calls it) and exec are activity;
+    once they stop, the idle timeout ends the persistent worker for good."""
+    from tests.unit.test_daemon_fake import spec
+
+    r = _daemon(tmp_path, monkeypatch)
+    try:
+        c, d = r.client, r.daemon
+        c.create(spec("w1"), "w1.yaml", idle_timeout=1.5)
+        c.action("w1", "start")
+        list(c.exec("w1", ["true"]))
+        for _ in range(8):  # 4 s of allowed requests, every 0.5 s
+            d.loop.call_soon_threadsafe(d._on_decision, {"agent": "w1", "verdict": "allow", "time": time.time()})
+            time.sleep(0.5)
+        assert c.get("w1")["state"] == "running"
+        quiet = time.monotonic()
+        while c.get("w1")["state"] == "running" and time.monotonic() - quiet < 10:
+            time.sleep(0.1)
+        row = c.get("w1")
+        assert row["state"] in ("exited", "stopped") and row["desired"] == "stopped" and row["restarts"] == 0, row
+        assert 1.0 <= time.monotonic() - quiet < 4.0
+        kinds = [a["kind"] for a in c.audit(sandbox="w1")]
+        assert "lifecycle.idle-timeout" in kinds and "lifecycle.restart-scheduled" not in kinds
+    finally:
+        r.stop()
+
+
+def test_a_worker_whose_ttl_ran_out_is_not_restarted_when_the_disk_refuses_to_say_so(tmp_path, monkeypatch):
+    """The write of desired=stopped after a TTL fails (a locked database): the persistent
+    worker is still not restarted - the daemon remembers the expiry."""
+    import sqlite3
+
+    from tests.unit.test_daemon_fake import spec
+
+    r = _daemon(tmp_path, monkeypatch)
+    try:
+        c, st = r.client, r.daemon.state
+        real_update, refused = st.update, []
+
+        def update(name, **fields):
+            if fields == {"desired": "stopped"} and not refused:
+                refused.append(name)
+                raise sqlite3.OperationalError("database is locked")
+            return real_update(name, **fields)
+
+        st.update = update
+        c.create(spec("w1"), "w1.yaml", ttl=1.5)
+        c.action("w1", "start")
+        time.sleep(5.0)  # past the TTL and the first restart backoff
+        row = c.get("w1")
+        kinds = [a["kind"] for a in c.audit(sandbox="w1") if a["kind"].startswith("lifecycle")]
+        assert refused == ["w1"]
+        assert row["state"] in ("exited", "stopped") and row["restarts"] == 0, (row, kinds)
+        assert kinds.count("lifecycle.ttl-expired") == 1 and "lifecycle.restart-scheduled" not in kinds, kinds
+        # and the next start is a start: the expiry does not stick
+        c.action("w1", "start")
+        assert c.get("w1")["state"] == "running"
+    finally:
+        r.stop()
+
+
+def test_ttl_and_idle_timeout_must_be_numbers(tmp_path, monkeypatch):
+    from agentvm.daemon.client import ApiFailure
+    from tests.unit.test_daemon_fake import spec
+
+    r = _daemon(tmp_path, monkeypatch)
+    try:
+        for bad in ({"ttl": "5m"}, {"idle_timeout": 0}, {"ttl": -1}, {"idle_timeout": True}):
+            try:
+                r.client.create(spec("w1"), "w1.yaml", **bad)
+            except ApiFailure as exc:
+                assert exc.status == 400 and "above 0" in str(exc), exc
+            else:
+                raise AssertionError(f"{bad} was accepted")
+    finally:
+        r.stop()

@@ -61,6 +61,16 @@ TCP_CONNECTIONS = 256  # TCP connections open at once (the unix socket is the ow
 CONSOLE_BODY = 64 * 1024  # a console form (and anything else sent before the console's own check)
 METRICS_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 ACTIVITY_SAVE = 5.0  # seconds between writes of a busy sandbox's last activity to its row
+
+
+def _clock() -> float:
+    """Seconds on the clock of TTLs and idle timeouts: CLOCK_BOOTTIME - never stepped with the
+    wall clock, and unlike CLOCK_MONOTONIC it runs on while the host is suspended (a TTL that
+    ran out during a suspend has run out at the wake)."""
+    return time.clock_gettime(_CLOCK)
+
+
+_CLOCK = getattr(time, "CLOCK_BOOTTIME", time.CLOCK_MONOTONIC)
 ACTIVITY_RETRY = 30.0  # seconds before a failed write of it is tried again
 RESERVE = 8 * 1024 * 1024  # disk space held back for the daemon's own state when the disk fills
 
@@ -118,14 +128,22 @@ class Managed:
         self.activity = 0.0
         self.activity_saved = 0.0
         self.activity_save_failed = False
-        self.activity_retry_at = 0.0  # (monotonic)
-        self.watch_failed = False
+        self.activity_retry_at = 0.0  # (_clock)
+        self.read_failed = False
+        # its TTL or idle timeout ran out: it is not to run again, also if the disk refused to
+        # record desired=stopped (cleared by the next start)
+        self.expired = False
 
     def touch(self, state, t: float) -> None:
-        """Activity the daemon saw itself (an exec): in memory and on the row at once."""
-        self.activity_mono = time.monotonic()
+        """Activity the daemon saw itself (an exec): in memory, and on the row at once (a row
+        that cannot be written only loses what it shows; the idle clock is memory)."""
+        self.activity_mono = _clock()
         self.activity = max(self.activity, t)
-        state.touch(self.name, t)
+        try:
+            state.touch(self.name, t)
+        except (sqlite3.Error, OSError) as exc:
+            log.warning("cannot save the last activity of %s: %s", self.name, exc)
+            return
         self.activity_saved = max(self.activity_saved, t)
 
     def save_activity(self, state, *, now: float | None = None) -> None:
@@ -359,7 +377,7 @@ class Daemon:
         name = rec.get("agent")
         m = self.managed.get(name) if name else None
         if m is not None and rec.get("verdict") == "allow":
-            m.activity_mono = time.monotonic()
+            m.activity_mono = _clock()
             m.activity = rec.get("time") or time.time()  # (the row follows within ACTIVITY_SAVE: _watch)
         if rec.get("verdict") == "deny" or rec.get("alert") or rec.get("credentials"):
             data = {k: rec.get(k) for k in ("sandbox", "host", "port", "method", "path", "rule", "verdict", "reason",
@@ -419,6 +437,7 @@ class Daemon:
             raise ApiError(409, "already-running", f"{name} is already running")
         self.state.update(name, desired="running", state="starting")
         m.stop_requested = asyncio.Event()
+        m.expired = False
         m.task = asyncio.ensure_future(self._supervise(m))
         self.record("lifecycle.start-requested", actor=actor, sandbox=name)
 
@@ -448,10 +467,10 @@ class Daemon:
             if m.stop_requested.is_set() or self.stopping.is_set():
                 break
             row = self.state.get(m.name)
-            if row is None or row.lifecycle != "persistent" or row.desired != "running":
+            if row is None or row.lifecycle != "persistent" or row.desired != "running" or m.expired:
                 self.state.update(m.name, state="exited", desired="stopped", exit_code=code)
                 return
-            ran = time.monotonic() - m.started_at
+            ran = _clock() - m.started_at
             backoff = 1.0 if ran > 60 else min(backoff * 2, 60.0)
             self.state.update(m.name, state="backoff", restarts=row.restarts + 1, exit_code=code)
             self.record("lifecycle.restart-scheduled", sandbox=m.name, exit_code=code, backoff=backoff)
@@ -482,7 +501,7 @@ class Daemon:
                 if s.endpoint.creds is not None:  # per-sandbox revocations survive restarts
                     s.endpoint.creds.local_revoked.update(patch.get("revoked", []))
             await asyncio.to_thread(lc.launch, s, (devnull, logfd, logfd))
-            m.started_at = m.activity_mono = time.monotonic()  # the TTL and idle clocks start here
+            m.started_at = m.activity_mono = _clock()  # the TTL and idle clocks start here
             m.activity = m.activity_saved = now = time.time()
             self.state.update(m.name, state="running", sandbox_id=s.sandbox_id, started=now, last_activity=now)
             self.record("lifecycle.running", sandbox=m.name, sandbox_id=s.sandbox_id, uid=s.res.host_uid, substrate=s.plan.substrate,
@@ -490,12 +509,16 @@ class Daemon:
             waiter = asyncio.ensure_future(lc.wait_async(s))
             watch = asyncio.ensure_future(self._watch(m, row))
             stop = asyncio.ensure_future(m.stop_requested.wait())
-            done, _ = await asyncio.wait({waiter, stop, watch}, return_when=asyncio.FIRST_COMPLETED)
-            if waiter not in done:
-                await asyncio.to_thread(lc.stop, s, 2.0)
-            await waiter
-            for t in (watch, stop):
-                t.cancel()
+            try:
+                done, _ = await asyncio.wait({waiter, stop, watch}, return_when=asyncio.FIRST_COMPLETED)
+                if watch in done and not watch.cancelled() and watch.exception() is not None:
+                    log.error("the watch of %s failed: the sandbox is stopped", m.name, exc_info=watch.exception())
+                if waiter not in done:
+                    await asyncio.to_thread(lc.stop, s, 2.0)
+                await waiter
+            finally:  # (also when stopping failed: no watch outlives its run)
+                for t in (watch, stop):
+                    t.cancel()
         finally:
             try:
                 m.save_activity(self.state)  # the row keeps the last activity of a run that ended
@@ -513,19 +536,22 @@ class Daemon:
         return result.exit_code
 
     async def _watch(self, m: Managed, row) -> None:
-        """Ephemeral TTL and idle timeout, on the monotonic clock (a wall clock set back or
-        forward stretches or cuts neither); the row gets the last activity's wall time. A state
+        """Ephemeral TTL and idle timeout, on _clock (a wall clock set back or forward stretches
+        or cuts neither); the row gets the last activity's wall time. A state
         database that fails (locked, full, read-only) ends neither the watch nor the sandbox:
         the last row read still rules, and it is said once."""
         r = row
         while True:
             await asyncio.sleep(0.5)
-            mono = time.monotonic()
+            mono = _clock()
             try:
                 fresh = self.state.get(m.name)
             except (sqlite3.Error, OSError) as exc:
-                self._watch_trouble(m, "read the row of", exc)
+                if not m.read_failed:
+                    log.warning("cannot read the row of %s (its TTL and idle timeout still hold): %s", m.name, exc)
+                m.read_failed = True
             else:
+                m.read_failed = False
                 if fresh is None:
                     return
                 r = fresh
@@ -548,14 +574,11 @@ class Daemon:
                 self._expired(m, "lifecycle.idle-timeout", idle_timeout=r.idle_timeout)
                 return
 
-    def _watch_trouble(self, m: Managed, what: str, exc: BaseException) -> None:
-        if not m.watch_failed:
-            log.warning("cannot %s %s (its TTL and idle timeout still hold): %s", what, m.name, exc)
-        m.watch_failed = True
-
     def _expired(self, m: Managed, kind: str, **data) -> None:
         """A TTL or idle timeout ran out: recorded, and the sandbox is not to run again (the
-        watch ends, and with it the run, even if the disk refuses these writes)."""
+        watch ends, and with it the run; ``expired`` keeps a persistent worker from being
+        restarted even if the disk refuses to record desired=stopped)."""
+        m.expired = True
         try:
             self.record(kind, sandbox=m.name, **data)
         except Exception:  # noqa: BLE001 - the sandbox is stopped all the same
@@ -563,7 +586,8 @@ class Daemon:
         try:
             self.state.update(m.name, desired="stopped")
         except (sqlite3.Error, OSError) as exc:
-            self._watch_trouble(m, "mark as stopped", exc)
+            log.warning("cannot mark %s as stopped after its %s (it is stopped all the same): %s", m.name,
+                        kind.rsplit(".", 1)[-1], exc)
 
     async def stop(self, name: str, *, actor: str = "operator") -> None:
         """Stop first, write after: a full or read-only disk never keeps a sandbox running."""
@@ -1036,7 +1060,14 @@ class Daemon:
         name = loaded.spec.metadata.name
         if self.state.get(name) is not None:
             raise ApiError(409, "exists", f"a sandbox named {name!r} exists", hint=f"agentvm rm {name}")
-        row = self.state.create(name, text, fname, policy.lifecycle, doc.get("ttl"), doc.get("idle_timeout"))
+        limits = {}
+        for key in ("ttl", "idle_timeout"):
+            v = doc.get(key)
+            if v is not None and (type(v) not in (int, float) or not math.isfinite(v) or v <= 0):
+                raise ApiError(400, "bad-request", f"{key!r} must be a number of seconds above 0 (or null), "
+                               f"not {json.dumps(v)[:40]}")
+            limits[key] = None if v is None else float(v)
+        row = self.state.create(name, text, fname, policy.lifecycle, limits["ttl"], limits["idle_timeout"])
         self.record("lifecycle.created", actor=actor, sandbox=name, file=fname, policy=policy.digest(),
                     lifecycle=policy.lifecycle)
         return row
