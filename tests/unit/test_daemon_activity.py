@@ -32,13 +32,13 @@ class FakeDaemon:
 
 def started(name: str) -> Managed:
     m = Managed(name)
-    m.started_at = m.activity_mono = server._clock()  # as _run_once does at launch
+    m.started_at = m.activity_clock = server._clock()  # as _run_once does at launch
     return m
 
 
 def traffic(m: Managed) -> None:
     """An allowed gate decision, as Daemon._on_decision notes it."""
-    m.activity_mono, m.activity = server._clock(), time.time()
+    m.activity_clock, m.activity = server._clock(), time.time()
 
 
 def test_activity_is_written_at_most_every_activity_save_and_the_row_never_moves_back(tmp_path):

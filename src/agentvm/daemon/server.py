@@ -61,18 +61,16 @@ TCP_CONNECTIONS = 256  # TCP connections open at once (the unix socket is the ow
 CONSOLE_BODY = 64 * 1024  # a console form (and anything else sent before the console's own check)
 METRICS_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 ACTIVITY_SAVE = 5.0  # seconds between writes of a busy sandbox's last activity to its row
+ACTIVITY_RETRY = 30.0  # seconds before a failed write of it is tried again
+RESERVE = 8 * 1024 * 1024  # disk space held back for the daemon's own state when the disk fills
+_CLOCK = getattr(time, "CLOCK_BOOTTIME", time.CLOCK_MONOTONIC)
 
 
 def _clock() -> float:
-    """Seconds on the clock of TTLs and idle timeouts: CLOCK_BOOTTIME - never stepped with the
-    wall clock, and unlike CLOCK_MONOTONIC it runs on while the host is suspended (a TTL that
-    ran out during a suspend has run out at the wake)."""
+    """Seconds on the clock of TTLs, idle timeouts and backoff: CLOCK_BOOTTIME - never stepped
+    with the wall clock, and unlike CLOCK_MONOTONIC it runs on while the host is suspended (a
+    TTL that ran out during a suspend has run out at the wake)."""
     return time.clock_gettime(_CLOCK)
-
-
-_CLOCK = getattr(time, "CLOCK_BOOTTIME", time.CLOCK_MONOTONIC)
-ACTIVITY_RETRY = 30.0  # seconds before a failed write of it is tried again
-RESERVE = 8 * 1024 * 1024  # disk space held back for the daemon's own state when the disk fills
 
 
 # the request's stream reader, for handlers that must notice the client hanging up mid-response
@@ -120,11 +118,11 @@ class Managed:
         self.policy = None
         self.stop_requested = asyncio.Event()
         self.started_at = 0.0
-        # its last gate decision or exec: kept here, per request - on the monotonic clock for the
-        # idle timeout, as wall time for its row, written there at most every ACTIVITY_SAVE
-        # seconds (a SQLite commit per request cost more than the gate's whole decision, on
-        # the loop every sandbox shares)
-        self.activity_mono = 0.0
+        # its last gate decision or exec: kept here, per request - on _clock for the idle
+        # timeout, as wall time for its row, written there at most every ACTIVITY_SAVE seconds
+        # (a SQLite commit per request cost more than the gate's whole decision, on the loop
+        # every sandbox shares)
+        self.activity_clock = 0.0
         self.activity = 0.0
         self.activity_saved = 0.0
         self.activity_save_failed = False
@@ -137,7 +135,7 @@ class Managed:
     def touch(self, state, t: float) -> None:
         """Activity the daemon saw itself (an exec): in memory, and on the row at once (a row
         that cannot be written only loses what it shows; the idle clock is memory)."""
-        self.activity_mono = _clock()
+        self.activity_clock = _clock()
         self.activity = max(self.activity, t)
         try:
             state.touch(self.name, t)
@@ -377,7 +375,7 @@ class Daemon:
         name = rec.get("agent")
         m = self.managed.get(name) if name else None
         if m is not None and rec.get("verdict") == "allow":
-            m.activity_mono = _clock()
+            m.activity_clock = _clock()
             m.activity = rec.get("time") or time.time()  # (the row follows within ACTIVITY_SAVE: _watch)
         if rec.get("verdict") == "deny" or rec.get("alert") or rec.get("credentials"):
             data = {k: rec.get(k) for k in ("sandbox", "host", "port", "method", "path", "rule", "verdict", "reason",
@@ -501,7 +499,7 @@ class Daemon:
                 if s.endpoint.creds is not None:  # per-sandbox revocations survive restarts
                     s.endpoint.creds.local_revoked.update(patch.get("revoked", []))
             await asyncio.to_thread(lc.launch, s, (devnull, logfd, logfd))
-            m.started_at = m.activity_mono = _clock()  # the TTL and idle clocks start here
+            m.started_at = m.activity_clock = _clock()  # the TTL and idle clocks start here
             m.activity = m.activity_saved = now = time.time()
             self.state.update(m.name, state="running", sandbox_id=s.sandbox_id, started=now, last_activity=now)
             self.record("lifecycle.running", sandbox=m.name, sandbox_id=s.sandbox_id, uid=s.res.host_uid, substrate=s.plan.substrate,
@@ -536,14 +534,14 @@ class Daemon:
         return result.exit_code
 
     async def _watch(self, m: Managed, row) -> None:
-        """Ephemeral TTL and idle timeout, on _clock (a wall clock set back or forward stretches
-        or cuts neither); the row gets the last activity's wall time. A state
-        database that fails (locked, full, read-only) ends neither the watch nor the sandbox:
-        the last row read still rules, and it is said once."""
+        """TTL and idle timeout, on _clock (a wall clock set back or forward stretches or cuts
+        neither); the row gets the last activity's wall time. A state database that fails
+        (locked, full, read-only) ends neither the watch nor the sandbox: the last row read
+        still rules, and each kind of failure is said once."""
         r = row
         while True:
             await asyncio.sleep(0.5)
-            mono = _clock()
+            clock = _clock()
             try:
                 fresh = self.state.get(m.name)
             except (sqlite3.Error, OSError) as exc:
@@ -555,7 +553,7 @@ class Daemon:
                 if fresh is None:
                     return
                 r = fresh
-            if mono >= m.activity_retry_at:
+            if clock >= m.activity_retry_at:
                 try:
                     m.save_activity(self.state, now=time.time())
                 except (sqlite3.Error, OSError) as exc:
@@ -563,14 +561,14 @@ class Daemon:
                     if not m.activity_save_failed:
                         log.warning("cannot save the last activity of %s: %s", m.name, exc)
                     m.activity_save_failed = True
-                    m.activity_retry_at = mono + ACTIVITY_RETRY
+                    m.activity_retry_at = clock + ACTIVITY_RETRY
                 else:
                     m.activity_save_failed = False
             # either ends the sandbox for good: a persistent worker is not restarted after it
-            if r.ttl and mono - m.started_at > r.ttl:
+            if r.ttl and clock - m.started_at > r.ttl:
                 self._expired(m, "lifecycle.ttl-expired", ttl=r.ttl)
                 return
-            if r.idle_timeout and mono - max(m.activity_mono, m.started_at) > r.idle_timeout:
+            if r.idle_timeout and clock - max(m.activity_clock, m.started_at) > r.idle_timeout:
                 self._expired(m, "lifecycle.idle-timeout", idle_timeout=r.idle_timeout)
                 return
 
