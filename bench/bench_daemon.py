@@ -60,6 +60,7 @@ def main() -> int:
     if os.geteuid() != 0:
         print("bench_daemon: run as root", file=sys.stderr)
         return 2
+    ldir: Path | None = None  # the load run's script
     home = Path(tempfile.mkdtemp(prefix="agentvm-bench-daemon-", dir="/tmp"))
     os.chmod(home, 0o711)
     env = dict(os.environ, AGENTVM_HOME=str(home), AGENTVM_UID_BASE=str(7_000_000))
@@ -197,6 +198,9 @@ spec:
     finally:
         subprocess.run(cli + ["down"], env=env, capture_output=True)
         up.close()
+        shutil.rmtree(home, ignore_errors=True)  # its own AGENTVM_HOME
+        if ldir is not None:
+            shutil.rmtree(ldir, ignore_errors=True)
     if args.json:
         print(json.dumps(res, indent=2))
         return 0
