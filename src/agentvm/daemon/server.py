@@ -132,11 +132,15 @@ class Managed:
         # record desired=stopped (cleared by the next start)
         self.expired = False
 
+    def active(self, t: float) -> None:
+        """Activity at wall time ``t`` (an allowed gate decision, an exec): in memory only."""
+        self.activity_clock = _clock()
+        self.activity = max(self.activity, t)
+
     def touch(self, state, t: float) -> None:
         """Activity the daemon saw itself (an exec): in memory, and on the row at once (a row
         that cannot be written only loses what it shows; the idle clock is memory)."""
-        self.activity_clock = _clock()
-        self.activity = max(self.activity, t)
+        self.active(t)
         try:
             state.touch(self.name, t)
         except (sqlite3.Error, OSError) as exc:
@@ -375,8 +379,7 @@ class Daemon:
         name = rec.get("agent")
         m = self.managed.get(name) if name else None
         if m is not None and rec.get("verdict") == "allow":
-            m.activity_clock = _clock()
-            m.activity = rec.get("time") or time.time()  # (the row follows within ACTIVITY_SAVE: _watch)
+            m.active(rec.get("time") or time.time())  # (the row follows within ACTIVITY_SAVE: _watch)
         if rec.get("verdict") == "deny" or rec.get("alert") or rec.get("credentials"):
             data = {k: rec.get(k) for k in ("sandbox", "host", "port", "method", "path", "rule", "verdict", "reason",
                                             "alert", "credentials", "credential", "suppressed") if rec.get(k) is not None}

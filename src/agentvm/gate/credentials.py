@@ -478,14 +478,13 @@ class ScrubTable:
         self.by_start: dict[bytes, list[bytes]] = {}
         for f in forms:
             self.by_start.setdefault(f[:2], []).append(f)
-        self.first_bytes = frozenset(f[:1] for f in forms)
-        self.first_ints = frozenset(f[0] for f in forms if f)  # the same, as buf[i] gives them
+        self.first_ints = frozenset(f[0] for f in forms if f)  # the bytes a form starts with (as buf[i] gives them)
         self.maxlen = max((len(f) for f in forms), default=1)
 
     def could_start(self, tail: bytes) -> bool:
         """Is ``tail`` a proper prefix of some form (so more input could complete a match)?"""
         if len(tail) == 1:
-            return tail in self.first_bytes
+            return tail[0] in self.first_ints
         return any(len(f) > len(tail) and f.startswith(tail) for f in self.by_start.get(tail[:2], ()))
 
 

@@ -79,11 +79,11 @@ def _escaped(s: str) -> str:
     return e
 
 
-def _relayed_format(sandbox_id: str, agent: str, *, credentials: bool = False) -> str:
+def _relayed_format(sandbox_id: str, agent: str) -> str:
     """The line of a relayed request's record (Endpoint.log_relayed) as a %-format: the keys
-    sorted, as _encode orders them; this endpoint's sandbox and agent in place."""
-    return ('{"agent": ' + _esc(agent).replace("%", "%%") + ', "bytes_in": %d, "bytes_out": %d, '
-            + ('"credentials": %s, ' if credentials else '') + '"host": %s, '
+    sorted, as _encode orders them; this endpoint's sandbox and agent in place; the %s after
+    "bytes_out" is the "credentials" member (with its ", ") or nothing."""
+    return ('{"agent": ' + _esc(agent).replace("%", "%%") + ', "bytes_in": %d, "bytes_out": %d, %s"host": %s, '
             '"method": %s, "path": %s, "phase": "request", "port": %d, "reason": %s, "rule": %s, "sandbox": '
             + _esc(sandbox_id).replace("%", "%%") + ', "time": %s, "upstream_ms": %s, "verdict": "allow"}\n')
 
@@ -144,7 +144,6 @@ class Endpoint:
         self._log_pending_len = 0
         self._log_torn = _ends_torn(self._log_fd)  # a file left mid-line (a gate killed while writing)
         self._relayed_fmt = _relayed_format(sandbox_id, agent)
-        self._relayed_cred_fmt = _relayed_format(sandbox_id, agent, credentials=True)
         self.server: asyncio.AbstractServer | None = None
         self.active = 0
         self.bucket = TokenBucket(policy.limits.requests_per_second, float(policy.limits.burst))
@@ -374,12 +373,9 @@ class Endpoint:
         if len(path) > 2048:
             path = path[:2048] + "...(truncated)"
         now_us = (time.time_ns() + 500) // 1000
-        if not _MIN_TIME_US <= now_us < _MAX_DECIMAL:  # (a clock set far off: the float's own repr)
-            t = round(time.time(), 6)
-            t_text = repr(t)
-        else:
-            t = now_us / 1e6  # the double nearest the 6-decimal value, as round(time.time(), 6) gives
-            t_text = _decimal(now_us, 1000000, "%d.%06d")
+        t = now_us / 1e6  # the double nearest the 6-decimal value, as round(time.time(), 6) gives
+        # (a clock set far off: the float's own repr)
+        t_text = _decimal(now_us, 1000000, "%d.%06d") if _MIN_TIME_US <= now_us < _MAX_DECIMAL else repr(t)
         upstream_ms = upstream_us / 1000
         rec = {"time": t, "sandbox": self.sandbox_id, "agent": self.agent, "phase": "request", "host": host,
                "port": port, "method": method, "path": path, "rule": rule_id, "verdict": "allow", "reason": reason,
@@ -396,13 +392,9 @@ class Endpoint:
         e_method = cache.get(method) or _escaped(method)
         e_reason = cache.get(reason) or _escaped(reason)
         e_rule = cache.get(rule_id) or _escaped(rule_id)
-        ms_text = _decimal(upstream_us, 1000, "%d.%03d")
-        if credentials is None:
-            line = self._relayed_fmt % (bytes_in, bytes_out, e_host, e_method, _esc(path), port, e_reason, e_rule,
-                                        t_text, ms_text)
-        else:
-            line = self._relayed_cred_fmt % (bytes_in, bytes_out, "[" + ", ".join([_esc(c) for c in credentials]) + "]",
-                                             e_host, e_method, _esc(path), port, e_reason, e_rule, t_text, ms_text)
+        creds = "" if credentials is None else '"credentials": [' + ", ".join([_esc(c) for c in credentials]) + "], "
+        line = self._relayed_fmt % (bytes_in, bytes_out, creds, e_host, e_method, _esc(path), port, e_reason, e_rule,
+                                    t_text, _decimal(upstream_us, 1000, "%d.%03d"))
         self._put(line.encode("ascii"), rec)
 
     def _write(self, rec: dict) -> None:

@@ -422,28 +422,21 @@ class Gate:
         # a time must not hold the connection for HELLO_TIMEOUT per byte)
         deadline = asyncio.get_running_loop().time() + HELLO_TIMEOUT
         try:
-            while not buf:
+            while True:
+                if buf[:1] != b"\x16" and buf[:1].isalpha():
+                    first = ex.PlainHTTP()
+                    break
+                hello = parse_client_hello(buf) if buf else None
+                if hello is not None:
+                    first, alpn = ex.Hello(hello.sni), hello.alpn
+                    break
                 data = await _read_by(client, deadline)
                 if not data:
                     flow.close()
                     return
                 buf += data
-            if buf[:1] != b"\x16" and buf[:1].isalpha():
-                first = ex.PlainHTTP()
-            else:
-                try:
-                    while True:
-                        hello = parse_client_hello(buf) if buf else None
-                        if hello is not None:
-                            first, alpn = ex.Hello(hello.sni), hello.alpn
-                            break
-                        data = await _read_by(client, deadline)
-                        if not data:
-                            flow.close()
-                            return
-                        buf += data
-                except TLSParseError as exc:
-                    first = ex.NotTLS(str(exc))
+        except TLSParseError as exc:
+            first = ex.NotTLS(str(exc))
         except asyncio.TimeoutError:
             # the tunnel was granted and nothing decidable came: said, not closed in silence
             flow.close()
