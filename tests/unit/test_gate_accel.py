@@ -208,3 +208,57 @@ def test_a_stray_file_with_a_strange_size_in_its_name_is_ignored(fake):
     whole = _place(fake)  # beside one cut short, the whole build is the one found
     (out / f"{accel._prefix('tiny', src)}999{accel.SUFFIX}").write_bytes(b"y")
     assert accel.compiled_for("tiny")[0] == whole
+
+
+def test_a_pxd_lays_out_a_class_in_c_and_is_part_of_the_build_key(fake, monkeypatch):
+    """An augmenting .pxd makes a class an extension type (attributes in the object), keeps
+    Python's semantics (an undeclared attribute still works through __dict__), and editing it
+    makes the old build stale - it is compiled into the module as much as the .py is."""
+    pytest.importorskip("Cython", reason="the accel extra (cython) is not installed")
+    (fake / "tiny.py").write_text("class C:\n    def __init__(self):\n        self.a = 1\n"
+                                  "def f():\n    return 'tiny'\n")
+    (fake / "tiny.pxd").write_text("cdef class C:\n    cdef dict __dict__\n    cdef public object a\n")
+    name = f"{accel.PACKAGE}.tiny"
+    assert accel.build() == []
+    first = accel.compiled_for("tiny")[0]
+    monkeypatch.setattr(sys, "meta_path", [accel.Finder(), *sys.meta_path])
+    try:
+        mod = importlib.import_module(name)
+        c = mod.C()
+        assert type(mod.C.__dict__["a"]).__name__ == "getset_descriptor"  # a C slot, not a dict entry
+        c.b = 2  # not declared: the instance's __dict__
+        assert (c.a, c.b, c.__dict__) == (1, 2, {"b": 2})
+    finally:
+        sys.modules.pop(name, None)
+    (fake / "tiny.pxd").write_text("cdef class C:\n    cdef public object a\n")
+    assert accel.compiled_for("tiny")[0] is None  # the build of the old .pxd no longer stands in
+    assert accel.build() == [] and accel.compiled_for("tiny")[0] not in (None, first)
+
+
+def test_every_attribute_a_compiled_class_sets_is_declared_in_its_pxd():
+    """An attribute missing from the .pxd still works (in __dict__) but is slow again - and for a
+    class with __slots__ it would fail compiled only. Each .pxd covers every ``self.x = ``."""
+    import ast
+    import re
+
+    gate = ROOT / "src" / "agentvm" / "gate"
+    pxds = sorted(gate.glob("*.pxd"))
+    assert {p.stem for p in pxds} <= set(accel.COMPILED) and len(pxds) >= 7
+    for pxd in pxds:
+        declared: dict[str, set[str]] = {}
+        cls = None
+        for line in pxd.read_text().splitlines():
+            m = re.match(r"cdef class (\w+)", line)
+            if m:
+                cls = declared.setdefault(m.group(1), set())
+            m = re.match(r"\s+cdef public object (.*)", line)
+            if m:
+                cls.update(a.strip() for a in m.group(1).split(","))
+        tree = ast.parse((gate / f"{pxd.stem}.py").read_text())
+        classes = {c.name: c for c in tree.body if isinstance(c, ast.ClassDef)}
+        for name, attrs in declared.items():
+            c = classes[name]
+            inherited = set().union(*(declared.get(ast.unparse(b), set()) for b in c.bases))
+            sets = {n.attr for n in ast.walk(c) if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store)
+                    and isinstance(n.value, ast.Name) and n.value.id == "self"}
+            assert sets - attrs - inherited == set(), f"{pxd.name}: {name} sets undeclared attributes"

@@ -227,6 +227,29 @@ def test_what_the_gate_sends_cannot_carry_an_injected_header():
     assert fr.chunk(b"abc") == b"3\r\nabc\r\n" and fr.chunk(b"") == b""
 
 
+_PIECES = [b"a", b"B", b"-", b":", b" ", b"\r", b"\n", b"\r\n", b"\t", b"\x00", b"\x7f", b"\x80", b": ", b"\x1f"]
+_piece_bytes = st.lists(st.sampled_from(_PIECES), max_size=5).map(b"".join)
+
+
+@settings(max_examples=3000, deadline=None)
+@given(st.lists(st.tuples(_piece_bytes, _piece_bytes), max_size=4))
+def test_the_one_block_header_check_refuses_exactly_what_one_check_per_field_did(headers):
+    """The heads the gate sends are checked as one block (framing._field_lines); it must refuse
+    exactly the headers a name-by-name, value-by-value check refuses: a name that is not a token,
+    a value with CR, LF, NUL or another control character - including a value hiding a whole
+    CRLF + "Name: value" line, which a check of the lines alone would pass."""
+    from agentvm.gate.h1 import TOKEN_RE, VALUE_CTL_RE
+
+    expected_ok = all(TOKEN_RE.match(k) and not VALUE_CTL_RE.search(v) for k, v in headers)
+    try:
+        head = fr.response_head(200, b"OK", headers)
+    except ValueError:
+        assert not expected_ok
+    else:
+        assert expected_ok
+        assert head == b"HTTP/1.1 200 OK\r\n" + b"".join(k + b": " + v + b"\r\n" for k, v in headers) + b"\r\n"
+
+
 def test_a_1xx_with_a_body_or_a_body_before_the_final_head_is_refused():
     for raw in (b"HTTP/1.1 150 Odd\r\nContent-Length: 6\r\n\r\nforgedHTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n",
                 b"HTTP/1.1 199 Odd\r\nTransfer-Encoding: chunked\r\n\r\n6\r\nforged\r\n0\r\n\r\n"):

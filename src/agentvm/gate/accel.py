@@ -46,6 +46,23 @@ BUILD = "1:" + ",".join(f"{k}={v}" for k, v in sorted(DIRECTIVES.items()))
 SUFFIX = importlib.machinery.EXTENSION_SUFFIXES[0]  # e.g. .cpython-311-x86_64-linux-gnu.so
 
 
+def _sources(mod: str) -> tuple[bytes, bytes | None]:
+    """``mod``'s ``.py`` and, when it has one, its augmenting ``.pxd`` (C types for a class's
+    attributes, read by Cython only; the ``.py`` alone is what runs pure). Raises OSError."""
+    py = (HERE / f"{mod}.py").read_bytes()
+    try:
+        pxd = (HERE / f"{mod}.pxd").read_bytes()
+    except FileNotFoundError:
+        pxd = None
+    return py, pxd
+
+
+def _source(mod: str) -> bytes:
+    """What a build of ``mod`` is keyed on: its ``.py``, and its ``.pxd`` when there is one."""
+    py, pxd = _sources(mod)
+    return py if pxd is None else py + b"\0pxd\0" + pxd
+
+
 def _key(source: bytes) -> str:
     return hashlib.sha256(BUILD.encode() + b"\0" + source).hexdigest()[:24]
 
@@ -119,9 +136,9 @@ def compiled_for(mod: str) -> tuple[Path | None, str]:
     if _pure():
         return None, "pure Python: AGENTVM_GATE_PURE is set"
     try:
-        source = (HERE / f"{mod}.py").read_bytes()
+        source = _source(mod)
     except OSError as exc:
-        return None, f"pure Python: cannot read {mod}.py ({exc.strerror})"
+        return None, f"pure Python: cannot read {exc.filename or mod} ({exc.strerror})"
     p = _find(mod, source)
     why = _usable(p, mod, source)
     if why is not None:
@@ -214,7 +231,8 @@ def _compile_one(mod: str, work: Path) -> str | None:
     import subprocess
     import sysconfig
 
-    source = (HERE / f"{mod}.py").read_bytes()
+    py, pxd = _sources(mod)
+    source = py if pxd is None else py + b"\0pxd\0" + pxd
     old = _find(mod, source)
     if _usable(old, mod, source) is None:
         return None
@@ -222,18 +240,24 @@ def _compile_one(mod: str, work: Path) -> str | None:
     so = work / f"{mod}{SUFFIX}"
     # compile from a copy of exactly the bytes the key was taken from
     src = work / f"{mod}.py"
-    src.write_bytes(source)
-    args = [sys.executable, "-I", "-m", "cython", f"--module-name={PACKAGE}.{mod}", "-o", str(c), str(src)]
+    src.write_bytes(py)
+    inc = []
+    if pxd is not None:  # found by Cython under the include folder, as the module's full name
+        d = work / f"{mod}.inc" / PACKAGE.replace(".", "/")
+        d.mkdir(parents=True)
+        (d / f"{mod}.pxd").write_bytes(pxd)
+        inc = ["-I", str(work / f"{mod}.inc")]
+    args = [sys.executable, "-I", "-m", "cython", f"--module-name={PACKAGE}.{mod}", *inc, "-o", str(c), str(src)]
     for k, v in DIRECTIVES.items():
         args += ["-X", f"{k}={v}"] if k != "language_level" else [f"-{v}"]
     r = subprocess.run(args, capture_output=True, text=True)
     if r.returncode != 0:
         return f"{mod}: cython failed: {(r.stderr or r.stdout).strip()[-600:]}"
-    inc = sysconfig.get_paths()["include"]
+    pyinc = sysconfig.get_paths()["include"]
     cc = os.environ.get("CC", "gcc")
     try:
         r = subprocess.run([cc, "-shared", "-fPIC", "-O2", "-fwrapv", "-fno-strict-aliasing", "-DNDEBUG", "-w",
-                            f"-I{inc}", "-o", str(so), str(c)], capture_output=True, text=True)
+                            f"-I{pyinc}", "-o", str(so), str(c)], capture_output=True, text=True)
     except OSError as exc:
         return f"{mod}: cannot run the C compiler {cc!r}: {exc.strerror} (apt-get install gcc python3-dev)"
     if r.returncode != 0:
@@ -262,7 +286,7 @@ def unbuilt() -> list[str]:
     """The modules whose current source has no build yet."""
     out = []
     for m in COMPILED:
-        source = (HERE / f"{m}.py").read_bytes()
+        source = _source(m)
         if _usable(_find(m, source), m, source) is not None:
             out.append(m)
     return out
@@ -312,7 +336,7 @@ def _build_locked(jobs: int) -> list[str]:
             errors = [e for e in ex.map(lambda m: _compile_one(m, work), COMPILED) if e]
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    keep = {p.name for p in (_find(m, (HERE / f"{m}.py").read_bytes()) for m in COMPILED) if p is not None}
+    keep = {p.name for p in (_find(m, _source(m)) for m in COMPILED) if p is not None}
     dfd = os.open(OUT, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(dfd)  # the new names, durable

@@ -8,7 +8,6 @@ import json
 import logging
 import os
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -103,12 +102,14 @@ def _decimal(n: int, scale: int, fmt: str) -> str:
     return text + "0" if text[-1] == "." else text
 
 
-@dataclass
 class TokenBucket:
-    rate: float
-    capacity: float
-    tokens: float = -1.0
-    stamp: float = field(default_factory=time.monotonic)
+    """``rate`` tokens a second, up to ``capacity``; full at first use."""
+
+    def __init__(self, rate: float, capacity: float) -> None:
+        self.rate = rate
+        self.capacity = capacity
+        self.tokens = -1.0
+        self.stamp = time.monotonic()
 
     def take(self) -> bool:
         now = time.monotonic()

@@ -24,7 +24,7 @@ class Interrupted(Exception):
         self.why = why
 
 
-class PlainStream(asyncio.Protocol):
+class PlainStream:
     """One connection, as the relay's coroutine sees it: ``await read()`` the bytes that
     arrived (b"" at EOF), ``await write()`` (waits only while the peer is not taking them).
 
@@ -33,7 +33,11 @@ class PlainStream(asyncio.Protocol):
     reader caught up. This replaced asyncio's StreamReader/StreamWriter pair on the gate's hot
     path: the same semantics with about half the Python per read and per write, and a chunk
     that arrived whole is handed on without a copy. ``on_connect`` (servers) is called with
-    the stream once the connection is made."""
+    the stream once the connection is made.
+
+    An asyncio protocol by its methods (the loops call them by name), not by deriving from
+    ``asyncio.Protocol``: Cython compiles this class as an extension type (``streams.pxd``),
+    and an extension type cannot derive from a Python class."""
 
     __slots__ = ("transport", "_chunks", "_size", "_limit", "_eof", "_exc", "_lost", "_waiter", "_reading_paused",
                  "_writing_paused", "_drains", "_on_connect", "_over_ssl", "task", "_loop", "on_gone")
