@@ -203,7 +203,24 @@ class Relay:
             headers = [(k, v) for k, v in headers if k.lower() != b"accept-encoding"] + [(b"accept-encoding",
                                                                                           b"identity")]
         try:
-            return await self._run(headers)
+            try:
+                if cred is not None and cred.resign:
+                    # a signed request: the whole body is needed to check and redo the signature
+                    held = [0]  # bytes this request holds against the sandbox's re-sign budget
+                    try:
+                        return await self._send_resigned(headers, held)
+                    finally:
+                        self.ep.resign_buffered -= held[0]
+                return await self._send_streamed(headers)
+            except ClientGone:  # nothing was written upstream: the connection stays good for the pool
+                self._log(verdict="deny", rule_id="client-gone", phase="request",
+                          reason="the client closed the connection before the request was forwarded")
+                return False, b"", self.upstream.reusable
+            except BadBody as exc:
+                self._log(verdict="deny", rule_id="bad-request:bad-body", reason=f"request body framing: {exc}"[:300],
+                          phase="stream", bytes_out=self.sent)
+                await self.client.write(h1.error_response(400, "bad-request:bad-body", "malformed request body framing"))
+                return False, b"", False
         finally:
             self._unwatch()
             llm = self._count_llm()  # a response cut short still counts
@@ -211,43 +228,39 @@ class Relay:
                 self._log(verdict="allow", rule_id=self.d.rule_id, reason="LLM response ended early: counted",
                           phase="budget", bytes_out=self.sent, llm=llm)
 
-    async def _run(self, headers) -> tuple[bool, bytes, bool]:
-        req, cred = self.req, self.cred
+    # Writes toward the upstream: handed to the socket at once (send), and awaited only while
+    # the upstream is not taking bytes - no coroutine per write on the common path.
+    def _up_failed(self, exc: BaseException, head: bool) -> Exception:
+        if self.pooled and head:
+            return Stale()  # a pooled connection the upstream had closed: retried once, fresh
+        return UpstreamError("upstream:reset", f"sending to the upstream failed: {type(exc).__name__}", answered=False)
+
+    def _send_up(self, data: bytes, head: bool = False) -> bool:
+        """``data`` to the upstream now; True when the caller must ``await _up_drained(head)``."""
         try:
-            if cred is not None and cred.resign:
-                # a signed request: the whole body is needed to check and redo the signature
-                held = [0]  # bytes this request holds against the sandbox's re-sign budget
-                try:
-                    return await self._send_resigned(headers, held)
-                finally:
-                    self.ep.resign_buffered -= held[0]
-            return await self._send_streamed(headers)
-        except ClientGone:  # nothing was written upstream: the connection stays good for the pool
-            self._log(verdict="deny", rule_id="client-gone", phase="request",
-                      reason="the client closed the connection before the request was forwarded")
-            return False, b"", self.upstream.reusable
-        except BadBody as exc:
-            self._log(verdict="deny", rule_id="bad-request:bad-body", reason=f"request body framing: {exc}"[:300],
-                      phase="stream", bytes_out=self.sent)
-            await self.client.write(h1.error_response(400, "bad-request:bad-body", "malformed request body framing"))
-            return False, b"", False
+            return self.upstream.send(data)
+        except (ConnectionError, OSError) as exc:
+            raise self._up_failed(exc, head) from None
+
+    async def _up_drained(self, head: bool = False) -> None:
+        try:
+            await self.upstream.drained()
+        except (ConnectionError, OSError) as exc:
+            raise self._up_failed(exc, head) from None
 
     async def _write_up(self, data: bytes, *, head: bool = False) -> None:
-        try:
-            await self.upstream.write(data)
-        except (ConnectionError, OSError) as exc:
-            if self.pooled and head:
-                raise Stale() from None
-            raise UpstreamError("upstream:reset", f"sending to the upstream failed: {type(exc).__name__}",
-                                answered=False) from None
+        if self._send_up(data, head):
+            await self._up_drained(head)
 
-    async def _send_head(self, headers) -> None:
+    def _send_head(self, headers) -> bool:
+        """The request head to the upstream now; True when the caller must ``await
+        _up_drained(True)``."""
         req = self.req
         if client_gone(self.client):
             raise ClientGone()  # its EOF came with (or after) the body: the request is not sent late
         head = framing.request_head(req.method, req.path, headers)
         self._count_out(len(head))  # a head carries data out too (path, headers)
-        await self._write_up(head, head=True)
+        return self._send_up(head, True)
 
     async def _send_streamed(self, headers) -> tuple[bool, bytes, bool]:
         """With credentials in the sandbox, a body is scanned before anything is sent: the head
@@ -257,8 +270,8 @@ class Relay:
         held: list[bytes] | None = [] if scanner is not None else None
         held_len = 0
         frame = framing.chunk if req.chunked else bytes  # the body is re-framed as it was declared
-        if held is None:
-            await self._send_head(headers)
+        if held is None and self._send_head(headers):
+            await self._up_drained(True)
         if (req.header(b"expect") or b"").lower() == b"100-continue" and not self.body.done:
             await self.client.write(b"HTTP/1.1 100 Continue\r\n\r\n")
         try:
@@ -281,7 +294,8 @@ class Relay:
                         held_len += len(data)
                         if held_len <= CRED_BUFFER:
                             continue
-                        await self._send_head(headers)
+                        if self._send_head(headers):
+                            await self._up_drained(True)
                         data, held = b"".join(held), None
                     if data:
                         await self._write_up(frame(data))
@@ -289,7 +303,8 @@ class Relay:
             return False, b"", False
         rest = scanner.finish() if scanner is not None else b""
         if held is not None:
-            await self._send_head(headers)
+            if self._send_head(headers):
+                await self._up_drained(True)
             rest = b"".join(held) + rest
         if rest:
             await self._write_up(frame(rest))
@@ -387,13 +402,19 @@ class Relay:
             self._out_len += len(data)
         return self._out_len >= EMIT_BATCH
 
-    async def _emit(self, data: bytes, flush: bool = False) -> None:
-        """``data`` held, and all that is held written when ``flush`` or a write is due."""
+    def _emit_now(self, data: bytes, flush: bool = False) -> bool:
+        """``data`` held, and all that is held handed to the sandbox's socket when ``flush`` or a
+        write is due; True when the caller must ``await self.client.drained()``."""
         if (self._held(data) or flush) and self._out:
             out = b"".join(self._out)
             self._out.clear()
             self._out_len = 0
-            await self.client.write(out)
+            return self.client.send(out)
+        return False
+
+    async def _emit(self, data: bytes, flush: bool = False) -> None:
+        if self._emit_now(data, flush):
+            await self.client.drained()
 
     async def _scrubbed_out(self, pieces) -> bool:
         """Scrubbed pieces to the sandbox; False when the body does not decode (what was sent
@@ -446,8 +467,8 @@ class Relay:
             if ev is framing.NEED_DATA:
                 # what was decoded so far goes out before waiting: a stream (SSE, chunked
                 # progress) reaches the agent as it is sent, not when the response ends
-                if self._out:
-                    await emit(b"", flush=True)
+                if self._out and self._emit_now(b"", True):
+                    await client.drained()
                 gate.watch_read(up)
                 try:
                     data = await up.read()
@@ -523,22 +544,23 @@ class Relay:
                     self._frame, keep = bytes, False  # HTTP/1.0 or "close": the end of the connection frames it
                 if not keep:
                     rh.append((b"connection", b"close"))
-                if held(framing.response_head(ev.status, reason, rh)):
-                    await emit(b"")
+                if held(framing.response_head(ev.status, reason, rh)) and self._emit_now(b""):
+                    await client.drained()
                 continue
             if ev is framing.END:
                 self._unwatch()  # nothing more is read from the upstream
                 if scrub is not None and not await scrubbed_out(scrub.finish()):
                     return False, b"", False
-                await emit(framing.LAST_CHUNK if self._frame is framing.chunk else b"", flush=True)
+                if self._emit_now(framing.LAST_CHUNK if self._frame is framing.chunk else b"", True):
+                    await client.drained()
                 break
             # a piece of the body
             received += len(ev)
             if scrub is None:
                 if meter is not None:
                     meter.feed(ev)
-                if held(self._frame(ev)):
-                    await emit(b"")
+                if held(self._frame(ev)) and self._emit_now(b""):
+                    await client.drained()
             elif not await scrubbed_out(scrub.body(ev)):
                 return False, b"", False
         ep.bytes_in += received

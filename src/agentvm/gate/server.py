@@ -202,7 +202,7 @@ class Gate:
         task = asyncio.current_task()
         ep.conns.add(task)
         try:
-            await self._serve(ep, client)
+            await self._requests(ep, client, b"", scheme="http", tunnel=None)
         except (ConnectionError, asyncio.TimeoutError, asyncio.IncompleteReadError, ssl.SSLError):
             pass
         except asyncio.CancelledError:
@@ -225,25 +225,11 @@ class Gate:
             self._head_expired.discard(task)
             client.close()
 
-    async def _read_head(self, stream, pending: bytes) -> tuple[bytes | None, bytes]:
-        """The next request head (None at a clean EOF between requests), within HEAD_TIMEOUT
-        for the whole head: a slow sender (slowloris) or an idle keep-alive connection is cut."""
-        hr = h1.HeadReader()
-        if pending and hr.feed(pending):
-            return hr.head, hr.rest
-        task = asyncio.current_task()
+    def _head_wait(self, task: asyncio.Task) -> None:
+        """``task`` waits for a request head from now on (see HEAD_TIMEOUT, _sweep_heads)."""
         self._head_waits[task] = time.monotonic()
         if self._head_sweep is None or self._head_sweep_loop is not asyncio.get_running_loop():
             self._arm_head_sweep()  # (a Gate may serve on a later loop: arm on the one running)
-        try:
-            while True:
-                data = await stream.read()
-                if not data:
-                    return None, b""
-                if hr.feed(data):
-                    return hr.head, hr.rest
-        finally:
-            self._head_waits.pop(task, None)
 
     def _arm_head_sweep(self) -> None:
         self._head_sweep_loop = loop = asyncio.get_running_loop()
@@ -306,20 +292,31 @@ class Gate:
         except StopIteration:
             return None
 
-    async def _serve(self, ep: Endpoint, client: PlainStream) -> None:
-        """Requests on a connection to the proxy: absolute-form http:// (kept alive) or CONNECT."""
-        await self._requests(ep, client, b"", scheme="http", tunnel=None)
-
     async def _requests(self, ep: Endpoint, stream, pending: bytes, *, scheme: str, tunnel: ex.Tunnel | None) -> None:
-        """One request after another on ``stream``: on a proxy connection (``tunnel`` None) or
-        inside a CONNECT tunnel (each decided on its own: L7 rules apply)."""
+        """One request after another on ``stream``: on a proxy connection (``tunnel`` None:
+        absolute-form http://, kept alive, or CONNECT) or inside a CONNECT tunnel (each decided
+        on its own: L7 rules apply). Each request head must be whole within HEAD_TIMEOUT: a slow
+        sender (slowloris) or an idle keep-alive connection is cut."""
         where = (tunnel.host, tunnel.port) if tunnel is not None else ("", None)
+        task = asyncio.current_task()
+        waits = self._head_waits
         while True:
             try:
-                head, pending = await self._read_head(stream, pending)
-                if head is None:
-                    return
-                req, body = h1.parse_head(head, pending)
+                # the next request head (the read is inline: this loop runs once per request)
+                hr = h1.HeadReader()
+                if not (pending and hr.feed(pending)):
+                    self._head_wait(task)
+                    try:
+                        while True:
+                            data = await stream.read()
+                            if not data:
+                                return  # a clean EOF between requests
+                            if hr.feed(data):
+                                break
+                    finally:
+                        waits.pop(task, None)
+                req, body = h1.parse_head(hr.head, hr.rest)
+                pending = hr.rest
             except h1.ProtocolError as exc:
                 await self._run(ep, stream, ex.refuse(ex.bad_request(exc, *where)))
                 return
@@ -349,67 +346,62 @@ class Gate:
     async def _forward(self, ep: Endpoint, client, body: RequestBody, fwd: ex.Forward) -> tuple[bool, bytes]:
         """Connect (or take a pooled connection) to the address the core checked and relay one
         request; returns (keep the client connection, leftover bytes)."""
-        counted: list = []  # the relay that counted the metered response, if one did
+        relay = None  # the last relay: it counted the metered response, if one was counted
         try:
-            return await self._forward_once(ep, client, body, fwd, counted)
-        finally:
-            if fwd.budget is not None and not (counted and counted[0].llm_counted):
-                fwd.budget.release()  # never answered: its LLM budget reservation ends uncounted
-
-    async def _forward_once(self, ep: Endpoint, client, body: RequestBody, fwd: ex.Forward,
-                            counted: list) -> tuple[bool, bytes]:
-        req = fwd.req
-        shown = fwd.logged.path  # logged: the agent's target, never a swapped query-string value
-        if req.method not in SAFE_METHODS:
-            # one more turn of the loop first, so that an EOF which arrived with the request is
-            # seen. A safe method (RFC 9110 9.2.1: GET, HEAD, OPTIONS, TRACE) skips it - clients
-            # retry those on their own, and most requests are GETs; the turn costs ~3% per request
-            await asyncio.sleep(0)
-        if client_gone(client):
-            # the client gave up (its timeout passed while the gate was stopped or slow): what it
-            # sent is not forwarded late, unseen - a replayed POST is a real harm
-            ep.log(verdict="deny", rule_id="client-gone", reason="the client closed the connection before the request "
-                   "was forwarded", host=req.host, port=req.port, method=req.method, path=shown, phase="request")
-            return False, b""
-        key = _pool_key(ep, fwd.scheme, fwd.addr, req.port, fwd.sni)
-        retry_ok = not req.upgrade_websocket and not req.chunked and not req.content_length
-        for attempt in (0, 1):
-            pooled = ep.pool_get(key) if (attempt == 0 and not req.upgrade_websocket) else None
-            if pooled is not None:
-                upstream = pooled
-            else:
-                try:
-                    upstream = await self._dial(ep, fwd.addr, req.port, fwd.sni)  # sni: https only
-                except (OSError, asyncio.TimeoutError, ssl.SSLError) as exc:
-                    ep.log(verdict="allow", rule_id=fwd.decision.rule_id,
-                           reason=f"upstream unreachable: {type(exc).__name__}", host=req.host, port=req.port,
-                           method=req.method, path=shown, phase="upstream", error="upstream:unreachable")
-                    await client.write(h1.error_response(502, "upstream:unreachable", f"cannot reach {req.host}:{req.port}"))
-                    return False, b""
-            relay = Relay(ep, client, body, upstream, fwd, pooled=pooled is not None and retry_ok,
-                          splice=stream_splice)
-            counted[:] = [relay]
-            try:
-                keep, leftover, reusable = await relay.run()
-            except Stale:
-                upstream.close()
-                continue  # the pooled connection had been closed by the upstream: once more, fresh
-            except UpstreamError as exc:
-                upstream.close()
-                ep.log(verdict="allow", rule_id=fwd.decision.rule_id, reason=exc.reason, host=req.host, port=req.port,
-                       method=req.method, path=shown, phase="upstream", error=exc.rule_id)
-                if not exc.answered:
-                    await client.write(h1.error_response(exc.status, exc.rule_id, exc.reason))
+            req = fwd.req
+            shown = fwd.logged.path  # logged: the agent's target, never a swapped query-string value
+            if req.method not in SAFE_METHODS:
+                # one more turn of the loop first, so that an EOF which arrived with the request is
+                # seen. A safe method (RFC 9110 9.2.1: GET, HEAD, OPTIONS, TRACE) skips it - clients
+                # retry those on their own, and most requests are GETs; the turn costs ~3% per request
+                await asyncio.sleep(0)
+            if client_gone(client):
+                # the client gave up (its timeout passed while the gate was stopped or slow): what it
+                # sent is not forwarded late, unseen - a replayed POST is a real harm
+                ep.log(verdict="deny", rule_id="client-gone", reason="the client closed the connection before the request "
+                       "was forwarded", host=req.host, port=req.port, method=req.method, path=shown, phase="request")
                 return False, b""
-            except BaseException:
-                upstream.close()
-                raise
-            if reusable:
-                ep.pool_put(key, upstream)
-            else:
-                upstream.close()
-            return keep, leftover
-        return False, b""
+            key = _pool_key(ep, fwd.scheme, fwd.addr, req.port, fwd.sni)
+            retry_ok = not req.upgrade_websocket and not req.chunked and not req.content_length
+            for attempt in (0, 1):
+                pooled = ep.pool_get(key) if (attempt == 0 and not req.upgrade_websocket) else None
+                if pooled is not None:
+                    upstream = pooled
+                else:
+                    try:
+                        upstream = await self._dial(ep, fwd.addr, req.port, fwd.sni)  # sni: https only
+                    except (OSError, asyncio.TimeoutError, ssl.SSLError) as exc:
+                        ep.log(verdict="allow", rule_id=fwd.decision.rule_id,
+                               reason=f"upstream unreachable: {type(exc).__name__}", host=req.host, port=req.port,
+                               method=req.method, path=shown, phase="upstream", error="upstream:unreachable")
+                        await client.write(h1.error_response(502, "upstream:unreachable", f"cannot reach {req.host}:{req.port}"))
+                        return False, b""
+                relay = Relay(ep, client, body, upstream, fwd, pooled=pooled is not None and retry_ok,
+                              splice=stream_splice)
+                try:
+                    keep, leftover, reusable = await relay.run()
+                except Stale:
+                    upstream.close()
+                    continue  # the pooled connection had been closed by the upstream: once more, fresh
+                except UpstreamError as exc:
+                    upstream.close()
+                    ep.log(verdict="allow", rule_id=fwd.decision.rule_id, reason=exc.reason, host=req.host, port=req.port,
+                           method=req.method, path=shown, phase="upstream", error=exc.rule_id)
+                    if not exc.answered:
+                        await client.write(h1.error_response(exc.status, exc.rule_id, exc.reason))
+                    return False, b""
+                except BaseException:
+                    upstream.close()
+                    raise
+                if reusable:
+                    ep.pool_put(key, upstream)
+                else:
+                    upstream.close()
+                return keep, leftover
+            return False, b""
+        finally:
+            if fwd.budget is not None and not (relay is not None and relay.llm_counted):
+                fwd.budget.release()  # never answered: its LLM budget reservation ends uncounted
 
     # -- CONNECT ----------------------------------------------------------------------------
     async def _connect(self, ep: Endpoint, client: PlainStream, req: h1.ProxyRequest, pending: bytes) -> None:

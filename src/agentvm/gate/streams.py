@@ -201,11 +201,17 @@ class PlainStream:
                 pass
         return data
 
-    async def write(self, data: bytes) -> None:
-        """Hand ``data`` to the socket; waits only while the peer is not reading (flow control)."""
+    def send(self, data: bytes) -> bool:
+        """Hand ``data`` to the socket now, without a coroutine; True when the peer is not
+        taking bytes and the writer must ``await drained()`` before it writes more (``write``
+        is both; the relay's hot path sends and only awaits when it must)."""
         if self._lost:
             raise ConnectionResetError("Connection lost")
         self.transport.write(data)
+        return self._writing_paused
+
+    async def drained(self) -> None:
+        """Return once the peer takes bytes again (at once when it does)."""
         if self._writing_paused:
             # each waiting writer has its own future: cancelling one never fails another
             d = self._loop.create_future()
@@ -219,6 +225,11 @@ class PlainStream:
                     self._drains.remove(d)
                 except ValueError:
                     pass
+
+    async def write(self, data: bytes) -> None:
+        """Hand ``data`` to the socket; waits only while the peer is not reading (flow control)."""
+        if self.send(data):
+            await self.drained()
 
     @property
     def eof(self) -> bool:
@@ -304,11 +315,19 @@ class TLSStream:
                 continue
             self.tls.receive(raw)
 
-    async def write(self, data: bytes) -> None:
+    def send(self, data: bytes) -> bool:
+        """As PlainStream.send: encrypted and handed to the socket now; True when the writer
+        must ``await drained()``."""
         self.tls.write(data)
         out = self.tls.outgoing()
-        if out:
-            await self.raw.write(out)
+        return self.raw.send(out) if out else False
+
+    async def drained(self) -> None:
+        await self.raw.drained()
+
+    async def write(self, data: bytes) -> None:
+        if self.send(data):
+            await self.raw.drained()
 
     def close(self) -> None:
         try:
