@@ -4,6 +4,9 @@ icount_gate.sh for bench_credentials.py's path): counted under valgrind's callgr
 
     python3 bench/icount_swap.py SRC [SRC...] [--n 1000]
 
+The gate and the upstream run on PYTHON (default /opt/agentvm/venv/bin/python, which has the
+gate's dependencies: uvloop, httptools), as in icount_gate.sh.
+
 For each source tree: bench_credentials.py's upstream (HTTPS, checks the real value) and its
 gate (one credential bound to bench.test, every CONNECT terminated) importing agentvm from
 that tree; one client opens a CONNECT tunnel, TLS to the gate's CA, and sends requests with the
@@ -28,6 +31,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+PY = os.environ.get("PYTHON", "/opt/agentvm/venv/bin/python")
 sys.path.insert(0, str(HERE))
 
 import bench_credentials as bc  # noqa: E402
@@ -45,10 +49,10 @@ def count(src: Path, n: int) -> int:
     try:
         ca, leaf, key = bc.make_test_ca(tmp)
         real = "sk-bench-REAL-" + secrets.token_urlsafe(24)
-        ph = subprocess.run([sys.executable, "-c", code, str(HERE), str(len(real))], env=env, check=True,
+        ph = subprocess.run([PY, "-c", code, str(HERE), str(len(real))], env=env, check=True,
                             capture_output=True, text=True).stdout.strip()
         (tmp / "cred.json").write_text(json.dumps({"real": real, "placeholder": ph}))
-        me = [sys.executable, str(HERE / "bench_credentials.py")]
+        me = [PY, str(HERE / "bench_credentials.py")]
         up = subprocess.Popen(me + ["--role", "upstream", "--cert", leaf, "--key", key, "--cred-file",
                                     str(tmp / "cred.json")], stdout=subprocess.PIPE, text=True, env=env)
         procs.append(up)

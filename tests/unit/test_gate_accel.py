@@ -217,7 +217,8 @@ def test_a_pxd_lays_out_a_class_in_c_and_is_part_of_the_build_key(fake, monkeypa
     pytest.importorskip("Cython", reason="the accel extra (cython) is not installed")
     (fake / "tiny.py").write_text("class C:\n    def __init__(self):\n        self.a = 1\n"
                                   "def f():\n    return 'tiny'\n")
-    (fake / "tiny.pxd").write_text("cdef class C:\n    cdef dict __dict__\n    cdef public object a\n")
+    (fake / "tiny.pxd").write_text("cdef class C:\n    cdef dict __dict__\n    cdef object __weakref__\n"
+                                   "    cdef public object a\n")
     name = f"{accel.PACKAGE}.tiny"
     assert accel.build() == []
     first = accel.compiled_for("tiny")[0]
@@ -228,6 +229,9 @@ def test_a_pxd_lays_out_a_class_in_c_and_is_part_of_the_build_key(fake, monkeypa
         assert type(mod.C.__dict__["a"]).__name__ == "getset_descriptor"  # a C slot, not a dict entry
         c.b = 2  # not declared: the instance's __dict__
         assert (c.a, c.b, c.__dict__) == (1, 2, {"b": 2})
+        import weakref
+
+        assert weakref.ref(c)() is c
     finally:
         sys.modules.pop(name, None)
     (fake / "tiny.pxd").write_text("cdef class C:\n    cdef public object a\n")
@@ -262,3 +266,7 @@ def test_every_attribute_a_compiled_class_sets_is_declared_in_its_pxd():
             sets = {n.attr for n in ast.walk(c) if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store)
                     and isinstance(n.value, ast.Name) and n.value.id == "self"}
             assert sets - attrs - inherited == set(), f"{pxd.name}: {name} sets undeclared attributes"
+            slots = [ast.literal_eval(n.value) for n in c.body if isinstance(n, ast.Assign)
+                     and any(getattr(t, "id", "") == "__slots__" for t in n.targets)]
+            if slots:  # no __dict__ to fall back on, compiled or not: exactly the same attributes
+                assert set(slots[0]) == attrs, f"{pxd.name}: {name}'s __slots__ and its declaration differ"

@@ -299,3 +299,41 @@ def test_two_basic_credentials_user_and_password_on_one_host():
     swapped = "Basic " + base64.b64encode(f"{ph['p']}:{ph['u']}".encode()).decode()
     with pytest.raises(CredentialError):
         s.apply(host="db.test", scheme="https", target="/", headers=H(("Authorization", swapped)))
+
+
+def _outcome(s, host, headers):
+    try:
+        sw = s.apply(host=host, scheme="https", target="/", headers=list(headers))
+    except CredentialError as err:
+        return ("refused", err.rule_id)
+    return ("swapped", sw.headers, sw.used)
+
+
+_NAMES = st.sampled_from([b"authorization", b"Authorization", b"proxy-authorization", b"x-api-key", b"accept",
+                          b"x-authorization-hint", b"cookie"])
+
+
+@settings(max_examples=400, deadline=None)
+@given(data=st.data(), host=st.sampled_from(["api.test", "a.svc.test", "maps.test", "elsewhere.test"]))
+def test_the_one_search_over_all_headers_decides_exactly_as_header_by_header(data, host):
+    """apply() first searches all header lines at once; only when that finds a placeholder (any
+    case) or an Authorization-like name does it go header by header. Forcing the header-by-header
+    path every time must give the same swap, the same headers and the same refusals."""
+    revoked: set[str] = set()
+    ph = {b.name: make_placeholder(b, len(REAL[b.name])) for b in BINDINGS}
+    fast = CredentialSet(BINDINGS, ph, lambda n: REAL[n], lambda n: n in revoked)
+    slow = CredentialSet(BINDINGS, ph, lambda n: REAL[n], lambda n: n in revoked)
+    slow._header_work = re.compile(b"")  # matches everything: always header by header
+    pieces = [p.encode() for p in ph.values()] + [p.lower().encode() for p in ph.values()] + [
+        b"Bearer " + ph["api"].encode(), b"Basic " + base64.b64encode(b"u:" + ph["user"].encode()),
+        b"Basic " + base64.b64encode(b"u:plain"), b"text/html", b"", b"x"]
+    value = st.lists(st.sampled_from(pieces), max_size=3).map(b"".join)
+    name = _NAMES | st.sampled_from([p.encode() for p in ph.values()]).map(lambda p: b"x-" + p.lower())
+    headers = data.draw(st.lists(st.tuples(name, value), max_size=5))
+    assert _outcome(fast, host, headers) == _outcome(slow, host, headers)
+
+
+def test_headers_without_placeholders_pass_as_they_are(cs):
+    headers = H(("accept", "*/*"), ("user-agent", "curl/8"), ("x-trace", "abc"))
+    sw = cs.apply(host="api.test", scheme="https", target="/", headers=headers)
+    assert sw.headers == headers and sw.headers is not headers and sw.used == []

@@ -589,6 +589,64 @@ def test_a_request_whose_client_has_gone_is_not_forwarded_late(tmp_path):
     assert any(ln["rule"] == "client-gone" and ln["path"] == "/pay" for ln in lines), lines
 
 
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+@pytest.mark.parametrize("method,body", [("POST", b"amount=100"), ("GET", b""), ("DELETE", b""), ("GET", b"x=1"),
+                                         ("HEAD", b"")])
+def test_no_request_whose_client_has_gone_is_forwarded_on_a_pooled_connection(tmp_path, method, body, loop):
+    """The same, for every method and with an idle upstream connection in the pool (nothing to
+    dial, so no loop turn passes between the head and the upstream): the kernel is asked
+    whether the client's EOF has arrived (review finding: safe methods were forwarded late)."""
+    import socket
+    import time as _time
+
+    async def go():
+        gate, ep, up, sock = await setup_gate(tmp_path)
+        out = await exchange(sock, req(up.port, path="/warm"))  # leaves a pooled upstream connection
+        assert out.startswith(b"HTTP/1.1 200"), out
+        s = socket.socket(socket.AF_UNIX)
+        s.connect(str(sock))
+        await asyncio.sleep(0.1)
+        s.sendall(req(up.port, path="/pay", method=method, body=body))
+        s.close()
+        _time.sleep(0.2)  # the loop is stalled: request and EOF both arrive before the gate looks
+        for _ in range(50):
+            await asyncio.sleep(0.02)
+        await gate.close_endpoint("sbx-1")
+        return ep, up
+
+    if loop == "uvloop":
+        import uvloop
+
+        ep, up = uvloop.run(asyncio.wait_for(go(), 60))
+    else:
+        ep, up = run(go())
+    assert b"/pay" not in bytes(up.received), "forwarded after the client had gone"
+    lines = [json.loads(ln) for ln in ep.log_path.read_text().splitlines()]
+    assert [ln["rule"] for ln in lines if ln.get("path") == "/pay"] == ["client-gone"], lines
+
+
+def test_a_client_that_is_still_there_is_not_taken_for_gone(tmp_path):
+    """The kernel's answer is about the peer's EOF, not about bytes waiting: a keep-alive client
+    that already sent its next request is still there."""
+
+    async def go():
+        gate, ep, up, sock = await setup_gate(tmp_path)
+        r, w = await asyncio.open_unix_connection(str(sock))
+        w.write(req(up.port, path="/one") + req(up.port, path="/two"))
+        got = b""
+        while got.count(b"HTTP/1.1 200") < 2:
+            chunk = await asyncio.wait_for(r.read(65536), 5)
+            assert chunk, got
+            got += chunk
+        w.close()
+        await gate.close_endpoint("sbx-1")
+        return ep
+
+    ep = run(go())
+    rules = [json.loads(ln)["rule"] for ln in ep.log_path.read_text().splitlines()]
+    assert "client-gone" not in rules, rules
+
+
 # ---- regressions from the review of the h11-free relay ----------------------------------------------
 
 

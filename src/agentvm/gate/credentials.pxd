@@ -1,20 +1,24 @@
 # C layout for credentials.py's classes when Cython compiles it (agentvm.gate.accel): their
 # attributes live in the object, not in a dict. The .py alone is what runs pure. An attribute
-# not declared here still works (each class keeps a __dict__), only slower: declare each one
-# a class sets (tests/unit/test_gate_accel.py checks it).
+# not declared here still works where the class keeps a __dict__ (all but those with __slots__
+# in the .py), only slower: declare each one a class sets (tests/unit/test_gate_accel.py).
 cdef class CredentialSet:
     cdef dict __dict__  # anything else set on an instance (Python's semantics)
+    cdef object __weakref__  # weak references, as to any Python object with a __dict__
     cdef public object bindings, placeholders, _by_ph, value, revoked, local_revoked, max_len
-    cdef public object scrub_encoded, _scrub_table
+    cdef public object _header_work, scrub_encoded, _scrub_table
 
 cdef class BodyScanner:
     cdef dict __dict__  # anything else set on an instance (Python's semantics)
+    cdef object __weakref__  # weak references, as to any Python object with a __dict__
     cdef public object hold, tail, creds, host
 
 cdef class ScrubTable:
     cdef dict __dict__  # anything else set on an instance (Python's semantics)
+    cdef object __weakref__  # weak references, as to any Python object with a __dict__
     cdef public object encoded, table, regex, by_start, first_ints, maxlen
 
 cdef class Scrubber:
     cdef dict __dict__  # anything else set on an instance (Python's semantics)
+    cdef object __weakref__  # weak references, as to any Python object with a __dict__
     cdef public object _t, tail, hits

@@ -167,6 +167,14 @@ class CredentialSet:
         self.revoked = revoked
         self.local_revoked: set[str] = set()  # revoked for this session by the operator (daemon)
         self.max_len = max((len(p) for p in self.placeholders.values()), default=0)
+        # apply()'s first look at a request's headers, all of them in one search: anything it
+        # must then look at header by header - a placeholder, in any case (a header name is
+        # matched case-insensitively, a value exactly: this finds both), or a header named like
+        # Authorization (Basic credentials are decoded). Most requests hold neither and pass
+        # through in that one search.
+        self._header_work = re.compile(
+            b"|".join([re.escape(p) for p in sorted(self._by_ph, key=len, reverse=True)] + [b"authorization"]),
+            re.IGNORECASE)
         # responses are scrubbed of every encoded form of a real value (and decoded first);
         # False only in the selftest's deliberately weakened configuration
         self.scrub_encoded = True
@@ -219,6 +227,9 @@ class CredentialSet:
             new_target = self._swap_query(new_target, b)
             used.append(name)
         # headers
+        if self._header_work.search(b"\n".join([k + b"\n" + v for k, v in headers])) is None:
+            out_headers = list(headers)  # no placeholder anywhere, no Authorization: nothing to swap or refuse
+            headers = ()
         for k, v in headers:
             lk = k.lower()
             names = self.find(v) + self.find_ci(k)

@@ -33,7 +33,7 @@ from agentvm.gate.endpoint import Cut, Endpoint
 from agentvm.gate.framing import RequestBody
 from agentvm.gate.policy import EgressPolicy
 from agentvm.gate.relay import UPSTREAM_IDLE_TIMEOUT, Relay, Stale, UpstreamError
-from agentvm.gate.streams import HELLO_TIMEOUT, PlainStream, TLSStream, client_gone
+from agentvm.gate.streams import HELLO_TIMEOUT, PlainStream, TLSStream, client_left
 from agentvm.gate.tunnel import stream_splice, zero_copy_splice
 
 log = logging.getLogger("agentvm.gate")
@@ -43,7 +43,6 @@ HEAD_SWEEP = 1.0  # how often connections waiting for a head are checked against
 STREAM_LIMIT = 1 << 20  # a sandbox's connection (and a tunnel's upstream): unread bytes before reading pauses
 STREAM_DEFAULT = 1 << 16  # an upstream connection of the relay
 CONNECT_TIMEOUT = 10.0
-SAFE_METHODS = frozenset(("GET", "HEAD", "OPTIONS", "TRACE"))  # RFC 9110 9.2.1
 
 
 def new_event_loop() -> asyncio.AbstractEventLoop:
@@ -350,12 +349,7 @@ class Gate:
         try:
             req = fwd.req
             shown = fwd.logged.path  # logged: the agent's target, never a swapped query-string value
-            if req.method not in SAFE_METHODS:
-                # one more turn of the loop first, so that an EOF which arrived with the request is
-                # seen. A safe method (RFC 9110 9.2.1: GET, HEAD, OPTIONS, TRACE) skips it - clients
-                # retry those on their own, and most requests are GETs; the turn costs ~3% per request
-                await asyncio.sleep(0)
-            if client_gone(client):
+            if client_left(client):
                 # the client gave up (its timeout passed while the gate was stopped or slow): what it
                 # sent is not forwarded late, unseen - a replayed POST is a real harm
                 ep.log(verdict="deny", rule_id="client-gone", reason="the client closed the connection before the request "

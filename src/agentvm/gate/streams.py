@@ -5,6 +5,7 @@ sans-IO ``ssl.MemoryBIO`` session from ``gate.tls``)."""
 from __future__ import annotations
 
 import asyncio
+import select
 import ssl
 from collections import deque
 
@@ -12,6 +13,9 @@ READ = 65536
 HELLO_TIMEOUT = 10.0
 LIMIT = 65536  # bytes buffered unread before the socket is no longer read (x2, as asyncio's streams)
 COALESCE = 4096  # a piece smaller than this is appended to a last piece smaller than this
+
+
+_CLOSED = select.POLLRDHUP | select.POLLHUP | select.POLLERR | select.POLLNVAL
 
 
 class Interrupted(Exception):
@@ -40,7 +44,7 @@ class PlainStream:
     and an extension type cannot derive from a Python class."""
 
     __slots__ = ("transport", "_chunks", "_size", "_limit", "_eof", "_exc", "_lost", "_waiter", "_reading_paused",
-                 "_writing_paused", "_drains", "_on_connect", "_over_ssl", "task", "_loop", "on_gone")
+                 "_writing_paused", "_drains", "_on_connect", "_over_ssl", "task", "_loop", "on_gone", "_poll")
 
     def __init__(self, limit: int = LIMIT, on_connect=None) -> None:
         self.transport: asyncio.Transport | None = None
@@ -61,6 +65,7 @@ class PlainStream:
         # called (no arguments) when the peer's EOF arrives or the connection is lost: the relay
         # sets it on the sandbox's connection while it waits for the upstream's answer
         self.on_gone = None
+        self._poll = None  # select.poll() of this connection's socket (peer_closed), once asked
 
     # -- protocol callbacks (the loop) -----------------------------------------------------
     def connection_made(self, transport) -> None:
@@ -231,6 +236,28 @@ class PlainStream:
         if self.send(data):
             await self.drained()
 
+    def peer_closed(self) -> bool:
+        """The peer's EOF (or a reset) has arrived - read by the loop or still in the socket:
+        asked of the kernel, poll(2) for POLLRDHUP without waiting (one poll object per
+        connection, made on first use). Unread bytes alone do not count."""
+        if self._eof:
+            return True
+        t = self.transport
+        if t is None or t.is_closing():
+            return True
+        p = self._poll
+        if p is None:
+            sock = t.get_extra_info("socket")
+            fd = sock.fileno() if sock is not None else -1
+            if fd < 0:
+                return False  # no socket to ask (not a real connection): only its EOF tells
+            p = self._poll = select.poll()
+            p.register(fd, select.POLLRDHUP)
+        for _fd, ev in p.poll(0):
+            if ev & _CLOSED:
+                return True
+        return False
+
     @property
     def eof(self) -> bool:
         """The peer's EOF (or a reset) arrived, even if bytes it sent before are still unread."""
@@ -270,6 +297,18 @@ def client_gone(client) -> bool:
     before (a request body) are still buffered."""
     raw = getattr(client, "raw", client)
     return bool(getattr(raw, "eof", False))
+
+
+def client_left(client) -> bool:
+    """:func:`client_gone`, or the client's EOF (or a reset) has reached the socket and the loop
+    has not read it yet (:meth:`PlainStream.peer_closed`). A request that arrived together with
+    its client's EOF - a client that gave up while the gate was stalled - is seen as gone before
+    it is forwarded, without waiting a turn of the loop for the EOF."""
+    raw = getattr(client, "raw", client)
+    if getattr(raw, "eof", False):
+        return True
+    peer_closed = getattr(raw, "peer_closed", None)
+    return peer_closed is not None and peer_closed()
 
 
 class TLSStream:

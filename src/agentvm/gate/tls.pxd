@@ -1,13 +1,15 @@
 # C layout for tls.py's classes when Cython compiles it (agentvm.gate.accel): their
 # attributes live in the object, not in a dict. The .py alone is what runs pure. An attribute
-# not declared here still works (each class keeps a __dict__), only slower: declare each one
-# a class sets (tests/unit/test_gate_accel.py checks it).
+# not declared here still works where the class keeps a __dict__ (all but those with __slots__
+# in the .py), only slower: declare each one a class sets (tests/unit/test_gate_accel.py).
 cdef class ClientHelloParser:
     cdef dict __dict__  # anything else set on an instance (Python's semantics)
+    cdef object __weakref__  # weak references, as to any Python object with a __dict__
     cdef public object _buf, _pos, _hs, _hs_total, _result, _error
 
 cdef class _TLSSide:
     cdef dict __dict__  # anything else set on an instance (Python's semantics)
+    cdef object __weakref__  # weak references, as to any Python object with a __dict__
     cdef public object _ssl, _incoming, _outgoing, _obj, handshake_done, eof, closed, _pending_error
 
 cdef class TLSServerSide(_TLSSide):
@@ -18,4 +20,5 @@ cdef class TLSClientSide(_TLSSide):
 
 cdef class _HostContexts:
     cdef dict __dict__  # anything else set on an instance (Python's semantics)
+    cdef object __weakref__  # weak references, as to any Python object with a __dict__
     cdef public object _ca, _size, _ttl, _clock, _lock, _cache
