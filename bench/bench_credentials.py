@@ -644,6 +644,10 @@ class StdinChild(Child):
 
 
 def main() -> int:
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from _python import agentvm_python
+
+    agentvm_python()  # python3 without agentvm: again on its venv's python
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="~30 s run: shorter cells, fewer revocation trials")
     ap.add_argument("--duration", type=float, help="seconds per req/s cell (default 5, --quick 1.5)")

@@ -48,6 +48,10 @@ def med(xs):
 
 
 def main() -> int:
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from _python import agentvm_python
+
+    agentvm_python()  # python3 without agentvm: again on its venv's python
     ap = argparse.ArgumentParser()
     ap.add_argument("--runs", type=int, default=30)
     ap.add_argument("--idle", type=int, default=20, help="idle sandboxes for the memory row")

@@ -732,6 +732,10 @@ def role_sequential(args) -> None:
 
 
 def main() -> int:
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from _python import agentvm_python
+
+    agentvm_python()  # python3 without agentvm: again on its venv's python
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="~20 s run: shorter cells, smaller tunnel")
     ap.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")

@@ -61,6 +61,10 @@ def receiver() -> tuple[http.server.ThreadingHTTPServer, int]:
 
 
 def main() -> int:
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from _python import agentvm_python
+
+    agentvm_python()  # python3 without agentvm: again on its venv's python
     ap = argparse.ArgumentParser()
     ap.add_argument("--n", type=int, default=20000)
     ap.add_argument("--json", action="store_true")

@@ -97,6 +97,10 @@ def summary(xs: list[float]) -> dict:
 
 
 def main() -> int:
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from _python import agentvm_python
+
+    agentvm_python()  # python3 without agentvm: again on its venv's python
     ap = argparse.ArgumentParser()
     ap.add_argument("--runs", type=int, default=50)
     ap.add_argument("--json", action="store_true")
