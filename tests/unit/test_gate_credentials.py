@@ -337,3 +337,13 @@ def test_headers_without_placeholders_pass_as_they_are(cs):
     headers = H(("accept", "*/*"), ("user-agent", "curl/8"), ("x-trace", "abc"))
     sw = cs.apply(host="api.test", scheme="https", target="/", headers=headers)
     assert sw.headers == headers and sw.headers is not headers and sw.used == []
+
+
+def test_headers_given_as_an_iterator_are_still_checked(cs):
+    """apply() reads the headers twice (one search, then header by header): an iterator must
+    not be spent by the first read and let the placeholder through (review finding)."""
+    bearer = "Bearer " + cs.placeholders["api"]
+    with pytest.raises(CredentialError):
+        cs.apply(host="elsewhere.test", scheme="https", target="/", headers=iter(H(("authorization", bearer))))
+    sw = cs.apply(host="api.test", scheme="https", target="/", headers=iter(H(("authorization", bearer))))
+    assert sw.used == ["api"] and sw.headers == [(b"authorization", b"Bearer " + REAL["api"].encode())]

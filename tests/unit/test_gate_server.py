@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import secrets
 import time
 from pathlib import Path
@@ -438,6 +439,91 @@ def test_upstream_connections_are_reused_and_stale_ones_retried(tmp_path):
     assert all(o.startswith(b"HTTP/1.1 200") for o in outs)
     assert reused == 1, "five requests, one upstream connection"
     assert after.startswith(b"HTTP/1.1 200"), "a stale pooled connection is retried on a fresh one"
+
+
+@pytest.mark.parametrize("method,sent_again", [("POST", False), ("PATCH", False), ("GET", True), ("DELETE", True)])
+def test_only_an_idempotent_request_is_sent_again_after_a_pooled_connection_fails(tmp_path, method, sent_again):
+    """A pooled connection that dies before its answer may already have delivered the request:
+    the gate sends it again on a fresh connection only when the method is idempotent (RFC 9110
+    9.2.2); a body-less POST or PATCH is answered 502, never replayed (review finding)."""
+
+    async def go():
+        seen = []
+
+        async def handle(r, w):
+            n = 0
+            while True:
+                try:
+                    head = await r.readuntil(b"\r\n\r\n")
+                except (asyncio.IncompleteReadError, ConnectionError):
+                    break
+                seen.append(head.split(b"\r\n")[0].decode())
+                n += 1
+                if n == 2:  # reads the second request on this connection, then dies unanswered
+                    break
+                w.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+                await w.drain()
+            w.close()
+
+        srv = await asyncio.start_server(handle, "127.0.0.1", 0)
+        port = srv.sockets[0].getsockname()[1]
+        gate, ep, sock = await _open_gate_to(tmp_path, port)
+        r, w = await asyncio.open_unix_connection(str(sock))
+        w.write(req(port, path="/warm"))
+        first = await asyncio.wait_for(r.read(1000), 5)
+        w.write(req(port, path="/account", method=method))
+        second = await asyncio.wait_for(r.read(1000), 5)
+        w.close()
+        await gate.close_endpoint("sbx-1")
+        srv.close()
+        return first, second, seen
+
+    first, second, seen = run(go())
+    assert first.startswith(b"HTTP/1.1 200")
+    sent = [ln for ln in seen if "/account" in ln]
+    if sent_again:
+        assert len(sent) == 2 and second.startswith(b"HTTP/1.1 200"), (seen, second)
+    else:
+        assert len(sent) == 1 and second.startswith(b"HTTP/1.1 502"), (seen, second)
+
+
+def test_a_pooled_connection_whose_fin_is_in_the_socket_is_not_reused(tmp_path):
+    """The upstream closed an idle connection a moment ago and the loop has not read its FIN
+    yet: the pool asks the socket (review finding: a request that must not be retried would
+    have failed on it)."""
+    import socket as socket_mod
+
+    async def go():
+        conns = []
+
+        async def handle(r, w):
+            conns.append(w)
+            try:
+                while True:
+                    await r.readuntil(b"\r\n\r\n")
+                    w.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+                    await w.drain()
+            except (asyncio.IncompleteReadError, ConnectionError):
+                pass
+
+        srv = await asyncio.start_server(handle, "127.0.0.1", 0)
+        port = srv.sockets[0].getsockname()[1]
+        gate, ep, sock = await _open_gate_to(tmp_path, port)
+        assert (await exchange(sock, req(port, path="/one"))).startswith(b"HTTP/1.1 200")
+        [(key, idle)] = list(ep.pool.items())
+        stream = idle[0][0]
+        assert stream.reusable and not stream.peer_closed()
+        fd = os.dup(conns[0].get_extra_info("socket").fileno())
+        socket_mod.socket(fileno=fd).shutdown(socket_mod.SHUT_WR)  # the upstream's FIN, now (no loop turn)
+        closed = stream.reusable and stream.peer_closed()
+        got = ep.pool_get(key)
+        await gate.close_endpoint("sbx-1")
+        srv.close()
+        return closed, got
+
+    closed, got = run(go())
+    assert closed, "the FIN is in the socket while the stream has not seen it"
+    assert got is None
 
 
 def test_a_deny_flood_is_counted_not_logged_line_by_line(tmp_path):

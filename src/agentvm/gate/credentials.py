@@ -214,6 +214,8 @@ class CredentialSet:
     def apply(self, *, host: str, scheme: str, target: str, headers: list[tuple[bytes, bytes]]) -> Swap:
         """Swap placeholders in their declared places (TLS-terminated, bound host) or raise."""
         terminated = scheme == "https"
+        if type(headers) is not list:
+            headers = list(headers)  # read twice below (the search, then header by header): never a spent iterator
         out_headers: list[tuple[bytes, bytes]] = []
         used: list[str] = []
         resign: list[CredentialBinding] = []

@@ -43,6 +43,7 @@ HEAD_SWEEP = 1.0  # how often connections waiting for a head are checked against
 STREAM_LIMIT = 1 << 20  # a sandbox's connection (and a tunnel's upstream): unread bytes before reading pauses
 STREAM_DEFAULT = 1 << 16  # an upstream connection of the relay
 CONNECT_TIMEOUT = 10.0
+IDEMPOTENT = frozenset(("GET", "HEAD", "OPTIONS", "TRACE", "PUT", "DELETE"))  # RFC 9110 9.2.2
 
 
 def new_event_loop() -> asyncio.AbstractEventLoop:
@@ -356,7 +357,10 @@ class Gate:
                        "was forwarded", host=req.host, port=req.port, method=req.method, path=shown, phase="request")
                 return False, b""
             key = _pool_key(ep, fwd.scheme, fwd.addr, req.port, fwd.sni)
-            retry_ok = not req.upgrade_websocket and not req.chunked and not req.content_length
+            # a pooled connection that fails before the answer may have delivered the request:
+            # only an idempotent request without a body (RFC 9110 9.2.2) is sent again, fresh
+            retry_ok = (req.method in IDEMPOTENT and not req.upgrade_websocket and not req.chunked
+                        and not req.content_length)
             for attempt in (0, 1):
                 pooled = ep.pool_get(key) if (attempt == 0 and not req.upgrade_websocket) else None
                 if pooled is not None:
