@@ -580,6 +580,26 @@ def http_cell(target: dict, conc: int, warmup: float, duration: float) -> dict:
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
+def median_cell(cells: list[dict]) -> dict:
+    """One HTTP cell from its interleaved rounds: the median of each rate, latency and CPU share
+    (and of the CPU per request, round by round); counts summed. An error in any round is the
+    cell's error."""
+    for c in cells:
+        if "error" in c:
+            return {"error": c["error"]}
+
+    def med(key):
+        xs = [c[key] for c in cells if c.get(key) is not None]
+        return statistics.median(xs) if xs else None
+
+    per_req = [c["proxy_cpu"] / c["rps"] * 1e6 for c in cells if c.get("proxy_cpu") and c.get("rps")]
+    return {"rps": med("rps"), "p50_ms": med("p50_ms"), "p99_ms": med("p99_ms"), "proxy_cpu": med("proxy_cpu"),
+            "cpu_us_per_request": statistics.median(per_req) if per_req else None,
+            "requests": sum(c["requests"] for c in cells), "seconds": sum(c["seconds"] for c in cells),
+            "bad_status": sum(c["bad_status"] for c in cells), "errors": sum(c["errors"] for c in cells),
+            "reconnects": sum(c["reconnects"] for c in cells), "rounds_rps": [c["rps"] for c in cells]}
+
+
 def connect_through(sock: socket.socket, port: int) -> None:
     sock.sendall(f"CONNECT {NAME}:{port} HTTP/1.1\r\nHost: {NAME}:{port}\r\n\r\n".encode())
     head = b""
@@ -741,7 +761,8 @@ def main() -> int:
     ap.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
     ap.add_argument("--profile", action="store_true",
                     help="afterwards, run the gate under cProfile for one c=10 HTTP cell and print the top functions")
-    ap.add_argument("--duration", type=float, help="seconds per HTTP cell (default 5, --quick 1.5)")
+    ap.add_argument("--duration", type=float, help="seconds per HTTP cell (default 5, --quick 1.5), split over the rounds")
+    ap.add_argument("--rounds", type=int, help="interleaved rounds of the HTTP cells (default 5, --quick 2)")
     ap.add_argument("--tunnel-mb", type=int, help="MB per tunnel transfer (default 200, --quick 50)")
     ap.add_argument("--no-squid", action="store_true")
     ap.add_argument("--no-mitmproxy", action="store_true")
@@ -770,6 +791,8 @@ def main() -> int:
 
     duration = args.duration or (1.5 if args.quick else 5.0)
     warmup = 0.5 if args.quick else 1.0
+    rounds = args.rounds or (2 if args.quick else 5)
+    round_warmup = 0.3 if args.quick else 0.5
     tunnel_bytes = (args.tunnel_mb or (50 if args.quick else 200)) * 1_000_000
     repeats = 1 if args.quick else 3
     quiet = args.json
@@ -838,13 +861,22 @@ def main() -> int:
         else:
             res["unavailable"]["mitmproxy"] = "skipped (--no-mitmproxy)"
 
-        for name, tgt in targets.items():
-            for conc in (1, 10):
-                log(f"http {name} c={conc} ({warmup:g} s warm-up + {duration:g} s)")
-                try:
-                    res["http"].setdefault(name, {})[f"c{conc}"] = http_cell(tgt, conc, warmup, duration)
-                except Exception as exc:  # noqa: BLE001
-                    res["http"].setdefault(name, {})[f"c{conc}"] = {"error": str(exc)}
+        # Interleaved: each round visits every path in turn, so all of them share the same
+        # minutes of a machine whose speed drifts (30% over minutes on a shared VM); a cell is
+        # the median of its rounds. Sequential cells let the drift decide gate against squid.
+        runs: dict[tuple[str, int], list] = {}
+        for rnd in range(rounds):
+            log(f"http round {rnd + 1}/{rounds}: {', '.join(targets)} at c=1 and c=10 "
+                f"({round_warmup:g} s warm-up + {duration / rounds:g} s each)")
+            for name, tgt in targets.items():
+                for conc in (1, 10):
+                    try:
+                        runs.setdefault((name, conc), []).append(http_cell(tgt, conc, round_warmup, duration / rounds))
+                    except Exception as exc:  # noqa: BLE001
+                        runs.setdefault((name, conc), []).append({"error": str(exc)})
+        for (name, conc), cells in runs.items():
+            res["http"].setdefault(name, {})[f"c{conc}"] = median_cell(cells)
+        res["http_rounds"] = rounds
 
         for kind in ("direct", "gate", "squid"):
             if kind == "squid" and "squid_port" not in env:
@@ -917,7 +949,9 @@ def report(res: dict, duration: float, warmup: float, tunnel_bytes: int, repeats
     print("gate: one process, one thread (asyncio event loop) -> it uses at most one core")
     print("cpu = the proxy process's CPU time / wall time during the cell (100% = one core busy)")
     print()
-    print(f"HTTP GET, 13-byte body, keep-alive client; req/s over {duration:g} s after {warmup:g} s warm-up")
+    rounds = res.get("http_rounds", 1)
+    print(f"HTTP GET, 13-byte body, keep-alive client; {rounds} interleaved rounds of {duration / rounds:g} s per "
+          f"cell (paths taking turns), the median of the rounds")
     print(f"{'path':38} {'c=1 req/s':>10} {'p50 ms':>7} {'cpu':>5} {'c=10 req/s':>11} {'p50 ms':>7} {'cpu':>5}  notes")
     order = ["direct", "gate", "squid", "mitmproxy"]
     for name in order:
@@ -988,6 +1022,8 @@ def report(res: dict, duration: float, warmup: float, tunnel_bytes: int, repeats
 
     def cpu_us(name, c="c10"):
         cell = res["http"].get(name, {}).get(c, {})
+        if cell.get("cpu_us_per_request") is not None:
+            return cell["cpu_us_per_request"]
         return cell["proxy_cpu"] / cell["rps"] * 1e6 if cell.get("proxy_cpu") and cell.get("rps") else None
 
     g_cpu, s_cpu = cpu_us("gate"), cpu_us("squid")
