@@ -405,28 +405,32 @@ def test_websocket_upgrade_only_where_allowed_and_relayed(tmp_path):
     assert denied.startswith(b"HTTP/1.1 403")
 
 
+def _ok_upstream(conns: list):
+    """An upstream connection handler: every request head answered with a 2-byte 200, kept
+    alive; each connection's writer is kept in ``conns``."""
+
+    async def handle(r, w):
+        conns.append(w)
+        try:
+            while True:
+                await r.readuntil(b"\r\n\r\n")
+                w.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+                await w.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        w.close()
+
+    return handle
+
+
 def test_upstream_connections_are_reused_and_stale_ones_retried(tmp_path):
     async def go():
-        accepts = []
-        conns = []
-
-        async def handle(r, w):
-            accepts.append(1)
-            conns.append(w)
-            try:
-                while True:
-                    await r.readuntil(b"\r\n\r\n")
-                    w.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
-                    await w.drain()
-            except (asyncio.IncompleteReadError, ConnectionError):
-                pass
-            w.close()
-
-        srv = await asyncio.start_server(handle, "127.0.0.1", 0)
+        conns = []  # one writer per accepted connection
+        srv = await asyncio.start_server(_ok_upstream(conns), "127.0.0.1", 0)
         port = srv.sockets[0].getsockname()[1]
         gate, _, sock = await _open_gate_to(tmp_path, port)
         outs = [await exchange(sock, req(port, path=f"/{i}")) for i in range(5)]
-        reused = len(accepts)
+        reused = len(conns)
         for w in conns:  # the upstream drops its idle connections
             w.close()
         await asyncio.sleep(0.1)
@@ -495,18 +499,7 @@ def test_a_pooled_connection_whose_fin_is_in_the_socket_is_not_reused(tmp_path):
 
     async def go():
         conns = []
-
-        async def handle(r, w):
-            conns.append(w)
-            try:
-                while True:
-                    await r.readuntil(b"\r\n\r\n")
-                    w.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
-                    await w.drain()
-            except (asyncio.IncompleteReadError, ConnectionError):
-                pass
-
-        srv = await asyncio.start_server(handle, "127.0.0.1", 0)
+        srv = await asyncio.start_server(_ok_upstream(conns), "127.0.0.1", 0)
         port = srv.sockets[0].getsockname()[1]
         gate, ep, sock = await _open_gate_to(tmp_path, port)
         assert (await exchange(sock, req(port, path="/one"))).startswith(b"HTTP/1.1 200")
@@ -650,18 +643,21 @@ def test_bytes_out_counts_request_heads(tmp_path):
     assert any(json.loads(ln)["rule"] == "limit:bytes-out" for ln in ep.log_path.read_text().splitlines())
 
 
-def test_a_request_whose_client_has_gone_is_not_forwarded_late(tmp_path):
-    """A sandbox's client gave up while the gate was stalled (a stopped daemon): when the gate
-    gets to its request, the connection is already closed - the POST must not be replayed."""
+def _client_gone_during_a_stall(tmp_path, method: str, body: bytes, *, pooled: bool, loop: str = "asyncio"):
+    """A client sends a request and closes while the gate's loop is stalled (a stopped daemon):
+    request and EOF both arrive before the gate looks. (the endpoint, the upstream)"""
     import socket
     import time as _time
 
     async def go():
         gate, ep, up, sock = await setup_gate(tmp_path)
+        if pooled:
+            out = await exchange(sock, req(up.port, path="/warm"))  # leaves a pooled upstream connection
+            assert out.startswith(b"HTTP/1.1 200"), out
         s = socket.socket(socket.AF_UNIX)
         s.connect(str(sock))
         await asyncio.sleep(0.1)  # the gate accepted and is waiting for a request head
-        s.sendall(req(up.port, path="/pay", method="POST", body=b"amount=100"))
+        s.sendall(req(up.port, path="/pay", method=method, body=body))
         s.close()
         _time.sleep(0.2)  # the loop is stalled: request and EOF both arrive before the gate looks
         for _ in range(50):
@@ -669,7 +665,17 @@ def test_a_request_whose_client_has_gone_is_not_forwarded_late(tmp_path):
         await gate.close_endpoint("sbx-1")
         return ep, up
 
-    ep, up = run(go())
+    if loop == "uvloop":
+        import uvloop
+
+        return uvloop.run(asyncio.wait_for(go(), 60))
+    return run(go())
+
+
+def test_a_request_whose_client_has_gone_is_not_forwarded_late(tmp_path):
+    """A sandbox's client gave up while the gate was stalled (a stopped daemon): when the gate
+    gets to its request, the connection is already closed - the POST must not be replayed."""
+    ep, up = _client_gone_during_a_stall(tmp_path, "POST", b"amount=100", pooled=False)
     assert b"/pay" not in bytes(up.received), "forwarded after the client had gone"
     lines = [json.loads(ln) for ln in ep.log_path.read_text().splitlines()]
     assert any(ln["rule"] == "client-gone" and ln["path"] == "/pay" for ln in lines), lines
@@ -682,30 +688,7 @@ def test_no_request_whose_client_has_gone_is_forwarded_on_a_pooled_connection(tm
     """The same, for every method and with an idle upstream connection in the pool (nothing to
     dial, so no loop turn passes between the head and the upstream): the kernel is asked
     whether the client's EOF has arrived (review finding: safe methods were forwarded late)."""
-    import socket
-    import time as _time
-
-    async def go():
-        gate, ep, up, sock = await setup_gate(tmp_path)
-        out = await exchange(sock, req(up.port, path="/warm"))  # leaves a pooled upstream connection
-        assert out.startswith(b"HTTP/1.1 200"), out
-        s = socket.socket(socket.AF_UNIX)
-        s.connect(str(sock))
-        await asyncio.sleep(0.1)
-        s.sendall(req(up.port, path="/pay", method=method, body=body))
-        s.close()
-        _time.sleep(0.2)  # the loop is stalled: request and EOF both arrive before the gate looks
-        for _ in range(50):
-            await asyncio.sleep(0.02)
-        await gate.close_endpoint("sbx-1")
-        return ep, up
-
-    if loop == "uvloop":
-        import uvloop
-
-        ep, up = uvloop.run(asyncio.wait_for(go(), 60))
-    else:
-        ep, up = run(go())
+    ep, up = _client_gone_during_a_stall(tmp_path, method, body, pooled=True, loop=loop)
     assert b"/pay" not in bytes(up.received), "forwarded after the client had gone"
     lines = [json.loads(ln) for ln in ep.log_path.read_text().splitlines()]
     assert [ln["rule"] for ln in lines if ln.get("path") == "/pay"] == ["client-gone"], lines
