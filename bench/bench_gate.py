@@ -791,7 +791,9 @@ def main() -> int:
 
     duration = args.duration or (1.5 if args.quick else 5.0)
     warmup = 0.5 if args.quick else 1.0
-    rounds = args.rounds or (2 if args.quick else 5)
+    rounds = args.rounds if args.rounds is not None else (2 if args.quick else 5)
+    if rounds < 1:
+        ap.error("--rounds must be 1 or more")
     round_warmup = 0.3 if args.quick else 0.5
     tunnel_bytes = (args.tunnel_mb or (50 if args.quick else 200)) * 1_000_000
     repeats = 1 if args.quick else 3
@@ -868,7 +870,10 @@ def main() -> int:
         for rnd in range(rounds):
             log(f"http round {rnd + 1}/{rounds}: {', '.join(targets)} at c=1 and c=10 "
                 f"({round_warmup:g} s warm-up + {duration / rounds:g} s each)")
-            for name, tgt in targets.items():
+            names = list(targets)
+            names = names[rnd % len(names):] + names[:rnd % len(names)]  # each path first in turn: no place bias
+            for name in names:
+                tgt = targets[name]
                 for conc in (1, 10):
                     try:
                         runs.setdefault((name, conc), []).append(http_cell(tgt, conc, round_warmup, duration / rounds))
@@ -877,6 +882,7 @@ def main() -> int:
         for (name, conc), cells in runs.items():
             res["http"].setdefault(name, {})[f"c{conc}"] = median_cell(cells)
         res["http_rounds"] = rounds
+        res["http_round_warmup"] = round_warmup
 
         for kind in ("direct", "gate", "squid"):
             if kind == "squid" and "squid_port" not in env:
@@ -950,8 +956,9 @@ def report(res: dict, duration: float, warmup: float, tunnel_bytes: int, repeats
     print("cpu = the proxy process's CPU time / wall time during the cell (100% = one core busy)")
     print()
     rounds = res.get("http_rounds", 1)
-    print(f"HTTP GET, 13-byte body, keep-alive client; {rounds} interleaved rounds of {duration / rounds:g} s per "
-          f"cell (paths taking turns), the median of the rounds")
+    print(f"HTTP GET, 13-byte body, keep-alive client; {rounds} interleaved rounds of "
+          f"{res.get('http_round_warmup', warmup):g} s warm-up + {duration / rounds:g} s per cell (paths taking "
+          f"turns, each first in turn), the median of the rounds (p99: the median of the rounds' p99)")
     print(f"{'path':38} {'c=1 req/s':>10} {'p50 ms':>7} {'cpu':>5} {'c=10 req/s':>11} {'p50 ms':>7} {'cpu':>5}  notes")
     order = ["direct", "gate", "squid", "mitmproxy"]
     for name in order:

@@ -491,10 +491,11 @@ def test_only_an_idempotent_request_is_sent_again_after_a_pooled_connection_fail
         assert len(sent) == 1 and second.startswith(b"HTTP/1.1 502"), (seen, second)
 
 
-def test_a_pooled_connection_whose_fin_is_in_the_socket_is_not_reused(tmp_path):
-    """The upstream closed an idle connection a moment ago and the loop has not read its FIN
-    yet: the pool asks the socket (review finding: a request that must not be retried would
-    have failed on it)."""
+@pytest.mark.parametrize("what", ["fin", "bytes sent unasked"])
+def test_a_pooled_connection_with_a_fin_or_bytes_in_the_socket_is_not_reused(tmp_path, what):
+    """The upstream closed an idle connection a moment ago, or sent bytes on it unasked, and the
+    loop has not read them yet: the pool asks the socket (review findings: a request that must
+    not be retried would have failed on it; the bytes would have answered the next request)."""
     import socket as socket_mod
 
     async def go():
@@ -505,17 +506,21 @@ def test_a_pooled_connection_whose_fin_is_in_the_socket_is_not_reused(tmp_path):
         assert (await exchange(sock, req(port, path="/one"))).startswith(b"HTTP/1.1 200")
         [(key, idle)] = list(ep.pool.items())
         stream = idle[0][0]
-        assert stream.reusable and not stream.peer_closed()
-        fd = os.dup(conns[0].get_extra_info("socket").fileno())
-        socket_mod.socket(fileno=fd).shutdown(socket_mod.SHUT_WR)  # the upstream's FIN, now (no loop turn)
-        closed = stream.reusable and stream.peer_closed()
+        assert stream.reusable and stream.idle() and not stream.peer_closed()
+        up = socket_mod.socket(fileno=os.dup(conns[0].get_extra_info("socket").fileno()))
+        if what == "fin":
+            up.shutdown(socket_mod.SHUT_WR)  # the upstream's FIN, now (no loop turn)
+        else:
+            up.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 6\r\n\r\nforged")
+        time.sleep(0.05)  # (the loop does not turn: nothing is read by it)
+        closed = stream.reusable and not stream.idle() and stream.peer_closed() == (what == "fin")
         got = ep.pool_get(key)
         await gate.close_endpoint("sbx-1")
         srv.close()
         return closed, got
 
     closed, got = run(go())
-    assert closed, "the FIN is in the socket while the stream has not seen it"
+    assert closed, "the kernel holds it while the stream has not seen it"
     assert got is None
 
 

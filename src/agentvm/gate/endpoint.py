@@ -179,15 +179,15 @@ class Endpoint:
 
     def pool_get(self, key: tuple):
         """An idle connection to ``key`` - only one the upstream has not closed and has sent
-        nothing on since (a response sent ahead of its request must never answer one). Its
-        FIN is looked for in the socket too (peer_closed): one the upstream closed a moment ago
-        is not reused, as a request that must not be retried would fail on it."""
+        nothing on since (a response sent ahead of its request must never answer one), looked
+        for in the socket too (PlainStream.idle): one the upstream closed a moment ago is not
+        reused, as a request that must not be retried would fail on it."""
         idle = self.pool.get(key)
         now = time.monotonic()
         while idle:
             stream, stamp = idle.pop()
             self._pool_idle -= 1
-            if stream.reusable and now - stamp < POOL_IDLE_SECONDS and not stream.peer_closed():
+            if now - stamp < POOL_IDLE_SECONDS and stream.idle():
                 return stream
             stream.close()
         return None

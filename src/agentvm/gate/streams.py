@@ -236,27 +236,45 @@ class PlainStream:
         if self.send(data):
             await self.drained()
 
+    def _pending(self) -> int:
+        """What the kernel holds for this socket that the loop has not read: poll(2) without
+        waiting (one poll object per connection, made on first use) - 0 for nothing, -1 when
+        there is no socket to ask (not a real connection)."""
+        p = self._poll
+        if p is None:
+            sock = self.transport.get_extra_info("socket")
+            fd = sock.fileno() if sock is not None else -1
+            if fd < 0:
+                return -1
+            p = self._poll = select.poll()
+            p.register(fd, select.POLLIN | select.POLLRDHUP)
+        mask = 0
+        for _fd, ev in p.poll(0):
+            mask |= ev
+        return mask
+
     def peer_closed(self) -> bool:
-        """The peer's EOF (or a reset) has arrived - read by the loop or still in the socket:
-        asked of the kernel, poll(2) for POLLRDHUP without waiting (one poll object per
-        connection, made on first use). Unread bytes alone do not count."""
+        """The peer's EOF (or a reset) has arrived - read by the loop or still in the socket
+        (asked of the kernel: POLLRDHUP). Unread bytes alone do not count."""
         if self._eof:
             return True
         t = self.transport
         if t is None or t.is_closing():
             return True
-        p = self._poll
-        if p is None:
-            sock = t.get_extra_info("socket")
-            fd = sock.fileno() if sock is not None else -1
-            if fd < 0:
-                return False  # no socket to ask (not a real connection): only its EOF tells
-            p = self._poll = select.poll()
-            p.register(fd, select.POLLRDHUP)
-        for _fd, ev in p.poll(0):
-            if ev & _CLOSED:
-                return True
-        return False
+        ev = self._pending()
+        return ev > 0 and bool(ev & _CLOSED)
+
+    def idle(self) -> bool:
+        """Fit to be handed out again by the upstream pool: :attr:`reusable`, and the kernel
+        holds nothing for it either - no FIN and, on a plain connection, no byte (one the
+        upstream sent unasked would answer the next request; over TLS a byte may be a session
+        ticket, so there only the FIN counts)."""
+        if not self.reusable:
+            return False
+        ev = self._pending()
+        if ev <= 0:
+            return True
+        return not ev & _CLOSED and (self._over_ssl or not ev & select.POLLIN)
 
     @property
     def eof(self) -> bool:
