@@ -22,6 +22,10 @@ if TYPE_CHECKING:
 # POOL_IDLE_SECONDS unused
 POOL_IDLE = 32
 POOL_IDLE_SECONDS = 30.0
+# a request that is not sent again if its connection fails (not idempotent, or with a body)
+# takes a pooled connection only this fresh: an upstream closing an idle connection (often
+# after 5 s) at the moment the request goes out would fail it (a fresh dial costs a handshake)
+UNRETRIED_IDLE_SECONDS = 2.0
 POOL_IDLE_TOTAL = 128  # idle upstream connections one sandbox may hold in all
 
 
@@ -177,14 +181,17 @@ class Endpoint:
         self.decoder_waiters: set = set()
         self._pool_timer: asyncio.TimerHandle | None = None  # the prune that expires idle connections
 
-    def pool_get(self, key: tuple):
+    def pool_get(self, key: tuple, *, retry_ok: bool = True):
         """An idle connection to ``key`` - only one the upstream has not closed and has sent
         nothing on since (a response sent ahead of its request must never answer one), looked
         for in the socket too (PlainStream.idle): one the upstream closed a moment ago is not
-        reused, as a request that must not be retried would fail on it."""
+        reused, as a request that must not be retried would fail on it. For such a request
+        (``retry_ok`` false) only one idle under UNRETRIED_IDLE_SECONDS; older ones stay pooled."""
         idle = self.pool.get(key)
         now = time.monotonic()
         while idle:
+            if not retry_ok and now - idle[-1][1] >= UNRETRIED_IDLE_SECONDS:
+                return None  # the freshest (the last) is too old for it: a fresh dial
             stream, stamp = idle.pop()
             self._pool_idle -= 1
             if now - stamp < POOL_IDLE_SECONDS and stream.idle():

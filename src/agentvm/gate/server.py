@@ -362,7 +362,7 @@ class Gate:
             retry_ok = (req.method in IDEMPOTENT and not req.upgrade_websocket and not req.chunked
                         and not req.content_length)
             for attempt in (0, 1):
-                pooled = ep.pool_get(key) if (attempt == 0 and not req.upgrade_websocket) else None
+                pooled = ep.pool_get(key, retry_ok=retry_ok) if (attempt == 0 and not req.upgrade_websocket) else None
                 if pooled is not None:
                     upstream = pooled
                 else:
