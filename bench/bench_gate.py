@@ -871,7 +871,7 @@ def main() -> int:
             log(f"http round {rnd + 1}/{rounds}: {', '.join(targets)} at c=1 and c=10 "
                 f"({round_warmup:g} s warm-up + {duration / rounds:g} s each)")
             names = list(targets)
-            names = names[rnd % len(names):] + names[:rnd % len(names)]  # each path first in turn: no place bias
+            names = names[rnd % len(names):] + names[:rnd % len(names)]  # the order rotated: less place bias
             for name in names:
                 tgt = targets[name]
                 for conc in (1, 10):
@@ -958,7 +958,7 @@ def report(res: dict, duration: float, warmup: float, tunnel_bytes: int, repeats
     rounds = res.get("http_rounds", 1)
     print(f"HTTP GET, 13-byte body, keep-alive client; {rounds} interleaved rounds of "
           f"{res.get('http_round_warmup', warmup):g} s warm-up + {duration / rounds:g} s per cell (paths taking "
-          f"turns, each first in turn), the median of the rounds (p99: the median of the rounds' p99)")
+          f"turns, their order rotated each round), the median of the rounds (p99: the median of the rounds' p99)")
     print(f"{'path':38} {'c=1 req/s':>10} {'p50 ms':>7} {'cpu':>5} {'c=10 req/s':>11} {'p50 ms':>7} {'cpu':>5}  notes")
     order = ["direct", "gate", "squid", "mitmproxy"]
     for name in order:

@@ -524,34 +524,28 @@ def test_a_pooled_connection_with_a_fin_or_bytes_in_the_socket_is_not_reused(tmp
     assert got is None
 
 
-def test_a_request_that_is_not_retried_takes_only_a_fresh_pooled_connection(tmp_path, monkeypatch):
-    """An upstream may close an idle connection just as a request goes out on it: a request the
-    gate would not send again (a POST) takes a pooled connection only if it was idle under
-    UNRETRIED_IDLE_SECONDS, and dials otherwise; a GET still takes the older one."""
-    from agentvm.gate import endpoint
+def test_over_tls_only_a_request_that_is_not_retried_passes_over_unread_bytes():
+    """A pooled TLS connection with bytes in the socket: a session ticket, or the upstream's
+    close_notify. A request that may be sent again takes it; one that will not passes it over
+    (review finding); a FIN in the socket is refused either way."""
+    import socket as socket_mod
 
-    monkeypatch.setattr(endpoint, "UNRETRIED_IDLE_SECONDS", 0.2)
+    from agentvm.gate.streams import PlainStream
 
     async def go():
-        conns = []
-        srv = await asyncio.start_server(_ok_upstream(conns), "127.0.0.1", 0)
-        port = srv.sockets[0].getsockname()[1]
-        gate, ep, sock = await _open_gate_to(tmp_path, port)
-        r, w = await asyncio.open_unix_connection(str(sock))
-        counts = []
-        for method, wait in (("GET", 0), ("POST", 0), ("GET", 0.3), ("POST", 0.3)):
-            await asyncio.sleep(wait)
-            w.write(req(port, path="/x", method=method))
-            out = await asyncio.wait_for(r.read(1000), 5)
-            assert out.startswith(b"HTTP/1.1 200"), out
-            counts.append(len(conns))
-        w.close()
-        await gate.close_endpoint("sbx-1")
-        srv.close()
-        return counts
+        a, b = socket_mod.socketpair()
+        _, stream = await asyncio.get_running_loop().create_connection(PlainStream, sock=a)
+        stream._over_ssl = True  # (as a connection made with ssl=...: the bytes are TLS records)
+        checks = [stream.idle(), stream.idle(strict=True)]
+        b.sendall(b"\x17\x03\x03\x00\x05hello")  # a record the loop has not read yet
+        checks += [stream.idle(), stream.idle(strict=True)]
+        b.shutdown(socket_mod.SHUT_WR)
+        checks += [stream.idle(), stream.idle(strict=True)]
+        stream.close()
+        b.close()
+        return checks
 
-    # GET dials; a POST right after reuses; a GET after 0.3 s reuses; a POST after 0.3 s dials
-    assert run(go()) == [1, 1, 1, 2]
+    assert run(go()) == [True, True, True, False, False, False]
 
 
 def test_a_deny_flood_is_counted_not_logged_line_by_line(tmp_path):

@@ -22,10 +22,6 @@ if TYPE_CHECKING:
 # POOL_IDLE_SECONDS unused
 POOL_IDLE = 32
 POOL_IDLE_SECONDS = 30.0
-# a request that is not sent again if its connection fails (not idempotent, or with a body)
-# takes a pooled connection only this fresh: an upstream closing an idle connection (often
-# after 5 s) at the moment the request goes out would fail it (a fresh dial costs a handshake)
-UNRETRIED_IDLE_SECONDS = 2.0
 POOL_IDLE_TOTAL = 128  # idle upstream connections one sandbox may hold in all
 
 
@@ -186,15 +182,14 @@ class Endpoint:
         nothing on since (a response sent ahead of its request must never answer one), looked
         for in the socket too (PlainStream.idle): one the upstream closed a moment ago is not
         reused, as a request that must not be retried would fail on it. For such a request
-        (``retry_ok`` false) only one idle under UNRETRIED_IDLE_SECONDS; older ones stay pooled."""
+        (``retry_ok`` false) a TLS connection with anything unread is passed over too (it may be
+        the upstream's close_notify: PlainStream.idle(strict))."""
         idle = self.pool.get(key)
         now = time.monotonic()
         while idle:
-            if not retry_ok and now - idle[-1][1] >= UNRETRIED_IDLE_SECONDS:
-                return None  # the freshest (the last) is too old for it: a fresh dial
             stream, stamp = idle.pop()
             self._pool_idle -= 1
-            if now - stamp < POOL_IDLE_SECONDS and stream.idle():
+            if now - stamp < POOL_IDLE_SECONDS and stream.idle(not retry_ok):
                 return stream
             stream.close()
         return None

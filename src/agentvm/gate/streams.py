@@ -264,17 +264,18 @@ class PlainStream:
         ev = self._pending()
         return ev > 0 and bool(ev & _CLOSED)
 
-    def idle(self) -> bool:
+    def idle(self, strict: bool = False) -> bool:
         """Fit to be handed out again by the upstream pool: :attr:`reusable`, and the kernel
         holds nothing for it either - no FIN and, on a plain connection, no byte (one the
-        upstream sent unasked would answer the next request; over TLS a byte may be a session
-        ticket, so there only the FIN counts)."""
+        upstream sent unasked would answer the next request). Over TLS a byte may be a session
+        ticket, so there only the FIN counts - unless ``strict`` (a request that will not be
+        sent again if this connection fails): then any byte, which may be a close_notify."""
         if not self.reusable:
             return False
         ev = self._pending()
         if ev <= 0:
             return True
-        return not ev & _CLOSED and (self._over_ssl or not ev & select.POLLIN)
+        return not ev & _CLOSED and not (ev & select.POLLIN and (strict or not self._over_ssl))
 
     @property
     def eof(self) -> bool:
