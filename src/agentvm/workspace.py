@@ -173,7 +173,11 @@ def acquire(
             free_loop_device()
             try:
                 r = subprocess.run(
-                    ["mount", "-o", "loop,nodev,nosuid", "-t", "ext4", str(img), str(mnt)], capture_output=True, text=True,
+                    # noinit_itable: the kernel's lazy inode-table init zeroes with WRITE_ZEROES,
+                    # which the loop device turns into holes punched in the image - undoing the
+                    # reservation (the image was fallocated: its unwritten blocks read as zeros)
+                    ["mount", "-o", "loop,nodev,nosuid,noinit_itable", "-t", "ext4", str(img), str(mnt)],
+                    capture_output=True, text=True,
                     timeout=30,
                 )
             except subprocess.TimeoutExpired:

@@ -55,7 +55,7 @@ def test_a_workspace_that_does_not_fit_is_refused_not_overcommitted(home, tmp_pa
     res = last_json(r.stdout)
     assert "needs 200M" in res["message"] and "free" in res["message"] and "overcommit" in res["message"], res
     assert not list((home / "workspaces").glob("*.img*")), "no half-made image left"
-    f = _agent(tmp_path, "small", "  command: [/bin/sh, -c, 'head -c 8000000 /dev/zero > /workspace/f && sync']\n"
+    f = _agent(tmp_path, "small", "  command: [/bin/sh, -c, 'head -c 8000000 /dev/zero > /workspace/f && sync && sleep 3']\n"
                                   "  limits: {disk: 16M}\n")
     r = _av(home, "run", "-f", str(f))
     assert r.returncode == 0, r.stderr
