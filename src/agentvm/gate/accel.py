@@ -60,10 +60,14 @@ def _sources(mod: str) -> tuple[bytes, bytes | None]:
     return py, pxd
 
 
-def _source(mod: str) -> bytes:
-    """What a build of ``mod`` is keyed on: its ``.py``, and its ``.pxd`` when there is one."""
-    py, pxd = _sources(mod)
+def _keyed(py: bytes, pxd: bytes | None) -> bytes:
+    """What a build is keyed on: the ``.py``, and the ``.pxd`` when there is one."""
     return py if pxd is None else py + b"\0pxd\0" + pxd
+
+
+def _source(mod: str) -> bytes:
+    """What a build of ``mod`` as it is now is keyed on (:func:`_keyed`)."""
+    return _keyed(*_sources(mod))
 
 
 def _key(source: bytes) -> str:
@@ -235,7 +239,7 @@ def _compile_one(mod: str, work: Path) -> str | None:
     import sysconfig
 
     py, pxd = _sources(mod)
-    source = py if pxd is None else py + b"\0pxd\0" + pxd
+    source = _keyed(py, pxd)  # (read once: the build is of exactly these bytes)
     old = _find(mod, source)
     if _usable(old, mod, source) is None:
         return None

@@ -25,7 +25,7 @@ import re
 
 import httptools
 
-from agentvm.gate.h1 import TARGET_BAD_RE, TOKEN_RE, VALUE_CTL_RE
+from agentvm.gate.h1 import TARGET_BAD_RE, TCHAR, TOKEN_RE, VALUE_CTL_RE
 
 MAX_RESPONSE_HEAD = 64 * 1024  # bytes of response heads (1xx included) before the final one ends
 MAX_FIELDS = 256
@@ -329,14 +329,13 @@ class ResponseReader:
 # regular expression per name and per value cost a third of building the head): with every
 # byte but the controls deleted, the lines leave exactly one CRLF each, and with every token
 # character deleted, the names leave nothing (and none is empty).
-_TCHAR = b"!#$%&'*+-.^_`|~0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
 _NOT_CTL = bytes(b for b in range(256) if b == 0x09 or 0x20 <= b < 0x7f or b > 0x7f)
 
 
 def _field_lines(headers) -> bytes:
     block = b"".join([k + b": " + v + b"\r\n" for k, v in headers])
     names = [k for k, _ in headers]
-    if (block.translate(None, _NOT_CTL) != b"\r\n" * len(names) or b"".join(names).translate(None, _TCHAR)
+    if (block.translate(None, _NOT_CTL) != b"\r\n" * len(names) or b"".join(names).translate(None, TCHAR)
             or not all(names)):
         raise ValueError("a header the gate would send is malformed (CR, LF or NUL in it)")
     return block

@@ -85,7 +85,7 @@ class HeadReader:
         return True
 
 
-_TCHAR = b"!#$%&'*+-.^_`|~0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+TCHAR = b"!#$%&'*+-.^_`|~0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"  # RFC 9110 token characters
 
 
 def check_head(head: bytes) -> tuple[bytes, list[tuple[bytes, bytes]]]:
@@ -106,7 +106,7 @@ def check_head(head: bytes) -> tuple[bytes, list[tuple[bytes, bytes]]]:
         if ln[:1] in (b" ", b"\t"):
             raise ProtocolError("obs-fold", "obsolete line folding in a header")
         name, sep, value = ln.partition(b":")
-        if not sep or not name or name.strip(_TCHAR):
+        if not sep or not name or name.strip(TCHAR):
             raise ProtocolError("bad-header", "malformed header name")
         lname = name.lower()
         if lname == b"content-length":

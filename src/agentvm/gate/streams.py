@@ -324,10 +324,8 @@ def client_left(client) -> bool:
     its client's EOF - a client that gave up while the gate was stalled - is seen as gone before
     it is forwarded, without waiting a turn of the loop for the EOF."""
     raw = getattr(client, "raw", client)
-    if getattr(raw, "eof", False):
-        return True
-    peer_closed = getattr(raw, "peer_closed", None)
-    return peer_closed is not None and peer_closed()
+    peer_closed = getattr(raw, "peer_closed", None)  # (which looks at the EOF read first)
+    return peer_closed() if peer_closed is not None else client_gone(raw)
 
 
 class TLSStream:
