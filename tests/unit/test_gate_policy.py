@@ -933,3 +933,58 @@ def test_a_deny_rule_without_ports_denies_every_port():
         assert decide(C("x.com", port=port), eg).verdict == "deny"
     with pytest.raises(ValueError, match="at least one port"):
         compile_egress(SimpleNamespace(allow=[SimpleNamespace(host="x.com", ports=[])], deny=[]))
+
+
+# ---------------------------------------------------------------------------- the decision memo
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(metas=st.lists(metas_st, min_size=1, max_size=12), order=st.randoms(use_true_random=False))
+def test_a_remembered_decision_is_the_decision_made_again(pol, metas, order):
+    """Whatever was asked before (in any order, twice), decide() answers what _decide() would."""
+    fresh = EgressPolicy(allow=pol.allow, deny=pol.deny, hosts=pol.hosts)
+    asked = metas + metas
+    order.shuffle(asked)
+    for meta in asked:
+        assert decide(meta, fresh) == gp._decide_safely(meta, fresh), meta
+
+
+@pytest.mark.parametrize("confusable, key", [
+    (dict(port=True), dict(port=1)),  # bool is an int subclass, True == 1 and hash(True) == hash(1)
+    (dict(ws=0), dict(ws=False)),
+    (dict(body=True), dict(body=1)),
+    (dict(body=1.0), dict(body=1)),
+])
+def test_a_value_equal_to_a_remembered_one_but_of_another_type_is_decided_again(confusable, key):
+    """A port of True must not find the decision made for port 1: it is an invalid request."""
+    p = EgressPolicy(allow=(Rule("one", "x.com", (1,), max_body=10, websocket=False),))
+    allowed = decide(R("x.com", port=1, **{k: v for k, v in key.items() if k != "port"}), p)
+    assert allowed.verdict == "allow", allowed
+    args = dict(port=1)
+    args.update(confusable)
+    again = decide(R("x.com", **args), p)
+    assert (again.verdict, again.rule_id) == ("deny", "invalid-request"), again
+
+
+def test_a_new_policy_starts_with_an_empty_memo():
+    """A live policy change is a new EgressPolicy: a decision of the old one never answers."""
+    old = EgressPolicy(allow=(Rule("open", "x.com", (443,)),))
+    assert decide(R("x.com", path="/a"), old).verdict == "allow"
+    new = EgressPolicy(allow=old.allow, deny=(Rule("shut", "x.com", ()),))
+    assert (decide(R("x.com", path="/a"), new).rule_id) == "shut"
+    assert decide(R("x.com", path="/a"), old).verdict == "allow"
+    from dataclasses import replace
+
+    assert decide(R("x.com", path="/a"), replace(old, allow=())).rule_id == "default-deny"
+    assert old == EgressPolicy(allow=(Rule("open", "x.com", (443,)),))  # the memo is not a field
+
+
+def test_the_memo_stays_bounded_and_long_paths_are_not_kept():
+    p = EgressPolicy(allow=(Rule("open", "x.com", (443,)),))
+    for i in range(gp.DECISION_MEMO * 3 + 7):
+        assert decide(R("x.com", path=f"/p/{i}"), p).verdict == "allow"
+        assert len(p._decisions) <= gp.DECISION_MEMO
+    p._decisions.clear()
+    assert decide(R("x.com", path="/" + "a" * (gp._MEMO_PATH + 1)), p).verdict == "allow"
+    assert decide(R("x.com", path="/" + "a" * (gp._MEMO_PATH - 1)), p).verdict == "allow"
+    assert len(p._decisions) == 1
+    assert decide(C("x.com"), p).verdict == "allow" and len(p._decisions) == 1  # connect phases: decided each time

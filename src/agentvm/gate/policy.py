@@ -136,6 +136,12 @@ class EgressPolicy:
     upstream_ca: str | None = None
     limits: EgressLimits = field(default_factory=EgressLimits)
 
+    def __post_init__(self) -> None:
+        # decide()'s memo of this policy's request-phase decisions (not a field: not compared,
+        # hashed or shown). A policy is immutable, so a decision never goes stale; a live policy
+        # change is a new EgressPolicy, with an empty memo.
+        object.__setattr__(self, "_decisions", {})
+
     def static_address(self, host: str) -> str | None:
         """The operator-declared IP of ``host`` (raw or normalized), or None (resolve via DNS).
         If a name appears twice (``hosts`` concatenated from spec + CLI), the last entry wins."""
@@ -798,9 +804,40 @@ def _decide(meta: RequestMeta, policy: EgressPolicy) -> Decision:
     return _deny("default-deny", f"no rule allows {method} to {hp}", host)
 
 
+DECISION_MEMO = 128  # request-phase decisions remembered per policy (then the memo starts over)
+_MEMO_PATH = 512  # a longer path is decided every time (the memo stays small: see decide)
+
+
 def decide(meta: RequestMeta, policy: EgressPolicy) -> Decision:
     """The single place egress policy is evaluated (see the module docstring). Never raises:
-    any exception is a deny with rule id ``internal-error``."""
+    any exception is a deny with rule id ``internal-error``.
+
+    A decision is a function of ``meta`` and ``policy`` alone, and a policy never changes, so
+    request-phase decisions are remembered on the policy, keyed on every field of ``meta``;
+    only fields of exactly the types the parser gives are keyed (a ``True`` port or a ``0``
+    websocket flag must not find the decision of ``1`` or ``False``: they are decided, and
+    denied, every time). At most DECISION_MEMO entries with paths up to _MEMO_PATH
+    characters: a few hundred kilobytes per sandbox at worst."""
+    host, port, path, method, sni, body = meta.host, meta.port, meta.path, meta.method, meta.sni, meta.body_size
+    if (meta.phase == "request" and type(host) is str and type(port) is int and type(path) is str
+            and len(path) <= _MEMO_PATH and type(method) is str and type(meta.websocket) is bool
+            and (sni is None or type(sni) is str) and (body is None or type(body) is int)
+            and type(meta.scheme) is str):
+        memo = getattr(policy, "_decisions", None)
+        if memo is None:  # (a stand-in for a policy, in a test)
+            return _decide_safely(meta, policy)
+        key = (host, port, meta.scheme, method, path, body, sni, meta.websocket)
+        d = memo.get(key)
+        if d is None:
+            d = _decide_safely(meta, policy)
+            if len(memo) >= DECISION_MEMO:
+                memo.clear()
+            memo[key] = d
+        return d
+    return _decide_safely(meta, policy)
+
+
+def _decide_safely(meta: RequestMeta, policy: EgressPolicy) -> Decision:
     try:
         return _decide(meta, policy)
     except Exception as e:  # noqa: BLE001 - fail closed

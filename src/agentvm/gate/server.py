@@ -228,8 +228,10 @@ class Gate:
     def _head_wait(self, task: asyncio.Task) -> None:
         """``task`` waits for a request head from now on (see HEAD_TIMEOUT, _sweep_heads)."""
         self._head_waits[task] = time.monotonic()
-        if self._head_sweep is None or self._head_sweep_loop is not asyncio.get_running_loop():
-            self._arm_head_sweep()  # (a Gate may serve on a later loop: arm on the one running)
+        # (a Gate may serve on a later loop: armed on the one running. The task's loop is that
+        # loop, and asking it costs no system call - get_running_loop() makes a getpid())
+        if self._head_sweep is None or self._head_sweep_loop is not task.get_loop():
+            self._arm_head_sweep()
 
     def _arm_head_sweep(self) -> None:
         self._head_sweep_loop = loop = asyncio.get_running_loop()
@@ -238,7 +240,7 @@ class Gate:
     def watch_read(self, upstream: PlainStream) -> None:
         """A relay starts waiting for ``upstream``'s next bytes (see UPSTREAM_IDLE_TIMEOUT)."""
         self._upstream_waits[upstream] = time.monotonic()
-        if self._head_sweep is None or self._head_sweep_loop is not asyncio.get_running_loop():
+        if self._head_sweep is None or self._head_sweep_loop is not upstream._loop:  # (see _head_wait)
             self._arm_head_sweep()
 
     def unwatch_read(self, upstream: PlainStream) -> None:
