@@ -219,3 +219,37 @@ def test_one_upgrade_header_at_most():
         h1.parse_request(head("GET http://a.test/ws HTTP/1.1", "Host: a.test", "Upgrade: websocket", "Upgrade: h2c",
                               "Connection: Upgrade"))
     assert ei.value.code == "duplicate-upgrade"
+
+
+def _response_headers_reference(headers, *, keep_upgrade=False):
+    """response_headers as first written (two passes, every name converted and lower-cased in each)."""
+    named = set()
+    for k, v in headers:
+        if bytes(k).lower() == b"connection":
+            named |= {t.strip().lower() for t in bytes(v).split(b",") if t.strip()}
+    out = []
+    for k, v in headers:
+        k = bytes(k).lower()
+        if keep_upgrade and k in (b"upgrade", b"connection"):
+            out.append((k, bytes(v)))
+            continue
+        if k in h1.HOP_BY_HOP or k in named:
+            continue
+        out.append((k, bytes(v)))
+    return out
+
+
+_RESP_NAMES = st.sampled_from([b"Connection", b"connection", b"Keep-Alive", b"Upgrade", b"TE", b"X-A", b"x-a",
+                               b"Content-Type", b"Transfer-Encoding", b"Proxy-Connection", b"Trailer"])
+_RESP_VALUES = st.one_of(st.binary(max_size=12), st.sampled_from([b"x-a, keep-alive", b"close", b"X-A ,, Upgrade",
+                                                                  b"upgrade", b" content-type "]))
+
+
+@settings(max_examples=500, deadline=None)
+@given(headers=st.lists(st.tuples(_RESP_NAMES, _RESP_VALUES), max_size=8), keep=st.booleans(),
+       kind=st.sampled_from([bytes, bytearray, memoryview]))
+def test_response_headers_is_the_reference(headers, keep, kind):
+    given_ = [(kind(k), kind(v)) for k, v in headers]
+    out = h1.response_headers(given_, keep_upgrade=keep)
+    assert out == _response_headers_reference(headers, keep_upgrade=keep)
+    assert all(type(k) is bytes and type(v) is bytes for k, v in out)

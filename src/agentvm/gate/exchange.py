@@ -29,7 +29,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Generator
 
 from agentvm.gate import h1
-from agentvm.gate.frozen import evolve
+from agentvm.gate.frozen import evolve, quick_init
 from agentvm.gate.policy import Decision, RequestMeta, check_address, decide, how_to_allow, normalize_host
 
 # ---------------------------------------------------------------------------- commands
@@ -91,7 +91,8 @@ class Lookup:
     port: int
 
 
-@dataclass(frozen=True, slots=True)
+@quick_init
+@dataclass(frozen=True)
 class Forward:
     """Terminal: connect to ``addr`` (``scheme`` https: TLS with ``sni``) - or reuse a pooled
     connection to it - and relay ``req`` (credentials already swapped into it)."""
@@ -114,6 +115,10 @@ class Forward:
     @property
     def logged(self) -> h1.ProxyRequest:
         return self.shown if self.shown is not None else self.req
+
+
+_make_forward = Forward.make
+_make_meta = RequestMeta.make
 
 
 @dataclass(frozen=True, slots=True)
@@ -356,9 +361,11 @@ def request(ep, req: h1.ProxyRequest, *, scheme: str, tunnel: Tunnel | None = No
             yield deny(req, "host-mismatch", f"Host {req.host!r} does not match the TLS server name (domain fronting)")
             return
         req = evolve(req, host=tunnel.host, port=tunnel.port)
-    meta = RequestMeta(host=req.host, port=req.port, scheme=scheme, method=req.method, path=req.path,
-                       body_size=req.content_length, websocket=req.upgrade_websocket, phase="request",
-                       sni=tunnel.host if tunnel is not None and scheme == "https" else None)
+    # RequestMeta(host, port, scheme, method, path, body_size, sni, websocket, phase), without the
+    # class call (frozen.quick_init)
+    meta = _make_meta(req.host, req.port, scheme, req.method, req.path, req.content_length,
+                      tunnel.host if tunnel is not None and scheme == "https" else None, req.upgrade_websocket,
+                      "request")
     d = decide(meta, ep.policy)
     if d.verdict == "ask":
         answer = yield Hold(req=req, decision=d)
@@ -445,9 +452,9 @@ def request(ep, req: h1.ProxyRequest, *, scheme: str, tunnel: Tunnel | None = No
             yield deny(shown, why[0], why[1], status=429, explain=False, alert=why[0] == "budget:exceeded",
                        answer="budget")
             return
-    yield Forward(req=req, decision=d, addr=addr, scheme=scheme,
-                  sni=normalize_host(req.host) if scheme == "https" else None, swap=swap, max_body=max_body,
-                  shown=shown if shown is not req else None, budget=budget)
+    # Forward(req, decision, addr, scheme, sni, swap, max_body, shown, budget)
+    yield _make_forward(req, d, addr, scheme, normalize_host(req.host) if scheme == "https" else None, swap, max_body,
+                        shown if shown is not req else None, budget)
 
 
 def connect(ep, req: h1.ProxyRequest) -> Flow:

@@ -159,6 +159,9 @@ class ProxyRequest:
         return None
 
 
+_make_request = ProxyRequest.make
+
+
 def _split_authority(auth: str, default_port: int) -> tuple[str, int]:
     if not auth or "@" in auth:
         raise ProtocolError("bad-authority", "authority is empty or carries userinfo")
@@ -273,20 +276,10 @@ def _request(method: str, target: str, headers: tuple[tuple[bytes, bytes], ...],
             hh, hp = _split_authority(host_hdr, 80)
             if hh.lower().rstrip(".") != host.lower().rstrip(".") or hp != port:
                 raise ProtocolError("host-mismatch", "Host header does not match the request URI")
-    return ProxyRequest(
-        method=method,
-        target=target,
-        scheme=scheme,
-        host=host,
-        port=port,
-        path=path,
-        headers=headers,
-        content_length=int(cl) if cl is not None else None,
-        chunked=chunked,
-        upgrade_websocket=upgrade,
-        http_version=http_version,
-        explicit_port=explicit if scheme == "origin" else True,
-    )
+    # ProxyRequest(method, target, scheme, host, port, path, headers, content_length, chunked,
+    # upgrade_websocket, http_version, explicit_port), without the class call (frozen.quick_init)
+    return _make_request(method, target, scheme, host, port, path, headers, int(cl) if cl is not None else None,
+                         chunked, upgrade, http_version, explicit if scheme == "origin" else True)
 
 
 _FRAMING = (b"content-length", b"transfer-encoding")
@@ -319,19 +312,23 @@ def forward_headers(req: ProxyRequest, host_value: str, *, keep_upgrade: bool = 
 
 
 def response_headers(headers, *, keep_upgrade: bool = False) -> list[tuple[bytes, bytes]]:
-    named = set()
+    """A response's headers to pass on: names lower-case, hop-by-hop fields (and those its
+    Connection names) removed. Names and values as bytes (a bytes-like one is copied)."""
+    fields = []
+    named: set[bytes] = set()
     for k, v in headers:
-        if bytes(k).lower() == b"connection":
-            named |= {t.strip().lower() for t in bytes(v).split(b",") if t.strip()}
+        k = (k if type(k) is bytes else bytes(k)).lower()
+        if type(v) is not bytes:
+            v = bytes(v)
+        if k == b"connection":
+            named |= {t.strip().lower() for t in v.split(b",") if t.strip()}
+        fields.append((k, v))
     out = []
-    for k, v in headers:
-        k = bytes(k).lower()
+    for k, v in fields:
         if keep_upgrade and k in (b"upgrade", b"connection"):
-            out.append((k, bytes(v)))
-            continue
-        if k in HOP_BY_HOP or k in named:
-            continue
-        out.append((k, bytes(v)))
+            out.append((k, v))
+        elif k not in HOP_BY_HOP and k not in named:
+            out.append((k, v))
     return out
 
 
