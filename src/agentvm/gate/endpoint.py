@@ -9,6 +9,7 @@ import logging
 import os
 import time
 from pathlib import Path
+from time import monotonic  # (bound once: the request path takes the time several times)
 from typing import TYPE_CHECKING
 
 from agentvm.gate.policy import EgressPolicy, RequestMeta, _safe, decide
@@ -109,10 +110,10 @@ class TokenBucket:
         self.rate = rate
         self.capacity = capacity
         self.tokens = -1.0
-        self.stamp = time.monotonic()
+        self.stamp = monotonic()
 
     def take(self) -> bool:
-        now = time.monotonic()
+        now = monotonic()
         if self.tokens < 0:
             self.tokens = self.capacity
         self.tokens = min(self.capacity, self.tokens + (now - self.stamp) * self.rate)
@@ -185,7 +186,7 @@ class Endpoint:
         (``retry_ok`` false) a TLS connection with anything unread is passed over too (it may be
         the upstream's close_notify: PlainStream.idle(strict))."""
         idle = self.pool.get(key)
-        now = time.monotonic()
+        now = monotonic()
         while idle:
             stream, stamp = idle.pop()
             self._pool_idle -= 1
@@ -199,7 +200,7 @@ class Endpoint:
         if len(idle) >= POOL_IDLE or self._pool_idle >= POOL_IDLE_TOTAL or not stream.reusable:
             stream.close()
             return
-        idle.append((stream, time.monotonic()))
+        idle.append((stream, monotonic()))
         self._pool_idle += 1
         if self._pool_timer is None:
             try:
@@ -210,7 +211,7 @@ class Endpoint:
 
     def _pool_tick(self) -> None:
         self._pool_timer = None
-        self.pool_prune(time.monotonic())
+        self.pool_prune(monotonic())
         if self._pool_idle:
             self._pool_timer = asyncio.get_running_loop().call_later(POOL_IDLE_SECONDS / 2, self._pool_tick)
 

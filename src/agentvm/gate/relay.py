@@ -14,9 +14,12 @@ One :class:`Relay` per request: its context is attributes, not positional argume
 
 from __future__ import annotations
 
-import time
+from time import monotonic
 
 from agentvm.gate import encoding, framing, h1, rules
+# (the names the request path uses, bound once: a module attribute costs a lookup on every use)
+from agentvm.gate.framing import END, LAST_CHUNK, NEED_DATA, request_head, response_head
+from agentvm.gate.framing import chunk as frame_chunk
 from agentvm.gate.endpoint import Endpoint
 from agentvm.gate.exchange import Forward, cred_deny
 from agentvm.gate.streams import Interrupted, PlainStream, client_gone
@@ -69,10 +72,10 @@ async def request_body(client, body: framing.RequestBody):
             raise BadBody(str(exc)) from None
         except EOFError:
             raise BodyEnded() from None
-        if ev is framing.NEED_DATA:
+        if ev is NEED_DATA:
             body.receive_data(await client.read())  # b"" is the sandbox's EOF
             continue
-        if ev is framing.END:
+        if ev is END:
             return
         yield ev
 
@@ -144,7 +147,7 @@ class Relay:
         self.scrubber = creds.scrubber() if creds is not None else None
         self.sent = 0
         self._watching: PlainStream | None = None  # the sandbox's connection, while its EOF interrupts the upstream
-        self.t0 = time.monotonic()  # for the decision's upstream_ms
+        self.t0 = monotonic()  # for the decision's upstream_ms
         # the sandbox's connection stays open after this exchange: HTTP/1.1 without "close"
         conn = {t.strip().lower() for k, v in req.headers if k == b"connection" for t in v.split(b",")}
         self.client_keep = req.http_version == "1.1" and b"close" not in conn
@@ -258,7 +261,7 @@ class Relay:
         req = self.req
         if client_gone(self.client):
             raise ClientGone()  # its EOF came with (or after) the body: the request is not sent late
-        head = framing.request_head(req.method, req.path, headers)
+        head = request_head(req.method, req.path, headers)
         self._count_out(len(head))  # a head carries data out too (path, headers)
         return self._send_up(head, True)
 
@@ -269,7 +272,7 @@ class Relay:
         req, scanner, max_body = self.req, self.scanner, self.fwd.max_body
         held: list[bytes] | None = [] if scanner is not None else None
         held_len = 0
-        frame = framing.chunk if req.chunked else bytes  # the body is re-framed as it was declared
+        frame = frame_chunk if req.chunked else bytes  # the body is re-framed as it was declared
         if held is None and self._send_head(headers):
             await self._up_drained(True)
         if (req.header(b"expect") or b"").lower() == b"100-continue" and not self.body.done:
@@ -309,7 +312,7 @@ class Relay:
         if rest:
             await self._write_up(frame(rest))
         if req.chunked:
-            await self._write_up(framing.LAST_CHUNK)
+            await self._write_up(LAST_CHUNK)
         return await self._response()
 
     async def _send_resigned(self, headers, held: list[int]) -> tuple[bool, bytes, bool]:
@@ -382,7 +385,7 @@ class Relay:
         if client_gone(self.client):
             raise ClientGone()  # the sandbox closed while the body was read: not sent late (nor counted)
         self._count_out(len(sreq.body))
-        head = framing.request_head(req.method, target, new_headers)
+        head = request_head(req.method, target, new_headers)
         self._count_out(len(head))
         self.pooled = False  # a signed request is never retried (its signature is single-use)
         await self._write_up(head + sreq.body)
@@ -464,7 +467,7 @@ class Relay:
                     raise Stale() from None
                 await emit(b"", flush=True)
                 raise UpstreamError("upstream:protocol-error", str(exc)[:300], answered=answered) from None
-            if ev is framing.NEED_DATA:
+            if ev is NEED_DATA:
                 # what was decoded so far goes out before waiting: a stream (SSE, chunked
                 # progress) reaches the agent as it is sent, not when the response ends
                 if self._out and self._emit_now(b"", True):
@@ -507,7 +510,7 @@ class Relay:
                 await emit(b"", flush=True)
                 head = ev.head
                 wh = h1.response_headers(head.headers, keep_upgrade=True)
-                await client.write(framing.response_head(
+                await client.write(response_head(
                     101, scrubber.header(head.reason) if scrub else head.reason,
                     scrubber.headers(wh) if scrub else wh))
                 # the upgraded connection is relayed as bytes (still counted against bytesOut)
@@ -539,19 +542,19 @@ class Relay:
                     self._frame = bytes  # as the upstream declared it (its length was checked by the parser)
                 elif self.client_keep:
                     rh.append((b"transfer-encoding", b"chunked"))
-                    self._frame = framing.chunk
+                    self._frame = frame_chunk
                 else:
                     self._frame, keep = bytes, False  # HTTP/1.0 or "close": the end of the connection frames it
                 if not keep:
                     rh.append((b"connection", b"close"))
-                if held(framing.response_head(ev.status, reason, rh)) and self._emit_now(b""):
+                if held(response_head(ev.status, reason, rh)) and self._emit_now(b""):
                     await client.drained()
                 continue
-            if ev is framing.END:
+            if ev is END:
                 self._unwatch()  # nothing more is read from the upstream
                 if scrub is not None and not await scrubbed_out(scrub.finish()):
                     return False, b"", False
-                if self._emit_now(framing.LAST_CHUNK if self._frame is framing.chunk else b"", True):
+                if self._emit_now(LAST_CHUNK if self._frame is frame_chunk else b"", True):
                     await client.drained()
                 break
             # a piece of the body
@@ -575,7 +578,7 @@ class Relay:
         llm = self._count_llm()
         if llm is not None:
             extra["llm"] = llm
-        us = round((time.monotonic() - self.t0) * 1e6)
+        us = round((monotonic() - self.t0) * 1e6)
         if extra and (len(extra) > 1 or "credentials" not in extra):
             self._log(verdict="allow", rule_id=d.rule_id, reason=d.reason, phase="request", bytes_out=self.sent,
                       bytes_in=received, upstream_ms=us / 1000, **extra)

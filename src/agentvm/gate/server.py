@@ -24,13 +24,14 @@ import logging
 import os
 import socket
 import ssl
-import time
+from time import monotonic
 from pathlib import Path
 
 from agentvm.gate import exchange as ex
 from agentvm.gate import h1
 from agentvm.gate.endpoint import Cut, Endpoint
 from agentvm.gate.framing import RequestBody
+from agentvm.gate.h1 import HeadReader
 from agentvm.gate.policy import EgressPolicy
 from agentvm.gate.relay import UPSTREAM_IDLE_TIMEOUT, Relay, Stale, UpstreamError
 from agentvm.gate.streams import HELLO_TIMEOUT, PlainStream, TLSStream, client_left
@@ -227,7 +228,7 @@ class Gate:
 
     def _head_wait(self, task: asyncio.Task) -> None:
         """``task`` waits for a request head from now on (see HEAD_TIMEOUT, _sweep_heads)."""
-        self._head_waits[task] = time.monotonic()
+        self._head_waits[task] = monotonic()
         # (a Gate may serve on a later loop: armed on the one running. The task's loop is that
         # loop, and asking it costs no system call - get_running_loop() makes a getpid())
         if self._head_sweep is None or self._head_sweep_loop is not task.get_loop():
@@ -239,7 +240,7 @@ class Gate:
 
     def watch_read(self, upstream: PlainStream) -> None:
         """A relay starts waiting for ``upstream``'s next bytes (see UPSTREAM_IDLE_TIMEOUT)."""
-        self._upstream_waits[upstream] = time.monotonic()
+        self._upstream_waits[upstream] = monotonic()
         if self._head_sweep is None or self._head_sweep_loop is not upstream._loop:  # (see _head_wait)
             self._arm_head_sweep()
 
@@ -250,7 +251,7 @@ class Gate:
         """Cancel the connections that have waited HEAD_TIMEOUT for a head, interrupt the reads
         of upstreams silent for UPSTREAM_IDLE_TIMEOUT; re-armed while any wait."""
         self._head_sweep = None
-        now = time.monotonic()
+        now = monotonic()
         late = now - HEAD_TIMEOUT
         for task, since in list(self._head_waits.items()):
             if since <= late:
@@ -305,7 +306,7 @@ class Gate:
         while True:
             try:
                 # the next request head (the read is inline: this loop runs once per request)
-                hr = h1.HeadReader()
+                hr = HeadReader()
                 if not (pending and hr.feed(pending)):
                     self._head_wait(task)
                     try:

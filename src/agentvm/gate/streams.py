@@ -16,6 +16,7 @@ COALESCE = 4096  # a piece smaller than this is appended to a last piece smaller
 
 
 _CLOSED = select.POLLRDHUP | select.POLLHUP | select.POLLERR | select.POLLNVAL
+_POLLIN = select.POLLIN
 
 
 class Interrupted(Exception):
@@ -275,7 +276,7 @@ class PlainStream:
         ev = self._pending()
         if ev <= 0:
             return True
-        return not ev & _CLOSED and not (ev & select.POLLIN and (strict or not self._over_ssl))
+        return not ev & _CLOSED and not (ev & _POLLIN and (strict or not self._over_ssl))
 
     @property
     def eof(self) -> bool:
