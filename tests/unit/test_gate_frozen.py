@@ -95,8 +95,8 @@ def test_make_takes_every_field_in_order_and_gives_the_object_the_class_call_giv
 
 
 def test_the_hot_paths_build_what_the_class_call_builds():
-    """The three places that build per request with ``make``: a parsed head, its RequestMeta and
-    its Forward equal what the keyword class calls give."""
+    """The places that build per request with ``make``: a parsed head, its RequestMeta (when the
+    policy's memo misses) and its Forward equal what the keyword class calls give."""
     from agentvm.gate import exchange, h1
     from agentvm.gate.policy import compile_egress, normalize_host
     from types import SimpleNamespace
@@ -108,16 +108,19 @@ def test_the_hot_paths_build_what_the_class_call_builds():
                                upgrade_websocket=True, http_version="1.1", explicit_port=True)
     pol = compile_egress(SimpleNamespace(allow=[SimpleNamespace(host="x.test", ports=[8080], websocket=True)], deny=[],
                                          hosts={"x.test": "127.0.0.1"}))
+    from agentvm.gate import policy as gp
+
     seen = []
-    real_decide = exchange.decide
+    real_decide = gp._decide_safely
     ep = SimpleNamespace(paused=False, bucket=SimpleNamespace(take=lambda: True), tools=None, policy=pol, creds=None,
                          budget=None)
-    try:
-        exchange.decide = lambda meta, policy: seen.append(meta) or real_decide(meta, policy)
+    try:  # (the RequestMeta is built where the policy's memo misses: a new policy's first request)
+        gp._decide_safely = lambda meta, policy: seen.append(meta) or real_decide(meta, policy)
         flow = exchange.request(ep, req, scheme="http")
         fwd = next(flow)
+        assert next(exchange.request(ep, req, scheme="http")) == fwd and len(seen) == 1  # (the second: remembered)
     finally:
-        exchange.decide = real_decide
+        gp._decide_safely = real_decide
     assert seen == [RequestMeta(host="x.test", port=8080, scheme="http", method="POST", path="/a?b", body_size=3,
                                 sni=None, websocket=True, phase="request")]
     assert fwd == Forward(req=req, decision=fwd.decision, addr="127.0.0.1", scheme="http", sni=None, swap=None,

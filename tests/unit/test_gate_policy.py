@@ -988,3 +988,14 @@ def test_the_memo_stays_bounded_and_long_paths_are_not_kept():
     assert decide(R("x.com", path="/" + "a" * (gp._MEMO_PATH - 1)), p).verdict == "allow"
     assert len(p._decisions) == 1
     assert decide(C("x.com"), p).verdict == "allow" and len(p._decisions) == 1  # connect phases: decided each time
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(meta=metas_st.filter(lambda m: m.phase == "request"))
+def test_decide_request_is_decide_of_the_meta_it_would_build(pol, meta):
+    fresh = EgressPolicy(allow=pol.allow, deny=pol.deny, hosts=pol.hosts)
+    fields = (meta.host, meta.port, meta.scheme, meta.method, meta.path, meta.body_size, meta.sni, meta.websocket)
+    want = gp._decide_safely(meta, fresh)
+    assert gp.decide_request(fresh, *fields) == want  # a miss: the meta built here
+    assert gp.decide_request(fresh, *fields) == want  # a hit
+    assert gp.decide_request(EgressPolicy(allow=pol.allow, deny=pol.deny, hosts=pol.hosts), *fields, meta) == want

@@ -30,7 +30,7 @@ from typing import Any, Generator
 
 from agentvm.gate import h1
 from agentvm.gate.frozen import evolve, quick_init
-from agentvm.gate.policy import Decision, RequestMeta, check_address, decide, how_to_allow, normalize_host
+from agentvm.gate.policy import Decision, RequestMeta, check_address, decide, decide_request, how_to_allow, normalize_host
 
 # ---------------------------------------------------------------------------- commands
 
@@ -118,7 +118,6 @@ class Forward:
 
 
 _make_forward = Forward.make
-_make_meta = RequestMeta.make
 
 
 @dataclass(frozen=True, slots=True)
@@ -361,12 +360,11 @@ def request(ep, req: h1.ProxyRequest, *, scheme: str, tunnel: Tunnel | None = No
             yield deny(req, "host-mismatch", f"Host {req.host!r} does not match the TLS server name (domain fronting)")
             return
         req = evolve(req, host=tunnel.host, port=tunnel.port)
-    # RequestMeta(host, port, scheme, method, path, body_size, sni, websocket, phase), without the
-    # class call (frozen.quick_init)
-    meta = _make_meta(req.host, req.port, scheme, req.method, req.path, req.content_length,
-                      tunnel.host if tunnel is not None and scheme == "https" else None, req.upgrade_websocket,
-                      "request")
-    d = decide(meta, ep.policy)
+    # decide(RequestMeta(host, port, scheme, method, path, body_size, sni, websocket, "request")),
+    # the RequestMeta only built when the policy's memo does not hold the decision
+    sni = tunnel.host if tunnel is not None and scheme == "https" else None
+    d = decide_request(ep.policy, req.host, req.port, scheme, req.method, req.path, req.content_length, sni,
+                       req.upgrade_websocket)
     if d.verdict == "ask":
         answer = yield Hold(req=req, decision=d)
         if not isinstance(answer, Answered) or not answer.approved:
@@ -375,7 +373,8 @@ def request(ep, req: h1.ProxyRequest, *, scheme: str, tunnel: Tunnel | None = No
             yield deny(req, rid, why, explain=False)
             return
         # decided again under the policy in force now: a deny made while it waited wins
-        again = decide(meta, ep.policy)
+        again = decide_request(ep.policy, req.host, req.port, scheme, req.method, req.path, req.content_length, sni,
+                               req.upgrade_websocket)
         if not again.allowed and again.verdict != "ask":
             yield deny(req, again.rule_id, f"{again.reason} (the policy changed while the request waited for its "
                        "approval)")

@@ -209,6 +209,9 @@ class RequestMeta:
     phase: str = "request"  # "connect" | "clienthello" | "request"
 
 
+_make_meta = RequestMeta.make
+
+
 @quick_init
 @dataclass(frozen=True)
 class Decision:
@@ -818,22 +821,34 @@ def decide(meta: RequestMeta, policy: EgressPolicy) -> Decision:
     websocket flag must not find the decision of ``1`` or ``False``: they are decided, and
     denied, every time). At most DECISION_MEMO entries with paths up to _MEMO_PATH
     characters: a few hundred kilobytes per sandbox at worst."""
-    host, port, path, method, sni, body = meta.host, meta.port, meta.path, meta.method, meta.sni, meta.body_size
-    if (meta.phase == "request" and type(host) is str and type(port) is int and type(path) is str
-            and len(path) <= _MEMO_PATH and type(method) is str and type(meta.websocket) is bool
-            and (sni is None or type(sni) is str) and (body is None or type(body) is int)
-            and type(meta.scheme) is str):
+    if meta.phase == "request":
+        return decide_request(policy, meta.host, meta.port, meta.scheme, meta.method, meta.path, meta.body_size,
+                              meta.sni, meta.websocket, meta)
+    return _decide_safely(meta, policy)
+
+
+def decide_request(policy: EgressPolicy, host: str, port: int, scheme: str, method: str, path: str,
+                   body_size: int | None, sni: str | None, websocket: bool, meta: RequestMeta | None = None) -> Decision:
+    """``decide(RequestMeta(host, port, scheme, method, path, body_size, sni, websocket,
+    "request"), policy)`` (or of ``meta``, when given: the same fields), the RequestMeta built
+    only when the memo does not hold the decision."""
+    if (type(host) is str and type(port) is int and type(path) is str and len(path) <= _MEMO_PATH
+            and type(method) is str and type(websocket) is bool and (sni is None or type(sni) is str)
+            and (body_size is None or type(body_size) is int) and type(scheme) is str):
         memo = getattr(policy, "_decisions", None)
-        if memo is None:  # (a stand-in for a policy, in a test)
-            return _decide_safely(meta, policy)
-        key = (host, port, meta.scheme, method, path, body, sni, meta.websocket)
-        d = memo.get(key)
-        if d is None:
-            d = _decide_safely(meta, policy)
-            if len(memo) >= DECISION_MEMO:
-                memo.clear()
-            memo[key] = d
-        return d
+        if memo is not None:  # (None: a stand-in for a policy, in a test)
+            key = (host, port, scheme, method, path, body_size, sni, websocket)
+            d = memo.get(key)
+            if d is None:
+                if meta is None:
+                    meta = _make_meta(host, port, scheme, method, path, body_size, sni, websocket, "request")
+                d = _decide_safely(meta, policy)
+                if len(memo) >= DECISION_MEMO:
+                    memo.clear()
+                memo[key] = d
+            return d
+    if meta is None:
+        meta = _make_meta(host, port, scheme, method, path, body_size, sni, websocket, "request")
     return _decide_safely(meta, policy)
 
 
