@@ -18,8 +18,9 @@ from time import monotonic
 
 from agentvm.gate import encoding, framing, h1, rules
 # (the names the request path uses, bound once: a module attribute costs a lookup on every use)
-from agentvm.gate.framing import END, LAST_CHUNK, NEED_DATA, request_head, response_head
+from agentvm.gate.framing import END, LAST_CHUNK, NEED_DATA, Head, ResponseReader, Upgraded, request_head, response_head
 from agentvm.gate.framing import chunk as frame_chunk
+from agentvm.gate.h1 import forward_headers, response_headers
 from agentvm.gate.endpoint import Endpoint
 from agentvm.gate.exchange import Forward, cred_deny
 from agentvm.gate.streams import Interrupted, PlainStream, client_gone
@@ -196,7 +197,7 @@ class Relay:
     # -- request ---------------------------------------------------------------------------
     async def run(self) -> tuple[bool, bytes, bool]:
         req, scrubber, cred = self.req, self.scrubber, self.cred
-        headers = h1.forward_headers(req, self.host_value, keep_upgrade=self.ws)
+        headers = forward_headers(req, self.host_value, keep_upgrade=self.ws)
         if scrubber is not None and scrubber.encoded and not (cred is not None and cred.resign):
             # ask only for codings the gate can decode (and so scrub); a signed request keeps
             # its header (it may be signed) and relies on the response check alone
@@ -438,7 +439,7 @@ class Relay:
         ep, req, d, client = self.ep, self.req, self.d, self.client
         scrubber, cred = self.scrubber, self.cred
         leftover = self.body.trailing
-        reader = framing.ResponseReader(req.method)
+        reader = ResponseReader(req.method)
         self._out: list[bytes] = []  # held for the sandbox (see _held)
         self._out_len = 0
         self._frame = bytes  # how body pieces are framed toward the sandbox (set with the head)
@@ -498,7 +499,7 @@ class Relay:
                     await emit(b"", flush=True)
                     raise UpstreamError("upstream:protocol-error", str(exc)[:300], answered=answered) from None
                 continue
-            if isinstance(ev, framing.Upgraded):
+            if isinstance(ev, Upgraded):
                 if not self.ws or not any(k == b"upgrade" and v.strip().lower() == b"websocket"
                                           for k, v in ev.head.headers):
                     # only the WebSocket a rule allowed: never another protocol the upstream picked
@@ -509,7 +510,7 @@ class Relay:
                     up.uninterrupt()  # (an EOF that came with the 101 had interrupted it already)
                 await emit(b"", flush=True)
                 head = ev.head
-                wh = h1.response_headers(head.headers, keep_upgrade=True)
+                wh = response_headers(head.headers, keep_upgrade=True)
                 await client.write(response_head(
                     101, scrubber.header(head.reason) if scrub else head.reason,
                     scrubber.headers(wh) if scrub else wh))
@@ -523,11 +524,11 @@ class Relay:
                 self._log(verdict="allow", rule_id=d.rule_id, reason="websocket relayed", phase="websocket",
                           bytes_out=self.sent + out, bytes_in=inn)
                 return False, b"", False
-            if isinstance(ev, framing.Head):
+            if isinstance(ev, Head):
                 if ev.status < 200:
                     continue  # 100 Continue, 103 Early Hints: the gate answered Expect itself
                 answered = True
-                rh = h1.response_headers(ev.headers)
+                rh = response_headers(ev.headers)
                 reason = ev.reason
                 if scrub is not None:
                     try:
