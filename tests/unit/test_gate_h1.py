@@ -253,3 +253,77 @@ def test_response_headers_is_the_reference(headers, keep, kind):
     out = h1.response_headers(given_, keep_upgrade=keep)
     assert out == _response_headers_reference(headers, keep_upgrade=keep)
     assert all(type(k) is bytes and type(v) is bytes for k, v in out)
+
+
+def test_not_ctl_is_every_byte_value_ctl_re_does_not_match():
+    for b in range(256):
+        assert (bytes([b]) in h1.NOT_CTL) == (h1.VALUE_CTL_RE.search(bytes([b])) is None), b
+
+
+def _check_head_reference(head):
+    """check_head as first written: the control-character search on every value, field by field."""
+    if b"\x00" in head:
+        raise h1.ProtocolError("bad-bytes", "")
+    text = head[:-4]
+    crlf = text.count(b"\r\n")
+    if text.count(b"\r") != crlf or text.count(b"\n") != crlf:
+        raise h1.ProtocolError("bare-lf", "")
+    lines = text.split(b"\r\n")
+    if len(lines) - 1 > h1.MAX_HEADERS:
+        raise h1.ProtocolError("too-many-headers", "")
+    cl = te = upgrades = 0
+    fields = []
+    for ln in lines[1:]:
+        if ln[:1] in (b" ", b"\t"):
+            raise h1.ProtocolError("obs-fold", "")
+        name, sep, value = ln.partition(b":")
+        if not sep or not name or name.strip(h1.TCHAR):
+            raise h1.ProtocolError("bad-header", "")
+        lname = name.lower()
+        if lname == b"content-length":
+            cl += 1
+            v = value.strip()
+            if not v.isdigit() or len(v) > 18:
+                raise h1.ProtocolError("bad-content-length", "")
+        elif lname == b"upgrade":
+            upgrades += 1
+        elif lname == b"transfer-encoding":
+            te += 1
+            if value.strip().lower() != b"chunked":
+                raise h1.ProtocolError("bad-transfer-encoding", "")
+        if h1.VALUE_CTL_RE.search(value):
+            raise h1.ProtocolError("bad-bytes", "")
+        if lname == b"connection" and h1._CONNECTION_BAD.search(value.lower()):
+            raise h1.ProtocolError("bad-connection", "")
+        fields.append((lname, value.strip(b" \t")))
+    if upgrades > 1:
+        raise h1.ProtocolError("duplicate-upgrade", "")
+    if cl > 1:
+        raise h1.ProtocolError("duplicate-content-length", "")
+    if te > 1:
+        raise h1.ProtocolError("duplicate-transfer-encoding", "")
+    if cl and te:
+        raise h1.ProtocolError("cl-and-te", "")
+    return lines[0], fields
+
+
+_HEAD_PIECES = st.sampled_from([b"a", b"Host", b":", b": ", b" ", b"\t", b"\x01", b"\x7f", b"\x80", b"\x1f", b"\x0b",
+                                b"Content-Length", b"12", b"x", b"Transfer-Encoding", b"chunked", b"Upgrade",
+                                b"Connection", b"close", b"host", b"\x00", b"\r", b"\n", b"\r\n", b"GET / HTTP/1.1"])
+
+
+@settings(max_examples=3000, deadline=None)
+@given(st.lists(st.lists(_HEAD_PIECES, max_size=6).map(b"".join), max_size=5),
+       st.sampled_from([b"GET http://a/ HTTP/1.1", b"GET /\x01 HTTP/1.1", b"G\x7fT / HTTP/1.1", b""]))
+def test_check_head_gives_what_the_field_by_field_check_gave(lines, first):
+    """The one-pass control-byte check of the fields (ctl_free) changes no answer: the same
+    fields, or the same error code for the same head."""
+    head = b"\r\n".join([first, *lines]) + b"\r\n\r\n"
+    try:
+        want = _check_head_reference(head)
+    except h1.ProtocolError as e:
+        with pytest.raises(h1.ProtocolError) as got:
+            h1.check_head(head)
+        assert got.value.code == e.code, head
+    else:
+        assert h1.check_head(head) == want

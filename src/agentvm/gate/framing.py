@@ -25,7 +25,7 @@ import re
 
 import httptools
 
-from agentvm.gate.h1 import TARGET_BAD_RE, TCHAR, TOKEN_RE, VALUE_CTL_RE
+from agentvm.gate.h1 import NOT_CTL, TARGET_BAD_RE, TCHAR, TOKEN_RE, VALUE_CTL_RE
 
 MAX_RESPONSE_HEAD = 64 * 1024  # bytes of response heads (1xx included) before the final one ends
 MAX_FIELDS = 256
@@ -329,13 +329,14 @@ class ResponseReader:
 # regular expression per name and per value cost a third of building the head): with every
 # byte but the controls deleted, the lines leave exactly one CRLF each, and with every token
 # character deleted, the names leave nothing (and none is empty).
-_NOT_CTL = bytes(b for b in range(256) if b == 0x09 or 0x20 <= b < 0x7f or b > 0x7f)
-
-
 def _field_lines(headers) -> bytes:
-    block = b"".join([k + b": " + v + b"\r\n" for k, v in headers])
-    names = [k for k, _ in headers]
-    if (block.translate(None, _NOT_CTL) != b"\r\n" * len(names) or b"".join(names).translate(None, TCHAR)
+    parts: list[bytes] = []
+    names: list[bytes] = []
+    for k, v in headers:
+        parts += (k, b": ", v, b"\r\n")
+        names.append(k)
+    block = b"".join(parts)
+    if (block.translate(None, NOT_CTL) != b"\r\n" * len(names) or b"".join(names).translate(None, TCHAR)
             or not all(names)):
         raise ValueError("a header the gate would send is malformed (CR, LF or NUL in it)")
     return block
@@ -345,7 +346,11 @@ def request_head(method: str, target: str, headers: list[tuple[bytes, bytes]]) -
     t = target.encode("ascii")
     if not t or TARGET_BAD_RE.search(t) or not TOKEN_RE.match(method.encode("ascii")):
         raise ValueError("a request line the gate would send is malformed")
-    if sum(1 for k, _ in headers if k in (b"content-length", b"transfer-encoding")) > 1:
+    framing_fields = 0
+    for k, _ in headers:
+        if k == b"content-length" or k == b"transfer-encoding":
+            framing_fields += 1
+    if framing_fields > 1:
         raise ValueError("a request the gate would send declares its framing twice")
     return b"%s %s HTTP/1.1\r\n%s\r\n" % (method.encode("ascii"), t, _field_lines(headers))
 

@@ -42,6 +42,9 @@ HOP_BY_HOP = frozenset(
 )
 _CONNECTION_BAD = re.compile(rb"(?:^|[,\s])(?:content-length|transfer-encoding|host)\s*(?:,|$)")
 VALUE_CTL_RE = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")  # control characters but HTAB (values, reasons)
+# every byte VALUE_CTL_RE does not match: ``text.translate(None, NOT_CTL)`` leaves only the
+# control characters of ``text`` (a test holds the two to each other)
+NOT_CTL = bytes(b for b in range(256) if b == 0x09 or 0x20 <= b < 0x7f or b > 0x7f)
 _RULE_ID_SAFE = re.compile(rb"[^A-Za-z0-9._:\[\]/*-]")
 
 
@@ -100,6 +103,10 @@ def check_head(head: bytes) -> tuple[bytes, list[tuple[bytes, bytes]]]:
     lines = text.split(b"\r\n")
     if len(lines) - 1 > MAX_HEADERS:
         raise ProtocolError("too-many-headers", f"more than {MAX_HEADERS} header fields")
+    # the usual head holds no control byte in any field: one pass over them all says so, and
+    # the per-field search below (VALUE_CTL_RE) is then skipped. Otherwise every field is
+    # checked as before, in order: the same error for the same head.
+    ctl_free = text[len(lines[0]):].translate(None, NOT_CTL) == b"\r\n" * (len(lines) - 1)
     cl = te = upgrades = 0
     fields = []
     for ln in lines[1:]:
@@ -120,7 +127,7 @@ def check_head(head: bytes) -> tuple[bytes, list[tuple[bytes, bytes]]]:
             te += 1
             if value.strip().lower() != b"chunked":
                 raise ProtocolError("bad-transfer-encoding", "only 'Transfer-Encoding: chunked' is accepted")
-        if VALUE_CTL_RE.search(value):
+        if not ctl_free and VALUE_CTL_RE.search(value):
             raise ProtocolError("bad-bytes", "control character in a header value")
         if lname == b"connection" and _CONNECTION_BAD.search(value.lower()):
             raise ProtocolError("bad-connection", "Connection names a framing or Host header (request smuggling)")
