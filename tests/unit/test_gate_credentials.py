@@ -347,3 +347,20 @@ def test_headers_given_as_an_iterator_are_still_checked(cs):
         cs.apply(host="elsewhere.test", scheme="https", target="/", headers=iter(H(("authorization", bearer))))
     sw = cs.apply(host="api.test", scheme="https", target="/", headers=iter(H(("authorization", bearer))))
     assert sw.used == ["api"] and sw.headers == [(b"authorization", b"Bearer " + REAL["api"].encode())]
+
+
+@settings(max_examples=300, deadline=None)
+@given(hosts=st.lists(st.sampled_from(["api.test", "API.TEST.", "a.svc.test", "svc.test", "maps.test", "x.maps.test",
+                                       "elsewhere.test", "[::1]", "api.test:443", ""]) | st.text(max_size=12),
+                      max_size=30))
+def test_bound_to_remembers_only_what_it_would_answer_again(hosts):
+    """A binding remembers bound_to's answers by host: the same answer as asked afresh, in any
+    order, at most 64 kept, and the memo is no field (the binding equals one without it)."""
+    import dataclasses
+
+    for b in BINDINGS:
+        fresh = dataclasses.replace(b)  # (its own, empty memo)
+        assert fresh == b
+        for h in hosts + hosts[::-1]:
+            assert fresh.bound_to(h) == fresh._bound_to(h), (b.name, h)
+            assert len(fresh._bound) <= 64

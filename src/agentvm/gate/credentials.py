@@ -72,7 +72,24 @@ class CredentialBinding:
             return "basic"
         return "query"
 
+    def __post_init__(self) -> None:
+        # bound_to's answers by host (not a field: not compared, hashed or shown). A binding
+        # never changes, and a sandbox's requests go to the same few hosts.
+        object.__setattr__(self, "_bound", {})
+
     def bound_to(self, host: str) -> bool:
+        memo = getattr(self, "_bound", None)
+        if memo is None or type(host) is not str:
+            return self._bound_to(host)
+        got = memo.get(host)
+        if got is None:
+            got = self._bound_to(host)
+            if len(memo) >= 64:
+                memo.clear()
+            memo[host] = got
+        return got
+
+    def _bound_to(self, host: str) -> bool:
         try:
             h = normalize_host(host)
         except ValueError:
@@ -179,6 +196,10 @@ class CredentialSet:
         # False only in the selftest's deliberately weakened configuration
         self.scrub_encoded = True
         self._scrub_table = None
+        # a header credential's header name, and its placeholder in its format: what apply()
+        # compares a request's header with (name -> (header, expected value))
+        self._header_forms = {b.name: (b.header.encode(), b.format.replace("{}", self.placeholders[b.name]).encode())
+                              for b in bindings if b.mode == "header" and b.name in self.placeholders}
 
     def __repr__(self) -> str:  # never the values
         return f"CredentialSet({sorted(self.bindings)})"
@@ -232,7 +253,11 @@ class CredentialSet:
         if self._header_work.search(b"\n".join([k + b"\n" + v for k, v in headers])) is None:
             out_headers = list(headers)  # no placeholder anywhere, no Authorization: nothing to swap or refuse
             headers = ()
+        work = self._header_work.search
         for k, v in headers:
+            if work(k + b"\n" + v) is None:  # (what the search over all of them finds, header by header)
+                out_headers.append((k, v))  # no placeholder, no Authorization-like name: nothing to swap
+                continue
             lk = k.lower()
             names = self.find(v) + self.find_ci(k)
             basic_names: list[str] = []
@@ -247,9 +272,9 @@ class CredentialSet:
                 continue
             for name in names:
                 b = self.bindings[name]
-                if terminated and b.bound_to(host) and b.mode == "header" and lk == b.header.encode():
-                    expected = b.format.replace("{}", self.placeholders[name]).encode()
-                    if v == expected:
+                form = self._header_forms.get(name)
+                if terminated and form is not None and lk == form[0] and b.bound_to(host):
+                    if v == form[1]:
                         self._check_revoked(name)
                         v = b.format.replace("{}", self.value(name)).encode()
                         used.append(name)
