@@ -959,13 +959,13 @@ def test_the_relayed_record_is_the_record_log_writes(tmp_path, sid, agent, host,
 @given(n=st.integers(0, 4 * 10**15 - 1) | st.integers(0, 10**7) | st.sampled_from(
     [0, 1, 10, 999, 1000, 10**6, 10**10, 10**10 + 1, 10**15, 4 * 10**15 - 1]))
 def test_a_decimal_from_integers_is_the_floats_repr(n):
-    """_decimal writes n / 10**k exactly as repr() writes that float, without formatting one
-    (in the ranges the relayed record uses it for)."""
-    from agentvm.gate.endpoint import _MIN_TIME_US, _decimal
+    """_millis and _micros write n / 10**k exactly as repr() writes that float, without
+    formatting one (in the ranges the relayed record uses them for)."""
+    from agentvm.gate.endpoint import _MIN_TIME_US, _micros, _millis
 
-    assert _decimal(n, 1000, "%d.%03d") == repr(n / 1000)
+    assert _millis(n) == repr(n / 1000)
     if n >= _MIN_TIME_US:
-        assert _decimal(n, 1000000, "%d.%06d") == repr(n / 1e6)
+        assert _micros(n) == repr(n / 1e6)
 
 
 def test_decision_records_are_written_once_per_loop_turn_and_none_is_lost(tmp_path):

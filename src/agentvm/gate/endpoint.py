@@ -88,19 +88,31 @@ def _relayed_format(sandbox_id: str, agent: str) -> str:
             + _esc(sandbox_id).replace("%", "%%") + ', "time": %s, "upstream_ms": %s, "verdict": "allow"}\n')
 
 
-# integers below this, divided by 10**k (k = 3, 6), are written exactly by _decimal: the double
+# integers below this, divided by 10**k (k = 3, 6), are written exactly by _millis/_micros: the double
 # nearest such a value is closer to it than to any other k-decimal value while it is under 2**32
 _MAX_DECIMAL = 4_000_000_000_000_000
 _MIN_TIME_US = 10**10  # (repr writes n / 10**6 under 10**-4 with an exponent; times are far above)
 
 
-def _decimal(n: int, scale: int, fmt: str) -> str:
-    """repr(n / scale) for 0 <= n < _MAX_DECIMAL with scale 10**3, or _MIN_TIME_US <= n <
-    _MAX_DECIMAL with scale 10**6, from the integers:
-    ``n / scale`` is the double nearest the decimal n * 10**-k, the shortest string that reads
-    back as that double is that decimal without its trailing zeros (a test compares them)."""
-    text = (fmt % divmod(n, scale)).rstrip("0")
-    return text + "0" if text[-1] == "." else text
+# the digits of r / 1000 (0 <= r < 1000) after the point, trailing zeros dropped but one: ".0",
+# ".001", ..., ".5", ..., ".999"; and r as three digits, with and without its trailing zeros
+_MILLI = tuple("." + (("%03d" % r).rstrip("0") or "0") for r in range(1000))
+_THREE = tuple("%03d" % r for r in range(1000))
+_THREE_TRIM = tuple(("%03d" % r).rstrip("0") for r in range(1000))
+
+
+def _millis(n: int) -> str:
+    """repr(n / 1000) for 0 <= n < _MAX_DECIMAL, from the integer: ``n / 1000`` is the double
+    nearest the decimal, and the shortest string that reads back as that double is the decimal
+    without its trailing zeros (a test compares them). Digits from tables, no formatting."""
+    return str(n // 1000) + _MILLI[n % 1000]
+
+
+def _micros(n: int) -> str:
+    """repr(n / 10**6) for _MIN_TIME_US <= n < _MAX_DECIMAL (see _millis)."""
+    q, r = divmod(n, 1000000)
+    hi, lo = divmod(r, 1000)
+    return str(q) + ("." + _THREE[hi] + _THREE_TRIM[lo] if lo else _MILLI[hi])
 
 
 class TokenBucket:
@@ -366,7 +378,7 @@ class Endpoint:
         credentials=...])`` with no other field: the record every relayed request ends with
         (``credentials``: the names swapped in). The same record and the same line (a test
         compares them), without keyword parsing, the generic encoder or float formatting: the
-        time and the latency are written from integers (_decimal)."""
+        time and the latency are written from integers (_micros, _millis)."""
         if not (type(port) is int and type(bytes_out) is int and type(bytes_in) is int and type(upstream_us) is int
                 and 0 <= upstream_us < _MAX_DECIMAL
                 and type(host) is str and type(method) is str and type(path) is str and type(rule_id) is str
@@ -381,7 +393,7 @@ class Endpoint:
         now_us = (time.time_ns() + 500) // 1000
         t = now_us / 1e6  # the double nearest the 6-decimal value, as round(time.time(), 6) gives
         # (a clock set far off: the float's own repr)
-        t_text = _decimal(now_us, 1000000, "%d.%06d") if _MIN_TIME_US <= now_us < _MAX_DECIMAL else repr(t)
+        t_text = _micros(now_us) if _MIN_TIME_US <= now_us < _MAX_DECIMAL else repr(t)
         upstream_ms = upstream_us / 1000
         rec = {"time": t, "sandbox": self.sandbox_id, "agent": self.agent, "phase": "request", "host": host,
                "port": port, "method": method, "path": path, "rule": rule_id, "verdict": "allow", "reason": reason,
@@ -400,7 +412,7 @@ class Endpoint:
         e_rule = cache.get(rule_id) or _escaped(rule_id)
         creds = "" if credentials is None else '"credentials": [' + ", ".join([_esc(c) for c in credentials]) + "], "
         line = self._relayed_fmt % (bytes_in, bytes_out, creds, e_host, e_method, _esc(path), port, e_reason, e_rule,
-                                    t_text, _decimal(upstream_us, 1000, "%d.%03d"))
+                                    t_text, _millis(upstream_us))
         self._put(line.encode("ascii"), rec)
 
     def _write(self, rec: dict) -> None:
