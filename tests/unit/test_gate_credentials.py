@@ -364,3 +364,12 @@ def test_bound_to_remembers_only_what_it_would_answer_again(hosts):
         for h in hosts + hosts[::-1]:
             assert fresh.bound_to(h) == fresh._bound_to(h), (b.name, h)
             assert len(fresh._bound) <= 64
+
+
+def test_bindings_given_as_an_iterator_still_swap():
+    """CredentialSet reads its bindings once: an iterator must give the same set as a tuple
+    (review finding: the header forms were built from a second, spent read)."""
+    ph = {b.name: make_placeholder(b, len(REAL[b.name])) for b in BINDINGS}
+    s = CredentialSet(iter(BINDINGS), ph, lambda n: REAL[n], lambda n: False)
+    sw = s.apply(host="api.test", scheme="https", target="/", headers=[(b"authorization", b"Bearer " + ph["api"].encode())])
+    assert sw.headers == [(b"authorization", b"Bearer " + REAL["api"].encode())] and sw.used == ["api"]

@@ -111,16 +111,16 @@ def test_the_hot_paths_build_what_the_class_call_builds():
     from agentvm.gate import policy as gp
 
     seen = []
-    real_decide = gp._decide_safely
+    real_decide = gp._decide
     ep = SimpleNamespace(paused=False, bucket=SimpleNamespace(take=lambda: True), tools=None, policy=pol, creds=None,
                          budget=None)
     try:  # (the RequestMeta is built where the policy's memo misses: a new policy's first request)
-        gp._decide_safely = lambda meta, policy: seen.append(meta) or real_decide(meta, policy)
+        gp._decide = lambda meta, policy: seen.append(meta) or real_decide(meta, policy)
         flow = exchange.request(ep, req, scheme="http")
         fwd = next(flow)
         assert next(exchange.request(ep, req, scheme="http")) == fwd and len(seen) == 1  # (the second: remembered)
     finally:
-        gp._decide_safely = real_decide
+        gp._decide = real_decide
     assert seen == [RequestMeta(host="x.test", port=8080, scheme="http", method="POST", path="/a?b", body_size=3,
                                 sni=None, websocket=True, phase="request")]
     assert fwd == Forward(req=req, decision=fwd.decision, addr="127.0.0.1", scheme="http", sni=None, swap=None,

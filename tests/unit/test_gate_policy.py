@@ -999,3 +999,39 @@ def test_decide_request_is_decide_of_the_meta_it_would_build(pol, meta):
     assert gp.decide_request(fresh, *fields) == want  # a miss: the meta built here
     assert gp.decide_request(fresh, *fields) == want  # a hit
     assert gp.decide_request(EgressPolicy(allow=pol.allow, deny=pol.deny, hosts=pol.hosts), *fields, meta) == want
+
+
+def test_a_long_method_host_or_sni_is_decided_every_time_not_kept():
+    """A memo entry stays small: a 60,000-byte method (a token the parser accepts) or an
+    over-long host is decided, not remembered (review finding: 7.5 MiB per policy otherwise)."""
+    p = EgressPolicy(allow=(Rule("open", "x.com", (443,)),))
+    assert decide(R("x.com", method="M" * 60_000), p).rule_id == "invalid-request"
+    assert decide(R("x" * 300 + ".com"), p).verdict == "deny"
+    assert decide(R("x.com", sni="s" * 300), p).rule_id == "sni-mismatch"
+    assert p._decisions == {}
+    assert decide(R("x.com", method="M" * gp._MEMO_METHOD), p).verdict == "allow" and len(p._decisions) == 1
+
+
+def test_an_internal_error_is_not_remembered(monkeypatch):
+    """A deny made because evaluation failed (memory, a lazy import) is not kept: the next
+    request is decided afresh (review finding)."""
+    p = EgressPolicy(allow=(Rule("open", "x.com", (443,)),))
+    real, calls = gp._decide, []
+
+    def flaky(meta, policy):
+        calls.append(1)
+        if len(calls) == 1:
+            raise MemoryError()
+        return real(meta, policy)
+
+    monkeypatch.setattr(gp, "_decide", flaky)
+    assert decide(R("x.com"), p).rule_id == "internal-error"
+    assert p._decisions == {}
+    assert decide(R("x.com"), p).verdict == "allow" and len(calls) == 2
+    assert decide(R("x.com"), p).verdict == "allow" and len(calls) == 2  # (now remembered)
+
+
+@pytest.mark.parametrize("junk", [None, object(), {}, "request"])
+def test_decide_of_something_that_is_not_a_meta_is_an_internal_error_deny(junk):
+    d = decide(junk, EgressPolicy(allow=(Rule("open", "x.com", (443,)),)))
+    assert (d.verdict, d.rule_id) == ("deny", "internal-error")

@@ -199,7 +199,7 @@ class CredentialSet:
         # a header credential's header name, and its placeholder in its format: what apply()
         # compares a request's header with (name -> (header, expected value))
         self._header_forms = {b.name: (b.header.encode(), b.format.replace("{}", self.placeholders[b.name]).encode())
-                              for b in bindings if b.mode == "header" and b.name in self.placeholders}
+                              for b in self.bindings.values() if b.mode == "header" and b.name in self.placeholders}
 
     def __repr__(self) -> str:  # never the values
         return f"CredentialSet({sorted(self.bindings)})"

@@ -808,7 +808,9 @@ def _decide(meta: RequestMeta, policy: EgressPolicy) -> Decision:
 
 
 DECISION_MEMO = 128  # request-phase decisions remembered per policy (then the memo starts over)
-_MEMO_PATH = 512  # a longer path is decided every time (the memo stays small: see decide)
+# the longest fields a remembered decision is keyed on: anything longer is decided every time
+# (a host longer than DNS allows, a method no one sends), so one entry stays about a kilobyte
+_MEMO_PATH, _MEMO_HOST, _MEMO_METHOD = 512, 255, 32
 
 
 def decide(meta: RequestMeta, policy: EgressPolicy) -> Decision:
@@ -819,9 +821,14 @@ def decide(meta: RequestMeta, policy: EgressPolicy) -> Decision:
     request-phase decisions are remembered on the policy, keyed on every field of ``meta``;
     only fields of exactly the types the parser gives are keyed (a ``True`` port or a ``0``
     websocket flag must not find the decision of ``1`` or ``False``: they are decided, and
-    denied, every time). At most DECISION_MEMO entries with paths up to _MEMO_PATH
-    characters: a few hundred kilobytes per sandbox at worst."""
-    if meta.phase == "request":
+    denied, every time), and only up to _MEMO_PATH, _MEMO_HOST and _MEMO_METHOD characters;
+    an ``internal-error`` deny is never kept (the next request is decided afresh). At most
+    DECISION_MEMO entries, about a kilobyte each: ~130 KB per policy at worst."""
+    try:
+        request_phase = meta.phase == "request"
+    except Exception:  # noqa: BLE001 - not a RequestMeta: decided (and denied) the usual way
+        request_phase = False
+    if request_phase:
         return decide_request(policy, meta.host, meta.port, meta.scheme, meta.method, meta.path, meta.body_size,
                               meta.sni, meta.websocket, meta)
     return _decide_safely(meta, policy)
@@ -832,9 +839,11 @@ def decide_request(policy: EgressPolicy, host: str, port: int, scheme: str, meth
     """``decide(RequestMeta(host, port, scheme, method, path, body_size, sni, websocket,
     "request"), policy)`` (or of ``meta``, when given: the same fields), the RequestMeta built
     only when the memo does not hold the decision."""
-    if (type(host) is str and type(port) is int and type(path) is str and len(path) <= _MEMO_PATH
-            and type(method) is str and type(websocket) is bool and (sni is None or type(sni) is str)
-            and (body_size is None or type(body_size) is int) and type(scheme) is str):
+    if (type(host) is str and type(port) is int and type(path) is str and type(method) is str
+            and type(websocket) is bool and (sni is None or type(sni) is str)
+            and (body_size is None or type(body_size) is int) and type(scheme) is str
+            and len(path) <= _MEMO_PATH and len(host) <= _MEMO_HOST and len(method) <= _MEMO_METHOD
+            and (sni is None or len(sni) <= _MEMO_HOST)):
         memo = getattr(policy, "_decisions", None)
         if memo is not None:  # (None: a stand-in for a policy, in a test)
             key = (host, port, scheme, method, path, body_size, sni, websocket)
@@ -842,7 +851,10 @@ def decide_request(policy: EgressPolicy, host: str, port: int, scheme: str, meth
             if d is None:
                 if meta is None:
                     meta = _make_meta(host, port, scheme, method, path, body_size, sni, websocket, "request")
-                d = _decide_safely(meta, policy)
+                try:
+                    d = _decide(meta, policy)
+                except Exception as e:  # noqa: BLE001 - fail closed, and not remembered
+                    return _internal_error(e)
                 if len(memo) >= DECISION_MEMO:
                     memo.clear()
                 memo[key] = d
@@ -852,11 +864,15 @@ def decide_request(policy: EgressPolicy, host: str, port: int, scheme: str, meth
     return _decide_safely(meta, policy)
 
 
+def _internal_error(e: Exception) -> Decision:
+    return Decision("deny", "internal-error", f"policy evaluation failed ({type(e).__name__})")
+
+
 def _decide_safely(meta: RequestMeta, policy: EgressPolicy) -> Decision:
     try:
         return _decide(meta, policy)
     except Exception as e:  # noqa: BLE001 - fail closed
-        return Decision("deny", "internal-error", f"policy evaluation failed ({type(e).__name__})")
+        return _internal_error(e)
 
 
 # ---------------------------------------------------------------------------- compile
