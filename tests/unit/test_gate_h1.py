@@ -314,11 +314,13 @@ _HEAD_PIECES = st.sampled_from([b"a", b"Host", b":", b": ", b" ", b"\t", b"\x01"
 
 @settings(max_examples=3000, deadline=None)
 @given(st.lists(st.lists(_HEAD_PIECES, max_size=6).map(b"".join), max_size=5),
-       st.sampled_from([b"GET http://a/ HTTP/1.1", b"GET /\x01 HTTP/1.1", b"G\x7fT / HTTP/1.1", b""]))
-def test_check_head_gives_what_the_field_by_field_check_gave(lines, first):
-    """The one-pass control-byte check of the fields (ctl_free) changes no answer: the same
-    fields, or the same error code for the same head."""
-    head = b"\r\n".join([first, *lines]) + b"\r\n\r\n"
+       st.sampled_from([b"GET http://a/ HTTP/1.1", b"GET /\x01 HTTP/1.1", b"G\x7fT / HTTP/1.1", b""]),
+       st.sampled_from([b"\r\n\r\n", b"\r\n\r\n", b"\r\n\r\n", b"\n\r\n\r", b"\r\n\x00\n", b"a\r\n\r", b"", b"\r"]))
+def test_check_head_gives_what_the_field_by_field_check_gave(lines, first, end):
+    """The one-pass control-byte checks (the whole head, then the fields) change no answer:
+    the same fields, or the same error code for the same head - also for a head that does not
+    end as the reader delivers it (CRLF CRLF)."""
+    head = b"\r\n".join([first, *lines]) + end
     try:
         want = _check_head_reference(head)
     except h1.ProtocolError as e:

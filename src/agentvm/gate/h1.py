@@ -94,19 +94,25 @@ TCHAR = b"!#$%&'*+-.^_`|~0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRS
 def check_head(head: bytes) -> tuple[bytes, list[tuple[bytes, bytes]]]:
     """Reject ambiguous or smuggling-prone request heads before anything interprets them.
     Returns the request line and the header fields (names lower-case, values trimmed)."""
-    if b"\x00" in head:
-        raise ProtocolError("bad-bytes", "NUL byte in request head")
     text = head[:-4]
     crlf = text.count(b"\r\n")
-    if text.count(b"\r") != crlf or text.count(b"\n") != crlf:
-        raise ProtocolError("bare-lf", "bare CR or LF in request head")
+    # The usual head's only control bytes are the CRLFs between its lines: one pass says so
+    # (then there is no NUL, no bare CR or LF, and no control byte in any field: the checks
+    # below for them, and the per-field search VALUE_CTL_RE, are skipped). Any other head is
+    # checked as before, in order: the same error for the same head.
+    if head[-4:] == b"\r\n\r\n" and text.translate(None, NOT_CTL) == b"\r\n" * crlf:
+        ctl_free = True
+    else:
+        if b"\x00" in head:
+            raise ProtocolError("bad-bytes", "NUL byte in request head")
+        if text.count(b"\r") != crlf or text.count(b"\n") != crlf:
+            raise ProtocolError("bare-lf", "bare CR or LF in request head")
+        ctl_free = None
     lines = text.split(b"\r\n")
     if len(lines) - 1 > MAX_HEADERS:
         raise ProtocolError("too-many-headers", f"more than {MAX_HEADERS} header fields")
-    # the usual head holds no control byte in any field: one pass over them all says so, and
-    # the per-field search below (VALUE_CTL_RE) is then skipped. Otherwise every field is
-    # checked as before, in order: the same error for the same head.
-    ctl_free = text[len(lines[0]):].translate(None, NOT_CTL) == b"\r\n" * (len(lines) - 1)
+    if ctl_free is None:  # (whether any field holds a control byte)
+        ctl_free = text[len(lines[0]):].translate(None, NOT_CTL) == b"\r\n" * (len(lines) - 1)
     cl = te = upgrades = 0
     fields = []
     for ln in lines[1:]:
