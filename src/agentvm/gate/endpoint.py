@@ -391,15 +391,16 @@ class Endpoint:
         if len(path) > 2048:
             path = path[:2048] + "...(truncated)"
         now_us = (time.time_ns() + 500) // 1000
-        t = now_us / 1e6  # the double nearest the 6-decimal value, as round(time.time(), 6) gives
         # (a clock set far off: the float's own repr)
-        t_text = _micros(now_us) if _MIN_TIME_US <= now_us < _MAX_DECIMAL else repr(t)
-        upstream_ms = upstream_us / 1000
-        rec = {"time": t, "sandbox": self.sandbox_id, "agent": self.agent, "phase": "request", "host": host,
-               "port": port, "method": method, "path": path, "rule": rule_id, "verdict": "allow", "reason": reason,
-               "bytes_out": bytes_out, "bytes_in": bytes_in, "upstream_ms": upstream_ms}
-        if credentials is not None:
-            rec["credentials"] = credentials
+        t_text = _micros(now_us) if _MIN_TIME_US <= now_us < _MAX_DECIMAL else repr(now_us / 1e6)
+        rec = None
+        if self.gate.subscribers:  # the record as a dict only for those who take it (the daemon)
+            # now_us / 1e6: the double nearest the 6-decimal value, as round(time.time(), 6) gives
+            rec = {"time": now_us / 1e6, "sandbox": self.sandbox_id, "agent": self.agent, "phase": "request",
+                   "host": host, "port": port, "method": method, "path": path, "rule": rule_id, "verdict": "allow",
+                   "reason": reason, "bytes_out": bytes_out, "bytes_in": bytes_in, "upstream_ms": upstream_us / 1000}
+            if credentials is not None:
+                rec["credentials"] = credentials
         self.allowed += 1
         if self.deny_suppressed:
             self.flush_suppressed()
@@ -419,7 +420,7 @@ class Endpoint:
         # the encoder escapes every control character (and non-ASCII): one record, one line
         self._put((_encode(rec) + "\n").encode("ascii"), rec)
 
-    def _put(self, line: bytes, rec: dict) -> None:
+    def _put(self, line: bytes, rec: dict | None) -> None:
         # Lines are written at the end of the loop's turn (or past LOG_BATCH), all of them in
         # one os.write: a busy gate pays one system call per turn, not one per request
         if self._log_pending is None:
@@ -433,7 +434,8 @@ class Endpoint:
             self._log_pending_len += len(line)
             if self._log_pending_len >= LOG_BATCH:
                 self.flush_log()
-        self.gate.emit(rec)
+        if rec is not None:
+            self.gate.emit(rec)
 
     def flush_log(self) -> None:
         """Write the decision records held since the loop's last turn (one os.write)."""
