@@ -1035,3 +1035,36 @@ def test_an_internal_error_is_not_remembered(monkeypatch):
 def test_decide_of_something_that_is_not_a_meta_is_an_internal_error_deny(junk):
     d = decide(junk, EgressPolicy(allow=(Rule("open", "x.com", (443,)),)))
     assert (d.verdict, d.rule_id) == ("deny", "internal-error")
+
+
+def test_decide_never_raises_for_a_meta_that_breaks_halfway(monkeypatch):
+    """Review finding: the memo path read fields and built the RequestMeta outside any try."""
+    p = EgressPolicy(allow=(Rule("open", "x.com", (443,)),))
+
+    class Broken:
+        phase = "request"
+
+        @property
+        def host(self):
+            raise RuntimeError("boom")
+
+    for junk in (SimpleNamespace(phase="request"), SimpleNamespace(phase="request", host="x.com", port=443), Broken()):
+        assert decide(junk, p).rule_id == "internal-error"
+
+    def no_memory(*a):
+        raise MemoryError()
+
+    monkeypatch.setattr(gp, "_make_meta", no_memory)
+    d = gp.decide_request(p, "x.com", 443, "https", "GET", "/", None, "x.com", False)
+    assert (d.verdict, d.rule_id) == ("deny", "internal-error") and p._decisions == {}
+
+
+@pytest.mark.parametrize("field, value", [("scheme", "s" * 100 + "https"), ("port", 10**9), ("port", -1),
+                                          ("body", 10**30), ("body", -5)])
+def test_fields_outside_the_parsers_ranges_are_not_remembered(field, value):
+    p = EgressPolicy(allow=(Rule("open", "x.com", (443,)),))
+    args = {"scheme": "https", "port": 443, "body": None}
+    args[field] = value
+    meta = RequestMeta(host="x.com", port=args["port"], scheme=args["scheme"], method="GET", path="/",
+                       body_size=args["body"], sni="x.com")
+    assert decide(meta, p) == gp._decide_safely(meta, p) and p._decisions == {}

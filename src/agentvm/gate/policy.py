@@ -811,6 +811,7 @@ DECISION_MEMO = 128  # request-phase decisions remembered per policy (then the m
 # the longest fields a remembered decision is keyed on: anything longer is decided every time
 # (a host longer than DNS allows, a method no one sends), so one entry stays about a kilobyte
 _MEMO_PATH, _MEMO_HOST, _MEMO_METHOD = 512, 255, 32
+_MEMO_BODY = 10**18  # (the parser takes a Content-Length of at most 18 digits)
 
 
 def decide(meta: RequestMeta, policy: EgressPolicy) -> Decision:
@@ -821,16 +822,16 @@ def decide(meta: RequestMeta, policy: EgressPolicy) -> Decision:
     request-phase decisions are remembered on the policy, keyed on every field of ``meta``;
     only fields of exactly the types the parser gives are keyed (a ``True`` port or a ``0``
     websocket flag must not find the decision of ``1`` or ``False``: they are decided, and
-    denied, every time), and only up to _MEMO_PATH, _MEMO_HOST and _MEMO_METHOD characters;
-    an ``internal-error`` deny is never kept (the next request is decided afresh). At most
-    DECISION_MEMO entries, about a kilobyte each: ~130 KB per policy at worst."""
+    denied, every time), and only within the parser's ranges (see _memo_decide); an
+    ``internal-error`` deny is never kept (the next request is decided afresh). At most
+    DECISION_MEMO entries of about 1.5 KB: ~200 KB per policy at worst."""
     try:
-        request_phase = meta.phase == "request"
-    except Exception:  # noqa: BLE001 - not a RequestMeta: decided (and denied) the usual way
-        request_phase = False
-    if request_phase:
-        return decide_request(policy, meta.host, meta.port, meta.scheme, meta.method, meta.path, meta.body_size,
-                              meta.sni, meta.websocket, meta)
+        phase = meta.phase
+        if type(phase) is str and phase == "request":
+            return decide_request(policy, meta.host, meta.port, meta.scheme, meta.method, meta.path, meta.body_size,
+                                  meta.sni, meta.websocket, meta)
+    except Exception as e:  # noqa: BLE001 - not a RequestMeta: fail closed
+        return _internal_error(e)
     return _decide_safely(meta, policy)
 
 
@@ -838,10 +839,18 @@ def decide_request(policy: EgressPolicy, host: str, port: int, scheme: str, meth
                    body_size: int | None, sni: str | None, websocket: bool, meta: RequestMeta | None = None) -> Decision:
     """``decide(RequestMeta(host, port, scheme, method, path, body_size, sni, websocket,
     "request"), policy)`` (or of ``meta``, when given: the same fields), the RequestMeta built
-    only when the memo does not hold the decision."""
+    only when the memo does not hold the decision. Never raises (``internal-error``)."""
+    try:
+        return _memo_decide(policy, host, port, scheme, method, path, body_size, sni, websocket, meta)
+    except Exception as e:  # noqa: BLE001 - fail closed, and not remembered
+        return _internal_error(e)
+
+
+def _memo_decide(policy, host, port, scheme, method, path, body_size, sni, websocket, meta) -> Decision:
     if (type(host) is str and type(port) is int and type(path) is str and type(method) is str
             and type(websocket) is bool and (sni is None or type(sni) is str)
-            and (body_size is None or type(body_size) is int) and type(scheme) is str
+            and (body_size is None or (type(body_size) is int and 0 <= body_size < _MEMO_BODY))
+            and type(scheme) is str and 0 <= port <= 65535 and len(scheme) <= 8
             and len(path) <= _MEMO_PATH and len(host) <= _MEMO_HOST and len(method) <= _MEMO_METHOD
             and (sni is None or len(sni) <= _MEMO_HOST)):
         memo = getattr(policy, "_decisions", None)
@@ -851,17 +860,14 @@ def decide_request(policy: EgressPolicy, host: str, port: int, scheme: str, meth
             if d is None:
                 if meta is None:
                     meta = _make_meta(host, port, scheme, method, path, body_size, sni, websocket, "request")
-                try:
-                    d = _decide(meta, policy)
-                except Exception as e:  # noqa: BLE001 - fail closed, and not remembered
-                    return _internal_error(e)
+                d = _decide(meta, policy)  # (an exception: decide_request's internal-error, not kept)
                 if len(memo) >= DECISION_MEMO:
                     memo.clear()
                 memo[key] = d
             return d
     if meta is None:
         meta = _make_meta(host, port, scheme, method, path, body_size, sni, websocket, "request")
-    return _decide_safely(meta, policy)
+    return _decide(meta, policy)
 
 
 def _internal_error(e: Exception) -> Decision:
