@@ -430,7 +430,9 @@ def make_cert(d: Path) -> tuple[str, str]:
 # ---------------------------------------------------------------------------- squid
 
 
-def start_squid(tmp: Path, log) -> tuple[subprocess.Popen, int, str]:
+def start_squid(tmp: Path, log, prefix: list[str] | None = None, ready: float = 20) -> tuple[subprocess.Popen, int, str]:
+    """Squid on a free loopback port with this benchmark's config (in ``tmp/squid``, which its
+    user owns); ``prefix`` runs it under another program (icount_squid.py: valgrind)."""
     squid = shutil.which("squid") or ("/usr/sbin/squid" if os.path.exists("/usr/sbin/squid") else None)
     if squid is None:
         log("squid: not installed, apt-get install -y squid ...")
@@ -475,9 +477,9 @@ shutdown_lifetime 0 seconds
         os.chown(d, pw.pw_uid, pw.pw_gid)
     except (KeyError, OSError):
         os.chmod(d, 0o777)
-    p = subprocess.Popen([squid, "-N", "-f", str(conf)], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                         stderr=subprocess.DEVNULL)
-    if not wait_listen(port, p, 20):
+    p = subprocess.Popen([*(prefix or ()), squid, "-N", "-f", str(conf)], stdin=subprocess.DEVNULL,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    if not wait_listen(port, p, ready):
         p.kill()
         p.wait()
         tail = ""
