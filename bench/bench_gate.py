@@ -729,8 +729,14 @@ def role_sequential(args) -> None:
     req = args.request.encode().decode("unicode_escape").encode("latin-1")
     s = socket.socket(socket.AF_UNIX)
     s.connect(args.unix)
+    sequential(s, req, args.count, "the gate")
+
+
+def sequential(s: socket.socket, req: bytes, count: int, who: str) -> None:
+    """``count`` times: send ``req`` on ``s``, read the whole answer (Content-Length framed),
+    which must be a 200. Closes ``s`` (icount_squid.py: the same with Squid)."""
     buf = b""
-    for _ in range(args.count):
+    for _ in range(count):
         s.sendall(req)
         while True:
             end = buf.find(b"\r\n\r\n")
@@ -743,12 +749,12 @@ def role_sequential(args) -> None:
                         length = int(v)
                 if len(buf) >= end + 4 + length:
                     if not head.startswith(b"HTTP/1.1 200"):
-                        raise SystemExit(f"not a 200: {head[:200]!r}")
+                        raise SystemExit(f"{who}: not a 200: {head[:200]!r}")
                     buf = buf[end + 4 + length:]
                     break
             data = s.recv(65536)
             if not data:
-                raise SystemExit("the gate closed the connection")
+                raise SystemExit(f"{who} closed the connection")
             buf += data
     s.close()
 

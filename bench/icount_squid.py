@@ -34,28 +34,7 @@ import bench_gate as bg  # noqa: E402
 
 def requests(port: int, upstream: int, n: int) -> None:
     req = f"GET http://{bg.NAME}:{upstream}/ HTTP/1.1\r\nHost: {bg.NAME}:{upstream}\r\n\r\n".encode()
-    s = socket.create_connection((bg.HOST, port))
-    buf = b""
-    for _ in range(n):
-        s.sendall(req)
-        while True:
-            end = buf.find(b"\r\n\r\n")
-            if end >= 0:
-                head, length = buf[:end], 0
-                for line in head.split(b"\r\n")[1:]:
-                    k, v = line.split(b":", 1)
-                    if k.strip().lower() == b"content-length":
-                        length = int(v)
-                if len(buf) >= end + 4 + length:
-                    if not head.startswith(b"HTTP/1.1 200"):
-                        raise SystemExit(f"squid answered {head[:80]!r}")
-                    buf = buf[end + 4 + length:]
-                    break
-            data = s.recv(65536)
-            if not data:
-                raise SystemExit("squid closed the connection")
-            buf += data
-    s.close()
+    bg.sequential(socket.create_connection((bg.HOST, port)), req, n, "squid")
 
 
 def count(upstream: int, n: int) -> int:
