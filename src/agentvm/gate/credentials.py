@@ -28,6 +28,7 @@ import re
 import secrets
 import string
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Callable, NamedTuple
 from urllib.parse import parse_qsl, quote, quote_plus, urlencode
 
@@ -72,29 +73,22 @@ class CredentialBinding:
             return "basic"
         return "query"
 
-    def __post_init__(self) -> None:
-        # bound_to's answers by host (not a field: not compared, hashed or shown). A binding
-        # never changes, and a sandbox's requests go to the same few hosts.
-        object.__setattr__(self, "_bound", {})
-
     def bound_to(self, host: str) -> bool:
-        memo = getattr(self, "_bound", None)
-        if memo is None or type(host) is not str:
-            return self._bound_to(host)
-        got = memo.get(host)
-        if got is None:
-            got = self._bound_to(host)
-            if len(memo) >= 64:
-                memo.clear()
-            memo[host] = got
-        return got
+        # cached by (patterns, host), as policy.py caches its pure host functions: a sandbox's
+        # requests go to the same few hosts
+        return _bound(self.hosts, host) if type(host) is str else _bound_to(self.hosts, host)
 
-    def _bound_to(self, host: str) -> bool:
-        try:
-            h = normalize_host(host)
-        except ValueError:
-            return False
-        return any(host_matches(p, h) for p in self.hosts)
+
+def _bound_to(hosts: tuple[str, ...], host: str) -> bool:
+    """Whether ``host`` matches one of the (normalized) patterns ``hosts``."""
+    try:
+        h = normalize_host(host)
+    except ValueError:
+        return False
+    return any(host_matches(p, h) for p in hosts)
+
+
+_bound = lru_cache(maxsize=1024)(_bound_to)  # (pure: patterns and host -> answer)
 
 
 def compile_credentials(spec_credentials) -> tuple[CredentialBinding, ...]:

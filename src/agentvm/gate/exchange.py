@@ -362,9 +362,9 @@ def request(ep, req: h1.ProxyRequest, *, scheme: str, tunnel: Tunnel | None = No
         req = evolve(req, host=tunnel.host, port=tunnel.port)
     # decide(RequestMeta(host, port, scheme, method, path, body_size, sni, websocket, "request")),
     # the RequestMeta only built when the policy's memo does not hold the decision
-    sni = tunnel.host if tunnel is not None and scheme == "https" else None
-    d = decide_request(ep.policy, req.host, req.port, scheme, req.method, req.path, req.content_length, sni,
-                       req.upgrade_websocket)
+    asked = (req.host, req.port, scheme, req.method, req.path, req.content_length,
+             tunnel.host if tunnel is not None and scheme == "https" else None, req.upgrade_websocket)
+    d = decide_request(ep.policy, *asked)
     if d.verdict == "ask":
         answer = yield Hold(req=req, decision=d)
         if not isinstance(answer, Answered) or not answer.approved:
@@ -373,8 +373,7 @@ def request(ep, req: h1.ProxyRequest, *, scheme: str, tunnel: Tunnel | None = No
             yield deny(req, rid, why, explain=False)
             return
         # decided again under the policy in force now: a deny made while it waited wins
-        again = decide_request(ep.policy, req.host, req.port, scheme, req.method, req.path, req.content_length, sni,
-                               req.upgrade_websocket)
+        again = decide_request(ep.policy, *asked)
         if not again.allowed and again.verdict != "ask":
             yield deny(req, again.rule_id, f"{again.reason} (the policy changed while the request waited for its "
                        "approval)")

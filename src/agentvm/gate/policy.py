@@ -847,27 +847,27 @@ def decide_request(policy: EgressPolicy, host: str, port: int, scheme: str, meth
 
 
 def _memo_decide(policy, host, port, scheme, method, path, body_size, sni, websocket, meta) -> Decision:
+    memo = None
     if (type(host) is str and type(port) is int and type(path) is str and type(method) is str
             and type(websocket) is bool and (sni is None or type(sni) is str)
             and (body_size is None or (type(body_size) is int and 0 <= body_size < _MEMO_BODY))
             and type(scheme) is str and 0 <= port <= 65535 and len(scheme) <= 8
             and len(path) <= _MEMO_PATH and len(host) <= _MEMO_HOST and len(method) <= _MEMO_METHOD
             and (sni is None or len(sni) <= _MEMO_HOST)):
-        memo = getattr(policy, "_decisions", None)
-        if memo is not None:  # (None: a stand-in for a policy, in a test)
-            key = (host, port, scheme, method, path, body_size, sni, websocket)
-            d = memo.get(key)
-            if d is None:
-                if meta is None:
-                    meta = _make_meta(host, port, scheme, method, path, body_size, sni, websocket, "request")
-                d = _decide(meta, policy)  # (an exception: decide_request's internal-error, not kept)
-                if len(memo) >= DECISION_MEMO:
-                    memo.clear()
-                memo[key] = d
+        memo = getattr(policy, "_decisions", None)  # (None: a stand-in for a policy, in a test)
+    if memo is not None:
+        key = (host, port, scheme, method, path, body_size, sni, websocket)
+        d = memo.get(key)
+        if d is not None:
             return d
     if meta is None:
         meta = _make_meta(host, port, scheme, method, path, body_size, sni, websocket, "request")
-    return _decide(meta, policy)
+    d = _decide(meta, policy)  # (an exception: decide_request's internal-error, never remembered)
+    if memo is not None:
+        if len(memo) >= DECISION_MEMO:
+            memo.clear()
+        memo[key] = d
+    return d
 
 
 def _internal_error(e: Exception) -> Decision:
