@@ -662,11 +662,10 @@ def session_credentials(bindings_: tuple, vault_dir, sandbox_id: str):
     """Placeholders for one session and the gate's view of the real values (a CredentialSet),
     for the bindings of a sandbox - or of a remote tool server's gate endpoint. Every reference
     must resolve now (fail closed: a missing secret refuses). -> (CredentialSet, env, files)."""
-    from agentvm.gate.credentials import CredentialSet, make_placeholder
+    from agentvm.gate.credentials import make_placeholder
     from agentvm.vault import Vault
 
     vault = Vault(vault_dir)
-    bindings = {b.name: b for b in bindings_}
     values: dict[str, str] = {}
     for b in bindings_:
         try:
@@ -675,7 +674,27 @@ def session_credentials(bindings_: tuple, vault_dir, sandbox_id: str):
             raise ConfigError(f"credential {b.name!r}: {exc.message}", hint=exc.hint or
                               f"store it with `agentvm secret set {b.ref.partition(':')[2]}`") from None
     placeholders = {b.name: make_placeholder(b, len(values[b.name])) for b in bindings_}
-    cache = {"version": vault.version(), "values": values}
+    creds = vault_credentials(bindings_, placeholders, vault_dir, sandbox_id, vault=vault, values=values)
+    env = [(b.env, placeholders[b.name]) for b in bindings_]
+    env += [(b.sigv4_key_env, b.sigv4_access_key_id) for b in bindings_ if b.sigv4_access_key_id]
+    files = [(b.file, placeholders[b.name] + "\n") for b in bindings_ if b.file]
+    values.clear()
+    return creds, tuple(env), tuple(files)
+
+
+def vault_credentials(bindings_: tuple, placeholders: dict, vault_dir, sandbox_id: str, *, vault=None,
+                      values: dict | None = None):
+    """The CredentialSet of a session whose placeholders are made: real values read from the
+    vault (cached until the vault changes; ``file:`` references re-read every time), revocations
+    asked of the vault on every use. Its ``spec`` is what a gate worker process rebuilds the same
+    set from (``agentvm.gate.workers``): bindings, placeholders, vault and session."""
+    from agentvm.gate.credentials import CredentialSet
+    from agentvm.vault import Vault
+
+    if vault is None:
+        vault = Vault(vault_dir)
+    bindings = {b.name: b for b in bindings_}
+    cache = {"version": vault.version(), "values": dict(values or {})}
 
     def value(name: str) -> str:
         b = bindings[name]
@@ -696,9 +715,6 @@ def session_credentials(bindings_: tuple, vault_dir, sandbox_id: str):
         return b.ref.startswith("vault:") and vault.is_revoked(b.ref[6:], sandbox_id)
 
     creds = CredentialSet(bindings_, placeholders, value, revoked)
-    env = [(b.env, placeholders[b.name]) for b in bindings_]
-    env += [(b.sigv4_key_env, b.sigv4_access_key_id) for b in bindings_ if b.sigv4_access_key_id]
-    files = [(b.file, placeholders[b.name] + "\n") for b in bindings_ if b.file]
-    values.clear()
-    return creds, tuple(env), tuple(files)
+    creds.spec = (tuple(bindings_), dict(placeholders), str(vault_dir), sandbox_id)
+    return creds
 

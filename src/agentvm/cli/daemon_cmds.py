@@ -47,6 +47,22 @@ def _client():
     return Client()
 
 
+def _gate_workers(text: str) -> int:
+    from agentvm.gate.workers import MAX_WORKERS
+
+    t = (text or "0").strip().lower()
+    if t == "auto":
+        return max(1, min(MAX_WORKERS, len(os.sched_getaffinity(0))))
+    try:
+        n = int(t)
+    except ValueError:
+        n = -1
+    if not 0 <= n <= MAX_WORKERS:
+        raise click.BadParameter(f"{text!r}: give a number from 0 to {MAX_WORKERS}, or auto (one per CPU)",
+                                 param_hint="--gate-workers")
+    return n
+
+
 @click.command()
 @click.option("--foreground", is_flag=True, help="Stay in the foreground (logs to stderr).")
 @click.option("--listen", metavar="HOST:PORT", help="Also serve the API on TCP, with a bearer token (<home>/daemon.token).")
@@ -58,11 +74,16 @@ def _client():
 @click.option("--otlp-sample-allowed", type=float, metavar="RATIO", envvar="AGENTVM_OTLP_SAMPLE_ALLOWED",
               help="The share (0-1, default 1) of plain allowed egress decisions that become spans; denials, "
               "credential uses, LLM calls, tools, approvals and lifecycle always do.")
-def up(foreground, listen, accept_broken_chain, otlp_endpoint, otlp_sample_allowed):
+@click.option("--gate-workers", metavar="N|auto", envvar="AGENTVM_GATE_WORKERS", default="0", show_default=True,
+              help="Serve the sandboxes' egress from N gate worker processes (auto: one per CPU), the daemon still "
+              "the one control point; 0 serves it from the daemon's own process. Sandboxes with tools, approval "
+              "rules or an LLM budget stay on the daemon's gate (env: AGENTVM_GATE_WORKERS).")
+def up(foreground, listen, accept_broken_chain, otlp_endpoint, otlp_sample_allowed, gate_workers):
     """Start the control-plane daemon."""
     from agentvm.daemon.server import check_chain
     from agentvm.paths import default_paths
 
+    workers = _gate_workers(gate_workers)
     paths = default_paths().ensure()
     c = _client()
     if c.available():
@@ -73,7 +94,7 @@ def up(foreground, listen, accept_broken_chain, otlp_endpoint, otlp_sample_allow
         from agentvm.daemon.server import run_daemon
 
         run_daemon(paths, listen=listen, accept_broken_chain=accept_broken_chain, otlp_endpoint=otlp_endpoint,
-                   otlp_sample_allowed=otlp_sample_allowed)
+                   otlp_sample_allowed=otlp_sample_allowed, gate_workers=workers)
         return 0
     if otlp_endpoint:
         from agentvm.observe.tracing import check_endpoint, check_sample
@@ -87,6 +108,7 @@ def up(foreground, listen, accept_broken_chain, otlp_endpoint, otlp_sample_allow
     args += ["--accept-broken-chain"] if accept_broken_chain else []
     args += ["--otlp-endpoint", otlp_endpoint] if otlp_endpoint else []
     args += ["--otlp-sample-allowed", str(otlp_sample_allowed)] if otlp_sample_allowed is not None else []
+    args += ["--gate-workers", str(workers)]
     proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=fd, stderr=fd, start_new_session=True, close_fds=True)
     os.close(fd)
     (paths.runtime / "daemon.pid").write_text(f"{proc.pid}\n")

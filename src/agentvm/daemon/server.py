@@ -186,18 +186,32 @@ class DaemonGateHost:
     def open(self, sandbox_id: str, agent: str, egress, attachment, uid, creds, extras=None):
         if attachment.kind != "unix":
             raise AgentVMError(f"the daemon's gate cannot serve a {attachment.kind!r} attachment")
+        workers = self.daemon.workers
+        if workers is not None:
+            from agentvm.gate.workers import unplaceable
+
+            why = unplaceable(egress, extras, creds)
+            if why is None:  # a gate worker serves it (agentvm.gate.workers)
+                return self._call(workers.open(sandbox_id, agent, egress, Path(attachment.address), uid=uid,
+                                               creds=creds))
+            self.daemon._in_loop(lambda: self.daemon.record("gate.placement", sandbox_id=sandbox_id, gate="daemon",
+                                                            reason=why))
         return self._call(self.daemon.gate.open_endpoint(sandbox_id, agent, egress, Path(attachment.address),
                                                          uid=uid, creds=creds, extras=extras))
 
     def close(self, sandbox_id: str, ep) -> dict:
         from agentvm.lifecycle import egress_summary
 
-        self._call(self.daemon.gate.close_endpoint(sandbox_id))
+        if getattr(ep, "pool", None) is self.daemon.workers and self.daemon.workers is not None:
+            self._call(self.daemon.workers.close(ep))
+        else:
+            self._call(self.daemon.gate.close_endpoint(sandbox_id))
         return egress_summary(ep)
 
 
 class Daemon:
-    def __init__(self, paths: Paths, *, backend=None, listen: str | None = None, tracing=None) -> None:
+    def __init__(self, paths: Paths, *, backend=None, listen: str | None = None, tracing=None,
+                 gate_workers: int = 0) -> None:
         from agentvm.gate.server import Gate
         from agentvm.runtime import Runtime
 
@@ -218,6 +232,8 @@ class Daemon:
         self.gate = Gate(self.paths.home / "gate", self.paths.home / "logs")
         self.gate.subscribers.append(self._on_decision)
         self.gate.approvals_factory = self._approval_store
+        self.gate_workers = gate_workers  # worker processes serving sandboxes' egress (0: the gate above only)
+        self.workers = None  # agentvm.gate.workers.WorkerPool, started by serve()
         self.managed: dict[str, Managed] = {}
         self.subscribers: set[asyncio.Queue] = set()
         self._tcp_conns = 0  # TCP connections open now (capped: TCP_CONNECTIONS)
@@ -321,6 +337,11 @@ class Daemon:
             self._in_loop(lambda: self.record(kind, sandbox=sandbox, **data))
             return
         self._in_loop(lambda: self.emit(kind, actor="agentvm", sandbox=sandbox, **data))
+
+    def _worker_event(self, kind: str, **data) -> None:
+        """A gate worker lost, replaced, or not replaceable (agentvm.gate.workers): on the chain."""
+        log.warning("%s: %s", kind, json.dumps(data, default=str))
+        self.record(kind, **data)
 
     def _in_loop(self, fn) -> None:
         if self.loop is None or threading.get_ident() == self._loop_thread:
@@ -501,12 +522,15 @@ class Daemon:
                 s.endpoint.paused = bool(patch.get("paused"))
                 if s.endpoint.creds is not None:  # per-sandbox revocations survive restarts
                     s.endpoint.creds.local_revoked.update(patch.get("revoked", []))
+                if hasattr(s.endpoint, "synced"):  # on a gate worker: applied there before the launch
+                    await s.endpoint.synced()
             await asyncio.to_thread(lc.launch, s, (devnull, logfd, logfd))
             m.started_at = m.activity_clock = _clock()  # the TTL and idle clocks start here
             m.activity = m.activity_saved = now = time.time()
             self.state.update(m.name, state="running", sandbox_id=s.sandbox_id, started=now, last_activity=now)
             self.record("lifecycle.running", sandbox=m.name, sandbox_id=s.sandbox_id, uid=s.res.host_uid, substrate=s.plan.substrate,
-                        identity=s.plan.identity, policy=s.plan.policy_digest)
+                        identity=s.plan.identity, policy=s.plan.policy_digest,
+                        **({"gate": getattr(s.endpoint, "placement", "daemon")} if s.endpoint is not None else {}))
             waiter = asyncio.ensure_future(lc.wait_async(s))
             watch = asyncio.ensure_future(self._watch(m, row))
             stop = asyncio.ensure_future(m.stop_requested.wait())
@@ -638,6 +662,14 @@ class Daemon:
         self.loop, self._loop_thread = asyncio.get_running_loop(), threading.get_ident()
         # recover before answering anyone: a client that sees the socket sees a clean state
         self._flush_task = asyncio.ensure_future(self._flusher())
+        if self.gate_workers:  # before recover(): it starts persistent sandboxes
+            from agentvm.gate.workers import WorkerPool
+
+            self.workers = WorkerPool(self.gate_workers, self.gate.state_dir, self.gate.log_dir,
+                                      on_record=self._on_decision, on_event=self._worker_event,
+                                      telemetry=self.tracing.endpoint if self.tracing is not None else None)
+            await self.workers.start()
+            self.record("gate.workers", count=self.gate_workers, pids=self.workers.pids())
         await self.recover()
         self.socket_path.parent.mkdir(parents=True, exist_ok=True)
         if self.socket_path.exists():
@@ -675,6 +707,8 @@ class Daemon:
                 tasks.append(m.task)
         if tasks:
             await asyncio.wait(tasks, timeout=30)
+        if self.workers is not None:
+            await self.workers.stop()
         for q in list(self.subscribers):
             q.put_nowait(None)
         self.record("daemon.stopped", pid=os.getpid())
@@ -1476,6 +1510,19 @@ class Daemon:
                            "limits, tools, budget")
         new_row = dataclasses.replace(row, policy_patch=json.dumps(patch))
         policy = self._policy_for(new_row)  # raises on anything invalid: nothing applied yet
+        if ep is not None and hasattr(ep, "synced"):  # served by a gate worker: can it carry the change?
+            from agentvm.gate.workers import unplaceable
+
+            why = None
+            if policy.egress is not None:
+                why = unplaceable(policy.egress)
+            if why is None and policy.limits.budget is not None:
+                why = "it has an LLM budget: the counters an agent's sandboxes share live in the daemon"
+            if why is not None:
+                raise ApiError(409, "gate-worker", f"{name} is served by gate {ep.placement}, which cannot carry this "
+                               f"change live: {why}", hint=f"the change is not applied; to make it, restart the sandbox "
+                               f"with it (`agentvm restart {name}` after editing its file): it is then served by the "
+                               "daemon's own gate")
         self.state.update(name, policy_patch=json.dumps(patch))
         if ep is not None:
             if policy.egress is not None:
@@ -1490,6 +1537,8 @@ class Daemon:
                     from agentvm.gate.budget import Budget, BudgetStore
 
                     ep.set_budget(Budget(ep.agent, policy.limits.budget, BudgetStore(self.paths.home / "budgets.db")))
+            if hasattr(ep, "synced"):  # on a gate worker: applied there before this call returns
+                await ep.synced()
         took = (time.perf_counter() - t0) * 1000
         self.record("policy.change", actor=actor, sandbox=name, op=op, detail={k: v for k, v in doc.items() if k != "op"},
                     applied_live=ep is not None, ms=round(took, 3))
@@ -1955,7 +2004,7 @@ def check_chain(paths: Paths, accept_broken: bool) -> str | None:
 
 
 def run_daemon(paths: Paths, *, listen: str | None = None, backend=None, accept_broken_chain: bool = False,
-               otlp_endpoint: str | None = None, otlp_sample_allowed: float | None = None) -> None:
+               otlp_endpoint: str | None = None, otlp_sample_allowed: float | None = None, gate_workers: int = 0) -> None:
     """Foreground entry point (``agentvm up --foreground``)."""
     accepted = check_chain(paths, accept_broken_chain)
     from agentvm.observe.tracing import from_env_or
@@ -1977,7 +2026,7 @@ def run_daemon(paths: Paths, *, listen: str | None = None, backend=None, accept_
         # let a busy fleet starve them (the default pool is cpu+4 threads)
         asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(max_workers=256,
                                                                            thread_name_prefix="agentvm"))
-        d = Daemon(paths, backend=backend, listen=listen, tracing=tracing)
+        d = Daemon(paths, backend=backend, listen=listen, tracing=tracing, gate_workers=gate_workers)
         if tracing is not None:
             d.record("daemon.tracing", endpoint=tracing.endpoint, sample_allowed=tracing.sample_allowed)
         if accepted:

@@ -142,6 +142,10 @@ class EgressPolicy:
         # change is a new EgressPolicy, with an empty memo.
         object.__setattr__(self, "_decisions", {})
 
+    def __getstate__(self) -> dict:
+        # pickled (to a gate worker process, agentvm.gate.workers) without the memo
+        return {**self.__dict__, "_decisions": {}}
+
     def static_address(self, host: str) -> str | None:
         """The operator-declared IP of ``host`` (raw or normalized), or None (resolve via DNS).
         If a name appears twice (``hosts`` concatenated from spec + CLI), the last entry wins."""

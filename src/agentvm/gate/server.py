@@ -158,7 +158,9 @@ class Gate:
         self.endpoints[sandbox_id] = ep
         return ep
 
-    async def close_endpoint(self, sandbox_id: str) -> Endpoint | None:
+    async def close_endpoint(self, sandbox_id: str, *, unlink: bool = True) -> Endpoint | None:
+        """Stop serving ``sandbox_id``; its socket's path is removed unless ``unlink`` is false
+        (a gate worker: the daemon owns the path, agentvm.gate.workers)."""
         ep = self.endpoints.pop(sandbox_id, None)
         if ep is None:
             return None
@@ -168,10 +170,11 @@ class Gate:
                 await asyncio.wait_for(ep.server.wait_closed(), 2)
             except (asyncio.TimeoutError, Exception):
                 pass
-        try:
-            ep.sock_path.unlink()
-        except FileNotFoundError:
-            pass
+        if unlink:
+            try:
+                ep.sock_path.unlink()
+            except FileNotFoundError:
+                pass
         ep.pool_close()
         if ep.tools is not None:
             await ep.tools.close()

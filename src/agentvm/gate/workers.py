@@ -1,0 +1,654 @@
+"""The gate over several processes: gate workers (``agentvm up --gate-workers N``).
+
+N worker processes run beside the daemon, each a :class:`~agentvm.gate.server.Gate` on its own
+uvloop loop, and the daemon's sandboxes are spread between them (the worker with the fewest
+endpoints takes the next). The daemon stays the one control point:
+
+* it binds each sandbox's socket itself (owner, mode, as the in-process gate does) and hands
+  the listening socket to the worker over ``SCM_RIGHTS``. It keeps its copy: a worker that dies
+  is replaced and its sandboxes' sockets handed to the new one, their connections waiting in
+  the socket's backlog meanwhile (the ones the dead worker was serving are lost; recorded);
+* a live change - policy, pause, a credential revoked or restored - is pushed to the owning
+  worker and acknowledged before the API call returns, so it holds from the sandbox's next
+  request, as on the in-process gate;
+* every decision record comes back to the daemon: the audit chain, the live stream, metrics,
+  activity clocks see the same records as from the in-process gate. Each worker writes its
+  sandboxes' decision logs itself.
+
+Real credential values never cross the channel: a worker gets the session's bindings and
+placeholders (``CredentialSet.spec``) and reads the vault itself, revocations included.
+
+A worker carries egress and credentials by reference. A sandbox whose endpoint needs state only
+the daemon holds - a tool gateway (MCP sessions), held requests (``action: ask``: the approvals
+queue), an LLM budget (counters shared by all of an agent's sandboxes) - is served by the
+daemon's in-process gate instead (:func:`unplaceable` says why; the placement is recorded),
+and a live change that would add such a need to a sandbox on a worker is refused with the fix
+(restart it: it is then placed on the daemon's gate). Nothing is silently dropped.
+
+Messages are length-prefixed pickles over a private socketpair: both ends are this program,
+started by the daemon as the same user, and nothing else holds the socket.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import pickle
+import signal
+import socket
+import struct
+import sys
+from pathlib import Path
+
+from agentvm.errors import AgentVMError
+
+log = logging.getLogger("agentvm.gate.workers")
+
+HEADER = struct.Struct("!I")
+MAX_MESSAGE = 1 << 28  # a pickled message larger than this is a broken peer
+CALL_TIMEOUT = 10.0  # seconds a worker has to acknowledge a call; past it, it is killed and replaced
+START_TIMEOUT = 30.0  # seconds a new worker has to come up (imports, its first acknowledgement)
+STOP_TIMEOUT = 5.0  # seconds a worker has to exit once the daemon hangs up, before SIGKILL
+MAX_WORKERS = 64
+BACKLOG = 128  # a sandbox socket's accept backlog (connections wait here while a worker is replaced)
+
+
+class WorkerLost(AgentVMError):
+    code = "gate.worker-lost"
+
+
+def _pack(obj) -> bytes:
+    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    return HEADER.pack(len(data)) + data
+
+
+async def _recv(reader: asyncio.StreamReader):
+    """One message, or None at the end of the stream."""
+    try:
+        head = await reader.readexactly(HEADER.size)
+    except asyncio.IncompleteReadError:
+        return None
+    (n,) = HEADER.unpack(head)
+    if n > MAX_MESSAGE:
+        raise ValueError(f"a message of {n} bytes: the peer is broken")
+    try:
+        return pickle.loads(await reader.readexactly(n))
+    except asyncio.IncompleteReadError:
+        return None
+
+
+def unplaceable(policy, extras=None, creds=None) -> str | None:
+    """Why a sandbox's endpoint cannot be served by a gate worker (it is served by the daemon's
+    own gate), or None. ``policy`` is the sandbox's EgressPolicy; ``extras`` its
+    agentvm.tools.slot.EndpointExtras."""
+    if any(getattr(r, "ask", False) for r in policy.allow):
+        return "its egress has rules that wait for an approval (action: ask): held requests wait in the daemon"
+    if extras is not None:
+        tools = getattr(extras, "tools", None)
+        if tools is not None and getattr(tools, "servers", None):
+            return "it has tools: the tool gateway's MCP sessions live in the daemon"
+        if getattr(extras, "budget", None) is not None:
+            return "it has an LLM budget: the counters an agent's sandboxes share live in the daemon"
+    if creds is not None and getattr(creds, "spec", None) is None:
+        return "its credentials are not the vault's (nothing a worker could rebuild them from)"
+    return None
+
+
+# ------------------------------------------------------------------------- the daemon's side
+class _PushSet(set):
+    """A set of revoked credential names whose changes are pushed to the endpoint's worker."""
+
+    def __init__(self, ep: "RemoteEndpoint") -> None:
+        super().__init__()
+        self._ep = ep
+
+    def add(self, item) -> None:
+        super().add(item)
+        self._ep._push()
+
+    def discard(self, item) -> None:
+        super().discard(item)
+        self._ep._push()
+
+    def remove(self, item) -> None:
+        super().remove(item)
+        self._ep._push()
+
+    def update(self, *items) -> None:
+        super().update(*items)
+        self._ep._push()
+
+    def clear(self) -> None:
+        super().clear()
+        self._ep._push()
+
+
+class RemoteCreds:
+    """The daemon's handle on a worker-served sandbox's credentials: what the daemon changes."""
+
+    def __init__(self, ep: "RemoteEndpoint", spec: tuple, scrub_encoded: bool) -> None:
+        self.spec = spec
+        self.scrub_encoded = scrub_encoded
+        self.local_revoked = _PushSet(ep)
+        self.bindings = {b.name: b for b in spec[0]}
+
+    def __repr__(self) -> str:
+        return f"RemoteCreds({sorted(self.bindings)})"
+
+
+class RemoteEndpoint:
+    """A sandbox's endpoint served by a gate worker, as the daemon sees it: the same attributes
+    the daemon reads and sets on an in-process Endpoint (policy, paused, creds.local_revoked,
+    and, once closed, the run's counters for egress_summary). Every change is pushed to the
+    worker at once, in order; :meth:`synced` waits for the worker's acknowledgement."""
+
+    tools = None
+    budget = None
+
+    def __init__(self, pool: "WorkerPool", worker: "GateWorker", sandbox_id: str, agent: str, policy, sock_path: Path,
+                 sock: socket.socket, creds) -> None:
+        self.pool, self.worker = pool, worker
+        self.sandbox_id, self.agent = sandbox_id, agent
+        self._policy = policy
+        self._policy_sent = None  # the policy the worker has (pushed only when it changes)
+        self._paused = False
+        self.sock_path = Path(sock_path)
+        self.sock = sock  # the daemon's copy of the listening socket (handed to a replacement worker)
+        self.log_path = pool.log_dir / f"{sandbox_id}.egress.jsonl"
+        self.creds = None if creds is None else RemoteCreds(self, creds.spec, bool(getattr(creds, "scrub_encoded", True)))
+        self._last: asyncio.Future | None = None  # the last push's acknowledgement
+        self.allowed = self.bytes_out = self.bytes_in = self.alerts = 0
+        self.denials: dict = {}
+        self.denial_reasons: dict = {}
+        self.closed = False
+
+    def __repr__(self) -> str:
+        return f"RemoteEndpoint({self.sandbox_id!r} on gate worker {self.worker.index})"
+
+    @property
+    def placement(self) -> str:
+        return f"worker {self.worker.index}"
+
+    @property
+    def policy(self):
+        return self._policy
+
+    def set_policy(self, policy) -> None:
+        self._policy = policy
+        self._push()
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    @paused.setter
+    def paused(self, value: bool) -> None:
+        self._paused = bool(value)
+        self._push()
+
+    def set_budget(self, budget) -> None:
+        raise AgentVMError(f"sandbox {self.sandbox_id} is served by gate worker {self.worker.index}, which does not "
+                           "meter LLM budgets", hint="restart the sandbox: it is then served by the daemon's own gate")
+
+    def _revoked(self) -> list[str]:
+        return sorted(self.creds.local_revoked) if self.creds is not None else []
+
+    def open_args(self) -> tuple:
+        spec = None if self.creds is None else (self.creds.spec, self.creds.scrub_encoded)
+        self._policy_sent = self._policy
+        return (self.sandbox_id, self.agent, self._policy, str(self.sock_path), spec, self._paused, self._revoked())
+
+    def _push(self) -> None:
+        """Send the endpoint's state to its worker (in order with every other message)."""
+        if self.closed:
+            return
+        policy = None if self._policy is self._policy_sent else self._policy
+        try:
+            self._last = self.worker.send("state", self.sandbox_id, policy, self._paused, self._revoked())
+        except WorkerLost:
+            return  # the replacement gets the whole state when it opens this endpoint
+        self._policy_sent = self._policy
+
+    async def synced(self) -> None:
+        """Wait until the worker has applied every change pushed so far (raises if it could not)."""
+        last = self._last
+        if last is None:
+            return
+        try:
+            await asyncio.wait_for(asyncio.shield(last), CALL_TIMEOUT)
+        except WorkerLost:
+            # the worker died with the change in flight: the replacement opens the endpoint
+            # with the daemon's state, which has it
+            await self.pool.replaced(self.worker)
+        except asyncio.TimeoutError:
+            self.worker.kill(f"it did not apply a change to {self.sandbox_id} within {CALL_TIMEOUT:g} s")
+            await self.pool.replaced(self.worker)
+
+
+class GateWorker:
+    """One worker process, from the daemon's side."""
+
+    def __init__(self, pool: "WorkerPool", index: int) -> None:
+        self.pool, self.index = pool, index
+        self.endpoints: dict[str, RemoteEndpoint] = {}
+        self.proc: asyncio.subprocess.Process | None = None
+        self.alive = False
+        self.lost: asyncio.Future | None = None  # done when this worker is gone
+        self._writer: asyncio.StreamWriter | None = None
+        self._fd_sock: socket.socket | None = None
+        self._calls: dict[int, asyncio.Future] = {}
+        self._next = 0
+        self._reader_task: asyncio.Task | None = None
+        self.reason = ""  # why it is gone
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        chan, chan_w = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        fds, fds_w = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
+        args = [sys.executable, "-m", "agentvm.gate.workers", "--channel", str(chan_w.fileno()),
+                "--fds", str(fds_w.fileno()), "--index", str(self.index),
+                "--state-dir", str(self.pool.state_dir), "--log-dir", str(self.pool.log_dir)]
+        if self.pool.telemetry:
+            args += ["--telemetry", self.pool.telemetry]
+        try:
+            self.proc = await asyncio.create_subprocess_exec(*args, stdin=asyncio.subprocess.DEVNULL,
+                                                             pass_fds=(chan_w.fileno(), fds_w.fileno()))
+        finally:
+            chan_w.close()
+            fds_w.close()
+        self._fd_sock = fds
+        reader, self._writer = await asyncio.open_unix_connection(sock=chan, limit=1 << 20)
+        self.alive = True
+        self.lost = loop.create_future()
+        self._reader_task = loop.create_task(self._read(reader))
+        try:
+            await asyncio.wait_for(self.call("ping"), START_TIMEOUT)
+        except BaseException:
+            self.kill("it did not come up")
+            raise
+
+    def send(self, op: str, *args, fd: int | None = None) -> asyncio.Future:
+        """Send one call; -> the future of its acknowledgement (raises WorkerLost at once if the
+        worker is gone)."""
+        if not self.alive:
+            raise WorkerLost(f"gate worker {self.index} is gone: {self.reason}")
+        self._next += 1
+        cid = self._next
+        fut = asyncio.get_running_loop().create_future()
+        self._calls[cid] = fut
+        if fd is not None:  # the descriptor first, on its own socket: it is there when the call is read
+            socket.send_fds(self._fd_sock, [b"F"], [fd])
+        self._writer.write(_pack((cid, op, args)))
+        return fut
+
+    async def call(self, op: str, *args, fd: int | None = None, timeout: float = CALL_TIMEOUT):
+        fut = self.send(op, *args, fd=fd)
+        try:
+            return await asyncio.wait_for(asyncio.shield(fut), timeout)
+        except asyncio.TimeoutError:
+            self.kill(f"it did not answer {op!r} within {timeout:g} s")
+            raise WorkerLost(f"gate worker {self.index} did not answer {op!r} within {timeout:g} s; it is replaced") from None
+
+    async def _read(self, reader: asyncio.StreamReader) -> None:
+        reason = "its channel closed"
+        try:
+            while True:
+                msg = await _recv(reader)
+                if msg is None:
+                    break
+                if msg[0] == "records":
+                    for rec in msg[1]:
+                        self.pool.on_record(rec)
+                elif msg[0] == "reply":
+                    _, cid, ok, value = msg
+                    fut = self._calls.pop(cid, None)
+                    if fut is not None and not fut.done():
+                        if ok:
+                            fut.set_result(value)
+                        else:
+                            fut.set_exception(AgentVMError(f"gate worker {self.index}: {value}"))
+        except asyncio.CancelledError:
+            reason = "the daemon is stopping"
+        except Exception as exc:  # noqa: BLE001 - a broken channel is a lost worker
+            reason = f"its channel broke ({type(exc).__name__}: {exc})"
+        self._gone(self.reason or reason)
+
+    def _gone(self, reason: str) -> None:
+        if not self.alive:
+            return
+        self.alive = False
+        self.reason = reason
+        for fut in self._calls.values():
+            if not fut.done():
+                fut.set_exception(WorkerLost(f"gate worker {self.index} is gone: {reason}"))
+        self._calls.clear()
+        if self._writer is not None:
+            self._writer.close()
+        if self._fd_sock is not None:
+            self._fd_sock.close()
+        if self.proc is not None and self.proc.returncode is None:
+            try:
+                self.proc.kill()
+            except ProcessLookupError:
+                pass
+        if self.lost is not None and not self.lost.done():
+            self.lost.set_result(reason)
+        self.pool.worker_gone(self)
+
+    def kill(self, reason: str) -> None:
+        self.reason = self.reason or reason
+        self._gone(reason)
+
+    async def stop(self) -> None:
+        """Hang up: the worker closes its endpoints and exits (SIGKILL after STOP_TIMEOUT)."""
+        if self._writer is not None:
+            self._writer.close()
+        if self.proc is not None:
+            try:
+                await asyncio.wait_for(self.proc.wait(), STOP_TIMEOUT)
+            except asyncio.TimeoutError:
+                self.proc.kill()
+                await self.proc.wait()
+        if self._reader_task is not None:
+            self._reader_task.cancel()
+
+
+def _bind(sock_path: Path, uid: int | None) -> socket.socket:
+    """A sandbox's gate socket, bound and listening, as ``Gate.open_endpoint`` makes it: only
+    the sandbox's uid (and root) may connect."""
+    sock_path.parent.mkdir(parents=True, exist_ok=True)
+    if sock_path.exists():
+        sock_path.unlink()
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        s.bind(str(sock_path))
+        if uid is not None and os.geteuid() == 0:
+            os.chown(sock_path, uid, uid)
+        os.chmod(sock_path, 0o600)
+        s.listen(BACKLOG)
+        s.setblocking(False)
+    except BaseException:
+        s.close()
+        raise
+    return s
+
+
+class WorkerPool:
+    """The daemon's gate workers. ``on_record(rec)``: every decision record of their endpoints;
+    ``on_event(kind, **data)``: a worker lost, replaced, or not replaceable (for the audit chain)."""
+
+    def __init__(self, count: int, state_dir: Path, log_dir: Path, *, on_record, on_event, telemetry: str | None = None):
+        if not 1 <= count <= MAX_WORKERS:
+            raise AgentVMError(f"gate workers: {count} is not between 1 and {MAX_WORKERS}")
+        self.count = count
+        self.state_dir, self.log_dir = Path(state_dir), Path(log_dir)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.on_record, self.on_event = on_record, on_event
+        self.telemetry = telemetry
+        self.workers: list[GateWorker] = []
+        self.stopping = False
+        self._replacing: dict[int, asyncio.Task] = {}  # worker index -> its replacement under way
+
+    async def start(self) -> None:
+        self.workers = [GateWorker(self, i) for i in range(self.count)]
+        try:
+            await asyncio.gather(*(w.start() for w in self.workers))
+        except BaseException as exc:
+            await self.stop()
+            raise AgentVMError(f"the gate workers did not start: {exc}",
+                               hint="see the daemon's log for the worker's error; start without --gate-workers "
+                                    "to serve every sandbox from the daemon's own gate") from exc
+
+    def pids(self) -> list[int]:
+        return [w.proc.pid for w in self.workers if w.proc is not None and w.alive]
+
+    async def _a_worker(self) -> GateWorker:
+        for _ in range(3):
+            alive = [w for w in self.workers if w.alive]
+            if alive:
+                return min(alive, key=lambda w: (len(w.endpoints), w.index))
+            await asyncio.gather(*(self.replaced(w) for w in list(self.workers)), return_exceptions=True)
+        raise WorkerLost("no gate worker is running, and none could be started; see the daemon's log")
+
+    async def open(self, sandbox_id: str, agent: str, policy, sock_path: Path, *, uid: int | None, creds) -> RemoteEndpoint:
+        sock_path = Path(sock_path)
+        w = await self._a_worker()
+        sock = _bind(sock_path, uid)
+        ep = RemoteEndpoint(self, w, sandbox_id, agent, policy, sock_path, sock, creds)
+        w.endpoints[sandbox_id] = ep
+        try:
+            await w.call("open", *ep.open_args(), fd=sock.fileno())
+        except BaseException:
+            w.endpoints.pop(sandbox_id, None)
+            ep.closed = True
+            sock.close()
+            sock_path.unlink(missing_ok=True)
+            raise
+        return ep
+
+    async def close(self, ep: RemoteEndpoint) -> RemoteEndpoint:
+        ep.closed = True
+        w = ep.worker
+        w.endpoints.pop(ep.sandbox_id, None)
+        try:
+            stats = await w.call("close", ep.sandbox_id) if w.alive else None
+        except (WorkerLost, AgentVMError) as exc:
+            log.warning("closing %s on gate worker %d: %s", ep.sandbox_id, w.index, exc)
+            stats = None
+        if stats:
+            ep.allowed += stats["allowed"]
+            ep.bytes_out += stats["bytes_out"]
+            ep.bytes_in += stats["bytes_in"]
+            ep.alerts += stats["alerts"]
+            for k, n in stats["denials"].items():
+                ep.denials[k] = ep.denials.get(k, 0) + n
+            for k, v in stats["denial_reasons"].items():
+                ep.denial_reasons.setdefault(k, v)
+        ep.sock.close()
+        ep.sock_path.unlink(missing_ok=True)
+        return ep
+
+    # -- a worker lost: replaced, its endpoints handed over ---------------------------------
+    def worker_gone(self, w: GateWorker) -> None:
+        if self.stopping or w.index in self._replacing:
+            return
+        self._replacing[w.index] = asyncio.get_running_loop().create_task(self._replace(w))
+
+    async def replaced(self, w: GateWorker) -> None:
+        """Wait until the worker in ``w``'s slot is running again (or could not be)."""
+        if w.alive:
+            return
+        t = self._replacing.get(w.index)
+        if t is None and not self.stopping:
+            self.worker_gone(w)
+            t = self._replacing.get(w.index)
+        if t is not None:
+            await asyncio.shield(t)
+
+    async def _replace(self, old: GateWorker) -> None:
+        try:
+            rc = None
+            if old.proc is not None:
+                try:
+                    rc = await asyncio.wait_for(old.proc.wait(), STOP_TIMEOUT)
+                except asyncio.TimeoutError:
+                    pass
+            eps = dict(old.endpoints)
+            self.on_event("gate.worker-lost", worker=old.index, pid=old.proc.pid if old.proc else None, exit=rc,
+                          reason=old.reason, sandboxes=sorted(eps))
+            delay = 0.1
+            for attempt in range(5):
+                if self.stopping:
+                    return
+                new = GateWorker(self, old.index)
+                try:
+                    await new.start()
+                except Exception as exc:  # noqa: BLE001 - tried again, then reported
+                    log.error("gate worker %d did not restart (attempt %d): %s", old.index, attempt + 1, exc)
+                    await asyncio.sleep(delay)
+                    delay *= 4
+                    continue
+                self.workers[old.index] = new
+                moved, failed = [], []
+                for sid, ep in eps.items():
+                    if ep.closed:
+                        continue
+                    ep.worker = new
+                    new.endpoints[sid] = ep
+                    try:
+                        await new.call("open", *ep.open_args(), fd=ep.sock.fileno())
+                        moved.append(sid)
+                    except Exception as exc:  # noqa: BLE001 - reported: that sandbox has no egress
+                        new.endpoints.pop(sid, None)
+                        failed.append(sid)
+                        log.error("gate worker %d could not take %s back: %s", new.index, sid, exc)
+                self.on_event("gate.worker-restarted", worker=new.index, pid=new.proc.pid, sandboxes=moved,
+                              **({"not_served": failed} if failed else {}))
+                return
+            self.on_event("gate.worker-failed", worker=old.index, sandboxes=sorted(eps),
+                          reason="it did not restart after 5 attempts: these sandboxes have no egress (fail closed) "
+                                 "until they are restarted")
+        finally:
+            self._replacing.pop(old.index, None)
+
+    async def stop(self) -> None:
+        self.stopping = True
+        for t in list(self._replacing.values()):
+            t.cancel()
+        await asyncio.gather(*(w.stop() for w in self.workers), return_exceptions=True)
+        for w in self.workers:
+            for ep in w.endpoints.values():
+                ep.closed = True
+                ep.sock.close()
+
+
+# ------------------------------------------------------------------------- the worker's side
+class _Worker:
+    """The worker process: a Gate, its endpoints opened and changed on the daemon's word."""
+
+    def __init__(self, gate, fd_sock: socket.socket, writer: asyncio.StreamWriter) -> None:
+        self.gate = gate
+        self.fd_sock = fd_sock
+        self.writer = writer
+        self._batch: list[dict] = []
+        self._loop = asyncio.get_running_loop()
+        gate.subscribers.append(self._record)
+
+    def _record(self, rec: dict) -> None:
+        # the loop turn's records go back in one message
+        if not self._batch:
+            self._loop.call_soon(self._flush)
+        self._batch.append(rec)
+
+    def _flush(self) -> None:
+        batch, self._batch = self._batch, []
+        if batch and not self.writer.is_closing():
+            self.writer.write(_pack(("records", batch)))
+
+    async def op_ping(self) -> str:
+        return "pong"
+
+    async def op_open(self, sandbox_id, agent, policy, sock_path, creds_spec, paused, revoked) -> None:
+        _, fds, _, _ = socket.recv_fds(self.fd_sock, 16, 1)
+        if not fds:
+            raise RuntimeError("no listening socket came with the call")
+        sock = socket.socket(fileno=fds[0])
+        sock.setblocking(False)
+        creds = None
+        try:
+            if creds_spec is not None:
+                from agentvm.runtime import vault_credentials
+
+                (bindings, placeholders, vault_dir, sid), scrub = creds_spec
+                creds = vault_credentials(bindings, placeholders, vault_dir, sid)
+                creds.scrub_encoded = scrub
+                creds.local_revoked.update(revoked)
+            ep = await self.gate.open_endpoint(sandbox_id, agent, policy, Path(sock_path), creds=creds, sock=sock)
+        except BaseException:
+            sock.close()
+            raise
+        ep.paused = paused
+
+    async def op_state(self, sandbox_id, policy, paused, revoked) -> None:
+        ep = self.gate.endpoints[sandbox_id]
+        if policy is not None:
+            ep.set_policy(policy)
+        if ep.paused != paused:
+            ep.paused = paused
+        if ep.creds is not None and set(revoked) != ep.creds.local_revoked:
+            ep.creds.local_revoked.clear()
+            ep.creds.local_revoked.update(revoked)
+
+    async def op_close(self, sandbox_id) -> dict | None:
+        ep = self.gate.endpoints.get(sandbox_id)
+        if ep is None:
+            return None
+        await self.gate.close_endpoint(sandbox_id, unlink=False)  # (the daemon owns the path)
+        self._flush()
+        return {"allowed": ep.allowed, "bytes_out": ep.bytes_out, "bytes_in": ep.bytes_in, "alerts": ep.alerts,
+                "denials": dict(ep.denials), "denial_reasons": dict(ep.denial_reasons)}
+
+    async def serve(self, reader: asyncio.StreamReader) -> None:
+        while True:
+            msg = await _recv(reader)
+            if msg is None:
+                return
+            cid, op, args = msg
+            try:
+                value = await getattr(self, "op_" + op)(*args)
+                reply = ("reply", cid, True, value)
+            except Exception as exc:  # noqa: BLE001 - told to the daemon, which reports it
+                log.exception("gate worker: %s failed", op)
+                reply = ("reply", cid, False, f"{op}: {type(exc).__name__}: {exc}")
+            self._flush()  # the records before the acknowledgement
+            self.writer.write(_pack(reply))
+
+
+async def _worker_main(ns) -> None:
+    from agentvm.gate.server import Gate
+
+    chan = socket.socket(fileno=ns.channel)
+    fd_sock = socket.socket(fileno=ns.fds)
+    fd_sock.setblocking(True)
+    reader, writer = await asyncio.open_unix_connection(sock=chan, limit=1 << 20)
+    gate = Gate(Path(ns.state_dir), Path(ns.log_dir))
+    if ns.telemetry:
+        from agentvm.gate.telemetry import TelemetryRelay
+
+        gate.telemetry = TelemetryRelay(ns.telemetry)
+    w = _Worker(gate, fd_sock, writer)
+    try:
+        await w.serve(reader)
+    finally:
+        # the daemon hung up (stopping, or gone): this gate's sandboxes have no egress now
+        for sid in list(gate.endpoints):
+            try:
+                await asyncio.wait_for(gate.close_endpoint(sid, unlink=False), STOP_TIMEOUT)
+            except Exception:  # noqa: BLE001 - exiting anyway
+                pass
+        w._flush()
+        writer.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m agentvm.gate.workers", description="one gate worker (started by the daemon)")
+    p.add_argument("--channel", type=int, required=True)
+    p.add_argument("--fds", type=int, required=True)
+    p.add_argument("--index", type=int, default=0)
+    p.add_argument("--state-dir", required=True)
+    p.add_argument("--log-dir", required=True)
+    p.add_argument("--telemetry")
+    ns = p.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s gate-worker-{ns.index} %(levelname)s %(message)s")
+    # the daemon's signals (a terminal's ^C) are the daemon's: it stops its workers itself
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    from agentvm.gate.server import run
+
+    run(_worker_main(ns))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
