@@ -52,6 +52,8 @@ CALL_TIMEOUT = 10.0  # seconds a worker has to acknowledge a call; past it, it i
 START_TIMEOUT = 30.0  # seconds a new worker has to come up (imports, its first acknowledgement)
 STOP_TIMEOUT = 5.0  # seconds a worker has to exit once the daemon hangs up, before SIGKILL
 MAX_WORKERS = 64
+RECORD_DELAY = 0.002  # seconds a worker holds decision records to send them in one message
+RECORD_BATCH = 256  # ... or until this many wait
 BACKLOG = 128  # a sandbox socket's accept backlog (connections wait here while a worker is replaced)
 
 
@@ -77,6 +79,44 @@ async def _recv(reader: asyncio.StreamReader):
         return pickle.loads(await reader.readexactly(n))
     except asyncio.IncompleteReadError:
         return None
+
+
+class _Frames(asyncio.Protocol):
+    """The daemon's end of a worker's channel: length-prefixed messages parsed as they arrive
+    (a Protocol: no future per read, as a StreamReader would make; records arrive all the
+    time), each handed to ``on_message``; ``on_lost(reason)`` once, when the channel ends."""
+
+    def __init__(self, on_message, on_lost) -> None:
+        self.on_message, self.on_lost = on_message, on_lost
+        self.buf = bytearray()
+        self.transport = None
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        buf = self.buf
+        buf += data
+        at, size = 0, len(buf)
+        try:
+            while size - at >= HEADER.size:
+                (n,) = HEADER.unpack_from(buf, at)
+                if n > MAX_MESSAGE:
+                    raise ValueError(f"a message of {n} bytes: the peer is broken")
+                if size - at - HEADER.size < n:
+                    break
+                msg = pickle.loads(buf[at + HEADER.size:at + HEADER.size + n])
+                at += HEADER.size + n
+                self.on_message(msg)
+        except Exception as exc:  # noqa: BLE001 - a broken channel is a lost worker
+            self.buf = bytearray()
+            self.transport.close()
+            self.on_lost(f"its channel broke ({type(exc).__name__}: {exc})")
+            return
+        del buf[:at]
+
+    def connection_lost(self, exc) -> None:
+        self.on_lost("its channel closed" if exc is None else f"its channel broke ({exc})")
 
 
 def unplaceable(policy, extras=None, creds=None) -> str | None:
@@ -236,12 +276,12 @@ class GateWorker:
         self.proc: asyncio.subprocess.Process | None = None
         self.alive = False
         self.lost: asyncio.Future | None = None  # done when this worker is gone
-        self._writer: asyncio.StreamWriter | None = None
+        self._writer: asyncio.Transport | None = None
         self._fd_sock: socket.socket | None = None
         self._calls: dict[int, asyncio.Future] = {}
         self._next = 0
-        self._reader_task: asyncio.Task | None = None
         self.reason = ""  # why it is gone
+        self._stopping = False  # stop(): the worker is let exit on its own (up to STOP_TIMEOUT)
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -259,10 +299,9 @@ class GateWorker:
             chan_w.close()
             fds_w.close()
         self._fd_sock = fds
-        reader, self._writer = await asyncio.open_unix_connection(sock=chan, limit=1 << 20)
         self.alive = True
         self.lost = loop.create_future()
-        self._reader_task = loop.create_task(self._read(reader))
+        self._writer, _ = await loop.create_unix_connection(lambda: _Frames(self._message, self._gone), sock=chan)
         try:
             await asyncio.wait_for(self.call("ping"), START_TIMEOUT)
         except BaseException:
@@ -291,29 +330,22 @@ class GateWorker:
             self.kill(f"it did not answer {op!r} within {timeout:g} s")
             raise WorkerLost(f"gate worker {self.index} did not answer {op!r} within {timeout:g} s; it is replaced") from None
 
-    async def _read(self, reader: asyncio.StreamReader) -> None:
-        reason = "its channel closed"
-        try:
-            while True:
-                msg = await _recv(reader)
-                if msg is None:
-                    break
-                if msg[0] == "records":
-                    for rec in msg[1]:
-                        self.pool.on_record(rec)
-                elif msg[0] == "reply":
-                    _, cid, ok, value = msg
-                    fut = self._calls.pop(cid, None)
-                    if fut is not None and not fut.done():
-                        if ok:
-                            fut.set_result(value)
-                        else:
-                            fut.set_exception(AgentVMError(f"gate worker {self.index}: {value}"))
-        except asyncio.CancelledError:
-            reason = "the daemon is stopping"
-        except Exception as exc:  # noqa: BLE001 - a broken channel is a lost worker
-            reason = f"its channel broke ({type(exc).__name__}: {exc})"
-        self._gone(self.reason or reason)
+    def _message(self, msg) -> None:
+        if msg[0] == "records":
+            on_record = self.pool.on_record
+            for rec in msg[1]:
+                try:
+                    on_record(rec)
+                except Exception:  # noqa: BLE001 - one record's consumer must not cost the channel
+                    log.exception("a gate worker's record")
+        elif msg[0] == "reply":
+            _, cid, ok, value = msg
+            fut = self._calls.pop(cid, None)
+            if fut is not None and not fut.done():
+                if ok:
+                    fut.set_result(value)
+                else:
+                    fut.set_exception(AgentVMError(f"gate worker {self.index}: {value}"))
 
     def _gone(self, reason: str) -> None:
         if not self.alive:
@@ -328,7 +360,7 @@ class GateWorker:
             self._writer.close()
         if self._fd_sock is not None:
             self._fd_sock.close()
-        if self.proc is not None and self.proc.returncode is None:
+        if self.proc is not None and self.proc.returncode is None and not self._stopping:
             try:
                 self.proc.kill()
             except ProcessLookupError:
@@ -343,6 +375,7 @@ class GateWorker:
 
     async def stop(self) -> None:
         """Hang up: the worker closes its endpoints and exits (SIGKILL after STOP_TIMEOUT)."""
+        self._stopping = True
         if self._writer is not None:
             self._writer.close()
         if self.proc is not None:
@@ -351,8 +384,6 @@ class GateWorker:
             except asyncio.TimeoutError:
                 self.proc.kill()
                 await self.proc.wait()
-        if self._reader_task is not None:
-            self._reader_task.cancel()
 
 
 def _bind(sock_path: Path, uid: int | None) -> socket.socket:
@@ -533,16 +564,25 @@ class _Worker:
         self.fd_sock = fd_sock
         self.writer = writer
         self._batch: list[dict] = []
+        self._timer: asyncio.TimerHandle | None = None
         self._loop = asyncio.get_running_loop()
         gate.subscribers.append(self._record)
 
     def _record(self, rec: dict) -> None:
-        # the loop turn's records go back in one message
-        if not self._batch:
-            self._loop.call_soon(self._flush)
-        self._batch.append(rec)
+        # records go back in batches: RECORD_DELAY's worth in one message (each message costs
+        # both processes a wake-up, a system call each way and the framing); sooner when many
+        # wait, and always before a call's acknowledgement
+        batch = self._batch
+        if not batch:
+            self._timer = self._loop.call_later(RECORD_DELAY, self._flush)
+        batch.append(rec)
+        if len(batch) >= RECORD_BATCH:
+            self._flush()
 
     def _flush(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         batch, self._batch = self._batch, []
         if batch and not self.writer.is_closing():
             self.writer.write(_pack(("records", batch)))
