@@ -213,3 +213,25 @@ def test_live_revocation_on_a_gate_worker(daemon_workers, tmp_path):
     _revocation(daemon_workers, tmp_path)
     placed = [r["data"].get("gate") for r in audit("d-cred") if r["kind"] == "lifecycle.running"]
     assert placed and all(g.startswith("worker ") for g in placed), placed
+
+
+def test_a_run_through_the_daemon_gets_its_workers_counters(daemon_workers):
+    """`agentvm run` through a daemon with gate workers: the run's egress summary (denials with
+    their reason and fix, bytes) is the worker's, carried back when the endpoint closes."""
+    from tests.helpers import agentvm_cmd
+
+    cmd = agentvm_cmd() + ["run", "--json", "--allow", "allowed.test", "--", "/bin/sh", "-c",
+                           "for i in 1 2; do curl -s -o /dev/null -w '%{http_code} ' --max-time 5 "
+                           "http://example.invalid/; done"]
+    r = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, timeout=120)
+    assert r.returncode == 0, r.stderr.decode()
+    out = r.stdout.decode()
+    assert out.startswith("403 403 "), out
+    result = json.loads(out[out.index("{"):])
+    denied = result["egress"]["denied"]
+    assert [(d["target"], d["count"]) for d in denied] == [("example.invalid:80", 2)], denied
+    assert denied[0]["reason"] and "how_to_allow" in denied[0], denied
+    recs = audit()
+    assert any(x["kind"] == "operator.run" for x in recs), "it ran through the daemon"
+    assert any(x["kind"] == "gate.workers" for x in recs)
+    assert not any(x["kind"] == "gate.placement" for x in recs), "a plain run is served by a worker"
