@@ -78,7 +78,7 @@ def test_pool_serves_applies_live_changes_and_replaces_a_killed_worker(tmp_path)
             await pool.replaced(victim)
             assert a.worker is not victim and a.worker.alive and a.worker.proc.pid != victim.proc.pid
             assert [k for k, _ in events] == ["gate.worker-lost", "gate.worker-restarted"]
-            assert events[1][1]["sandboxes"] == ["sb-a"]
+            assert events[1][1]["sandboxes"] == ["sb-a"] and a.counts_lost and not b.counts_lost
             status, _ = await _get(tmp_path / "a.sock", port)
             assert status == 403, "the replacement must serve the live policy, not the one the endpoint opened with"
             a.set_policy(_policy(port))

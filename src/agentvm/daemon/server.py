@@ -204,8 +204,12 @@ class DaemonGateHost:
 
         if getattr(ep, "pool", None) is self.daemon.workers and self.daemon.workers is not None:
             self._call(self.daemon.workers.close(ep))
-        else:
-            self._call(self.daemon.gate.close_endpoint(sandbox_id))
+            summary = egress_summary(ep)
+            if ep.counts_lost:  # (the decision log and the audit chain still have every record)
+                summary["incomplete"] = ("a gate worker serving this sandbox died and was replaced: these counts "
+                                         "leave out what it had counted (its records are in the decision log)")
+            return summary
+        self._call(self.daemon.gate.close_endpoint(sandbox_id))
         return egress_summary(ep)
 
 

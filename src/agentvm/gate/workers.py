@@ -203,6 +203,7 @@ class RemoteEndpoint:
         self.denials: dict = {}
         self.denial_reasons: dict = {}
         self.closed = False
+        self.counts_lost = False  # a worker serving it died: its counters from then are gone
 
     def __repr__(self) -> str:
         return f"RemoteEndpoint({self.sandbox_id!r} on gate worker {self.worker.index})"
@@ -527,6 +528,7 @@ class WorkerPool:
                     if ep.closed:
                         continue
                     ep.worker = new
+                    ep.counts_lost = True
                     new.endpoints[sid] = ep
                     try:
                         await new.call("open", *ep.open_args(), fd=ep.sock.fileno())
