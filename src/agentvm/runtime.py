@@ -694,7 +694,9 @@ def vault_credentials(bindings_: tuple, placeholders: dict, vault_dir, sandbox_i
     if vault is None:
         vault = Vault(vault_dir)
     bindings = {b.name: b for b in bindings_}
-    cache = {"version": vault.version(), "values": dict(values or {})}
+    # (session_credentials hands in the values it resolved and then empties that dict: the
+    # cache starts empty, and no plaintext is kept before a request needs it)
+    cache = {"version": vault.version(), "values": values if values is not None else {}}
 
     def value(name: str) -> str:
         b = bindings[name]

@@ -470,3 +470,33 @@ def test_the_supervisor_only_makes_transitions_of_the_state_table(tmp_path, monk
     s.update("x", state="starting")
     s.update("x", state="running")
     assert set(st.STATES) == set(st.TRANSITIONS) and all(v <= set(st.STATES) for v in st.TRANSITIONS.values())
+
+
+def test_a_change_made_while_the_sandbox_starts_reaches_its_endpoint(d, monkeypatch):
+    """(review: the start applied the state row it read before preparing the sandbox: a pause or
+    a rule changed while it was prepared was stored, reported, and missing from the endpoint)"""
+    from agentvm import lifecycle
+
+    entered, release = threading.Event(), threading.Event()
+    real = lifecycle.Lifecycle.attach
+
+    def attach(self, s):
+        entered.set()
+        release.wait(20)
+        return real(self, s)
+
+    monkeypatch.setattr(lifecycle.Lifecycle, "attach", attach)
+    c = d.client
+    c.create(spec())
+    done = []
+    t = threading.Thread(target=lambda: done.append(Client(d.paths.runtime / "agentvm.sock", timeout=30).action("w1", "start")))
+    t.start()
+    assert entered.wait(20)
+    c.policy("w1", "pause")
+    c.policy("w1", "allow", rule="files.pythonhosted.org:443")
+    release.set()
+    t.join(30)
+    assert done and done[0]["state"] == "running"
+    ep = d.daemon.managed["w1"].endpoint
+    assert ep.paused, "the pause made while it started"
+    assert any(rule.host == "files.pythonhosted.org" for rule in ep.policy.allow), "the rule added while it started"

@@ -158,3 +158,154 @@ def test_gate_workers_option_refuses_with_the_range(text):
         return
     with pytest.raises(click.BadParameter, match="0 to 64, or auto"):
         _gate_workers(text)
+
+
+def _pool(tmp_path, n, events=None, records=None):
+    return WorkerPool(n, tmp_path / "state", tmp_path / "logs",
+                      on_record=(records.append if records is not None else lambda r: None),
+                      on_event=lambda kind, **d: (events.append((kind, d)) if events is not None else None))
+
+
+async def _served_as(sock: Path, port: int, records: list, sandbox: str) -> None:
+    await asyncio.sleep(0.05)  # (records of earlier requests come in batches: RECORD_DELAY)
+    n = len(records)
+    await _get(sock, port)
+    for _ in range(100):
+        if len(records) > n:
+            break
+        await asyncio.sleep(0.02)
+    assert [r["sandbox"] for r in records[n:]] == [sandbox], f"{sock.name} was served as {records[n:]}"
+
+
+def test_a_call_that_cannot_be_sent_queues_no_socket(tmp_path):
+    """(review: an open that failed to pickle left its socket queued, and every later sandbox
+    was served on the socket of the one before it)"""
+    records: list[dict] = []
+
+    async def main():
+        srv = await asyncio.get_running_loop().create_server(_Up, "127.0.0.1", 0)
+        port = srv.sockets[0].getsockname()[1]
+        pool = _pool(tmp_path, 1, records=records)
+        await pool.start()
+        try:
+            with pytest.raises(Exception):
+                await pool.open("sb-a", "a", lambda: None, tmp_path / "a.sock", uid=None, creds=None)
+            assert not (tmp_path / "a.sock").exists()
+            await pool.open("sb-b", "b", _policy(port), tmp_path / "b.sock", uid=None, creds=None)
+            await pool.open("sb-c", "c", _policy(port), tmp_path / "c.sock", uid=None, creds=None)
+            await _served_as(tmp_path / "b.sock", port, records, "sb-b")
+            await _served_as(tmp_path / "c.sock", port, records, "sb-c")
+        finally:
+            await pool.stop()
+            srv.close()
+
+    run(main())
+
+
+def test_a_socket_out_of_step_with_its_call_makes_the_worker_exit_not_misserve(tmp_path):
+    import socket
+
+    records: list[dict] = []
+    events: list = []
+
+    async def main():
+        srv = await asyncio.get_running_loop().create_server(_Up, "127.0.0.1", 0)
+        port = srv.sockets[0].getsockname()[1]
+        pool = _pool(tmp_path, 1, events, records)
+        await pool.start()
+        stray = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        stray.bind(str(tmp_path / "stray.sock"))
+        stray.listen()
+        try:
+            w = pool.workers[0]
+            socket.send_fds(w._fd_sock, [b"999999"], [stray.fileno()])  # queued for no call
+            with pytest.raises(Exception, match="gate worker 0"):
+                await pool.open("sb-b", "b", _policy(port), tmp_path / "b.sock", uid=None, creds=None)
+            assert not (tmp_path / "b.sock").exists()
+            await pool.replaced(w)
+            assert "gate.worker-lost" in [k for k, _ in events] and pool.workers[0].alive
+            await pool.open("sb-c", "c", _policy(port), tmp_path / "c.sock", uid=None, creds=None)
+            await _served_as(tmp_path / "c.sock", port, records, "sb-c")
+        finally:
+            stray.close()
+            await pool.stop()
+            srv.close()
+
+    run(main())
+
+
+def test_a_replacement_that_dies_while_taking_sandboxes_back_is_replaced_again(tmp_path, monkeypatch):
+    """(review: a replacement killed between two re-opens left its slot dead for good, and a
+    change 'synced' while nothing served the sandbox)"""
+    import agentvm.gate.workers as W
+
+    records: list[dict] = []
+    events: list = []
+    started = []
+    real_call = W.GateWorker.call
+
+    async def call(self, op, *args, **kw):
+        v = await real_call(self, op, *args, **kw)
+        if op == "open" and len(started) == 2 and self.proc.pid == started[1]:
+            os.kill(self.proc.pid, signal.SIGKILL)  # the first replacement dies after its first re-open
+            await asyncio.sleep(0.2)
+        return v
+
+    real_start = W.GateWorker.start
+
+    async def start(self):
+        await real_start(self)
+        started.append(self.proc.pid)
+
+    monkeypatch.setattr(W.GateWorker, "call", call)
+    monkeypatch.setattr(W.GateWorker, "start", start)
+
+    async def main():
+        srv = await asyncio.get_running_loop().create_server(_Up, "127.0.0.1", 0)
+        port = srv.sockets[0].getsockname()[1]
+        pool = _pool(tmp_path, 1, events, records)
+        await pool.start()
+        try:
+            a = await pool.open("sb-a", "a", _policy(port), tmp_path / "a.sock", uid=None, creds=None)
+            b = await pool.open("sb-b", "b", _policy(port), tmp_path / "b.sock", uid=None, creds=None)
+            os.kill(pool.workers[0].proc.pid, signal.SIGKILL)
+            await asyncio.wait_for(pool.workers[0].lost, 10)
+            await pool.settle(0)  # the replacement, with nobody waiting on it
+            assert len(started) == 3, "the replacement that died was replaced in its turn"
+            assert pool.workers[0].alive and a.served and b.served
+            a.paused = True
+            await a.synced()
+            assert [k for k, _ in events].count("gate.worker-lost") == 2
+            assert events[-1][0] == "gate.worker-restarted" and sorted(events[-1][1]["sandboxes"]) == ["sb-a", "sb-b"]
+            assert (await _get(tmp_path / "a.sock", port))[0] == 403  # paused, on the third worker
+            await _served_as(tmp_path / "b.sock", port, records, "sb-b")
+        finally:
+            await pool.stop()
+            srv.close()
+
+    run(main())
+
+
+def test_a_change_a_worker_fails_replaces_it_and_the_next_change_is_served(tmp_path):
+    async def main():
+        srv = await asyncio.get_running_loop().create_server(_Up, "127.0.0.1", 0)
+        port = srv.sockets[0].getsockname()[1]
+        events: list = []
+        pool = _pool(tmp_path, 1, events)
+        await pool.start()
+        try:
+            a = await pool.open("sb-a", "a", _policy(port), tmp_path / "a.sock", uid=None, creds=None)
+            first = pool.workers[0]
+            a.set_policy(object())  # not a policy: the worker fails it
+            with pytest.raises(Exception, match="not served by a gate worker"):
+                await a.synced()
+            assert not first.alive and "failed to apply a change" in first.reason
+            a.set_policy(_policy(port, allow=False))  # a good one: the endpoint is opened with it
+            await a.synced()
+            assert a.served and pool.workers[0].alive
+            assert (await _get(tmp_path / "a.sock", port))[0] == 403
+        finally:
+            await pool.stop()
+            srv.close()
+
+    run(main())

@@ -522,7 +522,15 @@ class Daemon:
             devnull = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
             await asyncio.to_thread(lc.attach, s)
             if s.endpoint is not None:
-                patch = json.loads(row.policy_patch or "{}")
+                # the row again: a live change made while the sandbox was prepared is stored
+                # there but reached no endpoint (this one did not exist yet)
+                fresh = self.state.get(m.name) or row
+                if fresh.policy_patch != row.policy_patch:
+                    fresh_policy = self._policy_for(fresh)
+                    if fresh_policy.egress is not None:
+                        s.endpoint.set_policy(fresh_policy.egress)
+                    m.policy = fresh_policy
+                patch = json.loads(fresh.policy_patch or "{}")
                 s.endpoint.paused = bool(patch.get("paused"))
                 if s.endpoint.creds is not None:  # per-sandbox revocations survive restarts
                     s.endpoint.creds.local_revoked.update(patch.get("revoked", []))
@@ -1514,15 +1522,11 @@ class Daemon:
                            "limits, tools, budget")
         new_row = dataclasses.replace(row, policy_patch=json.dumps(patch))
         policy = self._policy_for(new_row)  # raises on anything invalid: nothing applied yet
-        if ep is not None and hasattr(ep, "synced"):  # served by a gate worker: can it carry the change?
-            from agentvm.gate.workers import unplaceable
-
-            why = None
-            if policy.egress is not None:
-                why = unplaceable(policy.egress)
-            if why is None and policy.limits.budget is not None:
-                why = "it has an LLM budget: the counters an agent's sandboxes share live in the daemon"
-            if why is not None:
+        if ep is not None and hasattr(ep, "synced") and op == "budget":  # served by a gate worker: it cannot meter
+            # (the only live op that adds what a worker does not carry: allow/deny/remove rules
+            # are never `action: ask`, tools ops change only a tool gateway, which it has none of)
+            why = "an LLM budget's counters, shared by an agent's sandboxes, live in the daemon"
+            if why:
                 raise ApiError(409, "gate-worker", f"{name} is served by gate {ep.placement}, which cannot carry this "
                                f"change live: {why}", hint=f"the change is not applied; to make it, restart the sandbox "
                                f"with it (`agentvm restart {name}` after editing its file): it is then served by the "

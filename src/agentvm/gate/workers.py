@@ -54,7 +54,25 @@ STOP_TIMEOUT = 5.0  # seconds a worker has to exit once the daemon hangs up, bef
 MAX_WORKERS = 64
 RECORD_DELAY = 0.002  # seconds a worker holds decision records to send them in one message
 RECORD_BATCH = 256  # ... or until this many wait
+OPENS_IN_FLIGHT = 16  # endpoint opens (each with a descriptor queued) sent to one worker at once
+RESTARTS = 5  # attempts at replacing a lost worker before its sandboxes are reported without egress
 BACKLOG = 128  # a sandbox socket's accept backlog (connections wait here while a worker is replaced)
+
+
+def _protocol() -> str:
+    """This module's version: the daemon and a worker it starts must run the same one."""
+    import hashlib
+
+    from agentvm import __version__
+
+    try:
+        src = Path(__file__).read_bytes()
+    except OSError:
+        src = b""
+    return f"{__version__}:{hashlib.sha256(src).hexdigest()[:16]}"
+
+
+PROTOCOL = _protocol()
 
 
 class WorkerLost(AgentVMError):
@@ -198,7 +216,8 @@ class RemoteEndpoint:
         self.sock = sock  # the daemon's copy of the listening socket (handed to a replacement worker)
         self.log_path = pool.log_dir / f"{sandbox_id}.egress.jsonl"
         self.creds = None if creds is None else RemoteCreds(self, creds.spec, bool(getattr(creds, "scrub_encoded", True)))
-        self._last: asyncio.Future | None = None  # the last push's acknowledgement
+        self._pending: list[asyncio.Future] = []  # pushes not acknowledged yet
+        self.served = False  # its worker acknowledged serving it (false while a replacement takes it back)
         self.allowed = self.bytes_out = self.bytes_in = self.alerts = 0
         self.denials: dict = {}
         self.denial_reasons: dict = {}
@@ -242,30 +261,52 @@ class RemoteEndpoint:
         return (self.sandbox_id, self.agent, self._policy, str(self.sock_path), spec, self._paused, self._revoked())
 
     def _push(self) -> None:
-        """Send the endpoint's state to its worker (in order with every other message)."""
-        if self.closed:
-            return
+        """Send the endpoint's state to its worker, in order with every other message (after the
+        open, if that is still under way). A worker that fails to apply it is killed and
+        replaced (GateWorker._message), and the replacement opens the endpoint with the whole
+        state: so the policy is sent again only when it changes."""
+        if self.closed or not self.worker.alive:
+            return  # (a replacement gets the whole state when it opens this endpoint)
         policy = None if self._policy is self._policy_sent else self._policy
         try:
-            self._last = self.worker.send("state", self.sandbox_id, policy, self._paused, self._revoked())
+            self._pending.append(self.worker.send("state", self.sandbox_id, policy, self._paused, self._revoked()))
         except WorkerLost:
-            return  # the replacement gets the whole state when it opens this endpoint
+            return
         self._policy_sent = self._policy
 
     async def synced(self) -> None:
-        """Wait until the worker has applied every change pushed so far (raises if it could not)."""
-        last = self._last
-        if last is None:
-            return
-        try:
-            await asyncio.wait_for(asyncio.shield(last), CALL_TIMEOUT)
-        except WorkerLost:
-            # the worker died with the change in flight: the replacement opens the endpoint
-            # with the daemon's state, which has it
-            await self.pool.replaced(self.worker)
-        except asyncio.TimeoutError:
-            self.worker.kill(f"it did not apply a change to {self.sandbox_id} within {CALL_TIMEOUT:g} s")
-            await self.pool.replaced(self.worker)
+        """Wait until the endpoint's worker serves it with every change made so far: each push
+        acknowledged, or - if the worker died or failed one - its replacement serving the
+        endpoint with the whole state. Raises AgentVMError when no worker serves it."""
+        for _ in range(3):
+            pending, self._pending = self._pending, []
+            try:
+                for fut in pending:
+                    await asyncio.wait_for(asyncio.shield(fut), CALL_TIMEOUT)
+            except asyncio.TimeoutError:
+                self.worker.kill(f"it did not apply a change to {self.sandbox_id} within {CALL_TIMEOUT:g} s")
+            except AgentVMError:
+                pass  # lost, or failed it (and killed for it): the replacement has it all
+            await self.pool.settle(self.worker.index)  # (a replacement under way: its end)
+            w = self.worker
+            if not w.alive:
+                await self.pool.replaced(w)
+                continue
+            if self._pending:
+                continue
+            if self.served or self.closed:
+                return
+            try:  # its worker could not take it back before: once more, with the whole state
+                await self.pool.reopen(self)
+            except AgentVMError:
+                pass
+            if self.served or self.closed:
+                return
+        raise AgentVMError(f"sandbox {self.sandbox_id} is not served by a gate worker now (gate worker "
+                           f"{self.worker.index}: {self.worker.reason or 'it could not take the sandbox back'}); "
+                           "the change is stored, and its egress is refused until it is served again",
+                           hint="restart the sandbox; see the daemon's log and `agentvm audit show` (gate.worker-*)",
+                           code="gate.worker-lost")
 
 
 class GateWorker:
@@ -279,7 +320,8 @@ class GateWorker:
         self.lost: asyncio.Future | None = None  # done when this worker is gone
         self._writer: asyncio.Transport | None = None
         self._fd_sock: socket.socket | None = None
-        self._calls: dict[int, asyncio.Future] = {}
+        self._calls: dict[int, tuple[asyncio.Future, str]] = {}
+        self.opening = asyncio.Semaphore(OPENS_IN_FLIGHT)  # bounds the descriptors queued for it
         self._next = 0
         self.reason = ""  # why it is gone
         self._stopping = False  # stop(): the worker is let exit on its own (up to STOP_TIMEOUT)
@@ -296,18 +338,29 @@ class GateWorker:
         try:
             self.proc = await asyncio.create_subprocess_exec(*args, stdin=asyncio.subprocess.DEVNULL,
                                                              pass_fds=(chan_w.fileno(), fds_w.fileno()))
+        except BaseException:
+            chan.close()
+            fds.close()
+            raise
         finally:
             chan_w.close()
             fds_w.close()
+        fds.setblocking(False)  # (never blocks the daemon's loop: `opening` keeps its queue short)
         self._fd_sock = fds
         self.alive = True
         self.lost = loop.create_future()
-        self._writer, _ = await loop.create_unix_connection(lambda: _Frames(self._message, self._gone), sock=chan)
         try:
-            await asyncio.wait_for(self.call("ping"), START_TIMEOUT)
+            self._writer, _ = await loop.create_unix_connection(lambda: _Frames(self._message, self._gone), sock=chan)
+            version = await asyncio.wait_for(self.call("ping"), START_TIMEOUT)
         except BaseException:
+            chan.close()
             self.kill("it did not come up")
             raise
+        if version != PROTOCOL:
+            self.kill("it runs another version of agent-vm")
+            raise AgentVMError(f"gate worker {self.index} runs another version of agent-vm than the daemon (the "
+                               "installation changed under the running daemon)", hint="restart the daemon: "
+                               "`agentvm down && agentvm up`")
 
     def send(self, op: str, *args, fd: int | None = None) -> asyncio.Future:
         """Send one call; -> the future of its acknowledgement (raises WorkerLost at once if the
@@ -316,11 +369,18 @@ class GateWorker:
             raise WorkerLost(f"gate worker {self.index} is gone: {self.reason}")
         self._next += 1
         cid = self._next
+        data = _pack((cid, op, args))  # (first: a call that cannot be sent sends no descriptor)
+        if fd is not None:
+            # the descriptor first, on its own socket, tagged with the call's id: it is there when
+            # the call is read, and the worker checks it belongs to it
+            try:
+                socket.send_fds(self._fd_sock, [str(cid).encode()], [fd])
+            except OSError as exc:
+                self.kill(f"its descriptor queue refused a socket ({exc})")
+                raise WorkerLost(f"gate worker {self.index} is gone: {self.reason}") from None
         fut = asyncio.get_running_loop().create_future()
-        self._calls[cid] = fut
-        if fd is not None:  # the descriptor first, on its own socket: it is there when the call is read
-            socket.send_fds(self._fd_sock, [b"F"], [fd])
-        self._writer.write(_pack((cid, op, args)))
+        self._calls[cid] = (fut, op)
+        self._writer.write(data)
         return fut
 
     async def call(self, op: str, *args, fd: int | None = None, timeout: float = CALL_TIMEOUT):
@@ -341,19 +401,23 @@ class GateWorker:
                     log.exception("a gate worker's record")
         elif msg[0] == "reply":
             _, cid, ok, value = msg
-            fut = self._calls.pop(cid, None)
+            fut, op = self._calls.pop(cid, (None, None))
             if fut is not None and not fut.done():
                 if ok:
                     fut.set_result(value)
                 else:
                     fut.set_exception(AgentVMError(f"gate worker {self.index}: {value}"))
+            if not ok and op == "state":
+                # it holds an endpoint in a state the daemon does not know: replaced, and the
+                # replacement opens every endpoint with the daemon's whole state
+                self.kill(f"it failed to apply a change ({value})")
 
     def _gone(self, reason: str) -> None:
         if not self.alive:
             return
         self.alive = False
         self.reason = reason
-        for fut in self._calls.values():
+        for fut, _ in self._calls.values():
             if not fut.done():
                 fut.set_exception(WorkerLost(f"gate worker {self.index} is gone: {reason}"))
         self._calls.clear()
@@ -451,13 +515,23 @@ class WorkerPool:
         ep = RemoteEndpoint(self, w, sandbox_id, agent, policy, sock_path, sock, creds)
         w.endpoints[sandbox_id] = ep
         try:
-            await w.call("open", *ep.open_args(), fd=sock.fileno())
+            async with w.opening:
+                await w.call("open", *ep.open_args(), fd=sock.fileno())
         except BaseException:
-            w.endpoints.pop(sandbox_id, None)
             ep.closed = True
+            ep.worker.endpoints.pop(sandbox_id, None)
+            if ep.worker.alive:  # (cancelled or timed out with the open under way: not left open there)
+                try:
+                    ep.worker.send("close", sandbox_id)
+                except AgentVMError:
+                    pass
             sock.close()
             sock_path.unlink(missing_ok=True)
             raise
+        if ep.worker is w:
+            ep.served = True
+        else:  # replaced meanwhile: the replacement took it back (with `served` set) or not
+            await ep.synced()
         return ep
 
     async def close(self, ep: RemoteEndpoint) -> RemoteEndpoint:
@@ -499,50 +573,83 @@ class WorkerPool:
         if t is not None:
             await asyncio.shield(t)
 
+    async def settle(self, index: int) -> None:
+        """Wait for the end of a replacement of worker ``index`` under way, if any."""
+        t = self._replacing.get(index)
+        if t is not None:
+            await asyncio.shield(t)
+
+    async def reopen(self, ep: RemoteEndpoint) -> None:
+        """Open ``ep`` on its worker again, with its whole state (one its worker could not take)."""
+        w = ep.worker
+        async with w.opening:
+            if ep.closed or ep.served or not w.alive or self._replacing.get(w.index) is not None:
+                return
+            await w.call("open", *ep.open_args(), fd=ep.sock.fileno())
+            if ep.worker is w:
+                ep.served = True
+
     async def _replace(self, old: GateWorker) -> None:
         try:
-            rc = None
-            if old.proc is not None:
-                try:
-                    rc = await asyncio.wait_for(old.proc.wait(), STOP_TIMEOUT)
-                except asyncio.TimeoutError:
-                    pass
-            eps = dict(old.endpoints)
-            self.on_event("gate.worker-lost", worker=old.index, pid=old.proc.pid if old.proc else None, exit=rc,
-                          reason=old.reason, sandboxes=sorted(eps))
-            delay = 0.1
-            for attempt in range(5):
-                if self.stopping:
-                    return
-                new = GateWorker(self, old.index)
-                try:
-                    await new.start()
-                except Exception as exc:  # noqa: BLE001 - tried again, then reported
-                    log.error("gate worker %d did not restart (attempt %d): %s", old.index, attempt + 1, exc)
-                    await asyncio.sleep(delay)
-                    delay *= 4
-                    continue
+            failures, delay = 0, 0.1
+            while not self.stopping:
+                rc = None
+                if old.proc is not None:
+                    try:
+                        rc = await asyncio.wait_for(old.proc.wait(), STOP_TIMEOUT)
+                    except asyncio.TimeoutError:
+                        pass
+                eps = {sid: ep for sid, ep in old.endpoints.items() if not ep.closed}
+                self.on_event("gate.worker-lost", worker=old.index, pid=old.proc.pid if old.proc else None, exit=rc,
+                              reason=old.reason, sandboxes=sorted(eps))
+                while True:
+                    if self.stopping:
+                        return
+                    new = GateWorker(self, old.index)
+                    try:
+                        await new.start()
+                        break
+                    except Exception as exc:  # noqa: BLE001 - tried again, then reported
+                        failures += 1
+                        log.error("gate worker %d did not restart (attempt %d): %s", old.index, failures, exc)
+                        if failures >= RESTARTS:
+                            self.on_event("gate.worker-failed", worker=old.index, sandboxes=sorted(eps),
+                                          reason=f"it did not restart after {RESTARTS} attempts: these sandboxes have "
+                                                 "no egress (fail closed) until they are restarted")
+                            return
+                        await asyncio.sleep(delay)
+                        delay *= 4
                 self.workers[old.index] = new
                 moved, failed = [], []
                 for sid, ep in eps.items():
                     if ep.closed:
                         continue
-                    ep.worker = new
-                    ep.counts_lost = True
-                    new.endpoints[sid] = ep
+                    ep.worker, ep.served, ep.counts_lost = new, False, True
+                    new.endpoints[sid] = ep  # (kept if it fails: a later replacement tries it again)
                     try:
-                        await new.call("open", *ep.open_args(), fd=ep.sock.fileno())
+                        async with new.opening:
+                            if ep.closed:  # (closed while it waited)
+                                new.endpoints.pop(sid, None)
+                                continue
+                            await new.call("open", *ep.open_args(), fd=ep.sock.fileno())
+                        ep.served = True
                         moved.append(sid)
                     except Exception as exc:  # noqa: BLE001 - reported: that sandbox has no egress
-                        new.endpoints.pop(sid, None)
                         failed.append(sid)
                         log.error("gate worker %d could not take %s back: %s", new.index, sid, exc)
-                self.on_event("gate.worker-restarted", worker=new.index, pid=new.proc.pid, sandboxes=moved,
-                              **({"not_served": failed} if failed else {}))
-                return
-            self.on_event("gate.worker-failed", worker=old.index, sandboxes=sorted(eps),
-                          reason="it did not restart after 5 attempts: these sandboxes have no egress (fail closed) "
-                                 "until they are restarted")
+                if new.alive:
+                    self.on_event("gate.worker-restarted", worker=new.index, pid=new.proc.pid, sandboxes=moved,
+                                  **({"not_served": failed} if failed else {}))
+                    return
+                # the replacement died too, while taking them back: again (its death was not
+                # reported to worker_gone's replacement: this one is under way)
+                failures += 1
+                if failures >= RESTARTS:
+                    self.on_event("gate.worker-failed", worker=old.index, sandboxes=sorted(eps),
+                                  reason=f"its replacements kept dying ({new.reason}): these sandboxes have no egress "
+                                         "(fail closed) until they are restarted")
+                    return
+                old = new
         finally:
             self._replacing.pop(old.index, None)
 
@@ -558,6 +665,10 @@ class WorkerPool:
 
 
 # ------------------------------------------------------------------------- the worker's side
+class _OutOfStep(Exception):
+    pass
+
+
 class _Worker:
     """The worker process: a Gate, its endpoints opened and changed on the daemon's word."""
 
@@ -590,14 +701,25 @@ class _Worker:
             self.writer.write(_pack(("records", batch)))
 
     async def op_ping(self) -> str:
-        return "pong"
+        return PROTOCOL
 
-    async def op_open(self, sandbox_id, agent, policy, sock_path, creds_spec, paused, revoked) -> None:
-        _, fds, _, _ = socket.recv_fds(self.fd_sock, 16, 1)
-        if not fds:
-            raise RuntimeError("no listening socket came with the call")
+    def take_socket(self, cid: int) -> socket.socket:
+        """The listening socket sent ahead of call ``cid``. Anything else - none, or one tagged for
+        another call - means the two queues are out of step: the worker must not serve one
+        sandbox's socket as another's, so it exits (the daemon replaces it)."""
+        try:
+            tag, fds, _, _ = socket.recv_fds(self.fd_sock, 32, 1, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            tag, fds = b"", []
+        if tag != str(cid).encode() or len(fds) != 1:
+            for fd in fds:
+                os.close(fd)
+            raise _OutOfStep(f"call {cid} came with {len(fds)} socket(s) tagged {tag[:32]!r}")
         sock = socket.socket(fileno=fds[0])
         sock.setblocking(False)
+        return sock
+
+    async def op_open(self, sock, sandbox_id, agent, policy, sock_path, creds_spec, paused, revoked) -> None:
         creds = None
         try:
             if creds_spec is not None:
@@ -613,8 +735,10 @@ class _Worker:
             raise
         ep.paused = paused
 
-    async def op_state(self, sandbox_id, policy, paused, revoked) -> None:
-        ep = self.gate.endpoints[sandbox_id]
+    async def op_state(self, sandbox_id, policy, paused, revoked) -> str:
+        ep = self.gate.endpoints.get(sandbox_id)
+        if ep is None:  # its open failed: the daemon opens it again with the whole state
+            return "absent"
         if policy is not None:
             ep.set_policy(policy)
         if ep.paused != paused:
@@ -622,6 +746,7 @@ class _Worker:
         if ep.creds is not None and set(revoked) != ep.creds.local_revoked:
             ep.creds.local_revoked.clear()
             ep.creds.local_revoked.update(revoked)
+        return "applied"
 
     async def op_close(self, sandbox_id) -> dict | None:
         ep = self.gate.endpoints.get(sandbox_id)
@@ -639,8 +764,13 @@ class _Worker:
                 return
             cid, op, args = msg
             try:
+                if op == "open":  # its socket first, whatever happens next
+                    args = (self.take_socket(cid), *args)
                 value = await getattr(self, "op_" + op)(*args)
                 reply = ("reply", cid, True, value)
+            except _OutOfStep as exc:
+                log.error("gate worker: %s; exiting", exc)
+                return
             except Exception as exc:  # noqa: BLE001 - told to the daemon, which reports it
                 log.exception("gate worker: %s failed", op)
                 reply = ("reply", cid, False, f"{op}: {type(exc).__name__}: {exc}")
@@ -683,6 +813,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--log-dir", required=True)
     p.add_argument("--telemetry")
     ns = p.parse_args(argv)
+    # only the two channels are ours: whatever else leaked into this process (a descriptor
+    # the daemon had marked inheritable for a sandbox's setup in another thread) is closed
+    keep = {0, 1, 2, ns.channel, ns.fds}
+    for name in os.listdir("/proc/self/fd"):
+        if int(name) not in keep:
+            try:
+                os.close(int(name))
+            except OSError:
+                pass
     logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s gate-worker-{ns.index} %(levelname)s %(message)s")
     # the daemon's signals (a terminal's ^C) are the daemon's: it stops its workers itself
     signal.signal(signal.SIGINT, signal.SIG_IGN)
