@@ -12,7 +12,8 @@ gate (one credential bound to bench.test, every CONNECT terminated) importing ag
 that tree; one client opens a CONNECT tunnel, TLS to the gate's CA, and sends requests with the
 placeholder one after another; after 200 warm-up requests the counters are zeroed, N requests
 are counted, and the gate's user-space instructions / N are printed. Loopback and unix sockets
-only. Needs valgrind (apt-get install valgrind); about a minute per tree.
+only. Needs valgrind (apt-get install valgrind); about a minute per tree. ICOUNT_KEEP=FILE keeps
+the (last tree's) callgrind profile there.
 """
 
 from __future__ import annotations
@@ -96,6 +97,8 @@ def count(src: Path, n: int) -> int:
         subprocess.run(["callgrind_control", "-d", str(gate.pid)], capture_output=True, check=True)
         time.sleep(0.5)
         dump = max(glob.glob(f"{tmp}/cg.*"), key=os.path.getmtime)
+        if os.environ.get("ICOUNT_KEEP"):  # the profile itself, for callgrind_annotate
+            shutil.copy(dump, os.environ["ICOUNT_KEEP"])
         with open(dump) as f:
             total = int(next(ln.split()[1] for ln in f if ln.startswith("totals:")))
         tls.close()

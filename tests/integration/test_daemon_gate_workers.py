@@ -235,3 +235,13 @@ def test_a_run_through_the_daemon_gets_its_workers_counters(daemon_workers):
     assert any(x["kind"] == "operator.run" for x in recs), "it ran through the daemon"
     assert any(x["kind"] == "gate.workers" for x in recs)
     assert not any(x["kind"] == "gate.placement" for x in recs), "a plain run is served by a worker"
+
+
+def test_idle_timeout_counts_traffic_on_a_gate_worker(daemon_workers, tmp_path):
+    """The daemon suite's idle-timeout test, its sandbox on a gate worker: the activity the
+    daemon's clock counts is the worker's records, carried back."""
+    from tests.integration.test_daemon import test_idle_timeout_counts_gate_traffic_and_ends_a_quiet_worker as idle
+
+    idle(daemon_workers, tmp_path)
+    placed = [r["data"].get("gate") for r in audit("d-idle") if r["kind"] == "lifecycle.running"]
+    assert placed and all(g.startswith("worker ") for g in placed), placed
