@@ -431,6 +431,12 @@ class Vault:
             return names is not None and name in names
         return False
 
+    def any_revoked(self, names: tuple[str, ...], sandbox_id: str | None = None) -> bool:
+        """``any(self.is_revoked(n, sandbox_id) for n in names)`` with one look at the file."""
+        _, glob, sandboxes = self._revocations()
+        local = sandboxes.get(sandbox_id) if sandbox_id is not None else None
+        return any(n in glob or (local is not None and n in local) for n in names)
+
     def _revocations(self) -> tuple[Any, frozenset, dict]:
         path = self.revocations_path
         try:

@@ -577,3 +577,16 @@ def test_canary_never_leaks(v, tmp_path):
     for t in texts:
         assert CANARY not in t, t
     assert v.get("canary") == CANARY  # still intact
+
+
+def test_any_revoked_is_is_revoked_of_any_name(v):
+    import itertools
+
+    v.set("tok", "x")
+    v.set("g", "y")
+    v.revoke("tok", "sb1")
+    v.revoke("g")
+    names = ("tok", "g", "nope")
+    for combo in itertools.chain.from_iterable(itertools.combinations(names, k) for k in range(4)):
+        for sb in (None, "sb1", "sb2"):
+            assert v.any_revoked(combo, sb) == any(v.is_revoked(n, sb) for n in combo), (combo, sb)
