@@ -494,9 +494,11 @@ def test_a_change_made_while_the_sandbox_starts_reaches_its_endpoint(d, monkeypa
     assert entered.wait(20)
     c.policy("w1", "pause")
     c.policy("w1", "allow", rule="files.pythonhosted.org:443")
+    c.policy("w1", "budget", tokens=1000)
     release.set()
     t.join(30)
     assert done and done[0]["state"] == "running"
     ep = d.daemon.managed["w1"].endpoint
     assert ep.paused, "the pause made while it started"
     assert any(rule.host == "files.pythonhosted.org" for rule in ep.policy.allow), "the rule added while it started"
+    assert ep.budget is not None and ep.budget.spec.tokens == 1000, "the budget set while it started"

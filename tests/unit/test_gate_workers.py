@@ -309,3 +309,77 @@ def test_a_change_a_worker_fails_replaces_it_and_the_next_change_is_served(tmp_p
             srv.close()
 
     run(main())
+
+
+def _held(pid: int, sock) -> int:
+    """How many descriptors of process ``pid`` are the listening socket ``sock`` (one, when one
+    server accepts on it)."""
+    target = f"socket:[{os.fstat(sock.fileno()).st_ino}]"
+    n = 0
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            n += os.readlink(f"/proc/{pid}/fd/{fd}") == target
+        except OSError:
+            pass
+    return n
+
+
+def test_two_waits_on_an_unserved_endpoint_open_it_once(tmp_path):
+    """(review: two synced() at once on an endpoint its worker had failed both re-opened it, and
+    an orphan server kept accepting on its socket with the old state)"""
+    async def main():
+        srv = await asyncio.get_running_loop().create_server(_Up, "127.0.0.1", 0)
+        port = srv.sockets[0].getsockname()[1]
+        pool = _pool(tmp_path, 1)
+        await pool.start()
+        try:
+            a = await pool.open("sb-a", "a", _policy(port), tmp_path / "a.sock", uid=None, creds=None)
+            a.set_policy(object())  # fails on the worker: replaced, and the endpoint is not served
+            with pytest.raises(Exception, match="not served"):
+                await a.synced()
+            a._policy = _policy(port, allow=False)  # (a good state, not pushed: the waits re-open it)
+            await asyncio.gather(a.synced(), a.synced())
+            assert a.served
+            assert _held(pool.workers[0].proc.pid, a.sock) == 1
+            assert (await _get(tmp_path / "a.sock", port))[0] == 403
+        finally:
+            await pool.stop()
+            srv.close()
+
+    run(main())
+
+
+def test_an_open_whose_replacement_cannot_take_it_leaves_nothing(tmp_path, monkeypatch):
+    """(review: pool.open returned an error but left the endpoint registered, its socket bound,
+    re-opened by every later replacement)"""
+    import agentvm.gate.workers as W
+    from agentvm.errors import AgentVMError
+
+    real_call = W.GateWorker.call
+    first = []
+
+    async def call(self, op, *args, **kw):
+        if op == "open" and first and self is not first[0]:
+            raise AgentVMError("simulated: the replacement cannot take it")
+        v = await real_call(self, op, *args, **kw)
+        if op == "open" and not first:
+            first.append(self)
+            os.kill(self.proc.pid, signal.SIGKILL)  # dies right after acknowledging the open
+            await asyncio.wait_for(self.lost, 10)
+            await asyncio.sleep(0.3)
+        return v
+
+    monkeypatch.setattr(W.GateWorker, "call", call)
+
+    async def main():
+        pool = _pool(tmp_path, 1)
+        await pool.start()
+        try:
+            with pytest.raises(AgentVMError):
+                await pool.open("sb-a", "a", _policy(1), tmp_path / "a.sock", uid=None, creds=None)
+            await pool.settle(0)
+            assert not pool.workers[0].endpoints and not (tmp_path / "a.sock").exists()
+        finally:
+            await pool.stop()
+
+    run(main())

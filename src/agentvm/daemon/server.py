@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import concurrent.futures
 import contextvars
 import dataclasses
 import hmac
@@ -177,7 +178,12 @@ class DaemonGateHost:
         self.daemon = daemon
 
     def _call(self, coro, timeout: float = 30.0):
-        return asyncio.run_coroutine_threadsafe(coro, self.daemon.loop).result(timeout)
+        fut = asyncio.run_coroutine_threadsafe(coro, self.daemon.loop)
+        try:
+            return fut.result(timeout)
+        except concurrent.futures.TimeoutError:
+            fut.cancel()  # (not left to finish for a sandbox that is being torn down)
+            raise
 
     @property
     def relays_telemetry(self) -> bool:
@@ -524,11 +530,18 @@ class Daemon:
             if s.endpoint is not None:
                 # the row again: a live change made while the sandbox was prepared is stored
                 # there but reached no endpoint (this one did not exist yet)
-                fresh = self.state.get(m.name) or row
+                try:
+                    fresh = self.state.get(m.name) or row
+                except Exception:  # noqa: BLE001 - (a locked database: the row read at the start rules)
+                    log.warning("could not read %s's row again after attaching it", m.name, exc_info=True)
+                    fresh = row
                 if fresh.policy_patch != row.policy_patch:
                     fresh_policy = self._policy_for(fresh)
-                    if fresh_policy.egress is not None:
-                        s.endpoint.set_policy(fresh_policy.egress)
+                    if fresh_policy.limits.budget is not None and hasattr(s.endpoint, "synced"):
+                        raise AgentVMError(f"{m.name} was given an LLM budget while it started, and its gate worker "
+                                           "cannot meter one; its next start is served by the daemon's gate",
+                                           code="gate.worker-budget")
+                    self._apply_live(s.endpoint, fresh_policy, json.loads(fresh.policy_patch or "{}"))
                     m.policy = fresh_policy
                 patch = json.loads(fresh.policy_patch or "{}")
                 s.endpoint.paused = bool(patch.get("paused"))
@@ -1406,6 +1419,14 @@ class Daemon:
         m = self.managed.get(name)
         ep = m.endpoint if m else None
         t0 = time.perf_counter()
+        if op == "budget" and ep is not None and hasattr(ep, "synced"):
+            # a gate worker cannot meter (the only live op that adds what a worker does not
+            # carry: allow/deny/remove rules are never `action: ask`, tools ops change only a
+            # tool gateway, which it has none of); refused before anything is changed
+            raise ApiError(409, "gate-worker", f"{name} is served by gate {ep.placement}, which cannot meter an LLM "
+                           "budget (its counters, shared by an agent's sandboxes, live in the daemon)",
+                           hint=f"nothing was changed; to set one, put it in the agent file and restart the sandbox "
+                           f"(`agentvm restart {name}`): it is then served by the daemon's own gate")
         if op in ("allow", "deny"):
             rules = doc.get("rules") or [doc.get("rule")]
             if not rules or not all(isinstance(r, str) for r in rules):
@@ -1522,35 +1543,37 @@ class Daemon:
                            "limits, tools, budget")
         new_row = dataclasses.replace(row, policy_patch=json.dumps(patch))
         policy = self._policy_for(new_row)  # raises on anything invalid: nothing applied yet
-        if ep is not None and hasattr(ep, "synced") and op == "budget":  # served by a gate worker: it cannot meter
-            # (the only live op that adds what a worker does not carry: allow/deny/remove rules
-            # are never `action: ask`, tools ops change only a tool gateway, which it has none of)
-            why = "an LLM budget's counters, shared by an agent's sandboxes, live in the daemon"
-            if why:
-                raise ApiError(409, "gate-worker", f"{name} is served by gate {ep.placement}, which cannot carry this "
-                               f"change live: {why}", hint=f"the change is not applied; to make it, restart the sandbox "
-                               f"with it (`agentvm restart {name}` after editing its file): it is then served by the "
-                               "daemon's own gate")
         self.state.update(name, policy_patch=json.dumps(patch))
         if ep is not None:
-            if policy.egress is not None:
-                ep.set_policy(policy.egress)
-            ep.paused = bool(patch.get("paused"))
-            if ep.tools is not None and policy.tools is not None:
-                ep.tools.set_policy(policy.tools, policy.digest())  # the next tool call is decided under it
-            if policy.limits.budget is not None:  # the next request is checked against it
-                if getattr(ep, "budget", None) is not None:
-                    ep.budget.set_spec(policy.limits.budget)
-                else:
-                    from agentvm.gate.budget import Budget, BudgetStore
-
-                    ep.set_budget(Budget(ep.agent, policy.limits.budget, BudgetStore(self.paths.home / "budgets.db")))
+            self._apply_live(ep, policy, patch)
             if hasattr(ep, "synced"):  # on a gate worker: applied there before this call returns
                 await ep.synced()
         took = (time.perf_counter() - t0) * 1000
         self.record("policy.change", actor=actor, sandbox=name, op=op, detail={k: v for k, v in doc.items() if k != "op"},
                     applied_live=ep is not None, ms=round(took, 3))
         return {"applied": True, "live": ep is not None, "ms": round(took, 3), "patch": patch}
+
+    def _apply_live(self, ep, policy, patch: dict) -> None:
+        """A sandbox's policy (its file's, with the live changes in ``patch``) onto its running
+        endpoint: the next request is decided under it. (Revocations are the caller's.)"""
+        if policy.egress is not None:
+            ep.set_policy(policy.egress)
+        ep.paused = bool(patch.get("paused"))
+        if ep.tools is not None and policy.tools is not None:
+            ep.tools.set_policy(policy.tools, policy.digest())  # the next tool call is decided under it
+        if policy.limits.budget is not None:  # the next request is checked against it
+            if getattr(ep, "budget", None) is not None:
+                ep.budget.set_spec(policy.limits.budget)
+            elif hasattr(ep, "synced"):
+                # a gate worker cannot meter: never the case of a budget op (refused first), nor
+                # of a start (placed on the daemon's gate); here only when the row's file gained a
+                # budget it is not running yet (a fleet update between its stop and start): it
+                # applies at that start
+                pass
+            else:
+                from agentvm.gate.budget import Budget, BudgetStore
+
+                ep.set_budget(Budget(ep.agent, policy.limits.budget, BudgetStore(self.paths.home / "budgets.db")))
 
     async def _approvals(self, method: str, p: list, doc: dict, q: dict, conn, writer, actor: str) -> None:
         """The approvals queue over the API (the SDK, a webhook's answer): list, show, approve, deny."""

@@ -137,6 +137,12 @@ class _Frames(asyncio.Protocol):
         self.on_lost("its channel closed" if exc is None else f"its channel broke ({exc})")
 
 
+def _quiet(fut: asyncio.Future) -> None:
+    """A done callback for a call nobody waits for: its error is taken (not logged as never retrieved)."""
+    if not fut.cancelled():
+        fut.exception()
+
+
 def unplaceable(policy, extras=None, creds=None) -> str | None:
     """Why a sandbox's endpoint cannot be served by a gate worker (it is served by the daemon's
     own gate), or None. ``policy`` is the sandbox's EgressPolicy; ``extras`` its
@@ -218,6 +224,7 @@ class RemoteEndpoint:
         self.creds = None if creds is None else RemoteCreds(self, creds.spec, bool(getattr(creds, "scrub_encoded", True)))
         self._pending: list[asyncio.Future] = []  # pushes not acknowledged yet
         self.served = False  # its worker acknowledged serving it (false while a replacement takes it back)
+        self.reopening = asyncio.Lock()
         self.allowed = self.bytes_out = self.bytes_in = self.alerts = 0
         self.denials: dict = {}
         self.denial_reasons: dict = {}
@@ -522,7 +529,7 @@ class WorkerPool:
             ep.worker.endpoints.pop(sandbox_id, None)
             if ep.worker.alive:  # (cancelled or timed out with the open under way: not left open there)
                 try:
-                    ep.worker.send("close", sandbox_id)
+                    ep.worker.send("close", sandbox_id).add_done_callback(_quiet)
                 except AgentVMError:
                     pass
             sock.close()
@@ -531,7 +538,11 @@ class WorkerPool:
         if ep.worker is w:
             ep.served = True
         else:  # replaced meanwhile: the replacement took it back (with `served` set) or not
-            await ep.synced()
+            try:
+                await ep.synced()
+            except BaseException:
+                await asyncio.shield(self.close(ep))
+                raise
         return ep
 
     async def close(self, ep: RemoteEndpoint) -> RemoteEndpoint:
@@ -558,36 +569,37 @@ class WorkerPool:
 
     # -- a worker lost: replaced, its endpoints handed over ---------------------------------
     def worker_gone(self, w: GateWorker) -> None:
-        if self.stopping or w.index in self._replacing:
-            return
+        if self.stopping or w.index in self._replacing or self.workers[w.index] is not w:
+            return  # (stopping; a replacement under way handles it; or w was replaced already)
         self._replacing[w.index] = asyncio.get_running_loop().create_task(self._replace(w))
 
     async def replaced(self, w: GateWorker) -> None:
         """Wait until the worker in ``w``'s slot is running again (or could not be)."""
         if w.alive:
             return
-        t = self._replacing.get(w.index)
-        if t is None and not self.stopping:
-            self.worker_gone(w)
-            t = self._replacing.get(w.index)
-        if t is not None:
-            await asyncio.shield(t)
+        if self._replacing.get(w.index) is None and not self.stopping:
+            self.worker_gone(w)  # (nothing if a replacement of it already finished)
+        await self.settle(w.index)
 
     async def settle(self, index: int) -> None:
         """Wait for the end of a replacement of worker ``index`` under way, if any."""
         t = self._replacing.get(index)
         if t is not None:
-            await asyncio.shield(t)
+            try:
+                await asyncio.shield(t)
+            except Exception:  # noqa: BLE001 - (its own failure is logged by the loop; the caller checks the worker)
+                pass
 
     async def reopen(self, ep: RemoteEndpoint) -> None:
         """Open ``ep`` on its worker again, with its whole state (one its worker could not take)."""
-        w = ep.worker
-        async with w.opening:
-            if ep.closed or ep.served or not w.alive or self._replacing.get(w.index) is not None:
-                return
-            await w.call("open", *ep.open_args(), fd=ep.sock.fileno())
-            if ep.worker is w:
-                ep.served = True
+        async with ep.reopening:  # (one at a time: two would open it twice)
+            w = ep.worker
+            async with w.opening:
+                if ep.closed or ep.served or not w.alive or self._replacing.get(w.index) is not None:
+                    return
+                await w.call("open", *ep.open_args(), fd=ep.sock.fileno())
+                if ep.worker is w:
+                    ep.served = True
 
     async def _replace(self, old: GateWorker) -> None:
         try:
@@ -649,6 +661,8 @@ class WorkerPool:
                                   reason=f"its replacements kept dying ({new.reason}): these sandboxes have no egress "
                                          "(fail closed) until they are restarted")
                     return
+                await asyncio.sleep(delay)
+                delay *= 4
                 old = new
         finally:
             self._replacing.pop(old.index, None)
@@ -708,9 +722,13 @@ class _Worker:
         another call - means the two queues are out of step: the worker must not serve one
         sandbox's socket as another's, so it exits (the daemon replaces it)."""
         try:
-            tag, fds, _, _ = socket.recv_fds(self.fd_sock, 32, 1, socket.MSG_DONTWAIT)
+            tag, fds, flags, _ = socket.recv_fds(self.fd_sock, 32, 1, socket.MSG_DONTWAIT)
         except BlockingIOError:
-            tag, fds = b"", []
+            tag, fds, flags = b"", [], 0
+        if tag == str(cid).encode() and not fds and flags & socket.MSG_CTRUNC:
+            # its own socket, dropped by the kernel (this process is out of descriptors): this
+            # call fails; the queues are still in step
+            raise OSError("the listening socket could not be received (out of file descriptors?)")
         if tag != str(cid).encode() or len(fds) != 1:
             for fd in fds:
                 os.close(fd)
@@ -722,6 +740,8 @@ class _Worker:
     async def op_open(self, sock, sandbox_id, agent, policy, sock_path, creds_spec, paused, revoked) -> None:
         creds = None
         try:
+            if sandbox_id in self.gate.endpoints:  # opened again with the daemon's whole state: one server
+                await self.gate.close_endpoint(sandbox_id, unlink=False)
             if creds_spec is not None:
                 from agentvm.runtime import vault_credentials
 
@@ -815,13 +835,17 @@ def main(argv: list[str] | None = None) -> int:
     ns = p.parse_args(argv)
     # only the two channels are ours: whatever else leaked into this process (a descriptor
     # the daemon had marked inheritable for a sandbox's setup in another thread) is closed
-    keep = {0, 1, 2, ns.channel, ns.fds}
-    for name in os.listdir("/proc/self/fd"):
-        if int(name) not in keep:
-            try:
-                os.close(int(name))
-            except OSError:
-                pass
+    keep = sorted({0, 1, 2, ns.channel, ns.fds})
+    try:
+        for name in os.listdir("/proc/self/fd"):
+            if int(name) not in keep:
+                try:
+                    os.close(int(name))
+                except OSError:
+                    pass
+    except OSError:  # no /proc: every gap between the descriptors kept
+        for lo, hi in zip(keep, keep[1:] + [os.sysconf("SC_OPEN_MAX")]):
+            os.closerange(lo + 1, hi)
     logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s gate-worker-{ns.index} %(levelname)s %(message)s")
     # the daemon's signals (a terminal's ^C) are the daemon's: it stops its workers itself
     signal.signal(signal.SIGINT, signal.SIG_IGN)
