@@ -30,7 +30,7 @@ spec:
 
 
 class Running:
-    def __init__(self, tmp: Path, listen: str | None = None):
+    def __init__(self, tmp: Path, listen: str | None = None, gate_workers: int = 0):
         self.paths = Paths(home=tmp / "home", runtime=tmp / "run")
         self.backend = FakeBackend(0, hold=True)
         self.loop = asyncio.new_event_loop()
@@ -39,7 +39,7 @@ class Running:
 
         def main():
             asyncio.set_event_loop(self.loop)
-            self.daemon = Daemon(self.paths, backend=self.backend, listen=listen)
+            self.daemon = Daemon(self.paths, backend=self.backend, listen=listen, gate_workers=gate_workers)
             ready.set()
             self.loop.run_until_complete(self.daemon.serve())
 
@@ -47,7 +47,7 @@ class Running:
         self.thread.start()
         ready.wait(10)
         self.client = Client(self.paths.runtime / "agentvm.sock", timeout=30)
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + (10 if not gate_workers else 40)
         while not self.client.available():
             assert time.monotonic() < deadline, "daemon did not come up"
             time.sleep(0.02)
@@ -502,3 +502,86 @@ def test_a_change_made_while_the_sandbox_starts_reaches_its_endpoint(d, monkeypa
     assert ep.paused, "the pause made while it started"
     assert any(rule.host == "files.pythonhosted.org" for rule in ep.policy.allow), "the rule added while it started"
     assert ep.budget is not None and ep.budget.spec.tokens == 1000, "the budget set while it started"
+
+
+def test_a_budget_set_while_a_worker_served_sandbox_starts_starts_it_again_on_the_daemons_gate(tmp_path, monkeypatch):
+    """(review: a budget set while a sandbox placed on a gate worker started failed that start
+    for good; a worker cannot meter it, so the start is redone, placed on the daemon's gate)"""
+    from agentvm import lifecycle
+
+    monkeypatch.setenv("AGENTVM_ALLOW_FAKE", "1")
+    d = Running(tmp_path, gate_workers=1)
+    try:
+        entered, release = threading.Event(), threading.Event()
+        real = lifecycle.Lifecycle.attach
+
+        def attach(self, s):
+            if not entered.is_set():
+                entered.set()
+                release.wait(20)
+            return real(self, s)
+
+        monkeypatch.setattr(lifecycle.Lifecycle, "attach", attach)
+        c = d.client
+        c.create(spec())
+        done = []
+        t = threading.Thread(target=lambda: done.append(
+            Client(d.paths.runtime / "agentvm.sock", timeout=60).action("w1", "start")))
+        t.start()
+        assert entered.wait(20)
+        c.policy("w1", "budget", tokens=1000)
+        release.set()
+        t.join(60)
+        assert done and done[0]["state"] == "running", done
+        ep = d.daemon.managed["w1"].endpoint
+        assert not hasattr(ep, "synced"), "the second start is served by the daemon's own gate"
+        assert ep.budget is not None and ep.budget.spec.tokens == 1000
+        kinds = [r["kind"] for r in c.audit(sandbox="w1")]
+        assert "lifecycle.start-again" in kinds and "lifecycle.failed" not in kinds
+        assert not d.daemon.workers.workers[0].endpoints, "the first start's worker endpoint was closed"
+    finally:
+        d.stop()
+
+
+def test_an_open_abandoned_by_its_caller_is_undone_even_if_it_finishes(tmp_path):
+    """(review: DaemonGateHost._call gave up on an open whose last step was still running: the
+    endpoint was made, served and bound, and owned by nobody)"""
+    import types
+
+    from agentvm.daemon.server import DaemonGateHost
+    from agentvm.errors import AgentVMError
+
+    loop = asyncio.new_event_loop()
+    th = threading.Thread(target=loop.run_forever, daemon=True)
+    th.start()
+    try:
+        host = DaemonGateHost(types.SimpleNamespace(loop=loop))
+        made, undone = [], []
+
+        async def opener():
+            await asyncio.sleep(0.05)
+            time.sleep(0.3)  # the loop busy past the caller's timeout, in the open's last step
+            made.append("endpoint")
+            return "endpoint"
+
+        async def undo(result):
+            undone.append(result)
+
+        with pytest.raises(AgentVMError, match="did not answer"):
+            host._call(opener(), timeout=0.2, undo=undo)
+        deadline = time.monotonic() + 5
+        while not undone and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert made == ["endpoint"] and undone == ["endpoint"]
+
+        async def slow():
+            await asyncio.sleep(5)
+            made.append("late")
+
+        with pytest.raises(AgentVMError):
+            host._call(slow(), timeout=0.1, undo=undo)
+        time.sleep(0.3)
+        assert "late" not in made, "a call still waiting is cancelled"
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        th.join(5)

@@ -383,3 +383,23 @@ def test_an_open_whose_replacement_cannot_take_it_leaves_nothing(tmp_path, monke
             await pool.stop()
 
     run(main())
+
+
+def test_a_cancelled_close_still_releases_the_daemons_socket(tmp_path):
+    """(review: a close cancelled while it waited for the worker left the daemon's listening
+    socket open and its path bound for the daemon's lifetime)"""
+    async def main():
+        pool = _pool(tmp_path, 1)
+        await pool.start()
+        try:
+            ep = await pool.open("sb-a", "a", _policy(1), tmp_path / "a.sock", uid=None, creds=None)
+            t = asyncio.ensure_future(pool.close(ep))
+            await asyncio.sleep(0)  # (the close call is on its way)
+            t.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await t
+            assert ep.sock.fileno() == -1 and not (tmp_path / "a.sock").exists()
+        finally:
+            await pool.stop()
+
+    run(main())

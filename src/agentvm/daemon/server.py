@@ -169,6 +169,16 @@ class Managed:
         return self.session.backend if self.session is not None else None
 
 
+class _StartAgain(Exception):
+    """A start that must be redone from the sandbox's row (nothing of it has run yet)."""
+
+    TRIES = 3
+
+    def tries_left(self, m) -> bool:
+        m.starts_again = getattr(m, "starts_again", 0) + 1
+        return m.starts_again <= self.TRIES
+
+
 class DaemonGateHost:
     """The daemon's one gate, for the lifecycle driver: every sandbox of the daemon - supervised
     or ``agentvm run`` through it - is an endpoint of this gate (no second gate, no second
@@ -177,13 +187,42 @@ class DaemonGateHost:
     def __init__(self, daemon: "Daemon") -> None:
         self.daemon = daemon
 
-    def _call(self, coro, timeout: float = 30.0):
-        fut = asyncio.run_coroutine_threadsafe(coro, self.daemon.loop)
+    def _call(self, coro, timeout: float = 30.0, *, undo=None):
+        """Run ``coro`` on the daemon's loop and wait for it (from a driver thread). Past
+        ``timeout`` the wait ends in an AgentVMError; with ``undo`` (an async function of the
+        result) the call is abandoned: cancelled, or - if it finishes anyway - its result undone
+        on the loop (an endpoint opened for a sandbox whose start gave up is closed). Without
+        ``undo`` (a close) it is left to finish."""
+        loop = self.daemon.loop
+        state: dict = {"abandoned": False, "task": None}
+
+        async def run():
+            state["task"] = asyncio.current_task()
+            if state["abandoned"]:
+                raise asyncio.CancelledError
+            result = await coro
+            if state["abandoned"] and undo is not None:  # (finished after the caller left)
+                await undo(result)
+                raise asyncio.CancelledError
+            return result
+
+        fut = asyncio.run_coroutine_threadsafe(run(), loop)
         try:
             return fut.result(timeout)
         except concurrent.futures.TimeoutError:
-            fut.cancel()  # (not left to finish for a sandbox that is being torn down)
-            raise
+            if undo is not None:
+                def abandon():
+                    state["abandoned"] = True
+                    t = state["task"]
+                    if t is None:
+                        return
+                    if not t.done():
+                        t.cancel()
+                    elif not t.cancelled() and t.exception() is None:
+                        loop.create_task(undo(t.result()))
+                loop.call_soon_threadsafe(abandon)
+            raise AgentVMError(f"the daemon's gate did not answer within {timeout:g} s",
+                               hint="the daemon's loop is overloaded or stuck; see its log", code="gate.timeout") from None
 
     @property
     def relays_telemetry(self) -> bool:
@@ -199,11 +238,16 @@ class DaemonGateHost:
             why = unplaceable(egress, extras, creds)
             if why is None:  # a gate worker serves it (agentvm.gate.workers)
                 return self._call(workers.open(sandbox_id, agent, egress, Path(attachment.address), uid=uid,
-                                               creds=creds))
+                                               creds=creds), undo=workers.close)
             self.daemon._in_loop(lambda: self.daemon.record("gate.placement", sandbox_id=sandbox_id, gate="daemon",
                                                             reason=why))
-        return self._call(self.daemon.gate.open_endpoint(sandbox_id, agent, egress, Path(attachment.address),
-                                                         uid=uid, creds=creds, extras=extras))
+        gate = self.daemon.gate
+
+        async def undo(ep):
+            await gate.close_endpoint(ep.sandbox_id)
+
+        return self._call(gate.open_endpoint(sandbox_id, agent, egress, Path(attachment.address),
+                                             uid=uid, creds=creds, extras=extras), undo=undo)
 
     def close(self, sandbox_id: str, ep) -> dict:
         from agentvm.lifecycle import egress_summary
@@ -485,6 +529,15 @@ class Daemon:
                 row = self.state.get(m.name)
             try:
                 code = await self._run_once(m, row)
+            except _StartAgain as again:
+                if again.tries_left(m):
+                    self.record("lifecycle.start-again", sandbox=m.name, reason=str(again))
+                    continue
+                m.last_error = {"error": "start-again", "message": str(again), "exit_code": 125,
+                                "hint": f"start it again: `agentvm start {m.name}`"}
+                self.state.update(m.name, state="failed", exit_code=None)
+                self.record("lifecycle.failed", sandbox=m.name, error="start-again", message=str(again))
+                return
             except AgentVMError as exc:
                 m.last_error = exc.to_dict()
                 self.state.update(m.name, state="failed", exit_code=None)
@@ -538,9 +591,10 @@ class Daemon:
                 if fresh.policy_patch != row.policy_patch:
                     fresh_policy = self._policy_for(fresh)
                     if fresh_policy.limits.budget is not None and hasattr(s.endpoint, "synced"):
-                        raise AgentVMError(f"{m.name} was given an LLM budget while it started, and its gate worker "
-                                           "cannot meter one; its next start is served by the daemon's gate",
-                                           code="gate.worker-budget")
+                        # a gate worker cannot meter it: this start is redone (nothing has run yet),
+                        # placed on the daemon's gate from the row that has it
+                        raise _StartAgain("it was given an LLM budget while it started, which its gate worker cannot "
+                                          "meter: started again on the daemon's gate")
                     self._apply_live(s.endpoint, fresh_policy, json.loads(fresh.policy_patch or "{}"))
                     m.policy = fresh_policy
                 patch = json.loads(fresh.policy_patch or "{}")
@@ -556,6 +610,7 @@ class Daemon:
             self.record("lifecycle.running", sandbox=m.name, sandbox_id=s.sandbox_id, uid=s.res.host_uid, substrate=s.plan.substrate,
                         identity=s.plan.identity, policy=s.plan.policy_digest,
                         **({"gate": getattr(s.endpoint, "placement", "daemon")} if s.endpoint is not None else {}))
+            m.starts_again = 0
             waiter = asyncio.ensure_future(lc.wait_async(s))
             watch = asyncio.ensure_future(self._watch(m, row))
             stop = asyncio.ensure_future(m.stop_requested.wait())
@@ -1419,7 +1474,8 @@ class Daemon:
         m = self.managed.get(name)
         ep = m.endpoint if m else None
         t0 = time.perf_counter()
-        if op == "budget" and ep is not None and hasattr(ep, "synced"):
+        if op == "budget" and ep is not None and hasattr(ep, "synced") and any(
+                doc.get(k) is not None for k in ("tokens", "requests", "cost")):
             # a gate worker cannot meter (the only live op that adds what a worker does not
             # carry: allow/deny/remove rules are never `action: ask`, tools ops change only a
             # tool gateway, which it has none of); refused before anything is changed

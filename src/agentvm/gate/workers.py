@@ -554,6 +554,9 @@ class WorkerPool:
         except (WorkerLost, AgentVMError) as exc:
             log.warning("closing %s on gate worker %d: %s", ep.sandbox_id, w.index, exc)
             stats = None
+        finally:  # (cancelled or not: the daemon's socket is never left bound)
+            ep.sock.close()
+            ep.sock_path.unlink(missing_ok=True)
         if stats:
             ep.allowed += stats["allowed"]
             ep.bytes_out += stats["bytes_out"]
@@ -563,8 +566,6 @@ class WorkerPool:
                 ep.denials[k] = ep.denials.get(k, 0) + n
             for k, v in stats["denial_reasons"].items():
                 ep.denial_reasons.setdefault(k, v)
-        ep.sock.close()
-        ep.sock_path.unlink(missing_ok=True)
         return ep
 
     # -- a worker lost: replaced, its endpoints handed over ---------------------------------
