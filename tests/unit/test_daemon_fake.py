@@ -472,26 +472,35 @@ def test_the_supervisor_only_makes_transitions_of_the_state_table(tmp_path, monk
     assert set(st.STATES) == set(st.TRANSITIONS) and all(v <= set(st.STATES) for v in st.TRANSITIONS.values())
 
 
-def test_a_change_made_while_the_sandbox_starts_reaches_its_endpoint(d, monkeypatch):
-    """(review: the start applied the state row it read before preparing the sandbox: a pause or
-    a rule changed while it was prepared was stored, reported, and missing from the endpoint)"""
+def _start_held_at_attach(d, monkeypatch):
+    """Start w1 in a thread, its first attach held until ``release`` is set; -> (release, the
+    start's result list, the thread), once the start is held there."""
     from agentvm import lifecycle
 
     entered, release = threading.Event(), threading.Event()
     real = lifecycle.Lifecycle.attach
 
     def attach(self, s):
-        entered.set()
-        release.wait(20)
+        if not entered.is_set():
+            entered.set()
+            release.wait(20)
         return real(self, s)
 
     monkeypatch.setattr(lifecycle.Lifecycle, "attach", attach)
-    c = d.client
-    c.create(spec())
-    done = []
-    t = threading.Thread(target=lambda: done.append(Client(d.paths.runtime / "agentvm.sock", timeout=30).action("w1", "start")))
+    done: list = []
+    t = threading.Thread(target=lambda: done.append(
+        Client(d.paths.runtime / "agentvm.sock", timeout=60).action("w1", "start")))
     t.start()
     assert entered.wait(20)
+    return release, done, t
+
+
+def test_a_change_made_while_the_sandbox_starts_reaches_its_endpoint(d, monkeypatch):
+    """(review: the start applied the state row it read before preparing the sandbox: a pause or
+    a rule changed while it was prepared was stored, reported, and missing from the endpoint)"""
+    c = d.client
+    c.create(spec())
+    release, done, t = _start_held_at_attach(d, monkeypatch)
     c.policy("w1", "pause")
     c.policy("w1", "allow", rule="files.pythonhosted.org:443")
     c.policy("w1", "budget", tokens=1000)
@@ -507,28 +516,12 @@ def test_a_change_made_while_the_sandbox_starts_reaches_its_endpoint(d, monkeypa
 def test_a_budget_set_while_a_worker_served_sandbox_starts_starts_it_again_on_the_daemons_gate(tmp_path, monkeypatch):
     """(review: a budget set while a sandbox placed on a gate worker started failed that start
     for good; a worker cannot meter it, so the start is redone, placed on the daemon's gate)"""
-    from agentvm import lifecycle
-
     monkeypatch.setenv("AGENTVM_ALLOW_FAKE", "1")
     d = Running(tmp_path, gate_workers=1)
     try:
-        entered, release = threading.Event(), threading.Event()
-        real = lifecycle.Lifecycle.attach
-
-        def attach(self, s):
-            if not entered.is_set():
-                entered.set()
-                release.wait(20)
-            return real(self, s)
-
-        monkeypatch.setattr(lifecycle.Lifecycle, "attach", attach)
         c = d.client
         c.create(spec())
-        done = []
-        t = threading.Thread(target=lambda: done.append(
-            Client(d.paths.runtime / "agentvm.sock", timeout=60).action("w1", "start")))
-        t.start()
-        assert entered.wait(20)
+        release, done, t = _start_held_at_attach(d, monkeypatch)
         c.policy("w1", "budget", tokens=1000)
         release.set()
         t.join(60)

@@ -602,6 +602,10 @@ class WorkerPool:
                 if ep.worker is w:
                     ep.served = True
 
+    def _gave_up(self, index: int, eps: dict, why: str) -> None:
+        self.on_event("gate.worker-failed", worker=index, sandboxes=sorted(eps),
+                      reason=f"{why}: these sandboxes have no egress (fail closed) until they are restarted")
+
     async def _replace(self, old: GateWorker) -> None:
         try:
             failures, delay = 0, 0.1
@@ -626,10 +630,7 @@ class WorkerPool:
                         failures += 1
                         log.error("gate worker %d did not restart (attempt %d): %s", old.index, failures, exc)
                         if failures >= RESTARTS:
-                            self.on_event("gate.worker-failed", worker=old.index, sandboxes=sorted(eps),
-                                          reason=f"it did not restart after {RESTARTS} attempts: these sandboxes have "
-                                                 "no egress (fail closed) until they are restarted")
-                            return
+                            return self._gave_up(old.index, eps, f"it did not restart after {RESTARTS} attempts")
                         await asyncio.sleep(delay)
                         delay *= 4
                 self.workers[old.index] = new
@@ -658,10 +659,7 @@ class WorkerPool:
                 # reported to worker_gone's replacement: this one is under way)
                 failures += 1
                 if failures >= RESTARTS:
-                    self.on_event("gate.worker-failed", worker=old.index, sandboxes=sorted(eps),
-                                  reason=f"its replacements kept dying ({new.reason}): these sandboxes have no egress "
-                                         "(fail closed) until they are restarted")
-                    return
+                    return self._gave_up(old.index, eps, f"its replacements kept dying ({new.reason})")
                 await asyncio.sleep(delay)
                 delay *= 4
                 old = new
