@@ -403,3 +403,52 @@ def test_a_cancelled_close_still_releases_the_daemons_socket(tmp_path):
             await pool.stop()
 
     run(main())
+
+
+def test_a_daemon_that_stops_reading_holds_the_worker_and_loses_no_record(tmp_path):
+    """The worker sends every record before it goes on: while the daemon reads nothing its
+    requests wait (as the daemon's own gate would on a stalled loop) instead of records piling up
+    in the worker's memory; once the daemon reads again, every record arrives."""
+    records: list[dict] = []
+
+    async def main():
+        srv = await asyncio.get_running_loop().create_server(_Up, "127.0.0.1", 0)
+        port = srv.sockets[0].getsockname()[1]
+        pool = _pool(tmp_path, 1, records=records)
+        await pool.start()
+        try:
+            import dataclasses
+
+            from agentvm.gate.policy import EgressLimits
+
+            unlimited = dataclasses.replace(_policy(port), limits=EgressLimits(requests_per_second=1e9, burst=10**9))
+            await pool.open("sb-a", "a", unlimited, tmp_path / "a.sock", uid=None, creds=None)
+            r, w = await asyncio.open_unix_connection(str(tmp_path / "a.sock"))
+            req = f"GET http://up.test:{port}/x HTTP/1.1\r\nHost: up.test:{port}\r\n\r\n".encode()
+            answered = [0]
+            total = 6000
+
+            async def client():
+                for _ in range(total):
+                    w.write(req)
+                    await r.readuntil(b"\r\n\r\n")
+                    await r.readexactly(2)
+                    answered[0] += 1
+
+            pool.workers[0]._writer.pause_reading()  # the daemon reads nothing from the worker
+            task = asyncio.ensure_future(client())
+            await asyncio.sleep(3)
+            held = answered[0]
+            assert held < total, "the worker went on while the daemon read nothing"
+            await asyncio.sleep(0.5)
+            assert answered[0] == held, "held: no request is answered while its record cannot be sent"
+            pool.workers[0]._writer.resume_reading()
+            await asyncio.wait_for(task, 60)
+            await asyncio.sleep(0.1)
+            assert len([x for x in records if x["sandbox"] == "sb-a"]) == total, "every record arrives"
+            w.close()
+        finally:
+            await pool.stop()
+            srv.close()
+
+    run(main())

@@ -36,10 +36,12 @@ import asyncio
 import logging
 import os
 import pickle
+import select
 import signal
 import socket
 import struct
 import sys
+import time
 from pathlib import Path
 
 from agentvm.errors import AgentVMError
@@ -56,6 +58,7 @@ RECORD_DELAY = 0.002  # seconds a worker holds decision records to send them in 
 RECORD_BATCH = 256  # ... or until this many wait
 OPENS_IN_FLIGHT = 16  # endpoint opens (each with a descriptor queued) sent to one worker at once
 RESTARTS = 5  # attempts at replacing a lost worker before its sandboxes are reported without egress
+STALL_LIMIT = 60.0  # seconds a worker waits for a daemon that reads nothing before exiting
 BACKLOG = 128  # a sandbox socket's accept backlog (connections wait here while a worker is replaced)
 
 
@@ -682,10 +685,44 @@ class _OutOfStep(Exception):
     pass
 
 
+class _Sender:
+    """The worker's end of the channel, for writing: each message sent whole before the worker
+    goes on. A daemon that does not read (its loop stalled) holds the worker up as it would hold
+    its own in-process gate - decision records are never dropped, and never pile up in this
+    process's memory - for up to STALL_LIMIT, past which the daemon is taken for gone and the
+    worker exits (no egress without the control plane)."""
+
+    def __init__(self, fd: int) -> None:
+        self.sock = socket.socket(fileno=os.dup(fd))  # (the same socket the loop reads the calls from)
+        self.closed = False
+
+    def send(self, data: bytes) -> None:
+        if self.closed:
+            return
+        view, deadline = memoryview(data), None
+        while view:
+            try:
+                view = view[self.sock.send(view):]
+            except BlockingIOError:
+                now = time.monotonic()
+                deadline = deadline or now + STALL_LIMIT
+                if now >= deadline:
+                    log.error("gate worker: the daemon has read nothing for %g s; exiting", STALL_LIMIT)
+                    os._exit(3)
+                select.select([], [self.sock], [], deadline - now)
+            except OSError:  # the daemon is gone: the reader sees the end and the worker stops
+                self.closed = True
+                return
+
+    def close(self) -> None:
+        self.closed = True
+        self.sock.close()
+
+
 class _Worker:
     """The worker process: a Gate, its endpoints opened and changed on the daemon's word."""
 
-    def __init__(self, gate, fd_sock: socket.socket, writer: asyncio.StreamWriter) -> None:
+    def __init__(self, gate, fd_sock: socket.socket, writer: _Sender) -> None:
         self.gate = gate
         self.fd_sock = fd_sock
         self.writer = writer
@@ -710,8 +747,8 @@ class _Worker:
             self._timer.cancel()
             self._timer = None
         batch, self._batch = self._batch, []
-        if batch and not self.writer.is_closing():
-            self.writer.write(_pack(("records", batch)))
+        if batch:
+            self.writer.send(_pack(("records", batch)))
 
     async def op_ping(self) -> str:
         return PROTOCOL
@@ -794,7 +831,7 @@ class _Worker:
                 log.exception("gate worker: %s failed", op)
                 reply = ("reply", cid, False, f"{op}: {type(exc).__name__}: {exc}")
             self._flush()  # the records before the acknowledgement
-            self.writer.write(_pack(reply))
+            self.writer.send(_pack(reply))
 
 
 async def _worker_main(ns) -> None:
@@ -803,13 +840,14 @@ async def _worker_main(ns) -> None:
     chan = socket.socket(fileno=ns.channel)
     fd_sock = socket.socket(fileno=ns.fds)
     fd_sock.setblocking(True)
+    sender = _Sender(chan.fileno())
     reader, writer = await asyncio.open_unix_connection(sock=chan, limit=1 << 20)
     gate = Gate(Path(ns.state_dir), Path(ns.log_dir))
     if ns.telemetry:
         from agentvm.gate.telemetry import TelemetryRelay
 
         gate.telemetry = TelemetryRelay(ns.telemetry)
-    w = _Worker(gate, fd_sock, writer)
+    w = _Worker(gate, fd_sock, sender)
     try:
         await w.serve(reader)
     finally:
@@ -820,6 +858,7 @@ async def _worker_main(ns) -> None:
             except Exception:  # noqa: BLE001 - exiting anyway
                 pass
         w._flush()
+        sender.close()
         writer.close()
 
 
