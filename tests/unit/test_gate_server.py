@@ -1361,3 +1361,31 @@ def test_a_websocket_whose_101_and_the_sandboxs_eof_come_together_is_still_relay
     recs = [json.loads(ln) for ln in ep.log_path.read_text().splitlines()]
     assert [(r["phase"], r["rule"], r["reason"]) for r in recs] == [("websocket", "ws", "websocket relayed")], recs
     assert out.startswith(b"HTTP/1.1 101") and out.endswith(b"bye")
+
+
+def test_closing_an_endpoint_closes_its_connections(tmp_path):
+    """An endpoint closed while its sandbox still holds connections serves nothing more, unlogged:
+    a keep-alive connection between requests is closed quietly, one with a request under way is
+    cut and recorded (endpoint:closed)."""
+    async def go():
+        gate, ep, up, sock = await setup_gate(tmp_path)
+        r1, w1 = await asyncio.open_unix_connection(str(sock))
+        w1.write(req(up.port, path="/one"))
+        assert (await r1.readuntil(b"ok")).startswith(b"HTTP/1.1 200")  # now idle, kept alive
+        r2, w2 = await asyncio.open_unix_connection(str(sock))
+        w2.write(req(up.port, path="/two", body=b"x" * 10)[:-5])  # a request under way: its body half sent
+        await asyncio.sleep(0.2)
+        await gate.close_endpoint("sbx-1")
+        assert await read_to_eof(r1) == b"", "the idle connection is closed, nothing more served"
+        w1.write(req(up.port, path="/after"))
+        await read_to_eof(r2)  # (cut: it is closed, or this times out)
+        for w in (w1, w2):
+            w.close()
+        return ep, up
+
+    ep, up = run(go())
+    lines = [json.loads(ln) for ln in ep.log_path.read_text().splitlines()]
+    assert [x["path"] for x in lines if x["verdict"] == "allow"] == ["/one"]
+    cut = [x for x in lines if x["rule"] == "endpoint:closed"]
+    assert len(cut) == 1 and cut[0]["verdict"] == "deny", lines
+    assert b"/after" not in bytes(up.received)

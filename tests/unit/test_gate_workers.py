@@ -452,3 +452,120 @@ def test_a_daemon_that_stops_reading_holds_the_worker_and_loses_no_record(tmp_pa
             srv.close()
 
     run(main())
+
+
+class _Exited(Exception):
+    pass
+
+
+def _sender_pair(monkeypatch, limit: float):
+    import socket
+
+    import agentvm.gate.workers as W
+
+    monkeypatch.setattr(W, "STALL_LIMIT", limit)
+
+    def exit_(code):
+        raise _Exited(code)
+
+    monkeypatch.setattr(W.os, "_exit", exit_)
+    a, b = socket.socketpair()
+    a.setblocking(False)
+    s = W._Sender(a.fileno())
+    flushed = []
+    s.before_exit = lambda: flushed.append(True)
+    return s, a, b, flushed
+
+
+def test_a_worker_whose_daemon_reads_nothing_writes_its_logs_and_exits(monkeypatch):
+    """(review: the stall exit skipped the decision-log lines held for the loop's turn)"""
+    s, a, b, flushed = _sender_pair(monkeypatch, 0.3)
+    try:
+        with pytest.raises(_Exited):
+            s.send(b"x" * (8 << 20))  # far more than the socket holds; nobody reads
+        assert flushed == [True] and s.closed
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_daemon_that_reads_slowly_is_not_taken_for_gone(monkeypatch):
+    """(review: the stall deadline was not reset by progress)"""
+    import threading
+
+    s, a, b, flushed = _sender_pair(monkeypatch, 0.5)
+    got = []
+
+    def reader():
+        while True:
+            data = b.recv(1 << 16)
+            if not data:
+                return
+            got.append(len(data))
+            time.sleep(0.05)
+
+    import time
+
+    t = threading.Thread(target=reader, daemon=True)
+    t.start()
+    try:
+        t0 = time.monotonic()
+        s.send(b"x" * (4 << 20))  # read at ~1 MiB/s: longer than the limit, never idle that long
+        assert time.monotonic() - t0 > 0.5 and not flushed and not s.closed
+    finally:
+        a.close()
+        t.join(5)
+        b.close()
+
+
+def test_a_gone_daemon_closes_the_sender_without_exiting(monkeypatch):
+    s, a, b, flushed = _sender_pair(monkeypatch, 5)
+    b.close()
+    s.send(b"x" * 1000)
+    s.send(b"y")
+    assert s.closed and not flushed
+    a.close()
+
+
+def test_stopping_a_worker_blocked_on_its_daemon_is_prompt_and_graceful(tmp_path):
+    """(review: a graceful close of the channel waited for a worker blocked sending to the
+    daemon, which waited for the daemon: both stuck until the worker was killed)"""
+    import time
+
+    async def main():
+        srv = await asyncio.get_running_loop().create_server(_Up, "127.0.0.1", 0)
+        port = srv.sockets[0].getsockname()[1]
+        pool = _pool(tmp_path, 1)
+        await pool.start()
+        import dataclasses
+
+        from agentvm.gate.policy import EgressLimits
+
+        unlimited = dataclasses.replace(_policy(port), limits=EgressLimits(requests_per_second=1e9, burst=10**9))
+        await pool.open("sb-a", "a", unlimited, tmp_path / "a.sock", uid=None, creds=None)
+        r, w = await asyncio.open_unix_connection(str(tmp_path / "a.sock"))
+        req = f"GET http://up.test:{port}/x HTTP/1.1\r\nHost: up.test:{port}\r\n\r\n".encode()
+        answered = [0]
+
+        async def client():
+            while True:
+                w.write(req)
+                await r.readuntil(b"\r\n\r\n")
+                await r.readexactly(2)
+                answered[0] += 1
+
+        worker = pool.workers[0]
+        worker._writer.pause_reading()
+        task = asyncio.ensure_future(client())
+        await asyncio.sleep(2)  # the worker is blocked sending records nobody reads
+        t0 = time.monotonic()
+        await pool.stop()
+        took = time.monotonic() - t0
+        task.cancel()
+        srv.close()
+        assert took < 3, f"stop took {took:.1f} s"
+        assert worker.proc.returncode == 0, "it exited on its own (not killed)"
+        lines = (tmp_path / "logs" / "sb-a.egress.jsonl").read_text().splitlines()
+        assert len(lines) >= answered[0] > 0, "every answered request is in the decision log"
+
+    run(main())

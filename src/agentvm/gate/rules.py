@@ -61,6 +61,8 @@ RULES: dict[str, str] = {
                                    "HTTP/2 stream refused): the client reconnects and is metered",
     # operator and limits
     "paused": "egress of the sandbox is paused by the operator (connections open at the time are cut)",
+    "endpoint:closed": "the sandbox's gate endpoint was closed while a connection was open (a gate worker "
+                       "stopping, an endpoint opened again): the connection is cut",
     "limit:connections": "too many concurrent connections from the sandbox (429)",
     "limit:rate": "over the sandbox's request rate (429)",
     "limit:bytes-out": "over the sandbox's bytes-out budget (the connection is cut)",

@@ -170,6 +170,19 @@ class Gate:
                 await asyncio.wait_for(ep.server.wait_closed(), 2)
             except (asyncio.TimeoutError, Exception):
                 pass
+        # the connections still open are closed: nothing is served, unlogged, by an endpoint that
+        # is gone (a sandbox still running when its endpoint is closed: a gate worker stopping,
+        # an endpoint opened again). One between requests closes quietly (as an idle one); one
+        # with a request or a tunnel under way is cut, its record written before the log closes
+        conns = list(ep.conns)
+        for t in conns:
+            if t in self._head_waits:
+                self._head_expired.add(t)
+                t.cancel()
+            else:
+                ep._cut(t, "endpoint:closed", "the sandbox's gate endpoint was closed: connection cut")
+        if conns:
+            await asyncio.wait(conns, timeout=2)
         if unlink:
             try:
                 ep.sock_path.unlink()

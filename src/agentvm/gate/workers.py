@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import logging
 import os
 import pickle
@@ -91,14 +92,14 @@ async def _recv(reader: asyncio.StreamReader):
     """One message, or None at the end of the stream."""
     try:
         head = await reader.readexactly(HEADER.size)
-    except asyncio.IncompleteReadError:
+    except (asyncio.IncompleteReadError, ConnectionError):
         return None
     (n,) = HEADER.unpack(head)
     if n > MAX_MESSAGE:
         raise ValueError(f"a message of {n} bytes: the peer is broken")
     try:
         return pickle.loads(await reader.readexactly(n))
-    except asyncio.IncompleteReadError:
+    except (asyncio.IncompleteReadError, ConnectionError):
         return None
 
 
@@ -452,7 +453,9 @@ class GateWorker:
         """Hang up: the worker closes its endpoints and exits (SIGKILL after STOP_TIMEOUT)."""
         self._stopping = True
         if self._writer is not None:
-            self._writer.close()
+            # at once, calls not yet read dropped: a worker blocked sending to the daemon gets
+            # the end now (a graceful close would wait for it to read them: both would wait)
+            self._writer.abort()
         if self.proc is not None:
             try:
                 await asyncio.wait_for(self.proc.wait(), STOP_TIMEOUT)
@@ -692,27 +695,51 @@ class _Sender:
     process's memory - for up to STALL_LIMIT, past which the daemon is taken for gone and the
     worker exits (no egress without the control plane)."""
 
+    GONE = (errno.EPIPE, errno.ECONNRESET, errno.ENOTCONN)
+
     def __init__(self, fd: int) -> None:
         self.sock = socket.socket(fileno=os.dup(fd))  # (the same socket the loop reads the calls from)
         self.closed = False
+        self.before_exit = None  # called before the worker exits for a stalled or broken channel
+        self._poll = select.poll()
+        self._poll.register(self.sock.fileno(), select.POLLOUT)
 
     def send(self, data: bytes) -> None:
         if self.closed:
             return
         view, deadline = memoryview(data), None
-        while view:
-            try:
-                view = view[self.sock.send(view):]
-            except BlockingIOError:
-                now = time.monotonic()
-                deadline = deadline or now + STALL_LIMIT
-                if now >= deadline:
-                    log.error("gate worker: the daemon has read nothing for %g s; exiting", STALL_LIMIT)
-                    os._exit(3)
-                select.select([], [self.sock], [], deadline - now)
-            except OSError:  # the daemon is gone: the reader sees the end and the worker stops
+        try:
+            while view:
+                try:
+                    n = self.sock.send(view, socket.MSG_DONTWAIT)
+                except BlockingIOError:
+                    now = time.monotonic()
+                    deadline = deadline or now + STALL_LIMIT
+                    if now >= deadline:
+                        self._exit(f"the daemon has read nothing for {STALL_LIMIT:g} s")
+                    self._poll.poll(max(1, int((deadline - now) * 1000)))
+                    continue
+                view, deadline = view[n:], None  # (progress: the daemon reads)
+        except OSError as exc:
+            if exc.errno in self.GONE:  # the daemon is gone: the reader sees the end, the worker stops
                 self.closed = True
                 return
+            self._exit(f"its channel to the daemon failed ({exc})")
+        except BaseException as exc:  # (a message cut short would corrupt every later one)
+            if len(view) != len(data) and not self.closed:
+                self._exit(f"a message to the daemon was cut short ({type(exc).__name__})")
+            raise
+
+    def _exit(self, why: str) -> None:
+        """Exit now (the daemon replaces this worker), the decision logs written first."""
+        self.closed = True
+        log.error("gate worker: %s; exiting", why)
+        if self.before_exit is not None:
+            try:
+                self.before_exit()
+            except BaseException:  # noqa: BLE001 - exiting anyway
+                log.exception("gate worker: writing the decision logs before exiting")
+        os._exit(3)
 
     def close(self) -> None:
         self.closed = True
@@ -847,6 +874,7 @@ async def _worker_main(ns) -> None:
         from agentvm.gate.telemetry import TelemetryRelay
 
         gate.telemetry = TelemetryRelay(ns.telemetry)
+    sender.before_exit = lambda: [ep.flush_log() for ep in list(gate.endpoints.values())]
     w = _Worker(gate, fd_sock, sender)
     try:
         await w.serve(reader)
