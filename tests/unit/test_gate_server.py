@@ -1389,3 +1389,26 @@ def test_closing_an_endpoint_closes_its_connections(tmp_path):
     cut = [x for x in lines if x["rule"] == "endpoint:closed"]
     assert len(cut) == 1 and cut[0]["verdict"] == "deny", lines
     assert b"/after" not in bytes(up.received)
+    # the run's summary names what was cut (not "(malformed request)")
+    assert ("endpoint:closed", "(an open connection)") in ep.denials
+
+
+def test_a_connection_accepted_as_its_endpoint_closes_is_not_served(tmp_path):
+    """(review: a connection accepted just before the close started after the open ones were
+    cut, and was served with the log closed)"""
+    async def go():
+        gate, ep, up, sock = await setup_gate(tmp_path)
+        ep.closing = True  # (what close_endpoint sets first)
+        r, w = await asyncio.open_unix_connection(str(sock))
+        w.write(req(up.port, path="/late"))
+        try:
+            out = await read_to_eof(r)
+        except ConnectionResetError:  # (closed with the request unread: a reset)
+            out = b""
+        assert out == b""
+        w.close()
+        await gate.close_endpoint("sbx-1")
+        return up
+
+    up = run(go())
+    assert b"/late" not in bytes(up.received)

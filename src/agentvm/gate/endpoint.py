@@ -189,6 +189,7 @@ class Endpoint:
         self.decoders: set = set()  # HTTP/2 streams decoding a compressed body now (h2relay)
         self.decoder_waiters: set = set()
         self._pool_timer: asyncio.TimerHandle | None = None  # the prune that expires idle connections
+        self.closing = False  # Gate.close_endpoint under way: nothing more is served
 
     def pool_get(self, key: tuple, *, retry_ok: bool = True):
         """An idle connection to ``key`` - only one the upstream has not closed and has sent
@@ -357,7 +358,8 @@ class Endpoint:
         if verdict == "deny":
             # printable ASCII only: the target reaches the operator's terminal in the run summary
             target = (f"{_safe(host, 255).lower()}:{port}" if host else
-                      f"tool {_safe(extra['tool'], 200)}" if extra.get("tool") else "(malformed request)")
+                      f"tool {_safe(extra['tool'], 200)}" if extra.get("tool") else
+                      "(an open connection)" if phase == "cut" else "(malformed request)")
             key = (rule_id[:128], target)
             if key not in self.denials and len(self.denials) >= MAX_DENIAL_KEYS:
                 key = ("(other)", "(too many distinct denials to list)")

@@ -90,6 +90,7 @@ class Gate:
         # sweep interrupts a read idle past UPSTREAM_IDLE_TIMEOUT (the relay answers 504)
         self._upstream_waits: dict[PlainStream, float] = {}
         self._head_sweep: asyncio.TimerHandle | None = None
+        self._closing: set[Endpoint] = set()  # endpoints being closed (their logs still open)
         self._head_sweep_loop: asyncio.AbstractEventLoop | None = None
 
     def approval_store(self):
@@ -164,25 +165,44 @@ class Gate:
         ep = self.endpoints.pop(sandbox_id, None)
         if ep is None:
             return None
+        self._closing.add(ep)
+        try:
+            return await self._close(ep, unlink)
+        finally:
+            self._closing.discard(ep)
+
+    async def _close(self, ep: Endpoint, unlink: bool) -> Endpoint:
+        ep.closing = True  # (a connection accepted now is closed at once: _handle)
         if ep.server is not None:
             ep.server.close()
+        # the connections still open are closed: nothing is served, unlogged, by an endpoint
+        # that is gone (a sandbox still running when its endpoint is closed: a gate worker
+        # stopping, an endpoint opened again). Those of a sandbox that has gone end on their own
+        # (their end is a loop turn away: no record); of the rest, one between requests closes
+        # quietly (as an idle one), one with a request or a tunnel under way is cut, its record
+        # written before the log closes
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 2
+        if ep.conns:
+            await asyncio.wait(list(ep.conns), timeout=0.1)
+        closed: set = set()
+        while ep.conns and loop.time() < deadline:
+            for t in list(ep.conns):
+                if t in closed:
+                    continue
+                closed.add(t)
+                if t in self._head_waits:
+                    self._head_expired.add(t)
+                    t.cancel()
+                else:
+                    ep._cut(t, "endpoint:closed", "the sandbox's gate endpoint was closed: connection cut")
+            if ep.conns:
+                await asyncio.wait(list(ep.conns), timeout=max(0.0, deadline - loop.time()))
+        if ep.server is not None:
             try:
                 await asyncio.wait_for(ep.server.wait_closed(), 2)
             except (asyncio.TimeoutError, Exception):
                 pass
-        # the connections still open are closed: nothing is served, unlogged, by an endpoint that
-        # is gone (a sandbox still running when its endpoint is closed: a gate worker stopping,
-        # an endpoint opened again). One between requests closes quietly (as an idle one); one
-        # with a request or a tunnel under way is cut, its record written before the log closes
-        conns = list(ep.conns)
-        for t in conns:
-            if t in self._head_waits:
-                self._head_expired.add(t)
-                t.cancel()
-            else:
-                ep._cut(t, "endpoint:closed", "the sandbox's gate endpoint was closed: connection cut")
-        if conns:
-            await asyncio.wait(conns, timeout=2)
         if unlink:
             try:
                 ep.sock_path.unlink()
@@ -206,6 +226,9 @@ class Gate:
         return lambda: PlainStream(STREAM_LIMIT, on_connect=start)
 
     async def _handle(self, ep: Endpoint, client: PlainStream) -> None:
+        if ep.closing:  # accepted as the endpoint closed: nothing is served
+            client.close()
+            return
         if ep.active >= ep.policy.limits.connections:
             ep.log(verdict="deny", rule_id="limit:connections", reason="too many concurrent connections",
                    host="", port=None, phase="connect")

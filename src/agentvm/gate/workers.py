@@ -874,17 +874,20 @@ async def _worker_main(ns) -> None:
         from agentvm.gate.telemetry import TelemetryRelay
 
         gate.telemetry = TelemetryRelay(ns.telemetry)
-    sender.before_exit = lambda: [ep.flush_log() for ep in list(gate.endpoints.values())]
+    def before_exit() -> None:  # every log still open: endpoints served and endpoints closing
+        for ep in [*gate.endpoints.values(), *gate._closing]:
+            ep.flush_suppressed()  # (its record reaches the log; the sender is closed by now)
+            ep.flush_log()
+
+    sender.before_exit = before_exit
     w = _Worker(gate, fd_sock, sender)
     try:
         await w.serve(reader)
     finally:
         # the daemon hung up (stopping, or gone): this gate's sandboxes have no egress now
-        for sid in list(gate.endpoints):
-            try:
-                await asyncio.wait_for(gate.close_endpoint(sid, unlink=False), STOP_TIMEOUT)
-            except Exception:  # noqa: BLE001 - exiting anyway
-                pass
+        if gate.endpoints:  # (all at once: each may wait for its connections)
+            await asyncio.wait([asyncio.ensure_future(gate.close_endpoint(sid, unlink=False))
+                                for sid in list(gate.endpoints)], timeout=STOP_TIMEOUT - 1)
         w._flush()
         sender.close()
         writer.close()
