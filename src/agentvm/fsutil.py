@@ -55,6 +55,28 @@ _EXACT_FORBIDDEN = ("/", "/usr", "/var", "/home", "/tmp", "/opt", "/srv", "/mnt"
                     "/bin", "/sbin", "/lib", "/lib64", "/lib32", "/libx32")
 
 
+def bind_unix_listener(path: Path, uid: int | None, backlog: int):
+    """A sandbox's gate socket at ``path``, bound and listening (blocking): any old file there
+    removed first, and only ``uid`` (and root) may connect - owned by it, mode 0600, set before
+    it listens. One binder for the daemon's gate, its gate workers and ``agentvm run``'s."""
+    import socket
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.unlink(missing_ok=True)
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        s.bind(str(path))
+        if uid is not None and os.geteuid() == 0:
+            os.chown(path, uid, uid)
+        os.chmod(path, 0o600)
+        s.listen(backlog)
+    except BaseException:
+        s.close()
+        raise
+    return s
+
+
 def _home_dirs() -> set[str]:
     import pwd
 

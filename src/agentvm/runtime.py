@@ -674,7 +674,7 @@ def session_credentials(bindings_: tuple, vault_dir, sandbox_id: str):
             raise ConfigError(f"credential {b.name!r}: {exc.message}", hint=exc.hint or
                               f"store it with `agentvm secret set {b.ref.partition(':')[2]}`") from None
     placeholders = {b.name: make_placeholder(b, len(values[b.name])) for b in bindings_}
-    creds = vault_credentials(bindings_, placeholders, vault_dir, sandbox_id, vault=vault, values=values)
+    creds = vault_credentials(bindings_, placeholders, vault_dir, sandbox_id, vault=vault)
     env = [(b.env, placeholders[b.name]) for b in bindings_]
     env += [(b.sigv4_key_env, b.sigv4_access_key_id) for b in bindings_ if b.sigv4_access_key_id]
     files = [(b.file, placeholders[b.name] + "\n") for b in bindings_ if b.file]
@@ -682,8 +682,7 @@ def session_credentials(bindings_: tuple, vault_dir, sandbox_id: str):
     return creds, tuple(env), tuple(files)
 
 
-def vault_credentials(bindings_: tuple, placeholders: dict, vault_dir, sandbox_id: str, *, vault=None,
-                      values: dict | None = None):
+def vault_credentials(bindings_: tuple, placeholders: dict, vault_dir, sandbox_id: str, *, vault=None):
     """The CredentialSet of a session whose placeholders are made: real values read from the
     vault (cached until the vault changes; ``file:`` references re-read every time), revocations
     asked of the vault on every use. Its ``spec`` is what a gate worker process rebuilds the same
@@ -694,9 +693,7 @@ def vault_credentials(bindings_: tuple, placeholders: dict, vault_dir, sandbox_i
     if vault is None:
         vault = Vault(vault_dir)
     bindings = {b.name: b for b in bindings_}
-    # (session_credentials hands in the values it resolved and then empties that dict: the
-    # cache starts empty, and no plaintext is kept before a request needs it)
-    cache = {"version": vault.version(), "values": values if values is not None else {}}
+    cache = {"version": vault.version(), "values": {}}  # (filled when a request needs a value)
 
     def value(name: str) -> str:
         b = bindings[name]

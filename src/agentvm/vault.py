@@ -423,16 +423,10 @@ class Vault:
         its signature changed, so a revocation written by any process is seen at once.
         Raises VaultError (fail closed) when the revocations file is unsafe or corrupt.
         """
-        _, glob, sandboxes = self._revocations()
-        if name in glob:
-            return True
-        if sandbox_id is not None:
-            names = sandboxes.get(sandbox_id)
-            return names is not None and name in names
-        return False
+        return self.any_revoked((name,), sandbox_id)
 
     def any_revoked(self, names: tuple[str, ...], sandbox_id: str | None = None) -> bool:
-        """``any(self.is_revoked(n, sandbox_id) for n in names)`` with one look at the file."""
+        """Is one of ``names`` revoked (as :meth:`is_revoked`), with one look at the file."""
         _, glob, sandboxes = self._revocations()
         local = sandboxes.get(sandbox_id) if sandbox_id is not None else None
         return any(n in glob or (local is not None and n in local) for n in names)

@@ -117,6 +117,7 @@ class Managed:
         self.task: asyncio.Task | None = None
         self.session = None  # the lifecycle driver's Session while it runs
         self.policy = None
+        self.starts_again = 0  # starts redone in a row (_StartAgain)
         self.stop_requested = asyncio.Event()
         self.started_at = 0.0
         # its last gate decision or exec: kept here, per request - on _clock for the idle
@@ -169,13 +170,19 @@ class Managed:
         return self.session.backend if self.session is not None else None
 
 
+def _on_worker(ep) -> bool:
+    """Whether a sandbox's endpoint is served by a gate worker (a RemoteEndpoint of
+    agentvm.gate.workers), not by the daemon's own gate."""
+    return getattr(ep, "on_worker", False)
+
+
 class _StartAgain(Exception):
     """A start that must be redone from the sandbox's row (nothing of it has run yet)."""
 
     TRIES = 3
 
     def tries_left(self, m) -> bool:
-        m.starts_again = getattr(m, "starts_again", 0) + 1
+        m.starts_again += 1
         return m.starts_again <= self.TRIES
 
 
@@ -252,7 +259,7 @@ class DaemonGateHost:
     def close(self, sandbox_id: str, ep) -> dict:
         from agentvm.lifecycle import egress_summary
 
-        if getattr(ep, "pool", None) is self.daemon.workers and self.daemon.workers is not None:
+        if _on_worker(ep):
             self._call(self.daemon.workers.close(ep))
             summary = egress_summary(ep)
             if ep.counts_lost:  # (the decision log and the audit chain still have every record)
@@ -588,20 +595,21 @@ class Daemon:
                 except Exception:  # noqa: BLE001 - (a locked database: the row read at the start rules)
                     log.warning("could not read %s's row again after attaching it", m.name, exc_info=True)
                     fresh = row
+                patch = json.loads(fresh.policy_patch or "{}")
                 if fresh.policy_patch != row.policy_patch:
                     fresh_policy = self._policy_for(fresh)
-                    if fresh_policy.limits.budget is not None and hasattr(s.endpoint, "synced"):
+                    if fresh_policy.limits.budget is not None and _on_worker(s.endpoint):
                         # a gate worker cannot meter it: this start is redone (nothing has run yet),
                         # placed on the daemon's gate from the row that has it
                         raise _StartAgain("it was given an LLM budget while it started, which its gate worker cannot "
                                           "meter: started again on the daemon's gate")
-                    self._apply_live(s.endpoint, fresh_policy, json.loads(fresh.policy_patch or "{}"))
+                    self._apply_live(s.endpoint, fresh_policy, patch)  # (its pause too)
                     m.policy = fresh_policy
-                patch = json.loads(fresh.policy_patch or "{}")
-                s.endpoint.paused = bool(patch.get("paused"))
+                else:
+                    s.endpoint.paused = bool(patch.get("paused"))
                 if s.endpoint.creds is not None:  # per-sandbox revocations survive restarts
                     s.endpoint.creds.local_revoked.update(patch.get("revoked", []))
-                if hasattr(s.endpoint, "synced"):  # on a gate worker: applied there before the launch
+                if _on_worker(s.endpoint):  # on a gate worker: applied there before the launch
                     await s.endpoint.synced()
             await asyncio.to_thread(lc.launch, s, (devnull, logfd, logfd))
             m.started_at = m.activity_clock = _clock()  # the TTL and idle clocks start here
@@ -1474,7 +1482,7 @@ class Daemon:
         m = self.managed.get(name)
         ep = m.endpoint if m else None
         t0 = time.perf_counter()
-        if op == "budget" and ep is not None and hasattr(ep, "synced") and any(
+        if op == "budget" and _on_worker(ep) and any(
                 doc.get(k) is not None for k in ("tokens", "requests", "cost")):
             # a gate worker cannot meter (the only live op that adds what a worker does not
             # carry: allow/deny/remove rules are never `action: ask`, tools ops change only a
@@ -1602,7 +1610,7 @@ class Daemon:
         self.state.update(name, policy_patch=json.dumps(patch))
         if ep is not None:
             self._apply_live(ep, policy, patch)
-            if hasattr(ep, "synced"):  # on a gate worker: applied there before this call returns
+            if _on_worker(ep):  # on a gate worker: applied there before this call returns
                 await ep.synced()
         took = (time.perf_counter() - t0) * 1000
         self.record("policy.change", actor=actor, sandbox=name, op=op, detail={k: v for k, v in doc.items() if k != "op"},
@@ -1620,7 +1628,7 @@ class Daemon:
         if policy.limits.budget is not None:  # the next request is checked against it
             if getattr(ep, "budget", None) is not None:
                 ep.budget.set_spec(policy.limits.budget)
-            elif hasattr(ep, "synced"):
+            elif _on_worker(ep):
                 # a gate worker cannot meter: never the case of a budget op (refused first), nor
                 # of a start (placed on the daemon's gate); here only when the row's file gained a
                 # budget it is not running yet (a fleet update between its stop and start): it

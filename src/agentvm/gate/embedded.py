@@ -18,6 +18,7 @@ import threading
 from pathlib import Path
 
 from agentvm.errors import BackendError
+from agentvm.fsutil import bind_unix_listener
 
 START_TIMEOUT = 30.0
 
@@ -126,19 +127,7 @@ class LazyGate:
     def open(self, sandbox_id: str, agent: str, policy, sock_path: Path, uid: int | None, creds=None,
              extras=None) -> PendingEndpoint:
         """Bind, own and listen on the sandbox's socket now; the gate serves it when it is up."""
-        sock_path = Path(sock_path)
-        sock_path.parent.mkdir(parents=True, exist_ok=True)
-        sock_path.unlink(missing_ok=True)
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            s.bind(str(sock_path))
-            if uid is not None and os.geteuid() == 0:  # only the sandbox's uid (and root) may connect
-                os.chown(sock_path, uid, uid)
-            os.chmod(sock_path, 0o600)
-            s.listen(128)
-        except BaseException:
-            s.close()
-            raise
+        s = bind_unix_listener(Path(sock_path), uid, 128)
         pending = PendingEndpoint(s)
 
         def attach() -> None:

@@ -144,18 +144,17 @@ class Gate:
         ep.creds = creds
         if extras is not None:  # the sandbox policy's tools and approvals (agentvm.tools.slot.EndpointExtras)
             extras.attach(ep)
-        if sock is not None:
+        bound = sock is None
+        if bound:  # only the sandbox's uid (and root) may connect
+            from agentvm.fsutil import bind_unix_listener
+
+            sock = bind_unix_listener(sock_path, uid, 100)
+        try:
             ep.server = await asyncio.get_running_loop().create_unix_server(self._accepting(ep), sock=sock)
-            self.endpoints[sandbox_id] = ep
-            return ep
-        sock_path.parent.mkdir(parents=True, exist_ok=True)
-        if sock_path.exists():
-            sock_path.unlink()
-        ep.server = await asyncio.get_running_loop().create_unix_server(self._accepting(ep), path=str(sock_path))
-        # only the sandbox's uid (and root) may connect
-        if uid is not None and os.geteuid() == 0:
-            os.chown(sock_path, uid, uid)
-        os.chmod(sock_path, 0o600)
+        except BaseException:
+            if bound:
+                sock.close()
+            raise
         self.endpoints[sandbox_id] = ep
         return ep
 

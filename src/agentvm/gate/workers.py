@@ -46,6 +46,7 @@ import time
 from pathlib import Path
 
 from agentvm.errors import AgentVMError
+from agentvm.fsutil import bind_unix_listener
 
 log = logging.getLogger("agentvm.gate.workers")
 
@@ -88,25 +89,10 @@ def _pack(obj) -> bytes:
     return HEADER.pack(len(data)) + data
 
 
-async def _recv(reader: asyncio.StreamReader):
-    """One message, or None at the end of the stream."""
-    try:
-        head = await reader.readexactly(HEADER.size)
-    except (asyncio.IncompleteReadError, ConnectionError):
-        return None
-    (n,) = HEADER.unpack(head)
-    if n > MAX_MESSAGE:
-        raise ValueError(f"a message of {n} bytes: the peer is broken")
-    try:
-        return pickle.loads(await reader.readexactly(n))
-    except (asyncio.IncompleteReadError, ConnectionError):
-        return None
-
-
 class _Frames(asyncio.Protocol):
-    """The daemon's end of a worker's channel: length-prefixed messages parsed as they arrive
-    (a Protocol: no future per read, as a StreamReader would make; records arrive all the
-    time), each handed to ``on_message``; ``on_lost(reason)`` once, when the channel ends."""
+    """Reading a channel, at either end: length-prefixed messages parsed as they arrive (a
+    Protocol: no future per read, as a StreamReader would make; records arrive all the time),
+    each handed to ``on_message``; ``on_lost(reason)`` when the channel ends or breaks."""
 
     def __init__(self, on_message, on_lost) -> None:
         self.on_message, self.on_lost = on_message, on_lost
@@ -200,10 +186,9 @@ class RemoteCreds:
         self.spec = spec
         self.scrub_encoded = scrub_encoded
         self.local_revoked = _PushSet(ep)
-        self.bindings = {b.name: b for b in spec[0]}
 
     def __repr__(self) -> str:
-        return f"RemoteCreds({sorted(self.bindings)})"
+        return f"RemoteCreds({sorted(b.name for b in self.spec[0])})"
 
 
 class RemoteEndpoint:
@@ -212,6 +197,7 @@ class RemoteEndpoint:
     and, once closed, the run's counters for egress_summary). Every change is pushed to the
     worker at once, in order; :meth:`synced` waits for the worker's acknowledgement."""
 
+    on_worker = True  # (the daemon's test: agentvm.daemon.server._on_worker)
     tools = None
     budget = None
 
@@ -446,7 +432,6 @@ class GateWorker:
         self.pool.worker_gone(self)
 
     def kill(self, reason: str) -> None:
-        self.reason = self.reason or reason
         self._gone(reason)
 
     async def stop(self) -> None:
@@ -462,26 +447,6 @@ class GateWorker:
             except asyncio.TimeoutError:
                 self.proc.kill()
                 await self.proc.wait()
-
-
-def _bind(sock_path: Path, uid: int | None) -> socket.socket:
-    """A sandbox's gate socket, bound and listening, as ``Gate.open_endpoint`` makes it: only
-    the sandbox's uid (and root) may connect."""
-    sock_path.parent.mkdir(parents=True, exist_ok=True)
-    if sock_path.exists():
-        sock_path.unlink()
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        s.bind(str(sock_path))
-        if uid is not None and os.geteuid() == 0:
-            os.chown(sock_path, uid, uid)
-        os.chmod(sock_path, 0o600)
-        s.listen(BACKLOG)
-        s.setblocking(False)
-    except BaseException:
-        s.close()
-        raise
-    return s
 
 
 class WorkerPool:
@@ -524,7 +489,8 @@ class WorkerPool:
     async def open(self, sandbox_id: str, agent: str, policy, sock_path: Path, *, uid: int | None, creds) -> RemoteEndpoint:
         sock_path = Path(sock_path)
         w = await self._a_worker()
-        sock = _bind(sock_path, uid)
+        sock = bind_unix_listener(sock_path, uid, BACKLOG)
+        sock.setblocking(False)
         ep = RemoteEndpoint(self, w, sandbox_id, agent, policy, sock_path, sock, creds)
         w.endpoints[sandbox_id] = ep
         try:
@@ -840,10 +806,10 @@ class _Worker:
         return {"allowed": ep.allowed, "bytes_out": ep.bytes_out, "bytes_in": ep.bytes_in, "alerts": ep.alerts,
                 "denials": dict(ep.denials), "denial_reasons": dict(ep.denial_reasons)}
 
-    async def serve(self, reader: asyncio.StreamReader) -> None:
+    async def serve(self, calls: asyncio.Queue) -> None:
         while True:
-            msg = await _recv(reader)
-            if msg is None:
+            msg = await calls.get()
+            if msg is None:  # (the channel ended)
                 return
             cid, op, args = msg
             try:
@@ -868,12 +834,15 @@ async def _worker_main(ns) -> None:
     fd_sock = socket.socket(fileno=ns.fds)
     fd_sock.setblocking(True)
     sender = _Sender(chan.fileno())
-    reader, writer = await asyncio.open_unix_connection(sock=chan, limit=1 << 20)
+    calls: asyncio.Queue = asyncio.Queue()  # the daemon's calls, in order; None: the channel ended
+    channel, _ = await asyncio.get_running_loop().create_unix_connection(
+        lambda: _Frames(calls.put_nowait, lambda why: calls.put_nowait(None)), sock=chan)
     gate = Gate(Path(ns.state_dir), Path(ns.log_dir))
     if ns.telemetry:
         from agentvm.gate.telemetry import TelemetryRelay
 
         gate.telemetry = TelemetryRelay(ns.telemetry)
+
     def before_exit() -> None:  # every log still open: endpoints served and endpoints closing
         for ep in [*gate.endpoints.values(), *gate._closing]:
             ep.flush_suppressed()  # (its record reaches the log; the sender is closed by now)
@@ -882,7 +851,7 @@ async def _worker_main(ns) -> None:
     sender.before_exit = before_exit
     w = _Worker(gate, fd_sock, sender)
     try:
-        await w.serve(reader)
+        await w.serve(calls)
     finally:
         # the daemon hung up (stopping, or gone): this gate's sandboxes have no egress now
         if gate.endpoints:  # (all at once: each may wait for its connections)
@@ -890,7 +859,7 @@ async def _worker_main(ns) -> None:
                                 for sid in list(gate.endpoints)], timeout=STOP_TIMEOUT - 1)
         w._flush()
         sender.close()
-        writer.close()
+        channel.close()
 
 
 def main(argv: list[str] | None = None) -> int:
