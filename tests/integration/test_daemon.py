@@ -3,6 +3,7 @@ orphans, live revocation through the gate, and audit-chain tampering caught by `
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -27,17 +28,26 @@ def av(*args, check=True, input=None, timeout=120, env=None):
     return r
 
 
+@contextlib.contextmanager
+def daemon_up(home: Path, *up_args: str):
+    """`agentvm up [up_args]` for the installation at ``home``; down after (killed if it stays)."""
+    av("up", *up_args)
+    try:
+        yield home
+    finally:
+        av("down", check=False)
+        pidf = home / "run" / "daemon.pid"
+        if pidf.exists():
+            try:
+                os.kill(int(pidf.read_text()), signal.SIGKILL)
+            except (ProcessLookupError, ValueError):
+                pass
+
+
 @pytest.fixture
 def daemon(avm_home):
-    av("up")
-    yield avm_home
-    av("down", check=False)
-    pidf = avm_home / "run" / "daemon.pid"
-    if pidf.exists():
-        try:
-            os.kill(int(pidf.read_text()), signal.SIGKILL)
-        except (ProcessLookupError, ValueError):
-            pass
+    with daemon_up(avm_home) as home:
+        yield home
 
 
 def agent(tmp_path, name, command, lifecycle="persistent", extra=""):

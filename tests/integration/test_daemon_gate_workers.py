@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import needs_root
-from tests.integration.test_daemon import agent, av
+from tests.integration.test_daemon import agent, av, daemon_up
 from tests.integration.test_daemon import test_live_revocation_through_the_gate as _revocation
 
 pytestmark = [pytest.mark.integration, needs_root]
@@ -25,15 +25,8 @@ pytestmark = [pytest.mark.integration, needs_root]
 
 @pytest.fixture
 def daemon_workers(fresh_home):
-    av("up", "--gate-workers", "2")
-    yield fresh_home
-    av("down", check=False)
-    pidf = fresh_home / "run" / "daemon.pid"
-    if pidf.exists():
-        try:
-            os.kill(int(pidf.read_text()), signal.SIGKILL)
-        except (ProcessLookupError, ValueError):
-            pass
+    with daemon_up(fresh_home, "--gate-workers", "2") as home:
+        yield home
 
 
 def audit(sandbox: str | None = None) -> list[dict]:

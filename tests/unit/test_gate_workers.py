@@ -5,6 +5,7 @@ records back, a killed worker replaced on the same socket, counters at close."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import pickle
 import signal
@@ -44,13 +45,7 @@ def test_pool_serves_applies_live_changes_and_replaces_a_killed_worker(tmp_path)
     events: list[tuple[str, dict]] = []
 
     async def main():
-        loop = asyncio.get_running_loop()
-        srv = await loop.create_server(_Up, "127.0.0.1", 0)
-        port = srv.sockets[0].getsockname()[1]
-        pool = WorkerPool(2, tmp_path / "state", tmp_path / "logs", on_record=records.append,
-                          on_event=lambda kind, **d: events.append((kind, d)))
-        await pool.start()
-        try:
+        async with _running(tmp_path, 2, events, records) as (pool, port):
             pids = pool.pids()
             assert len(pids) == 2 and os.getpid() not in pids
             a = await pool.open("sb-a", "agent-a", _policy(port), tmp_path / "a.sock", uid=None, creds=None)
@@ -87,9 +82,6 @@ def test_pool_serves_applies_live_changes_and_replaces_a_killed_worker(tmp_path)
             # close: the worker's counters come back; the socket is gone
             await pool.close(b)
             assert b.allowed == 1 and sum(b.denials.values()) == 1 and not (tmp_path / "b.sock").exists()
-        finally:
-            await pool.stop()
-            srv.close()
         for w in pool.workers:
             assert w.proc.returncode is not None, "a worker outlived the pool"
 
@@ -160,6 +152,46 @@ def test_gate_workers_option_refuses_with_the_range(text):
         _gate_workers(text)
 
 
+@contextlib.asynccontextmanager
+async def _running(tmp_path, n, events=None, records=None):
+    """A started pool of ``n`` workers and the port of an upstream (_Up) on loopback; both
+    stopped after."""
+    srv = await asyncio.get_running_loop().create_server(_Up, "127.0.0.1", 0)
+    pool = _pool(tmp_path, n, events, records)
+    await pool.start()
+    try:
+        yield pool, srv.sockets[0].getsockname()[1]
+    finally:
+        await pool.stop()
+        srv.close()
+
+
+async def _flood(pool, tmp_path, port: int, total: int | None = None):
+    """Sandbox sb-a on the pool with no rate limit, and a client sending it requests one after
+    another on one keep-alive connection (``total``, or until cancelled) -> (its task, [answered])."""
+    import dataclasses
+
+    from agentvm.gate.policy import EgressLimits
+
+    unlimited = dataclasses.replace(_policy(port), limits=EgressLimits(requests_per_second=1e9, burst=10**9))
+    await pool.open("sb-a", "a", unlimited, tmp_path / "a.sock", uid=None, creds=None)
+    r, w = await asyncio.open_unix_connection(str(tmp_path / "a.sock"))
+    req = f"GET http://up.test:{port}/x HTTP/1.1\r\nHost: up.test:{port}\r\n\r\n".encode()
+    answered = [0]
+
+    async def client():
+        try:
+            while total is None or answered[0] < total:
+                w.write(req)
+                await r.readuntil(b"\r\n\r\n")
+                await r.readexactly(2)
+                answered[0] += 1
+        finally:
+            w.close()
+
+    return asyncio.ensure_future(client()), answered
+
+
 def _pool(tmp_path, n, events=None, records=None):
     return WorkerPool(n, tmp_path / "state", tmp_path / "logs",
                       on_record=(records.append if records is not None else lambda r: None),
@@ -183,11 +215,7 @@ def test_a_call_that_cannot_be_sent_queues_no_socket(tmp_path):
     records: list[dict] = []
 
     async def main():
-        srv = await asyncio.get_running_loop().create_server(_Up, "127.0.0.1", 0)
-        port = srv.sockets[0].getsockname()[1]
-        pool = _pool(tmp_path, 1, records=records)
-        await pool.start()
-        try:
+        async with _running(tmp_path, 1, records=records) as (pool, port):
             with pytest.raises(Exception):
                 await pool.open("sb-a", "a", lambda: None, tmp_path / "a.sock", uid=None, creds=None)
             assert not (tmp_path / "a.sock").exists()
@@ -195,9 +223,6 @@ def test_a_call_that_cannot_be_sent_queues_no_socket(tmp_path):
             await pool.open("sb-c", "c", _policy(port), tmp_path / "c.sock", uid=None, creds=None)
             await _served_as(tmp_path / "b.sock", port, records, "sb-b")
             await _served_as(tmp_path / "c.sock", port, records, "sb-c")
-        finally:
-            await pool.stop()
-            srv.close()
 
     run(main())
 
@@ -209,27 +234,19 @@ def test_a_socket_out_of_step_with_its_call_makes_the_worker_exit_not_misserve(t
     events: list = []
 
     async def main():
-        srv = await asyncio.get_running_loop().create_server(_Up, "127.0.0.1", 0)
-        port = srv.sockets[0].getsockname()[1]
-        pool = _pool(tmp_path, 1, events, records)
-        await pool.start()
-        stray = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        stray.bind(str(tmp_path / "stray.sock"))
-        stray.listen()
-        try:
-            w = pool.workers[0]
-            socket.send_fds(w._fd_sock, [b"999999"], [stray.fileno()])  # queued for no call
-            with pytest.raises(Exception, match="gate worker 0"):
-                await pool.open("sb-b", "b", _policy(port), tmp_path / "b.sock", uid=None, creds=None)
-            assert not (tmp_path / "b.sock").exists()
-            await pool.replaced(w)
-            assert "gate.worker-lost" in [k for k, _ in events] and pool.workers[0].alive
-            await pool.open("sb-c", "c", _policy(port), tmp_path / "c.sock", uid=None, creds=None)
-            await _served_as(tmp_path / "c.sock", port, records, "sb-c")
-        finally:
-            stray.close()
-            await pool.stop()
-            srv.close()
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as stray:
+            stray.bind(str(tmp_path / "stray.sock"))
+            stray.listen()
+            async with _running(tmp_path, 1, events, records) as (pool, port):
+                w = pool.workers[0]
+                socket.send_fds(w._fd_sock, [b"999999"], [stray.fileno()])  # queued for no call
+                with pytest.raises(Exception, match="gate worker 0"):
+                    await pool.open("sb-b", "b", _policy(port), tmp_path / "b.sock", uid=None, creds=None)
+                assert not (tmp_path / "b.sock").exists()
+                await pool.replaced(w)
+                assert "gate.worker-lost" in [k for k, _ in events] and pool.workers[0].alive
+                await pool.open("sb-c", "c", _policy(port), tmp_path / "c.sock", uid=None, creds=None)
+                await _served_as(tmp_path / "c.sock", port, records, "sb-c")
 
     run(main())
 
@@ -261,11 +278,7 @@ def test_a_replacement_that_dies_while_taking_sandboxes_back_is_replaced_again(t
     monkeypatch.setattr(W.GateWorker, "start", start)
 
     async def main():
-        srv = await asyncio.get_running_loop().create_server(_Up, "127.0.0.1", 0)
-        port = srv.sockets[0].getsockname()[1]
-        pool = _pool(tmp_path, 1, events, records)
-        await pool.start()
-        try:
+        async with _running(tmp_path, 1, events, records) as (pool, port):
             a = await pool.open("sb-a", "a", _policy(port), tmp_path / "a.sock", uid=None, creds=None)
             b = await pool.open("sb-b", "b", _policy(port), tmp_path / "b.sock", uid=None, creds=None)
             os.kill(pool.workers[0].proc.pid, signal.SIGKILL)
@@ -279,21 +292,14 @@ def test_a_replacement_that_dies_while_taking_sandboxes_back_is_replaced_again(t
             assert events[-1][0] == "gate.worker-restarted" and sorted(events[-1][1]["sandboxes"]) == ["sb-a", "sb-b"]
             assert (await _get(tmp_path / "a.sock", port))[0] == 403  # paused, on the third worker
             await _served_as(tmp_path / "b.sock", port, records, "sb-b")
-        finally:
-            await pool.stop()
-            srv.close()
 
     run(main())
 
 
 def test_a_change_a_worker_fails_replaces_it_and_the_next_change_is_served(tmp_path):
     async def main():
-        srv = await asyncio.get_running_loop().create_server(_Up, "127.0.0.1", 0)
-        port = srv.sockets[0].getsockname()[1]
         events: list = []
-        pool = _pool(tmp_path, 1, events)
-        await pool.start()
-        try:
+        async with _running(tmp_path, 1, events) as (pool, port):
             a = await pool.open("sb-a", "a", _policy(port), tmp_path / "a.sock", uid=None, creds=None)
             first = pool.workers[0]
             a.set_policy(object())  # not a policy: the worker fails it
@@ -304,9 +310,6 @@ def test_a_change_a_worker_fails_replaces_it_and_the_next_change_is_served(tmp_p
             await a.synced()
             assert a.served and pool.workers[0].alive
             assert (await _get(tmp_path / "a.sock", port))[0] == 403
-        finally:
-            await pool.stop()
-            srv.close()
 
     run(main())
 
@@ -328,11 +331,7 @@ def test_two_waits_on_an_unserved_endpoint_open_it_once(tmp_path):
     """(review: two synced() at once on an endpoint its worker had failed both re-opened it, and
     an orphan server kept accepting on its socket with the old state)"""
     async def main():
-        srv = await asyncio.get_running_loop().create_server(_Up, "127.0.0.1", 0)
-        port = srv.sockets[0].getsockname()[1]
-        pool = _pool(tmp_path, 1)
-        await pool.start()
-        try:
+        async with _running(tmp_path, 1) as (pool, port):
             a = await pool.open("sb-a", "a", _policy(port), tmp_path / "a.sock", uid=None, creds=None)
             a.set_policy(object())  # fails on the worker: replaced, and the endpoint is not served
             with pytest.raises(Exception, match="not served"):
@@ -342,9 +341,6 @@ def test_two_waits_on_an_unserved_endpoint_open_it_once(tmp_path):
             assert a.served
             assert _held(pool.workers[0].proc.pid, a.sock) == 1
             assert (await _get(tmp_path / "a.sock", port))[0] == 403
-        finally:
-            await pool.stop()
-            srv.close()
 
     run(main())
 
@@ -412,31 +408,10 @@ def test_a_daemon_that_stops_reading_holds_the_worker_and_loses_no_record(tmp_pa
     records: list[dict] = []
 
     async def main():
-        srv = await asyncio.get_running_loop().create_server(_Up, "127.0.0.1", 0)
-        port = srv.sockets[0].getsockname()[1]
-        pool = _pool(tmp_path, 1, records=records)
-        await pool.start()
-        try:
-            import dataclasses
-
-            from agentvm.gate.policy import EgressLimits
-
-            unlimited = dataclasses.replace(_policy(port), limits=EgressLimits(requests_per_second=1e9, burst=10**9))
-            await pool.open("sb-a", "a", unlimited, tmp_path / "a.sock", uid=None, creds=None)
-            r, w = await asyncio.open_unix_connection(str(tmp_path / "a.sock"))
-            req = f"GET http://up.test:{port}/x HTTP/1.1\r\nHost: up.test:{port}\r\n\r\n".encode()
-            answered = [0]
+        async with _running(tmp_path, 1, records=records) as (pool, port):
             total = 6000
-
-            async def client():
-                for _ in range(total):
-                    w.write(req)
-                    await r.readuntil(b"\r\n\r\n")
-                    await r.readexactly(2)
-                    answered[0] += 1
-
+            task, answered = await _flood(pool, tmp_path, port, total)  # (its client starts at the next await)
             pool.workers[0]._writer.pause_reading()  # the daemon reads nothing from the worker
-            task = asyncio.ensure_future(client())
             await asyncio.sleep(3)
             held = answered[0]
             assert held < total, "the worker went on while the daemon read nothing"
@@ -446,10 +421,6 @@ def test_a_daemon_that_stops_reading_holds_the_worker_and_loses_no_record(tmp_pa
             await asyncio.wait_for(task, 60)
             await asyncio.sleep(0.1)
             assert len([x for x in records if x["sandbox"] == "sb-a"]) == total, "every record arrives"
-            w.close()
-        finally:
-            await pool.stop()
-            srv.close()
 
     run(main())
 
@@ -533,36 +504,15 @@ def test_stopping_a_worker_blocked_on_its_daemon_is_prompt_and_graceful(tmp_path
     import time
 
     async def main():
-        srv = await asyncio.get_running_loop().create_server(_Up, "127.0.0.1", 0)
-        port = srv.sockets[0].getsockname()[1]
-        pool = _pool(tmp_path, 1)
-        await pool.start()
-        import dataclasses
-
-        from agentvm.gate.policy import EgressLimits
-
-        unlimited = dataclasses.replace(_policy(port), limits=EgressLimits(requests_per_second=1e9, burst=10**9))
-        await pool.open("sb-a", "a", unlimited, tmp_path / "a.sock", uid=None, creds=None)
-        r, w = await asyncio.open_unix_connection(str(tmp_path / "a.sock"))
-        req = f"GET http://up.test:{port}/x HTTP/1.1\r\nHost: up.test:{port}\r\n\r\n".encode()
-        answered = [0]
-
-        async def client():
-            while True:
-                w.write(req)
-                await r.readuntil(b"\r\n\r\n")
-                await r.readexactly(2)
-                answered[0] += 1
-
-        worker = pool.workers[0]
-        worker._writer.pause_reading()
-        task = asyncio.ensure_future(client())
-        await asyncio.sleep(2)  # the worker is blocked sending records nobody reads
-        t0 = time.monotonic()
-        await pool.stop()
-        took = time.monotonic() - t0
-        task.cancel()
-        srv.close()
+        async with _running(tmp_path, 1) as (pool, port):
+            task, answered = await _flood(pool, tmp_path, port)  # (its client starts at the next await)
+            worker = pool.workers[0]
+            worker._writer.pause_reading()
+            await asyncio.sleep(2)  # the worker is blocked sending records nobody reads
+            t0 = time.monotonic()
+            await pool.stop()
+            took = time.monotonic() - t0
+            task.cancel()
         assert took < 3, f"stop took {took:.1f} s"
         assert worker.proc.returncode == 0, "it exited on its own (not killed)"
         lines = (tmp_path / "logs" / "sb-a.egress.jsonl").read_text().splitlines()
