@@ -218,3 +218,13 @@ def test_a_count_the_database_refused_is_not_forgotten(tmp_path, monkeypatch):
     assert b.admit() is None
     b.add("m", 1, 1, False)  # the disk takes writes again: this count and the three it missed
     assert b.ledger.pending.requests == 0 and BudgetStore(tmp_path / "budgets.db").load("m2").requests == 4
+
+
+@pytest.mark.parametrize("headers", [JSON_H, SSE_H])
+def test_a_response_nested_past_the_json_parsers_depth_is_estimated_not_a_crash(headers):
+    # json.loads raises RecursionError (not ValueError) on deep nesting: an upstream's body
+    # must not be able to raise out of the meter into the relay
+    deep = b'{"usage": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    body = deep if headers is JSON_H else b"data: " + deep + b"\n\n"
+    model, inp, out, estimated = run(headers, body, split=4096)
+    assert estimated and inp > 0 and out > 0

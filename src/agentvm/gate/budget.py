@@ -397,7 +397,7 @@ class Meter:
     def _take_bytes(self, payload: bytes) -> None:
         try:
             obj = json.loads(payload)
-        except ValueError:
+        except (ValueError, RecursionError):  # not JSON, or nested past the parser's depth
             return
         if isinstance(obj, dict):
             self._take(obj)

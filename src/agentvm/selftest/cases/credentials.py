@@ -363,57 +363,106 @@ for k, v in CANDS.items():
 
 # -- echoes in other forms: an upstream that reflects the real value compressed, base64'd,
 # percent-encoded, JSON-escaped or in a trickle of tiny chunks --------------------------------
-def decoded_views(data: bytes) -> list[bytes]:
-    """Every way a client could read ``data``: as is, and after up to three decodings of
-    gzip/deflate/br/zstd, base64/base64url (per token), percent-encoding and JSON strings."""
-    import binascii
-    import gzip
+VIEW_LIMIT = 1 << 24  # decoded bytes one decoding of one view may produce (bombs stay bounded)
+
+
+def _bounded_decoders() -> list:
+    """Decoders of compressed data, each bounded to :data:`VIEW_LIMIT` bytes of output."""
     import zlib
-    from urllib.parse import unquote, unquote_plus
 
-    def strings(doc) -> list[str]:
-        if isinstance(doc, str):
-            return [doc]
-        if isinstance(doc, dict):
-            return [x for k, v in doc.items() for x in strings(k) + strings(v)]
-        if isinstance(doc, list):
-            return [x for v in doc for x in strings(v)]
-        return []
+    def inflate(wbits: int):
+        def dec(b: bytes) -> bytes:
+            out, rest = b"", b
+            while rest and len(out) < VIEW_LIMIT:  # gzip may hold several members
+                d = zlib.decompressobj(wbits)
+                out += d.decompress(rest, VIEW_LIMIT - len(out))
+                if not d.eof:
+                    break
+                rest = d.unused_data
+            return out
+        return dec
 
-    decoders = [gzip.decompress, zlib.decompress, lambda b: zlib.decompress(b, -15)]
+    decoders = [inflate(31), inflate(15), inflate(-15)]
     try:
         import brotli
         import zstandard
+    except ImportError:  # pragma: no cover - both are dependencies
+        return decoders
+    def unbrotli(b: bytes) -> bytes:
+        d, piece = brotli.Decompressor(), 1 << 20
+        out = d.process(b, output_buffer_limit=piece)
+        while len(out) < VIEW_LIMIT:  # it may hold decoded output even once it could take more input
+            more = d.process(b"", output_buffer_limit=piece)
+            if not more:
+                break
+            out += more
+        return out[:VIEW_LIMIT]
 
-        decoders += [brotli.decompress, lambda b: zstandard.ZstdDecompressor().decompress(b, max_output_size=1 << 24)]
-    except ImportError:  # pragma: no cover
-        pass
+    decoders += [unbrotli, lambda b: zstandard.ZstdDecompressor().decompress(b, max_output_size=VIEW_LIMIT)]
+    return decoders
+
+
+def _attempt(fn, arg) -> list[bytes]:
+    """``fn(arg)`` as a list of views: nothing when it raises (a decoding that does not apply
+    is no view; it must never stop the search for the others)."""
+    try:
+        out = fn(arg)
+    except Exception:  # noqa: BLE001 - any decoder's failure means "not this encoding"
+        return []
+    return out if isinstance(out, list) else [out]
+
+
+def _json_strings(part: bytes) -> list[bytes]:
+    found: list[bytes] = []
+    stack = [json.loads(part)]
+    while stack:  # iterative: a deeply nested document is not a RecursionError here
+        doc = stack.pop()
+        if isinstance(doc, str):
+            found.append(doc.encode("utf-8", "surrogatepass"))  # "\ud800" is valid JSON
+        elif isinstance(doc, dict):
+            stack += [*doc.keys(), *doc.values()]
+        elif isinstance(doc, list):
+            stack += doc
+    return found
+
+
+def _b64_tokens(v: bytes) -> list[bytes]:
+    import binascii
+
+    out = []
+    for tok in set(re.split(rb'[\s",:;]+', v)):
+        for dec in (base64.b64decode, base64.urlsafe_b64decode):
+            try:
+                out.append(dec(tok + b"=" * (-len(tok) % 4)))
+            except (binascii.Error, ValueError):
+                pass
+    return out
+
+
+def decoded_views(data: bytes) -> list[bytes]:
+    """Every way a client could read ``data``: as is, and after up to three decodings of
+    gzip/deflate/br/zstd, base64/base64url (per token), percent-encoding and JSON strings.
+
+    Total: any bytes give a list of views, never an exception (each decoder that does not
+    apply gives nothing), and bounded (:data:`VIEW_LIMIT` per decoding, 4000 views). Bytes stay
+    bytes throughout: percent-decoding is ``unquote_to_bytes``, never text decoded as UTF-8."""
+    from urllib.parse import unquote_to_bytes
+
+    decoders = _bounded_decoders()
 
     def step(v: bytes) -> list[bytes]:
-        out = []
+        out: list[bytes] = []
         body = v.split(b"\r\n\r\n", 1)[-1]
-        parts = {v, body, dechunk(body)}
-        for part in parts:
+        for part in {v, body, *_attempt(dechunk, body)}:
             for dec in decoders:
-                try:
-                    out.append(dec(part))
-                except Exception:
-                    pass
-            try:
-                out += [x.encode() for x in strings(json.loads(part))]
-            except ValueError:
-                pass
-        text = v.decode("latin-1")
-        out += [unquote(text).encode("latin-1"), unquote_plus(text).encode("latin-1")]
-        for tok in set(re.split(rb'[\s",:;]+', v)):
-            for dec in (base64.b64decode, base64.urlsafe_b64decode):
-                try:
-                    out.append(dec(tok + b"=" * (-len(tok) % 4)))
-                except (binascii.Error, ValueError):
-                    pass
-        return [o for o in out if o and o != v]
+                out += _attempt(dec, part)
+            out += _attempt(_json_strings, part)
+        out += _attempt(unquote_to_bytes, v)
+        out += _attempt(unquote_to_bytes, v.replace(b"+", b" "))
+        out += _attempt(_b64_tokens, v)
+        return [o for o in out if isinstance(o, bytes) and o and o != v]
 
-    seen, frontier = {data}, [data]
+    seen, frontier = {bytes(data)}, [bytes(data)]
     for _ in range(3):
         nxt = []
         for v in frontier:
