@@ -10,7 +10,7 @@ from click.testing import CliRunner
 
 import agentvm.cli.secret_cmds as secret_cmds
 from agentvm.cli import cli, main
-from agentvm.errors import EXIT_CONFIG, EXIT_USAGE
+from agentvm.errors import EXIT_CONFIG
 from agentvm.vault import Vault
 
 CANARY = "CANARY-ghp-0a1b2c3d4e5f60718293"
@@ -90,14 +90,14 @@ def test_set_from_env(runner, vault, monkeypatch):
 ])
 def test_value_cannot_come_from_argv(runner, vault, argv):
     r = runner.invoke(cli, ["secret", *argv], input="from-stdin\n")
-    assert r.exit_code == EXIT_USAGE
+    assert r.exit_code == EXIT_CONFIG  # a usage error: invalid input (docs/cli.md)
     assert "cannot be given on the command line" in r.output
     assert CANARY not in r.output
     assert not vault.exists("tok")
 
 
 def test_value_in_argv_through_main(home, capsys):
-    assert main(["secret", "set", "tok", CANARY]) == EXIT_USAGE
+    assert main(["secret", "set", "tok", CANARY]) == EXIT_CONFIG
     out = capsys.readouterr()
     assert CANARY not in out.out + out.err
     assert "cannot be given on the command line" in out.err

@@ -6,6 +6,7 @@ does not pay for pydantic/YAML imports it does not need.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import sys
 
@@ -13,7 +14,7 @@ import click
 
 from agentvm import __version__
 from agentvm.cli import report_error
-from agentvm.errors import EXIT_BACKEND, AgentVMError
+from agentvm.errors import EXIT_BACKEND, EXIT_CONFIG, AgentVMError
 
 # name -> "module:attribute"
 _COMMANDS: dict[str, str] = {
@@ -50,7 +51,28 @@ _COMMANDS: dict[str, str] = {
 }
 
 
+@contextlib.contextmanager
+def _usage_is_invalid_input():
+    """A usage error - an unknown command or option, a missing argument, an option value click
+    refuses (a bad choice, a value its type's converter rejects) - is invalid input: exit 78,
+    as docs/cli.md promises, never click's own 2. Every command and subcommand is parsed
+    inside the root group's ``make_context`` or ``invoke``, so this is the one place."""
+    try:
+        yield
+    except click.UsageError as exc:
+        exc.exit_code = EXIT_CONFIG
+        raise
+
+
 class LazyGroup(click.Group):
+    def make_context(self, info_name, args, parent=None, **extra):
+        with _usage_is_invalid_input():
+            return super().make_context(info_name, args, parent=parent, **extra)
+
+    def invoke(self, ctx: click.Context):
+        with _usage_is_invalid_input():
+            return super().invoke(ctx)
+
     def list_commands(self, ctx: click.Context) -> list[str]:
         return sorted(_COMMANDS)
 
