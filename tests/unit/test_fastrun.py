@@ -199,3 +199,23 @@ def test_the_python_thin_client_wants_the_whole_head_within_the_timeout(tmp_path
     finally:
         d.close()
     assert r.returncode == 125 and b"did not answer within 0.5s" in r.stderr and took < 3, r.stderr
+
+
+def test_a_daemon_timeout_says_where_the_daemons_log_is(tmp_path):
+    """Both clients' daemon.timeout hint names the log `agentvm up` writes (<home>/daemon.log)."""
+    import os
+
+    from tests.unit.test_client_c import HEAD, FakeDaemon
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AGENTVM_", "XDG_"))}
+    env.update(AGENTVM_HOME=str(tmp_path / "home"), AGENTVM_RUNTIME_DIR=str(tmp_path / "rt"),
+               AGENTVM_CLIENT_TIMEOUT="0.5")
+    d = FakeDaemon(str(tmp_path / "rt" / "agentvm.sock"), HEAD, trickle=0.05)
+    try:
+        fast = _python_client(env, "run", "--", "true")  # the thin client
+        full = _python_client(env, "run", "--env", "A=1", "--", "true")  # the full path (an option)
+    finally:
+        d.close()
+    for r in (fast, full):
+        assert r.returncode == 125 and b"[daemon.timeout]" in r.stderr, r.stderr
+        assert f"  hint: it may be stopped or overloaded: its log is {tmp_path}/home/daemon.log;".encode() in r.stderr, r.stderr

@@ -171,10 +171,17 @@ def _say(text_or_err, code: int = 0) -> int:
     return code
 
 
+def daemon_log() -> str:
+    """The daemon's log, where ``agentvm up`` writes it (``<home>/daemon.log``)."""
+    from agentvm.locations import default_dirs
+
+    return os.path.join(default_dirs()[0], "daemon.log")
+
+
 def _timed_out(timeout: float) -> tuple[str, str]:
     """(message, hint) of a daemon that did not answer in time, for both clients."""
     return (f"the agent-vm daemon did not answer within {timeout:g}s ({socket_path()})",
-            "it may be stopped or overloaded; AGENTVM_CLIENT_TIMEOUT sets the wait")
+            f"it may be stopped or overloaded: its log is {daemon_log()}; AGENTVM_CLIENT_TIMEOUT sets the wait")
 
 
 def _unavailable(timeout: float, exc: BaseException) -> tuple[str, int]:
@@ -183,7 +190,7 @@ def _unavailable(timeout: float, exc: BaseException) -> tuple[str, int]:
     if isinstance(exc, TimeoutError):
         return error_text("daemon.timeout", *_timed_out(timeout)), 125
     return error_text("daemon.unavailable", f"the agent-vm daemon broke off the connection ({exc})",
-                      "see the daemon's log (`agentvm status`)"), 125
+                      f"see the daemon's log: {daemon_log()}"), 125
 
 
 def _chunk_size(line: bytes) -> int:
