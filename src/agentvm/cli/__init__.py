@@ -16,6 +16,11 @@ if TYPE_CHECKING:
 
 def report_error(err: AgentVMError, as_json: bool = False) -> int:
     """Print an agent-vm error the same way everywhere and return its exit code."""
+    if err.code == "daemon.timeout" and "daemon.log" not in err.hint:
+        # the library's client does not know where `agentvm up` writes the log; every command says it
+        from agentvm.cli.fastrun import _timed_out
+
+        err.hint = _timed_out(0)[1]
     if as_json:
         import json
 

@@ -267,7 +267,23 @@ def logs(name):
 
     if print_run_log(name):
         return 0
-    click.echo(_client().logs(name), nl=False)
+    from agentvm.daemon.client import ApiFailure, DaemonUnavailable
+    from agentvm.errors import ConfigError
+
+    hint = "`agentvm runs` lists past runs, `agentvm ps` the daemon's sandboxes"
+    try:
+        text = _client().logs(name)
+    except ApiFailure as exc:
+        if exc.status != 404:
+            raise
+        raise ConfigError(f"no run or sandbox named {name!r}", hint=hint, code="logs.not-found") from None
+    except DaemonUnavailable as exc:
+        if exc.code != "daemon.unavailable" or "not running" not in exc.message:
+            raise
+        raise ConfigError(f"no run or sandbox named {name!r}",
+                          hint=f"{hint} (the daemon is not running: no sandbox was looked up)",
+                          code="logs.not-found") from None
+    click.echo(text, nl=False)
     return 0
 
 

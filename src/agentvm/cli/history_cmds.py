@@ -65,16 +65,36 @@ def runs(limit, as_json):
     if not found:
         click.echo("no runs recorded yet")
         return 0
-    click.echo(f"{'RUN':<22} {'AGENT':<16} {'STARTED':<19} {'DURATION':>9} {'EXIT':>5} {'DENIED':>6}  COMMAND")
+    rows = []
     for r in found:
         started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["started"]))
         dur = "running" if r["exit_code"] is None else f"{r['duration']:.1f}s"
         code = "-" if r["exit_code"] is None else str(r["exit_code"])
         denied = str((r.get("egress") or {}).get("denied", "")) if r.get("egress") else ""
         what = f"refused: {r['refused']}" if r.get("refused") else " ".join(r["command"])
-        click.echo(_printable(f"{r['run']:<22} {str(r['agent'])[:16]:<16} {started:<19} {dur:>9} {code:>5} {denied:>6}  "
-                              f"{what}")[:160])
+        rows.append([_printable(str(r["run"])), _printable(str(r["agent"])), started, dur, code, denied,
+                     _printable(what)])
+    for line in table(["RUN", "AGENT", "STARTED", "DURATION", "EXIT", "DENIED", "COMMAND"], rows,
+                      right=(3, 4, 5)):
+        click.echo(line)
     return 0
+
+
+WIDTH = 160  # a line's length, when its last column (a command line) has to be cut
+
+
+def table(header: list[str], rows: list[list[str]], *, right=(), width: int = WIDTH) -> list[str]:
+    """Aligned columns as wide as their widest cell (nothing cut but the last column, which is
+    cut to keep a line within ``width``, with at least 20 characters of it kept)."""
+    cols = len(header) - 1
+    widths = [max(len(x[i]) for x in [header, *rows]) for i in range(cols)]
+    room = max(20, width - sum(widths) - 2 * cols)
+    out = []
+    for row in [header, *rows]:
+        cells = [row[i].rjust(widths[i]) if i in right else row[i].ljust(widths[i]) for i in range(cols)]
+        last = row[cols] if len(row[cols]) <= room else row[cols][: room - 3] + "..."
+        out.append(("  ".join(cells) + "  " + last).rstrip())
+    return out
 
 
 def _printable(s: str) -> str:
@@ -87,7 +107,8 @@ def print_run_log(run_id: str) -> bool:
     chain has no run of that id."""
     log = _audit()
     recs = log.records(sandbox=run_id) if log else []
-    if not any(r.kind == "run.started" for r in recs):
+    started = next((r for r in recs if r.kind == "run.started"), None)
+    if started is None:
         return False
     for r in recs:
         t = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r.time))
@@ -109,5 +130,18 @@ def print_run_log(run_id: str) -> bool:
                              f"{where} {e.get('path') or ''} rule={e.get('rule')} {e.get('reason') or ''}".rstrip(), 400))
     else:
         click.echo("(no egress decisions logged: none made, or the log is past AGENTVM_LOG_RETENTION)")
-    click.echo("(an embedded run's stdout and stderr went to its caller; agent-vm does not keep them)")
+    click.echo(f"({_output_note(log, run_id, started)})")
     return True
+
+
+def _output_note(log, run_id: str, started) -> str:
+    """Where a run's output went: a managed sandbox's session to its log, a run through the
+    daemon (recorded by the daemon: actor ``agentvm``) and an embedded run to their caller."""
+    for r in log.records(kinds=("lifecycle.running",)):
+        if r.data.get("sandbox_id") == run_id and r.sandbox:
+            return (f"a session of the daemon's sandbox {_printable(r.sandbox)}: its output is in its log, "
+                    f"`agentvm logs {_printable(r.sandbox)}`")
+    if started.actor == "agentvm":
+        return ("a run through the daemon: its stdout and stderr were relayed to its caller; "
+                "agent-vm does not keep them")
+    return "an embedded run: its stdout and stderr went to its caller; agent-vm does not keep them"
