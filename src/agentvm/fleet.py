@@ -21,7 +21,6 @@ a restart next month runs exactly what was applied, whatever the presets on disk
 
 from __future__ import annotations
 
-import fnmatch
 import hashlib
 import json
 import os
@@ -759,4 +758,6 @@ def recorded(logs_dir: Path, agent: str, *, since: float | None = None, last: in
 
 
 def matches(name: str, patterns: list[str]) -> bool:
-    return any(fnmatch.fnmatchcase(name, p) for p in patterns)
+    from agentvm import names
+
+    return any(names.match(name, p) for p in patterns)

@@ -198,3 +198,72 @@ def test_the_tool_servers_sandbox_holds_its_own_grants_and_none_of_the_agents():
     a = json.loads(_sandbox_spec("research-assistant-team-alpha", "L3", srv))["metadata"]["name"]
     b = json.loads(_sandbox_spec("research-assistant-team-beta", "L3", srv))["metadata"]["name"]
     assert a != b and len(a) <= 63
+
+
+# ---------------------------------------------------------------------------- names in one normal form
+CASES = """\
+  tools:
+    - name: notes
+      command: [notes-mcp]
+      allow: ["*"]
+      approve: ["write_*"]
+      deny: ["*admin*"]
+      risk: {"*delete*": destructive, "read_*": read}
+      arguments:
+        "read_*": {path: {path: /srv/notes, required: true}}
+"""
+
+
+@pytest.mark.parametrize("tool", ["ADMIN_RESET", "Admin_Reset", "reset_ADMIN", "aDmIn"])
+def test_a_deny_glob_denies_every_case_of_the_name(tool):
+    """Issue 35: with allow ["*"] and deny ["*admin*"], ADMIN_RESET was listed and ran."""
+    p = tools_policy(CASES)
+    sp = p.server("notes")
+    assert not tp.visible(sp, tool)
+    assert tp.decide("notes", tool, {}, p).rule_id == "tools:deny:notes:*admin*"
+
+
+@pytest.mark.parametrize("tool", ["WRITE_NOTE", "Write_Note", "write_NOTE"])
+def test_an_approve_glob_holds_every_case_of_the_name(tool):
+    assert tp.decide("notes", tool, {}, tools_policy(CASES)).rule_id == "tools:approve:notes:write_*"
+
+
+def test_risk_classes_and_argument_rules_apply_to_every_case_of_the_name():
+    p = tools_policy(CASES, tier="L3")
+    assert tp.decide("notes", "DELETE_ALL", {}, p).rule_id == "tools:tier:destructive"
+    assert tp.decide("notes", "READ_NOTE", {}, p).rule_id == "tools:argument:path"
+    assert tp.decide("notes", "READ_NOTE", {"path": "/etc/shadow"}, p).rule_id == "tools:argument:path"
+    assert tp.decide("notes", "READ_NOTE", {"path": "/srv/notes/a"}, p).verdict == "allow"
+
+
+def test_server_names_and_live_changes_are_compared_in_normal_form():
+    p = tools_policy(CASES)
+    assert tp.decide("NOTES", "ADMIN", {}, p).rule_id == "tools:deny:notes:*admin*"
+    assert tp.decide("\uff4e\uff4f\uff54\uff45\uff53", "list", {}, p).verdict == "allow"  # fullwidth "notes"
+    p2 = tp.apply_live(p, [{"action": "deny", "server": "Notes", "tool": "list_*"}])
+    assert tp.decide("notes", "LIST_ALL", {}, p2).rule_id == "tools:deny:notes:list_*"
+    # a live allow lifts a live deny of the same name, whatever its case
+    p3 = tp.apply_live(p2, [{"action": "allow", "server": "notes", "tool": "LIST_*"}])
+    assert tp.decide("notes", "list_all", {}, p3).verdict == "allow"
+    # a grant never lifts a deny, in any case
+    p4 = tp.apply_live(p, [{"action": "grant", "server": "NOTES", "tool": "ADMIN"}], grants=True)
+    assert tp.decide("notes", "admin", {}, p4).verdict == "deny"
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(alphabet="abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ_-.0123456789", min_size=1, max_size=20))
+def test_a_decision_depends_only_on_the_normal_form_of_the_name(tool):
+    p = tools_policy(CASES)
+    want = tp.decide("notes", tool.lower(), {"path": "/srv/notes/x"}, p)
+    for variant in (tool, tool.upper(), tool.swapcase()):
+        got = tp.decide("notes", variant, {"path": "/srv/notes/x"}, p)
+        assert (got.verdict, got.rule_id) == (want.verdict, want.rule_id)
+
+
+def test_one_normal_form_helper():
+    from agentvm import names
+
+    assert names.norm("ＡＤＭＩＮ") == names.norm("admin") == "admin"
+    assert names.norm(names.norm("ǅ")) == names.norm("ǅ")
+    assert names.match("ADMIN_RESET", "*admin*") and not names.match("reset", "*admin*")
+    assert names.first_match(["x", "*Admin*"], "admin_reset") == "*Admin*"

@@ -49,6 +49,7 @@ from mcp.server.streamable_http_manager import StreamableHTTPSessionManager
 from mcp.server.transport_security import TransportSecuritySettings
 from mcp.shared.exceptions import MCPError
 
+from agentvm import names
 from agentvm.approvals import digest as arg_digest
 from agentvm.gate.endpoint import TokenBucket
 from agentvm.approvals import SHOW_MAX, preview, shown
@@ -451,7 +452,7 @@ class ToolGateway:
         exposed = params.name
         args = params.arguments or {}
         ad = arg_digest(args)
-        if exposed == tp.REQUEST_ACCESS:
+        if names.same(exposed, tp.REQUEST_ACCESS):
             return await self._request_access(args, ad)
         split = tp.split_name(exposed)
         if split is None:
@@ -459,6 +460,9 @@ class ToolGateway:
                              args_digest=ad)
         server, tool = split
         policy = self.policy
+        named = policy.server(server)
+        if named is not None:
+            server = named.name  # the server as declared (names are compared in normal form)
         d = tp.decide(server, tool, args, policy)
         target = f"{server}{tp.SEP}{tool}"
         if d.verdict == "ask":
@@ -588,7 +592,7 @@ class ToolGateway:
             if tp._match(sp.deny, split[1]) is not None:
                 refused.append(f"tool {item[:100]!r}: denied by the operator (a deny rule is not grantable)")
                 continue
-            tool_items.append({"action": tp.GRANT, "server": split[0], "tool": split[1]})
+            tool_items.append({"action": tp.GRANT, "server": sp.name, "tool": split[1]})
         return egress_items, tool_items, refused
 
     async def _request_access(self, args: dict, ad: str) -> types.CallToolResult:
@@ -732,6 +736,7 @@ class ToolGateway:
         if size > sp.max_arguments:
             raise self._deny("tools:arguments-too-large", f"prompt arguments of {size} bytes, over {sp.max_arguments}",
                              target, LIMITED)
+        split = (sp.name, split[1])  # the server as declared (names are compared in normal form)
         u = self.upstreams[split[0]]
         if not u.bucket.take():
             raise self._deny("tools:rate", f"more than {sp.calls_per_minute} requests a minute to {split[0]}", target,

@@ -6,6 +6,11 @@ and hidden from ``tools/list``), then the argument constraints, then whether a h
 answer first (``approve`` globs, or a risk class the tier always puts before a human). An
 exception is a deny. The risk class of a tool comes only from the agent file (``risk``);
 what a server says about its own tools (``destructiveHint``...) is never consulted.
+
+Every name is compared in one normal form (:func:`agentvm.names.norm`: NFKC + case folding):
+a glob, a server name, a live change or a granted tool names the same tools whatever case or
+compatibility form the agent, the server or the operator spelled them in - ``deny: ["*admin*"]``
+denies ``ADMIN_RESET``.
 """
 
 from __future__ import annotations
@@ -14,8 +19,9 @@ import json
 import posixpath
 import re
 from dataclasses import dataclass, field
-from fnmatch import fnmatchcase
 from typing import Any
+
+from agentvm import names
 
 SEP = "__"  # the agent sees SERVER__TOOL
 TOOL_NAME_RE = re.compile(r"[A-Za-z0-9_.\-/]{1,128}")
@@ -64,10 +70,7 @@ class ToolPolicy:
     tier: str = "L2"  # the agent's risk tier: the ceiling of what agentvm__request_access can be granted
 
     def server(self, name: str) -> ServerPolicy | None:
-        for s in self.servers:
-            if s.name == name:
-                return s
-        return None
+        return names.find(self.servers, name)
 
 
 @dataclass(frozen=True)
@@ -88,10 +91,9 @@ def _deny(rule: str, reason: str) -> ToolDecision:
 
 
 def _match(globs, name: str) -> str | None:
-    for g in globs:
-        if fnmatchcase(name, g):
-            return g
-    return None
+    """The first glob naming ``name`` (both in normal form: case and compatibility forms
+    never get a name past a rule)."""
+    return names.first_match(globs, name)
 
 
 def split_name(exposed: str) -> tuple[str, str] | None:
@@ -116,7 +118,7 @@ def visible(sp: ServerPolicy, tool: str) -> bool:
 
 def risk_of(sp: ServerPolicy, tool: str) -> str:
     for g, cls in sp.risk:
-        if fnmatchcase(tool, g):
+        if names.match(tool, g):
             return cls
     return "write"
 
@@ -167,7 +169,7 @@ def _decide(sp: ServerPolicy, tool: str, arguments: Any, policy: ToolPolicy) -> 
         return _deny("tools:arguments-too-large", f"the arguments of {target} are {size} bytes, over "
                      f"{sp.max_arguments}")
     for glob, rules in sp.arguments:
-        if not fnmatchcase(tool, glob):
+        if not names.match(tool, glob):
             continue
         for r in rules:
             why = _check_arg(r, r.name in arguments, arguments.get(r.name))
@@ -280,9 +282,9 @@ def compile_tools(body, agent: str) -> ToolPolicy:
     seen = set()
     servers = []
     for srv in body.tools:
-        if srv.name in seen:
+        if names.norm(srv.name) in seen:  # (two names one normal form apart are one server to every rule)
             raise ValueError(f"spec.tools: two servers are named {srv.name!r}")
-        seen.add(srv.name)
+        seen.add(names.norm(srv.name))
         args = tuple(
             (glob, tuple(ArgRule(name=a, path=r.path, pattern=r.pattern, enum=tuple(r.enum or ()),
                                  has_enum=r.enum is not None, max_length=r.max_length, required=r.required)
@@ -318,16 +320,18 @@ def apply_live(policy: ToolPolicy, changes: list, *, grants: bool = False) -> To
         action, server, tool = ch.get("action"), ch.get("server"), ch.get("tool")
         if action not in LIVE_ACTIONS and not (grants and action == GRANT):
             raise ValueError(f"tools action is one of {', '.join(LIVE_ACTIONS)}")
-        if server not in servers:
+        found = names.find(servers, server, key=lambda n: n)
+        if found is None:
             raise ValueError(f"no tool server {server!r} (declared: {', '.join(servers) or 'none'})")
+        server = found
         if not isinstance(tool, str) or not re.fullmatch(r"[A-Za-z0-9_.*?/-]{1,128}", tool):
             raise ValueError("the tool is a name or glob (letters, digits, _ . - / and * ?)")
         sp = servers[server]
         if action == GRANT:
             sp = replace(sp, allow=sp.allow + (tool,))
         elif action == "allow":
-            sp = replace(sp, allow=sp.allow + (tool,), deny=tuple(g for g in sp.deny if g != tool),
-                         approve=tuple(g for g in sp.approve if g != tool))
+            sp = replace(sp, allow=sp.allow + (tool,), deny=tuple(g for g in sp.deny if not names.same(g, tool)),
+                         approve=tuple(g for g in sp.approve if not names.same(g, tool)))
         elif action == "deny":
             sp = replace(sp, deny=sp.deny + (tool,))
         else:
