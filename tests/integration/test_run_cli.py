@@ -52,6 +52,15 @@ def test_command_not_found_is_127(agentvm):
     assert b"no-such-command-xyz" in r.stderr
 
 
+@pytest.mark.xfail(strict=True, reason="agentvm-helper.c's fail() also writes its raw status line "
+                   "(`agentvm-helper: exec<TAB>2<TAB>...`) to stderr when a status fd reports it to agent-vm; "
+                   "the helper is another engineer's (see the issue 36 report)")
+def test_command_not_found_says_only_the_clean_error(agentvm):
+    r = agentvm("run", "--", "/nonexistent-cmd")
+    assert r.returncode == 127
+    assert r.stderr == b"agentvm: cannot execute: /nonexistent-cmd: No such file or directory\n", r.stderr
+
+
 def test_timeout_is_124_and_reported(agentvm):
     t0 = time.monotonic()
     r = agentvm("run", "--timeout", "1s", "--json", "--", "/bin/sleep", "30")
