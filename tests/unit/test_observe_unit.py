@@ -267,3 +267,38 @@ def test_a_tiny_export_cannot_become_a_huge_one_and_look_alikes_are_refused():
     out = ExportTraceServiceRequest()
     out.ParseFromString(stamp(req.SerializeToString(), b"application/x-protobuf", b"", "traces", "sb", "ag"))
     assert [kv.key for kv in out.resource_spans[0].scope_spans[0].spans[0].attributes] == ["keep"]
+
+
+@pytest.mark.parametrize("name", [
+    "agent\u2212vm",                      # MINUS SIGN
+    "\u0430gent-vm",                      # Cyrillic a
+    "\u0430\u0261\u0435\u0578\u0442-v\u043c",  # Cyrillic, Latin script g, Armenian vo
+    "\u1d00\u0262\u1d07\u0274\u1d1b-\u1d20\u1d0d",  # small capitals
+    "agent\u200b-vm", "AGENT\u2010VM", "\uff41gent-vm", "agent vm", "agentvm", "\U0001d41agent-vm",
+])
+def test_look_alikes_of_agent_vm_are_refused_by_their_confusable_skeleton(name):
+    """Issue 35: a minus sign, Cyrillic or small-capital letters got past the check."""
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+    from agentvm.gate.telemetry import ExportRefused, stamp
+
+    req = ExportTraceServiceRequest()
+    a = req.resource_spans.add().resource.attributes.add()
+    a.key, a.value.string_value = "service.name", name
+    with pytest.raises(ExportRefused, match="agent-vm"):
+        stamp(req.SerializeToString(), b"application/x-protobuf", b"", "traces", "sb", "ag")
+
+
+@pytest.mark.parametrize("name", ["my-agent", "agent-vn", "vm-agent", "agent-vm-client", "\u0430\u0433\u0435\u043d\u0442"])
+def test_names_that_do_not_look_like_agent_vm_pass(name):
+    from agentvm.gate.telemetry import _looks_like_ours
+
+    assert not _looks_like_ours(name)
+
+
+def test_skeleton_is_uts39():
+    from agentvm.names import skeleton
+
+    assert skeleton("p\u0430ypal") == skeleton("paypal")  # Cyrillic a
+    assert skeleton("\u2212") == "-" and skeleton("rn") == skeleton("m")
+    assert skeleton("\u0410\u0412\u0421") == "ABC"

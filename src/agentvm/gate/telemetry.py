@@ -204,14 +204,12 @@ def _strip_ours(attrs) -> None:
 
 
 def _looks_like_ours(name: str) -> bool:
-    """``agent-vm`` however it is dressed up: NFKC, format characters removed, any dash a
-    hyphen, spaces and case ignored ("agent-vm ", "Agent\u2011VM", "agentvm")."""
-    import unicodedata
+    """``agent-vm`` however it is dressed up: to a reader (:func:`agentvm.names.looks_like`:
+    case, compatibility forms, format characters, spaces, any dash, Latin small capitals and
+    the Unicode confusables of UTS #39 - a minus sign, Cyrillic or Greek letters)."""
+    from agentvm.names import looks_like
 
-    n = unicodedata.normalize("NFKC", name or "")
-    n = "".join("-" if unicodedata.category(c) == "Pd" else c for c in n if unicodedata.category(c) != "Cf")
-    n = "".join(n.split()).lower()
-    return n in ("agent-vm", "agentvm", "agent_vm")
+    return looks_like(name or "", "agent-vm", "agentvm", "agent_vm")
 
 
 def _top_level_count(data: bytes) -> int:
