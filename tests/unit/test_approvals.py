@@ -195,3 +195,63 @@ def test_two_answers_by_the_same_user_cannot_both_win(tmp_path):
     with pytest.raises(ApprovalError):  # a second console tab, the same actor
         s.answer(r.id, False, "console:console")
     assert s.get(r.id).state == "approved"
+
+
+# ---------------------------------------------------------------------------- the console's approve
+def _console_post(console, path: str, form: str, *, cookie: str | None = None):
+    """One POST through the console's own ASGI entry (the daemon hands it the scope the same
+    way), as a browser session on the TCP listener: -> (status, body)."""
+    headers = [(b"host", b"127.0.0.1:8765"), (b"content-type", b"application/x-www-form-urlencoded"),
+               (b"origin", b"http://127.0.0.1:8765")]
+    if cookie:
+        headers.append((b"cookie", cookie.encode()))
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+             "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "", "headers": headers,
+             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 8765), "agentvm.transport": "tcp"}
+    body = [form.encode()]
+    out = {"status": None, "body": b""}
+
+    async def receive():
+        return {"type": "http.request", "body": body.pop() if body else b"", "more_body": False}
+
+    async def send(msg):
+        if msg["type"] == "http.response.start":
+            out["status"] = msg["status"]
+        elif msg["type"] == "http.response.body":
+            out["body"] += msg.get("body", b"")
+
+    asyncio.run(console(scope, receive, send))
+    return out["status"], out["body"]
+
+
+def _console(tmp_path):
+    from types import SimpleNamespace
+
+    from agentvm.console.app import COOKIE, Console
+
+    s = store(tmp_path)
+    daemon = SimpleNamespace(token=None, listen="127.0.0.1:8765", gate=SimpleNamespace(approval_store=lambda: s))
+    c = Console(daemon)
+    sid, sess = c.sessions.redeem(c.sessions.mint_code())
+    return c, s, f"{COOKIE}={sid}", sess["csrf"]
+
+
+@pytest.mark.parametrize("digest", [None, "", "sha256:ff"])
+def test_the_console_refuses_an_approval_without_the_digest_it_showed(tmp_path, digest):
+    """Issue 35: the console's approve handler treated the shown digest as optional."""
+    c, s, cookie, csrf = _console(tmp_path)
+    r = submit(s)
+    form = f"csrf={csrf}" + (f"&digest={digest}" if digest is not None else "")
+    status, body = _console_post(c, f"/approvals/{r.id}/approve", form, cookie=cookie)
+    assert status == 409, body[:300]
+    assert s.get(r.id).state == "pending"  # nothing was approved
+
+
+def test_the_console_approves_with_the_digest_it_showed_and_denies_without_one(tmp_path):
+    c, s, cookie, csrf = _console(tmp_path)
+    r = submit(s)
+    status, _ = _console_post(c, f"/approvals/{r.id}/approve", f"csrf={csrf}&digest={r.digest}", cookie=cookie)
+    assert status == 303 and s.get(r.id).state == "approved" and s.get(r.id).by == "console:console"
+    r2 = submit(s)
+    status, _ = _console_post(c, f"/approvals/{r2.id}/deny", f"csrf={csrf}", cookie=cookie)  # a denial needs none
+    assert status == 303 and s.get(r2.id).state == "denied"

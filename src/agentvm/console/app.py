@@ -358,8 +358,14 @@ class Console:
             note = (form.get("note") or "")[:1000] or None
             from agentvm.approvals import ApprovalError
 
+            digest = form.get("digest") or ""
+            if answer == "approve" and not digest:
+                # the page sends the digest of what it showed: an approval without one approves
+                # something nobody was shown (a forged or stale form) - refused, never assumed
+                raise _Refused(409, f"{rid}: an approval must name the digest of the request it was shown "
+                               "(reload the approvals page and approve from there)")
             try:
-                store.answer(rid, answer == "approve", f"console:{ACTOR}", note, digest=form.get("digest") or None)
+                store.answer(rid, answer == "approve", f"console:{ACTOR}", note, digest=digest or None)
             except ApprovalError as exc:
                 raise _Refused(409, exc.message) from None
         except _Refused as exc:
