@@ -44,9 +44,10 @@ def write_atomic(path: Path, data: bytes, mode: int, *, mtime_ns: int | None = N
 
 # A grant is idmapped: inside it the agent acts as the folder's owner, with the owner's rights on
 # the owner's files. So no grant may be - or be inside - a kernel interface, the host's
-# configuration, root's home or the runtime sockets, nor be a whole system tree or a user's
-# home directory (grant a project folder inside it instead).
-_BENEATH_FORBIDDEN = ("/proc", "/sys", "/dev", "/run", "/boot", "/etc", "/root", "/var/lib", "/var/spool",
+# configuration or the runtime sockets, nor be a whole system tree, a user's home directory
+# or a home's dotfiles (grant a project folder inside it instead). /root is a home like any
+# other: /root itself and /root/.* are refused, /root/proj is a project folder.
+_BENEATH_FORBIDDEN = ("/proc", "/sys", "/dev", "/run", "/boot", "/etc", "/var/lib", "/var/spool",
                       "/var/log", "/var/cache", "/var/mail", "/var/backups", "/var/tmp")
 # What the host executes or loads as root: not even read-write *inside* (merged /usr makes
 # /bin, /lib... resolve here too)
@@ -77,13 +78,34 @@ def bind_unix_listener(path: Path, uid: int | None, backlog: int):
     return s
 
 
+ROOT_HOME = "/root"  # root's home whatever the account database says
+
+
 def _home_dirs() -> set[str]:
+    """Every account's home directory (resolved), and root's /root."""
     import pwd
 
+    homes = {os.path.realpath(ROOT_HOME)}
     try:
-        return {os.path.realpath(p.pw_dir) for p in pwd.getpwall() if p.pw_dir not in ("", "/", "/nonexistent")}
+        homes |= {os.path.realpath(p.pw_dir) for p in pwd.getpwall() if p.pw_dir not in ("", "/", "/nonexistent")}
     except OSError:
-        return set()
+        pass
+    homes.discard("/")
+    return homes
+
+
+def home_part(real: str, homes: set[str] | None = None) -> tuple[str, str] | None:
+    """(home, dot entry) when the resolved path ``real`` is a home directory (dot entry ``""``)
+    or a dotfile / dot-directory of one, or anything under those (``/root/.ssh/id_ed25519``:
+    ``("/root", ".ssh")``); None for a project folder inside a home (``/root/proj``)."""
+    for home in sorted(_home_dirs() if homes is None else homes, key=len, reverse=True):
+        if real == home:
+            return home, ""
+        if real.startswith(home.rstrip("/") + "/"):
+            first = real[len(home.rstrip("/")) + 1:].split("/", 1)[0]
+            if first.startswith("."):
+                return home, first
+    return None
 
 
 def check_grant_target(real: str, own: list[Path], shown: str, writable: bool = False) -> None:
@@ -101,11 +123,18 @@ def check_grant_target(real: str, own: list[Path], shown: str, writable: bool = 
             f"granting {shown} would expose the host" + (f" ({under} and everything in it)" if under else ""),
             hint="grant a project folder instead: inside a grant the agent has the rights of the folder's owner",
             code="policy.grant-forbidden")
-    if real in _home_dirs():
+    home = home_part(real)
+    if home is not None and not home[1]:
         raise PolicyDenied(
             f"granting {shown} would hand the agent a user's whole home directory (ssh keys, shell and tool "
             "configuration the user's programs trust)",
             hint="grant the project folder inside it, e.g. --mount " + real.rstrip("/") + "/PROJECT:/src",
+            code="policy.grant-home")
+    if home is not None:
+        raise PolicyDenied(
+            f"granting {shown} would hand the agent a home directory's {home[1]} ({home[0]}/{home[1]}): a home's "
+            "dotfiles and dot-directories hold keys, credentials and configuration the user's programs trust",
+            hint="grant a project folder of the home instead, e.g. --mount " + home[0].rstrip("/") + "/PROJECT:/src",
             code="policy.grant-home")
     r = Path(real)
     for o in own:

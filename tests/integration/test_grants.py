@@ -204,11 +204,54 @@ def test_two_sandboxes_sharing_a_folder_keep_each_others_protection(agentvm, gra
 
 
 def test_grants_that_would_hand_over_the_host_are_refused(agentvm, tmp_path, grant_dir):
-    for host in ("/etc", "/etc/ssl", "/root", "/root/x-missing-is-fine", "/home", "/usr", "/proc/1"):
+    for host in ("/etc", "/etc/ssl", "/root", "/root/.x-missing-is-fine", "/home", "/usr", "/proc/1"):
         r = agentvm("run", "--json", "--mount", f"{host}:/h:ro", "--", "true")
         assert r.returncode in (77, 78), (host, r.stdout, r.stderr)
         if r.returncode == 77:
-            assert last_json(r.stdout)["error"] == "policy.grant-forbidden", (host, r.stdout)
+            want = "policy.grant-home" if host.startswith("/root") else "policy.grant-forbidden"
+            assert last_json(r.stdout)["error"] == want, (host, r.stdout)
+
+
+@pytest.fixture
+def root_project():
+    """A project folder in root's home (/root/NAME, removed after)."""
+    d = Path(f"/root/agentvm-proj-{secrets.token_hex(4)}")
+    d.mkdir(mode=0o755)
+    (d / "main.py").write_text("print('hi')\n")
+    try:
+        yield d
+    finally:
+        subprocess.run(["rm", "-rf", "--", str(d)], check=False)
+
+
+def test_a_project_folder_in_roots_home_can_be_granted(agentvm, root_project):
+    """Run as root from /root/proj: `agentvm run --mount $PWD:/src:ro` works as from /home/x/proj."""
+    r = agentvm("run", "--mount", f"{root_project}:/src:ro", "--", "ls", "/src")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == [b"main.py"], r.stdout
+
+
+def test_roots_home_its_dot_directories_and_agentvm_state_stay_refused(agentvm, avm_home):
+    """Attack-style: whatever exists in /root, the home itself, its dot-directories (ssh keys,
+    cloud credentials, tool configuration, agent-vm's own state) cannot be granted, ro or rw."""
+    made = []
+    for name in (".ssh", ".agentvm", ".aws", ".config"):  # made (empty) when absent, removed after
+        p = Path("/root") / name
+        if not p.exists():
+            p.mkdir(mode=0o700)
+            made.append(p)
+    try:
+        for host in ("/root", "/root/.ssh", "/root/.agentvm", "/root/.aws", "/root/.config"):
+            for mode in ("ro", "rw"):
+                r = agentvm("run", "--json", "--mount", f"{host}:/h:{mode}", "--", "true")
+                assert r.returncode == 77, (host, mode, r.stdout, r.stderr)
+                assert last_json(r.stdout)["error"] == "policy.grant-home", (host, r.stdout)
+    finally:
+        for p in made:
+            p.rmdir()
+    # agent-vm's state home under /root cannot even be used while /root is 0700 (the sandbox's
+    # uid must reach the helper: refused as not traversable); were it, a grant of it or of
+    # anything in it is refused as agent-vm's own state (tests/unit/test_fsutil_grants.py)
 
 
 def test_a_user_home_directory_is_refused(agentvm):

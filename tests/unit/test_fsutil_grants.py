@@ -5,6 +5,7 @@ re-pointed between our check and our open."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -103,3 +104,68 @@ def test_system_trees_are_not_grantable(path, writable, refused):
             check_grant_target(path, [], path, writable)
     else:
         check_grant_target(path, [], path, writable)
+
+
+# /root is a home like any other: the home itself and its dotfiles / dot-directories (and
+# anything under them) are refused, project folders inside it are grants like /home/x/proj.
+@pytest.mark.parametrize("path", [
+    "/root", "/root/", "/root/.ssh", "/root/.ssh/id_ed25519", "/root/.config", "/root/.config/gh/hosts.yml",
+    "/root/.aws", "/root/.aws/credentials", "/root/.bashrc", "/root/.agentvm", "/root/.agentvm/vault",
+    "/root/.docker/config.json", "/root/.gnupg", "/root/.netrc", "/root/.git-credentials",
+])
+@pytest.mark.parametrize("writable", [False, True])
+def test_root_home_and_its_dotfiles_are_refused(path, writable):
+    from agentvm.errors import PolicyDenied
+    from agentvm.fsutil import check_grant_target
+
+    real = path.rstrip("/") or "/"
+    with pytest.raises(PolicyDenied) as ei:
+        check_grant_target(real, [], path, writable)
+    assert ei.value.code == "policy.grant-home", ei.value.message
+
+
+@pytest.mark.parametrize("path", ["/root/proj", "/root/src/app", "/root/proj/.git", "/root/proj/.env",
+                                  "/root/work.d/x", "/root/proj/.ssh"])
+@pytest.mark.parametrize("writable", [False, True])
+def test_project_folders_in_root_home_are_grantable(path, writable):
+    from agentvm.fsutil import check_grant_target
+
+    check_grant_target(path, [], path, writable)  # no exception
+
+
+def test_every_home_follows_the_same_rule(monkeypatch):
+    """/home/x and /root: the home and its dot entries are refused, project folders are not."""
+    from agentvm import fsutil
+    from agentvm.errors import PolicyDenied
+
+    monkeypatch.setattr(fsutil, "_home_dirs", lambda: {"/root", "/home/ann", "/srv/home/bob"})
+    for home in ("/root", "/home/ann", "/srv/home/bob"):
+        for bad in (home, f"{home}/.ssh", f"{home}/.ssh/id_rsa", f"{home}/.config/git", f"{home}/.profile"):
+            with pytest.raises(PolicyDenied) as ei:
+                fsutil.check_grant_target(bad, [], bad, False)
+            assert ei.value.code == "policy.grant-home", bad
+        fsutil.check_grant_target(f"{home}/proj", [], f"{home}/proj", True)
+    assert fsutil.home_part("/home/annex/.ssh", {"/home/ann"}) is None, "a sibling is not inside the home"
+
+
+def test_root_is_a_home_even_when_the_account_database_says_otherwise(monkeypatch):
+    import pwd
+
+    monkeypatch.setattr(pwd, "getpwall", lambda: [])
+    from agentvm.fsutil import _home_dirs, home_part
+
+    assert "/root" in _home_dirs()
+    assert home_part("/root/.ssh") == ("/root", ".ssh")
+    assert home_part("/root/proj") is None
+
+
+def test_agentvm_state_under_root_is_refused(tmp_path):
+    """A state home under /root (AGENTVM_HOME=/root/avm, or /root/.agentvm): neither it, nor a
+    folder holding it, nor anything inside it can be granted."""
+    from agentvm.fsutil import check_grant_target
+
+    for state in (Path("/root/avm-state"), Path("/root/.agentvm")):
+        for p in (str(state), str(state / "workspaces" / "x"), "/root"):
+            with pytest.raises(PolicyDenied):
+                check_grant_target(p, [state], p, True)
+    check_grant_target("/root/proj", [Path("/root/avm-state")], "/root/proj", True)
