@@ -151,3 +151,39 @@ def test_a_modern_tools_call_does_not_list_every_server_first(tmp_path):
     # two listings: the one asked for, and the SDK client's own before its first call (it learns
     # the tools' output schemas); without the gateway's schema lookup it is eight (one per call)
     assert len(listed) == 2, f"tools/list ran {len(listed)} times for one listing and six calls"
+
+
+def _egress(yaml_body: str):
+    from _spec_helpers import agent
+
+    from agentvm.policy import compile_policy
+    from agentvm.spec.loader import load_agent_text
+
+    return compile_policy(load_agent_text(agent("spec:\n  riskTier: L3\n" + yaml_body), "a.yaml",
+                                          preset_dirs=[]).spec).egress
+
+
+def test_request_access_for_a_host_the_operator_denied_is_refused_never_queued(tmp_path):
+    """Issue 35: such a request was queued, and once approved the agent was told "granted"
+    while the gate still answered 403. Refused outright - a deny rule of the operator's or a
+    default deny (metadata, private addresses) - and never put before a human."""
+    sp = tp.ServerPolicy(name="notes", kind="local", allow=("read_note",))
+    gw, store, pol, audit, called = gateway(tmp_path, sp)
+    eg = _egress("  egress:\n    allow: [{host: ok.test}]\n    deny: [{host: evil.test}, {host: '*.evil.test'}]\n")
+    gw.endpoint = pytypes.SimpleNamespace(policy=eg, set_policy=lambda p: setattr(gw.endpoint, "policy", p))
+    for item in ("evil.test", "EVIL.test:443", "api.evil.test", "dns.google"):  # the last: a default deny (DoH)
+        egress, _, refused = gw._access_delta({"egress": [item]})
+        assert egress == [] and refused and "not grantable" in refused[0], (item, refused)
+    for item in ("169.254.169.254:80", "10.0.0.1", "127.0.0.1:8080", "[::1]"):  # an allow rule naming one lifts it
+        egress, _, refused = gw._access_delta({"egress": [item]})
+        assert egress == [] and refused and "never granted on request" in refused[0], (item, refused)
+
+    async def go(args):
+        return await gw._call_tool(None, pytypes.SimpleNamespace(name=tp.REQUEST_ACCESS, arguments=args))
+
+    res = asyncio.run(go({"egress": ["evil.test:443"], "reason": "need it"}))
+    assert res.is_error and "not grantable" in res.content[0].text
+    assert store.list() == [], "never queued for a human"
+    # a grantable item beside a denied one: only the grantable one is put before the human
+    egress, _, refused = gw._access_delta({"egress": ["new.test", "evil.test"]})
+    assert egress == [("new.test", (443,))] and len(refused) == 1

@@ -556,7 +556,10 @@ class ToolGateway:
     def _access_delta(self, args: dict) -> tuple[list, list, list]:
         """What the request would add to the policy in force now: (egress rules, tool changes,
         refusals). Items already allowed are no delta; items the tier forbids are refused."""
-        from agentvm.gate.policy import RequestMeta, cli_rule, decide
+        from dataclasses import replace
+
+        from agentvm.gate.exchange import _is_ip
+        from agentvm.gate.policy import RequestMeta, Rule, check_address, cli_rule, decide
         from agentvm.spec.models import TIER_CEILINGS
 
         egress_items, tool_items, refused = [], [], []
@@ -571,16 +574,37 @@ class ToolGateway:
             if "*" in rule.host:
                 refused.append(f"egress to {rule.host}: a pattern is never granted on request")
                 continue
+            if _is_ip(rule.host) and check_address(rule.host, rule.host, ep.policy if ep is not None else None) \
+                    is not None:
+                # an allow rule naming an IP literal lifts the address-class protection (loopback,
+                # private, link-local, metadata): that is the operator's to write, never granted on request
+                refused.append(f"egress to {rule.host}: a loopback, private, link-local or metadata address is never "
+                               "granted on request")
+                continue
             if not TIER_CEILINGS.get(self.policy.tier, {}).get("egress"):
                 refused.append(f"egress to {rule.host}: risk tier {self.policy.tier} allows no egress")
                 continue
             if ep is None:
                 refused.append(f"egress to {rule.host}: no gate endpoint to change")
                 continue
-            missing = [p for p in rule.ports if not decide(RequestMeta(host=rule.host, port=p, scheme="connect",
-                                                                       phase="connect"), ep.policy).allowed]
-            if missing:
-                egress_items.append((rule.host, tuple(missing)))
+            def meta(p):
+                return RequestMeta(host=rule.host, port=p, scheme="connect", phase="connect")
+
+            missing = [p for p in rule.ports if not decide(meta(p), ep.policy).allowed]
+            if not missing:
+                continue
+            # what the gate would answer once granted: an item a deny rule of the operator's (or
+            # a default deny: metadata, private addresses) still refuses is refused now, never
+            # queued for a human whose approval could not make it work
+            granted = replace(ep.policy, allow=ep.policy.allow + (Rule(id="granted", host=rule.host, ports=tuple(missing)),))
+            still = [(p, decide(meta(p), granted)) for p in missing]
+            blocked = [(p, d) for p, d in still if not d.allowed]
+            if blocked:
+                p, d = blocked[0]
+                refused.append(f"egress to {rule.host}:{p}: denied by the operator ({d.rule_id}; a deny rule is not "
+                               "grantable)")
+                continue
+            egress_items.append((rule.host, tuple(missing)))
         for item in want_tools:
             split = tp.split_name(item)
             sp = self.policy.server(split[0]) if split else None
@@ -589,10 +613,12 @@ class ToolGateway:
                 continue
             if tp.visible(sp, split[1]):
                 continue  # already callable (with its constraints, perhaps with an approval: both stay)
-            if tp._match(sp.deny, split[1]) is not None:
+            grant = {"action": tp.GRANT, "server": sp.name, "tool": split[1]}
+            after = tp.apply_live(self.policy, [grant], grants=True).server(sp.name)
+            if tp._match(sp.deny, split[1]) is not None or after is None or not tp.visible(after, split[1]):
                 refused.append(f"tool {item[:100]!r}: denied by the operator (a deny rule is not grantable)")
                 continue
-            tool_items.append({"action": tp.GRANT, "server": sp.name, "tool": split[1]})
+            tool_items.append(grant)
         return egress_items, tool_items, refused
 
     async def _request_access(self, args: dict, ad: str) -> types.CallToolResult:
