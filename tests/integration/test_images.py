@@ -334,3 +334,20 @@ def test_npm_packages_come_through_the_gate_from_the_registry_only(avm_home, tmp
         assert any(p.endswith(".tgz") for p in registry.seen), registry.seen
     out = av("run", "--image", "t-img-npm", "--", "/usr/local/bin/agentvm-testnpm")
     assert out.stdout == b"from-npm\n"
+
+
+def test_the_shipped_image_example_builds_and_runs(avm_home):
+    """examples/images: the image builds on this machine, the output of its `run` commands is
+    shown as the build goes (prefixed), and the agent file runs on it."""
+    ex = Path(__file__).resolve().parents[2] / "examples" / "images"
+    r = av("image", "build", str(ex / "hello-image.yaml"), timeout=900)
+    err = r.stderr.decode()
+    lines = err.splitlines()
+    run_at = lines.index("agentvm image: run: python3 /usr/lib/hello-image/hello.py --build | tee /usr/share/hello-image.txt")
+    shown = [i for i, ln in enumerate(lines) if ln.startswith("agentvm image:   | hello-image: built with Python 3.")]
+    assert len(shown) == 1 and run_at < shown[0] < lines.index("agentvm image: hashing the tree"), err
+    assert "hello-image" in r.stdout.decode()
+    out = av("run", "-f", str(ex / "agent.yaml")).stdout.decode()
+    assert out.startswith("hello from the image: Python 3."), out
+    assert "recorded at build time: hello-image: built with Python 3." in out
+    assert "mmdebstrap: not in this image" in out  # the host's /usr (where mmdebstrap is) is not there

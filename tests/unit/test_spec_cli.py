@@ -183,3 +183,25 @@ def test_main_returns_exit_codes(good, bad, capsys):
     assert main(["compile", str(bad)]) == EXIT_CONFIG
     err = capsys.readouterr().err
     assert f"{bad}:7: spec.limits.memory" in err
+
+
+def test_validate_takes_image_files(tmp_path):
+    """An image file (kind: Image) is checked as `agentvm image build` checks it before it starts."""
+    from click.testing import CliRunner
+
+    from agentvm.cli import cli
+
+    good = tmp_path / "img.yaml"
+    (tmp_path / "hello.py").write_text("print(1)\n")
+    good.write_text("apiVersion: agentvm/v1\nkind: Image\nmetadata: {name: img}\n"
+                    "spec:\n  packages: [python3-minimal]\n  files: [{src: hello.py, dest: /usr/lib/h.py}]\n")
+    r = CliRunner().invoke(cli, ["validate", str(good)])
+    assert r.exit_code == 0 and r.output == f"{good}: ok\n", r.output
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("apiVersion: agentvm/v1\nkind: Image\nmetadata: {name: bad}\n"
+                   "spec:\n  files: [{src: missing.py, dest: /x}]\n")
+    r = CliRunner().invoke(cli, ["validate", str(bad)])
+    assert r.exit_code == 78 and r.output == f"{bad}: files: missing.py does not exist (relative to {tmp_path})\n"
+    bad.write_text("apiVersion: agentvm/v1\nkind: Image\nmetadata: {name: bad}\nspec: {packages: [Not_A_Package]}\n")
+    r = CliRunner().invoke(cli, ["validate", str(bad)])
+    assert r.exit_code == 78 and "spec.packages: Value error, 'Not_A_Package' is not a Debian package name" in r.output

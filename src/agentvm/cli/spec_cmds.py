@@ -51,7 +51,7 @@ def _fail(err: AgentVMError, as_json: bool = False) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON list of per-file results.")
 @_preset_path_option
 def validate(files: tuple[Path, ...], strict: bool, as_json: bool, preset_path: tuple[Path, ...]) -> None:
-    """Check agent and preset files (detected by their `kind`).
+    """Check agent, preset and image files (detected by their `kind`).
 
     Prints FILE: ok, or every problem as file:line: field: message. Conflicts between
     presets are warnings (errors with --strict). Exit 0 when every file is valid, else 78.
@@ -59,7 +59,8 @@ def validate(files: tuple[Path, ...], strict: bool, as_json: bool, preset_path: 
     from agentvm.spec.loader import validate_file
 
     dirs = _dirs(preset_path)
-    reports = [validate_file(f, preset_dirs=dirs, strict=strict) for f in files]
+    reports = [_validate_image(f) if _kind(f) == "Image" else validate_file(f, preset_dirs=dirs, strict=strict)
+               for f in files]
     if as_json:
         click.echo(json.dumps([r.to_dict() for r in reports], indent=2))
     else:
@@ -76,6 +77,31 @@ def validate(files: tuple[Path, ...], strict: bool, as_json: bool, preset_path: 
                     click.echo(p.render())
     code = EXIT_OK if all(r.ok for r in reports) else EXIT_CONFIG
     raise click.exceptions.Exit(code)
+
+
+def _kind(path: Path) -> str | None:
+    """The ``kind`` a file declares, if it is readable YAML (else the agent loader reports it)."""
+    import yaml
+
+    try:
+        doc = yaml.safe_load(path.read_text())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return None
+    return doc.get("kind") if isinstance(doc, dict) else None
+
+
+def _validate_image(path: Path):
+    """An image file (`agentvm image build`'s) checked as a build would check it before starting."""
+    from agentvm.errors import ConfigError, SpecProblem
+    from agentvm.images.build import check
+    from agentvm.spec.loader import FileReport
+
+    try:
+        check(path)
+    except ConfigError as exc:
+        message = exc.message.removeprefix(f"{path}: ")
+        return FileReport(str(path), "Image", [SpecProblem(str(path), None, "", message)], [], [])
+    return FileReport(str(path), "Image", [], [], [])
 
 
 @click.command("compile")

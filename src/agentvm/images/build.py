@@ -18,8 +18,8 @@
 The packages come from the host's own apt sources (``/etc/apt/sources.list`` and
 ``sources.list.d``): no mirror is named here, and the operator's mirror or proxy applies.
 ``run`` commands execute in a bubblewrap sandbox whose root is the tree being built, with
-no network at all; installing from pip or npm at build time is not supported yet (copy a
-wheelhouse in with ``files`` and install it offline in ``run``).
+no network at all; their output is shown as it comes. ``pip`` and ``npm`` packages are
+installed through the egress gate (docs/images.md).
 """
 
 from __future__ import annotations
@@ -188,24 +188,32 @@ def host_sources() -> list[str]:
     return out
 
 
-def build(store: Store, path: Path, *, progress: Callable[[str], None] = lambda s: None,
-          bwrap: str | None = None) -> tuple[Image, Stats]:
-    import shutil
-
+def check(path: Path) -> ImageFile:
+    """An image file, valid, whose ``files`` exist beside it (``agentvm validate`` and the
+    start of a build: checked before a long build, not after). Raises ConfigError."""
     f = load(path)
-    spec = f.spec
-    exe = shutil.which("mmdebstrap")
-    if exe is None:
-        raise ImageError("mmdebstrap is not installed", code="image.no-mmdebstrap",
-                         hint="apt-get install mmdebstrap (scripts/install.sh does)")
     base = Path(path).resolve().parent
-    for fc in spec.files:  # checked before a long build, not after
+    for fc in f.spec.files:
         src = (base / fc.src).resolve()
         if src != base and base not in src.parents:
             raise ConfigError(f"{path}: files: {fc.src} is outside the build file's folder ({base})",
                               hint="a build copies only what sits beside its file: copy what you need there first")
         if not src.exists():
             raise ConfigError(f"{path}: files: {fc.src} does not exist (relative to {base})")
+    return f
+
+
+def build(store: Store, path: Path, *, progress: Callable[[str], None] = lambda s: None,
+          bwrap: str | None = None) -> tuple[Image, Stats]:
+    import shutil
+
+    f = check(path)
+    spec = f.spec
+    exe = shutil.which("mmdebstrap")
+    if exe is None:
+        raise ImageError("mmdebstrap is not installed", code="image.no-mmdebstrap",
+                         hint="apt-get install mmdebstrap (scripts/install.sh does)")
+    base = Path(path).resolve().parent
     staging = store.staging()
     root = staging / "root"
     root.mkdir(mode=0o755)
@@ -248,7 +256,7 @@ def build(store: Store, path: Path, *, progress: Callable[[str], None] = lambda 
             copy_in(root, (base / fc.src).resolve(), fc.dest, int(fc.mode, 8) if fc.mode else None)
         for cmd in spec.run:
             progress(f"run: {cmd}")
-            _run_in(root, cmd, bwrap)
+            _run_in(root, cmd, bwrap, progress)
         progress("hashing the tree")
         meta = {"source": "build", "file": str(Path(path).resolve()), "name": f.metadata.name,
                 "spec": spec.model_dump(), "setuid_removed": stats.setuid_removed[:100]}
@@ -319,9 +327,21 @@ def _registry_step(store: Store, root: Path, staging: Path, kind: str, spec, pro
             store._drop(interim.digest)
 
 
-def _run_in(root: Path, cmd: str, bwrap: str | None) -> None:
-    """A build command, with the tree as its root and no network (bubblewrap, as root)."""
+RUN_PREFIX = "  | "  # a build command's own output, as it comes, in the build's progress
+
+
+def _printable(line: str) -> str:
+    """One line of a build command's output for the terminal: control characters (escapes that
+    could move the cursor or retitle the window) shown as ``\\xNN``."""
+    return "".join(c if c.isprintable() or c == "\t" else f"\\x{ord(c):02x}" for c in line)
+
+
+def _run_in(root: Path, cmd: str, bwrap: str | None, progress: Callable[[str], None] = lambda s: None) -> None:
+    """A build command, with the tree as its root and no network (bubblewrap, as root). Its
+    output (stdout and stderr, merged) goes to ``progress`` line by line as it comes, prefixed
+    with RUN_PREFIX; the last lines are kept for the error when it fails."""
     import shutil
+    import threading
 
     exe = bwrap or shutil.which("bwrap")
     if exe is None:
@@ -333,11 +353,34 @@ def _run_in(root: Path, cmd: str, bwrap: str | None) -> None:
             "--setenv", "PATH", "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
             "--setenv", "HOME", "/root", "--setenv", "LC_ALL", "C.UTF-8", "--chdir", "/",
             "/bin/sh", "-c", cmd]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    timed_out = threading.Event()
+
+    def kill() -> None:
+        timed_out.set()
+        proc.kill()
+
+    timer = threading.Timer(RUN_TIMEOUT, kill)
+    timer.daemon = True
+    timer.start()
+    tail: list[str] = []
     try:
-        r = subprocess.run(argv, capture_output=True, timeout=RUN_TIMEOUT, stdin=subprocess.DEVNULL)
-    except subprocess.TimeoutExpired:
-        raise ImageError(f"run: {cmd!r} took over {RUN_TIMEOUT}s", code="image.build-failed") from None
-    if r.returncode != 0:
-        out = (r.stdout + r.stderr).decode(errors="replace").strip().splitlines()[-5:]
-        raise ImageError(f"run: {cmd!r} failed (exit {r.returncode}): " + " | ".join(out), code="image.build-failed",
+        while True:
+            raw = proc.stdout.readline(65536)  # a longer line comes in pieces, never whole in memory
+            if not raw:
+                break
+            line = _printable(raw.decode(errors="replace").rstrip("\r\n"))
+            tail = (tail + [line])[-5:]
+            progress(RUN_PREFIX + line)
+        rc = proc.wait()
+    finally:
+        timer.cancel()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()
+    if timed_out.is_set():
+        raise ImageError(f"run: {cmd!r} took over {RUN_TIMEOUT}s", code="image.build-failed")
+    if rc != 0:
+        raise ImageError(f"run: {cmd!r} failed (exit {rc}): " + " | ".join(tail), code="image.build-failed",
                          hint="build commands have no network: copy what they need in with `files`")
