@@ -20,8 +20,14 @@ digest of the exact arguments and their names - never their values, never a cred
 value: the gate's placeholders are what the agent sent). The queue itself (owner-only) keeps
 the whole arguments (at most ``SHOW_MAX`` bytes; bigger actions are refused, not held), and
 that is what the human is shown (``agentvm approvals show``, the console): nobody approves
-what they cannot see. A waiter that is cancelled (its sandbox stopped, paused, hung up)
-expires its row.
+what they cannot see.
+
+A held request lives exactly as long as its waiter: a waiter that is cancelled (its sandbox
+stopped or paused) or whose requester hung up (``wait(gone=...)``: the connection was cut)
+expires its row at once; a waiter beats a heartbeat on its row (``alive``) while it waits, so
+a row whose waiter vanished without a word (its task lost, its process wedged) is *orphaned*:
+the next answer or listing expires it. Approving an expired or orphaned request is refused
+(``approvals.expired``): nobody approves an action that can no longer happen.
 """
 
 from __future__ import annotations
@@ -58,7 +64,8 @@ CREATE TABLE approvals (
     note TEXT,
     owner_pid INTEGER NOT NULL,
     owner_start TEXT NOT NULL,
-    notified TEXT                -- the webhook's delivery: "delivered 200", "failed: ...", NULL (none)
+    notified TEXT,               -- the webhook's delivery: "delivered 200", "failed: ...", NULL (none)
+    alive REAL                   -- the waiter's last heartbeat (NULL: none yet)
 );
 CREATE INDEX approvals_state ON approvals(state, created);
 """
@@ -67,6 +74,10 @@ POLL = 0.05  # how often a holder looks for the answer (seconds)
 WEBHOOK_TIMEOUT = 5.0
 MAX_PENDING = 16  # per sandbox: more held at once are refused (no flooding the queue, the human or the loop)
 PREVIEW_CHARS = 200
+HEARTBEAT = 1.0  # a waiter marks its row alive this often (seconds)
+#: a pending row whose waiter has not beaten for this long is orphaned: nobody waits for its answer
+ORPHANED_AFTER = 15.0
+GONE = "the requester is gone (its connection was cut): nothing waits for this answer"
 #: a held action is shown to the human whole (every argument, the full path and query); one
 #: bigger than this is refused, never held with parts the human cannot see
 SHOW_MAX = 64 * 1024
@@ -157,6 +168,8 @@ class ApprovalStore:
         cols = {r[1] for r in self._db.execute("PRAGMA table_info(approvals)")}
         if "notified" not in cols:  # a queue made before webhooks
             self._db.execute("ALTER TABLE approvals ADD COLUMN notified TEXT")
+        if "alive" not in cols:  # a queue made before waiters' heartbeats
+            self._db.execute("ALTER TABLE approvals ADD COLUMN alive REAL")
         self._record = record
         self._me = (os.getpid(), _proc_start(os.getpid()))
         self.notified: list = []  # (id, outcome) of webhook deliveries by this process
@@ -187,8 +200,8 @@ class ApprovalStore:
         self.record("approval.requested", actor=f"sandbox:{sandbox}", sandbox=sandbox, id=rid, what=kind,
                     agent=agent, target=target[:512], digest=arg_digest, keys=summary.get("keys"),
                     policy=policy, timeout=timeout)
-        self._db.execute(f"INSERT INTO approvals ({_COLS}, owner_pid, owner_start) VALUES "
-                         "(?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)", row)
+        self._db.execute(f"INSERT INTO approvals ({_COLS}, owner_pid, owner_start, alive) VALUES "
+                         "(?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)", row + (now,))
         req = self.get(rid)
         if webhook:
             threading.Thread(target=self._notify, args=(webhook, req), name=f"approvals-webhook-{rid}",
@@ -230,17 +243,28 @@ class ApprovalStore:
             pass
         self.notified.append((req.id, outcome))
 
-    async def wait(self, rid: str) -> Request:
+    async def wait(self, rid: str, gone: Callable[[], bool] | None = None) -> Request:
         """Until the row is answered or its deadline passes (then: ``expired``). A waiter that
-        is cancelled (the sandbox stopped or paused, its connection cut) expires its row: no
-        human approves an action that can no longer happen."""
+        is cancelled (the sandbox stopped or paused) expires its row, and so does one whose
+        requester is ``gone()`` (its connection cut: checked at every poll, before the answer
+        is taken): no human approves an action that can no longer happen. While it waits, the
+        row's heartbeat says someone does."""
+        beat = 0.0
         try:
             while True:
+                if gone is not None and _gone(gone):
+                    # (answered in the same instant: that answer stands; the caller, whose
+                    # requester is gone, acts on nothing)
+                    return self._finish(rid, "expired", "agentvm", GONE)
                 req = self.get(rid)
                 if req.state != "pending":
                     return req
-                if time.time() >= req.deadline:
+                now = time.time()
+                if now >= req.deadline:
                     return self._finish(rid, "expired", "timeout", "no answer before the deadline")
+                if now - beat >= HEARTBEAT:
+                    beat = now
+                    self._db.execute("UPDATE approvals SET alive=? WHERE id=? AND state='pending'", (now, rid))
                 await asyncio.sleep(POLL)
         except BaseException:
             try:
@@ -264,13 +288,21 @@ class ApprovalStore:
         return req, cur.rowcount == 1
 
     def reap_orphans(self) -> int:
-        """Pending rows whose holder is gone (its process died): ``expired`` - answered, never
-        left to be approved into nothing, never allowed."""
+        """Pending rows whose holder is gone (its process died) or whose waiter is (no heartbeat
+        for ORPHANED_AFTER seconds): ``expired`` - answered, never left to be approved into
+        nothing, never allowed."""
         n = 0
-        rows = self._db.execute("SELECT id, owner_pid, owner_start, deadline FROM approvals WHERE state='pending'").fetchall()
-        for rid, pid, start, deadline in rows:
+        now = time.time()
+        rows = self._db.execute("SELECT id, owner_pid, owner_start, deadline, alive FROM approvals "
+                                "WHERE state='pending'").fetchall()
+        for rid, pid, start, deadline, alive in rows:
+            if alive is not None and now - alive > ORPHANED_AFTER:
+                if self._finish(rid, "expired", "reaper", "orphaned: nothing has waited for the answer for "
+                                f"{now - alive:.0f}s (its requester is gone)").state == "expired":
+                    n += 1
+                continue
             if (pid, start) == self._me:
-                if deadline < time.time() - 5:  # ours, past its deadline, no waiter took it
+                if deadline < now - 5:  # ours, past its deadline, no waiter took it
                     if self._finish(rid, "expired", "reaper", "no answer before the deadline").state == "expired":
                         n += 1
                 continue
@@ -301,17 +333,29 @@ class ApprovalStore:
         if approve and digest is not None and digest != req.digest:
             raise ApprovalError(f"{rid} is not the request you were shown (its digest is {req.digest})",
                                 code="approvals.digest-mismatch")
+        if req.state == "expired":
+            raise ApprovalError(f"{rid} is already expired" + (f" ({req.note})" if req.note else "") +
+                                ": nothing waits for this answer, it was denied", code="approvals.expired",
+                                hint="the agent asks again if it still needs it; `agentvm approvals list` shows "
+                                "the pending ones")
         if req.state != "pending":
             raise ApprovalError(f"{rid} is already {req.state}" + (f" (by {req.by})" if req.by else ""),
                                 code="approvals.answered")
         if time.time() >= req.deadline:
             self._finish(rid, "expired", "timeout", "no answer before the deadline")
             raise ApprovalError(f"{rid} expired before this answer (its timeout passed): it was denied",
-                                code="approvals.answered")
+                                code="approvals.expired")
         out, mine = self._transition(rid, "approved" if approve else "denied", by, note)
         if not mine:  # (two console tabs answer as the same user: only one of them answered)
             raise ApprovalError(f"{rid} was answered meanwhile: {out.state} (by {out.by})", code="approvals.answered")
         return out
+
+
+def _gone(gone: Callable[[], bool]) -> bool:
+    try:
+        return bool(gone())
+    except Exception:  # noqa: BLE001 - a liveness check that fails says nothing is left to answer
+        return True
 
 
 def store_path(paths) -> Path:

@@ -255,3 +255,85 @@ def test_the_console_approves_with_the_digest_it_showed_and_denies_without_one(t
     r2 = submit(s)
     status, _ = _console_post(c, f"/approvals/{r2.id}/deny", f"csrf={csrf}", cookie=cookie)  # a denial needs none
     assert status == 303 and s.get(r2.id).state == "denied"
+
+
+# ---------------------------------------------------------------------------- a waiter that is gone
+def test_a_waiter_whose_requester_is_gone_expires_its_request_at_once(tmp_path):
+    s = store(tmp_path)
+    r = submit(s)
+    flag = {"gone": False}
+
+    async def go():
+        t = asyncio.ensure_future(s.wait(r.id, gone=lambda: flag["gone"]))
+        await asyncio.sleep(0.2)
+        assert not t.done() and s.get(r.id).state == "pending"
+        flag["gone"] = True
+        async with asyncio.timeout(2):
+            return await t
+
+    out = asyncio.run(go())
+    assert out.state == "expired" and "requester is gone" in out.note
+    with pytest.raises(ApprovalError, match="already expired") as e:
+        s.answer(r.id, True, "cli:op")
+    assert e.value.code == "approvals.expired"
+
+
+def test_a_liveness_check_that_fails_counts_as_gone(tmp_path):
+    s = store(tmp_path)
+    r = submit(s)
+
+    def broken():
+        raise OSError("bad fd")
+
+    assert asyncio.run(s.wait(r.id, gone=broken)).state == "expired"
+
+
+def test_a_waiting_request_beats_and_an_unbeaten_one_is_reaped_as_orphaned(tmp_path):
+    from agentvm import approvals as ap
+
+    s = store(tmp_path)
+    r = submit(s)
+
+    async def go():
+        t = asyncio.ensure_future(s.wait(r.id))
+        await asyncio.sleep(0.1)
+        alive = s._db.execute("SELECT alive FROM approvals WHERE id=?", (r.id,)).fetchone()[0]
+        t.cancel()
+        return alive
+
+    assert time.time() - asyncio.run(go()) < 5
+    r2 = submit(s)
+    s._db.execute("UPDATE approvals SET alive=? WHERE id=?", (time.time() - ap.ORPHANED_AFTER - 1, r2.id))
+    assert s.list() == [] and s.get(r2.id).state == "expired" and "orphaned" in s.get(r2.id).note
+
+
+def test_a_held_egress_request_expires_when_its_connection_is_cut(tmp_path):
+    """The gate's side (``exchange.Hold`` carried out by ``Endpoint.hold``): the requester's
+    connection is cut while a human has not answered - the request expires, the flow is
+    answered denied, and a later approval is refused."""
+    from types import SimpleNamespace
+
+    from agentvm.gate import exchange as ex
+    from agentvm.gate.endpoint import Endpoint
+
+    s = store(tmp_path)
+    logged = []
+    ep = SimpleNamespace(gate=SimpleNamespace(approval_store=lambda: s), sandbox_id="sb-1", agent="a",
+                         policy_digest="sha256:p", approval_timeout=60.0, approval_webhook=None,
+                         log=lambda **kw: logged.append(kw))
+    req = SimpleNamespace(method="POST", host="pay.test", port=443, path="/v1/charges", content_length=0, chunked=False)
+    cmd = SimpleNamespace(req=req, decision=SimpleNamespace(rule_id="charges"))
+    flag = {"gone": False}
+
+    async def go():
+        t = asyncio.ensure_future(Endpoint.hold(ep, cmd, gone=lambda: flag["gone"]))
+        await asyncio.sleep(0.2)
+        assert s.list()[0].state == "pending"
+        flag["gone"] = True
+        async with asyncio.timeout(2):
+            return await t
+
+    answer = asyncio.run(go())
+    assert isinstance(answer, ex.Answered) and not answer.approved and "requester is gone" in answer.reason
+    with pytest.raises(ApprovalError, match="already expired"):
+        s.answer(answer.request_id, True, "cli:op")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 import types as pytypes
 
 import mcp_types as mt
@@ -187,3 +188,94 @@ def test_request_access_for_a_host_the_operator_denied_is_refused_never_queued(t
     # a grantable item beside a denied one: only the grantable one is put before the human
     egress, _, refused = gw._access_delta({"egress": ["new.test", "evil.test"]})
     assert egress == [("new.test", (443,))] and len(refused) == 1
+
+
+class _Conn:
+    """The sandbox's side of an /mcp connection as the gate's door sees it: a request, and
+    whether the peer has hung up (``peer_closed``, the kernel's POLLRDHUP in the gate)."""
+
+    def __init__(self):
+        self.out, self.closed = bytearray(), False
+
+    async def read(self, n: int = 65536) -> bytes:
+        return b""
+
+    async def write(self, b: bytes) -> None:
+        self.out += b
+
+    def peer_closed(self) -> bool:
+        return self.closed
+
+
+def _mcp_call(name: str, args: dict) -> tuple:
+    from agentvm.gate import h1
+
+    body = json.dumps({"jsonrpc": "2.0", "id": 1, "method": "tools/call",
+                       "params": {"name": name, "arguments": args}}).encode()
+    raw = (b"POST /mcp HTTP/1.1\r\nHost: 127.0.0.1:3128\r\nContent-Type: application/json\r\n"
+           b"Accept: application/json, text/event-stream\r\nMcp-Protocol-Version: 2025-06-18\r\n"
+           b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    head, rest = raw.split(b"\r\n\r\n", 1)
+    return h1.parse_head(head + b"\r\n\r\n", rest)
+
+
+def test_a_held_call_whose_connection_is_cut_expires_and_cannot_be_approved(tmp_path):
+    """Issue 35: a tool call held for approval whose caller had gone stayed pending, and an
+    operator approving it later made the tool run with nobody waiting. Driven through the
+    gate's /mcp door (asgi.serve_one) into the real gateway and queue."""
+    from agentvm.approvals import ApprovalError
+    from agentvm.gate.asgi import serve_one
+
+    sp = tp.ServerPolicy(name="notes", kind="local", allow=("read_note",), approve=("write_note",))
+    gw, store, pol, audit, called = gateway(tmp_path, sp)
+
+    class Slot:
+        async def gateway(self):
+            return gw
+
+    ep = pytypes.SimpleNamespace(tools=Slot(), log=lambda **kw: None)
+    conn = _Conn()
+
+    async def go():
+        req, body = _mcp_call("notes__write_note", {"title": "x"})
+        t = asyncio.ensure_future(serve_one(ep, conn, body, req))
+        for _ in range(100):
+            await asyncio.sleep(0.05)
+            if store.list():
+                break
+        held = store.list()[0]
+        assert held.state == "pending"
+        conn.closed = True  # the agent hangs up
+        for _ in range(40):
+            await asyncio.sleep(0.05)
+            if store.get(held.id).state != "pending":
+                break
+        try:
+            async with asyncio.timeout(10):
+                await t
+        finally:
+            await gw.close()
+        return held.id
+
+    rid = asyncio.run(go())
+    row = store.get(rid)
+    assert row.state == "expired" and "requester is gone" in (row.note or "")
+    with pytest.raises(ApprovalError, match="already expired") as e:
+        store.answer(rid, True, "cli:op")
+    assert e.value.code == "approvals.expired"
+    assert called == [], "the tool never ran"
+
+
+def test_an_orphaned_request_cannot_be_approved(tmp_path):
+    """A pending row nobody waits for any more (no heartbeat from its waiter) is expired by the
+    next answer, which is refused."""
+    from agentvm.approvals import ORPHANED_AFTER, ApprovalError
+
+    sp = tp.ServerPolicy(name="notes", kind="local", approve=("write_note",))
+    gw, store, pol, audit, called = gateway(tmp_path, sp)
+    r = store.submit(kind="tool", sandbox="sb", agent="a", target="notes__write_note", summary={}, arg_digest="d",
+                     policy="p", timeout=600)
+    store._db.execute("UPDATE approvals SET alive=? WHERE id=?", (time.time() - ORPHANED_AFTER - 1, r.id))
+    with pytest.raises(ApprovalError, match="already expired") as e:
+        store.answer(r.id, True, "cli:op")
+    assert e.value.code == "approvals.expired" and "orphaned" in e.value.message

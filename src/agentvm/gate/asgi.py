@@ -14,6 +14,7 @@ import asyncio
 from agentvm.gate import h1
 from agentvm.gate.framing import RequestBody
 from agentvm.gate.relay import BadBody, BodyEnded, request_body
+from agentvm.gate.streams import client_left
 
 MAX_BODY = 4 * 1024 * 1024  # a JSON-RPC message to the gateway, buffered whole (each server has its own, smaller, limits)
 _HOP = {b"connection", b"keep-alive", b"transfer-encoding", b"upgrade", b"proxy-connection", b"te", b"trailer"}
@@ -64,6 +65,8 @@ async def serve_one(ep, stream, body: RequestBody, req: h1.ProxyRequest) -> tupl
         "method": req.method, "scheme": "http", "path": path, "raw_path": path.encode("ascii"),
         "query_string": query.encode("ascii"), "root_path": "", "headers": [(k, v) for k, v in req.headers],
         "client": ("127.0.0.1", 0), "server": ("127.0.0.1", req.port or 80), "state": {},
+        # the requester has left (its connection cut): a call held for a human expires at once
+        "agentvm.gone": lambda: client_left(stream),
     }
     sent = False
     finished = asyncio.Event()

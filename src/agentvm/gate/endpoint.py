@@ -270,8 +270,9 @@ class Endpoint:
             self.cut[task] = (rule, reason)
             task.cancel()
 
-    async def hold(self, cmd) -> "object":
-        """An egress request that needs a human (``action: ask``): queued, then the answer."""
+    async def hold(self, cmd, gone=None) -> "object":
+        """An egress request that needs a human (``action: ask``): queued, then the answer.
+        ``gone()``: the requester has left (its connection cut) - the request expires at once."""
         from agentvm.gate import exchange as ex
 
         req = cmd.req
@@ -303,13 +304,14 @@ class Endpoint:
         self.log(verdict="ask", rule_id="approval:pending", reason=f"waiting for a human ({queued.id})", host=req.host,
                  port=req.port, method=req.method, path=req.path, phase="request", approval=queued.id)
         try:
-            done = await store.wait(queued.id)
+            done = await store.wait(queued.id, gone=gone)
         except Exception as exc:  # noqa: BLE001
             return ex.Answered(False, "approval:unavailable", f"the approvals queue failed ({type(exc).__name__})")
         if done.state == "approved":
             return ex.Answered(True, "approval:approved", f"approved by {done.by}", done.id)
         if done.state == "expired":
-            return ex.Answered(False, "approval:timeout", f"no human answered {done.id} in time", done.id)
+            return ex.Answered(False, "approval:timeout", f"no human answered {done.id} in time "
+                               f"({done.note or 'expired'})", done.id)
         return ex.Answered(False, "approval:denied", f"{done.id} was denied by {done.by}", done.id)
 
     def set_policy(self, policy: EgressPolicy) -> None:

@@ -319,7 +319,8 @@ class Gate:
                     flow.close()
                     return None
                 if isinstance(cmd, ex.Hold):
-                    cmd = flow.send(await ep.hold(cmd))
+                    # held while its requester is there: a cut connection expires the request
+                    cmd = flow.send(await ep.hold(cmd, gone=lambda: client_left(client)))
                     continue
                 if isinstance(cmd, ex.Lookup):
                     try:

@@ -33,6 +33,7 @@ A server that crashes, hangs, floods or answers garbage costs the agent that ser
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import json
 import os
 import sys
@@ -52,7 +53,7 @@ from mcp.shared.exceptions import MCPError
 from agentvm import names
 from agentvm.approvals import digest as arg_digest
 from agentvm.gate.endpoint import TokenBucket
-from agentvm.approvals import SHOW_MAX, preview, shown
+from agentvm.approvals import GONE, SHOW_MAX, preview, shown
 from agentvm.tools import policy as tp
 from agentvm.tools.stdio import MAX_LINE_FLOOR, MAX_UNREAD, Busy, Flooded, StdioSession
 
@@ -60,6 +61,18 @@ START_TIMEOUT = 60.0  # a local server's sandbox and MCP handshake
 LIST_PAGES = 20  # at most this many pages of tools/list per server
 MAX_TOOLS = 1000  # per server: a server that lists more is cut here
 MAX_REQUEST_ACCESS = 4096  # bytes of a request_access justification
+
+#: the current request's "has its requester left?" check (set by :meth:`ToolGateway.handle`
+#: from the gate's ASGI scope; None where nobody can tell)
+_REQUESTER_GONE: contextvars.ContextVar = contextvars.ContextVar("agentvm_requester_gone", default=None)
+
+
+def _gone(gone) -> bool:
+    try:
+        return bool(gone())
+    except Exception:  # noqa: BLE001 - cannot tell: treated as gone (nothing runs for nobody)
+        return True
+
 
 # JSON-RPC error codes of the gateway's own answers (the -32000..-32099 server range)
 DENIED = -32010
@@ -362,7 +375,13 @@ class ToolGateway:
 
     async def handle(self, scope, receive, send) -> None:
         await self.start()
-        await self.manager.handle_request(scope, receive, send)
+        # whether this request's requester has left (the gate's door says: its connection was
+        # cut); the handlers the SDK runs for it inherit the context
+        token = _REQUESTER_GONE.set(scope.get("agentvm.gone"))
+        try:
+            await self.manager.handle_request(scope, receive, send)
+        finally:
+            _REQUESTER_GONE.reset(token)
 
     async def close(self) -> None:
         for u in self.upstreams.values():
@@ -539,10 +558,16 @@ class ToolGateway:
             return "approval:unavailable", f"the request could not be queued ({type(exc).__name__})"
         self._log(verdict="ask", rule="approval:pending", reason=f"waiting for a human ({req.id})", target=target,
                   args_digest=ad, approval=req.id)
+        gone = _REQUESTER_GONE.get()
         try:
-            req = await self.approvals.wait(req.id)
+            req = await self.approvals.wait(req.id, gone=gone)
         except Exception as exc:  # noqa: BLE001
             return "approval:unavailable", f"the approvals queue failed ({type(exc).__name__})"
+        if gone is not None and req.state == "approved" and _gone(gone):
+            # approved in the instant its requester left: nobody waits for the result, it is not run
+            self._log(verdict="deny", rule="approval:gone", reason=f"{req.id} was approved after its requester left",
+                      target=target, args_digest=ad, approval=req.id)
+            return "approval:gone", f"{req.id}: the requester is gone"
         if req.state == "approved":
             if who is not None:
                 who.append(req.by)  # per call: concurrent holds never mix up their approvers
@@ -550,6 +575,10 @@ class ToolGateway:
                       target=target, args_digest=ad, approval=req.id)
             return None
         if req.state == "expired":
+            if req.note == GONE:
+                self._log(verdict="deny", rule="approval:gone", reason=f"{req.id} expired: {GONE}", target=target,
+                          args_digest=ad, approval=req.id)
+                return "approval:gone", f"{req.id} expired: the requester is gone"
             return "approval:timeout", f"no human answered {req.id} in time ({req.note or 'expired'})"
         return "approval:denied", f"{req.id} was denied by {req.by}" + (f": {req.note}" if req.note else "")
 
