@@ -51,13 +51,27 @@ def test_tools_agent_example():
     from agentvm.tools.policy import decide
 
     la = load_agent(ROOT / "examples" / "tools-agent.yaml", preset_dirs=[])
+    p = compile_policy(la.spec)
+    assert [s.name for s in p.tools.servers] == ["notes"]
+    assert decide("notes", "read_note", {"name": "welcome"}, p.tools).verdict == "allow"
+    assert decide("notes", "read_note", {"name": "../x"}, p.tools).rule_id == "tools:argument:name"
+    assert decide("notes", "delete_note", {"name": "welcome"}, p.tools).rule_id == "tools:deny:notes:delete_*"
+    assert decide("notes", "write_note", {}, p.tools).rule_id == "tools:not-allowed"
+    assert p.credentials == () and p.mounts == ()  # the server's grant of the SDK is the server's own
+    assert "/opt/mcp-sdk" in p.tools.server("notes").sandbox_spec
+
+
+def test_tools_github_agent_example():
+    from agentvm.policy import compile_policy
+    from agentvm.tools.policy import decide
+
+    la = load_agent(ROOT / "examples" / "tools-github-agent.yaml", preset_dirs=[])
     assert la.presets == ["python", "github-readonly"]
     p = compile_policy(la.spec)
-    assert [s.name for s in p.tools.servers] == ["github", "notes"]
+    assert [s.name for s in p.tools.servers] == ["github"]
     assert decide("github", "get_issue", {}, p.tools).verdict == "allow"
     assert decide("github", "create_issue", {}, p.tools).rule_id == "tools:not-allowed"
     assert decide("github", "get_secret_scanning_alert", {}, p.tools).verdict == "deny"
-    assert decide("notes", "write_note", {"title": "x"}, p.tools).verdict == "ask"
     assert [r.id for r in p.egress.allow if r.ask] == ["charges"]
     gh = p.tools.server("github")
     assert "vault:github-token" in gh.sandbox_spec and p.credentials == ()  # the token is the server's, not the agent's
