@@ -527,8 +527,11 @@ _TIERS = ("L0", "L1", "L2", "L3", "L4", "L5")
 
 
 def widening(old, new) -> list[str]:
-    """What ``new`` may do that ``old`` may not: new egress, grants, credentials, tools, a
-    higher risk tier (more is allowed), a network where there was none."""
+    """What ``new`` may do or spend that ``old`` may not. Every field of the compiled policy
+    (and of its parts: limits, the LLM budget, egress rules and limits, credentials, grants,
+    tool servers) has a rule in :data:`JUDGED`: a function naming what widens, or why a change
+    of it never gives the agent more. A change a rule cannot call narrower is listed for
+    review rather than passed over in silence."""
     out = []
     if old is None:
         if new.egress is not None and new.egress.allow:
@@ -543,98 +546,386 @@ def widening(old, new) -> list[str]:
         if new.risk_tier in ("L4", "L5"):
             out.append(f"risk tier {new.risk_tier}")
         return out
-    for h in sorted(_egress_hosts(new) - _egress_hosts(old)):
-        out.append(f"new egress {h}")
-    if old.network == "none" and new.network == "gate":
-        out.append("network: none -> gate")
-    old_m = {(m.host, m.path, m.writable) for m in old.mounts}
-    for m in new.mounts:
-        if (m.host, m.path, m.writable) not in old_m:
-            out.append(f"new grant {m.host} -> {m.path} ({'rw' if m.writable else 'ro'})")
-    old_c = {(b.name, tuple(b.hosts)) for b in old.credentials}
-    for b in new.credentials:
-        if (b.name, tuple(b.hosts)) not in old_c:
-            out.append(f"new credential {b.name} for {', '.join(b.hosts)}")
-    old_t = {s.name: set(s.allow) for s in (old.tools.servers if old.tools else ())}
-    for s in (new.tools.servers if new.tools else ()):
-        added = set(s.allow) - old_t.get(s.name, set())
-        if s.name not in old_t:
-            out.append(f"new tool server {s.name}: {', '.join(sorted(s.allow))}")
-        elif added:
-            out.append(f"tool server {s.name} allows {', '.join(sorted(added))}")
-    if _TIERS.index(new.risk_tier) > _TIERS.index(old.risk_tier):
-        out.append(f"risk tier {old.risk_tier} -> {new.risk_tier} (more is allowed)")
-    ob, nb = old.limits.budget, new.limits.budget
-    if ob is not None and nb is None:
-        out.append("no LLM budget any more")
-    elif ob is not None and nb is not None:
-        for k in ("tokens", "requests", "cost"):
-            o, n = getattr(ob, k), getattr(nb, k)
-            if o is not None and (n is None or n > o):
-                out.append(f"LLM budget {k}: {o} -> {n if n is not None else 'no limit'}")
-    if new.allow_ptrace and not old.allow_ptrace:
-        out.append("ptrace allowed")
-    from agentvm.policy import SUBSTRATE_STRENGTH
+    from dataclasses import fields
 
-    if SUBSTRATE_STRENGTH.get(new.substrate, 0) < SUBSTRATE_STRENGTH.get(old.substrate, 0):
-        out.append(f"substrate {old.substrate} -> {new.substrate} (weaker isolation)")
-    if (old.min_substrate or "") != (new.min_substrate or "") and SUBSTRATE_STRENGTH.get(new.min_substrate or "", 0) \
-            < SUBSTRATE_STRENGTH.get(old.min_substrate or "", 0):
-        out.append(f"minSubstrate {old.min_substrate} -> {new.min_substrate or 'none'}")
-    for p in sorted(set(new.extra_ro) - set(old.extra_ro)):
-        out.append(f"new read-only host path {p}")
-    for port in sorted(set(new.local_ports) - set(old.local_ports)):
-        out.append(f"new local port {port}")
-    if (new.approval_webhook or "") != (old.approval_webhook or "") and new.approval_webhook:
-        out.append(f"approvals webhook -> {new.approval_webhook}")
-    # anything else changed in a section that grants something is not known to be narrower:
-    # it is called out for review rather than passed over in silence
-    a, b = old.to_dict(), new.to_dict()
-    said = " ".join(out)
-    for key, label, marks in _GRANTING:
-        if a.get(key) != b.get(key) and not any(m in said for m in marks) and not _narrower(key, a.get(key), b.get(key)):
-            out.append(f"{label} changed (not known to be narrower: review it)")
+    for f in fields(type(new)):
+        rule = JUDGED["Policy"].get(f.name)
+        a, b = getattr(old, f.name), getattr(new, f.name)
+        if a == b or rule is None or isinstance(rule, str):
+            continue
+        lines = rule(a, b, old, new)
+        if lines is None:  # the rule cannot tell: a change that is not a pure removal is for review
+            lines = [f"{f.name} changed (not known to be narrower: review it)"]
+        out += lines
     return out
 
 
-def _canon(x) -> str:
-    return json.dumps(x, sort_keys=True, default=str)
+# ---------------------------------------------------------------------------- the rules, field by field
+def _more(a, b) -> bool:
+    """A limit raised or removed (None or 0: no limit)."""
+    if b is None or b == 0:
+        return a is not None and a != 0
+    return a is not None and a != 0 and b > a
 
 
-def _subset(new: list | None, old: list | None) -> bool:
-    have = {_canon(x) for x in old or ()}
-    return all(_canon(x) in have for x in new or ())
+def _lim(label: str):
+    def rule(a, b, *_):
+        return [f"{label}: {a} -> {b if b not in (None, 0) else 'no limit'}"] if _more(a, b) else []
+    return rule
 
 
-def _narrower(key: str, old, new) -> bool:
-    """Only removals (and, for egress, more deny rules or lower limits): nothing new granted."""
-    if key == "egress":
-        if not isinstance(old, dict) or not isinstance(new, dict):
-            return new is None
-        if not _subset(new.get("allow"), old.get("allow")) or not _subset(old.get("deny"), new.get("deny")):
-            return False
-        if new.get("hosts") != old.get("hosts") or new.get("upstream_ca") != old.get("upstream_ca"):
-            return False
-        lo, ln = old.get("limits") or {}, new.get("limits") or {}
-        return all((ln.get(k) or 0) <= (lo.get(k) or 0) for k in set(lo) | set(ln))
-    if key == "approval_timeout":
-        return False
-    if key == "tools":
-        if not isinstance(old, dict) or not isinstance(new, dict):
-            return new is None
-        return _subset(new.get("servers"), old.get("servers")) and {k: v for k, v in new.items() if k != "servers"} \
-            == {k: v for k, v in old.items() if k != "servers"}
-    return _subset(new, old)
+def _neutral(why: str) -> str:
+    return "never widens: " + why
 
 
-# (policy field, how the plan names it, words of specific widening lines that cover it)
-_GRANTING = (
-    ("egress", "egress rules (deny rules, paths, methods, host addresses, CA, limits)", ("new egress", "network:")),
-    ("credentials", "credentials (refs, injection, hosts)", ("new credential",)),
-    ("tools", "tool servers (commands, mounts, egress, deny/approve lists)", ("new tool server", "tool server ")),
-    ("mounts", "grants (modes, trusted entries)", ("new grant",)),
-    ("approval_timeout", "approval timeout", ()),
-)
+_SEVERITY = {"read": 0, "write": 1, "destructive": 2}
+
+
+def _limits(a, b, old, new) -> list[str]:
+    out = []
+    for name, rule in JUDGED["Limits"].items():
+        if isinstance(rule, str):
+            continue
+        out += rule(getattr(a, name), getattr(b, name), old, new)
+    return out
+
+
+def _budget(a, b, old, new) -> list[str]:
+    if a is None:
+        return []
+    if b is None:
+        return ["no LLM budget any more"]
+    out = []
+    for name, rule in JUDGED["BudgetSpec"].items():
+        if not isinstance(rule, str):
+            out += rule(getattr(a, name), getattr(b, name), old, new)
+    return out
+
+
+def _budget_limit(k):
+    def rule(a, b, *_):
+        return [f"LLM budget {k}: {a} -> {b if b is not None else 'no limit'}"] if a is not None and (
+            b is None or b > a) else []
+    return rule
+
+
+def _allowed_hosts(policy) -> list[str]:
+    """The concrete hosts (a pattern as one name under it) the policy's egress allows."""
+    eg = getattr(policy, "egress", None)
+    hosts = []
+    for r in (eg.allow if eg is not None else ()):
+        hosts.append("x" + r.host[1:] if r.host.startswith("*.") else r.host)
+    return hosts
+
+
+def _budget_hosts(a, b, old, new) -> list[str]:
+    """A host the old budget metered, still reachable, that the new one does not meter: its
+    LLM calls are unmetered (no token, request or cost limit applies to them)."""
+    ob, nb = old.limits.budget, new.limits.budget
+    if ob is None or nb is None:
+        return []
+    return [f"LLM host {h} no longer metered by limits.budget (egress to it stays allowed)"
+            for h in sorted(set(_allowed_hosts(new))) if ob.covers(h) and not nb.covers(h)]
+
+
+def _budget_prices(a, b, old, new) -> list[str]:
+    """A price lowered (or a priced model no longer priced) while a cost budget is in effect: the
+    same calls count less against it."""
+    ob, nb = old.limits.budget, new.limits.budget
+    if ob is None or nb is None or (ob.cost is None and nb.cost is None):
+        return []
+    out = []
+    for glob in sorted({g for g, _, _ in ob.prices} | {g for g, _, _ in nb.prices}):
+        was, now = ob.price(glob), nb.price(glob)
+        if was is None:
+            continue
+        if now is None:
+            out.append(f"LLM price of {glob}: {was[0]}/{was[1]} -> none (its calls cost nothing against the budget)")
+        elif now[0] < was[0] or now[1] < was[1]:
+            out.append(f"LLM price of {glob}: {was[0]}/{was[1]} -> {now[0]}/{now[1]} per 1M tokens (lower: the cost "
+                       "budget allows more)")
+    return out
+
+
+def _egress(a, b, old, new) -> list[str]:
+    if a is None:
+        return [] if b is None else ["network: none -> gate"]  # (the network rule says it too)
+    if b is None:
+        return []
+    out = []
+    for name, rule in JUDGED["EgressPolicy"].items():
+        if not isinstance(rule, str) and getattr(a, name) != getattr(b, name):
+            got = rule(getattr(a, name), getattr(b, name), old, new)
+            out += got if got is not None else [f"egress rules: {name} changed (not known to be narrower: review it)"]
+    return out
+
+
+def _contains(r0, r) -> bool:
+    """Old allow rule ``r0`` already allows everything new allow rule ``r`` does."""
+    return (r0.host == r.host and set(r.ports) <= set(r0.ports)
+            and (not r0.methods or (r.methods and set(r.methods) <= set(r0.methods)))
+            and (not r0.paths or (r.paths and set(r.paths) <= set(r0.paths)))
+            and (r0.max_body is None or (r.max_body is not None and r.max_body <= r0.max_body))
+            and (r0.websocket or not r.websocket) and (r.ask or not r0.ask))
+
+
+def _egress_allow(a, b, old, new) -> list[str]:
+    out = []
+    old_hp = {(r.host, p) for r in a for p in r.ports}
+    for r in b:
+        fresh = [p for p in r.ports if (r.host, p) not in old_hp]
+        if fresh:
+            out.append(f"new egress {r.host}:{','.join(map(str, fresh))}")
+        elif not any(_contains(r0, r) for r0 in a):
+            near = [r0 for r0 in a if r0.host == r.host]
+            what = []
+            for r0 in near[:1]:
+                if r0.methods and set(r.methods or ("any",)) - set(r0.methods):
+                    what.append("more methods")
+                if r0.paths and set(r.paths or ("any",)) - set(r0.paths):
+                    what.append("more paths")
+                if r0.max_body is not None and (r.max_body is None or r.max_body > r0.max_body):
+                    what.append("a larger maxBody")
+                if r.websocket and not r0.websocket:
+                    what.append("WebSockets")
+                if r0.ask and not r.ask:
+                    what.append("no human approval (action: ask removed)")
+            out.append(f"egress rules: {r.id} to {r.host} allows more ({', '.join(what) or 'review it'})")
+    return out
+
+
+def _egress_deny(a, b, old, new) -> list[str]:
+    have = set(b)
+    return [f"egress rules: deny rule {r.id} ({r.host}) removed or changed" for r in a if r not in have]
+
+
+def _egress_hosts_map(a, b, *_) -> list[str]:
+    was = dict(a)
+    return [f"egress rules: hosts maps {n} to {ip}" for n, ip in b if was.get(n) != ip]
+
+
+def _egress_ca(a, b, *_) -> list[str]:
+    return ["egress rules: upstreamCa changed (the gate trusts other servers)"] if b else []
+
+
+def _egress_limits(a, b, old, new) -> list[str]:
+    out = []
+    for name, rule in JUDGED["EgressLimits"].items():
+        if not isinstance(rule, str):
+            out += rule(getattr(a, name), getattr(b, name), old, new)
+    return out
+
+
+def _mounts(a, b, *_) -> list[str]:
+    old_m = {(m.host, m.path): m for m in a}
+    out = []
+    for m in b:
+        m0 = old_m.get((m.host, m.path))
+        if m0 is None or (m.writable and not m0.writable):
+            out.append(f"new grant {m.host} -> {m.path} ({'rw' if m.writable else 'ro'})")
+        elif set(m.writable_trusted) - set(m0.writable_trusted):
+            out.append(f"grant {m.host} -> {m.path} lets the agent change "
+                       f"{', '.join(sorted(set(m.writable_trusted) - set(m0.writable_trusted)))}")
+    return out
+
+
+def _credentials(a, b, *_) -> list[str]:
+    from dataclasses import replace
+
+    old_c = {c.name: c for c in a}
+    out = []
+    for c in b:
+        c0 = old_c.get(c.name)
+        if c0 is None:
+            out.append(f"new credential {c.name} for {', '.join(c.hosts)}")
+        elif set(c.hosts) - set(c0.hosts):
+            out.append(f"credential {c.name} also for {', '.join(sorted(set(c.hosts) - set(c0.hosts)))}")
+        elif replace(c, hosts=c0.hosts) != c0:  # (hosts only removed: narrower)
+            out.append(f"credential {c.name} changed (reference or injection: review it)")
+    return out
+
+
+def _tools(a, b, old, new) -> list[str]:
+    if b is None:
+        return []
+    if a is None:
+        return [f"new tool server {s.name}: {', '.join(sorted(s.allow))}" for s in b.servers]
+    out = []
+    for name, rule in JUDGED["ToolPolicy"].items():
+        if not isinstance(rule, str) and getattr(a, name) != getattr(b, name):
+            out += rule(getattr(a, name), getattr(b, name), old, new)
+    return out
+
+
+def _tool_servers(a, b, old, new) -> list[str]:
+    olds = {s.name: s for s in a}
+    out = []
+    for s in b:
+        s0 = olds.get(s.name)
+        if s0 is None:
+            out.append(f"new tool server {s.name}: {', '.join(sorted(s.allow))}")
+            continue
+        for name, rule in JUDGED["ServerPolicy"].items():
+            if not isinstance(rule, str) and getattr(s0, name) != getattr(s, name):
+                got = rule(getattr(s0, name), getattr(s, name), s0, s)
+                out += [f"tool server {s.name} {x}" for x in (got if got is not None else [f"{name} changed (review it)"])]
+    return out
+
+
+def _tier_approval(a, b, *_) -> list[str]:
+    gone = sorted(set(a) - set(b))
+    return [f"{c} tools no longer always need a human" for c in gone]
+
+
+def _added(label):
+    def rule(a, b, *_):
+        more = [g for g in b if g not in a]
+        return [f"{label} {', '.join(more)}"] if more else []
+    return rule
+
+
+def _removed(label):
+    def rule(a, b, *_):
+        gone = [g for g in a if g not in b]
+        return [f"{label} {', '.join(gone)}"] if gone else []
+    return rule
+
+
+def _risk(a, b, s0, s) -> list[str]:
+    from agentvm.tools import policy as tp
+
+    out = []
+    for glob in sorted({g for g, _ in a} | {g for g, _ in b} | set(s.allow) | set(s.approve)):
+        was, now = tp.risk_of(s0, glob), tp.risk_of(s, glob)
+        if _SEVERITY.get(now, 1) < _SEVERITY.get(was, 1):
+            out.append(f"risk of {glob}: {was} -> {now}")
+    return out
+
+
+def _arguments(a, b, *_) -> list[str]:
+    now = dict(b)
+    return [f"argument constraints of {glob} loosened or removed" for glob, rules in a
+            if not set(rules) <= set(now.get(glob, ()))]
+
+
+def _changed(label):
+    def rule(a, b, *_):
+        return [f"{label} changed (review it)"]
+    return rule
+
+
+def _substrate(a, b, *_) -> list[str]:
+    from agentvm.policy import SUBSTRATE_STRENGTH
+
+    return [f"substrate {a} -> {b} (weaker isolation)"] if SUBSTRATE_STRENGTH.get(b, 0) < SUBSTRATE_STRENGTH.get(a, 0) \
+        else []
+
+
+def _min_substrate(a, b, *_) -> list[str]:
+    from agentvm.policy import SUBSTRATE_STRENGTH
+
+    return [f"minSubstrate {a} -> {b or 'none'}"] if SUBSTRATE_STRENGTH.get(b or "", 0) < \
+        SUBSTRATE_STRENGTH.get(a or "", 0) else []
+
+
+def _tier(a, b, *_) -> list[str]:
+    return [f"risk tier {a} -> {b} (more is allowed)"] if _TIERS.index(b) > _TIERS.index(a) else []
+
+
+def _local_ports(a, b, *_) -> list[str]:
+    if a and not b:
+        return ["security.localPorts restriction removed (every local port)"]
+    return [f"new local port {p}" for p in sorted(set(b) - set(a))] if a else []
+
+
+#: every field of the compiled policy and of its parts, with the rule that judges a change of
+#: it: a function ``(old value, new value, old whole, new whole) -> [lines]`` (None: cannot tell,
+#: listed for review), or a string saying why a change of it never gives the agent more.
+#: ``tests/unit/test_fleet_unit.py`` enumerates the dataclasses' fields: a new field without an
+#: entry here fails it.
+JUDGED: dict[str, dict] = {
+    "Policy": {
+        "name": _neutral("the agent's identity (a rename is a remove and a create)"),
+        "command": _neutral("what runs, inside the same boundary"),
+        "agent": _neutral("a durable, named workspace of its own"),
+        "lifecycle": lambda a, b, *_: [f"lifecycle {a} -> {b} (runs until stopped)"] if b == "persistent" else [],
+        "substrate": _substrate,
+        "min_substrate": _min_substrate,
+        "image": lambda a, b, *_: [f"image {a or 'host /usr'} -> {b or 'host /usr'} (another root: review it)"],
+        "image_signers": lambda a, b, *_: (["image signatures no longer required"] if a and not b else
+                                           [f"image signer {x} trusted" for x in b if x not in a]),
+        "risk_tier": _tier,
+        "workdir": _neutral("the starting folder inside the sandbox"),
+        "extra_ro": lambda a, b, *_: [f"new read-only host path {p}" for p in sorted(set(b) - set(a))],
+        "mounts": _mounts,
+        "workspace": lambda a, b, *_: [f"a workspace at {b} where there was none"] if a is None and b else [],
+        "env": _neutral("values given to the sandbox, no access (credentials have their own field)"),
+        "limits": _limits,
+        "allow_ptrace": lambda a, b, *_: ["ptrace allowed"] if b else [],
+        "local_ports": _local_ports,
+        "network": lambda a, b, *_: ["network: none -> gate"] if a == "none" and b == "gate" else [],
+        "egress": _egress,
+        "credentials": _credentials,
+        "tools": _tools,
+        "approval_timeout": lambda a, b, *_: [f"approval timeout {a:g}s -> {b:g}s (review it)"],
+        "approval_webhook": lambda a, b, *_: [f"approvals webhook -> {b}"] if b else [],
+        "pending_features": _neutral("sections declared but not enforceable: a run that needs them is refused"),
+        "version": _neutral("the policy format"),
+    },
+    "Limits": {
+        "memory": _lim("limits.memory"), "cpus": _lim("limits.cpus"), "pids": _lim("limits.pids"),
+        "disk": _lim("limits.disk"), "timeout": _lim("limits.timeout"), "tmp": _lim("limits.tmp"),
+        "shm": _lim("limits.shm"), "nofile": _lim("limits.nofile"), "budget": _budget,
+    },
+    "BudgetSpec": {
+        "tokens": _budget_limit("tokens"), "requests": _budget_limit("requests"), "cost": _budget_limit("cost"),
+        "hosts": _budget_hosts, "prices": _budget_prices,
+    },
+    "EgressPolicy": {
+        "allow": _egress_allow, "deny": _egress_deny, "hosts": _egress_hosts_map, "upstream_ca": _egress_ca,
+        "limits": _egress_limits,
+    },
+    "EgressLimits": {
+        "connections": _lim("egress.limits.connections"),
+        "requests_per_second": _lim("egress.limits.requestsPerSecond"),
+        "burst": _lim("egress.limits.burst"), "bytes_out": _lim("egress.limits.bytesOut"),
+    },
+    "Rule": {  # judged whole by _egress_allow (allow rules) and _egress_deny (deny rules)
+        "id": _neutral("a name"), "host": "_egress_allow/_egress_deny", "ports": "_egress_allow/_egress_deny",
+        "methods": "_egress_allow/_egress_deny", "paths": "_egress_allow/_egress_deny",
+        "max_body": "_egress_allow/_egress_deny", "websocket": "_egress_allow/_egress_deny",
+        "ask": "_egress_allow/_egress_deny",
+    },
+    "MountGrant": {"host": "_mounts", "path": "_mounts", "writable": "_mounts", "writable_trusted": "_mounts"},
+    "CredentialBinding": {k: "_credentials (a new binding, more hosts, or any other change of one)" for k in (
+        "name", "env", "ref", "hosts", "header", "format", "basic", "query", "file", "prefix", "length", "charset",
+        "sigv4_access_key_id", "sigv4_key_env", "hmac")},
+    "ToolPolicy": {
+        "servers": _tool_servers,
+        "tier_approval": _tier_approval,
+        "approval_timeout": _neutral("the same as Policy.approval_timeout, judged there"),
+        "webhook": _neutral("the same as Policy.approval_webhook, judged there"),
+        "tier": _neutral("the same as Policy.risk_tier, judged there"),
+    },
+    "ServerPolicy": {
+        "name": _neutral("a server's identity (a rename is a removal and a new server)"),
+        "kind": _changed("kind"),
+        "command": _changed("command"),
+        "url": _changed("url"),
+        "allow": _added("allows"),
+        "deny": _removed("no longer denies"),
+        "approve": _removed("no longer needs a human for"),
+        "risk": _risk,
+        "arguments": _arguments,
+        "resources": _added("shows resources"),
+        "prompts": _added("shows prompts"),
+        "calls_per_minute": _lim("callsPerMinute"), "timeout": _lim("timeout"),
+        "max_arguments": _lim("maxArguments"), "max_result": _lim("maxResult"),
+        "sandbox_spec": _changed("sandbox (its grants, environment, egress or credentials)"),
+        "remote_egress": _changed("egress endpoint"),
+        "remote_credentials": _changed("credentials"),
+    },
+}
 
 
 def diff(old, new) -> list[str]:

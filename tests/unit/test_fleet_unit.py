@@ -319,3 +319,249 @@ def test_replay_of_recorded_tool_calls_by_name(repo):
     assert out["replayed"] == 3
     assert out["breakage"] == [{"request": "tool gh__get_issue (now needs a human)", "count": 1}]
     assert out["widening"] == [{"request": "tool gh__search", "count": 1}]
+
+
+# ---------------------------------------------------------------------------- widening, field by field
+RICH = """\
+riskTier: L3
+mounts: [{host: /usr/share/doc, path: /docs}]
+security: {localPorts: [8080]}
+limits:
+  memory: 1G
+  timeout: 1h
+  budget:
+    tokens: 1000
+    requests: 10
+    cost: 5
+    hosts: [api.openai.com, api.anthropic.com]
+    prices: {"gpt-4o*": {input: 2.5, output: 10}, "*": {input: 5, output: 15}}
+egress:
+  allow:
+    - {host: api.openai.com, ports: [443]}
+    - {host: api.anthropic.com, ports: [443]}
+    - {id: pay, host: a.test, ports: [443], methods: [GET], paths: ['/v1/**'], maxBody: 1K, action: ask}
+  deny: [{host: a.test, paths: ['/v1/admin/**']}]
+  hosts: {a.test: 192.0.2.10}
+credentials:
+  - {name: key, env: KEY, ref: 'vault:key', hosts: [a.test], inject: {header: Authorization, format: "Bearer {}"}}
+approvals: {timeout: 60s}
+tools:
+  - name: notes
+    command: [notes-mcp]
+    allow: [read_note, list_notes]
+    approve: [write_note]
+    deny: ["*admin*"]
+    risk: {read_note: read, write_note: write, rm_note: destructive}
+    arguments: {read_note: {path: {path: /srv/notes, required: true}}}
+    resources: ["file:///srv/notes/*"]
+    prompts: [summary]
+    limits: {callsPerMinute: 10, timeout: 5s, maxArguments: 1K, maxResult: 1K}
+"""
+
+
+def _rich():
+    from agentvm.policy import compile_policy
+    from agentvm.spec.loader import load_agent_text
+
+    return compile_policy(load_agent_text(agent("w", RICH), "w.yaml", preset_dirs=[]).spec)
+
+
+def _on(path: str, value=None, fn=None):
+    """A change of one field, by its place in the policy: Policy.x, Limits.x, BudgetSpec.x,
+    EgressPolicy.x, EgressLimits.x, Rule.x (the a.test allow rule), MountGrant.x,
+    CredentialBinding.x, ToolPolicy.x, ServerPolicy.x (the notes server)."""
+    from dataclasses import replace as r
+
+    cls, name = path.split(".")
+
+    def change(p):
+        def new(old):
+            return fn(old) if fn is not None else value
+        if cls == "Policy":
+            return r(p, **{name: new(getattr(p, name))})
+        if cls == "Limits":
+            return r(p, limits=r(p.limits, **{name: new(getattr(p.limits, name))}))
+        if cls == "BudgetSpec":
+            b = p.limits.budget
+            return r(p, limits=r(p.limits, budget=r(b, **{name: new(getattr(b, name))})))
+        if cls == "EgressPolicy":
+            return r(p, egress=r(p.egress, **{name: new(getattr(p.egress, name))}))
+        if cls == "EgressLimits":
+            lim = p.egress.limits
+            return r(p, egress=r(p.egress, limits=r(lim, **{name: new(getattr(lim, name))})))
+        if cls == "Rule":
+            allow = tuple(r(x, **{name: new(getattr(x, name))}) if x.host == "a.test" else x for x in p.egress.allow)
+            return r(p, egress=r(p.egress, allow=allow))
+        if cls == "MountGrant":
+            return r(p, mounts=tuple(r(m, **{name: new(getattr(m, name))}) for m in p.mounts))
+        if cls == "CredentialBinding":
+            return r(p, credentials=tuple(r(c, **{name: new(getattr(c, name))}) for c in p.credentials))
+        if cls == "ToolPolicy":
+            return r(p, tools=r(p.tools, **{name: new(getattr(p.tools, name))}))
+        if cls == "ServerPolicy":
+            servers = tuple(r(s, **{name: new(getattr(s, name))}) for s in p.tools.servers)
+            return r(p, tools=r(p.tools, servers=servers))
+        raise AssertionError(path)
+    return change
+
+
+#: (field, the change, a word of the widening line it must produce - or None: it never widens)
+WIDENS = [
+    ("Policy.name", _on("Policy.name", "other"), None),
+    ("Policy.command", _on("Policy.command", ("/bin/false",)), None),
+    ("Policy.agent", _on("Policy.agent", True), None),
+    ("Policy.lifecycle", _on("Policy.lifecycle", "persistent"), "lifecycle"),
+    ("Policy.substrate", _on("Policy.substrate", "fake"), "weaker isolation"),
+    ("Policy.min_substrate", _on("Policy.min_substrate", None), None),
+    ("Policy.image", _on("Policy.image", "sha256:" + "0" * 64), "image"),
+    ("Policy.image_signers", _on("Policy.image_signers", ("mallory",)), "image signer mallory"),
+    ("Policy.risk_tier", _on("Policy.risk_tier", "L4"), "risk tier L3 -> L4"),
+    ("Policy.workdir", _on("Policy.workdir", "/tmp"), None),
+    ("Policy.extra_ro", _on("Policy.extra_ro", ("/opt/x",)), "read-only host path /opt/x"),
+    ("Policy.mounts", _on("Policy.mounts", ()), None),
+    ("Policy.workspace", _on("Policy.workspace", None), None),
+    ("Policy.env", _on("Policy.env", (("A", "b"),)), None),
+    ("Policy.limits", _on("Policy.limits", fn=lambda lim: __import__("dataclasses").replace(lim, memory=lim.memory * 2)),
+     "limits.memory"),
+    ("Policy.allow_ptrace", _on("Policy.allow_ptrace", True), "ptrace"),
+    ("Policy.local_ports", _on("Policy.local_ports", ()), "localPorts restriction removed"),
+    ("Policy.local_ports", _on("Policy.local_ports", (8080, 9090)), "new local port 9090"),
+    ("Policy.network", _on("Policy.network", "gate"), None),
+    ("Policy.egress", _on("Policy.egress", fn=lambda e: __import__("dataclasses").replace(e, deny=())),
+     "deny rule"),
+    ("Policy.credentials", _on("Policy.credentials", ()), None),
+    ("Policy.tools", _on("Policy.tools", None), None),
+    ("Policy.approval_timeout", _on("Policy.approval_timeout", 600.0), "approval timeout"),
+    ("Policy.approval_webhook", _on("Policy.approval_webhook", "https://hook.test/x"), "webhook"),
+    ("Policy.pending_features", _on("Policy.pending_features", ("x",)), None),
+    ("Policy.version", _on("Policy.version", 99), None),
+    ("Limits.memory", _on("Limits.memory", fn=lambda v: v * 2), "limits.memory"),
+    ("Limits.cpus", _on("Limits.cpus", fn=lambda v: v * 2), "limits.cpus"),
+    ("Limits.pids", _on("Limits.pids", fn=lambda v: v * 2), "limits.pids"),
+    ("Limits.disk", _on("Limits.disk", fn=lambda v: v * 2), "limits.disk"),
+    ("Limits.timeout", _on("Limits.timeout", 0), "limits.timeout"),
+    ("Limits.tmp", _on("Limits.tmp", fn=lambda v: v * 2), "limits.tmp"),
+    ("Limits.shm", _on("Limits.shm", fn=lambda v: v * 2), "limits.shm"),
+    ("Limits.nofile", _on("Limits.nofile", fn=lambda v: v * 2), "limits.nofile"),
+    ("Limits.budget", _on("Limits.budget", None), "no LLM budget"),
+    ("BudgetSpec.tokens", _on("BudgetSpec.tokens", None), "LLM budget tokens"),
+    ("BudgetSpec.requests", _on("BudgetSpec.requests", 11), "LLM budget requests"),
+    ("BudgetSpec.cost", _on("BudgetSpec.cost", 50.0), "LLM budget cost"),
+    ("BudgetSpec.hosts", _on("BudgetSpec.hosts", ("api.openai.com",)), "LLM host api.anthropic.com no longer metered"),
+    ("BudgetSpec.prices", _on("BudgetSpec.prices", (("gpt-4o*", 0.1, 10.0), ("*", 5.0, 15.0))), "LLM price of gpt-4o*"),
+    ("BudgetSpec.prices", _on("BudgetSpec.prices", (("gpt-4o*", 2.5, 10.0),)), "LLM price of *: 5.0/15.0 -> none"),
+    ("EgressPolicy.allow", _on("EgressPolicy.allow", fn=lambda a: a + (__import__("dataclasses").replace(
+        a[0], id="x", host="b.test"),)), "new egress b.test:443"),
+    ("EgressPolicy.deny", _on("EgressPolicy.deny", fn=lambda d: tuple(x for x in d if x.host != "a.test")), "deny rule"),
+    ("EgressPolicy.hosts", _on("EgressPolicy.hosts", (("a.test", "10.0.0.9"),)), "hosts maps a.test to 10.0.0.9"),
+    ("EgressPolicy.upstream_ca", _on("EgressPolicy.upstream_ca", "/etc/evil-ca.pem"), "upstreamCa"),
+    ("EgressPolicy.limits", _on("EgressPolicy.limits", fn=lambda lim: __import__("dataclasses").replace(
+        lim, bytes_out=lim.bytes_out * 2)), "bytesOut"),
+    ("EgressLimits.connections", _on("EgressLimits.connections", fn=lambda v: v * 2), "connections"),
+    ("EgressLimits.requests_per_second", _on("EgressLimits.requests_per_second", fn=lambda v: v * 2),
+     "requestsPerSecond"),
+    ("EgressLimits.burst", _on("EgressLimits.burst", fn=lambda v: v * 2), "burst"),
+    ("EgressLimits.bytes_out", _on("EgressLimits.bytes_out", fn=lambda v: v * 2), "bytesOut"),
+    ("Rule.id", _on("Rule.id", "renamed"), None),
+    ("Rule.host", _on("Rule.host", "c.test"), "new egress c.test:443"),
+    ("Rule.ports", _on("Rule.ports", (443, 8443)), "new egress a.test:8443"),
+    ("Rule.methods", _on("Rule.methods", ("GET", "POST")), "more methods"),
+    ("Rule.paths", _on("Rule.paths", ()), "more paths"),
+    ("Rule.max_body", _on("Rule.max_body", None), "maxBody"),
+    ("Rule.websocket", _on("Rule.websocket", True), "WebSockets"),
+    ("Rule.ask", _on("Rule.ask", False), "no human approval"),
+    ("MountGrant.host", _on("MountGrant.host", "/usr/share/man"), "new grant /usr/share/man"),
+    ("MountGrant.path", _on("MountGrant.path", "/man"), "new grant"),
+    ("MountGrant.writable", _on("MountGrant.writable", True), "(rw)"),
+    ("MountGrant.writable_trusted", _on("MountGrant.writable_trusted", (".git",)), "change .git"),
+    ("CredentialBinding.name", _on("CredentialBinding.name", "other"), "new credential other"),
+    ("CredentialBinding.hosts", _on("CredentialBinding.hosts", ("a.test", "b.test")), "also for b.test"),
+    ("CredentialBinding.hosts", _on("CredentialBinding.hosts", ()), None),
+] + [(f"CredentialBinding.{k}", _on(f"CredentialBinding.{k}", v), "credential key changed") for k, v in (
+    ("env", "OTHER"), ("ref", "vault:other"), ("header", "x-api-key"), ("format", "{}"), ("basic", "user"),
+    ("query", "key"), ("file", "/tmp/k"), ("prefix", "sk-"), ("length", 99), ("charset", "hex"),
+    ("sigv4_access_key_id", "AKIDX"), ("sigv4_key_env", "OTHER"), ("hmac", (("a", "b"),)))] + [
+    ("ToolPolicy.servers", _on("ToolPolicy.servers", fn=lambda s: s + (__import__("dataclasses").replace(
+        s[0], name="more"),)), "new tool server more"),
+    ("ToolPolicy.tier_approval", _on("ToolPolicy.tier_approval", ()), "destructive tools no longer always need"),
+    ("ToolPolicy.approval_timeout", _on("ToolPolicy.approval_timeout", 1.0), None),
+    ("ToolPolicy.webhook", _on("ToolPolicy.webhook", "https://hook.test/x"), None),
+    ("ToolPolicy.tier", _on("ToolPolicy.tier", "L5"), None),
+    ("ServerPolicy.name", lambda p: p, None),
+    ("ServerPolicy.kind", _on("ServerPolicy.kind", "remote"), "kind changed"),
+    ("ServerPolicy.command", _on("ServerPolicy.command", ("evil-mcp",)), "command changed"),
+    ("ServerPolicy.url", _on("ServerPolicy.url", "https://evil.test/mcp"), "url changed"),
+    ("ServerPolicy.allow", _on("ServerPolicy.allow", ("read_note", "list_notes", "rm_note")), "allows rm_note"),
+    ("ServerPolicy.deny", _on("ServerPolicy.deny", ()), "no longer denies *admin*"),
+    ("ServerPolicy.approve", _on("ServerPolicy.approve", ()), "no longer needs a human for write_note"),
+    ("ServerPolicy.risk", _on("ServerPolicy.risk", (("read_note", "read"), ("write_note", "read"))),
+     "risk of write_note: write -> read"),
+    ("ServerPolicy.arguments", _on("ServerPolicy.arguments", ()), "argument constraints of read_note"),
+    ("ServerPolicy.resources", _on("ServerPolicy.resources", ("file:///srv/notes/*", "file:///etc/*")),
+     "shows resources file:///etc/*"),
+    ("ServerPolicy.prompts", _on("ServerPolicy.prompts", ("summary", "*")), "shows prompts *"),
+    ("ServerPolicy.calls_per_minute", _on("ServerPolicy.calls_per_minute", 1000), "callsPerMinute"),
+    ("ServerPolicy.timeout", _on("ServerPolicy.timeout", 500.0), "timeout"),
+    ("ServerPolicy.max_arguments", _on("ServerPolicy.max_arguments", 1 << 30), "maxArguments"),
+    ("ServerPolicy.max_result", _on("ServerPolicy.max_result", 1 << 30), "maxResult"),
+    ("ServerPolicy.sandbox_spec", _on("ServerPolicy.sandbox_spec", "{}"), "sandbox"),
+    ("ServerPolicy.remote_egress", _on("ServerPolicy.remote_egress", object()), "egress endpoint"),
+    ("ServerPolicy.remote_credentials", _on("ServerPolicy.remote_credentials", ("x",)), "credentials changed"),
+]
+
+
+def test_every_policy_field_has_a_widening_rule():
+    """A new field of the compiled policy (or of a part of it) without a rule in fleet.JUDGED
+    fails here: nothing an agent may do or spend goes unjudged by `agentvm plan`."""
+    from dataclasses import fields
+
+    from agentvm.gate.budget import BudgetSpec
+    from agentvm.gate.credentials import CredentialBinding
+    from agentvm.gate.policy import EgressLimits, EgressPolicy, Rule
+    from agentvm.policy import Limits, MountGrant, Policy
+    from agentvm.tools.policy import ServerPolicy, ToolPolicy
+
+    for cls in (Policy, Limits, BudgetSpec, EgressPolicy, EgressLimits, Rule, MountGrant, CredentialBinding,
+                ToolPolicy, ServerPolicy):
+        assert {f.name for f in fields(cls)} == set(fl.JUDGED[cls.__name__]), cls.__name__
+        for f in fields(cls):
+            assert any(case[0] == f"{cls.__name__}.{f.name}" for case in WIDENS), \
+                f"no widening case for {cls.__name__}.{f.name} in WIDENS"
+
+
+@pytest.mark.parametrize("field, change, word", WIDENS, ids=[c[0] for c in WIDENS])
+def test_widening_field_by_field(field, change, word):
+    base = _rich()
+    got = fl.widening(base, change(base))
+    if word is None:
+        assert got == [], got
+    else:
+        assert any(word in w for w in got), (word, got)
+
+
+def test_budget_hosts_removed_but_no_longer_reachable_and_lowered_prices_without_a_cost_budget_do_not_widen():
+    from dataclasses import replace
+
+    base = _rich()
+    b = base.limits.budget
+    gone = replace(base, limits=replace(base.limits, budget=replace(b, hosts=("api.openai.com",))),
+                   egress=replace(base.egress, allow=tuple(r for r in base.egress.allow if r.host != "api.anthropic.com")))
+    assert fl.widening(base, gone) == []
+    nocost = replace(base, limits=replace(base.limits, budget=replace(b, cost=None)))
+    cheaper = replace(nocost, limits=replace(nocost.limits, budget=replace(nocost.limits.budget,
+                                                                           prices=(("*", 0.1, 0.1),))))
+    assert fl.widening(nocost, cheaper) == []
+
+
+def test_plan_json_lists_the_widening_of_a_budget_host_removed(repo):
+    """Issue 35: `plan --json` said "widening": [] when an LLM host left limits.budget.hosts
+    while egress to it stayed allowed - CI gating on it missed the unmetered host."""
+    c1 = commit(repo, {"w.yaml": agent("w", RICH)})
+    f1 = fl.load(repo, c1)
+    c2 = commit(repo, {"w.yaml": agent("w", RICH.replace("hosts: [api.openai.com, api.anthropic.com]",
+                                                           "hosts: [api.openai.com]"))})
+    f2 = fl.load(repo, c2)
+    cur = {"w": {"policy": f1.agents["w"].policy, "digest": f1.agents["w"].digest, "fleet": True, "running": True}}
+    doc = fl.make_plan(f2, cur, c1).to_dict()
+    action = [a for a in doc["actions"] if a["name"] == "w"][0]
+    assert doc["widening"] == 1 and any("api.anthropic.com no longer metered" in w for w in action["widening"])

@@ -267,3 +267,12 @@ def test_one_normal_form_helper():
     assert names.norm(names.norm("ǅ")) == names.norm("ǅ")
     assert names.match("ADMIN_RESET", "*admin*") and not names.match("reset", "*admin*")
     assert names.first_match(["x", "*Admin*"], "admin_reset") == "*Admin*"
+
+
+@pytest.mark.parametrize("risk", ['{"*": read, "rm_*": destructive}', '{"rm_*": destructive, "*": read}'])
+def test_the_most_severe_matching_risk_class_wins_whatever_the_order(risk):
+    """A stored copy of the agent file (key-sorted YAML: the daemon's, the fleet's) must mean
+    what the file means: the class is the most severe match, not the first."""
+    p = tools_policy(f'  tools:\n    - name: n\n      command: [x]\n      allow: ["*"]\n      risk: {risk}\n', tier="L3")
+    assert tp.decide("n", "rm_all", {}, p).rule_id == "tools:tier:destructive"
+    assert tp.decide("n", "list", {}, p).verdict == "allow"

@@ -48,8 +48,8 @@ class ServerPolicy:
     allow: tuple[str, ...] = ()
     deny: tuple[str, ...] = ()
     approve: tuple[str, ...] = ()
-    risk: tuple[tuple[str, str], ...] = ()  # (glob, class), in file order
-    arguments: tuple[tuple[str, tuple[ArgRule, ...]], ...] = ()  # (tool glob, rules)
+    risk: tuple[tuple[str, str], ...] = ()  # (glob, class), sorted: the most severe matching class wins
+    arguments: tuple[tuple[str, tuple[ArgRule, ...]], ...] = ()  # (tool glob, rules), sorted: every matching glob applies
     resources: tuple[str, ...] = ()
     prompts: tuple[str, ...] = ()
     calls_per_minute: int = 60
@@ -116,11 +116,17 @@ def visible(sp: ServerPolicy, tool: str) -> bool:
         return False
 
 
+RISK_ORDER = ("read", "write", "destructive")
+
+
 def risk_of(sp: ServerPolicy, tool: str) -> str:
-    for g, cls in sp.risk:
-        if names.match(tool, g):
-            return cls
-    return "write"
+    """The tool's risk class: the most severe of the classes whose globs match it (the order of
+    the agent file's map does not matter: a stored, key-sorted copy means the same), ``write``
+    when none does."""
+    found = [cls for g, cls in sp.risk if names.match(tool, g)]
+    if not found:
+        return "write"
+    return max(found, key=lambda c: RISK_ORDER.index(c) if c in RISK_ORDER else len(RISK_ORDER))
 
 
 def _check_arg(rule: ArgRule, present: bool, value: Any) -> str | None:
@@ -289,13 +295,13 @@ def compile_tools(body, agent: str) -> ToolPolicy:
             (glob, tuple(ArgRule(name=a, path=r.path, pattern=r.pattern, enum=tuple(r.enum or ()),
                                  has_enum=r.enum is not None, max_length=r.max_length, required=r.required)
                          for a, r in sorted(rules.items())))
-            for glob, rules in srv.arguments.items())
+            for glob, rules in sorted(srv.arguments.items()))
         lim = srv.limits
         remote_egress, remote_creds = _remote(srv) if srv.url else (None, ())
         servers.append(ServerPolicy(
             name=srv.name, kind="local" if srv.command else "remote", command=tuple(srv.command), url=srv.url,
             allow=tuple(srv.allow), deny=tuple(srv.deny), approve=tuple(srv.approve),
-            risk=tuple(srv.risk.items()), arguments=args, resources=tuple(srv.resources), prompts=tuple(srv.prompts),
+            risk=tuple(sorted(srv.risk.items())), arguments=args, resources=tuple(srv.resources), prompts=tuple(srv.prompts),
             calls_per_minute=lim.calls_per_minute, timeout=lim.timeout, max_arguments=lim.max_arguments,
             max_result=lim.max_result,
             sandbox_spec=_sandbox_spec(agent, tier, srv, body.substrate) if srv.command else "",
