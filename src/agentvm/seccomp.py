@@ -76,9 +76,14 @@ class SeccompOptions:
     # gVisor (this Debian build) answers statx(AT_NO_AUTOMOUNT) with EINVAL, which breaks
     # coreutils (`ls`, `stat`): ENOSYS instead makes glibc fall back to fstatat, which works
     statx_fallback: bool = False
+    # (uid, gid) mapped in the sandbox's user namespace (bwrap maps exactly one of each): a
+    # chown to any other id fails with EPERM, as on a host without CAP_CHOWN, instead of the
+    # kernel's EINVAL for an id it cannot map - fakeroot, tar, cp -p, rsync, pip tolerate EPERM
+    chown_mapped: tuple[int, int] | None = None
 
     def key(self) -> str:
-        return f"v{FILTER_VERSION}-ptrace{int(self.allow_ptrace)}" + ("-statx" if self.statx_fallback else "")
+        return (f"v{FILTER_VERSION}-ptrace{int(self.allow_ptrace)}" + ("-statx" if self.statx_fallback else "")
+                + (f"-ids{self.chown_mapped[0]}.{self.chown_mapped[1]}" if self.chown_mapped else ""))
 
 
 AT_NO_AUTOMOUNT = 0x800
@@ -170,7 +175,81 @@ def _build(opts: SeccompOptions) -> bytes:
     with tempfile.TemporaryFile() as tmp:
         f.export_bpf(tmp)
         tmp.seek(0)
-        return tmp.read()
+        bpf = tmp.read()
+    if opts.chown_mapped is not None:
+        bpf = chown_prefix(*opts.chown_mapped) + bpf
+    return bpf
+
+
+# ------------------------------------------------------------------ chown to unmapped ids
+# libseccomp allows one comparison per argument in a rule, so "the id is neither the mapped one
+# nor -1" cannot be said with it. It is a few instructions of classic BPF, put *in front of*
+# libseccomp's program: it either returns EPERM or falls through to the first instruction of
+# libseccomp's program (BPF jumps only forward, so the rest is untouched). Only the low 32 bits
+# of an id argument are compared, as the kernel itself truncates uid_t (Go passes -1 as a 64-bit -1).
+AUDIT_ARCH_X86_64, AUDIT_ARCH_AARCH64 = 0xC000003E, 0xC00000B7
+# (arch, {syscall number: index of its uid argument (the gid is the next one)})
+CHOWN_SYSCALLS: tuple[tuple[int, dict[int, int]], ...] = (
+    (AUDIT_ARCH_X86_64, {92: 1, 93: 1, 94: 1, 260: 2}),  # chown, fchown, lchown, fchownat
+    (AUDIT_ARCH_AARCH64, {55: 1, 54: 2}),  # fchown, fchownat (no chown/lchown there)
+)
+_LD_W_ABS, _JEQ_K, _JA, _RET_K = 0x20, 0x15, 0x05, 0x06
+SECCOMP_RET_ERRNO = 0x00050000
+NO_CHANGE = 0xFFFFFFFF  # (uid_t)-1: leave this id as it is
+
+
+def _arg_lo(i: int) -> int:
+    return 16 + 8 * i  # offsetof(struct seccomp_data, args[i]), its low word on little-endian
+
+
+def chown_prefix(uid: int, gid: int) -> bytes:
+    """Classic BPF: on this machine's native architecture, chown/fchown/lchown/fchownat whose
+    owner is neither ``uid`` nor -1, or whose group is neither ``gid`` nor -1, -> EPERM;
+    everything else falls through to the instruction right after this block."""
+    import struct
+    import sys
+
+    if sys.byteorder != "little":
+        return b""  # args' low words are elsewhere; the kernel's EINVAL stays
+    arch = {"x86_64": AUDIT_ARCH_X86_64, "aarch64": AUDIT_ARCH_AARCH64}.get(os.uname().machine)
+    table = dict(CHOWN_SYSCALLS).get(arch)
+    if not table:
+        return b""
+    # instructions as (code, jt, jf, k); jump targets named, resolved below
+    prog: list[list] = [[_LD_W_ABS, 0, 0, 4], [_JEQ_K, 0, "end", arch], [_LD_W_ABS, 0, 0, 0]]
+    groups = sorted(set(table.values()))
+    for nr, first in sorted(table.items()):
+        prog.append([_JEQ_K, f"check{first}", 0, nr])
+    prog.append([_JA, 0, 0, "end"])
+    for first in groups:
+        prog.append(f"check{first}")
+        for idx, want in ((first, uid), (first + 1, gid)):
+            prog.append([_LD_W_ABS, 0, 0, _arg_lo(idx)])
+            prog.append([_JEQ_K, f"ok{first}.{idx}", 0, want & 0xFFFFFFFF])
+            prog.append([_JEQ_K, f"ok{first}.{idx}", "deny", NO_CHANGE])
+            prog.append(f"ok{first}.{idx}")
+        prog.append([_JA, 0, 0, "end"])
+    prog.append("deny")
+    prog.append([_RET_K, 0, 0, SECCOMP_RET_ERRNO | errno.EPERM])
+    prog.append("end")
+    labels: dict[str, int] = {}
+    insns: list[list] = []
+    for item in prog:
+        if isinstance(item, str):
+            labels[item] = len(insns)
+        else:
+            insns.append(item)
+    out = b""
+    for pc, (code, jt, jf, k) in enumerate(insns):
+        def rel(t):
+            return labels[t] - pc - 1 if isinstance(t, str) else t
+        if code == _JA:
+            k, jt, jf = rel(k), 0, 0
+        else:
+            jt, jf = rel(jt), rel(jf)
+        assert 0 <= jt < 256 and 0 <= jf < 256 and k >= 0
+        out += struct.pack("<HBBI", code, jt, jf, k)
+    return out
 
 
 @lru_cache(maxsize=8)

@@ -46,6 +46,12 @@ from agentvm.policy import Policy
 
 SANDBOX_UID = 1000  # the agent's uid inside (the shared /etc view's accounts assume it)
 
+
+def seccomp_options(allow_ptrace: bool) -> sc.SeccompOptions:
+    """The filter of a bwrap sandbox: its user namespace maps one uid and one gid
+    (SANDBOX_UID), so a chown to any other id is refused with EPERM (see seccomp.chown_prefix)."""
+    return sc.SeccompOptions(allow_ptrace=allow_ptrace, chown_mapped=(SANDBOX_UID, SANDBOX_UID))
+
 # the primitives this substrate probes (the names --degrade accepts for it)
 PRIMITIVES = (
     "userns",  # unprivileged user namespaces
@@ -428,7 +434,7 @@ class BwrapBackend(hv.ChildProcessSandbox, Backend):
             # traversal rights on the host path), the seccomp filter, the status pipes.
             fds = hv.open_grants(plan.body.fds, self.paths, run_dir, state, opened)
             allow_ptrace = plan.body.seccomp_allow_ptrace
-            sfd = sc.filter_fd(sc.SeccompOptions(allow_ptrace=allow_ptrace), self.paths.libexec)
+            sfd = sc.filter_fd(seccomp_options(allow_ptrace), self.paths.libexec)
             opened.append(sfd)
             fds["seccomp"] = sfd
             st_r, st_w = os.pipe2(os.O_CLOEXEC)
@@ -573,7 +579,7 @@ class BwrapBackend(hv.ChildProcessSandbox, Backend):
             opened.append(fds["env"])
             seccomp_on = body.seccomp
             if seccomp_on:
-                fds["seccomp"] = sc.filter_fd(sc.SeccompOptions(allow_ptrace=plan.body.seccomp_allow_ptrace), self.paths.libexec)
+                fds["seccomp"] = sc.filter_fd(seccomp_options(plan.body.seccomp_allow_ptrace), self.paths.libexec)
                 opened.append(fds["seccomp"])
             enter = [body.helper, "enter", "--target", str(target), "--expect-userns", str(handle.private["agent_userns"]),
                      "--uid", "1000", "--gid", "1000", "--status-fd", str(st_w)]
