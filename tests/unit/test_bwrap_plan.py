@@ -243,3 +243,15 @@ def test_doctor_says_how_to_lift_ubuntus_apparmor_userns_restriction(tmp_path):
     assert "kernel.apparmor_restrict_unprivileged_userns=0" in detail
     knob.write_text("0\n")
     assert _userns_ok("/opt/x/bwrap", knob)[0]
+
+
+def test_posix_message_queues_have_their_filesystem_and_a_landlock_rule(plan):
+    """mq_open(3) opens the queue on the IPC namespace's mqueue filesystem: bwrap mounts it at
+    /dev/mqueue (right after /dev) and Landlock has a rule for it (else EACCES)."""
+    kinds = [(m.kind, m.dest) for m in plan.mounts]
+    assert kinds.index(("mqueue", "/dev/mqueue")) == kinds.index(("dev", "/dev")) + 1
+    bw = list(plan.bwrap_args)
+    assert bw[bw.index("--mqueue") + 1] == "/dev/mqueue" and "--unshare-ipc" in bw
+    pairs = {(plan.confine[i], plan.confine[i + 1]) for i in range(len(plan.confine) - 1)}
+    assert ("--rw", "/dev/mqueue") in pairs
+

@@ -45,6 +45,7 @@ from agentvm.errors import EXIT_BACKEND, EXIT_POLICY, EXIT_TIMEOUT, BackendError
 from agentvm.policy import Policy
 
 SANDBOX_UID = 1000  # the agent's uid inside (the shared /etc view's accounts assume it)
+MQUEUE = "/dev/mqueue"  # POSIX message queues: the sandbox's IPC namespace's own (bwrap --mqueue)
 
 
 def seccomp_options(allow_ptrace: bool) -> sc.SeccompOptions:
@@ -229,6 +230,9 @@ class BwrapBackend(hv.ChildProcessSandbox, Backend):
         lim = policy.limits
         degraded = set(ctx.degraded)
         mounts = hv.base_mounts(policy, host)
+        # the IPC namespace's own mqueue filesystem, mounted so Landlock has a rule for it:
+        # mq_open(3) opens the queue on that filesystem, which no other rule covers (EACCES)
+        mounts.insert(next(i for i, m in enumerate(mounts) if m.kind == "dev") + 1, MountOp("mqueue", MQUEUE))
         # (fd name, host path) opened O_PATH at launch - the path as resolved now, after the
         # grant checks: at launch, what is opened must still be exactly this
         fd_names: list[tuple[str, str]] = []
@@ -283,7 +287,7 @@ class BwrapBackend(hv.ChildProcessSandbox, Backend):
         mounts.append(MountOp("remount-ro", "/"))
 
         ro = ["/usr", "/etc", "/.agentvm", *policy.extra_ro] + [m.path for m in policy.mounts if not m.writable]
-        rw = list(D.SCRATCH_PATHS)
+        rw = list(D.SCRATCH_PATHS) + [MQUEUE]
         if policy.workspace:
             rw.append(policy.workspace)
         rw_host = [m.path for m in policy.mounts if m.writable]  # no FIFOs or sockets on the host's disk
@@ -342,7 +346,7 @@ class BwrapBackend(hv.ChildProcessSandbox, Backend):
                 bw += ["--size", str(m.size)]
             if m.perms is not None:
                 bw += ["--perms", m.perms]
-            if m.kind in ("proc", "dev", "tmpfs", "remount-ro"):
+            if m.kind in ("proc", "dev", "tmpfs", "remount-ro", "mqueue"):
                 bw += ["--" + m.kind, m.dest]
             elif m.kind == "symlink":
                 bw += ["--symlink", m.src, m.dest]
