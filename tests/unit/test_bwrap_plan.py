@@ -61,12 +61,13 @@ def test_snapshot(monkeypatch):
 
 
 def test_etc_view_is_an_allowlist_with_synthetic_accounts(tmp_path):
-    from agentvm.backends.hostview import ETC_ALLOW, etc_view
+    from agentvm.backends.hostview import ETC_ALLOW, etc_view, usr_linked_etc
 
     view = etc_view(tmp_path)
     assert etc_view(tmp_path) == view, "cached while the host's /etc is unchanged"
     names = {p.name for p in view.iterdir()}
-    tops = {n.split("/")[0] for n in ETC_ALLOW}
+    # the allowlist, and what the host's /usr points into /etc (tests/unit/test_hostview_etc.py)
+    tops = {n.split("/")[0] for n in ETC_ALLOW + usr_linked_etc(tmp_path)}
     assert names <= tops | {"passwd", "group", "resolv.conf", "nsswitch.conf", "hosts", "hostname", "ld.so.preload"}
     assert (view / "ld.so.preload").read_text() == "", "nothing is preloaded (gVisor binds its own over it)"
     for sub in (n for n in ETC_ALLOW if "/" in n):  # only the named file of such a folder

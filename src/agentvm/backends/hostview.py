@@ -40,6 +40,24 @@ ETC_ALLOW = (
     "localtime", "magic", "magic.mime", "mime.types", "os-release", "profile", "protocols", "python3",
     "python3.11", "services", "ssl", "terminfo", "timezone", "vim", "wgetrc", "xattr.conf",
 )
+# Secret classes never copied into the view, whatever asks for them - the allowlist above or a
+# symlink of /usr into /etc (usr_linked_etc): glob patterns matched against every prefix of a
+# path relative to /etc ("ssh" refuses ssh/ssh_host_ed25519_key), and against each single name
+# (ETC_REFUSED_NAMES: private key folders and files, credential stores, anywhere). This is the
+# one list (etc_refused): tests and docs/compatibility.md refer to it rather than keep copies.
+ETC_REFUSED = (
+    "shadow", "shadow-", "gshadow", "gshadow-", "passwd-", "group-", "subuid", "subuid-", "subgid", "subgid-",
+    "sudoers", "sudoers.d", "security", "pam.d", "login.defs", "ssh", "ssl/private", "machine-id",
+    "environment", "environment.d", "default", "profile.d", "krb5.keytab", "pip.conf", "npmrc", "netrc",
+    "docker", "containers", "apt", "crontab", "cron.*", "fstab", "crypttab", "wireguard", "openvpn",
+    "NetworkManager", "ppp", "ipsec.*", "strongswan*", "letsencrypt", "credstore", "credstore.encrypted",
+    "gitconfig", "agentvm",
+)
+ETC_REFUSED_NAMES = (
+    "private", "*.key", "*.pem.key", "*.keytab", "*.p12", "*.pfx", "*.jks", "*.kdbx", "*credential*",
+    "*secret*", "*token*", "*passw*", "id_rsa*", "id_dsa*", "id_ecdsa*", "id_ed25519*", "auth.json",
+    ".netrc", ".npmrc", ".pypirc", ".git-credentials", "settings-security.xml",
+)
 PER_SANDBOX_ETC = ("hosts", "hostname")
 # Synthetic files in the shared view: the sandbox never sees the host's accounts or resolver.
 VIEW_SYNTHETIC = {
@@ -52,7 +70,7 @@ VIEW_SYNTHETIC = {
     # empty: nothing is preloaded (the gVisor substrate binds its compatibility shim's name over it)
     "ld.so.preload": "",
 }
-ETC_VIEW_VERSION = 2
+ETC_VIEW_VERSION = 3
 MERGED_USR = (("bin", "usr/bin"), ("lib", "usr/lib"), ("lib64", "usr/lib64"), ("sbin", "usr/sbin"))
 BASE_PATH = "/usr/local/bin:/usr/bin:/bin:/usr/local/sbin:/usr/sbin"
 
@@ -172,14 +190,162 @@ def write_run_files(run_dir: Path, files: tuple[tuple[str, str], ...]) -> None:
         os.chmod(f, 0o644)
 
 
-def _etc_fingerprint(extra_ca: bytes = b"", root: str = "/") -> str:
-    """Cheap identity of the host's (or an image's) allowlisted /etc entries (lstat of each
-    and of the entries one level down), so the view is rebuilt when they change."""
+def etc_refused(rel: str) -> bool:
+    """Whether ``rel`` (a path relative to /etc) is of a secret class the view never holds
+    (ETC_REFUSED for it or a folder above it, ETC_REFUSED_NAMES for any of its names)."""
+    paths, names = _refused_patterns()
+    parts = [p for p in rel.split("/") if p]
+    if not parts or any(p in (".", "..") for p in parts):
+        return True
+    for i in range(1, len(parts) + 1):
+        if paths.match("/".join(parts[:i])):
+            return True
+    return any(names.match(p) for p in parts)
+
+
+_REFUSED_RE: list = []
+
+
+def _refused_patterns():
+    """ETC_REFUSED and ETC_REFUSED_NAMES as two compiled expressions (built on first use)."""
+    if not _REFUSED_RE:
+        import fnmatch
+        import re
+
+        _REFUSED_RE[:] = [re.compile("|".join(fnmatch.translate(p) for p in pats)) for pats in (ETC_REFUSED, ETC_REFUSED_NAMES)]
+    return _REFUSED_RE[0], _REFUSED_RE[1]
+
+
+def _etc_allowed(rel: str) -> bool:
+    return any(rel == a or rel.startswith(a + "/") for a in ETC_ALLOW)
+
+
+# ---------------------------------------------------------------------- what /usr points into /etc
+# Distributions keep a runtime's configuration in /etc behind symlinks from /usr (Debian's JDK:
+# /usr/lib/jvm/*/conf/security/java.security -> /etc/java-17-openjdk/security/java.security;
+# Maven's /usr/share/maven/conf -> /etc/maven). The view holds those targets too (minus the
+# secret classes), so the next runtime with the same layout works unchanged. Finding them means
+# reading every link of /usr (~0.3 s): done once and kept in <runtime>/usr-etc-links-*.json,
+# valid while a cheap stamp holds - the package database, /usr and its folders, and every folder
+# on the way to a link found (a runtime unpacked by hand into /usr/lib/jvm changes that folder).
+USR_LINKS_VERSION = 1
+PACKAGE_DBS = ("var/lib/dpkg/status", "var/lib/rpm", "usr/lib/sysimage/rpm", "lib/apk/db/installed",
+               "var/lib/pacman/local")
+
+
+def _usr_links_scan(root: str) -> tuple[list[str], list[str]]:
+    """(targets relative to /etc, folders of /usr holding those links): every symlink under
+    ``root``/usr whose target, resolved by name (never followed), lies in /etc, minus what the
+    allowlist already holds and the secret classes."""
+    import subprocess
+
+    usr = os.path.join(root, "usr")
+    pairs: list[tuple[str, str]] = []
+    try:  # find reads 150k entries in a quarter of the time os.walk takes
+        r = subprocess.run(["find", usr, "-type", "l", "-printf", "%h\\0%l\\0"], capture_output=True, timeout=120,
+                           env={"PATH": "/usr/bin:/bin", "LC_ALL": "C"})
+        fields = r.stdout.split(b"\0")
+        pairs = [(os.fsdecode(fields[i]), os.fsdecode(fields[i + 1])) for i in range(0, len(fields) - 1, 2)]
+    except (OSError, subprocess.SubprocessError):
+        for dirpath, dirnames, filenames in os.walk(usr):
+            for n in dirnames + filenames:
+                p = os.path.join(dirpath, n)
+                if os.path.islink(p):
+                    try:
+                        pairs.append((dirpath, os.readlink(p)))
+                    except OSError:
+                        pass
+    targets: set[str] = set()
+    dirs: set[str] = set()
+    for d, target in pairs:
+        rel_dir = os.path.relpath(d, root)  # usr/lib/jvm/...: as the sandbox sees it
+        a = os.path.normpath(target if target.startswith("/") else os.path.join("/", rel_dir, target))
+        if not a.startswith("/etc/"):
+            continue
+        rel = a[len("/etc/"):]
+        if _etc_allowed(rel) or etc_refused(rel):
+            continue
+        targets.add(rel)
+        dirs.add(d)
+    # keep the top-most of nested targets (a folder linked and a file in it)
+    top = sorted(t for t in targets if not any(t.startswith(o + "/") for o in targets if o != t))
+    return top, sorted(dirs)
+
+
+def _usr_links_stamp(root: str, dirs: list[str]) -> str:
+    """The cheap identity the scan is valid for: the package databases, /usr and its folders,
+    and every folder on the way from /usr to a link found."""
     import hashlib
 
-    h = hashlib.sha256(f"v{ETC_VIEW_VERSION}:{sorted(VIEW_SYNTHETIC.items())}:{root}".encode())
+    usr = os.path.join(root, "usr")
+    watch = {os.path.join(root, p) for p in PACKAGE_DBS} | {usr}
+    try:
+        with os.scandir(usr) as it:
+            watch |= {e.path for e in it if e.is_dir(follow_symlinks=False)}
+    except OSError:
+        pass
+    for d in dirs:
+        while len(d) > len(usr) and d.startswith(usr + "/"):
+            watch.add(d)
+            d = os.path.dirname(d)
+    h = hashlib.sha256(f"{USR_LINKS_VERSION}:{root}:{ETC_ALLOW}:{ETC_REFUSED}:{ETC_REFUSED_NAMES}".encode())
+    for p in sorted(watch):
+        try:
+            st = os.lstat(p)
+        except OSError:
+            h.update(f"{p}:-".encode())
+            continue
+        h.update(f"{p}:{st.st_mtime_ns}:{st.st_ino}:{st.st_size}".encode())
+    return h.hexdigest()[:20]
+
+
+def usr_linked_etc(runtime: Path | None, root: str = "/") -> tuple[str, ...]:
+    """What ``root``/usr points into /etc (paths relative to /etc) that the view holds besides
+    the allowlist: from ``runtime``'s cache while its stamp holds, else scanned and cached."""
+    import hashlib
+    import json
+
+    cache = None
+    if runtime is not None:
+        cache = Path(runtime) / f"usr-etc-links-{hashlib.sha256(root.encode()).hexdigest()[:12]}.json"
+        try:
+            data = json.loads(cache.read_text())
+            if data.get("stamp") == _usr_links_stamp(root, data["dirs"]):
+                return tuple(t for t in data["targets"] if isinstance(t, str) and not etc_refused(t))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            pass
+    targets, dirs = _usr_links_scan(root)
+    if cache is not None:
+        from agentvm.fsutil import write_atomic
+
+        try:
+            cache.parent.mkdir(parents=True, exist_ok=True)
+            write_atomic(cache, json.dumps({"stamp": _usr_links_stamp(root, dirs), "dirs": dirs,
+                                            "targets": targets}).encode(), 0o600)
+        except OSError:
+            pass
+    return tuple(targets)
+
+
+def etc_view_holds(rel: str, runtime: Path | None = None, root: str = "/") -> bool:
+    """Whether the sandbox's /etc view holds ``rel`` (relative to /etc) with the host's content:
+    allowlisted or pointed to by /usr, and not of a secret class (for probes such as the
+    selftest's: what they may expect to find inside)."""
+    rel = rel.strip("/")
+    if etc_refused(rel):
+        return False
+    return _etc_allowed(rel) or any(rel == t or rel.startswith(t + "/") for t in usr_linked_etc(runtime, root))
+
+
+def _etc_fingerprint(extra_ca: bytes = b"", root: str = "/", linked: tuple[str, ...] = ()) -> str:
+    """Cheap identity of the host's (or an image's) allowlisted /etc entries and of the ones
+    /usr points to (lstat of each and of the entries one level down), so the view is rebuilt
+    when they change."""
+    import hashlib
+
+    h = hashlib.sha256(f"v{ETC_VIEW_VERSION}:{sorted(VIEW_SYNTHETIC.items())}:{root}:{linked}".encode())
     h.update(extra_ca)
-    for name in ETC_ALLOW:
+    for name in ETC_ALLOW + linked:
         p = os.path.join(root, "etc", name)
         try:
             st = os.lstat(p)
@@ -262,7 +428,8 @@ def etc_view(runtime: Path, gate_ca_pem: bytes = b"", root: str = "/") -> Path:
     hit = _VIEW_CACHE.get(key)
     if hit is not None and time.monotonic() - hit[0] < VIEW_CACHE_SECONDS and hit[1].is_dir():
         return hit[1]  # a daemon starting sandboxes back to back: the host's /etc was checked just now
-    fp = _etc_fingerprint(gate_ca_pem, root)
+    linked = usr_linked_etc(runtime, root)
+    fp = _etc_fingerprint(gate_ca_pem, root, linked)
     view = runtime / f"etc-view-{fp}"
     if view.is_dir():
         _VIEW_CACHE[key] = (time.monotonic(), view)
@@ -271,16 +438,51 @@ def etc_view(runtime: Path, gate_ca_pem: bytes = b"", root: str = "/") -> Path:
     tmp = runtime / f".etc-view-{fp}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(mode=0o755)
-    ignore = shutil.ignore_patterns("private", "*.key", "*.pem.key")
-    for name in ETC_ALLOW:
-        src = _in_tree(root, "etc/" + name) if root != "/" else Path("/etc") / name
+    etc_root = Path(root) / "etc"
+
+    def ignore(directory: str, names: list[str]) -> set[str]:  # the secret classes, at any depth
+        rel = os.path.relpath(directory, etc_root)  # copytree names the source folder
+        return {n for n in names if etc_refused(n if rel == "." else f"{rel}/{n}")}
+
+    def parents(rel: str) -> None:
+        """The folders above ``rel`` in the view, with their modes on the host (never wider
+        than 0755): what the host keeps untraversable stays so."""
+        parts = rel.split("/")[:-1]
+        for i in range(len(parts)):
+            sub = "/".join(parts[: i + 1])
+            d = tmp / sub
+            if d.is_dir():
+                continue
+            d.mkdir()
+            host_dir = _in_tree(root, "etc/" + sub) if root != "/" else etc_root / sub
+            try:
+                mode = stat.S_IMODE(os.lstat(host_dir).st_mode) & 0o755 if host_dir is not None else 0o755
+            except OSError:
+                mode = 0o755
+            os.chmod(d, mode)
+
+    # the allowlist, then what /usr points to (following links that stay in /etc, a few hops)
+    todo = list(ETC_ALLOW) + list(linked)
+    seen: set[str] = set()
+    while todo:
+        name = todo.pop(0)
+        if name in seen or len(seen) > 4096 or etc_refused(name):
+            continue
+        seen.add(name)
+        src = _in_tree(root, "etc/" + name) if root != "/" else etc_root / name
         if src is None:
             continue
         dst = tmp / name
-        dst.parent.mkdir(parents=True, exist_ok=True)
+        if os.path.lexists(dst):
+            continue
+        parents(name)
         try:
             if src.is_symlink():
-                os.symlink(os.readlink(src), dst)
+                target = os.readlink(src)
+                os.symlink(target, dst)
+                a = os.path.normpath(target if target.startswith("/") else os.path.join("/etc", os.path.dirname(name), target))
+                if name not in ETC_ALLOW and a.startswith("/etc/") and not _etc_allowed(a[5:]):
+                    todo.append(a[5:])  # a chain inside /etc: its end too
             elif src.is_dir():
                 shutil.copytree(src, dst, symlinks=True, ignore=ignore)
             elif src.is_file():
