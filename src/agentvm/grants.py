@@ -217,6 +217,29 @@ def ensure(grant_fd: int, grant: str, protects: tuple[Protect, ...], lock_dir: P
     return Hold(key, grant, use)
 
 
+def placeholder_files(hold: Hold, lock_dir: Path) -> list[str]:
+    """The empty files agent-vm made in the held folder (by this sandbox or another one using
+    it): names at its top, for the sandbox's git excludes (``git_excludes``)."""
+    return sorted({r.rel for r in _records(lock_dir, hold.key) if r.kind == "file" and "/" not in r.rel})
+
+
+def git_excludes(placeholders: list[tuple[str, list[str]]]) -> str:
+    """The sandbox's own git excludes file (git's default ``~/.config/git/ignore``): the
+    placeholders of every read-write grant, so ``git status`` does not show them as untracked
+    and ``git add -A`` does not commit them (on the host they are gone after the run, and the
+    repository would show them deleted). ``placeholders``: (the grant's path in the sandbox,
+    its placeholder names). A pattern is anchored at the repository's top, which is the grant
+    itself or a folder above it: one line for each."""
+    lines = ["# agent-vm: empty placeholders of protected names in read-write grants (see docs/compatibility.md).",
+             "# Your own patterns may go here too; a core.excludesFile you set replaces this file (git's rule)."]
+    for path, names in placeholders:
+        parts = [p for p in path.split("/") if p]
+        for name in names:
+            for i in range(len(parts), 0, -1):
+                lines.append("/" + "/".join(parts[i:] + [name]))
+    return "\n".join(dict.fromkeys(lines)) + "\n"
+
+
 def release(hold: Hold | None, lock_dir: Path) -> list[str]:
     """This sandbox is done with the folder: if no other sandbox uses it, remove the
     placeholders that are still the empty entries made (by any sandbox). Returns what had to

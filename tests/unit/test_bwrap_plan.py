@@ -256,3 +256,29 @@ def test_posix_message_queues_have_their_filesystem_and_a_landlock_rule(plan):
     pairs = {(plan.confine[i], plan.confine[i + 1]) for i in range(len(plan.confine) - 1)}
     assert ("--rw", "/dev/mqueue") in pairs
 
+
+def test_git_excludes_only_with_a_rw_grant():
+    """git's default excludes file in the sandbox's home names the rw grants' placeholders; a
+    sandbox without a rw grant gets none (nothing to hide)."""
+    import dataclasses
+
+    p = backend().compile(POLICY, CTX).body
+    f = [m for m in p.mounts if m.kind == "file"]
+    assert [(m.dest, m.src, m.perms) for m in f] == [("/home/agent/.config/git/ignore", "@fd:gitexcludes@", "0644")]
+    home = [m.dest for m in p.mounts].index("/home/agent")
+    assert [m.dest for m in p.mounts].index(f[0].dest) > home, "written into the home's tmpfs, after it is mounted"
+    launch = list(p.argv[: p.argv.index("--")])
+    assert ("--keep-fd", "@fd:gitexcludes@") in set(zip(launch, launch[1:]))
+    assert p.fds["git_excludes"] == (("grant1", "/out"),)
+    ro_only = dataclasses.replace(POLICY, mounts=(MountGrant("/srv/data", "/data", False),))
+    q = backend().compile(ro_only, CTX).body
+    assert not [m for m in q.mounts if m.kind == "file"] and "@fd:gitexcludes@" not in q.argv
+
+
+def test_git_excludes_name_each_placeholder_at_every_possible_repository_top():
+    from agentvm.grants import git_excludes
+
+    text = git_excludes([("/out", [".envrc", ".mcp.json"]), ("/workspace/lib", [".gitmodules"])])
+    lines = [ln for ln in text.splitlines() if not ln.startswith("#")]
+    assert lines == ["/.envrc", "/.mcp.json", "/.gitmodules", "/lib/.gitmodules"]
+    assert git_excludes([]).strip().startswith("#")

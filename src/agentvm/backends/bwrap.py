@@ -45,6 +45,8 @@ from agentvm.errors import EXIT_BACKEND, EXIT_POLICY, EXIT_TIMEOUT, BackendError
 from agentvm.policy import Policy
 
 SANDBOX_UID = 1000  # the agent's uid inside (the shared /etc view's accounts assume it)
+# git's own default excludes file ($XDG_CONFIG_HOME/git/ignore) in the sandbox's home
+GIT_EXCLUDES = hv.HOME_IN_SANDBOX + "/.config/git/ignore"
 MQUEUE = "/dev/mqueue"  # POSIX message queues: the sandbox's IPC namespace's own (bwrap --mqueue)
 
 
@@ -273,6 +275,11 @@ class BwrapBackend(hv.ChildProcessSandbox, Backend):
                 mounts.append(MountOp("tmpfs", policy.workspace, size=lim.disk, perms="0700"))
         for i, (path, _) in enumerate(ctx.extra_files):
             mounts.append(MountOp("ro-bind", path, f"{host.run_dir}/files/{i}"))
+        # git's default excludes file in the sandbox's home, naming the placeholders of the rw
+        # grants (written at launch, once they exist): they are not untracked files to git
+        git_excludes = tuple((f"grant{i}", m.path) for i, m in enumerate(policy.mounts) if m.writable)
+        if git_excludes:
+            mounts.append(MountOp("file", GIT_EXCLUDES, "@fd:gitexcludes@", perms="0644"))
         mounts.append(MountOp("ro-bind", hv.HELPER_IN_SANDBOX, helper))
         gate = policy.egress is not None
         if gate:
@@ -328,6 +335,8 @@ class BwrapBackend(hv.ChildProcessSandbox, Backend):
         for name, mode, stage in stages:
             launch += ["--grant", f"@fd:{name}@,{mode},{stage}"]
         launch += protect_args
+        if git_excludes:
+            launch += ["--keep-fd", "@fd:gitexcludes@"]
         launch += ["--keep-fd", "@fd:seccomp@", "--keep-fd", "@fd:json@", "--keep-fd", "@fd:bwrapargs@",
                    "--keep-fd", "@fd:env@", "--argv0", "bwrap"]
         launch += ["--cgroup-procs", "@cgroups@"]
@@ -406,7 +415,8 @@ class BwrapBackend(hv.ChildProcessSandbox, Backend):
             helper=helper,
             confine=tuple(confine),
             seccomp="seccomp" not in degraded,
-            fds={"open_paths": tuple(fd_names), "stages": tuple(stages), "protects": tuple(protects)},
+            fds={"open_paths": tuple(fd_names), "stages": tuple(stages), "protects": tuple(protects),
+                 "git_excludes": git_excludes},
         )
         return LaunchPlan.of(policy, ctx, substrate=self.name, command=command, env=env,
                              identity=hv.host_uid_text(host) + ("" if host.dedicated else " (the operator's own)"),
@@ -437,6 +447,9 @@ class BwrapBackend(hv.ChildProcessSandbox, Backend):
             # 3. fds: grants (O_PATH, opened by the supervisor so the agent uid needs no
             # traversal rights on the host path), the seccomp filter, the status pipes.
             fds = hv.open_grants(plan.body.fds, self.paths, run_dir, state, opened)
+            if plan.body.fds.get("git_excludes"):
+                fds["gitexcludes"] = _memfd("agentvm-git-excludes", _git_excludes(plan.body.fds, state, self.paths))
+                opened.append(fds["gitexcludes"])
             allow_ptrace = plan.body.seccomp_allow_ptrace
             sfd = sc.filter_fd(seccomp_options(allow_ptrace), self.paths.libexec)
             opened.append(sfd)
@@ -706,6 +719,20 @@ def _memfd(name: str, data: bytes) -> int:
     os.write(fd, data)
     os.lseek(fd, 0, os.SEEK_SET)
     return fd
+
+
+def _git_excludes(plan_fds: dict, state: dict, paths) -> bytes:
+    """The sandbox's git excludes: each rw grant's placeholders (made by open_grants, or by
+    another sandbox using the same folder), at the grant's path in the sandbox."""
+    from agentvm import grants
+
+    where = dict(plan_fds.get("git_excludes", ()))
+    holds = state.get("grant_holds") or []
+    found = []
+    for (name, _, _), hold in zip(plan_fds.get("protects", ()), holds):
+        if name in where:
+            found.append((where[name], grants.placeholder_files(hold, paths.runtime / "grants")))
+    return grants.git_excludes(found).encode()
 
 
 def _json_status(handle: SandboxHandle) -> JsonStatusParser:
