@@ -25,8 +25,10 @@ if [ "${1:-}" = "--test" ]; then
   # real clients the end-to-end tests run *inside* sandboxes (Debian's, under /usr)
   want+=(curl git nodejs python3-requests python3-httpx python3-aiohttp python3-pip)
   # the compatibility suite (tests/compat): real software run inside sandboxes and compared
-  # with the host - CPython's own tests, a Jupyter kernel, a Flask app, headless Chromium
+  # with the host - CPython's own tests, a Jupyter kernel, a Flask app, headless Chromium, a JDK
+  # (javac and java.security through /usr links into /etc), fakeroot (chown answers)
   want+=(libpython3.11-testsuite python3-ipykernel python3-jupyter-client python3-flask chromium python3-websocket make)
+  want+=(default-jdk-headless fakeroot)
 fi
 missing=()
 for p in "${want[@]}"; do
