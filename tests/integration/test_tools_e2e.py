@@ -571,3 +571,63 @@ def test_a_remote_server_is_reached_through_the_gate_with_its_token_swapped_in(e
         assert recs and all(x["host"] == "api.test" for x in recs if x["verdict"] == "allow")
     finally:
         remote.close()
+
+
+def test_request_access_for_a_host_the_operator_denied_is_refused_and_never_queued(env):
+    """Issue 35: it was queued, and once approved the agent was told "granted" while the gate
+    still answered 403. Refused outright, before any human sees it."""
+    agent = write_agent(env, "tdenied", spec_extra="egress:\n  deny: [{host: evil.test}]\n")
+    r = run_client(env, agent, [["call", "agentvm__request_access", {"egress": ["evil.test:443"], "reason": "x"}]])
+    assert r.returncode == 0, r.stderr.decode()[-3000:]
+    _, access = outputs(r.stdout)
+    assert access["ok"] is False and "not grantable" in access["text"], access
+    rows = json.loads(approvals("list", "--all", "--json").stdout)
+    assert not [a for a in rows if a["agent"] == "tdenied"], "never put before a human"
+
+
+def _expired_after_hangup(agent_name: str) -> dict:
+    """The held request of ``agent_name`` once answered - within seconds of the hang-up, while
+    the run (sleeping on) still holds it."""
+    end = time.time() + 10
+    while time.time() < end:
+        rows = [a for a in json.loads(approvals("list", "--all", "--json").stdout) if a["agent"] == agent_name]
+        if rows and rows[0]["state"] != "pending":
+            return rows[0]
+        time.sleep(0.2)
+    raise AssertionError(f"{agent_name}'s held request is still pending after its requester hung up")
+
+
+def test_a_held_tool_call_whose_caller_hangs_up_expires_and_cannot_be_approved(env):
+    """Issue 35: the request stayed pending with nobody waiting; an approval later made the
+    tool run for no one. The client is killed while its call waits; the run goes on."""
+    agent = write_agent(env, "thangup", timeout="120s")
+    ops = json.dumps([["call", "t__write_file", {"path": "/x", "text": "held"}]])
+    script = f"timeout -s KILL 4 python3 /work/tools_client.py '{ops}' auto http; sleep 25"
+    p = subprocess.Popen(agentvm_cmd() + ["run", "-f", str(agent), "--", "sh", "-c", script],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    held = wait_pending("thangup")
+    row = _expired_after_hangup("thangup")
+    assert row["id"] == held["id"] and row["state"] == "expired" and "requester is gone" in row["note"]
+    ans = approvals("approve", held["id"])
+    assert ans.returncode != 0 and b"already expired" in ans.stderr
+    p.communicate(timeout=120)
+
+
+def test_a_held_egress_request_whose_client_hangs_up_expires(env):
+    port = env["plain"]
+    agent = write_agent(env, "thangegress", timeout="120s", spec_extra=textwrap.dedent(f"""\
+        egress:
+          hosts: {{pay.test: 127.0.0.1}}
+          allow:
+            - {{host: pay.test, ports: [{port}], methods: [POST], paths: [/v1/charges], action: ask}}
+        """))
+    Recorder.seen.clear()
+    script = f"curl -s -m 3 -d amount=9 http://pay.test:{port}/v1/charges; sleep 25"
+    p = subprocess.Popen(agentvm_cmd() + ["run", "-f", str(agent), "--", "sh", "-c", script],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    held = wait_pending("thangegress")
+    row = _expired_after_hangup("thangegress")
+    assert row["id"] == held["id"] and "requester is gone" in row["note"]
+    assert approvals("approve", held["id"]).returncode != 0
+    p.communicate(timeout=120)
+    assert not [s for s in Recorder.seen if s[0] == "POST"], "nothing left for the upstream"
