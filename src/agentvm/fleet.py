@@ -648,10 +648,12 @@ def _budget_prices(a, b, old, new) -> list[str]:
 
 
 def _egress(a, b, old, new) -> list[str]:
-    if a is None:
-        return [] if b is None else ["network: none -> gate"]  # (the network rule says it too)
     if b is None:
         return []
+    if a is None:  # no route before (network: none, said by its own rule): every rule now is new
+        from agentvm.gate.policy import EgressPolicy
+
+        a = EgressPolicy()
     out = []
     for name, rule in JUDGED["EgressPolicy"].items():
         if not isinstance(rule, str) and getattr(a, name) != getattr(b, name):

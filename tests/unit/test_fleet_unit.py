@@ -565,3 +565,12 @@ def test_plan_json_lists_the_widening_of_a_budget_host_removed(repo):
     doc = fl.make_plan(f2, cur, c1).to_dict()
     action = [a for a in doc["actions"] if a["name"] == "w"][0]
     assert doc["widening"] == 1 and any("api.anthropic.com no longer metered" in w for w in action["widening"])
+
+
+def test_a_route_where_there_was_none_lists_every_rule_once():
+    from dataclasses import replace
+
+    base = _rich()
+    none = replace(base, network="none", egress=None, credentials=(), tools=None)
+    w = fl.widening(none, replace(none, network="gate", egress=base.egress))
+    assert w.count("network: none -> gate") == 1 and "new egress a.test:443" in w
