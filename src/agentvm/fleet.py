@@ -344,7 +344,9 @@ def _load(g: _Scratch, repo: Path, commit: str, trust: dict) -> Fleet:
             if name in agents:
                 problems.append(f"{path}: the agent name {name!r} is also declared in {agents[name].path}")
                 continue
-            stored = yaml.safe_dump(resolved, sort_keys=True)
+            # in the file's order: a map whose order means something (the first matching price
+            # glob of limits.budget.prices) must not be re-sorted into another meaning
+            stored = yaml.safe_dump(resolved, sort_keys=False)
             # what runs is the stored text: it must compile to exactly the commit's policy
             # (a default written out can change a meaning - a deny rule without ports)
             try:

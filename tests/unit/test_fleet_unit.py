@@ -574,3 +574,16 @@ def test_a_route_where_there_was_none_lists_every_rule_once():
     none = replace(base, network="none", egress=None, credentials=(), tools=None)
     w = fl.widening(none, replace(none, network="gate", egress=base.egress))
     assert w.count("network: none -> gate") == 1 and "new egress a.test:443" in w
+
+
+@pytest.mark.parametrize("extra", [
+    'limits:\n  budget:\n    cost: 5\n    prices: {"gpt-4o*": {input: 2.5, output: 10}, "gpt-4*": {input: 30, output: 60}, '
+    '"*": {input: 5, output: 15}}\n',
+    "riskTier: L3\ntools:\n  - {name: n, command: [x], allow: ['*'], risk: {'*': read, rm_note: destructive}}\n",
+])
+def test_a_map_whose_order_means_something_is_stored_with_its_meaning(repo, extra):
+    """The stored (resolved) spec must compile to the file's policy whatever the order of its
+    maps: such an agent was refused ("its resolved form compiles to another policy")."""
+    c = commit(repo, {"w.yaml": agent("w", extra)})
+    f = fl.load(repo, c)
+    assert f.agents["w"].digest == f.agents["w"].policy.digest()
