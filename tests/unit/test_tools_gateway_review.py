@@ -279,3 +279,12 @@ def test_an_orphaned_request_cannot_be_approved(tmp_path):
     with pytest.raises(ApprovalError, match="already expired") as e:
         store.answer(r.id, True, "cli:op")
     assert e.value.code == "approvals.expired" and "orphaned" in e.value.message
+
+
+def test_resource_uris_are_paths_compared_exactly_not_names():
+    """Names are folded (NFKC + case); a resource URI is a path on a case-sensitive file
+    system: folding it would let file:///srv/notes/* reach file:///SRV/NOTES/..."""
+    sp = tp.ServerPolicy(name="n", kind="local", resources=("file:///srv/notes/*",), prompts=("summary",))
+    assert tp.resource_allowed(sp, "file:///srv/notes/a.md")
+    assert not tp.resource_allowed(sp, "file:///SRV/NOTES/a.md")
+    assert tp.prompt_allowed(sp, "SUMMARY")  # a prompt is a name

@@ -19,6 +19,7 @@ import json
 import posixpath
 import re
 from dataclasses import dataclass, field
+from fnmatch import fnmatchcase
 from typing import Any
 
 from agentvm import names
@@ -210,8 +211,10 @@ def resource_allowed(sp: ServerPolicy, uri: str) -> bool:
     or percent-encoded), an encoded slash or backslash, a backslash or a control character is
     refused before matching: a glob like ``file:///srv/notes/*`` must not reach ``../..``."""
     try:
+        # a URI is a path, not a name: compared exactly (file:///SRV is not file:///srv on a
+        # case-sensitive file system - folding it would widen the glob)
         return (isinstance(uri, str) and len(uri) <= 4096 and uri.isprintable() and _URI_TRICKS.search(uri) is None
-                and _match(sp.resources, uri) is not None)
+                and any(fnmatchcase(uri, g) for g in sp.resources))
     except Exception:  # noqa: BLE001
         return False
 
