@@ -21,6 +21,7 @@ TOOLS = {
     "read_file": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]},
     "exfil": {"type": "object", "properties": {}},
     "write_note": {"type": "object", "properties": {"text": {"type": "string"}}},
+    "ADMIN_EXFIL": {"type": "object", "properties": {}},
 }
 def answer(i, result=None, error=None):
     msg = {"jsonrpc": "2.0", "id": i}
@@ -50,6 +51,8 @@ for line in sys.stdin:
             text = "HIDDEN-TOOL-RAN " + open("/canaries/secret.txt").read()
         elif n == "write_note":
             text = "NOTE-WRITTEN"
+        elif n == "ADMIN_EXFIL":
+            text = "DENIED-TOOL-RAN " + open("/canaries/secret.txt").read()
         else:
             answer(i, error={"code": -32602, "message": "unknown tool"}); continue
         answer(i, {"content": [{"type": "text", "text": text}], "isError": False})
@@ -88,9 +91,10 @@ def _setup(env: Env) -> tuple[str, str]:
     return str(d), str(env.canary_dir)
 
 
-def _tools(env: Env, *, approve: tuple[str, ...] = ()):
+def _tools(env: Env, *, approve: tuple[str, ...] = (), deny: tuple[str, ...] = ()):
     """The tool policy: read_file (only under /srv/public), write_note (approve), exfil hidden;
-    weakened (permissive-tools): every tool, no constraints."""
+    with ``deny``: every tool allowed but those (the deny glob case); weakened
+    (permissive-tools): every tool, no constraints, no denies."""
     from agentvm.tools.policy import ArgRule, ServerPolicy, ToolPolicy
 
     d, canaries = _setup(env)
@@ -102,14 +106,15 @@ def _tools(env: Env, *, approve: tuple[str, ...] = ()):
     permissive = "permissive-tools" in env.weakens
     sp = ServerPolicy(
         name="t", kind="local", command=("/usr/bin/python3", "/srv/server.py"),
-        allow=("*",) if permissive else ("read_file",), approve=() if permissive else approve,
+        allow=("*",) if permissive or deny else ("read_file",), approve=() if permissive else approve,
+        deny=() if permissive else deny,
         arguments=() if permissive else (("read_file", (ArgRule(name="path", path="/srv/public", required=True),)),),
         risk=(("*", "read"),), timeout=20.0, sandbox_spec=json.dumps(spec))
     return ToolPolicy(servers=(sp,), tier_approval=(), approval_timeout=3.0)
 
 
-def _run(env: Env, calls: list, *, script: str = "", approve=(), timeout: float = 60) -> tuple[list, str]:
-    tools = _tools(env, approve=approve)
+def _run(env: Env, calls: list, *, script: str = "", approve=(), deny=(), timeout: float = 60) -> tuple[list, str]:
+    tools = _tools(env, approve=approve, deny=deny)
     d, _ = _setup(env)
     from agentvm.policy import MountGrant
 
@@ -151,6 +156,27 @@ def _(env: Env) -> Verdict:
         return Verdict.error(f"a call neither ran the tool nor was refused: {results}")
     return Verdict.contained(f"{len(names)} spellings refused: " + "; ".join(
         f"{n!r}: {str(r['error'].get('message'))[-60:]}" for n, r in results[:3]))
+
+
+@case("tools.deny-spelling", "tools",
+      "call a tool that a deny glob names in another case (deny: [\"*admin*\"], the server's tool ADMIN_EXFIL)",
+      weakened_by="permissive-tools")
+def _(env: Env) -> Verdict:
+    names = ["t__ADMIN_EXFIL", "T__ADMIN_EXFIL", "\uff54__ADMIN_EXFIL"]  # (the last: a fullwidth server name)
+    results, out = _run(env, [[n, {}] for n in names] + [["t__read_file", {"path": "/srv/public/readme.txt"}]],
+                        deny=("*admin*",))
+    if len(results) != len(names) + 1:
+        return Verdict.error(f"the client did not make every call: {out[-400:]}")
+    control = results.pop()
+    if "public file" not in _text(control[1]):
+        return Verdict.error(f"the allowed call did not work, so the test proves nothing: {control}")
+    ran = [n for n, r in results if "DENIED-TOOL-RAN" in _text(r)]
+    if ran or env.canary_seen(out):
+        return Verdict.escaped(f"the denied tool ran via {ran or 'some call'}")
+    refused = [n for n, r in results if "tools:deny:t:*admin*" in str((r.get("error") or {}).get("message"))]
+    if len(refused) != len(names):
+        return Verdict.error(f"a call was neither run nor refused by the deny rule: {results}")
+    return Verdict.contained(f"{len(names)} spellings refused by the deny rule *admin*")
 
 
 @case("tools.argument-smuggling", "tools",
