@@ -41,9 +41,10 @@ def _sha(data: bytes) -> str:
 def _host_etc_secrets(limit: int = 40) -> dict[str, str]:
     """World-readable regular files of the host's /etc (one level deep) that the sandbox's /etc
     view must NOT contain: path -> sha256 of the content."""
-    from agentvm.backends.hostview import ETC_ALLOW, PER_SANDBOX_ETC, VIEW_SYNTHETIC
+    from agentvm.backends.hostview import ETC_ALLOW, PER_SANDBOX_ETC, VIEW_SYNTHETIC, etc_refused, usr_linked_etc
 
     skip = set(ETC_ALLOW) | set(PER_SANDBOX_ETC) | set(VIEW_SYNTHETIC)
+    linked = usr_linked_etc(None)  # what the host's /usr points into /etc: in the view by design
     out: dict[str, str] = {}
     try:
         tops = sorted(os.listdir("/etc"))
@@ -64,6 +65,9 @@ def _host_etc_secrets(limit: int = 40) -> dict[str, str]:
         except OSError:
             continue
         for q in paths:
+            rel = q[len("/etc/"):]
+            if any(rel == t or rel.startswith(t + "/") for t in linked) and not etc_refused(rel):
+                continue
             try:
                 st = os.lstat(q)
                 if not stat.S_ISREG(st.st_mode) or not st.st_mode & 0o004 or not 0 < st.st_size <= 65536:
@@ -306,9 +310,10 @@ def _(env: Env) -> Verdict:
       "list the host's /etc: installed services, users' tool configs, credentials stores",
       weakened_by="host-etc")
 def _(env: Env) -> Verdict:
-    from agentvm.backends.hostview import ETC_ALLOW, PER_SANDBOX_ETC, VIEW_SYNTHETIC
+    from agentvm.backends.hostview import ETC_ALLOW, PER_SANDBOX_ETC, VIEW_SYNTHETIC, usr_linked_etc
 
-    view = {n.split("/")[0] for n in ETC_ALLOW} | set(PER_SANDBOX_ETC) | set(VIEW_SYNTHETIC)
+    # the allowlist, and what the host's /usr points into /etc (in the view by design)
+    view = {n.split("/")[0] for n in ETC_ALLOW + usr_linked_etc(None)} | set(PER_SANDBOX_ETC) | set(VIEW_SYNTHETIC)
     host_only = sorted(set(os.listdir("/etc")) - view)
     if not host_only:
         return Verdict.error("the host's /etc has nothing outside the view's allowlist")
