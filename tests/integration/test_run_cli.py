@@ -52,9 +52,6 @@ def test_command_not_found_is_127(agentvm):
     assert b"no-such-command-xyz" in r.stderr
 
 
-@pytest.mark.xfail(strict=True, reason="agentvm-helper.c's fail() also writes its raw status line "
-                   "(`agentvm-helper: exec<TAB>2<TAB>...`) to stderr when a status fd reports it to agent-vm; "
-                   "the helper is another engineer's (see the issue 36 report)")
 def test_command_not_found_says_only_the_clean_error(agentvm):
     r = agentvm("run", "--", "/nonexistent-cmd")
     assert r.returncode == 127

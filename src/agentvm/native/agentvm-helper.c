@@ -145,11 +145,10 @@ static void fail(const char *step, int err, const char *fmt, ...) {
     int n = snprintf(line, sizeof line, "%s\t%d\t%s%s%s\n", step, err, msg, err ? ": " : "",
                      err ? strerror(err) : "");
     if (n > (int)sizeof line - 1) n = sizeof line - 1;
-    if (status_fd >= 0) {
-        ssize_t w = write(status_fd, line, (size_t)n);
-        (void)w;
-    }
-    dprintf(2, "agentvm-helper: %s", line);
+    /* agent-vm reads the status fd and reports the step as a clean error; the raw line goes to
+       stderr only when there is no status fd or it cannot be written (no line is ever lost) */
+    if (status_fd < 0 || write(status_fd, line, (size_t)n) != (ssize_t)n)
+        dprintf(2, "agentvm-helper: %s", line);
     _exit(fail_code);
 }
 
