@@ -249,7 +249,8 @@ def test_ttl_and_idle_timeout_must_be_numbers(tmp_path, monkeypatch):
             try:
                 r.client.create(spec("w1"), "w1.yaml", **bad)
             except ApiFailure as exc:
-                assert exc.status == 400 and "above 0" in str(exc), exc
+                field = next(iter(bad))
+                assert exc.status == 400 and exc.code == "config.invalid" and f"  {field}: " in str(exc), exc
             else:
                 raise AssertionError(f"{bad} was accepted")
     finally:

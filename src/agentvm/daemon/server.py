@@ -46,6 +46,7 @@ from urllib.parse import parse_qs, urlsplit
 import h11
 
 from agentvm.audit import AuditLog
+from agentvm.daemon import api
 from agentvm.daemon.state import State
 from agentvm.errors import AgentVMError, ConfigError, PolicyDenied
 from agentvm.paths import Paths
@@ -1076,6 +1077,20 @@ class Daemon:
         if parts[:1] != ["v1"]:
             raise ApiError(404, "not-found", "unknown path")
         p = parts[1:]
+        if p == ["openapi.json"] and method == "GET":
+            from agentvm import __version__
+
+            return await self._json(conn, writer, 200, api.openapi(__version__))
+        if p[:1] == ["run"] and method == "POST" and isinstance(doc, dict) and "framing" in doc:
+            # a client of this session's first framed runs: refused before anything runs
+            raise ApiError(400, "bad-request", "'framing' is not a field of /v1/run: the framed run is "
+                           "POST /v1/run/frames", "reinstall agent-vm's client: bash scripts/install.sh")
+        model = _body_model(method, p)
+        if model is not None:  # typed, whole, before any handler reads it (a wrong type is a 400)
+            doc = api.parse(model, doc).fields()
+        query = _query_model(method, p)
+        if query is not None:
+            q = api.parse_query(query, q).fields()
         if p == ["sandboxes"] and method == "GET":
             return await self._json(conn, writer, 200, [self._public(r) for r in self.state.all()])
         if p == ["sandboxes"] and method == "POST":
@@ -1323,9 +1338,6 @@ class Daemon:
     async def _run(self, doc: dict, conn, writer, actor: str) -> None:
         """`agentvm run` through the daemon: one sandbox for one command, output streamed,
         the same policy semantics as the embedded path (the same library builds it)."""
-        if "framing" in doc:  # a client of this session's first framed runs: refused before anything runs
-            raise ApiError(400, "bad-request", "'framing' is not a field of /v1/run: the framed run is "
-                           "POST /v1/run/frames", "reinstall agent-vm's client: bash scripts/install.sh")
         from agentvm.policy import MountGrant, Policy, compile_policy, with_overrides
         from agentvm.spec.loader import load_agent_text
 
@@ -1344,7 +1356,7 @@ class Daemon:
             policy = with_overrides(
                 policy,
                 command=tuple(doc.get("command") or ()) or None,
-                mounts=tuple(MountGrant(m["host"], m["path"], bool(m["writable"])) for m in doc.get("mounts", [])),
+                mounts=tuple(MountGrant(m["host"], m["path"], bool(m.get("writable"))) for m in doc.get("mounts", [])),
                 env=doc.get("env") or {},
                 timeout=doc.get("timeout"),
                 memory=doc.get("memory"),
@@ -1918,7 +1930,7 @@ class Daemon:
         doc["metadata"]["name"] = cname
         doc["spec"]["workspace"] = {"enabled": False}
         doc["spec"]["lifecycle"] = "persistent"
-        spec = {"spec_text": yaml.safe_dump(doc, sort_keys=True),
+        spec = {"spec_text": yaml.safe_dump(doc, sort_keys=False),
                 "spec_file": f"{fleet.repo}@{fleet.commit[:12]}:{fa.path} (canary)", "lifecycle": "persistent",
                 "policy_patch": "{}"}
         hc = (canary.get("healthchecks") or {}).get(fa.name)
@@ -2134,6 +2146,42 @@ def run_daemon(paths: Paths, *, listen: str | None = None, backend=None, accept_
     from agentvm.gate.server import run
 
     run(main())
+
+
+_SANDBOX_POSTS = {"start": api.Empty, "stop": api.Empty, "restart": api.Empty, "exec": api.Exec,
+                  "policy": api.POLICY_CHANGE}
+_FLEET_POSTS = {"plan": api.FleetPlan, "apply": api.FleetApply, "rollback": api.FleetRollback}
+
+
+def _body_model(method: str, p: list[str]):
+    """The model of a route's JSON body (``api.ROUTES`` publishes the same), or None."""
+    if method != "POST":
+        return None
+    if p == ["sandboxes"]:
+        return api.CreateSandbox
+    if len(p) == 3 and p[0] == "sandboxes":
+        return _SANDBOX_POSTS.get(p[2])
+    if p in (["run"], ["run", "frames"]):
+        return api.Run
+    if len(p) == 3 and p[0] == "approvals" and p[2] in ("approve", "deny"):
+        return api.ApprovalAnswer
+    if len(p) == 2 and p[0] == "fleet":
+        return _FLEET_POSTS.get(p[1])
+    if p in (["console", "login"], ["shutdown"]):
+        return api.Empty
+    return None
+
+
+def _query_model(method: str, p: list[str]):
+    if len(p) == 3 and p[0] == "sandboxes" and p[2] == "logs" and method == "GET":
+        return api.LogsQuery
+    if len(p) == 3 and p[0] == "sandboxes" and p[2] == "files":
+        return api.FilesQuery
+    if p == ["audit"] and method == "GET":
+        return api.AuditQuery
+    if p == ["approvals"] and method == "GET":
+        return api.ApprovalsQuery
+    return None
 
 
 def _json_body(body: bytes) -> dict:
