@@ -158,11 +158,19 @@ class Workspace(_Model):
 
     enabled: bool = Field(True, description="Mount the durable workspace (false: no workspace at all).")
     path: str = Field(D.WORKSPACE_PATH, description="Where the workspace appears inside the sandbox.")
+    keep: bool = Field(False, description="Keep the workspace when the agent is removed (`agentvm rm`); a kept one "
+                       "is listed by `agentvm workspace ls` and removed by `agentvm workspace rm|prune`.")
 
     @field_validator("path")
     @classmethod
     def _ws_abs(cls, v: str) -> str:
         return _sandbox_path(v, "workspace.path")
+
+    @model_validator(mode="after")
+    def _keep_needs_workspace(self):
+        if self.keep and not self.enabled:
+            raise ValueError("keep: true needs a workspace (enabled: false has none to keep)")
+        return self
 
 
 class BudgetPrice(_Model):
