@@ -8,7 +8,16 @@ mode 0700. Filling it gives the agent ``ENOSPC``; the host's disk is never at ri
 Without root (no loop mounts) the workspace is a plain directory and the disk limit cannot be
 enforced: that needs the explicit ``--degrade disk-quota``.
 
-Only one sandbox of an agent uses its workspace at a time (an exclusive ``flock``).
+Only one sandbox of an agent uses its workspace at a time (an exclusive ``flock`` on
+``<home>/workspaces/<name>.lock``): the same lock tells :func:`remove_workspace` that a
+workspace is in use, and it is never removed then (nor while its image is mounted or attached
+to a loop device).
+
+Lifecycle: ``agentvm rm NAME`` removes the agent's workspace unless it is kept
+(``--keep-workspace`` or ``workspace: {keep: true}``: :func:`on_agent_removed`); kept ones are
+listed (:func:`list_workspaces`) and removed one by one (:func:`remove_workspace`) or by age
+(:func:`prune`; the last use is the image's mtime, set when a sandbox takes and releases it).
+:func:`usage` sums them for ``doctor``, ``up`` and ``/metrics`` (one ``scandir``, no lock).
 """
 
 from __future__ import annotations
@@ -16,13 +25,19 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+import re
 import subprocess
-from dataclasses import dataclass
+import threading
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
-from agentvm.errors import BackendError, LaunchError, PolicyDenied
+from agentvm.errors import BackendError, ConfigError, LaunchError, PolicyDenied
 
 _MKFS = ("/usr/sbin/mkfs.ext4", "/sbin/mkfs.ext4")
+_NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")  # an agent's name (spec.models.NAME_RE)
+WARN_USE = 0.90  # doctor and `up` warn when the filesystem holding the workspaces is fuller than this
 
 
 @dataclass
@@ -32,10 +47,13 @@ class WorkspaceLease:
     mounted: bool  # True when we loop-mounted it and must unmount at teardown
     lock_fd: int
     notes: tuple[str, ...] = ()  # what the operator should hear (a repaired filesystem)
+    image: Path | None = None  # the image (or plain directory): its mtime is the workspace's last use
 
     def release(self) -> list[str]:
         """Unmount (if mounted) and drop the lock. Returns what could not be cleaned."""
         left: list[str] = []
+        if self.lock_fd >= 0 and self.image is not None:
+            _touch(self.image)
         if self.mounted:
             r = subprocess.run(["umount", str(self.host_dir)], capture_output=True, text=True)
             if r.returncode != 0 and is_mounted(self.host_dir):
@@ -135,15 +153,36 @@ def lock_agent(home_ws: Path, name: str, why: str, hint: str) -> int:
     """Hold ``<workspaces>/<name>.lock`` (an exclusive ``flock``): one sandbox of an agent at
     a time. Returns the fd (closing it releases the lock); refuses if another holds it."""
     home_ws.mkdir(parents=True, exist_ok=True)
-    lock_fd = os.open(home_ws / f"{name}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    try:
-        fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as exc:
+    path = home_ws / f"{name}.lock"
+    while True:
+        lock_fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            os.close(lock_fd)
+            if exc.errno in (errno.EAGAIN, errno.EACCES):
+                raise PolicyDenied(f"agent {name!r} is already running: {why}", hint=hint) from exc
+            raise
+        if _same_file(lock_fd, path):
+            return lock_fd
+        # removed (remove_workspace unlinks the lock while holding it) between our open and
+        # our flock: that lock guards nothing now - take the one at the path
         os.close(lock_fd)
-        if exc.errno in (errno.EAGAIN, errno.EACCES):
-            raise PolicyDenied(f"agent {name!r} is already running: {why}", hint=hint) from exc
-        raise
-    return lock_fd
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        a, b = os.fstat(fd), os.stat(path)
+    except FileNotFoundError:
+        return False
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+
+def _touch(p: Path) -> None:
+    try:
+        os.utime(p)
+    except OSError:
+        pass
 
 
 def acquire(
@@ -157,7 +196,8 @@ def acquire(
             d.mkdir(mode=0o700, exist_ok=True)
             if os.geteuid() == 0:
                 os.chown(d, uid, gid)
-            return WorkspaceLease(name, d, False, lock_fd)
+            _touch(d)
+            return WorkspaceLease(name, d, False, lock_fd, image=d)
         img = home_ws / f"{name}.img"
         if not img.exists():
             _create_image(img, size)
@@ -192,7 +232,8 @@ def acquire(
                 lost.rmdir()
             except OSError:
                 pass
-        return WorkspaceLease(name, mnt, True, lock_fd, notes)
+        _touch(img)
+        return WorkspaceLease(name, mnt, True, lock_fd, notes, image=img)
     except BaseException:
         os.close(lock_fd)
         raise
@@ -268,11 +309,336 @@ def _grow_image(img: Path, size: int) -> None:
         raise BackendError(f"could not grow workspace image {img}: {r.stderr.strip()}")
 
 
-def remove(home_ws: Path, name: str) -> None:
-    for p in (home_ws / f"{name}.img", home_ws / f"{name}.lock"):
-        p.unlink(missing_ok=True)
-    d = home_ws / name
-    if d.is_dir():
-        import shutil
+# ------------------------------------------------------------------------ lifecycle and usage
 
-        shutil.rmtree(d)
+
+@dataclass
+class WorkspaceInfo:
+    """One workspace under ``<home>/workspaces``, as ``agentvm workspace ls`` shows it."""
+
+    name: str
+    kind: str  # "image" (ext4, loop-mounted) or "dir" (a plain directory: --degrade disk-quota)
+    size: int  # the configured size (the image's length; 0 for a plain directory)
+    used: int  # bytes the host's disk actually holds for it (st_blocks * 512)
+    last_use: float  # mtime: set when a sandbox takes and releases it
+    in_use: bool  # its lock is held (a sandbox runs) or its image is mounted
+    owner: str | None = None  # the agent registered with the daemon under this name, None: none is
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "kind": self.kind, "size": self.size, "used": self.used,
+                "last_use": self.last_use, "in_use": self.in_use, "owner": self.owner}
+
+
+def _check_name(name: str) -> None:
+    if not isinstance(name, str) or not _NAME_RE.match(name):
+        raise ConfigError(f"{name!r} is not an agent name (lowercase letters, digits and '-', at most 63)",
+                          code="workspace.bad-name")
+
+
+def _entries(home_ws: Path) -> dict[str, tuple[str, os.stat_result, Path]]:
+    """name -> (kind, lstat, path) of the workspaces (``NAME.img`` and ``NAME/``) in ``home_ws``;
+    lock files alone (an agent without a workspace) and half-made images are not workspaces."""
+    out: dict[str, tuple[str, os.stat_result, Path]] = {}
+    try:
+        it = os.scandir(home_ws)
+    except FileNotFoundError:
+        return out
+    with it:
+        for e in it:
+            n = e.name
+            try:
+                if n.endswith(".img") and _NAME_RE.match(n[:-4]) and e.is_file(follow_symlinks=False):
+                    out[n[:-4]] = ("image", e.stat(follow_symlinks=False), Path(e.path))
+                elif _NAME_RE.match(n) and e.is_dir(follow_symlinks=False) and n not in out:
+                    out.setdefault(n, ("dir", e.stat(follow_symlinks=False), Path(e.path)))
+            except OSError:  # removed while we looked
+                continue
+    return out
+
+
+def _dir_blocks(path: Path) -> int:
+    total = 0
+    stack = [str(path)]
+    while stack:
+        try:
+            with os.scandir(stack.pop()) as it:
+                for e in it:
+                    try:
+                        st = e.stat(follow_symlinks=False)
+                    except OSError:
+                        continue
+                    total += st.st_blocks * 512
+                    if e.is_dir(follow_symlinks=False):
+                        stack.append(e.path)
+        except OSError:
+            continue
+    return total
+
+
+def _attached() -> set[str]:
+    """The files backing a loop device now (a mounted image is one of them)."""
+    out: set[str] = set()
+    try:
+        names = os.listdir("/sys/block")
+    except OSError:
+        return out
+    for n in names:
+        if n.startswith("loop"):
+            b = _read(f"/sys/block/{n}/loop/backing_file")
+            if b:
+                out.add(b.removesuffix(" (deleted)"))
+    return out
+
+
+def _lock_free(home_ws: Path, name: str) -> bool:
+    """True when no sandbox holds ``name``'s lock (checked and dropped at once)."""
+    try:
+        fd = os.open(home_ws / f"{name}.lock", os.O_RDWR | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def registered_agents(state_db: Path) -> set[str] | None:
+    """The names of the agents registered with the daemon (its state, read-only); an empty set
+    when there is no state; None when it cannot be read."""
+    import sqlite3
+
+    if not state_db.exists():
+        return set()
+    try:
+        con = sqlite3.connect(f"file:{state_db}?mode=ro", uri=True, timeout=2)
+        try:
+            if con.execute("SELECT 1 FROM sqlite_master WHERE type='table' AND name='sandboxes'").fetchone() is None:
+                return set()  # agent-vm's state without a daemon's table: nothing was ever registered
+            return {r[0] for r in con.execute("SELECT name FROM sandboxes")}
+        finally:
+            con.close()
+    except sqlite3.Error:
+        return None
+
+
+def list_workspaces(home_ws: Path, *, runtime: Path | None = None, owners: set[str] | None = None) -> list[WorkspaceInfo]:
+    """Every workspace, by name. ``owners``: the registered agents' names (``registered_agents``)."""
+    attached = _attached()
+    mounted = _mount_points() if runtime is not None else set()
+    out = []
+    for name, (kind, st, path) in sorted(_entries(home_ws).items()):
+        used = st.st_blocks * 512 + (_dir_blocks(path) if kind == "dir" else 0)
+        in_use = (not _lock_free(home_ws, name) or str(path) in attached
+                  or (runtime is not None and str(runtime / "ws" / name) in mounted))
+        out.append(WorkspaceInfo(name, kind, st.st_size if kind == "image" else 0, used, st.st_mtime, in_use,
+                                 name if owners is not None and name in owners else None))
+    return out
+
+
+def _mount_points() -> set[str]:
+    try:
+        with open("/proc/self/mountinfo") as fh:
+            return {line.split()[4] for line in fh}
+    except OSError:
+        return set()
+
+
+def remove_workspace(home_ws: Path, name: str, *, runtime: Path | None = None,
+                     record: Callable[[str, dict], None] | None = None) -> int:
+    """Remove ``name``'s workspace (image or directory) and its lock; returns the bytes it held
+    on the host's disk. Refused while it is in use - a sandbox holds its lock, or its image is
+    mounted or attached to a loop device: a removed image would stay allocated (and written)
+    behind the mount. The lock is held during the removal, so no sandbox can take it meanwhile.
+    ``record(kind, data)`` puts ``workspace.removed`` on the audit chain."""
+    _check_name(name)
+    img, d = home_ws / f"{name}.img", home_ws / name
+    if not img.exists() and not d.is_dir():
+        raise ConfigError(f"there is no workspace named {name!r}", hint="`agentvm workspace ls` lists them",
+                          code="workspace.not-found")
+    lock = home_ws / f"{name}.lock"
+    while True:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            os.close(fd)
+            if exc.errno in (errno.EAGAIN, errno.EACCES):
+                raise PolicyDenied(f"the workspace {name!r} is in use: a sandbox of agent {name!r} is running",
+                                   hint=f"stop it first (`agentvm stop {name}`, or let its `agentvm run` end), then retry",
+                                   code="workspace.in-use") from None
+            raise
+        if _same_file(fd, lock):
+            break
+        os.close(fd)
+    try:
+        where = runtime / "ws" / name if runtime is not None else None
+        if str(img) in _attached() or (where is not None and is_mounted(where)):
+            raise PolicyDenied(f"the workspace {name!r} is still mounted (its sandbox's supervisor died without "
+                               "cleaning up): not removing a mounted filesystem",
+                               hint="the next `agentvm run` or daemon start unmounts it (stale-state GC); then retry",
+                               code="workspace.in-use")
+        freed = size = 0
+        if img.exists():
+            st = img.stat()
+            freed, size = st.st_blocks * 512, st.st_size
+        if d.is_dir():
+            freed += _dir_blocks(d) + d.stat().st_blocks * 512
+        if record is not None:  # first: a removal that cannot be recorded does not happen
+            record("workspace.removed", {"name": name, "bytes": freed, "size": size})
+        img.unlink(missing_ok=True)
+        if d.is_dir():
+            import shutil
+
+            shutil.rmtree(d)
+        img.with_suffix(".img.tmp").unlink(missing_ok=True)
+        lock.unlink(missing_ok=True)  # while held: a sandbox starting now takes a new lock (lock_agent)
+    finally:
+        os.close(fd)
+    _cache_clear()
+    return freed
+
+
+def _drop_lock_file(lock: Path) -> None:
+    """Unlink a lock file nobody holds, holding it meanwhile (a sandbox starting then takes a new one)."""
+    try:
+        fd = os.open(lock, os.O_RDWR | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        if _same_file(fd, lock):
+            lock.unlink(missing_ok=True)
+    except OSError:
+        pass  # held: its sandbox runs
+    finally:
+        os.close(fd)
+
+
+def spec_keeps(spec_text: str, file: str = "<state>") -> bool:
+    """``workspace.keep`` of an agent file's text (False when it no longer loads)."""
+    try:
+        from agentvm.spec.loader import load_agent_text
+
+        return bool(load_agent_text(spec_text, file).spec.spec.workspace.keep)
+    except Exception:  # noqa: BLE001 - a stored spec that no longer loads keeps nothing by itself
+        return False
+
+
+def on_agent_removed(home_ws: Path, name: str, *, keep: bool = False, spec_text: str | None = None,
+                     runtime: Path | None = None, record: Callable[[str, dict], None] | None = None) -> dict:
+    """What ``agentvm rm NAME`` does to the agent's workspace, once its sandbox is stopped:
+    removed, unless ``keep`` (``--keep-workspace``) or the agent file's ``workspace.keep``.
+    Returns ``{"removed": bool, "kept": bool, "bytes": freed}`` (the daemon's answer)."""
+    _check_name(name)
+    exists = (home_ws / f"{name}.img").exists() or (home_ws / name).is_dir()
+    if not exists:
+        _drop_lock_file(home_ws / f"{name}.lock")  # an agent without a workspace leaves its lock only
+        return {"removed": False, "kept": False, "bytes": 0}
+    if keep or (spec_text is not None and spec_keeps(spec_text)):
+        return {"removed": False, "kept": True, "bytes": 0}
+    return {"removed": True, "kept": False, "bytes": remove_workspace(home_ws, name, runtime=runtime, record=record)}
+
+
+def prune(home_ws: Path, unused_for: float, *, now: float | None = None, runtime: Path | None = None,
+          owners: set[str] | None = None, dry_run: bool = False,
+          record: Callable[[str, dict], None] | None = None) -> list[tuple[str, int]]:
+    """Remove the workspaces last used more than ``unused_for`` seconds ago that no sandbox
+    uses and no registered agent owns (``owners``; None: the owners are unknown - nothing is
+    pruned). Returns (name, bytes) of each removed (with ``dry_run``: that would be)."""
+    if owners is None:
+        raise PolicyDenied("the daemon's state cannot be read, so which workspaces belong to an agent is unknown: "
+                           "not pruning", code="workspace.owners-unknown")
+    cutoff = (time.time() if now is None else now) - unused_for
+    out = []
+    for w in list_workspaces(home_ws, runtime=runtime, owners=owners):
+        if w.in_use or w.owner is not None or w.last_use > cutoff:
+            continue
+        if dry_run:
+            out.append((w.name, w.used))
+            continue
+        try:
+            out.append((w.name, remove_workspace(home_ws, w.name, runtime=runtime, record=record)))
+        except PolicyDenied:  # taken since we looked
+            continue
+    return out
+
+
+@dataclass
+class Usage:
+    """The workspaces' disk, summed: what ``doctor``, ``up`` and ``/metrics`` show."""
+
+    count: int
+    committed: int  # the sum of their sizes (each image is fully reserved: this much is taken)
+    used: int  # blocks the host's disk actually holds for them
+    fs_free: int  # free space (for unprivileged users) on the filesystem holding them
+    fs_size: int
+    fs_use: float  # that filesystem's use, 0-1 (as df computes it)
+    path: str = ""
+    warnings: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return {"count": self.count, "committed": self.committed, "used": self.used, "fs_free": self.fs_free,
+                "fs_size": self.fs_size, "fs_use": round(self.fs_use, 4), "path": self.path,
+                "warnings": list(self.warnings)}
+
+
+def usage(home_ws: Path) -> Usage:
+    """One ``scandir`` and a ``statvfs``: no lock, no walk (a plain-directory workspace counts
+    its directory only)."""
+    committed = used = count = 0
+    for _name, (kind, st, _path) in _entries(home_ws).items():
+        count += 1
+        used += st.st_blocks * 512
+        if kind == "image":
+            committed += st.st_size
+    probe = home_ws if home_ws.exists() else next((p for p in home_ws.parents if p.exists()), Path("/"))
+    try:
+        vfs = os.statvfs(probe)
+        size, free = vfs.f_blocks * vfs.f_frsize, vfs.f_bavail * vfs.f_frsize
+        taken = (vfs.f_blocks - vfs.f_bfree) * vfs.f_frsize
+        use = taken / (taken + free) if taken + free else 0.0
+    except OSError:
+        size = free = 0
+        use = 0.0
+    u = Usage(count, committed, used, free, size, use, str(home_ws))
+    if use > WARN_USE:
+        u.warnings.append(
+            f"the filesystem holding {home_ws} is {use:.0%} full ({human(free)} free; workspaces: "
+            f"{count}, {human(committed)} committed, {human(used)} used): new workspaces will be refused "
+            "when it is full - `agentvm workspace ls` lists them, `agentvm workspace prune --unused-for 7d` "
+            "removes the unused ones")
+    return u
+
+
+def human(n: int) -> str:
+    """1536 -> '1.5K', 16777216 -> '16.0M' (binary multiples, as limits take them)."""
+    for unit, mult in (("T", 1 << 40), ("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if n >= mult:
+            return f"{n / mult:.1f}{unit}"
+    return f"{n}B"
+
+
+_cache_lock = threading.Lock()
+_cache: dict[str, tuple[float, Usage]] = {}
+
+
+def cached_usage(home_ws: Path, max_age: float = 5.0) -> Usage:
+    """``usage``, computed at most once per ``max_age`` seconds per directory (a scrape every
+    few seconds of 5,000 workspaces costs one scandir per ``max_age``)."""
+    key = str(home_ws)
+    now = time.monotonic()
+    with _cache_lock:
+        hit = _cache.get(key)
+        if hit is not None and now - hit[0] < max_age:
+            return hit[1]
+        u = usage(home_ws)
+        _cache[key] = (now, u)
+        return u
+
+
+def _cache_clear() -> None:
+    with _cache_lock:
+        _cache.clear()
