@@ -48,6 +48,7 @@ _COMMANDS: dict[str, str] = {
     "rollback": "agentvm.cli.fleet_cmds:rollback",
     "approvals": "agentvm.cli.approvals_cmd:approvals",
     "image": "agentvm.cli.image_cmds:image",
+    "workspace": "agentvm.cli.workspace_cmds:workspace",
 }
 
 

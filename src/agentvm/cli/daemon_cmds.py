@@ -90,6 +90,7 @@ def up(foreground, listen, accept_broken_chain, otlp_endpoint, otlp_sample_allow
         click.echo(f"agentvm: the daemon is already running ({c.socket_path})")
         return 0
     check_chain(paths, accept_broken_chain)  # refused here, with the reason, not in a log file
+    _warn_workspace_disk(paths)
     if foreground:
         from agentvm.daemon.server import run_daemon
 
@@ -123,6 +124,18 @@ def up(foreground, listen, accept_broken_chain, otlp_endpoint, otlp_sample_allow
         time.sleep(0.05)
     click.echo(f"agentvm: the daemon did not answer within 20 s; see {log}", err=True)
     return 125
+
+
+def _warn_workspace_disk(paths) -> None:
+    """Past 90% use of the filesystem holding the workspaces: say so (never refuse to start)."""
+    from agentvm.workspace import usage
+
+    try:
+        warnings = usage(paths.workspaces).warnings
+    except OSError:
+        return
+    for w in warnings:
+        click.echo(click.style("agentvm: warning: ", fg="yellow") + w, err=True)
 
 
 @click.command()
@@ -184,10 +197,55 @@ restart = _lifecycle("restart")
 
 @click.command()
 @click.argument("name")
-def rm(name):
-    """Stop and remove a sandbox (its workspace image stays)."""
-    _client().rm(name)
-    click.echo(f"{name}: removed")
+@click.option("--keep-workspace", is_flag=True,
+              help="Keep its workspace (`agentvm workspace ls` lists it, `workspace rm` removes it).")
+def rm(name, keep_workspace):
+    """Stop and remove a sandbox and its workspace (unless kept: --keep-workspace, or the agent
+    file's `workspace: {keep: true}`). Without a daemon: remove the workspace an agent run with
+    `run -f` left."""
+    from agentvm.daemon.client import DaemonUnavailable
+    from agentvm.workspace import human
+
+    c = _client()
+    try:
+        ans = c.rm(name, keep_workspace=keep_workspace)
+    except DaemonUnavailable as exc:
+        if c.url or not isinstance(exc.__cause__, (FileNotFoundError, ConnectionRefusedError)):
+            raise
+        return _rm_local(name, keep_workspace)
+    ws = ans.get("workspace") if isinstance(ans, dict) else None
+    if isinstance(ws, dict):
+        said = (f"workspace removed ({human(int(ws.get('bytes') or 0))} freed)" if ws.get("removed")
+                else "workspace kept" if ws.get("kept") else "no workspace")
+        click.echo(f"{name}: removed ({said})")
+    else:  # a daemon that does not remove workspaces
+        click.echo(f"{name}: removed")
+        from agentvm.paths import default_paths
+
+        if (default_paths().workspaces / f"{name}.img").exists() and not keep_workspace:
+            click.echo(f"agentvm: its workspace remains (this daemon keeps workspaces): `agentvm workspace rm {name}`",
+                       err=True)
+    return 0
+
+
+def _rm_local(name, keep_workspace):
+    """No daemon: nothing of ``name`` is registered, or the daemon that owns it is down."""
+    from agentvm.cli.workspace_cmds import recorder
+    from agentvm.paths import default_paths
+    from agentvm.workspace import human, on_agent_removed, registered_agents
+
+    paths = default_paths()
+    owners = registered_agents(paths.state_db)
+    if owners is None or name in owners:
+        raise ConfigError(f"{name!r} is registered with the daemon, which is not running" if owners is not None
+                          else "the daemon is not running and its state cannot be read",
+                          hint="start it (`agentvm up`), then `agentvm rm` again", code="daemon.unavailable")
+    ws = on_agent_removed(paths.workspaces, name, keep=keep_workspace, runtime=paths.runtime,
+                          record=recorder(paths))
+    if not ws["removed"] and not ws["kept"]:
+        raise ConfigError(f"there is no sandbox or workspace named {name!r} (no daemon is running)",
+                          hint="`agentvm workspace ls` lists the workspaces", code="workspace.not-found")
+    click.echo(f"{name}: " + (f"workspace removed ({human(ws['bytes'])} freed)" if ws["removed"] else "workspace kept"))
     return 0
 
 

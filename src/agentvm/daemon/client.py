@@ -168,8 +168,10 @@ class Client:
     def action(self, name: str, action: str):
         return self.request("POST", f"/v1/sandboxes/{quote(name)}/{action}")
 
-    def rm(self, name: str):
-        return self.request("DELETE", f"/v1/sandboxes/{quote(name)}")
+    def rm(self, name: str, keep_workspace: bool = False):
+        """Stop and remove it; its workspace too unless ``keep_workspace`` (or the agent file's
+        ``workspace.keep``)."""
+        return self.request("DELETE", f"/v1/sandboxes/{quote(name)}" + ("?keep_workspace=1" if keep_workspace else ""))
 
     def exec(self, name: str, argv: list[str], timeout: float | None = None) -> Iterator[dict]:
         for ev in self.stream("POST", f"/v1/sandboxes/{quote(name)}/exec", {"argv": argv, "timeout": timeout}):
