@@ -23,6 +23,7 @@ class DoctorReport:
     extras: list[Primitive]
     facts: dict
     substrate: str = "bwrap"
+    workspaces: dict | None = None  # agentvm.workspace.Usage: committed, used, free (warnings never fail)
 
     @property
     def ok(self) -> bool:
@@ -36,6 +37,8 @@ class DoctorReport:
             "extras": [p.__dict__ for p in self.extras],
             "facts": self.facts,
             "substrate": self.substrate,
+            "workspaces": self.workspaces,
+            "warnings": list((self.workspaces or {}).get("warnings", [])),
         }
 
 
@@ -152,4 +155,12 @@ def run_doctor(smoke: bool = True, substrate: str = "bwrap") -> DoctorReport:
         required.append("smoke-test")
     extras = [_gate_stack(), _gate_hot_path(), _favordynmods(), _kvm()] + ([_gvisor()] if substrate != "gvisor" else [])
     facts = dict(caps.facts, kernel=os.uname().release)
-    return DoctorReport(prims, required, extras, facts, substrate)
+    return DoctorReport(prims, required, extras, facts, substrate, workspace_usage(rt.paths))
+
+
+def workspace_usage(paths) -> dict:
+    """The disk committed to workspaces (their sizes), actually used, and the free space of the
+    filesystem holding them; ``warnings`` past 90% use (reported, never failing)."""
+    from agentvm.workspace import usage
+
+    return usage(paths.workspaces).to_dict()

@@ -32,9 +32,21 @@ def doctor(as_json: bool, no_smoke: bool, substrate: str) -> int:
     for p in rep.extras:
         mark = click.style(" ok ", fg="green") if p.ok else click.style(" -- ", fg="yellow")
         click.echo(f"  [{mark}] {p.name:<15} {p.detail}")
+    _workspaces(rep.workspaces)
     if rep.ok:
         click.echo(f"result: the {rep.substrate} substrate can give all its guarantees on this host")
         return 0
     missing = [p.name for p in rep.primitives if p.name in rep.required and not p.ok]
     click.echo(f"result: NOT OK - missing: {', '.join(missing)}; `agentvm run` will refuse to start", err=True)
     return EXIT_POLICY
+
+
+def _workspaces(u: dict | None) -> None:
+    if not u:
+        return
+    from agentvm.workspace import human
+
+    click.echo(f"  workspaces: {u['count']} in {u['path']}: {human(u['committed'])} committed, {human(u['used'])} "
+               f"used; {human(u['fs_free'])} free on its filesystem ({u['fs_use']:.0%} full)")
+    for w in u.get("warnings", []):
+        click.echo(click.style("  warning: ", fg="yellow") + w)

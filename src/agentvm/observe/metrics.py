@@ -8,7 +8,8 @@ event once and keeps
   process-global one: two daemons in one test process must not share counts);
 * gauges read at scrape time from the daemon's state (sandboxes by state, approvals pending,
   the audit chain's length and whether it verifies - the walk is cached, at most one per
-  ``VERIFY_EVERY`` seconds);
+  ``VERIFY_EVERY`` seconds; the workspaces' disk, committed and used, and the free space of
+  their filesystem - one scandir, cached ``WORKSPACE_EVERY`` seconds);
 * the last ``RECENT`` decisions and a per-sandbox, per-host egress summary for the console
   (in memory, since the daemon started; the gate's NDJSON logs stay the record).
 
@@ -22,6 +23,7 @@ import bisect
 import collections
 import threading
 import time
+from pathlib import Path
 from typing import Callable
 
 import prometheus_client
@@ -36,6 +38,7 @@ RECENT = 2000  # decisions kept for the console's stream page
 MAX_HOSTS = 500  # hosts summarised per sandbox (the rest are counted under "(other hosts)")
 MAX_AGENTS = 1000  # distinct agent label values; later ones are counted as "(other)"
 VERIFY_EVERY = 30.0
+WORKSPACE_EVERY = 5.0  # the workspaces' disk usage is summed at most this often (one scandir of <home>/workspaces)
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 # upstream latency buckets, seconds: a loopback hop is ~1 ms, an LLM call tens of seconds
@@ -45,7 +48,10 @@ _BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5
 class Observer:
     def __init__(self, *, sandboxes_by_state: Callable[[], dict[str, int]],
                  approvals_pending: Callable[[], int | None],
-                 audit_status: Callable[[], tuple[int, bool]]) -> None:
+                 audit_status: Callable[[], tuple[int, bool]],
+                 workspace_dir: "Path | Callable[[], Path] | None" = None) -> None:
+        """``workspace_dir``: ``<home>/workspaces`` (default: the installation's, as
+        ``agentvm.paths.default_paths`` finds it, resolved at the first scrape)."""
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         # the counts every decision moves are plain numbers here, turned into metric families
@@ -73,6 +79,7 @@ class Observer:
         self._models: set[str] = set()
         self._dyn = _Dynamic(sandboxes_by_state, approvals_pending, audit_status)
         r.register(self._dyn)
+        r.register(_Workspaces(workspace_dir))
         self.recent: collections.deque = collections.deque(maxlen=RECENT)
         self._children: dict = {}
         self.summary: dict[str, dict[str, list]] = {}  # agent -> host -> [allow, deny, bytes_out, bytes_in, last]
@@ -236,6 +243,41 @@ class _Dynamic:
         yield GaugeMetricFamily("agentvm_audit_records", "Records on the audit chain", value=length)
         yield GaugeMetricFamily("agentvm_audit_chain_valid", "1 when the audit chain verifies (hashes and head), "
                                 "else 0; re-walked at most every %gs" % VERIFY_EVERY, value=1 if ok else 0)
+
+
+class _Workspaces:
+    """agentvm_workspace_bytes{kind="committed"|"used"} and agentvm_workspace_disk_free_bytes,
+    from ``agentvm.workspace.cached_usage`` (a failure drops the gauges, never the scrape)."""
+
+    def __init__(self, where) -> None:
+        self.where = where
+
+    def _dir(self) -> Path:
+        w = self.where
+        if w is None:
+            from agentvm.paths import default_paths
+
+            w = self.where = default_paths().workspaces
+        return Path(w() if callable(w) else w)
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        try:
+            from agentvm.workspace import cached_usage
+
+            u = cached_usage(self._dir(), WORKSPACE_EVERY)
+        except Exception:  # noqa: BLE001 - metrics must not break the scrape
+            return
+        g = GaugeMetricFamily("agentvm_workspace_bytes", "Disk of the agents' workspaces: committed (the sum of "
+                              "their sizes, each fully reserved) and used (blocks allocated)", labels=["kind"])
+        g.add_metric(["committed"], u.committed)
+        g.add_metric(["used"], u.used)
+        yield g
+        yield GaugeMetricFamily("agentvm_workspace_disk_free_bytes", "Free space of the filesystem holding the "
+                                "workspaces", value=u.fs_free)
+        yield GaugeMetricFamily("agentvm_workspaces", "Workspaces under <home>/workspaces", value=u.count)
 
 
 class CachedVerify:
