@@ -1,0 +1,135 @@
+"""Issue 42 end to end: named agents created, started, stopped and removed leave nothing under
+``<home>/workspaces``; anonymous runs never make a workspace; a kept one stays until
+``agentvm workspace rm``; a workspace in use is never removed. Real sandboxes, real ext4
+images (16M), the embedded path (no daemon). The 200-agent test takes about a minute here."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import needs_root
+
+pytestmark = [pytest.mark.integration, needs_root]
+
+N_AGENTS = int(os.environ.get("AGENTVM_TEST_WS_AGENTS", "200"))
+
+
+def _spec(name: str, extra: str = "", command: str = '["/bin/sh", "-c", "echo data > /workspace/f"]') -> str:
+    return (f"apiVersion: agentvm/v1\nkind: Agent\nmetadata: {{name: {name}}}\nspec:\n  command: {command}\n"
+            f"  limits: {{disk: 16M, timeout: 60s}}\n{extra}")
+
+
+def _policy(text: str):
+    from agentvm.policy import compile_policy
+    from agentvm.spec.loader import load_agent_text
+
+    return compile_policy(load_agent_text(text, "<test>").spec)
+
+
+def _run(rt, policy):
+    """Start the agent's sandbox and let it stop (its command ends); its workspace is made,
+    mounted, written and released as for `agentvm run -f`."""
+    res = rt.run(policy, tty=False, stdio=(subprocess.DEVNULL, subprocess.DEVNULL, subprocess.DEVNULL))
+    assert res.exit_code == 0 and res.teardown["verified"], res
+    return res
+
+
+def _cli(*args) -> int:
+    from agentvm.cli.app import cli_main
+
+    return cli_main(list(args))
+
+
+@pytest.fixture
+def rt(fresh_home, monkeypatch):
+    from agentvm import workspace
+    from agentvm.runtime import Runtime
+
+    monkeypatch.setenv("AGENTVM_NO_DAEMON", "1")
+    getattr(workspace, "_cache_clear", lambda: None)()  # (absent before issue 42)
+    r = Runtime()
+    yield r
+    # whatever happened, leave no image behind on this machine's disk
+    for d in (r.paths.runtime / "ws").glob("*") if (r.paths.runtime / "ws").is_dir() else ():
+        subprocess.run(["umount", "-l", str(d)], capture_output=True)
+    shutil.rmtree(r.paths.workspaces, ignore_errors=True)
+
+
+def test_200_named_agents_created_started_stopped_removed_leave_nothing(rt, capsys):
+    ws_dir = rt.paths.workspaces
+    free_before = shutil.disk_usage(ws_dir.parent).free
+    names = [f"wsl-{i:03d}" for i in range(N_AGENTS)]
+    t0 = time.monotonic()
+    peak = 0
+    batch = min(50, N_AGENTS)
+    for start in range(0, N_AGENTS, batch):
+        group = names[start: start + batch]
+        for name in group:
+            _run(rt, _policy(_spec(name)))  # create (its agent file), start, stop
+            assert (ws_dir / f"{name}.img").exists()
+        # a batch is on the disk now, fully reserved
+        peak = max(peak, sum(p.stat().st_blocks * 512 for p in ws_dir.glob("*.img")))
+        for name in group:
+            assert _cli("rm", name) == 0  # no daemon: removes what the embedded runs left
+    took = time.monotonic() - t0
+    assert sorted(os.listdir(ws_dir)) == [], os.listdir(ws_dir)[:10]
+    assert peak >= batch * 16 * (1 << 20)  # the batch was really there, reserved
+    assert shutil.disk_usage(ws_dir.parent).free > free_before - 64 * (1 << 20)  # and it all came back
+    print(f"\n{N_AGENTS} named agents created/started/stopped/removed in {took:.1f}s "
+          f"({N_AGENTS / took:.1f}/s)")
+
+
+def test_anonymous_and_workspaceless_runs_leave_nothing(rt):
+    from agentvm.policy import Policy
+
+    ws_dir = rt.paths.workspaces
+    for _ in range(3):  # `agentvm run -- CMD`: a tmpfs workspace that dies with the sandbox
+        _run(rt, Policy(name="run", command=("/bin/sh", "-c", "echo x > /workspace/f")))
+    assert sorted(os.listdir(ws_dir)) == []
+    # an agent file that declares no durable workspace: nothing but its lock while it runs, and rm clears that
+    _run(rt, _policy(_spec("wsl-nows", "  workspace: {enabled: false}\n", command='["/bin/true"]')))
+    assert not list(ws_dir.glob("*.img"))
+    _cli("rm", "wsl-nows")
+    assert sorted(os.listdir(ws_dir)) == []
+
+
+def test_kept_workspace_survives_rm_until_workspace_rm(rt, capsys):
+    ws_dir = rt.paths.workspaces
+    _run(rt, _policy(_spec("wsl-keep", "  workspace: {keep: true}\n")))
+    _run(rt, _policy(_spec("wsl-flag")))
+    assert _cli("rm", "wsl-flag", "--keep-workspace") == 0
+    assert (ws_dir / "wsl-flag.img").exists() and (ws_dir / "wsl-keep.img").exists()
+    capsys.readouterr()
+    assert _cli("workspace", "ls") == 0
+    out = capsys.readouterr().out
+    assert "wsl-flag" in out and "wsl-keep" in out and "(removed)" in out and "16.0M" in out
+    assert _cli("workspace", "rm", "wsl-flag", "wsl-keep") == 0
+    assert sorted(os.listdir(ws_dir)) == []
+
+
+def test_a_running_agents_workspace_is_never_removed(rt):
+    import threading
+
+    ws_dir = rt.paths.workspaces
+    pol = _policy(_spec("wsl-busy", command='["/bin/sh", "-c", "touch /workspace/started; sleep 3"]'))
+    t = threading.Thread(target=_run, args=(rt, pol))
+    t.start()
+    try:
+        deadline = time.monotonic() + 20
+        while not (rt.paths.runtime / "ws" / "wsl-busy" / "started").exists():
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert _cli("workspace", "rm", "wsl-busy") == 77
+        assert _cli("rm", "wsl-busy") == 77
+        assert _cli("workspace", "prune", "--unused-for", "0") == 0  # skips it
+        assert (ws_dir / "wsl-busy.img").exists()
+    finally:
+        t.join()
+    assert _cli("workspace", "rm", "wsl-busy") == 0
+    assert sorted(os.listdir(ws_dir)) == []
