@@ -85,7 +85,11 @@ class _Scratch:
         import shutil
 
         self.repo = repo
-        gitdir, common = _gitdir(repo)
+        try:
+            gitdir, common = _gitdir(repo)
+        except OSError as exc:  # a name too long, a loop of links, no permission: the operator's input
+            raise FleetError(f"{str(repo)[:200]}: cannot be read as a git repository ({exc.strerror or exc})",
+                             hint="--repo names the fleet's repository") from None
         self.tmp = Path(tempfile.mkdtemp(prefix="agentvm-fleet-git-"))
         try:
             self.dir = self.tmp / "scratch.git"
@@ -114,6 +118,9 @@ class _Scratch:
             head = gitdir / "HEAD"
             if head.is_file() and not head.is_symlink() and head.stat().st_size <= 4096:
                 shutil.copyfile(head, self.dir / "HEAD")
+        except OSError as exc:
+            self.close()
+            raise FleetError(f"{str(repo)[:200]}: its refs cannot be read ({exc.strerror or exc})") from None
         except BaseException:
             self.close()
             raise

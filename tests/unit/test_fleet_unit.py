@@ -587,3 +587,13 @@ def test_a_map_whose_order_means_something_is_stored_with_its_meaning(repo, extr
     c = commit(repo, {"w.yaml": agent("w", extra)})
     f = fl.load(repo, c)
     assert f.agents["w"].digest == f.agents["w"].policy.digest()
+
+
+def test_a_repo_path_the_kernel_refuses_is_the_operators_error_not_a_crash(tmp_path):
+    # found by the API fuzzer: a 5000-character --repo raised OSError (ENAMETOOLONG) -> a 500
+    from agentvm import fleet as fl
+
+    for repo in ("0" * 5000, str(tmp_path / ("x" * 300))):
+        with pytest.raises(fl.FleetError) as e:
+            fl.resolve(repo, "HEAD")
+        assert e.value.exit_code == 78

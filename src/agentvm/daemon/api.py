@@ -327,6 +327,7 @@ ROUTES: list[tuple[str, str, Any, Any, str, str]] = [
     ("PUT", "/v1/sandboxes/{name}/files", "bytes", FilesQuery, "json", "write a file of its workspace"),
     ("POST", "/v1/sandboxes/{name}/policy", POLICY_CHANGE, None, "json", "show or change its policy live"),
     ("POST", "/v1/run", Run, None, "stream", "one command in a fresh sandbox"),
+    ("POST", "/v1/run/frames", Run, None, "frames", "the same run, answered in frames (the compiled client's)"),
     ("GET", "/v1/approvals", None, ApprovalsQuery, "json", "pending (or all) approval requests"),
     ("GET", "/v1/approvals/{id}", None, None, "json", "one approval request"),
     ("POST", "/v1/approvals/{id}/approve", ApprovalAnswer, None, "json", "approve a request"),
@@ -338,6 +339,8 @@ ROUTES: list[tuple[str, str, Any, Any, str, str]] = [
     ("GET", "/v1/audit", None, AuditQuery, "json", "audit records"),
     ("GET", "/v1/audit/verify", None, None, "json", "verify the audit chain"),
     ("POST", "/v1/console/login", Empty, None, "json", "a one-time console login link"),
+    ("GET", "/v1/events", None, None, "stream", "the event stream (does not end)"),
+    ("POST", "/v1/shutdown", Empty, None, "json", "stop the daemon"),
     ("GET", "/v1/openapi.json", None, None, "json", "this description"),
     ("GET", "/metrics", None, None, "text", "Prometheus metrics"),
 ]
@@ -374,10 +377,12 @@ def openapi(version: str) -> dict:
                               "responses": {"default": {"description": "an error",
                                                         "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}}}
         ok = {"json": {"application/json": {"schema": {}}}, "text": {"text/plain": {"schema": {"type": "string"}}},
-              "stream": {"application/x-ndjson": {"schema": {"type": "string"}}}}[answers]
+              "stream": {"application/x-ndjson": {"schema": {"type": "string"}}},
+              "frames": {"application/x-agentvm-frames": {"schema": {"type": "string"}}}}[answers]
         op["responses"]["200"] = {"description": "done", "content": ok}
-        params = [{"name": n, "in": "path", "required": True, "schema": {"type": "string", "minLength": 1, "maxLength": _NAME}}
-                  for n in ("name", "id") if "{" + n + "}" in path]
+        params = [{"name": n, "in": "path", "required": True, "example": ex,
+                   "schema": {"type": "string", "minLength": 1, "maxLength": _NAME}}
+                  for n, ex in (("name", "hello-agent"), ("id", "apr-0123456789abcdef")) if "{" + n + "}" in path]
         if isinstance(query, type):
             for fname, f in query.model_fields.items():
                 s = keyed[(query, "validation")]
