@@ -273,10 +273,11 @@ class DaemonGateHost:
 
 class Daemon:
     def __init__(self, paths: Paths, *, backend=None, listen: str | None = None, tracing=None,
-                 gate_workers: int = 0) -> None:
+                 gate_workers: int = 0, resume: bool = True) -> None:
         from agentvm.gate.server import Gate
         from agentvm.runtime import Runtime
 
+        self.resume = resume  # bring back the persistent workers the last daemon left running
         self.paths = paths.ensure()
         self.runtime = Runtime(self.paths, backend, record=self._record_from_driver)
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -571,7 +572,13 @@ class Daemon:
                 await asyncio.wait_for(m.stop_requested.wait(), backoff)
             except asyncio.TimeoutError:
                 pass
-        self.state.update(m.name, state="stopped", desired="stopped")
+        if self.stopping.is_set() and not m.expired:
+            # the daemon is going down (`agentvm down`, SIGTERM), not the sandbox: it stays
+            # desired=running, and the next `up` brings it back (unless `up --no-resume`)
+            self.state.update(m.name, state="stopped")
+            self.record("lifecycle.stopped-with-daemon", sandbox=m.name)
+        else:
+            self.state.update(m.name, state="stopped", desired="stopped")
 
     async def _run_once(self, m: Managed, row) -> int:
         """One run of a supervised sandbox, through the lifecycle driver, on the daemon's gate."""
@@ -716,12 +723,14 @@ class Daemon:
         self._save(self.state.update, name, desired="stopped", state="stopped")
 
     # ---------------------------------------------------------------- recovery
-    async def recover(self) -> dict:
-        """After a crash: reap what the dead daemon left, restart what should run."""
+    async def recover(self, *, resume: bool = True) -> dict:
+        """At `up` (after `down` or a crash): reap what the last daemon left, and restart the
+        persistent workers that should run (``resume=False``: leave them stopped, recorded)."""
         from agentvm.runtime import gc_stale
 
         reaped = await asyncio.to_thread(gc_stale, self.paths)
-        restarted = []
+        restarted: list[str] = []
+        left: list[str] = []
         for row in self.state.all():
             if str(row.spec_file).endswith("(canary)"):
                 # a fleet canary the dead daemon was checking: its apply was interrupted, it goes
@@ -730,15 +739,18 @@ class Daemon:
                 continue
             if row.state in ("running", "starting", "backoff") or row.desired == "running":
                 self.state.update(row.name, state="stopped")
-                if row.desired == "running" and row.lifecycle == "persistent":
+                if row.desired == "running" and row.lifecycle == "persistent" and resume:
                     await self.start(row.name, actor="recovery")
                     restarted.append(row.name)
                 else:
+                    if row.desired == "running" and row.lifecycle == "persistent":
+                        left.append(row.name)
                     self.state.update(row.name, desired="stopped")
         interrupted = self.state.promotions_interrupted()
         self.record("daemon.recovered", reaped=reaped, restarted=restarted,
+                    **({"not_resumed": left} if left else {}),
                     **({"interrupted_promotions": interrupted} if interrupted else {}))
-        return {"reaped": reaped, "restarted": restarted}
+        return {"reaped": reaped, "restarted": restarted, "not_resumed": left}
 
     # ---------------------------------------------------------------- HTTP plumbing
     async def _flusher(self) -> None:
@@ -759,7 +771,7 @@ class Daemon:
                                       telemetry=self.tracing.endpoint if self.tracing is not None else None)
             await self.workers.start()
             self.record("gate.workers", count=self.gate_workers, pids=self.workers.pids())
-        await self.recover()
+        await self.recover(resume=self.resume)
         self.socket_path.parent.mkdir(parents=True, exist_ok=True)
         if self.socket_path.exists():
             self.socket_path.unlink()
@@ -2111,7 +2123,8 @@ def check_chain(paths: Paths, accept_broken: bool) -> str | None:
 
 
 def run_daemon(paths: Paths, *, listen: str | None = None, backend=None, accept_broken_chain: bool = False,
-               otlp_endpoint: str | None = None, otlp_sample_allowed: float | None = None, gate_workers: int = 0) -> None:
+               otlp_endpoint: str | None = None, otlp_sample_allowed: float | None = None, gate_workers: int = 0,
+               resume: bool = True) -> None:
     """Foreground entry point (``agentvm up --foreground``)."""
     accepted = check_chain(paths, accept_broken_chain)
     from agentvm.observe.tracing import from_env_or
@@ -2133,7 +2146,7 @@ def run_daemon(paths: Paths, *, listen: str | None = None, backend=None, accept_
         # let a busy fleet starve them (the default pool is cpu+4 threads)
         asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(max_workers=256,
                                                                            thread_name_prefix="agentvm"))
-        d = Daemon(paths, backend=backend, listen=listen, tracing=tracing, gate_workers=gate_workers)
+        d = Daemon(paths, backend=backend, listen=listen, tracing=tracing, gate_workers=gate_workers, resume=resume)
         if tracing is not None:
             d.record("daemon.tracing", endpoint=tracing.endpoint, sample_allowed=tracing.sample_allowed)
         if accepted:
