@@ -121,3 +121,27 @@ def test_routes_table_and_dispatch_agree():
         want_body = body if body not in (None, "bytes") else None
         assert _body_model(method, p) is want_body, (method, path)
         assert _query_model(method, p) is query, (method, path)
+
+
+def test_a_huge_body_of_wrong_values_is_one_short_answer():
+    # a dict per wrong value would cost the daemon memory in proportion to what a client sent
+    doc = {"command": ["x"], "env": {f"k{i}": i for i in range(20_000)}}
+    with pytest.raises(api.ApiInputError) as e:
+        api.parse(api.Run, doc)
+    assert len(e.value.problems) == 1 and "20000 values are wrong" in e.value.message
+    with pytest.raises(api.ApiInputError) as e:
+        api.parse(api.Run, {"command": ["x"], "env": {f"k{i}": "v" for i in range(5000)}})
+    assert "at most 4096 items" in e.value.message
+
+
+def test_an_api_approval_can_be_bound_to_the_digest_it_was_shown(d, tmp_path):
+    from agentvm.approvals import open_store
+
+    store = open_store(d.paths)
+    req = store.submit(kind="tool", sandbox="w", agent="w", target="gh__delete_repo", summary={"keys": ["repo"]},
+                       arg_digest="sha256:" + "1" * 64, policy="sha256:p", timeout=60)
+    e = fail(d, "POST", f"/v1/approvals/{req.id}/approve", {"digest": "sha256:" + "0" * 64})
+    assert e.status == 409 and e.code == "approvals.digest-mismatch"
+    assert d.client.request("GET", f"/v1/approvals/{req.id}")["state"] == "pending"
+    ok = d.client.request("POST", f"/v1/approvals/{req.id}/approve", {"digest": req.digest, "note": "seen"})
+    assert ok["state"] == "approved"

@@ -79,3 +79,22 @@ percentish = st.lists(st.one_of(st.binary(max_size=8),
 def test_escape_heavy_bytes_give_views_never_an_exception(data):
     views = decoded_views(HEAD + data)
     assert HEAD + data in views
+
+
+def test_hex_and_misaligned_base64_are_decoded():
+    from agentvm.selftest.cases.credentials import decoded_views
+
+    secret = b"sk-REAL-hexhex-0042"
+    assert any(secret in v for v in decoded_views(HEAD + b"x=" + secret.hex().encode() + b"&"))
+    assert any(secret in v for v in decoded_views(HEAD + b"x=f" + secret.hex().upper().encode()))
+    blob = base64.b64encode(b"ab" + secret + b"cd")  # the value starts mid-quantum
+    assert any(secret in v for v in decoded_views(HEAD + b"tok=" + blob[1:]))
+
+
+def test_a_body_with_more_decodings_than_searched_is_not_called_clean():
+    from agentvm.selftest.cases.credentials import MAX_VIEWS, all_decoded_views
+
+    body = b" ".join(base64.b64encode(b"%06d-padding-token" % i) for i in range(MAX_VIEWS))
+    views, complete = all_decoded_views(HEAD + body)
+    assert not complete and len(views) == MAX_VIEWS
+    assert all_decoded_views(HEAD + b"small")[1]

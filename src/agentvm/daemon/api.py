@@ -111,11 +111,11 @@ class Run(Body):
     preset_dirs: Strings | None = None
     stdin: Annotated[str, Field(description="base64 of what the command reads on stdin")] | None = None
     mounts: Annotated[list[Mount], Field(max_length=_LIST)] = []
-    env: dict[Name, Text] = {}
+    env: Annotated[dict[Name, Text], Field(max_length=_LIST)] = {}
     timeout: Seconds | None = None
     memory: Annotated[int, Field(ge=16 * 1024 * 1024, le=1 << 50, description="bytes")] | None = None
     allow: Strings = []
-    hosts: dict[Name, Text] = {}
+    hosts: Annotated[dict[Name, Text], Field(max_length=_LIST)] = {}
     network: Literal["gate", "none"] | None = None
     substrate: Name | None = None
 
@@ -178,7 +178,7 @@ class PolicyCredential(_Op):
 
 class PolicyLimits(_Op):
     op: Literal["limits"]
-    memory: Annotated[str, Field(max_length=64)] | Annotated[int, Field(gt=0)] | None = None
+    memory: Annotated[str, Field(max_length=64)] | Annotated[int, Field(gt=0, le=1 << 60)] | None = None
     pids: Annotated[int, Field(gt=0, le=1 << 22)] | None = None
     cpus: Annotated[float, Field(gt=0, le=4096, allow_inf_nan=False)] | None = None
 
@@ -191,9 +191,9 @@ class PolicyTools(_Op):
 
 class PolicyBudget(_Op):
     op: Literal["budget"]
-    tokens: Annotated[int, Field(gt=0)] | None = None
-    requests: Annotated[int, Field(gt=0)] | None = None
-    cost: Annotated[float, Field(gt=0, allow_inf_nan=False)] | None = None
+    tokens: Annotated[int, Field(gt=0, le=1 << 53)] | None = None
+    requests: Annotated[int, Field(gt=0, le=1 << 53)] | None = None
+    cost: Annotated[float, Field(gt=0, le=1e15, allow_inf_nan=False)] | None = None
     reset: bool = False
 
 
@@ -208,6 +208,9 @@ class ApprovalAnswer(Body):
     """``POST /v1/approvals/ID/approve|deny``."""
 
     note: Annotated[str, Field(max_length=1000)] | None = None
+    digest: Annotated[str, Field(min_length=1, max_length=128,
+                                 description="the digest of the request as it was shown: an approval of "
+                                 "anything else is refused (approvals.digest-mismatch)")] | None = None
 
 
 class Replay(Body):
@@ -248,7 +251,7 @@ class Empty(Body):
 
 
 class LogsQuery(Body):
-    tail: Annotated[int, Field(ge=0)] | None = None
+    tail: Annotated[int, Field(ge=0, le=1 << 40)] | None = None
 
 
 class FilesQuery(Body):
@@ -267,9 +270,14 @@ class ApprovalsQuery(Body):
 _QUERY_INTS = {LogsQuery: ("tail",)}
 
 
+_MAX_PROBLEMS = 20
+
+
 def _problems(exc: ValidationError, tag: str | None = None) -> list[SpecProblem]:
     out = []
-    for e in exc.errors(include_url=False):
+    if exc.error_count() > 200:  # never a dict per error of a huge body (errors() builds them all)
+        return [SpecProblem(None, None, "", f"{exc.error_count()} values are wrong (too many to list)")]
+    for e in exc.errors(include_url=False)[:_MAX_PROBLEMS]:
         loc = [str(x) for x in e.get("loc", ())]
         if tag is not None and loc[:1] == [tag]:
             loc = loc[1:]  # the union member chosen by its discriminator, not a field
@@ -279,7 +287,7 @@ def _problems(exc: ValidationError, tag: str | None = None) -> list[SpecProblem]
         elif e.get("type") == "missing":
             msg = "required"
         out.append(SpecProblem(None, None, ".".join(loc), msg))
-    return out[:20]
+    return out
 
 
 def parse(model, doc: Any, what: str = "request body"):

@@ -1677,10 +1677,8 @@ class Daemon:
             if len(p) == 1 and method == "GET":
                 return await self._json(conn, writer, 200, store.get(p[0]).to_dict())
             if len(p) == 2 and p[1] in ("approve", "deny") and method == "POST":
-                note = doc.get("note")
-                if note is not None and (not isinstance(note, str) or len(note) > 1000):
-                    raise ApiError(400, "bad-request", "'note' is a string of at most 1000 characters")
-                r = store.answer(p[0], p[1] == "approve", f"api:{actor}", note)
+                # typed by api.ApprovalAnswer; a digest binds the approval to the request shown
+                r = store.answer(p[0], p[1] == "approve", f"api:{actor}", doc.get("note"), doc.get("digest"))
                 return await self._json(conn, writer, 200, r.to_dict())
         except ApprovalError as exc:
             raise ApiError(404 if "no approval request" in exc.message else 409, exc.code, exc.message,

@@ -431,21 +431,43 @@ def _b64_tokens(v: bytes) -> list[bytes]:
 
     out = []
     for tok in set(re.split(rb'[\s",:;]+', v)):
-        for dec in (base64.b64decode, base64.urlsafe_b64decode):
-            try:
-                out.append(dec(tok + b"=" * (-len(tok) % 4)))
-            except (binascii.Error, ValueError):
-                pass
+        for k in range(4):  # the encoded text may start mid-quantum (a value inside a longer blob)
+            t = tok[k:]
+            for dec in (base64.b64decode, base64.urlsafe_b64decode):
+                try:
+                    out.append(dec(t + b"=" * (-len(t) % 4)))
+                except (binascii.Error, ValueError):
+                    pass
     return out
 
 
+def _hex_runs(v: bytes) -> list[bytes]:
+    """Runs of hex digits (16 or more), decoded at both alignments."""
+    out = []
+    for run in set(re.findall(rb"[0-9A-Fa-f]{16,}", v)):
+        for k in (0, 1):
+            t = run[k:len(run) - (len(run) - k) % 2]
+            out.append(bytes.fromhex(t.decode("ascii")))
+    return out
+
+
+MAX_VIEWS = 4000
+
+
 def decoded_views(data: bytes) -> list[bytes]:
+    """Every way a client could read ``data`` (see :func:`all_decoded_views`)."""
+    return all_decoded_views(data)[0]
+
+
+def all_decoded_views(data: bytes) -> tuple[list[bytes], bool]:
     """Every way a client could read ``data``: as is, and after up to three decodings of
-    gzip/deflate/br/zstd, base64/base64url (per token), percent-encoding and JSON strings.
+    gzip/deflate/br/zstd, base64/base64url (per token, at any of the four alignments), hex
+    runs, percent-encoding and JSON strings; and whether that is all of them (False: more than
+    :data:`MAX_VIEWS`, so a judge must not call the data clean).
 
     Total: any bytes give a list of views, never an exception (each decoder that does not
-    apply gives nothing), and bounded (:data:`VIEW_LIMIT` per decoding, 4000 views). Bytes stay
-    bytes throughout: percent-decoding is ``unquote_to_bytes``, never text decoded as UTF-8."""
+    apply gives nothing), and bounded (:data:`VIEW_LIMIT` per decoding). Bytes stay bytes
+    throughout: percent-decoding is ``unquote_to_bytes``, never text decoded as UTF-8."""
     from urllib.parse import unquote_to_bytes
 
     decoders = _bounded_decoders()
@@ -460,18 +482,23 @@ def decoded_views(data: bytes) -> list[bytes]:
         out += _attempt(unquote_to_bytes, v)
         out += _attempt(unquote_to_bytes, v.replace(b"+", b" "))
         out += _attempt(_b64_tokens, v)
+        out += _attempt(_hex_runs, v)
         return [o for o in out if isinstance(o, bytes) and o and o != v]
 
-    seen, frontier = {bytes(data)}, [bytes(data)]
+    seen, frontier, complete = {bytes(data)}, [bytes(data)], True
     for _ in range(3):
         nxt = []
         for v in frontier:
             for o in step(v):
-                if o not in seen and len(seen) < 4000:
-                    seen.add(o)
-                    nxt.append(o)
+                if o in seen:
+                    continue
+                if len(seen) >= MAX_VIEWS:
+                    complete = False
+                    break
+                seen.add(o)
+                nxt.append(o)
         frontier = nxt
-    return list(seen)
+    return list(seen), complete
 
 
 def dechunk(body: bytes) -> bytes:
@@ -507,10 +534,14 @@ print("RAW " + base64.b64encode(r).decode(), flush=True)
         return Verdict.error(f"{what}: the echo upstream was never reached: {o.out[-300:]}")
     if not raw.startswith(b"HTTP/1.1 "):
         return Verdict.error(f"{what}: the agent got no response: {o.out[-300:]}")
-    for view in decoded_views(raw):
+    views, complete = all_decoded_views(raw)
+    for view in views:
         for needle in (real.encode(), real.encode()[4:-4]):
             if needle in view:
                 return Verdict.escaped(f"{what}: the real credential value reached the agent (decoded: ...{view[max(0, view.find(needle) - 40):view.find(needle) + 10]!r}...)")
+    if not complete:
+        return Verdict.error(f"{what}: what the agent got has over {MAX_VIEWS} decodings; not all were searched, "
+                             "so it cannot be called clean")
     status = raw.split(b" ", 2)[1].decode()
     scrubbed = [l for l in o.egress if l.get("scrubbed")]
     refused = [l for l in o.egress if str(l.get("rule", "")).startswith("credential:uninspectable")]
