@@ -486,8 +486,15 @@ def remove_workspace(home_ws: Path, name: str, *, runtime: Path | None = None,
             freed, size = st.st_blocks * 512, st.st_size
         if d.is_dir():
             freed += _dir_blocks(d) + d.stat().st_blocks * 512
-        if record is not None:  # first: a removal that cannot be recorded does not happen
-            record("workspace.removed", {"name": name, "bytes": freed, "size": size})
+        data = {"name": name, "bytes": freed, "size": size}
+        late = False
+        if record is not None:  # first: a removal that cannot be recorded does not happen...
+            try:
+                record("workspace.removed", data)
+            except Exception as exc:  # noqa: BLE001
+                if not _disk_full(exc):
+                    raise
+                late = True  # ...except for want of space, which is what removing it gives back
         img.unlink(missing_ok=True)
         if d.is_dir():
             import shutil
@@ -498,7 +505,24 @@ def remove_workspace(home_ws: Path, name: str, *, runtime: Path | None = None,
     finally:
         os.close(fd)
     _cache_clear()
+    if late:
+        record("workspace.removed", dict(data, recorded="after the removal: the disk was full"))
     return freed
+
+
+def _disk_full(exc: BaseException | None) -> bool:
+    """The failure (or one it happened while handling: a rollback after a full disk) is a
+    full disk."""
+    import sqlite3
+
+    seen = 0
+    while exc is not None and seen < 8:
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if isinstance(exc, sqlite3.OperationalError) and "full" in str(exc).lower():
+            return True
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return False
 
 
 def _drop_lock_file(lock: Path) -> None:

@@ -133,3 +133,39 @@ def test_a_running_agents_workspace_is_never_removed(rt):
         t.join()
     assert _cli("workspace", "rm", "wsl-busy") == 0
     assert sorted(os.listdir(ws_dir)) == []
+
+
+def test_workspace_rm_on_a_full_disk_frees_it_and_records_after(tmp_path):
+    """The full disk is when removing a workspace matters: the audit record that cannot be
+    written first is written once the removal gave the space back."""
+    import json as _json
+    import secrets
+    import sys
+
+    home = Path(f"/tmp/agentvm-wsfull-{secrets.token_hex(4)}")
+    home.mkdir(mode=0o711)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m,mode=0711", "tmpfs", str(home)], check=True)
+    env = dict(os.environ, AGENTVM_HOME=str(home), AGENTVM_NO_DAEMON="1")
+
+    def av(*args):
+        return subprocess.run([sys.executable, "-m", "agentvm", *args], env=env, capture_output=True, timeout=120)
+
+    try:
+        f = tmp_path / "a.yaml"
+        f.write_text(_spec("wsl-full"))
+        assert av("run", "-f", str(f)).returncode == 0
+        subprocess.run(["dd", "if=/dev/zero", f"of={home}/fill", "bs=1M"], capture_output=True)  # until ENOSPC
+        assert os.statvfs(home).f_bavail == 0
+        r = av("workspace", "rm", "wsl-full")
+        assert r.returncode == 0, r.stderr
+        assert not (home / "workspaces" / "wsl-full.img").exists()
+        assert os.statvfs(home).f_bavail * os.statvfs(home).f_frsize >= 15 * (1 << 20)
+        recs = [_json.loads(x) for x in av("audit", "show", "--json").stdout.splitlines()]
+        rm = [x for x in recs if x["kind"] == "workspace.removed"]
+        assert len(rm) == 1 and rm[0]["data"]["name"] == "wsl-full" and "disk was full" in rm[0]["data"]["recorded"]
+        assert av("audit", "verify").returncode == 0
+    finally:
+        for d in (home / "run" / "ws").glob("*") if (home / "run" / "ws").is_dir() else ():
+            subprocess.run(["umount", "-l", str(d)], capture_output=True)
+        subprocess.run(["umount", "-l", str(home)], capture_output=True)
+        shutil.rmtree(home, ignore_errors=True)

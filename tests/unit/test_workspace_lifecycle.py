@@ -111,6 +111,28 @@ def test_remove_frees_the_image_and_lock_and_records_first(home):
     assert seen == [("workspace.removed", {"name": "gone", "bytes": freed, "size": 4 * MiB}, True)]  # before the unlink
 
 
+def test_remove_on_a_full_disk_records_after_and_anything_else_refuses(home):
+    img = make_image(home, "full")
+    calls = []
+
+    def record(kind, data):
+        calls.append(dict(data))
+        if len(calls) == 1:
+            raise sqlite3.OperationalError("database or disk is full")
+
+    assert ws.remove_workspace(home / "workspaces", "full", record=record) > 0
+    assert not img.exists()  # removing it is what gives the space back
+    assert len(calls) == 2 and calls[1]["name"] == "full" and "disk was full" in calls[1]["recorded"]
+    img = make_image(home, "other")
+
+    def broken(kind, data):
+        raise sqlite3.DatabaseError("file is not a database")
+
+    with pytest.raises(sqlite3.DatabaseError):
+        ws.remove_workspace(home / "workspaces", "other", record=broken)
+    assert img.exists()  # not recorded, not removed
+
+
 def test_remove_refuses_a_workspace_in_use_and_keeps_it(home):
     img = make_image(home, "busy")
     fd = hold(home, "busy")

@@ -7,7 +7,9 @@ which workspaces an agent still owns); a removal goes on the audit chain
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import time
 
 import click
@@ -31,11 +33,26 @@ def recorder(paths, actor: str | None = None):
     state: dict = {}
 
     def record(kind: str, data: dict) -> None:
-        if "log" not in state:
-            from agentvm.audit import AuditLog
+        import sqlite3
 
-            state["log"] = AuditLog(paths.audit_dir / "audit.db")
-        state["log"].append(kind, actor=actor or _actor(), sandbox=data.get("name"), data=data)
+        try:
+            if "log" not in state:
+                from agentvm.audit import AuditLog
+
+                state["log"] = AuditLog(paths.audit_dir / "audit.db")
+            state["log"].append(kind, actor=actor or _actor(), sandbox=data.get("name"), data=data)
+        except sqlite3.Error as exc:
+            # SQLite says "disk I/O error" when it cannot even make its WAL files: name a full
+            # disk as one (the removal that gives the space back then records afterwards)
+            try:
+                st = os.statvfs(paths.audit_dir)
+                full = st.f_bavail * st.f_frsize < (1 << 20)
+            except OSError:
+                full = False
+            if full:
+                state.pop("log", None)
+                raise OSError(errno.ENOSPC, f"the disk holding the audit chain is full ({exc})") from exc
+            raise
 
     return record
 
