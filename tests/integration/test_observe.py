@@ -136,8 +136,9 @@ def test_metrics_match_the_decision_log(daemon_tcp, tmp_path):
         assert sample("agentvm_credential_leaks_blocked", agent="m-obs", where="request") >= 1
         # the upstream echoes the request's headers: the real key in each answer was scrubbed
         assert sample("agentvm_credential_leaks_blocked", agent="m-obs", where="response") == 3
-        assert sample("agentvm_egress_bytes", agent="m-obs", direction="out") == sum(r["bytes_out"] for r in log)
-        assert sample("agentvm_egress_bytes", agent="m-obs", direction="in") == sum(r["bytes_in"] for r in log)
+        # bytes: the gate's counters (heads, bodies), counted as they move: more than the log's
+        # per-request bodies, and at the end exactly what the session's run report says (below)
+        assert sample("agentvm_egress_bytes", agent="m-obs", direction="out") > sum(r["bytes_out"] for r in log)
         hist = {s.name: s.value for s in fams["agentvm_gate_upstream_seconds"].samples}
         assert hist["agentvm_gate_upstream_seconds_count"] == 3
         assert 0 < hist["agentvm_gate_upstream_seconds_sum"] < 30
@@ -166,6 +167,17 @@ def test_metrics_match_the_decision_log(daemon_tcp, tmp_path):
         assert all(e["metadata"]["version"].startswith("1.") and e["type_uid"] == 600300 + e["activity_id"]
                    for e in api_act)
         assert b"fake-metrics-key" not in av("audit", "export").stdout, "an export never carries a secret"
+        # /metrics and the run report count the same bytes (one session: the worker's only run)
+        av("stop", "m-obs")
+        status, _, body = http(port, "/metrics", headers={"Authorization": f"Bearer {token}"})
+        fams = {f.name: f for f in text_string_to_metric_families(body.decode())}
+        status, _, body = http(port, "/v1/audit", headers={"Authorization": f"Bearer {token}"})
+        exited = [r for r in json.loads(body) if r["kind"] == "run.exited" and r["data"].get("agent") == "m-obs"]
+        assert len(exited) == 1, exited
+        eg = exited[0]["data"]["egress"]
+        assert eg["bytes_out"] > 0 and eg["bytes_in"] > 0
+        assert sample("agentvm_egress_bytes", agent="m-obs", direction="out") == eg["bytes_out"]
+        assert sample("agentvm_egress_bytes", agent="m-obs", direction="in") == eg["bytes_in"]
         av("rm", "m-obs", check=False)
     finally:
         up.close()

@@ -42,6 +42,13 @@ def test_decisions_bytes_credentials_and_latency_are_counted():
     f = families(o)
     assert value(f, "agentvm_egress_decisions", agent="a", verdict="allow", rule="api") == 2
     assert value(f, "agentvm_egress_decisions", agent="a", verdict="deny", rule="log:suppressed") == 7
+    # a record's bytes_out/bytes_in are its request's body: the byte counters are the gate's own
+    # (the run report's), counted by the daemon through count_bytes
+    assert value(f, "agentvm_egress_bytes", agent="a", direction="in") == 0
+    o.count_bytes("a", 573, 200)
+    o.count_bytes("a", 27, 0)
+    f = families(o)
+    assert value(f, "agentvm_egress_bytes", agent="a", direction="out") == 600
     assert value(f, "agentvm_egress_bytes", agent="a", direction="in") == 200
     assert value(f, "agentvm_credential_swaps", agent="a", credential="gh") == 1
     assert value(f, "agentvm_credential_leaks_blocked", agent="a", where="request") == 1

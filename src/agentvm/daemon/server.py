@@ -262,12 +262,14 @@ class DaemonGateHost:
 
         if _on_worker(ep):
             self._call(self.daemon.workers.close(ep))
+            self.daemon._in_loop(lambda: self.daemon._count_bytes(ep, final=True))
             summary = egress_summary(ep)
             if ep.counts_lost:  # (the decision log and the audit chain still have every record)
                 summary["incomplete"] = ("a gate worker serving this sandbox died and was replaced: these counts "
                                          "leave out what it had counted (its records are in the decision log)")
             return summary
         self._call(self.daemon.gate.close_endpoint(sandbox_id))
+        self.daemon._in_loop(lambda: self.daemon._count_bytes(ep, final=True))
         return egress_summary(ep)
 
 
@@ -307,6 +309,7 @@ class Daemon:
         self.socket_path = self.paths.runtime / SOCKET_NAME
         from agentvm.observe.metrics import CachedVerify, Observer
 
+        self._bytes_seen: dict[str, tuple[int, int]] = {}  # sandbox id -> (out, in) counted to /metrics
         self.observer = Observer(sandboxes_by_state=self._by_state, approvals_pending=self._pending_count,
                                  audit_status=CachedVerify(self._verify_readonly, self.audit.length))
         self._console = None  # the web console's app, made on its first request
@@ -457,9 +460,23 @@ class Daemon:
                                exit_code=125) from None
             return fn(*args, **kw)
 
+    def _count_bytes(self, ep, final: bool = False) -> None:
+        """The gate's byte counters of ``ep`` since they were last counted, to /metrics: the
+        same counters as the run report (so the two agree), counted as they move."""
+        sid = ep.sandbox_id
+        prev = self._bytes_seen.pop(sid, (0, 0)) if final else self._bytes_seen.get(sid, (0, 0))
+        out, inn = ep.bytes_out, ep.bytes_in
+        if out != prev[0] or inn != prev[1]:
+            self.observer.count_bytes(ep.agent, out - prev[0], inn - prev[1])
+            if not final:
+                self._bytes_seen[sid] = (out, inn)
+
     def _on_decision(self, rec: dict) -> None:
         """Every gate decision is an event; denials, alerts and credential uses go to the audit chain."""
         self._fan_out({"time": rec.get("time") or time.time(), "kind": "egress", **rec})  # (emit's event, one copy)
+        ep = self.gate.endpoints.get(rec.get("sandbox"))
+        if ep is not None:
+            self._count_bytes(ep)
         name = rec.get("agent")
         m = self.managed.get(name) if name else None
         if m is not None and rec.get("verdict") == "allow":

@@ -112,6 +112,16 @@ class Observer:
         except Exception:  # noqa: BLE001
             pass
 
+    def count_bytes(self, agent: str | None, out: int, inn: int) -> None:
+        """Bytes the gate moved for a sandbox of ``agent`` since the last count: the same
+        counters as the run report's egress summary and ``limits.bytesOut`` (out: request heads,
+        bodies and tunnelled bytes toward upstreams; in: what came back toward the sandbox)."""
+        counts, agent = self.counts, self._agent(agent)
+        if out > 0:
+            counts.bytes[(agent, "out")] = counts.bytes.get((agent, "out"), 0) + out
+        if inn > 0:
+            counts.bytes[(agent, "in")] = counts.bytes.get((agent, "in"), 0) + inn
+
     def _child(self, metric, *labels):
         """``metric.labels(*labels)``, cached: the library's lookup costs more than the count."""
         key = (id(metric), labels)
@@ -129,11 +139,8 @@ class Observer:
         counts = self.counts
         key = (agent, verdict, rule)
         counts.decisions[key] = counts.decisions.get(key, 0) + n
-        out, inn = int(rec.get("bytes_out") or 0), int(rec.get("bytes_in") or 0)
-        if out:
-            counts.bytes[(agent, "out")] = counts.bytes.get((agent, "out"), 0) + out
-        if inn:
-            counts.bytes[(agent, "in")] = counts.bytes.get((agent, "in"), 0) + inn
+        # (bytes are not read from the records, whose bytes_out/bytes_in are one request's body:
+        # the daemon counts the gate's own counters, see count_bytes)
         for cred in rec.get("credentials") or ():
             self._child(self.swaps, agent, str(cred)[:128]).inc()
         if rule.startswith("credential:leak:"):
@@ -206,8 +213,9 @@ class _Counts:
         for labels, n in sorted(dict(self.decisions).items()):
             c.add_metric(list(labels), n)
         yield c
-        c = CounterMetricFamily("agentvm_egress_bytes", "Bytes relayed by the gate (out: toward upstreams; in: "
-                                "toward the sandbox)", labels=["agent", "direction"])
+        c = CounterMetricFamily("agentvm_egress_bytes", "Bytes the gate moved for the agent's sandboxes, as the run "
+                                "report counts them (out: request heads, bodies and tunnelled bytes toward "
+                                "upstreams; in: toward the sandbox)", labels=["agent", "direction"])
         for labels, n in sorted(dict(self.bytes).items()):
             c.add_metric(list(labels), n)
         yield c
