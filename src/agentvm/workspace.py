@@ -405,9 +405,10 @@ def _lock_free(home_ws: Path, name: str) -> bool:
         os.close(fd)
 
 
-def registered_agents(state_db: Path) -> set[str] | None:
-    """The names of the agents registered with the daemon (its state, read-only); an empty set
-    when there is no state; None when it cannot be read."""
+def registered_agents(home: Path) -> set[str] | None:
+    """The names of the agents registered with the daemon (its state, ``<home>/daemon.db``,
+    read-only); an empty set when there is none; None when it cannot be read."""
+    state_db = home / "daemon.db"
     import sqlite3
 
     if not state_db.exists():

@@ -55,7 +55,7 @@ def register(home: Path, *names: str) -> None:
     """Agents registered with the daemon (its state table, as daemon/state.py makes it)."""
     from agentvm.daemon.state import State
 
-    st = State(home / "state.db")
+    st = State(home / "daemon.db")
     for n in names:
         st.create(n, "apiVersion: agentvm/v1\n", "<t>", "persistent", None, None)
     st.close()
@@ -90,7 +90,7 @@ def test_list_reports_size_used_last_use_owner_and_in_use(home):
     register(home, "beta")
     fd = hold(home, "beta")
     try:
-        rows = {w.name: w for w in ws.list_workspaces(home / "workspaces", owners=ws.registered_agents(home / "state.db"))}
+        rows = {w.name: w for w in ws.list_workspaces(home / "workspaces", owners=ws.registered_agents(home))}
     finally:
         os.close(fd)
     assert set(rows) == {"alpha", "beta"}
@@ -196,7 +196,7 @@ def test_prune_removes_exactly_the_unused_ones(home):
     make_image(home, "oldbusy", age=30 * DAY)
     make_image(home, "oldowned", age=30 * DAY)
     register(home, "oldowned")
-    owners = ws.registered_agents(home / "state.db")
+    owners = ws.registered_agents(home)
     fd = hold(home, "oldbusy")
     try:
         dry = ws.prune(d, 7 * DAY, owners=owners, dry_run=True)

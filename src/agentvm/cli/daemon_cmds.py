@@ -235,7 +235,7 @@ def _rm_local(name, keep_workspace):
     from agentvm.workspace import human, on_agent_removed, registered_agents
 
     paths = default_paths()
-    owners = registered_agents(paths.state_db)
+    owners = registered_agents(paths.home)
     if owners is None or name in owners:
         raise ConfigError(f"{name!r} is registered with the daemon, which is not running" if owners is not None
                           else "the daemon is not running and its state cannot be read",

@@ -60,7 +60,7 @@ def recorder(paths, actor: str | None = None):
 def _owners(paths):
     from agentvm.workspace import registered_agents
 
-    return registered_agents(paths.state_db)
+    return registered_agents(paths.home)
 
 
 def _when(t: float) -> str:
