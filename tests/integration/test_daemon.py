@@ -132,8 +132,21 @@ def test_kill_9_daemon_then_restart_leaves_no_orphans(daemon, tmp_path):
                if r["kind"] == "lifecycle.running")
     uid, sid = rec["data"]["uid"], rec["data"]["sandbox_id"]
     assert uid_procs(uid), "the worker runs"
+    # and a run through the daemon, in flight when it dies
+    inflight = subprocess.Popen(agentvm_cmd() + ["run", "--", "sleep", "300"], stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        running = [r for r in map(json.loads, av("runs", "--json").stdout.splitlines())
+                   if r["via"] == "run" and r["exit_code"] is None and r["command"] == ["sleep", "300"]]
+        if running:
+            break
+        time.sleep(0.1)
+    assert running, "the run through the daemon started"
+    run_id = running[0]["run"]
     pid = int((daemon / "run" / "daemon.pid").read_text())
     os.kill(pid, signal.SIGKILL)
+    inflight.wait(30)
     deadline = time.monotonic() + 10
     while uid_procs(uid) and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -151,6 +164,14 @@ def test_kill_9_daemon_then_restart_leaves_no_orphans(daemon, tmp_path):
             break
         time.sleep(0.1)
     assert row["state"] == "running" and row["sandbox_id"] != sid, "the persistent worker was restarted"
+    # nothing the dead daemon ran is listed as running forever: each has its end, daemon-lost
+    runs = {r["run"]: r for r in map(json.loads, av("runs", "--json").stdout.splitlines())}
+    for gone in (sid, run_id):
+        assert runs[gone]["exit_code"] is None and runs[gone]["ended"] == "daemon-lost", runs[gone]
+    assert b"daemon-lost" in av("runs").stdout
+    ends = [r for r in map(json.loads, av("audit", "show", "--json").stdout.splitlines())
+            if r["kind"] in ("run.exited", "lifecycle.exited") and r["data"].get("reason") == "daemon-lost"]
+    assert {e["sandbox"] if e["kind"] == "run.exited" else e["data"]["sandbox_id"] for e in ends} == {sid, run_id}
     v = av("audit", "verify")
     assert b"intact" in v.stdout
     av("rm", "d-orphan")

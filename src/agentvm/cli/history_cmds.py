@@ -35,6 +35,8 @@ def collect_runs(records) -> list[dict]:
                 continue
             run["exit_code"] = d.get("exit_code")
             run["duration"] = d.get("duration") if d.get("duration") is not None else round(r.time - run["started"], 3)
+            if d.get("reason"):  # daemon-lost: it ended with a daemon that never saw its exit
+                run["ended"] = d["reason"]
             run["egress"] = d.get("egress")
             run["teardown_verified"] = d.get("teardown_verified")
     return sorted(runs.values(), key=lambda x: x["started"], reverse=True)
@@ -68,7 +70,7 @@ def runs(limit, as_json):
     rows = []
     for r in found:
         started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["started"]))
-        dur = "running" if r["exit_code"] is None else f"{r['duration']:.1f}s"
+        dur = (r["ended"] if r.get("ended") else "running") if r["exit_code"] is None else f"{r['duration']:.1f}s"
         code = "-" if r["exit_code"] is None else str(r["exit_code"])
         denied = str((r.get("egress") or {}).get("denied", "")) if r.get("egress") else ""
         what = f"refused: {r['refused']}" if r.get("refused") else " ".join(r["command"])

@@ -740,12 +740,45 @@ class Daemon:
         self._save(self.state.update, name, desired="stopped", state="stopped")
 
     # ---------------------------------------------------------------- recovery
+    def _record_lost_runs(self) -> list[str]:
+        """The runs and sessions an earlier daemon started and never saw end (it was killed,
+        or the host went down): their sandboxes died with it (and were just reaped), so each
+        gets its end on the chain - ``run.exited`` / ``lifecycle.exited`` with reason
+        ``daemon-lost`` and no exit code - and `agentvm runs` never lists one as running
+        forever. Only the daemon's own (actor ``agentvm``); embedded runs are their caller's."""
+        open_runs: dict[str, tuple[str, str | None]] = {}  # session id -> (kind, agent or sandbox name)
+        try:
+            recs = self.audit.records(kinds=("run.started", "run.exited", "lifecycle.running", "lifecycle.exited"))
+        except Exception:  # noqa: BLE001 - a chain that cannot be read is check_chain's to report
+            return []
+        for r in recs:
+            if r.actor != "agentvm":
+                continue
+            d = r.data
+            if r.kind == "run.started" and r.sandbox:
+                open_runs[r.sandbox] = ("run", d.get("agent"))
+            elif r.kind == "lifecycle.running" and d.get("sandbox_id"):
+                open_runs[d["sandbox_id"]] = ("lifecycle", r.sandbox)
+            elif r.kind == "run.exited":
+                open_runs.pop(r.sandbox, None)
+            elif r.kind == "lifecycle.exited":
+                open_runs.pop(d.get("sandbox_id"), None)
+        for sid, (kind, who) in open_runs.items():
+            why = "the daemon that ran it stopped without seeing it end (killed, or the host went down)"
+            if kind == "run":
+                self.record("run.exited", sandbox=sid, agent=who, exit_code=None, reason="daemon-lost", detail=why)
+            else:
+                self.record("lifecycle.exited", sandbox=who, sandbox_id=sid, exit_code=None, reason="daemon-lost",
+                            detail=why)
+        return sorted(open_runs)
+
     async def recover(self, *, resume: bool = True) -> dict:
         """At `up` (after `down` or a crash): reap what the last daemon left, and restart the
         persistent workers that should run (``resume=False``: leave them stopped, recorded)."""
         from agentvm.runtime import gc_stale
 
         reaped = await asyncio.to_thread(gc_stale, self.paths)
+        lost = self._record_lost_runs()
         restarted: list[str] = []
         left: list[str] = []
         for row in self.state.all():
@@ -765,7 +798,7 @@ class Daemon:
                     self.state.update(row.name, desired="stopped")
         interrupted = self.state.promotions_interrupted()
         self.record("daemon.recovered", reaped=reaped, restarted=restarted,
-                    **({"not_resumed": left} if left else {}),
+                    **({"not_resumed": left} if left else {}), **({"runs_lost": lost} if lost else {}),
                     **({"interrupted_promotions": interrupted} if interrupted else {}))
         return {"reaped": reaped, "restarted": restarted, "not_resumed": left}
 
