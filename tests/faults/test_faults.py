@@ -194,3 +194,17 @@ def test_exec_works_with_over_a_thousand_connections_open(home, tmp_path):
         for s in conns:
             s.close()
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_every_refused_run_is_on_the_chain_embedded_or_through_the_daemon(home, tmp_path):
+    # refused while the policy is built (the tier's ceiling), before the lifecycle's preflight
+    f = _agent(tmp_path, "low-tier", "  riskTier: L0\n  command: [/bin/true]\n")
+    r = _av(home, "run", "-f", str(f), "--allow", "example.org", "--json", AGENTVM_NO_DAEMON="1")
+    assert r.returncode == 77 and last_json(r.stdout)["error"] == "policy.denied", (r.stdout, r.stderr)
+    assert _av(home, "up").returncode == 0
+    r = _av(home, "run", "-f", str(f), "--allow", "example.org", "--json")
+    assert r.returncode == 77 and last_json(r.stdout)["error"] == "policy.denied", (r.stdout, r.stderr)
+    runs = [json.loads(x) for x in _av(home, "runs", "--json").stdout.splitlines()]
+    refused = [x for x in runs if x.get("refused") == "policy.denied"]
+    assert [x["agent"] for x in refused] == ["low-tier", "low-tier"], runs
+    assert b"refused: policy.denied" in _av(home, "runs").stdout

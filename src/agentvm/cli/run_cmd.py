@@ -125,17 +125,33 @@ def _run(argv: list[str]) -> int:
     from agentvm.overrides import from_cli
     from agentvm.policy import Policy, with_overrides
 
-    if ns.agent_file:
-        from pathlib import Path
+    from agentvm.errors import HostEnvironmentError, PolicyDenied
 
-        from agentvm.policy import compile_policy
-        from agentvm.spec.loader import load_agent
+    name = "run"
+    try:
+        if ns.agent_file:
+            from pathlib import Path
 
-        loaded = load_agent(Path(ns.agent_file), preset_dirs=[Path(p) for p in ns.preset_path] or None)
-        policy = compile_policy(loaded.spec)
-    else:
-        policy = Policy(name="run", network=ns.network or "gate")  # "none": no gate rules to compile at all
-    policy = with_overrides(policy, **from_cli(raw, command))
+            from agentvm.policy import compile_policy
+            from agentvm.spec.loader import load_agent
+
+            loaded = load_agent(Path(ns.agent_file), preset_dirs=[Path(p) for p in ns.preset_path] or None)
+            name = loaded.spec.metadata.name
+            policy = compile_policy(loaded.spec)
+        else:
+            policy = Policy(name="run", network=ns.network or "gate")  # "none": no gate rules to compile at all
+        policy = with_overrides(policy, **from_cli(raw, command))
+    except (PolicyDenied, HostEnvironmentError) as exc:
+        # refused before the lifecycle's own preflight (a tier ceiling, an option): on the chain
+        # all the same, as every refused run is
+        from agentvm.runtime import Runtime
+
+        rt = Runtime()
+        try:
+            rt.record("run.refused", agent=name, code=exc.code, message=exc.message[:500])
+        finally:
+            rt.close()
+        raise
     if not policy.command:
         raise ConfigError("the agent file declares no command and none was given after --")
 

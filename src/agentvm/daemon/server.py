@@ -1400,6 +1400,22 @@ class Daemon:
     async def _run(self, doc: dict, conn, writer, actor: str) -> None:
         """`agentvm run` through the daemon: one sandbox for one command, output streamed,
         the same policy semantics as the embedded path (the same library builds it)."""
+        from agentvm.errors import HostEnvironmentError
+
+        try:
+            policy = self._run_policy(doc)
+        except (PolicyDenied, HostEnvironmentError) as exc:
+            # refused before the lifecycle's own preflight (a tier ceiling, an option): on the
+            # chain all the same, as every refused run is
+            self.record("run.refused", actor=actor, agent=_spec_name(doc.get("spec")), code=exc.code,
+                        message=exc.message[:500])
+            raise
+        if not policy.command:
+            raise ApiError(400, "bad-request", "nothing to run")
+        return await self._run_policy_streamed(policy, doc, conn, writer, actor)
+
+    def _run_policy(self, doc: dict):
+        """The policy of a run request (the same code as the embedded run builds it with)."""
         from agentvm.policy import MountGrant, Policy, compile_policy, with_overrides
         from agentvm.spec.loader import load_agent_text
 
@@ -1427,8 +1443,9 @@ class Daemon:
                 network=doc.get("network"),
                 substrate=doc.get("substrate"),
             )
-        if not policy.command:
-            raise ApiError(400, "bad-request", "nothing to run")
+        return policy
+
+    async def _run_policy_streamed(self, policy, doc: dict, conn, writer, actor: str) -> None:
         o_r, o_w = os.pipe2(os.O_CLOEXEC)
         e_r, e_w = os.pipe2(os.O_CLOEXEC)
         i_r, i_w = os.pipe2(os.O_CLOEXEC)
@@ -2170,11 +2187,37 @@ def check_chain(paths: Paths, accept_broken: bool) -> str | None:
     return v.problem
 
 
+def _spec_name(text) -> str:
+    """An agent file's metadata.name, for a record about it (``run`` when there is none)."""
+    if not isinstance(text, str):
+        return "run"
+    try:
+        import yaml
+
+        name = yaml.safe_load(text)["metadata"]["name"]
+    except Exception:  # noqa: BLE001 - a record's label, never a reason to fail
+        return "run"
+    return str(name)[:200] if isinstance(name, str) else "run"
+
+
+def check_state(paths: Paths) -> None:
+    """Refuse to start on a lost identity database (``state.db``: which host uid each named
+    agent owns, and so whose files its workspace holds), as an embedded run refuses it: the
+    daemon opens it lazily, so without this check it would start and fail every named start."""
+    from agentvm import statedb
+    from agentvm.identity import _connect
+
+    db = paths.state_db
+    if db.exists() or statedb._marker(db).exists():
+        _connect(db).close()  # raises state.lost (exit 78) for a missing, emptied or garbage one
+
+
 def run_daemon(paths: Paths, *, listen: str | None = None, backend=None, accept_broken_chain: bool = False,
                otlp_endpoint: str | None = None, otlp_sample_allowed: float | None = None, gate_workers: int = 0,
                resume: bool = True) -> None:
     """Foreground entry point (``agentvm up --foreground``)."""
     accepted = check_chain(paths, accept_broken_chain)
+    check_state(paths)
     from agentvm.observe.tracing import from_env_or
 
     # a bad URL or ratio refuses here, before anything starts
