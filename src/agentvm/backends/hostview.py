@@ -57,7 +57,15 @@ ETC_REFUSED_NAMES = (
     "private", "*.key", "*.pem.key", "*.keytab", "*.p12", "*.pfx", "*.jks", "*.kdbx", "*credential*",
     "*secret*", "*token*", "*passw*", "id_rsa*", "id_dsa*", "id_ecdsa*", "id_ed25519*", "auth.json",
     ".netrc", ".npmrc", ".pypirc", ".git-credentials", "settings-security.xml",
+    # configuration that keeps credentials under a generic name, in the folders /usr links to:
+    # Maven's settings.xml (<servers><password>), Hadoop/Spark/Hive *-site.xml (S3 keys, JDBC
+    # passwords), PostgreSQL's .pgpass, key and trust stores, JMX's password file
+    "settings.xml", "*-site.xml", ".pgpass", "pgpass", "*.keystore", "keystore", "*.bcfks", "*.pkcs12",
+    "jmxremote.password",
 )
+# CA trust stores Java reads (Debian's, Fedora's): public certificates, never refused by name
+# (ETC_REFUSED still applies to their folders). The JDK's lib/security/cacerts links here.
+ETC_TRUST_STORES = ("ssl/certs/java/cacerts", "pki/java/cacerts", "pki/ca-trust/extracted/java/cacerts")
 PER_SANDBOX_ETC = ("hosts", "hostname")
 # Synthetic files in the shared view: the sandbox never sees the host's accounts or resolver.
 VIEW_SYNTHETIC = {
@@ -70,7 +78,7 @@ VIEW_SYNTHETIC = {
     # empty: nothing is preloaded (the gVisor substrate binds its compatibility shim's name over it)
     "ld.so.preload": "",
 }
-ETC_VIEW_VERSION = 3
+ETC_VIEW_VERSION = 4
 MERGED_USR = (("bin", "usr/bin"), ("lib", "usr/lib"), ("lib64", "usr/lib64"), ("sbin", "usr/sbin"))
 BASE_PATH = "/usr/local/bin:/usr/bin:/bin:/usr/local/sbin:/usr/sbin"
 
@@ -200,7 +208,29 @@ def etc_refused(rel: str) -> bool:
     for i in range(1, len(parts) + 1):
         if paths.match("/".join(parts[:i])):
             return True
+    if "/".join(parts) in ETC_TRUST_STORES:
+        return False
     return any(names.match(p) for p in parts)
+
+
+_PRIVATE_KEY = []
+
+
+def carries_private_key(data: bytes) -> bool:
+    """Whether ``data`` holds a private key in a text form (PEM, OpenSSH, PGP, PuTTY): the
+    view never holds such a file, whatever its name (a certificate and its key in one .pem)."""
+    if not _PRIVATE_KEY:
+        import re
+
+        _PRIVATE_KEY.append(re.compile(rb"-----BEGIN [A-Z0-9 ]{0,40}PRIVATE KEY|PuTTY-User-Key-File-"))
+    return _PRIVATE_KEY[0].search(data) is not None
+
+
+def _clean_rel(rel) -> bool:
+    """Whether ``rel`` is a relative, normalised path (no leading /, no . or .., no empty part)."""
+    if not isinstance(rel, str) or not rel or "\0" in rel:
+        return False
+    return all(p not in ("", ".", "..") for p in rel.split("/"))
 
 
 _REFUSED_RE: list = []
@@ -228,7 +258,7 @@ def _etc_allowed(rel: str) -> bool:
 # reading every link of /usr (~0.3 s): done once and kept in <runtime>/usr-etc-links-*.json,
 # valid while a cheap stamp holds - the package database, /usr and its folders, and every folder
 # on the way to a link found (a runtime unpacked by hand into /usr/lib/jvm changes that folder).
-USR_LINKS_VERSION = 1
+USR_LINKS_VERSION = 2
 PACKAGE_DBS = ("var/lib/dpkg/status", "var/lib/rpm", "usr/lib/sysimage/rpm", "lib/apk/db/installed",
                "var/lib/pacman/local")
 
@@ -288,7 +318,7 @@ def _usr_links_stamp(root: str, dirs: list[str]) -> str:
         while len(d) > len(usr) and d.startswith(usr + "/"):
             watch.add(d)
             d = os.path.dirname(d)
-    h = hashlib.sha256(f"{USR_LINKS_VERSION}:{root}:{ETC_ALLOW}:{ETC_REFUSED}:{ETC_REFUSED_NAMES}".encode())
+    h = hashlib.sha256(f"{USR_LINKS_VERSION}:{root}:{ETC_ALLOW}:{ETC_REFUSED}:{ETC_REFUSED_NAMES}:{ETC_TRUST_STORES}".encode())
     for p in sorted(watch):
         try:
             st = os.lstat(p)
@@ -310,8 +340,12 @@ def usr_linked_etc(runtime: Path | None, root: str = "/") -> tuple[str, ...]:
         cache = Path(runtime) / f"usr-etc-links-{hashlib.sha256(root.encode()).hexdigest()[:12]}.json"
         try:
             data = json.loads(cache.read_text())
-            if data.get("stamp") == _usr_links_stamp(root, data["dirs"]):
-                return tuple(t for t in data["targets"] if isinstance(t, str) and not etc_refused(t))
+            targets, dirs = data["targets"], data["dirs"]
+            # only relative, normalised paths (never /abs, .., or an empty part), and folders
+            # of /usr: anything else and the whole file is distrusted (scanned again)
+            if (isinstance(targets, list) and isinstance(dirs, list) and all(_clean_rel(t) for t in targets)
+                    and all(isinstance(d, str) for d in dirs) and data.get("stamp") == _usr_links_stamp(root, dirs)):
+                return tuple(t for t in targets if not etc_refused(t))
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             pass
     targets, dirs = _usr_links_scan(root)
@@ -345,22 +379,45 @@ def _etc_fingerprint(extra_ca: bytes = b"", root: str = "/", linked: tuple[str, 
 
     h = hashlib.sha256(f"v{ETC_VIEW_VERSION}:{sorted(VIEW_SYNTHETIC.items())}:{root}:{linked}".encode())
     h.update(extra_ca)
+    etc = os.path.join(root, "etc")
+    # the folders above every entry (/etc included): a folder made a link, or closed to the
+    # world, changes what the view may hold (_EtcCopy)
+    above = {os.path.dirname(n) for n in ETC_ALLOW + linked}
+    for d in sorted({"/".join(a.split("/")[: i + 1]) for a in above if a for i in range(a.count("/") + 1)} | {""}):
+        try:
+            st = os.lstat(os.path.join(etc, d) if d else etc)
+        except OSError:
+            continue
+        h.update(f"dir {d}:{st.st_mode}:{st.st_ino}".encode())
+    budget = [4096]  # entries read below linked folders (the allowlist: one level, as always)
     for name in ETC_ALLOW + linked:
-        p = os.path.join(root, "etc", name)
+        p = os.path.join(etc, name)
         try:
             st = os.lstat(p)
         except OSError:
             continue
         h.update(f"{name}:{st.st_mode}:{st.st_mtime_ns}:{st.st_size}:{st.st_ino}".encode())
-        if os.path.isdir(p) and not os.path.islink(p):
-            with os.scandir(p) as it:
-                for e in sorted(it, key=lambda e: e.name):
-                    try:
-                        est = e.stat(follow_symlinks=False)
-                    except OSError:
-                        continue
-                    h.update(f"{e.name}:{est.st_mode}:{est.st_mtime_ns}:{est.st_size}".encode())
+        if stat.S_ISDIR(st.st_mode):
+            _fingerprint_dir(h, p, name, 0 if name in ETC_ALLOW else 8, budget)
     return h.hexdigest()[:16]
+
+
+def _fingerprint_dir(h, path: str, rel: str, depth: int, budget: list[int]) -> None:
+    """lstat of the entries of ``path`` (and of its folders' down to ``depth`` more levels)."""
+    try:
+        with os.scandir(path) as it:
+            entries = sorted(it, key=lambda e: e.name)
+    except OSError:
+        return
+    for e in entries:
+        try:
+            est = e.stat(follow_symlinks=False)
+        except OSError:
+            continue
+        h.update(f"{rel}/{e.name}:{est.st_mode}:{est.st_mtime_ns}:{est.st_size}".encode())
+        budget[0] -= 1
+        if depth > 0 and budget[0] > 0 and stat.S_ISDIR(est.st_mode):
+            _fingerprint_dir(h, e.path, f"{rel}/{e.name}", depth - 1, budget)
 
 
 # how long a process trusts its last check of the host's /etc (a change is picked up after that)
@@ -414,12 +471,180 @@ def _mask_tree(top: Path) -> None:
                 os.chmod(p, new)  # not a link (lstat): the view is agent-vm's own, written just now
 
 
+# what the view takes of a host file, and how much of it
+VIEW_MAX_FILES = 20000
+VIEW_MAX_FILE_BYTES = 16 * 1024 * 1024
+VIEW_MAX_DEPTH = 24
+_O_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_O_FILE = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+
+
+class _EtcCopy:
+    """Copies ``root``/etc entries into the view ``tmp``, file by file, with one rule for the
+    allowlist and what /usr links to, for the host's root and an image's alike:
+
+    - every folder from /etc down is opened with O_NOFOLLOW relative to its parent (a symlinked
+      folder along the way: the entry is skipped), so the path read is the path checked, and
+      ``etc_refused`` sees the real path, never one a link leads out of /etc;
+    - a file is taken only if it is world-readable and every folder above it (/etc included)
+      world-traversable on the host: the sandbox never reads what a non-root host user could not;
+      a folder the world cannot enter is left out with all it holds;
+    - a file of a secret class (``etc_refused``: names and paths) or holding a private key
+      (``carries_private_key``) is never taken; neither are FIFOs, sockets, devices, or files
+      over VIEW_MAX_FILE_BYTES;
+    - links are copied as links (resolved inside the sandbox's own view); a linked entry that
+      is itself a link into /etc has its target taken too (a chain, under the same rule);
+    - modes are the host's, never wider than 0755, never setuid/setgid;
+    - every destination is checked to resolve inside the view's folder (LaunchError if not)."""
+
+    def __init__(self, root: str, tmp: Path) -> None:
+        self.etc = os.path.join(root, "etc")
+        self.tmp = Path(tmp)
+        self.tmp_real = os.path.realpath(tmp)
+        self.files = 0
+
+    def run(self, names: list[str]) -> None:
+        todo = list(names)
+        seen: set[str] = set()
+        while todo:
+            name = todo.pop(0)
+            if name in seen or len(seen) > 4096 or not _clean_rel(name) or etc_refused(name):
+                continue
+            seen.add(name)
+            target = self.entry(name)
+            if target is not None and name not in ETC_ALLOW:
+                a = os.path.normpath(target if target.startswith("/") else os.path.join("/etc", os.path.dirname(name), target))
+                if a.startswith("/etc/") and not _etc_allowed(a[5:]):
+                    todo.append(a[5:])  # a chain inside /etc: its end too
+
+    def dst(self, rel: str) -> Path:
+        """``tmp``/rel, after checking it resolves inside the view (no link along the way)."""
+        if not _clean_rel(rel):
+            raise LaunchError(f"/etc view: refusing the destination {rel!r} (not a relative, normalised path)")
+        p = self.tmp / rel
+        parent = os.path.realpath(p.parent)
+        if parent != os.path.join(self.tmp_real, os.path.dirname(rel)).rstrip("/") or not parent.startswith(self.tmp_real):
+            raise LaunchError(f"/etc view: refusing the destination {rel!r} (it resolves outside the view)")
+        return p
+
+    def entry(self, rel: str) -> str | None:
+        """Copy /etc/``rel``; the link's target when it is a link (for the caller's chain)."""
+        parts = rel.split("/")
+        try:
+            fd = os.open(self.etc, _O_DIR)
+        except OSError:
+            return None
+        fds = [fd]
+        try:
+            if not os.fstat(fd).st_mode & 0o001:
+                return None
+            for i, part in enumerate(parts[:-1]):
+                try:
+                    nfd = os.open(part, _O_DIR, dir_fd=fds[-1])  # a symlinked folder: ELOOP/ENOTDIR
+                except OSError:
+                    return None
+                fds.append(nfd)
+                st = os.fstat(nfd)
+                if not st.st_mode & 0o001:
+                    return None
+                sub = "/".join(parts[: i + 1])
+                d = self.dst(sub)
+                if not os.path.lexists(d):
+                    d.mkdir()
+                    os.chmod(d, stat.S_IMODE(st.st_mode) & 0o755)
+                elif d.is_symlink() or not d.is_dir():
+                    return None
+            return self.one(fds[-1], parts[-1], rel, 0)
+        finally:
+            for f in fds:
+                os.close(f)
+
+    def one(self, dfd: int, name: str, rel: str, depth: int) -> str | None:
+        """Copy the entry ``name`` of the open host folder ``dfd`` to ``rel`` in the view."""
+        if etc_refused(rel) or self.files >= VIEW_MAX_FILES:
+            return None
+        try:
+            st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+        except OSError:
+            return None
+        dst = self.dst(rel)
+        if os.path.lexists(dst):
+            return None
+        if stat.S_ISLNK(st.st_mode):
+            try:
+                target = os.readlink(name, dir_fd=dfd)
+            except OSError:
+                return None
+            os.symlink(target, dst)
+            self.files += 1
+            return target
+        if stat.S_ISDIR(st.st_mode):
+            if not st.st_mode & 0o001 or depth >= VIEW_MAX_DEPTH:
+                return None  # the world cannot enter it: nothing in it
+            try:
+                cfd = os.open(name, _O_DIR, dir_fd=dfd)
+            except OSError:
+                return None
+            try:
+                cst = os.fstat(cfd)
+                if (cst.st_dev, cst.st_ino) != (st.st_dev, st.st_ino) or not cst.st_mode & 0o001:
+                    return None
+                dst.mkdir()
+                try:
+                    names = sorted(os.listdir(cfd))
+                except OSError:
+                    names = []
+                for n in names:
+                    self.one(cfd, n, f"{rel}/{n}", depth + 1)
+                os.chmod(dst, stat.S_IMODE(cst.st_mode) & 0o755)
+            finally:
+                os.close(cfd)
+            return None
+        if stat.S_ISREG(st.st_mode) and st.st_mode & 0o004 and st.st_size <= VIEW_MAX_FILE_BYTES:
+            self.file(dfd, name, dst)
+        return None  # FIFOs, sockets, devices: never opened
+
+    def file(self, dfd: int, name: str, dst: Path) -> None:
+        try:
+            fd = os.open(name, _O_FILE, dir_fd=dfd)
+        except OSError:
+            return
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or not st.st_mode & 0o004 or st.st_size > VIEW_MAX_FILE_BYTES:
+                return
+            chunks, n = [], 0
+            while n <= VIEW_MAX_FILE_BYTES:
+                b = os.read(fd, 1 << 20)
+                if not b:
+                    break
+                chunks.append(b)
+                n += len(b)
+        except OSError:
+            return
+        finally:
+            os.close(fd)
+        data = b"".join(chunks)
+        if n > VIEW_MAX_FILE_BYTES or carries_private_key(data):
+            return
+        out = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(out, view):]
+            os.fchmod(out, stat.S_IMODE(st.st_mode) & 0o755)
+        finally:
+            os.close(out)
+        os.utime(dst, ns=(st.st_atime_ns, st.st_mtime_ns), follow_symlinks=False)
+        self.files += 1
+
+
 def etc_view(runtime: Path, gate_ca_pem: bytes = b"", root: str = "/") -> Path:
     """A host directory holding copies of the allowlisted /etc entries plus synthetic
     accounts/resolver files, bound read-only as the sandbox's /etc in one mount.
 
-    Private key directories are never copied; file modes and owners are kept, so what the
-    host's root keeps unreadable stays unreadable to the sandbox's uid. With ``gate_ca_pem``
+    What is copied, and what never is, is _EtcCopy's rule: only what a non-root host user can
+    read, never a secret class (``etc_refused``) or a private key. With ``gate_ca_pem``
     the view's CA bundle also trusts the egress gate's CA (for TLS-terminated hosts), and the
     CA alone is at ``/etc/ssl/certs/agentvm-gate-ca.pem`` (for NODE_EXTRA_CA_CERTS)."""
     import shutil
@@ -438,57 +663,11 @@ def etc_view(runtime: Path, gate_ca_pem: bytes = b"", root: str = "/") -> Path:
     tmp = runtime / f".etc-view-{fp}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(mode=0o755)
-    etc_root = Path(root) / "etc"
-
-    def ignore(directory: str, names: list[str]) -> set[str]:  # the secret classes, at any depth
-        rel = os.path.relpath(directory, etc_root)  # copytree names the source folder
-        return {n for n in names if etc_refused(n if rel == "." else f"{rel}/{n}")}
-
-    def parents(rel: str) -> None:
-        """The folders above ``rel`` in the view, with their modes on the host (never wider
-        than 0755): what the host keeps untraversable stays so."""
-        parts = rel.split("/")[:-1]
-        for i in range(len(parts)):
-            sub = "/".join(parts[: i + 1])
-            d = tmp / sub
-            if d.is_dir():
-                continue
-            d.mkdir()
-            host_dir = _in_tree(root, "etc/" + sub) if root != "/" else etc_root / sub
-            try:
-                mode = stat.S_IMODE(os.lstat(host_dir).st_mode) & 0o755 if host_dir is not None else 0o755
-            except OSError:
-                mode = 0o755
-            os.chmod(d, mode)
-
-    # the allowlist, then what /usr points to (following links that stay in /etc, a few hops)
-    todo = list(ETC_ALLOW) + list(linked)
-    seen: set[str] = set()
-    while todo:
-        name = todo.pop(0)
-        if name in seen or len(seen) > 4096 or etc_refused(name):
-            continue
-        seen.add(name)
-        src = _in_tree(root, "etc/" + name) if root != "/" else etc_root / name
-        if src is None:
-            continue
-        dst = tmp / name
-        if os.path.lexists(dst):
-            continue
-        parents(name)
-        try:
-            if src.is_symlink():
-                target = os.readlink(src)
-                os.symlink(target, dst)
-                a = os.path.normpath(target if target.startswith("/") else os.path.join("/etc", os.path.dirname(name), target))
-                if name not in ETC_ALLOW and a.startswith("/etc/") and not _etc_allowed(a[5:]):
-                    todo.append(a[5:])  # a chain inside /etc: its end too
-            elif src.is_dir():
-                shutil.copytree(src, dst, symlinks=True, ignore=ignore)
-            elif src.is_file():
-                shutil.copy2(src, dst)
-        except FileNotFoundError:
-            continue
+    try:
+        _EtcCopy(root, tmp).run(list(ETC_ALLOW) + list(linked))
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     if root != "/":  # copied from an image: nothing in the view writable by others than root
         _mask_tree(tmp)
     for name, content in VIEW_SYNTHETIC.items():
