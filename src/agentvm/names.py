@@ -19,7 +19,16 @@ confusables data, NFD again. Two strings with the same skeleton look alike. The 
 confusables.txt > src/agentvm/_confusables.py``; the file names the version and SHA-256 of its
 source). :func:`looks_like` adds what the skeleton leaves apart but a reader does not: case,
 compatibility forms, format characters, spaces, any dash, and Latin small capitals (UTS #39
-keeps ``ᴀ`` apart from ``a``).
+keeps ``ᴀ`` apart from ``a``) - and, before all of it, every Default_Ignorable_Code_Point
+(``_ignorable.py``, generated from Unicode's ``DerivedCoreProperties.txt``: variation
+selectors, the combining grapheme joiner, the Hangul fillers, tags...) and U+2800 BRAILLE
+PATTERN BLANK, which show nothing.
+
+Input is bounded before any of it: NFKC can make a string 18 times longer (U+FDFA), so
+:func:`norm` refuses (``ValueError``) a string over :data:`MAX_NAME` characters without
+normalising it, :func:`same` and :func:`find` say no for one, and :func:`match` /
+:func:`first_match` raise (every caller in the tool policy turns an exception into a deny).
+No name a rule compares is anywhere near that long (a tool name is at most 128 characters).
 """
 
 from __future__ import annotations
@@ -31,16 +40,29 @@ from functools import lru_cache
 from typing import Iterable
 
 _NFKC = "NFKC"
+MAX_NAME = 1024  # characters: a longer string is never normalised (NFKC can expand it 18-fold)
+
+
+class NameTooLong(ValueError):
+    """A string over :data:`MAX_NAME` characters was given where a name is compared."""
 
 
 def norm(name: str) -> str:
-    """The form every name is compared in: NFKC, case folded, NFKC again."""
+    """The form every name is compared in: NFKC, case folded, NFKC again. Raises
+    :class:`NameTooLong` (a ValueError) for a string over :data:`MAX_NAME` characters, before
+    any normalisation."""
+    if len(name) > MAX_NAME:
+        raise NameTooLong(f"a name of {len(name)} characters (at most {MAX_NAME})")
     return unicodedata.normalize(_NFKC, unicodedata.normalize(_NFKC, name).casefold())
 
 
+def _fits(*xs) -> bool:
+    return all(isinstance(x, str) and len(x) <= MAX_NAME for x in xs)
+
+
 def same(a: str, b: str) -> bool:
-    """``a`` and ``b`` are the same name to a rule."""
-    return isinstance(a, str) and isinstance(b, str) and norm(a) == norm(b)
+    """``a`` and ``b`` are the same name to a rule (never, for a string over :data:`MAX_NAME`)."""
+    return _fits(a, b) and norm(a) == norm(b)
 
 
 @lru_cache(maxsize=4096)
@@ -64,7 +86,7 @@ def first_match(globs: Iterable[str], name: str) -> str | None:
 
 def find(items: Iterable, name: str, key=lambda x: x.name):
     """The item whose ``key`` is ``name`` in normal form, or None."""
-    if not isinstance(name, str):
+    if not _fits(name):
         return None
     n = norm(name)
     for it in items:
@@ -111,16 +133,48 @@ def _ascii_reading(c: str) -> str:
     return norm(skeleton(c))
 
 
-MAX_READING = 128  # a longer name (once format characters and spaces are gone) is no short name's look-alike
+MAX_READING = 128  # a longer name (once invisible characters and spaces are gone) is no short name's look-alike
+
+
+@lru_cache(maxsize=1)
+def _ignorable() -> frozenset[int]:
+    from agentvm._ignorable import RANGES
+
+    out = set(_BLANKS)
+    for lo, hi in RANGES:
+        out.update(range(lo, hi + 1))
+    return frozenset(out)
+
+
+# shown as nothing, yet neither format characters nor Default_Ignorable_Code_Points
+_BLANKS = (0x2800,)  # BRAILLE PATTERN BLANK (the Hangul fillers U+115F U+1160 U+3164 U+FFA0 are ignorables)
+
+
+def invisible(c: str) -> bool:
+    """``c`` shows nothing: a format character (Cf), a Default_Ignorable_Code_Point or U+2800."""
+    return ord(c) in _ignorable() or unicodedata.category(c) == "Cf"
+
+
+def _visible(s: str) -> str:
+    return "".join(c for c in "".join(s.split()) if not invisible(c))
 
 
 def reading(s: str) -> str | None:
-    """What a reader takes ``s`` for: format characters (zero-width, bidi marks) and spaces
-    dropped, compatibility forms and case folded (:func:`norm`), every dash a hyphen-minus,
-    each character read as in :func:`_ascii_reading` - then the UTS #39 skeleton of the
-    whole. None for a string too long to be a look-alike of a name."""
-    s = "".join(c for c in (s or "") if unicodedata.category(c) != "Cf")
-    s = "".join(norm(s).split())
+    """What a reader takes ``s`` for: invisible characters (format characters - zero-width,
+    bidi marks -, every Default_Ignorable_Code_Point - variation selectors, the combining
+    grapheme joiner, the Hangul fillers, tags -, U+2800) and spaces dropped, compatibility
+    forms and case folded (:func:`norm`), every dash a hyphen-minus, each character read as in
+    :func:`_ascii_reading` - then the UTS #39 skeleton of the whole. None for a string too long
+    to be a look-alike of a name: over :data:`MAX_NAME` characters as given, or over
+    :data:`MAX_READING` once the invisible ones and spaces are gone - both checked BEFORE it is
+    normalised (a caller that must fail closed, such as the OTLP relay, refuses the first)."""
+    s = s or ""
+    if len(s) > MAX_NAME:
+        return None
+    s = _visible(s)
+    if len(s) > MAX_READING:
+        return None
+    s = _visible(norm(s))  # (NFKC can make spaces and ignorables: U+FFA0 -> U+1160)
     if len(s) > MAX_READING:
         return None
     s = "".join("-" if unicodedata.category(c) == "Pd" else _ascii_reading(c) for c in s)
@@ -164,8 +218,42 @@ def generate(src: str) -> str:
     return head + 'DATA = """\\\n' + "\n".join(rows) + '\n"""\n'
 
 
-if __name__ == "__main__":  # pragma: no cover - the generator
+def generate_ignorable(src: str) -> str:
+    """``_ignorable.py`` from a ``DerivedCoreProperties.txt``: its Default_Ignorable_Code_Point ranges."""
+    import hashlib
+
+    raw = open(src, "rb").read()
+    text = raw.decode("utf-8-sig")
+    first = text.splitlines()[0].lstrip("# ").strip() if text else "?"
+    date = "?"
+    ranges = []
+    for line in text.splitlines():
+        if line.startswith("# Date:"):
+            date = line.split(":", 1)[1].strip()
+        body = line.split("#", 1)[0].strip()
+        if not body:
+            continue
+        cps, _, prop = (p.strip() for p in body.partition(";"))
+        if prop != "Default_Ignorable_Code_Point":
+            continue
+        lo, _, hi = cps.partition("..")
+        ranges.append((int(lo, 16), int(hi or lo, 16)))
+    rows = "\n".join(f"    (0x{lo:04X}, 0x{hi:04X})," for lo, hi in ranges)
+    return (f'"""Generated by ``python -m agentvm.names ignorables DerivedCoreProperties.txt``: do not edit.\n\n'
+            f"Source: Unicode {first}, dated {date}\n"
+            "(the Unicode Character Database; Debian's unicode-data package installs it as\n"
+            "/usr/share/unicode/DerivedCoreProperties.txt).\n"
+            f"SHA-256 of the source: {hashlib.sha256(raw).hexdigest()}\n"
+            f"{len(ranges)} ranges of Default_Ignorable_Code_Point, (first, last) inclusive.\n"
+            "Unicode data is (c) Unicode, Inc., under the Unicode License v3 (https://www.unicode.org/license.txt).\n"
+            '"""\n\nRANGES = (\n' + rows + "\n)\n")
+
+
+if __name__ == "__main__":  # pragma: no cover - the generators
     if len(sys.argv) == 3 and sys.argv[1] == "generate":
         sys.stdout.write(generate(sys.argv[2]))
+    elif len(sys.argv) == 3 and sys.argv[1] == "ignorables":
+        sys.stdout.write(generate_ignorable(sys.argv[2]))
     else:
-        sys.exit("usage: python -m agentvm.names generate confusables.txt > src/agentvm/_confusables.py")
+        sys.exit("usage: python -m agentvm.names generate confusables.txt > src/agentvm/_confusables.py\n"
+                 "       python -m agentvm.names ignorables DerivedCoreProperties.txt > src/agentvm/_ignorable.py")

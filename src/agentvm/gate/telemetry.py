@@ -205,10 +205,16 @@ def _strip_ours(attrs) -> None:
 
 def _looks_like_ours(name: str) -> bool:
     """``agent-vm`` however it is dressed up: to a reader (:func:`agentvm.names.looks_like`:
-    case, compatibility forms, format characters, spaces, any dash, Latin small capitals and
-    the Unicode confusables of UTS #39 - a minus sign, Cyrillic or Greek letters)."""
-    from agentvm.names import looks_like
+    case, compatibility forms, invisible characters - format characters, every
+    Default_Ignorable_Code_Point such as variation selectors or the Hangul fillers, U+2800 -,
+    spaces, any dash, Latin small capitals and the Unicode confusables of UTS #39 - a minus
+    sign, Cyrillic or Greek letters). A name over :data:`agentvm.names.MAX_NAME` characters is
+    refused outright, before it is normalised (NFKC can make it 18 times longer, on the gate's
+    shared loop; and what it would read as is not looked at)."""
+    from agentvm.names import MAX_NAME, looks_like
 
+    if isinstance(name, str) and len(name) > MAX_NAME:
+        raise ExportRefused(f"a service or scope name of {len(name)} characters (at most {MAX_NAME})")
     return looks_like(name or "", "agent-vm", "agentvm", "agent_vm")
 
 
