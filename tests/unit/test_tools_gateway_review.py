@@ -17,7 +17,10 @@ from agentvm.tools import policy as tp
 from agentvm.tools.gateway import ToolGateway
 
 
-def gateway(tmp_path, sp):
+LISTED = ("write_file", "read_note", "write_note", "list_notes", "get_issue", "GET_ADMIN_TOKEN")  # the fake's tools
+
+
+def gateway(tmp_path, sp, listed=LISTED):
     audit, logs, called = [], [], []
     store = ApprovalStore(tmp_path / "approvals.db", record=lambda k, **kw: audit.append((k, kw)))
     pol = tp.ToolPolicy(servers=(sp,), tier_approval=("destructive",), tier="L3", approval_timeout=30)
@@ -25,6 +28,9 @@ def gateway(tmp_path, sp):
                      log=lambda **kw: logs.append(kw), approvals=store)
 
     class FakeClient:
+        async def list_tools(self, cursor=None):
+            return mt.ListToolsResult(tools=[mt.Tool(name=n, input_schema={"type": "object"}) for n in listed])
+
         async def call_tool(self, name, args):
             called.append((name, args))
             return mt.CallToolResult(content=[mt.TextContent(type="text", text="done")])
@@ -149,9 +155,11 @@ def test_a_modern_tools_call_does_not_list_every_server_first(tmp_path):
     assert first.content[0].text == "before any listing"
     assert [r.content[0].text for r in out] == [f"n{i}" for i in range(5)]
     assert len(called) == 6
-    # two listings: the one asked for, and the SDK client's own before its first call (it learns
-    # the tools' output schemas); without the gateway's schema lookup it is eight (one per call)
-    assert len(listed) == 2, f"tools/list ran {len(listed)} times for one listing and six calls"
+    # three listings: the gateway's own for the first call (a call is forwarded only under a name
+    # the server lists, and nothing was listed yet), the one asked for, and the SDK client's own
+    # before its first call (it learns the tools' output schemas); without the gateway's schema
+    # lookup it is nine (one more per call)
+    assert len(listed) == 3, f"tools/list ran {len(listed)} times for one listing and six calls"
 
 
 def _egress(yaml_body: str):
@@ -287,4 +295,43 @@ def test_resource_uris_are_paths_compared_exactly_not_names():
     sp = tp.ServerPolicy(name="n", kind="local", resources=("file:///srv/notes/*",), prompts=("summary",))
     assert tp.resource_allowed(sp, "file:///srv/notes/a.md")
     assert not tp.resource_allowed(sp, "file:///SRV/NOTES/a.md")
-    assert tp.prompt_allowed(sp, "SUMMARY")  # a prompt is a name
+    # a prompt is a name, but prompts is an allow list: compared exactly (folding would widen it)
+    assert tp.prompt_allowed(sp, "summary") and not tp.prompt_allowed(sp, "SUMMARY")
+
+
+@pytest.mark.parametrize("name", ["notes__GET_ADMIN_TOKEN", "notes__Get_issue", "notes__get_Admin_Token",
+                                  "notes__get_nothing"])
+def test_a_call_is_forwarded_only_under_a_name_the_server_lists_exactly(tmp_path, name):
+    """allow: ["get_*"] allowed GET_ADMIN_TOKEN (folded) and the call went upstream in the
+    agent's spelling: a case-sensitive server with tools differing only by case gave access to
+    the other one. Now an allow glob matches exactly, and a name the server does not list,
+    exactly, is refused before anything is sent."""
+    sp = tp.ServerPolicy(name="notes", kind="local", allow=("get_*", "get_nothing"), deny=("*secret*",))
+    gw, store, pol, audit, called = gateway(tmp_path, sp)
+
+    async def go():
+        try:
+            with pytest.raises(Exception) as e:
+                await call(gw, name, {})
+            ok = await call(gw, "notes__get_issue", {})
+            return str(e.value), ok
+        finally:
+            await gw.close()
+
+    err, ok = asyncio.run(go())
+    assert "tools:not-allowed" in err or "tools:not-listed" in err, err
+    assert called == [("get_issue", {})], "only the listed, allowed name went upstream, as listed"
+    assert ok.content[0].text == "done"
+
+
+def test_a_listing_hides_a_tool_an_allow_glob_names_in_another_case(tmp_path):
+    sp = tp.ServerPolicy(name="notes", kind="local", allow=("get_*",))
+    gw, *_ = gateway(tmp_path, sp)
+
+    async def go():
+        try:
+            return [t.name for t in (await gw._list_tools(None, None)).tools]
+        finally:
+            await gw.close()
+
+    assert asyncio.run(go()) == [tp.REQUEST_ACCESS, "notes__get_issue"]

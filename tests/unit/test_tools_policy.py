@@ -276,3 +276,54 @@ def test_the_most_severe_matching_risk_class_wins_whatever_the_order(risk):
     p = tools_policy(f'  tools:\n    - name: n\n      command: [x]\n      allow: ["*"]\n      risk: {risk}\n', tier="L3")
     assert tp.decide("n", "rm_all", {}, p).rule_id == "tools:tier:destructive"
     assert tp.decide("n", "list", {}, p).verdict == "allow"
+
+
+# ---------------------------------------------------------------------------- folding narrows, never widens
+WIDE = """\
+  tools:
+    - name: gh
+      command: [gh-mcp]
+      allow: ["get_*", "read_note"]
+      approve: ["write_*"]
+      deny: ["*secret*"]
+      prompts: ["summary"]
+"""
+
+
+@pytest.mark.parametrize("tool", ["GET_ADMIN_TOKEN", "Get_issue", "READ_NOTE", "WRITE_NOTE", "Write_x"])
+def test_an_allow_or_approve_glob_lets_through_only_its_exact_spelling(tool):
+    """Case folding widened allow: ``get_*`` allowed (and listed) ``GET_ADMIN_TOKEN``, another
+    tool on a case-sensitive server. What lets a name through is compared exactly."""
+    p = tools_policy(WIDE)
+    sp = p.server("gh")
+    assert not tp.visible(sp, tool)
+    assert tp.decide("gh", tool, {}, p).rule_id == "tools:not-allowed"
+    assert tp.visible(sp, tool.lower()) and tp.decide("gh", tool.lower(), {}, p).verdict in ("allow", "ask")
+    assert not tp.prompt_allowed(sp, "SUMMARY") and tp.prompt_allowed(sp, "summary")
+
+
+@pytest.mark.parametrize("tool", ["GET_SECRET", "get_Secret", "get_\uff53ecret"])
+def test_a_deny_glob_still_names_every_spelling(tool):
+    p = tools_policy(WIDE.replace('["get_*", "read_note"]', '["*"]'))
+    assert tp.decide("gh", tool, {}, p).verdict == "deny"
+    assert not tp.visible(p.server("gh"), tool)
+
+
+def test_an_approve_glob_still_holds_every_spelling_of_an_allowed_tool():
+    p = tools_policy(WIDE.replace('["get_*", "read_note"]', '["*"]'))
+    assert tp.decide("gh", "WRITE_NOTE", {}, p).rule_id == "tools:approve:gh:write_*"
+
+
+@pytest.mark.parametrize("glob", ["read\uff0a", "\uff52ead_*", "get_\u0131ssue", "r\u00e9ad"])
+@pytest.mark.parametrize("field", ["allow", "deny", "approve", "prompts", "risk", "arguments"])
+def test_a_tool_glob_with_a_non_ascii_character_is_refused_where_it_is_written(glob, field):
+    """A fullwidth ``read＊`` is ``read*`` under NFKC, while ``plan`` shows it as written:
+    tool globs are ASCII, refused at validation with the field and the character named."""
+    value = {"risk": f'{{"{glob}": read}}', "arguments": f'{{"{glob}": {{a: {{required: true}}}}}}'}.get(
+        field, f'["x", "{glob}"]')
+    base = "" if field == "allow" else "      allow: [x]\n"
+    body = f"  tools:\n    - name: gh\n      command: [gh-mcp]\n{base}      {field}: {value}\n"
+    with pytest.raises(SpecError) as e:
+        tools_policy(body)
+    msg = str(e.value)
+    assert f"spec.tools[0].{field}" in msg and "non-ASCII" in msg, msg

@@ -30,6 +30,8 @@ SERVER = textwrap.dedent(r'''
             r = {"protocolVersion": "2025-11-25", "capabilities": {"tools": {}}, "serverInfo": {"name": "s", "version": "1"}}
         elif MODE == "crash":
             os._exit(3)
+        elif m["method"] == "tools/list":
+            r = {"tools": [{"name": "x", "inputSchema": {"type": "object"}}]}
         else:
             r = {"content": [{"type": "text", "text": "ok"}]}
         sys.stdout.write(json.dumps({"jsonrpc": "2.0", "id": m["id"], "result": r}) + "\n"); sys.stdout.flush()

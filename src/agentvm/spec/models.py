@@ -489,6 +489,12 @@ TOOL_NAME_GLOB_RE = re.compile(r"^[A-Za-z0-9_.*?/-]{1,128}$")
 
 def _tool_globs(v: list[str], where: str) -> list[str]:
     for g in v:
+        if isinstance(g, str) and not g.isascii():
+            # said first and plainly: a fullwidth 'read＊' reads as 'read*' but is not one (tool
+            # names are ASCII; an allow glob is compared exactly, a deny glob in normal form)
+            c = next(c for c in g if not c.isascii())
+            raise ValueError(f"{where}: {_clip(g)} has a non-ASCII character (U+{ord(c):04X}): tool names and globs "
+                             "are ASCII letters, digits, _ . - / and * ?")
         if not isinstance(g, str) or not TOOL_NAME_GLOB_RE.fullmatch(g):
             raise ValueError(f"{where}: {_clip(g)} is not a tool name or glob (letters, digits, _ . - / and * ?)")
     return v

@@ -115,6 +115,7 @@ class Upstream:
         self._served = False  # the current start got as far as a session (its end is not a failed start)
         self._served_at = 0.0  # when it did (monotonic)
         self._ending: asyncio.Task | None = None  # a discarded session, until its server is stopped
+        self.listed: frozenset[str] = frozenset()  # the tool names of its last tools/list, exactly as listed
 
     def _local_argv_env(self) -> tuple[list[str], dict[str, str]]:
         """``agentvm run`` of the server's own agent file, embedded, in this installation."""
@@ -425,7 +426,9 @@ class ToolGateway:
             cursor = res.next_cursor
             if not cursor or len(out) >= MAX_TOOLS:
                 break
-        return out[:MAX_TOOLS]
+        out = out[:MAX_TOOLS]
+        u.listed = frozenset(t.name for t in out if isinstance(t.name, str))
+        return out
 
     async def _list_tools(self, ctx, params) -> types.ListToolsResult:
         tools: list[types.Tool] = [_request_access_tool()]
@@ -471,6 +474,9 @@ class ToolGateway:
         exposed = params.name
         args = params.arguments or {}
         ad = arg_digest(args)
+        if not tp.valid_exposed(exposed):  # before anything compares it: nothing long is ever normalised
+            raise self._deny("tools:invalid-name", f"the tool name is not a valid tool name (at most {tp.MAX_EXPOSED} "
+                             "letters, digits, _ . - /)", repr(exposed)[:200], args_digest=ad)
         if names.same(exposed, tp.REQUEST_ACCESS):
             return await self._request_access(args, ad)
         split = tp.split_name(exposed)
@@ -513,6 +519,13 @@ class ToolGateway:
         c = None
         try:
             c = await u.get()
+            if tool not in u.listed:  # not in the last listing (or none yet): listed again, once
+                await self._server_tools(u)
+            if tool not in u.listed:
+                # forwarded only under a name the server lists, exactly: an allow glob matches
+                # exactly, but a server may still take another spelling for another tool
+                raise ToolFailure("tools:not-listed", f"tool server {server} lists no tool named exactly {tool!r}",
+                                  DENIED)
             async with asyncio.timeout(sp.timeout):
                 result = await c.call_tool(tool, args)
         except ToolFailure as f:
@@ -780,7 +793,7 @@ class ToolGateway:
                                                 if tp.prompt_allowed(sp, p.name)])
 
     async def _get_prompt(self, ctx, params) -> types.GetPromptResult:
-        split = tp.split_name(params.name)
+        split = tp.split_name(params.name) if tp.valid_exposed(params.name) else None
         sp = self.policy.server(split[0]) if split else None
         if split is None or sp is None or not tp.prompt_allowed(sp, split[1]):
             raise self._deny("tools:prompt-not-allowed", "no server's prompts rule names this prompt",

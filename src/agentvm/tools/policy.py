@@ -7,10 +7,18 @@ answer first (``approve`` globs, or a risk class the tier always puts before a h
 exception is a deny. The risk class of a tool comes only from the agent file (``risk``);
 what a server says about its own tools (``destructiveHint``...) is never consulted.
 
-Every name is compared in one normal form (:func:`agentvm.names.norm`: NFKC + case folding):
-a glob, a server name, a live change or a granted tool names the same tools whatever case or
-compatibility form the agent, the server or the operator spelled them in - ``deny: ["*admin*"]``
-denies ``ADMIN_RESET``.
+Names are folded only where folding narrows. ``deny``, ``approve`` (as "a human first"),
+``risk`` and ``arguments`` globs, and server names, are compared in one normal form
+(:func:`agentvm.names.norm`: NFKC + case folding): ``deny: ["*admin*"]`` denies
+``ADMIN_RESET``, whatever case the agent or the server spells it in. What a glob *lets
+through* - ``allow``, ``approve`` as the only rule naming a tool, ``prompts`` - is compared
+exactly (``fnmatchcase``): ``allow: ["get_*"]`` never allows ``GET_ADMIN_TOKEN``, which a
+case-sensitive server may well have as another tool. The gateway also forwards a call only
+under a name its server lists, exactly (``tools/list``).
+
+A name is refused before it is compared (:func:`valid_exposed`, :data:`TOOL_NAME_RE`): tool
+names are ASCII (letters, digits, ``_ . - /``), 1-128 characters, so nothing an agent sends
+is normalised at any length (NFKC can make a string 18 times longer).
 """
 
 from __future__ import annotations
@@ -26,6 +34,8 @@ from agentvm import names
 
 SEP = "__"  # the agent sees SERVER__TOOL
 TOOL_NAME_RE = re.compile(r"[A-Za-z0-9_.\-/]{1,128}")
+MAX_EXPOSED = 2 * 128 + len(SEP)  # SERVER__TOOL: a longer name is refused unread
+_EXPOSED_RE = re.compile(r"[A-Za-z0-9_.\-/]+")
 REQUEST_ACCESS = "agentvm__request_access"  # the tool the gateway itself always offers
 
 
@@ -91,10 +101,27 @@ def _deny(rule: str, reason: str) -> ToolDecision:
     return ToolDecision("deny", rule, reason)
 
 
+def valid_exposed(name) -> bool:
+    """``name`` may be a tool's name as the agent sees it (``SERVER__TOOL``, or the gateway's
+    own): a string of at most :data:`MAX_EXPOSED` characters of the tool-name alphabet. Checked
+    before anything compares it (length first: nothing long is ever normalised or matched)."""
+    return isinstance(name, str) and 0 < len(name) <= MAX_EXPOSED and _EXPOSED_RE.fullmatch(name) is not None
+
+
 def _match(globs, name: str) -> str | None:
-    """The first glob naming ``name`` (both in normal form: case and compatibility forms
-    never get a name past a rule)."""
+    """The first glob naming ``name`` in normal form: for the rules that narrow (deny, approve
+    as "a human first", risk, arguments) - case and compatibility forms never get a name past
+    them."""
     return names.first_match(globs, name)
+
+
+def _exact(globs, name: str) -> str | None:
+    """The first glob naming ``name`` exactly (``fnmatchcase``): for the rules that let a name
+    through (allow, approve as the only rule, prompts) - folding would widen them."""
+    for g in globs:
+        if fnmatchcase(name, g):
+            return g
+    return None
 
 
 def split_name(exposed: str) -> tuple[str, str] | None:
@@ -112,7 +139,7 @@ def visible(sp: ServerPolicy, tool: str) -> bool:
     minus arguments: a hidden tool is also denied)."""
     try:
         return (isinstance(tool, str) and TOOL_NAME_RE.fullmatch(tool) is not None and _match(sp.deny, tool) is None
-                and (_match(sp.allow, tool) is not None or _match(sp.approve, tool) is not None))
+                and (_exact(sp.allow, tool) is not None or _exact(sp.approve, tool) is not None))
     except Exception:  # noqa: BLE001 - fail closed
         return False
 
@@ -162,9 +189,9 @@ def _decide(sp: ServerPolicy, tool: str, arguments: Any, policy: ToolPolicy) -> 
     g = _match(sp.deny, tool)
     if g is not None:
         return _deny(f"tools:deny:{sp.name}:{g}", f"{target} is denied by the rule {g!r} of server {sp.name}")
-    allow_g = _match(sp.allow, tool)
-    approve_g = _match(sp.approve, tool)
-    if allow_g is None and approve_g is None:
+    allow_g = _exact(sp.allow, tool)  # what lets a name through: exactly
+    approve_g = _match(sp.approve, tool)  # a human first: in any spelling
+    if allow_g is None and _exact(sp.approve, tool) is None:
         return _deny("tools:not-allowed", f"{target} is not allowed (no allow or approve rule of server "
                      f"{sp.name} names it)")
     if arguments is None:
@@ -221,7 +248,7 @@ def resource_allowed(sp: ServerPolicy, uri: str) -> bool:
 
 def prompt_allowed(sp: ServerPolicy, name: str) -> bool:
     try:
-        return isinstance(name, str) and TOOL_NAME_RE.fullmatch(name) is not None and _match(sp.prompts, name) is not None
+        return isinstance(name, str) and TOOL_NAME_RE.fullmatch(name) is not None and _exact(sp.prompts, name) is not None
     except Exception:  # noqa: BLE001
         return False
 
