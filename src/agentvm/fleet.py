@@ -803,13 +803,27 @@ def _removed(label):
 
 
 def _risk(a, b, s0, s) -> list[str]:
+    """A risk class lowered. Each glob is probed as a name (the class it gets from each policy);
+    a glob is not always a name that it matches (``[d]elete_repo`` does not match its own text),
+    so every old entry whose class is more severe than the new policy's entry of the exact same
+    key (or the default, ``write``, when the key is gone) is named too - unless the key is a
+    plain name and the new policy still gives that name a class at least as severe."""
     from agentvm.tools import policy as tp
 
-    out = []
+    out, named = [], set()
     for glob in sorted({g for g, _ in a} | {g for g, _ in b} | set(s.allow) | set(s.approve)):
         was, now = tp.risk_of(s0, glob), tp.risk_of(s, glob)
         if _SEVERITY.get(now, 1) < _SEVERITY.get(was, 1):
             out.append(f"risk of {glob}: {was} -> {now}")
+            named.add(glob)
+    new = dict(b)
+    for key, was in sorted(dict(a).items()):
+        now = new.get(key, "write")
+        if key in named or _SEVERITY.get(now, 1) >= _SEVERITY.get(was, 1):
+            continue
+        if not any(c in key for c in "*?[") and _SEVERITY.get(tp.risk_of(s, key), 1) >= _SEVERITY.get(was, 1):
+            continue  # a plain name: its class in the new policy is exactly what risk_of says
+        out.append(f"risk of {key}: {was} -> {now}" + ("" if key in new else " (its entry is gone)"))
     return out
 
 

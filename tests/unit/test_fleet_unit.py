@@ -539,6 +539,36 @@ def test_widening_field_by_field(field, change, word):
         assert any(word in w for w in got), (word, got)
 
 
+#: (old risk map, new risk map, a word of the widening line it must produce - or None: no lowering)
+RISK_LOWERED = [
+    ({"[d]elete_repo": "destructive"}, {}, "risk of [d]elete_repo: destructive -> write"),  # a glob not matching its text
+    ({"[d]elete_repo": "destructive"}, {"[d]elete_repo": "read"}, "risk of [d]elete_repo: destructive -> read"),
+    ({"[d]elete_*": "destructive", "*": "read"}, {"*": "read"}, "risk of [d]elete_*: destructive -> write"),
+    ({"rm_note": "destructive"}, {}, "risk of rm_note: destructive -> write"),
+    ({"rm_*": "destructive"}, {"rm_*": "write"}, "risk of rm_*: destructive -> write"),
+    ({"get_[a-z]*": "write"}, {"get_[a-z]*": "read"}, "risk of get_[a-z]*: write -> read"),
+    ({"[d]elete_repo": "destructive"}, {"[d]elete_repo": "destructive", "x": "destructive"}, None),
+    ({"rm_note": "destructive"}, {"rm_*": "destructive"}, None),  # a plain name: still destructive
+    ({"read_[a-z]*": "read"}, {}, None),  # read -> write is narrower
+]
+
+
+@pytest.mark.parametrize("old, new, word", RISK_LOWERED, ids=[str(c[:2]) for c in RISK_LOWERED])
+def test_a_lowered_risk_class_is_seen_whatever_glob_names_it(old, new, word):
+    """`plan` probed each risk glob as a tool name: ``[d]elete_repo`` does not match its own
+    text, so dropping it (delete_repo: destructive -> write, which can drop the tier's forced
+    approval) was not a widening. Entries are also compared by their exact key."""
+    base = _rich()
+    was = _on("ServerPolicy.risk", tuple(sorted(old.items())))(base)
+    was = _on("ServerPolicy.allow", ("*",))(was)
+    now = _on("ServerPolicy.risk", tuple(sorted(new.items())))(was)
+    got = [w for w in fl.widening(was, now) if "risk of" in w]
+    if word is None:
+        assert got == [], got
+    else:
+        assert any(word in w for w in got), (word, got)
+
+
 def test_budget_hosts_removed_but_no_longer_reachable_and_lowered_prices_without_a_cost_budget_do_not_widen():
     from dataclasses import replace
 
