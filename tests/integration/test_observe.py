@@ -366,3 +366,31 @@ def test_console_answers_an_approval(daemon_tcp, tmp_path):
         av("rm", "c-ask", check=False)
     finally:
         up.close()
+
+
+def test_an_approval_answered_from_the_cli_is_counted_and_attributed(daemon_tcp):
+    """With a daemon up, `agentvm approvals approve` goes through it: counted in
+    agentvm_approvals_total (and so traced: the same record stream), the CLI's user kept."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from agentvm.approvals import open_store
+    from agentvm.paths import default_paths
+
+    home, port = daemon_tcp
+    store = open_store(default_paths())
+    req = store.submit(kind="tool", sandbox="s-1", agent="cli-appr", target="t__write", summary={"keys": []},
+                       arg_digest="sha256:" + "2" * 64, policy="sha256:p", timeout=120)
+    r = av("approvals", "approve", req.id, "--note", "ok", "--json")
+    assert json.loads(r.stdout)["state"] == "approved"
+    token = (home / "daemon.token").read_text().strip()
+    _, _, body = http(port, "/metrics", headers={"Authorization": f"Bearer {token}"})
+    fams = {f.name: f for f in text_string_to_metric_families(body.decode())}
+    approved = [s.value for s in fams["agentvm_approvals"].samples
+                if s.name == "agentvm_approvals_total" and s.labels.get("state") == "approved"]
+    assert approved == [1.0], fams["agentvm_approvals"].samples
+    recs = [json.loads(x) for x in av("audit", "show", "--json").stdout.splitlines()]
+    ans = [x for x in recs if x["kind"] == "approval.answered" and x["data"]["id"] == req.id]
+    assert len(ans) == 1 and ans[0]["actor"].startswith("cli:") and ans[0]["actor"].endswith(" via api:operator")
+    # an answer the daemon refuses keeps the embedded exit code (approvals.* exit 2)
+    again = av("approvals", "deny", req.id, check=False)
+    assert again.returncode == 2 and b"already approved" in again.stderr, again.stderr

@@ -104,12 +104,33 @@ def show_cmd(request_id, as_json):
 
 
 def _answer(request_id: str, approve: bool, note: str | None, as_json: bool) -> int:
-    r = _store().answer(request_id, approve, _actor(), note)
+    r = _answer_via_daemon(request_id, approve, note)
+    if r is None:  # no daemon up: the queue itself (the answer is on the chain either way)
+        r = _store().answer(request_id, approve, _actor(), note)
     if as_json:
         click.echo(json.dumps(r.to_dict(), sort_keys=True))
     else:
         click.echo(f"{_safe(r.id)}: {r.state} ({r.kind} {_safe(r.target)[:80]})")
     return 0
+
+
+def _answer_via_daemon(request_id: str, approve: bool, note: str | None):
+    """With a daemon up, the answer goes through it, so that it is counted
+    (``agentvm_approvals_total``) and traced (the request's ``approval`` span) like an answer
+    from the console or the SDK; the CLI's user is recorded beside it (``api:operator via
+    cli:USER via api:operator``). None when no daemon is up."""
+    from types import SimpleNamespace
+
+    from agentvm.daemon.client import Client, DaemonUnavailable, default_socket
+
+    if os.environ.get("AGENTVM_NO_DAEMON") == "1" or not (
+            os.environ.get("AGENTVM_DAEMON_URL") or default_socket().exists()):
+        return None
+    try:
+        d = Client().answer(request_id, approve, note, via=_actor().replace(" ", "_")[:100])
+    except DaemonUnavailable:
+        return None
+    return SimpleNamespace(**{**d, "to_dict": lambda: d})
 
 
 @approvals.command("approve")

@@ -208,6 +208,9 @@ class ApprovalAnswer(Body):
     """``POST /v1/approvals/ID/approve|deny``."""
 
     note: Annotated[str, Field(max_length=1000)] | None = None
+    via: Annotated[str, Field(min_length=5, max_length=100, pattern=r"^cli:[\x21-\x7e]+$",
+                              description="the CLI's user (cli:USER), as the client says: recorded with "
+                              "the API's own actor beside it (cli:USER via api:operator)")] | None = None
     digest: Annotated[str, Field(min_length=1, max_length=128,
                                  description="the digest of the request as it was shown: an approval of "
                                  "anything else is refused (approvals.digest-mismatch)")] | None = None

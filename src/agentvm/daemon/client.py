@@ -203,9 +203,10 @@ class Client:
     def approval(self, request_id: str):
         return self.request("GET", f"/v1/approvals/{quote(request_id)}")
 
-    def answer(self, request_id: str, approve: bool, note: str | None = None):
-        return self.request("POST", f"/v1/approvals/{quote(request_id)}/{'approve' if approve else 'deny'}",
-                            {"note": note} if note is not None else {})
+    def answer(self, request_id: str, approve: bool, note: str | None = None, *, digest: str | None = None,
+               via: str | None = None):
+        doc = {k: v for k, v in (("note", note), ("digest", digest), ("via", via)) if v is not None}
+        return self.request("POST", f"/v1/approvals/{quote(request_id)}/{'approve' if approve else 'deny'}", doc)
 
     def audit(self, since: float | None = None, sandbox: str | None = None):
         q = []

@@ -1745,11 +1745,12 @@ class Daemon:
                 return await self._json(conn, writer, 200, store.get(p[0]).to_dict())
             if len(p) == 2 and p[1] in ("approve", "deny") and method == "POST":
                 # typed by api.ApprovalAnswer; a digest binds the approval to the request shown
-                r = store.answer(p[0], p[1] == "approve", f"api:{actor}", doc.get("note"), doc.get("digest"))
+                by = f"{doc['via']} via api:{actor}" if doc.get("via") else f"api:{actor}"
+                r = store.answer(p[0], p[1] == "approve", by, doc.get("note"), doc.get("digest"))
                 return await self._json(conn, writer, 200, r.to_dict())
         except ApprovalError as exc:
             raise ApiError(404 if "no approval request" in exc.message else 409, exc.code, exc.message,
-                           exc.hint) from None
+                           exc.hint, exit_code=exc.exit_code) from None  # the same exit as answered embedded
         raise ApiError(404, "not-found", "approvals: GET /v1/approvals[/ID], POST /v1/approvals/ID/approve|deny")
 
     # ---------------------------------------------------------------- fleet promotion
