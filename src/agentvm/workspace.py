@@ -391,7 +391,8 @@ def _attached() -> set[str]:
 
 
 def _lock_free(home_ws: Path, name: str) -> bool:
-    """True when no sandbox holds ``name``'s lock (checked and dropped at once)."""
+    """True when no sandbox holds ``name``'s lock (checked and dropped at once: only where
+    the lock is about to be taken anyway - a look alone reads /proc/locks, see _held_locks)."""
     try:
         fd = os.open(home_ws / f"{name}.lock", os.O_RDWR | os.O_CLOEXEC)
     except FileNotFoundError:
@@ -403,6 +404,36 @@ def _lock_free(home_ws: Path, name: str) -> bool:
         return False
     finally:
         os.close(fd)
+
+
+def _held_locks() -> set[tuple[int, int, int]] | None:
+    """(major, minor, inode) of every file an flock is held on, from /proc/locks: whether a
+    workspace is in use, seen without taking its lock (a listing that took it, even for a
+    moment, could make a sandbox starting then fail with "already running"). None: unreadable."""
+    out: set[tuple[int, int, int]] = set()
+    try:
+        with open("/proc/locks") as fh:
+            for line in fh:
+                f = line.split()
+                if len(f) >= 6 and f[1] == "FLOCK" and not f[0].endswith("->"):  # "->": a waiter
+                    try:
+                        maj, mnr, ino = f[5].split(":")
+                        out.add((int(maj, 16), int(mnr, 16), int(ino)))
+                    except ValueError:
+                        continue
+    except OSError:
+        return None
+    return out
+
+
+def _in_use_by_lock(home_ws: Path, name: str, held: set[tuple[int, int, int]] | None) -> bool:
+    if held is None:
+        return not _lock_free(home_ws, name)
+    try:
+        st = os.stat(home_ws / f"{name}.lock")
+    except FileNotFoundError:
+        return False
+    return (os.major(st.st_dev), os.minor(st.st_dev), st.st_ino) in held
 
 
 def registered_agents(home: Path) -> set[str] | None:
@@ -429,10 +460,11 @@ def list_workspaces(home_ws: Path, *, runtime: Path | None = None, owners: set[s
     """Every workspace, by name. ``owners``: the registered agents' names (``registered_agents``)."""
     attached = _attached()
     mounted = _mount_points() if runtime is not None else set()
+    held = _held_locks()
     out = []
     for name, (kind, st, path) in sorted(_entries(home_ws).items()):
         used = st.st_blocks * 512 + (_dir_blocks(path) if kind == "dir" else 0)
-        in_use = (not _lock_free(home_ws, name) or str(path) in attached
+        in_use = (_in_use_by_lock(home_ws, name, held) or str(path) in attached
                   or (runtime is not None and str(runtime / "ws" / name) in mounted))
         out.append(WorkspaceInfo(name, kind, st.st_size if kind == "image" else 0, used, st.st_mtime, in_use,
                                  name if owners is not None and name in owners else None))

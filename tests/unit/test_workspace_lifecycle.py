@@ -102,6 +102,20 @@ def test_list_reports_size_used_last_use_owner_and_in_use(home):
     assert b.used < MiB  # sparse
 
 
+def test_listing_never_takes_a_lock(home, monkeypatch):
+    """A look that took the agent's lock, even for a moment, could make a sandbox starting then
+    fail with "already running": in use is read from /proc/locks."""
+    make_image(home, "looked")
+    make_image(home, "held")
+    fd = hold(home, "held")
+    try:
+        monkeypatch.setattr(ws.fcntl, "flock", lambda *a: pytest.fail("list_workspaces took a lock"))
+        rows = {w.name: w.in_use for w in ws.list_workspaces(home / "workspaces")}
+    finally:
+        os.close(fd)
+    assert rows == {"looked": False, "held": True}
+
+
 def test_remove_frees_the_image_and_lock_and_records_first(home):
     img = make_image(home, "gone", 4 * MiB)
     seen = []
