@@ -337,3 +337,40 @@ def test_a_held_egress_request_expires_when_its_connection_is_cut(tmp_path):
     assert isinstance(answer, ex.Answered) and not answer.approved and "requester is gone" in answer.reason
     with pytest.raises(ApprovalError, match="already expired"):
         s.answer(answer.request_id, True, "cli:op")
+
+
+@pytest.mark.parametrize("check", ["left", "raises"])
+def test_an_egress_request_approved_as_its_requester_leaves_is_not_forwarded(tmp_path, check):
+    """``Endpoint.hold`` answered approved without asking again whether the requester was still
+    there (the tool gateway does): approved in the instant the connection was cut, the request
+    went out for nobody. A ``gone()`` that fails counts as gone."""
+    from types import SimpleNamespace
+
+    from agentvm.gate import exchange as ex
+    from agentvm.gate.endpoint import Endpoint
+
+    s = store(tmp_path)
+    ep = SimpleNamespace(gate=SimpleNamespace(approval_store=lambda: s), sandbox_id="sb-1", agent="a",
+                         policy_digest="sha256:p", approval_timeout=60.0, approval_webhook=None,
+                         log=lambda **kw: None)
+    req = SimpleNamespace(method="POST", host="pay.test", port=443, path="/v1/charges", content_length=0, chunked=False)
+    cmd = SimpleNamespace(req=req, decision=SimpleNamespace(rule_id="charges"))
+    left = {"now": False}
+
+    def gone():
+        if left["now"] and check == "raises":
+            raise OSError("the socket is gone too")
+        return left["now"]
+
+    async def go():
+        t = asyncio.ensure_future(Endpoint.hold(ep, cmd, gone=gone))
+        await asyncio.sleep(0.2)
+        row = s.list()[0]
+        s.answer(row.id, True, "cli:op")
+        left["now"] = True  # in the same instant (no await between): the waiter sees both
+        async with asyncio.timeout(2):
+            return await t, row.id
+
+    answer, rid = asyncio.run(go())
+    assert s.get(rid).state == "approved"
+    assert isinstance(answer, ex.Answered) and not answer.approved and answer.rule_id == "client-gone"

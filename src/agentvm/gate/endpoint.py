@@ -136,6 +136,14 @@ class TokenBucket:
         return False
 
 
+def _requester_gone(gone) -> bool:
+    """``gone()``, where a check that fails counts as gone (nothing is forwarded for nobody)."""
+    try:
+        return bool(gone())
+    except Exception:  # noqa: BLE001
+        return True
+
+
 class Endpoint:
     """One sandbox's listener, policy, limits and decision log."""
 
@@ -272,7 +280,9 @@ class Endpoint:
 
     async def hold(self, cmd, gone=None) -> "object":
         """An egress request that needs a human (``action: ask``): queued, then the answer.
-        ``gone()``: the requester has left (its connection cut) - the request expires at once."""
+        ``gone()``: the requester has left (its connection cut) - the request expires at once;
+        checked again once a human approves (an approval in the instant it left is refused,
+        ``client-gone``: nothing is forwarded for nobody)."""
         from agentvm.gate import exchange as ex
 
         req = cmd.req
@@ -307,6 +317,11 @@ class Endpoint:
             done = await store.wait(queued.id, gone=gone)
         except Exception as exc:  # noqa: BLE001
             return ex.Answered(False, "approval:unavailable", f"the approvals queue failed ({type(exc).__name__})")
+        if done.state == "approved" and gone is not None and _requester_gone(gone):
+            # approved in the instant its requester left: nothing is forwarded for nobody, as the
+            # tool gateway does after an approval (the flow logs this deny)
+            return ex.Answered(False, "client-gone", f"{done.id} was approved after its requester left: not "
+                               "forwarded", done.id)
         if done.state == "approved":
             return ex.Answered(True, "approval:approved", f"approved by {done.by}", done.id)
         if done.state == "expired":
