@@ -327,3 +327,53 @@ def test_a_linked_folder_closed_to_the_world_later_rebuilds_the_view(tmp_path):
     v2 = hv.etc_view(runtime, root=str(root))
     assert v1 != v2
     assert not os.path.lexists(v2 / "maven" / "logging") and not os.path.lexists(v2 / "java-99")
+
+
+# ---------------------------------------------------------------------------- the selftest's check of the view
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="opens the host files as nobody")
+def test_the_selftest_flags_view_files_a_non_root_user_cannot_read_or_holding_a_key():
+    """fs.host-etc-files walks the sandbox's /etc: a file with the content of a host file that
+    nobody cannot read (a 0600 file, or under a 0700 folder) or holding a private key is an
+    escape; world-readable configuration is not."""
+    import hashlib
+    import tempfile
+
+    from agentvm.selftest.cases import filesystem as fs
+
+    host = Path(tempfile.mkdtemp(prefix="agentvm-test-etc-", dir="/tmp"))
+    try:
+        os.chmod(host, 0o755)
+        (host / "open.conf").write_text("x=1\n")
+        (host / "closed.properties").write_text("s3.key=abc\n")
+        os.chmod(host / "closed.properties", 0o600)
+        (host / "mgmt").mkdir(mode=0o700)
+        os.chmod(host / "mgmt", 0o700)
+        (host / "mgmt" / "m.properties").write_text("jmx=1\n")
+        os.chmod(host / "open.conf", 0o644)
+        os.chmod(host / "mgmt" / "m.properties", 0o644)
+
+        def line(rel, data, marker=0):
+            return f"VIEW\t/etc/{rel}\t{hashlib.sha256(data).hexdigest()}\t{marker}"
+
+        out = "\n".join([line("open.conf", b"x=1\n"), line("closed.properties", b"s3.key=abc\n"),
+                         line("mgmt/m.properties", b"jmx=1\n"), line("other.conf", b"synthetic\n"),
+                         line("tls.pem", PEM_KEY.encode(), 1), "WALKED\t5"])
+        walked, findings = fs._etc_view_findings(out, str(host))
+        assert walked == 5
+        assert sorted(f.split(":")[0] for f in findings) == ["/etc/closed.properties", "/etc/mgmt/m.properties", "/etc/tls.pem"], findings
+        # a view file whose content differs from the host's (synthetic) is not host content
+        walked, findings = fs._etc_view_findings(line("closed.properties", b"other\n") + "\nWALKED\t1", str(host))
+        assert findings == []
+    finally:
+        shutil.rmtree(host, ignore_errors=True)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="opens the host files as nobody")
+def test_the_selftests_readability_check_fails_closed(monkeypatch):
+    """If the check as nobody cannot run (it once ran from an unreadable cwd and said nothing),
+    every file counts as unreadable."""
+    from agentvm.selftest.cases import filesystem as fs
+
+    monkeypatch.setattr(fs, "NOBODY_OPENS", "import sys; sys.exit(3)")
+    assert fs._unreadable_by_nobody(["/etc/os-release"]) == {"/etc/os-release"}

@@ -94,6 +94,78 @@ for p in sys.argv[1:] if len(sys.argv) > 1 else os.environ["FILES"].split("\\n")
 """
 
 
+# Every file of the sandbox's own /etc: its sha256 and whether it holds a private key (the marker
+# is hostview.carries_private_key's, written out here so the probe does not trust the code it tests).
+VIEW_WALK = r"""
+import hashlib, os, re
+mark = re.compile(rb"-----BEGIN [A-Z0-9 ]{0,40}PRIVATE KEY|PuTTY-User-Key-File-")
+n = 0
+for dp, dns, fns in os.walk("/etc"):
+    for fn in sorted(fns):
+        p = os.path.join(dp, fn)
+        if os.path.islink(p) or not os.path.isfile(p):
+            continue
+        try:
+            data = open(p, "rb").read(16 << 20)
+        except OSError:
+            continue
+        n += 1
+        print("VIEW\t%s\t%s\t%d" % (p, hashlib.sha256(data).hexdigest(), bool(mark.search(data))))
+print("WALKED\t%d" % n)
+"""
+
+NOBODY_OPENS = r"""
+import sys
+for p in sys.stdin.read().split("\0"):
+    if p:
+        try:
+            open(p, "rb").close()
+        except OSError:
+            print("NO\t" + p)
+print("DONE")
+"""
+
+
+def _unreadable_by_nobody(paths: list[str]) -> set[str]:
+    """Which of the host's ``paths`` a non-root user (nobody, no groups) cannot open."""
+    import subprocess
+
+    if not paths:
+        return set()
+    kw = {"user": 65534, "group": 65534, "extra_groups": []} if os.geteuid() == 0 else {}
+    r = subprocess.run(["/usr/bin/python3", "-I", "-c", NOBODY_OPENS], input="\0".join(paths), capture_output=True,
+                       text=True, timeout=60, cwd="/", **kw)
+    lines = r.stdout.splitlines()
+    if r.returncode != 0 or not lines or lines[-1] != "DONE":
+        return set(paths)  # the check itself failed: every file counts as unreadable (fail closed)
+    return {ln[3:] for ln in lines if ln.startswith("NO\t")}
+
+
+def _etc_view_findings(out: str, host_etc: str = "/etc") -> tuple[int, list[str]]:
+    """(files walked, findings) from VIEW_WALK's output: a file of the sandbox's /etc that holds
+    a private key, or that has the content of a host file a non-root host user cannot read."""
+    walked, findings, same = -1, [], []
+    for ln in out.splitlines():
+        parts = ln.split("\t")
+        if parts[0] == "WALKED" and len(parts) == 2:
+            walked = int(parts[1])
+        if parts[0] != "VIEW" or len(parts) != 4 or not parts[1].startswith("/etc/"):
+            continue
+        p, h, marker = parts[1], parts[2], parts[3]
+        if marker == "1":
+            findings.append(f"{p}: holds a private key")
+        host = host_etc + p[len("/etc"):]
+        try:
+            with open(host, "rb") as f:
+                if _sha(f.read(16 << 20)) == h:
+                    same.append(host)
+        except OSError:
+            pass
+    for host in sorted(_unreadable_by_nobody(same)):
+        findings.append(f"/etc{host[len(host_etc):]}: host content a non-root host user cannot read")
+    return walked, findings
+
+
 def _hash_hits(out: str, expected: dict[str, str]) -> list[str]:
     hits = []
     for ln in out.splitlines():
@@ -268,16 +340,23 @@ def _(env: Env) -> Verdict:
     except OSError:
         shadow = []
     files = list(secrets_) + ["/etc/shadow", "/etc/gshadow", "/proc/1/root/etc/shadow"]
-    o = env.sandbox(HASH_FILES + "\nimport subprocess\nsubprocess.run(['cat', '/etc/shadow'])\n", lang="python",
-                    egress=False, env={"FILES": "\n".join(files)})
+    # then every file the view holds (the allowlist and what /usr links to): none may hold a
+    # private key or carry a host file a non-root host user cannot read
+    o = env.sandbox(HASH_FILES + "\nimport subprocess\nsubprocess.run(['cat', '/etc/shadow'])\n" + VIEW_WALK,
+                    lang="python", egress=False, env={"FILES": "\n".join(files)})
     hits = _hash_hits(o.stdout, secrets_)
     shadow_hits = [ln.split(":")[0] for ln in shadow if ln in o.out]
-    if hits or shadow_hits:
+    walked, findings = _etc_view_findings(o.stdout)
+    if hits or shadow_hits or findings:
         return Verdict.escaped(f"{len(hits)} of {len(secrets_)} host /etc files read with their host content "
-                               f"(e.g. {', '.join(hits[:4])}); shadow entries leaked: {shadow_hits[:3]}")
+                               f"(e.g. {', '.join(hits[:4])}); shadow entries leaked: {shadow_hits[:3]}; "
+                               f"{len(findings)} files of the view: {'; '.join(findings[:4])}")
+    if walked <= 0:
+        return Verdict.error("control failed: the sandbox's /etc could not be walked: " + o.out[-300:])
     denied = sum(ln.startswith("DENIED") for ln in o.stdout.splitlines())
     return Verdict.contained(f"none of {len(secrets_)} host-only /etc files (e.g. {', '.join(list(secrets_)[:3])}) "
-                             f"readable with host content; {denied} denied outright")
+                             f"readable with host content; {denied} denied outright; none of the {walked} files "
+                             f"of the view holds a private key or what a non-root host user cannot read")
 
 
 @case("fs.host-accounts", "filesystem",
@@ -310,18 +389,24 @@ def _(env: Env) -> Verdict:
       "list the host's /etc: installed services, users' tool configs, credentials stores",
       weakened_by="host-etc")
 def _(env: Env) -> Verdict:
-    from agentvm.backends.hostview import ETC_ALLOW, PER_SANDBOX_ETC, VIEW_SYNTHETIC, usr_linked_etc
+    from agentvm.backends.hostview import ETC_ALLOW, PER_SANDBOX_ETC, VIEW_SYNTHETIC, etc_refused, usr_linked_etc
 
     # the allowlist, and what the host's /usr points into /etc (in the view by design)
     view = {n.split("/")[0] for n in ETC_ALLOW + usr_linked_etc(None)} | set(PER_SANDBOX_ETC) | set(VIEW_SYNTHETIC)
     host_only = sorted(set(os.listdir("/etc")) - view)
     if not host_only:
         return Verdict.error("the host's /etc has nothing outside the view's allowlist")
-    o = env.sandbox("ls -1a /etc", egress=False)
-    listed = set(o.stdout.split())
+    o = env.sandbox("ls -1a /etc; echo '== deep'; find /etc -mindepth 1 2>/dev/null", egress=False)
+    top, _, deep = o.stdout.partition("== deep")
+    listed = set(top.split())
     seen = [n for n in host_only if n in listed]
-    if seen:
-        return Verdict.escaped(f"{len(seen)} of {len(host_only)} host-only /etc entries listed inside, e.g. {', '.join(seen[:8])}")
+    # inside the folders /usr links to (and the allowlist's): no entry of a secret class
+    # (settings.xml, *-site.xml, keys, key stores, ...) that the host has at that path
+    refused = [p for p in deep.split("\n") if p.startswith("/etc/") and etc_refused(p[5:])
+               and os.path.lexists(p) and p[5:] not in PER_SANDBOX_ETC and p[5:] not in VIEW_SYNTHETIC]
+    if seen or refused:
+        return Verdict.escaped(f"{len(seen)} of {len(host_only)} host-only /etc entries listed inside, e.g. {', '.join(seen[:8])}; "
+                               f"{len(refused)} entries of a secret class, e.g. {', '.join(refused[:8])}")
     if not listed & view:
         return Verdict.error("control failed: /etc could not be listed: " + o.out[-300:])
     return Verdict.contained(f"/etc lists {len(listed) - 2} allowlisted entries; none of {len(host_only)} host-only ones "
