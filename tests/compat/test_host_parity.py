@@ -79,6 +79,15 @@ JAVA = textwrap.dedent("""
             System.out.println("sha256 " + sb);
             System.out.println("securerandom " + Security.getProperty("securerandom.source"));
             System.out.println("providers " + Security.getProviders().length);
+            // TLS: the default trust store (lib/security/cacerts -> /etc/ssl/certs/java/cacerts)
+            javax.net.ssl.TrustManagerFactory tmf = javax.net.ssl.TrustManagerFactory.getInstance(
+                javax.net.ssl.TrustManagerFactory.getDefaultAlgorithm());
+            tmf.init((java.security.KeyStore) null);
+            int anchors = 0;
+            for (javax.net.ssl.TrustManager tm : tmf.getTrustManagers())
+                if (tm instanceof javax.net.ssl.X509TrustManager) anchors += ((javax.net.ssl.X509TrustManager) tm).getAcceptedIssuers().length;
+            System.out.println("trust-anchors " + anchors);
+            System.out.println("tls-context " + javax.net.ssl.SSLContext.getDefault().getProtocol());
         }
     }
     EOF
@@ -96,6 +105,7 @@ def test_javac_java_source_launcher_and_java_security(sh, host_dir):
         pytest.fail("no JDK on this host: install default-jdk-headless (scripts/install.sh --test does)")
     host = _ok(_host(JAVA.replace('"$WORK"', host_dir), user=NOBODY, cwd=host_dir))
     assert "source-launcher: sha256 " in host and "javac: providers " in host, host
+    assert "javac: trust-anchors 0" not in host and "javac: trust-anchors " in host, host
     inside = _ok(sh(JAVA.replace('"$WORK"', "/tmp"), "--memory", "2G", timeout=300))
     assert inside == host
 
