@@ -358,7 +358,7 @@ def apply_live(policy: ToolPolicy, changes: list, *, grants: bool = False) -> To
             raise ValueError(f"tools action is one of {', '.join(LIVE_ACTIONS)}")
         found = names.find(servers, server, key=lambda n: n)
         if found is None:
-            raise ValueError(f"no tool server {server!r} (declared: {', '.join(servers) or 'none'})")
+            raise ValueError(f"no tool server {str(server)[:64]!r} (declared: {', '.join(servers) or 'none'})")
         server = found
         if not isinstance(tool, str) or not re.fullmatch(r"[A-Za-z0-9_.*?/-]{1,128}", tool):
             raise ValueError("the tool is a name or glob (letters, digits, _ . - / and * ?)")
