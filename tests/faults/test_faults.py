@@ -208,3 +208,37 @@ def test_every_refused_run_is_on_the_chain_embedded_or_through_the_daemon(home, 
     refused = [x for x in runs if x.get("refused") == "policy.denied"]
     assert [x["agent"] for x in refused] == ["low-tier", "low-tier"], runs
     assert b"refused: policy.denied" in _av(home, "runs").stdout
+
+
+def test_up_refuses_a_lost_identity_database(home, tmp_path):
+    # a named run made state.db (which host uid each agent owns); losing it must not let the
+    # daemon start and fail every named start later, or start over silently
+    f = _agent(tmp_path, "owner", "  command: [/bin/true]\n  limits: {disk: 16M}\n")
+    assert _av(home, "run", "-f", str(f), AGENTVM_NO_DAEMON="1").returncode == 0
+    (home / "state.db").unlink()
+    for p in home.glob("state.db-*"):
+        p.unlink()
+    r = _av(home, "up")
+    assert r.returncode == 78 and b"state.lost" in r.stderr, (r.stdout, r.stderr)
+    assert not (home / "run" / "agentvm.sock").exists() and not (home / "state.db").exists()
+
+
+def test_down_then_up_brings_back_a_running_worker_unless_no_resume(home, tmp_path):
+    f = _agent(tmp_path, "resumer", "  lifecycle: persistent\n  command: [/bin/sleep, '300']\n  limits: {disk: 16M}\n")
+    assert _av(home, "up").returncode == 0
+    assert _av(home, "create", "-f", str(f), "--start").returncode == 0
+    assert _av(home, "down").returncode == 0
+    assert _av(home, "up").returncode == 0
+
+    def state():
+        return next(r for r in json.loads(_av(home, "ps", "--json").stdout) if r["name"] == "resumer")["state"]
+
+    deadline = time.monotonic() + 20
+    while state() != "running" and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert state() == "running"
+    assert _av(home, "down").returncode == 0
+    assert _av(home, "up", "--no-resume").returncode == 0
+    time.sleep(0.5)
+    assert state() == "stopped"
+    _av(home, "rm", "resumer")

@@ -173,8 +173,7 @@ def test_workspace_rm_on_a_full_disk_frees_it_and_records_after(tmp_path):
 
 def test_rm_through_the_daemon_removes_the_workspace_unless_kept(fresh_home, monkeypatch):
     """The daemon's side of `agentvm rm` (DELETE /v1/sandboxes/NAME[?keep_workspace=1] calling
-    agentvm.workspace.on_agent_removed). Until the daemon is wired to it, its answer carries
-    no "workspace" and this test is an expected failure, said so; once wired it must pass."""
+    agentvm.workspace.on_agent_removed): removed unless kept by the flag or the agent file."""
     import sys
 
     from agentvm.daemon.client import Client
@@ -193,9 +192,6 @@ def test_rm_through_the_daemon_removes_the_workspace_unless_kept(fresh_home, mon
             assert (ws_dir / f"{name}.img").exists()
             c.action(name, "stop")
             answers[name] = c.rm(name, keep_workspace=keep)
-        if "workspace" not in answers["wsd-plain"]:
-            pytest.xfail("the daemon's DELETE /v1/sandboxes/NAME does not remove workspaces yet (issue 42: its "
-                         "_rm must call agentvm.workspace.on_agent_removed)")
         assert answers["wsd-plain"]["workspace"]["removed"] is True and answers["wsd-plain"]["workspace"]["bytes"] > 0
         assert answers["wsd-spec"]["workspace"]["kept"] is True and answers["wsd-flag"]["workspace"]["kept"] is True
         assert sorted(p.name for p in ws_dir.glob("*.img")) == ["wsd-flag.img", "wsd-spec.img"]

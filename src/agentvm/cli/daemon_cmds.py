@@ -78,9 +78,11 @@ def _gate_workers(text: str) -> int:
               help="Serve the sandboxes' egress from N gate worker processes (auto: one per CPU), the daemon still "
               "the one control point; 0 serves it from the daemon's own process. Sandboxes with tools, approval "
               "rules or an LLM budget stay on the daemon's gate (env: AGENTVM_GATE_WORKERS).")
-def up(foreground, listen, accept_broken_chain, otlp_endpoint, otlp_sample_allowed, gate_workers):
-    """Start the control-plane daemon."""
-    from agentvm.daemon.server import check_chain
+@click.option("--no-resume", is_flag=True,
+              help="Leave stopped the persistent workers the last daemon left running (by default they start again).")
+def up(foreground, listen, accept_broken_chain, otlp_endpoint, otlp_sample_allowed, gate_workers, no_resume):
+    """Start the control-plane daemon (and the persistent workers that were running)."""
+    from agentvm.daemon.server import check_chain, check_state
     from agentvm.paths import default_paths
 
     workers = _gate_workers(gate_workers)
@@ -90,12 +92,13 @@ def up(foreground, listen, accept_broken_chain, otlp_endpoint, otlp_sample_allow
         click.echo(f"agentvm: the daemon is already running ({c.socket_path})")
         return 0
     check_chain(paths, accept_broken_chain)  # refused here, with the reason, not in a log file
+    check_state(paths)  # a lost identity database: refused here too (state.lost)
     _warn_workspace_disk(paths)
     if foreground:
         from agentvm.daemon.server import run_daemon
 
         run_daemon(paths, listen=listen, accept_broken_chain=accept_broken_chain, otlp_endpoint=otlp_endpoint,
-                   otlp_sample_allowed=otlp_sample_allowed, gate_workers=workers)
+                   otlp_sample_allowed=otlp_sample_allowed, gate_workers=workers, resume=not no_resume)
         return 0
     if otlp_endpoint:
         from agentvm.observe.tracing import check_endpoint, check_sample
@@ -110,6 +113,7 @@ def up(foreground, listen, accept_broken_chain, otlp_endpoint, otlp_sample_allow
     args += ["--otlp-endpoint", otlp_endpoint] if otlp_endpoint else []
     args += ["--otlp-sample-allowed", str(otlp_sample_allowed)] if otlp_sample_allowed is not None else []
     args += ["--gate-workers", str(workers)]
+    args += ["--no-resume"] if no_resume else []
     proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=fd, stderr=fd, start_new_session=True, close_fds=True)
     os.close(fd)
     (paths.runtime / "daemon.pid").write_text(f"{proc.pid}\n")

@@ -257,6 +257,10 @@ class LogsQuery(Body):
     tail: Annotated[int, Field(ge=0, le=1 << 40)] | None = None
 
 
+class RmQuery(Body):
+    keep_workspace: Literal["0", "1", "true", "false"] | None = None
+
+
 class FilesQuery(Body):
     path: Annotated[str, Field(max_length=4096)] = ""
 
@@ -328,7 +332,8 @@ ROUTES: list[tuple[str, str, Any, Any, str, str]] = [
     ("GET", "/v1/sandboxes", None, None, "json", "list sandboxes"),
     ("POST", "/v1/sandboxes", CreateSandbox, None, "json", "declare a sandbox from an agent file"),
     ("GET", "/v1/sandboxes/{name}", None, None, "json", "one sandbox"),
-    ("DELETE", "/v1/sandboxes/{name}", None, None, "json", "stop and remove a sandbox"),
+    ("DELETE", "/v1/sandboxes/{name}", None, RmQuery, "json", "stop and remove a sandbox (and its workspace, "
+     "unless ?keep_workspace=1 or the agent file's workspace.keep)"),
     ("POST", "/v1/sandboxes/{name}/start", Empty, None, "json", "start a sandbox"),
     ("POST", "/v1/sandboxes/{name}/stop", Empty, None, "json", "stop a sandbox"),
     ("POST", "/v1/sandboxes/{name}/restart", Empty, None, "json", "restart a sandbox"),

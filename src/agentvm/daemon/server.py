@@ -311,7 +311,8 @@ class Daemon:
 
         self._bytes_seen: dict[str, tuple[int, int]] = {}  # sandbox id -> (out, in) counted to /metrics
         self.observer = Observer(sandboxes_by_state=self._by_state, approvals_pending=self._pending_count,
-                                 audit_status=CachedVerify(self._verify_readonly, self.audit.length))
+                                 audit_status=CachedVerify(self._verify_readonly, self.audit.length),
+                                 workspace_dir=self.paths.workspaces)
         self._console = None  # the web console's app, made on its first request
         self.tracing = tracing  # observe.tracing.Tracing when an OTLP collector is configured
         if tracing is not None:
@@ -1163,8 +1164,8 @@ class Daemon:
             if action is None and method == "GET":
                 return await self._json(conn, writer, 200, self._public(self._row(name)))
             if action is None and method == "DELETE":
-                await self._rm(name, actor)
-                return await self._json(conn, writer, 200, {"removed": name})
+                ws = await self._rm(name, actor, keep_workspace=q.get("keep_workspace") in ("1", "true"))
+                return await self._json(conn, writer, 200, {"removed": name, "workspace": ws})
             if action in ("start", "stop", "restart") and method == "POST":
                 if action in ("stop", "restart"):
                     await self.stop(name, actor=actor)
@@ -1272,12 +1273,21 @@ class Daemon:
                     lifecycle=policy.lifecycle)
         return row
 
-    async def _rm(self, name: str, actor: str) -> None:
-        self._row(name)
+    async def _rm(self, name: str, actor: str, keep_workspace: bool = False) -> dict:
+        """Stop, then remove the agent's workspace (unless kept: ``--keep-workspace`` or the
+        agent file's ``workspace.keep``; recorded before it is removed), then its row: a
+        workspace refused as in use leaves the agent registered, so ``rm`` can be retried."""
+        from agentvm import workspace
+
+        row = self._row(name)
         await self.stop(name, actor=actor)
+        ws = workspace.on_agent_removed(
+            self.paths.workspaces, name, keep=keep_workspace, spec_text=row.spec_text, runtime=self.paths.runtime,
+            record=lambda kind, data: self.record(kind, actor=actor, sandbox=name, **data))
         self._save(self.state.delete, name)
         self.managed.pop(name, None)
-        self.record("lifecycle.removed", actor=actor, sandbox=name)
+        self.record("lifecycle.removed", actor=actor, sandbox=name, workspace=ws)
+        return ws
 
     async def _exec(self, name: str, doc: dict, conn, writer, actor: str) -> None:
         m = self.managed.get(name)
@@ -2278,6 +2288,8 @@ def _body_model(method: str, p: list[str]):
 
 
 def _query_model(method: str, p: list[str]):
+    if len(p) == 2 and p[0] == "sandboxes" and method == "DELETE":
+        return api.RmQuery
     if len(p) == 3 and p[0] == "sandboxes" and p[2] == "logs" and method == "GET":
         return api.LogsQuery
     if len(p) == 3 and p[0] == "sandboxes" and p[2] == "files":
