@@ -377,3 +377,15 @@ def test_the_selftests_readability_check_fails_closed(monkeypatch):
 
     monkeypatch.setattr(fs, "NOBODY_OPENS", "import sys; sys.exit(3)")
     assert fs._unreadable_by_nobody(["/etc/os-release"]) == {"/etc/os-release"}
+
+
+def test_every_destination_is_checked_to_resolve_inside_the_view(tmp_path):
+    view = tmp_path / "view"
+    view.mkdir()
+    (tmp_path / "outside").mkdir()
+    (view / "x").symlink_to(tmp_path / "outside")
+    copy = hv._EtcCopy("/", view)
+    assert copy.dst("a/b") == view / "a" / "b"
+    for bad in ("x/y", "/abs", "../up", "a//b", "a/./b", ""):
+        with pytest.raises(LaunchError):
+            copy.dst(bad)

@@ -362,9 +362,10 @@ def usr_linked_etc(runtime: Path | None, root: str = "/") -> tuple[str, ...]:
 
 
 def etc_view_holds(rel: str, runtime: Path | None = None, root: str = "/") -> bool:
-    """Whether the sandbox's /etc view holds ``rel`` (relative to /etc) with the host's content:
-    allowlisted or pointed to by /usr, and not of a secret class (for probes such as the
-    selftest's: what they may expect to find inside)."""
+    """Whether the sandbox's /etc view may hold ``rel`` (relative to /etc) with the host's
+    content: allowlisted or pointed to by /usr, and not of a secret class. By path only: the
+    view still leaves out what a non-root host user cannot read and files holding a private
+    key (_EtcCopy)."""
     rel = rel.strip("/")
     if etc_refused(rel):
         return False
@@ -520,11 +521,11 @@ class _EtcCopy:
     def dst(self, rel: str) -> Path:
         """``tmp``/rel, after checking it resolves inside the view (no link along the way)."""
         if not _clean_rel(rel):
-            raise LaunchError(f"/etc view: refusing the destination {rel!r} (not a relative, normalised path)")
+            raise LaunchError("etc-view", f"refusing the destination {rel!r} (not a relative, normalised path)")
         p = self.tmp / rel
         parent = os.path.realpath(p.parent)
         if parent != os.path.join(self.tmp_real, os.path.dirname(rel)).rstrip("/") or not parent.startswith(self.tmp_real):
-            raise LaunchError(f"/etc view: refusing the destination {rel!r} (it resolves outside the view)")
+            raise LaunchError("etc-view", f"refusing the destination {rel!r} (it resolves outside the view)")
         return p
 
     def entry(self, rel: str) -> str | None:
