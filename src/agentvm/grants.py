@@ -4,17 +4,22 @@ A read-write grant lets the agent change files that the host's own tools later e
 trust: git runs hooks and obeys its config (``core.fsmonitor`` runs a command on a plain
 ``git status``) - and finds them through many files of ``.git`` (``commondir``, ``index``
 entries of submodules, ``modules/*/config``, ``worktrees/``), so all of ``.git`` is kept
-read-only; direnv loads ``.envrc``, editors and coding agents load ``.vscode/``, ``.idea/``,
-``.claude/`` and ``.mcp.json``, shells source their rc files. Inside an rw grant these names
-are bound read-only over themselves (a mount point cannot be renamed or removed either); a
-name that does not exist gets an empty placeholder for the sandbox's lifetime (removed
-afterwards when still empty and no other sandbox uses it), so it cannot be *created*
-either. A ``.git`` *file* (a worktree or submodule checkout) is kept read-only, and so is the
-directory it points to when that is inside the grant. An agent file lifts this per name with
+read-only; direnv loads ``.envrc``, editors, IDEs and coding agents load ``.vscode/``,
+``.idea/``, ``.devcontainer/``, ``.claude/`` and ``.mcp.json``, CI runs ``.github/``, package
+managers, build tools and version managers obey ``.npmrc``, ``.yarnrc.yml``, ``.cargo/``,
+``.bazelrc``, ``.tool-versions``..., shells source their rc files: ``HOST_TRUSTED`` is the one
+list, with a reason per name. Inside an rw grant these names, at the grant's top, are bound
+read-only over themselves (a mount point cannot be renamed or removed either); a name that
+does not exist gets an empty placeholder for the sandbox's lifetime (removed afterwards when
+still empty and no other sandbox uses it), so it cannot be *created* either. A ``.git``
+*file* (a worktree or submodule checkout) is kept read-only, and so is the directory it
+points to when that is inside the grant. An agent file lifts this per name with
 ``mounts[].writableTrusted`` (``.git``: the agent may commit - and plant hooks).
 
-Shell rc files are protected when present (a home directory itself cannot be granted, so an
-absent one is read by nothing and gets no placeholder).
+Some names are protected only when present: shell rc files (a home directory itself cannot
+be granted, so an absent one is read by nothing) and plain names that sit among the
+project's own code (``pip.conf``, ``rust-toolchain``), which the agent edits anyway. The
+same names in a *subfolder* are not protected (the agent's, as all of the project's code).
 """
 
 from __future__ import annotations
@@ -27,21 +32,68 @@ from pathlib import Path
 
 from agentvm.errors import LaunchError, PolicyDenied
 
-# (name relative to the grant, kind when absent). Documented in docs/policy.md.
-ALWAYS: tuple[tuple[str, str], ...] = (
-    (".git", "dir"),
-    (".gitmodules", "file"),
-    (".envrc", "file"),
-    (".vscode", "dir"),
-    (".idea", "dir"),
-    (".claude", "dir"),
-    (".mcp.json", "file"),
+@dataclass(frozen=True)
+class Trusted:
+    """A name the host trusts at the top of a read-write grant: what it does on the host."""
+
+    name: str
+    absent: str | None  # the placeholder's kind when absent ("dir" | "file"); None: protected only when present
+    reason: str
+
+
+# THE list (one place): every name the host executes or trusts at the top of a granted folder.
+# docs/policy-reference.md carries the table generated from it (``docs_table``; a unit test
+# checks it). Not here: the project's own code (Makefile, conftest.py, build.rs, package.json
+# scripts...) - the agent edits code by design; see docs/threat-model.md.
+HOST_TRUSTED: tuple[Trusted, ...] = (
+    Trusted(".git", "dir", "git runs hooks and obeys its config (`core.fsmonitor` runs on `git status`), found through many files of `.git`: all of it"),
+    Trusted(".gitmodules", "file", "submodule URLs and paths git fetches and checks out on the host"),
+    Trusted(".gitattributes", "file", "selects filter, diff and merge drivers (git-lfs, textconv) the host's git runs on matching paths"),
+    Trusted(".gitconfig", "file", "a repository's `.git/config` may include it (`include.path = ../.gitconfig`)"),
+    Trusted(".envrc", "file", "direnv runs it in the host's shell on `cd`"),
+    Trusted(".vscode", "dir", "VS Code tasks, launch configurations and settings naming executables"),
+    Trusted(".idea", "dir", "JetBrains run configurations and tool paths"),
+    Trusted(".devcontainer", "dir", "Dev Containers builds and runs it when the folder is opened (`initializeCommand` runs on the host)"),
+    Trusted(".devcontainer.json", "file", "the single-file form of `.devcontainer/`"),
+    Trusted(".claude", "dir", "Claude Code settings, hooks and commands"),
+    Trusted(".cursor", "dir", "Cursor settings, rules and MCP servers it starts (`.cursor/mcp.json`)"),
+    Trusted(".mcp.json", "file", "MCP servers a coding agent starts"),
+    Trusted(".github", "dir", "CI workflows and actions run with the repository's secrets once pushed"),
+    Trusted(".pre-commit-config.yaml", "file", "the commands pre-commit (installed as a git hook) runs at the next commit"),
+    Trusted(".husky", "dir", "husky's git hooks (`core.hooksPath`), run at the next commit"),
+    Trusted(".npmrc", "file", "npm/pnpm settings: registry, `script-shell`, `node-options`, `git` - redirect or run"),
+    Trusted(".yarnrc", "file", "yarn 1: `yarn-path` runs the named script for every yarn command; registry"),
+    Trusted(".yarnrc.yml", "file", "yarn 2+: `yarnPath` runs the named script for every yarn command; registry"),
+    Trusted(".cargo", "dir", "cargo's `config.toml`: `runner`, `rustc-wrapper`, registries - run or redirect"),
+    Trusted(".bazelrc", "file", "`--run_under`, `--workspace_status_command`... run commands on the host"),
+    Trusted(".bazelversion", "file", "bazelisk downloads and runs the Bazel it names (`fork/version` from any GitHub fork)"),
+    Trusted(".bazeliskrc", "file", "bazelisk's download URL for the Bazel it runs"),
+    Trusted(".tool-versions", "file", "asdf/mise choose the tools that run (asdf takes `path:` versions)"),
+    Trusted(".python-version", "file", "pyenv/uv choose the interpreter that runs (uv takes an interpreter's path)"),
+    Trusted(".nvmrc", "file", "nvm/fnm choose (and fnm installs) the Node that runs"),
+    Trusted(".node-version", "file", "fnm/nodenv choose (and fnm installs) the Node that runs"),
+    # plain names sit among the project's own code (build.rs, Makefile: the agent's to edit), and
+    # a placeholder there would show in `ls` and in git under a user's own excludes file
+    Trusted("pip.conf", None, "pip reads it when the folder is a virtual environment (index redirect)"),
+    Trusted("rust-toolchain", None, "rustup runs the toolchain it names (a custom toolchain's `path`)"),
+    Trusted("rust-toolchain.toml", None, "rustup runs the toolchain it names (a custom toolchain's `path`)"),
+    # a home directory itself cannot be granted: an absent one is read by nothing
+    *(Trusted(n, None, "shells source it") for n in (
+        ".bashrc", ".bash_profile", ".bash_login", ".bash_logout", ".profile",
+        ".zshrc", ".zshenv", ".zprofile", ".zlogin")),
 )
-SHELL_RC: tuple[str, ...] = (
-    ".bashrc", ".bash_profile", ".bash_login", ".bash_logout", ".profile",
-    ".zshrc", ".zshenv", ".zprofile", ".zlogin",
-)
-TRUSTED_NAMES: tuple[str, ...] = tuple(n for n, _ in ALWAYS) + SHELL_RC
+TRUSTED_NAMES: tuple[str, ...] = tuple(t.name for t in HOST_TRUSTED)
+DOCS_BEGIN = "<!-- host-trusted names: generated from agentvm.grants.HOST_TRUSTED (python -m agentvm.grants --write-docs) -->"
+DOCS_END = "<!-- end of host-trusted names -->"
+
+
+def docs_table() -> str:
+    """The table of docs/policy-reference.md (between DOCS_BEGIN and DOCS_END)."""
+    lines = [DOCS_BEGIN, "", "| Name | Present: read-only. Absent: | What the host does with it |", "|---|---|---|"]
+    for t in HOST_TRUSTED:
+        when = {"dir": "empty read-only folder", "file": "empty read-only file", None: "none (it may be created)"}[t.absent]
+        lines.append(f"| `{t.name}` | {when} | {t.reason} |")
+    return "\n".join(lines + ["", DOCS_END])
 
 
 @dataclass(frozen=True)
@@ -76,8 +128,8 @@ def plan(host: str, writable: tuple[str, ...] = ()) -> tuple[Protect, ...]:
 
     if not os.path.isdir(host):
         return ()  # a single granted file: nothing inside it to protect
-    # (name, kind of its placeholder when absent): shell rc files only when present
-    for rel, absent in ALWAYS + tuple((r, None) for r in SHELL_RC):
+    for t in HOST_TRUSTED:  # at the grant's top only (as every placeholder)
+        rel, absent = t.name, t.absent
         if rel in writable:  # writableTrusted names (validated: exactly TRUSTED_NAMES)
             continue
         exists = kind_of(rel)
@@ -315,3 +367,22 @@ def release_recorded(run_dir: Path, lock_dir: Path) -> None:
             release(Hold(str(r["key"]), str(r["grant"]), -1), lock_dir)
         except (KeyError, TypeError, OSError):
             continue
+
+
+def _write_docs(path: Path) -> bool:
+    text = path.read_text()
+    a, b = text.index(DOCS_BEGIN), text.index(DOCS_END) + len(DOCS_END)
+    new = text[:a] + docs_table() + text[b:]
+    if new != text:
+        path.write_text(new)
+    return new != text
+
+
+if __name__ == "__main__":
+    import sys
+
+    if sys.argv[1:] == ["--write-docs"]:
+        doc = Path(__file__).resolve().parents[2] / "docs" / "policy-reference.md"
+        print(f"{doc}: {'rewritten' if _write_docs(doc) else 'up to date'}")
+    else:
+        print(docs_table())

@@ -169,3 +169,52 @@ def test_agentvm_state_under_root_is_refused(tmp_path):
             with pytest.raises(PolicyDenied):
                 check_grant_target(p, [state], p, True)
     check_grant_target("/root/proj", [Path("/root/avm-state")], "/root/proj", True)
+
+
+# ---------------------------------------------------------------------------- host-trusted names (agentvm.grants)
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_host_trusted_names_are_one_list_with_a_reason_each_and_the_docs_table_is_generated_from_it():
+    from agentvm import grants
+
+    names = [t.name for t in grants.HOST_TRUSTED]
+    assert len(names) == len(set(names)) and tuple(names) == grants.TRUSTED_NAMES
+    assert all(t.reason and t.absent in ("dir", "file", None) and "/" not in t.name for t in grants.HOST_TRUSTED)
+    doc = (ROOT / "docs" / "policy-reference.md").read_text()
+    assert grants.docs_table() in doc, "regenerate: python -m agentvm.grants --write-docs"
+    table = doc[doc.index(grants.DOCS_BEGIN):doc.index(grants.DOCS_END)]
+    listed = [ln.split("`")[1] for ln in table.splitlines() if ln.startswith("| `")]
+    assert listed == names, "docs/policy-reference.md lists exactly agentvm.grants.HOST_TRUSTED"
+    # the host-executed configuration class of issue 35 item 5 is protected (placeholder when absent) ...
+    absent = {t.name: t.absent for t in grants.HOST_TRUSTED}
+    for n in (".devcontainer", ".devcontainer.json", ".npmrc", ".yarnrc", ".yarnrc.yml", ".gitattributes",
+              ".gitconfig", ".bazelrc", ".cargo", ".tool-versions", ".python-version", ".nvmrc", ".idea",
+              ".vscode", ".github", ".envrc", ".mcp.json", ".claude"):
+        assert absent.get(n) in ("dir", "file"), n
+    # ... the project's own code is not (review-mode grants, docs/threat-model.md)
+    for n in ("Makefile", "GNUmakefile", "conftest.py", "sitecustomize.py", ".editorconfig"):
+        assert n not in absent, n
+    tm = (ROOT / "docs" / "threat-model.md").read_text()
+    assert "agentvm.grants.HOST_TRUSTED" in tm and all(n in tm for n in ("Makefile", "conftest.py", "sitecustomize.py"))
+
+
+def test_plan_protects_every_trusted_name_at_the_top_and_lifts_only_what_is_writable(tmp_path):
+    from agentvm import grants
+
+    g = tmp_path / "proj"
+    (g / "sub").mkdir(parents=True)
+    (g / ".npmrc").write_text("registry=x\n")
+    (g / "pip.conf").write_text("[global]\n")
+    (g / "sub" / ".envrc").write_text("x\n")  # a subfolder's: the agent's
+    got = {p.rel: p.kind for p in grants.plan(str(g))}
+    want = {t.name: t.absent for t in grants.HOST_TRUSTED if t.absent} | {".npmrc": "file", "pip.conf": "file"}
+    assert got == want
+    assert not any(r.startswith("sub") for r in got)
+    got = {p.rel for p in grants.plan(str(g), (".npmrc", ".github", "pip.conf"))}
+    assert got == set(want) - {".npmrc", ".github", "pip.conf"}
+    (g / ".devcontainer").symlink_to(g / "sub")
+    with pytest.raises(PolicyDenied) as e:
+        grants.plan(str(g))
+    assert e.value.code == "policy.grant-trusted-link"

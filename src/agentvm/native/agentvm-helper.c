@@ -128,6 +128,8 @@ struct ll_net_port_attr {
 };
 
 #define MAX_ITEMS 256
+/* --protect: every host-trusted name of up to 32 rw grants (agentvm.grants.HOST_TRUSTED) */
+#define MAX_PROTECTS 2048
 
 static int status_fd = -1;
 
@@ -408,7 +410,7 @@ static int cmd_launch(int argc, char **argv) {
     const char *argv0 = NULL;
     struct grant grants[32];
     int ngrants = 0;
-    struct protect protects[MAX_ITEMS];
+    struct protect protects[MAX_PROTECTS];
     int nprotects = 0;
     int i = 0;
 
@@ -455,7 +457,7 @@ static int cmd_launch(int argc, char **argv) {
             /* GRANT,d|f,REL (REL relative to that grant, never absolute, no "..") */
             int gi, n = 0;
             char kind;
-            if (nprotects >= MAX_ITEMS || sscanf(v, "%d,%c,%n", &gi, &kind, &n) != 2 || n == 0 ||
+            if (nprotects >= MAX_PROTECTS || sscanf(v, "%d,%c,%n", &gi, &kind, &n) != 2 || n == 0 ||
                 (kind != 'd' && kind != 'f') || v[n] == '/' || v[n] == 0 || strstr(v + n, ".."))
                 fail("validate", 0, "bad --protect '%s'", v);
             protects[nprotects].grant = gi;
