@@ -432,3 +432,61 @@ def test_planted_symlink_cannot_redirect_a_later_grant(sh, grant_dir, root_canar
     r2 = sh(f"cat /ref/{os.path.basename(path)}; echo rc=$?", "--mount", f"{g}/ref:/ref:ro")
     assert secret not in r2.stdout + r2.stderr, "a planted link redirected a grant to the host" + dump(r2)
     assert r2.returncode != 0 and "grant-untrusted-link" in r2.stderr, dump(r2)
+
+
+# ---------------------------------------------------------------------------------- planted host configuration
+
+HOST_CONFIG_PLANT = r"""
+t() { if sh -c "$1" 2>/dev/null; then echo "PLANTED: $1"; fi; }
+t 'mkdir -p /g/.devcontainer && echo "{\"initializeCommand\": \"id\"}" > /g/.devcontainer/devcontainer.json'
+t 'echo "{\"initializeCommand\": \"id\"}" > /g/.devcontainer.json'
+t 'echo "script-shell=/g/evil.sh" > /g/.npmrc'
+t 'echo "yarn-path \"./evil.js\"" > /g/.yarnrc'
+t 'echo "yarnPath: ./evil.js" > /g/.yarnrc.yml'
+t 'echo "* filter=evil diff=evil" > /g/.gitattributes'
+t 'printf "[core]\n\tfsmonitor = /g/evil.sh\n" > /g/.gitconfig'
+t 'mkdir -p /g/.github/workflows && echo "on: push" > /g/.github/workflows/x.yml'
+t 'mkdir -p /g/.cargo && printf "[build]\nrustc-wrapper = \"/g/evil.sh\"\n" > /g/.cargo/config.toml'
+t 'echo "build --run_under=/g/evil.sh" > /g/.bazelrc'
+t 'echo "evilfork/6.0.0" > /g/.bazelversion'
+t 'echo "nodejs path:/g/evil" > /g/.tool-versions'
+t 'echo /g/evil/python > /g/.python-version'
+t 'echo 22 > /g/.nvmrc'
+t 'mkdir -p /g/.idea/runConfigurations && echo x > /g/.idea/runConfigurations/x.xml'
+t 'mkdir -p /g/.husky && echo evil > /g/.husky/pre-commit'
+t 'echo "repos: []" > /g/.pre-commit-config.yaml'
+t 'mkdir -p /g/.cursor && echo "{}" > /g/.cursor/mcp.json'
+t 'echo "[global]" > /g/pip.conf'
+t 'echo "* filter=evil" >> /g/.gitattributes'
+t 'rm -rf /g/.github/workflows'
+t 'mv /g/.github /g/gh && mkdir -p /g/.github/workflows && echo x > /g/.github/workflows/x.yml'
+t 'rm -f /g/.npmrc; echo evil > /g/.npmrc'
+echo ok > /g/Makefile && echo WROTE
+mkdir /g/sub && echo x > /g/sub/.npmrc && echo NESTED
+"""
+
+
+def test_planted_host_config_in_an_rw_grant_fails(sh, grant_dir):
+    """Issue 35 item 5: files the host's IDE, CI, package managers and version managers run or
+    obey cannot be created in a read-write grant, and existing ones stay unchanged; the
+    project's own code (a Makefile) stays the agent's to write."""
+    g = grant_dir(0o755)
+    existing = {".npmrc": "registry=https://registry.npmjs.org/\n", "pip.conf": "[global]\nindex-url = https://pypi.org/simple\n",
+                ".github/workflows/ci.yml": "on: push\n", ".gitattributes": "*.png binary\n"}
+    for rel, text in existing.items():
+        (g / rel).parent.mkdir(parents=True, exist_ok=True)
+        (g / rel).write_text(text)
+    before = sorted(str(p.relative_to(g)) for p in g.rglob("*"))
+    r = sh(HOST_CONFIG_PLANT, "--mount", f"{g}:/g:rw")
+    assert "PLANTED" not in r.stdout, dump(r)
+    assert "WROTE" in r.stdout, dump(r)  # the work tree is the agent's
+    assert "NESTED" in r.stdout, dump(r)  # only the grant's top is protected (documented)
+    for rel, text in existing.items():
+        assert (g / rel).read_text() == text, f"{rel} changed"
+    after = sorted(str(p.relative_to(g)) for p in g.rglob("*"))
+    assert after == sorted(before + ["Makefile", "sub", "sub/.npmrc"]), "nothing planted, every placeholder removed after the run"
+    # inside, the absent names exist (read-only placeholders), the present ones are the host's
+    r = sh("ls -A /g | tr '\\n' ' '; cat /g/.npmrc", "--mount", f"{g}:/g:rw")
+    for n in (".devcontainer", ".devcontainer.json", ".yarnrc.yml", ".cargo", ".tool-versions", ".python-version"):
+        assert f" {n} " in " " + r.stdout, dump(r)
+    assert "registry=https://registry.npmjs.org/" in r.stdout, dump(r)

@@ -171,6 +171,46 @@ def test_placeholders_do_not_outlive_the_run_and_writable_trusted_lifts_one(agen
     assert (d / ".git" / "HEAD").stat().st_uid == 0
 
 
+def test_host_config_cannot_be_planted_git_does_not_see_its_placeholders_and_writable_trusted_lifts_it(
+        agentvm, grant_dir, tmp_path):
+    """Issue 35 item 5: dev containers, CI workflows, package-manager, build-tool and git
+    attribute files are placeholders the agent cannot replace; git status in the grant stays
+    clean of them; ``writableTrusted`` lets the agent write the ones it names (only those)."""
+    d = _owned(grant_dir(0o755), USER)
+    _git_repo(d)
+    (d / "README").write_text("hi\n")
+    git = ["git", "-c", f"safe.directory={d}", "-C", str(d)]
+    subprocess.run([*git, "add", "README"], check=True)
+    subprocess.run([*git, "-c", "user.email=a@b", "-c", "user.name=a", "commit", "-qm", "init"], check=True)
+    subprocess.run(["chown", "-R", f"{USER}:{USER}", str(d)], check=True)
+    names = (".devcontainer/devcontainer.json", ".devcontainer.json", ".npmrc", ".gitattributes", ".yarnrc.yml",
+             ".github/workflows/x.yml", ".cargo/config.toml", ".bazelrc", ".tool-versions")
+    plant = "; ".join(f"(mkdir -p /out/{os.path.dirname(n) or '.'}; echo evil > /out/{n}) 2>/dev/null && echo PLANTED {n}"
+                      for n in names)
+    r = agentvm("run", "--mount", f"{d}:/out:rw", "--", "/bin/sh", "-c",
+                f"cd /out && ls -A | tr '\\n' ' ' && echo; git -c safe.directory='*' status --porcelain --untracked-files=all; "
+                f"echo STATUS-DONE; {plant}; true")
+    out = r.stdout.decode()
+    listing, status = out.split("\n", 1)
+    assert all(n in listing.split() for n in (".npmrc", ".gitattributes", ".devcontainer", ".github", ".cargo")), out
+    assert status.startswith("STATUS-DONE\n"), "git status shows agent-vm's placeholders: " + out
+    assert "PLANTED" not in out, out
+    assert sorted(p.name for p in d.iterdir()) == [".git", "README"], "nothing planted, placeholders removed"
+    host = subprocess.run([*git, "status", "--porcelain", "--untracked-files=all"], capture_output=True, text=True)
+    assert host.stdout == "", host.stdout
+
+    lifted = (".devcontainer", ".npmrc", ".gitattributes", ".github")
+    f = write_agent(tmp_path, f"wh{secrets.token_hex(3)}",
+                    extra=f"  mounts:\n    - {{host: {d}, path: /out, mode: rw, writableTrusted: [{', '.join(lifted)}]}}\n")
+    r = agentvm("run", "-f", str(f), "--", "/bin/sh", "-c", plant + "; true")
+    out = r.stdout.decode()
+    for n in (".devcontainer/devcontainer.json", ".npmrc", ".gitattributes", ".github/workflows/x.yml"):
+        assert f"PLANTED {n}\n" in out and (d / n).read_text() == "evil\n", (n, out, r.stderr)
+        assert (d / n).stat().st_uid == USER
+    for n in (".devcontainer.json", ".yarnrc.yml", ".cargo/config.toml", ".bazelrc", ".tool-versions"):
+        assert f"PLANTED {n}\n" not in out and not (d / n.split("/")[0]).exists(), (n, out)
+
+
 def test_writable_git_lets_the_agent_commit(agentvm, grant_dir, tmp_path):
     d = _owned(grant_dir(0o755), USER)
     _git_repo(d)
