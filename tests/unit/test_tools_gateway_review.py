@@ -335,3 +335,27 @@ def test_a_listing_hides_a_tool_an_allow_glob_names_in_another_case(tmp_path):
             await gw.close()
 
     assert asyncio.run(go()) == [tp.REQUEST_ACCESS, "notes__get_issue"]
+
+
+def test_another_spelling_of_a_server_only_routes_and_every_narrowing_rule_applies(tmp_path):
+    """The SERVER part may be spelled otherwise (``ｎｏｔｅｓ``, ``NOTES``: the selftest's
+    tools.deny-spelling calls so): it routes to the server as declared, deny still folds, and
+    the tool part is still compared exactly."""
+    sp = tp.ServerPolicy(name="notes", kind="local", allow=("*",), deny=("*admin*",))
+    gw, store, pol, audit, called = gateway(tmp_path, sp)
+
+    async def go():
+        out = []
+        for name in ("\uff4e\uff4f\uff54\uff45\uff53__GET_ADMIN_TOKEN", "NOTES__GET_ADMIN_TOKEN", "NOTES__get_issue",
+                     "\uff4e\uff4f\uff54\uff45\uff53__get_issue"):
+            try:
+                await call(gw, name, {})
+                out.append("ran")
+            except Exception as exc:  # noqa: BLE001
+                out.append(str(exc))
+        await gw.close()
+        return out
+
+    a, b, c, d = asyncio.run(go())
+    assert "tools:deny:notes:*admin*" in a and "tools:deny:notes:*admin*" in b
+    assert c == d == "ran" and called == [("get_issue", {}), ("get_issue", {})]

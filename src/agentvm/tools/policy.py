@@ -35,6 +35,7 @@ from agentvm import names
 SEP = "__"  # the agent sees SERVER__TOOL
 TOOL_NAME_RE = re.compile(r"[A-Za-z0-9_.\-/]{1,128}")
 MAX_EXPOSED = 2 * 128 + len(SEP)  # SERVER__TOOL: a longer name is refused unread
+MAX_SERVER_PART = 64  # characters of the SERVER part (declared server names are 1-32 of [a-z0-9-])
 _EXPOSED_RE = re.compile(r"[A-Za-z0-9_.\-/]+")
 REQUEST_ACCESS = "agentvm__request_access"  # the tool the gateway itself always offers
 
@@ -103,9 +104,19 @@ def _deny(rule: str, reason: str) -> ToolDecision:
 
 def valid_exposed(name) -> bool:
     """``name`` may be a tool's name as the agent sees it (``SERVER__TOOL``, or the gateway's
-    own): a string of at most :data:`MAX_EXPOSED` characters of the tool-name alphabet. Checked
-    before anything compares it (length first: nothing long is ever normalised or matched)."""
-    return isinstance(name, str) and 0 < len(name) <= MAX_EXPOSED and _EXPOSED_RE.fullmatch(name) is not None
+    own): a string of at most :data:`MAX_EXPOSED` characters whose TOOL part is of the
+    tool-name alphabet (ASCII). The SERVER part (at most :data:`MAX_SERVER_PART` printable
+    characters) may be another spelling of a declared server - ``ｔ`` or ``T`` is the server
+    ``t``: it only routes (the call goes to the server as declared) and every rule that
+    narrows still applies. Checked before anything compares it (length first: nothing long
+    is ever normalised or matched)."""
+    if not isinstance(name, str) or not 0 < len(name) <= MAX_EXPOSED:
+        return False
+    server, sep, tool = name.partition(SEP)
+    if not sep:
+        return _EXPOSED_RE.fullmatch(name) is not None
+    return (0 < len(server) <= MAX_SERVER_PART and server.isprintable() and not server.isspace()
+            and _EXPOSED_RE.fullmatch(tool) is not None)
 
 
 def _match(globs, name: str) -> str | None:
