@@ -28,6 +28,7 @@ import re
 import secrets
 import string
 from dataclasses import dataclass, field
+from bisect import bisect_right
 from functools import lru_cache
 from typing import Callable, NamedTuple
 from urllib.parse import parse_qsl, quote, quote_plus, urlencode
@@ -60,6 +61,10 @@ class CredentialBinding:
     sigv4_access_key_id: str | None = None
     sigv4_key_env: str = "AWS_ACCESS_KEY_ID"
     hmac: tuple[tuple[str, str], ...] | None = None  # HmacSigning fields as sorted pairs
+    # a response to a request it was swapped into that the gate cannot fully inspect (a body
+    # compressed without saying so, a coding it cannot decode): "strict" refuses it
+    # (credential:uninspectable-*), "lenient" passes it on with only its bytes as they are scrubbed
+    inspect: str = "strict"
 
     @property
     def mode(self) -> str:
@@ -129,6 +134,7 @@ def compile_credentials(spec_credentials) -> tuple[CredentialBinding, ...]:
                 sigv4_access_key_id=c.sigv4.access_key_id if getattr(c, "sigv4", None) is not None else None,
                 sigv4_key_env=c.sigv4.access_key_id_env if getattr(c, "sigv4", None) is not None else "AWS_ACCESS_KEY_ID",
                 hmac=hm,
+                inspect=getattr(c, "inspect", None) or "strict",
             )
         )
     return tuple(out)
@@ -471,7 +477,34 @@ def _all_forms(value: bytes, like: bytes | None = None) -> list[_Form]:
     like_jsons = _json_forms(like) if like is not None else jsons
     for j, lj in zip(jsons, like_jsons):
         forms += _b64_forms(_same_length_mod3(j, lj))
+    forms += _b32_forms(value) + _utf16_forms(value, jsons[0])
     return forms
+
+
+def _b32_forms(v: bytes) -> list[_Form]:
+    """base32 (RFC 4648; upper case, and lower case as some APIs write it) of ``v`` at each of the
+    five byte alignments: the characters that depend on ``v`` alone (as :func:`_b64_forms`)."""
+    out = []
+    for k in range(5):
+        enc = base64.b32encode(b"\0" * k + v).rstrip(b"=")
+        lead = -(-8 * k // 5)  # characters that mix in the bytes before v
+        trail = 1 if (8 * (k + len(v))) % 5 else 0  # the last one mixes in the bytes after it
+        frag = enc[lead:len(enc) - trail]
+        out += [_Form(frag), _Form(frag.lower())]
+    return out
+
+
+def _utf16_forms(v: bytes, j: bytes) -> list[_Form]:
+    """``v`` and its JSON-escaped form ``j`` in UTF-16 (either byte order): a JSON or XML
+    document sent as UTF-16 (always as many forms, so a value maps to its placeholder's)."""
+    try:
+        t = v.decode("utf-8")
+    except UnicodeDecodeError:
+        t = None
+    out = []
+    for enc in ("utf-16-le", "utf-16-be"):
+        out += [_Form(t.encode(enc) if t is not None else v), _Form(j.decode("latin-1").encode(enc))]
+    return out
 
 
 def encoded_forms(value: bytes) -> list[bytes]:
@@ -486,6 +519,143 @@ def encoded_forms(value: bytes) -> list[bytes]:
 _B64URL = bytes.maketrans(b"+/", b"-_")
 _B64_CHARS = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/-_")
 _PCT = re.compile(r"%[0-9A-F]{2}")
+
+
+# -- text escapes ----------------------------------------------------------------------------
+# A value can reach a client written with the escapes of the text around it, character by
+# character, any mix of escaped and literal characters: an HTML/XML page (&#115; &#x6b;
+# &quot;), a JavaScript or JSON string (\x73 \u0073 \u{73} \/), CSS (\73 ), a URL
+# (%73, %2573 when encoded twice), a MIME part (quoted-printable =73, soft line breaks). Those
+# cannot all be listed as forms (each character may or may not be escaped): the scrubber reads
+# the text through each family's decoder instead (a *view*), finds the value there, and
+# replaces the characters that spelled it - escapes and all - with the placeholder's form.
+import html.entities as _entities  # noqa: E402
+
+_NAMED = {k[:-1].encode(): v.encode("utf-8") for k, v in _entities.html5.items() if k.endswith(";")}
+_JS_ONE = {b"n": b"\n", b"t": b"\t", b"r": b"\r", b"b": b"\b", b"f": b"\f", b"v": b"\v"}
+
+
+def _chr(n: int) -> bytes | None:
+    if n > 0x10FFFF:
+        return None
+    return chr(n).encode("utf-8", "surrogatepass")
+
+
+def _dec_html(m) -> bytes | None:
+    dec, hx, name = m.group(1, 2, 3)
+    if dec is not None:
+        return _chr(int(dec))
+    if hx is not None:
+        return _chr(int(hx, 16))
+    return _NAMED.get(name)
+
+
+def _dec_js(m) -> bytes | None:
+    hx, u4, ub, octal, one = m.group(1, 2, 3, 4, 5)
+    if hx is not None:
+        return _chr(int(hx, 16))
+    if u4 is not None:
+        return _chr(int(u4, 16))
+    if ub is not None:
+        return _chr(int(ub, 16))
+    if octal is not None:
+        return _chr(int(octal, 8))
+    return _JS_ONE.get(one, one)
+
+
+def _dec_css(m) -> bytes | None:
+    hx, one = m.group(1, 2)
+    return _chr(int(hx, 16)) if hx is not None else one
+
+
+def _dec_byte(m) -> bytes:
+    hx = m.group(1)
+    return b"" if hx is None else bytes((int(hx, 16),))
+
+
+class _Family(NamedTuple):
+    name: str
+    trigger: bytes  # no escape of the family without this byte
+    regex: "re.Pattern[bytes]"
+    decode: Callable  # match -> the bytes it stands for (None: not an escape after all)
+
+
+_FAMILIES = (
+    # &#115; &#x73; &quot; - and escaped again (&amp;#115;): the text of an HTML or XML document
+    _Family("html", b"&", re.compile(rb"&(?:amp;)*(?:#([0-9]{1,7});?|#[xX]([0-9a-fA-F]{1,6});?|([A-Za-z][A-Za-z0-9]{1,31});)"),
+            _dec_html),
+    # \x73 \u0073 \u{73} \163 \/ \n: JavaScript and JSON strings (JSON inside JSON: read twice)
+    _Family("js", b"\\", re.compile(rb"\\(?:x([0-9a-fA-F]{2})|u([0-9a-fA-F]{4})|u\{([0-9a-fA-F]{1,6})\}|([0-7]{1,3})|(.))",
+                                      re.DOTALL), _dec_js),
+    # \73 (one optional white space after it), \": CSS
+    _Family("css", b"\\", re.compile(rb"\\(?:([0-9a-fA-F]{1,6})(?:\r\n|[ \t\r\n\f])?|([^\r\n\f0-9a-fA-F]))"), _dec_css),
+    # %73, and %2573 (percent-encoded twice, or more): URLs and forms
+    _Family("pct", b"%", re.compile(rb"%(?:25)*([0-9A-Fa-f]{2})"), _dec_byte),
+    # =73 and soft line breaks (=\r\n): quoted-printable (MIME)
+    _Family("qp", b"=", re.compile(rb"=(?:([0-9A-Fa-f]{2})|\r?\n)"), _dec_byte),
+)
+# an escape that a chunk edge may have cut short (held back until the rest arrives)
+_PARTIAL = re.compile(rb"(?:&(?:amp;)*(?:#[xX]?[0-9a-fA-F]{0,7}|[A-Za-z][A-Za-z0-9]{0,31})?|\\(?:x[0-9a-fA-F]?|u\{?[0-9a-fA-F]{0,5}|"
+                      rb"[0-9a-fA-F]{1,5})?|%(?:25)*[0-9a-fA-F]?|=(?:\r|[0-9A-Fa-f])?)\Z")
+_TOKEN_MAX = 12  # bytes one escaped character takes at most where it is held back at a chunk edge
+
+
+class _View:
+    """A text read through one family's decoder, and where each decoded byte came from."""
+
+    __slots__ = ("text", "vs", "ve", "os", "oe")
+
+    def __init__(self, text: bytes, vs: list, ve: list, os_: list, oe: list):
+        self.text, self.vs, self.ve, self.os, self.oe = text, vs, ve, os_, oe
+
+    def start(self, v: int) -> int:
+        """The original offset where view byte ``v`` starts (an escape's first byte)."""
+        i = bisect_right(self.vs, v) - 1
+        if i < 0:
+            return v
+        if v < self.ve[i]:
+            return self.os[i]
+        return self.oe[i] + (v - self.ve[i])
+
+    def end(self, v: int) -> int:
+        """The original offset just after view bytes ``[..v)`` (an escape's end)."""
+        if v <= 0:
+            return 0
+        i = bisect_right(self.vs, v - 1) - 1
+        if i < 0:
+            return v
+        if v - 1 < self.ve[i]:
+            return self.oe[i]
+        return self.oe[i] + (v - self.ve[i])
+
+
+def _unescape(buf: bytes, fam: _Family) -> _View | None:
+    """``buf`` with ``fam``'s escapes decoded; None when it holds none."""
+    parts: list[bytes] = []
+    vs: list[int] = []
+    ve: list[int] = []
+    os_: list[int] = []
+    oe: list[int] = []
+    pos = vpos = 0
+    dec = fam.decode
+    for m in fam.regex.finditer(buf):
+        d = dec(m)
+        if d is None:
+            continue
+        s, e = m.span()
+        parts.append(buf[pos:s])
+        vpos += s - pos
+        parts.append(d)
+        vs.append(vpos)
+        ve.append(vpos + len(d))
+        os_.append(s)
+        oe.append(e)
+        vpos += len(d)
+        pos = e
+    if not vs:
+        return None
+    parts.append(buf[pos:])
+    return _View(b"".join(parts), vs, ve, os_, oe)
 
 
 class ScrubTable:
@@ -601,10 +771,85 @@ class Scrubber:
         out += buf[pos:]
         return bytes(out), 0
 
+    def _views(self, buf: bytes) -> bytes:
+        """``buf`` with every value spelled in a family's text escapes replaced (_FAMILIES)."""
+        for fam in _FAMILIES:
+            if fam.trigger in buf:
+                buf = self._view_pass(buf, fam)
+        return buf
+
+    def _view_pass(self, buf: bytes, fam: _Family) -> bytes:
+        v = _unescape(buf, fam)
+        if v is None:
+            return buf
+        t = self._t
+        spans = [(v.start(m.start()), v.end(m.end()), t.table[m.group(0)][1]) for m in t.regex.finditer(v.text)]
+        if not spans and fam.trigger in v.text:  # escaped twice (JSON inside a JSON string)
+            v2 = _unescape(v.text, fam)
+            if v2 is not None:
+                spans = [(v.start(v2.start(m.start())), v.end(v2.end(m.end())), t.table[m.group(0)][1])
+                         for m in t.regex.finditer(v2.text)]
+        if not spans:
+            return buf
+        out = bytearray()
+        pos = 0
+        for s, e, ph in spans:
+            if s < pos:
+                continue
+            # the escapes that spelled the value (whole escapes: an escape that also held a
+            # neighbouring character goes too) become the placeholder's same form, literally
+            out += buf[pos:s] + ph.text
+            pos = e
+            self.hits += 1
+        out += buf[pos:]
+        return bytes(out)
+
+    def _view_hold(self, buf: bytes) -> int:
+        """How many bytes at the end of ``buf`` may be the start of a value in escapes (or an
+        escape cut short by the chunk edge)."""
+        t = self._t
+        win = buf[-t.maxlen * _TOKEN_MAX:]
+        hold = 0
+        # an escape cut short at the end is held, and what is before it read without it
+        m = _PARTIAL.search(win, max(0, len(win) - _TOKEN_MAX))
+        if m is not None:
+            hold = len(win) - m.start()
+            win = win[:m.start()]
+        full = len(win) + hold
+        # the texts to look at, each with the map of its offsets back to ``win``: the window as
+        # it is, and through each family's decoder (twice where it still holds escapes)
+        views: list = [(win, None)]
+        for fam in _FAMILIES:
+            if fam.trigger not in win:
+                continue
+            v = _unescape(win, fam)
+            if v is None:
+                continue
+            views.append((v.text, v.start))
+            if fam.trigger in v.text:
+                v2 = _unescape(v.text, fam)
+                if v2 is not None:
+                    views.append((v2.text, lambda i, v=v, v2=v2: v.start(v2.start(i))))
+        first = t.first_ints
+        for view, start in views:
+            end = len(view)
+            if start is not None:  # (decoded once: an escaped escape may end it, cut short)
+                m = _PARTIAL.search(view, max(0, end - _TOKEN_MAX))
+                if m is not None:
+                    end = m.start()
+                    hold = max(hold, full - start(end))
+            for i in range(max(0, end - t.maxlen + 1), end):
+                if view[i] in first and t.could_start(view[i:end]):
+                    hold = max(hold, full - (start(i) if start is not None else i))
+                    break
+        return hold
+
     def feed(self, data: bytes) -> bytes:
         if not self.active:
             return data
         buf, hold = self._scan(self.tail + data, final=False)
+        if self.encoded:
+            buf = self._views(buf[:len(buf) - hold]) + buf[len(buf) - hold:]
         if not hold:
             t = self._t
             first = t.first_ints
@@ -618,6 +863,8 @@ class Scrubber:
             # in (never anything else: an SSE event's closing newlines go out at once)
             while hold < self.CONTEXT and hold < len(buf) and buf[len(buf) - hold - 1] in _B64_CHARS:
                 hold += 1
+        if self.encoded:
+            hold = min(len(buf), max(hold, self._view_hold(buf)))
         if hold:
             out, self.tail = buf[:-hold], buf[-hold:]
         else:
@@ -630,12 +877,13 @@ class Scrubber:
             return out
         out, _ = self._scan(self.tail, final=True)
         self.tail = b""
-        return out
+        return self._views(out) if self.encoded else out
 
     def header(self, value: bytes) -> bytes:
         if not self.active:
             return value
-        return self._scan(value, final=True)[0]
+        out = self._scan(value, final=True)[0]
+        return self._views(out) if self.encoded else out
 
     def headers(self, headers) -> list[tuple[bytes, bytes]]:
         """Names and values of a response's headers, scrubbed."""
@@ -644,6 +892,7 @@ class Scrubber:
             return hs
         # one search over all of them first: a form found in one name or value is found in
         # their concatenation too, so no match there means nothing to replace (the usual case)
-        if self._t.regex.search(b"\x00".join([p for kv in hs for p in kv])) is None:
+        joined = b"\x00".join([p for kv in hs for p in kv])
+        if self._t.regex.search(joined) is None and not (self.encoded and self._views(joined) != joined):
             return hs
         return [(self.header(k), self.header(v)) for k, v in hs]

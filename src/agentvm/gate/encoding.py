@@ -199,6 +199,53 @@ def _step(coding: str):
                       f"response in Content-Encoding {coding!r}, which the gate cannot inspect for credential echoes")
 
 
+# What a body that is compressed but not declared so starts with: the magic numbers of the
+# codings a client can undo with a stock library. gzip (RFC 1952: 1f 8b, method 8), zstd (RFC
+# 8878: a frame 28 b5 2f fd, or a skippable frame 5? 2a 4d 18), zlib (RFC 1950: a two-byte
+# header whose check bits make it a multiple of 31, method 8, window <= 32 KiB, no preset
+# dictionary) - the zlib header alone is two bytes that text can start with ("x^", "80"), so it
+# counts only when the bytes after it also inflate. Brotli and raw deflate have no magic number
+# (a prefix of almost any bytes is a valid start of one): they are not sniffed (see
+# docs/credentials.md, what remains).
+SNIFF_BYTES = 64  # the most a sniff needs (a zlib header is confirmed on the bytes after it)
+
+
+def sniff(head: bytes, final: bool = False) -> str | None:
+    """The compression ``head`` (the first bytes of a body) starts with: ``"gzip"``, ``"zstd"``,
+    ``"zlib"``; None when it starts with none of them; ``""`` when more bytes are needed to
+    tell (never once ``final``: the body ended)."""
+    if not head:
+        return None if final else ""
+    b0 = head[0]
+    if b0 == 0x1F:
+        if len(head) < 2:
+            return None if final else ""
+        return "gzip" if head[1] == 0x8B else None
+    if b0 == 0x28 or (b0 & 0xF0) == 0x50:
+        if head[:4] == b"\x28\xb5\x2f\xfd"[:len(head)] or (b0 & 0xF0 == 0x50 and head[1:4] == b"\x2a\x4d\x18"[:len(head) - 1]):
+            if len(head) < 4:
+                return None if final else ""
+            return "zstd"
+        # (0x28 and 0x58 are also zlib header bytes: fall through)
+    if (b0 & 0x0F) == 8 and (b0 >> 4) <= 7:
+        if len(head) < 2:
+            return None if final else ""
+        if ((b0 << 8) | head[1]) % 31 or head[1] & 0x20:  # not a header, or a preset dictionary
+            return None
+        d = zlib.decompressobj(zlib.MAX_WBITS)
+        try:
+            out = d.decompress(head[:SNIFF_BYTES], 4096)
+        except zlib.error:
+            return None  # "80 bytes": a header by chance, not a stream
+        if len(head) >= SNIFF_BYTES or d.eof:
+            return "zlib"
+        if not final:
+            return ""  # inflated so far: wait for more (a short stream is judged at its end)
+        return "zlib" if out else None  # a short body: compressed if a client gets something out of it
+
+    return None
+
+
 class Decoder:
     """Undo a ``Content-Encoding`` header (codings applied left to right, undone right to left)."""
 
