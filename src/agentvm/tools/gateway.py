@@ -475,9 +475,9 @@ class ToolGateway:
         args = params.arguments or {}
         ad = arg_digest(args)
         if not tp.valid_exposed(exposed):  # before anything compares it: nothing long is ever normalised
-            shown = repr(exposed[:100]) if isinstance(exposed, str) else type(exposed).__name__  # (never all 4 MB)
+            bad = repr(exposed[:100]) if isinstance(exposed, str) else type(exposed).__name__  # (never all 4 MB)
             raise self._deny("tools:invalid-name", f"the tool name is not a valid tool name (at most {tp.MAX_EXPOSED} "
-                             "characters; the tool part letters, digits, _ . - /)", shown, args_digest=ad)
+                             "characters; the tool part letters, digits, _ . - /)", bad, args_digest=ad)
         if names.same(exposed, tp.REQUEST_ACCESS):
             return await self._request_access(args, ad)
         split = tp.split_name(exposed)
