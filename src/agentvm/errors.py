@@ -35,10 +35,13 @@ EXIT_CONFIG = 78  # invalid configuration (EX_CONFIG)
 
 
 class AgentVMError(Exception):
-    """Base of every deliberate agent-vm error."""
+    """Base of every deliberate agent-vm error. Its HTTP status and exit code come from the
+    registry (:mod:`agentvm.errorcodes`) by its code, so that a condition fails the same way
+    embedded, through the daemon's API and on the CLI; a family's own are the fallback."""
 
-    code: str = "agentvm.error"
+    code: str = "internal.bug"
     exit_code: int = EXIT_BACKEND
+    status: int = 500
 
     def __init__(self, message: str, *, hint: str = "", code: str | None = None) -> None:
         super().__init__(message)
@@ -46,6 +49,11 @@ class AgentVMError(Exception):
         self.hint = hint
         if code is not None:
             self.code = code
+        from agentvm.errorcodes import lookup
+
+        known = lookup(self.code)
+        if known is not None:
+            self.exit_code, self.status = known.exit, known.status
 
     def to_dict(self) -> dict:
         return {
@@ -62,6 +70,7 @@ class AgentVMError(Exception):
 class ConfigError(AgentVMError):
     code = "config.invalid"
     exit_code = EXIT_CONFIG
+    status = 400
 
 
 class SpecError(ConfigError):
@@ -110,6 +119,7 @@ class HostEnvironmentError(AgentVMError):
 
     code = "env.unsupported"
     exit_code = EXIT_POLICY
+    status = 409
 
 
 class PrimitiveMissing(HostEnvironmentError):
@@ -119,11 +129,13 @@ class PrimitiveMissing(HostEnvironmentError):
 class PolicyDenied(AgentVMError):
     code = "policy.denied"
     exit_code = EXIT_POLICY
+    status = 403
 
 
 class BackendError(AgentVMError):
     code = "backend.error"
     exit_code = EXIT_BACKEND
+    status = 500
 
 
 class LaunchError(BackendError):

@@ -247,7 +247,7 @@ def _raw(d, data: bytes) -> tuple[int, dict]:
 def test_bad_json_is_a_400_that_says_why(d, body):
     status, doc = _raw(d, b"POST /v1/sandboxes HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                           b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
-    assert status == 400 and doc["error"] == "bad-request" and doc["exit_code"] == 78, doc
+    assert status == 400 and doc["error"] == "api.bad-request" and doc["exit_code"] == 78, doc
     assert [r["name"] for r in d.client.ps()] == []
 
 
@@ -358,7 +358,7 @@ def test_a_start_that_fails_is_an_error_with_the_reason(d, monkeypatch):
 
 def test_garbage_on_the_socket_gets_a_400(d):
     status, doc = _raw(d, b"\x16\x03\x01\x00garbage that is not HTTP\r\n\r\n")
-    assert status == 400 and doc["error"] == "bad-request", doc
+    assert status == 400 and doc["error"] == "api.bad-request", doc
 
 
 def test_large_bodies_are_capped_and_limited_in_number(d):
@@ -375,21 +375,21 @@ def test_large_bodies_are_capped_and_limited_in_number(d):
             held.append(s)
         time.sleep(0.3)
         status, doc = _raw(d, b"PUT /v1/sandboxes/x/files?path=f HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % (8 << 20))
-        assert status == 429 and doc["error"] == "busy", doc
+        assert status == 429 and doc["error"] == "api.busy", doc
     finally:
         for s in held:
             s.close()
     time.sleep(0.3)
     status, doc = _raw(d, b"PUT /v1/sandboxes/x/files?path=f HTTP/1.1\r\nHost: x\r\nContent-Length: 2000000\r\n\r\n"
                        + b"x" * 2000000)
-    assert status == 404 and doc["error"] == "not-found", doc  # a slot is free again: read and answered
+    assert status == 404 and doc["error"] == "sandbox.not-found", doc  # a slot is free again: read and answered
 
 
 def test_an_early_refusal_of_a_big_upload_reaches_the_client(d):
     c = d.client
     with pytest.raises(ApiFailure) as ei:
         c.put_file("nosuch", "f", b"x" * (70 << 20))
-    assert ei.value.status == 413 and ei.value.code == "too-large", (ei.value.status, ei.value.message)
+    assert ei.value.status == 413 and ei.value.code == "api.too-large", (ei.value.status, ei.value.message)
 
 
 def test_a_stalled_body_does_not_hold_a_slot_forever(d, monkeypatch):

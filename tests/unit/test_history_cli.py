@@ -86,7 +86,7 @@ def test_logs_of_an_unknown_name_with_the_daemon_up(home, capsys, monkeypatch):
 
     class Daemon:
         def logs(self, name):
-            raise ApiFailure(404, {"error": "not-found", "message": f"no sandbox named {name!r}"})
+            raise ApiFailure(404, {"error": "sandbox.not-found", "message": f"no sandbox named {name!r}"})
 
     monkeypatch.setattr(daemon_cmds, "_client", Daemon)
     assert main(["logs", "nosuchrun"]) == EXIT_CONFIG

@@ -243,7 +243,7 @@ def _rm_local(name, keep_workspace):
     if owners is None or name in owners:
         raise ConfigError(f"{name!r} is registered with the daemon, which is not running" if owners is not None
                           else "the daemon is not running and its state cannot be read",
-                          hint="start it (`agentvm up`), then `agentvm rm` again", code="daemon.unavailable")
+                          hint="start it (`agentvm up`), then `agentvm rm` again", code="daemon.needed")
     ws = on_agent_removed(paths.workspaces, name, keep=keep_workspace, runtime=paths.runtime,
                           record=recorder(paths))
     if not ws["removed"] and not ws["kept"]:

@@ -37,11 +37,12 @@ class ApiFailure(AgentVMError):
     code = "daemon.error"
 
     def __init__(self, status: int, doc: dict):
-        super().__init__(doc.get("message", f"HTTP {status}"), hint=doc.get("hint", ""), code=doc.get("error", "daemon.error"))
+        super().__init__(doc.get("message", f"HTTP {status}"), hint=doc.get("hint", ""),
+                         code=str(doc.get("error") or "daemon.error"))
         self.status = status
-        self.exit_code = 78 if status in (400, 404, 409) and doc.get("exit_code") in (None, 78) else doc.get("exit_code", 125)
-        if status in (401, 403):
-            self.exit_code = 77
+        # the daemon's own word (its registry, agentvm.errorcodes), else ours for the code
+        if isinstance(doc.get("exit_code"), int) and not isinstance(doc.get("exit_code"), bool):
+            self.exit_code = doc["exit_code"]
 
 
 class _UnixConnection(http.client.HTTPConnection):

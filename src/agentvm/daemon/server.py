@@ -97,16 +97,10 @@ class ClientGone(ConnectionError):
     """The client of a streamed answer went away (not an error of the run itself)."""
 
 
-class ApiError(Exception):
-    def __init__(self, status: int, code: str, message: str, hint: str = "", exit_code: int | None = None):
-        super().__init__(message)
-        self.status, self.code, self.message, self.hint = status, code, message, hint
-        # the CLI's exit code for it: bad input 78, refused 77, anything else agent-vm's 125
-        self.exit_code = exit_code if exit_code is not None else (
-            78 if status in (400, 404, 409, 413) else 77 if status in (401, 403) else 125)
-
-    def to_dict(self) -> dict:
-        return {"error": self.code, "message": self.message, "hint": self.hint, "exit_code": self.exit_code}
+def _refuse(code: str, message: str, hint: str = "") -> AgentVMError:
+    """An error of the API's own, by its registered code (agentvm.errorcodes: its HTTP status
+    and exit code)."""
+    return AgentVMError(message, hint=hint, code=code)
 
 
 class Managed:
@@ -456,9 +450,8 @@ class Daemon:
             return fn(*args, **kw)
         except (sqlite3.Error, OSError) as exc:
             if not self._use_reserve(exc):
-                raise ApiError(507, "state-unwritable", f"agent-vm's state cannot be written: {exc}",
-                               hint=f"free space on the filesystem of {self.paths.home} (or make it writable)",
-                               exit_code=125) from None
+                raise _refuse("state.unwritable", f"agent-vm's state cannot be written: {exc}",
+                               hint=f"free space on the filesystem of {self.paths.home} (or make it writable)") from None
             return fn(*args, **kw)
 
     def _count_bytes(self, ep, final: bool = False) -> None:
@@ -534,10 +527,10 @@ class Daemon:
     async def start(self, name: str, *, actor: str = "operator") -> None:
         row = self.state.get(name)
         if row is None:
-            raise ApiError(404, "not-found", f"no sandbox named {name!r}")
+            raise _refuse("sandbox.not-found", f"no sandbox named {name!r}")
         m = self.managed.setdefault(name, Managed(name))
         if m.task is not None and not m.task.done():
-            raise ApiError(409, "already-running", f"{name} is already running")
+            raise _refuse("sandbox.already-running", f"{name} is already running")
         self.state.update(name, desired="running", state="starting")
         m.stop_requested = asyncio.Event()
         m.expired = False
@@ -732,7 +725,7 @@ class Daemon:
         """Stop first, write after: a full or read-only disk never keeps a sandbox running."""
         row = self.state.get(name)
         if row is None:
-            raise ApiError(404, "not-found", f"no sandbox named {name!r}")
+            raise _refuse("sandbox.not-found", f"no sandbox named {name!r}")
         m = self.managed.get(name)
         if m is not None and m.task is not None and not m.task.done():
             m.stop_requested.set()
@@ -900,15 +893,13 @@ class Daemon:
             if _is_console(req.target):
                 return await self._serve_console(req, body, conn, writer, reader, tcp)
             await self._dispatch(req.method.decode(), req.target.decode(), body, conn, writer, actor)
-        except ApiError as e:
+        except AgentVMError as e:  # every refusal: its status and exit code from agentvm.errorcodes
             await self._fail(conn, writer, e.status, e.to_dict())
             if e.status in (408, 413, 429, 401):
                 await _drain(reader, writer)  # a client still sending its body then reads our answer
-        except AgentVMError as e:
-            await self._fail(conn, writer, 400 if e.exit_code == 78 else 409, e.to_dict())
         except h11.RemoteProtocolError as e:
             try:  # not HTTP: still an answer that says so, not a silently closed connection
-                await self._fail(conn, writer, 400, ApiError(400, "bad-request", f"not a valid HTTP request: {e}").to_dict())
+                await self._fail(conn, writer, 400, _refuse("api.bad-request", f"not a valid HTTP request: {e}").to_dict())
             except Exception:
                 pass
         except (ConnectionError, h11.ProtocolError, asyncio.IncompleteReadError):
@@ -958,8 +949,8 @@ class Daemon:
                     data = await asyncio.wait_for(reader.read(65536), wait)
                 except asyncio.TimeoutError:
                     if req is None:
-                        raise ApiError(408, "timeout", f"no whole request head within {HEAD_TIMEOUT:g}s") from None
-                    raise ApiError(408, "timeout", f"the request body stalled for {BODY_TIMEOUT:g}s") from None
+                        raise _refuse("api.timeout", f"no whole request head within {HEAD_TIMEOUT:g}s") from None
+                    raise _refuse("api.timeout", f"the request body stalled for {BODY_TIMEOUT:g}s") from None
                 conn.receive_data(data)
                 if not data and req is None:
                     return None, b""
@@ -972,22 +963,22 @@ class Daemon:
                     # the console checks its own sessions (a browser has a cookie, not the
                     # token); what it may be sent before that check is small
                     if size > CONSOLE_BODY:
-                        raise ApiError(413, "too-large", f"a console request over {CONSOLE_BODY} bytes")
+                        raise _refuse("api.too-large", f"a console request over {CONSOLE_BODY} bytes")
                     console_limit = True
                 elif tcp:
                     auth = next((v.decode("latin-1") for k, v in ev.headers if k.lower() == b"authorization"), "")
                     if not (self.token and auth.startswith("Bearer ") and hmac.compare_digest(auth[7:], self.token)):
-                        raise ApiError(401, "unauthorized", "a bearer token is required on the TCP listener")
+                        raise _refuse("api.unauthorized", "a bearer token is required on the TCP listener")
                 if size > MAX_BODY:
-                    raise ApiError(413, "too-large", f"request body of {size} bytes is over the limit of {MAX_BODY}")
+                    raise _refuse("api.too-large", f"request body of {size} bytes is over the limit of {MAX_BODY}")
                 if size > LARGE_BODY:
                     self._take_upload_slot(held)
             elif isinstance(ev, h11.Data):
                 body += ev.data
                 if console_limit and len(body) > CONSOLE_BODY:
-                    raise ApiError(413, "too-large", f"a console request over {CONSOLE_BODY} bytes")
+                    raise _refuse("api.too-large", f"a console request over {CONSOLE_BODY} bytes")
                 if len(body) > MAX_BODY:
-                    raise ApiError(413, "too-large", "request body too large")
+                    raise _refuse("api.too-large", "request body too large")
                 if len(body) > LARGE_BODY and not held:  # a chunked body grew large: same rule
                     self._take_upload_slot(held)
             elif isinstance(ev, h11.EndOfMessage):
@@ -998,8 +989,8 @@ class Daemon:
     def _take_upload_slot(self, held: list[bool]) -> None:
         # a large body is buffered whole: only a few at a time, the rest are told to retry
         if self._uploads <= 0:
-            raise ApiError(429, "busy", f"{UPLOADS} large uploads are already in progress",
-                           hint="retry in a moment", exit_code=125)
+            raise _refuse("api.busy", f"{UPLOADS} large uploads are already in progress",
+                           hint="retry in a moment")
         self._uploads -= 1
         held.append(True)
 
@@ -1032,8 +1023,8 @@ class Daemon:
         """A one-time login link for a browser (minted for whoever holds the API: the socket's
         owner or the token's holder)."""
         if not self.listen:
-            raise ApiError(409, "no-listener", "the console is served on the daemon's TCP listener, and this daemon "
-                           "has none", hint="restart the daemon with `agentvm up --listen 127.0.0.1:7070`", exit_code=78)
+            raise _refuse("console.no-listener", "the console is served on the daemon's TCP listener, and this daemon "
+                           "has none", hint="restart the daemon with `agentvm up --listen 127.0.0.1:7070`")
         from agentvm.console.app import CODE_TTL
 
         code = self.console().sessions.mint_code()
@@ -1138,7 +1129,7 @@ class Daemon:
             data = await asyncio.to_thread(self.observer.exposition)
             return await self._raw(conn, writer, 200, data, METRICS_TYPE)
         if parts[:1] != ["v1"]:
-            raise ApiError(404, "not-found", "unknown path")
+            raise _refuse("api.no-route", "unknown path")
         p = parts[1:]
         if p == ["openapi.json"] and method == "GET":
             from agentvm import __version__
@@ -1146,7 +1137,7 @@ class Daemon:
             return await self._json(conn, writer, 200, api.openapi(__version__))
         if p[:1] == ["run"] and method == "POST" and isinstance(doc, dict) and "framing" in doc:
             # a client of this session's first framed runs: refused before anything runs
-            raise ApiError(400, "bad-request", "'framing' is not a field of /v1/run: the framed run is "
+            raise _refuse("api.bad-request", "'framing' is not a field of /v1/run: the framed run is "
                            "POST /v1/run/frames", "reinstall agent-vm's client: bash scripts/install.sh")
         model = _body_model(method, p)
         if model is not None:  # typed, whole, before any handler reads it (a wrong type is a 400)
@@ -1179,9 +1170,13 @@ class Daemon:
                     if self._row(name).state == "failed" and m is not None and m.last_error:
                         # a start that failed is an error, with the reason, as an embedded run's
                         e = m.last_error
-                        raise ApiError(409 if e.get("exit_code") in (77, 78) else 500, e["error"],
-                                       f"{name} failed to start: {e['message']}", e.get("hint", ""),
-                                       exit_code=e.get("exit_code", 125))
+                        err = _refuse(e["error"], f"{name} failed to start: {e['message']}", e.get("hint", ""))
+                        from agentvm.errorcodes import lookup
+
+                        if lookup(e["error"]) is None:  # ("internal", "start-again"): as the error said
+                            err.exit_code = e.get("exit_code", 125)
+                            err.status = 409 if err.exit_code in (77, 78) else 500
+                        raise err
                 return await self._json(conn, writer, 200, self._public(self._row(name)))
             if action == "exec" and method == "POST":
                 return await self._exec(name, doc or {}, conn, writer, actor)
@@ -1191,7 +1186,7 @@ class Daemon:
                 try:
                     tail = min(max(int(q.get("tail", 1 << 20)), 0), 16 << 20)
                 except ValueError:
-                    raise ApiError(400, "bad-request", "'tail' is a number of bytes") from None
+                    raise _refuse("api.bad-request", "'tail' is a number of bytes") from None
                 data = await asyncio.to_thread(_tail, path, tail)
                 return await self._json(conn, writer, 200, {"log": data.decode(errors="replace")})
             if action == "files":
@@ -1223,12 +1218,12 @@ class Daemon:
             await self._json(conn, writer, 200, {"stopping": True})
             self.stopping.set()
             return
-        raise ApiError(404, "not-found", f"no route for {method} {u.path}")
+        raise _refuse("api.no-route", f"no route for {method} {u.path}")
 
     def _row(self, name: str):
         row = self.state.get(name)
         if row is None:
-            raise ApiError(404, "not-found", f"no sandbox named {name!r}")
+            raise _refuse("sandbox.not-found", f"no sandbox named {name!r}")
         return row
 
     def _public(self, row) -> dict:
@@ -1253,19 +1248,19 @@ class Daemon:
 
         text, fname = doc.get("spec"), doc.get("file", "<api>")
         if not isinstance(text, str):
-            raise ApiError(400, "bad-request", "'spec' (the agent file's text) is required")
+            raise _refuse("api.bad-request", "'spec' (the agent file's text) is required")
         loaded = load_agent_text(text, fname)
         policy = compile_policy(loaded.spec)
         if policy.pending_features:
             raise PolicyDenied("the agent declares " + ", ".join(policy.pending_features) + ", which cannot be enforced yet")
         name = loaded.spec.metadata.name
         if self.state.get(name) is not None:
-            raise ApiError(409, "exists", f"a sandbox named {name!r} exists", hint=f"agentvm rm {name}")
+            raise _refuse("sandbox.exists", f"a sandbox named {name!r} exists", hint=f"agentvm rm {name}")
         limits = {}
         for key in ("ttl", "idle_timeout"):
             v = doc.get(key)
             if v is not None and (type(v) not in (int, float) or not math.isfinite(v) or v <= 0):
-                raise ApiError(400, "bad-request", f"{key!r} must be a number of seconds above 0 (or null), "
+                raise _refuse("api.bad-request", f"{key!r} must be a number of seconds above 0 (or null), "
                                f"not {json.dumps(v)[:40]}")
             limits[key] = None if v is None else float(v)
         row = self.state.create(name, text, fname, policy.lifecycle, limits["ttl"], limits["idle_timeout"])
@@ -1292,10 +1287,10 @@ class Daemon:
     async def _exec(self, name: str, doc: dict, conn, writer, actor: str) -> None:
         m = self.managed.get(name)
         if m is None or m.handle is None:
-            raise ApiError(409, "not-running", f"{name} is not running", hint=f"agentvm start {name}")
+            raise _refuse("sandbox.not-running", f"{name} is not running", hint=f"agentvm start {name}")
         argv = doc.get("argv")
         if not isinstance(argv, list) or not argv or not all(isinstance(a, str) for a in argv):
-            raise ApiError(400, "bad-request", "'argv' must be a non-empty list of strings")
+            raise _refuse("api.bad-request", "'argv' must be a non-empty list of strings")
         m.touch(self.state, time.time())
         self.record("operator.exec", actor=actor, sandbox=name, argv=argv)
         backend = m.backend
@@ -1421,7 +1416,7 @@ class Daemon:
                         message=exc.message[:500])
             raise
         if not policy.command:
-            raise ApiError(400, "bad-request", "nothing to run")
+            raise _refuse("api.bad-request", "nothing to run")
         return await self._run_policy_streamed(policy, doc, conn, writer, actor)
 
     def _run_policy(self, doc: dict):
@@ -1504,7 +1499,7 @@ class Daemon:
                 raise
             # the run's own failure (not the client's leaving): an answer, in the stream
             log.exception("a run failed")
-            raise ApiError(500, "internal", f"the run failed: {type(exc).__name__}: {exc}",
+            raise _refuse("internal.bug", f"the run failed: {type(exc).__name__}: {exc}",
                            "a bug in agent-vm: the daemon's log has the traceback") from exc
         finally:
             await feeder
@@ -1520,7 +1515,7 @@ class Daemon:
         m = self.managed.get(name)
         s = m.session if m is not None else None
         if s is None or s.res.workspace is None or s.handle is None:
-            raise ApiError(409, "not-running", f"{name} is not running (its workspace is mounted only while it runs)")
+            raise _refuse("sandbox.not-running", f"{name} is not running (its workspace is mounted only while it runs)")
         return Path(s.res.workspace.host_dir), s.res.host_uid
 
     async def _files(self, name, method, rel, body, conn, writer, actor):
@@ -1536,7 +1531,7 @@ class Daemon:
             data = await asyncio.to_thread(read_beneath, root, rel)
             self.record("operator.cp-out", actor=actor, sandbox=name, path=rel, bytes=len(data))
             return await self._json(conn, writer, 200, {"path": rel, "data": base64.b64encode(data).decode()})
-        raise ApiError(405, "method", "use GET or PUT")
+        raise _refuse("api.method-not-allowed", "use GET or PUT")
 
     def _policy_view(self, name: str, row, patch: dict) -> dict:
         """What a sandbox's gate enforces now: the agent file's rules with the live changes."""
@@ -1588,33 +1583,33 @@ class Daemon:
             # a gate worker cannot meter (the only live op that adds what a worker does not
             # carry: allow/deny/remove rules are never `action: ask`, tools ops change only a
             # tool gateway, which it has none of); refused before anything is changed
-            raise ApiError(409, "gate-worker", f"{name} is served by gate {ep.placement}, which cannot meter an LLM "
+            raise _refuse("policy.gate-worker", f"{name} is served by gate {ep.placement}, which cannot meter an LLM "
                            "budget (its counters, shared by an agent's sandboxes, live in the daemon)",
                            hint=f"nothing was changed; to set one, put it in the agent file and restart the sandbox "
                            f"(`agentvm restart {name}`): it is then served by the daemon's own gate")
         if op in ("allow", "deny"):
             rules = doc.get("rules") or [doc.get("rule")]
             if not rules or not all(isinstance(r, str) for r in rules):
-                raise ApiError(400, "bad-request", "'rule' HOST[:PORT] is required")
+                raise _refuse("api.bad-request", "'rule' HOST[:PORT] is required")
             try:
                 compile_egress(None, extra_allow=rules)  # validates
             except ValueError as exc:
-                raise ApiError(400, "invalid-rule", str(exc)) from None
+                raise _refuse("policy.invalid-rule", str(exc)) from None
             patch.setdefault(op, []).extend(rules)
         elif op == "remove":
             rid = doc.get("rule_id")
             if not isinstance(rid, str):
-                raise ApiError(400, "bad-request", "'rule_id' is required")
+                raise _refuse("api.bad-request", "'rule_id' is required")
             current = self._policy_for(row).egress
             ids = [r.id for r in (current.allow + current.deny)] if current is not None else []
             if rid not in ids:
-                raise ApiError(404, "not-found", f"{name} has no rule {rid!r}" + (f" (its rules: {', '.join(ids)})" if ids else ""),
+                raise _refuse("policy.no-such-rule", f"{name} has no rule {rid!r}" + (f" (its rules: {', '.join(ids)})" if ids else ""),
                                hint=f"`agentvm policy {name} show` lists the rules and their ids")
             from agentvm.policy import default_deny_rules
 
             if rid in {r.id for r in default_deny_rules()}:
-                raise ApiError(409, "not-removable", f"{rid!r} is a deny rule every sandbox gets (DNS-over-HTTPS "
-                               "endpoints): it cannot be removed", exit_code=77)
+                raise _refuse("policy.rule-not-removable", f"{rid!r} is a deny rule every sandbox gets (DNS-over-HTTPS "
+                               "endpoints): it cannot be removed")
             patch.setdefault("removed", []).append(rid)
         elif op == "tools":
             from agentvm.tools.policy import LIVE_ACTIONS, apply_live, split_name
@@ -1622,16 +1617,16 @@ class Daemon:
             action, exposed = doc.get("action"), doc.get("tool")
             split = split_name(exposed) if isinstance(exposed, str) else None
             if action not in LIVE_ACTIONS or split is None:
-                raise ApiError(400, "bad-request", "tools needs an action (allow, deny, approve) and a tool as "
+                raise _refuse("api.bad-request", "tools needs an action (allow, deny, approve) and a tool as "
                                "SERVER__TOOL (a glob may follow the server: SERVER__read_*)")
             current = self._policy_for(row).tools
             if current is None:
-                raise ApiError(409, "no-tools", f"{name} declares no tools (spec.tools)")
+                raise _refuse("tools.none-declared", f"{name} declares no tools (spec.tools)")
             change = {"action": action, "server": split[0], "tool": split[1]}
             try:
                 apply_live(current, [change])
             except ValueError as exc:
-                raise ApiError(400, "invalid-tool-change", str(exc)) from None
+                raise _refuse("tools.invalid-change", str(exc)) from None
             patch.setdefault("tools", []).append(change)
         elif op == "budget":
             change = {}
@@ -1646,11 +1641,11 @@ class Daemon:
                     if not math.isfinite(v) or v <= 0 or (kind is int and v != doc.get(k)):
                         raise ValueError
                 except (TypeError, ValueError):
-                    raise ApiError(400, "invalid-budget", f"budget {k} is a positive {'whole ' if kind is int else ''}"
+                    raise _refuse("budget.invalid", f"budget {k} is a positive {'whole ' if kind is int else ''}"
                                    f"number, not {doc.get(k)!r}") from None
                 change[k] = v
             if not change and not doc.get("reset"):
-                raise ApiError(400, "bad-request", "budget: give --tokens, --requests, --cost and/or --reset")
+                raise _refuse("api.bad-request", "budget: give --tokens, --requests, --cost and/or --reset")
             patch["budget"] = {**patch.get("budget", {}), **change}
             if doc.get("reset"):
                 from agentvm.gate.budget import BudgetStore
@@ -1667,7 +1662,7 @@ class Daemon:
             policy = m.policy if m and m.policy else self._policy_for(row)
             b = next((b for b in policy.credentials if b.name == cred), None)
             if b is None:
-                raise ApiError(404, "not-found", f"{name} has no credential {cred!r}")
+                raise _refuse("policy.no-such-credential", f"{name} has no credential {cred!r}")
             # kept in the sandbox's state: a restart (which the agent can provoke by exiting)
             # starts with the credential still revoked
             revoked = set(patch.get("revoked", []))
@@ -1683,7 +1678,7 @@ class Daemon:
                     (v.revoke if op == "revoke" else v.restore)(b.ref[6:], m.session.sandbox_id)
         elif op == "limits":
             if m is None or m.handle is None:
-                raise ApiError(409, "not-running", "live limits need a running sandbox")
+                raise _refuse("sandbox.not-running", "live limits need a running sandbox")
             from agentvm.units import parse_size
 
             try:
@@ -1694,9 +1689,9 @@ class Daemon:
                     raise ValueError("below the minimum (16M memory, 8 pids, >0 cpus)")
                 applied = await asyncio.to_thread(m.backend.set_limits, m.handle, memory=mem, pids=pids, cpus=cpus)
             except AgentVMError as exc:
-                raise ApiError(409, "limits-unsupported", exc.message) from None
+                raise _refuse("limits.unsupported", exc.message) from None
             except (ValueError, KeyError) as exc:
-                raise ApiError(400, "invalid-limits", str(exc)) from None
+                raise _refuse("limits.invalid", str(exc)) from None
             patch["limits"] = {**patch.get("limits", {}), **applied}  # and for every later start
             self.state.update(name, policy_patch=json.dumps(patch))
             took = (time.perf_counter() - t0) * 1000
@@ -1704,7 +1699,7 @@ class Daemon:
                         ms=round(took, 3))
             return {"applied": True, "live": True, "ms": round(took, 3), "limits": applied}
         else:
-            raise ApiError(400, "bad-request", "op is one of show, allow, deny, remove, pause, resume, revoke, restore, "
+            raise _refuse("api.bad-request", "op is one of show, allow, deny, remove, pause, resume, revoke, restore, "
                            "limits, tools, budget")
         new_row = dataclasses.replace(row, policy_patch=json.dumps(patch))
         policy = self._policy_for(new_row)  # raises on anything invalid: nothing applied yet
@@ -1746,7 +1741,7 @@ class Daemon:
 
         store = self.gate.approval_store()
         if store is None:
-            raise ApiError(503, "approvals-unavailable", "the approvals queue cannot be opened")
+            raise _refuse("approvals.unavailable", "the approvals queue cannot be opened")
         try:
             if not p and method == "GET":
                 states = STATES if q.get("all") in ("1", "true") else ("pending",)
@@ -1759,9 +1754,10 @@ class Daemon:
                 r = store.answer(p[0], p[1] == "approve", by, doc.get("note"), doc.get("digest"))
                 return await self._json(conn, writer, 200, r.to_dict())
         except ApprovalError as exc:
-            raise ApiError(404 if "no approval request" in exc.message else 409, exc.code, exc.message,
-                           exc.hint, exit_code=exc.exit_code) from None  # the same exit as answered embedded
-        raise ApiError(404, "not-found", "approvals: GET /v1/approvals[/ID], POST /v1/approvals/ID/approve|deny")
+            if "no approval request" in exc.message:
+                raise _refuse("approvals.not-found", exc.message, exc.hint) from None
+            raise
+        raise _refuse("api.no-route", "approvals: GET /v1/approvals[/ID], POST /v1/approvals/ID/approve|deny")
 
     # ---------------------------------------------------------------- fleet promotion
     def _fleet_current(self) -> tuple[dict, str | None]:
@@ -1794,7 +1790,7 @@ class Daemon:
 
         repo, ref = doc.get("repo"), doc.get("commit") or "HEAD"
         if not isinstance(repo, str) or not repo:
-            raise ApiError(400, "bad-request", "'repo' (the fleet's git repository on the daemon's host) is required")
+            raise _refuse("api.bad-request", "'repo' (the fleet's git repository on the daemon's host) is required")
         sha = await asyncio.to_thread(fl.resolve, repo, ref)
         trust = fl.load_trust(self.paths.home)
         fleet = await asyncio.to_thread(fl.load, repo, sha, trust=trust)
@@ -1815,7 +1811,7 @@ class Daemon:
                 if not 1 <= last <= 100000:
                     raise ValueError
             except (TypeError, ValueError):
-                raise ApiError(400, "bad-request", "replay takes {since: SECONDS-SINCE-EPOCH, last: 1..100000, all: "
+                raise _refuse("api.bad-request", "replay takes {since: SECONDS-SINCE-EPOCH, last: 1..100000, all: "
                                "BOOL}") from None
             for a in plan.actions:
                 if a.kind in ("update", "create") or (a.kind == "unchanged" and rp.get("all")):
@@ -1838,16 +1834,16 @@ class Daemon:
         if p == ["apply"] and method == "POST":
             async def planned():
                 if not fl.is_full_id(str(doc.get("commit") or "")):
-                    raise ApiError(400, "not-a-commit-id", "apply takes a full commit id (40 hex digits), not a "
+                    raise _refuse("fleet.not-a-commit-id", "apply takes a full commit id (40 hex digits), not a "
                                    "branch, a tag or a short id",
-                                   hint="`agentvm apply` resolves a ref and shows it first (with --yes)", exit_code=2)
+                                   hint="`agentvm apply` resolves a ref and shows it first (with --yes)")
                 fleet, plan, _ = await self._fleet_plan(doc)
                 if plan.commit != doc["commit"]:
-                    raise ApiError(409, "not-a-commit-id", f"{doc['commit']} resolves to {plan.commit}", exit_code=2)
+                    raise _refuse("fleet.not-a-commit-id", f"{doc['commit']} resolves to {plan.commit}")
                 want = doc.get("digest")
                 if want is not None and want != plan.digest():
-                    raise ApiError(409, "plan-changed", "the plan changed since it was shown (the daemon's state or "
-                                   "the repository moved)", hint="run `agentvm plan` again and review it", exit_code=1)
+                    raise _refuse("fleet.plan-changed", "the plan changed since it was shown (the daemon's state or "
+                                   "the repository moved)", hint="run `agentvm plan` again and review it")
                 return fleet, plan
 
             return await self._fleet_exclusive(planned, doc, actor, doc.get("repo"), doc.get("commit"))
@@ -1859,34 +1855,33 @@ class Daemon:
             if to is None:
                 last = next((x for x in hist if x["result"] in ("applied", "rolled-back")), None)
                 if last is None or not last["previous"]:
-                    raise ApiError(409, "no-rollback-target", "no earlier promotion is recorded to go back to",
-                                   exit_code=1)
+                    raise _refuse("fleet.no-rollback-target", "no earlier promotion is recorded to go back to")
                 repo, to = last["repo"], last["previous"]
             else:
                 match = next((x for x in hist if x["commit"].startswith(str(to)) and len(str(to)) >= 7
                               and x["result"] in ("applied", "rolled-back")), None)
                 if match is None:
-                    raise ApiError(404, "not-found", f"no promotion of a commit {to!r} is recorded",
-                                   hint="`agentvm status --json` lists the promotions", exit_code=1)
+                    raise _refuse("fleet.no-such-promotion", f"no promotion of a commit {to!r} is recorded",
+                                   hint="`agentvm status --json` lists the promotions")
                 repo, to = match["repo"], match["commit"]
             async def planned():
                 fleet, plan, _ = await self._fleet_plan({"repo": repo, "commit": to})
                 return fleet, plan
 
             return await self._fleet_exclusive(planned, {"canary": doc.get("canary")}, actor, repo, to, rollback=True)
-        raise ApiError(404, "not-found", "fleet: POST /v1/fleet/plan|apply|rollback, GET /v1/fleet/status")
+        raise _refuse("api.no-route", "fleet: POST /v1/fleet/plan|apply|rollback, GET /v1/fleet/status")
 
     async def _fleet_exclusive(self, planned, doc: dict, actor: str, repo, commit, rollback: bool = False) -> dict:
         """An apply or a rollback: one at a time, holding the fleet lock from its plan to its
         end; a refusal before anything is applied (not a commit id, unsigned, plan changed)
         is on the audit chain too."""
         if self._fleet_lock.locked():
-            raise ApiError(409, "fleet.busy", "another apply or rollback is in progress", exit_code=1,
+            raise _refuse("fleet.busy", "another apply or rollback is in progress",
                            hint="wait for it (`agentvm status`), then plan again")
         async with self._fleet_lock:
             try:
                 fleet, plan = await planned()
-            except (ApiError, AgentVMError) as exc:
+            except AgentVMError as exc:
                 self.record("fleet.refused", actor=actor, repo=str(repo)[:500], commit=str(commit)[:100],
                             error=exc.code, message=exc.message[:500], **({"rollback": True} if rollback else {}))
                 raise
@@ -1941,8 +1936,6 @@ class Daemon:
                     check = a.kind == "update" and (canary_all or fl.matches(a.name, list(canary.get("agents") or [])))
                     await self._fleet_put_agent(fleet, fa, a, actor, canary=(canary if check else None))
                 done.append(a.name)
-            except ApiError as exc:
-                failed = {"agent": a.name, "error": exc.code, "message": exc.message}
             except AgentVMError as exc:
                 failed = {"agent": a.name, "error": exc.code, "message": exc.message}
             if failed:
@@ -1996,8 +1989,8 @@ class Daemon:
                     m.last_error = None
                 await self.start(fa.name, actor=actor)
         self.record("fleet.agent-rolled-back", actor=actor, sandbox=fa.name, to=(old_meta or {}).get("commit"))
-        raise ApiError(409, "fleet.agent-failed", f"{fa.name} at {fleet.commit[:12]} did not pass: {problem}; it runs "
-                       "its previous version again and the apply stopped here", exit_code=1)
+        raise _refuse("fleet.agent-failed", f"{fa.name} at {fleet.commit[:12]} did not pass: {problem}; it runs "
+                       "its previous version again and the apply stopped here")
 
     async def _fleet_canary_beside(self, fleet, fa, actor: str, canary: dict) -> None:
         import yaml
@@ -2012,8 +2005,8 @@ class Daemon:
             self.managed.pop(cname, None)
             self.record("fleet.canary-removed", actor=actor, sandbox=cname, reason="left by an interrupted apply")
         elif left is not None:
-            raise ApiError(409, "fleet.canary-name-taken", f"cannot run the canary of {fa.name} beside it: a sandbox "
-                           f"named {cname} exists", exit_code=1)
+            raise _refuse("fleet.canary-name-taken", f"cannot run the canary of {fa.name} beside it: a sandbox "
+                           f"named {cname} exists")
         doc = yaml.safe_load(fa.spec_text)
         doc["metadata"]["name"] = cname
         doc["spec"]["workspace"] = {"enabled": False}
@@ -2039,8 +2032,8 @@ class Daemon:
                 self.managed.pop(cname, None)
         if problem is not None:
             self.record("fleet.canary-failed", actor=actor, sandbox=fa.name, commit=fleet.commit, problem=problem)
-            raise ApiError(409, "fleet.agent-failed", f"the canary of {fa.name} at {fleet.commit[:12]} did not pass: "
-                           f"{problem}; the old version ran on untouched and the apply stopped here", exit_code=1)
+            raise _refuse("fleet.agent-failed", f"the canary of {fa.name} at {fleet.commit[:12]} did not pass: "
+                           f"{problem}; the old version ran on untouched and the apply stopped here")
 
     async def _fleet_start_checked(self, name: str, actor: str, canary: dict | None) -> str | None:
         m = self.managed.get(name)
@@ -2306,11 +2299,11 @@ def _json_body(body: bytes) -> dict:
     try:
         doc = json.loads(body)
     except RecursionError:
-        raise ApiError(400, "bad-request", "the request body is nested too deeply") from None
+        raise _refuse("api.bad-request", "the request body is nested too deeply") from None
     except ValueError as exc:
-        raise ApiError(400, "bad-request", f"the request body is not JSON: {exc}") from None
+        raise _refuse("api.bad-request", f"the request body is not JSON: {exc}") from None
     if not isinstance(doc, dict):
-        raise ApiError(400, "bad-request", f"the request body must be a JSON object, not {type(doc).__name__}")
+        raise _refuse("api.bad-request", f"the request body must be a JSON object, not {type(doc).__name__}")
     return doc
 
 
@@ -2320,7 +2313,7 @@ def _since(text: str) -> float:
     try:
         return parse_since(text)
     except ValueError as exc:
-        raise ApiError(400, "bad-request", f"since: {exc}", hint="a Unix time, a duration ago (10m, 2h, 1d) or an ISO date") from None
+        raise _refuse("api.bad-request", f"since: {exc}", hint="a Unix time, a duration ago (10m, 2h, 1d) or an ISO date") from None
 
 
 def _make_reserve(path: Path) -> None:
