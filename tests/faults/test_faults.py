@@ -242,3 +242,29 @@ def test_down_then_up_brings_back_a_running_worker_unless_no_resume(home, tmp_pa
     time.sleep(0.5)
     assert state() == "stopped"
     _av(home, "rm", "resumer")
+
+
+def test_cp_copies_folders_both_ways_and_never_a_link(home, tmp_path):
+    # `agentvm cp DIR NAME:PATH` died with an IsADirectoryError traceback (exit 125)
+    f = _agent(tmp_path, "cpdir", "  lifecycle: persistent\n  command: [/bin/sleep, '300']\n  limits: {disk: 16M}\n")
+    src = tmp_path / "proj"
+    (src / "pkg").mkdir(parents=True)
+    (src / "pkg" / "mod.py").write_text("x = 1\n")
+    (src / "README").write_text("hi\n")
+    os.symlink("/etc/passwd", src / "link")  # left out (named), never followed
+    assert _av(home, "up").returncode == 0
+    assert _av(home, "create", "-f", str(f), "--start").returncode == 0
+    r = _av(home, "cp", str(src), "cpdir:in")
+    assert r.returncode == 0 and b"2 files, 1 folders" in r.stdout and b"link" in r.stdout, (r.stdout, r.stderr)
+    r = _av(home, "exec", "cpdir", "--", "/bin/sh", "-c", "cd /workspace/in && find . | sort && cat pkg/mod.py")
+    assert r.stdout.decode().split() == [".", "./README", "./pkg", "./pkg/mod.py", "x", "=", "1"], r.stdout
+    # the agent plants a link to a host file in the folder: the copy out leaves it out
+    assert _av(home, "exec", "cpdir", "--", "ln", "-s", "/etc/shadow", "/workspace/in/pkg/evil").returncode == 0
+    out = tmp_path / "back"
+    out.mkdir()
+    r = _av(home, "cp", "cpdir:in", str(out))
+    assert r.returncode == 0, r.stderr
+    assert sorted(str(p.relative_to(out)) for p in out.rglob("*")) == ["in", "in/README", "in/pkg", "in/pkg/mod.py"]
+    assert (out / "in/pkg/mod.py").read_text() == "x = 1\n"
+    assert b"Traceback" not in r.stderr
+    _av(home, "rm", "cpdir")

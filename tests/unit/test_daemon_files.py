@@ -120,3 +120,71 @@ def test_reading_a_missing_file_says_so(tmp_path):
     with pytest.raises(AgentVMError) as ei:
         files.read_beneath(tmp_path, "x")
     assert ei.value.code == "files.not-found"
+
+
+# -- folders as tar streams ---------------------------------------------------------------
+def _tar(entries) -> bytes:
+    import io
+    import tarfile
+
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:") as tf:
+        for name, kind, data in entries:
+            ti = tarfile.TarInfo(name)
+            if kind == "dir":
+                ti.type = tarfile.DIRTYPE
+                tf.addfile(ti)
+            elif kind == "file":
+                ti.size = len(data)
+                tf.addfile(ti, io.BytesIO(data))
+            elif kind == "symlink":
+                ti.type, ti.linkname = tarfile.SYMTYPE, data
+                tf.addfile(ti)
+            elif kind == "hardlink":
+                ti.type, ti.linkname = tarfile.LNKTYPE, data
+                tf.addfile(ti)
+    return buf.getvalue()
+
+
+def test_a_folder_goes_in_and_comes_out_whole(tmp_path):
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    got = files.write_tree_beneath(ws, "src", _tar([("a", "dir", None), ("a/b.txt", "file", b"bee"),
+                                                    ("top.txt", "file", b"top")]), None)
+    assert got == {"files": 2, "dirs": 1, "bytes": 6}
+    assert (ws / "src/a/b.txt").read_bytes() == b"bee" and (ws / "src/top.txt").read_bytes() == b"top"
+    os.symlink("/etc/shadow", ws / "src/a/planted")  # the agent's link: left out, never followed
+    data, counts = files.read_tree_beneath(ws, "src")
+    assert counts == {"files": 2, "dirs": 1, "bytes": 6, "skipped": 1}
+    import io
+    import tarfile
+
+    names = sorted(m.name for m in tarfile.open(fileobj=io.BytesIO(data)).getmembers())
+    assert names == ["a", "a/b.txt", "top.txt"]
+    assert files.is_dir_beneath(ws, "src") and not files.is_dir_beneath(ws, "src/top.txt")
+
+
+@pytest.mark.parametrize("entries,why", [
+    ([("../escape", "file", b"x")], "files.bad-path"),
+    ([("/abs", "file", b"x")], "files.bad-path"),
+    ([("ok", "file", b"x"), ("link", "symlink", "/etc/shadow")], "files.not-regular"),
+    ([("ok", "file", b"x"), ("hard", "hardlink", "ok")], "files.not-regular"),
+])
+def test_an_archive_cannot_reach_out_and_nothing_is_written_when_refused(tmp_path, entries, why):
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    with pytest.raises(PolicyDenied) as e:
+        files.write_tree_beneath(ws, "in", _tar(entries), None)
+    assert e.value.code == why
+    assert list(ws.iterdir()) == [] and not (tmp_path / "escape").exists()
+
+
+def test_a_folder_reached_through_a_planted_link_is_refused(tmp_path):
+    ws = tmp_path / "ws"
+    (ws / "real").mkdir(parents=True)
+    os.symlink(tmp_path, ws / "out")
+    with pytest.raises(PolicyDenied):
+        files.read_tree_beneath(ws, "out")
+    with pytest.raises(PolicyDenied):
+        files.write_tree_beneath(ws, "out/x", _tar([("f", "file", b"x")]), None)
+    assert not (tmp_path / "x").exists()

@@ -297,27 +297,83 @@ def exec_cmd(name, argv, timeout):
 @click.argument("src")
 @click.argument("dst")
 def cp(src, dst):
-    """Copy into or out of a workspace: `cp FILE NAME:PATH` or `cp NAME:PATH FILE`."""
+    """Copy into or out of a workspace: `cp FILE|DIR NAME:PATH` or `cp NAME:PATH FILE|DIR`
+    (a folder is copied whole: folders and regular files; links and special files are not)."""
     c = _client()
     if ":" in dst and not Path(dst).exists():
         name, _, path = dst.partition(":")
-        r = c.put_file(name, path, Path(src).read_bytes())
+        local = Path(src)
+        try:
+            if local.is_dir():
+                data, skipped = _tar_of(local)
+                r = c.put_tree(name, path, data)
+                click.echo(f"{src} -> {name}:{path} ({r['files']} files, {r['dirs']} folders, {r['bytes']} bytes)"
+                           + (f"; left out {len(skipped)} links or special files: {', '.join(skipped[:5])}"
+                              if skipped else ""))
+                return 0
+            data = local.read_bytes()
+        except OSError as exc:
+            raise ConfigError(f"cannot read {src}: {exc.strerror}") from None
+        r = c.put_file(name, path, data)
         click.echo(f"{r['written']} bytes -> {name}:{path}")
     elif ":" in src:
         name, _, path = src.partition(":")
-        data = c.get_file(name, path)
+        kind, data = c.get_path(name, path)
         out = Path(dst)
-        if out.is_dir():  # `cp NAME:PATH .`: into the folder, under the file's own name
+        if out.is_dir():  # `cp NAME:PATH .`: into the folder, under its own name
             out = out / Path(path).name
         try:
+            if kind == "tar":
+                n = _untar_into(data, out)
+                click.echo(f"{name}:{path} -> {out} ({n} files)")
+                return 0
             out.write_bytes(data)
         except OSError as exc:
             raise ConfigError(f"cannot write {out}: {exc.strerror}") from None
-        dst = str(out)
-        click.echo(f"{name}:{path} -> {dst} ({len(data)} bytes)")
+        click.echo(f"{name}:{path} -> {out} ({len(data)} bytes)")
     else:
         raise click.UsageError("one side must be NAME:PATH")
     return 0
+
+
+def _tar_of(folder: Path) -> tuple[bytes, list[str]]:
+    """A local folder as a tar stream of its folders and regular files (links and special
+    files are left out - named - never followed)."""
+    import io
+    import stat
+    import tarfile
+
+    buf, skipped = io.BytesIO(), []
+    with tarfile.open(fileobj=buf, mode="w:", format=tarfile.PAX_FORMAT) as tf:
+        for dirpath, dirnames, filenames in os.walk(folder, followlinks=False):
+            rel_dir = Path(dirpath).relative_to(folder)
+            for d in sorted(dirnames):
+                p = Path(dirpath) / d
+                if p.is_symlink():
+                    skipped.append(str(rel_dir / d))
+                    continue
+                tf.add(p, arcname=str(rel_dir / d), recursive=False)
+            dirnames[:] = sorted(d for d in dirnames if not (Path(dirpath) / d).is_symlink())
+            for f in sorted(filenames):
+                p = Path(dirpath) / f
+                if not stat.S_ISREG(p.lstat().st_mode):
+                    skipped.append(str(rel_dir / f))
+                    continue
+                tf.add(p, arcname=str(rel_dir / f), recursive=False)
+    return buf.getvalue(), skipped
+
+
+def _untar_into(data: bytes, out: Path) -> int:
+    """Unpack a workspace folder's tar stream at ``out`` (created), with the stdlib's 'data'
+    filter: nothing outside ``out``, no links out, no device files, no setuid bits."""
+    import io
+    import tarfile
+
+    out.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as tf:
+        members = tf.getmembers()
+        tf.extractall(out, members=members, filter="data")
+    return sum(1 for m in members if m.isreg())
 
 
 @click.command()

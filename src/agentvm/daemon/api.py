@@ -263,6 +263,8 @@ class RmQuery(Body):
 
 class FilesQuery(Body):
     path: Annotated[str, Field(max_length=4096)] = ""
+    tar: Literal["0", "1"] | None = Field(None, description="a folder as a tar stream (PUT: the body is one; "
+                                          "GET: a folder's answer is one, kind 'tar')")
 
 
 class AuditQuery(Body):

@@ -195,6 +195,15 @@ class Client:
     def get_file(self, name: str, path: str) -> bytes:
         return base64.b64decode(self.request("GET", f"/v1/sandboxes/{quote(name)}/files?path={quote(path)}")["data"])
 
+    def put_tree(self, name: str, path: str, tar_bytes: bytes):
+        """A folder into the workspace, as a tar stream (folders and regular files only)."""
+        return self.request("PUT", f"/v1/sandboxes/{quote(name)}/files?path={quote(path)}&tar=1", raw=tar_bytes)
+
+    def get_path(self, name: str, path: str) -> tuple[str, bytes]:
+        """A file (``("file", bytes)``) or a folder (``("tar", a tar stream)``) of the workspace."""
+        d = self.request("GET", f"/v1/sandboxes/{quote(name)}/files?path={quote(path)}&tar=1")
+        return d.get("kind", "file"), base64.b64decode(d["data"])
+
     def policy(self, name: str, op: str, **kw):
         return self.request("POST", f"/v1/sandboxes/{quote(name)}/policy", {"op": op, **kw})
 

@@ -1190,7 +1190,8 @@ class Daemon:
                 data = await asyncio.to_thread(_tail, path, tail)
                 return await self._json(conn, writer, 200, {"log": data.decode(errors="replace")})
             if action == "files":
-                return await self._files(name, method, q.get("path", ""), body, conn, writer, actor)
+                return await self._files(name, method, q.get("path", ""), body, conn, writer, actor,
+                                         tar=q.get("tar") == "1")
             if action == "policy" and method == "POST":
                 return await self._json(conn, writer, 200, await self._policy(name, doc or {}, actor))
         if p == ["console", "login"] and method == "POST":
@@ -1518,19 +1519,31 @@ class Daemon:
             raise _refuse("sandbox.not-running", f"{name} is not running (its workspace is mounted only while it runs)")
         return Path(s.res.workspace.host_dir), s.res.host_uid
 
-    async def _files(self, name, method, rel, body, conn, writer, actor):
-        from agentvm.daemon.files import read_beneath, write_beneath
+    async def _files(self, name, method, rel, body, conn, writer, actor, tar: bool = False):
+        """cp: one file, or with ``tar`` a folder as a tar stream (files.write_tree_beneath /
+        read_tree_beneath: the same path checks for every member)."""
+        from agentvm.daemon import files
 
         self._row(name)  # 404 for a sandbox that does not exist, before "not running"
         root, uid = self._workspace_dir(name)
         if method == "PUT":
-            n = await asyncio.to_thread(write_beneath, root, rel, body, uid)
+            if tar:
+                got = await asyncio.to_thread(files.write_tree_beneath, root, rel, body, uid)
+                self.record("operator.cp-in", actor=actor, sandbox=name, path=rel, folder=True, **got)
+                return await self._json(conn, writer, 200, {"written": got["bytes"], "path": rel, **got})
+            n = await asyncio.to_thread(files.write_beneath, root, rel, body, uid)
             self.record("operator.cp-in", actor=actor, sandbox=name, path=rel, bytes=n)
             return await self._json(conn, writer, 200, {"written": n, "path": rel})
         if method == "GET":
-            data = await asyncio.to_thread(read_beneath, root, rel)
+            if tar and await asyncio.to_thread(files.is_dir_beneath, root, rel):
+                data, got = await asyncio.to_thread(files.read_tree_beneath, root, rel)
+                self.record("operator.cp-out", actor=actor, sandbox=name, path=rel, folder=True, **got)
+                return await self._json(conn, writer, 200, {"path": rel, "kind": "tar", **got,
+                                                            "data": base64.b64encode(data).decode()})
+            data = await asyncio.to_thread(files.read_beneath, root, rel)
             self.record("operator.cp-out", actor=actor, sandbox=name, path=rel, bytes=len(data))
-            return await self._json(conn, writer, 200, {"path": rel, "data": base64.b64encode(data).decode()})
+            return await self._json(conn, writer, 200, {"path": rel, "kind": "file",
+                                                        "data": base64.b64encode(data).decode()})
         raise _refuse("api.method-not-allowed", "use GET or PUT")
 
     def _policy_view(self, name: str, row, patch: dict) -> dict:
