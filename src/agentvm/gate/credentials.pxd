@@ -22,3 +22,8 @@ cdef class Scrubber:
     cdef dict __dict__  # anything else set on an instance (Python's semantics)
     cdef object __weakref__  # weak references, as to any Python object with a __dict__
     cdef public object _t, tail, hits
+
+cdef class StreamGuard:
+    cdef dict __dict__  # anything else set on an instance (Python's semantics)
+    cdef object __weakref__  # weak references, as to any Python object with a __dict__
+    cdef public object _t, buf, base, parsed, long_line, streams

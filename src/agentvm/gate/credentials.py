@@ -33,6 +33,7 @@ from functools import lru_cache
 from typing import Callable, NamedTuple
 from urllib.parse import parse_qsl, quote, quote_plus, urlencode
 
+from agentvm.gate.encoding import DecodeError
 from agentvm.gate.policy import host_matches, normalize_host, normalize_pattern
 
 CHARSETS = {
@@ -896,3 +897,146 @@ class Scrubber:
         if self._t.regex.search(joined) is None and not (self.encoded and self._views(joined) != joined):
             return hs
         return [(self.header(k), self.header(v)) for k, v in hs]
+
+
+# -- values split across the events of a stream --------------------------------------------
+def _json_strings(doc, limit: int = 4096):
+    """(path, string) for each string in a JSON document, in document order; a path names
+    object keys and ``*`` for array items (``choices.*.delta.content``), so the pieces of one
+    field in successive events line up."""
+    out: list = []
+    stack = [("", doc)]
+    while stack and len(out) < limit:
+        path, d = stack.pop()
+        if isinstance(d, str):
+            out.append((path, d))
+        elif isinstance(d, dict):
+            stack += [(path + "." + k, v) for k, v in reversed(d.items())]
+        elif isinstance(d, list):
+            stack += [(path + ".*", v) for v in reversed(d)]
+    return out
+
+
+class StreamGuard:
+    """A real value split across the events of a streamed response - server-sent events'
+    ``data:`` lines, newline-delimited JSON, and the JSON string deltas of LLM-style streams
+    (``{"delta": "sk-"}`` then ``{"delta": "REAL..."}``) - never reaches the sandbox whole.
+
+    Fed what the :class:`Scrubber` releases (a value inside one event is already replaced), it
+    reads the body line by line; each line that is an SSE ``data:`` payload or a JSON document
+    adds its text to a *stream*: the concatenated ``data:`` payloads, and per JSON path the
+    concatenated strings at that path. A stream that then holds a form of a value (in pieces
+    from more than one event) cuts the response (``credential:echo-split``); a stream whose end
+    could still become one (at least :attr:`MIN_HOLD` bytes of a form's start) holds back the
+    events its pieces came in, so nothing past a few bytes of a value is sent before it is
+    known whole. Bounded: a line longer than :attr:`LINE_MAX` is no event (it streams as the
+    scrubber releases it), and more than :attr:`HOLD_MAX` held bytes cut the response
+    (``credential:uninspectable-stream``)."""
+
+    LINE_MAX = 64 * 1024
+    HOLD_MAX = 1 << 20
+    STREAMS_MAX = 256
+    MIN_HOLD = 4  # a shorter piece of a value's start goes out (a prefix like "sk-" says nothing)
+
+    def __init__(self, table: ScrubTable):
+        self._t = table
+        self.buf = bytearray()  # not yet released
+        self.base = 0  # the body offset of buf[0]
+        self.parsed = 0  # the body offset of the line being read
+        self.long_line = False  # that line is over LINE_MAX: not an event
+        self.streams: dict[str, list] = {}  # key -> [text, [(text offset, body offset of its event)]]
+
+    def feed(self, data: bytes) -> bytes:
+        if data:
+            self.buf += data
+            self._lines(final=False)
+        return self._release()
+
+    def finish(self) -> bytes:
+        self._lines(final=True)
+        out = bytes(self.buf)
+        self.base += len(out)
+        self.buf.clear()
+        return out
+
+    def _lines(self, final: bool) -> None:
+        buf, base = self.buf, self.base
+        while True:
+            i = buf.find(b"\n", self.parsed - base)
+            if i < 0:
+                break
+            if self.long_line:
+                self.long_line = False
+            else:
+                self._event(bytes(buf[self.parsed - base:i]), self.parsed)
+            self.parsed = base + i + 1
+        rest = base + len(buf) - self.parsed
+        if final and rest and not self.long_line:
+            self._event(bytes(buf[self.parsed - base:]), self.parsed)
+            self.parsed = base + len(buf)
+        elif rest > self.LINE_MAX:
+            self.long_line = True
+
+    def _event(self, line: bytes, at: int) -> None:
+        line = line.rstrip(b"\r")
+        sse = line[:5] == b"data:"
+        p = (line[6:] if line[5:6] == b" " else line[5:]) if sse else line.strip()
+        if p[:1] in (b"{", b"[", b","):
+            for cand in (p, p.strip(b"[],")):  # (a JSON array streamed an element per line)
+                try:
+                    doc = json.loads(cand)
+                except (ValueError, RecursionError):
+                    continue
+                for path, text in _json_strings(doc):
+                    self._add("json" + path, text.encode("utf-8", "surrogatepass"), at)
+                return
+        if sse:
+            self._add("data:", p, at)
+
+    def _add(self, key: str, piece: bytes, at: int) -> None:
+        if not piece:
+            return
+        st = self.streams.get(key)
+        if st is None:
+            if len(self.streams) >= self.STREAMS_MAX:
+                # (many distinct paths: the oldest that holds nothing back goes first)
+                victim = next((k for k, v in self.streams.items() if not v[0]), next(iter(self.streams)))
+                del self.streams[victim]
+            st = self.streams[key] = [b"", []]
+        text = st[0] + piece
+        marks = st[1]
+        marks.append((len(st[0]), at))
+        t = self._t
+        if t.regex is not None and t.regex.search(text) is not None:
+            raise DecodeError("credential:echo-split", "a credential's real value arrived split across the events "
+                              "of a streamed response: the stream is cut")
+        keep = len(text)
+        first = t.first_ints
+        for i in range(max(0, len(text) - t.maxlen + 1), len(text)):
+            if text[i] in first and t.could_start(text[i:]):
+                keep = i
+                break
+        if keep == len(text):
+            st[0], st[1] = b"", []
+            return
+        # the marks of the events the kept text came from
+        j = max(n for n, (off, _) in enumerate(marks) if off <= keep)
+        st[0] = text[keep:]
+        st[1] = [(max(0, off - keep), a) for off, a in marks[j:]]
+
+    def _release(self) -> bytes:
+        end = self.base + len(self.buf)
+        upto = end if self.long_line else self.parsed  # the line being read waits for its end
+        for text, marks in self.streams.values():
+            if len(text) >= self.MIN_HOLD and marks:
+                upto = min(upto, marks[0][1])
+        n = max(0, upto - self.base)
+        if end - self.base - n > self.HOLD_MAX:
+            raise DecodeError("credential:uninspectable-stream", f"over {self.HOLD_MAX} bytes of a streamed response "
+                              "would have to be held back to look for a credential's value split across its events")
+        if not n:
+            return b""
+        out = bytes(self.buf[:n])
+        del self.buf[:n]
+        self.base += n
+        return out

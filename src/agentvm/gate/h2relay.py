@@ -36,7 +36,7 @@ import h2.settings
 from agentvm.gate import encoding, h1, rules
 from agentvm.gate import exchange as ex
 from agentvm.gate.endpoint import Endpoint
-from agentvm.gate.relay import ResponseScrub
+from agentvm.gate.relay import response_scrub
 from agentvm.gate.streams import READ
 
 ALPN = "h2"
@@ -213,9 +213,7 @@ class H2Bridge:
         creds = self.ep.creds
         if creds is not None:
             s.scanner = creds.body_scanner(req.host)
-            scrubber = creds.scrubber()
-            if scrubber.active:
-                s.scrub = ResponseScrub(scrubber)
+            s.scrub = response_scrub(creds.scrubber(), creds, cmd.swap)
         headers = h1.h2_forward_headers(cmd.req, self.host_value)
         if s.scrub is not None and s.scrub.scrubber.encoded:
             headers = encoding.narrow_accept_headers(headers)
@@ -557,6 +555,9 @@ class H2Bridge:
             extra["alert"] = True
         if s.scrub is not None and s.scrub.decoded_from:
             extra["decoded"] = s.scrub.decoded_from
+        if s.scrub is not None and s.scrub.uninspected:
+            extra["uninspected"] = s.scrub.uninspected
+            extra["alert"] = True
         if error:
             extra["error"] = error
         self.ep.log(verdict="allow", rule_id=d.rule_id, reason=d.reason, host=req.host, port=req.port,

@@ -5,7 +5,7 @@
 cdef class ResponseScrub:
     cdef dict __dict__  # anything else set on an instance (Python's semantics)
     cdef object __weakref__  # weak references, as to any Python object with a __dict__
-    cdef public object scrubber, decoder, decoded_from
+    cdef public object scrubber, decoder, decoded_from, swapped, strict, sniff, guard, released, uninspected
 
 cdef class Relay:
     cdef dict __dict__  # anything else set on an instance (Python's semantics)

@@ -22,6 +22,7 @@ from agentvm.gate.framing import END, LAST_CHUNK, NEED_DATA, Head, ResponseReade
 from agentvm.gate.framing import chunk as frame_chunk
 from agentvm.gate.h1 import forward_headers, response_headers
 from agentvm.gate.endpoint import Endpoint
+from agentvm.gate.credentials import StreamGuard
 from agentvm.gate.exchange import Forward, cred_deny
 from agentvm.gate.streams import Interrupted, PlainStream, client_gone
 
@@ -86,12 +87,27 @@ class ResponseScrub:
     upstream echoing a real value must not hand it to the sandbox - header names and values,
     the reason phrase, the body; a compressed echo is still an echo, so a body in a coding the
     gate decodes is decoded, scrubbed and forwarded as identity (its length may change: the
-    caller re-frames it)."""
+    caller re-frames it).
 
-    def __init__(self, scrubber) -> None:
+    A response to a request a credential was swapped into (``swapped``) is where an echo comes
+    from, and gets two more checks: its body is sniffed for a compression it does not declare
+    (:func:`encoding.sniff`, on what the declared codings decode to), and streamed text is
+    read event by event (:class:`credentials.StreamGuard`: a value split across events cuts
+    it). What the gate cannot inspect - a body compressed without saying so, a coding it cannot
+    decode - is refused when one of the swapped credentials is ``inspect: strict`` (the
+    default): ``credential:uninspectable-body`` / ``-encoding``; with only ``lenient`` ones it
+    goes through as it is, its bytes scrubbed, and the log says ``"uninspected"``."""
+
+    def __init__(self, scrubber, *, swapped: bool = False, strict: bool = True) -> None:
         self.scrubber = scrubber
         self.decoder = None
         self.decoded_from: str | None = None
+        self.swapped, self.strict = swapped, strict
+        # the first bytes of the (decoded) body, until sniff() can tell; None: not sniffed
+        self.sniff: bytes | None = b"" if swapped and scrubber.encoded else None
+        self.guard = StreamGuard(scrubber._t) if swapped and scrubber.encoded else None
+        self.released = 0  # body bytes handed on (none yet: a refusal can still be a 502)
+        self.uninspected: str | None = None  # lenient: why the body went through unread
 
     def head(self, headers: list[tuple[bytes, bytes]], raw_headers, reason: bytes) -> tuple[list, bytes]:
         """-> (headers, reason) to send; raises ``encoding.DecodeError`` for a coding the gate
@@ -101,29 +117,91 @@ class ResponseScrub:
         out = sc.headers((k, v) for k, v in headers if k not in (b"content-length", b"content-encoding"))
         codings = b", ".join(bytes(v) for k, v in raw_headers if bytes(k).lower() == b"content-encoding")
         if codings and sc.encoded:
-            decoder = encoding.Decoder(codings)
-            if decoder.steps:
+            try:
+                decoder = encoding.Decoder(codings)
+            except encoding.DecodeError as err:
+                if not (self.swapped and not self.strict):
+                    raise
+                # lenient: forwarded as it is, its bytes scrubbed (they cannot be read)
+                self.uninspected = err.reason
+                self.sniff = self.guard = None
+                out.append((b"content-encoding", codings))
+                decoder = None
+            if decoder is not None and decoder.steps:
                 self.decoder, self.decoded_from = decoder, codings.decode("latin-1")
         elif codings:
             out.append((b"content-encoding", codings))  # forwarded as it is (raw-scrub)
         return out, sc.header(reason)
 
+    def _sniffed(self, part: bytes, final: bool = False) -> bytes:
+        """``part`` once the sniff has decided (with what it held), b"" while it cannot tell."""
+        head = self.sniff + part
+        found = encoding.sniff(head, final)
+        if found == "":
+            self.sniff = head
+            return b""
+        self.sniff = None
+        if found:
+            reason = (f"the response body is {found}-compressed without a Content-Encoding that says so: the gate "
+                      "cannot inspect it for a credential's value")
+            if self.strict:
+                raise encoding.DecodeError("credential:uninspectable-body", reason)
+            self.uninspected = reason
+            self.guard = None  # (compressed bytes: no events to read)
+        return head
+
+    def _out(self, part: bytes):
+        if self.sniff is not None:
+            part = self._sniffed(part)
+            if not part:
+                return b""
+        data = self.scrubber.feed(part)
+        if data and self.guard is not None:
+            data = self.guard.feed(data)
+        self.released += len(data)
+        return data
+
     def body(self, piece: bytes):
         """Scrubbed bytes for a piece of the body (lazy: decoding happens as they are taken)."""
         for part in (self.decoder.feed(piece) if self.decoder is not None else (piece,)):
-            data = self.scrubber.feed(part)
+            data = self._out(part)
             if data:
                 yield data
 
     def finish(self):
         if self.decoder is not None:
             for part in self.decoder.finish():
-                data = self.scrubber.feed(part)
+                data = self._out(part)
                 if data:
                     yield data
+        if self.sniff is not None:
+            part = self._sniffed(b"", final=True)
+            if part:
+                data = self.scrubber.feed(part)
+                if data and self.guard is not None:
+                    data = self.guard.feed(data)
+                if data:
+                    self.released += len(data)
+                    yield data
         rest = self.scrubber.finish()
+        if self.guard is not None:
+            rest = self.guard.feed(rest) + self.guard.finish()
         if rest:
+            self.released += len(rest)
             yield rest
+
+
+def response_scrub(scrubber, creds, swap) -> ResponseScrub | None:
+    """The :class:`ResponseScrub` of one response (None when nothing is to be scrubbed):
+    ``swap`` says which credentials the request carried, and so how strictly it is read."""
+    if scrubber is None or not scrubber.active:
+        return None
+    used = swap.used if swap is not None else None
+    if not used:
+        return ResponseScrub(scrubber)
+    bindings = creds.bindings
+    strict = any(getattr(bindings.get(n), "inspect", "strict") != "lenient" for n in used)
+    return ResponseScrub(scrubber, swapped=True, strict=strict)
 
 
 class Relay:
@@ -420,9 +498,10 @@ class Relay:
         if self._emit_now(data, flush):
             await self.client.drained()
 
-    async def _scrubbed_out(self, pieces) -> bool:
-        """Scrubbed pieces to the sandbox; False when the body does not decode (what was sent
-        stays, the response ends unfinished)."""
+    async def _scrubbed_out(self, pieces, scrub=None) -> bool:
+        """Scrubbed pieces to the sandbox; False when the body does not decode or is refused
+        (what was sent stays, the response ends unfinished; a refusal before any of the body
+        went out, its head still held, is a 502 instead)."""
         meter = self.meter
         try:
             for data in pieces:
@@ -430,6 +509,11 @@ class Relay:
                     meter.feed(data)
                 await self._emit(self._frame(data))
         except encoding.DecodeError as err:
+            if scrub is not None and not scrub.released and self._out:
+                self._out.clear()  # only the head, never sent: the answer is the refusal
+                self._out_len = 0
+                await self._undecodable(err)
+                return False
             await self._emit(b"", flush=True)
             await self._undecodable(err, answered=True)
             return False
@@ -458,7 +542,7 @@ class Relay:
         received = 0
         answered = False
         keep = self.client_keep
-        scrub = ResponseScrub(scrubber) if scrubber is not None and scrubber.active else None
+        scrub = response_scrub(scrubber, ep.creds, cred)
         meter = self.meter = self.budget.meter() if self.budget is not None else None
         while True:
             try:
@@ -471,8 +555,8 @@ class Relay:
             if ev is NEED_DATA:
                 # what was decoded so far goes out before waiting: a stream (SSE, chunked
                 # progress) reaches the agent as it is sent, not when the response ends
-                if self._out and self._emit_now(b"", True):
-                    await client.drained()
+                if self._out and (scrub is None or scrub.sniff is None) and self._emit_now(b"", True):
+                    await client.drained()  # (not while the body is sniffed: its refusal is a 502)
                 gate.watch_read(up)
                 try:
                     data = await up.read()
@@ -553,7 +637,7 @@ class Relay:
                 continue
             if ev is END:
                 self._unwatch()  # nothing more is read from the upstream
-                if scrub is not None and not await scrubbed_out(scrub.finish()):
+                if scrub is not None and not await scrubbed_out(scrub.finish(), scrub):
                     return False, b"", False
                 if self._emit_now(LAST_CHUNK if self._frame is frame_chunk else b"", True):
                     await client.drained()
@@ -565,7 +649,7 @@ class Relay:
                     meter.feed(ev)
                 if held(self._frame(ev)) and self._emit_now(b""):
                     await client.drained()
-            elif not await scrubbed_out(scrub.body(ev)):
+            elif not await scrubbed_out(scrub.body(ev), scrub):
                 return False, b"", False
         ep.bytes_in += received
         extra = {}
@@ -576,6 +660,9 @@ class Relay:
             extra["alert"] = True
         if scrub is not None and scrub.decoded_from:
             extra["decoded"] = scrub.decoded_from
+        if scrub is not None and scrub.uninspected:
+            extra["uninspected"] = scrub.uninspected
+            extra["alert"] = True
         llm = self._count_llm()
         if llm is not None:
             extra["llm"] = llm
