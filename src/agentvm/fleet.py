@@ -924,7 +924,7 @@ JUDGED: dict[str, dict] = {
     "MountGrant": {"host": "_mounts", "path": "_mounts", "writable": "_mounts", "writable_trusted": "_mounts"},
     "CredentialBinding": {k: "_credentials (a new binding, more hosts, or any other change of one)" for k in (
         "name", "env", "ref", "hosts", "header", "format", "basic", "query", "file", "prefix", "length", "charset",
-        "sigv4_access_key_id", "sigv4_key_env", "hmac")},
+        "sigv4_access_key_id", "sigv4_key_env", "hmac", "inspect")},
     "ToolPolicy": {
         "servers": _tool_servers,
         "tier_approval": _tier_approval,

@@ -480,7 +480,7 @@ WIDENS = [
 ] + [(f"CredentialBinding.{k}", _on(f"CredentialBinding.{k}", v), "credential key changed") for k, v in (
     ("env", "OTHER"), ("ref", "vault:other"), ("header", "x-api-key"), ("format", "{}"), ("basic", "user"),
     ("query", "key"), ("file", "/tmp/k"), ("prefix", "sk-"), ("length", 99), ("charset", "hex"),
-    ("sigv4_access_key_id", "AKIDX"), ("sigv4_key_env", "OTHER"), ("hmac", (("a", "b"),)))] + [
+    ("sigv4_access_key_id", "AKIDX"), ("sigv4_key_env", "OTHER"), ("hmac", (("a", "b"),)), ("inspect", "lenient"))] + [
     ("ToolPolicy.servers", _on("ToolPolicy.servers", fn=lambda s: s + (__import__("dataclasses").replace(
         s[0], name="more"),)), "new tool server more"),
     ("ToolPolicy.tier_approval", _on("ToolPolicy.tier_approval", ()), "destructive tools no longer always need"),

@@ -441,6 +441,10 @@ class Credential(_Model):
     placeholder: Placeholder = Field(default_factory=Placeholder)
     sigv4: SigV4 | None = Field(None, description="Re-sign AWS SigV4 requests instead of swapping a header.")
     hmac: HmacSigning | None = Field(None, description="Re-sign a generic HMAC signature instead of swapping.")
+    inspect: Literal["strict", "lenient"] = Field(
+        "strict", description="A response to a request this credential was swapped into that the gate cannot fully "
+        "inspect for the real value (a body compressed without a Content-Encoding saying so, a coding the gate cannot "
+        "decode): strict refuses it (502 credential:uninspectable-*), lenient passes it on, logged as uninspected.")
 
     @field_validator("name")
     @classmethod
