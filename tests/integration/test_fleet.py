@@ -132,14 +132,17 @@ def test_plan_apply_drift_rollback(daemon, tmp_path, cleanup):
     av("policy", "pf-a", "allow", "other.example.test:443")
     rc, st = status()
     assert rc == 1 and any("live policy changes" in d for d in agents(st)["pf-a"]["drift"])
-    # an unmanaged sandbox running beside the fleet is drift too (and left alone by plans)
+    # a hand-made sandbox running beside the fleet: plan and status agree - not from a fleet,
+    # left alone, never drift
     f = tmp_path / "loose.yaml"
     f.write_text(agent_yaml("pf-loose"))
     cleanup.append("pf-loose")
     av("create", "-f", str(f), "--start")
     rc, st = status()
-    assert "running, but no commit declares it" in agents(st)["pf-loose"]["drift"]
+    loose = agents(st)["pf-loose"]
+    assert loose["unmanaged"] is True and loose["drift"] == [] and st["unmanaged"] == ["pf-loose"]
     assert plan(repo, c2)["unmanaged"] == ["pf-loose"]
+    assert b"pf-loose" in av("status", check=False).stdout and b"not from a fleet (left alone)" in av("status", check=False).stdout
     # rollback: the previous commit, exactly (pf-b removed, pf-a's config back to its digest)
     out = json.loads(av("rollback", "--json").stdout)
     assert out["result"] == "rolled-back" and out["commit"] == c1

@@ -139,7 +139,8 @@ def status(as_json):
     click.echo(f"desired commit: {s['desired'] or '(nothing applied from a fleet)'}")
     for a in s["agents"]:
         commit = (a["commit"] or "-")[:12]
-        click.echo(f"  {a['name']:<24} {a['state']:<9} {commit:<12} " + ("; ".join(a["drift"]) or "in sync"))
+        how = "not from a fleet (left alone)" if a.get("unmanaged") else ("; ".join(a["drift"]) or "in sync")
+        click.echo(f"  {a['name']:<24} {a['state']:<9} {commit:<12} " + how)
     last = s["promotions"][:1]
     if last:
         x = last[0]

@@ -2107,8 +2107,8 @@ class Daemon:
             d = {"name": name, "state": row.state, "commit": fm["commit"] if fm else None, "desired": desired,
                  "path": fm["path"] if fm else None, "drift": []}
             if fm is None:
-                if c["running"]:
-                    d["drift"].append("running, but no commit declares it")
+                # not from a fleet: plan leaves it alone, and so does status (listed, never drift)
+                d["unmanaged"] = True
             else:
                 if desired and fm["commit"] != desired:
                     d["drift"].append(f"runs {fm['commit'][:12]}, the last promotion is {desired[:12]}")
@@ -2131,7 +2131,8 @@ class Daemon:
                 agents.append({"name": name, "state": "missing", "commit": fm["commit"], "desired": desired,
                                "path": fm["path"], "drift": ["declared, but its sandbox is gone"]})
                 drifted = True
-        out = {"desired": desired, "drift": drifted, "agents": agents, "promotions": self.state.promotions(20)}
+        out = {"desired": desired, "drift": drifted, "agents": agents, "promotions": self.state.promotions(20),
+               "unmanaged": [a["name"] for a in agents if a.get("unmanaged")]}
         if drifted:  # a drift finding is on the audit chain (what was found, when, by whom)
             self.record("fleet.drift", desired=desired,
                         agents={a["name"]: a["drift"] for a in agents if a["drift"]})
