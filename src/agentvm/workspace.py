@@ -149,9 +149,11 @@ def quota_supported() -> tuple[bool, str]:
     return True, f"ext4 image, loop-mounted ({cap}: one per running agent with a workspace)"
 
 
-def lock_agent(home_ws: Path, name: str, why: str, hint: str) -> int:
+def lock_agent(home_ws: Path, name: str, why: str, hint: str, *, message: str | None = None,
+               code: str | None = None) -> int:
     """Hold ``<workspaces>/<name>.lock`` (an exclusive ``flock``): one sandbox of an agent at
-    a time. Returns the fd (closing it releases the lock); refuses if another holds it."""
+    a time. Returns the fd (closing it releases the lock); refuses if another holds it (with
+    ``message``/``code`` when given)."""
     home_ws.mkdir(parents=True, exist_ok=True)
     path = home_ws / f"{name}.lock"
     while True:
@@ -161,7 +163,8 @@ def lock_agent(home_ws: Path, name: str, why: str, hint: str) -> int:
         except OSError as exc:
             os.close(lock_fd)
             if exc.errno in (errno.EAGAIN, errno.EACCES):
-                raise PolicyDenied(f"agent {name!r} is already running: {why}", hint=hint) from exc
+                raise PolicyDenied(message or f"agent {name!r} is already running: {why}", hint=hint,
+                                   code=code) from None
             raise
         if _same_file(lock_fd, path):
             return lock_fd
@@ -492,20 +495,9 @@ def remove_workspace(home_ws: Path, name: str, *, runtime: Path | None = None,
         raise ConfigError(f"there is no workspace named {name!r}", hint="`agentvm workspace ls` lists them",
                           code="workspace.not-found")
     lock = home_ws / f"{name}.lock"
-    while True:
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as exc:
-            os.close(fd)
-            if exc.errno in (errno.EAGAIN, errno.EACCES):
-                raise PolicyDenied(f"the workspace {name!r} is in use: a sandbox of agent {name!r} is running",
-                                   hint=f"stop it first (`agentvm stop {name}`, or let its `agentvm run` end), then retry",
-                                   code="workspace.in-use") from None
-            raise
-        if _same_file(fd, lock):
-            break
-        os.close(fd)
+    fd = lock_agent(home_ws, name, "", f"stop it first (`agentvm stop {name}`, or let its `agentvm run` end), then retry",
+                    message=f"the workspace {name!r} is in use: a sandbox of agent {name!r} is running",
+                    code="workspace.in-use")
     try:
         where = runtime / "ws" / name if runtime is not None else None
         if str(img) in _attached() or (where is not None and is_mounted(where)):

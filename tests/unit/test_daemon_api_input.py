@@ -12,15 +12,7 @@ import pytest
 
 from agentvm.daemon import api
 from agentvm.daemon.client import ApiFailure
-from tests.unit.test_daemon_fake import Running, spec
-
-
-@pytest.fixture
-def d(tmp_path, monkeypatch):
-    monkeypatch.setenv("AGENTVM_ALLOW_FAKE", "1")
-    r = Running(tmp_path)
-    yield r
-    r.stop()
+from tests.unit.test_daemon_fake import d, spec  # noqa: F401 (d: the fake-backend daemon fixture)
 
 
 def fail(d, method, path, doc) -> ApiFailure:
