@@ -372,3 +372,82 @@ def test_bindings_given_as_an_iterator_still_swap():
     s = CredentialSet(iter(BINDINGS), ph, lambda n: REAL[n], lambda n: False)
     sw = s.apply(host="api.test", scheme="https", target="/", headers=[(b"authorization", b"Bearer " + ph["api"].encode())])
     assert sw.headers == [(b"authorization", b"Bearer " + REAL["api"].encode())] and sw.used == ["api"]
+
+
+# -- text escapes as a class, and values split across events (issue 35 item 3) ---------------
+def _escaped(real: bytes) -> dict[str, bytes]:
+    import html
+    import quopri
+    from urllib.parse import quote
+
+    t = real.decode()
+    return {
+        "html-dec": "".join(f"&#{ord(c)};" for c in t).encode(),
+        "html-hex": "".join(f"&#x{ord(c):x};" for c in t).encode(),
+        "html-named": html.escape(t).encode(),
+        "html-twice": html.escape(html.escape(t)).encode(),
+        "xml-mixed": "".join(f"&#x{ord(c):X};" if i % 2 else c for i, c in enumerate(t)).encode(),
+        "js-x": "".join(f"\\x{ord(c):02x}" for c in t).encode(),
+        "js-u": "".join(f"\\u{ord(c):04x}" for c in t).encode(),
+        "js-braces": "".join(f"\\u{{{ord(c):x}}}" for c in t).encode(),
+        "json-in-json": json.dumps(json.dumps({"a": t})).encode(),
+        "css": "".join(f"\\{ord(c):x} " for c in t).encode(),
+        "pct-twice": quote(quote(t, safe=""), safe="").encode(),
+        "pct-every-byte": "".join(f"%{b:02X}" for b in real).encode(),
+        "quoted-printable": quopri.encodestring(real * 3),
+        "base32": base64.b32encode(b"xy" + real),
+        "base32-lower": base64.b32encode(b"xyz" + real).lower(),
+        "utf-16": json.dumps({"a": t}).encode("utf-16"),
+        "base64url-unpadded": base64.urlsafe_b64encode(b"q" + real).rstrip(b"="),
+    }
+
+
+@pytest.mark.parametrize("form", sorted(_escaped(ECHO_REAL)))
+@pytest.mark.parametrize("step", [1, 2, 3, 7, 1000])
+def test_a_value_in_text_escapes_is_replaced_in_any_chunking_and_the_rest_stays(form, step):
+    data = b"<p>before " + _escaped(ECHO_REAL)[form] + b" after</p>"
+    s = Scrubber([(ECHO_REAL, ECHO_PH)])
+    out = b"".join(s.feed(data[i:i + step]) for i in range(0, len(data), step)) + s.finish()
+    assert s.hits >= 1 and _escaped(ECHO_REAL)[form] not in out
+    assert out.startswith(b"<p>before ") and out.endswith(b" after</p>")
+    from agentvm.selftest.cases.credentials import all_decoded_views
+    import html
+
+    for view in all_decoded_views(html.unescape(out.decode("latin-1")).encode("latin-1"))[0] + [out]:
+        assert ECHO_REAL[4:-4] not in view
+
+
+def test_escapes_of_other_text_are_left_as_they_are():
+    s = Scrubber([(ECHO_REAL, ECHO_PH)])
+    page = b'<a href="/x?a=1&amp;b=%20c">&#x41;&lt;b&gt; caf\\u00e9 \\x41 \\41 =3D</a>' * 50
+    assert b"".join(s.feed(page[i:i + 13]) for i in range(0, len(page), 13)) + s.finish() == page and s.hits == 0
+
+
+def test_a_value_split_across_stream_events_cuts_the_stream_before_it_is_whole():
+    from agentvm.gate.credentials import StreamGuard
+    from agentvm.gate.encoding import DecodeError
+
+    real = REAL["api"].encode()
+    s = Scrubber([(real, b"sk-" + b"P" * (len(real) - 3))])
+    g = StreamGuard(s._t)
+    sent = b""
+    ev = lambda d: b"data: " + json.dumps({"choices": [{"delta": {"content": d}}]}).encode() + b"\n\n"  # noqa: E731
+    with pytest.raises(DecodeError) as ei:
+        for piece in ("Your key is ", real[:3].decode(), real[3:12].decode(), real[12:].decode(), "."):
+            sent += g.feed(s.feed(ev(piece)))
+    assert ei.value.rule_id == "credential:echo-split"
+    assert real[:4] not in sent and b"Your key is " in sent  # what came before went out as it came
+
+
+def test_a_stream_guard_holds_at_most_its_bound():
+    from agentvm.gate.credentials import StreamGuard
+    from agentvm.gate.encoding import DecodeError
+
+    real = REAL["api"].encode()
+    g = StreamGuard(Scrubber([(real, b"x" * len(real))])._t)
+    g.HOLD_MAX = 10_000
+    assert g.feed(b"data: " + real[:8] + b"\n\n") == b""  # could be the start: held
+    with pytest.raises(DecodeError) as ei:
+        for _ in range(100):
+            g.feed(b'data: {"other": "' + b"z" * 200 + b'"}\n\n')
+    assert ei.value.rule_id == "credential:uninspectable-stream"

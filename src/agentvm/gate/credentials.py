@@ -850,7 +850,12 @@ class Scrubber:
             return data
         buf, hold = self._scan(self.tail + data, final=False)
         if self.encoded:
-            buf = self._views(buf[:len(buf) - hold]) + buf[len(buf) - hold:]
+            # (not into an escape the chunk edge may have cut short: "\\38" may go on as "\\38 ")
+            cut = len(buf) - hold
+            m = _PARTIAL.search(buf, max(0, cut - _TOKEN_MAX), cut)
+            if m is not None:
+                cut = m.start()
+            buf = self._views(buf[:cut]) + buf[cut:]
         if not hold:
             t = self._t
             first = t.first_ints
