@@ -37,6 +37,7 @@ REAL = {
     "echo": 'echo-fake-REAL/' + secrets.token_hex(12) + '+="\\end',
     "basic": "basic-fake-REAL/" + secrets.token_hex(12) + "+=",
     "q": "q-fake-REAL/" + secrets.token_hex(12) + "+=x",
+    "len": "len-fake-REAL/" + secrets.token_hex(12) + "+=",
 }
 
 
@@ -74,6 +75,31 @@ class EchoServer:
                 echo = {"method": self.command, "path": self.path,
                         "headers": {k.lower(): v for k, v in self.headers.items()}}
                 body = json.dumps(echo).encode()
+                auth = self.headers.get("Authorization", "")
+                if "deltas" in opts:  # an LLM-style stream: the token arrives in N pieces
+                    n = int(opts["deltas"])
+                    cuts = [len(auth) * i // n for i in range(n + 1)]
+                    body = b"".join(b"data: " + json.dumps({"choices": [{"delta": {"content": auth[a:b]}}]}).encode()
+                                    + b"\n\n" for a, b in zip(cuts, cuts[1:])) + b"data: [DONE]\n\n"
+                    self.send_response(200)
+                    self.send_header("Content-Type", "text/event-stream")
+                    self.send_header("Transfer-Encoding", "chunked")
+                    self.end_headers()
+                    for ev in body.split(b"\n\n")[:-1]:
+                        ev += b"\n\n"
+                        self.wfile.write(b"%x\r\n%s\r\n" % (len(ev), ev))
+                        self.wfile.flush()
+                    self.wfile.write(b"0\r\n\r\n")
+                    return
+                if "esc" in opts:  # an error page quoting the token in the escapes of its text
+                    esc = {"html": lambda t: "".join(f"&#{ord(c)};" for c in t),
+                           "js": lambda t: "".join(f"\\u{ord(c):04x}" for c in t),
+                           "css": lambda t: "".join(f"\\{ord(c):x} " for c in t),
+                           "pct2": lambda t: "".join(f"%25{b:02X}" for b in t.encode())}[opts["esc"]]
+                    body = f"<html><body><p>Invalid token: {esc(auth)}</p></body></html>".encode()
+                if "undeclared" in opts:  # compressed, and no Content-Encoding says so
+                    body = {"gzip": gzip.compress, "zlib": zlib.compress,
+                            "zstd": lambda b: zstandard.ZstdCompressor().compress(b)}[opts["undeclared"]](body)
                 if "sse" in opts:
                     self.send_response(200)
                     self.send_header("Content-Type", "text/event-stream")
@@ -107,6 +133,8 @@ class EchoServer:
                 self.send_header("X-Echo-Auth", self.headers.get("Authorization", ""))
                 for k, v in extra:
                     self.send_header(k, v)
+                if opts.get("ce"):
+                    self.send_header("Content-Encoding", opts["ce"])
                 step = int(opts.get("chunk", 0))
                 if step:
                     self.send_header("Transfer-Encoding", "chunked")
@@ -146,17 +174,20 @@ def env(avm_home):
           riskTier: L3
           limits: {{timeout: 60s}}
           egress:
-            hosts: {{echo.test: 127.0.0.1, api.test: 127.0.0.1, other.test: 127.0.0.1}}
+            hosts: {{echo.test: 127.0.0.1, api.test: 127.0.0.1, other.test: 127.0.0.1, pkgs.test: 127.0.0.1}}
             upstreamCa: {ca}
             allow:
               - {{host: echo.test, ports: [{p}], websocket: true}}
               - {{host: api.test, ports: [{p}]}}
               - {{host: other.test, ports: [{p}]}}
+              - {{host: pkgs.test, ports: [{p}]}}
           credentials:
             - {{name: echo, env: ECHO_KEY, ref: "vault:echo-echo", hosts: [echo.test],
                inject: {{header: Authorization, format: "Bearer {{}}"}}}}
             - {{name: basic, env: BASIC_PW, ref: "vault:echo-basic", hosts: [api.test], inject: {{basic: password}}}}
             - {{name: q, env: Q_KEY, ref: "vault:echo-q", hosts: [other.test], inject: {{query: key}}}}
+            - {{name: len, env: LEN_KEY, ref: "vault:echo-len", hosts: [pkgs.test], inspect: lenient,
+               inject: {{header: Authorization, format: "Bearer {{}}"}}}}
         """))
     yield {"dir": d, "up": up, "port": p, "agent": agent}
     up.httpd.shutdown()
@@ -167,7 +198,8 @@ def curl(env, url: str, *args: str, auth: str = "echo") -> tuple[bytes, dict, by
     """curl inside the sandbox. Returns (the raw bytes curl got, their headers, the body with
     only the transfer framing undone, the run's --json result). curl is told to decode
     nothing (``--raw``, no ``--compressed``): what it received is what the gate sent."""
-    header = {"echo": ["-H", "Authorization: Bearer $ECHO_KEY"], "basic": ["-u", "alice:$BASIC_PW"], "none": []}[auth]
+    header = {"echo": ["-H", "Authorization: Bearer $ECHO_KEY"], "basic": ["-u", "alice:$BASIC_PW"], "none": [],
+              "len": ["-H", "Authorization: Bearer $LEN_KEY"]}[auth]
     quoted = " ".join(f'"{a}"' for a in header + list(args) + [url])
     script = (f"curl -sS --raw -D /tmp/h -o /tmp/b {quoted}; rc=$?; "
               "echo HEAD; base64 -w0 /tmp/h; echo; echo BODY; base64 -w0 /tmp/b; echo; exit $rc")
@@ -315,3 +347,47 @@ def test_a_websocket_to_a_bound_host_is_refused_not_relayed_unscrubbed(env):
                                 "Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==")
     assert headers[":status"] == "403" and headers.get("x-agentvm-denied") == "credential:uninspectable-websocket", raw
     assert "/ws" not in env["up"].paths  # refused before anything went upstream
+
+
+# -- echoes as classes (issue 35 item 3) -----------------------------------------------------
+@pytest.mark.parametrize("query", ["undeclared=gzip", "undeclared=zlib", "undeclared=zstd", "undeclared=gzip&ce=identity",
+                                   "undeclared=gzip&chunk=1", "undeclared=gzip&enc=gzip"])
+def test_a_compressed_echo_no_header_declares_is_refused_with_a_502(env, query):
+    raw, headers, _, res = curl(env, f"https://echo.test:{env['port']}/h?{query}")
+    assert headers[":status"] == "502" and headers.get("x-agentvm-denied") == "credential:uninspectable-body", raw[:400]
+    assert_no_real_value(raw)
+    lines = [json.loads(ln) for ln in Path(res["egress"]["log"]).read_text().splitlines()]
+    assert any(l.get("rule") == "credential:uninspectable-body" for l in lines), lines
+
+
+def test_inspect_lenient_passes_an_undeclared_compressed_body_on_and_says_so(env):
+    raw, headers, body, res = curl(env, f"https://pkgs.test:{env['port']}/h?undeclared=gzip", auth="len")
+    assert headers[":status"] == "200", raw[:400]
+    assert json.loads(gzip.decompress(body))["method"] == "GET"  # as the upstream sent it (the operator's choice)
+    lines = [json.loads(ln) for ln in Path(res["egress"]["log"]).read_text().splitlines()]
+    assert any(l.get("uninspected") and l.get("alert") for l in lines), lines
+
+
+@pytest.mark.parametrize("esc", ["html", "js", "css", "pct2"])
+def test_an_echo_in_the_escapes_of_a_page_is_scrubbed_and_the_page_intact(env, esc):
+    raw, headers, body, _ = curl(env, f"https://echo.test:{env['port']}/h?esc={esc}")
+    assert headers[":status"] == "200", raw[:400]
+    assert_no_real_value(raw)
+    import html as _html
+    from urllib.parse import unquote
+
+    text = {"html": lambda b: _html.unescape(b.decode()), "js": lambda b: b.decode("unicode_escape"),
+            "css": lambda b: b.decode(), "pct2": lambda b: unquote(unquote(b.decode()))}[esc](body)
+    assert REAL["echo"] not in text and REAL["echo"][3:-3] not in text
+    assert body.startswith(b"<html><body><p>Invalid token: ") and body.endswith(b"</p></body></html>"), body
+
+
+@pytest.mark.parametrize("n", [2, 5, 40])
+def test_a_token_streamed_in_pieces_across_events_cuts_the_stream(env, n):
+    raw, headers, body, res = curl(env, f"https://echo.test:{env['port']}/h?deltas={n}")
+    assert_no_real_value(raw)
+    deltas = "".join(json.loads(ln[6:])["choices"][0]["delta"]["content"] for ln in body.decode().split("\n")
+                     if ln.startswith("data: {"))
+    assert REAL["echo"][3:-3] not in deltas
+    lines = [json.loads(ln) for ln in Path(res["egress"]["log"]).read_text().splitlines()]
+    assert any(l.get("rule") == "credential:echo-split" for l in lines), lines
