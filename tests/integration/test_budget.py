@@ -14,6 +14,7 @@ import ssl
 import subprocess
 import textwrap
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -177,8 +178,11 @@ def test_the_request_past_the_budget_is_refused_and_the_count_survives_a_restart
         assert refused and refused[-1]["data"]["alert"] is True
         # a daemon restart (and the worker's restart with it) continues from the same count
         av("down")
-        av("up")
-        av("start", "b-llm")
+        av("up")  # the worker that was running comes back by itself (desired=running)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and next(
+                r for r in json.loads(av("ps", "--json").stdout) if r["name"] == "b-llm")["state"] != "running":
+            time.sleep(0.1)
         r = av("exec", "b-llm", "--", "python3", "/opt/t/call.py", base, "json").stdout.decode()
         assert r.startswith("refused budget:exceeded"), r
         assert stub.calls == 4
