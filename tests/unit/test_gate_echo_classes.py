@@ -183,7 +183,8 @@ def scenario(draw):
     coding = draw(st.sampled_from(["none", "gzip", "deflate", "br", "zstd", "gzip,br", "deflate,zstd", "unknown",
                                    "undeclared-gzip", "undeclared-zlib", "undeclared-zstd", "identity-but-gzip",
                                    "gzip-inside-gzip"]))
-    headers = [(b"content-type", b"text/event-stream" if shape.startswith("sse") else b"text/html")]
+    headers = [(b"content-type", b"text/event-stream" if shape.startswith("sse") else
+                b"application/x-ndjson" if shape == "ndjson-split" else b"text/html")]
     comp = {"gzip": gzip.compress, "deflate": zlib.compress, "br": brotli.compress,
             "zstd": lambda b: zstandard.ZstdCompressor().compress(b)}
     if coding in ("gzip", "deflate", "br", "zstd", "gzip,br", "deflate,zstd"):

@@ -483,15 +483,17 @@ def _all_forms(value: bytes, like: bytes | None = None) -> list[_Form]:
 
 
 def _b32_forms(v: bytes) -> list[_Form]:
-    """base32 (RFC 4648; upper case, and lower case as some APIs write it) of ``v`` at each of the
-    five byte alignments: the characters that depend on ``v`` alone (as :func:`_b64_forms`)."""
+    """base32 (RFC 4648, upper case as it writes it) of ``v`` at each of the five byte
+    alignments: the characters that depend on ``v`` alone (as :func:`_b64_forms`). (Lower-case
+    base32 is not looked for: every position of text with a lower-case letter would be the
+    possible start of one, and held back at a chunk edge.)"""
     out = []
     for k in range(5):
         enc = base64.b32encode(b"\0" * k + v).rstrip(b"=")
         lead = -(-8 * k // 5)  # characters that mix in the bytes before v
         trail = 1 if (8 * (k + len(v))) % 5 else 0  # the last one mixes in the bytes after it
         frag = enc[lead:len(enc) - trail]
-        out += [_Form(frag), _Form(frag.lower())]
+        out.append(_Form(frag))
     return out
 
 
@@ -683,6 +685,35 @@ class ScrubTable:
             self.by_start.setdefault(f[:2], []).append(f)
         self.first_ints = frozenset(f[0] for f in forms if f)  # the bytes a form starts with (as buf[i] gives them)
         self.maxlen = max((len(f) for f in forms), default=1)
+        # the first bytes of every form, at least StreamGuard.MIN_HOLD of them: where a stream's
+        # text may start to become one (one search, not a look at every position)
+        # what a value split across stream events is looked for as (StreamGuard): every form, and
+        # every form but its first 1-3 bytes (a piece that short - "sk-" - may go out on its
+        # own: the rest of the value is still found, and is most of it)
+        split = sorted({f[k:] for f in forms for k in range(4) if len(f) - k >= 8}, key=len, reverse=True)
+        self.split_regex = re.compile(b"|".join(re.escape(f) for f in split)) if split else re.compile(b"(?!)")
+        self.split_starts = re.compile(b"|".join(re.escape(f) for f in sorted({f[:4] for f in split}))) if split \
+            else re.compile(b"(?!)")
+        self.split_by_start: dict[bytes, list[bytes]] = {}
+        for f in split:
+            self.split_by_start.setdefault(f[:4], []).append(f)
+        self.split_shorts = frozenset(f[:j] for f in split for j in (1, 2, 3))  # their first 1-3 bytes
+
+    def could_start_split(self, tail: bytes) -> bool:
+        """Is ``tail`` (4 bytes or more) a proper prefix of a form a split value is looked for as?"""
+        return any(len(f) > len(tail) and f.startswith(tail) for f in self.split_by_start.get(tail[:4], ()))
+
+    def tail_start(self, buf: bytes, lo: int, end: int) -> int:
+        """The first offset in ``buf[lo:end]`` from which the rest (to ``end``) is a proper prefix
+        of a form; -1 when there is none."""
+        first, pairs = self.first_ints, self.by_start
+        for i in range(max(lo, end - self.maxlen + 1), end - 1):
+            # (a byte and then two looked up here: most offsets go no further)
+            if buf[i] in first and buf[i:i + 2] in pairs and self.could_start(buf[i:end]):
+                return i
+        if end > lo and buf[end - 1] in first:
+            return end - 1
+        return -1
 
     def could_start(self, tail: bytes) -> bool:
         """Is ``tail`` a proper prefix of some form (so more input could complete a match)?"""
@@ -817,9 +848,10 @@ class Scrubber:
             hold = len(win) - m.start()
             win = win[:m.start()]
         full = len(win) + hold
-        # the texts to look at, each with the map of its offsets back to ``win``: the window as
-        # it is, and through each family's decoder (twice where it still holds escapes)
-        views: list = [(win, None)]
+        # the texts to look at, each with the map of its offsets back to ``win``: through each
+        # family's decoder (twice where it still holds escapes), and the window as it is when an
+        # escape cut short ends it (feed() looked at it as it is, with that escape in it)
+        views: list = [(win, None)] if hold else []
         for fam in _FAMILIES:
             if fam.trigger not in win:
                 continue
@@ -831,7 +863,6 @@ class Scrubber:
                 v2 = _unescape(v.text, fam)
                 if v2 is not None:
                     views.append((v2.text, lambda i, v=v, v2=v2: v.start(v2.start(i))))
-        first = t.first_ints
         for view, start in views:
             end = len(view)
             if start is not None:  # (decoded once: an escaped escape may end it, cut short)
@@ -839,10 +870,9 @@ class Scrubber:
                 if m is not None:
                     end = m.start()
                     hold = max(hold, full - start(end))
-            for i in range(max(0, end - t.maxlen + 1), end):
-                if view[i] in first and t.could_start(view[i:end]):
-                    hold = max(hold, full - (start(i) if start is not None else i))
-                    break
+            i = t.tail_start(view, 0, end)
+            if i >= 0:
+                hold = max(hold, full - (start(i) if start is not None else i))
         return hold
 
     def feed(self, data: bytes) -> bytes:
@@ -858,12 +888,10 @@ class Scrubber:
             buf = self._views(buf[:cut]) + buf[cut:]
         if not hold:
             t = self._t
-            first = t.first_ints
-            for i in range(max(0, len(buf) - t.maxlen + 1), len(buf)):
-                if buf[i] in first and t.could_start(buf[i:]):
-                    # a possible match, and the base64 characters before it that share its group
-                    hold = min(len(buf), len(buf) - i + self.CONTEXT)
-                    break
+            i = t.tail_start(buf, 0, len(buf))
+            if i >= 0:
+                # a possible match, and the base64 characters before it that share its group
+                hold = min(len(buf), len(buf) - i + self.CONTEXT)
         if not hold and self.encoded:
             # trailing base64 characters may be the group a fragment in the next piece starts
             # in (never anything else: an SSE event's closing newlines go out at once)
@@ -905,43 +933,38 @@ class Scrubber:
 
 
 # -- values split across the events of a stream --------------------------------------------
-def _json_strings(doc, limit: int = 4096):
-    """(path, string) for each string in a JSON document, in document order; a path names
-    object keys and ``*`` for array items (``choices.*.delta.content``), so the pieces of one
-    field in successive events line up."""
-    out: list = []
-    stack = [("", doc)]
-    while stack and len(out) < limit:
-        path, d = stack.pop()
-        if isinstance(d, str):
-            out.append((path, d))
-        elif isinstance(d, dict):
-            stack += [(path + "." + k, v) for k, v in reversed(d.items())]
-        elif isinstance(d, list):
-            stack += [(path + ".*", v) for v in reversed(d)]
-    return out
+# a JSON string literal, and whether it is an object key (a colon follows)
+_JSTR = re.compile(rb'"((?:[^"\\\n]|\\.)*)"(\s*:)?')
+# the media types of streams read event by event (and a response that names none)
+STREAM_TYPES = frozenset((b"text/event-stream", b"application/x-ndjson", b"application/ndjson", b"application/jsonl",
+                          b"application/x-jsonlines", b"application/json-seq", b"application/stream+json",
+                          b"application/x-ldjson", b""))
+
+
+def is_stream_type(content_type: bytes | None) -> bool:
+    return (content_type or b"").split(b";", 1)[0].strip().lower() in STREAM_TYPES
 
 
 class StreamGuard:
     """A real value split across the events of a streamed response - server-sent events'
     ``data:`` lines, newline-delimited JSON, and the JSON string deltas of LLM-style streams
-    (``{"delta": "sk-"}`` then ``{"delta": "REAL..."}``) - never reaches the sandbox whole.
+    (``{"delta": "sk-"}`` then ``{"delta": "REAL..."}``) - never reaches the sandbox.
 
     Fed what the :class:`Scrubber` releases (a value inside one event is already replaced), it
     reads the body line by line; each line that is an SSE ``data:`` payload or a JSON document
-    adds its text to a *stream*: the concatenated ``data:`` payloads, and per JSON path the
-    concatenated strings at that path. A stream that then holds a form of a value (in pieces
-    from more than one event) cuts the response (``credential:echo-split``); a stream whose end
-    could still become one (at least :attr:`MIN_HOLD` bytes of a form's start) holds back the
-    events its pieces came in, so nothing past a few bytes of a value is sent before it is
-    known whole. Bounded: a line longer than :attr:`LINE_MAX` is no event (it streams as the
-    scrubber releases it), and more than :attr:`HOLD_MAX` held bytes cut the response
-    (``credential:uninspectable-stream``)."""
+    adds its text to a *stream*: the concatenated ``data:`` payloads, and per JSON key the
+    concatenated string values of that key. A stream that then holds a form of a value - or
+    all of one but its first 1-3 bytes - cuts the response (``credential:echo-split``); a
+    stream whose end could still become one (:attr:`MIN_HOLD` bytes or more of its start)
+    holds back the events its pieces came in, so no more than 3 bytes of a value (a prefix
+    like ``sk-``) ever go out before it is known. Bounded: a line
+    longer than :attr:`LINE_MAX` is no event (it streams as the scrubber releases it), and
+    more than :attr:`HOLD_MAX` held bytes cut the response (``credential:uninspectable-stream``)."""
 
     LINE_MAX = 64 * 1024
     HOLD_MAX = 1 << 20
     STREAMS_MAX = 256
-    MIN_HOLD = 4  # a shorter piece of a value's start goes out (a prefix like "sk-" says nothing)
+    MIN_HOLD = 4  # a shorter start of a value ("sk-") goes out; the stream still remembers it
 
     def __init__(self, table: ScrubTable):
         self._t = table
@@ -949,7 +972,9 @@ class StreamGuard:
         self.base = 0  # the body offset of buf[0]
         self.parsed = 0  # the body offset of the line being read
         self.long_line = False  # that line is over LINE_MAX: not an event
-        self.streams: dict[str, list] = {}  # key -> [text, [(text offset, body offset of its event)]]
+        # key -> [text that may still become a form, [(text offset, body offset of its event)]];
+        # only streams that hold something are kept
+        self.streams: dict[bytes, list] = {}
 
     def feed(self, data: bytes) -> bytes:
         if data:
@@ -985,55 +1010,71 @@ class StreamGuard:
     def _event(self, line: bytes, at: int) -> None:
         line = line.rstrip(b"\r")
         sse = line[:5] == b"data:"
-        p = (line[6:] if line[5:6] == b" " else line[5:]) if sse else line.strip()
-        if p[:1] in (b"{", b"[", b","):
-            for cand in (p, p.strip(b"[],")):  # (a JSON array streamed an element per line)
-                try:
-                    doc = json.loads(cand)
-                except (ValueError, RecursionError):
+        p = (line[6:] if line[5:6] == b" " else line[5:]) if sse else line
+        if b'"' in p and p.lstrip()[:1] in (b"{", b"[", b","):
+            # a JSON document (or an element of a streamed array): each string value joins the
+            # stream of the key it is the value of (the pieces of one field line up, event by
+            # event: "content" of choices[0].delta, "text" of a content_block_delta)
+            key = b""
+            for m in _JSTR.finditer(p):
+                if m.group(2):
+                    key = m.group(1)
                     continue
-                for path, text in _json_strings(doc):
-                    self._add("json" + path, text.encode("utf-8", "surrogatepass"), at)
-                return
+                text = m.group(1)
+                if b"\\" in text:
+                    try:
+                        text = json.loads(b'"' + text + b'"').encode("utf-8", "surrogatepass")
+                    except ValueError:
+                        pass
+                self._add(b"json:" + key, text, at)
+            return
         if sse:
-            self._add("data:", p, at)
+            self._add(b"data:", p, at)
 
-    def _add(self, key: str, piece: bytes, at: int) -> None:
+    def _add(self, key: bytes, piece: bytes, at: int) -> None:
         if not piece:
             return
+        t = self._t
         st = self.streams.get(key)
         if st is None:
-            if len(self.streams) >= self.STREAMS_MAX:
-                # (many distinct paths: the oldest that holds nothing back goes first)
-                victim = next((k for k, v in self.streams.items() if not v[0]), next(iter(self.streams)))
-                del self.streams[victim]
-            st = self.streams[key] = [b"", []]
-        text = st[0] + piece
-        marks = st[1]
-        marks.append((len(st[0]), at))
-        t = self._t
-        if t.regex is not None and t.regex.search(text) is not None:
+            text, marks = piece, [(0, at)]
+        else:
+            text, marks = st[0] + piece, st[1]
+            marks.append((len(st[0]), at))
+        if t.split_regex.search(text) is not None:
             raise DecodeError("credential:echo-split", "a credential's real value arrived split across the events "
                               "of a streamed response: the stream is cut")
-        keep = len(text)
-        first = t.first_ints
-        for i in range(max(0, len(text) - t.maxlen + 1), len(text)):
-            if text[i] in first and t.could_start(text[i:]):
-                keep = i
+        keep = -1
+        starts = t.split_starts
+        m = starts.search(text, max(0, len(text) - t.maxlen))
+        while m is not None:  # the first place from which the rest could still become a form
+            if t.could_start_split(text[m.start():]):
+                keep = m.start()
                 break
-        if keep == len(text):
-            st[0], st[1] = b"", []
+            m = starts.search(text, m.start() + 1)
+        if keep < 0:
+            shorts = t.split_shorts
+            for j in (3, 2, 1):  # a shorter start is kept (pieces chain), but never held back
+                if len(text) >= j and text[-j:] in shorts:
+                    keep = len(text) - j
+                    break
+        if keep < 0:
+            if st is not None:
+                del self.streams[key]
             return
-        # the marks of the events the kept text came from
-        j = max(n for n, (off, _) in enumerate(marks) if off <= keep)
-        st[0] = text[keep:]
-        st[1] = [(max(0, off - keep), a) for off, a in marks[j:]]
+        if len(self.streams) >= self.STREAMS_MAX and st is None:
+            raise DecodeError("credential:uninspectable-stream", f"over {self.STREAMS_MAX} fields of a streamed "
+                              "response could each be the start of a credential's value")
+        j = len(marks) - 1
+        while marks[j][0] > keep:
+            j -= 1
+        self.streams[key] = [text[keep:], [(max(0, off - keep), a) for off, a in marks[j:]]]
 
     def _release(self) -> bytes:
         end = self.base + len(self.buf)
         upto = end if self.long_line else self.parsed  # the line being read waits for its end
         for text, marks in self.streams.values():
-            if len(text) >= self.MIN_HOLD and marks:
+            if len(text) >= self.MIN_HOLD:
                 upto = min(upto, marks[0][1])
         n = max(0, upto - self.base)
         if end - self.base - n > self.HOLD_MAX:

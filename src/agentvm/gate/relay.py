@@ -22,7 +22,7 @@ from agentvm.gate.framing import END, LAST_CHUNK, NEED_DATA, Head, ResponseReade
 from agentvm.gate.framing import chunk as frame_chunk
 from agentvm.gate.h1 import forward_headers, response_headers
 from agentvm.gate.endpoint import Endpoint
-from agentvm.gate.credentials import StreamGuard
+from agentvm.gate.credentials import StreamGuard, is_stream_type
 from agentvm.gate.exchange import Forward, cred_deny
 from agentvm.gate.streams import Interrupted, PlainStream, client_gone
 
@@ -91,9 +91,9 @@ class ResponseScrub:
 
     A response to a request a credential was swapped into (``swapped``) is where an echo comes
     from, and gets two more checks: its body is sniffed for a compression it does not declare
-    (:func:`encoding.sniff`, on what the declared codings decode to), and streamed text is
-    read event by event (:class:`credentials.StreamGuard`: a value split across events cuts
-    it). What the gate cannot inspect - a body compressed without saying so, a coding it cannot
+    (:func:`encoding.sniff`, on what the declared codings decode to), and a stream (an event
+    stream, NDJSON and the like, or a body of no declared type) is read event by event
+    (:class:`credentials.StreamGuard`: a value split across events cuts it). What the gate cannot inspect - a body compressed without saying so, a coding it cannot
     decode - is refused when one of the swapped credentials is ``inspect: strict`` (the
     default): ``credential:uninspectable-body`` / ``-encoding``; with only ``lenient`` ones it
     goes through as it is, its bytes scrubbed, and the log says ``"uninspected"``."""
@@ -114,6 +114,8 @@ class ResponseScrub:
         cannot decode. ``headers`` are already without hop-by-hop fields; ``raw_headers`` are
         as received (the codings as sent, even where ``Connection: content-encoding`` hid them)."""
         sc = self.scrubber
+        if self.guard is not None and not is_stream_type(next((v for k, v in headers if k == b"content-type"), None)):
+            self.guard = None  # not a stream (a document is scrubbed whole; see credentials.StreamGuard)
         out = sc.headers((k, v) for k, v in headers if k not in (b"content-length", b"content-encoding"))
         codings = b", ".join(bytes(v) for k, v in raw_headers if bytes(k).lower() == b"content-encoding")
         if codings and sc.encoded:
