@@ -23,6 +23,7 @@ SigV4/HMAC re-signing needs the whole body before the head and is refused on HTT
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from collections import deque
 
@@ -49,7 +50,7 @@ class _Stream:
     """One sandbox stream and the upstream stream it became."""
 
     __slots__ = ("down", "up", "req", "fwd", "scanner", "scrub", "to_up", "to_down", "up_end", "down_end",
-                 "trailers", "sent", "received", "t0", "answered", "done", "status", "head_only")
+                 "trailers", "sent", "received", "t0", "answered", "done", "status", "head_only", "head")
 
     def __init__(self, down: int) -> None:
         self.down = down
@@ -65,6 +66,7 @@ class _Stream:
         self.done = False  # decided and logged (or refused): nothing more to relay
         self.status = 0
         self.head_only = False  # the request ended with its headers (END_STREAM sent with them)
+        self.head = None  # the response head, held while the body's first bytes are sniffed
 
 
 class H2Bridge:
@@ -313,7 +315,12 @@ class H2Bridge:
             self.ep.bytes_in += len(ev.data)
             # scrubbed (and decoded) lazily, as the sandbox's window allows: a compressed body
             # is never expanded ahead of what can be sent (no decompression bomb in the gate)
-            s.to_down.append((ev.data if s.scrub is None else s.scrub.body(ev.data), n))
+            body = ev.data if s.scrub is None else s.scrub.body(ev.data)
+            if s.head is not None:
+                body = self._sniffed(s, body, n)
+                if body is None:
+                    return
+            s.to_down.append((body, n))
             self._pump_down(s)
         elif isinstance(ev, h2.events.TrailersReceived):
             if s is not None:
@@ -322,7 +329,12 @@ class H2Bridge:
         elif isinstance(ev, h2.events.StreamEnded):
             if s is not None:
                 if s.scrub is not None:
-                    s.to_down.append((s.scrub.finish(), 0))
+                    rest = s.scrub.finish()
+                    if s.head is not None:
+                        rest = self._sniffed(s, rest, 0)
+                        if rest is None:
+                            return
+                    s.to_down.append((rest, 0))
                 s.down_end = True
                 self._pump_down(s)
         elif isinstance(ev, h2.events.StreamReset):
@@ -349,6 +361,11 @@ class H2Bridge:
             except encoding.DecodeError as err:
                 self._undecodable(s, err)
                 return
+        if s.scrub is not None and s.scrub.sniff is not None and ev.stream_ended is None:
+            # the body's first bytes decide whether it is compressed without saying so: until
+            # then the head waits, so a refusal is still a 502 (_sniffed)
+            s.head = [(b":status", status)] + rest
+            return
         s.answered = True
         try:
             self.down.send_headers(s.down, [(b":status", status)] + rest, end_stream=ev.stream_ended is not None)
@@ -359,6 +376,35 @@ class H2Bridge:
             return
         if ev.stream_ended is not None:
             self._finish(s)
+
+    def _sniffed(self, s: _Stream, body, ack: int):
+        """While the head waits for the sniff: the body's pieces pulled until it has decided
+        (a few bytes), then the head sent; the pieces (and the rest, lazily) to queue. None when
+        the body is refused (a 502 on this stream; ``ack`` given back)."""
+        pulled = []
+        try:
+            while s.scrub.sniff is not None:
+                piece = next(body, None)
+                if piece is None:
+                    break
+                pulled.append(piece)
+        except encoding.DecodeError as err:
+            self._ack(self.up, s.up, ack)
+            s.head = None
+            self._undecodable(s, err)
+            return None
+        if s.scrub.sniff is None:
+            head, s.head = s.head, None
+            s.answered = True
+            try:
+                self.down.send_headers(s.down, head)
+            except h2.exceptions.ProtocolError:
+                self._ack(self.up, s.up, ack)
+                self._reset(self.down, s.down, _CANCEL)
+                self._log_stream(s, error="upstream:protocol-error")
+                self._forget(s)
+                return None
+        return itertools.chain(pulled, body)
 
     def _undecodable(self, s: _Stream, err) -> None:
         self._reset(self.up, s.up, _CANCEL)
@@ -386,6 +432,8 @@ class H2Bridge:
             s.up_end = False
 
     def _pump_down(self, s: _Stream) -> None:
+        if s.head is not None:
+            return  # nothing goes out before the head (see _sniffed)
         try:
             if not self._pump(self.down, s.down, s.to_down, self.up, s.up):
                 return
