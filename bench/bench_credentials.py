@@ -31,7 +31,10 @@ Parts:
      403 credential:revoked:*, and requests sent after revoke() returned that still got a 200
   1b. a gzip'd response: direct, the gate passing it unread (before compressed echoes were
      closed: --mode raw-scrub) and the gate decoding + scrubbing it (after), c=1 and c=10
-  3. ratios: gate / mitmproxy (target >= 6x at c=10), gate / direct (target >= 0.25x at c=10), gzip after / before
+  1c. a streamed response (40 SSE events, chunked): direct and through the gate (scrubbed and,
+     the request having carried the credential, read event by event), c=1 and c=10
+  3. ratios: gate / mitmproxy (target >= 6x at c=10), gate / direct (target >= 0.25x at c=10), gzip after / before,
+     sse gate / direct
   then cProfile of a fresh gate child under a c=10 swap cell (top 15).
 """
 
@@ -80,6 +83,12 @@ GZ_BODY = __import__("gzip").compress(b"".join(b'{"id": %d, "text": "lorem ipsum
                                       mtime=0)
 RESP_GZ = (b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Encoding: gzip\r\n"
            b"Content-Length: %d\r\n\r\n" % len(GZ_BODY)) + GZ_BODY
+# a streamed answer (GET /sse): 40 OpenAI-style server-sent events, one chunk each - what the gate
+# scrubs and, for a request that carried a credential, also reads event by event (issue 35 item 3)
+_SSE_EVENTS = [b"data: " + json.dumps({"id": "chatcmpl-1", "object": "chat.completion.chunk", "choices": [
+    {"index": 0, "delta": {"content": " word%d" % i}}]}).encode() + b"\n\n" for i in range(40)]
+RESP_SSE = (b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+            + b"".join(b"%x\r\n%s\r\n" % (len(e), e) for e in _SSE_EVENTS) + b"0\r\n\r\n")
 RESP_BAD = b"HTTP/1.1 401 Unauthorized\r\nContent-Type: text/plain\r\nContent-Length: 4\r\n\r\nbad\n"
 TARGETS = {"gate_vs_mitm": 6.0, "gate_vs_direct": 0.25, "revoke_ms": 10.0, "revoke_after": 0}
 
@@ -170,7 +179,8 @@ def role_upstream(args) -> None:
                     k = head.find(b"\r\n", j + 2)
                     ok = head[j + 16: k if k > 0 else None].strip() == want
                     stats["ok" if ok else "mismatch"] += 1
-                self.t.write((RESP_GZ if head.startswith(b"GET /gz ") else RESP_OK) if ok else RESP_BAD)
+                self.t.write((RESP_GZ if head.startswith(b"GET /gz ") else RESP_SSE if head.startswith(b"GET /sse ")
+                              else RESP_OK) if ok else RESP_BAD)
                 if b"\r\nconnection: close" in low:
                     self.t.close()
                     return
@@ -754,6 +764,12 @@ def main() -> int:
         res["labels"].update({"direct-gz": "direct, gzip'd response", "gate-gz-before": "gate, gzip passed unread (before)",
                               "gate-gz": "gate, gzip decoded + scrubbed (after)"})
         raw_gate.stop()
+        # 1c. a streamed answer (40 SSE events): scrubbed, and read event by event for a value
+        # split across them (the request carried the credential)
+        cells({"direct-sse": dict(targets["direct"], path="/sse"), "gate-sse": dict(targets["gate"], path="/sse")},
+              "https sse")
+        res["labels"].update({"direct-sse": "direct, SSE stream (40 events)",
+                              "gate-sse": "gate, SSE scrubbed + read as events"})
         gate.stop()
 
         # 2. revocation latency
@@ -855,7 +871,7 @@ def report(res: dict, duration: float, warmup: float) -> None:
           f"after {warmup:g} s warm-up")
     print(f"{'path':36} {'c=1 req/s':>10} {'p50 ms':>7} {'cpu':>5} {'c=10 req/s':>11} {'p50 ms':>7} {'cpu':>5}"
           f"  {'upstream ok/mismatch/missing':>28}  notes")
-    for name in ("direct", "gate", "mitmproxy", "direct-gz", "gate-gz-before", "gate-gz"):
+    for name in ("direct", "gate", "mitmproxy", "direct-gz", "gate-gz-before", "gate-gz", "direct-sse", "gate-sse"):
         label = res["labels"].get(name, name).split(";")[0]
         if name in res["unavailable"]:
             print(f"{name}: not available ({res['unavailable'][name]})")
@@ -942,6 +958,8 @@ def report(res: dict, duration: float, warmup: float) -> None:
         line(f"gate-swap / direct, {c}", rps("gate", c), rps("direct", c), TARGETS["gate_vs_direct"] if c == "c10" else None)
     for c in ("c1", "c10"):
         line(f"gzip: after / before, {c}", rps("gate-gz", c), rps("gate-gz-before", c))
+    for c in ("c1", "c10"):
+        line(f"sse: gate / direct, {c}", rps("gate-sse", c), rps("direct-sse", c))
     print()
     if "mitmproxy" in res["labels"]:
         print(f"mitmproxy: {res['labels']['mitmproxy']}")

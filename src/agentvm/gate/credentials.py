@@ -687,17 +687,25 @@ class ScrubTable:
         self.maxlen = max((len(f) for f in forms), default=1)
         # the first bytes of every form, at least StreamGuard.MIN_HOLD of them: where a stream's
         # text may start to become one (one search, not a look at every position)
-        # what a value split across stream events is looked for as (StreamGuard): every form, and
-        # every form but its first 1-3 bytes (a piece that short - "sk-" - may go out on its
-        # own: the rest of the value is still found, and is most of it)
-        split = sorted({f[k:] for f in forms for k in range(4) if len(f) - k >= 8}, key=len, reverse=True)
+        # what a value split across stream events is looked for as (StreamGuard): every form of
+        # 8 bytes or more (shorter ones would match by chance in running text)
+        split = [f for f in forms if len(f) >= 8]
         self.split_regex = re.compile(b"|".join(re.escape(f) for f in split)) if split else re.compile(b"(?!)")
         self.split_starts = re.compile(b"|".join(re.escape(f) for f in sorted({f[:4] for f in split}))) if split \
             else re.compile(b"(?!)")
         self.split_by_start: dict[bytes, list[bytes]] = {}
         for f in split:
             self.split_by_start.setdefault(f[:4], []).append(f)
-        self.split_shorts = frozenset(f[:j] for f in split for j in (1, 2, 3))  # their first 1-3 bytes
+        # the first 1-3 bytes of a value as text (raw, JSON-escaped): a piece that short is
+        # remembered, so "s" "k-" "REAL..." still joins up (an encoded form split into pieces
+        # that short is not looked for: its first piece of 4 bytes or more is)
+        self.split_shorts = frozenset(j[:n] for real, _ in pairs for j in [real] + _json_forms(real)
+                                      for n in (1, 2, 3) if len(j) > n) if encoded else frozenset()
+        # a line that holds neither a form's first 4 bytes nor a string ending like a value's
+        # first 1-3 bytes holds no piece of one (StreamGuard skips it in this one search)
+        alts = [re.escape(f) for f in sorted({f[:4] for f in split})]
+        alts += [re.escape(x) + rb'(?="(?!\s*:)|\r?$)' for x in sorted(self.split_shorts, key=len, reverse=True)]
+        self.split_line = re.compile(b"|".join(alts), re.MULTILINE) if alts else re.compile(b"(?!)")
 
     def could_start_split(self, tail: bytes) -> bool:
         """Is ``tail`` (4 bytes or more) a proper prefix of a form a split value is looked for as?"""
@@ -934,7 +942,9 @@ class Scrubber:
 
 # -- values split across the events of a stream --------------------------------------------
 # a JSON string literal, and whether it is an object key (a colon follows)
-_JSTR = re.compile(rb'"((?:[^"\\\n]|\\.)*)"(\s*:)?')
+_JSTR = re.compile(rb'"([^"\\\n]*(?:\\.[^"\\\n]*)*)"(\s*:)?')
+# an escape that can spell any character (a line holding one is read even where no form starts)
+_ESCAPED = re.compile(rb'\\[^ntr"\\]')
 # the media types of streams read event by event (and a response that names none)
 STREAM_TYPES = frozenset((b"text/event-stream", b"application/x-ndjson", b"application/ndjson", b"application/jsonl",
                           b"application/x-jsonlines", b"application/json-seq", b"application/stream+json",
@@ -953,8 +963,8 @@ class StreamGuard:
     Fed what the :class:`Scrubber` releases (a value inside one event is already replaced), it
     reads the body line by line; each line that is an SSE ``data:`` payload or a JSON document
     adds its text to a *stream*: the concatenated ``data:`` payloads, and per JSON key the
-    concatenated string values of that key. A stream that then holds a form of a value - or
-    all of one but its first 1-3 bytes - cuts the response (``credential:echo-split``); a
+    concatenated string values of that key. A stream that then holds a form of a value cuts
+    the response (``credential:echo-split``); a
     stream whose end could still become one (:attr:`MIN_HOLD` bytes or more of its start)
     holds back the events its pieces came in, so no more than 3 bytes of a value (a prefix
     like ``sk-``) ever go out before it is known. Bounded: a line
@@ -1008,6 +1018,8 @@ class StreamGuard:
             self.long_line = True
 
     def _event(self, line: bytes, at: int) -> None:
+        if not self.streams and self._t.split_line.search(line) is None and _ESCAPED.search(line) is None:
+            return  # no piece of a value can start here, and none is being continued
         line = line.rstrip(b"\r")
         sse = line[:5] == b"data:"
         p = (line[6:] if line[5:6] == b" " else line[5:]) if sse else line
@@ -1015,18 +1027,22 @@ class StreamGuard:
             # a JSON document (or an element of a streamed array): each string value joins the
             # stream of the key it is the value of (the pieces of one field line up, event by
             # event: "content" of choices[0].delta, "text" of a content_block_delta)
-            key = b""
+            key = b"json:"
+            streams, t = self.streams, self._t
+            starts, shorts = t.split_starts, t.split_shorts
             for m in _JSTR.finditer(p):
-                if m.group(2):
-                    key = m.group(1)
+                text, colon = m.group(1, 2)
+                if colon:
+                    key = b"json:" + text
                     continue
-                text = m.group(1)
                 if b"\\" in text:
                     try:
                         text = json.loads(b'"' + text + b'"').encode("utf-8", "surrogatepass")
                     except ValueError:
                         pass
-                self._add(b"json:" + key, text, at)
+                if (key in streams or starts.search(text) is not None or text[-1:] in shorts
+                        or text[-2:] in shorts or text[-3:] in shorts):
+                    self._add(key, text, at)  # (anything else neither continues nor may start a value)
             return
         if sse:
             self._add(b"data:", p, at)
