@@ -98,7 +98,8 @@ class EchoServer:
                            "pct2": lambda t: "".join(f"%25{b:02X}" for b in t.encode())}[opts["esc"]]
                     body = f"<html><body><p>Invalid token: {esc(auth)}</p></body></html>".encode()
                 if "undeclared" in opts:  # compressed, and no Content-Encoding says so
-                    body = {"gzip": gzip.compress, "zlib": zlib.compress,
+                    body = {"gzip": gzip.compress, "zlib": zlib.compress, "br": brotli.compress,
+                            "deflate": lambda b: zlib.compress(b)[2:-4],
                             "zstd": lambda b: zstandard.ZstdCompressor().compress(b)}[opts["undeclared"]](body)
                 if "sse" in opts:
                     self.send_response(200)
@@ -350,8 +351,9 @@ def test_a_websocket_to_a_bound_host_is_refused_not_relayed_unscrubbed(env):
 
 
 # -- echoes as classes (issue 35 item 3) -----------------------------------------------------
-@pytest.mark.parametrize("query", ["undeclared=gzip", "undeclared=zlib", "undeclared=zstd", "undeclared=gzip&ce=identity",
-                                   "undeclared=gzip&chunk=1", "undeclared=gzip&enc=gzip"])
+@pytest.mark.parametrize("query", ["undeclared=gzip", "undeclared=zlib", "undeclared=zstd", "undeclared=br",
+                                   "undeclared=deflate", "undeclared=gzip&ce=identity", "undeclared=gzip&chunk=1",
+                                   "undeclared=br&chunk=2", "undeclared=gzip&enc=gzip", "undeclared=br&enc=br"])
 def test_a_compressed_echo_no_header_declares_is_refused_with_a_502(env, query):
     raw, headers, _, res = curl(env, f"https://echo.test:{env['port']}/h?{query}")
     assert headers[":status"] == "502" and headers.get("x-agentvm-denied") == "credential:uninspectable-body", raw[:400]

@@ -181,8 +181,8 @@ def scenario(draw):
         body = b"data: start\n\n" * (shape != "ndjson-split") + b"".join(events)
         expect = {"credential:echo-split"}
     coding = draw(st.sampled_from(["none", "gzip", "deflate", "br", "zstd", "gzip,br", "deflate,zstd", "unknown",
-                                   "undeclared-gzip", "undeclared-zlib", "undeclared-zstd", "identity-but-gzip",
-                                   "gzip-inside-gzip"]))
+                                   "undeclared-gzip", "undeclared-zlib", "undeclared-zstd", "undeclared-br",
+                                   "undeclared-raw-deflate", "identity-but-gzip", "gzip-inside-gzip"]))
     headers = [(b"content-type", b"text/event-stream" if shape.startswith("sse") else
                 b"application/x-ndjson" if shape == "ndjson-split" else b"text/html")]
     comp = {"gzip": gzip.compress, "deflate": zlib.compress, "br": brotli.compress,
@@ -197,7 +197,8 @@ def scenario(draw):
         expect = {"credential:uninspectable-encoding"}
     elif coding.startswith("undeclared") or coding == "identity-but-gzip":
         body = {"undeclared-gzip": gzip.compress, "undeclared-zlib": zlib.compress, "identity-but-gzip": gzip.compress,
-                "undeclared-zstd": comp["zstd"]}[coding](body)
+                "undeclared-zstd": comp["zstd"], "undeclared-br": brotli.compress,
+                "undeclared-raw-deflate": lambda b: zlib.compress(b)[2:-4]}[coding](body)
         if coding == "identity-but-gzip":
             headers.append((b"content-encoding", b"identity"))
         expect = {"credential:uninspectable-body"}
@@ -340,8 +341,8 @@ def test_lenient_passes_undeclared_compression_on_but_never_an_echo_it_can_read(
     the operator's choice for that credential); everything the gate can read is still scrubbed
     and a split value still cuts the stream."""
     headers, body, refused = relay(sc, strict=False)
-    if sc["coding"] in ("undeclared-gzip", "undeclared-zlib", "undeclared-zstd", "identity-but-gzip",
-                        "gzip-inside-gzip", "unknown"):
+    if sc["coding"] in ("undeclared-gzip", "undeclared-zlib", "undeclared-zstd", "undeclared-br", "undeclared-raw-deflate",
+                        "identity-but-gzip", "gzip-inside-gzip", "unknown"):
         assert refused is None
         return
     _assert_no_value(headers, body, sc)
@@ -359,7 +360,8 @@ def test_a_clean_stream_is_passed_on_event_by_event_and_intact():
 
 
 @pytest.mark.parametrize("magic", [gzip.compress(b"x" * 100), zlib.compress(b"y" * 100),
-                                   zstandard.ZstdCompressor().compress(b"z" * 100)])
+                                   zstandard.ZstdCompressor().compress(b"z" * 100), brotli.compress(b'{"a": "' + REAL + b'"}'),
+                                   zlib.compress(b'{"a": "' + REAL + b'"}')[2:-4]])
 def test_a_compressed_body_in_one_byte_pieces_is_sniffed_before_any_of_it_goes_out(magic):
     scrub = ResponseScrub(Scrubber([(REAL, PH)]), swapped=True, strict=True)
     scrub.head([], [], b"OK")
@@ -371,7 +373,8 @@ def test_a_compressed_body_in_one_byte_pieces_is_sniffed_before_any_of_it_goes_o
 
 
 @pytest.mark.parametrize("text", [b"80 bytes of text", b"x^ marks the spot", b"(4 items)", b"HK$ 12", b"{}", b"P",
-                                  b"\x1f", b""])
+                                  b"\x1f", b"", b";", b'{"id": 1, "object": "list", "data": []}', b"<!doctype html><p>hi",
+                                  bytes(range(256)) * 40])
 def test_text_that_starts_like_a_magic_number_is_not_compression(text):
     scrub = ResponseScrub(Scrubber([(REAL, PH)]), swapped=True, strict=True)
     scrub.head([], [], b"OK")

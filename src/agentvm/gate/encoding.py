@@ -246,6 +246,100 @@ def sniff(head: bytes, final: bool = False) -> str | None:
     return None
 
 
+class Sniffer:
+    """Whether a body is compressed without saying so, told from its first bytes.
+
+    First the magic numbers (:func:`sniff`). A body without one may still be brotli or raw
+    deflate, which have none: both are tried on it (trial decoders, output discarded). Most
+    text dies in either within a few bytes (``{"``, ``<!``, ``data:`` are not valid starts);
+    while one is alive the body is held, and it is judged compressed only when a trial decoder
+    read *all* of it without an error, ended exactly where the body ends, and produced
+    output - a whole stream, which no text is by chance. Bounded: past :attr:`HOLD` bytes with
+    a trial still alive (a metadata block can skip megabytes of anything) the body is released
+    as it is; a trial's output past :attr:`OUT_MAX` (a bomb) makes it compressed.
+
+    :meth:`feed` -> ``""`` (hold: cannot tell yet), None (not compressed: release what was
+    held), or the coding's name (compressed)."""
+
+    HOLD = 64 * 1024
+    OUT_MAX = 16 << 20
+
+    def __init__(self) -> None:
+        self.head = b""
+        self.trials: list | None = None  # [name, decoder, output so far]
+
+    def feed(self, data: bytes, final: bool = False) -> str | None:
+        self.head += data
+        if self.trials is None:
+            found = sniff(self.head, final)
+            if found != "" and found is not None:
+                return found
+            if found == "" and not final:
+                return ""
+            self.trials = []
+            if brotli is not None:
+                self.trials.append(["br", brotli.Decompressor(), 0])
+            self.trials.append(["deflate", zlib.decompressobj(-zlib.MAX_WBITS), 0])
+            data = self.head
+        alive = []
+        for t in self.trials:
+            try:
+                if not self._run(t, data):
+                    continue
+            except _TrialDone as done:
+                return done.name
+            alive.append(t)
+        self.trials = alive
+        if not alive:
+            return None
+        if final:
+            for name, d, out in alive:
+                ended = d.is_finished() if name == "br" else (d.eof and not d.unused_data)
+                if ended and out:
+                    return name  # the whole body is one stream of it
+            return None
+        if len(self.head) > self.HOLD:
+            return None  # (alive this long: released as it is; see the class)
+        return ""
+
+    def _run(self, t: list, data: bytes) -> bool:
+        """Feed ``data`` to one trial decoder; False when it fails (or it had already ended:
+        bytes after the end of a stream are not one body of it)."""
+        name, d = t[0], t[1]
+        if name == "br":
+            if data and d.is_finished():
+                return False
+            try:
+                out = len(d.process(data, output_buffer_limit=PIECE))
+                t[2] += out
+                while out and t[2] <= self.OUT_MAX:  # (it may hold output even once it could take more input)
+                    out = len(d.process(b"", output_buffer_limit=PIECE))
+                    t[2] += out
+            except brotli.error:
+                return False
+        else:
+            if data and d.eof:
+                return False
+            try:
+                out = len(d.decompress(data, PIECE))
+                t[2] += out
+                while d.unconsumed_tail and t[2] <= self.OUT_MAX:
+                    t[2] += len(d.decompress(d.unconsumed_tail, PIECE))
+            except zlib.error:
+                return False
+            if d.eof and d.unused_data:
+                return False
+        if t[2] > self.OUT_MAX:
+            raise _TrialDone(name)
+        return True
+
+
+class _TrialDone(Exception):
+    def __init__(self, name: str):
+        super().__init__(name)
+        self.name = name
+
+
 class Decoder:
     """Undo a ``Content-Encoding`` header (codings applied left to right, undone right to left)."""
 

@@ -103,8 +103,9 @@ class ResponseScrub:
         self.decoder = None
         self.decoded_from: str | None = None
         self.swapped, self.strict = swapped, strict
-        # the first bytes of the (decoded) body, until sniff() can tell; None: not sniffed
-        self.sniff: bytes | None = b"" if swapped and scrubber.encoded else None
+        # what tells whether the (decoded) body is compressed without saying so; None once it
+        # has told (or when it is not asked)
+        self.sniff = encoding.Sniffer() if swapped and scrubber.encoded else None
         self.guard = StreamGuard(scrubber._t) if swapped and scrubber.encoded else None
         self.released = 0  # body bytes handed on (none yet: a refusal can still be a 502)
         self.uninspected: str | None = None  # lenient: why the body went through unread
@@ -137,12 +138,10 @@ class ResponseScrub:
 
     def _sniffed(self, part: bytes, final: bool = False) -> bytes:
         """``part`` once the sniff has decided (with what it held), b"" while it cannot tell."""
-        head = self.sniff + part
-        found = encoding.sniff(head, final)
+        found = self.sniff.feed(part, final)
         if found == "":
-            self.sniff = head
             return b""
-        self.sniff = None
+        head, self.sniff = self.sniff.head, None
         if found:
             reason = (f"the response body is {found}-compressed without a Content-Encoding that says so: the gate "
                       "cannot inspect it for a credential's value")
