@@ -555,21 +555,26 @@ def widening(old, new) -> list[str]:
         if new.risk_tier in ("L4", "L5"):
             out.append(f"risk tier {new.risk_tier}")
         return out
-    from dataclasses import fields
-
-    for f in fields(type(new)):
-        rule = JUDGED["Policy"].get(f.name)
-        a, b = getattr(old, f.name), getattr(new, f.name)
-        if a == b or rule is None or isinstance(rule, str):
-            continue
-        lines = rule(a, b, old, new)
-        if lines is None:  # the rule cannot tell: a change that is not a pure removal is for review
-            lines = [f"{f.name} changed (not known to be narrower: review it)"]
-        out += lines
-    return out
+    return _judge("Policy", old, new, old, new)
 
 
 # ---------------------------------------------------------------------------- the rules, field by field
+def _judge(kind: str, a, b, old, new, review: str = "{name} changed (not known to be narrower: review it)"):
+    """Every field of ``a``/``b`` (one kind of :data:`JUDGED`) that changed, through its rule;
+    ``old``/``new`` are what the rule is given beside the two values (the policies, or the
+    tool servers). A rule that cannot tell (None) leaves the change for review."""
+    out = []
+    for name, rule in JUDGED[kind].items():
+        if isinstance(rule, str):
+            continue
+        x, y = getattr(a, name), getattr(b, name)
+        if x == y:
+            continue
+        got = rule(x, y, old, new)
+        out += got if got is not None else [review.format(name=name)]
+    return out
+
+
 def _more(a, b) -> bool:
     """A limit raised or removed (None or 0: no limit)."""
     if b is None or b == 0:
@@ -591,12 +596,7 @@ _SEVERITY = {"read": 0, "write": 1, "destructive": 2}
 
 
 def _limits(a, b, old, new) -> list[str]:
-    out = []
-    for name, rule in JUDGED["Limits"].items():
-        if isinstance(rule, str):
-            continue
-        out += rule(getattr(a, name), getattr(b, name), old, new)
-    return out
+    return _judge("Limits", a, b, old, new)
 
 
 def _budget(a, b, old, new) -> list[str]:
@@ -604,11 +604,7 @@ def _budget(a, b, old, new) -> list[str]:
         return []
     if b is None:
         return ["no LLM budget any more"]
-    out = []
-    for name, rule in JUDGED["BudgetSpec"].items():
-        if not isinstance(rule, str):
-            out += rule(getattr(a, name), getattr(b, name), old, new)
-    return out
+    return _judge("BudgetSpec", a, b, old, new)
 
 
 def _budget_limit(k):
@@ -663,12 +659,7 @@ def _egress(a, b, old, new) -> list[str]:
         from agentvm.gate.policy import EgressPolicy
 
         a = EgressPolicy()
-    out = []
-    for name, rule in JUDGED["EgressPolicy"].items():
-        if not isinstance(rule, str) and getattr(a, name) != getattr(b, name):
-            got = rule(getattr(a, name), getattr(b, name), old, new)
-            out += got if got is not None else [f"egress rules: {name} changed (not known to be narrower: review it)"]
-    return out
+    return _judge("EgressPolicy", a, b, old, new, "egress rules: {name} changed (not known to be narrower: review it)")
 
 
 def _contains(r0, r) -> bool:
@@ -720,11 +711,7 @@ def _egress_ca(a, b, *_) -> list[str]:
 
 
 def _egress_limits(a, b, old, new) -> list[str]:
-    out = []
-    for name, rule in JUDGED["EgressLimits"].items():
-        if not isinstance(rule, str):
-            out += rule(getattr(a, name), getattr(b, name), old, new)
-    return out
+    return _judge("EgressLimits", a, b, old, new)
 
 
 def _mounts(a, b, *_) -> list[str]:
@@ -761,11 +748,7 @@ def _tools(a, b, old, new) -> list[str]:
         return []
     if a is None:
         return [f"new tool server {s.name}: {', '.join(sorted(s.allow))}" for s in b.servers]
-    out = []
-    for name, rule in JUDGED["ToolPolicy"].items():
-        if not isinstance(rule, str) and getattr(a, name) != getattr(b, name):
-            out += rule(getattr(a, name), getattr(b, name), old, new)
-    return out
+    return _judge("ToolPolicy", a, b, old, new)
 
 
 def _tool_servers(a, b, old, new) -> list[str]:
@@ -776,10 +759,7 @@ def _tool_servers(a, b, old, new) -> list[str]:
         if s0 is None:
             out.append(f"new tool server {s.name}: {', '.join(sorted(s.allow))}")
             continue
-        for name, rule in JUDGED["ServerPolicy"].items():
-            if not isinstance(rule, str) and getattr(s0, name) != getattr(s, name):
-                got = rule(getattr(s0, name), getattr(s, name), s0, s)
-                out += [f"tool server {s.name} {x}" for x in (got if got is not None else [f"{name} changed (review it)"])]
+        out += [f"tool server {s.name} {x}" for x in _judge("ServerPolicy", s0, s, s0, s, "{name} changed (review it)")]
     return out
 
 
