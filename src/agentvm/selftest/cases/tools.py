@@ -132,6 +132,21 @@ def _run(env: Env, calls: list, *, script: str = "", approve=(), deny=(), timeou
     return results, o.out
 
 
+_CONTROL = ["t__read_file", {"path": "/srv/public/readme.txt"}]  # an allowed call: the test can fail
+
+
+def _run_controlled(env: Env, calls: list, **kw) -> tuple[list, str, Verdict | None]:
+    """``calls``, then the allowed control call: (the calls' results, the output, an error
+    verdict when a call was not made or the control did not work - the case proves nothing)."""
+    results, out = _run(env, calls + [_CONTROL], **kw)
+    if len(results) != len(calls) + 1:
+        return results, out, Verdict.error(f"the client did not make every call: {out[-400:]}")
+    control = results.pop()
+    if "public file" not in _text(control[1]):
+        return results, out, Verdict.error(f"the allowed call did not work, so the test proves nothing: {control}")
+    return results, out, None
+
+
 def _text(r: dict) -> str:
     res = r.get("result") or {}
     return "".join(c.get("text", "") for c in res.get("content", []) if isinstance(c, dict))
@@ -142,12 +157,9 @@ def _text(r: dict) -> str:
       weakened_by="permissive-tools")
 def _(env: Env) -> Verdict:
     names = ["t__exfil", "exfil", "t__exfil ", "T__exfil", "t__Exfil", "t__t__exfil", "t__read_file/../exfil"]
-    results, out = _run(env, [[n, {}] for n in names] + [["t__read_file", {"path": "/srv/public/readme.txt"}]])
-    if len(results) != len(names) + 1:
-        return Verdict.error(f"the client did not make every call: {out[-400:]}")
-    control = results.pop()
-    if "public file" not in _text(control[1]):
-        return Verdict.error(f"the allowed call did not work, so the test proves nothing: {control}")
+    results, out, unproven = _run_controlled(env, [[n, {}] for n in names])
+    if unproven:
+        return unproven
     ran = [n for n, r in results if "HIDDEN-TOOL-RAN" in _text(r)]
     if ran or env.canary_seen(out):
         return Verdict.escaped(f"the hidden tool ran via {ran or 'some call'}")
@@ -163,13 +175,9 @@ def _(env: Env) -> Verdict:
       weakened_by="permissive-tools")
 def _(env: Env) -> Verdict:
     names = ["t__ADMIN_EXFIL", "T__ADMIN_EXFIL", "\uff54__ADMIN_EXFIL"]  # (the last: a fullwidth server name)
-    results, out = _run(env, [[n, {}] for n in names] + [["t__read_file", {"path": "/srv/public/readme.txt"}]],
-                        deny=("*admin*",))
-    if len(results) != len(names) + 1:
-        return Verdict.error(f"the client did not make every call: {out[-400:]}")
-    control = results.pop()
-    if "public file" not in _text(control[1]):
-        return Verdict.error(f"the allowed call did not work, so the test proves nothing: {control}")
+    results, out, unproven = _run_controlled(env, [[n, {}] for n in names], deny=("*admin*",))
+    if unproven:
+        return unproven
     ran = [n for n, r in results if "DENIED-TOOL-RAN" in _text(r)]
     if ran or env.canary_seen(out):
         return Verdict.escaped(f"the denied tool ran via {ran or 'some call'}")
@@ -187,7 +195,7 @@ def _(env: Env) -> Verdict:
              {"path": "//canaries/secret.txt"}, {"path": "/srv/public/%2e%2e/%2e%2e/canaries/secret.txt"},
              {"path": ["/canaries/secret.txt"]}, {"path": "/srv/publicX/../../canaries/secret.txt"},
              {"path": "/srv/public/readme.txt", "path ": "/canaries/secret.txt"}, {}]
-    results, out = _run(env, [["t__read_file", a] for a in tries] + [["t__read_file", {"path": "/srv/public/readme.txt"}]])
+    results, out = _run(env, [["t__read_file", a] for a in tries] + [_CONTROL])
     if len(results) != len(tries) + 1:
         return Verdict.error(f"the client did not make every call: {out[-400:]}")
     if env.canary_seen(out):
