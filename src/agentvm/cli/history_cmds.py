@@ -8,38 +8,7 @@ import time
 
 import click
 
-
-RUN_KINDS = ("run.started", "run.exited", "run.refused", "lifecycle.running", "lifecycle.exited")
-
-
-def collect_runs(records) -> list[dict]:
-    """Fold audit records into runs, newest first: embedded and daemon-routed runs
-    (``run.*``) and the sessions of the daemon's managed sandboxes (``lifecycle.*``)."""
-    runs: dict[str, dict] = {}
-    for r in records:
-        d = r.data
-        if r.kind == "run.started":
-            runs[r.sandbox] = {"run": r.sandbox, "agent": d.get("agent"), "started": r.time, "via": "run",
-                               "command": d.get("command") or [], "exit_code": None, "duration": None}
-        elif r.kind == "lifecycle.running" and d.get("sandbox_id"):
-            runs[d["sandbox_id"]] = {"run": d["sandbox_id"], "agent": r.sandbox, "started": r.time, "via": "daemon",
-                                     "command": [], "exit_code": None, "duration": None}
-        elif r.kind == "run.refused":
-            key = f"refused-{r.seq}"
-            runs[key] = {"run": "-", "agent": d.get("agent"), "started": r.time, "via": "run", "command": [],
-                         "exit_code": 77, "duration": 0.0, "refused": d.get("code"), "message": d.get("message")}
-        elif r.kind in ("run.exited", "lifecycle.exited"):
-            sid = r.sandbox if r.kind == "run.exited" else d.get("sandbox_id")
-            run = runs.get(sid)
-            if run is None:
-                continue
-            run["exit_code"] = d.get("exit_code")
-            run["duration"] = d.get("duration") if d.get("duration") is not None else round(r.time - run["started"], 3)
-            if d.get("reason"):  # daemon-lost: it ended with a daemon that never saw its exit
-                run["ended"] = d["reason"]
-            run["egress"] = d.get("egress")
-            run["teardown_verified"] = d.get("teardown_verified")
-    return sorted(runs.values(), key=lambda x: x["started"], reverse=True)
+from agentvm.audit import RUN_KINDS, fold_runs as collect_runs  # noqa: F401 (RUN_KINDS: runs' kinds)
 
 
 def _audit():

@@ -740,31 +740,22 @@ class Daemon:
         gets its end on the chain - ``run.exited`` / ``lifecycle.exited`` with reason
         ``daemon-lost`` and no exit code - and `agentvm runs` never lists one as running
         forever. Only the daemon's own (actor ``agentvm``); embedded runs are their caller's."""
-        open_runs: dict[str, tuple[str, str | None]] = {}  # session id -> (kind, agent or sandbox name)
+        from agentvm.audit import RUN_KINDS, fold_runs
+
         try:
-            recs = self.audit.records(kinds=("run.started", "run.exited", "lifecycle.running", "lifecycle.exited"))
+            runs = fold_runs(self.audit.records(kinds=RUN_KINDS))
         except Exception:  # noqa: BLE001 - a chain that cannot be read is check_chain's to report
             return []
-        for r in recs:
-            if r.actor != "agentvm":
-                continue
-            d = r.data
-            if r.kind == "run.started" and r.sandbox:
-                open_runs[r.sandbox] = ("run", d.get("agent"))
-            elif r.kind == "lifecycle.running" and d.get("sandbox_id"):
-                open_runs[d["sandbox_id"]] = ("lifecycle", r.sandbox)
-            elif r.kind == "run.exited":
-                open_runs.pop(r.sandbox, None)
-            elif r.kind == "lifecycle.exited":
-                open_runs.pop(d.get("sandbox_id"), None)
-        for sid, (kind, who) in open_runs.items():
-            why = "the daemon that ran it stopped without seeing it end (killed, or the host went down)"
-            if kind == "run":
-                self.record("run.exited", sandbox=sid, agent=who, exit_code=None, reason="daemon-lost", detail=why)
-            else:
-                self.record("lifecycle.exited", sandbox=who, sandbox_id=sid, exit_code=None, reason="daemon-lost",
+        lost = [r for r in runs if r.get("actor") == "agentvm" and r["duration"] is None]
+        why = "the daemon that ran it stopped without seeing it end (killed, or the host went down)"
+        for r in lost:
+            if r["via"] == "run":
+                self.record("run.exited", sandbox=r["run"], agent=r["agent"], exit_code=None, reason="daemon-lost",
                             detail=why)
-        return sorted(open_runs)
+            else:
+                self.record("lifecycle.exited", sandbox=r["agent"], sandbox_id=r["run"], exit_code=None,
+                            reason="daemon-lost", detail=why)
+        return sorted(r["run"] for r in lost)
 
     async def recover(self, *, resume: bool = True) -> dict:
         """At `up` (after `down` or a crash): reap what the last daemon left, and restart the
