@@ -25,6 +25,8 @@ Exit codes of a sandboxed command itself pass through unchanged; see ``docs/cli.
 
 from __future__ import annotations
 
+from agentvm.errorcodes import lookup  # (errorcodes imports nothing of agent-vm's)
+
 # Exit codes: documented in docs/cli.md. A sandboxed command's own code passes through.
 EXIT_OK = 0
 EXIT_USAGE = 2
@@ -49,8 +51,6 @@ class AgentVMError(Exception):
         self.hint = hint
         if code is not None:
             self.code = code
-        from agentvm.errorcodes import lookup
-
         known = lookup(self.code)
         if known is not None:
             self.exit_code, self.status = known.exit, known.status
