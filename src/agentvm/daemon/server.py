@@ -1174,10 +1174,7 @@ class Daemon:
             if action == "logs" and method == "GET":
                 path = self.paths.home / "logs" / f"{name}.log"
                 self._row(name)
-                try:
-                    tail = min(max(int(q.get("tail", 1 << 20)), 0), 16 << 20)
-                except ValueError:
-                    raise _refuse("api.bad-request", "'tail' is a number of bytes") from None
+                tail = min(q.get("tail", 1 << 20), 16 << 20)  # (api.LogsQuery: a whole number >= 0)
                 data = await asyncio.to_thread(_tail, path, tail)
                 return await self._json(conn, writer, 200, {"log": data.decode(errors="replace")})
             if action == "files":
@@ -1238,9 +1235,7 @@ class Daemon:
         from agentvm.policy import compile_policy
         from agentvm.spec.loader import load_agent_text
 
-        text, fname = doc.get("spec"), doc.get("file", "<api>")
-        if not isinstance(text, str):
-            raise _refuse("api.bad-request", "'spec' (the agent file's text) is required")
+        text, fname = doc["spec"], doc.get("file", "<api>")  # (api.CreateSandbox)
         loaded = load_agent_text(text, fname)
         policy = compile_policy(loaded.spec)
         if policy.pending_features:
@@ -1248,14 +1243,7 @@ class Daemon:
         name = loaded.spec.metadata.name
         if self.state.get(name) is not None:
             raise _refuse("sandbox.exists", f"a sandbox named {name!r} exists", hint=f"agentvm rm {name}")
-        limits = {}
-        for key in ("ttl", "idle_timeout"):
-            v = doc.get(key)
-            if v is not None and (type(v) not in (int, float) or not math.isfinite(v) or v <= 0):
-                raise _refuse("api.bad-request", f"{key!r} must be a number of seconds above 0 (or null), "
-                               f"not {json.dumps(v)[:40]}")
-            limits[key] = None if v is None else float(v)
-        row = self.state.create(name, text, fname, policy.lifecycle, limits["ttl"], limits["idle_timeout"])
+        row = self.state.create(name, text, fname, policy.lifecycle, doc.get("ttl"), doc.get("idle_timeout"))
         self.record("lifecycle.created", actor=actor, sandbox=name, file=fname, policy=policy.digest(),
                     lifecycle=policy.lifecycle)
         return row
@@ -1280,9 +1268,7 @@ class Daemon:
         m = self.managed.get(name)
         if m is None or m.handle is None:
             raise _refuse("sandbox.not-running", f"{name} is not running", hint=f"agentvm start {name}")
-        argv = doc.get("argv")
-        if not isinstance(argv, list) or not argv or not all(isinstance(a, str) for a in argv):
-            raise _refuse("api.bad-request", "'argv' must be a non-empty list of strings")
+        argv = doc["argv"]  # (api.Exec: a non-empty list of strings)
         m.touch(self.state, time.time())
         self.record("operator.exec", actor=actor, sandbox=name, argv=argv)
         backend = m.backend
@@ -1592,18 +1578,14 @@ class Daemon:
                            hint=f"nothing was changed; to set one, put it in the agent file and restart the sandbox "
                            f"(`agentvm restart {name}`): it is then served by the daemon's own gate")
         if op in ("allow", "deny"):
-            rules = doc.get("rules") or [doc.get("rule")]
-            if not rules or not all(isinstance(r, str) for r in rules):
-                raise _refuse("api.bad-request", "'rule' HOST[:PORT] is required")
+            rules = doc.get("rules") or [doc["rule"]]  # (api.PolicyRule: one of them, strings)
             try:
                 compile_egress(None, extra_allow=rules)  # validates
             except ValueError as exc:
                 raise _refuse("policy.invalid-rule", str(exc)) from None
             patch.setdefault(op, []).extend(rules)
         elif op == "remove":
-            rid = doc.get("rule_id")
-            if not isinstance(rid, str):
-                raise _refuse("api.bad-request", "'rule_id' is required")
+            rid = doc["rule_id"]  # (api.PolicyRemove)
             current = self._policy_for(row).egress
             ids = [r.id for r in (current.allow + current.deny)] if current is not None else []
             if rid not in ids:
@@ -1792,9 +1774,7 @@ class Daemon:
     async def _fleet_plan(self, doc: dict):
         from agentvm import fleet as fl
 
-        repo, ref = doc.get("repo"), doc.get("commit") or "HEAD"
-        if not isinstance(repo, str) or not repo:
-            raise _refuse("api.bad-request", "'repo' (the fleet's git repository on the daemon's host) is required")
+        repo, ref = doc["repo"], doc.get("commit") or "HEAD"  # (api.FleetPlan)
         sha = await asyncio.to_thread(fl.resolve, repo, ref)
         trust = fl.load_trust(self.paths.home)
         fleet = await asyncio.to_thread(fl.load, repo, sha, trust=trust)
@@ -1806,17 +1786,8 @@ class Daemon:
         plan = fl.make_plan(fleet, {k: {kk: v[kk] for kk in ("policy", "digest", "fleet", "running", "live", "effective")
                                         if kk in v} for k, v in cur.items()}, previous)
         rp = doc.get("replay")
-        if rp is not None:
-            try:
-                if not isinstance(rp, dict):
-                    raise ValueError
-                since = float(rp.get("since")) if rp.get("since") is not None else None
-                last = int(rp.get("last") or 1000)
-                if not 1 <= last <= 100000:
-                    raise ValueError
-            except (TypeError, ValueError):
-                raise _refuse("api.bad-request", "replay takes {since: SECONDS-SINCE-EPOCH, last: 1..100000, all: "
-                               "BOOL}") from None
+        if rp is not None:  # (api.Replay: since >= 0, last 1..100000)
+            since, last = rp.get("since"), rp.get("last") or 1000
             for a in plan.actions:
                 if a.kind in ("update", "create") or (a.kind == "unchanged" and rp.get("all")):
                     old = cur.get(a.name, {}).get("policy")
