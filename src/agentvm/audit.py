@@ -136,8 +136,25 @@ class AuditLog:
                                          check_same_thread=False)
             self._conn.execute("SELECT 1 FROM audit LIMIT 1")
         except sqlite3.DatabaseError as exc:
-            from agentvm.errors import ConfigError
+            from agentvm.errors import ConfigError, disk_full_error
 
+            full = disk_full_error(exc, where=self.path)
+            wal = self.path.with_name(self.path.name + "-wal")
+            if full is not None and (not wal.exists() or wal.stat().st_size == 0):
+                # SQLite cannot make its -shm file for lack of room. With no write-ahead log
+                # pending, the database file alone is the whole chain: read it as immutable
+                # (no -shm needed) and verify it, rather than refuse to judge.
+                try:
+                    self._conn = sqlite3.connect(f"file:{self.path}?mode=ro&immutable=1", uri=True,
+                                                 isolation_level=None, check_same_thread=False)
+                    self._conn.execute("SELECT 1 FROM audit LIMIT 1")
+                    return self
+                except sqlite3.DatabaseError:
+                    pass
+            if full is not None:  # no room and a log pending: not a corrupt chain, an unreadable one
+                full.message = (f"cannot read the audit chain {self.path}: the disk holding it is full "
+                                "(this says nothing about the chain itself; it was not judged)")
+                raise full from exc
             raise ConfigError(f"{self.path} is not a readable audit chain ({exc})",
                               hint="see docs/daemon.md, 'Recovering state and audit databases'") from None
         return self

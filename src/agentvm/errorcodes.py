@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 # exit codes (docs/cli.md)
-CONFIG, POLICY, BACKEND, USAGE, FAILED = 78, 77, 125, 2, 1
+CONFIG, POLICY, BACKEND, USAGE, FAILED, TEMPFAIL = 78, 77, 125, 2, 1, 75
 
 
 @dataclass(frozen=True)
@@ -53,6 +53,7 @@ _TABLE: list[tuple[str, int, int, str]] = [
     ("daemon.timeout", 504, BACKEND, "the daemon did not answer in time (AGENTVM_CLIENT_TIMEOUT)"),
     ("daemon.needed", 409, CONFIG, "this needs the daemon that owns the agent: start it (agentvm up)"),
     ("state.unavailable", 503, BACKEND, "a state database is busy, locked or cannot be opened"),
+    ("state.disk-full", 507, TEMPFAIL, "the disk holding agent-vm's state is full: free space and retry"),
     ("state.unwritable", 507, BACKEND, "agent-vm's state cannot be written (the disk is full or read-only)"),
     ("state.lost", 409, CONFIG, "a state database agent-vm made is missing or empty: refusing to start over"),
     ("audit.lost", 409, CONFIG, "the audit chain agent-vm made is missing"),

@@ -17,6 +17,7 @@ Families (drawn like httpx's ``_exceptions.py``)::
     ├── BackendError           exit 125               the substrate failed to do its job
     │   ├── LaunchError                 a step of sandbox setup failed (names the step)
     │   └── TeardownError               teardown could not be verified
+    ├── DiskFull               exit 75  (EX_TEMPFAIL) the disk holding agent-vm's state is full
     └── InternalError          exit 125               a bug in agent-vm
 
 Third-party exceptions are translated at the boundary with ``raise ... from exc``.
@@ -34,6 +35,7 @@ EXIT_TIMEOUT = 124  # like timeout(1)
 EXIT_BACKEND = 125  # agent-vm or the substrate failed (like docker's 125)
 EXIT_POLICY = 77  # refused: policy or a missing primitive (EX_NOPERM)
 EXIT_CONFIG = 78  # invalid configuration (EX_CONFIG)
+EXIT_TEMPFAIL = 75  # try again later: the state disk is full (EX_TEMPFAIL)
 
 
 class AgentVMError(Exception):
@@ -155,6 +157,70 @@ class LaunchError(BackendError):
 
 class TeardownError(BackendError):
     code = "backend.teardown-unverified"
+
+
+class DiskFull(AgentVMError):
+    """The disk holding agent-vm's state (``AGENTVM_HOME``: state, audit chain, leases) is
+    full. One error on every path - embedded run, daemon, ``audit verify`` - instead of a
+    traceback or a corruption verdict: nothing is wrong with the data, there is no room."""
+
+    code = "state.disk-full"
+    exit_code = EXIT_TEMPFAIL
+    status = 507
+
+
+def _free_bytes(path) -> int | None:
+    import os
+
+    p = str(path) if path else ""
+    while p:
+        try:
+            st = os.statvfs(p)
+            return st.f_bavail * st.f_frsize
+        except OSError:
+            parent = os.path.dirname(p.rstrip("/"))
+            if parent == p:
+                return None
+            p = parent
+    return None
+
+
+def disk_full_error(exc: BaseException, where=None) -> "DiskFull | None":
+    """The :class:`DiskFull` an exception (or anything in its ``__cause__``/``__context__``
+    chain) amounts to, or None: ``ENOSPC``/``EDQUOT``, SQLite's "database or disk is full",
+    and SQLite's "disk I/O error" when the filesystem of ``where`` has no space left (what
+    SQLite says when it cannot grow its ``-shm``/``-wal`` files)."""
+    import errno
+
+    seen: set[int] = set()
+    cur: BaseException | None = exc
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        if isinstance(cur, DiskFull):
+            return cur
+        path = where
+        full = False
+        if isinstance(cur, OSError) and cur.errno in (errno.ENOSPC, errno.EDQUOT):
+            full, path = True, getattr(cur, "filename", None) or where
+        elif type(cur).__module__ == "sqlite3" or type(cur).__name__ in ("OperationalError", "DatabaseError"):
+            text = str(cur).lower()
+            if "database or disk is full" in text:
+                full = True
+            elif "disk i/o error" in text and where is not None and _free_bytes(where) == 0:
+                full = True
+        if full:
+            if path is None:
+                from agentvm.paths import default_paths
+
+                path = default_paths().home
+            free = _free_bytes(path)
+            room = "" if free is None else f" ({free // 1024} KiB free)"
+            return DiskFull(f"the disk holding {path} is full{room}: agent-vm cannot write its state there",
+                            hint=f"free space on that filesystem (df -h {path}; `agentvm workspace prune "
+                                 "--unused-for 7d` removes unused workspaces) and retry; nothing agent-vm "
+                                 "recorded before is lost")
+        cur = cur.__cause__ or cur.__context__
+    return None
 
 
 class InternalError(AgentVMError):

@@ -106,7 +106,12 @@ def cli_main(argv: list[str] | None = None) -> int:
         return exc.exit_code
     except KeyboardInterrupt:
         return 130
-    except Exception as exc:  # pragma: no cover - last resort: say it is a bug, keep the traceback
+    except Exception as exc:  # last resort: a full state disk is one clear error, the rest is a bug
+        from agentvm.errors import disk_full_error
+
+        full = disk_full_error(exc)
+        if full is not None:
+            return report_error(full, as_json="--json" in (argv if argv is not None else sys.argv))
         import traceback
 
         traceback.print_exc()

@@ -98,6 +98,15 @@ def main_run(argv: list[str]) -> int:
         return report_error(err, as_json=as_json)
     except KeyboardInterrupt:
         return 130
+    except Exception as exc:  # a full state disk is one clear error (exit 75), not a traceback
+        from agentvm.errors import disk_full_error
+
+        full = disk_full_error(exc)
+        if full is None:
+            raise
+        from agentvm.cli import report_error
+
+        return report_error(full, as_json=as_json)
 
 
 def _run(argv: list[str]) -> int:
