@@ -133,6 +133,14 @@ _TABLE: list[tuple[str, int, int, str]] = [
     ("fleet.no-such-promotion", 404, FAILED, "no promotion of that commit is recorded"),
     ("fleet.agent-failed", 409, FAILED, "an updated agent did not pass; the fleet was rolled back"),
     ("fleet.canary-name-taken", 409, FAILED, "a sandbox has the canary's name"),
+    # -- the shared egress gateway and Kubernetes (docs/scale-out.md, docs/k8s.md)
+    ("gateway.config-invalid", 400, CONFIG, "the gateway's configuration source is not valid"),
+    ("gateway.ca-invalid", 400, CONFIG, "the gateway's CA files are missing or not usable (agentvm gateway init)"),
+    ("gateway.identity-invalid", 400, CONFIG, "not a sandbox identity (agentvm://NAMESPACE/SANDBOX, DNS labels)"),
+    ("k8s.render-invalid", 400, CONFIG, "the agent cannot be rendered for Kubernetes as declared"),
+    ("k8s.unavailable", 503, BACKEND, "no Kubernetes cluster configured or reachable (KUBECONFIG)"),
+    ("k8s.not-found", 404, CONFIG, "no such object in the cluster"),
+    ("k8s.error", 500, BACKEND, "the Kubernetes API refused or failed the request"),
     # -- images
     ("image.error", 400, CONFIG, "an image could not be built, imported, stored or used"),
     ("image.ambiguous", 400, CONFIG, "a name that matches more than one image"),
