@@ -66,6 +66,9 @@ class CredentialBinding:
     # compressed without saying so, a coding it cannot decode): "strict" refuses it
     # (credential:uninspectable-*), "lenient" passes it on with only its bytes as they are scrubbed
     inspect: str = "strict"
+    # a brokered credential (agentvm.gate.brokers.BrokerSpec): what is swapped in (or signed
+    # with) is minted by the gate from the vault entry, never the entry itself
+    broker: object = None
 
     @property
     def mode(self) -> str:
@@ -136,14 +139,25 @@ def compile_credentials(spec_credentials) -> tuple[CredentialBinding, ...]:
                 sigv4_key_env=c.sigv4.access_key_id_env if getattr(c, "sigv4", None) is not None else "AWS_ACCESS_KEY_ID",
                 hmac=hm,
                 inspect=getattr(c, "inspect", None) or "strict",
+                broker=_broker_spec(getattr(c, "broker", None)),
             )
         )
     return tuple(out)
 
 
+def _broker_spec(m):
+    if m is None:
+        return None
+    from agentvm.gate.brokers import BrokerSpec
+
+    return BrokerSpec.from_model(m)
+
+
 def make_placeholder(b: CredentialBinding, real_length: int) -> str:
     """Random, unique per session, as long as the real value (at least 32 characters) unless a
     length is declared, starting with the declared prefix."""
+    if b.broker is not None:
+        real_length = 40  # (the vault entry is a JSON document, not what is swapped in)
     length = b.length or max(real_length, len(b.prefix) + 32, 32)
     alphabet = CHARSETS.get(b.charset, CHARSETS["alnum"])
     body_len = max(length - len(b.prefix), 24)
@@ -181,7 +195,16 @@ class CredentialSet:
         self.bindings = {b.name: b for b in bindings}
         self.placeholders = dict(placeholders)  # name -> placeholder
         self._by_ph = {p.encode(): n for n, p in self.placeholders.items()}
-        self.value = value  # name -> real value (vault-backed, may raise)
+        self._raw_value = value  # name -> the vault's value (vault-backed, may raise)
+        # brokered credentials: name -> TokenCache; their value is what the gate minted
+        self.brokers = {}
+        for b in bindings:
+            if b.broker is not None:
+                from agentvm.gate.brokers import TokenCache
+
+                self.brokers[b.name] = TokenCache(b.name, b.broker, raw=(lambda n=b.name: value(n)),
+                                                  persist=(lambda text, b=b: self._persist(b, text)))
+        self.value = self._brokered_value if self.brokers else value  # name -> real value (may raise)
         self.revoked = revoked
         self.local_revoked: set[str] = set()  # revoked for this session by the operator (daemon)
         self.max_len = max((len(p) for p in self.placeholders.values()), default=0)
@@ -204,6 +227,36 @@ class CredentialSet:
 
     def __repr__(self) -> str:  # never the values
         return f"CredentialSet({sorted(self.bindings)})"
+
+    # -- brokered credentials -----------------------------------------------------------------
+    def _brokered_value(self, name: str) -> str:
+        cache = self.brokers.get(name)
+        return self._raw_value(name) if cache is None else cache.get()
+
+    def _persist(self, b: CredentialBinding, text: str) -> None:
+        """A brokered credential's vault entry changed (a rotated refresh token): store it."""
+        spec = getattr(self, "spec", None)
+        if spec is None or not b.ref.startswith("vault:"):
+            return  # (env:/file: references are the operator's to update)
+        from agentvm.vault import Vault
+
+        Vault(spec[2]).set(b.ref[6:], text)
+
+    def prepare(self) -> None:
+        """Mint every brokered credential not yet minted (blocking: call it off the event loop,
+        at session start, so the first request does not wait). Errors are left for the
+        request that needs the value to report."""
+        for cache in self.brokers.values():
+            try:
+                cache.prepare()
+            except Exception:
+                pass
+
+    def close(self, *, wait: bool = False) -> None:
+        """Session end: minted credentials are forgotten and revoked upstream where the kind can
+        (oauth2-refresh with a revocationUrl, github-app)."""
+        for cache in self.brokers.values():
+            cache.drop(revoke=True, wait=wait)
 
     # -- detection --------------------------------------------------------------------------
     def find(self, data: bytes) -> list[str]:
@@ -337,6 +390,9 @@ class CredentialSet:
 
     def _check_revoked(self, name: str) -> None:
         if name in self.local_revoked or self.revoked(name):
+            cache = self.brokers.get(name)
+            if cache is not None:
+                cache.drop(revoke=True)  # what was minted is forgotten (and revoked upstream)
             raise CredentialError(
                 f"credential:revoked:{name}", f"credential {name!r} has been revoked", name=name, where="", alert=False
             )
@@ -362,6 +418,11 @@ class CredentialSet:
     def scrubber(self) -> "Scrubber":
         pairs = []
         for name, ph in self.placeholders.items():
+            cache = self.brokers.get(name)
+            if cache is not None:
+                # what was minted (never minting here) and the long-lived secret's parts
+                pairs += [(v.encode(), ph.encode()) for v in cache.scrub_values()]
+                continue
             try:
                 real = self.value(name)
             except Exception:

@@ -29,8 +29,11 @@ SigV4 notes
 -----------
 * The access key id is not secret: the agent gets the real one; only the secret key is a
   placeholder. A request naming another key id is refused (``sigv4:wrong-key``).
-* ``X-Amz-Security-Token`` (session tokens) is passed through untouched: agent-vm does not
-  manage it, it is simply part of the signed material like any other header/query parameter.
+* ``X-Amz-Security-Token`` (session tokens) is passed through untouched: it is simply part of
+  the signed material like any other header/query parameter - unless ``real_secret`` is an STS
+  session's key (a brokered ``aws-sts`` credential, :class:`agentvm.gate.brokers.SessionKey`):
+  then a request carrying a token of its own is refused, and the gate signs with the session
+  (its key id in the scope, its token added and signed: :func:`_sign_session`).
 * Payload: a hex ``x-amz-content-sha256`` must equal SHA-256 of the body (else
   ``sigv4:bad-signature``); without that header the body's SHA-256 is used (presigned S3
   URLs: ``UNSIGNED-PAYLOAD``). ``UNSIGNED-PAYLOAD`` and ``STREAMING-UNSIGNED-PAYLOAD-TRAILER``
@@ -560,6 +563,12 @@ def resign_sigv4(
     if as_sent != queries[0]:
         queries.append(as_sent)
 
+    session = getattr(real_secret, "session_token", None)
+    if session is not None:
+        # a brokered aws-sts credential: the agent's request must carry no session token of its
+        # own; the gate signs with the session's key id, secret and token
+        if req.header_values("x-amz-security-token") or any(n.lower() == "x-amz-security-token" for n in decoded_names):
+            raise _err("sigv4:malformed", "the request carries its own session token")
     try:
         real_sig = _sigv4_resign(
             req, scope, timestamp, headers, queries, payload, agent_sig, placeholder_secret, real_secret
@@ -568,6 +577,9 @@ def resign_sigv4(
         raise _err("sigv4:unavailable", "botocore is required to re-sign SigV4 requests") from None
     if real_sig is None:
         raise _err("sigv4:bad-signature", "the SigV4 signature does not verify with the placeholder key")
+    if session is not None:
+        return _sign_session(req, scope, timestamp, signed, payload, presigned, prefix, path, pairs, decoded_names,
+                             real_secret)
 
     if presigned:
         segs = query.split("&")
@@ -581,6 +593,55 @@ def resign_sigv4(
     new_auth = auth_value.replace(old, "Signature=" + real_sig, 1)
     new_headers = [(k, new_auth if k.lower() == "authorization" else v) for k, v in req.headers]
     return Request(req.method, req.url, new_headers, req.body)
+
+
+def _sign_session(req: Request, scope: _Scope, timestamp: str, signed: list[str], payload: str, presigned: bool,
+                  prefix: str, path: str, pairs: list[tuple[str, str]], decoded_names: list[str], key) -> Request:
+    """The request (whose placeholder signature verified) signed with an STS session instead:
+    ``key`` is a session's secret key with ``access_key_id`` and ``session_token``
+    (:class:`agentvm.gate.brokers.SessionKey`). The session token is added - to the signed
+    headers (header form) or the signed query (presigned) - and the credential scope names the
+    session's key id; the timestamp, payload hash and everything else the agent signed stay."""
+    from botocore.awsrequest import AWSRequest
+    from botocore.credentials import Credentials
+
+    akid, token = key.access_key_id, key.session_token
+    if not (_AKID_RE.fullmatch(akid) and _utf8_ok(token) and not any(c in token for c in "\r\n\x00")):
+        raise _err("sigv4:config", "the session credentials are malformed")
+    new_scope = f"{akid}/{scope.date}/{scope.region}/{scope.service}/aws4_request"
+    generic, s3 = _signer_classes()
+    cls = s3 if scope.service in _S3_SERVICES else generic
+    signer = cls(Credentials(akid, str(key), token), scope.service, scope.region)
+    signer._payload = payload
+    areq = AWSRequest(method=req.method, url=req.url, headers={}, data=b"")
+    areq.context["timestamp"] = timestamp
+    if presigned:
+        segs = []
+        for (k, v), n in zip(pairs, decoded_names):
+            if n == "X-Amz-Signature":
+                continue
+            if n == "X-Amz-Credential":
+                v = quote(new_scope, safe="-_.~")
+            segs.append((k, v))
+        segs.append(("X-Amz-Security-Token", quote(token, safe="-_.~")))
+        signer._headers = _signed_header_values(req, signed)
+        signer._query = _canonical_query(segs)
+        sig = signer.signature(signer.string_to_sign(areq, signer.canonical_request(areq)), areq)
+        query = "&".join(f"{k}={v}" for k, v in segs) + f"&X-Amz-Signature={sig}"
+        return Request(req.method, prefix + path + "?" + query, list(req.headers), req.body)
+    new_signed = sorted(set(signed) | {"x-amz-security-token"})
+    headers = [(k, v) for k, v in req.headers if k.lower() != "authorization"] + [("X-Amz-Security-Token", token)]
+    with_token = Request(req.method, req.url, headers, req.body)
+    signer._headers = _signed_header_values(with_token, new_signed)
+    _, _, query = _split_url(req.url)
+    signer._query = _canonical_query(_query_segments(query))
+    sig = signer.signature(signer.string_to_sign(areq, signer.canonical_request(areq)), areq)
+    auth = f"{_ALGORITHM} Credential={new_scope}, SignedHeaders={';'.join(new_signed)}, Signature={sig}"
+    out = []
+    for k, v in req.headers:
+        out.append((k, auth) if k.lower() == "authorization" else (k, v))
+    out.append(("X-Amz-Security-Token", token))
+    return Request(req.method, req.url, out, req.body)
 
 
 # --------------------------------------------------------------------------- HMAC

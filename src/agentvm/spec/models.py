@@ -431,6 +431,20 @@ class Placeholder(_Model):
     charset: Literal["alnum", "hex", "base64url"] = "alnum"
 
 
+class CredentialBroker(_Model):
+    """The gate mints a short-lived credential from the long-lived one in the vault entry (a
+    JSON object, docs/credentials.md) and swaps in / signs with that instead."""
+
+    kind: Literal["oauth2-refresh", "aws-sts", "github-app"] = Field(description="What the gate mints.")
+    scopes: list[str] = Field(default_factory=list, description="oauth2-refresh: the scopes asked for (narrowing).")
+    role_arn: str | None = Field(None, description="aws-sts: AssumeRole this role (else GetSessionToken).")
+    session_policy: str | None = Field(None, description="aws-sts: a JSON session policy that narrows the role.")
+    duration_seconds: int = Field(900, ge=900, le=43200, description="aws-sts: session length (900 is STS's shortest).")
+    repositories: list[str] = Field(default_factory=list, description="github-app: repositories the token is limited to.")
+    permissions: dict[str, Literal["read", "write", "admin"]] = Field(
+        default_factory=dict, description="github-app: permissions the token is limited to, e.g. {contents: read}.")
+
+
 class Credential(_Model):
     name: str = Field(description="Name of the credential (unique per agent).")
     env: str = Field(description="Environment variable that receives the placeholder.")
@@ -441,6 +455,8 @@ class Credential(_Model):
     placeholder: Placeholder = Field(default_factory=Placeholder)
     sigv4: SigV4 | None = Field(None, description="Re-sign AWS SigV4 requests instead of swapping a header.")
     hmac: HmacSigning | None = Field(None, description="Re-sign a generic HMAC signature instead of swapping.")
+    broker: CredentialBroker | None = Field(None, description="Mint a short-lived credential from the vault "
+                                            "entry (oauth2-refresh, aws-sts, github-app) instead of sending it.")
     inspect: Literal["strict", "lenient"] = Field(
         "strict", description="A response to a request this credential was swapped into that the gate cannot fully "
         "inspect for the real value (a body compressed without a Content-Encoding saying so, a coding the gate cannot "
@@ -485,6 +501,10 @@ class Credential(_Model):
             raise ValueError("say where the secret goes: inject.header, inject.basic, inject.query, sigv4 or hmac")
         if not self.hosts:
             raise ValueError("a credential must be bound to at least one host")
+        if self.broker is not None and (self.broker.kind == "aws-sts") != (self.sigv4 is not None):
+            raise ValueError("broker kind aws-sts goes with sigv4; oauth2-refresh and github-app with inject")
+        if self.broker is not None and self.hmac is not None:
+            raise ValueError("a brokered credential is not re-signed with hmac")
         return self
 
 
