@@ -527,7 +527,7 @@ def test_a_budget_set_while_a_worker_served_sandbox_starts_starts_it_again_on_th
         t.join(60)
         assert done and done[0]["state"] == "running", done
         ep = d.daemon.managed["w1"].endpoint
-        assert not hasattr(ep, "synced"), "the second start is served by the daemon's own gate"
+        assert ep.placement == "daemon", "the second start is served by the daemon's own gate"
         assert ep.budget is not None and ep.budget.spec.tokens == 1000
         kinds = [r["kind"] for r in c.audit(sandbox="w1")]
         assert "lifecycle.start-again" in kinds and "lifecycle.failed" not in kinds

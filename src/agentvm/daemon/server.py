@@ -168,7 +168,7 @@ class Managed:
 def _on_worker(ep) -> bool:
     """Whether a sandbox's endpoint is served by a gate worker (a RemoteEndpoint of
     agentvm.gate.workers), not by the daemon's own gate."""
-    return getattr(ep, "on_worker", False)
+    return ep is not None and not ep.can_meter
 
 
 class _StartAgain(Exception):

@@ -10,7 +10,7 @@ import os
 import time
 from pathlib import Path
 from time import monotonic  # (bound once: the request path takes the time several times)
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from agentvm.gate.policy import EgressPolicy, RequestMeta, _safe, decide
 
@@ -144,8 +144,56 @@ def _requester_gone(gone) -> bool:
         return True
 
 
+@runtime_checkable
+class EndpointHandle(Protocol):
+    """A sandbox's endpoint as its owner (the daemon, the lifecycle driver) uses it, wherever it
+    is served: :class:`Endpoint` on the gate of this process, or
+    ``agentvm.gate.workers.RemoteEndpoint`` on a gate worker. The owner never asks which."""
+
+    sandbox_id: str
+    agent: str
+    budget: object  # agentvm.gate.budget.Budget, or None (no budget, or it cannot meter one)
+    creds: object  # its CredentialSet (``local_revoked``: revocations), or None
+    tools: object  # its tool gateway slot, or None
+    counts_lost: bool  # some of its counters were lost (a gate worker died)
+    # counters, for the run's result (agentvm.lifecycle.egress_summary) and /metrics
+    allowed: int
+    bytes_out: int
+    bytes_in: int
+    alerts: int
+    denials: dict
+    denial_reasons: dict
+
+    @property
+    def placement(self) -> str:
+        """Which gate serves it: ``daemon`` (this process's gate) or ``worker N``."""
+
+    @property
+    def can_meter(self) -> bool:
+        """Whether its gate can meter an LLM budget (counters shared by an agent's sandboxes
+        live in the daemon: a gate worker cannot)."""
+
+    paused: bool
+
+    def set_policy(self, policy: EgressPolicy) -> None:
+        """The next request is decided under ``policy``."""
+
+    def set_budget(self, budget) -> None:
+        """Meter an LLM budget from the next request on (refused where it cannot meter)."""
+
+    def revoke(self, names, revoked: bool = True) -> None:
+        """Revoke (or restore) this session's credentials by name: the next request sees it."""
+
+    async def synced(self) -> None:
+        """Return once every change made so far is what serves the next request."""
+
+
 class Endpoint:
-    """One sandbox's listener, policy, limits and decision log."""
+    """One sandbox's listener, policy, limits and decision log (an :class:`EndpointHandle`)."""
+
+    placement = "daemon"  # served by this process's gate
+    can_meter = True
+    counts_lost = False
 
     def __init__(self, gate: "Gate", sandbox_id: str, agent: str, policy: EgressPolicy, sock_path: Path, log_path: Path):
         self.budget = None  # agentvm.gate.budget.Budget when limits.budget is set (EndpointExtras)
@@ -339,6 +387,15 @@ class Endpoint:
             d = decide(meta, policy)
             if not d.allowed:
                 self._cut(t, d.rule_id, f"policy changed: {d.reason}; tunnel cut")
+
+    async def synced(self) -> None:
+        """Every change is in force at once here (one process, one loop)."""
+
+    def revoke(self, names, revoked: bool = True) -> None:
+        """Revoke (or restore) this session's credentials by name: the next request sees it."""
+        if self.creds is not None:
+            for n in names:
+                (self.creds.local_revoked.add if revoked else self.creds.local_revoked.discard)(n)
 
     def set_budget(self, budget) -> None:
         """An LLM budget set live: every later request to its hosts is metered, and an opaque

@@ -527,7 +527,7 @@ class Gate:
         # offers h2, the gate first opens the upstream connection (to the address checked at
         # CONNECT) and lets the upstream choose; an HTTP/1.1 answer goes to the pool
         h2_up = None
-        budget = getattr(ep, "budget", None)
+        budget = ep.budget
         # an LLM API under a budget is metered on HTTP/1.1 (the usage is read from each response)
         if ALPN_H2 in alpn and not (budget is not None and budget.covers(tunnel.host)):
             h2_up = await self._open_h2_upstream(ep, tunnel)

@@ -197,7 +197,7 @@ class RemoteEndpoint:
     and, once closed, the run's counters for egress_summary). Every change is pushed to the
     worker at once, in order; :meth:`synced` waits for the worker's acknowledgement."""
 
-    on_worker = True  # (the daemon's test: agentvm.daemon.server._on_worker)
+    can_meter = False  # (agentvm.gate.endpoint.EndpointHandle: LLM budgets are metered by the daemon's gate)
     tools = None
     budget = None
 
@@ -248,6 +248,12 @@ class RemoteEndpoint:
     def set_budget(self, budget) -> None:
         raise AgentVMError(f"sandbox {self.sandbox_id} is served by gate worker {self.worker.index}, which does not "
                            "meter LLM budgets", hint="restart the sandbox: it is then served by the daemon's own gate")
+
+    def revoke(self, names, revoked: bool = True) -> None:
+        """Revoke (or restore) this session's credentials by name: the next request sees it."""
+        if self.creds is not None:
+            for n in names:
+                (self.creds.local_revoked.add if revoked else self.creds.local_revoked.discard)(n)
 
     def _revoked(self) -> list[str]:
         return sorted(self.creds.local_revoked) if self.creds is not None else []
@@ -772,7 +778,7 @@ class _Worker:
             if sandbox_id in self.gate.endpoints:  # opened again with the daemon's whole state: one server
                 await self.gate.close_endpoint(sandbox_id, unlink=False)
             if creds_spec is not None:
-                from agentvm.runtime import vault_credentials
+                from agentvm.sessioncreds import vault_credentials
 
                 (bindings, placeholders, vault_dir, sid), scrub = creds_spec
                 creds = vault_credentials(bindings, placeholders, vault_dir, sid)

@@ -234,7 +234,7 @@ class Upstream:
         import httpcore2
         import httpx2
 
-        from agentvm.runtime import session_credentials
+        from agentvm.sessioncreds import session_credentials
 
         gw, sp = self.gw, self.sp
         gate = gw.gate

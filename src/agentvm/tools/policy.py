@@ -314,10 +314,10 @@ def _remote(srv):
     egress = compile_egress(SimpleNamespace(allow=[rule], deny=[], hosts=dict(srv.egress.hosts),
                                             upstream_ca=srv.egress.upstream_ca, limits=None))
     creds = compile_credentials(srv.credentials) if srv.credentials else ()
-    from agentvm.policy import _check_credential_hosts, _with_default_denies
+    from agentvm.egress_defaults import check_credential_hosts, with_default_denies
 
-    egress = _with_default_denies(egress)
-    _check_credential_hosts(creds, egress)
+    egress = with_default_denies(egress)
+    check_credential_hosts(creds, egress)
     return egress, creds
 
 
