@@ -8,6 +8,16 @@ check and, on x86_64, rejects x32 syscall numbers.
 
 The filter is pure data given the options; the compiled BPF is cached in memory and on disk
 (``<libexec>/seccomp-<hash>.bpf``) so a launch does not pay for compilation.
+
+Every rule is one :class:`Rule` of :func:`rules` (its id, syscall, argument conditions and
+errno): the BPF is compiled from that list, and :mod:`agentvm.sysaudit` classifies a
+notification with the same list. With ``SeccompOptions(notify=True)`` the rules that deny an
+escape probe return ``SECCOMP_RET_USER_NOTIF`` instead of their errno, and the *watched*
+rules (allowed but rare) are added: the in-sandbox helper loads that program with
+``SECCOMP_FILTER_FLAG_NEW_LISTENER`` and hands the listener to the supervisor
+(``agentvm.sysaudit``), which answers each denied call with the rule's errno and records it.
+Compatibility rules (``clone3``/``openat2``/``statx`` -> ENOSYS, so libc falls back) and the
+chown prefix are never notified: they are not probes. See docs/syscall-audit.md.
 """
 
 from __future__ import annotations
@@ -21,7 +31,7 @@ from pathlib import Path
 
 from agentvm.errors import PrimitiveMissing
 
-FILTER_VERSION = 5
+FILTER_VERSION = 6
 
 # Syscalls denied with EPERM, grouped by why. Documented in docs/threat-model.md.
 DENY_GROUPS: dict[str, tuple[str, ...]] = {
@@ -80,10 +90,16 @@ class SeccompOptions:
     # chown to any other id fails with EPERM, as on a host without CAP_CHOWN, instead of the
     # kernel's EINVAL for an id it cannot map - fakeroot, tar, cp -p, rsync, pip tolerate EPERM
     chown_mapped: tuple[int, int] | None = None
+    # the denials that are escape probes go to a supervisor (SECCOMP_RET_USER_NOTIF), which
+    # answers with the same errno and records them; ``watch``: the ids of WATCH_RULES added
+    # (allowed, but recorded). Without ``notify``, ``watch`` is ignored.
+    notify: bool = False
+    watch: tuple[str, ...] = ()
 
     def key(self) -> str:
         return (f"v{FILTER_VERSION}-ptrace{int(self.allow_ptrace)}" + ("-statx" if self.statx_fallback else "")
-                + (f"-ids{self.chown_mapped[0]}.{self.chown_mapped[1]}" if self.chown_mapped else ""))
+                + (f"-ids{self.chown_mapped[0]}.{self.chown_mapped[1]}" if self.chown_mapped else "")
+                + (("-notify" + "".join("." + w.split(":", 1)[1] for w in sorted(self.watch))) if self.notify else ""))
 
 
 AT_NO_AUTOMOUNT = 0x800
@@ -94,6 +110,109 @@ def denied_syscalls(opts: SeccompOptions) -> list[str]:
     if not opts.allow_ptrace:
         names += list(DEBUG_GROUP)
     return sorted(set(names))
+
+
+# ------------------------------------------------------------------ the rules, as data
+# A condition on one argument: (index, "eq", value) | (index, "ne", value) |
+# (index, "masked_eq", mask, value) - libseccomp's comparisons, over the full 64-bit argument.
+Cond = tuple
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One rule of the filter. ``action``: "deny" (an escape probe: errno, or a notification
+    answered with that errno), "compat" (errno, never notified: libc falls back), "watch"
+    (allowed; only in a notify filter, and then recorded)."""
+
+    id: str  # rule id: "seccomp:<group>" for denials, "watch:<name>" for watched calls
+    syscall: str
+    conds: tuple[Cond, ...] = ()
+    errno: int = errno.EPERM
+    action: str = "deny"
+    strict: bool = False  # a libseccomp that cannot name the syscall is an error, not a skip
+
+    def matches(self, args) -> bool:
+        """Whether the 64-bit ``args`` meet every condition (what the BPF compares)."""
+        for c in self.conds:
+            a = int(args[c[0]]) & 0xFFFFFFFFFFFFFFFF
+            if c[1] == "eq" and a != c[2]:
+                return False
+            if c[1] == "ne" and a == c[2]:
+                return False
+            if c[1] == "masked_eq" and (a & c[2]) != c[3]:
+                return False
+        return True
+
+
+PR_SET_MM, PR_SET_PTRACER = 35, 0x59616D61
+# Allowed but rare calls a notify filter can record ("watched"); a policy picks among them.
+# Each costs a round trip to the supervisor (~26 us) when it happens, nothing otherwise. With
+# the supervisor gone they fail with ENOSYS (fail closed), so none is on a common path.
+WATCH_RULES: tuple[Rule, ...] = (
+    Rule("watch:memfd-create", "memfd_create", action="watch"),  # fileless payloads
+    Rule("watch:execveat", "execveat", action="watch"),  # fexecve of a memfd
+    Rule("watch:prctl-mm", "prctl", ((0, "eq", PR_SET_MM),), action="watch"),  # rewriting /proc/PID/cmdline, exe
+    Rule("watch:prctl-ptracer", "prctl", ((0, "eq", PR_SET_PTRACER),), action="watch"),
+)
+DEFAULT_WATCH: tuple[str, ...] = tuple(r.id for r in WATCH_RULES)
+
+
+def rules(opts: SeccompOptions) -> list[Rule]:
+    """Every rule of the filter for ``opts``, in order (the chown prefix aside)."""
+    out: list[Rule] = []
+    groups = dict(DENY_GROUPS)
+    if not opts.allow_ptrace:
+        groups["debug"] = DEBUG_GROUP
+    for group, names in groups.items():
+        for name in sorted(set(names)):
+            out.append(Rule(f"seccomp:{group}", name))
+    # Namespace creation through clone(): any CLONE_NEW* bit -> EPERM; clone3 -> ENOSYS so
+    # libc falls back to clone, whose flags seccomp can see.
+    for bit in CLONE_NS_BITS:
+        out.append(Rule("seccomp:namespaces", "clone", ((0, "masked_eq", bit, bit),)))
+    out.append(Rule("seccomp:compat-clone3", "clone3", errno=errno.ENOSYS, action="compat"))
+    # No setuid/setgid bits (see MODE_SETTERS); open/openat only when they create a file.
+    # Unlike the deny list above, a setter this libseccomp cannot name is not skipped: it would
+    # be a way around the rule (fchmodat2 is 452 on every architecture with the unified table).
+    for name, mode_arg, flags_arg in MODE_SETTERS:
+        for bit in (S_ISUID, S_ISGID):
+            mode = (mode_arg, "masked_eq", bit, bit)
+            if flags_arg is None:
+                out.append(Rule("seccomp:setuid-bit", name, (mode,), strict=True))
+            else:
+                for create in (O_CREAT, O_TMPFILE_BIT):
+                    out.append(Rule("seccomp:setuid-bit", name, ((flags_arg, "masked_eq", create, create), mode),
+                                    strict=True))
+    # openat2 hides its mode in a struct seccomp cannot read: ENOSYS, so libc falls back.
+    out.append(Rule("seccomp:compat-openat2", "openat2", errno=errno.ENOSYS, action="compat"))
+    # No device nodes: mknod of a character or block device (the capability-free 0:0
+    # overlayfs whiteout included) is refused here as well as by Landlock - a substrate
+    # without Landlock (gVisor) relies on this rule; FIFOs and sockets stay possible.
+    for name, mode_arg in (("mknod", 1), ("mknodat", 2)):
+        for kind in (stat.S_IFCHR, stat.S_IFBLK):
+            out.append(Rule("seccomp:device-node", name, ((mode_arg, "masked_eq", 0o170000, kind),), strict=True))
+    if opts.statx_fallback:
+        out.append(Rule("seccomp:compat-statx", "statx", ((2, "masked_eq", AT_NO_AUTOMOUNT, AT_NO_AUTOMOUNT),),
+                        errno=errno.ENOSYS, action="compat"))
+    # Terminal injection: TIOCSTI / TIOCLINUX on any fd.
+    for cmd in (TIOCSTI, TIOCLINUX):
+        out.append(Rule("seccomp:terminal-injection", "ioctl", ((1, "masked_eq", 0xFFFFFFFF, cmd),)))
+    # Sockets: no packet sockets, no raw IP sockets, netlink only for NETLINK_ROUTE.
+    out.append(Rule("seccomp:socket-packet", "socket", ((0, "eq", AF_PACKET),)))
+    for fam in (AF_INET, AF_INET6):
+        out.append(Rule("seccomp:socket-raw", "socket", ((0, "eq", fam), (1, "masked_eq", SOCK_TYPE_MASK, SOCK_RAW))))
+        out.append(Rule("seccomp:socket-packet", "socket",
+                        ((0, "eq", fam), (1, "masked_eq", SOCK_TYPE_MASK, SOCK_PACKET))))
+    out.append(Rule("seccomp:socket-netlink", "socket", ((0, "eq", AF_NETLINK), (2, "ne", NETLINK_ROUTE))))
+    for fam, what in ((AF_KEY, "key"), (AF_VSOCK, "vsock")):  # IPsec keys, the host channel of VMs
+        out.append(Rule(f"seccomp:socket-{what}", "socket", ((0, "eq", fam),)))
+    if opts.notify:
+        chosen = set(opts.watch)
+        unknown = chosen - set(DEFAULT_WATCH)
+        if unknown:
+            raise ValueError(f"unknown watched syscall rule(s): {', '.join(sorted(unknown))}")
+        out += [r for r in WATCH_RULES if r.id in chosen]
+    return out
 
 
 def _build(opts: SeccompOptions) -> bytes:
@@ -109,68 +228,24 @@ def _build(opts: SeccompOptions) -> bytes:
     f = sc.SyscallFilter(defaction=sc.ALLOW)
     # Non-native architectures (i386 via int 0x80, x32) hit the bad-arch action: kill.
     f.set_attr(sc.Attr.ACT_BADARCH, sc.KILL_PROCESS)
-    eperm = sc.ERRNO(errno.EPERM)
+    ops = {"eq": sc.EQ, "ne": sc.NE, "masked_eq": sc.MASKED_EQ}
 
-    def deny(name: str, *args) -> None:
+    for r in rules(opts):
+        if r.action == "compat" or (r.action == "deny" and not opts.notify):
+            action = sc.ERRNO(r.errno)
+        else:
+            action = sc.NOTIFY
+        args = [sc.Arg(c[0], ops[c[1]], *c[2:]) for c in r.conds]
         try:
-            f.add_rule(eperm, name, *args)
+            f.add_rule(action, r.syscall, *args)
         except Exception:
-            # A syscall this architecture/libseccomp does not know cannot be called either.
-            pass
-
-    for name in denied_syscalls(opts):
-        deny(name)
-
-    # Namespace creation through clone(): any CLONE_NEW* bit -> EPERM.
-    for bit in CLONE_NS_BITS:
-        f.add_rule(eperm, "clone", sc.Arg(0, sc.MASKED_EQ, bit, bit))
-    f.add_rule(sc.ERRNO(errno.ENOSYS), "clone3")
-
-    # No setuid/setgid bits (see MODE_SETTERS); open/openat only when they create a file.
-    # openat2 hides its mode in a struct seccomp cannot read: ENOSYS, so libc falls back.
-    # Unlike the deny list above, a setter this libseccomp cannot name is not skipped: it would
-    # be a way around the rule (fchmodat2 is 452 on every architecture with the unified table).
-    def strict(name: str, *args) -> None:
-        try:
-            f.add_rule(eperm, name, *args)
-        except Exception:
-            if name != "fchmodat2":
-                raise PrimitiveMissing(f"libseccomp cannot filter {name}: a setuid bit could not be refused",
+            if not r.strict:
+                # A syscall this architecture/libseccomp does not know cannot be called either.
+                continue
+            if r.syscall != "fchmodat2":
+                raise PrimitiveMissing(f"libseccomp cannot filter {r.syscall}: a setuid bit could not be refused",
                                        hint="upgrade libseccomp") from None
-            f.add_rule(eperm, 452, *args)
-
-    for name, mode_arg, flags_arg in MODE_SETTERS:
-        for bit in (S_ISUID, S_ISGID):
-            mode = sc.Arg(mode_arg, sc.MASKED_EQ, bit, bit)
-            if flags_arg is None:
-                strict(name, mode)
-            else:
-                for create in (O_CREAT, O_TMPFILE_BIT):
-                    strict(name, sc.Arg(flags_arg, sc.MASKED_EQ, create, create), mode)
-    f.add_rule(sc.ERRNO(errno.ENOSYS), "openat2")
-
-    # No device nodes: mknod of a character or block device (the capability-free 0:0
-    # overlayfs whiteout included) is refused here as well as by Landlock - a substrate
-    # without Landlock (gVisor) relies on this rule; FIFOs and sockets stay possible.
-    for name, mode_arg in (("mknod", 1), ("mknodat", 2)):
-        for kind in (stat.S_IFCHR, stat.S_IFBLK):
-            strict(name, sc.Arg(mode_arg, sc.MASKED_EQ, 0o170000, kind))  # S_IFMT
-
-    if opts.statx_fallback:
-        f.add_rule(sc.ERRNO(errno.ENOSYS), "statx", sc.Arg(2, sc.MASKED_EQ, AT_NO_AUTOMOUNT, AT_NO_AUTOMOUNT))
-
-    # Terminal injection: TIOCSTI / TIOCLINUX on any fd.
-    f.add_rule(eperm, "ioctl", sc.Arg(1, sc.MASKED_EQ, 0xFFFFFFFF, TIOCSTI))
-    f.add_rule(eperm, "ioctl", sc.Arg(1, sc.MASKED_EQ, 0xFFFFFFFF, TIOCLINUX))
-
-    # Sockets: no packet sockets, no raw IP sockets, netlink only for NETLINK_ROUTE.
-    f.add_rule(eperm, "socket", sc.Arg(0, sc.EQ, AF_PACKET))
-    for fam in (AF_INET, AF_INET6):
-        f.add_rule(eperm, "socket", sc.Arg(0, sc.EQ, fam), sc.Arg(1, sc.MASKED_EQ, SOCK_TYPE_MASK, SOCK_RAW))
-        f.add_rule(eperm, "socket", sc.Arg(0, sc.EQ, fam), sc.Arg(1, sc.MASKED_EQ, SOCK_TYPE_MASK, SOCK_PACKET))
-    f.add_rule(eperm, "socket", sc.Arg(0, sc.EQ, AF_NETLINK), sc.Arg(2, sc.NE, NETLINK_ROUTE))
-    for fam in (AF_KEY, AF_VSOCK):  # IPsec keys, the host channel of VMs
-        f.add_rule(eperm, "socket", sc.Arg(0, sc.EQ, fam))
+            f.add_rule(action, 452, *args)
 
     with tempfile.TemporaryFile() as tmp:
         f.export_bpf(tmp)

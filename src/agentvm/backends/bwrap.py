@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass, field
 from agentvm import cgroups as cg
 from agentvm import defaults as D
 from agentvm import seccomp as sc
+from agentvm import sysaudit
 from agentvm.backends import hostview as hv
 from agentvm.backends.base import (
     Capabilities,
@@ -50,16 +51,32 @@ GIT_EXCLUDES = hv.HOME_IN_SANDBOX + "/.config/git/ignore"
 MQUEUE = "/dev/mqueue"  # POSIX message queues: the sandbox's IPC namespace's own (bwrap --mqueue)
 
 
-def seccomp_options(allow_ptrace: bool) -> sc.SeccompOptions:
+def seccomp_options(allow_ptrace: bool, notify: bool = False, watch: tuple[str, ...] = ()) -> sc.SeccompOptions:
     """The filter of a bwrap sandbox: its user namespace maps one uid and one gid
-    (SANDBOX_UID), so a chown to any other id is refused with EPERM (see seccomp.chown_prefix)."""
-    return sc.SeccompOptions(allow_ptrace=allow_ptrace, chown_mapped=(SANDBOX_UID, SANDBOX_UID))
+    (SANDBOX_UID), so a chown to any other id is refused with EPERM (see seccomp.chown_prefix).
+    ``notify``: escape probes are user notifications answered by agentvm.sysaudit."""
+    return sc.SeccompOptions(allow_ptrace=allow_ptrace, chown_mapped=(SANDBOX_UID, SANDBOX_UID), notify=notify,
+                             watch=tuple(watch) if notify else ())
+
+
+def _notify_available() -> tuple[bool, str]:
+    """Whether the kernel has SECCOMP_RET_USER_NOTIF (seccomp(SECCOMP_GET_ACTION_AVAIL))."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        action = ctypes.c_uint32(0x7FC00000)
+        rc = libc.syscall(317 if os.uname().machine == "x86_64" else 277, 2, 0, ctypes.byref(action))
+        if rc == 0:
+            return True, "SECCOMP_RET_USER_NOTIF available"
+        return False, f"the kernel has no seccomp user notification ({os.strerror(ctypes.get_errno())}; needs Linux 5.0)"
+    except Exception as exc:  # noqa: BLE001
+        return False, str(exc)
 
 # the primitives this substrate probes (the names --degrade accepts for it)
 PRIMITIVES = (
     "userns",  # unprivileged user namespaces
     "bwrap",  # bubblewrap present and new enough
     "seccomp",  # seccomp filters (libseccomp usable)
+    "syscall-audit",  # seccomp user notification: denied escape probes are recorded (agentvm.sysaudit)
     "landlock",  # Landlock (filesystem)
     "landlock-net",  # Landlock TCP port rules (ABI >= 4)
     "landlock-scope",  # Landlock scoping of abstract unix sockets and signals (ABI >= 6)
@@ -127,6 +144,11 @@ class BwrapPlan:
     helper: str = ""  # the launcher/enter helper on the host
     confine: tuple[str, ...] = ()  # init's confinement options, for the first process and every exec
     seccomp: bool = True
+    # escape probes denied through user notification and recorded (agentvm.sysaudit); the
+    # watched rule ids; security.onEscapeProbe
+    seccomp_notify: bool = False
+    seccomp_watch: tuple[str, ...] = ()
+    on_escape_probe: str = "log"
     fds: dict = field(default_factory=dict, hash=False, compare=False)  # what launch opens: grants, stages
 
     def to_dict(self) -> dict:
@@ -181,6 +203,7 @@ class BwrapBackend(hv.ChildProcessSandbox, Backend):
             prims.append(Primitive("seccomp", has_sc, "libseccomp filter compiled" if has_sc else "kernel lacks seccomp"))
         except Exception as exc:
             prims.append(Primitive("seccomp", False, str(exc)))
+        prims.append(Primitive("syscall-audit", *_notify_available()))
         abi = landlock_abi()
         facts["landlock_abi"] = abi
         prims.append(Primitive("landlock", abi >= 1, f"ABI {abi}" if abi else "not available"))
@@ -213,7 +236,7 @@ class BwrapBackend(hv.ChildProcessSandbox, Backend):
         return self._caps
 
     def required_primitives(self, policy: Policy) -> tuple[str, ...]:
-        req = ["userns", "bwrap", "seccomp", "landlock", "landlock-scope", "cgroups", "cgroup-kill"]
+        req = ["userns", "bwrap", "seccomp", "syscall-audit", "landlock", "landlock-scope", "cgroups", "cgroup-kill"]
         if policy.local_ports:  # the explicit TCP port restriction is enforced by Landlock
             req.insert(4, "landlock-net")
         req.append("dedicated-uid")
@@ -337,6 +360,9 @@ class BwrapBackend(hv.ChildProcessSandbox, Backend):
         launch += protect_args
         if git_excludes:
             launch += ["--keep-fd", "@fd:gitexcludes@"]
+        notify = "seccomp" not in degraded and "syscall-audit" not in degraded
+        if notify:
+            launch += ["--keep-fd", "@fd:sysaudit@"]
         launch += ["--keep-fd", "@fd:seccomp@", "--keep-fd", "@fd:json@", "--keep-fd", "@fd:bwrapargs@",
                    "--keep-fd", "@fd:env@", "--argv0", "bwrap"]
         launch += ["--cgroup-procs", "@cgroups@"]
@@ -387,6 +413,8 @@ class BwrapBackend(hv.ChildProcessSandbox, Backend):
         init = [hv.HELPER_IN_SANDBOX, "init", "--status-fd", "@fd:status@", "--env-fd", "@fd:env@"]
         if "seccomp" not in degraded:
             init += ["--seccomp-fd", "@fd:seccomp@"]
+        if notify:
+            init += ["--sysaudit-fd", "@fd:sysaudit@"]
         if ctx.tty:
             init += ["--tty"]
         if gate:
@@ -415,6 +443,9 @@ class BwrapBackend(hv.ChildProcessSandbox, Backend):
             helper=helper,
             confine=tuple(confine),
             seccomp="seccomp" not in degraded,
+            seccomp_notify=notify,
+            seccomp_watch=sc.DEFAULT_WATCH if notify else (),
+            on_escape_probe=str(getattr(policy, "on_escape_probe", None) or "log"),
             fds={"open_paths": tuple(fd_names), "stages": tuple(stages), "protects": tuple(protects),
                  "git_excludes": git_excludes},
         )
@@ -430,6 +461,7 @@ class BwrapBackend(hv.ChildProcessSandbox, Backend):
         state: dict = {"run_dir": str(run_dir), "fds": []}
         handle = SandboxHandle(plan.sandbox_id, plan, started_at=time.monotonic(), private=state)
         opened: list[int] = []
+        audit_end = None
         try:
             # 1. synthetic files
             hv.write_run_files(run_dir, plan.body.files)
@@ -451,9 +483,14 @@ class BwrapBackend(hv.ChildProcessSandbox, Backend):
                 fds["gitexcludes"] = _memfd("agentvm-git-excludes", _git_excludes(plan.body.fds, state, self.paths))
                 opened.append(fds["gitexcludes"])
             allow_ptrace = plan.body.seccomp_allow_ptrace
-            sfd = sc.filter_fd(seccomp_options(allow_ptrace), self.paths.libexec)
+            sopts = seccomp_options(allow_ptrace, plan.body.seccomp_notify, plan.body.seccomp_watch)
+            sfd = sc.filter_fd(sopts, self.paths.libexec)
             opened.append(sfd)
             fds["seccomp"] = sfd
+            if plan.body.seccomp_notify:
+                # the listener of the notify filter comes back on this socket (agentvm.sysaudit)
+                audit_end, fds["sysaudit"] = sysaudit.handoff_pair()
+                opened.append(fds["sysaudit"])
             st_r, st_w = os.pipe2(os.O_CLOEXEC)
             js_r, js_w = os.pipe2(os.O_CLOEXEC)
             opened += [st_w, js_w]
@@ -482,8 +519,14 @@ class BwrapBackend(hv.ChildProcessSandbox, Backend):
                 **kw,
             )
             state["proc"] = proc
+            if audit_end is not None:
+                state["sysaudit"] = self._sysaudit(plan, state)
+                sysaudit.supervisor().attach(audit_end, state["sysaudit"], sopts)
+                audit_end = None
             hv.mark_run_dir(run_dir, self.name)
         except BaseException:
+            if audit_end is not None:
+                audit_end.close()
             # close our ends now (the fds must not outlive a failed launch) and forget them:
             # closing a number twice could close a descriptor another thread opened meanwhile
             for fd in opened:
@@ -495,6 +538,30 @@ class BwrapBackend(hv.ChildProcessSandbox, Backend):
             for fd in opened:
                 hv.close_fd(fd)
         return handle
+
+    def _sysaudit(self, plan: LaunchPlan, state: dict) -> "sysaudit.SandboxAudit":
+        """The sandbox's syscall audit: its JSONL log, and pause/stop on its cgroup
+        (security.onEscapeProbe). Callers add the audit chain / trace with
+        ``sysaudit.add_sink(backend.syscall_audit(handle), ...)``."""
+        group: cg.SandboxCgroup | None = state.get("cgroup")
+        proc = state.get("proc")
+        logs = self.paths.home / "logs"
+        try:
+            logs.mkdir(parents=True, exist_ok=True)
+        except OSError:
+            pass
+        # the policy's name is the sandbox id's prefix for people; the plan header has no name
+        audit = sysaudit.SandboxAudit(
+            plan.sandbox_id, on_probe=plan.body.on_escape_probe,
+            sinks=[sysaudit.jsonl_sink(sysaudit.log_path(self.paths.home, plan.sandbox_id))],
+            freeze=sysaudit.freezer(group),
+            kill=(lambda: group.kill()) if group is not None else (lambda: proc.kill()),
+        )
+        return audit
+
+    def syscall_audit(self, handle: SandboxHandle) -> "sysaudit.SandboxAudit | None":
+        """The sandbox's syscall audit (None: the filter is not notifying - degraded)."""
+        return handle.private.get("sysaudit")
 
     # ------------------------------------------------------------------ wait
     def wait(self, handle: SandboxHandle, timeout: float | None = None) -> ExitStatus:
@@ -595,9 +662,16 @@ class BwrapBackend(hv.ChildProcessSandbox, Backend):
             fds["env"] = _memfd("agentvm-env", b"".join(f"{k}={v}".encode() + b"\0" for k, v in plan.env))
             opened.append(fds["env"])
             seccomp_on = body.seccomp
+            audit_end = None
+            audit = handle.private.get("sysaudit")
+            sopts = seccomp_options(body.seccomp_allow_ptrace, body.seccomp_notify and audit is not None,
+                                    body.seccomp_watch)
             if seccomp_on:
-                fds["seccomp"] = sc.filter_fd(seccomp_options(plan.body.seccomp_allow_ptrace), self.paths.libexec)
+                fds["seccomp"] = sc.filter_fd(sopts, self.paths.libexec)
                 opened.append(fds["seccomp"])
+                if sopts.notify:
+                    audit_end, fds["sysaudit"] = sysaudit.handoff_pair()
+                    opened.append(fds["sysaudit"])
             enter = [body.helper, "enter", "--target", str(target), "--expect-userns", str(handle.private["agent_userns"]),
                      "--uid", "1000", "--gid", "1000", "--status-fd", str(st_w)]
             for f in (group.procs_files() if group else []):
@@ -607,6 +681,8 @@ class BwrapBackend(hv.ChildProcessSandbox, Backend):
             init_args = [hv.HELPER_IN_SANDBOX, "init", "--status-fd", str(st_w), "--env-fd", str(fds["env"])]
             if seccomp_on:
                 init_args += ["--seccomp-fd", str(fds["seccomp"])]
+            if audit_end is not None:
+                init_args += ["--sysaudit-fd", str(fds["sysaudit"])]
             init_args += list(body.confine)
             cmdline = enter + ["--"] + init_args + ["--"] + list(argv)
             for fd in opened:
@@ -616,8 +692,15 @@ class BwrapBackend(hv.ChildProcessSandbox, Backend):
             if stdio is not None:
                 kw = {"stdin": stdio[0], "stdout": stdio[1], "stderr": stdio[2]}
             t0 = time.monotonic()
-            proc = subprocess.Popen(cmdline, env={}, close_fds=True, pass_fds=tuple(fd for fd in opened if fd != st_r),
-                                    cwd="/", **kw)
+            try:
+                proc = subprocess.Popen(cmdline, env={}, close_fds=True,
+                                        pass_fds=tuple(fd for fd in opened if fd != st_r), cwd="/", **kw)
+            except BaseException:
+                if audit_end is not None:
+                    audit_end.close()
+                raise
+            if audit_end is not None:
+                sysaudit.supervisor().attach(audit_end, audit, sopts)
             for fd in opened:
                 if fd != st_r:
                     hv.close_fd(fd)

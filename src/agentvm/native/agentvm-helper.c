@@ -7,6 +7,8 @@
  *
  *   agentvm-helper init [opts] -- CMD ARGS...         (inside the sandbox, after bwrap's mounts)
  *       1 validate   2 controlling tty   3 chdir   4 Landlock   5 no_new_privs + seccomp   6 exec
+ *       (with --sysaudit-fd: the filter is loaded with a user-notification listener, which is
+ *       sent to the supervisor over that unix socket and closed here before exec)
  *
  * Every failing step writes one line "STEP\tERRNO\tMESSAGE\n" to --status-fd (if given) and to
  * stderr, then exits 125 (126/127 when the command cannot be executed / is not found, like a
@@ -35,6 +37,7 @@
 #include <sys/ioctl.h>
 #include <sys/mount.h>
 #include <sys/socket.h>
+#include <sys/uio.h>
 #include <sys/un.h>
 #include <sys/wait.h>
 #include <sys/prctl.h>
@@ -727,7 +730,7 @@ static int cmd_init(int argc, char **argv) {
     int npc = 0, npb = 0;
     int want_scope = 0, want_net = 0, want_tty = 0, no_landlock = 0;
     long min_abi = 1;
-    int seccomp_fd = -1, env_fd = -1;
+    int seccomp_fd = -1, env_fd = -1, sysaudit_fd = -1;
     const char *chdir_to = NULL, *gate_socket = NULL;
     long gate_port = 0;
     int i = 0;
@@ -774,6 +777,10 @@ static int cmd_init(int argc, char **argv) {
         } else if (!strcmp(a, "--seccomp-fd")) {
             seccomp_fd = (int)parse_long("validate", v, 3, 1 << 20);
             set_cloexec(seccomp_fd);
+        } else if (!strcmp(a, "--sysaudit-fd")) {
+            /* a unix socket to the supervisor (agentvm.sysaudit): the filter's listener goes there */
+            sysaudit_fd = (int)parse_long("validate", v, 3, 1 << 20);
+            set_cloexec(sysaudit_fd);
         } else if (!strcmp(a, "--seccomp-file")) {
             /* the compiled filter as a read-only file of the sandbox's view (a runtime such as
              * runsc passes no descriptors in) */
@@ -817,6 +824,7 @@ static int cmd_init(int argc, char **argv) {
     }
     if (i >= argc) fail("validate", 0, "missing command after --");
     if ((gate_socket == NULL) != (gate_port == 0)) fail("validate", 0, "--gate-socket and --gate-port go together");
+    if (sysaudit_fd >= 0 && seccomp_fd < 0) fail("validate", 0, "--sysaudit-fd needs a seccomp filter");
     /* Nothing the supervisor or bwrap opened may reach the command: every fd but stdio is
      * close-on-exec from here on (an inherited O_PATH fd of a grant would bypass its
      * read-only mount). */
@@ -911,7 +919,36 @@ static int cmd_init(int argc, char **argv) {
 
 seccomp:
     if (no_landlock && prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) < 0) fail("no-new-privs", errno, "prctl");
-    if (prog.len && syscall(SYS_seccomp, SECCOMP_SET_MODE_FILTER, 0, &prog) < 0) fail("seccomp", errno, "load filter");
+    if (prog.len && sysaudit_fd >= 0) {
+        /* the filter's denials of escape probes are user notifications: its listener goes to
+         * the supervisor, which answers each with the deny-list's errno and records it. No
+         * copy stays here: the command must never hold the fd that answers its own syscalls
+         * (the listener is close-on-exec too). If the supervisor is gone, the kernel answers
+         * ENOSYS: the call is still refused. */
+        int listener = (int)syscall(SYS_seccomp, SECCOMP_SET_MODE_FILTER, SECCOMP_FILTER_FLAG_NEW_LISTENER, &prog);
+        if (listener < 0) fail("seccomp", errno, "load filter with a listener");
+        char one = 'L';
+        struct iovec iov = {.iov_base = &one, .iov_len = 1};
+        union {
+            struct cmsghdr h;
+            char buf[CMSG_SPACE(sizeof(int))];
+        } cm;
+        memset(&cm, 0, sizeof cm);
+        struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = cm.buf, .msg_controllen = sizeof cm.buf};
+        struct cmsghdr *c = CMSG_FIRSTHDR(&msg);
+        c->cmsg_level = SOL_SOCKET;
+        c->cmsg_type = SCM_RIGHTS;
+        c->cmsg_len = CMSG_LEN(sizeof(int));
+        memcpy(CMSG_DATA(c), &listener, sizeof(int));
+        ssize_t sent;
+        do sent = sendmsg(sysaudit_fd, &msg, MSG_NOSIGNAL);
+        while (sent < 0 && errno == EINTR);
+        if (sent != 1) fail("sysaudit", sent < 0 ? errno : 0, "hand the syscall listener to the supervisor");
+        close(listener);
+        close(sysaudit_fd);
+    } else if (prog.len && syscall(SYS_seccomp, SECCOMP_SET_MODE_FILTER, 0, &prog) < 0) {
+        fail("seccomp", errno, "load filter");
+    }
 
     /* 6. exec the command with the sandbox's environment (PATH search like a shell; 127 not
      * found, 126 not executable). */
