@@ -1,0 +1,112 @@
+"""``agentvm e2b serve | env | key``: the E2B-compatible API (docs/e2b.md).
+
+``serve`` runs the API on a loopback TCP port over the running daemon (until the daemon serves
+it on its own listener); ``env`` prints the ``export`` lines that point the ``e2b`` SDKs at it.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+
+import click
+
+
+def _runtime_file():
+    from agentvm.paths import default_paths
+
+    return default_paths().runtime / "e2b.json"
+
+
+@click.group()
+def e2b():
+    """The E2B-compatible API: existing E2B code runs on agent-vm sandboxes."""
+
+
+@e2b.command()
+@click.option("--listen", default="127.0.0.1:49983", show_default=True, metavar="HOST:PORT",
+              help="Loopback address to serve the API on (plain HTTP: loopback only).")
+@click.option("--max-per-tenant", default=20, show_default=True, help="Sandboxes one API key may hold.")
+@click.option("--max-creating", default=4, show_default=True, help="Creates in progress at once (more: 429).")
+def serve(listen, max_per_tenant, max_creating):
+    """Serve the E2B API over the running daemon (foreground)."""
+    from agentvm import e2b as pkg
+    from agentvm.daemon.client import Client
+    from agentvm.errors import ConfigError
+
+    host, _, port = listen.rpartition(":")
+    try:
+        if not ipaddress.ip_address(host.strip("[]")).is_loopback:
+            raise ValueError
+        port = int(port)
+    except ValueError:
+        raise ConfigError(f"--listen {listen!r}: a loopback HOST:PORT is required",
+                          hint="the E2B API is plain HTTP: serve it on 127.0.0.1 (a TLS front is yours to add)") from None
+    client = Client()
+    client.request("GET", "/v1/sandboxes")  # DaemonUnavailable (with its hint) when it is not up
+    import uvicorn
+
+    from agentvm.e2b.app import make_app
+    from agentvm.e2b.backend import DaemonBackend
+
+    keys = pkg.api_keys()
+    app = make_app(DaemonBackend(client), keys, max_per_tenant=max_per_tenant, max_concurrent_creates=max_creating)
+    f = _runtime_file()
+    f.parent.mkdir(parents=True, exist_ok=True)
+    url = f"http://{host}:{port}"
+    f.write_text(json.dumps({"url": url, "pid": os.getpid()}))
+    click.echo(f"E2B API on {url} (`agentvm e2b env` prints the environment)", err=True)
+    try:
+        uvicorn.run(app, host=host.strip("[]"), port=port, log_level="warning", lifespan="on")
+    finally:
+        try:
+            if json.loads(f.read_text()).get("pid") == os.getpid():
+                f.unlink()
+        except (OSError, ValueError):
+            pass
+
+
+@e2b.command()
+@click.option("--tenant", default="default", show_default=True, help="Whose API key to print.")
+def env(tenant):
+    """Print the export lines for the e2b SDKs (E2B_API_URL, E2B_SANDBOX_URL, E2B_API_KEY)."""
+    import http.client
+
+    from agentvm import e2b as pkg
+    from agentvm.errors import AgentVMError
+
+    f = _runtime_file()
+    try:
+        url = json.loads(f.read_text())["url"]
+    except (OSError, ValueError, KeyError):
+        raise AgentVMError("the E2B API is not being served", code="e2b.not-serving",
+                           hint="start the daemon (`agentvm up`) and then `agentvm e2b serve`") from None
+    keys = [k for k, t in pkg.api_keys().items() if t == tenant]
+    if not keys:
+        raise AgentVMError(f"no API key for tenant {tenant!r}", code="e2b.not-serving",
+                           hint=f"`agentvm e2b key --tenant {tenant}` makes one")
+    host, _, port = url.removeprefix("http://").rpartition(":")
+    try:
+        c = http.client.HTTPConnection(host.strip("[]"), int(port), timeout=5)
+        c.request("GET", "/sandboxes", headers={"X-API-Key": keys[0]})
+        status = c.getresponse().status
+        c.close()
+    except OSError:
+        status = 0
+    if status != 200:
+        raise AgentVMError(f"the E2B API at {url} does not answer (HTTP {status or 'none'})", code="e2b.not-serving",
+                           hint="is `agentvm e2b serve` still running? is the daemon up (`agentvm up`)?")
+    click.echo(f"export E2B_API_URL={url}")
+    click.echo(f"export E2B_SANDBOX_URL={url}")
+    click.echo(f"export E2B_API_KEY={keys[0]}")
+    click.echo("export E2B_DEBUG=false")
+
+
+@e2b.command()
+@click.option("--tenant", required=True, help="A tenant name: its sandboxes are invisible to other keys.")
+def key(tenant):
+    """Make an API key for a tenant (printed once)."""
+    from agentvm import e2b as pkg
+
+    click.echo(pkg.add_tenant(tenant))

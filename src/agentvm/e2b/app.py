@@ -1,0 +1,520 @@
+"""The E2B-compatible API as one ASGI app: ``make_app(backend, api_keys)``.
+
+Two surfaces on one listener (``E2B_API_URL`` = ``E2B_SANDBOX_URL``):
+
+* the REST API of E2B's control plane (``/sandboxes``, ``/v2/sandboxes``...), authenticated by
+  ``X-API-Key``; each key is a tenant, and a sandbox of another tenant is answered exactly as a
+  sandbox that does not exist (404, same body);
+* the in-sandbox API ("envd"): ``/health``, ``/files`` (download, multipart or octet-stream
+  upload) and the Connect services ``process.Process`` and ``filesystem.Filesystem`` (served by
+  ``connectrpc`` with the generated code of ``_gen``), routed by the ``E2b-Sandbox-Id`` header
+  and authenticated by the sandbox's own ``X-Access-Token`` (returned once, at create). An
+  unknown id and a wrong token get the same 502 "sandbox ... was not found".
+
+Everything is done through an :class:`agentvm.e2b.backend.E2BBackend`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import hmac
+import json
+import logging
+import posixpath
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+from urllib.parse import parse_qsl
+
+from agentvm.e2b import templates as tpls
+from agentvm.e2b.backend import WORKSPACE, BackendFailure, E2BBackend, ExecSpec
+from agentvm.errors import AgentVMError
+
+log = logging.getLogger("agentvm.e2b")
+
+ENVD_VERSION = "0.5.7"
+DEFAULT_TIMEOUT = 300  # seconds, as E2B
+MAX_TIMEOUT = 24 * 3600
+KILL_GRACE_TTL = MAX_TIMEOUT + 600  # the daemon's own TTL: a backstop if this adapter dies
+
+
+@dataclass
+class Proc:
+    pid: int
+    tag: str | None
+    cmd: str
+    args: list[str]
+    envs: dict[str, str]
+    cwd: str | None
+    handle: Any
+    subscribers: list[asyncio.Queue] = field(default_factory=list)
+    done: bool = False
+    task: asyncio.Task | None = None
+
+
+@dataclass
+class Box:
+    id: str
+    tenant: str
+    template: str
+    name: str  # the daemon's sandbox name
+    metadata: dict[str, str]
+    envs: dict[str, str]
+    started_at: float
+    end_at: float
+    token: str
+    auto_pause: bool = False
+    state: str = "running"  # running | paused
+    procs: dict[int, Proc] = field(default_factory=dict)
+    watchers: dict[str, dict] = field(default_factory=dict)
+
+
+def _iso(t: float) -> str:
+    return dt.datetime.fromtimestamp(t, dt.timezone.utc).isoformat().replace("+00:00", "Z")
+
+
+class E2BService:
+    """The state of the E2B adapter: tenants' sandboxes, their processes, timeouts, limits."""
+
+    def __init__(self, backend: E2BBackend, api_keys: Mapping[str, str], *, home=None, max_per_tenant: int = 20,
+                 max_concurrent_creates: int = 4, audit=None):
+        self.backend = backend
+        self.api_keys = dict(api_keys)  # key -> tenant
+        self.home = home
+        self.max_per_tenant = max_per_tenant
+        self.max_concurrent_creates = max_concurrent_creates
+        self.creating = 0
+        self.boxes: dict[str, Box] = {}
+        self.record = audit or (lambda kind, **data: log.info("%s %s", kind, data))
+        self._reaper: asyncio.Task | None = None
+
+    # -- auth --------------------------------------------------------------------------------
+    def tenant_of(self, key: str | None) -> str | None:
+        if not key:
+            return None
+        for k, tenant in self.api_keys.items():
+            if hmac.compare_digest(k.encode(), key.encode()):
+                return tenant
+        return None
+
+    def box_for(self, tenant: str, sandbox_id: str) -> Box | None:
+        b = self.boxes.get(sandbox_id)
+        return b if b is not None and b.tenant == tenant else None
+
+    def envd_box(self, sandbox_id: str | None, token: str | None) -> Box | None:
+        b = self.boxes.get(sandbox_id or "")
+        if b is None or not token or not hmac.compare_digest(b.token.encode(), token.encode()):
+            return None
+        return b
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    async def create(self, tenant: str, body: dict) -> Box:
+        template = body.get("templateID") or "base"
+        tpl = tpls.get(template, self.home)
+        if tpl is None:
+            raise AgentVMError(f"template {template!r} not found", hint="`agentvm template ls` lists them",
+                               code="e2b.template-not-found")
+        timeout = body.get("timeout", DEFAULT_TIMEOUT)
+        if not isinstance(timeout, int) or not 0 < timeout <= MAX_TIMEOUT:
+            raise AgentVMError(f"timeout must be 1..{MAX_TIMEOUT} seconds", code="e2b.bad-request")
+        net = body.get("network") or {}
+        metadata = body.get("metadata") or {}
+        envs = body.get("envVars") or {}
+        if not all(isinstance(k, str) and isinstance(v, str) for d in (metadata, envs) for k, v in d.items()):
+            raise AgentVMError("metadata and envVars map strings to strings", code="e2b.bad-request")
+        for unsupported in ("volumeMounts", "iam", "mcp"):
+            if body.get(unsupported):
+                raise AgentVMError(f"{unsupported} is not supported by agent-vm's E2B API",
+                                   hint="see docs/e2b.md (not compatible)", code="e2b.bad-request")
+        opts = tpls.CreateOptions(template=template, allow_internet_access=body.get("allow_internet_access"),
+                                  allow_out=list(net.get("allowOut") or []), deny_out=list(net.get("denyOut") or []),
+                                  envs=envs)
+        sid = "i" + secrets.token_hex(10)
+        name = f"e2b-{sid}"
+        spec_text = tpls.sandbox_spec(tpl, name, opts)  # refusals raise here, before anything exists
+        mine = sum(1 for b in self.boxes.values() if b.tenant == tenant)
+        if mine >= self.max_per_tenant:
+            raise _TooMany(f"tenant has {mine} sandboxes (the limit is {self.max_per_tenant})", retry=False)
+        if self.creating >= self.max_concurrent_creates:
+            raise _TooMany(f"{self.creating} creates in progress (the limit is {self.max_concurrent_creates})",
+                           retry=True)
+        self.creating += 1
+        try:
+            now = time.time()
+            box = Box(sid, tenant, template, name, dict(metadata), {}, now, now + timeout,
+                      secrets.token_urlsafe(24), auto_pause=bool(body.get("autoPause")))
+            self.boxes[sid] = box  # counted against the tenant while it starts
+            try:
+                await self.backend.create(name, spec_text, KILL_GRACE_TTL)
+            except BaseException:
+                self.boxes.pop(sid, None)
+                raise
+        finally:
+            self.creating -= 1
+        self.record("e2b.create", tenant=tenant, sandbox=name, template=template, timeout=timeout)
+        return box
+
+    async def kill(self, box: Box, why: str = "kill") -> None:
+        self.boxes.pop(box.id, None)
+        for p in box.procs.values():
+            if p.task is not None:
+                p.task.cancel()
+        await self.backend.kill(box.name)
+        self.record("e2b.kill", tenant=box.tenant, sandbox=box.name, reason=why)
+
+    async def pause(self, box: Box) -> None:
+        await self.backend.pause(box.name)
+        box.state = "paused"
+        box.procs.clear()
+        self.record("e2b.pause", tenant=box.tenant, sandbox=box.name)
+
+    async def resume(self, box: Box, timeout: int | None) -> None:
+        if box.state == "paused":
+            await self.backend.resume(box.name)
+            box.state = "running"
+            self.record("e2b.resume", tenant=box.tenant, sandbox=box.name)
+        if timeout is not None:
+            box.end_at = time.time() + timeout
+
+    async def reap(self) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            now = time.time()
+            for box in list(self.boxes.values()):
+                if box.end_at <= now:
+                    try:
+                        if box.auto_pause and box.state == "running":
+                            await self.pause(box)
+                            box.end_at = now + MAX_TIMEOUT
+                        else:
+                            await self.kill(box, "timeout")
+                    except Exception:  # noqa: BLE001 - logged; retried on the next pass
+                        log.exception("e2b: timing out %s failed", box.name)
+
+    async def close(self) -> None:
+        for box in list(self.boxes.values()):
+            try:
+                await self.kill(box, "shutdown")
+            except Exception:  # noqa: BLE001
+                log.exception("e2b: removing %s failed", box.name)
+
+
+class _TooMany(Exception):
+    def __init__(self, message: str, retry: bool):
+        super().__init__(message)
+        self.retry = retry
+
+
+# -- REST --------------------------------------------------------------------------------------
+
+def _sandbox_doc(box: Box) -> dict:
+    return {"templateID": box.template, "sandboxID": box.id, "clientID": "agentvm", "alias": box.template,
+            "envdVersion": ENVD_VERSION, "envdAccessToken": box.token, "trafficAccessToken": None, "domain": None}
+
+
+def _detail_doc(box: Box, *, token: bool) -> dict:
+    d = {"templateID": box.template, "sandboxID": box.id, "clientID": "agentvm", "alias": box.template,
+         "startedAt": _iso(box.started_at), "endAt": _iso(box.end_at), "envdVersion": ENVD_VERSION,
+         "cpuCount": 1, "memoryMB": 512, "diskSizeMB": 64, "state": box.state, "metadata": box.metadata}
+    if token:
+        d["envdAccessToken"] = box.token
+    return d
+
+
+def _rest_routes(svc: E2BService):
+    from starlette.responses import JSONResponse, Response
+    from starlette.routing import Route
+
+    def err(status: int, message: str, **headers) -> JSONResponse:
+        return JSONResponse({"code": status, "message": message}, status_code=status, headers=headers or None)
+
+    def not_found(sid: str) -> JSONResponse:
+        return err(404, f"sandbox \"{sid}\" doesn't exist or you don't have access to it")
+
+    def authed(fn):
+        async def handler(request):
+            tenant = svc.tenant_of(request.headers.get("x-api-key"))
+            if tenant is None:
+                return err(401, "Invalid API key (agent-vm: `agentvm e2b env` prints E2B_API_KEY)")
+            try:
+                return await fn(request, tenant)
+            except AgentVMError as exc:
+                msg = str(exc) + (f" ({exc.hint})" if exc.hint else "")
+                return err(exc.status if exc.status >= 400 else 400, f"{msg} [{exc.code}]")
+            except _TooMany as exc:
+                hdr = {"Retry-After": "2"} if exc.retry else {"Should-Retry": "false"}
+                return err(429, str(exc), **hdr)
+            except BackendFailure as exc:
+                return err(404 if exc.kind == "not-found" else 500, str(exc))
+
+        return handler
+
+    async def body_of(request) -> dict:
+        raw = await request.body()
+        if len(raw) > 1 << 20:
+            raise AgentVMError("request body too large", code="e2b.bad-request")
+        try:
+            doc = json.loads(raw or b"{}")
+        except ValueError:
+            raise AgentVMError("the body is not JSON", code="e2b.bad-request") from None
+        if not isinstance(doc, dict):
+            raise AgentVMError("the body must be a JSON object", code="e2b.bad-request")
+        return doc
+
+    @authed
+    async def create(request, tenant):
+        box = await svc.create(tenant, await body_of(request))
+        return JSONResponse(_sandbox_doc(box), status_code=201)
+
+    def _listed(tenant, query) -> list[Box]:
+        boxes = [b for b in svc.boxes.values() if b.tenant == tenant]
+        md = query.get("metadata")
+        if md:
+            want = dict(parse_qsl(md))
+            boxes = [b for b in boxes if all(b.metadata.get(k) == v for k, v in want.items())]
+        states = [s for s in (query.get("state") or "").split(",") if s]
+        if states:
+            boxes = [b for b in boxes if b.state in states]
+        return sorted(boxes, key=lambda b: b.started_at)
+
+    @authed
+    async def list_v1(request, tenant):
+        return JSONResponse([_detail_doc(b, token=False) for b in _listed(tenant, request.query_params)
+                             if b.state == "running"])
+
+    @authed
+    async def list_v2(request, tenant):
+        boxes = _listed(tenant, request.query_params)
+        if request.query_params.get("order") == "desc":
+            boxes.reverse()
+        try:
+            start = int(request.query_params.get("nextToken") or 0)
+            limit = min(max(int(request.query_params.get("limit") or 100), 1), 100)
+        except ValueError:
+            return err(400, "limit and nextToken are integers")
+        page = boxes[start:start + limit]
+        headers = {"X-Next-Token": str(start + limit)} if start + limit < len(boxes) else None
+        return JSONResponse([_detail_doc(b, token=False) for b in page], headers=headers)
+
+    def one(fn):
+        @authed
+        async def handler(request, tenant):
+            sid = request.path_params["sid"]
+            box = svc.box_for(tenant, sid)
+            if box is None:
+                return not_found(sid)
+            return await fn(request, box)
+
+        return handler
+
+    @one
+    async def get_one(request, box):
+        return JSONResponse(_detail_doc(box, token=True))
+
+    @one
+    async def kill(request, box):
+        await svc.kill(box)
+        return Response(status_code=204)
+
+    @one
+    async def set_timeout(request, box):
+        t = (await body_of(request)).get("timeout")
+        if not isinstance(t, int) or not 0 < t <= MAX_TIMEOUT:
+            return err(400, f"timeout must be 1..{MAX_TIMEOUT} seconds")
+        box.end_at = time.time() + t
+        svc.record("e2b.timeout", tenant=box.tenant, sandbox=box.name, timeout=t)
+        return Response(status_code=204)
+
+    @one
+    async def refresh(request, box):
+        d = (await body_of(request)).get("duration", DEFAULT_TIMEOUT)
+        if not isinstance(d, int) or not 0 <= d <= 3600:
+            return err(400, "duration must be 0..3600 seconds")
+        box.end_at = max(box.end_at, time.time() + d)
+        return Response(status_code=204)
+
+    @one
+    async def pause(request, box):
+        if box.state == "paused":
+            return err(409, f"sandbox {box.id} is already paused")
+        await svc.pause(box)
+        return Response(status_code=204)
+
+    @one
+    async def resume(request, box):
+        t = (await body_of(request)).get("timeout")
+        if box.state != "paused":
+            return err(409, f"sandbox {box.id} is not paused")
+        await svc.resume(box, t if isinstance(t, int) and 0 < t <= MAX_TIMEOUT else DEFAULT_TIMEOUT)
+        return JSONResponse(_sandbox_doc(box), status_code=201)
+
+    @one
+    async def connect(request, box):
+        t = (await body_of(request)).get("timeout")
+        was = box.state
+        t = t if isinstance(t, int) and 0 < t <= MAX_TIMEOUT else None
+        await svc.resume(box, t)
+        if t is not None:  # connect only ever extends
+            box.end_at = max(box.end_at, time.time() + t)
+        return JSONResponse(_sandbox_doc(box), status_code=201 if was == "paused" else 200)
+
+    @one
+    async def metrics(request, box):
+        return JSONResponse([])
+
+    @one
+    async def logs(request, box):
+        return JSONResponse({"logs": [], "logEntries": []})
+
+    @one
+    async def network(request, box):
+        return err(400, "changing a running sandbox's network through the E2B API is not supported: "
+                        "use `agentvm policy` (docs/e2b.md)")
+
+    return [
+        Route("/sandboxes", create, methods=["POST"]),
+        Route("/v2/sandboxes", create, methods=["POST"]),
+        Route("/sandboxes", list_v1, methods=["GET"]),
+        Route("/v2/sandboxes", list_v2, methods=["GET"]),
+        Route("/sandboxes/{sid}", get_one, methods=["GET"]),
+        Route("/sandboxes/{sid}", kill, methods=["DELETE"]),
+        Route("/sandboxes/{sid}/timeout", set_timeout, methods=["POST"]),
+        Route("/sandboxes/{sid}/refreshes", refresh, methods=["POST"]),
+        Route("/sandboxes/{sid}/pause", pause, methods=["POST"]),
+        Route("/sandboxes/{sid}/resume", resume, methods=["POST"]),
+        Route("/sandboxes/{sid}/connect", connect, methods=["POST"]),
+        Route("/v2/sandboxes/{sid}/connect", connect, methods=["POST"]),
+        Route("/sandboxes/{sid}/metrics", metrics, methods=["GET"]),
+        Route("/sandboxes/{sid}/logs", logs, methods=["GET"]),
+        Route("/v2/sandboxes/{sid}/logs", logs, methods=["GET"]),
+        Route("/sandboxes/{sid}/network", network, methods=["PUT"]),
+    ]
+
+
+# -- envd --------------------------------------------------------------------------------------
+
+def resolve_path(path: str) -> str:
+    """An E2B path as the sandbox sees it: relative paths (and ``~``) start at the workspace,
+    the sandbox's home. Nothing else is done on the host side: the sandbox's own view decides."""
+    if not isinstance(path, str) or not path or "\x00" in path:
+        raise BackendFailure("invalid", "a path is required")
+    if path == "~" or path.startswith("~/"):
+        path = WORKSPACE + path[1:]
+    if not path.startswith("/"):
+        path = posixpath.join(WORKSPACE, path)
+    return posixpath.normpath(path)
+
+
+_HTTP_STATUS = {"not-found": 404, "exists": 409, "permission": 403, "not-dir": 400, "is-dir": 400, "invalid": 400,
+                "unsupported": 501, "gone": 502, "internal": 500}
+
+
+def _envd_routes(svc: E2BService):
+    from starlette.responses import JSONResponse, Response
+    from starlette.routing import Route
+
+    def err(status: int, message: str) -> JSONResponse:
+        return JSONResponse({"code": status, "message": message}, status_code=status)
+
+    async def health(request):
+        return Response(status_code=204)
+
+    async def files_get(request):
+        box = request.scope["e2b.box"]
+        try:
+            path = resolve_path(request.query_params.get("path", ""))
+            data = await svc.backend.read_file(box.name, path)
+        except BackendFailure as exc:
+            return err(_HTTP_STATUS.get(exc.kind, 500), str(exc))
+        svc.record("e2b.files.read", sandbox=box.name, path=path, bytes=len(data))
+        return Response(data, media_type="application/octet-stream")
+
+    async def files_post(request):
+        box = request.scope["e2b.box"]
+        ctype = request.headers.get("content-type", "")
+        items: list[tuple[str, bytes]] = []
+        try:
+            if ctype.startswith("multipart/form-data"):
+                form = await request.form(max_files=1000, max_fields=1000)
+                for _, v in form.multi_items():
+                    if hasattr(v, "read"):
+                        items.append((v.filename or request.query_params.get("path", ""), await v.read()))
+                if len(items) == 1 and request.query_params.get("path"):
+                    items = [(request.query_params["path"], items[0][1])]
+            else:
+                if request.headers.get("content-encoding", "identity") not in ("identity", ""):
+                    return err(400, "compressed uploads are not supported")
+                items.append((request.query_params.get("path", ""), await request.body()))
+            out = []
+            for p, data in items:
+                path = resolve_path(p)
+                await svc.backend.write_file(box.name, path, data)
+                svc.record("e2b.files.write", sandbox=box.name, path=path, bytes=len(data))
+                out.append({"name": posixpath.basename(path), "type": "file", "path": path})
+        except BackendFailure as exc:
+            return err(_HTTP_STATUS.get(exc.kind, 500), str(exc))
+        return JSONResponse(out)
+
+    return [Route("/health", health, methods=["GET"]), Route("/files", files_get, methods=["GET"]),
+            Route("/files", files_post, methods=["POST"])]
+
+
+# -- the whole app -----------------------------------------------------------------------------
+
+ENVD_PREFIXES = ("/process.Process/", "/filesystem.Filesystem/")
+ENVD_PATHS = ("/health", "/files")
+
+
+def make_app(backend: E2BBackend, api_keys: Mapping[str, str], *, home=None, max_per_tenant: int = 20,
+             max_concurrent_creates: int = 4, audit=None):
+    """The ASGI app. ``api_keys`` maps each API key to its tenant."""
+    from starlette.applications import Starlette
+
+    from agentvm.e2b.envd import connect_apps
+
+    svc = E2BService(backend, api_keys, home=home, max_per_tenant=max_per_tenant,
+                     max_concurrent_creates=max_concurrent_creates, audit=audit)
+
+    import contextlib
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        svc._reaper = asyncio.create_task(svc.reap())
+        try:
+            yield
+        finally:
+            svc._reaper.cancel()
+            await svc.close()
+
+    rest = Starlette(routes=_rest_routes(svc), lifespan=lifespan)
+    envd = Starlette(routes=_envd_routes(svc))
+    connect = connect_apps(svc)
+
+    async def unknown_sandbox(scope, send, sid):
+        body = json.dumps({"code": 502, "message": f"The sandbox {sid!r} was not found"}).encode()
+        await send({"type": "http.response.start", "status": 502,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
+
+    async def app(scope, receive, send):
+        if scope["type"] != "http":
+            return await rest(scope, receive, send)
+        path = scope.get("path", "")
+        hdrs = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        sid = hdrs.get("e2b-sandbox-id")
+        if sid is not None or path.startswith(ENVD_PREFIXES) or path in ENVD_PATHS:
+            box = svc.envd_box(sid, hdrs.get("x-access-token"))
+            if box is None or box.state != "running":
+                return await unknown_sandbox(scope, send, sid or "")
+            scope = dict(scope)
+            scope["e2b.box"] = box
+            for prefix, capp in connect.items():
+                if path.startswith(prefix):
+                    return await capp(scope, receive, send)
+            return await envd(scope, receive, send)
+        return await rest(scope, receive, send)
+
+    app.service = svc  # type: ignore[attr-defined]
+    return app

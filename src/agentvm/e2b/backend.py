@@ -1,0 +1,432 @@
+"""What the E2B adapter needs from agent-vm's control plane, and one implementation of it.
+
+:class:`E2BBackend` is the whole surface the E2B API uses: sandboxes (create, kill, pause,
+resume, info, list), processes (exec with streamed output, stdin, a pty, signals) and files
+(read, write, list, stat, make dir, move, remove, and a listing for watches). Everything an
+E2B client does goes through it, so every sandbox keeps agent-vm's controls: the policy is the
+agent file's, the gate is the sandbox's gate, the process runs as the sandbox's agent uid
+inside its namespaces, and files are seen exactly as the sandbox sees them (no host path is
+ever resolved by the adapter, except the workspace's, through the daemon's symlink-safe copy).
+
+:class:`DaemonBackend` implements it over the daemon's existing API (``agentvm.daemon.client``):
+exec has no stdin and no pty there yet, so those raise :class:`Unsupported`; signals, file
+listing, stat, mkdir, move and remove are ordinary commands run with ``exec`` inside the
+sandbox (``find -printf``, ``mkdir``, ``mv``, ``rm``, ``kill``: what the sandbox already has).
+When the daemon grows a typed ``ControlPlane`` with stdin/pty relay, a backend over it replaces
+this one without touching the E2B app.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import posixpath
+import re
+import secrets
+import threading
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Protocol, runtime_checkable
+
+WORKSPACE = "/workspace"  # where every agent-vm sandbox sees its workspace
+MAX_READ = 64 * 1024 * 1024  # the daemon's copy limit (daemon.files.MAX_FILE)
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+class BackendFailure(Exception):
+    """An operation failed for a reason the E2B client should see. ``kind`` is one of
+    not-found, exists, permission, not-dir, is-dir, invalid, unsupported, gone, internal."""
+
+    def __init__(self, kind: str, message: str):
+        super().__init__(message)
+        self.kind = kind
+
+
+class Unsupported(BackendFailure):
+    def __init__(self, message: str):
+        super().__init__("unsupported", message)
+
+
+@dataclass(frozen=True)
+class BoxInfo:
+    name: str
+    state: str  # running | stopped | ...
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One file system entry as the sandbox sees it."""
+
+    name: str
+    path: str
+    type: str  # file | dir | symlink | other
+    size: int
+    mode: int
+    permissions: str
+    owner: str
+    group: str
+    mtime: float
+    symlink_target: str | None = None
+
+
+@dataclass
+class ExecSpec:
+    argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    cwd: str | None = None
+    stdin: bool = False
+    pty: tuple[int, int] | None = None  # (cols, rows)
+    timeout: float | None = None
+
+
+@dataclass(frozen=True)
+class ExecEvent:
+    kind: str  # stdout | stderr | pty | exit
+    data: bytes = b""
+    exit_code: int = 0
+    error: str | None = None
+
+
+@runtime_checkable
+class ExecProcess(Protocol):
+    pid: int
+
+    def events(self) -> AsyncIterator[ExecEvent]: ...
+
+    async def write_stdin(self, data: bytes) -> None: ...
+
+    async def close_stdin(self) -> None: ...
+
+    async def resize(self, cols: int, rows: int) -> None: ...
+
+
+@runtime_checkable
+class E2BBackend(Protocol):
+    """Everything the E2B API needs from the control plane (async; errors are BackendFailure)."""
+
+    async def create(self, name: str, spec_text: str, ttl: float | None) -> None: ...
+
+    async def kill(self, name: str) -> None: ...
+
+    async def pause(self, name: str) -> None: ...
+
+    async def resume(self, name: str) -> None: ...
+
+    async def info(self, name: str) -> BoxInfo | None: ...
+
+    async def list(self) -> list[BoxInfo]: ...
+
+    async def exec(self, name: str, spec: ExecSpec) -> ExecProcess: ...
+
+    async def signal(self, name: str, pid: int, sig: int) -> None: ...
+
+    async def read_file(self, name: str, path: str) -> bytes: ...
+
+    async def write_file(self, name: str, path: str, data: bytes) -> None: ...
+
+    async def list_dir(self, name: str, path: str, depth: int) -> list[Entry]: ...
+
+    async def stat(self, name: str, path: str) -> Entry: ...
+
+    async def make_dir(self, name: str, path: str) -> bool: ...
+
+    async def move(self, name: str, src: str, dst: str) -> None: ...
+
+    async def remove(self, name: str, path: str) -> None: ...
+
+
+# -- helpers shared by implementations --------------------------------------------------------
+
+def check_env(env: dict[str, str]) -> None:
+    for k, v in env.items():
+        if not _ENV_NAME.fullmatch(k) or "\x00" in v:
+            raise BackendFailure("invalid", f"invalid environment variable {k!r}")
+
+
+def _errkind(stderr: str) -> str:
+    s = stderr.lower()
+    if "no such file" in s:
+        return "not-found"
+    if "permission denied" in s or "read-only file system" in s or "operation not permitted" in s:
+        return "permission"
+    if "is a directory" in s:
+        return "is-dir"
+    if "not a directory" in s:
+        return "not-dir"
+    if "file exists" in s:
+        return "exists"
+    return "internal"
+
+
+_FIND_FMT = r"%y\t%Y\t%s\t%m\t%M\t%u\t%g\t%T@\t%l\t%p\0"
+
+
+def parse_find(out: bytes) -> list[Entry]:
+    """Entries from ``find ... -printf _FIND_FMT`` (NUL-terminated records)."""
+    entries = []
+    for rec in out.split(b"\0"):
+        if not rec:
+            continue
+        parts = rec.decode(errors="surrogateescape").split("\t", 9)
+        if len(parts) != 10:
+            continue
+        y, yt, size, mode, perms, user, grp, mtime, link, path = parts
+        kind = {"f": "file", "d": "dir", "l": "symlink"}.get(y, "other")
+        if kind == "symlink":
+            kind_target = {"f": "file", "d": "dir"}.get(yt)
+            if kind_target:  # E2B reports the target's type with is_symlink
+                pass
+        entries.append(Entry(name=posixpath.basename(path.rstrip("/")) or path, path=path, type=kind,
+                             size=int(size or 0), mode=int(mode or "0", 8), permissions=perms, owner=user,
+                             group=grp, mtime=float(mtime or 0), symlink_target=link or None))
+    return entries
+
+
+class _DaemonProcess:
+    """One exec through the daemon's streaming API, pumped from a thread into the loop."""
+
+    def __init__(self, backend: "DaemonBackend", name: str, argv: list[str], timeout: float | None):
+        self.pid = 0
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._loop = asyncio.get_running_loop()
+        self._started = asyncio.Event()
+        self._backend = backend
+        self._stderr_head = b""
+        self._thread = threading.Thread(target=self._pump, args=(backend, name, argv, timeout), daemon=True)
+        self._thread.start()
+
+    def _put(self, item) -> None:
+        self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+
+    def _started_with(self, pid: int) -> None:
+        self.pid = pid
+        self._loop.call_soon_threadsafe(self._started.set)
+
+    def _pump(self, backend, name, argv, timeout) -> None:
+        head_done = False
+        try:
+            for ev in backend.client.exec(name, argv, timeout):
+                stream = ev.get("stream")
+                if stream in ("stdout", "stderr"):
+                    data = ev["data"]
+                    if stream == "stderr" and not head_done:
+                        self._stderr_head += data
+                        if b"\n" not in self._stderr_head:
+                            continue
+                        line, _, rest = self._stderr_head.partition(b"\n")
+                        head_done = True
+                        m = re.fullmatch(rb"\x1e(\d+)", line)
+                        self._started_with(int(m.group(1)) if m else 0)
+                        if not m:
+                            rest = self._stderr_head
+                        if rest:
+                            self._put(ExecEvent("stderr", rest))
+                        continue
+                    self._put(ExecEvent(stream, data))
+                elif "exit_code" in ev:
+                    if not head_done:
+                        self._started_with(0)
+                        if self._stderr_head:
+                            self._put(ExecEvent("stderr", self._stderr_head))
+                    err = None
+                    if ev.get("setup_error"):
+                        err = str(ev["setup_error"])
+                    elif ev.get("timed_out"):
+                        err = "timed out"
+                    self._put(ExecEvent("exit", exit_code=int(ev["exit_code"]), error=err))
+                    return
+            self._put(ExecEvent("exit", exit_code=-1, error="the exec stream ended without an exit"))
+        except Exception as exc:  # noqa: BLE001 - reported to the client as the process's end
+            if not self._started.is_set():
+                self._started_with(0)
+            self._put(ExecEvent("exit", exit_code=-1, error=f"{type(exc).__name__}: {exc}"))
+        finally:
+            if not self._started.is_set():
+                self._started_with(0)
+
+    async def wait_started(self) -> None:
+        await self._started.wait()
+
+    async def events(self) -> AsyncIterator[ExecEvent]:
+        while True:
+            ev = await self._queue.get()
+            yield ev
+            if ev.kind == "exit":
+                return
+
+    async def write_stdin(self, data: bytes) -> None:
+        raise Unsupported("stdin needs the daemon's exec stdin relay, which it does not have yet "
+                          "(start the command without stdin=True)")
+
+    async def close_stdin(self) -> None:
+        raise Unsupported("stdin needs the daemon's exec stdin relay, which it does not have yet")
+
+    async def resize(self, cols: int, rows: int) -> None:
+        raise Unsupported("a pty needs the daemon's exec TTY relay, which it does not have yet")
+
+
+_WRAPPER = 'printf "\\036%s\\n" "$$" >&2; cd -- "$1" || exit 1; shift; exec "$@"'
+
+
+class DaemonBackend:
+    """E2BBackend over the daemon's API (unix socket or TCP), as the CLI and SDK use it."""
+
+    def __init__(self, client=None):
+        if client is None:
+            from agentvm.daemon.client import Client
+
+            client = Client()
+        self.client = client
+
+    async def _call(self, fn, *a, **kw):
+        from agentvm.daemon.client import ApiFailure, DaemonUnavailable
+
+        try:
+            return await asyncio.to_thread(fn, *a, **kw)
+        except ApiFailure as exc:
+            kind = {"sandbox.not-found": "not-found", "files.not-found": "not-found",
+                    "sandbox.not-running": "gone"}.get(exc.code)
+            if kind is None:
+                kind = "permission" if exc.code.startswith("files.") or exc.status == 403 else "internal"
+            raise BackendFailure(kind, f"{exc} ({exc.code})") from exc
+        except DaemonUnavailable as exc:
+            raise BackendFailure("internal", str(exc)) from exc
+
+    # -- sandboxes --------------------------------------------------------------------------
+    async def create(self, name: str, spec_text: str, ttl: float | None) -> None:
+        await self._call(self.client.create, spec_text, f"<e2b:{name}>", ttl, None)
+        try:
+            await self._call(self.client.action, name, "start")
+        except BackendFailure:
+            await self.kill(name)
+            raise
+
+    async def kill(self, name: str) -> None:
+        try:
+            await self._call(self.client.rm, name)
+        except BackendFailure as exc:
+            if exc.kind != "not-found":
+                raise
+
+    async def pause(self, name: str) -> None:
+        await self._call(self.client.action, name, "stop")
+
+    async def resume(self, name: str) -> None:
+        await self._call(self.client.action, name, "start")
+
+    async def info(self, name: str) -> BoxInfo | None:
+        try:
+            row = await self._call(self.client.get, name)
+        except BackendFailure as exc:
+            if exc.kind == "not-found":
+                return None
+            raise
+        return BoxInfo(name, str(row.get("state", "unknown")))
+
+    async def list(self) -> list[BoxInfo]:
+        rows = await self._call(self.client.ps)
+        return [BoxInfo(r["name"], str(r.get("state", "unknown"))) for r in rows or []]
+
+    # -- processes --------------------------------------------------------------------------
+    async def exec(self, name: str, spec: ExecSpec) -> _DaemonProcess:
+        if spec.stdin:
+            raise Unsupported("stdin=True needs the daemon's exec stdin relay, which it does not have yet")
+        if spec.pty is not None:
+            raise Unsupported("a pty needs the daemon's exec TTY relay, which it does not have yet")
+        check_env(spec.env)
+        argv = ["/bin/sh", "-c", _WRAPPER, "e2b-exec", spec.cwd or "."]
+        if spec.env:
+            argv += ["/usr/bin/env", *[f"{k}={v}" for k, v in spec.env.items()]]
+        argv += spec.argv
+        proc = _DaemonProcess(self, name, argv, spec.timeout)
+        await proc.wait_started()
+        return proc
+
+    async def _run(self, name: str, argv: list[str]) -> tuple[int, bytes, bytes]:
+        def go():
+            out, err, code = [], [], 125
+            for ev in self.client.exec(name, argv, 60):
+                if ev.get("stream") == "stdout":
+                    out.append(ev["data"])
+                elif ev.get("stream") == "stderr":
+                    err.append(ev["data"])
+                elif "exit_code" in ev:
+                    code = int(ev["exit_code"])
+            return code, b"".join(out), b"".join(err)
+
+        return await self._call(go)
+
+    async def _check(self, name: str, argv: list[str]) -> bytes:
+        code, out, err = await self._run(name, argv)
+        if code != 0:
+            msg = err.decode(errors="replace").strip() or f"exit {code}"
+            raise BackendFailure(_errkind(msg), msg)
+        return out
+
+    async def signal(self, name: str, pid: int, sig: int) -> None:
+        if pid <= 1:
+            raise BackendFailure("not-found", f"process {pid} not found")
+        code, _, err = await self._run(name, ["/bin/sh", "-c", 'pkill -"$1" -P "$2" 2>/dev/null; kill -"$1" "$2"',
+                                              "e2b-signal", str(int(sig)), str(int(pid))])
+        if code != 0:
+            raise BackendFailure("not-found", f"process {pid} not found")
+
+    # -- files --------------------------------------------------------------------------------
+    async def read_file(self, name: str, path: str) -> bytes:
+        out = await self._check(name, ["/bin/sh", "-c", 'if [ -d "$1" ]; then echo "$1: Is a directory" >&2; '
+                                       'exit 1; fi; exec head -c "$2" -- "$1"', "e2b-read", path, str(MAX_READ + 1)])
+        if len(out) > MAX_READ:
+            raise BackendFailure("invalid", f"{path} is larger than {MAX_READ} bytes")
+        return out
+
+    async def write_file(self, name: str, path: str, data: bytes) -> None:
+        norm = posixpath.normpath(path)
+        if norm.startswith(WORKSPACE + "/"):
+            # the daemon's own copy: no link followed, written as the agent, all or nothing
+            await self._call(self.client.put_file, name, norm[len(WORKSPACE) + 1:], data)
+            return
+        # elsewhere: staged in the workspace, then moved by the sandbox itself (its own rights)
+        stage = f".agentvm-e2b/{secrets.token_hex(8)}"
+        await self._call(self.client.put_file, name, stage, data)
+        try:
+            await self._check(name, ["/bin/sh", "-c", 'mkdir -p -- "$(dirname -- "$2")" && mv -f -- "$1" "$2"',
+                                     "e2b-write", f"{WORKSPACE}/{stage}", norm])
+        except BackendFailure:
+            await self._run(name, ["rm", "-f", "--", f"{WORKSPACE}/{stage}"])
+            raise
+
+    async def list_dir(self, name: str, path: str, depth: int) -> list[Entry]:
+        st = await self.stat(name, path)
+        if st.type != "dir":
+            raise BackendFailure("not-dir", f"{path} is not a directory")
+        out = await self._check(name, ["find", path, "-mindepth", "1", "-maxdepth", str(max(1, depth)),
+                                       "-printf", _FIND_FMT])
+        return parse_find(out)
+
+    async def stat(self, name: str, path: str) -> Entry:
+        out = await self._check(name, ["find", path, "-maxdepth", "0", "-printf", _FIND_FMT])
+        got = parse_find(out)
+        if not got:
+            raise BackendFailure("not-found", f"{path}: No such file or directory")
+        return got[0]
+
+    async def make_dir(self, name: str, path: str) -> bool:
+        code, _, err = await self._run(name, ["/bin/sh", "-c", '[ -e "$1" ] && exit 17; mkdir -p -- "$1"',
+                                              "e2b-mkdir", path])
+        if code == 17:
+            return False
+        if code != 0:
+            msg = err.decode(errors="replace").strip()
+            raise BackendFailure(_errkind(msg), msg)
+        return True
+
+    async def move(self, name: str, src: str, dst: str) -> None:
+        await self._check(name, ["/bin/sh", "-c", 'mkdir -p -- "$(dirname -- "$2")" && mv -- "$1" "$2"',
+                                 "e2b-move", src, dst])
+
+    async def remove(self, name: str, path: str) -> None:
+        await self.stat(name, path)  # not-found is an error for E2B
+        await self._check(name, ["rm", "-rf", "--", path])
+
+
+def b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()

@@ -1,0 +1,349 @@
+"""envd's Connect services (``process.Process``, ``filesystem.Filesystem``) over an E2BBackend.
+
+Served by ``connectrpc``'s ASGI application with the generated code in ``_gen`` (the same
+messages and paths the SDKs use). The app in ``app.py`` has already checked the sandbox id and
+its access token; each call finds its sandbox again from the same headers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal as _signal
+import time
+from typing import TYPE_CHECKING
+
+from connectrpc.code import Code
+from connectrpc.errors import ConnectError
+from protobuf import Oneof
+from protobuf.wkt.google.protobuf import timestamp_pb
+
+from agentvm.e2b._gen import filesystem_connect as fsc
+from agentvm.e2b._gen import filesystem_pb as fpb
+from agentvm.e2b._gen import process_connect as pc
+from agentvm.e2b._gen import process_pb as ppb
+from agentvm.e2b.backend import BackendFailure, Entry, ExecSpec
+
+if TYPE_CHECKING:
+    from agentvm.e2b.app import Box, E2BService, Proc
+
+_CODES = {"not-found": Code.NOT_FOUND, "exists": Code.ALREADY_EXISTS, "permission": Code.PERMISSION_DENIED,
+          "not-dir": Code.INVALID_ARGUMENT, "is-dir": Code.INVALID_ARGUMENT, "invalid": Code.INVALID_ARGUMENT,
+          "unsupported": Code.UNIMPLEMENTED, "gone": Code.UNAVAILABLE, "internal": Code.INTERNAL}
+
+
+def _fail(exc: BackendFailure) -> ConnectError:
+    return ConnectError(_CODES.get(exc.kind, Code.INTERNAL), str(exc))
+
+
+def _box(svc: "E2BService", ctx) -> "Box":
+    h = ctx.request_headers()
+    box = svc.envd_box(h.get("e2b-sandbox-id"), h.get("x-access-token"))
+    if box is None or box.state != "running":
+        raise ConnectError(Code.UNAVAILABLE, f"The sandbox {h.get('e2b-sandbox-id')!r} was not found")
+    return box
+
+
+def _keepalive(ctx) -> float:
+    try:
+        return min(max(float(ctx.request_headers().get("keepalive-ping-interval") or 50), 5.0), 300.0)
+    except ValueError:
+        return 50.0
+
+
+def _resolve(path: str) -> str:
+    from agentvm.e2b.app import resolve_path
+
+    try:
+        return resolve_path(path)
+    except BackendFailure as exc:
+        raise _fail(exc) from None
+
+
+# -- process -----------------------------------------------------------------------------------
+
+def _select(box: "Box", sel) -> "Proc":
+    s = sel.selector if sel is not None else None
+    if s is not None and s.field == "pid":
+        p = box.procs.get(int(s.value))
+    elif s is not None and s.field == "tag":
+        p = next((p for p in box.procs.values() if p.tag == s.value), None)
+    else:
+        p = None
+    if p is None or p.done:
+        raise ConnectError(Code.NOT_FOUND, "process not found")
+    return p
+
+
+def _event(ev) -> ppb.ProcessEvent:
+    if ev.kind == "exit":
+        status = f"exit status {ev.exit_code}" if ev.exit_code >= 0 else "error"
+        end = ppb.ProcessEvent.EndEvent(exit_code=ev.exit_code, exited=True, status=status, error=ev.error)
+        return ppb.ProcessEvent(event=Oneof("end", end))
+    return ppb.ProcessEvent(event=Oneof("data", ppb.ProcessEvent.DataEvent(output=Oneof(ev.kind, ev.data))))
+
+
+async def _pump(proc: "Proc") -> None:
+    try:
+        async for ev in proc.handle.events():
+            for q in list(proc.subscribers):
+                q.put_nowait(ev)
+            if ev.kind == "exit":
+                break
+    finally:
+        proc.done = True
+        for q in list(proc.subscribers):
+            q.put_nowait(None)
+
+
+async def _follow(q: asyncio.Queue, interval: float, wrap):
+    keep = ppb.ProcessEvent(event=Oneof("keepalive", ppb.ProcessEvent.KeepAlive()))
+    while True:
+        try:
+            ev = await asyncio.wait_for(q.get(), interval)
+        except asyncio.TimeoutError:
+            yield wrap(keep)
+            continue
+        if ev is None:
+            return
+        yield wrap(_event(ev))
+        if ev.kind == "exit":
+            return
+
+
+class ProcessService:
+    def __init__(self, svc: "E2BService"):
+        self.svc = svc
+
+    async def list(self, request, ctx):
+        box = _box(self.svc, ctx)
+        return ppb.ListResponse(processes=[
+            ppb.ProcessInfo(config=ppb.ProcessConfig(cmd=p.cmd, args=p.args, envs=p.envs, cwd=p.cwd), pid=p.pid,
+                            tag=p.tag) for p in box.procs.values() if not p.done])
+
+    async def start(self, request, ctx):
+        from agentvm.e2b.app import Proc
+
+        box = _box(self.svc, ctx)
+        cfg = request.process
+        if cfg is None or not cfg.cmd:
+            raise ConnectError(Code.INVALID_ARGUMENT, "process.cmd is required")
+        pty = None
+        if request.pty is not None:
+            size = request.pty.size
+            pty = (size.cols, size.rows) if size is not None else (80, 24)
+        envs = dict(box.envs)
+        envs.update(dict(cfg.envs or {}))
+        cwd = _resolve(cfg.cwd) if cfg.cwd else None
+        user = _user(ctx)
+        spec = ExecSpec([cfg.cmd, *cfg.args], env=envs, cwd=cwd, stdin=bool(request.stdin), pty=pty)
+        try:
+            handle = await self.svc.backend.exec(box.name, spec)
+        except BackendFailure as exc:
+            raise _fail(exc) from None
+        pid = handle.pid or (max(box.procs, default=10_000) + 1)
+        proc = Proc(pid, request.tag, cfg.cmd, list(cfg.args), dict(cfg.envs or {}), cfg.cwd, handle)
+        q: asyncio.Queue = asyncio.Queue()
+        proc.subscribers.append(q)
+        box.procs[pid] = proc
+        proc.task = asyncio.create_task(_pump(proc))
+        self.svc.record("e2b.exec", sandbox=box.name, argv=[cfg.cmd, *cfg.args], user_asked=user, pid=pid)
+        try:
+            yield ppb.StartResponse(event=ppb.ProcessEvent(event=Oneof("start", ppb.ProcessEvent.StartEvent(pid=pid))))
+            async for r in _follow(q, _keepalive(ctx), lambda e: ppb.StartResponse(event=e)):
+                yield r
+        finally:
+            with contextlib.suppress(ValueError):
+                proc.subscribers.remove(q)
+            if proc.done:
+                box.procs.pop(pid, None)
+
+    async def connect(self, request, ctx):
+        box = _box(self.svc, ctx)
+        proc = _select(box, request.process)
+        q: asyncio.Queue = asyncio.Queue()
+        proc.subscribers.append(q)
+        try:
+            yield ppb.ConnectResponse(event=ppb.ProcessEvent(event=Oneof("start", ppb.ProcessEvent.StartEvent(
+                pid=proc.pid))))
+            async for r in _follow(q, _keepalive(ctx), lambda e: ppb.ConnectResponse(event=e)):
+                yield r
+        finally:
+            with contextlib.suppress(ValueError):
+                proc.subscribers.remove(q)
+
+    async def update(self, request, ctx):
+        proc = _select(_box(self.svc, ctx), request.process)
+        if request.pty is not None and request.pty.size is not None:
+            try:
+                await proc.handle.resize(request.pty.size.cols, request.pty.size.rows)
+            except BackendFailure as exc:
+                raise _fail(exc) from None
+        return ppb.UpdateResponse()
+
+    async def send_input(self, request, ctx):
+        proc = _select(_box(self.svc, ctx), request.process)
+        inp = request.input
+        data = inp.input.value if inp is not None and inp.input is not None else b""
+        try:
+            await proc.handle.write_stdin(data)
+        except BackendFailure as exc:
+            raise _fail(exc) from None
+        return ppb.SendInputResponse()
+
+    async def stream_input(self, request, ctx):
+        raise ConnectError(Code.UNIMPLEMENTED, "stdin streaming needs the daemon's exec stdin relay (docs/e2b.md)")
+
+    async def close_stdin(self, request, ctx):
+        proc = _select(_box(self.svc, ctx), request.process)
+        try:
+            await proc.handle.close_stdin()
+        except BackendFailure as exc:
+            raise _fail(exc) from None
+        return ppb.CloseStdinResponse()
+
+    async def send_signal(self, request, ctx):
+        box = _box(self.svc, ctx)
+        proc = _select(box, request.process)
+        sig = int(request.signal or 0)
+        if sig not in (int(_signal.SIGKILL), int(_signal.SIGTERM)):
+            raise ConnectError(Code.INVALID_ARGUMENT, "only SIGTERM and SIGKILL")
+        try:
+            await self.svc.backend.signal(box.name, proc.pid, sig)
+        except BackendFailure as exc:
+            raise _fail(exc) from None
+        self.svc.record("e2b.signal", sandbox=box.name, pid=proc.pid, signal=sig)
+        return ppb.SendSignalResponse()
+
+
+def _user(ctx) -> str:
+    """The user the SDK asked for (Basic auth ``user:``). Every process runs as the sandbox's
+    agent uid whatever is asked: there is no root in an agent-vm sandbox."""
+    import base64
+
+    auth = ctx.request_headers().get("authorization") or ""
+    if auth.lower().startswith("basic "):
+        try:
+            return base64.b64decode(auth[6:]).decode().partition(":")[0]
+        except ValueError:
+            return "?"
+    return "user"
+
+
+# -- filesystem --------------------------------------------------------------------------------
+
+def _entry(e: Entry) -> fpb.EntryInfo:
+    kind = {"file": fpb.FileType.FILE, "dir": fpb.FileType.DIRECTORY, "symlink": fpb.FileType.SYMLINK}.get(
+        e.type, fpb.FileType.UNSPECIFIED)
+    secs = int(e.mtime)
+    return fpb.EntryInfo(name=e.name, type=kind, path=e.path, size=e.size, mode=e.mode, permissions=e.permissions,
+                         owner=e.owner, group=e.group,
+                         modified_time=timestamp_pb.Timestamp(seconds=secs, nanos=int((e.mtime - secs) * 1e9)),
+                         symlink_target=e.symlink_target, is_symlink=e.type == "symlink")
+
+
+class FilesystemService:
+    def __init__(self, svc: "E2BService"):
+        self.svc = svc
+
+    async def _do(self, coro):
+        try:
+            return await coro
+        except BackendFailure as exc:
+            raise _fail(exc) from None
+
+    async def stat(self, request, ctx):
+        box = _box(self.svc, ctx)
+        return fpb.StatResponse(entry=_entry(await self._do(self.svc.backend.stat(box.name, _resolve(request.path)))))
+
+    async def make_dir(self, request, ctx):
+        box = _box(self.svc, ctx)
+        path = _resolve(request.path)
+        made = await self._do(self.svc.backend.make_dir(box.name, path))
+        if not made:
+            raise ConnectError(Code.ALREADY_EXISTS, f"{path} already exists")
+        return fpb.MakeDirResponse(entry=_entry(await self._do(self.svc.backend.stat(box.name, path))))
+
+    async def move(self, request, ctx):
+        box = _box(self.svc, ctx)
+        src, dst = _resolve(request.source), _resolve(request.destination)
+        await self._do(self.svc.backend.move(box.name, src, dst))
+        return fpb.MoveResponse(entry=_entry(await self._do(self.svc.backend.stat(box.name, dst))))
+
+    async def list_dir(self, request, ctx):
+        box = _box(self.svc, ctx)
+        got = await self._do(self.svc.backend.list_dir(box.name, _resolve(request.path), int(request.depth or 1)))
+        return fpb.ListDirResponse(entries=[_entry(e) for e in got])
+
+    async def remove(self, request, ctx):
+        box = _box(self.svc, ctx)
+        await self._do(self.svc.backend.remove(box.name, _resolve(request.path)))
+        return fpb.RemoveResponse()
+
+    # watches: polled listings (the sandbox's own view), diffed into events
+    async def _snapshot(self, box, path: str, recursive: bool) -> dict[str, tuple]:
+        got = await self._do(self.svc.backend.list_dir(box.name, path, 64 if recursive else 1))
+        return {e.path: (e.type, e.size, e.mtime) for e in got}
+
+    @staticmethod
+    def _diff(old: dict, new: dict, root: str) -> list[fpb.FilesystemEvent]:
+        import posixpath
+
+        out = []
+        for p in new.keys() - old.keys():
+            out.append(fpb.FilesystemEvent(name=posixpath.relpath(p, root), type=fpb.EventType.CREATE))
+        for p in old.keys() - new.keys():
+            out.append(fpb.FilesystemEvent(name=posixpath.relpath(p, root), type=fpb.EventType.REMOVE))
+        for p in new.keys() & old.keys():
+            if new[p] != old[p] and new[p][0] == "file":
+                out.append(fpb.FilesystemEvent(name=posixpath.relpath(p, root), type=fpb.EventType.WRITE))
+        return out
+
+    async def watch_dir(self, request, ctx):
+        box = _box(self.svc, ctx)
+        path = _resolve(request.path)
+        snap = await self._snapshot(box, path, bool(request.recursive))
+        yield fpb.WatchDirResponse(event=Oneof("start", fpb.WatchDirResponse.StartEvent()))
+        last = time.monotonic()
+        while box.state == "running" and box.id in self.svc.boxes:
+            await asyncio.sleep(0.5)
+            new = await self._snapshot(box, path, bool(request.recursive))
+            for ev in self._diff(snap, new, path):
+                yield fpb.WatchDirResponse(event=Oneof("filesystem", ev))
+                last = time.monotonic()
+            snap = new
+            if time.monotonic() - last > _keepalive(ctx):
+                yield fpb.WatchDirResponse(event=Oneof("keepalive", fpb.WatchDirResponse.KeepAlive()))
+                last = time.monotonic()
+
+    async def create_watcher(self, request, ctx):
+        import secrets
+
+        box = _box(self.svc, ctx)
+        path = _resolve(request.path)
+        if len(box.watchers) >= 16:
+            raise ConnectError(Code.RESOURCE_EXHAUSTED, "at most 16 watchers per sandbox")
+        wid = secrets.token_hex(8)
+        box.watchers[wid] = {"path": path, "recursive": bool(request.recursive),
+                             "snap": await self._snapshot(box, path, bool(request.recursive))}
+        return fpb.CreateWatcherResponse(watcher_id=wid)
+
+    async def get_watcher_events(self, request, ctx):
+        box = _box(self.svc, ctx)
+        w = box.watchers.get(request.watcher_id)
+        if w is None:
+            raise ConnectError(Code.NOT_FOUND, "watcher not found")
+        new = await self._snapshot(box, w["path"], w["recursive"])
+        events = self._diff(w["snap"], new, w["path"])
+        w["snap"] = new
+        return fpb.GetWatcherEventsResponse(events=events)
+
+    async def remove_watcher(self, request, ctx):
+        box = _box(self.svc, ctx)
+        box.watchers.pop(request.watcher_id, None)
+        return fpb.RemoveWatcherResponse()
+
+
+def connect_apps(svc: "E2BService") -> dict:
+    return {"/process.Process/": pc.ProcessASGIApplication(ProcessService(svc)),
+            "/filesystem.Filesystem/": fsc.FilesystemASGIApplication(FilesystemService(svc))}

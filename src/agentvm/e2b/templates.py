@@ -1,0 +1,194 @@
+"""E2B templates: agent files registered by name, and the narrowing of E2B's create options.
+
+``agentvm template add FILE [--name N] [--port P]`` stores a validated agent file under
+``<home>/templates/N.yaml``; ``base`` is always there: the default anonymous policy (no egress,
+no credentials, no grants). An E2B ``create`` names a template; its options can only *narrow*
+what the template allows:
+
+* ``allow_internet_access: true`` is refused: no agent file can allow the whole internet (egress
+  rules name hosts), so the answer names the template and says to add the hosts to it;
+* ``network.allowOut`` must name hosts the template's egress already allows (the sandbox then
+  gets only those); ``allow_internet_access: false`` or ``denyOut: ["0.0.0.0/0"]`` without
+  ``allowOut`` leaves no egress at all; other ``denyOut`` hosts become deny rules;
+* ``envVars`` may not set a name the policy owns (a credential's placeholder variable, the proxy
+  and CA variables, ``AGENTVM_*``): a real secret passed that way would sit in the sandbox in
+  clear, past the vault. Credentials are given by reference in the template instead.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from agentvm.errors import ConfigError, PolicyDenied
+
+NAME = re.compile(r"^[a-z0-9]([a-z0-9_-]{0,61}[a-z0-9])?$")
+ALL_TRAFFIC = {"0.0.0.0/0", "::/0"}
+RESERVED_ENV = {"HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy", "NO_PROXY", "no_proxy", "ALL_PROXY",
+                "all_proxy", "SSL_CERT_FILE", "SSL_CERT_DIR", "REQUESTS_CA_BUNDLE", "NODE_EXTRA_CA_CERTS",
+                "CURL_CA_BUNDLE", "PIP_CERT", "GIT_SSL_CAINFO", "LD_PRELOAD", "LD_LIBRARY_PATH"}
+
+BASE_TEXT = """\
+apiVersion: agentvm/v1
+kind: Agent
+metadata: {name: base}
+spec:
+  lifecycle: persistent
+  command: [/bin/sleep, infinity]
+  limits: {disk: 64M, memory: 512M, pids: 256}
+"""
+
+
+@dataclass(frozen=True)
+class Template:
+    name: str
+    text: str
+    ports: tuple[int, ...] = ()
+    source: str = "<builtin>"
+
+
+@dataclass
+class CreateOptions:
+    template: str = "base"
+    allow_internet_access: bool | None = None
+    allow_out: list[str] = field(default_factory=list)
+    deny_out: list[str] = field(default_factory=list)
+    envs: dict[str, str] = field(default_factory=dict)
+
+
+def templates_dir(home: Path | None = None) -> Path:
+    if home is None:
+        from agentvm.paths import default_paths
+
+        home = default_paths().home
+    return Path(home) / "templates"
+
+
+def _load(text: str, filename: str):
+    from agentvm.spec.loader import load_agent_text
+
+    return load_agent_text(text, filename)
+
+
+def add(path: str | Path, name: str | None = None, ports: list[int] | None = None, home: Path | None = None) -> Template:
+    p = Path(path)
+    text = p.read_text()
+    loaded = _load(text, str(p))  # SpecError (file:line) when invalid
+    name = name or loaded.spec.metadata.name
+    if not NAME.fullmatch(name) or name == "base":
+        raise ConfigError(f"template name {name!r} is not allowed",
+                          hint="lower-case letters, digits, '-', '_' (and not 'base', which is built in)")
+    for port in ports or []:
+        if not 1 <= port <= 65535:
+            raise ConfigError(f"port {port} out of range 1-65535")
+    d = templates_dir(home)
+    d.mkdir(parents=True, exist_ok=True)
+    os.chmod(d, 0o700)
+    (d / f"{name}.yaml").write_text(text)
+    (d / f"{name}.json").write_text(json.dumps({"ports": sorted(set(ports or [])), "source": str(p.resolve())}))
+    return Template(name, text, tuple(sorted(set(ports or []))), str(p.resolve()))
+
+
+def get(name: str, home: Path | None = None) -> Template | None:
+    if name == "base":
+        return Template("base", BASE_TEXT)
+    if not isinstance(name, str) or not NAME.fullmatch(name):
+        return None
+    d = templates_dir(home)
+    y = d / f"{name}.yaml"
+    if not y.is_file():
+        return None
+    meta = {}
+    try:
+        meta = json.loads((d / f"{name}.json").read_text())
+    except (OSError, ValueError):
+        pass
+    return Template(name, y.read_text(), tuple(meta.get("ports", ())), meta.get("source", str(y)))
+
+
+def ls(home: Path | None = None) -> list[Template]:
+    out = [get("base", home)]
+    d = templates_dir(home)
+    if d.is_dir():
+        for y in sorted(d.glob("*.yaml")):
+            t = get(y.stem, home)
+            if t is not None:
+                out.append(t)
+    return out
+
+
+def _host_allowed(host: str, allow_rules: list[dict]) -> list[dict]:
+    from agentvm.gate.policy import host_matches
+
+    h = host.strip().lower().rstrip(".")
+    return [r for r in allow_rules if r.get("host") and (host_matches(r["host"].lower(), h) or r["host"].lower() == h)]
+
+
+def sandbox_spec(tpl: Template, sandbox_name: str, opts: CreateOptions) -> str:
+    """The agent file of one E2B sandbox: the template, renamed, kept alive, narrowed by the
+    E2B options (never widened). Raises PolicyDenied naming the template otherwise."""
+    import yaml
+
+    from agentvm.spec.loader import dump_resolved
+
+    doc = dump_resolved(_load(tpl.text, f"<template {tpl.name}>"))
+    spec = doc.setdefault("spec", {})
+    spec["presets"] = []
+    doc["metadata"] = {"name": sandbox_name, "labels": {"e2b-template": tpl.name}}
+    spec["lifecycle"] = "persistent"
+    spec["command"] = ["/bin/sleep", "infinity"]
+    egress = spec.setdefault("egress", {}) or {}
+    spec["egress"] = egress
+    allow = list(egress.get("allow") or [])
+
+    if opts.allow_internet_access is True:
+        raise PolicyDenied(
+            f"template {tpl.name!r} does not allow internet access (allow_internet_access=True refused)",
+            hint=f"agent-vm never opens the whole internet: list the hosts the sandbox needs in the template's "
+                 f"egress.allow (`agentvm template add FILE`) and pass network={{'allow_out': [...]}}",
+            code="e2b.network-refused")
+    hosts = [h for h in opts.allow_out if h not in ALL_TRAFFIC]
+    for h in hosts:
+        if "/" in h or not _host_allowed(h, allow):
+            raise PolicyDenied(
+                f"template {tpl.name!r} does not allow egress to {h!r}; E2B options can only narrow a template",
+                hint=f"add an egress.allow rule for {h} to the template's agent file, or drop it from allow_out",
+                code="e2b.network-refused")
+    deny_all = opts.allow_internet_access is False or any(d in ALL_TRAFFIC for d in opts.deny_out)
+    if hosts or deny_all:
+        kept = []
+        for h in hosts:
+            for r in _host_allowed(h, allow):
+                rr = dict(r)
+                rr["host"] = h.strip().lower().rstrip(".")
+                rr.pop("id", None)
+                kept.append(rr)
+        egress["allow"] = kept
+    deny = list(egress.get("deny") or [])
+    for d in opts.deny_out:
+        if d in ALL_TRAFFIC:
+            continue
+        if "/" in d:
+            raise ConfigError(f"deny_out {d!r}: agent-vm's egress rules name hosts or IP addresses, not CIDR ranges",
+                              hint="list the hosts to deny, or deny everything with 0.0.0.0/0", code="e2b.bad-request")
+        deny.append({"host": d.strip().lower().rstrip(".")})
+    egress["deny"] = deny
+
+    reserved = set(RESERVED_ENV) | {c.get("env") for c in spec.get("credentials") or [] if c.get("env")}
+    reserved |= {(c.get("sigv4") or {}).get("accessKeyIdEnv") for c in spec.get("credentials") or [] if c.get("sigv4")}
+    for k in opts.envs:
+        if k in reserved or k.upper().startswith("AGENTVM_"):
+            raise PolicyDenied(
+                f"envs may not set {k}: template {tpl.name!r} (or agent-vm) owns that variable",
+                hint="give a credential by reference in the template (credentials: [{name, env, ref: vault:NAME, "
+                     "hosts}]): the sandbox gets a placeholder and the gate swaps in the real value",
+                code="e2b.env-refused")
+    env = dict(spec.get("env") or {})
+    env.update(opts.envs)
+    spec["env"] = env
+    text = yaml.safe_dump(doc, sort_keys=False)
+    _load(text, f"<e2b sandbox of template {tpl.name}>")  # the result must still validate
+    return text
