@@ -32,7 +32,6 @@ since the layer began is a conflict, and then nothing is applied.
 
 from __future__ import annotations
 
-import difflib
 import errno
 import hashlib
 import json
@@ -809,6 +808,8 @@ def render(rv: Review, *, home_fd_cache: dict | None = None) -> str:
             head += f" mode {c.old_mode:04o} -> {c.new_mode:04o}"
         lines.append(head + notes + flag)
         if _is_text(old) and _is_text(new):
+            import difflib
+
             a = old.decode().splitlines(keepends=True)
             b = new.decode().splitlines(keepends=True)
             for ln in difflib.unified_diff(a, b, "a/" + hostp.lstrip("/") if c.action == "modify" else "/dev/null",

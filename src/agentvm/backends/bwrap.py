@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass, field
 
 from agentvm import cgroups as cg
 from agentvm import defaults as D
+from agentvm import review
 from agentvm import seccomp as sc
 from agentvm import sysaudit
 from agentvm.backends import hostview as hv
@@ -272,23 +273,36 @@ class BwrapBackend(hv.ChildProcessSandbox, Backend):
         stages: list[tuple[str, str, str]] = []  # (fd name, ro|rw, stage path)
         protects: list[tuple[str, str, tuple]] = []  # every rw grant: (fd name, host path, grants.Protect...)
         protect_args: list[str] = []  # as root: the helper's --protect GRANT,KIND,REL
+        reviews: list[dict] = []  # review-mode grants: an overlay whose upper layer is agent-vm's (agentvm.review)
         for i, m in enumerate(policy.mounts):
             real = os.path.realpath(m.host)
             fd_names.append((f"grant{i}", real))
+            in_review = review.is_review(m)
             if idmap:
                 src = f"{host.run_dir}/grants/{i}"
-                stages.append((f"grant{i}", "rw" if m.writable else "ro", src))
-                mounts.append(MountOp("bind" if m.writable else "ro-bind", m.path, src))
+                # a review grant's folder is staged read-only: the overlay's lower layer
+                stages.append((f"grant{i}", "rw" if m.writable and not in_review else "ro", src))
+                if not in_review:
+                    mounts.append(MountOp("bind" if m.writable else "ro-bind", m.path, src))
             else:
                 src = real
-                mounts.append(MountOp("bind-fd" if m.writable else "ro-bind-fd", m.path, f"@fd:grant{i}@"))
+                if not in_review:
+                    mounts.append(MountOp("bind-fd" if m.writable else "ro-bind-fd", m.path, f"@fd:grant{i}@"))
+            if in_review:
+                kind, lname = review.layer_key(policy, ctx.sandbox_id)
+                gdir = str(review.grant_dir(self.paths.home, kind, lname, i))
+                mounts.append(MountOp("overlay-src", "", src))
+                mounts.append(MountOp("overlay", m.path, gdir))
             if m.writable:
                 prot = ctx.protected[i] if i < len(ctx.protected) else ()
                 protects.append((f"grant{i}", real, prot))
+                if in_review:
+                    reviews.append({"fd": f"grant{i}", "index": i, "host": real, "path": m.path,
+                                    "writable_trusted": tuple(m.writable_trusted), "protect": tuple(p.rel for p in prot)})
                 for p in prot:
-                    if idmap:  # the helper makes it read-only in the staged grant itself
+                    if idmap and not in_review:  # the helper makes it read-only in the staged grant itself
                         protect_args += ["--protect", f"{len(stages) - 1},{p.kind[0]},{p.rel}"]
-                    else:
+                    else:  # (over a review grant's overlay: the host's own entry, read-only, from the lower layer)
                         mounts.append(MountOp("ro-bind", f"{m.path}/{p.rel}", f"{src}/{p.rel}"))
         if policy.workspace:
             if ctx.workspace:
@@ -385,6 +399,10 @@ class BwrapBackend(hv.ChildProcessSandbox, Backend):
                 bw += ["--" + m.kind, m.dest]
             elif m.kind == "symlink":
                 bw += ["--symlink", m.src, m.dest]
+            elif m.kind == "overlay-src":
+                bw += ["--overlay-src", m.src]
+            elif m.kind == "overlay":  # src: the review layer's grant directory (upper/, work/)
+                bw += ["--overlay", f"{m.src}/upper", f"{m.src}/work", m.dest]
             else:
                 bw += ["--" + m.kind, m.src, m.dest]
         # the confinement init applies (Landlock, working directory): the same for the first
@@ -447,7 +465,9 @@ class BwrapBackend(hv.ChildProcessSandbox, Backend):
             seccomp_watch=sc.DEFAULT_WATCH if notify else (),
             on_escape_probe=str(getattr(policy, "on_escape_probe", None) or "log"),
             fds={"open_paths": tuple(fd_names), "stages": tuple(stages), "protects": tuple(protects),
-                 "git_excludes": git_excludes},
+                 "git_excludes": git_excludes,
+                 "reviews": {"home": str(self.paths.home), "kind": kind, "name": lname, "uid": host.uid,
+                             "gid": host.gid, "sandbox": ctx.sandbox_id, "grants": tuple(reviews)} if reviews else None},
         )
         return LaunchPlan.of(policy, ctx, substrate=self.name, command=command, env=env,
                              identity=hv.host_uid_text(host) + ("" if host.dedicated else " (the operator's own)"),

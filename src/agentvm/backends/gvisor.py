@@ -285,6 +285,9 @@ class GvisorBackend(hv.ChildProcessSandbox, Backend):
             raise BackendError("the gvisor substrate needs a dedicated uid (agent-vm as root)")
         if ctx.gate is not None and ctx.gate.kind not in self.gate_kinds:
             raise BackendError(f"the gvisor substrate cannot attach a {ctx.gate.kind!r} gate")
+        from agentvm import review
+
+        review.check_substrate(policy, self.name)  # review-mode grants: refused here, never widened to rw
         helper, runsc = self._tool("helper"), self._tool("runsc")
         platform = self._platform or self.capabilities().facts.get("platform") or "ptrace"
         lim = policy.limits

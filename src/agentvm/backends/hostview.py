@@ -940,6 +940,12 @@ def open_grants(plan_fds: dict, paths, run_dir: Path, state: dict, opened: list[
     for name, host, prot in plan_fds.get("protects", ()):
         state["grant_holds"].append(grants.ensure(fds[name], host, prot, paths.runtime / "grants"))
     grants.save(run_dir, state["grant_holds"])
+    rv = plan_fds.get("reviews")
+    if rv:  # review-mode grants: their layer made (or continued) and held while the sandbox lives
+        from agentvm import review
+
+        state["review_hold"] = review.open_layer(Path(rv["home"]), rv["kind"], rv["name"], list(rv["grants"]), fds,
+                                                 int(rv["uid"]), int(rv["gid"]), sandbox_id=rv.get("sandbox", ""))
     return fds
 
 
@@ -957,6 +963,10 @@ def finish_teardown(rep, state: dict, host_uid: int, paths, t0: float):
                 rep.processes_left.append(pid)
     for hold in state.pop("grant_holds", None) or []:
         grants.release(hold, paths.runtime / "grants")
+    if state.get("review_hold") is not None:  # the layer stays, unheld, until accepted or discarded
+        from agentvm import review
+
+        review.close_layer(state.pop("review_hold"))
     run_dir = Path(state.get("run_dir", ""))
     if run_dir.name and run_dir.exists():
         shutil.rmtree(run_dir, ignore_errors=True)
