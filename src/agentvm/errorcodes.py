@@ -71,11 +71,18 @@ _TABLE: list[tuple[str, int, int, str]] = [
     ("files.symlink", 403, POLICY, "a symbolic link on the way"),
     ("files.too-large", 403, POLICY, "the file is over the copy limit"),
     ("files.no-space", 507, BACKEND, "the workspace is full"),
+    # -- the E2B-compatible API (docs/e2b.md)
+    ("e2b.network-refused", 403, POLICY, "an E2B create asked for egress its template does not allow"),
+    ("e2b.env-refused", 403, POLICY, "an E2B create's envs set a variable the policy owns (credentials by reference)"),
+    ("e2b.bad-request", 400, CONFIG, "an E2B request agent-vm cannot honour as asked"),
+    ("e2b.template-not-found", 404, CONFIG, "no E2B template by that name (`agentvm template ls`)"),
+    ("e2b.not-serving", 409, CONFIG, "the E2B API is not being served (`agentvm e2b serve`)"),
     ("workspace.bad-name", 400, CONFIG, "not a workspace name"),
     ("workspace.not-found", 404, CONFIG, "no workspace by that name"),
     ("workspace.in-use", 409, POLICY, "a sandbox of the agent is running on it"),
     ("workspace.owned", 409, POLICY, "the workspace belongs to a declared agent (agentvm rm it)"),
     ("workspace.owners-unknown", 409, POLICY, "which workspaces belong to an agent cannot be read"),
+    ("workspace.overcommit", 507, POLICY, "starting it would let running agents' workspace limits exceed the pool's free space times the overcommit factor"),
     # -- live policy
     ("policy.invalid-rule", 400, CONFIG, "not an egress rule (HOST[:PORT])"),
     ("policy.no-such-rule", 404, CONFIG, "the sandbox has no rule by that id"),
@@ -96,6 +103,14 @@ _TABLE: list[tuple[str, int, int, str]] = [
     ("policy.grant-unreachable", 403, POLICY, "the sandbox's uid cannot reach the granted folder"),
     ("policy.grant-untrusted-link", 403, POLICY, "a grant through a link the operator does not own"),
     ("policy.grant-unwritable", 403, POLICY, "a read-write grant the sandbox's uid cannot write"),
+    ("policy.review-unsupported", 409, POLICY, "the substrate cannot give review-mode grants (refused, never rw)"),
+    # -- review-mode grants (agentvm diff / accept / discard)
+    ("review.not-found", 404, CONFIG, "no review layer by that name (agentvm reviews lists them)"),
+    ("review.running", 409, CONFIG, "a running sandbox uses the review layer (stop it, or accept --expect ID)"),
+    ("review.changed", 409, CONFIG, "the review layer changed since the diff (look again)"),
+    ("review.refused", 403, POLICY, "the layer holds entries never applied (special files, links out, host-trusted names)"),
+    ("review.conflict", 409, FAILED, "paths changed on the host since the sandbox started (nothing applied)"),
+    ("review.mismatch", 409, CONFIG, "the layer does not match the granted folder (replaced, or another folder)"),
     ("policy.min-substrate", 403, POLICY, "the agent needs a stronger substrate than asked"),
     ("policy.unenforceable", 403, POLICY, "the policy asks for something this host cannot enforce"),
     # -- the gate and credentials

@@ -49,6 +49,14 @@ _COMMANDS: dict[str, str] = {
     "approvals": "agentvm.cli.approvals_cmd:approvals",
     "image": "agentvm.cli.image_cmds:image",
     "workspace": "agentvm.cli.workspace_cmds:workspace",
+    "diff": "agentvm.cli.review_cmds:diff",
+    "accept": "agentvm.cli.review_cmds:accept",
+    "discard": "agentvm.cli.review_cmds:discard",
+    "reviews": "agentvm.cli.review_cmds:reviews",
+    "e2b": "agentvm.cli.e2b_cmds:e2b",
+    "template": "agentvm.cli.template_cmds:template",
+    "gateway": "agentvm.cli.gateway_cmds:gateway",
+    "k8s": "agentvm.cli.k8s_cmds:k8s",
 }
 
 
