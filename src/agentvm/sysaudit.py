@@ -330,6 +330,8 @@ class Supervisor:
         self._q: queue.Queue = queue.Queue(QUEUE_MAX)
         self._classifiers: dict[str, Classifier] = {}
         self._stop = False
+        self._drop = threading.Event()
+        self._dropped_all = threading.Event()
         self._answer = threading.Thread(target=self._answer_loop, name="agentvm-sysaudit-answer", daemon=True)
         self._record = threading.Thread(target=self._record_loop, name="agentvm-sysaudit-record", daemon=True)
         self._answer.start()
@@ -354,6 +356,17 @@ class Supervisor:
         except BlockingIOError:
             pass
 
+    def drop_all(self, timeout: float = 5.0) -> bool:
+        """Close every listener at once, answering nothing: what the kernel sees when this
+        process dies (tests prove the sandbox stays confined then; shutdown uses it too)."""
+        self._dropped_all.clear()
+        self._drop.set()
+        try:
+            os.write(self._wake_w, b"x")
+        except BlockingIOError:
+            pass
+        return self._dropped_all.wait(timeout)
+
     def flush(self, timeout: float = 5.0) -> None:
         """Until every record taken so far has reached its sinks (tests, teardown)."""
         deadline = time.monotonic() + timeout
@@ -373,7 +386,19 @@ class Supervisor:
                 events = poller.poll(1000)
             except InterruptedError:
                 continue
+            if self._drop.is_set():
+                for fd in list(listeners):
+                    poller.unregister(fd)
+                    listeners.pop(fd)[0].listeners -= 1
+                    os.close(fd)
+                for fd in list(socks):
+                    poller.unregister(fd)
+                    socks.pop(fd)[0].close()
+                self._drop.clear()
+                self._dropped_all.set()
             for fd, ev in events:
+                if fd not in socks and fd not in listeners and fd != self._wake_r:
+                    continue
                 if fd == self._wake_r:
                     try:
                         os.read(self._wake_r, 4096)

@@ -1,0 +1,209 @@
+"""The syscall audit's pure parts: the rule list both the BPF and the supervisor read, the
+classification of a notification, argument decoding, and onEscapeProbe's actions.
+
+The kernel-facing parts (the helper's listener handoff, answers, a dead supervisor) are in
+test_sysaudit_kernel.py; the real sandbox in tests/attacks/test_syscall_audit.py."""
+
+from __future__ import annotations
+
+import errno
+import struct
+
+import pytest
+
+from agentvm import seccomp as sc
+from agentvm import sysaudit
+
+OPTS = sc.SeccompOptions(notify=True, watch=sc.DEFAULT_WATCH, chown_mapped=(1000, 1000))
+
+
+def _args_for(rule: sc.Rule) -> list[int]:
+    """Arguments meeting every condition of ``rule``."""
+    a = [0] * 6
+    for c in rule.conds:
+        if c[1] == "eq":
+            a[c[0]] = c[2]
+        elif c[1] == "masked_eq":
+            a[c[0]] = (a[c[0]] & ~c[2]) | c[3]
+        elif c[1] == "ne":
+            a[c[0]] = c[2] + 1
+    return a
+
+
+def _insns(bpf: bytes) -> list[tuple]:
+    return [struct.unpack("<HBBI", bpf[i:i + 8]) for i in range(0, len(bpf), 8)]
+
+
+def test_notify_program_differs_from_the_deny_list_only_in_what_it_returns():
+    """Allowed syscalls take the same path through the same instructions: the notify filter
+    costs nothing on the fast path; only the denials' return value changes (EPERM -> USER_NOTIF)."""
+    plain = _insns(sc._build(sc.SeccompOptions(chown_mapped=(1000, 1000))))
+    notify = _insns(sc._build(sc.SeccompOptions(chown_mapped=(1000, 1000), notify=True)))
+    assert len(plain) == len(notify)
+    diff = [(p, n) for p, n in zip(plain, notify) if p != n]
+    assert diff, "the notify program must differ (it returns USER_NOTIF)"
+    for p, n in diff:
+        assert p[0] == n[0] == 0x06, "only return instructions differ"
+        assert p[3] == 0x00050000 | errno.EPERM and n[3] == 0x7FC00000
+
+
+def test_compat_rules_and_chown_are_never_notified():
+    bpf = sc._build(OPTS)
+    rets = {i[3] for i in _insns(bpf) if i[0] == 0x06}
+    assert 0x00050000 | errno.ENOSYS in rets, "clone3/openat2 keep their ENOSYS (libc falls back)"
+    assert 0x00050000 | errno.EPERM in rets, "the chown prefix keeps its EPERM"
+    assert 0x7FC00000 in rets
+
+
+def test_watched_rules_only_with_notify_and_only_known_ids():
+    assert not [r for r in sc.rules(sc.SeccompOptions(watch=sc.DEFAULT_WATCH)) if r.action == "watch"]
+    assert {r.id for r in sc.rules(OPTS) if r.action == "watch"} == set(sc.DEFAULT_WATCH)
+    with pytest.raises(ValueError, match="unknown watched"):
+        sc.rules(sc.SeccompOptions(notify=True, watch=("watch:everything",)))
+
+
+def test_every_rule_classifies_to_itself_with_its_errno():
+    c = sysaudit.Classifier(OPTS)
+    import pyseccomp
+
+    seen = 0
+    for r in sc.rules(OPTS):
+        if r.action == "compat":
+            continue
+        nr = int(pyseccomp.resolve_syscall(pyseccomp.Arch.NATIVE, r.syscall))
+        if nr < 0:
+            continue  # not on this architecture: the BPF does not name it either
+        v = c.classify(nr, _args_for(r))
+        # the first matching rule of the syscall wins, as in the BPF: same id and action
+        assert v.syscall == r.syscall
+        assert v.action == r.action
+        if r.action == "deny":
+            assert v.errno == errno.EPERM and v.rule.startswith("seccomp:")
+        else:
+            assert v.errno == 0 and v.rule.startswith("watch:")
+        seen += 1
+    assert seen > 60
+
+
+def test_the_three_probes_of_the_issue():
+    import pyseccomp
+
+    c = sysaudit.Classifier(OPTS)
+    nr = lambda n: int(pyseccomp.resolve_syscall(pyseccomp.Arch.NATIVE, n))  # noqa: E731
+    assert c.classify(nr("unshare"), [0x10000000, 0, 0, 0, 0, 0]) == sysaudit.Verdict(
+        "unshare", "seccomp:namespaces", "deny", errno.EPERM)
+    assert c.classify(nr("mount"), [1, 2, 3, 0, 0, 0]).rule == "seccomp:mount"
+    assert c.classify(nr("socket"), [2, 3 | 0o2000000, 1, 0, 0, 0]).rule == "seccomp:socket-raw"
+    assert c.classify(nr("socket"), [10, 3, 58, 0, 0, 0]).rule == "seccomp:socket-raw"
+    assert c.classify(nr("socket"), [16, 3, 15, 0, 0, 0]).rule == "seccomp:socket-netlink"
+
+
+def test_unexplained_notification_is_denied_fail_closed():
+    c = sysaudit.Classifier(OPTS)
+    v = c.classify(999_999, [0] * 6)
+    assert (v.action, v.errno, v.rule) == ("deny", errno.EPERM, "seccomp:unknown")
+    import pyseccomp
+
+    # a socket() call the BPF would not have notified (a TCP socket): still denied if it ever came
+    v = c.classify(int(pyseccomp.resolve_syscall(pyseccomp.Arch.NATIVE, "socket")), [2, 1, 0, 0, 0, 0])
+    assert v.action == "deny" and v.rule == "seccomp:unknown"
+
+
+def test_decoding_reads_flags_not_pointers():
+    assert sysaudit.decode_args("unshare", [0x10000000 | 0x00020000, 0, 0, 0, 0, 0]) == {
+        "flags": "CLONE_NEWNS|CLONE_NEWUSER"}
+    d = sysaudit.decode_args("socket", [2, 3 | 0o2000000, 1, 0, 0, 0])
+    assert d == {"domain": "AF_INET", "type": "SOCK_RAW|SOCK_CLOEXEC", "protocol": 1}
+    assert sysaudit.decode_args("mount", [0x7FFF0000, 0x7FFF1000, 0x7FFF2000, 0x1000 | 0x4000, 0, 0]) == {
+        "flags": "MS_BIND|MS_REC"}
+    assert sysaudit.decode_args("ioctl", [0, 0x5412, 0x7FFF0000, 0, 0, 0]) == {"fd": 0, "cmd": "TIOCSTI"}
+    assert sysaudit.decode_args("setns", [2**64 - 1, 0x40000000, 0, 0, 0, 0]) == {"fd": -1, "nstype": "CLONE_NEWNET"}
+    # no pointer value and no pointed-to content appears in any decoding
+    for name in ("mount", "keyctl", "bpf", "add_key", "pivot_root", "chroot"):
+        d = sysaudit.decode_args(name, [0x7FFF0000AAAA] * 6)
+        assert "0x7fff0000aaaa" not in str(d).lower() and str(0x7FFF0000AAAA) not in str(d)
+
+
+def _audit(on_probe: str, calls: list):
+    recs: list[dict] = []
+    a = sysaudit.SandboxAudit("run-x", on_probe=on_probe, sinks=[recs.append],
+                              freeze=lambda: calls.append("freeze"), kill=lambda: calls.append("kill"))
+    return a, recs
+
+
+def _denied(a):
+    a.denied += 1
+    return {"kind": "syscall.denied", "sandbox": a.sandbox_id, "syscall": "unshare", "rule": "seccomp:namespaces"}
+
+
+@pytest.mark.parametrize("on_probe,expect", [("log", []), ("alert", []), ("pause", ["freeze"]), ("stop", ["kill"])])
+def test_on_escape_probe_actions(on_probe, expect):
+    calls: list = []
+    a, recs = _audit(on_probe, calls)
+    for _ in range(sysaudit.PROBE_THRESHOLD - 1):
+        sysaudit.deliver(a, _denied(a))
+    assert calls == [], "nothing happens below the threshold"
+    for _ in range(3):
+        sysaudit.deliver(a, _denied(a))
+    assert calls == expect, "the action happens once, at the threshold"
+    alerts = [r for r in recs if r.get("alert")]
+    if on_probe == "log":
+        assert not alerts
+    else:
+        assert len([r for r in alerts if r["kind"] == "syscall.denied"]) == sysaudit.PROBE_THRESHOLD + 2
+    acted = [r for r in recs if r["kind"].startswith("syscall.probe-")]
+    assert len(acted) == (1 if expect else 0)
+    if expect:
+        assert acted[0]["ok"] and acted[0]["alert"] and a.acted in ("paused", "stopped")
+
+
+def test_watched_calls_never_trigger_the_action():
+    calls: list = []
+    a, recs = _audit("stop", calls)
+    for _ in range(10):
+        a.watched += 1
+        sysaudit.deliver(a, {"kind": "syscall.watched", "sandbox": "run-x", "syscall": "memfd_create"})
+    assert calls == [] and not any(r.get("alert") for r in recs)
+
+
+def test_a_failing_sink_does_not_stop_the_others():
+    got: list = []
+
+    def bad(rec):
+        raise RuntimeError("sink down")
+
+    a = sysaudit.SandboxAudit("run-x", sinks=[bad, got.append])
+    sysaudit.deliver(a, {"kind": "syscall.denied", "sandbox": "run-x"})
+    assert len(got) == 1
+
+
+def test_collector_exports_the_issue_metric():
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    with sysaudit._metric_lock:
+        sysaudit._denied_by_syscall["unshare"] += 2
+    r = CollectorRegistry()
+    r.register(sysaudit.Collector())
+    text = generate_latest(r).decode()
+    assert 'agentvm_syscalls_denied_total{syscall="unshare"}' in text
+    assert "agentvm_syscall_audit_dropped_total" in text
+
+
+def test_audit_and_trace_sinks_shape():
+    appended = []
+
+    class Log:
+        def append(self, kind, *, actor, sandbox, data):
+            appended.append((kind, actor, sandbox, data))
+
+    sysaudit.audit_sink(Log())({"kind": "syscall.denied", "sandbox": "run-x", "time": 1.0, "syscall": "mount"})
+    assert appended == [("syscall.denied", "agentvm", "run-x", {"syscall": "mount"})]
+    spans = []
+
+    class Trace:
+        def span(self, name, start, end=None, attributes=None):
+            spans.append((name, attributes))
+
+    sysaudit.trace_sink(Trace())({"kind": "syscall.denied", "time": 1.0, "syscall": "mount", "rule": "seccomp:mount",
+                                  "errno": "EPERM", "pid": 7, "argv": ["a"], "args": {"flags": "0"}})
+    assert spans[0][0] == "syscall.denied" and spans[0][1]["agentvm.syscall"] == "mount"
