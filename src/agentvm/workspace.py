@@ -1,9 +1,19 @@
 """Durable per-agent workspaces with a real size limit.
 
-A declared agent's workspace is an ext4 filesystem image (sparse file) at
-``<home>/workspaces/<name>.img``, loop-mounted at ``<runtime>/ws/<name>`` while a sandbox of
-that agent runs and unmounted at teardown. Its root directory is owned by the agent's uid and
-mode 0700. Filling it gives the agent ``ENOSPC``; the host's disk is never at risk.
+Two backends (:func:`backend`; ``AGENTVM_WORKSPACE_BACKEND=auto|pool|image``):
+
+- ``pool`` (the default where it works): every workspace is a subvolume of one btrfs
+  filesystem, ``<home>/workspaces/.pool.img``, mounted once at ``<runtime>/ws/.pool``, with a
+  quota group of the agent's ``limits.disk`` (:mod:`agentvm.wspool`). Thin: a workspace costs
+  what it holds; the pool's image is reserved in full on the host and grown on admission; the
+  admission rule refuses a start whose agents could write more than the pool has free (times
+  the overcommit factor). One loop device in all.
+- ``image``: an ext4 filesystem image per agent, ``<home>/workspaces/<name>.img``, fully
+  reserved, loop-mounted at ``<runtime>/ws/<name>`` while a sandbox of that agent runs. An
+  agent that already has an image keeps it (its data is not moved).
+
+Either way the root directory is owned by the agent's uid, mode 0700, and filling it gives the
+agent ``EDQUOT``/``ENOSPC``; the host's disk is never at risk.
 
 Without root (no loop mounts) the workspace is a plain directory and the disk limit cannot be
 enforced: that needs the explicit ``--degrade disk-quota``.
@@ -22,6 +32,7 @@ listed (:func:`list_workspaces`) and removed one by one (:func:`remove_workspace
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import os
@@ -38,6 +49,8 @@ from agentvm.errors import BackendError, ConfigError, LaunchError, PolicyDenied
 _MKFS = ("/usr/sbin/mkfs.ext4", "/sbin/mkfs.ext4")
 _NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")  # an agent's name (spec.models.NAME_RE)
 WARN_USE = 0.90  # doctor and `up` warn when the filesystem holding the workspaces is fuller than this
+_NEAR = 1 << 20  # within this of its limit (or of a full pool) counts as having hit it
+BACKENDS = ("auto", "pool", "image")
 
 
 @dataclass
@@ -48,12 +61,41 @@ class WorkspaceLease:
     lock_fd: int
     notes: tuple[str, ...] = ()  # what the operator should hear (a repaired filesystem)
     image: Path | None = None  # the image (or plain directory): its mtime is the workspace's last use
+    kind: str = "image"  # "pool", "image" or "dir"
+    pool_fd: int = -1  # a pool workspace: the shared hold on the mounted pool
+    limit: int = 0
+    disk: dict | None = None  # set by release(): the disk at the end (see disk_state)
+    pool: object = None  # a pool workspace: its wspool.Pool
+
+    def disk_state(self) -> dict | None:
+        """A pool workspace's disk now: ``{"used", "limit", "limit_hit", "pool_free", "pool_full"}``;
+        ``pool_full``: the pool has (next to) nothing free - writes failed for want of pool, not
+        of the agent's own limit (only with overcommit). None for the other backends."""
+        if self.kind != "pool" or self.pool_fd < 0:
+            return None
+        pool = self.pool
+        try:
+            e = pool.entry(self.name)
+            _size, free = pool.space()
+        except OSError:
+            return None
+        used = e.used if e else 0
+        lim = (e.limit if e else 0) or self.limit
+        return {"used": used, "limit": lim, "limit_hit": bool(lim) and used >= lim - _NEAR,
+                "pool_free": free, "pool_full": free < _NEAR}
 
     def release(self) -> list[str]:
         """Unmount (if mounted) and drop the lock. Returns what could not be cleaned."""
         left: list[str] = []
         if self.lock_fd >= 0 and self.image is not None:
             _touch(self.image)
+        if self.pool_fd >= 0:
+            try:
+                self.disk = self.disk_state()
+            except Exception:  # noqa: BLE001 - a report, never a failed release
+                self.disk = None
+            os.close(self.pool_fd)
+            self.pool_fd = -1
         if self.mounted:
             r = subprocess.run(["umount", str(self.host_dir)], capture_output=True, text=True)
             if r.returncode != 0 and is_mounted(self.host_dir):
@@ -137,7 +179,7 @@ def _mkfs() -> str | None:
     return next((p for p in _MKFS if os.path.exists(p)), None)
 
 
-def quota_supported() -> tuple[bool, str]:
+def _image_supported() -> tuple[bool, str]:
     if os.geteuid() != 0:
         return False, "loop-mounting a workspace filesystem needs root"
     if _mkfs() is None:
@@ -146,7 +188,38 @@ def quota_supported() -> tuple[bool, str]:
         return False, "no /dev/loop-control (loop devices unavailable)"
     used, limit = loop_capacity()
     cap = f"{used} of {limit} loop devices in use" if limit else f"{used} loop devices in use"
-    return True, f"ext4 image, loop-mounted ({cap}: one per running agent with a workspace)"
+    return True, f"ext4 image per agent, fully reserved, loop-mounted ({cap}: one per running agent with a workspace)"
+
+
+def backend() -> tuple[str, str]:
+    """(the backend new workspaces get, why): ``pool`` or ``image`` (``none``: neither works).
+    ``AGENTVM_WORKSPACE_BACKEND``: ``auto`` (default: the pool where it works, else images),
+    ``pool`` or ``image`` (an explicit choice: not falling back)."""
+    from agentvm import wspool
+
+    choice = (os.environ.get("AGENTVM_WORKSPACE_BACKEND") or "auto").strip().lower()
+    if choice not in BACKENDS:
+        raise ConfigError(f"AGENTVM_WORKSPACE_BACKEND={choice!r}: one of {', '.join(BACKENDS)}")
+    if choice in ("auto", "pool"):
+        ok, why = wspool.supported()
+        if ok:
+            return "pool", f"{why}; {wspool.project_quota_route()}" + (
+                "" if choice == "pool" else " (AGENTVM_WORKSPACE_BACKEND=image: an ext4 image per agent instead)")
+        if choice == "pool":
+            return "none", f"AGENTVM_WORKSPACE_BACKEND=pool, and the pool cannot run here: {why}"
+        ok_i, why_i = _image_supported()
+        return ("image" if ok_i else "none"), f"{why_i} (the pool cannot run here: {why})"
+    ok_i, why_i = _image_supported()
+    return ("image" if ok_i else "none"), f"{why_i} (AGENTVM_WORKSPACE_BACKEND=image)"
+
+
+def quota_supported() -> tuple[bool, str]:
+    """The ``disk-quota`` primitive: whether workspaces get a real size limit, and how."""
+    try:
+        name, why = backend()
+    except ConfigError as exc:
+        return False, exc.message
+    return name != "none", (f"{name}: {why}" if name != "none" else why)
 
 
 def lock_agent(home_ws: Path, name: str, why: str, hint: str, *, message: str | None = None,
@@ -202,6 +275,8 @@ def acquire(
             _touch(d)
             return WorkspaceLease(name, d, False, lock_fd, image=d)
         img = home_ws / f"{name}.img"
+        if not img.exists() and backend()[0] == "pool":  # an agent that has an image keeps it
+            return _acquire_pool(home_ws, runtime, name, uid, gid, size, lock_fd)
         if not img.exists():
             _create_image(img, size)
         elif img.stat().st_size < size:
@@ -239,6 +314,32 @@ def acquire(
         return WorkspaceLease(name, mnt, True, lock_fd, notes, image=img)
     except BaseException:
         os.close(lock_fd)
+        raise
+
+
+def _acquire_pool(home_ws: Path, runtime: Path, name: str, uid: int, gid: int, size: int,
+                  lock_fd: int) -> WorkspaceLease:
+    """The agent's subvolume in the pool, admitted (or refused with the numbers) and limited."""
+    from agentvm import wspool
+
+    pool = wspool.Pool(home_ws, runtime)
+    hold = pool.hold()
+    try:
+        admit = pool.admitting()
+        try:
+            pool.ensure(create=True)
+            held = _held_locks()
+            running = {n for n in pool.names() if n != name and _in_use_by_lock(home_ws, n, held)}
+            pool.admit(name, size, running)
+            path = pool.create(name, uid, gid)
+            pool.set_limit(name, size)
+        finally:
+            os.close(admit)
+        _touch(path)
+        return WorkspaceLease(name, path, False, lock_fd, image=path, kind="pool", pool_fd=hold, limit=size,
+                              pool=pool)
+    except BaseException:
+        os.close(hold)
         raise
 
 
@@ -320,9 +421,9 @@ class WorkspaceInfo:
     """One workspace under ``<home>/workspaces``, as ``agentvm workspace ls`` shows it."""
 
     name: str
-    kind: str  # "image" (ext4, loop-mounted) or "dir" (a plain directory: --degrade disk-quota)
-    size: int  # the configured size (the image's length; 0 for a plain directory)
-    used: int  # bytes the host's disk actually holds for it (st_blocks * 512)
+    kind: str  # "pool" (a subvolume of the pool), "image" (ext4, loop-mounted) or "dir" (--degrade disk-quota)
+    size: int  # its limit (the pool's quota, the image's length; 0 for a plain directory)
+    used: int  # bytes it holds (its quota group's; the image's blocks on the host)
     last_use: float  # mtime: set when a sandbox takes and releases it
     in_use: bool  # its lock is held (a sandbox runs) or its image is mounted
     owner: str | None = None  # the agent registered with the daemon under this name, None: none is
@@ -471,7 +572,49 @@ def list_workspaces(home_ws: Path, *, runtime: Path | None = None, owners: set[s
                   or (runtime is not None and str(runtime / "ws" / name) in mounted))
         out.append(WorkspaceInfo(name, kind, st.st_size if kind == "image" else 0, used, st.st_mtime, in_use,
                                  name if owners is not None and name in owners else None))
+    seen = {w.name for w in out}
+    with pool_open(home_ws, runtime) as pool:
+        if pool is not None:
+            for e in pool.entries():
+                if e.name in seen:  # an image of the same name is the one its agent uses
+                    continue
+                out.append(WorkspaceInfo(e.name, "pool", e.limit, e.used, e.last_use,
+                                         _in_use_by_lock(home_ws, e.name, held),
+                                         e.name if owners is not None and e.name in owners else None))
+            out.sort(key=lambda w: w.name)
     return out
+
+
+def _pool(home_ws: Path, runtime: Path | None = None):
+    from agentvm import wspool
+
+    return wspool.Pool(home_ws, runtime if runtime is not None else wspool.runtime_for(home_ws))
+
+
+@contextlib.contextmanager
+def pool_open(home_ws: Path, runtime: Path | None = None):
+    """The pool, mounted and held (the runtime's sweep does not unmount it meanwhile), or None:
+    there is none, or this is not root (it cannot be mounted)."""
+    pool = _pool(home_ws, runtime)
+    if not pool.exists() or os.geteuid() != 0:
+        yield None
+        return
+    hold = pool.hold()
+    try:
+        if not pool.mounted():
+            admit = pool.admitting()
+            try:
+                pool.ensure(create=False)
+            finally:
+                os.close(admit)
+        yield pool
+    finally:
+        os.close(hold)
+
+
+def _in_pool(home_ws: Path, name: str, runtime: Path | None) -> bool:
+    with pool_open(home_ws, runtime) as pool:
+        return pool is not None and pool.path(name).is_dir()
 
 
 def _mount_points() -> set[str]:
@@ -491,7 +634,7 @@ def remove_workspace(home_ws: Path, name: str, *, runtime: Path | None = None,
     ``record(kind, data)`` puts ``workspace.removed`` on the audit chain."""
     _check_name(name)
     img, d = home_ws / f"{name}.img", home_ws / name
-    if not img.exists() and not d.is_dir():
+    if not img.exists() and not d.is_dir() and not _in_pool(home_ws, name, runtime):
         raise ConfigError(f"there is no workspace named {name!r}", hint="`agentvm workspace ls` lists them",
                           code="workspace.not-found")
     lock = home_ws / f"{name}.lock"
@@ -511,15 +654,24 @@ def remove_workspace(home_ws: Path, name: str, *, runtime: Path | None = None,
             freed, size = st.st_blocks * 512, st.st_size
         if d.is_dir():
             freed += _dir_blocks(d) + d.stat().st_blocks * 512
-        data = {"name": name, "bytes": freed, "size": size}
-        late = False
-        if record is not None:  # first: a removal that cannot be recorded does not happen...
-            try:
-                record("workspace.removed", data)
-            except Exception as exc:  # noqa: BLE001
-                if not _disk_full(exc):
-                    raise
-                late = True  # ...except for want of space, which is what removing it gives back
+        with pool_open(home_ws, runtime) as pool:
+            e = pool.entry(name) if pool is not None and pool.path(name).is_dir() else None
+            if e is not None:
+                freed += e.used
+                size = size or e.limit
+            data = {"name": name, "bytes": freed, "size": size}
+            if e is not None:
+                data["backend"] = "pool"
+            late = False
+            if record is not None:  # first: a removal that cannot be recorded does not happen...
+                try:
+                    record("workspace.removed", data)
+                except Exception as exc:  # noqa: BLE001
+                    if not _disk_full(exc):
+                        raise
+                    late = True  # ...except for want of space, which is what removing it gives back
+            if e is not None:
+                pool.destroy(name)  # the subvolume, and (once the kernel has cleaned it) its quota group
         img.unlink(missing_ok=True)
         if d.is_dir():
             import shutil
@@ -530,6 +682,9 @@ def remove_workspace(home_ws: Path, name: str, *, runtime: Path | None = None,
     finally:
         os.close(fd)
     _cache_clear()
+    pool = _pool(home_ws, runtime)
+    if pool.exists() and os.geteuid() == 0:
+        pool.remove_if_empty()  # a host without workspaces reserves nothing
     if late:
         record("workspace.removed", dict(data, recorded="after the removal: the disk was full"))
     return freed
@@ -582,7 +737,7 @@ def on_agent_removed(home_ws: Path, name: str, *, keep: bool = False, spec_text:
     removed, unless ``keep`` (``--keep-workspace``) or the agent file's ``workspace.keep``.
     Returns ``{"removed": bool, "kept": bool, "bytes": freed}`` (the daemon's answer)."""
     _check_name(name)
-    exists = (home_ws / f"{name}.img").exists() or (home_ws / name).is_dir()
+    exists = (home_ws / f"{name}.img").exists() or (home_ws / name).is_dir() or _in_pool(home_ws, name, runtime)
     if not exists:
         _drop_lock_file(home_ws / f"{name}.lock")  # an agent without a workspace leaves its lock only
         return {"removed": False, "kept": False, "bytes": 0}
@@ -620,23 +775,27 @@ class Usage:
     """The workspaces' disk, summed: what ``doctor``, ``up`` and ``/metrics`` show."""
 
     count: int
-    committed: int  # the sum of their sizes (each image is fully reserved: this much is taken)
-    used: int  # blocks the host's disk actually holds for them
+    committed: int  # the sum of their limits (images: their sizes, each fully reserved; pool: quotas)
+    used: int  # what they hold (images: blocks on the host; pool: their quota groups' bytes)
     fs_free: int  # free space (for unprivileged users) on the filesystem holding them
     fs_size: int
     fs_use: float  # that filesystem's use, 0-1 (as df computes it)
     path: str = ""
     warnings: list[str] = field(default_factory=list)
+    backend: str = ""  # what new workspaces get ("pool", "image", "none") and why
+    backend_why: str = ""
+    pool: dict | None = None  # {"size", "free", "reserved" (on the host), "mounted", "count"}; None: no pool
 
     def to_dict(self) -> dict:
         return {"count": self.count, "committed": self.committed, "used": self.used, "fs_free": self.fs_free,
                 "fs_size": self.fs_size, "fs_use": round(self.fs_use, 4), "path": self.path,
-                "warnings": list(self.warnings)}
+                "warnings": list(self.warnings), "backend": self.backend, "backend_why": self.backend_why,
+                "pool": self.pool}
 
 
 def usage(home_ws: Path) -> Usage:
-    """One ``scandir`` and a ``statvfs``: no lock, no walk (a plain-directory workspace counts
-    its directory only)."""
+    """One ``scandir``, a ``statvfs`` and the pool's quota groups from sysfs: no lock, no walk
+    (a plain-directory workspace counts its directory only), nothing mounted."""
     committed = used = count = 0
     for _name, (kind, st, _path) in _entries(home_ws).items():
         count += 1
@@ -653,10 +812,32 @@ def usage(home_ws: Path) -> Usage:
         size = free = 0
         use = 0.0
     u = Usage(count, committed, used, free, size, use, str(home_ws))
+    try:
+        u.backend, u.backend_why = backend()
+    except ConfigError as exc:
+        u.backend, u.backend_why = "none", exc.message
+    from agentvm import wspool
+
+    pool = wspool.Pool.located(home_ws)
+    if pool is not None:
+        st = pool.img.stat()
+        info = {"size": st.st_size, "reserved": st.st_blocks * 512, "mounted": pool.mounted(), "free": None,
+                "count": None}
+        if info["mounted"]:
+            n, lim, held = pool.totals()
+            psize, pfree = pool.space()
+            info.update(size=psize, free=pfree, count=n)
+            u.count, u.committed, u.used = u.count + n, u.committed + lim, u.used + held
+            if psize and (psize - pfree) / psize > WARN_USE:
+                u.warnings.append(
+                    f"the workspace pool is {(psize - pfree) / psize:.0%} full ({human(pfree)} free of {human(psize)}; "
+                    f"{n} workspaces, {human(lim)} committed, {human(held)} used): it grows when an agent is admitted "
+                    "and the host has room; `agentvm workspace prune --unused-for 7d` removes unused workspaces")
+        u.pool = info
     if use > WARN_USE:
         u.warnings.append(
             f"the filesystem holding {home_ws} is {use:.0%} full ({human(free)} free; workspaces: "
-            f"{count}, {human(committed)} committed, {human(used)} used): new workspaces will be refused "
+            f"{u.count}, {human(u.committed)} committed, {human(u.used)} used): new workspaces will be refused "
             "when it is full - `agentvm workspace ls` lists them, `agentvm workspace prune --unused-for 7d` "
             "removes the unused ones")
     return u

@@ -1,0 +1,603 @@
+"""The workspace pool: one filesystem for every named agent's workspace, a quota per agent.
+
+One btrfs filesystem in one image, ``<home>/workspaces/.pool.img``, loop-mounted once at
+``<runtime>/ws/.pool`` (one loop device in all). Each agent's workspace is a subvolume
+``<runtime>/ws/.pool/NAME`` with a qgroup limit of its ``limits.disk``: writing past it gives
+the agent ``EDQUOT`` inside, and no other agent notices. A workspace costs what it holds (thin),
+while every byte an admitted running agent may still write is reserved on the host:
+
+- the image is ``fallocate``d in full (never sparse: a full host could otherwise eat writes the
+  agent was told are saved), and grown (``fallocate`` first, then the loop device's capacity,
+  then an online resize) when an agent is admitted and the pool's free space is short;
+- the admission rule (:meth:`Pool.admit`): the sum over running agents (this one included) of
+  what each may still write (limit - used) must fit in the pool's free space times the
+  operator's overcommit factor (``AGENTVM_WORKSPACE_OVERCOMMIT``, default 1: no overcommit, so
+  a running agent never meets a full pool); past it, ``start``/``run`` is refused with the
+  numbers (``workspace.overcommit``). The pool grows up to ``AGENTVM_WORKSPACE_POOL`` (default:
+  whatever the host can give while keeping :data:`HOST_RESERVE` free for the daemon's state
+  and audit).
+
+Why btrfs and not ext4/XFS project quotas: the kernel this was built on has neither
+(``CONFIG_QFMT_V2`` and ``CONFIG_XFS_QUOTA`` are off: an ext4 with the ``quota`` feature does
+not even mount), while btrfs quota groups are part of btrfs. See docs/workspaces.md.
+
+Locks: ``<home>/workspaces/.pool.lock`` is held shared by every user of the mounted pool (a
+running sandbox, a listing) - the runtime's stale-mount sweep takes it exclusively before it
+unmounts an idle pool; ``<runtime>/wspool.admit`` (exclusive) orders mounting, admission,
+growth and removal. An empty pool is removed (a host without workspaces reserves nothing).
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import struct
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from agentvm.errors import ConfigError, LaunchError, PolicyDenied
+
+POOL = ".pool"  # not an agent name (names start with a letter or digit)
+INITIAL = 256 << 20  # btrfs wants ~114M at least; grown on demand
+STEP = 256 << 20  # growth is rounded up to this
+SLACK = 32 << 20  # metadata: kept free beyond what the admitted agents may write
+HOST_RESERVE_MIN = 2 << 30  # never grow the pool into the host's last 2 GiB or 5%: the daemon's state and audit
+HOST_RESERVE_FRAC = 0.05
+LOCK_WAIT = 30.0
+
+_MKFS = ("/usr/sbin/mkfs.btrfs", "/sbin/mkfs.btrfs", "/usr/bin/mkfs.btrfs", "/bin/mkfs.btrfs")
+
+# btrfs ioctls (include/uapi/linux/btrfs.h)
+_SUBVOL_CREATE = 0x5000940E  # _IOW(0x94, 14, struct btrfs_ioctl_vol_args)
+_SNAP_DESTROY = 0x5000940F  # _IOW(0x94, 15, struct btrfs_ioctl_vol_args)
+_RESIZE = 0x50009403  # _IOW(0x94, 3, struct btrfs_ioctl_vol_args)
+_INO_LOOKUP = 0xD0009412  # _IOWR(0x94, 18, struct btrfs_ioctl_ino_lookup_args)
+_FS_INFO = 0x8400941F  # _IOR(0x94, 31, struct btrfs_ioctl_fs_info_args)
+_QUOTA_CTL = 0xC0109428  # _IOWR(0x94, 40, struct btrfs_ioctl_quota_ctl_args)
+_QGROUP_LIMIT = 0x8030942B  # _IOR(0x94, 43, struct btrfs_ioctl_qgroup_limit_args)
+_QUOTA_ENABLE, _QUOTA_ENABLE_SIMPLE = 1, 4
+_LIMIT_MAX_RFER = 1
+_LOOP_SET_CAPACITY = 0x4C07
+
+
+def _vol_args(name: str = "") -> bytearray:
+    b = bytearray(4096)
+    raw = name.encode()
+    b[8:8 + len(raw)] = raw
+    return b
+
+
+def mkfs() -> str | None:
+    return next((p for p in _MKFS if os.path.exists(p)), None)
+
+
+def _filesystems() -> str:
+    try:
+        with open("/proc/filesystems") as fh:
+            return fh.read()
+    except OSError:
+        return ""
+
+
+def supported() -> tuple[bool, str]:
+    """Whether this host can run the pool (root, btrfs in the kernel, mkfs.btrfs, loop devices)."""
+    if os.geteuid() != 0:
+        return False, "mounting the workspace pool needs root"
+    if "\tbtrfs" not in _filesystems():
+        return False, "the kernel has no btrfs (modprobe btrfs, or AGENTVM_WORKSPACE_BACKEND=image)"
+    if mkfs() is None:
+        return False, "mkfs.btrfs missing (apt-get install -y btrfs-progs)"
+    if not os.path.exists("/dev/loop-control"):
+        return False, "no /dev/loop-control (loop devices unavailable)"
+    return True, "btrfs pool with a quota group per agent (one loop device in all)"
+
+
+def project_quota_route() -> str:
+    """Why the filesystem holding the workspaces is not used directly with project quotas
+    (ext4/XFS ``prjquota``): what ``doctor`` says about the route not taken."""
+    cfg = ""
+    try:
+        import gzip
+
+        with gzip.open("/proc/config.gz", "rt") as fh:
+            cfg = fh.read()
+    except OSError:
+        pass
+    missing = [o for o in ("CONFIG_QFMT_V2", "CONFIG_XFS_QUOTA") if cfg and f"{o}=y" not in cfg]
+    if missing:
+        return f"ext4/XFS project quotas: the kernel lacks {' and '.join(missing)}"
+    return "ext4/XFS project quotas on the home filesystem: not implemented yet (the pool is used)"
+
+
+def overcommit() -> float:
+    raw = os.environ.get("AGENTVM_WORKSPACE_OVERCOMMIT", "1")
+    try:
+        f = float(raw)
+    except ValueError:
+        f = -1.0
+    if not f >= 1.0:
+        raise ConfigError(f"AGENTVM_WORKSPACE_OVERCOMMIT={raw!r}: a factor of at least 1 (1: no overcommit)",
+                          hint="e.g. AGENTVM_WORKSPACE_OVERCOMMIT=2 lets running agents' limits be twice the pool's free space")
+    return f
+
+
+def max_size() -> int | None:
+    """``AGENTVM_WORKSPACE_POOL``: the most the pool may reserve on the host (None: as much as the
+    host can give above its reserve)."""
+    raw = os.environ.get("AGENTVM_WORKSPACE_POOL", "").strip()
+    if not raw or raw == "auto":
+        return None
+    from agentvm.units import parse_size
+
+    try:
+        n = parse_size(raw)
+    except Exception:  # noqa: BLE001
+        n = 0
+    if n < INITIAL:
+        raise ConfigError(f"AGENTVM_WORKSPACE_POOL={raw!r}: a size of at least {INITIAL >> 20}M (e.g. 64G)")
+    return n
+
+
+def human(n: int) -> str:
+    for unit, mult in (("T", 1 << 40), ("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if abs(n) >= mult:
+            return f"{n / mult:.1f}{unit}"
+    return f"{n}B"
+
+
+def _mountinfo() -> dict[str, str]:
+    """mount point -> source device."""
+    out: dict[str, str] = {}
+    try:
+        with open("/proc/self/mountinfo") as fh:
+            for line in fh:
+                left, _, right = line.partition(" - ")
+                f = right.split()
+                out[left.split()[4]] = f[1] if len(f) > 1 else ""
+    except OSError:
+        pass
+    return out
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        a, b = os.fstat(fd), os.stat(path)
+    except FileNotFoundError:
+        return False
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+
+def _flock(path: Path, mode: int, *, wait: float = LOCK_WAIT, what: str = "") -> int:
+    """Open ``path`` (created) and flock it; retried until ``wait`` (0: once). The file is
+    re-checked after the lock is taken (a remover unlinks it while holding it)."""
+    deadline = time.monotonic() + wait
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, mode | fcntl.LOCK_NB)
+        except OSError as exc:
+            os.close(fd)
+            if exc.errno not in (errno.EAGAIN, errno.EACCES):
+                raise
+            if time.monotonic() >= deadline:
+                raise LaunchError("workspace", f"the workspace pool is busy ({what or path}) for {wait:.0f} s") from None
+            time.sleep(0.02)
+            continue
+        if _same_file(fd, path):
+            return fd
+        os.close(fd)
+
+
+@dataclass
+class Entry:
+    name: str
+    limit: int  # the quota group's max referenced (0: none)
+    used: int  # referenced bytes
+    last_use: float
+    subvol: int
+
+
+class Pool:
+    def __init__(self, home_ws: Path, runtime: Path) -> None:
+        self.home_ws = Path(home_ws)
+        self.runtime = Path(runtime)
+        self.img = self.home_ws / f"{POOL}.img"
+        self.lock = self.home_ws / f"{POOL}.lock"
+        self.mnt = self.runtime / "ws" / POOL
+        self.admit_lock = self.runtime / "wspool.admit"
+
+    # ------------------------------------------------------------------ state
+    def exists(self) -> bool:
+        return self.img.exists()
+
+    def mounted(self) -> bool:
+        return str(self.mnt) in _mountinfo()
+
+    def loop_device(self) -> str | None:
+        src = _mountinfo().get(str(self.mnt))
+        return src if src and src.startswith("/dev/loop") else None
+
+    def path(self, name: str) -> Path:
+        return self.mnt / name
+
+    # ------------------------------------------------------------------ locks
+    def hold(self) -> int:
+        """Shared hold on the mounted pool (the runtime's sweep does not unmount it meanwhile)."""
+        self.home_ws.mkdir(parents=True, exist_ok=True)
+        return _flock(self.lock, fcntl.LOCK_SH, what="being unmounted or removed")
+
+    def admitting(self) -> int:
+        self.runtime.mkdir(parents=True, exist_ok=True)
+        return _flock(self.admit_lock, fcntl.LOCK_EX, what="another agent is being admitted")
+
+    # ------------------------------------------------------------------ mount / create
+    def ensure(self, *, create: bool) -> bool:
+        """Mount the pool (creating it when ``create``); call with :meth:`hold` and
+        :meth:`admitting` held. False: there is no pool (and ``create`` was not asked)."""
+        if self.mounted():
+            return True
+        if not self.img.exists():
+            if not create:
+                return False
+            self._create()
+        self.mnt.mkdir(parents=True, exist_ok=True)
+        os.chmod(self.mnt.parent, 0o711)
+        try:
+            r = subprocess.run(["mount", "-t", "btrfs", "-o", "loop,nodev,nosuid,noatime,nodiscard",
+                                str(self.img), str(self.mnt)], capture_output=True, text=True, timeout=60)
+        except subprocess.TimeoutExpired:
+            raise LaunchError("workspace", f"mounting the workspace pool {self.img} did not finish in 60 s") from None
+        if r.returncode != 0:
+            raise LaunchError("workspace", f"cannot mount the workspace pool {self.img}: {r.stderr.strip()}",
+                              hint="check it with `btrfs check --readonly` " + str(self.img))
+        os.chmod(self.mnt, 0o711)
+        return True
+
+    def _create(self) -> None:
+        tmp = self.img.with_name(f"{POOL}.img.tmp")
+        self.home_ws.mkdir(parents=True, exist_ok=True)
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        try:
+            _reserve_fd(fd, INITIAL, self.home_ws)
+        finally:
+            os.close(fd)
+        # -K: no discard (it would punch holes in the reservation); quotas are enabled once mounted
+        r = subprocess.run([mkfs() or "mkfs.btrfs", "-q", "-f", "-K", "-L", "agentvm-ws", str(tmp)],
+                           capture_output=True, text=True, timeout=120)
+        if r.returncode != 0:
+            tmp.unlink(missing_ok=True)
+            raise LaunchError("workspace", f"mkfs.btrfs failed: {r.stderr.strip()}")
+        mnt = self.mnt
+        mnt.mkdir(parents=True, exist_ok=True)
+        os.chmod(mnt.parent, 0o711)
+        r = subprocess.run(["mount", "-t", "btrfs", "-o", "loop,nodev,nosuid,noatime,nodiscard", str(tmp), str(mnt)],
+                           capture_output=True, text=True, timeout=60)
+        if r.returncode != 0:
+            tmp.unlink(missing_ok=True)
+            raise LaunchError("workspace", f"cannot mount the new workspace pool: {r.stderr.strip()}")
+        try:
+            fd = os.open(mnt, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            try:
+                try:  # simple quotas (kernel >= 6.7): cheaper accounting; else full quota groups
+                    fcntl.ioctl(fd, _QUOTA_CTL, struct.pack("QQ", _QUOTA_ENABLE_SIMPLE, 0))
+                except OSError:
+                    fcntl.ioctl(fd, _QUOTA_CTL, struct.pack("QQ", _QUOTA_ENABLE, 0))
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            subprocess.run(["umount", str(mnt)], capture_output=True)
+            tmp.unlink(missing_ok=True)
+            raise LaunchError("workspace", f"cannot enable quotas on the workspace pool: {exc.strerror}") from None
+        subprocess.run(["umount", str(mnt)], capture_output=True, timeout=60)
+        os.replace(tmp, self.img)
+
+    def quota_mode(self) -> str:
+        try:
+            return Path(f"/sys/fs/btrfs/{self._fsid()}/qgroups/mode").read_text().strip()
+        except OSError:
+            return "?"
+
+    # ------------------------------------------------------------------ workspaces
+    def names(self) -> list[str]:
+        from agentvm.workspace import _NAME_RE
+
+        try:
+            return sorted(n for n in os.listdir(self.mnt) if _NAME_RE.match(n))
+        except OSError:
+            return []
+
+    def create(self, name: str, uid: int, gid: int) -> Path:
+        p = self.path(name)
+        if not p.exists():
+            fd = os.open(self.mnt, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            try:
+                fcntl.ioctl(fd, _SUBVOL_CREATE, _vol_args(name))
+            except OSError as exc:
+                raise LaunchError("workspace", f"cannot create the workspace {name!r} in the pool: {exc.strerror}") from None
+            finally:
+                os.close(fd)
+        os.chown(p, uid, gid)
+        os.chmod(p, 0o700)
+        return p
+
+    def set_limit(self, name: str, limit: int) -> None:
+        fd = os.open(self.path(name), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:  # qgroupid 0: the subvolume of this fd
+            fcntl.ioctl(fd, _QGROUP_LIMIT, struct.pack("QQQQQQ", 0, _LIMIT_MAX_RFER, limit, 0, 0, 0))
+        except OSError as exc:
+            raise LaunchError("workspace", f"cannot set the disk limit of workspace {name!r}: {exc.strerror}") from None
+        finally:
+            os.close(fd)
+
+    def destroy(self, name: str) -> None:
+        fd = os.open(self.mnt, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:  # the kernel drops its quota group once the subvolume is cleaned (a commit or two later)
+            fcntl.ioctl(fd, _SNAP_DESTROY, _vol_args(name))
+        except OSError as exc:
+            if exc.errno != errno.ENOENT:
+                raise
+        finally:
+            os.close(fd)
+
+    def subvol_id(self, name: str) -> int:
+        fd = os.open(self.path(name), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            buf = bytearray(4096)
+            struct.pack_into("QQ", buf, 0, 0, 256)
+            fcntl.ioctl(fd, _INO_LOOKUP, buf)
+            return struct.unpack_from("Q", buf, 0)[0]
+        finally:
+            os.close(fd)
+
+    def _fsid(self) -> str:
+        fd = os.open(self.mnt, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            buf = bytearray(1024)
+            fcntl.ioctl(fd, _FS_INFO, buf)
+            h = bytes(buf[16:32]).hex()
+            return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
+        finally:
+            os.close(fd)
+
+    def entries(self) -> list[Entry]:
+        """Every workspace in the (mounted) pool: its limit and use, from sysfs (no lock)."""
+        out = []
+        try:
+            q = Path(f"/sys/fs/btrfs/{self._fsid()}/qgroups")
+        except OSError:
+            return out
+        for n in self.names():
+            try:
+                sid = self.subvol_id(n)
+                st = os.stat(self.path(n))
+            except OSError:
+                continue
+            d = q / f"0_{sid}"
+            out.append(Entry(n, _int(d / "max_referenced"), _int(d / "referenced"), st.st_mtime, sid))
+        return out
+
+    def entry(self, name: str) -> Entry | None:
+        try:
+            sid = self.subvol_id(name)
+            st = os.stat(self.path(name))
+            d = Path(f"/sys/fs/btrfs/{self._fsid()}/qgroups/0_{sid}")
+        except OSError:
+            return None
+        return Entry(name, _int(d / "max_referenced"), _int(d / "referenced"), st.st_mtime, sid)
+
+    def totals(self) -> tuple[int, int, int]:
+        """(workspaces, the sum of their limits, the sum of their use): the quota groups in sysfs,
+        without a lookup per workspace (a subvolume removed moments ago may still count)."""
+        n = len(self.names())
+        lim = used = 0
+        try:
+            q = Path(f"/sys/fs/btrfs/{self._fsid()}/qgroups")
+            groups = os.listdir(q)
+        except OSError:
+            return n, 0, 0
+        for g in groups:
+            if g.startswith("0_") and g != "0_5":
+                lim += _int(q / g / "max_referenced")
+                used += _int(q / g / "referenced")
+        return n, lim, used
+
+    @classmethod
+    def located(cls, home_ws: Path) -> "Pool | None":
+        """The pool of ``home_ws`` where it is mounted now (else at its default place); None: none."""
+        img = Path(home_ws) / f"{POOL}.img"
+        if not img.exists():
+            return None
+        return cls(Path(home_ws), runtime_for(Path(home_ws)))
+
+    # ------------------------------------------------------------------ space
+    def space(self) -> tuple[int, int]:
+        """(size, free) of the pool's filesystem."""
+        v = os.statvfs(self.mnt)
+        return v.f_blocks * v.f_frsize, v.f_bavail * v.f_frsize
+
+    def host_room(self) -> tuple[int, int, int]:
+        """(bytes the pool may still grow by, host free, host reserve)."""
+        v = os.statvfs(self.home_ws)
+        free = v.f_bavail * v.f_frsize
+        reserve = max(HOST_RESERVE_MIN, int(v.f_blocks * v.f_frsize * HOST_RESERVE_FRAC))
+        room = max(0, free - reserve)
+        cap = max_size()
+        if cap is not None:
+            room = min(room, max(0, cap - self.img.stat().st_size))
+        return room, free, reserve
+
+    def grow(self, by: int) -> None:
+        """Reserve ``by`` more bytes on the host, then hand them to the filesystem (online)."""
+        by = -(-by // STEP) * STEP
+        size = self.img.stat().st_size
+        fd = os.open(self.img, os.O_RDWR | os.O_CLOEXEC)
+        try:
+            _reserve_fd(fd, size + by, self.home_ws)
+        finally:
+            os.close(fd)
+        dev = self.loop_device()
+        if dev is None:
+            raise LaunchError("workspace", "the workspace pool is not mounted on a loop device: cannot grow it")
+        lfd = os.open(dev, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            fcntl.ioctl(lfd, _LOOP_SET_CAPACITY, 0)
+        finally:
+            os.close(lfd)
+        mfd = os.open(self.mnt, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            fcntl.ioctl(mfd, _RESIZE, _vol_args("max"))
+        except OSError as exc:
+            raise LaunchError("workspace", f"cannot grow the workspace pool: {exc.strerror}") from None
+        finally:
+            os.close(mfd)
+
+    def admit(self, name: str, limit: int, running: set[str]) -> dict:
+        """The admission rule, under :meth:`admitting`. ``running``: the names of the agents whose
+        sandbox runs (this one included). Grows the pool when that makes room; refuses with the
+        numbers otherwise. Returns the numbers it decided on."""
+        factor = overcommit()
+        headroom, n = 0, 0
+        for r in running | {name}:
+            e = self.entry(r)
+            lim = limit if r == name else (e.limit if e else 0)
+            used = e.used if e else 0
+            if lim:
+                headroom += max(0, lim - used)
+                n += 1
+        need = int(headroom / factor) + SLACK
+        size, free = self.space()
+        grown = 0
+        if free < need:
+            room, host_free, reserve = self.host_room()
+            want = -(-(need - free) // STEP) * STEP
+            if want <= room:
+                try:
+                    self.grow(want)
+                    grown = want
+                except LaunchError:
+                    pass
+                size, free = self.space()
+            if free < need:
+                cap = max_size()
+                raise PolicyDenied(
+                    f"workspace admission refused for {name!r}: the {n} running agent(s) with a workspace, this one "
+                    f"included, may still write {human(headroom)} (limits minus use); with overcommit factor "
+                    f"{factor:g} that needs {human(need)} free in the workspace pool (with {human(SLACK)} for "
+                    f"metadata), and the pool has {human(free)} free of {human(size)}; it can grow by {human(room)} "
+                    f"(host: {human(host_free)} free, {human(reserve)} kept for the daemon's state"
+                    + (f", pool capped at {human(cap)} by AGENTVM_WORKSPACE_POOL" if cap else "") + ")",
+                    hint="stop an agent, lower limits.disk, free host disk, raise AGENTVM_WORKSPACE_POOL, or allow "
+                         "overcommit (AGENTVM_WORKSPACE_OVERCOMMIT=2: a full pool then fails the writing agent)",
+                    code="workspace.overcommit")
+        return {"running": n, "headroom": headroom, "factor": factor, "pool_size": size, "pool_free": free,
+                "grown": grown}
+
+    # ------------------------------------------------------------------ removal
+    def remove_if_empty(self) -> bool:
+        """Unmount and delete the pool when it holds no workspace and nobody holds it.
+        Call without :meth:`hold`; takes :meth:`admitting`."""
+        afd = self.admitting()
+        try:
+            try:
+                fd = _flock(self.lock, fcntl.LOCK_EX, wait=0)
+            except LaunchError:
+                return False  # in use
+            try:
+                if self.mounted():
+                    if self.names():
+                        return False
+                    r = subprocess.run(["umount", str(self.mnt)], capture_output=True, text=True, timeout=60)
+                    if r.returncode != 0:
+                        return False
+                    try:
+                        self.mnt.rmdir()
+                    except OSError:
+                        pass
+                elif self.img.exists() and not self._empty_offline():
+                    return False
+                self.img.unlink(missing_ok=True)
+                self.lock.unlink(missing_ok=True)
+                return True
+            finally:
+                os.close(fd)
+        finally:
+            os.close(afd)
+
+    def _empty_offline(self) -> bool:
+        """An unmounted pool: mount it to look (it is removed only when empty)."""
+        try:
+            self.ensure(create=False)
+        except LaunchError:
+            return False
+        empty = not self.names()
+        subprocess.run(["umount", str(self.mnt)], capture_output=True, timeout=60)
+        return empty
+
+    def teardown(self) -> None:
+        """Unmount (lazily if busy) and delete the whole pool, whatever it holds: tests and benches."""
+        if self.mounted():
+            r = subprocess.run(["umount", str(self.mnt)], capture_output=True)
+            if r.returncode != 0:
+                subprocess.run(["umount", "-l", str(self.mnt)], capture_output=True)
+        self.img.unlink(missing_ok=True)
+        self.img.with_name(f"{POOL}.img.tmp").unlink(missing_ok=True)
+        self.lock.unlink(missing_ok=True)
+
+
+def _mounted_at(img: Path) -> Path | None:
+    """Where the image is mounted (through the loop device that backs it), if it is."""
+    devs = set()
+    try:
+        for n in os.listdir("/sys/block"):
+            if n.startswith("loop"):
+                try:
+                    b = Path(f"/sys/block/{n}/loop/backing_file").read_text().strip()
+                except OSError:
+                    continue
+                if b.removesuffix(" (deleted)") == str(img):
+                    devs.add(f"/dev/{n}")
+    except OSError:
+        return None
+    for mnt, src in _mountinfo().items():
+        if src in devs and mnt.endswith(f"/ws/{POOL}"):
+            return Path(mnt)
+    return None
+
+
+def runtime_for(home_ws: Path) -> Path:
+    """The runtime directory whose ``ws/.pool`` mounts this home's pool: where it is mounted
+    now, else this installation's (``default_paths``) when it is the same home, else
+    ``<home>/run`` (as ``AGENTVM_HOME`` without ``AGENTVM_RUNTIME_DIR`` has it)."""
+    at = _mounted_at(Path(home_ws) / f"{POOL}.img")
+    if at is not None:
+        return at.parent.parent
+    from agentvm.paths import default_paths
+
+    d = default_paths()
+    if Path(d.workspaces) == Path(home_ws):
+        return Path(d.runtime)
+    return Path(home_ws).parent / "run"
+
+
+def _int(p: Path) -> int:
+    try:
+        return int(p.read_text().strip())
+    except (OSError, ValueError):
+        return 0
+
+
+def _reserve_fd(fd: int, size: int, where: Path) -> None:
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        v = os.statvfs(where)
+        raise LaunchError(
+            "workspace",
+            f"the workspace pool needs {human(size)} reserved on the host and the filesystem holding {where} has "
+            f"{human(v.f_bavail * v.f_frsize)} free: refusing rather than overcommit the host",
+            hint="free space on that filesystem or move AGENTVM_HOME to a larger one") from None
