@@ -103,7 +103,9 @@ class Mount(_Model):
 
     host: str = Field(description="Absolute host path to grant.")
     path: str = Field(description="Absolute path inside the sandbox.")
-    mode: Literal["ro", "rw"] = Field("ro", description="Read-only (default) or read-write.")
+    mode: Literal["ro", "rw", "review"] = Field(
+        "ro", description="Read-only (default), read-write, or review: edited as rw, but the writes land in a layer "
+        "outside the folder until `agentvm accept` (bwrap substrate; see docs/concepts.md).")
     writable_trusted: list[str] = Field(
         default_factory=list,
         description="In an rw grant, host-trusted names the agent may change (e.g. '.git/config'); "
