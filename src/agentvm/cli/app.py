@@ -55,6 +55,8 @@ _COMMANDS: dict[str, str] = {
     "reviews": "agentvm.cli.review_cmds:reviews",
     "e2b": "agentvm.cli.e2b_cmds:e2b",
     "template": "agentvm.cli.template_cmds:template",
+    "gateway": "agentvm.cli.gateway_cmds:gateway",
+    "k8s": "agentvm.cli.k8s_cmds:k8s",
 }
 
 

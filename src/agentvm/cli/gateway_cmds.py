@@ -1,0 +1,105 @@
+"""``agentvm gateway init|mint|serve|revoke|verify``: the gate as a shared egress gateway
+(docs/scale-out.md)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from pathlib import Path
+
+import click
+
+
+@click.group()
+def gateway() -> None:
+    """The gate as a shared egress gateway: many sandboxes over mTLS (docs/scale-out.md)."""
+
+
+@gateway.command("init")
+@click.option("--dir", "ca_dir", required=True, type=click.Path(path_type=Path), help="Where the CA is made.")
+@click.option("--name", "names", multiple=True, help="A DNS name or IP of the gateway (repeat; default localhost, 127.0.0.1).")
+def init(ca_dir: Path, names: tuple[str, ...]) -> None:
+    """Make the gateway's CA and its server certificate."""
+    from agentvm.gateway.ca import GatewayCA
+
+    ca = GatewayCA.create(ca_dir, server_names=names or ("localhost", "127.0.0.1"))
+    click.echo(f"gateway CA in {ca.directory} (ca.pem, server.pem; keys 0600)")
+
+
+@gateway.command("mint")
+@click.argument("identity")
+@click.option("--dir", "ca_dir", required=True, type=click.Path(path_type=Path), help="The gateway's CA directory.")
+@click.option("--out", required=True, type=click.Path(path_type=Path), help="Writes tls.crt, tls.key, ca.crt here.")
+@click.option("--ttl", default=3600.0, show_default=True, type=float, help="Lifetime in seconds.")
+def mint(identity: str, ca_dir: Path, out: Path, ttl: float) -> None:
+    """Mint a client certificate for IDENTITY (agentvm://NAMESPACE/SANDBOX or NAMESPACE/SANDBOX)."""
+    from agentvm.gateway.ca import GatewayCA
+    from agentvm.gateway.identity import Identity
+
+    ca = GatewayCA.load(ca_dir)
+    m = ca.mint(Identity.parse(identity), lifetime=ttl)
+    ca.write_client(m, out)
+    click.echo(json.dumps({"identity": m.identity.uri, "serial": m.serial_hex, "not_after": m.not_after.isoformat(),
+                           "dir": str(out)}))
+
+
+@gateway.command("serve")
+@click.option("--config", "config_dir", required=True, type=click.Path(path_type=Path),
+              help="The configuration source (gateway.yaml and agent files).")
+@click.option("--ca", "ca_dir", required=True, type=click.Path(path_type=Path), help="The gateway's CA directory.")
+@click.option("--listen", default="127.0.0.1:8443", show_default=True, help="HOST:PORT to listen on.")
+@click.option("--state", "state_dir", default=None, type=click.Path(path_type=Path),
+              help="This replica's own state (decision logs, the interception CA); default $AGENTVM_HOME/gateway.")
+@click.option("--audit", "audit_dir", default=None, type=click.Path(path_type=Path), help="The shared audit sink.")
+@click.option("--replica", default=None, help="This replica's name in the audit sink (default: the host name).")
+@click.option("--vault", "vault_dir", default=None, type=click.Path(path_type=Path), help="A vault for vault: references.")
+def serve(config_dir: Path, ca_dir: Path, listen: str, state_dir: Path | None, audit_dir: Path | None,
+          replica: str | None, vault_dir: Path | None) -> None:
+    """Serve sandboxes identified by their client certificates until stopped."""
+    from agentvm.errors import ConfigError
+    from agentvm.gate.server import run
+    from agentvm.gateway.server import serve as serve_gateway
+
+    host, sep, port = listen.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ConfigError(f"--listen {listen!r} is not HOST:PORT")
+    if state_dir is None:
+        state_dir = Path(os.environ.get("AGENTVM_HOME", Path.home() / ".agentvm")) / "gateway"
+
+    def ready(addr, _gate) -> None:
+        click.echo(f"gateway listening on {addr[0]}:{addr[1]}", err=True)
+
+    run(serve_gateway(config_dir, ca_dir, host.strip("[]") or "0.0.0.0", int(port), state_dir=state_dir,
+                      audit_dir=audit_dir, replica=replica or socket.gethostname(), vault_dir=vault_dir, ready=ready))
+
+
+@gateway.command("revoke")
+@click.option("--config", "config_dir", required=True, type=click.Path(path_type=Path))
+@click.option("--identity", "identities", multiple=True, help="agentvm://NAMESPACE/SANDBOX (repeat).")
+@click.option("--serial", "serials", multiple=True, help="A certificate serial number, hex (repeat).")
+@click.option("--credential", "credentials", multiple=True, help="A credential name, for every sandbox (repeat).")
+def revoke(config_dir: Path, identities, serials, credentials) -> None:
+    """Revoke in the configuration source: every replica refuses on the next request."""
+    from agentvm.errors import ConfigError
+    from agentvm.gateway.config import edit_revocations
+
+    if not (identities or serials or credentials):
+        raise ConfigError("nothing to revoke", hint="--identity, --serial or --credential")
+    click.echo(json.dumps(edit_revocations(config_dir, identities=identities, serials=serials,
+                                           credentials=credentials)))
+
+
+@gateway.command("verify")
+@click.option("--audit", "audit_dir", required=True, type=click.Path(path_type=Path))
+@click.argument("identity")
+def verify(audit_dir: Path, identity: str) -> None:
+    """Verify a sandbox's chains in the audit sink (every replica's) and print the merged head."""
+    from agentvm.errors import AgentVMError
+    from agentvm.gateway.audit import verify as verify_chain
+    from agentvm.gateway.identity import Identity
+
+    v = verify_chain(audit_dir, Identity.parse(identity).key)
+    click.echo(json.dumps(v.__dict__))
+    if not v.ok:
+        raise AgentVMError(f"the audit chain of {identity} does not verify", code="audit.broken-chain")
