@@ -184,8 +184,9 @@ def parse_find(out: bytes) -> list[Entry]:
 class _DaemonProcess:
     """One exec through the daemon's streaming API, pumped from a thread into the loop."""
 
-    def __init__(self, backend: "DaemonBackend", name: str, argv: list[str], timeout: float | None):
+    def __init__(self, backend: "DaemonBackend", name: str, argv: list[str], timeout: float | None, stdin: bool):
         self.pid = 0
+        self._name, self._stdin = name, stdin
         self._queue: asyncio.Queue = asyncio.Queue()
         self._loop = asyncio.get_running_loop()
         self._started = asyncio.Event()
@@ -254,17 +255,50 @@ class _DaemonProcess:
                 return
 
     async def write_stdin(self, data: bytes) -> None:
-        raise Unsupported("stdin needs the daemon's exec stdin relay, which it does not have yet "
-                          "(start the command without stdin=True)")
+        if not self._stdin:
+            raise BackendFailure("invalid", "the process was not started with stdin=True")
+        for i in range(0, len(data), 48 * 1024):  # argv strings are bounded (MAX_ARG_STRLEN)
+            code, _, err = await self._backend._run(self._name, [
+                "/bin/sh", "-c", '[ -p "$1" ] || exit 3; printf %s "$2" | base64 -d > "$1"', "e2b-stdin",
+                f"{CTL_DIR}/{self.pid}/in", base64.b64encode(data[i:i + 48 * 1024]).decode()])
+            if code != 0:
+                raise BackendFailure("not-found", f"process {self.pid} is gone")
 
     async def close_stdin(self) -> None:
-        raise Unsupported("stdin needs the daemon's exec stdin relay, which it does not have yet")
+        if not self._stdin:
+            raise BackendFailure("invalid", "the process was not started with stdin=True")
+        await self._backend._control(self._name, self.pid, "close")
 
     async def resize(self, cols: int, rows: int) -> None:
         raise Unsupported("a pty needs the daemon's exec TTY relay, which it does not have yet")
 
 
-_WRAPPER = 'printf "\\036%s\\n" "$$" >&2; cd -- "$1" || exit 1; shift; exec "$@"'
+CTL_DIR = "/tmp/.agentvm-e2b"
+# The sandbox's own shell runs the command with a control FIFO beside it: signals and the end
+# of stdin are written there by later execs and carried out by a child of this shell (a later
+# exec is another Landlock domain and may not signal this one's processes itself). With stdin,
+# the command reads a FIFO that later execs write to.
+_WRAPPER = r"""
+d=/tmp/.agentvm-e2b/$$
+mkdir -p "$d" && mkfifo -m 600 "$d/ctl" || exit 126
+if [ "$2" = 1 ]; then mkfifo -m 600 "$d/in" || exit 126; fi
+printf '\036%s\n' "$$" >&2
+cd -- "$1" || exit 1
+if [ "$2" = 1 ]; then shift 2; "$@" < "$d/in" & c=$!; else shift 2; "$@" < /dev/null & c=$!; fi
+(
+  exec 3<>"$d/ctl"
+  if [ -p "$d/in" ]; then exec 4<>"$d/in"; fi
+  while read -r op arg <&3; do
+    case "$op" in
+      sig) pkill -"$arg" -P "$c" 2>/dev/null; kill -"$arg" "$c" 2>/dev/null ;;
+      close) exec 4>&- ;;
+    esac
+  done
+) & w=$!
+wait "$c"; rc=$?
+kill "$w" 2>/dev/null; rm -rf "$d"
+exit "$rc"
+"""
 
 
 class DaemonBackend:
@@ -328,16 +362,14 @@ class DaemonBackend:
 
     # -- processes --------------------------------------------------------------------------
     async def exec(self, name: str, spec: ExecSpec) -> _DaemonProcess:
-        if spec.stdin:
-            raise Unsupported("stdin=True needs the daemon's exec stdin relay, which it does not have yet")
         if spec.pty is not None:
             raise Unsupported("a pty needs the daemon's exec TTY relay, which it does not have yet")
         check_env(spec.env)
-        argv = ["/bin/sh", "-c", _WRAPPER, "e2b-exec", spec.cwd or "."]
+        argv = ["/bin/sh", "-c", _WRAPPER, "e2b-exec", spec.cwd or ".", "1" if spec.stdin else "0"]
         if spec.env:
             argv += ["/usr/bin/env", *[f"{k}={v}" for k, v in spec.env.items()]]
         argv += spec.argv
-        proc = _DaemonProcess(self, name, argv, spec.timeout)
+        proc = _DaemonProcess(self, name, argv, spec.timeout, spec.stdin)
         await proc.wait_started()
         return proc
 
@@ -362,13 +394,14 @@ class DaemonBackend:
             raise BackendFailure(_errkind(msg), msg)
         return out
 
-    async def signal(self, name: str, pid: int, sig: int) -> None:
-        if pid <= 1:
-            raise BackendFailure("not-found", f"process {pid} not found")
-        code, _, err = await self._run(name, ["/bin/sh", "-c", 'pkill -"$1" -P "$2" 2>/dev/null; kill -"$1" "$2"',
-                                              "e2b-signal", str(int(sig)), str(int(pid))])
+    async def _control(self, name: str, pid: int, op: str) -> None:
+        code, _, _ = await self._run(name, ["/bin/sh", "-c", '[ -p "$1" ] || exit 3; echo "$2" > "$1"', "e2b-control",
+                                            f"{CTL_DIR}/{int(pid)}/ctl", op])
         if code != 0:
             raise BackendFailure("not-found", f"process {pid} not found")
+
+    async def signal(self, name: str, pid: int, sig: int) -> None:
+        await self._control(name, pid, f"sig {int(sig)}")
 
     # -- files --------------------------------------------------------------------------------
     async def read_file(self, name: str, path: str) -> bytes:

@@ -37,7 +37,7 @@ def _fail(exc: BackendFailure) -> ConnectError:
 
 
 def _box(svc: "E2BService", ctx) -> "Box":
-    h = ctx.request_headers()
+    h = ctx.request_headers
     box = svc.envd_box(h.get("e2b-sandbox-id"), h.get("x-access-token"))
     if box is None or box.state != "running":
         raise ConnectError(Code.UNAVAILABLE, f"The sandbox {h.get('e2b-sandbox-id')!r} was not found")
@@ -46,7 +46,7 @@ def _box(svc: "E2BService", ctx) -> "Box":
 
 def _keepalive(ctx) -> float:
     try:
-        return min(max(float(ctx.request_headers().get("keepalive-ping-interval") or 50), 5.0), 300.0)
+        return min(max(float(ctx.request_headers.get("keepalive-ping-interval") or 50), 5.0), 300.0)
     except ValueError:
         return 50.0
 
@@ -221,7 +221,7 @@ def _user(ctx) -> str:
     agent uid whatever is asked: there is no root in an agent-vm sandbox."""
     import base64
 
-    auth = ctx.request_headers().get("authorization") or ""
+    auth = ctx.request_headers.get("authorization") or ""
     if auth.lower().startswith("basic "):
         try:
             return base64.b64decode(auth[6:]).decode().partition(":")[0]
