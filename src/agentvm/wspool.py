@@ -58,6 +58,9 @@ _INO_LOOKUP = 0xD0009412  # _IOWR(0x94, 18, struct btrfs_ioctl_ino_lookup_args)
 _FS_INFO = 0x8400941F  # _IOR(0x94, 31, struct btrfs_ioctl_fs_info_args)
 _QUOTA_CTL = 0xC0109428  # _IOWR(0x94, 40, struct btrfs_ioctl_quota_ctl_args)
 _QGROUP_LIMIT = 0x8030942B  # _IOR(0x94, 43, struct btrfs_ioctl_qgroup_limit_args)
+_QGROUP_CREATE = 0x4010942A  # _IOW(0x94, 42, struct btrfs_ioctl_qgroup_create_args)
+_QGROUP_ASSIGN = 0x40189429  # _IOW(0x94, 41, struct btrfs_ioctl_qgroup_assign_args)
+_LEVEL1 = 1 << 48  # qgroup id 1/N: the agent's group, holding its subvolume and any it creates inside
 _QUOTA_ENABLE, _QUOTA_ENABLE_SIMPLE = 1, 4
 _LIMIT_MAX_RFER = 1
 _LOOP_SET_CAPACITY = 0x4C07
@@ -92,7 +95,19 @@ def supported() -> tuple[bool, str]:
         return False, "mkfs.btrfs missing (apt-get install -y btrfs-progs)"
     if not os.path.exists("/dev/loop-control"):
         return False, "no /dev/loop-control (loop devices unavailable)"
+    if _kernel() < (6, 7):
+        # simple quotas put a subvolume the agent creates inside its workspace in the agent's
+        # group; with full quota groups it would be a group of its own, outside the limit
+        return False, f"btrfs simple quotas need kernel 6.7 or later (this is {os.uname().release})"
     return True, "btrfs pool with a quota group per agent (one loop device in all)"
+
+
+def _kernel() -> tuple[int, int]:
+    try:
+        a, b = os.uname().release.split(".")[:2]
+        return int(a), int("".join(c for c in b if c.isdigit()) or 0)
+    except ValueError:
+        return (0, 0)
 
 
 def project_quota_route() -> str:
@@ -281,10 +296,9 @@ class Pool:
         try:
             fd = os.open(mnt, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
             try:
-                try:  # simple quotas (kernel >= 6.7): cheaper accounting; else full quota groups
-                    fcntl.ioctl(fd, _QUOTA_CTL, struct.pack("QQ", _QUOTA_ENABLE_SIMPLE, 0))
-                except OSError:
-                    fcntl.ioctl(fd, _QUOTA_CTL, struct.pack("QQ", _QUOTA_ENABLE, 0))
+                # simple quotas (kernel >= 6.7): a subvolume made inside a workspace joins the
+                # workspace's level-1 group, so it counts against the agent's limit
+                fcntl.ioctl(fd, _QUOTA_CTL, struct.pack("QQ", _QUOTA_ENABLE_SIMPLE, 0))
             finally:
                 os.close(fd)
         except OSError as exc:
@@ -319,31 +333,100 @@ class Pool:
                 raise LaunchError("workspace", f"cannot create the workspace {name!r} in the pool: {exc.strerror}") from None
             finally:
                 os.close(fd)
+        sid = self.subvol_id(name)
+        fd = os.open(self.mnt, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:  # the agent's group 1/sid: its subvolume, and any subvolume made inside (auto-inherited)
+            for req, args in ((_QGROUP_CREATE, struct.pack("QQ", 1, _LEVEL1 | sid)),
+                              (_QGROUP_ASSIGN, struct.pack("QQQ", 1, sid, _LEVEL1 | sid))):
+                try:
+                    fcntl.ioctl(fd, req, args)
+                except OSError as exc:
+                    if exc.errno != errno.EEXIST:  # (made by an earlier start that stopped half-way)
+                        raise LaunchError("workspace", f"cannot make the quota group of workspace {name!r}: "
+                                          f"{exc.strerror}") from None
+        finally:
+            os.close(fd)
         os.chown(p, uid, gid)
         os.chmod(p, 0o700)
         return p
 
     def set_limit(self, name: str, limit: int) -> None:
-        fd = os.open(self.path(name), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        try:  # qgroupid 0: the subvolume of this fd
-            fcntl.ioctl(fd, _QGROUP_LIMIT, struct.pack("QQQQQQ", 0, _LIMIT_MAX_RFER, limit, 0, 0, 0))
+        fd = os.open(self.mnt, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            sid = self.subvol_id(name)
+            fcntl.ioctl(fd, _QGROUP_LIMIT, struct.pack("QQQQQQ", _LEVEL1 | sid, _LIMIT_MAX_RFER, limit, 0, 0, 0))
         except OSError as exc:
             raise LaunchError("workspace", f"cannot set the disk limit of workspace {name!r}: {exc.strerror}") from None
         finally:
             os.close(fd)
 
+    def _nested(self, name: str) -> list[tuple[Path, int]]:
+        """Subvolumes the agent made inside its workspace, deepest first (path, subvolume id)."""
+        out: list[tuple[Path, int]] = []
+        top = self.path(name)
+        stack = [(str(top), 0)]
+        while stack:
+            d, depth = stack.pop()
+            try:
+                it = os.scandir(d)
+            except OSError:
+                continue
+            with it:
+                for e in it:
+                    try:
+                        if not e.is_dir(follow_symlinks=False):
+                            continue
+                        if e.stat(follow_symlinks=False).st_ino == 256:  # the root directory of a subvolume
+                            out.append((Path(e.path), depth + 1))
+                        stack.append((e.path, depth + 1))
+                    except OSError:
+                        continue
+        out.sort(key=lambda x: -x[1])
+        ids = []
+        for path, _depth in out:
+            try:
+                ids.append((path, self._subvol_id_at(path)))
+            except OSError:
+                continue
+        return ids
+
     def destroy(self, name: str) -> None:
+        """The workspace's subvolume (and any the agent made inside it) and its quota group."""
+        top = self.path(name)
+        if not top.exists():
+            return
+        sid = self.subvol_id(name)
         fd = os.open(self.mnt, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        try:  # the kernel drops its quota group once the subvolume is cleaned (a commit or two later)
-            fcntl.ioctl(fd, _SNAP_DESTROY, _vol_args(name))
-        except OSError as exc:
-            if exc.errno != errno.ENOENT:
-                raise
+        try:  # no limit first: deleting takes metadata, which a full group would refuse (EDQUOT)
+            fcntl.ioctl(fd, _QGROUP_LIMIT, struct.pack("QQQQQQ", _LEVEL1 | sid, _LIMIT_MAX_RFER, (1 << 64) - 1, 0, 0, 0))
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+        members = [sid]
+        for path, nid in self._nested(name):
+            members.append(nid)
+            _destroy_at(path)
+        _destroy_at(top)
+        fd = os.open(self.mnt, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:  # 0/N go by themselves once cleaned (a commit or two later); 1/sid is ours to remove
+            for m in members:
+                try:
+                    fcntl.ioctl(fd, _QGROUP_ASSIGN, struct.pack("QQQ", 0, m, _LEVEL1 | sid))
+                except OSError:
+                    pass
+            try:
+                fcntl.ioctl(fd, _QGROUP_CREATE, struct.pack("QQ", 0, _LEVEL1 | sid))
+            except OSError:
+                pass  # removed at the next sweep (stale_groups)
         finally:
             os.close(fd)
 
     def subvol_id(self, name: str) -> int:
-        fd = os.open(self.path(name), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        return self._subvol_id_at(self.path(name))
+
+    def _subvol_id_at(self, path: Path) -> int:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
             buf = bytearray(4096)
             struct.pack_into("QQ", buf, 0, 0, 256)
@@ -375,7 +458,7 @@ class Pool:
                 st = os.stat(self.path(n))
             except OSError:
                 continue
-            d = q / f"0_{sid}"
+            d = q / f"1_{sid}"
             out.append(Entry(n, _int(d / "max_referenced"), _int(d / "referenced"), st.st_mtime, sid))
         return out
 
@@ -383,7 +466,7 @@ class Pool:
         try:
             sid = self.subvol_id(name)
             st = os.stat(self.path(name))
-            d = Path(f"/sys/fs/btrfs/{self._fsid()}/qgroups/0_{sid}")
+            d = Path(f"/sys/fs/btrfs/{self._fsid()}/qgroups/1_{sid}")
         except OSError:
             return None
         return Entry(name, _int(d / "max_referenced"), _int(d / "referenced"), st.st_mtime, sid)
@@ -399,7 +482,7 @@ class Pool:
         except OSError:
             return n, 0, 0
         for g in groups:
-            if g.startswith("0_") and g != "0_5":
+            if g.startswith("1_"):
                 lim += _int(q / g / "max_referenced")
                 used += _int(q / g / "referenced")
         return n, lim, used
@@ -580,6 +663,17 @@ def runtime_for(home_ws: Path) -> Path:
     if Path(d.workspaces) == Path(home_ws):
         return Path(d.runtime)
     return Path(home_ws).parent / "run"
+
+
+def _destroy_at(path: Path) -> None:
+    fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        fcntl.ioctl(fd, _SNAP_DESTROY, _vol_args(path.name))
+    except OSError as exc:
+        if exc.errno != errno.ENOENT:
+            raise LaunchError("workspace", f"cannot remove the subvolume {path}: {exc.strerror}") from None
+    finally:
+        os.close(fd)
 
 
 def _int(p: Path) -> int:
