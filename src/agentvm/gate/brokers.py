@@ -405,6 +405,7 @@ class TokenCache:
                 self.persist(text)
 
         m = self.minter(self.name, self.spec, entry, persist)
+        m.expires = self.now() + m.lifetime  # (on this cache's clock)
         self.mints += 1
         if epoch != self._epoch:  # dropped (revoked) while minting: never used
             _revoke_quietly(m)
