@@ -241,6 +241,7 @@ class SandboxAudit:
     watched: int = 0
     suppressed: int = 0
     acted: str | None = None
+    _act_started: bool = False
     detached: bool = False
     listeners: int = 0
     _repeat: dict = field(default_factory=dict, repr=False)
@@ -469,6 +470,9 @@ class Supervisor:
             audit.watched += 1
         else:
             audit.denied += 1
+            if act_due(audit):
+                # off this thread: a kill waits for the processes to go, and answers must not
+                threading.Thread(target=act, args=(audit, v.rule), name="agentvm-sysaudit-act", daemon=True).start()
         if folded:
             last[1] += 1
             audit.suppressed += 1
@@ -511,32 +515,42 @@ class Supervisor:
 
 
 def deliver(audit: SandboxAudit, rec: dict) -> None:
-    """Apply ``security.onEscapeProbe`` and hand ``rec`` (and any action record) to the sinks."""
-    out = [rec]
-    if rec["kind"] == "syscall.denied":
-        if audit.on_probe != "log":
-            rec["alert"] = True
-        denied = audit.denied
-        if audit.on_probe in ("pause", "stop") and audit.acted is None and denied >= audit.threshold:
-            how = audit.freeze if audit.on_probe == "pause" else audit.kill
+    """Hand ``rec`` to the sandbox's sinks (an alert unless ``security.onEscapeProbe: log``)."""
+    if rec["kind"] == "syscall.denied" and audit.on_probe != "log":
+        rec["alert"] = True
+    for s in list(audit.sinks):
+        try:
+            s(rec)
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def act_due(audit: SandboxAudit) -> bool:
+    """Whether ``security.onEscapeProbe`` pause/stop must act now (once per sandbox). Counts
+    every denied call, the folded repeats included."""
+    if audit.on_probe not in ("pause", "stop") or audit._act_started or audit.denied < audit.threshold:
+        return False
+    audit._act_started = True
+    return True
+
+
+def act(audit: SandboxAudit, rule: str | None = None) -> dict:
+    """Pause (freeze the cgroup) or stop (kill) the sandbox; the record of it goes to the sinks."""
+    how = audit.freeze if audit.on_probe == "pause" else audit.kill
+    ok = False
+    if how is not None:
+        try:
+            how()
+            ok = True
+        except Exception:  # noqa: BLE001
             ok = False
-            if how is not None:
-                try:
-                    how()
-                    ok = True
-                except Exception:  # noqa: BLE001
-                    ok = False
-            audit.acted = ("paused" if audit.on_probe == "pause" else "stopped") if ok else "failed"
-            out.append({"kind": "syscall.probe-" + ("paused" if audit.on_probe == "pause" else "stopped"),
-                        "time": time.time(), "sandbox": audit.sandbox_id, "agent": audit.agent, "alert": True,
-                        "ok": ok, "denied": denied, "threshold": audit.threshold, "rule": rec.get("rule"),
-                        "reason": f"{denied} denied escape probes (security.onEscapeProbe: {audit.on_probe})"})
-    for r in out:
-        for s in list(audit.sinks):
-            try:
-                s(r)
-            except Exception:  # noqa: BLE001
-                pass
+    word = "paused" if audit.on_probe == "pause" else "stopped"
+    audit.acted = word if ok else "failed"
+    rec = {"kind": "syscall.probe-" + word, "time": time.time(), "sandbox": audit.sandbox_id, "agent": audit.agent,
+           "alert": True, "ok": ok, "denied": audit.denied, "threshold": audit.threshold, "rule": rule,
+           "reason": f"{audit.denied} denied escape probes (security.onEscapeProbe: {audit.on_probe})"}
+    deliver(audit, rec)
+    return rec
 
 
 def _recv_listener(sock: socket.socket) -> int | None:

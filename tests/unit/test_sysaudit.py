@@ -140,11 +140,16 @@ def _denied(a):
 def test_on_escape_probe_actions(on_probe, expect):
     calls: list = []
     a, recs = _audit(on_probe, calls)
-    for _ in range(sysaudit.PROBE_THRESHOLD - 1):
+    def one():
         sysaudit.deliver(a, _denied(a))
+        if sysaudit.act_due(a):
+            sysaudit.act(a, "seccomp:namespaces")
+
+    for _ in range(sysaudit.PROBE_THRESHOLD - 1):
+        one()
     assert calls == [], "nothing happens below the threshold"
     for _ in range(3):
-        sysaudit.deliver(a, _denied(a))
+        one()
     assert calls == expect, "the action happens once, at the threshold"
     alerts = [r for r in recs if r.get("alert")]
     if on_probe == "log":
@@ -163,6 +168,7 @@ def test_watched_calls_never_trigger_the_action():
     for _ in range(10):
         a.watched += 1
         sysaudit.deliver(a, {"kind": "syscall.watched", "sandbox": "run-x", "syscall": "memfd_create"})
+        assert not sysaudit.act_due(a)
     assert calls == [] and not any(r.get("alert") for r in recs)
 
 

@@ -65,6 +65,7 @@ WEAKENINGS = {
     "permissive-tools": "the tool gateway allows every tool of the test server, with no argument constraints",
     "writable-approvals": "the approvals queue's folder is granted read-write into the sandbox",
     "no-budget": "the gate meters no LLM budget (limits.budget is dropped)",
+    "no-syscall-audit": "the seccomp filter denies escape probes silently (no user notification: nothing is recorded)",
 }
 
 # weakenings of the policy or the gate (not of a substrate's plan): they apply on every substrate

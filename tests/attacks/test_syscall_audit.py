@@ -1,0 +1,206 @@
+"""Syscall audit against the real sandbox (bubblewrap): escape probes are refused exactly as
+by the plain deny list AND recorded; a dead supervisor leaves them refused; the selftest's
+audit checks fail when the notify filter is dropped; onEscapeProbe stop/pause act on the
+real sandbox."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from _attacklib import dump, needs_root
+
+pytestmark = [pytest.mark.attack, needs_root]
+
+THREE = r"""
+unshare -U true; echo "unshare_cli $?"
+python3 - <<'EOF'
+import ctypes, errno, socket
+libc = ctypes.CDLL(None, use_errno=True)
+r = libc.mount(b"none", b"/tmp", b"tmpfs", 0, None)
+print("mount", r, errno.errorcode.get(ctypes.get_errno()))
+try:
+    socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_ICMP)
+    print("raw_socket OK")
+except OSError as e:
+    print("raw_socket", errno.errorcode.get(e.errno))
+EOF
+"""
+
+
+def _records(home: Path, sandbox_id: str) -> list[dict]:
+    p = home / "logs" / f"{sandbox_id}.syscalls.jsonl"
+    return [json.loads(l) for l in p.read_text().splitlines()] if p.exists() else []
+
+
+def test_three_probes_three_records_same_errnos_as_the_plain_deny_list(sh_json, avm_home):
+    r, res = sh_json(THREE)
+    assert r.returncode == 0, dump(r)
+    plain, plain_res = sh_json(THREE, "--degrade", "syscall-audit")
+    assert plain.returncode == 0, dump(plain)
+    # the agent sees exactly what the silent deny list gives it
+    body = lambda out: [ln for ln in out.splitlines() if not ln.startswith("{")]  # noqa: E731 - minus --json's line
+    assert body(r.stdout) == body(plain.stdout) and len(body(r.stdout)) == 3
+    assert "unshare_cli 1" in r.stdout and "mount -1 EPERM" in r.stdout and "raw_socket EPERM" in r.stdout, r.stdout
+    assert "unshare: unshare failed: Operation not permitted" in r.stderr
+    recs = _records(avm_home, res["sandbox_id"])
+    denied = [x for x in recs if x["kind"] == "syscall.denied"]
+    assert [(x["syscall"], x["rule"], x["errno"]) for x in denied] == [
+        ("unshare", "seccomp:namespaces", "EPERM"), ("mount", "seccomp:mount", "EPERM"),
+        ("socket", "seccomp:socket-raw", "EPERM")], recs
+    assert denied[0]["argv"] == ["unshare", "-U", "true"] and denied[0]["exe"].endswith("/unshare")
+    assert denied[0]["args"] == {"flags": "CLONE_NEWUSER"}
+    assert denied[1]["argv"][0] == "python3" and denied[1]["args"] == {"flags": "0"}
+    assert denied[2]["args"]["domain"] == "AF_INET" and denied[2]["args"]["type"].startswith("SOCK_RAW")
+    assert all(x["verified"] is True and x["pid"] > 1 and x["sandbox"] == res["sandbox_id"] for x in denied)
+    # the degraded run recorded nothing (and said it was degraded)
+    assert _records(avm_home, plain_res["sandbox_id"]) == [] and plain_res["degraded"] == ["syscall-audit"]
+
+
+# ---------------------------------------------------------------- in-process (the supervisor is ours)
+
+
+@pytest.fixture
+def env():
+    from agentvm.selftest.framework import Env
+
+    e = Env()
+    try:
+        yield e
+    finally:
+        e.close()
+
+
+LOOP = r"""
+import ctypes, errno, os, socket, sys, time
+libc = ctypes.CDLL(None, use_errno=True)
+ns = os.stat("/proc/self/ns/user").st_ino
+def probe():
+    out = []
+    r = libc.unshare(0x10000000); out.append("OK" if r == 0 else errno.errorcode.get(ctypes.get_errno()))
+    r = libc.mount(b"none", b"/tmp", b"tmpfs", 0, None); out.append("OK" if r == 0 else errno.errorcode.get(ctypes.get_errno()))
+    try:
+        socket.socket(socket.AF_INET, socket.SOCK_RAW, 1).close(); out.append("OK")
+    except OSError as e:
+        out.append(errno.errorcode.get(e.errno))
+    return out
+after = 0
+deadline = time.time() + 40
+while time.time() < deadline:
+    res = probe()
+    print("probe", *res, flush=True)
+    if "ENOSYS" in res:
+        after += 1
+        if after >= 5:
+            break
+    time.sleep(0.02)
+print("userns_same", os.stat("/proc/self/ns/user").st_ino == ns)
+"""
+
+
+def test_killing_the_supervisor_mid_run_leaves_every_probe_refused(env):
+    """The supervisor's listeners are dropped while the agent is probing (what the kernel sees
+    when the supervisor dies): every later probe is still refused - ENOSYS, the kernel's own
+    answer without a listener - never served, and no namespace appears."""
+    from agentvm import sysaudit
+
+    logs = env.paths.home / "logs"
+    box: dict = {}
+    t = threading.Thread(target=lambda: box.update(o=env.sandbox(LOOP, lang="python", egress=False, timeout=60)))
+    t.start()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not list(logs.glob("*.syscalls.jsonl")):
+        time.sleep(0.02)
+    assert list(logs.glob("*.syscalls.jsonl")), "the supervisor recorded the first probes"
+    assert sysaudit.supervisor().drop_all(), "the supervisor let go of its listeners"
+    t.join(90)
+    o = box["o"]
+    probes = [ln.split()[1:] for ln in o.stdout.splitlines() if ln.startswith("probe ")]
+    assert probes and probes[0] == ["EPERM", "EPERM", "EPERM"], o.out
+    assert all(p in (["EPERM"] * 3, ["ENOSYS"] * 3) for p in probes), o.out
+    assert probes[-5:] == [["ENOSYS"] * 3] * 5, "after the supervisor went away: refused with ENOSYS"
+    assert "userns_same True" in o.stdout
+
+
+class _NoAudit:
+    """The weakening ``no-syscall-audit``: the same filter, denying silently (the sandbox is
+    compiled as with ``--degrade syscall-audit``)."""
+
+
+def _weakened_backend(monkeypatch, **overrides):
+    from agentvm.selftest import weaken
+
+    base = weaken.WeakenedBackend
+
+    class Backend(base):
+        def compile(self, policy, ctx):
+            if "no-syscall-audit" in self.weaken.split("+"):
+                ctx = dataclasses.replace(ctx, degraded=tuple(sorted(set(ctx.degraded) | {"syscall-audit"})))
+            return super().compile(policy, ctx)
+
+        def required_primitives(self, policy):
+            req = super().required_primitives(policy)
+            if "no-syscall-audit" in self.weaken.split("+"):
+                req = tuple(r for r in req if r != "syscall-audit")
+            return req
+
+        def _sysaudit(self, plan, state):
+            audit = super()._sysaudit(plan, state)
+            for k, v in overrides.items():
+                setattr(audit, k, v)
+            return audit
+
+    monkeypatch.setattr(weaken, "WeakenedBackend", Backend)
+
+
+@pytest.mark.parametrize("case_id", ["proc.escape-probes-audited", "proc.unshare-cli-audited"])
+def test_selftest_audit_cases_contained_and_fail_without_the_notify_filter(monkeypatch, case_id):
+    from agentvm.selftest.framework import REGISTRY, Env, all_cases, run_cases
+
+    all_cases()
+    c = REGISTRY[case_id]
+    _weakened_backend(monkeypatch)
+    for weaken, want in (("none", "contained"), ("no-syscall-audit", "escaped")):
+        e = Env(weaken=weaken)
+        try:
+            [res] = run_cases([c], e)
+        finally:
+            e.close()
+        assert res["status"] == want, (weaken, res)
+        if want == "escaped":
+            assert "not recorded" in res["evidence"] or "no record" in res["evidence"], res
+
+
+@pytest.mark.parametrize("action", ["stop", "pause"])
+def test_on_escape_probe_acts_on_the_real_sandbox(monkeypatch, action):
+    """An agent that keeps probing: ``stop`` kills the sandbox, ``pause`` freezes it (its
+    clock stops; the run ends at its timeout). Either way the probing does not go on."""
+    from agentvm.selftest.framework import Env
+
+    _weakened_backend(monkeypatch, on_probe=action)
+    e = Env()
+    try:
+        script = ("import ctypes,time\nl=ctypes.CDLL(None)\nfor i in range(200):\n"
+                  "    l.unshare(0x10000000 >> (i % 2))\n    print('probe', i, flush=True)\n    time.sleep(0.01)\n"
+                  "print('finished')\n")
+        o = e.sandbox(script, lang="python", egress=False, timeout=8)
+        from agentvm import sysaudit
+
+        sysaudit.supervisor().flush()
+        recs = [json.loads(l) for p in (e.paths.home / "logs").glob("*.syscalls.jsonl")
+                for l in p.read_text().splitlines()]
+    finally:
+        e.close()
+    assert "finished" not in o.stdout, "the probing agent was not let run to its end"
+    acted = [r for r in recs if r["kind"] == f"syscall.probe-{'stopped' if action == 'stop' else 'paused'}"]
+    assert len(acted) == 1 and acted[0]["ok"] is True and acted[0]["alert"] is True, recs
+    probes = [ln for ln in o.stdout.splitlines() if ln.startswith("probe ")]
+    assert len(probes) < 50, f"{len(probes)} probes ran after the threshold of {3}"
+    if action == "pause":
+        assert o.result.get("timed_out") or o.exit_code == 124, o.result
