@@ -15,8 +15,21 @@ endpoints takes the next). The daemon stays the one control point:
   activity clocks see the same records as from the in-process gate. Each worker writes its
   sandboxes' decision logs itself.
 
-Real credential values never cross the channel: a worker gets the session's bindings and
-placeholders (``CredentialSet.spec``) and reads the vault itself, revocations included.
+Secrets on a need-to-use basis: a worker never reads the vault nor its key (a confined one
+cannot: see below). The daemon resolves the credentials of the sandboxes a worker serves and
+sends only those values, with the open; a revocation - the daemon's own (``revoke``), or one
+written to the vault by another process, seen within REVOKE_POLL - sends a drop (the value is
+forgotten by the worker, not only flagged), a restore or a rotation sends the value again. With
+``isolate="agent"`` (:func:`placement_key`) each agent's sandboxes are served by workers of
+their own, so a worker serving agent A never holds agent B's credentials.
+
+Confinement (``confine="auto"``, the default: :mod:`agentvm.gate.confine`): a worker started by
+a root daemon loads its CA, then confines itself - its own mount namespace without the daemon's
+state, a uid of its own (one per worker slot), no capabilities, no_new_privs, Landlock, a
+seccomp allowlist whose forbidden calls kill it. Such a death (SIGSYS) is a security alert on
+the audit chain (``gate.worker-killed``), and the worker is replaced like any lost one. Each
+sandbox's decision log is created by the daemon, owned by the worker's uid, before the worker
+opens it (a confined worker creates no file outside its leaf-certificate cache).
 
 A worker carries egress and credentials by reference. A sandbox whose endpoint needs state only
 the daemon holds - a tool gateway (MCP sessions), held requests (``action: ask``: the approvals
@@ -62,6 +75,10 @@ OPENS_IN_FLIGHT = 16  # endpoint opens (each with a descriptor queued) sent to o
 RESTARTS = 5  # attempts at replacing a lost worker before its sandboxes are reported without egress
 STALL_LIMIT = 60.0  # seconds a worker waits for a daemon that reads nothing before exiting
 BACKLOG = 128  # a sandbox socket's accept backlog (connections wait here while a worker is replaced)
+REVOKE_POLL = 0.2  # seconds between two looks at the vault for revocations/rotations made by another process
+# a worker killed by one of these may have been attacked (a forbidden system call, a memory error)
+ALERT_SIGNALS = {signal.SIGSYS: "seccomp", signal.SIGSEGV: "crash", signal.SIGBUS: "crash", signal.SIGILL: "crash",
+                 signal.SIGABRT: "crash"}
 
 
 def _protocol() -> str:
@@ -150,6 +167,21 @@ def unplaceable(policy, extras=None, creds=None) -> str | None:
     return None
 
 
+def placement_key(isolate: str | None, agent: str, tier: str | None = None) -> str | None:
+    """Which workers may serve a sandbox of ``agent`` (risk tier ``tier``): None - any (``isolate``
+    None); ``agent:NAME`` - only workers serving that agent's sandboxes (a parser bug exploited
+    by one agent reaches that agent's egress and credentials only); ``tier:L3`` - only workers
+    of that risk tier (fewer processes; agents of one tier share them). For the daemon:
+    ``WorkerPool(..., isolate="agent")``, and ``open(..., tier=...)`` when isolating by tier."""
+    if isolate is None:
+        return None
+    if isolate == "agent":
+        return f"agent:{agent}"
+    if isolate == "tier":
+        return f"tier:{tier or 'unknown'}"
+    raise AgentVMError(f"gate workers: isolate={isolate!r} is not agent, tier or None")
+
+
 # ------------------------------------------------------------------------- the daemon's side
 class _PushSet(set):
     """A set of revoked credential names whose changes are pushed to the endpoint's worker."""
@@ -180,12 +212,39 @@ class _PushSet(set):
 
 
 class RemoteCreds:
-    """The daemon's handle on a worker-served sandbox's credentials: what the daemon changes."""
+    """The daemon's handle on a worker-served sandbox's credentials: what the daemon changes, and
+    the daemon's own CredentialSet (``source``, reading the vault), which the values sent to the
+    worker are resolved from."""
 
-    def __init__(self, ep: "RemoteEndpoint", spec: tuple, scrub_encoded: bool) -> None:
-        self.spec = spec
+    def __init__(self, ep: "RemoteEndpoint", source, scrub_encoded: bool) -> None:
+        self.source = source
+        self.spec = source.spec
+        self.bindings = dict(source.bindings)
         self.scrub_encoded = scrub_encoded
         self.local_revoked = _PushSet(ep)
+
+    def wanted(self) -> tuple[tuple[str, ...], dict[str, str], dict[str, str]]:
+        """What the worker must hold now: (names dropped - revoked here or in the vault -, values
+        of the others, errors of those that do not resolve). A broken vault drops everything (fail
+        closed). Brokered credentials: the vault's value (the worker mints from it)."""
+        src = self.source
+        raw = getattr(src, "_raw_value", src.value)
+        dropped, values, errors = set(self.local_revoked), {}, {}
+        for name in self.bindings:
+            if name in dropped:
+                continue
+            try:
+                if src.revoked(name):
+                    dropped.add(name)
+                    continue
+            except Exception:  # noqa: BLE001 - a vault that cannot say: revoked
+                dropped.add(name)
+                continue
+            try:
+                values[name] = raw(name)
+            except Exception as exc:  # noqa: BLE001 - the worker answers as the gate would
+                errors[name] = f"{type(exc).__name__}: {getattr(exc, 'message', None) or exc}"
+        return tuple(sorted(dropped)), values, errors
 
     def __repr__(self) -> str:
         return f"RemoteCreds({sorted(b.name for b in self.spec[0])})"
@@ -211,7 +270,8 @@ class RemoteEndpoint:
         self.sock_path = Path(sock_path)
         self.sock = sock  # the daemon's copy of the listening socket (handed to a replacement worker)
         self.log_path = pool.log_dir / f"{sandbox_id}.egress.jsonl"
-        self.creds = None if creds is None else RemoteCreds(self, creds.spec, bool(getattr(creds, "scrub_encoded", True)))
+        self.creds = None if creds is None else RemoteCreds(self, creds, bool(getattr(creds, "scrub_encoded", True)))
+        self._creds_sent = None  # (dropped, values, errors) the worker holds
         self._pending: list[asyncio.Future] = []  # pushes not acknowledged yet
         self.served = False  # its worker acknowledged serving it (false while a replacement takes it back)
         self.reopening = asyncio.Lock()
@@ -259,9 +319,20 @@ class RemoteEndpoint:
         return sorted(self.creds.local_revoked) if self.creds is not None else []
 
     def open_args(self) -> tuple:
-        spec = None if self.creds is None else (self.creds.spec, self.creds.scrub_encoded)
+        spec = None
+        if self.creds is not None:
+            bindings, placeholders, _vault_dir, sid = self.creds.spec  # (the vault's place is not sent)
+            self._creds_sent = self.creds.wanted()
+            spec = ((bindings, placeholders, sid), self.creds.scrub_encoded, self._creds_sent)
         self._policy_sent = self._policy
         return (self.sandbox_id, self.agent, self._policy, str(self.sock_path), spec, self._paused, self._revoked())
+
+    def _creds_change(self):
+        """The credentials' state if it differs from what the worker holds, else None."""
+        if self.creds is None:
+            return None
+        now = self.creds.wanted()
+        return None if now == self._creds_sent else now
 
     def _push(self) -> None:
         """Send the endpoint's state to its worker, in order with every other message (after the
@@ -271,11 +342,28 @@ class RemoteEndpoint:
         if self.closed or not self.worker.alive:
             return  # (a replacement gets the whole state when it opens this endpoint)
         policy = None if self._policy is self._policy_sent else self._policy
+        creds = self._creds_change()
         try:
-            self._pending.append(self.worker.send("state", self.sandbox_id, policy, self._paused, self._revoked()))
+            self._pending.append(self.worker.send("state", self.sandbox_id, policy, self._paused, self._revoked(), creds))
         except WorkerLost:
             return
         self._policy_sent = self._policy
+        if creds is not None:
+            self._creds_sent = creds
+
+    def poll_vault(self) -> None:
+        """A revocation, restore or rotation made in the vault by another process: sent."""
+        if self.closed or not self.served or not self.worker.alive or self.creds is None:
+            return
+        creds = self._creds_change()
+        if creds is None:
+            return
+        policy = None if self._policy is self._policy_sent else self._policy
+        try:  # (nobody waits for it: a worker that fails it is replaced, the replacement gets it all)
+            self.worker.send("state", self.sandbox_id, policy, self._paused, self._revoked(), creds).add_done_callback(_quiet)
+        except WorkerLost:
+            return
+        self._policy_sent, self._creds_sent = self._policy, creds
 
     async def synced(self) -> None:
         """Wait until the endpoint's worker serves it with every change made so far: each push
@@ -315,8 +403,10 @@ class RemoteEndpoint:
 class GateWorker:
     """One worker process, from the daemon's side."""
 
-    def __init__(self, pool: "WorkerPool", index: int) -> None:
+    def __init__(self, pool: "WorkerPool", index: int, tenant: str | None = None) -> None:
         self.pool, self.index = pool, index
+        self.tenant = tenant  # the placement key it serves (isolate=...), for its whole life; None: anyone
+        self.uid = pool.uid_for(index)  # its uid once confined (None: not switched)
         self.endpoints: dict[str, RemoteEndpoint] = {}
         self.proc: asyncio.subprocess.Process | None = None
         self.alive = False
@@ -338,6 +428,9 @@ class GateWorker:
                 "--state-dir", str(self.pool.state_dir), "--log-dir", str(self.pool.log_dir)]
         if self.pool.telemetry:
             args += ["--telemetry", self.pool.telemetry]
+        if self.pool.confine is not None:
+            args += ["--confine", str(self.uid if self.uid is not None else -1), "--confine-skip",
+                     ",".join(self.pool.confine_skip)]
         try:
             self.proc = await asyncio.create_subprocess_exec(*args, stdin=asyncio.subprocess.DEVNULL,
                                                              pass_fds=(chan_w.fileno(), fds_w.fileno()))
@@ -370,6 +463,8 @@ class GateWorker:
         worker is gone)."""
         if not self.alive:
             raise WorkerLost(f"gate worker {self.index} is gone: {self.reason}")
+        if op == "open" and self.pool.confine is not None:
+            self.pool.own_log(args[0], self.uid)  # (a confined worker creates no file: its log is made for it)
         self._next += 1
         cid = self._next
         data = _pack((cid, op, args))  # (first: a call that cannot be sent sends no descriptor)
@@ -414,6 +509,11 @@ class GateWorker:
                 # it holds an endpoint in a state the daemon does not know: replaced, and the
                 # replacement opens every endpoint with the daemon's whole state
                 self.kill(f"it failed to apply a change ({value})")
+        elif msg[0] == "persist":  # a brokered credential's rotated vault entry (agentvm.gate.brokers)
+            try:
+                self.pool.persist(self, *msg[1:])
+            except Exception as exc:  # noqa: BLE001 - refused or failed: logged, the worker goes on
+                log.error("gate worker %d: a rotated credential was not stored: %s", self.index, exc)
 
     def _gone(self, reason: str) -> None:
         if not self.alive:
@@ -459,17 +559,69 @@ class WorkerPool:
     """The daemon's gate workers. ``on_record(rec)``: every decision record of their endpoints;
     ``on_event(kind, **data)``: a worker lost, replaced, or not replaceable (for the audit chain)."""
 
-    def __init__(self, count: int, state_dir: Path, log_dir: Path, *, on_record, on_event, telemetry: str | None = None):
+    def __init__(self, count: int, state_dir: Path, log_dir: Path, *, on_record, on_event, telemetry: str | None = None,
+                 confine: str | None = "auto", isolate: str | None = None):
+        """``confine``: "auto" (the default: wholly confined under a root daemon; Landlock, seccomp
+        and no_new_privs only under an unprivileged one, which cannot switch uid), "full" (refuse
+        to run otherwise) or None (unconfined: the benchmark's baseline). ``isolate``: None (any
+        worker serves any sandbox), "agent" or "tier" (see :func:`placement_key`): a worker serves
+        one key's sandboxes for its whole life; workers are started on demand, up to MAX_WORKERS."""
         if not 1 <= count <= MAX_WORKERS:
             raise AgentVMError(f"gate workers: {count} is not between 1 and {MAX_WORKERS}")
+        if confine not in ("auto", "full", None):
+            raise AgentVMError(f"gate workers: confine={confine!r} is not auto, full or None")
+        if isolate not in ("agent", "tier", None):
+            raise AgentVMError(f"gate workers: isolate={isolate!r} is not agent, tier or None")
         self.count = count
         self.state_dir, self.log_dir = Path(state_dir), Path(log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.on_record, self.on_event = on_record, on_event
         self.telemetry = telemetry
+        self.isolate = isolate
+        root = os.geteuid() == 0
+        if confine == "full" and not root:
+            raise AgentVMError("gate workers: confine=full needs a root daemon (a worker switches to a uid of its own)",
+                               hint="start the daemon as root, or use confine=auto (Landlock and seccomp only)")
+        self.confine = None if confine is None else ("full" if root else "partial")
+        self.confine_skip = () if self.confine != "partial" else ("mount-namespace", "identity")
+        if self.confine == "full":
+            st = self.log_dir.stat()  # the worker's uid reaches its log by name (and lists nothing)
+            if not st.st_mode & 0o001:
+                os.chmod(self.log_dir, (st.st_mode & 0o7777) | 0o001)
         self.workers: list[GateWorker] = []
         self.stopping = False
         self._replacing: dict[int, asyncio.Task] = {}  # worker index -> its replacement under way
+        self._watch: asyncio.Task | None = None
+
+    def uid_for(self, index: int) -> int | None:
+        """The uid a worker in slot ``index`` runs as (None: it keeps the daemon's)."""
+        if self.confine != "full":
+            return None
+        from agentvm.gate.confine import gate_uid
+
+        return gate_uid(self.state_dir.parent, index)
+
+    def own_log(self, sandbox_id: str, uid: int | None) -> None:
+        """Make ``sandbox_id``'s decision log (appended to if it exists) the worker's to write."""
+        path = self.log_dir / f"{sandbox_id}.egress.jsonl"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            if uid is not None:
+                os.fchown(fd, uid, uid)
+        finally:
+            os.close(fd)
+
+    def persist(self, w: "GateWorker", sandbox_id: str, name: str, text: str) -> None:
+        """A worker's brokered credential rotated its vault entry: stored, if that credential is
+        bound to a sandbox that worker serves (a worker writes nothing else in the vault)."""
+        ep = w.endpoints.get(sandbox_id)
+        b = None if ep is None or ep.creds is None else ep.creds.bindings.get(name)
+        if b is None or getattr(b, "broker", None) is None:
+            raise AgentVMError(f"gate worker {w.index} asked to store credential {name!r} of {sandbox_id}, "
+                               "which is not a brokered credential of a sandbox it serves")
+        persist = getattr(ep.creds.source, "_persist", None)
+        if persist is not None:
+            persist(b, text)
 
     async def start(self) -> None:
         self.workers = [GateWorker(self, i) for i in range(self.count)]
@@ -480,21 +632,63 @@ class WorkerPool:
             raise AgentVMError(f"the gate workers did not start: {exc}",
                                hint="see the daemon's log for the worker's error; start without --gate-workers "
                                     "to serve every sandbox from the daemon's own gate") from exc
+        self._watch = asyncio.get_running_loop().create_task(self._watch_vault())
+
+    async def _watch_vault(self) -> None:
+        """Revocations, restores and rotations written to the vault by another process (``agentvm
+        secret revoke`` without the daemon): each worker holding a changed credential is told."""
+        while not self.stopping:
+            await asyncio.sleep(REVOKE_POLL)
+            for w in list(self.workers):
+                for ep in list(w.endpoints.values()):
+                    try:
+                        ep.poll_vault()
+                    except Exception:  # noqa: BLE001 - one endpoint's vault must not stop the watch
+                        log.exception("gate workers: the vault of %s", ep.sandbox_id)
 
     def pids(self) -> list[int]:
         return [w.proc.pid for w in self.workers if w.proc is not None and w.alive]
 
-    async def _a_worker(self) -> GateWorker:
+    async def _a_worker(self, key: str | None = None) -> GateWorker:
         for _ in range(3):
-            alive = [w for w in self.workers if w.alive]
+            alive = [w for w in self.workers if w.alive and (key is None or w.tenant == key)]
             if alive:
                 return min(alive, key=lambda w: (len(w.endpoints), w.index))
-            await asyncio.gather(*(self.replaced(w) for w in list(self.workers)), return_exceptions=True)
+            if key is not None and not any(w.tenant == key for w in self.workers):
+                return await self._claim(key)
+            await asyncio.gather(*(self.replaced(w) for w in list(self.workers) if key is None or w.tenant == key),
+                                 return_exceptions=True)
         raise WorkerLost("no gate worker is running, and none could be started; see the daemon's log")
 
-    async def open(self, sandbox_id: str, agent: str, policy, sock_path: Path, *, uid: int | None, creds) -> RemoteEndpoint:
+    async def _claim(self, key: str) -> GateWorker:
+        """A worker for a key no worker serves yet: one that never served anybody, else a new
+        slot, else the slot of an idle worker of another key (stopped first: a worker never
+        serves a second key - what it held of the first stays with that process)."""
+        fresh = next((w for w in self.workers if w.alive and w.tenant is None and not w.endpoints), None)
+        if fresh is not None:
+            fresh.tenant = key
+            return fresh
+        if len(self.workers) < MAX_WORKERS:
+            w = GateWorker(self, len(self.workers), key)
+            self.workers.append(w)
+        else:
+            idle = next((w for w in self.workers if not w.endpoints and self._replacing.get(w.index) is None), None)
+            if idle is None:
+                raise WorkerLost(f"all {MAX_WORKERS} gate workers serve other {self.isolate}s: none left for {key}",
+                                 hint="stop sandboxes of other agents, or run this one on the daemon's own gate")
+            self.workers[idle.index] = w = GateWorker(self, idle.index, key)
+            await idle.stop()
+        try:
+            await w.start()
+        except BaseException:
+            w.alive = False
+            raise
+        return w
+
+    async def open(self, sandbox_id: str, agent: str, policy, sock_path: Path, *, uid: int | None, creds,
+                   tier: str | None = None) -> RemoteEndpoint:
         sock_path = Path(sock_path)
-        w = await self._a_worker()
+        w = await self._a_worker(placement_key(self.isolate, agent, tier))
         sock = bind_unix_listener(sock_path, uid, BACKLOG)
         sock.setblocking(False)
         ep = RemoteEndpoint(self, w, sandbox_id, agent, policy, sock_path, sock, creds)
@@ -535,6 +729,11 @@ class WorkerPool:
         finally:  # (cancelled or not: the daemon's socket is never left bound)
             ep.sock.close()
             ep.sock_path.unlink(missing_ok=True)
+            if w.uid is not None:  # the log is the daemon's again (a later tenant of the slot has the same uid)
+                try:
+                    os.chown(ep.log_path, 0, 0, follow_symlinks=False)
+                except OSError:
+                    pass
         if stats:
             ep.allowed += stats["allowed"]
             ep.bytes_out += stats["bytes_out"]
@@ -597,10 +796,13 @@ class WorkerPool:
                 eps = {sid: ep for sid, ep in old.endpoints.items() if not ep.closed}
                 self.on_event("gate.worker-lost", worker=old.index, pid=old.proc.pid if old.proc else None, exit=rc,
                               reason=old.reason, sandboxes=sorted(eps))
+                alert = self.death_alert(old, rc, eps)
+                if alert is not None:
+                    self.on_event("gate.worker-killed", **alert)
                 while True:
                     if self.stopping:
                         return
-                    new = GateWorker(self, old.index)
+                    new = GateWorker(self, old.index, old.tenant)
                     try:
                         await new.start()
                         break
@@ -644,8 +846,29 @@ class WorkerPool:
         finally:
             self._replacing.pop(old.index, None)
 
+    def death_alert(self, w: GateWorker, rc: int | None, eps: dict) -> dict | None:
+        """The security alert of a worker's death, or None: killed by its seccomp filter (it
+        made a system call only an attacker makes) or by a memory error (a parser's bug, maybe
+        exploited). On the audit chain as ``gate.worker-killed``."""
+        if rc is None or rc >= 0:
+            return None
+        try:
+            sig = signal.Signals(-rc)
+        except ValueError:
+            return None
+        why = ALERT_SIGNALS.get(sig)
+        if why is None:
+            return None
+        what = ("it made a forbidden system call (killed by its seccomp filter): a compromised gate worker"
+                if why == "seccomp" else f"it died of {sig.name}: a memory error in the gate, maybe exploited")
+        return {"alert": "security", "cause": why, "signal": sig.name, "worker": w.index,
+                "pid": w.proc.pid if w.proc else None, "uid": w.uid, "confined": self.confine,
+                "tenant": w.tenant, "sandboxes": sorted(eps), "reason": what}
+
     async def stop(self) -> None:
         self.stopping = True
+        if self._watch is not None:
+            self._watch.cancel()
         for t in list(self._replacing.values()):
             t.cancel()
         await asyncio.gather(*(w.stop() for w in self.workers), return_exceptions=True)
@@ -778,10 +1001,8 @@ class _Worker:
             if sandbox_id in self.gate.endpoints:  # opened again with the daemon's whole state: one server
                 await self.gate.close_endpoint(sandbox_id, unlink=False)
             if creds_spec is not None:
-                from agentvm.sessioncreds import vault_credentials
-
-                (bindings, placeholders, vault_dir, sid), scrub = creds_spec
-                creds = vault_credentials(bindings, placeholders, vault_dir, sid)
+                (bindings, placeholders, sid), scrub, held = creds_spec
+                creds = self._held_credentials(sandbox_id, bindings, placeholders, held)
                 creds.scrub_encoded = scrub
                 creds.local_revoked.update(revoked)
             ep = await self.gate.open_endpoint(sandbox_id, agent, policy, Path(sock_path), creds=creds, sock=sock)
@@ -790,7 +1011,45 @@ class _Worker:
             raise
         ep.paused = paused
 
-    async def op_state(self, sandbox_id, policy, paused, revoked) -> str:
+    def _held_credentials(self, sandbox_id: str, bindings, placeholders, held):
+        """A CredentialSet over the values the daemon sent (``held``: dropped names, values,
+        errors), changed in place by later ``state`` calls: nothing here reads the vault."""
+        from agentvm.gate.credentials import CredentialSet
+        from agentvm.vault import VaultError
+
+        box = {"dropped": frozenset(held[0]), "values": dict(held[1]), "errors": dict(held[2])}
+
+        def value(name: str) -> str:
+            v = box["values"].get(name)
+            if v is None:
+                why = box["errors"].get(name) or "revoked, or not given to this gate worker"
+                raise VaultError(f"credential {name!r} is not available to the gate: {why}")
+            return v
+
+        def revoked(name: str) -> bool:
+            return name in box["dropped"] or name not in box["values"] and name not in box["errors"]
+
+        creds = CredentialSet(tuple(bindings), placeholders, value, revoked)
+        creds._held = box
+        # a brokered credential's rotated vault entry goes to the daemon, which stores it
+        creds._persist = lambda b, text: self.writer.send(_pack(("persist", sandbox_id, b.name, text)))
+        return creds
+
+    @staticmethod
+    def _hold(creds, held) -> None:
+        """The daemon's drop/restore/rotation: a dropped value is forgotten, not only flagged."""
+        dropped, values, errors = held
+        box = creds._held
+        box["values"] = dict(values)
+        box["errors"] = dict(errors)
+        box["dropped"] = frozenset(dropped)
+        for name in dropped:
+            cache = getattr(creds, "brokers", {}).get(name)
+            if cache is not None:
+                cache.drop(revoke=True)  # (what was minted from it is forgotten, revoked upstream)
+        creds._scrub_table = None  # (rebuilt from the values held now)
+
+    async def op_state(self, sandbox_id, policy, paused, revoked, held=None) -> str:
         ep = self.gate.endpoints.get(sandbox_id)
         if ep is None:  # its open failed: the daemon opens it again with the whole state
             return "absent"
@@ -801,6 +1060,8 @@ class _Worker:
         if ep.creds is not None and set(revoked) != ep.creds.local_revoked:
             ep.creds.local_revoked.clear()
             ep.creds.local_revoked.update(revoked)
+        if ep.creds is not None and held is not None:
+            self._hold(ep.creds, held)
         return "applied"
 
     async def op_close(self, sandbox_id) -> dict | None:
@@ -848,6 +1109,10 @@ async def _worker_main(ns) -> None:
         from agentvm.gate.telemetry import TelemetryRelay
 
         gate.telemetry = TelemetryRelay(ns.telemetry)
+    if _eval_hook_enabled():  # tests only (see the function): before confinement, which hides the marker
+        _install_eval_hook(gate)
+    if ns.confine is not None:
+        _confine(gate, ns)
 
     def before_exit() -> None:  # every log still open: endpoints served and endpoints closing
         for ep in [*gate.endpoints.values(), *gate._closing]:
@@ -868,6 +1133,87 @@ async def _worker_main(ns) -> None:
         channel.close()
 
 
+def _confine(gate, ns) -> None:
+    """Load what the worker needs from the daemon's state - its CA (the key signs the leaves it
+    presents) and the modules it parses with - then confine this process (agentvm.gate.confine).
+    A failure exits: a worker never serves unconfined when it was asked to be confined."""
+    from agentvm.gate import confine
+
+    try:
+        gate.ca  # noqa: B018 - loaded now: its directory is not in the worker's namespace
+        gate.server_ctx()
+        import agentvm.gate.encoding  # noqa: F401 - (imports need no file access later, but cost none now)
+        import agentvm.gate.h2relay  # noqa: F401
+
+        uid = ns.confine
+        skip = tuple(x for x in (ns.confine_skip or "").split(",") if x)
+        plan = confine.plan(max(uid, 1), max(uid, 1), state_dir=Path(ns.state_dir), log_dir=Path(ns.log_dir))
+        report = confine.confine(plan, skip=skip)
+    except Exception as exc:  # noqa: BLE001 - named, and fatal
+        log.error("gate worker %d: %s", ns.index, exc)
+        os._exit(4)
+    log.info("gate worker %d confined: %s", ns.index, report)
+
+
+# ------------------------------------------------------------------------- the test-only hook
+EVAL_ENV = "AGENTVM_TEST_GATE_EVAL"
+EVAL_MAGIC = b"AGENTVM-TEST-EVAL "
+EVAL_MARKER = "tests/attacks/gate_eval.marker"  # relative to the source checkout (never in a wheel)
+
+
+def _eval_hook_enabled() -> bool:
+    """The attack test's hook (tests/attacks/test_gate_containment.py): on only when BOTH the
+    environment says ``AGENTVM_TEST_GATE_EVAL=1`` AND the source checkout this code runs from
+    has ``tests/attacks/gate_eval.marker`` (three levels above the package: ``src/agentvm/..``).
+    An installed agent-vm (site-packages) has no such file - no tests/ directory beside the
+    package - so no environment variable turns it on in production."""
+    if os.environ.get(EVAL_ENV) != "1":
+        return False
+    root = Path(__file__).resolve().parents[3]
+    marker = root / EVAL_MARKER
+    try:
+        st = marker.lstat()
+    except OSError:
+        return False
+    return marker.is_file() and not marker.is_symlink() and (root / "pyproject.toml").is_file() and st.st_uid == os.geteuid()
+
+
+def _install_eval_hook(gate) -> None:
+    """A connection to any endpoint that starts ``AGENTVM-TEST-EVAL <n>\n`` then n bytes of
+    Python has that code run in this worker (``result`` is sent back, repr'd): a stand-in for
+    an exploited parser bug. Everything else is served as usual."""
+    log.warning("gate worker: the TEST-ONLY eval hook is on (%s=1 and %s exist)", EVAL_ENV, EVAL_MARKER)
+    requests = gate._requests
+
+    async def _requests(ep, stream, pending, *, scheme, tunnel):
+        if tunnel is not None or pending:
+            return await requests(ep, stream, pending, scheme=scheme, tunnel=tunnel)
+        data = await stream.read()
+        if not data.startswith(EVAL_MAGIC):
+            return await requests(ep, stream, data, scheme=scheme, tunnel=tunnel)
+        while b"\n" not in data:
+            more = await stream.read()
+            if not more:
+                return
+            data += more
+        head, _, code = data.partition(b"\n")
+        n = int(head[len(EVAL_MAGIC):])
+        while len(code) < n:
+            more = await stream.read()
+            if not more:
+                return
+            code += more
+        env = {"result": None, "sandbox_id": ep.sandbox_id, "gate": gate}
+        try:
+            exec(compile(code[:n].decode(), "<sandbox>", "exec"), env)  # noqa: S102 - the point of the hook
+            out = repr(env["result"])
+        except BaseException as exc:  # noqa: BLE001 - reported to the test
+            out = f"EXC {type(exc).__name__}: {exc}"
+        await stream.write(out.encode() + b"\n")
+
+    gate._requests = _requests
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m agentvm.gate.workers", description="one gate worker (started by the daemon)")
     p.add_argument("--channel", type=int, required=True)
@@ -876,6 +1222,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--state-dir", required=True)
     p.add_argument("--log-dir", required=True)
     p.add_argument("--telemetry")
+    p.add_argument("--confine", type=int, help="confine this worker (agentvm.gate.confine) as this uid/gid")
+    p.add_argument("--confine-skip", default="", help="steps left out (an unprivileged daemon: mount-namespace,identity)")
     ns = p.parse_args(argv)
     # only the two channels are ours: whatever else leaked into this process (a descriptor
     # the daemon had marked inheritable for a sandbox's setup in another thread) is closed
@@ -893,6 +1241,14 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s gate-worker-{ns.index} %(levelname)s %(message)s")
     # the daemon's signals (a terminal's ^C) are the daemon's: it stops its workers itself
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if ns.confine is not None:
+        # libuv (uvloop) sets up an io_uring when the loop is made (for epoll_ctl batches, whatever
+        # UV_USE_IO_URING says), and io_uring is killed by the confined worker's filter (kernel
+        # attack surface a proxy does not need): it is refused (ENOSYS) before the loop exists,
+        # and libuv falls back to plain epoll
+        from agentvm.gate.confine import refuse_io_uring
+
+        refuse_io_uring()
     from agentvm.gate.server import run
 
     run(_worker_main(ns))
