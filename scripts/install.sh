@@ -24,6 +24,9 @@ want=(gcc libc6-dev python3-dev libseccomp2 e2fsprogs util-linux mount procps ru
 if [ "${1:-}" = "--test" ]; then
   # real clients the end-to-end tests run *inside* sandboxes (Debian's, under /usr)
   want+=(curl git nodejs python3-requests python3-httpx python3-aiohttp python3-pip)
+  # brokered credentials and the gate's ssh-agent: a real sshd (in a network namespace the
+  # test creates) for `git push` over SSH, and Debian's AWS CLI inside a sandbox (aws-sts)
+  want+=(openssh-server awscli)
   # the compatibility suite (tests/compat): real software run inside sandboxes and compared
   # with the host - CPython's own tests, a Jupyter kernel, a Flask app, headless Chromium, a JDK
   # (javac and java.security through /usr links into /etc), fakeroot (chown answers)
