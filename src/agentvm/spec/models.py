@@ -276,6 +276,12 @@ class Security(_Model):
         description="The weakest substrate this agent may run on: 'gvisor' refuses to run it on bwrap "
         "(a user-space kernel between the agent and the host's).",
     )
+    on_escape_probe: Literal["log", "alert", "pause", "stop"] = Field(
+        "log",
+        description="Every escape probe the seccomp filter refuses (unshare, mount, ptrace, bpf, a raw socket...) "
+        "is recorded; 'alert' makes each record an alert, 'pause' freezes the sandbox and 'stop' kills it once it "
+        "has made 3 such calls (docs/syscall-audit.md).",
+    )
 
     @field_validator("local_ports")
     @classmethod
