@@ -153,14 +153,33 @@ def run_doctor(smoke: bool = True, substrate: str = "bwrap") -> DoctorReport:
         else:
             prims.append(Primitive("smoke-test", False, "skipped: required primitives missing"))
         required.append("smoke-test")
-    extras = [_gate_stack(), _gate_hot_path(), _favordynmods(), _kvm()] + ([_gvisor()] if substrate != "gvisor" else [])
+    ws = workspace_usage(rt.paths)
+    extras = [_gate_stack(), _gate_hot_path(), _favordynmods(), _kvm(), _workspace_backend(ws)] + (
+        [_gvisor()] if substrate != "gvisor" else [])
     facts = dict(caps.facts, kernel=os.uname().release)
-    return DoctorReport(prims, required, extras, facts, substrate, workspace_usage(rt.paths))
+    return DoctorReport(prims, required, extras, facts, substrate, ws)
+
+
+def _workspace_backend(u: dict) -> Primitive:
+    """Which workspace storage new workspaces get and why (``AGENTVM_WORKSPACE_BACKEND``), and
+    the pool's reservation on the host."""
+    from agentvm.workspace import human
+
+    name, why = u.get("backend") or "none", u.get("backend_why") or ""
+    detail = f"{name}: {why}"
+    pool = u.get("pool")
+    if pool:
+        detail += (f"; pool reserved on the host: {human(pool['reserved'])}"
+                   + (f", {human(pool['free'])} free of {human(pool['size'])}, {pool['count']} workspaces"
+                      if pool.get("mounted") else " (not mounted: no agent uses it now)"))
+    return Primitive("workspace-backend", name != "none", detail)
 
 
 def workspace_usage(paths) -> dict:
-    """The disk committed to workspaces (their sizes), actually used, and the free space of the
-    filesystem holding them; ``warnings`` past 90% use (reported, never failing)."""
+    """The disk committed to workspaces (their limits), actually used, the free space of the
+    filesystem holding them, the backend new workspaces get (and why) and the pool's size and
+    free space; ``warnings`` past 90% use of the host's filesystem or of the pool (reported,
+    never failing)."""
     from agentvm.workspace import usage
 
     return usage(paths.workspaces).to_dict()

@@ -82,7 +82,7 @@ _TABLE: list[tuple[str, int, int, str]] = [
     ("workspace.in-use", 409, POLICY, "a sandbox of the agent is running on it"),
     ("workspace.owned", 409, POLICY, "the workspace belongs to a declared agent (agentvm rm it)"),
     ("workspace.owners-unknown", 409, POLICY, "which workspaces belong to an agent cannot be read"),
-    ("workspace.overcommit", 507, POLICY, "starting it would let running agents' workspace limits exceed the pool's free space times the overcommit factor"),
+    ("workspace.overcommit", 507, BACKEND, "the host cannot hold it: running agents' workspace limits would exceed the pool's free space times the overcommit factor"),
     # -- live policy
     ("policy.invalid-rule", 400, CONFIG, "not an egress rule (HOST[:PORT])"),
     ("policy.no-such-rule", 404, CONFIG, "the sandbox has no rule by that id"),

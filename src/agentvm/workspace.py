@@ -327,10 +327,11 @@ def _acquire_pool(home_ws: Path, runtime: Path, name: str, uid: int, gid: int, s
     try:
         admit = pool.admitting()
         try:
-            pool.ensure(create=True)
+            if pool.exists():
+                pool.ensure(create=False)
             held = _held_locks()
             running = {n for n in pool.names() if n != name and _in_use_by_lock(home_ws, n, held)}
-            pool.admit(name, size, running)
+            pool.admit(name, size, running)  # (makes the pool when there is none and it fits)
             path = pool.create(name, uid, gid)
             pool.set_limit(name, size)
         finally:

@@ -41,11 +41,11 @@ from pathlib import Path
 from agentvm.errors import ConfigError, LaunchError, PolicyDenied
 
 POOL = ".pool"  # not an agent name (names start with a letter or digit)
-INITIAL = 256 << 20  # btrfs wants ~114M at least; grown on demand
-STEP = 256 << 20  # growth is rounded up to this
-SLACK = 32 << 20  # metadata: kept free beyond what the admitted agents may write
-HOST_RESERVE_MIN = 2 << 30  # never grow the pool into the host's last 2 GiB or 5%: the daemon's state and audit
-HOST_RESERVE_FRAC = 0.05
+INITIAL = 64 << 20  # (single metadata: btrfs makes a usable filesystem from 48M); grown on demand
+STEP = 64 << 20  # growth is rounded up to this
+SLACK = 16 << 20  # metadata: kept free beyond what the admitted agents may write
+HOST_RESERVE_MIN = 64 << 20  # the pool never takes the host's last 64M or 2%: the daemon's state and audit
+HOST_RESERVE_FRAC = 0.02
 LOCK_WAIT = 30.0
 
 _MKFS = ("/usr/sbin/mkfs.btrfs", "/sbin/mkfs.btrfs", "/usr/bin/mkfs.btrfs", "/bin/mkfs.btrfs")
@@ -280,7 +280,8 @@ class Pool:
         finally:
             os.close(fd)
         # -K: no discard (it would punch holes in the reservation); quotas are enabled once mounted
-        r = subprocess.run([mkfs() or "mkfs.btrfs", "-q", "-f", "-K", "-L", "agentvm-ws", str(tmp)],
+        # -m single: metadata twice in one image file guards nothing the host's disk does not
+        r = subprocess.run([mkfs() or "mkfs.btrfs", "-q", "-f", "-K", "-m", "single", "-L", "agentvm-ws", str(tmp)],
                            capture_output=True, text=True, timeout=120)
         if r.returncode != 0:
             tmp.unlink(missing_ok=True)
@@ -503,13 +504,14 @@ class Pool:
 
     def host_room(self) -> tuple[int, int, int]:
         """(bytes the pool may still grow by, host free, host reserve)."""
+        self.home_ws.mkdir(parents=True, exist_ok=True)
         v = os.statvfs(self.home_ws)
         free = v.f_bavail * v.f_frsize
         reserve = max(HOST_RESERVE_MIN, int(v.f_blocks * v.f_frsize * HOST_RESERVE_FRAC))
         room = max(0, free - reserve)
         cap = max_size()
         if cap is not None:
-            room = min(room, max(0, cap - self.img.stat().st_size))
+            room = min(room, max(0, cap - (self.img.stat().st_size if self.img.exists() else 0)))
         return room, free, reserve
 
     def grow(self, by: int) -> None:
@@ -538,17 +540,25 @@ class Pool:
             os.close(mfd)
 
     def admit(self, name: str, limit: int, running: set[str]) -> dict:
-        """The admission rule, under :meth:`admitting`. ``running``: the names of the agents whose
-        sandbox runs (this one included). Grows the pool when that makes room; refuses with the
-        numbers otherwise. Returns the numbers it decided on."""
+        """The admission rule, under :meth:`hold` and :meth:`admitting`; mounts the pool, making
+        it when there is none. ``running``: the names of the agents whose sandbox runs (besides
+        this one). Grows the pool when that makes room; refuses with the numbers otherwise.
+        Returns the numbers it decided on."""
         factor = overcommit()
+        made = False
+        if not self.exists():
+            room, host_free, reserve = self.host_room()
+            if room < INITIAL:
+                self._refuse(name, limit, factor, limit, 1, 0, 0, room, host_free, reserve)
+            self._create()
+            made = True
+        self.ensure(create=False)
         headroom, n = 0, 0
         for r in running | {name}:
             e = self.entry(r)
             lim = limit if r == name else (e.limit if e else 0)
-            used = e.used if e else 0
-            if lim:
-                headroom += max(0, lim - used)
+            if lim and lim < (1 << 62):
+                headroom += max(0, lim - (e.used if e else 0))
                 n += 1
         need = int(headroom / factor) + SLACK
         size, free = self.space()
@@ -557,26 +567,31 @@ class Pool:
             room, host_free, reserve = self.host_room()
             want = -(-(need - free) // STEP) * STEP
             if want <= room:
-                try:
-                    self.grow(want)
-                    grown = want
-                except LaunchError:
-                    pass
+                self.grow(want)
+                grown = want
                 size, free = self.space()
             if free < need:
-                cap = max_size()
-                raise PolicyDenied(
-                    f"workspace admission refused for {name!r}: the {n} running agent(s) with a workspace, this one "
-                    f"included, may still write {human(headroom)} (limits minus use); with overcommit factor "
-                    f"{factor:g} that needs {human(need)} free in the workspace pool (with {human(SLACK)} for "
-                    f"metadata), and the pool has {human(free)} free of {human(size)}; it can grow by {human(room)} "
-                    f"(host: {human(host_free)} free, {human(reserve)} kept for the daemon's state"
-                    + (f", pool capped at {human(cap)} by AGENTVM_WORKSPACE_POOL" if cap else "") + ")",
-                    hint="stop an agent, lower limits.disk, free host disk, raise AGENTVM_WORKSPACE_POOL, or allow "
-                         "overcommit (AGENTVM_WORKSPACE_OVERCOMMIT=2: a full pool then fails the writing agent)",
-                    code="workspace.overcommit")
+                if made and not self.names():
+                    self.teardown()  # nothing of it was used: a refused start reserves nothing
+                self._refuse(name, limit, factor, headroom, n, size, free, room, host_free, reserve)
         return {"running": n, "headroom": headroom, "factor": factor, "pool_size": size, "pool_free": free,
-                "grown": grown}
+                "grown": grown, "made": made}
+
+    def _refuse(self, name, limit, factor, headroom, n, size, free, room, host_free, reserve):
+        from agentvm.units import format_size
+
+        need = int(headroom / factor) + SLACK
+        cap = max_size()
+        raise PolicyDenied(
+            f"workspace admission refused for {name!r} (it needs {format_size(limit)}): the {n} running agent(s) with "
+            f"a workspace, this one included, may still write {human(headroom)} (limits minus use); with overcommit "
+            f"factor {factor:g} that needs {human(need)} free in the workspace pool ({human(SLACK)} of it for "
+            f"metadata), and the pool has {human(free)} free of {human(size)} and can grow by {human(room)} (host: "
+            f"{human(host_free)} free, {human(reserve)} of it kept for the daemon's state and audit"
+            + (f"; pool capped at {human(cap)} by AGENTVM_WORKSPACE_POOL" if cap else "") + ")",
+            hint="stop an agent, lower limits.disk, free space on the host, raise AGENTVM_WORKSPACE_POOL, or allow "
+                 "overcommit (AGENTVM_WORKSPACE_OVERCOMMIT=2: a full pool then fails the writing agent)",
+            code="workspace.overcommit")
 
     # ------------------------------------------------------------------ removal
     def remove_if_empty(self) -> bool:

@@ -1,5 +1,5 @@
-"""``agentvm workspace ls | rm NAME | prune --unused-for D``: the durable workspaces under
-``<home>/workspaces`` - those kept after their agent was removed, and those of agents run
+"""``agentvm workspace ls | rm NAME | prune --unused-for D``: the durable workspaces (in the
+pool, or images under ``<home>/workspaces``) - those kept after their agent was removed, and those of agents run
 with ``run -f`` only. Works with or without the daemon (it reads the daemon's state to tell
 which workspaces an agent still owns); a removal goes on the audit chain
 (``workspace.removed``, with the bytes it freed), and a workspace in use is never removed.
@@ -95,12 +95,16 @@ def ls_cmd(as_json):
     click.echo(f"{'NAME':<32} {'SIZE':>8} {'USED':>8}  {'LAST USE':<12} AGENT")
     for w in rows:
         owner = w.owner if w.owner else ("?" if owners is None else "(removed)")
-        size = human(w.size) if w.kind == "image" else "-"
+        size = human(w.size) if w.kind in ("image", "pool") else "-"
         click.echo(f"{w.name:<32} {size:>8} {human(w.used):>8}  {_when(w.last_use):<12} {owner}"
                    + ("  [in use]" if w.in_use else ""))
     u = usage(paths.workspaces)
     click.echo(f"{u.count} workspaces: {human(u.committed)} committed, {human(u.used)} used; "
                f"{human(u.fs_free)} free on the filesystem ({u.fs_use:.0%} full)")
+    if u.pool and u.pool.get("mounted"):
+        click.echo(f"pool: {human(u.pool['free'])} free of {human(u.pool['size'])} "
+                   f"({human(u.pool['reserved'])} reserved on the host)")
+    click.echo(f"new workspaces: {u.backend}")
     return 0
 
 
