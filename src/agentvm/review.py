@@ -717,7 +717,7 @@ def _conflict(host_fd: int, baseline: dict, c: Change) -> str | None:
                 b = baseline.get(prefix + r)
                 if b is None:
                     return f"{prefix + r} was created on the host since the sandbox started"
-                if _stamp(st)[0] != "d" and _stamp(st)[:5] != b[:5]:
+                if st[0] != "d" and st[:5] != b[:5]:
                     return f"{prefix + r} changed on the host since the sandbox started"
         finally:
             os.close(sub)
@@ -736,9 +736,10 @@ def load(home: Path, name: str, paths_filter: tuple[str, ...] = ()) -> Review:
         try:
             cs = [c for c in changes(layer, g, ginfo, hfd) if _selected(c, ginfo, paths_filter)]
             baseline = (_read_json(layer / f"g{g}" / "baseline.json") or {}).get("entries") or {}
+            new_dirs = {c.rel for c in cs if c.action == "mkdir"}
             for c in cs:
-                if c.action == "refuse":
-                    continue
+                if c.action == "refuse" or any(c.rel.startswith(d + "/") for d in new_dirs):
+                    continue  # inside a folder the layer makes: nothing of the host's there
                 why = _conflict(hfd, baseline, c)
                 if why:
                     conflicts[f"{g}:{c.rel}"] = why
@@ -892,30 +893,39 @@ def accept(home: Path, name: str, paths_filter: tuple[str, ...] = (), *, expect:
     by_grant: dict[str, list[Change]] = {}
     for c in rv.changes:
         by_grant.setdefault(c.grant, []).append(c)
-    # stage everything first (every grant), then record, then rename: nothing half-applied
+    # stage everything first (every grant), then check the host again, record, rename: nothing
+    # half-applied. What is applied is what was reviewed: a file's content is checked against
+    # the hash the review showed as it is copied; links and modes are taken from the review.
     staged: list[_Staged] = []
     made: list[tuple[int, str]] = []
     host_fds: dict[str, int] = {}
-    digest = hashlib.sha256()
     try:
         for g, cs in sorted(by_grant.items()):
             ginfo = grants[g]
             hfd = host_fds[g] = open_host(ginfo)
             owner = tuple(ginfo.get("owner") or (os.fstat(hfd).st_uid, os.fstat(hfd).st_gid))
             ufd = os.open(rv.layer / f"g{g}" / "upper", os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            tmpdirs: dict[str, str] = {}
             try:
                 for c in cs:
-                    staged.append(_stage(ufd, hfd, c, owner, made, digest))
+                    staged.append(_stage(ufd, hfd, c, owner, made, tmpdirs))
             finally:
                 os.close(ufd)
-        # what was staged is exactly what was reviewed (the layer cannot have moved in between)
-        again = load(home, name, paths_filter)
-        if again.review_id != rv.review_id or again.conflicts:
-            raise _refuse("review.changed", f"the review layer {name!r} or its folder changed while accept staged it; "
-                       "nothing was applied", f"look again: agentvm diff {name}")
-        for s in staged:
-            if s.change.content_hash and s.tmp is not None:
-                pass
+        # the host again, now that everything is staged: a path changed meanwhile refuses it all
+        late: dict[str, str] = {}
+        for g, cs in sorted(by_grant.items()):
+            baseline = (_read_json(rv.layer / f"g{g}" / "baseline.json") or {}).get("entries") or {}
+            new_dirs = {c.rel for c in cs if c.action == "mkdir"}
+            for c in cs:
+                if (c.rel in new_dirs and not c.host) or any(c.rel.startswith(d + "/") for d in new_dirs):
+                    continue  # made by this accept (nothing of the host's was there)
+                why = _conflict(host_fds[g], baseline, c)
+                if why:
+                    late[f"{g}:{c.rel}"] = why
+        if late:
+            raise _refuse("review.conflict", "changed on the host while accept staged it (nothing was applied):\n"
+                          + "\n".join(f"  {_show(rv, k)}: {v}" for k, v in sorted(late.items())),
+                          f"look again: agentvm diff {name}")
         if record is not None:
             record("review.accepted", {"name": name, "review_id": rv.review_id, "layer": str(rv.layer),
                                        "paths": [_show(rv, f"{c.grant}:{c.rel}") + f" ({c.action})" for c in rv.changes]})
@@ -953,28 +963,44 @@ def _show(rv: Review, key: str) -> str:
     return f"{host.rstrip('/')}/{rel}" if rel else host
 
 
-def _stage(ufd: int, hfd: int, c: Change, owner: tuple, made: list, digest) -> _Staged:
-    parent, _, name = c.rel.rpartition("/")
-    if c.action in ("delete",):
-        dfd = _open_dir(hfd, parent)
-        return _Staged(dfd, name, None, c)
+def _staged_parent(rel: str, tmpdirs: dict[str, str]) -> str:
+    """``rel``'s parent as staged: under the temporary name of a folder that replaces a file."""
+    parent = rel.rpartition("/")[0]
+    for d in sorted(tmpdirs, key=len, reverse=True):
+        if parent == d or parent.startswith(d + "/"):
+            return tmpdirs[d] + parent[len(d):]
+    return parent
+
+
+def _stage(ufd: int, hfd: int, c: Change, owner: tuple, made: list, tmpdirs: dict[str, str]) -> _Staged:
+    name = c.rel.rpartition("/")[2]
     if c.rel == "":  # the folder's own mode
         return _Staged(os.dup(hfd), "", None, c)
+    if c.action == "delete":
+        return _Staged(_open_dir(hfd, c.rel.rpartition("/")[0]), name, None, c)
+    parent = _staged_parent(c.rel, tmpdirs)
     dfd = _open_dir(hfd, parent, create=True, mode=0o755, owner=owner, made=made)
     tmp = f"{TMP_PREFIX}{secrets.token_hex(6)}"
     try:
         if c.action == "mode" and c.layer == "dir":
             return _Staged(dfd, name, None, c)
         if c.action == "mkdir":
-            os.mkdir(tmp, 0o700, dir_fd=dfd)
-            nfd = os.open(tmp, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
+            # a new folder where there was nothing is made now (removed again if accept fails);
+            # one that replaces a file or link is staged under a temporary name
+            target = name if not c.host else tmp
+            os.mkdir(target, 0o700, dir_fd=dfd)
+            if not c.host:
+                made.append((os.dup(dfd), name))
+            else:
+                tmpdirs[c.rel] = f"{parent}/{tmp}" if parent else tmp
+            nfd = os.open(target, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
             try:
                 if os.geteuid() == 0:
                     os.fchown(nfd, *owner)
                 os.fchmod(nfd, c.new_mode & 0o777)
             finally:
                 os.close(nfd)
-            return _Staged(dfd, name, tmp, c)
+            return _Staged(dfd, name, tmp if c.host else None, c)
         if c.action == "symlink":
             os.symlink(c.target, tmp, dir_fd=dfd)
             if os.geteuid() == 0:
@@ -1011,7 +1037,6 @@ def _stage(ufd: int, hfd: int, c: Change, owner: tuple, made: list, digest) -> _
                 os.close(dst)
         finally:
             os.close(src)
-        digest.update(c.content_hash.encode())
         return _Staged(dfd, name, tmp, c)
     except BaseException:
         try:
@@ -1060,8 +1085,10 @@ def _commit(s: _Staged) -> None:
     except FileNotFoundError:
         cur = None
     if c.action == "mkdir":
+        if s.tmp is None:
+            return  # made while staging
         if cur is not None:
-            _remove_tree_at(s.dfd, s.name)  # a file (or link) the folder replaces
+            _remove_tree_at(s.dfd, s.name)  # the file (or link) the folder replaces
         os.rename(s.tmp, s.name, src_dir_fd=s.dfd, dst_dir_fd=s.dfd)
         return
     if cur is not None and stat.S_ISDIR(cur.st_mode):
