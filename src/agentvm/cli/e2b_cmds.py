@@ -50,8 +50,8 @@ def serve(listen, max_per_tenant, max_creating):
     from agentvm.e2b.app import make_app
     from agentvm.e2b.backend import DaemonBackend
 
-    keys = pkg.api_keys()
-    app = make_app(DaemonBackend(client), keys, max_per_tenant=max_per_tenant, max_concurrent_creates=max_creating)
+    pkg.api_keys()  # the first key exists before anyone asks for it
+    app = make_app(DaemonBackend(client), lambda: pkg.api_keys(create=False), max_per_tenant=max_per_tenant, max_concurrent_creates=max_creating)
     f = _runtime_file()
     f.parent.mkdir(parents=True, exist_ok=True)
     url = f"http://{host}:{port}"

@@ -81,7 +81,9 @@ class E2BService:
     def __init__(self, backend: E2BBackend, api_keys: Mapping[str, str], *, home=None, max_per_tenant: int = 20,
                  max_concurrent_creates: int = 4, audit=None):
         self.backend = backend
-        self.api_keys = dict(api_keys)  # key -> tenant
+        # key -> tenant; or a callable giving it (re-read when a key is not known: keys added later)
+        self._keys_source = api_keys if callable(api_keys) else None
+        self.api_keys = dict(api_keys() if callable(api_keys) else api_keys)
         self.home = home
         self.max_per_tenant = max_per_tenant
         self.max_concurrent_creates = max_concurrent_creates
@@ -94,9 +96,13 @@ class E2BService:
     def tenant_of(self, key: str | None) -> str | None:
         if not key:
             return None
-        for k, tenant in self.api_keys.items():
-            if hmac.compare_digest(k.encode(), key.encode()):
-                return tenant
+        for attempt in (0, 1):
+            for k, tenant in self.api_keys.items():
+                if hmac.compare_digest(k.encode(), key.encode()):
+                    return tenant
+            if attempt or self._keys_source is None:
+                return None
+            self.api_keys = dict(self._keys_source())
         return None
 
     def box_for(self, tenant: str, sandbox_id: str) -> Box | None:
@@ -467,9 +473,10 @@ ENVD_PREFIXES = ("/process.Process/", "/filesystem.Filesystem/")
 ENVD_PATHS = ("/health", "/files")
 
 
-def make_app(backend: E2BBackend, api_keys: Mapping[str, str], *, home=None, max_per_tenant: int = 20,
+def make_app(backend: E2BBackend, api_keys, *, home=None, max_per_tenant: int = 20,
              max_concurrent_creates: int = 4, audit=None):
-    """The ASGI app. ``api_keys`` maps each API key to its tenant."""
+    """The ASGI app. ``api_keys`` maps each API key to its tenant (or is a callable returning
+    that map, called again when an unknown key arrives)."""
     from starlette.applications import Starlette
 
     from agentvm.e2b.envd import connect_apps

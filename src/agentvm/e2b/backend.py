@@ -273,13 +273,13 @@ class _DaemonProcess:
         raise Unsupported("a pty needs the daemon's exec TTY relay, which it does not have yet")
 
 
-CTL_DIR = "/tmp/.agentvm-e2b"
+CTL_DIR = "/dev/shm/.agentvm-e2b"
 # The sandbox's own shell runs the command with a control FIFO beside it: signals and the end
 # of stdin are written there by later execs and carried out by a child of this shell (a later
 # exec is another Landlock domain and may not signal this one's processes itself). With stdin,
 # the command reads a FIFO that later execs write to.
 _WRAPPER = r"""
-d=/tmp/.agentvm-e2b/$$
+d=/dev/shm/.agentvm-e2b/$$
 mkdir -p "$d" && mkfifo -m 600 "$d/ctl" || exit 126
 if [ "$2" = 1 ]; then mkfifo -m 600 "$d/in" || exit 126; fi
 printf '\036%s\n' "$$" >&2
@@ -421,7 +421,8 @@ class DaemonBackend:
         stage = f".agentvm-e2b/{secrets.token_hex(8)}"
         await self._call(self.client.put_file, name, stage, data)
         try:
-            await self._check(name, ["/bin/sh", "-c", 'mkdir -p -- "$(dirname -- "$2")" && mv -f -- "$1" "$2"',
+            await self._check(name, ["/bin/sh", "-c", 'mkdir -p -- "$(dirname -- "$2")" && mv -f -- "$1" "$2"; rc=$?; '
+                                     'rmdir -- "$(dirname -- "$1")" 2>/dev/null; exit $rc',
                                      "e2b-write", f"{WORKSPACE}/{stage}", norm])
         except BackendFailure:
             await self._run(name, ["rm", "-f", "--", f"{WORKSPACE}/{stage}"])
