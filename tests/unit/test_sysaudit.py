@@ -213,3 +213,48 @@ def test_audit_and_trace_sinks_shape():
     sysaudit.trace_sink(Trace())({"kind": "syscall.denied", "time": 1.0, "syscall": "mount", "rule": "seccomp:mount",
                                   "errno": "EPERM", "pid": 7, "argv": ["a"], "args": {"flags": "0"}})
     assert spans[0][0] == "syscall.denied" and spans[0][1]["agentvm.syscall"] == "mount"
+
+
+def test_ocsf_process_activity_from_a_record_and_from_the_chain():
+    from agentvm.observe import ocsf
+
+    rec = {"kind": "syscall.denied", "time": 10.5, "sandbox": "run-x", "pid": 42, "argv": ["unshare", "-U", "true"],
+           "exe": "/usr/bin/unshare", "syscall": "unshare", "errno": "EPERM", "rule": "seccomp:namespaces",
+           "args": {"flags": "CLONE_NEWUSER"}, "verified": True, "alert": True}
+    e = ocsf.syscall(rec)
+    assert (e["class_uid"], e["category_uid"], e["action"], e["disposition"]) == (1007, 1, "Denied", "Blocked")
+    assert e["actor"]["process"] == {"pid": 42, "cmd_line": "unshare -U true",
+                                     "file": {"path": "/usr/bin/unshare", "name": "unshare"}}
+    assert e["firewall_rule"]["uid"] == "seccomp:namespaces" and e["severity_id"] == 4 and e["is_alert"]
+    assert e["unmapped"]["errno"] == "EPERM" and e["time"] == 10500
+    chained = {"kind": "syscall.denied", "time": 10.5, "sandbox": "run-x", "seq": 7, "hash": "h", "prev": "p",
+               "data": {k: v for k, v in rec.items() if k not in ("kind", "time", "sandbox")}}
+    c = ocsf.audit_record(chained)
+    assert c["class_uid"] == 1007 and c["actor"] == e["actor"] and c["unmapped"]["seq"] == 7
+    w = ocsf.syscall({**rec, "kind": "syscall.watched", "alert": False, "errno": None})
+    assert w["action"] == "Allowed" and w["severity_id"] == 1
+
+
+def test_logs_syscalls_cli(tmp_path, monkeypatch):
+    import json as _json
+
+    from click.testing import CliRunner
+
+    from agentvm.cli import history_cmds
+
+    monkeypatch.setenv("AGENTVM_HOME", str(tmp_path))
+    (tmp_path / "logs").mkdir()
+    rec = {"kind": "syscall.denied", "time": 1.0, "sandbox": "web-0123abcd", "pid": 9, "syscall": "mount",
+           "errno": "EPERM", "rule": "seccomp:mount", "args": {"flags": "MS_BIND"}, "verified": True,
+           "argv": ["sh", "-c", "\x1b[2Jevil"], "exe": "/bin/sh", "repeats": 2}
+    (tmp_path / "logs" / "web-0123abcd.syscalls.jsonl").write_text(_json.dumps(rec) + "\n{torn")
+    r = CliRunner().invoke(history_cmds.logs, ["web", "--syscalls"])
+    assert r.exit_code == 0, r.output
+    assert "mount EPERM rule=seccomp:mount flags=MS_BIND" in r.output and "(+2 repeats)" in r.output
+    assert "\x1b" not in r.output, "what the sandbox chose is printed as printable ASCII only"
+    r = CliRunner().invoke(history_cmds.logs, ["web-0123abcd", "--syscalls", "--json"])
+    assert _json.loads(r.output) == [rec]
+    r = CliRunner().invoke(history_cmds.logs, ["other", "--syscalls"])
+    assert "no syscall records" in r.output
+    r = CliRunner().invoke(history_cmds.logs, ["../etc", "--syscalls", "--json"])
+    assert _json.loads(r.output) == []

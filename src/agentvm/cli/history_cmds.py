@@ -116,3 +116,86 @@ def _output_note(log, run_id: str, started) -> str:
         return ("a run through the daemon: its stdout and stderr were relayed to its caller; "
                 "agent-vm does not keep them")
     return "an embedded run: its stdout and stderr went to its caller; agent-vm does not keep them"
+
+
+# ------------------------------------------------------------------ syscall records
+
+
+def syscall_records(name: str) -> list[dict]:
+    """The syscall audit's records of run/sandbox ``name`` (``<home>/logs/NAME.syscalls.jsonl``),
+    or of every session of a managed sandbox ``NAME`` (``NAME-<8 hex>``), oldest first."""
+    import re
+
+    from agentvm import sysaudit
+    from agentvm.paths import default_paths
+
+    logs = default_paths().home / "logs"
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,200}", name):
+        return []
+    paths = [logs / f"{name}.syscalls.jsonl"]
+    paths += sorted(p for p in logs.glob(f"{name}-*.syscalls.jsonl")
+                    if re.fullmatch(re.escape(name) + r"-[0-9a-f]{8}\.syscalls\.jsonl", p.name))
+    out: list[dict] = []
+    for p in paths:
+        out += sysaudit.read_log(p)
+    return sorted(out, key=lambda r: r.get("time") or 0)
+
+
+def syscall_lines(recs: list[dict]) -> list[str]:
+    """One line per record: time, sandbox, pid, syscall, errno (or 'watched'), rule, decoded
+    arguments, the process (argv, exe), whether it was verified live; repeats folded into it."""
+    from agentvm.gate.policy import _safe  # what a sandbox chose (argv, exe): printable ASCII only
+
+    rows = []
+    for r in recs:
+        t = time.strftime("%H:%M:%S", time.localtime(r.get("time") or 0))
+        kind = r.get("kind", "")
+        if kind in ("syscall.denied", "syscall.watched"):
+            args = " ".join(f"{k}={v}" for k, v in sorted((r.get("args") or {}).items()))
+            argv = " ".join(r.get("argv") or [])[:160]
+            what = r.get("errno") or "watched"
+            rep = f" (+{r['repeats']} repeats)" if r.get("repeats") else ""
+            ver = "" if r.get("verified") else " [process not verified]"
+            rows.append(_safe(f"{t} {r.get('sandbox', '')} pid={r.get('pid')} {r.get('syscall')} {what} "
+                              f"rule={r.get('rule')} {args} argv=[{argv}] exe={r.get('exe') or '?'}{rep}{ver}"
+                              f"{' ALERT' if r.get('alert') else ''}", 600))
+        else:
+            rows.append(_safe(f"{t} {r.get('sandbox', '')} {kind}: {r.get('reason') or ''}"
+                              f"{'' if r.get('ok', True) else ' (FAILED)'}", 600))
+    return rows
+
+
+def print_syscalls(name: str, as_json: bool) -> bool:
+    """``agentvm logs NAME --syscalls [--json]``; False when nothing was recorded under NAME."""
+    recs = syscall_records(name)
+    if as_json:
+        click.echo(json.dumps(recs, sort_keys=True))
+        return True
+    if not recs:
+        return False
+    for line in syscall_lines(recs):
+        click.echo(line)
+    denied = sum(1 for r in recs if r.get("kind") == "syscall.denied")
+    click.echo(f"({denied} denied record(s); identical calls of one process within "
+               f"10 s are folded into one record with a repeat count)")
+    return True
+
+
+@click.command("logs")
+@click.argument("name")
+@click.option("--syscalls", is_flag=True, help="The syscall audit: escape probes refused by seccomp, and watched calls.")
+@click.option("--json", "as_json", is_flag=True, help="With --syscalls: the records as one JSON array.")
+def logs(name, syscalls, as_json):
+    """Print a managed sandbox's output log, or a past run's history (its audit records and
+    gate decisions; see `agentvm runs`). --syscalls: its syscall audit records instead."""
+    if as_json and not syscalls:
+        raise click.UsageError("--json goes with --syscalls")
+    if syscalls:
+        if print_syscalls(name, as_json):
+            return 0
+        click.echo(f"(no syscall records for {name!r}: none made, an unknown name, or the sandbox ran without "
+                   "the syscall audit - `agentvm runs` shows a run's degradations)")
+        return 0
+    from agentvm.cli.daemon_cmds import logs as daemon_logs
+
+    return daemon_logs.callback(name)

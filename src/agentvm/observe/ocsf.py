@@ -9,6 +9,13 @@ JSON object per line, for SIEMs and the tools that already read OCSF.
   is the operation, its actor the user, the sandbox the resource; the chain's own fields
   (``seq``, ``hash``, ``prev``) travel in ``unmapped`` so an export can still be checked
   against the chain.
+* a syscall record (``agentvm.sysaudit``: ``syscall.denied``, ``syscall.watched``, and the
+  ``syscall.probe-*``/``audit-detached`` actions), from the chain or a sandbox's
+  ``.syscalls.jsonl`` -> **Process Activity** (class 1007, System Activity), activity
+  "Other" with the Security Control profile: the actor is the process (pid, command line,
+  executable), ``action``/``disposition`` say Denied/Blocked (or Allowed for a watched call),
+  ``firewall_rule`` the seccomp rule id; the syscall, its errno and decoded flags are in
+  ``unmapped``. An alert (``security.onEscapeProbe`` other than ``log``) is severity High.
 
 Nothing here reads a secret: decisions carry credential *names*, never values (as the gate's
 log does).
@@ -83,8 +90,11 @@ def decision(rec: dict) -> dict:
 
 
 def audit_record(rec: dict) -> dict:
-    """One audit record (``AuditLog.Record.to_dict()``) as API Activity."""
+    """One audit record (``AuditLog.Record.to_dict()``) as API Activity (a syscall record as
+    Process Activity: :func:`syscall`)."""
     kind = str(rec.get("kind") or "")
+    if kind.startswith("syscall."):
+        return syscall(rec)
     verb = kind.rsplit(".", 1)[-1]
     act = _API_ACTIVITY.get(verb, 99)
     denied = kind.endswith(".deny") or kind.endswith("refused") or kind.endswith("failed")
@@ -102,6 +112,49 @@ def audit_record(rec: dict) -> dict:
     }
     if rec.get("sandbox"):
         out["resources"] = [{"type": "sandbox", "name": str(rec["sandbox"])}]
+    return out
+
+
+def syscall(rec: dict) -> dict:
+    """One syscall record (``agentvm.sysaudit``) as Process Activity (1007). From the audit
+    chain (``Record.to_dict()``: the fields under ``data``) or from a ``.syscalls.jsonl`` line."""
+    d = rec.get("data") if isinstance(rec.get("data"), dict) else rec
+    kind = str(rec.get("kind") or "")
+    watched = kind == "syscall.watched"
+    alert = bool(d.get("alert"))
+    argv = [str(a) for a in (d.get("argv") or [])]
+    proc: dict[str, Any] = {"pid": int(d.get("pid") or 0)}
+    if argv:
+        proc["cmd_line"] = " ".join(argv)
+    if d.get("exe"):
+        proc["file"] = {"path": str(d["exe"]), "name": str(d["exe"]).rsplit("/", 1)[-1]}
+    act = 99  # Other: a syscall attempt is neither a launch nor a termination
+    out: dict[str, Any] = {
+        "class_uid": 1007, "class_name": "Process Activity", "category_uid": 1, "category_name": "System Activity",
+        "activity_id": act, "activity_name": kind or "syscall", "type_uid": 1007 * 100 + act,
+        "time": _ms(rec.get("time") if rec.get("time") is not None else d.get("time")),
+        "severity_id": 4 if alert else (1 if watched else 3),
+        "status_id": 1 if watched else 2,
+        "action_id": 1 if watched else 2, "action": "Allowed" if watched else "Denied",
+        "disposition_id": 1 if watched else 2, "disposition": "Allowed" if watched else "Blocked",
+        "message": (f"{d.get('syscall')} {'watched' if watched else 'refused with ' + str(d.get('errno'))}"
+                    if d.get("syscall") else str(d.get("reason") or kind)),
+        "metadata": {"version": OCSF_VERSION, "product": _PRODUCT, "log_name": "syscalls",
+                     "profiles": ["security_control"]},
+        "actor": {"process": proc},
+        "process": proc,
+        "device": {"type_id": 99, "name": str(rec.get("sandbox") or d.get("sandbox") or "")},
+    }
+    if d.get("rule"):
+        out["firewall_rule"] = {"uid": str(d["rule"]), "type": "seccomp"}
+    if alert:
+        out["is_alert"] = True
+    unmapped = {k: d[k] for k in ("syscall", "nr", "errno", "args", "verified", "repeats", "ok", "denied",
+                                  "threshold", "reason") if d.get(k) is not None}
+    if rec.get("seq") is not None:
+        unmapped.update({"seq": rec.get("seq"), "hash": rec.get("hash"), "prev": rec.get("prev")})
+    if unmapped:
+        out["unmapped"] = unmapped
     return out
 
 
