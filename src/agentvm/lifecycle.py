@@ -61,6 +61,8 @@ class RunResult:
         return d
 
 
+_EXPIRED = 1e-6  # a wait whose timeout has already run out (Backend.wait: kill, then 124)
+
 NO_TRAFFIC = {"allowed": 0, "denied": [], "bytes_out": 0, "bytes_in": 0, "alerts": 0, "log": None}
 
 
@@ -212,6 +214,77 @@ class Lifecycle:
     def stop(self, s: Session, grace: float = 2.0) -> None:
         if s.handle is not None:
             s.backend.stop(s.handle, grace)
+
+    # ---------------------------------------------------------------- the whole sequence
+    async def run_to_end(self, policy, *, stdio=None, tty: bool = False, notes=None, degrade: tuple[str, ...] = (),
+                         timed: bool = False, stop=None, watch=None, grace: float = 2.0, on_session=None,
+                         attached=None, launched=None, before_teardown=None, after_teardown=None) -> RunResult:
+        """prepare -> attach -> launch -> wait (or stop) -> teardown -> result, on the caller's
+        loop: each blocking step runs in a worker thread only while it lasts, and the wait holds
+        none (``Backend.wait_async``) - a thousand running sandboxes are not a thousand threads.
+
+        ``stdio``: the launch's (stdin, stdout, stderr), or a function returning them (called
+        once it is prepared). ``timed``: the plan's timeout holds (past it, the backend's own
+        timeout path ends the sandbox: exit 124, ``timed_out``). ``stop``: an
+        ``asyncio.Event`` - set, the sandbox is stopped (``grace`` seconds to exit).
+        ``watch(session)``: a coroutine run beside the wait; when it ends (a TTL, an idle
+        timeout) the sandbox is stopped. Hooks, each with the Session: ``on_session`` once it
+        is prepared, ``attached`` (async) once its gate endpoint is open - it may still raise,
+        and the sandbox never launches - ``launched`` once it runs, ``before_teardown`` and
+        ``after_teardown`` around its teardown (which always happens once it is prepared)."""
+        import asyncio
+
+        s = await asyncio.to_thread(self.prepare, policy, degrade=degrade, tty=tty, notes=notes)
+        if on_session is not None:
+            on_session(s)
+        try:
+            await asyncio.to_thread(self.attach, s)
+            if attached is not None:
+                await attached(s)
+            await asyncio.to_thread(self.launch, s, stdio() if callable(stdio) else stdio)
+            if launched is not None:
+                launched(s)
+            await self._wait_or_stop(s, (s.plan.timeout or None) if timed else None, stop, watch, grace)
+        finally:
+            try:
+                if before_teardown is not None:
+                    before_teardown(s)
+            finally:
+                try:
+                    await asyncio.to_thread(self.teardown, s)
+                finally:
+                    if after_teardown is not None:
+                        after_teardown(s)
+        return await asyncio.to_thread(self.result, s)
+
+    async def _wait_or_stop(self, s: Session, timeout, stop, watch, grace: float) -> ExitStatus:
+        import asyncio
+        import logging
+
+        waiter = asyncio.ensure_future(s.backend.wait_async(s.handle))
+        stopper = asyncio.ensure_future(stop.wait()) if stop is not None else None
+        watcher = asyncio.ensure_future(watch(s)) if watch is not None else None
+        try:
+            done, _ = await asyncio.wait({t for t in (waiter, stopper, watcher) if t is not None},
+                                         timeout=timeout or None, return_when=asyncio.FIRST_COMPLETED)
+            if watcher is not None and watcher in done and not watcher.cancelled() and watcher.exception() is not None:
+                logging.getLogger("agentvm.daemon").error("the watch of %s failed: the sandbox is stopped",
+                                                          s.policy.name, exc_info=watcher.exception())
+            if not done and not s.backend.poll(s.handle):
+                # its time is up: the backend's own timeout path (kill, then its status: 124)
+                waiter.cancel()
+                await asyncio.gather(waiter, return_exceptions=True)
+                if waiter.cancelled():
+                    s.status = await asyncio.to_thread(s.backend.wait, s.handle, _EXPIRED)
+                    return s.status
+            elif done and waiter not in done:
+                await asyncio.to_thread(self.stop, s, grace)
+            s.status = await waiter
+            return s.status
+        finally:  # (also when stopping failed: no watch outlives its run)
+            for t in (stopper, watcher):
+                if t is not None:
+                    t.cancel()
 
     # ---------------------------------------------------------------- teardown
     def teardown(self, s: Session) -> None:

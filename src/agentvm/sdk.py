@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
-from agentvm.daemon.client import Client, _ensure_spec_text
+from agentvm.daemon.client import Client, ensure_spec_text
 
 
 @dataclass
@@ -38,7 +38,7 @@ class Sandbox:
     def __init__(self, spec, *, client: Client | None = None, keep: bool = False, ttl: float | None = None,
                  idle_timeout: float | None = None):
         self.client = client or Client()
-        self.spec_text, self.file = _ensure_spec_text(spec)
+        self.spec_text, self.file = ensure_spec_text(spec)
         self.keep = keep
         self.ttl, self.idle_timeout = ttl, idle_timeout
         self.name: str | None = None

@@ -230,8 +230,14 @@ def _console(tmp_path):
     from agentvm.console.app import COOKIE, Console
 
     s = store(tmp_path)
-    daemon = SimpleNamespace(token=None, listen="127.0.0.1:8765", gate=SimpleNamespace(approval_store=lambda: s))
-    c = Console(daemon)
+    from agentvm.daemon.control import ControlPlane
+
+    # the console's approvals go through the control plane's own method (its store: this one)
+    control = SimpleNamespace(gate=SimpleNamespace(approval_store=lambda: s))
+    control.answer_approval = lambda *a, **kw: ControlPlane.answer_approval(control, *a, **kw)
+    control._approval_call = lambda fn: ControlPlane._approval_call(control, fn)
+    control._store = lambda: ControlPlane._store(control)
+    c = Console(control, token=None, listen="127.0.0.1:8765")
     sid, sess = c.sessions.redeem(c.sessions.mint_code())
     return c, s, f"{COOKIE}={sid}", sess["csrf"]
 

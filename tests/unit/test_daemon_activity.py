@@ -8,8 +8,9 @@ import asyncio
 import time
 import types
 
-from agentvm.daemon import server
-from agentvm.daemon.server import Daemon, Managed
+from agentvm.daemon import supervisor as server
+from agentvm.daemon.server import Daemon
+from agentvm.daemon.supervisor import Managed
 from agentvm.daemon.state import State
 
 

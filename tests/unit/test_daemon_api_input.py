@@ -104,7 +104,8 @@ def test_openapi_is_served_and_generated_from_the_models(d):
 
 
 def test_routes_table_and_dispatch_agree():
-    from agentvm.daemon.server import _body_model, _query_model
+    from agentvm.daemon.router import body_model as _body_model
+    from agentvm.daemon.router import query_model as _query_model
 
     for method, path, body, query, _answers, _summary in api.ROUTES:
         p = [x if not x.startswith("{") else "n" for x in path.split("/")[2:]]

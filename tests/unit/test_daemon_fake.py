@@ -169,9 +169,9 @@ def test_events_stream(d):
 def test_a_reader_that_falls_behind_is_cut_off_and_costs_no_record(d, monkeypatch):
     """A stalled live reader (a console tab in the background) must not make the daemon drop
     audit records or fail an operator's action: it is cut off with a ``stream.lagged`` record."""
-    import agentvm.daemon.server as server
+    import agentvm.daemon.events as events
 
-    monkeypatch.setattr(server, "SUBSCRIBER_BACKLOG", 5)
+    monkeypatch.setattr(events, "SUBSCRIBER_BACKLOG", 5)
     stalled: asyncio.Queue = asyncio.Queue()
     d.loop.call_soon_threadsafe(d.daemon.subscribers.add, stalled)
     time.sleep(0.1)
@@ -212,9 +212,9 @@ def test_tcp_listener_requires_the_token(tmp_path, monkeypatch):
         assert ei.value.status == 401
         assert Client(url=f"http://127.0.0.1:{port}", token=token).ps() == []
         # a peer that never finishes its head is answered and dropped, not kept forever
-        import agentvm.daemon.server as server
+        import agentvm.daemon.http as http
 
-        monkeypatch.setattr(server, "HEAD_TIMEOUT", 0.5)
+        monkeypatch.setattr(http, "HEAD_TIMEOUT", 0.5)
         with socket.create_connection(("127.0.0.1", port), timeout=10) as slow:
             slow.sendall(b"GET /v1/sandboxes HTTP/1.1\r\nHost: x\r\n")
             got = b""
@@ -395,7 +395,7 @@ def test_an_early_refusal_of_a_big_upload_reaches_the_client(d):
 def test_a_stalled_body_does_not_hold_a_slot_forever(d, monkeypatch):
     import socket as _s
 
-    import agentvm.daemon.server as srv
+    import agentvm.daemon.http as srv
 
     monkeypatch.setattr(srv, "BODY_TIMEOUT", 0.5)
     s = _s.socket(_s.AF_UNIX)
@@ -406,9 +406,9 @@ def test_a_stalled_body_does_not_hold_a_slot_forever(d, monkeypatch):
     s.close()
     assert b" 408 " in out.split(b"\r\n")[0], out[:200]
     deadline = time.monotonic() + 10
-    while d.daemon._uploads != srv.UPLOADS and time.monotonic() < deadline:
+    while d.daemon.http._uploads != srv.UPLOADS and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert d.daemon._uploads == srv.UPLOADS, "the slot came back"
+    assert d.daemon.http._uploads == srv.UPLOADS, "the slot came back"
 
 
 def test_allow_on_an_agent_with_no_route_is_an_error_not_a_no_op(d):

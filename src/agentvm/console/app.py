@@ -45,8 +45,11 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.templating import Jinja2Templates
 
+from agentvm.errors import AgentVMError
+from agentvm.policy_patch import AddRules, BudgetChange, SetCredential, SetPaused
+
 if TYPE_CHECKING:  # pragma: no cover
-    from agentvm.daemon.server import Daemon
+    from agentvm.daemon.control import ControlPlane
 
 HERE = Path(__file__).parent
 COOKIE = "agentvm_console"
@@ -117,8 +120,9 @@ class Sessions:
 
 
 class Console:
-    def __init__(self, daemon: "Daemon") -> None:
-        self.d = daemon
+    def __init__(self, control: "ControlPlane", *, token: str | None = None, listen: str | None = None) -> None:
+        self.d = control  # public ControlPlane methods only (agentvm.daemon.control)
+        self.token, self.listen = token, listen
         self.sessions = Sessions()
         env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(HERE / "templates")), autoescape=True)
         self.templates = Jinja2Templates(env=env)
@@ -170,7 +174,7 @@ class Console:
         if transport == "unix":  # the owner-only socket: the operator (no browser can get here)
             return {"csrf": None, "via": "unix"}
         auth = request.headers.get("authorization", "")
-        tok = self.d.token
+        tok = self.token
         if tok and auth.startswith("Bearer ") and hmac.compare_digest(auth[7:].encode(), tok.encode()):
             return {"csrf": None, "via": "token"}
         sess = self.sessions.get(request.cookies.get(COOKIE))
@@ -178,7 +182,7 @@ class Console:
 
     def _host_ok(self, request: Request) -> bool:
         host = request.headers.get("host", "")
-        listen = self.d.listen or ""
+        listen = self.listen or ""
         port = listen.rpartition(":")[2]
         allowed = {listen, f"localhost:{port}", f"127.0.0.1:{port}", f"[::1]:{port}"}
         return host in allowed
@@ -223,10 +227,9 @@ class Console:
 
     async def index(self, request: Request) -> Response:
         rows = []
-        for row in self.d.state.all():
-            d = self.d._public(row)
-            d["usage"] = self._usage(row.name)
-            s = self.d.observer.summary.get(row.name, {})
+        for d in self.d.sandboxes():
+            d["usage"] = self.d.usage(d["name"])
+            s = self.d.observer.summary.get(d["name"], {})
             d["denied"] = sum(v[1] for v in s.values())
             d["allowed"] = sum(v[0] for v in s.values())
             rows.append(d)
@@ -235,14 +238,15 @@ class Console:
 
     async def sandbox(self, request: Request) -> Response:
         name = request.path_params["name"]
-        row = self.d.state.get(name)
-        if row is None:
+        try:
+            row = self.d.sandbox(name)
+        except AgentVMError:
             return self._page(request, "error.html", {"message": f"no sandbox named {name!r}"}, status=404)
-        view = self.d._policy_view(name, row, json.loads(row.policy_patch or "{}"))
-        creds = self._credentials(name, row)
+        view = self.d.policy_view(name)
+        creds = self._credentials(name)
         recent = [r for r in reversed(self.d.observer.recent) if r.get("agent") == name][:100]
         return self._page(request, "sandbox.html", {
-            "row": self.d._public(row), "usage": self._usage(name), "policy": view, "credentials": creds,
+            "row": row, "usage": self.d.usage(name), "policy": view, "credentials": creds,
             # the DoH deny rules every sandbox gets are counted, not listed one by one
             "rules": [r for r in view["rules"] if not r["id"].startswith("doh:")],
             "doh": sum(1 for r in view["rules"] if r["id"].startswith("doh:")),
@@ -258,12 +262,13 @@ class Console:
                 if action == "stop":
                     await self.d.stop(name, actor=ACTOR)
                 else:
-                    self.d._row(name)
+                    self.d.row(name)
                     await self.d.start(name, actor=ACTOR)
             elif action in ("pause", "resume"):
-                await self.d._policy(name, {"op": action}, ACTOR)
+                await self.d.change_policy(name, SetPaused(action == "pause"), actor=ACTOR)
             elif action in ("revoke", "restore"):
-                await self.d._policy(name, {"op": action, "credential": form.get("credential", "")}, ACTOR)
+                await self.d.change_policy(name, SetCredential(form.get("credential", ""), action == "revoke"),
+                                           actor=ACTOR)
             elif action == "budget":
                 change = {}
                 for k in ("tokens", "requests", "cost"):
@@ -275,12 +280,12 @@ class Console:
                             raise _Refused(400, f"budget {k} is a number, not {v[:40]!r}") from None
                 if not change:
                     raise _Refused(400, "give a new tokens, requests or cost limit")
-                await self.d._policy(name, {"op": "budget", **change}, ACTOR)
+                await self.d.change_policy(name, BudgetChange(**change), actor=ACTOR)
             elif action in ("allow", "deny"):
                 rule = form.get("rule", "").strip()
                 if not rule:
                     raise _Refused(400, "name a host (HOST or HOST:PORT)")
-                await self.d._policy(name, {"op": action, "rule": rule}, ACTOR)
+                await self.d.change_policy(name, AddRules(action, (rule,)), actor=ACTOR)
             else:
                 raise _Refused(400, f"unknown action {action[:40]!r}")
         except _Refused as exc:
@@ -292,7 +297,7 @@ class Console:
     async def decisions(self, request: Request) -> Response:
         f = _filters(request)
         rows = [r for r in reversed(self.d.observer.recent) if _match(r, f)][:300]
-        names = sorted({r.name for r in self.d.state.all()} | {r.get("agent") for r in self.d.observer.recent
+        names = sorted(set(self.d.names()) | {r.get("agent") for r in self.d.observer.recent
                                                                 if r.get("agent")})
         return self._page(request, "decisions.html", {"rows": rows, "f": f, "names": names,
                                                        "query": urlencode({k: v for k, v in f.items() if v})})
@@ -300,8 +305,7 @@ class Console:
     async def stream(self, request: Request) -> Response:
         """Server-sent events: each new decision that matches the filters, as JSON."""
         f = _filters(request)
-        q: asyncio.Queue = asyncio.Queue()  # unbounded: the daemon cuts a lagging reader off
-        self.d.subscribers.add(q)
+        q = self.d.subscribe()  # unbounded: the daemon cuts a lagging reader off
 
         async def events():
             try:
@@ -323,24 +327,22 @@ class Console:
                                                       "verdict", "reason", "bytes_out", "bytes_in", "tool")}
                     yield b"data: " + json.dumps(light, default=str).encode() + b"\n\n"
             finally:
-                self.d.subscribers.discard(q)
+                self.d.unsubscribe(q)
 
         return StreamingResponse(events(), media_type="text/event-stream", headers={"x-accel-buffering": "no"})
 
     async def audit(self, request: Request) -> Response:
         sandbox = request.query_params.get("sandbox") or None
-        recs = [r.to_dict() for r in self.d.audit.records(sandbox=sandbox, limit=200, newest=True)]
+        recs = self.d.audit_records(sandbox=sandbox, limit=200, newest=True)
         recs.reverse()
         verify = await asyncio.to_thread(self._verify)
         return self._page(request, "audit.html", {"records": recs, "verify": verify, "sandbox": sandbox or ""})
 
     async def approvals(self, request: Request) -> Response:
-        store = self.d.gate.approval_store()
-        if store is None:
+        try:
+            items = self.d.approvals(all=True)
+        except AgentVMError:  # (approvals.unavailable)
             return self._page(request, "approvals.html", {"available": False, "pending": [], "answered": []})
-        from agentvm.approvals import STATES
-
-        items = [r.to_dict() for r in store.list(STATES)]
         pending = [r for r in items if r["state"] == "pending"]
         answered = sorted((r for r in items if r["state"] != "pending"), key=lambda r: -(r.get("answered") or 0))[:50]
         return self._page(request, "approvals.html", {"available": True, "pending": pending, "answered": answered,
@@ -352,12 +354,7 @@ class Console:
             form = await self._form(request)
             if answer not in ("approve", "deny"):
                 raise _Refused(404, "approve or deny")
-            store = self.d.gate.approval_store()
-            if store is None:
-                raise _Refused(503, "the approvals queue cannot be opened")
             note = (form.get("note") or "")[:1000] or None
-            from agentvm.approvals import ApprovalError
-
             digest = form.get("digest") or ""
             if answer == "approve" and not digest:
                 # the page sends the digest of what it showed: an approval without one approves
@@ -365,46 +362,31 @@ class Console:
                 raise _Refused(409, f"{rid}: an approval must name the digest of the request it was shown "
                                "(reload the approvals page and approve from there)")
             try:
-                store.answer(rid, answer == "approve", f"console:{ACTOR}", note, digest=digest or None)
-            except ApprovalError as exc:
+                self.d.answer_approval(rid, answer == "approve", by=f"console:{ACTOR}", note=note, digest=digest or None)
+            except AgentVMError as exc:
+                if exc.code == "approvals.unavailable":
+                    raise _Refused(503, "the approvals queue cannot be opened") from None
                 raise _Refused(409, exc.message) from None
         except _Refused as exc:
             return self._page(request, "error.html", {"message": exc.message}, status=exc.status)
         return RedirectResponse(f"/approvals?{urlencode({'done': answer})}", status_code=303)
 
     # ------------------------------------------------------------------ helpers
-    def _usage(self, name: str) -> dict:
-        none = dict.fromkeys(("pids", "memory_peak", "memory_current", "cpu_time", "uptime"))
-        m = self.d.managed.get(name)
-        if m is None or m.handle is None:
-            return none
+    def _credentials(self, name: str) -> list[dict]:
         try:
-            info = m.backend.inspect(m.handle)
-        except Exception:  # noqa: BLE001 - a sandbox between states: no usage, not an error page
-            return none
-        cg = info.get("cgroup") or {}
-        return {"pids": len(info.get("pids") or ()), "memory_peak": cg.get("memory_peak"),
-                "memory_current": cg.get("memory_current"), "cpu_time": cg.get("cpu_time"),
-                "uptime": info.get("uptime")}
-
-    def _credentials(self, name: str, row) -> list[dict]:
-        try:
-            policy = self.d._policy_for(row)
+            return self.d.credentials(name)
         except Exception:  # noqa: BLE001
             return []
-        revoked = set(json.loads(row.policy_patch or "{}").get("revoked", []))
-        return [{"name": b.name, "hosts": list(getattr(b, "hosts", ()) or ()), "revoked": b.name in revoked}
-                for b in policy.credentials]
 
     def _pending(self):
-        store = self.d.gate.approval_store()
-        return None if store is None else store.list(("pending",))
+        try:
+            return self.d.approvals()
+        except AgentVMError:
+            return None
 
     def _verify(self) -> dict:
-        from agentvm.audit import AuditLog
-
         try:
-            return AuditLog.open_readonly(self.d.audit.path).verify().to_dict()
+            return self.d.audit_verify_readonly()
         except Exception as exc:  # noqa: BLE001
             return {"ok": False, "records": 0, "problem": _error_text(exc), "at_seq": None}
 

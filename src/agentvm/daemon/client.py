@@ -244,7 +244,7 @@ class Client:
         return self.request("POST", "/v1/shutdown")
 
 
-def _ensure_spec_text(spec) -> tuple[str, str]:
+def ensure_spec_text(spec) -> tuple[str, str]:
     p = Path(spec)
     if "\n" not in str(spec) and p.exists():
         return p.read_text(), str(p)

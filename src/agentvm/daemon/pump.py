@@ -1,0 +1,117 @@
+"""A command's output, streamed to whoever asked for it while it runs (``exec``, ``run``):
+the control plane's side of an output stream, whatever carries it (HTTP NDJSON, frames).
+
+:class:`Output` is what a transport gives the control plane; :func:`pump` moves a command's
+output pipes into it with back-pressure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from typing import Protocol
+
+
+class ClientGone(ConnectionError):
+    """The client of a streamed answer went away (not an error of the run itself)."""
+
+
+class Output(Protocol):
+    """Where a command's output goes (a transport's stream to its client)."""
+
+    async def start(self) -> None:
+        """The stream begins (a refusal from here on is part of it, not an error answer)."""
+
+    async def write(self, stream: str, data: bytes) -> None:
+        """``data`` of ``stream`` (``stdout`` or ``stderr``); raises ConnectionError or
+        OSError when the client is gone."""
+
+    def hangup(self):
+        """An awaitable that finishes when the client hangs up (b"" or an error), or None."""
+
+
+async def pump(streams: dict[int, str], fut, our_ends: tuple[int, ...], out: Output, on_gone=None):
+    """Stream a command's output pipes to ``out`` *while* it runs, then return its result.
+
+    Back-pressure, not buffering: at most a few chunks are queued; when the client reads
+    slowly the pipes stop being read, fill, and the writer inside the sandbox blocks - the
+    root daemon's memory never grows with a command's output. ``our_ends`` (our copies of
+    the child's stdio) are closed only once the blocking call is over, so no fd number is
+    freed while another thread may still use it. A client that goes away stops receiving;
+    the pipes are still drained until the command ends (``on_gone()`` may end it sooner)."""
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue = asyncio.Queue(maxsize=8)
+    paused: set[int] = set()
+    live = set(streams)
+
+    def readable(fd):
+        if queue.full():
+            loop.remove_reader(fd)
+            paused.add(fd)
+            return
+        try:
+            data = os.read(fd, 65536)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if not data:
+            loop.remove_reader(fd)
+        queue.put_nowait((fd, data))
+
+    for fd in streams:
+        os.set_blocking(fd, False)
+        loop.add_reader(fd, readable, fd)
+    ends_open, client = True, True
+
+    def gone() -> None:
+        nonlocal client
+        client = False
+        if on_gone is not None:
+            on_gone()
+
+    hangup = out.hangup()
+    try:
+        while live:
+            get = asyncio.ensure_future(queue.get())
+            waits = {get, fut} if ends_open else {get}
+            if hangup is not None and client:
+                waits.add(hangup)
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            if hangup is not None and client and hangup.done():
+                if hangup.cancelled() or hangup.exception() is not None or hangup.result() == b"":
+                    gone()
+                hangup = None
+            if ends_open and fut.done():
+                for fd in our_ends:
+                    os.close(fd)
+                ends_open = False
+            if not get.done():
+                get.cancel()
+                continue
+            fd, data = get.result()
+            if not data:
+                live.discard(fd)
+            elif client:
+                try:
+                    await out.write(streams[fd], data)
+                except (ConnectionError, OSError):
+                    gone()
+            for p in paused:
+                if p in live:
+                    loop.add_reader(p, readable, p)
+            paused.clear()
+    finally:
+        if hangup is not None and not hangup.done():
+            hangup.cancel()
+        for fd in streams:
+            loop.remove_reader(fd)
+        if ends_open:
+            await asyncio.wait({fut})
+            for fd in our_ends:
+                os.close(fd)
+        for fd in streams:
+            os.close(fd)
+    if not client:
+        raise ClientGone("the client went away")
+    return await fut
