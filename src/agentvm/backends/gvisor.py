@@ -63,6 +63,17 @@ PRIMITIVES = (
 )
 SANDBOX_UID = 1000
 SECCOMP_IN_SANDBOX = "/.agentvm/seccomp.bpf"
+# The syscall audit (agentvm.sysaudit) is n/a here: the filter init loads inside the Sentry is
+# gVisor's own seccomp emulation, which has no user notification (this runsc: a
+# SECCOMP_FILTER_FLAG_NEW_LISTENER load fails, and a filter returning SECCOMP_RET_USER_NOTIF
+# kills the caller with SIGSYS), so the filter here stays the plain deny list: probes are
+# refused (EPERM) but not recorded. What runsc itself can report: seccheck trace points
+# (`runsc trace create`, raw syscall/sysno/N/enter|exit for every number, with thread, process
+# name and credentials) to a `remote` sink speaking gVisor's protobuf protocol on a unix
+# socket, which agent-vm does not implement yet; and `--strace` into runsc's debug log (every
+# syscall: not an audit). See docs/syscall-audit.md.
+SYSCALL_AUDIT_NA = ("n/a on gvisor: the Sentry's seccomp has no user notification; probes are refused by the same "
+                    "deny list but not recorded (runsc's seccheck `remote` trace sink is not wired)")
 COMPAT_IN_SANDBOX = "/.agentvm/gvisor-compat.so"  # see native/gvisor-compat.c
 # The agent's task limit is RLIMIT_NPROC inside the Sentry (fork fails with EAGAIN, the
 # sandbox lives on). The host pids cgroup is only a backstop: when it is hit the Sentry
@@ -202,6 +213,7 @@ class GvisorBackend(hv.ChildProcessSandbox, Backend):
         try:
             sc.compiled_filter(sc.SeccompOptions(), self.paths.libexec)
             prims.append(Primitive("seccomp", True, "libseccomp filter compiled (loaded inside the Sentry)"))
+            facts["syscall_audit"] = SYSCALL_AUDIT_NA
         except Exception as exc:
             prims.append(Primitive("seccomp", False, str(exc)))
         layout = cg.detect()
