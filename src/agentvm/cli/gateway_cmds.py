@@ -103,3 +103,20 @@ def verify(audit_dir: Path, identity: str) -> None:
     click.echo(json.dumps(v.__dict__))
     if not v.ok:
         raise AgentVMError(f"the audit chain of {identity} does not verify", code="audit.broken-chain")
+
+
+@gateway.command("bridge")
+@click.option("--listen", default="127.0.0.1:3128", show_default=True, help="HOST:PORT the agent's proxy variables name.")
+@click.option("--gateway", "gateway_addr", default=None,
+              help="HOST:PORT of the gateway (default: $AGENTVM_GATEWAY_SERVICE_HOST/PORT, the Service's variables).")
+@click.option("--server-name", default="agentvm-gateway", show_default=True, help="The name the gateway's certificate carries.")
+@click.option("--identity", "identity_dir", required=True, type=click.Path(path_type=Path),
+              help="tls.crt, tls.key and ca.crt of this sandbox (its Secret, mounted here only).")
+def bridge_cmd(listen: str, gateway_addr: str | None, server_name: str, identity_dir: Path) -> None:
+    """The sandbox's end of the gateway: a local proxy port carried to the gateway over mTLS."""
+    import asyncio
+
+    from agentvm.gateway.bridge import bridge, gateway_address
+
+    host, _, port = listen.rpartition(":")
+    asyncio.run(bridge((host, int(port)), gateway_address(gateway_addr), server_name, identity_dir))

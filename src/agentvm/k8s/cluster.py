@@ -1,0 +1,114 @@
+"""``agentvm k8s claim|exec|rm`` through the official ``kubernetes`` client.
+
+The requests are built by pure functions (``claim_body``, ``claim_request``...) that the unit
+tests check; :class:`Cluster` only hands them to the client's APIs. Live tests run them against
+a cluster when ``KUBECONFIG`` is set."""
+
+from __future__ import annotations
+
+import os
+
+from agentvm.errors import AgentVMError, ConfigError
+
+GROUP, VERSION = "extensions.agents.x-k8s.io", "v1beta1"
+SANDBOX_GROUP = "agents.x-k8s.io"
+
+
+def claim_body(name: str, namespace: str, pool: str, *, ttl_after_finished: int | None = None) -> dict:
+    """A SandboxClaim (v1beta1 claims come from a warm pool: ``warmPoolRef``); the sandbox is
+    deleted with the claim (``shutdownPolicy: Delete``)."""
+    from agentvm.gateway.identity import Identity
+
+    Identity(namespace, name)  # DNS labels
+    lifecycle: dict = {"shutdownPolicy": "Delete"}
+    if ttl_after_finished is not None:
+        lifecycle["ttlSecondsAfterFinished"] = int(ttl_after_finished)
+    return {"apiVersion": f"{GROUP}/{VERSION}", "kind": "SandboxClaim",
+            "metadata": {"name": name, "namespace": namespace,
+                         "labels": {"app.kubernetes.io/managed-by": "agentvm", "agentvm.dev/agent": pool}},
+            "spec": {"warmPoolRef": {"name": pool}, "lifecycle": lifecycle}}
+
+
+def claim_request(body: dict) -> dict:
+    """The keyword arguments of CustomObjectsApi.create_namespaced_custom_object."""
+    return {"group": GROUP, "version": VERSION, "namespace": body["metadata"]["namespace"], "plural": "sandboxclaims",
+            "body": body}
+
+
+def delete_request(name: str, namespace: str) -> dict:
+    return {"group": GROUP, "version": VERSION, "namespace": namespace, "plural": "sandboxclaims", "name": name,
+            "propagation_policy": "Foreground"}
+
+
+def exec_request(pod: str, namespace: str, argv: list[str], *, container: str = "agent") -> dict:
+    """The keyword arguments of ``kubernetes.stream.stream(CoreV1Api.connect_get_namespaced_pod_exec, ...)``."""
+    if not argv:
+        raise ConfigError("exec needs a command", code="config.invalid")
+    return {"name": pod, "namespace": namespace, "container": container, "command": list(argv), "stdin": False,
+            "stdout": True, "stderr": True, "tty": False, "_preload_content": False}
+
+
+class Cluster:
+    def __init__(self, custom=None, core=None) -> None:
+        if custom is None or core is None:
+            try:
+                from kubernetes import client, config
+            except ImportError as exc:  # pragma: no cover - a declared dependency
+                raise AgentVMError("the kubernetes client is not installed", code="k8s.unavailable") from exc
+            try:
+                if os.environ.get("KUBERNETES_SERVICE_HOST"):
+                    config.load_incluster_config()
+                else:
+                    config.load_kube_config()
+            except Exception as exc:  # noqa: BLE001 - no configuration is one clear error
+                raise AgentVMError(f"no Kubernetes cluster is configured: {exc}", code="k8s.unavailable",
+                                   hint="set KUBECONFIG to a kubeconfig file") from None
+            custom, core = client.CustomObjectsApi(), client.CoreV1Api()
+        self.custom, self.core = custom, core
+
+    def _call(self, fn, **kw):
+        try:
+            return fn(**kw)
+        except Exception as exc:  # noqa: BLE001 - the client's ApiException, translated at the boundary
+            status = getattr(exc, "status", None)
+            if status == 404:
+                raise AgentVMError(f"not found: {kw.get('name') or kw.get('plural')}", code="k8s.not-found") from exc
+            raise AgentVMError(f"the Kubernetes API failed: {status or type(exc).__name__}: "
+                               f"{getattr(exc, 'reason', exc)}", code="k8s.error") from exc
+
+    def claim(self, name: str, namespace: str, pool: str) -> dict:
+        return self._call(self.custom.create_namespaced_custom_object, **claim_request(claim_body(name, namespace, pool)))
+
+    def rm(self, name: str, namespace: str) -> dict:
+        return self._call(self.custom.delete_namespaced_custom_object, **delete_request(name, namespace))
+
+    def pod_of(self, name: str, namespace: str) -> str:
+        """The pod behind a claim: claim.status.sandbox.name -> Sandbox.status.selector -> pod."""
+        claim = self._call(self.custom.get_namespaced_custom_object, group=GROUP, version=VERSION,
+                           namespace=namespace, plural="sandboxclaims", name=name)
+        sb = ((claim.get("status") or {}).get("sandbox") or {}).get("name")
+        if not sb:
+            raise AgentVMError(f"claim {name} has no sandbox yet", code="k8s.not-found", hint="retry in a moment")
+        sandbox = self._call(self.custom.get_namespaced_custom_object, group=SANDBOX_GROUP, version=VERSION,
+                             namespace=namespace, plural="sandboxes", name=sb)
+        selector = (sandbox.get("status") or {}).get("selector")
+        if not selector:
+            raise AgentVMError(f"sandbox {sb} has no pod yet", code="k8s.not-found", hint="retry in a moment")
+        pods = self._call(self.core.list_namespaced_pod, namespace=namespace, label_selector=selector)
+        items = getattr(pods, "items", None) or []
+        if not items:
+            raise AgentVMError(f"no pod for sandbox {sb}", code="k8s.not-found")
+        return items[0].metadata.name
+
+    def exec(self, name: str, namespace: str, argv: list[str], *, timeout: float = 300.0) -> tuple[int, str, str]:
+        from kubernetes.stream import stream
+
+        pod = self.pod_of(name, namespace)
+        resp = stream(self.core.connect_get_namespaced_pod_exec, **exec_request(pod, namespace, argv))
+        out, err = [], []
+        resp.run_forever(timeout=timeout)
+        out.append(resp.read_stdout() or "")
+        err.append(resp.read_stderr() or "")
+        code = resp.returncode if resp.returncode is not None else 124
+        resp.close()
+        return code, "".join(out), "".join(err)
