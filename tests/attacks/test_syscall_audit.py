@@ -204,3 +204,27 @@ def test_on_escape_probe_acts_on_the_real_sandbox(monkeypatch, action):
     assert len(probes) < 50, f"{len(probes)} probes ran after the threshold of {3}"
     if action == "pause":
         assert o.result.get("timed_out") or o.exit_code == 124, o.result
+
+
+def test_an_exec_into_a_running_sandbox_is_audited_too(avm_home):
+    """`exec` (the daemon's way in) loads the same notify filter in its own init: its probes are
+    refused with EPERM and recorded under the sandbox, next to the first process's."""
+    from agentvm import sysaudit
+    from tests.contract.conftest import Substrate
+
+    sub = Substrate("bwrap", avm_home)
+    try:
+        lc, s = sub.start(["/bin/sh", "-c", "unshare -n true; sleep 60"])
+        try:
+            es, out = sub.exec(s, ["/bin/sh", "-c", "unshare -U true; echo rc=$?; cat /proc/self/status | grep ^Seccomp"],
+                               timeout=30)
+            assert es.exit_code == 0 and "rc=1" in out and "Operation not permitted" in out, (es, out)
+        finally:
+            lc.stop(s, 1.0)
+            lc.teardown(s)
+        sysaudit.supervisor().flush()
+        recs = _records(avm_home, s.handle.sandbox_id)
+        got = sorted((r["argv"][:2], r["args"]["flags"], r["errno"]) for r in recs if r["kind"] == "syscall.denied")
+        assert got == [(["unshare", "-U"], "CLONE_NEWUSER", "EPERM"), (["unshare", "-n"], "CLONE_NEWNET", "EPERM")], recs
+    finally:
+        sub.close()
