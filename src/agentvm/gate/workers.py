@@ -167,6 +167,19 @@ def unplaceable(policy, extras=None, creds=None) -> str | None:
     return None
 
 
+def _policy_files(policy) -> dict[str, bytes | None]:
+    """The files a policy names that the gate reads while serving (its upstream CA bundle), read
+    by the daemon: a confined worker cannot open them (they are not in its namespace)."""
+    path = getattr(policy, "upstream_ca", None) if policy is not None else None
+    if not path:
+        return {}
+    try:
+        with open(path, "rb") as f:
+            return {path: f.read(1 << 20)}
+    except OSError:
+        return {path: None}  # (the worker fails its TLS to that upstream, as the gate would)
+
+
 def placement_key(isolate: str | None, agent: str, tier: str | None = None) -> str | None:
     """Which workers may serve a sandbox of ``agent`` (risk tier ``tier``): None - any (``isolate``
     None); ``agent:NAME`` - only workers serving that agent's sandboxes (a parser bug exploited
@@ -325,7 +338,8 @@ class RemoteEndpoint:
             self._creds_sent = self.creds.wanted()
             spec = ((bindings, placeholders, sid), self.creds.scrub_encoded, self._creds_sent)
         self._policy_sent = self._policy
-        return (self.sandbox_id, self.agent, self._policy, str(self.sock_path), spec, self._paused, self._revoked())
+        return (self.sandbox_id, self.agent, self._policy, str(self.sock_path), spec, self._paused, self._revoked(),
+                _policy_files(self._policy))
 
     def _creds_change(self):
         """The credentials' state if it differs from what the worker holds, else None."""
@@ -344,7 +358,8 @@ class RemoteEndpoint:
         policy = None if self._policy is self._policy_sent else self._policy
         creds = self._creds_change()
         try:
-            self._pending.append(self.worker.send("state", self.sandbox_id, policy, self._paused, self._revoked(), creds))
+            self._pending.append(self.worker.send("state", self.sandbox_id, policy, self._paused, self._revoked(), creds,
+                                                  _policy_files(policy)))
         except WorkerLost:
             return
         self._policy_sent = self._policy
@@ -360,7 +375,8 @@ class RemoteEndpoint:
             return
         policy = None if self._policy is self._policy_sent else self._policy
         try:  # (nobody waits for it: a worker that fails it is replaced, the replacement gets it all)
-            self.worker.send("state", self.sandbox_id, policy, self._paused, self._revoked(), creds).add_done_callback(_quiet)
+            self.worker.send("state", self.sandbox_id, policy, self._paused, self._revoked(), creds,
+                             _policy_files(policy)).add_done_callback(_quiet)
         except WorkerLost:
             return
         self._policy_sent, self._creds_sent = self._policy, creds
@@ -995,9 +1011,25 @@ class _Worker:
         sock.setblocking(False)
         return sock
 
-    async def op_open(self, sock, sandbox_id, agent, policy, sock_path, creds_spec, paused, revoked) -> None:
+    def _take_files(self, files) -> None:
+        """An upstream CA bundle a policy names, sent by the daemon: its TLS contexts made from the
+        bundle's bytes (the path is only the contexts' key here)."""
+        if not files:
+            return
+        from agentvm.gate.tls import ALPN_H2, ALPN_HTTP1, client_context
+
+        for path, pem in files.items():
+            if pem is None:
+                continue
+            for h2 in (False, True):
+                ctx = client_context(None, alpn=(ALPN_H2, ALPN_HTTP1) if h2 else (ALPN_HTTP1,))
+                ctx.load_verify_locations(cadata=pem.decode("ascii", "replace"))
+                self.gate._client_ctx[(path, h2)] = ctx
+
+    async def op_open(self, sock, sandbox_id, agent, policy, sock_path, creds_spec, paused, revoked, files=None) -> None:
         creds = None
         try:
+            self._take_files(files)
             if sandbox_id in self.gate.endpoints:  # opened again with the daemon's whole state: one server
                 await self.gate.close_endpoint(sandbox_id, unlink=False)
             if creds_spec is not None:
@@ -1049,10 +1081,11 @@ class _Worker:
                 cache.drop(revoke=True)  # (what was minted from it is forgotten, revoked upstream)
         creds._scrub_table = None  # (rebuilt from the values held now)
 
-    async def op_state(self, sandbox_id, policy, paused, revoked, held=None) -> str:
+    async def op_state(self, sandbox_id, policy, paused, revoked, held=None, files=None) -> str:
         ep = self.gate.endpoints.get(sandbox_id)
         if ep is None:  # its open failed: the daemon opens it again with the whole state
             return "absent"
+        self._take_files(files)
         if policy is not None:
             ep.set_policy(policy)
         if ep.paused != paused:
