@@ -69,9 +69,14 @@ class CredentialBinding:
     # a brokered credential (agentvm.gate.brokers.BrokerSpec): what is swapped in (or signed
     # with) is minted by the gate from the vault entry, never the entry itself
     broker: object = None
+    # an SSH key served by the gate's ssh-agent (agentvm.gate.sshagent): the known_hosts lines
+    # it may sign for; never swapped into HTTP
+    ssh_known_hosts: tuple[str, ...] | None = None
 
     @property
     def mode(self) -> str:
+        if self.ssh_known_hosts is not None:
+            return "ssh"
         if self.sigv4_access_key_id is not None:
             return "sigv4"
         if self.hmac is not None:
@@ -140,6 +145,7 @@ def compile_credentials(spec_credentials) -> tuple[CredentialBinding, ...]:
                 hmac=hm,
                 inspect=getattr(c, "inspect", None) or "strict",
                 broker=_broker_spec(getattr(c, "broker", None)),
+                ssh_known_hosts=(tuple(c.ssh.known_hosts) if getattr(c, "ssh", None) is not None else None),
             )
         )
     return tuple(out)

@@ -453,6 +453,23 @@ class CredentialBroker(_Model):
         default_factory=dict, description="github-app: permissions the token is limited to, e.g. {contents: read}.")
 
 
+class SshAgentKey(_Model):
+    """An SSH private key (the vault entry) served by the gate's ssh-agent: it signs only for
+    the host keys listed here (checked with session-bind@openssh.com)."""
+
+    known_hosts: list[str] = Field(min_length=1, description="known_hosts lines 'host keytype base64': the hosts "
+                                   "(and their host keys) this key may authenticate to.")
+
+    @field_validator("known_hosts")
+    @classmethod
+    def _known(cls, v: list[str]) -> list[str]:
+        from agentvm.gate.sshagent import parse_known_host
+
+        for line in v:
+            parse_known_host(line)
+        return v
+
+
 class Credential(_Model):
     name: str = Field(description="Name of the credential (unique per agent).")
     env: str = Field(description="Environment variable that receives the placeholder.")
@@ -463,6 +480,8 @@ class Credential(_Model):
     placeholder: Placeholder = Field(default_factory=Placeholder)
     sigv4: SigV4 | None = Field(None, description="Re-sign AWS SigV4 requests instead of swapping a header.")
     hmac: HmacSigning | None = Field(None, description="Re-sign a generic HMAC signature instead of swapping.")
+    ssh: SshAgentKey | None = Field(None, description="An SSH key served by the gate's ssh-agent (env gets the "
+                                    "agent's socket path, e.g. SSH_AUTH_SOCK); never injected into HTTP.")
     broker: CredentialBroker | None = Field(None, description="Mint a short-lived credential from the vault "
                                             "entry (oauth2-refresh, aws-sts, github-app) instead of sending it.")
     inspect: Literal["strict", "lenient"] = Field(
@@ -501,12 +520,14 @@ class Credential(_Model):
 
     @model_validator(mode="after")
     def _mode(self):
-        modes = [m for m in (self.sigv4, self.hmac) if m is not None]
+        modes = [m for m in (self.sigv4, self.hmac, self.ssh) if m is not None]
         has_inject = bool(self.inject.header or self.inject.basic or self.inject.query)
         if len(modes) > 1 or (modes and has_inject):
             raise ValueError("a credential is either injected (inject) or re-signed (sigv4 / hmac), not both")
         if not modes and not has_inject:
-            raise ValueError("say where the secret goes: inject.header, inject.basic, inject.query, sigv4 or hmac")
+            raise ValueError("say where the secret goes: inject.header, inject.basic, inject.query, sigv4, hmac or ssh")
+        if self.ssh is not None and (self.broker is not None or self.file is not None):
+            raise ValueError("an ssh key is served by the gate's agent: no broker, no file")
         if not self.hosts:
             raise ValueError("a credential must be bound to at least one host")
         if self.broker is not None and (self.broker.kind == "aws-sts") != (self.sigv4 is not None):
