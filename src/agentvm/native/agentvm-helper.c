@@ -673,7 +673,10 @@ static void bridge_loop(int ls, const char *gate_path) {
  * it is not dumpable (no ptrace attach, no /proc/PID/mem by the same uid without
  * CAP_SYS_PTRACE - this matters where Landlock's scoping does not exist, e.g. gVisor, and
  * for agents allowed to ptrace their own processes) and it runs under the same seccomp filter
- * as the agent, so even a hijacked bridge has no more syscalls than the agent itself. */
+ * as the agent, so even a hijacked bridge has no more syscalls than the agent itself. With the
+ * syscall audit (--sysaudit-fd) that filter's denials are user notifications; the bridge loads
+ * it without a listener, so its own denied calls fail with ENOSYS (still refused, not recorded:
+ * the listener belongs to the agent's filter, loaded later by init). */
 static void start_bridge(const char *gate_path, long port, const struct sock_fprog *filter) {
     int ls = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
     if (ls < 0) fail("bridge", errno, "socket");
