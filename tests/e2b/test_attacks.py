@@ -66,8 +66,8 @@ def test_a_sandbox_of_the_base_template_cannot_reach_out(e2b_server):
         from e2b import Sandbox
         s = Sandbox.create()
         try:
-            r = s.commands.run("curl -sS -o /dev/null -w '%{http_code}' https://example.com/ 2>&1; echo; "
-                               "curl -sS --noproxy '*' --max-time 5 http://1.1.1.1/ 2>&1; echo rc=$?")
+            r = s.commands.run("curl -sS -o /dev/null -w '%{http_code}' https://example.invalid/ 2>&1; echo; "
+                               "curl -sS --noproxy '*' --max-time 5 http://192.0.2.1/ 2>&1; echo rc=$?")
             print(r.stdout)
         except Exception as e:
             print("EXIT", getattr(e, "stdout", ""), getattr(e, "exit_code", ""))

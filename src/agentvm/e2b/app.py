@@ -495,7 +495,15 @@ def make_app(backend: E2BBackend, api_keys, *, home=None, max_per_tenant: int = 
             svc._reaper.cancel()
             await svc.close()
 
-    rest = Starlette(routes=_rest_routes(svc), lifespan=lifespan)
+    from starlette.responses import JSONResponse
+
+    async def unsupported(request, exc):
+        status = getattr(exc, "status_code", 404)
+        return JSONResponse({"code": status, "message": f"{request.method} {request.url.path} is not part of "
+                             "agent-vm's E2B API (docs/e2b.md lists what is)"}, status_code=status)
+
+    rest = Starlette(routes=_rest_routes(svc), lifespan=lifespan,
+                     exception_handlers={404: unsupported, 405: unsupported})
     envd = Starlette(routes=_envd_routes(svc))
     connect = connect_apps(svc)
 
