@@ -640,6 +640,30 @@ def trace_sink(session_trace) -> Sink:
     return sink
 
 
+_FACTORIES: list = []
+
+
+def register_sink_factory(factory: Callable[[str], Sink | None]) -> Callable[[], None]:
+    """``factory(sandbox_id) -> sink | None`` is called for every sandbox this process launches
+    from now on, before its first syscall can be recorded (the daemon registers the audit
+    chain, the event stream and the trace once at start-up). Returns the unregister function."""
+    _FACTORIES.append(factory)
+    return lambda: _FACTORIES.remove(factory) if factory in _FACTORIES else None
+
+
+def sinks_for(sandbox_id: str) -> list:
+    """The registered factories' sinks for a new sandbox (a failing factory is skipped)."""
+    out = []
+    for f in list(_FACTORIES):
+        try:
+            s = f(sandbox_id)
+        except Exception:  # noqa: BLE001 - a broken factory must not stop a launch
+            s = None
+        if s is not None:
+            out.append(s)
+    return out
+
+
 def add_sink(audit: SandboxAudit | None, sink: Sink) -> None:
     """Add ``sink`` to a running sandbox's audit (``handle.private["sysaudit"]``)."""
     if audit is not None:

@@ -258,3 +258,21 @@ def test_logs_syscalls_cli(tmp_path, monkeypatch):
     assert "no syscall records" in r.output
     r = CliRunner().invoke(history_cmds.logs, ["../etc", "--syscalls", "--json"])
     assert _json.loads(r.output) == []
+
+
+def test_sink_factories_are_asked_for_each_new_sandbox():
+    seen = []
+
+    def factory(sid):
+        if sid == "broken":
+            raise RuntimeError("x")
+        seen.append(sid)
+        return lambda rec: None
+
+    unregister = sysaudit.register_sink_factory(factory)
+    try:
+        assert len(sysaudit.sinks_for("run-a")) == 1 and seen == ["run-a"]
+        assert sysaudit.sinks_for("broken") == []
+    finally:
+        unregister()
+    assert sysaudit.sinks_for("run-b") == [] and seen == ["run-a"]

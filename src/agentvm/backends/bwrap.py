@@ -573,7 +573,8 @@ class BwrapBackend(hv.ChildProcessSandbox, Backend):
         # the policy's name is the sandbox id's prefix for people; the plan header has no name
         audit = sysaudit.SandboxAudit(
             plan.sandbox_id, on_probe=plan.body.on_escape_probe,
-            sinks=[sysaudit.jsonl_sink(sysaudit.log_path(self.paths.home, plan.sandbox_id))],
+            sinks=[sysaudit.jsonl_sink(sysaudit.log_path(self.paths.home, plan.sandbox_id)),
+                   *sysaudit.sinks_for(plan.sandbox_id)],
             freeze=sysaudit.freezer(group),
             kill=(lambda: group.kill()) if group is not None else (lambda: proc.kill()),
         )
