@@ -487,7 +487,7 @@ def test_the_audit_sink_holds_one_verifiable_chain_per_sandbox(world):
     for i in range(3):
         assert c.get(f"/audit/{i}", {"Authorization": f"Bearer {PH_B}"})[0] == 200
     c.close()
-    time.sleep(0.3)
+    time.sleep(1.5)  # (heads are written at most every second: agentvm.gateway.audit.HEAD_INTERVAL)
     audit = world["tmp"] / "audit"
     merged: list = []
     v = verify(audit, "team.b-9", merged=merged)
@@ -506,3 +506,40 @@ def test_the_audit_sink_holds_one_verifiable_chain_per_sandbox(world):
     # a removed tail breaks it too (the head file)
     (copy / "team.b-9" / "r1.jsonl").write_text("\n".join(lines[:-1]) + "\n")
     assert not verify(copy, "team.b-9").ok
+
+
+def test_the_proxy_bridge_carries_a_plain_proxy_client_to_the_gateway(world):
+    """What the pod's agent container does: HTTPS_PROXY=http://127.0.0.1:3128 (the bridge), no
+    certificate of its own; the bridge (holding the identity) takes it to the gateway."""
+    if shutil.which("curl") is None:
+        pytest.skip("curl is not installed")
+    from agentvm.gateway.bridge import bridge
+
+    cert, key = _mint(world, "agentvm://team/a-bridge")
+    ident = cert.parent
+    loop = new_event_loop()
+    stop = asyncio.Event()
+    got: dict = {}
+    t = threading.Thread(target=lambda: loop.run_until_complete(
+        bridge(("127.0.0.1", 0), world["gw"].addr, "localhost", ident, ready=lambda a: got.update(addr=a), stop=stop)),
+        daemon=True)
+    t.start()
+    deadline = time.monotonic() + 10
+    while "addr" not in got:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    try:
+        up = world["up"]
+        r = subprocess.run(["curl", "-sS", "--max-time", "10", "--proxy", f"http://127.0.0.1:{got['addr'][1]}",
+                            "--cacert", str(world["gw"].intercept_ca), "-H", f"Authorization: Bearer {PH_A}",
+                            f"https://api.test:{up.port}/via-bridge"], capture_output=True, text=True, timeout=30)
+        assert r.returncode == 0, r.stderr
+        assert world["up"].auth.pop("/via-bridge") == f"Bearer {SECRET_A}"
+        r = subprocess.run(["curl", "-sS", "--max-time", "10", "--proxy", f"http://127.0.0.1:{got['addr'][1]}",
+                            "--cacert", str(world["gw"].intercept_ca), f"https://other.test:{up.port}/not-mine"],
+                           capture_output=True, text=True, timeout=30)
+        assert r.returncode != 0 and "/not-mine" not in world["up"].auth  # agent-a's policy: other.test denied
+        assert any(x["rule"] == "default-deny" and x["host"] == "other.test" for x in _log(world, "agentvm://team/a-bridge"))
+    finally:
+        loop.call_soon_threadsafe(stop.set)
+        t.join(5)

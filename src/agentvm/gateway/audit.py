@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 GENESIS = "0" * 64
+HEAD_INTERVAL = 1.0  # seconds between writes of a chain's head file
 
 
 def _digest(prev: str, seq: int, rec: dict) -> str:
@@ -50,6 +51,7 @@ class _Chain:
             pass
         self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
         self.pending: list[bytes] = []
+        self.head_written = -1
 
     def add(self, rec: dict) -> None:
         self.seq += 1
@@ -65,12 +67,21 @@ class _Chain:
         view = memoryview(data)
         while view:
             view = view[os.write(self.fd, view):]
+
+    def write_head(self) -> None:
+        """The chain's last (seq, hash) beside it: a removed tail no longer matches. Written at
+        most every HEAD_INTERVAL and on close (a file replaced per request costs more than the
+        request), so a tail cut within the last interval before a crash is not detected."""
+        if self.head_written == self.seq:
+            return
         tmp = self.path.with_suffix(".head.tmp")
         tmp.write_text(f"{self.seq} {self.head}\n")
         os.replace(tmp, self.path.with_suffix(".head"))
+        self.head_written = self.seq
 
     def close(self) -> None:
         self.flush()
+        self.write_head()
         os.close(self.fd)
 
 
@@ -85,6 +96,7 @@ class AuditSink:
         self.replica = replica
         self.chains: dict[str, _Chain] = {}
         self._armed = False
+        self._heads: asyncio.TimerHandle | None = None
 
     def __call__(self, rec: dict) -> None:
         sid = rec.get("sandbox")
@@ -105,8 +117,21 @@ class AuditSink:
         self._armed = False
         for ch in self.chains.values():
             ch.flush()
+        if self._heads is None:
+            try:
+                self._heads = asyncio.get_running_loop().call_later(HEAD_INTERVAL, self.write_heads)
+            except RuntimeError:
+                self.write_heads()
+
+    def write_heads(self) -> None:
+        self._heads = None
+        for ch in self.chains.values():
+            ch.write_head()
 
     def close(self) -> None:
+        if self._heads is not None:
+            self._heads.cancel()
+            self._heads = None
         for ch in self.chains.values():
             ch.close()
         self.chains.clear()

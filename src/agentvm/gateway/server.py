@@ -75,6 +75,7 @@ class GatewayGate(Gate):
         self.by_id: dict[str, tuple[Identity, str]] = {}  # sandbox id -> (identity, agent digest)
         # the certificate of each connection being served: task -> (identity, serial, notAfter)
         self.conn_cert: dict[asyncio.Task, tuple[Identity, str, float]] = {}
+        self.admitted: dict[asyncio.Task, int] = {}  # task -> the configuration generation it was last admitted under
         self.refused = 0
         self.servers: list[asyncio.AbstractServer] = []
         self._recheck: asyncio.TimerHandle | None = None
@@ -127,6 +128,7 @@ class GatewayGate(Gate):
             await self._handle(ep, stream)
         finally:
             self.conn_cert.pop(task, None)
+            self.admitted.pop(task, None)
 
     async def _refuse(self, stream, ident: Identity | None, res: Refusal, ep: Endpoint | None = None) -> None:
         self.refused += 1
@@ -183,11 +185,15 @@ class GatewayGate(Gate):
         ident, serial, not_after = held
         if not_after and time.time() > not_after:
             return Refusal("identity:expired", f"the certificate of {ident.uri} expired during the connection")
+        gen = self.registry.current().generation  # (a stat per file of the source; a change reloads it)
+        if self.admitted.get(task) == gen:
+            return None  # admitted under this very configuration already
         res = self.registry.admit(ident, serial)
         if isinstance(res, Refusal):
             return res
         if self.by_id.get(ep.sandbox_id, (None, None))[1] != res.digest:
             self._apply(ep, ident, res)
+        self.admitted[task] = gen
         return None
 
     async def _run(self, ep, client, flow, event=None, *, started: bool = False):
