@@ -568,67 +568,79 @@ def _walk(ufd: int, rel: str, grant: str, ginfo: dict, host_fd: int, out: list[C
             finally:
                 os.close(hfd)
     for name in names:
-        r = f"{rel}/{name}" if rel else name
-        if name.startswith(TMP_PREFIX):
-            continue
-        st = os.stat(name, dir_fd=ufd, follow_symlinks=False)
-        lk = _kind_of(st)
-        hst = _lstat_at(host_fd, r)
-        hk = _kind_of(hst)
-        c = Change(grant, r, "", lk, hk, under_opaque=opaque)
-        if lk == "whiteout":
-            if hk == "":
-                continue  # deleted what it had made itself
-            c.action = "delete"
-        elif lk == "dir":
-            op = _opaque(ufd, name)
-            if hk != "dir":
-                c.action, c.new_mode = "mkdir", _safe_mode(st.st_mode, True)
-                out.append(_refuse_trusted(c, ginfo))
-            elif stat.S_IMODE(st.st_mode) != stat.S_IMODE(hst.st_mode):
-                c.action, c.old_mode, c.new_mode = "mode", stat.S_IMODE(hst.st_mode), _safe_mode(st.st_mode, True)
-                out.append(_refuse_trusted(c, ginfo))
-            sub = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=ufd)
-            try:
-                _walk(sub, r, grant, ginfo, host_fd, out, opaque=op and hk == "dir")
-            finally:
-                os.close(sub)
-            continue
-        elif lk == "symlink":
-            c.target = os.readlink(name, dir_fd=ufd)
-            if hk == "symlink":
-                c.old_target = _readlink_at(host_fd, r)
-                if c.old_target == c.target:
-                    continue
-            c.action = "symlink"
-            if _link_escapes(r, c.target):
-                c.action, c.reason = "refuse", f"a symbolic link out of the folder (-> {c.target})"
-        elif lk == "file":
-            c.new_mode = _safe_mode(st.st_mode, False)
-            if st.st_mode & (stat.S_ISUID | stat.S_ISGID):
-                c.notes.append("setuid/setgid bit dropped")
-            if st.st_nlink > 1:
-                c.notes.append(f"{st.st_nlink} links in the layer: applied as a copy")
-            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=ufd)
-            try:
-                if not stat.S_ISREG(os.fstat(fd).st_mode):
-                    c.action, c.reason = "refuse", "changed type while read"
-                    out.append(c)
-                    continue
-                c.content_hash = _hash_fd(fd)
-            finally:
-                os.close(fd)
-            if hk == "file":
-                c.old_mode = stat.S_IMODE(hst.st_mode)
-                same = _file_hash_at(host_fd, r) == c.content_hash
-                if same and c.old_mode == c.new_mode:
-                    continue  # copied up, not changed
-                c.action = "mode" if same else "modify"
-            else:
-                c.action = "add"
+        try:
+            _walk_entry(ufd, rel, name, grant, ginfo, host_fd, out, opaque)
+        except (FileNotFoundError, NotADirectoryError):
+            continue  # gone or changed while read (a running sandbox): the next diff shows it as it is then
+        except OSError as exc:
+            if exc.errno != errno.ELOOP:
+                raise
+
+
+def _walk_entry(ufd: int, rel: str, name: str, grant: str, ginfo: dict, host_fd: int, out: list[Change],
+                opaque: bool) -> None:
+    r = f"{rel}/{name}" if rel else name
+    st = os.stat(name, dir_fd=ufd, follow_symlinks=False)
+    if name.startswith(TMP_PREFIX):  # accept's own temporary names: never the agent's to use
+        out.append(Change(grant, r, "refuse", _kind_of(st), reason=f"a name accept reserves ({TMP_PREFIX}*)"))
+        return
+    lk = _kind_of(st)
+    hst = _lstat_at(host_fd, r)
+    hk = _kind_of(hst)
+    c = Change(grant, r, "", lk, hk, under_opaque=opaque)
+    if lk == "whiteout":
+        if hk == "":
+            return  # deleted what it had made itself
+        c.action = "delete"
+    elif lk == "dir":
+        op = _opaque(ufd, name)
+        if hk != "dir":
+            c.action, c.new_mode = "mkdir", _safe_mode(st.st_mode, True)
+            out.append(_refuse_trusted(c, ginfo))
+        elif stat.S_IMODE(st.st_mode) != stat.S_IMODE(hst.st_mode):
+            c.action, c.old_mode, c.new_mode = "mode", stat.S_IMODE(hst.st_mode), _safe_mode(st.st_mode, True)
+            out.append(_refuse_trusted(c, ginfo))
+        sub = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=ufd)
+        try:
+            _walk(sub, r, grant, ginfo, host_fd, out, opaque=op and hk == "dir")
+        finally:
+            os.close(sub)
+        return
+    elif lk == "symlink":
+        c.target = os.readlink(name, dir_fd=ufd)
+        if hk == "symlink":
+            c.old_target = _readlink_at(host_fd, r)
+            if c.old_target == c.target:
+                return
+        c.action = "symlink"
+        if _link_escapes(r, c.target):
+            c.action, c.reason = "refuse", f"a symbolic link out of the folder (-> {c.target})"
+    elif lk == "file":
+        c.new_mode = _safe_mode(st.st_mode, False)
+        if st.st_mode & (stat.S_ISUID | stat.S_ISGID):
+            c.notes.append("setuid/setgid bit dropped")
+        if st.st_nlink > 1:
+            c.notes.append(f"{st.st_nlink} links in the layer: applied as a copy")
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=ufd)
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                c.action, c.reason = "refuse", "changed type while read"
+                out.append(c)
+                return
+            c.content_hash = _hash_fd(fd)
+        finally:
+            os.close(fd)
+        if hk == "file":
+            c.old_mode = stat.S_IMODE(hst.st_mode)
+            same = _file_hash_at(host_fd, r) == c.content_hash
+            if same and c.old_mode == c.new_mode:
+                return  # copied up, not changed
+            c.action = "mode" if same else "modify"
         else:
-            c.action, c.reason = "refuse", f"a {lk} (only files, folders and links inside the folder are applied)"
-        out.append(_refuse_trusted(c, ginfo))
+            c.action = "add"
+    else:
+        c.action, c.reason = "refuse", f"a {lk} (only files, folders and links inside the folder are applied)"
+    out.append(_refuse_trusted(c, ginfo))
 
 
 def _refuse_trusted(c: Change, ginfo: dict) -> Change:
