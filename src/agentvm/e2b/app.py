@@ -29,7 +29,7 @@ from typing import Any, Mapping
 from urllib.parse import parse_qsl
 
 from agentvm.e2b import templates as tpls
-from agentvm.e2b.backend import WORKSPACE, BackendFailure, E2BBackend, ExecSpec
+from agentvm.e2b.backend import WORKSPACE, BackendFailure, E2BBackend
 from agentvm.errors import AgentVMError
 
 log = logging.getLogger("agentvm.e2b")

@@ -169,12 +169,8 @@ def parse_find(out: bytes) -> list[Entry]:
         parts = rec.decode(errors="surrogateescape").split("\t", 9)
         if len(parts) != 10:
             continue
-        y, yt, size, mode, perms, user, grp, mtime, link, path = parts
+        y, _target_type, size, mode, perms, user, grp, mtime, link, path = parts
         kind = {"f": "file", "d": "dir", "l": "symlink"}.get(y, "other")
-        if kind == "symlink":
-            kind_target = {"f": "file", "d": "dir"}.get(yt)
-            if kind_target:  # E2B reports the target's type with is_symlink
-                pass
         entries.append(Entry(name=posixpath.basename(path.rstrip("/")) or path, path=path, type=kind,
                              size=int(size or 0), mode=int(mode or "0", 8), permissions=perms, owner=user,
                              group=grp, mtime=float(mtime or 0), symlink_target=link or None))
