@@ -43,6 +43,7 @@ from agentvm.errors import ConfigError, LaunchError, PolicyDenied
 POOL = ".pool"  # not an agent name (names start with a letter or digit)
 INITIAL = 64 << 20  # (single metadata: btrfs makes a usable filesystem from 48M); grown on demand
 STEP = 64 << 20  # growth is rounded up to this
+MIN_RESIZE = 256 << 20  # btrfs refuses to resize a filesystem to less (EINVAL): a grown pool is at least this
 SLACK = 16 << 20  # metadata: kept free beyond what the admitted agents may write
 HOST_RESERVE_MIN = 64 << 20  # the pool never takes the host's last 64M or 2%: the daemon's state and audit
 HOST_RESERVE_FRAC = 0.02
@@ -151,8 +152,8 @@ def max_size() -> int | None:
         n = parse_size(raw)
     except Exception:  # noqa: BLE001
         n = 0
-    if n < INITIAL:
-        raise ConfigError(f"AGENTVM_WORKSPACE_POOL={raw!r}: a size of at least {INITIAL >> 20}M (e.g. 64G)")
+    if n < MIN_RESIZE:
+        raise ConfigError(f"AGENTVM_WORKSPACE_POOL={raw!r}: a size of at least {MIN_RESIZE >> 20}M (e.g. 64G)")
     return n
 
 
@@ -518,6 +519,7 @@ class Pool:
         """Reserve ``by`` more bytes on the host, then hand them to the filesystem (online)."""
         by = -(-by // STEP) * STEP
         size = self.img.stat().st_size
+        by = max(by, MIN_RESIZE - size)  # btrfs resizes to 256M or more only
         fd = os.open(self.img, os.O_RDWR | os.O_CLOEXEC)
         try:
             _reserve_fd(fd, size + by, self.home_ws)
@@ -565,7 +567,7 @@ class Pool:
         grown = 0
         if free < need:
             room, host_free, reserve = self.host_room()
-            want = -(-(need - free) // STEP) * STEP
+            want = max(-(-(need - free) // STEP) * STEP, MIN_RESIZE - size)
             if want <= room:
                 self.grow(want)
                 grown = want

@@ -1,0 +1,400 @@
+"""Issue 42 item 2: the workspace pool (agentvm.wspool) for real - one btrfs filesystem in one
+loop-mounted image, a quota group per agent, real bubblewrap sandboxes writing into it.
+
+- an agent that hits its limit gets EDQUOT inside while another agent writing at the same time
+  is not affected;
+- a subvolume an agent makes inside its workspace counts against its limit (no escape);
+- the admission rule refuses with the numbers, and an operator's overcommit factor admits;
+- with overcommit, a pool that runs out fails the writing agent (ENOSPC, not EDQUOT) and says so
+  (the lease's disk state), never the other agent's saved data;
+- a full host never takes an admitted agent's writes (the pool is reserved), and removing a
+  workspace on a full host gives the space back and records it afterwards;
+- data survives stop/start and the pool being unmounted; prune removes exactly the unused;
+  removing every workspace leaves nothing (no image, no loop device, no mount, no quota group).
+Every pool, loop device and mount made here is removed by the fixtures."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import needs_root
+
+pytestmark = [pytest.mark.integration, needs_root]
+
+M = 1 << 20
+
+
+def _pool_ok() -> bool:
+    try:
+        from agentvm import wspool
+
+        return wspool.supported()[0]
+    except Exception:  # noqa: BLE001
+        return False
+
+
+needs_pool = pytest.mark.skipif(not _pool_ok(), reason="the workspace pool needs root, btrfs, mkfs.btrfs and kernel >= 6.7")
+
+
+def _policy(name: str, command: list[str], disk: str = "16M", timeout: str = "60s"):
+    from agentvm.policy import compile_policy
+    from agentvm.spec.loader import load_agent_text
+
+    text = (f"apiVersion: agentvm/v1\nkind: Agent\nmetadata: {{name: {name}}}\nspec:\n"
+            f"  command: {json.dumps(command)}\n  limits: {{disk: {disk}, timeout: {timeout}}}\n")
+    return compile_policy(load_agent_text(text, "<test>").spec)
+
+
+def _py(src: str) -> list[str]:
+    return ["/usr/bin/python3", "-c", src]
+
+
+def _run(rt, policy, out: Path | None = None):
+    fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644) if out is not None else subprocess.DEVNULL
+    try:
+        return rt.run(policy, tty=False, stdio=(subprocess.DEVNULL, fd, fd))
+    finally:
+        if out is not None:
+            os.close(fd)
+
+
+def _cleanup(home: Path) -> None:
+    from agentvm import wspool
+
+    ws = home / "run" / "ws"
+    for d in ws.iterdir() if ws.is_dir() else ():
+        subprocess.run(["umount", "-l", str(d)], capture_output=True)
+    wspool.Pool(home / "workspaces", home / "run").teardown()
+
+
+def _loops_of(img: Path) -> list[str]:
+    r = subprocess.run(["losetup", "-j", str(img)], capture_output=True, text=True)
+    return [x for x in r.stdout.splitlines() if x.strip()]
+
+
+@pytest.fixture
+def rt(fresh_home, monkeypatch):
+    from agentvm import workspace
+    from agentvm.runtime import Runtime
+
+    monkeypatch.setenv("AGENTVM_NO_DAEMON", "1")
+    monkeypatch.delenv("AGENTVM_WORKSPACE_BACKEND", raising=False)
+    monkeypatch.delenv("AGENTVM_WORKSPACE_POOL", raising=False)
+    monkeypatch.delenv("AGENTVM_WORKSPACE_OVERCOMMIT", raising=False)
+    workspace._cache_clear()
+    r = Runtime()
+    yield r
+    _cleanup(fresh_home)
+
+
+# a writer: 1 MiB at a time, each fsync'd, until an error or N MiB; prints JSON {"mib", "errno"}
+WRITER = r"""
+import errno, json, os, sys
+path, n = sys.argv[1], int(sys.argv[2])
+os.makedirs(os.path.dirname(path), exist_ok=True)
+done, err = 0, None
+block = bytes([done % 251 for done in range(1 << 20)])
+try:
+    with open(path, "wb") as f:
+        for i in range(n):
+            f.write(block); f.flush(); os.fsync(f.fileno()); done += 1
+except OSError as e:
+    err = errno.errorcode.get(e.errno, str(e.errno))
+print(json.dumps({"mib": done, "errno": err}), flush=True)
+"""
+
+
+def _writer(path: str, mib: int, pre: str = "") -> list[str]:
+    return ["/bin/sh", "-c", f"{pre}exec /usr/bin/python3 -c '{WRITER}' {path} {mib}"]
+
+
+def _result(out: Path) -> dict:
+    return json.loads(out.read_text().strip().splitlines()[-1])
+
+
+def _spec_file(tmp_path: Path, name: str, command: list[str], disk: str) -> Path:
+    f = tmp_path / f"{name}.yaml"
+    f.write_text(f"apiVersion: agentvm/v1\nkind: Agent\nmetadata: {{name: {name}}}\nspec:\n"
+                 f"  command: {json.dumps(command)}\n  limits: {{disk: {disk}, timeout: 60s}}\n")
+    return f
+
+
+@needs_pool
+def test_quota_hit_in_one_agent_does_not_affect_another_writing_at_the_same_time(rt, tmp_path):
+    from agentvm import wspool
+
+    # b starts first and writes (each MiB fsync'd) across the time a fills its limit; separate
+    # `agentvm run` processes, as two operators would start them
+    b_f = _spec_file(tmp_path, "wsq-b", _writer("/workspace/data", 12, pre="sleep 0.5; "), "32M")
+    a_f = _spec_file(tmp_path, "wsq-a", _writer("/workspace/fill", 200), "16M")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AGENTVM_WORKSPACE_")}
+    procs = {k: subprocess.Popen([sys.executable, "-m", "agentvm", "run", "-f", str(f)], env=env,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for k, f in (("b", b_f), ("a", a_f))}
+    outs = {k: p.communicate(timeout=120) for k, p in procs.items()}
+    a, b = (json.loads(outs[k][0].strip().splitlines()[-1]) for k in ("a", "b"))
+    assert a["errno"] == "EDQUOT" and 13 <= a["mib"] <= 16, (a, outs["a"][1])  # its own limit, inside
+    assert b == {"mib": 12, "errno": None}, (b, outs["b"][1])  # untouched by a's
+    assert procs["b"].returncode == 0, outs["b"][1]
+    pool = wspool.Pool(rt.paths.workspaces, rt.paths.runtime)
+    data = (pool.path("wsq-b") / "data").read_bytes()
+    assert len(data) == 12 * M and data[11 * M: 11 * M + 251] == bytes(range(251))
+    assert len(_loops_of(pool.img)) == 1, "one loop device for both"
+    # and b still writes after a is full
+    out = tmp_path / "o"
+    assert _run(rt, _policy("wsq-b", _writer("/workspace/more", 4), disk="32M"), out).exit_code == 0
+    assert _result(out) == {"mib": 4, "errno": None}
+
+
+@needs_pool
+def test_a_subvolume_made_inside_a_workspace_counts_against_its_limit(rt, tmp_path):
+    from agentvm import workspace, wspool
+
+    src = ("import fcntl, os\n"
+           "b = bytearray(4096); b[8:11] = b'esc'\n"
+           "fd = os.open('/workspace', os.O_RDONLY)\n"
+           "fcntl.ioctl(fd, 0x5000940E, b)\n"  # BTRFS_IOC_SUBVOL_CREATE: allowed to the owner of the dir
+           "print('made', flush=True)\n")
+    out = tmp_path / "o"
+    assert _run(rt, _policy("wsq-esc", _py(src)), out).exit_code == 0 and "made" in out.read_text()
+    r = _run(rt, _policy("wsq-esc", _writer("/workspace/esc/f", 64)), out)
+    res = _result(out)
+    assert res["errno"] == "EDQUOT" and res["mib"] <= 16, res
+    assert r.teardown["verified"]
+    pool = wspool.Pool(rt.paths.workspaces, rt.paths.runtime)
+    assert workspace.remove_workspace(rt.paths.workspaces, "wsq-esc", runtime=rt.paths.runtime) > 8 * M
+    assert not pool.exists() and not _loops_of(pool.img)
+
+
+@needs_pool
+def test_admission_refuses_with_the_numbers_and_overcommit_admits(rt, monkeypatch):
+    from agentvm import workspace, wspool
+    from agentvm.errors import PolicyDenied
+
+    monkeypatch.setenv("AGENTVM_WORKSPACE_POOL", "256M")
+    ws, run = rt.paths.workspaces, rt.paths.runtime
+    a = workspace.acquire(ws, run, "wsq-run", uid=3_999_000, gid=3_999_000, size=160 * M, enforce_quota=True)
+    try:
+        assert a.kind == "pool"
+        with pytest.raises(PolicyDenied) as ei:
+            workspace.acquire(ws, run, "wsq-next", uid=3_999_001, gid=3_999_001, size=160 * M, enforce_quota=True)
+        e = ei.value
+        assert e.code == "workspace.overcommit" and e.exit_code == 125 and e.status == 507
+        msg = e.message
+        for part in ("'wsq-next' (it needs 160M)", "2 running agent(s)", "may still write 320.0M",
+                     "overcommit factor 1", "needs 336.0M free", "capped at 256.0M by AGENTVM_WORKSPACE_POOL"):
+            assert part in msg, (part, msg)
+        assert "AGENTVM_WORKSPACE_OVERCOMMIT" in e.hint
+        assert not (wspool.Pool(ws, run).path("wsq-next")).exists(), "a refused start makes nothing"
+        # the operator allows overcommit: admitted
+        monkeypatch.setenv("AGENTVM_WORKSPACE_OVERCOMMIT", "2")
+        b = workspace.acquire(ws, run, "wsq-next", uid=3_999_001, gid=3_999_001, size=160 * M, enforce_quota=True)
+        b.release()
+        monkeypatch.delenv("AGENTVM_WORKSPACE_OVERCOMMIT")
+    finally:
+        a.release()
+    # stopped agents count for what they hold only: with the first stopped, the second fits
+    b = workspace.acquire(ws, run, "wsq-next", uid=3_999_001, gid=3_999_001, size=160 * M, enforce_quota=True)
+    b.release()
+
+
+@needs_pool
+def test_with_overcommit_a_full_pool_fails_the_writer_and_says_so_never_the_saved_data(rt, monkeypatch):
+    from agentvm import workspace, wspool
+
+    monkeypatch.setenv("AGENTVM_WORKSPACE_POOL", "256M")
+    monkeypatch.setenv("AGENTVM_WORKSPACE_OVERCOMMIT", "4")
+    ws, run = rt.paths.workspaces, rt.paths.runtime
+    uid = 3_999_010
+    a = workspace.acquire(ws, run, "wsq-one", uid=uid, gid=uid, size=300 * M, enforce_quota=True)
+    b = workspace.acquire(ws, run, "wsq-two", uid=uid + 1, gid=uid + 1, size=300 * M, enforce_quota=True)
+    try:
+        def write(lease, u, name, mib):
+            r = subprocess.run(["setpriv", f"--reuid={u}", f"--regid={u}", "--clear-groups", sys.executable, "-c",
+                                WRITER, str(lease.host_dir / name), str(mib)], capture_output=True, text=True)
+            return json.loads(r.stdout.strip().splitlines()[-1])
+
+        assert write(b, uid + 1, "saved", 20) == {"mib": 20, "errno": None}
+        res = write(a, uid, "fill", 300)
+        assert res["errno"] == "ENOSPC" and res["mib"] < 256, res  # the pool, not its own limit
+        st = a.disk_state()
+        assert st["pool_full"] is True and st["limit_hit"] is False and st["used"] < st["limit"], st
+        data = (b.host_dir / "saved").read_bytes()
+        assert len(data) == 20 * M and data[:251] == bytes(range(251)), "the other agent's saved data is whole"
+    finally:
+        a.release()
+        b.release()
+    assert a.disk["pool_full"] is True, "kept on the lease for the run's report"
+    assert wspool.Pool(ws, run).mounted()
+
+
+@needs_pool
+def test_data_survives_stop_start_and_the_pool_being_unmounted(rt, tmp_path):
+    from agentvm import wspool
+    from agentvm.runtime import gc_stale
+
+    out = tmp_path / "o"
+    assert _run(rt, _policy("wsq-keep", ["/bin/sh", "-c", "echo kept > /workspace/f; sync"]), out).exit_code == 0
+    pool = wspool.Pool(rt.paths.workspaces, rt.paths.runtime)
+    assert pool.mounted()
+    gc_stale(rt.paths)  # the runtime's sweep unmounts an idle pool (as at a daemon restart or next run)
+    assert not pool.mounted() and not _loops_of(pool.img)
+    assert _run(rt, _policy("wsq-keep", ["/bin/cat", "/workspace/f"]), out).exit_code == 0
+    assert out.read_text().strip() == "kept"
+    # while a sandbox runs, the sweep leaves the pool alone
+    t = threading.Thread(target=_run, args=(rt, _policy("wsq-keep", ["/bin/sh", "-c", "touch /workspace/up; sleep 3"])))
+    t.start()
+    try:
+        deadline = time.monotonic() + 20
+        while not (pool.path("wsq-keep") / "up").exists():
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        gc_stale(rt.paths)
+        assert pool.mounted()
+    finally:
+        t.join()
+
+
+@needs_pool
+def test_prune_removes_exactly_the_unused_and_the_last_removal_leaves_nothing(rt):
+    from agentvm import workspace, wspool
+
+    ws, run = rt.paths.workspaces, rt.paths.runtime
+    names = ["wsq-old1", "wsq-old2", "wsq-new", "wsq-owned", "wsq-busy"]
+    for i, n in enumerate(names):
+        workspace.acquire(ws, run, n, uid=3_999_020 + i, gid=3_999_020 + i, size=16 * M, enforce_quota=True).release()
+    pool = wspool.Pool(ws, run)
+    old = time.time() - 10 * 86400
+    for n in ("wsq-old1", "wsq-old2", "wsq-owned", "wsq-busy"):
+        os.utime(pool.path(n), (old, old))
+    busy = workspace.lock_agent(ws, "wsq-busy", "test", "test")
+    try:
+        gone = workspace.prune(ws, 7 * 86400, runtime=run, owners={"wsq-owned"})
+    finally:
+        os.close(busy)
+    assert sorted(n for n, _ in gone) == ["wsq-old1", "wsq-old2"]
+    assert sorted(w.name for w in workspace.list_workspaces(ws, runtime=run, owners=set())) == [
+        "wsq-busy", "wsq-new", "wsq-owned"]
+    for n in ("wsq-busy", "wsq-new", "wsq-owned"):
+        workspace.remove_workspace(ws, n, runtime=run)
+    assert sorted(os.listdir(ws)) == [], os.listdir(ws)
+    assert not _loops_of(pool.img) and not pool.mounted()
+
+
+@needs_pool
+def test_an_explicit_image_backend_and_an_existing_image_keep_images(rt, monkeypatch):
+    from agentvm import workspace, wspool
+
+    ws, run = rt.paths.workspaces, rt.paths.runtime
+    monkeypatch.setenv("AGENTVM_WORKSPACE_BACKEND", "image")
+    assert workspace.backend()[0] == "image"
+    lease = workspace.acquire(ws, run, "wsq-img", uid=3_999_030, gid=3_999_030, size=16 * M, enforce_quota=True)
+    (lease.host_dir / "f").write_text("x")
+    lease.release()
+    monkeypatch.delenv("AGENTVM_WORKSPACE_BACKEND")
+    assert workspace.backend()[0] == "pool"
+    lease = workspace.acquire(ws, run, "wsq-img", uid=3_999_030, gid=3_999_030, size=16 * M, enforce_quota=True)
+    try:
+        assert lease.kind == "image" and (lease.host_dir / "f").read_text() == "x", "its data was not moved"
+    finally:
+        lease.release()
+    assert not wspool.Pool(ws, run).exists()
+    monkeypatch.setenv("AGENTVM_WORKSPACE_BACKEND", "bogus")
+    ok, why = workspace.quota_supported()
+    assert not ok and "bogus" in why
+    workspace.remove_workspace(ws, "wsq-img", runtime=run)
+
+
+# ------------------------------------------------------------------ a full host
+
+
+@pytest.fixture
+def small_home(avm_home):
+    home = Path(f"/tmp/agentvm-wsqfull-{secrets.token_hex(3)}")
+    home.mkdir(mode=0o711)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=400m,mode=0711", "tmpfs", str(home)], check=True)
+    yield home
+    _cleanup(home)
+    subprocess.run(["umount", "-l", str(home)], capture_output=True)
+    shutil.rmtree(home, ignore_errors=True)
+
+
+def _env(home: Path, **extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AGENTVM_WORKSPACE_")}
+    return {**env, "AGENTVM_HOME": str(home), "AGENTVM_NO_DAEMON": "1", **extra}
+
+
+def _av(home: Path, *args, **extra) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "agentvm", *args], env=_env(home, **extra), capture_output=True,
+                          text=True, timeout=120, stdin=subprocess.DEVNULL)
+
+
+@needs_pool
+def test_a_full_host_never_takes_an_admitted_agents_writes(small_home, tmp_path):
+    home = small_home
+    f = tmp_path / "a.yaml"
+    f.write_text("apiVersion: agentvm/v1\nkind: Agent\nmetadata: {name: wsq-host}\nspec:\n"
+                 f"  command: {json.dumps(_writer('/workspace/data', 24, pre='touch /workspace/ready; while [ ! -e /workspace/go ]; do sleep 0.05; done; '))}\n"
+                 "  limits: {disk: 32M, timeout: 60s}\n")
+    proc = subprocess.Popen([sys.executable, "-m", "agentvm", "run", "-f", str(f)], env=_env(home),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        ws = home / "run" / "ws" / ".pool" / "wsq-host"
+        deadline = time.monotonic() + 30
+        while not (ws / "ready").exists():  # the sandbox runs (its start is on the audit chain)
+            assert time.monotonic() < deadline and proc.poll() is None, proc.stderr.read() if proc.poll() else ""
+            time.sleep(0.05)
+        subprocess.run(["dd", "if=/dev/zero", f"of={home}/fill", "bs=1M"], capture_output=True)  # until ENOSPC
+        assert os.statvfs(home).f_bavail == 0
+        (ws / "go").touch()
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    # the agent's every fsync'd write landed (agent-vm itself may then fail to record the run's
+    # end on the full disk: state.disk-full, exit 75 - its own failure, said as one)
+    assert json.loads(out.strip().splitlines()[-1]) == {"mib": 24, "errno": None}, (out, err)
+    assert proc.returncode == 0 or (proc.returncode == 75 and "state.disk-full" in err), err
+    data = (ws / "data").read_bytes()
+    assert len(data) == 24 * M and data[23 * M: 23 * M + 251] == bytes(range(251))
+    # a new start on the full host is refused with the numbers, not admitted into nothing
+    g = tmp_path / "b.yaml"
+    g.write_text("apiVersion: agentvm/v1\nkind: Agent\nmetadata: {name: wsq-late}\nspec:\n  command: [/bin/true]\n"
+                 "  limits: {disk: 300M}\n")
+    r = _av(home, "run", "-f", str(g), "--json")
+    import re
+
+    assert r.returncode == 125 and json.loads(r.stdout)["error"] == "workspace.overcommit", (r.stdout, r.stderr)
+    host_free = re.search(r"host: (\S+) free", json.loads(r.stdout)["message"]).group(1)
+    assert host_free.endswith(("B", "K")), r.stdout  # the numbers: the host has (next to) nothing free
+
+
+@needs_pool
+def test_workspace_rm_on_a_full_host_gives_the_pool_back_and_records_after(small_home, tmp_path):
+    home = small_home
+    f = tmp_path / "a.yaml"
+    f.write_text("apiVersion: agentvm/v1\nkind: Agent\nmetadata: {name: wsq-full}\nspec:\n"
+                 "  command: [/bin/sh, -c, 'echo data > /workspace/f']\n  limits: {disk: 16M}\n")
+    assert _av(home, "run", "-f", str(f)).returncode == 0
+    reserved = (home / "workspaces" / ".pool.img").stat().st_blocks * 512
+    assert reserved >= 64 * M
+    subprocess.run(["dd", "if=/dev/zero", f"of={home}/fill", "bs=1M"], capture_output=True)
+    assert os.statvfs(home).f_bavail == 0
+    r = _av(home, "workspace", "rm", "wsq-full")
+    assert r.returncode == 0, r.stderr
+    assert sorted(os.listdir(home / "workspaces")) == [], "the empty pool went too"
+    assert os.statvfs(home).f_bavail * os.statvfs(home).f_frsize >= reserved - M
+    recs = [json.loads(x) for x in _av(home, "audit", "show", "--json").stdout.splitlines()]
+    rm = [x for x in recs if x["kind"] == "workspace.removed"]
+    assert len(rm) == 1 and rm[0]["data"]["backend"] == "pool" and "disk was full" in rm[0]["data"]["recorded"], rm
+    assert _av(home, "audit", "verify").returncode == 0
