@@ -152,6 +152,12 @@ def _load(open_conns, port: int, conc: int, seconds: float, new_each: bool = Fal
     return uvloop.run(main())
 
 
+def _cpu(pid: int) -> float:
+    """CPU seconds (user + system) the process has used."""
+    f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _wait(path: Path, what: str, timeout: float = 30) -> str:
     deadline = time.monotonic() + timeout
     while not (path.exists() and path.read_text()):
@@ -207,11 +213,22 @@ def main() -> None:
 
         gw_opens = [(lambda c=c: asyncio.open_connection(HOST, gw_port, ssl=c, server_hostname="localhost")) for c in ctxs]
         rows = {}
+        gate_pid, gw_pid = procs[1].pid, procs[2].pid
         for conc in (1, 10):
+            c0 = _cpu(gate_pid)
             g_rps, g_p50 = _load([gate_open], up_port, conc, seconds)
+            g_cpu = _cpu(gate_pid) - c0
+            c0 = _cpu(gw_pid)
             w_rps, w_p50 = _load(gw_opens, up_port, conc, seconds)
+            w_cpu = _cpu(gw_pid) - c0
+            # requests per CPU-second of the server process (warm-up included in both counts: 0.3 s)
+            g_pc = g_rps * (seconds + 0.3) / g_cpu if g_cpu else None
+            w_pc = w_rps * (seconds + 0.3) / w_cpu if w_cpu else None
             rows[f"c{conc}"] = {"gate_rps": round(g_rps), "gate_p50_ms": round(g_p50, 3), "gateway_rps": round(w_rps),
-                                "gateway_p50_ms": round(w_p50, 3), "ratio": round(w_rps / g_rps, 3)}
+                                "gateway_p50_ms": round(w_p50, 3), "ratio": round(w_rps / g_rps, 3),
+                                "gate_req_per_cpu_s": round(g_pc) if g_pc else None,
+                                "gateway_req_per_cpu_s": round(w_pc) if w_pc else None,
+                                "cpu_ratio": round(w_pc / g_pc, 3) if g_pc and w_pc else None}
         hs_rps, _ = _load(gw_opens, up_port, 10, seconds, new_each=True)
         result = {"cores": os.cpu_count(), "seconds": seconds, "identities": a.identities,
                   "mints_per_s": round(mint_rate), "gateway_new_mtls_conn_per_s": round(hs_rps), **rows}
@@ -227,6 +244,8 @@ def main() -> None:
                 r = rows[f"c{conc}"]
                 print(f"concurrency {conc:>2}: gate {r['gate_rps']:>6} req/s (p50 {r['gate_p50_ms']} ms)   "
                       f"gateway {r['gateway_rps']:>6} req/s (p50 {r['gateway_p50_ms']} ms)   ratio {r['ratio']}")
+                print(f"                per CPU-second of the server: gate {r['gate_req_per_cpu_s']}   "
+                      f"gateway {r['gateway_req_per_cpu_s']}   ratio {r['cpu_ratio']}")
             print(f"gateway, a new mTLS connection per request (concurrency 10): {result['gateway_new_mtls_conn_per_s']}/s")
             print(f"audit sink: {result['audit_bytes_per_record']} bytes per chained record")
     finally:

@@ -139,13 +139,17 @@ def world(tmp_path_factory):
     (cfg / "agents").mkdir(parents=True)
     (cfg / "agents" / "a.yaml").write_text(_agent("agent-a", "api.test", up.port, test_ca, "TOK_A"))
     (cfg / "agents" / "b.yaml").write_text(_agent("agent-b", "other.test", up.port, test_ca, "TOK_B"))
+    (cfg / "agents" / "c.yaml").write_text(_agent("agent-c", "api.test", up.port, test_ca, "TOK_A",
+                                                  extra="  limits:\n    budget: {requests: 2, hosts: [api.test]}\n"))
     os.environ["GWTEST_SECRET_A"], os.environ["GWTEST_SECRET_B"] = SECRET_A, SECRET_B
     (cfg / "gateway.yaml").write_text(f"""apiVersion: agentvm/v1
 kind: Gateway
 agents:
   agent-a: {{file: agents/a.yaml, placeholders: {{TOK_A: {PH_A}}}, credentials: {{TOK_A: "env:GWTEST_SECRET_A"}}}}
   agent-b: {{file: agents/b.yaml, placeholders: {{TOK_B: {PH_B}}}, credentials: {{TOK_B: "env:GWTEST_SECRET_B"}}}}
+  agent-c: {{file: agents/c.yaml, placeholders: {{TOK_A: {PH_A}}}, credentials: {{TOK_A: "env:GWTEST_SECRET_A"}}}}
 identities:
+  - {{match: "agentvm://team/c-*", agent: agent-c}}
   - {{match: "agentvm://team/a-*", agent: agent-a}}
   - {{match: "agentvm://team/b-*", agent: agent-b}}
 """)
@@ -543,3 +547,39 @@ def test_the_proxy_bridge_carries_a_plain_proxy_client_to_the_gateway(world):
     finally:
         loop.call_soon_threadsafe(stop.set)
         t.join(5)
+
+
+def test_an_idle_identity_is_closed_and_served_again_with_its_budget_store(world, monkeypatch):
+    """Endpoints do not pile up (10,000 sandboxes): one idle past IDLE_CLOSE is closed by the
+    recheck timer; the identity's next connection opens it again."""
+    cert, key = _mint(world, "agentvm://team/a-idle")
+    c = Client(world, cert, key)
+    assert c.connect() == 200
+    assert c.get("/idle-1", {"Authorization": f"Bearer {PH_A}"})[0] == 200
+    c.close()
+    gate = world["gw"].gate
+    monkeypatch.setattr(gs, "IDLE_CLOSE", 0.0)
+    deadline = time.monotonic() + 10
+    while "team.a-idle" in gate.endpoints:
+        assert time.monotonic() < deadline, "the idle endpoint was not closed"
+        time.sleep(0.1)
+    c = Client(world, cert, key)
+    assert c.connect() == 200
+    assert c.get("/idle-2", {"Authorization": f"Bearer {PH_A}"})[0] == 200
+    c.close()
+    assert world["up"].auth["/idle-2"] == f"Bearer {SECRET_A}"
+
+
+def test_budgets_are_per_identity(world):
+    """agent-c allows 2 requests to api.test per sandbox: c-1 spends its own, c-2 still has its own."""
+    out = {}
+    for sb in ("c-1", "c-2"):
+        cert, key = _mint(world, f"agentvm://team/{sb}")
+        c = Client(world, cert, key)
+        assert c.connect() == 200
+        out[sb] = [c.get(f"/budget/{sb}/{i}")[0] for i in range(3 if sb == "c-1" else 1)]
+        c.close()
+    assert out["c-1"][:2] == [200, 200] and out["c-1"][2] in (402, 403, 429)
+    assert out["c-2"] == [200]
+    recs = _log(world, "agentvm://team/c-1")
+    assert any(r["rule"].startswith("budget:") for r in recs if r["verdict"] == "deny")

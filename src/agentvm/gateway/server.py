@@ -42,6 +42,7 @@ from agentvm.gateway.identity import Identity, from_peercert
 log = logging.getLogger("agentvm.gateway")
 
 RECHECK_INTERVAL = 1.0  # seconds between checks of connections that are not sending requests
+IDLE_CLOSE = 300.0  # an identity's endpoint without a connection this long is closed (its log fd, its pool)
 GATEWAY_LOG = "gateway"  # the sink key of refusals that name no configured identity (has no dot: no collision)
 
 
@@ -81,7 +82,11 @@ class GatewayGate(Gate):
         self._recheck: asyncio.TimerHandle | None = None
         self._gw_log = None
         registry.listeners.append(self._reloaded)
-        self._approvals_path = None
+        self.last_used: dict[str, float] = {}  # sandbox id -> when its last connection ended (monotonic)
+        # budgets per identity, kept in this replica's own database (an endpoint closed when idle
+        # and opened again keeps counting where it was)
+        self.budget_db = Path(state_dir) / "budgets.db"
+        self._budget_store = None
 
     # -- the listener ---------------------------------------------------------------------
     async def listen(self, host: str, port: int, ctx: ssl.SSLContext) -> asyncio.AbstractServer:
@@ -129,6 +134,7 @@ class GatewayGate(Gate):
         finally:
             self.conn_cert.pop(task, None)
             self.admitted.pop(task, None)
+            self.last_used[ep.sandbox_id] = time.monotonic()
 
     async def _refuse(self, stream, ident: Identity | None, res: Refusal, ep: Endpoint | None = None) -> None:
         self.refused += 1
@@ -171,7 +177,11 @@ class GatewayGate(Gate):
         elif new or ep.budget is None or ep.budget.spec != spec:
             from agentvm.gate.budget import Budget
 
-            budget = Budget(ident.uri, spec, None)  # per identity, per replica (docs/scale-out.md)
+            if self._budget_store is None:
+                from agentvm.gate.budget import BudgetStore
+
+                self._budget_store = BudgetStore(self.budget_db)
+            budget = Budget(ident.uri, spec, self._budget_store)  # per identity, per replica (docs/scale-out.md)
             ep.budget = budget if new else None
             if not new:
                 ep.set_budget(budget)
@@ -217,11 +227,25 @@ class GatewayGate(Gate):
                     continue
                 if not_after and now > not_after:
                     ep._cut(task, "identity:expired", f"the certificate of {ident.uri} expired: connection cut")
+            idle = time.monotonic() - IDLE_CLOSE
+            for sid, ep in list(self.endpoints.items()):
+                if not ep.conns and ep.active == 0 and self.last_used.get(sid, idle + 1) < idle:
+                    self.last_used.pop(sid, None)
+                    # taken out now (a connection arriving meanwhile gets a new endpoint), closed after
+                    del self.endpoints[sid]
+                    self._closing.add(ep)
+                    asyncio.get_running_loop().create_task(self._close_idle(ep))
         except Exception:  # noqa: BLE001 - the timer must keep running
             log.exception("gateway recheck failed")
         finally:
             if self.servers:
                 self._recheck = asyncio.get_running_loop().call_later(RECHECK_INTERVAL, self._tick)
+
+    async def _close_idle(self, ep: Endpoint) -> None:
+        try:
+            await self._close(ep, False)
+        finally:
+            self._closing.discard(ep)
 
     def _reloaded(self, old, new) -> None:
         """The source changed: identities refused now have their connections cut; endpoints whose
