@@ -270,6 +270,61 @@ class SandboxCgroup:
                 break
         return st
 
+    # -- pause (the freezer: memory kept, CPU zero) ---------------------------------------
+    def _freeze_v2(self) -> Path | None:
+        """The v2 group whose ``cgroup.freeze`` holds every process of the sandbox: the v2
+        group of a v2 host, or the controller-less one of a hybrid host."""
+        for d in (self.mem_dir if self.layout.mode == "v2" else None, self.kill_dir):
+            if d is not None and (d / "cgroup.freeze").exists():
+                return d
+        return None
+
+    def can_freeze(self) -> bool:
+        return self._freeze_v2() is not None or self.freezer_dir is not None
+
+    def freeze(self, timeout: float = 5.0) -> None:
+        """Stop every process of the sandbox where it is (memory kept, no CPU) and return once
+        the kernel reports the whole group frozen; a process forked meanwhile is frozen too.
+        Raises PrimitiveMissing without a freezer, TimeoutError if the group does not settle
+        (it is thawed again: never left half-frozen)."""
+        self._set_frozen(True, timeout)
+
+    def thaw(self, timeout: float = 5.0) -> None:
+        self._set_frozen(False, timeout)
+
+    def frozen(self) -> bool:
+        d = self._freeze_v2()
+        if d is not None:
+            return _read_kv(d / "cgroup.events").get("frozen") == 1
+        if self.freezer_dir is not None:
+            try:
+                return (self.freezer_dir / "freezer.state").read_text().strip() == "FROZEN"
+            except OSError:
+                return False
+        return False
+
+    def _set_frozen(self, on: bool, timeout: float) -> None:
+        d = self._freeze_v2()
+        if d is None and self.freezer_dir is None:
+            raise PrimitiveMissing("this host's cgroups have no freezer (cgroup v2 cgroup.freeze or the v1 freezer)",
+                                   hint="pause needs the freezer; stop the sandbox instead")
+        if d is not None:
+            _write(d / "cgroup.freeze", "1" if on else "0")
+        else:
+            _write(self.freezer_dir / "freezer.state", "FROZEN" if on else "THAWED")
+        deadline = time.monotonic() + timeout
+        delay = 0.0005
+        while self.frozen() != on:
+            if time.monotonic() > deadline:
+                if on:  # never leave it half-frozen
+                    try:
+                        self._set_frozen(False, 1.0)
+                    except (OSError, TimeoutError):
+                        pass
+                raise TimeoutError(f"the sandbox's cgroup did not {'freeze' if on else 'thaw'} within {timeout:g}s")
+            time.sleep(delay)
+            delay = min(delay * 2, 0.02)
+
     # -- teardown -------------------------------------------------------------------------
     def kill(self, timeout: float = 5.0) -> bool:
         """SIGKILL every process of the sandbox; True when none is left."""

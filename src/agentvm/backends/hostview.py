@@ -992,3 +992,29 @@ class ChildProcessSandbox:
         if proc is not None:
             await process_exit(proc.pid)
         return await asyncio.to_thread(self.wait, handle, None)
+
+    # ``pause``/``unpause``: the cgroup freezer - every process stopped where it is, memory and
+    # every host resource kept (the gate endpoint, the workspace, the uid), no CPU. Not suspend
+    # (which frees them): a paused sandbox comes back exactly as it was, at once.
+    def pause(self, handle, timeout: float = 5.0) -> None:
+        self._cgroup_of(handle).freeze(timeout)
+
+    def unpause(self, handle, timeout: float = 5.0) -> None:
+        self._cgroup_of(handle).thaw(timeout)
+
+    def paused(self, handle) -> bool:
+        group = handle.private.get("cgroup")
+        return bool(group is not None and group.frozen())
+
+    def _cgroup_of(self, handle):
+        from agentvm.errors import PrimitiveMissing
+
+        group = handle.private.get("cgroup")
+        if group is None or not group.can_freeze():
+            raise PrimitiveMissing("this sandbox has no cgroup freezer (cgroups were degraded, or the host has none)",
+                                   hint="pause needs cgroups with a freezer; stop the sandbox instead")
+        if self.poll(handle):
+            from agentvm.errors import AgentVMError
+
+            raise AgentVMError("the sandbox is not running: nothing to pause or unpause", code="sandbox.not-running")
+        return group
