@@ -38,7 +38,18 @@ def _state(pid: int) -> str:
     return "?"
 
 
-def test_pause_freezes_every_process_and_unpause_continues(avm_home):
+def _gvisor_unavailable() -> str | None:
+    from tests.contract.conftest import skip_reason
+
+    return skip_reason("gvisor")
+
+
+@pytest.mark.parametrize("substrate", [
+    "bwrap",
+    pytest.param("gvisor", marks=pytest.mark.skipif(_gvisor_unavailable() is not None,
+                                                    reason=str(_gvisor_unavailable()))),
+])
+def test_pause_freezes_every_process_and_unpause_continues(avm_home, substrate):
     from agentvm.policy import MountGrant, Policy
     from agentvm.runtime import Runtime
 
@@ -73,7 +84,7 @@ def test_pause_freezes_every_process_and_unpause_continues(avm_home):
             backend.stop(handle, grace=0.5)
 
     pol = Policy(name="run", command=("/bin/sh", "-c", COUNTER), mounts=(MountGrant(str(out), "/out", True),),
-                 network="none", workspace=None)
+                 network="none", workspace=None, substrate=substrate)
     rt = Runtime()
     try:
         rt.run(pol, tty=False, stdio=(0, 1, 2), on_launch=on_launch)
