@@ -116,6 +116,7 @@ _TABLE: list[tuple[str, int, int, str]] = [
     # -- the gate and credentials
     ("gate.timeout", 504, BACKEND, "the daemon's gate did not answer in time"),
     ("gate.worker-lost", 500, BACKEND, "the gate worker serving the sandbox died"),
+    ("gate.confine-failed", 500, BACKEND, "a gate worker could not confine itself (the step is named); it does not serve"),
     ("gate.ca-invalid", 400, CONFIG, "the gate's CA files are not usable"),
     ("gate.ca-key-insecure", 400, CONFIG, "the gate's CA key is readable by others"),
     ("signing:error", 403, POLICY, "a request the gate cannot re-sign"),
