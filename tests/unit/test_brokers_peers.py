@@ -27,10 +27,16 @@ def free_port() -> int:
 
 
 class _Thread:
-    def __init__(self, app):
+    def __init__(self, app, tls: tuple | None = None):
         from werkzeug.serving import make_server
 
-        self.srv = make_server("127.0.0.1", 0, app, threaded=True)
+        ctx = None
+        if tls is not None:  # (cert, key): HTTPS, as an upstream behind the gate must be
+            import ssl
+
+            ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            ctx.load_cert_chain(str(tls[0]), str(tls[1]))
+        self.srv = make_server("127.0.0.1", 0, app, threaded=True, ssl_context=ctx)
         self.port = self.srv.server_port
         self.t = threading.Thread(target=self.srv.serve_forever, daemon=True)
         self.t.start()
@@ -190,6 +196,7 @@ def oauth_server(state: OAuthState | None = None):
         return jsonify({"user": "test-user", "scope": m["scope"]})
 
     srv = _Thread(app)
+    srv.app = app
     return st, srv
 
 
@@ -202,6 +209,57 @@ def oauth_entry(st: OAuthState, port: int, **extra) -> dict:
 
 
 # -- moto (STS, S3, IAM) --------------------------------------------------------------------
+class TlsFront:
+    """TLS in front of a plain HTTP peer on loopback (moto's server speaks HTTP only)."""
+
+    def __init__(self, cert, key, port: int):
+        import ssl
+
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        ctx.load_cert_chain(str(cert), str(key))
+        self.lsock = socket.socket()
+        self.lsock.bind(("127.0.0.1", 0))
+        self.lsock.listen(16)
+        self.port = self.lsock.getsockname()[1]
+        self.ctx, self.back = ctx, port
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        while True:
+            try:
+                c, _ = self.lsock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(c,), daemon=True).start()
+
+    def _serve(self, c):
+        try:
+            t = self.ctx.wrap_socket(c, server_side=True)
+            u = socket.create_connection(("127.0.0.1", self.back))
+        except OSError:
+            c.close()
+            return
+
+        def pump(a, b):
+            try:
+                while (d := a.recv(65536)):
+                    b.sendall(d)
+            except OSError:
+                pass
+            finally:
+                for x in (a, b):
+                    try:
+                        x.close()
+                    except OSError:
+                        pass
+
+        threading.Thread(target=pump, args=(t, u), daemon=True).start()
+        pump(u, t)
+
+    def stop(self):
+        self.lsock.close()
+
+
 class Moto:
     """moto's server on loopback (its own process), with IAM signature checking switched on once
     the setup is done: after ``setup_actions`` unauthenticated calls, every request must be signed
@@ -209,7 +267,7 @@ class Moto:
 
     def __init__(self, setup_actions: int):
         self.port = free_port()
-        env = dict(os.environ, INITIAL_NO_AUTH_ACTION_COUNT=str(setup_actions), MOTO_ALLOW_NONEXISTENT_REGION="true",
+        env = dict(os.environ, INITIAL_NO_AUTH_ACTION_COUNT=str(setup_actions), MOTO_ALLOW_NONEXISTENT_REGION="true", S3_IGNORE_SUBDOMAIN_BUCKETNAME="true",
                    AWS_ACCESS_KEY_ID="", AWS_SECRET_ACCESS_KEY="")
         self.proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
@@ -336,7 +394,9 @@ def github_server(state: GitHubState | None = None):
             return jsonify({"message": "Not Found"}), 404
         return jsonify({"full_name": f"{owner}/{repo}", "permissions": m["permissions"]})
 
-    return st, _Thread(app)
+    srv = _Thread(app)
+    srv.app = app
+    return st, srv
 
 
 def github_entry(st: GitHubState, port: int) -> dict:
