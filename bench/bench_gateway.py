@@ -229,9 +229,12 @@ def main() -> None:
                                 "gate_req_per_cpu_s": round(g_pc) if g_pc else None,
                                 "gateway_req_per_cpu_s": round(w_pc) if w_pc else None,
                                 "cpu_ratio": round(w_pc / g_pc, 3) if g_pc and w_pc else None}
+        c0 = _cpu(gw_pid)
         hs_rps, _ = _load(gw_opens, up_port, 10, seconds, new_each=True)
+        hs_cpu = _cpu(gw_pid) - c0
         result = {"cores": os.cpu_count(), "seconds": seconds, "identities": a.identities,
-                  "mints_per_s": round(mint_rate), "gateway_new_mtls_conn_per_s": round(hs_rps), **rows}
+                  "mints_per_s": round(mint_rate), "gateway_new_mtls_conn_per_s": round(hs_rps),
+                  "gateway_new_mtls_conn_per_cpu_s": round(hs_rps * (seconds + 0.3) / hs_cpu) if hs_cpu else None, **rows}
         (tmp / "audit").mkdir(exist_ok=True)
         audit = sum(p.stat().st_size for p in (tmp / "audit").rglob("*.jsonl"))
         recs = sum(1 for p in (tmp / "audit").rglob("*.jsonl") for _ in open(p, "rb"))
@@ -246,7 +249,8 @@ def main() -> None:
                       f"gateway {r['gateway_rps']:>6} req/s (p50 {r['gateway_p50_ms']} ms)   ratio {r['ratio']}")
                 print(f"                per CPU-second of the server: gate {r['gate_req_per_cpu_s']}   "
                       f"gateway {r['gateway_req_per_cpu_s']}   ratio {r['cpu_ratio']}")
-            print(f"gateway, a new mTLS connection per request (concurrency 10): {result['gateway_new_mtls_conn_per_s']}/s")
+            print(f"gateway, a new mTLS connection per request (concurrency 10): {result['gateway_new_mtls_conn_per_s']}/s "
+                  f"({result['gateway_new_mtls_conn_per_cpu_s']} per CPU-second of the gateway)")
             print(f"audit sink: {result['audit_bytes_per_record']} bytes per chained record")
     finally:
         for p in procs:

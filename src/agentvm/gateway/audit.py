@@ -22,11 +22,13 @@ import asyncio
 import hashlib
 import json
 import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 GENESIS = "0" * 64
 HEAD_INTERVAL = 1.0  # seconds between writes of a chain's head file
+CHAIN_IDLE_CLOSE = 300.0  # a chain without a record this long has its file closed
 
 
 def _digest(prev: str, seq: int, rec: dict) -> str:
@@ -52,8 +54,10 @@ class _Chain:
         self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
         self.pending: list[bytes] = []
         self.head_written = -1
+        self.used = time.monotonic()
 
     def add(self, rec: dict) -> None:
+        self.used = time.monotonic()
         self.seq += 1
         h = _digest(self.head, self.seq, rec)
         self.pending.append((json.dumps({"seq": self.seq, "prev": self.head, "hash": h, "rec": rec},
@@ -125,8 +129,12 @@ class AuditSink:
 
     def write_heads(self) -> None:
         self._heads = None
-        for ch in self.chains.values():
+        idle = time.monotonic() - CHAIN_IDLE_CLOSE
+        for sid, ch in list(self.chains.items()):
             ch.write_head()
+            if ch.used < idle:  # not one descriptor per sandbox ever served: reopened (and continued) on use
+                ch.close()
+                del self.chains[sid]
 
     def close(self) -> None:
         if self._heads is not None:
