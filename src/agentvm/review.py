@@ -718,7 +718,8 @@ def _conflict(host_fd: int, baseline: dict, c: Change) -> str | None:
     elif _stamp(now)[:5] != base[:5] or _stamp(now)[5] != base[5]:
         if not (base[0] == "d" and _stamp(now)[0] == "d" and now.st_ino == base[1] and c.action != "mode"):
             return "changed on the host since the sandbox started"
-    if c.action == "delete" and now is not None and stat.S_ISDIR(now.st_mode):
+    if c.action in ("delete", "add", "symlink") and now is not None and stat.S_ISDIR(now.st_mode):
+        # a host folder this change removes (or replaces): everything in it as it was
         prefix = c.rel + "/"
         try:
             sub = _open_dir(host_fd, c.rel)

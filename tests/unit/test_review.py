@@ -416,3 +416,16 @@ def test_a_path_selection_cannot_climb_out(setup):
     (up / "a.txt").write_text("A\n")
     out = review.accept(home, "run-test", ("../../etc/passwd", "/etc/passwd"))
     assert out["applied"] == [] and (host / "a.txt").read_text() == "one\ntwo\n"
+
+
+@needs_root
+def test_a_file_replacing_a_folder_the_host_changed_inside_is_a_conflict(setup):
+    home, host, make, stop = setup
+    up = make()
+    stop()
+    (up / "sub").write_text("now a file\n")
+    (host / "sub" / "x").write_text("the operator's edit\n")
+    with pytest.raises(AgentVMError) as ei:
+        review.accept(home, "run-test")
+    assert ei.value.code == "review.conflict" and "sub/x" in ei.value.message
+    assert (host / "sub" / "x").read_text() == "the operator's edit\n"
