@@ -820,21 +820,51 @@ def render(rv: Review, *, home_fd_cache: dict | None = None) -> str:
             head += f" mode {c.new_mode:04o}" + (f" (replaces a {c.host})" if c.host else "")
         elif c.old_mode != c.new_mode:
             head += f" mode {c.old_mode:04o} -> {c.new_mode:04o}"
-        lines.append(head + notes + flag)
         if _is_text(old) and _is_text(new):
             import difflib
 
-            a = old.decode().splitlines(keepends=True)
-            b = new.decode().splitlines(keepends=True)
+            a = _lines(old.decode())
+            b = _lines(new.decode())
+            body: list[str] = []
             for ln in difflib.unified_diff(a, b, "a/" + hostp.lstrip("/") if c.action == "modify" else "/dev/null",
                                            "b/" + hostp.lstrip("/"), n=3):
-                lines.append(ln.rstrip("\n") if ln.endswith("\n") else ln + "\n\\ No newline at end of file")
+                body.append(ln[:-1] if ln.endswith("\n") else ln)
+                if not ln.endswith("\n"):
+                    body.append("\\ No newline at end of file")
+            if any(_visible(x) != x for x in body):
+                head += "  (control or bidirectional characters, shown escaped)"
+            lines.append(head + notes + flag)
+            lines += body
         else:
+            lines.append(head + notes + flag)
             lines.append(f"Binary files differ ({len(old)} -> {len(new)} bytes, sha256 {c.content_hash[:16]})")
     if not rv.changes:
         lines.append("no changes")
     lines.append(f"review id: {rv.review_id}" + (" (the sandbox is running: accept with --expect this id)" if rv.running else ""))
-    return "\n".join(lines) + "\n"
+    # every line as plain text: a name or a line of the agent's cannot move the cursor, erase
+    # or reorder what the reviewer sees (terminal escapes, CR, bidi overrides: shown escaped)
+    return "\n".join(_visible(x) for x in lines) + "\n"
+
+
+# shown escaped in a diff: C0 controls but TAB, DEL, C1 controls, the bidirectional and
+# zero-width format characters ("Trojan Source"), line and paragraph separators
+_INVISIBLE = frozenset([*range(0x00, 0x09), *range(0x0a, 0x20), *range(0x7f, 0xa0), 0x061c, 0x200b, 0x200c, 0x200d,
+                        0x200e, 0x200f, *range(0x202a, 0x202f), *range(0x2060, 0x2065), *range(0x2066, 0x206a),
+                        0x2028, 0x2029, 0xfeff])
+
+
+def _visible(text: str) -> str:
+    if not any(ord(ch) in _INVISIBLE for ch in text):
+        return text
+    return "".join((f"\\x{ord(ch):02x}" if ord(ch) < 0x100 else f"\\u{{{ord(ch):04x}}}") if ord(ch) in _INVISIBLE
+                   else ch for ch in text)
+
+
+def _lines(text: str) -> list[str]:
+    """Lines split at LF only (a CR or form feed stays inside its line, shown escaped)."""
+    out = text.split("\n")
+    last = out.pop()
+    return [x + "\n" for x in out] + ([last] if last else [])
 
 
 def _is_text(b: bytes | None) -> bool:
@@ -893,7 +923,7 @@ def accept(home: Path, name: str, paths_filter: tuple[str, ...] = (), *, expect:
     refused = [c for c in rv.changes if c.action == "refuse"]
     if refused:
         raise _refuse("review.refused", "the layer holds entries agent-vm never applies; nothing was applied:\n"
-                   + "\n".join(f"  {c.rel}: {c.reason}" for c in refused),
+                   + "\n".join(f"  {_visible(c.rel)}: {_visible(c.reason)}" for c in refused),
                    f"accept the other paths by naming them (agentvm accept {name} PATH...), or discard the layer")
     if rv.conflicts:
         raise _refuse("review.conflict", "changed on the host since the sandbox started (nothing was applied):\n"
@@ -973,7 +1003,7 @@ def accept(home: Path, name: str, paths_filter: tuple[str, ...] = (), *, expect:
 def _show(rv: Review, key: str) -> str:
     g, _, rel = key.partition(":")
     host = ((rv.meta.get("grants") or {}).get(g) or {}).get("host", "?")
-    return f"{host.rstrip('/')}/{rel}" if rel else host
+    return _visible(f"{host.rstrip('/')}/{rel}" if rel else host)
 
 
 def _staged_parent(rel: str, tmpdirs: dict[str, str]) -> str:

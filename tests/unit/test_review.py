@@ -429,3 +429,22 @@ def test_a_file_replacing_a_folder_the_host_changed_inside_is_a_conflict(setup):
         review.accept(home, "run-test")
     assert ei.value.code == "review.conflict" and "sub/x" in ei.value.message
     assert (host / "sub" / "x").read_text() == "the operator's edit\n"
+
+
+@needs_root
+def test_the_diff_shows_escapes_and_bidi_characters_as_text(setup):
+    """Trojan-source and terminal tricks: a line the agent wrote cannot erase, overwrite or
+    reorder what the reviewer reads, and neither can a file name."""
+    home, host, make, stop = setup
+    up = make()
+    stop()
+    evil = "ok = True\n\x1b[1A\x1b[2Krm -rf ~ # hidden\nx = 1\rshown = 2\nif admin\u202e\u2066:\n"
+    (up / "a.txt").write_text("one\ntwo\n" + evil)
+    (up / "name\nno changes\x1b[2K").write_text("x\n")
+    text = review.render(review.load(home, "run-test"))
+    for bad in ("\x1b", "\r", "\u202e", "\u2066"):
+        assert bad not in text
+    assert "\\x1b[1A\\x1b[2Krm -rf ~ # hidden" in text and "x = 1\\x0dshown = 2" in text
+    assert "\\u{202e}" in text and "shown escaped" in text
+    assert "name\\x0ano changes\\x1b[2K" in text
+    assert all(not ln.startswith("no changes") for ln in text.splitlines())
