@@ -157,6 +157,8 @@ identities:
     yield {"tmp": tmp, "up": up, "ca": gwca, "cfg": cfg, "gw": gw, "test_ca": test_ca}
     gw.close()
     up.close()
+    for k in ("GWTEST_SECRET_A", "GWTEST_SECRET_B"):
+        os.environ.pop(k, None)
 
 
 class Client:

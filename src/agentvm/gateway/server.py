@@ -250,9 +250,13 @@ class GatewayGate(Gate):
     def _reloaded(self, old, new) -> None:
         """The source changed: identities refused now have their connections cut; endpoints whose
         agent changed take the new policy at once."""
+        try:
+            me = asyncio.current_task()
+        except RuntimeError:
+            me = None
         for task, (ident, serial, _na) in list(self.conn_cert.items()):
             ep = self.endpoints.get(ident.key)
-            if ep is None:
+            if ep is None or task is me:  # (the connection asking now is answered by _check itself)
                 continue
             res = self.registry.admit(ident, serial)
             if isinstance(res, Refusal):
