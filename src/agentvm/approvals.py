@@ -33,7 +33,6 @@ the next answer or listing expires it. Approving an expired or orphaned request 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import os
 import secrets
@@ -44,6 +43,7 @@ from pathlib import Path
 from typing import Callable
 
 from agentvm import statedb
+from agentvm.held import SHOW_MAX, digest  # noqa: F401 (re-exported: the gate and the tool gateway use them)
 from agentvm.errors import AgentVMError, ConfigError
 
 SCHEMA = """
@@ -78,9 +78,6 @@ HEARTBEAT = 1.0  # a waiter marks its row alive this often (seconds)
 #: a pending row whose waiter has not beaten for this long is orphaned: nobody waits for its answer
 ORPHANED_AFTER = 15.0
 GONE = "the requester is gone (its connection was cut): nothing waits for this answer"
-#: a held action is shown to the human whole (every argument, the full path and query); one
-#: bigger than this is refused, never held with parts the human cannot see
-SHOW_MAX = 64 * 1024
 STATES = ("pending", "approved", "denied", "expired")
 
 
@@ -153,9 +150,6 @@ def shown(value) -> str:
     return json.dumps(value, sort_keys=True, ensure_ascii=True, indent=1, default=str)
 
 
-def digest(value) -> str:
-    blob = json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=True, default=str).encode()
-    return "sha256:" + hashlib.sha256(blob).hexdigest()
 
 
 class ApprovalStore:

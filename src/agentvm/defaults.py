@@ -37,3 +37,6 @@ def sandbox_path(v: str, what: str) -> str:
         if p == r or (r != "/" and p.startswith(r + "/")):
             raise ValueError(f"sandbox path {p} is reserved by agent-vm ({r})")
     return p
+# OpenAI- and Anthropic-compatible APIs (the default ``limits.budget.hosts``)
+LLM_HOSTS = ("api.openai.com", "api.anthropic.com", "*.openai.azure.com", "openrouter.ai", "api.groq.com",
+             "api.mistral.ai", "api.deepseek.com", "api.together.xyz", "api.fireworks.ai", "api.x.ai")

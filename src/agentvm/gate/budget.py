@@ -39,9 +39,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-# OpenAI- and Anthropic-compatible APIs (the default ``limits.budget.hosts``)
-DEFAULT_LLM_HOSTS = ("api.openai.com", "api.anthropic.com", "*.openai.azure.com", "openrouter.ai", "api.groq.com",
-                     "api.mistral.ai", "api.deepseek.com", "api.together.xyz", "api.fireworks.ai", "api.x.ai")
+from agentvm import defaults as D
+
+DEFAULT_LLM_HOSTS = D.LLM_HOSTS  # OpenAI- and Anthropic-compatible APIs (the default ``limits.budget.hosts``)
 MAX_JSON = 4 * 1024 * 1024  # a JSON response kept whole to read its usage (bigger: estimated)
 MAX_LINE = 1024 * 1024  # one SSE line
 

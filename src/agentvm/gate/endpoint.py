@@ -337,7 +337,7 @@ class Endpoint:
         store = self.gate.approval_store()
         if store is None:
             return ex.Answered(False, "approval:unavailable", "no approvals queue is available to ask a human")
-        from agentvm.approvals import SHOW_MAX
+        from agentvm.held import SHOW_MAX
 
         if len(req.path) > SHOW_MAX:  # a human approves only what a human can see, whole
             return ex.Answered(False, "approval:unshowable", f"the request target ({len(req.path)} bytes) is too long "
@@ -351,7 +351,7 @@ class Endpoint:
                    "rule": cmd.decision.rule_id, "body": body, "body_bytes": req.content_length, "preview": target[:200],
                    "keys": ["method", "host", "port", "path"]}
         try:
-            from agentvm.approvals import digest
+            from agentvm.held import digest
 
             queued = store.submit(kind="egress", sandbox=self.sandbox_id, agent=self.agent, target=target,
                                   summary=summary, arg_digest=digest([req.method, req.host, req.port, req.path]),

@@ -25,7 +25,7 @@ import re
 
 import httptools
 
-from agentvm.gate.h1 import NOT_CTL, TARGET_BAD_RE, TCHAR, TOKEN_RE, VALUE_CTL_RE
+from agentvm.gate.httpsyntax import NOT_CTL, TARGET_BAD_RE, TCHAR, TOKEN_RE, VALUE_CTL_RE
 
 MAX_RESPONSE_HEAD = 64 * 1024  # bytes of response heads (1xx included) before the final one ends
 MAX_FIELDS = 256

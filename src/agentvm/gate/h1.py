@@ -17,12 +17,10 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
+from agentvm.gate.framing import RequestBody
 from agentvm.gate.frozen import quick_init
-
-if TYPE_CHECKING:
-    from agentvm.gate.framing import RequestBody
+from agentvm.gate.httpsyntax import NOT_CTL, TARGET_BAD_RE, TCHAR, TOKEN_RE, VALUE_CTL_RE  # noqa: F401 (re-exported)
 
 
 MAX_HEAD = 64 * 1024
@@ -41,10 +39,6 @@ HOP_BY_HOP = frozenset(
     }
 )
 _CONNECTION_BAD = re.compile(rb"(?:^|[,\s])(?:content-length|transfer-encoding|host)\s*(?:,|$)")
-VALUE_CTL_RE = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")  # control characters but HTAB (values, reasons)
-# every byte VALUE_CTL_RE does not match: ``text.translate(None, NOT_CTL)`` leaves only the
-# control characters of ``text`` (a test holds the two to each other)
-NOT_CTL = bytes(b for b in range(256) if b == 0x09 or 0x20 <= b < 0x7f or b > 0x7f)
 _RULE_ID_SAFE = re.compile(rb"[^A-Za-z0-9._:\[\]/*-]")
 
 
@@ -88,7 +82,6 @@ class HeadReader:
         return True
 
 
-TCHAR = b"!#$%&'*+-.^_`|~0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"  # RFC 9110 token characters
 
 
 def check_head(head: bytes) -> tuple[bytes, list[tuple[bytes, bytes]]]:
@@ -207,8 +200,6 @@ def parse_request(head: bytes) -> ProxyRequest:
     return parse_head(head)[0]
 
 
-TOKEN_RE = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+\Z")  # a method or a header name (RFC 9110 token)
-TARGET_BAD_RE = re.compile(rb"[\x00-\x20\x7f-\xff]")  # what a request target must not hold
 
 
 def parse_head(head: bytes, rest: bytes = b"") -> tuple[ProxyRequest, "RequestBody"]:
@@ -238,20 +229,9 @@ def parse_head(head: bytes, rest: bytes = b"") -> tuple[ProxyRequest, "RequestBo
     if hosts == 0 and http_version == "1.1":
         raise ProtocolError("bad-request", "Missing mandatory Host: header")
     req = _request(method.decode("ascii"), target.decode("ascii"), tuple(headers), http_version)
-    return req, _request_body()(req.content_length, req.chunked, rest)
+    return req, RequestBody(req.content_length, req.chunked, rest)
 
 
-def _request_body():
-    """framing.RequestBody (framing imports this module: bound on first use, not per call)."""
-    global _RequestBody
-    if _RequestBody is None:
-        from agentvm.gate.framing import RequestBody
-
-        _RequestBody = RequestBody
-    return _RequestBody
-
-
-_RequestBody = None
 _ABSOLUTE_HTTP = re.compile(r"(?i)(http)://([^/?#]*)([^#]*)")
 _ABSOLUTE_HTTPS = re.compile(r"(?i)https://")
 

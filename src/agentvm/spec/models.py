@@ -217,9 +217,7 @@ class Budget(_Model):
 
 
 def _llm_hosts():
-    from agentvm.gate.budget import DEFAULT_LLM_HOSTS
-
-    return DEFAULT_LLM_HOSTS
+    return D.LLM_HOSTS
 
 
 class Limits(_Model):

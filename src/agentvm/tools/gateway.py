@@ -51,7 +51,7 @@ from mcp.server.transport_security import TransportSecuritySettings
 from mcp.shared.exceptions import MCPError
 
 from agentvm import names
-from agentvm.approvals import digest as arg_digest
+from agentvm.held import digest as arg_digest
 from agentvm.gate.endpoint import TokenBucket
 from agentvm.approvals import GONE, SHOW_MAX, preview, shown
 from agentvm.tools import policy as tp
