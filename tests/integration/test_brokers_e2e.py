@@ -265,7 +265,7 @@ def test_aws_sts_a_real_client_in_the_sandbox_is_signed_with_session_credentials
         r, res = run_py(world, code)
     else:
         if not shutil.which("aws", path="/usr/bin"):
-            pytest.skip("Debian's awscli (scripts/install.sh --test)")
+            pytest.fail("Debian's awscli is missing: run `bash scripts/install.sh --test`")
         script = (f"unset PYTHONPATH; /usr/bin/aws --endpoint-url https://s3.test:{p} --region us-east-1 s3api put-object --bucket agent-bucket "
                   f"--key cli.txt --body /etc/hostname >/dev/null && /usr/bin/aws --endpoint-url https://s3.test:{p} "
                   "--region us-east-1 s3api list-objects-v2 --bucket agent-bucket --query 'Contents[].Key' --output text "
@@ -280,3 +280,39 @@ def test_aws_sts_a_real_client_in_the_sandbox_is_signed_with_session_credentials
     lines = [ln for ln in log_lines(res) if ln.get("credentials") == ["aws"]]
     assert lines and all(ln["verdict"] == "allow" for ln in lines)
     _assert_nowhere(world, out, res)
+
+
+# -- the shipped examples (examples/credentials/KIND/run.sh) ----------------------------------
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "credentials"
+
+
+def _example(kind: str) -> str:
+    import sys
+
+    env = dict(os.environ, AGENTVM=f"{sys.executable} -m agentvm", AGENTVM_PYTHON=sys.executable)
+    r = subprocess.run(["bash", str(EXAMPLES / kind / "run.sh")], capture_output=True, env=env, timeout=300)
+    out = r.stdout.decode()
+    assert r.returncode == 0, out + r.stderr.decode()[-3000:]
+    return out
+
+
+def test_credentials_example_oauth2_refresh(avm_home):
+    out = _example("oauth2-refresh")
+    assert "(a placeholder)" in out and "/api/me -> 200" in out and "echoed back the placeholder" in out
+    assert out.splitlines()[-1] == ("upstream saw: 2 request(s) with access token(s) minted by the gate's refresh grant "
+                                    "(valid), never the refresh token")
+
+
+def test_credentials_example_github_app(avm_home):
+    out = _example("github-app")
+    assert "demo/widgets -> 200 ; demo/payroll -> 404" in out
+    assert out.splitlines()[-1].startswith('upstream saw: 2 request(s) with installation token(s) limited to ["widgets"]')
+
+
+def test_credentials_example_aws_sts(avm_home):
+    if not Path("/usr/bin/aws").exists():
+        pytest.fail("Debian's awscli is missing: run `bash scripts/install.sh --test`")
+    out = _example("aws-sts")
+    assert "bucket holds hello.txt" in out
+    last = out.splitlines()[-1]
+    assert last.startswith("upstream saw: 2 signed request(s) with session credentials (ASIA...), never the stored key"), last
