@@ -837,7 +837,9 @@ def render(rv: Review, *, home_fd_cache: dict | None = None) -> str:
             lines += body
         else:
             lines.append(head + notes + flag)
-            lines.append(f"Binary files differ ({len(old)} -> {len(new)} bytes, sha256 {c.content_hash[:16]})")
+            big = max(len(old), len(new)) > TEXT_LIMIT
+            lines.append(f"{'Large' if big else 'Binary'} files differ (not shown; sha256 {c.content_hash[:16]}; the "
+                         f"layer's copy: {rv.layer}/g{c.grant}/upper/{c.rel})")
     if not rv.changes:
         lines.append("no changes")
     lines.append(f"review id: {rv.review_id}" + (" (the sandbox is running: accept with --expect this id)" if rv.running else ""))
@@ -868,7 +870,9 @@ def _lines(text: str) -> list[str]:
 
 
 def _is_text(b: bytes | None) -> bool:
-    if b is None or len(b) > TEXT_LIMIT or b"\0" in b:
+    """UTF-8 within TEXT_LIMIT: shown as a diff. A NUL does not make it binary (a shell runs a
+    script with one; it is shown escaped, never hidden behind "binary")."""
+    if b is None or len(b) > TEXT_LIMIT:
         return False
     try:
         b.decode("utf-8")

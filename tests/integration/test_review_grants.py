@@ -31,7 +31,7 @@ def folder():
     os.chmod(d, 0o755)
     (d / "a.txt").write_text("one\ntwo\n")
     (d / "b.txt").write_text("bee\n")
-    (d / "bin.dat").write_bytes(b"\0\1\2\3")
+    (d / "bin.dat").write_bytes(b"\xff\0\1\2\3")
     (d / "gone.txt").write_text("bye\n")
     (d / "run.sh").write_text("#!/bin/sh\n")
     os.chmod(d / "run.sh", 0o644)
@@ -86,7 +86,7 @@ def tree(root: Path) -> dict:
 EDITS = r"""
 cd /src || exit 3
 echo three >> a.txt
-printf '\0\1\2\4' > bin.dat
+printf '\377\0\1\2\4' > bin.dat
 rm gone.txt
 chmod 755 run.sh
 rm ln && ln -s b.txt ln
@@ -117,7 +117,7 @@ def test_writes_reach_the_host_only_through_accept_and_diff_shows_each_kind(avm_
     r = cli("accept", name, "--expect", rid)
     assert "applied" in r.stdout
     assert (folder / "a.txt").read_text() == "one\ntwo\nthree\n"
-    assert (folder / "bin.dat").read_bytes() == b"\0\1\2\4"
+    assert (folder / "bin.dat").read_bytes() == b"\xff\0\1\2\4"
     assert not (folder / "gone.txt").exists()
     assert stat.S_IMODE(os.lstat(folder / "run.sh").st_mode) == 0o755
     assert os.readlink(folder / "ln") == "b.txt"

