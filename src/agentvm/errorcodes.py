@@ -77,6 +77,8 @@ _TABLE: list[tuple[str, int, int, str]] = [
     ("e2b.bad-request", 400, CONFIG, "an E2B request agent-vm cannot honour as asked"),
     ("e2b.template-not-found", 404, CONFIG, "no E2B template by that name (`agentvm template ls`)"),
     ("e2b.not-serving", 409, CONFIG, "the E2B API is not being served (`agentvm e2b serve`)"),
+    ("e2b.port-refused", 403, POLICY, "an E2B port its template does not open (`agentvm template add FILE --port N`)"),
+    ("e2b.port-unreachable", 502, BACKEND, "nothing listens on that port in the sandbox, or its network namespace cannot be joined"),
     ("workspace.bad-name", 400, CONFIG, "not a workspace name"),
     ("workspace.not-found", 404, CONFIG, "no workspace by that name"),
     ("workspace.in-use", 409, POLICY, "a sandbox of the agent is running on it"),
