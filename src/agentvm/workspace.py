@@ -75,6 +75,7 @@ class WorkspaceLease:
             return None
         pool = self.pool
         try:
+            pool.sync()  # (the agent's writes are on the disk at its stop, and counted)
             e = pool.entry(self.name)
             _size, free = pool.space()
         except OSError:
@@ -656,7 +657,10 @@ def remove_workspace(home_ws: Path, name: str, *, runtime: Path | None = None,
         if d.is_dir():
             freed += _dir_blocks(d) + d.stat().st_blocks * 512
         with pool_open(home_ws, runtime) as pool:
-            e = pool.entry(name) if pool is not None and pool.path(name).is_dir() else None
+            e = None
+            if pool is not None and pool.path(name).is_dir():
+                pool.sync()
+                e = pool.entry(name)
             if e is not None:
                 freed += e.used
                 size = size or e.limit

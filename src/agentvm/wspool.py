@@ -65,6 +65,7 @@ _LEVEL1 = 1 << 48  # qgroup id 1/N: the agent's group, holding its subvolume and
 _QUOTA_ENABLE, _QUOTA_ENABLE_SIMPLE = 1, 4
 _LIMIT_MAX_RFER = 1
 _LOOP_SET_CAPACITY = 0x4C07
+_SYNC = 0x9408  # _IO(0x94, 8): commit the transaction (quota groups count at commit)
 
 
 def _vol_args(name: str = "") -> bytearray:
@@ -463,6 +464,15 @@ class Pool:
             d = q / f"1_{sid}"
             out.append(Entry(n, _int(d / "max_referenced"), _int(d / "referenced"), st.st_mtime, sid))
         return out
+
+    def sync(self) -> None:
+        """Commit: the quota groups' numbers are those of the last commit (btrfs commits every
+        30 s by itself)."""
+        fd = os.open(self.mnt, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            fcntl.ioctl(fd, _SYNC, 0)
+        finally:
+            os.close(fd)
 
     def entry(self, name: str) -> Entry | None:
         try:
