@@ -4,7 +4,7 @@ diffed and accepted against a real host folder; the plan of a review grant (bwra
 the folder staged read-only, host-trusted names bound from the lower layer); gVisor's refusal.
 
 The real-sandbox proofs are tests/integration/test_review_grants.py and
-tests/attacks/test_review_grants.py."""
+tests/attacks/test_review_grant_attacks.py."""
 
 from __future__ import annotations
 
