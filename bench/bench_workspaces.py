@@ -1,28 +1,31 @@
 #!/usr/bin/env python3
 """Named agents' workspaces: what they cost to create, start and remove, and the disk they
-hold - with baselines measured in the same run (issue 42).
+hold, for both backends in the same run, against a baseline measured in the same run (issue 42).
 
-    python3 bench/bench_workspaces.py [--agents N] [--size 16M] [--json]
+    python3 bench/bench_workspaces.py [--agents N] [--size 16M] [--declared M] [--json]
 
-Each named agent runs `/bin/true` through the embedded path (`agentvm run -f`'s library call),
-in a private installation under /tmp that is removed at the end. Rows (rate = agents per second):
+Each named agent runs a command that writes 64 KiB into its workspace, through the embedded path
+(`agentvm run -f`'s library call), in a private installation under /tmp removed at the end.
+Rates (agents per second), per backend (AGENTVM_WORKSPACE_BACKEND=image | pool):
 
   anonymous run (baseline)  `agentvm run -- true`'s sandbox: tmpfs workspace, nothing on disk
-  create + first start      a new named agent: its image made (fallocate + mkfs.ext4), checked,
-                            loop-mounted, the sandbox run, the image unmounted
-  start (existing)          the same agent again: its image checked and mounted, no mkfs
-  rm (workspace removed)    `agentvm rm NAME` without a daemon: lock, audit record, unlink
+  create + first start      a new named agent: its workspace made (image: fallocate + mkfs.ext4 +
+                            loop mount; pool: a subvolume and its quota group), the sandbox run
+  start (existing)          the same agent again
+  rm (workspace removed)    `agentvm rm NAME` without a daemon: lock, audit record, removal
 
-Disk per agent (blocks the host's filesystem holds for it, st_blocks * 512):
+Disk per agent: what the host's filesystem holds for the workspaces (st_blocks of the images, or
+of the pool's one image) divided by the agents, while they exist and after rm; loop devices used.
 
-  while it exists           each image is fully reserved (fallocate): its limits.disk
-  after rm, before          agent-vm before issue 42: `rm` kept the image - N removed agents
-                            still hold N * limits.disk (emulated here with --keep-workspace)
-  after rm, now             `rm` removes it: 0
+Density (--declared M): M workspaces made and released in the pool without a sandbox (what a
+declared agent's workspace costs once it has run: its subvolume, its quota group, 64 KiB of
+data), then removed; from the measured cost per declared agent: how many declared agents fit in
+this host's free space (above the pool's host reserve), against the image backend's limits.disk
+each (fully reserved). Running agents are bounded by the admission rule, not by this: at
+overcommit 1, by the host's room / limits.disk.
 
-Ratios are against the baseline row (rates) and against "while it exists" (disk). Loops are
-bounded (--agents at most 500, --size at most 256M, and the run refuses unless the filesystem
-has twice what it would reserve). Run as root on an idle machine.
+Loops are bounded (--agents at most 500, --declared at most 10000, --size at most 256M; the run
+refuses unless the filesystem has twice what the image phase would reserve). Run as root.
 """
 
 from __future__ import annotations
@@ -44,52 +47,73 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--agents", type=int, default=50, help="named agents per phase (at most 500)")
     ap.add_argument("--size", default="16M", help="their limits.disk (at most 256M)")
+    ap.add_argument("--declared", type=int, default=1000, help="pool workspaces made for the density estimate (0: skip)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     if os.geteuid() != 0:
-        print("bench_workspaces: needs root (loop-mounted workspace images)", file=sys.stderr)
+        print("bench_workspaces: needs root (loop-mounted workspace filesystems)", file=sys.stderr)
         return 77
+    from agentvm import wspool
     from agentvm.units import parse_size
 
     n = max(1, min(args.agents, 500))
     size = min(parse_size(args.size), 256 * MiB)
+    declared = max(0, min(args.declared, 10000))
     home = Path(f"/tmp/agentvm-bench-ws-{secrets.token_hex(4)}")
     home.mkdir(mode=0o711)
     os.chmod(home, 0o711)
     os.environ["AGENTVM_HOME"] = str(home)
     os.environ["AGENTVM_NO_DAEMON"] = "1"
+    for k in ("AGENTVM_WORKSPACE_POOL", "AGENTVM_WORKSPACE_OVERCOMMIT", "AGENTVM_WORKSPACE_BACKEND"):
+        os.environ.pop(k, None)
     free = shutil.disk_usage(home).free
     if free < 2 * n * size:
         shutil.rmtree(home, ignore_errors=True)
         print(f"bench_workspaces: {n} agents of {size // MiB}M need {2 * n * size // MiB}M free; "
               f"{free // MiB}M are", file=sys.stderr)
         return 1
+    backends = ["image"] + (["pool"] if wspool.supported()[0] else [])
     try:
-        rows = run(home, n, size)
+        rows = run(home, n, size, backends, declared)
     finally:
         ws = home / "run" / "ws"
         for d in ws.glob("*") if ws.is_dir() else ():
             subprocess.run(["umount", "-l", str(d)], capture_output=True)
+        wspool.Pool(home / "workspaces", home / "run").teardown()
         shutil.rmtree(home, ignore_errors=True)
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
-    base = rows["rates"]["anonymous run (baseline)"]
-    print(f"{n} named agents, limits.disk {size // MiB}M, /bin/true ({os.uname().release})")
-    print(f"{'':<28} {'agents/s':>9} {'ms each':>8} {'x baseline':>10}")
-    for k, r in rows["rates"].items():
-        print(f"{k:<28} {r:>9.1f} {1000 / r:>8.1f} {r / base:>10.2f}")
-    d = rows["disk_per_agent"]
-    whole = d["while it exists"] or 1
-    print(f"\n{'disk per agent':<28} {'MiB':>9} {'x image':>8}")
-    for k, v in d.items():
-        print(f"{k:<28} {v / MiB:>9.2f} {v / whole:>8.2f}")
-    print(f"\nafter {n} removed agents: before {rows['left_after_rm']['before'] / MiB:.0f} MiB left on the disk, "
-          f"now {rows['left_after_rm']['now'] / MiB:.0f} MiB")
+    report(rows, backends, n, size)
     return 0
 
 
-def run(home: Path, n: int, size: int) -> dict:
+def report(rows: dict, backends: list[str], n: int, size: int) -> None:
+    base = rows["baseline"]
+    print(f"{n} named agents per backend, limits.disk {size // MiB}M, 64 KiB written each ({os.uname().release})")
+    print(f"anonymous run (baseline): {base:.1f}/s ({1000 / base:.1f} ms each)\n")
+    print(f"{'agents/s':<24} " + " ".join(f"{b:>8} {'x base':>7}" for b in backends)
+          + (f" {'pool/image':>10}" if len(backends) == 2 else ""))
+    for k in rows[backends[0]]["rates"]:
+        vals = [rows[b]["rates"][k] for b in backends]
+        print(f"{k:<24} " + " ".join(f"{v:>8.1f} {v / base:>7.2f}" for v in vals)
+              + (f" {vals[1] / vals[0]:>10.2f}" if len(vals) == 2 else ""))
+    print(f"\n{'disk per agent (MiB)':<24} " + " ".join(f"{b:>8}" for b in backends))
+    for k in rows[backends[0]]["disk_per_agent"]:
+        print(f"{k:<24} " + " ".join(f"{rows[b]['disk_per_agent'][k] / MiB:>8.2f}" for b in backends))
+    print(f"{'loop devices at peak':<24} " + " ".join(f"{rows[b]['loops_peak']:>8}" for b in backends))
+    d = rows.get("density")
+    if d:
+        print(f"\ndensity: {d['declared']} pool workspaces made in {d['create_s']:.1f}s ({d['create_rate']:.0f}/s), "
+              f"removed in {d['rm_s']:.1f}s ({d['rm_rate']:.0f}/s); {d['bytes_per_agent'] / 1024:.0f} KiB of pool "
+              f"per declared agent (its subvolume, quota group, 64 KiB of data)")
+        print(f"host room for workspaces: {d['host_room'] / (1 << 30):.1f} GiB -> declared agents that fit: "
+              f"pool {d['fit_pool']:,}; images of {size // MiB}M {d['fit_image']:,}; images of 1G (the default "
+              f"limits.disk) {d['fit_image_1g']:,}. Running at once (admission, overcommit 1): {d['running_1g']:,} "
+              f"of 1G or {d['running_size']:,} of {size // MiB}M")
+
+
+def run(home: Path, n: int, size: int, backends: list[str], declared: int) -> dict:
     from agentvm.cli.app import cli_main
     from agentvm.policy import Policy, compile_policy
     from agentvm.runtime import Runtime
@@ -101,7 +125,8 @@ def run(home: Path, n: int, size: int) -> dict:
 
     def policy(name: str):
         text = (f"apiVersion: agentvm/v1\nkind: Agent\nmetadata: {{name: {name}}}\nspec:\n"
-                f"  command: [/bin/true]\n  limits: {{disk: {size}, timeout: 60s}}\n")
+                f"  command: [/bin/sh, -c, 'head -c 65536 /dev/urandom > /workspace/f']\n"
+                f"  limits: {{disk: {size}, timeout: 60s}}\n")
         return compile_policy(load_agent_text(text, "<bench>").spec)
 
     def start(pol) -> None:
@@ -110,51 +135,87 @@ def run(home: Path, n: int, size: int) -> dict:
             raise SystemExit(f"bench_workspaces: a run failed: {r}")
 
     def held() -> int:
-        return sum(p.stat().st_blocks * 512 for p in ws_dir.glob("*.img"))
+        return sum(p.stat().st_blocks * 512 for p in list(ws_dir.glob("*.img")) + list(ws_dir.glob(".pool.img")))
 
-    def rm(name: str, *extra: str) -> None:
-        code = _quiet(cli_main, ["rm", name, *extra])
+    def loops() -> int:
+        r = subprocess.run(["losetup", "-a"], capture_output=True, text=True)
+        return sum(1 for x in r.stdout.splitlines() if str(home) in x)
+
+    def rm(name: str) -> None:
+        code = _quiet(cli_main, ["rm", name])
         if code != 0:
             raise SystemExit(f"bench_workspaces: rm {name} exited {code}")
 
-    rates: dict[str, float] = {}
+    out: dict = {"agents": n, "size": size}
     anon = Policy(name="run", command=("/bin/true",))
     start(anon)  # warm: the helper, the /etc view, seccomp
     t0 = time.perf_counter()
     for _ in range(n):
         start(anon)
-    rates["anonymous run (baseline)"] = n / (time.perf_counter() - t0)
+    out["baseline"] = n / (time.perf_counter() - t0)
 
-    for phase in ("before", "now"):
-        pols = [policy(f"bw-{phase}-{i:03d}") for i in range(n)]
+    for backend in backends:
+        os.environ["AGENTVM_WORKSPACE_BACKEND"] = backend
+        rates: dict[str, float] = {}
+        pols = [policy(f"bw-{backend}-{i:03d}") for i in range(n)]
         t0 = time.perf_counter()
         for p in pols:
             start(p)
-        if phase == "now":
-            rates["create + first start"] = n / (time.perf_counter() - t0)
+        rates["create + first start"] = n / (time.perf_counter() - t0)
         exists = held() / n
-        if phase == "now":
-            t0 = time.perf_counter()
-            for p in pols:
-                start(p)
-            rates["start (existing)"] = n / (time.perf_counter() - t0)
+        peak_loops = 0
         t0 = time.perf_counter()
         for p in pols:
-            # before: rm kept the image (as every rm did until issue 42); now: rm removes it
-            rm(p.name, *(["--keep-workspace"] if phase == "before" else []))
-        if phase == "now":
-            rates["rm (workspace removed)"] = n / (time.perf_counter() - t0)
-            left_now = held()
-        else:
-            left_before = held()
-            for p in pols:  # clean up the emulated leftovers before the next phase
-                _quiet(cli_main, ["workspace", "rm", p.name])
-    return {
-        "agents": n, "size": size, "rates": rates,
-        "disk_per_agent": {"while it exists": exists, "after rm, before": left_before / n, "after rm, now": left_now / n},
-        "left_after_rm": {"before": left_before, "now": left_now},
-        "left_files": sorted(os.listdir(ws_dir)),
-    }
+            start(p)
+        rates["start (existing)"] = n / (time.perf_counter() - t0)
+        peak_loops = loops()  # (the last agent's still attached, if any: images detach at stop)
+        t0 = time.perf_counter()
+        for p in pols:
+            rm(p.name)
+        rates["rm (workspace removed)"] = n / (time.perf_counter() - t0)
+        out[backend] = {"rates": rates, "disk_per_agent": {"while they exist": exists, "after rm": held() / n},
+                        "loops_peak": max(peak_loops, 1), "left_files": sorted(os.listdir(ws_dir))}
+    os.environ.pop("AGENTVM_WORKSPACE_BACKEND", None)
+    if declared > 1 and "pool" in backends:
+        out["density"] = density(rt, declared, size)
+    return out
+
+
+def density(rt, m: int, size: int) -> dict:
+    """``m`` workspaces made in the pool (as a first start makes them), 64 KiB written in each,
+    released; the pool's use per workspace; then removed."""
+    from agentvm import workspace, wspool
+
+    ws, runtime = rt.paths.workspaces, rt.paths.runtime
+    uid = 3_900_000
+    blob = os.urandom(65536)
+    t0 = time.perf_counter()
+    for i in range(m):
+        lease = workspace.acquire(ws, runtime, f"bd-{i:05d}", uid=uid, gid=uid, size=size, enforce_quota=True)
+        (lease.host_dir / "f").write_bytes(blob)
+        lease.release()
+    create_s = time.perf_counter() - t0
+    pool = wspool.Pool(ws, runtime)
+    pool.sync()
+    psize, pfree = pool.space()
+    reserved = pool.img.stat().st_blocks * 512
+    t0 = time.perf_counter()
+    for i in range(m - 1):
+        workspace.remove_workspace(ws, f"bd-{i:05d}", runtime=runtime)
+    rm_s = time.perf_counter() - t0
+    pool.sync()
+    s1, f1 = pool.space()
+    base = s1 - f1  # one workspace left: the pool's own overhead
+    workspace.remove_workspace(ws, f"bd-{m - 1:05d}", runtime=runtime)
+    per = max(1, ((psize - pfree) - base) // (m - 1))
+    v = os.statvfs(ws if ws.exists() else ws.parent)
+    free = v.f_bavail * v.f_frsize
+    reserve = max(wspool.HOST_RESERVE_MIN, int(v.f_blocks * v.f_frsize * wspool.HOST_RESERVE_FRAC))
+    room = max(0, free - reserve)
+    return {"declared": m, "create_s": create_s, "create_rate": m / create_s, "rm_s": rm_s,
+            "rm_rate": (m - 1) / rm_s if rm_s else 0.0, "bytes_per_agent": per, "pool_reserved": reserved,
+            "host_room": room, "fit_pool": room // per, "fit_image": room // size, "fit_image_1g": room // (1 << 30),
+            "running_1g": room // (1 << 30), "running_size": room // size}
 
 
 def _quiet(fn, argv):
