@@ -228,3 +228,53 @@ def test_an_exec_into_a_running_sandbox_is_audited_too(avm_home):
         assert got == [(["unshare", "-U"], "CLONE_NEWUSER", "EPERM"), (["unshare", "-n"], "CLONE_NEWNET", "EPERM")], recs
     finally:
         sub.close()
+
+
+# the one seccomp case whose refusal is not a notification: a non-native ABI call (i386
+# int 0x80) hits the filter's bad-arch action, which kills the process (SIGSYS) - the kernel
+# reports it by the process's death, the supervisor never sees it (docs/syscall-audit.md)
+NOT_NOTIFIED = {"proc.int80-32bit-abi": "non-native ABI: killed by the bad-arch action, not notified"}
+
+
+def _seccomp_cases():
+    from agentvm.selftest.framework import all_cases
+
+    return [c for c in all_cases() if "no-seccomp" in c.weakened_by.split("+") and c.id not in NOT_NOTIFIED]
+
+
+def _denied_records(home: Path) -> int:
+    n = 0
+    for p in (home / "logs").glob("*.syscalls.jsonl"):
+        n += sum(1 for l in p.read_text().splitlines() if '"syscall.denied"' in l)
+    return n
+
+
+@pytest.mark.parametrize("weaken", ["none", "no-syscall-audit"])
+def test_every_selftest_case_attempting_a_denied_syscall_leaves_a_record(monkeypatch, weaken):
+    """Each selftest case that attacks the seccomp deny list (weakened_by no-seccomp) is still
+    contained AND its refused calls left syscall records; without the notify filter the same
+    cases stay contained but leave none - so this check fails when the audit is dropped."""
+    from agentvm import sysaudit
+    from agentvm.selftest.framework import Env, run_cases
+
+    _weakened_backend(monkeypatch)
+    cases = _seccomp_cases()
+    assert len(cases) >= 10
+    e = Env(weaken=weaken)
+    unrecorded, results = [], []
+    try:
+        for c in cases:
+            before = _denied_records(e.paths.home)
+            [res] = run_cases([c], e)
+            sysaudit.supervisor().flush()
+            results.append(res)
+            if _denied_records(e.paths.home) == before:
+                unrecorded.append(c.id)
+    finally:
+        e.close()
+    assert all(r["status"] == "contained" for r in results), [(r["id"], r["status"], r["evidence"]) for r in results
+                                                              if r["status"] != "contained"]
+    if weaken == "none":
+        assert unrecorded == [], f"refused without a record: {unrecorded}"
+    else:
+        assert sorted(unrecorded) == sorted(c.id for c in cases), "without the notify filter nothing is recorded"
