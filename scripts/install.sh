@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Install agent-vm and everything it needs on a Debian 12 host (idempotent, quiet when done).
 #   - Debian packages: a C compiler + libc headers (the small agentvm-helper is built from
-#     source on first use), libseccomp, e2fsprogs (workspace filesystems), util-linux, and
+#     source on first use), libseccomp, e2fsprogs and btrfs-progs (workspace filesystems: the
+#     images, the pool's mkfs.btrfs), util-linux, and
 #     runsc (gVisor, the `substrate: gvisor` sandbox), mmdebstrap (`agentvm image build`)
 #     and openssh-client (ssh-keygen: signed images and signed fleet commits).
 #   - a virtualenv (default /opt/agentvm/venv) with agentvm and its test extras.
@@ -20,7 +21,7 @@ case "$VENV" in
 esac
 PY="${PYTHON:-python3}"
 
-want=(gcc libc6-dev python3-dev libseccomp2 e2fsprogs util-linux mount procps runsc mmdebstrap openssh-client)
+want=(gcc libc6-dev python3-dev libseccomp2 e2fsprogs btrfs-progs util-linux mount procps runsc mmdebstrap openssh-client)
 if [ "${1:-}" = "--test" ]; then
   # real clients the end-to-end tests run *inside* sandboxes (Debian's, under /usr)
   want+=(curl git nodejs python3-requests python3-httpx python3-aiohttp python3-pip)
