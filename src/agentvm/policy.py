@@ -56,6 +56,8 @@ class MountGrant:
     writable: bool = False
     # host-trusted names (agentvm.grants.TRUSTED_NAMES) the agent may change in an rw grant
     writable_trusted: tuple[str, ...] = ()
+    # mode: review - writable, but the writes land in a layer outside the folder (agentvm.review)
+    review: bool = False
 
 
 @dataclass(frozen=True)
@@ -127,6 +129,9 @@ class Policy:
              else _plain(getattr(self, f.name)) for f in fields(self)}
         if self.limits.budget is None:  # fields added later are left out when unset: digests stay stable
             d["limits"].pop("budget", None)
+        for m in d["mounts"]:
+            if not m.get("review"):
+                m.pop("review", None)
         if self.image is None:
             d.pop("image", None)
         if not self.image_signers:
@@ -214,7 +219,8 @@ def compile_policy(spec: "AgentSpec") -> Policy:
         risk_tier=body.risk_tier.value,
         workdir=body.workdir,
         extra_ro=tuple(body.rootfs.extra_paths),
-        mounts=tuple(MountGrant(m.host, m.path, m.mode == "rw", tuple(m.writable_trusted)) for m in body.mounts),
+        mounts=tuple(MountGrant(m.host, m.path, m.mode in ("rw", "review"), tuple(m.writable_trusted),
+                                review=m.mode == "review") for m in body.mounts),
         workspace=body.workspace.path if body.workspace.enabled else None,
         env=tuple(sorted(body.env.items())),
         limits=Limits(
@@ -245,7 +251,7 @@ def parse_mount_arg(text: str) -> MountGrant:
     """``HOST:PATH[:ro|rw]`` -> MountGrant (the ``--mount`` CLI syntax)."""
     parts = text.split(":")
     mode = "ro"
-    if len(parts) == 3 and parts[2] in ("ro", "rw"):
+    if len(parts) == 3 and parts[2] in ("ro", "rw", "review"):
         mode = parts.pop()
     if len(parts) != 2 or not parts[0] or not parts[1]:
         raise ConfigError(f"invalid --mount {text!r}", hint="use HOST:PATH[:ro|rw], e.g. --mount $PWD:/src:ro")
@@ -254,7 +260,7 @@ def parse_mount_arg(text: str) -> MountGrant:
         path = D.sandbox_path(parts[1], "--mount path")
     except ValueError as exc:
         raise ConfigError(f"invalid --mount {text!r}: {exc}") from exc
-    return MountGrant(host, path, mode == "rw")
+    return MountGrant(host, path, mode in ("rw", "review"), review=mode == "review")
 
 
 def with_overrides(

@@ -62,26 +62,9 @@ def is_review(m) -> bool:
 
 def review_mount(host: str, path: str, writable_trusted: tuple[str, ...] = ()):
     """A review-mode ``MountGrant`` (writable, with ``review`` set)."""
-    import dataclasses
-
     from agentvm.policy import MountGrant
 
-    if "review" in {f.name for f in dataclasses.fields(MountGrant)}:
-        return MountGrant(host, path, True, tuple(writable_trusted), review=True)  # type: ignore[call-arg]
-    return ReviewGrant(host, path, True, tuple(writable_trusted))
-
-
-def _review_grant_class():
-    from agentvm.policy import MountGrant
-
-    @dataclass(frozen=True)
-    class ReviewGrant(MountGrant):  # until policy.MountGrant carries ``review`` itself
-        review: bool = True
-
-    return ReviewGrant
-
-
-ReviewGrant = _review_grant_class()
+    return MountGrant(host, path, True, tuple(writable_trusted), review=True)
 
 
 # ---------------------------------------------------------------- where layers live

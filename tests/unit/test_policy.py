@@ -139,6 +139,9 @@ def _old_to_dict(p: Policy) -> dict:
         d["egress"] = p.egress.to_dict()
     if p.limits.budget is None:
         d["limits"].pop("budget", None)
+    for m in d["mounts"]:  # MountGrant.review (added later): left out when unset
+        if not m.get("review"):
+            m.pop("review", None)
     if p.image is None:
         d.pop("image", None)
     if not p.image_signers:

@@ -321,3 +321,15 @@ def test_preset_standalone_ok():
     lp = load_preset_text(text, "p.yaml", preset_dirs=[])
     assert lp.resolved.spec.limits.memory == 1024**3
     assert lp.preset.metadata.name == "p" and lp.presets == ["p"]
+
+
+def test_review_mount_at_l0_is_rejected_like_rw_and_compiles_as_review_at_l1():
+    probs = problems_of(agent("spec:\n  riskTier: L0\n  mounts:\n    - {host: /srv, path: /data, mode: review}\n"))
+    p = one(probs, "spec.mounts[0].mode")
+    assert "review grants need risk tier >= L1" in p.message
+    from agentvm.policy import compile_policy
+
+    la = load_agent_text(agent("spec:\n  riskTier: L1\n  mounts:\n    - {host: /srv, path: /data, mode: review}\n"),
+                         "a.yaml", preset_dirs=[])
+    m = compile_policy(la.spec).mounts[0]
+    assert m.review and m.writable  # never a silent read-only or rw downgrade

@@ -853,8 +853,8 @@ def check_tier(body: AgentSpecBody) -> list[tuple[str, str]]:
     out: list[tuple[str, str]] = []
     if not ceil["rw_mounts"]:
         for i, m in enumerate(body.mounts):
-            if m.mode == "rw":
-                out.append((f"spec.mounts[{i}].mode", f"read-write grants need risk tier >= L1 (agent is {tier})"))
+            if m.mode in ("rw", "review"):  # a review grant is writable too (into its layer): as policy.check_tier
+                out.append((f"spec.mounts[{i}].mode", f"{m.mode} grants need risk tier >= L1 (agent is {tier})"))
     if not ceil["egress"] and (body.egress.allow):
         out.append(("spec.egress.allow", f"egress needs risk tier >= L2 (agent is {tier})"))
     if not ceil["credentials"] and body.credentials:
