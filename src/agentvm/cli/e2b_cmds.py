@@ -29,7 +29,10 @@ def e2b():
               help="Loopback address to serve the API on (plain HTTP: loopback only).")
 @click.option("--max-per-tenant", default=20, show_default=True, help="Sandboxes one API key may hold.")
 @click.option("--max-creating", default=4, show_default=True, help="Creates in progress at once (more: 429).")
-def serve(listen, max_per_tenant, max_creating):
+@click.option("--domain", default=None, metavar="DOMAIN",
+              help="The sandboxes' domain: get_host(port) is PORT-ID.DOMAIN, routed by Host "
+                   "[default: localhost:PORT, *.localhost being loopback].")
+def serve(listen, max_per_tenant, max_creating, domain):
     """Serve the E2B API over the running daemon (foreground)."""
     from agentvm import e2b as pkg
     from agentvm.daemon.client import Client
@@ -51,11 +54,13 @@ def serve(listen, max_per_tenant, max_creating):
     from agentvm.e2b.backend import DaemonBackend
 
     pkg.api_keys()  # the first key exists before anyone asks for it
-    app = make_app(DaemonBackend(client), lambda: pkg.api_keys(create=False), max_per_tenant=max_per_tenant, max_concurrent_creates=max_creating)
+    domain = domain or f"localhost:{port}"
+    app = make_app(DaemonBackend(client), lambda: pkg.api_keys(create=False), max_per_tenant=max_per_tenant,
+                   max_concurrent_creates=max_creating, domain=domain)
     f = _runtime_file()
     f.parent.mkdir(parents=True, exist_ok=True)
     url = f"http://{host}:{port}"
-    f.write_text(json.dumps({"url": url, "pid": os.getpid()}))
+    f.write_text(json.dumps({"url": url, "pid": os.getpid(), "domain": domain}))
     click.echo(f"E2B API on {url} (`agentvm e2b env` prints the environment)", err=True)
     try:
         uvicorn.run(app, host=host.strip("[]"), port=port, log_level="warning", lifespan="on")
@@ -78,8 +83,9 @@ def env(tenant):
 
     f = _runtime_file()
     try:
-        url = json.loads(f.read_text())["url"]
-    except (OSError, ValueError, KeyError):
+        served = json.loads(f.read_text())
+        url = served["url"]
+    except (OSError, ValueError, KeyError, TypeError):
         raise AgentVMError("the E2B API is not being served", code="e2b.not-serving",
                            hint="start the daemon (`agentvm up`) and then `agentvm e2b serve`") from None
     keys = [k for k, t in pkg.api_keys().items() if t == tenant]
@@ -100,6 +106,8 @@ def env(tenant):
     click.echo(f"export E2B_API_URL={url}")
     click.echo(f"export E2B_SANDBOX_URL={url}")
     click.echo(f"export E2B_API_KEY={keys[0]}")
+    if served.get("domain"):  # get_host(port) -> PORT-ID.DOMAIN (the create answer says so too)
+        click.echo(f"export E2B_DOMAIN={served['domain']}")
     click.echo("export E2B_DEBUG=false")
 
 

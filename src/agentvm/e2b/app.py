@@ -69,6 +69,9 @@ class Box:
     state: str = "running"  # running | paused
     procs: dict[int, Proc] = field(default_factory=dict)
     watchers: dict[str, dict] = field(default_factory=dict)
+    ports: tuple[int, ...] = ()  # the template's ports: the only ones get_host(port) reaches (ports.py)
+    traffic_token: str = ""  # E2B-Traffic-Access-Token for those ports
+    running_since: float = 0.0
 
 
 def _iso(t: float) -> str:
@@ -79,8 +82,9 @@ class E2BService:
     """The state of the E2B adapter: tenants' sandboxes, their processes, timeouts, limits."""
 
     def __init__(self, backend: E2BBackend, api_keys: Mapping[str, str], *, home=None, max_per_tenant: int = 20,
-                 max_concurrent_creates: int = 4, audit=None):
+                 max_concurrent_creates: int = 4, audit=None, domain: str | None = None):
         self.backend = backend
+        self.domain = domain  # answered as the sandboxes' domain: get_host(port) is PORT-ID.DOMAIN
         # key -> tenant; or a callable giving it (re-read when a key is not known: keys added later)
         self._keys_source = api_keys if callable(api_keys) else None
         self.api_keys = dict(api_keys() if callable(api_keys) else api_keys)
@@ -149,8 +153,11 @@ class E2BService:
         self.creating += 1
         try:
             now = time.time()
+            from agentvm.e2b.ports import allowed_ports
+
             box = Box(sid, tenant, template, name, dict(metadata), {}, now, now + timeout,
-                      secrets.token_urlsafe(24), auto_pause=bool(body.get("autoPause")))
+                      secrets.token_urlsafe(24), auto_pause=bool(body.get("autoPause")),
+                      ports=allowed_ports(tpl.ports), traffic_token=secrets.token_urlsafe(24), running_since=now)
             self.boxes[sid] = box  # counted against the tenant while it starts
             try:
                 await self.backend.create(name, spec_text, KILL_GRACE_TTL)
@@ -180,6 +187,7 @@ class E2BService:
         if box.state == "paused":
             await self.backend.resume(box.name)
             box.state = "running"
+            box.running_since = time.time()
             self.record("e2b.resume", tenant=box.tenant, sandbox=box.name)
         if timeout is not None:
             box.end_at = time.time() + timeout
@@ -215,9 +223,10 @@ class _TooMany(Exception):
 
 # -- REST --------------------------------------------------------------------------------------
 
-def _sandbox_doc(box: Box) -> dict:
+def _sandbox_doc(box: Box, domain: str | None = None) -> dict:
     return {"templateID": box.template, "sandboxID": box.id, "clientID": "agentvm", "alias": box.template,
-            "envdVersion": ENVD_VERSION, "envdAccessToken": box.token, "trafficAccessToken": None, "domain": None}
+            "envdVersion": ENVD_VERSION, "envdAccessToken": box.token, "trafficAccessToken": box.traffic_token or None,
+            "domain": domain}
 
 
 def _detail_doc(box: Box, *, token: bool) -> dict:
@@ -272,7 +281,7 @@ def _rest_routes(svc: E2BService):
     @authed
     async def create(request, tenant):
         box = await svc.create(tenant, await body_of(request))
-        return JSONResponse(_sandbox_doc(box), status_code=201)
+        return JSONResponse(_sandbox_doc(box, svc.domain), status_code=201)
 
     def _listed(tenant, query) -> list[Box]:
         boxes = [b for b in svc.boxes.values() if b.tenant == tenant]
@@ -354,7 +363,7 @@ def _rest_routes(svc: E2BService):
         if box.state != "paused":
             return err(409, f"sandbox {box.id} is not paused")
         await svc.resume(box, t if isinstance(t, int) and 0 < t <= MAX_TIMEOUT else DEFAULT_TIMEOUT)
-        return JSONResponse(_sandbox_doc(box), status_code=201)
+        return JSONResponse(_sandbox_doc(box, svc.domain), status_code=201)
 
     @one
     async def connect(request, box):
@@ -364,7 +373,7 @@ def _rest_routes(svc: E2BService):
         await svc.resume(box, t)
         if t is not None:  # connect only ever extends
             box.end_at = max(box.end_at, time.time() + t)
-        return JSONResponse(_sandbox_doc(box), status_code=201 if was == "paused" else 200)
+        return JSONResponse(_sandbox_doc(box, svc.domain), status_code=201 if was == "paused" else 200)
 
     @one
     async def metrics(request, box):
@@ -474,15 +483,16 @@ ENVD_PATHS = ("/health", "/files")
 
 
 def make_app(backend: E2BBackend, api_keys, *, home=None, max_per_tenant: int = 20,
-             max_concurrent_creates: int = 4, audit=None):
+             max_concurrent_creates: int = 4, audit=None, domain: str | None = None):
     """The ASGI app. ``api_keys`` maps each API key to its tenant (or is a callable returning
-    that map, called again when an unknown key arrives)."""
+    that map, called again when an unknown key arrives). ``domain`` is answered as the
+    sandboxes' domain (``get_host(port)`` = ``PORT-ID.DOMAIN``, routed by ``Host``)."""
     from starlette.applications import Starlette
 
     from agentvm.e2b.envd import connect_apps
 
     svc = E2BService(backend, api_keys, home=home, max_per_tenant=max_per_tenant,
-                     max_concurrent_creates=max_concurrent_creates, audit=audit)
+                     max_concurrent_creates=max_concurrent_creates, audit=audit, domain=domain)
 
     import contextlib
 
@@ -506,6 +516,9 @@ def make_app(backend: E2BBackend, api_keys, *, home=None, max_per_tenant: int = 
                      exception_handlers={404: unsupported, 405: unsupported})
     envd = Starlette(routes=_envd_routes(svc))
     connect = connect_apps(svc)
+    from agentvm.e2b.ports import PortProxy, route_of
+
+    port_proxy = PortProxy(svc)
 
     async def unknown_sandbox(scope, send, sid):
         body = json.dumps({"code": 502, "message": f"The sandbox {sid!r} was not found"}).encode()
@@ -514,10 +527,16 @@ def make_app(backend: E2BBackend, api_keys, *, home=None, max_per_tenant: int = 
         await send({"type": "http.response.body", "body": body})
 
     async def app(scope, receive, send):
-        if scope["type"] != "http":
+        if scope["type"] not in ("http", "websocket"):
             return await rest(scope, receive, send)
         path = scope.get("path", "")
         hdrs = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        route = route_of(hdrs)  # a sandbox's port (get_host), by E2b-Sandbox-Port or PORT-ID.DOMAIN
+        if route is not None:
+            return await port_proxy(scope, receive, send, route, hdrs)
+        if scope["type"] == "websocket":
+            await receive()
+            return await send({"type": "websocket.close", "code": 1008})
         sid = hdrs.get("e2b-sandbox-id")
         if sid is not None or path.startswith(ENVD_PREFIXES) or path in ENVD_PATHS:
             box = svc.envd_box(sid, hdrs.get("x-access-token"))

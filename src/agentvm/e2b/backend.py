@@ -23,6 +23,7 @@ import base64
 import posixpath
 import re
 import secrets
+import socket
 import threading
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Protocol, runtime_checkable
@@ -132,6 +133,12 @@ class E2BBackend(Protocol):
     async def move(self, name: str, src: str, dst: str) -> None: ...
 
     async def remove(self, name: str, path: str) -> None: ...
+
+    async def port_socket(self, name: str, port: int) -> "socket.socket":
+        """A non-blocking TCP socket connected to ``127.0.0.1:port`` on the sandbox's own loopback
+        (``sandbox.get_host(port)``; agentvm.e2b.ports). Raises ``ports.PortUnreachable`` (its
+        ``__cause__`` a ConnectionRefusedError when nothing listens) or BackendFailure."""
+        ...
 
 
 # -- helpers shared by implementations --------------------------------------------------------
@@ -456,6 +463,22 @@ class DaemonBackend:
     async def remove(self, name: str, path: str) -> None:
         await self.stat(name, path)  # not-found is an error for E2B
         await self._check(name, ["rm", "-rf", "--", path])
+
+    # -- ports --------------------------------------------------------------------------------
+    async def port_socket(self, name: str, port: int) -> socket.socket:
+        """The sandbox's loopback port, reached from a thread that joins its network namespace.
+        The daemon's API tells the sandbox's id and substrate, not its pid: the namespace is
+        found from the sandbox's cgroup (``agentvm/<sandbox_id>``), see agentvm.e2b.ports."""
+        from agentvm.e2b import ports
+
+        info = await self._call(self.client.get, name)
+        if info.get("state") != "running" or not info.get("sandbox_id"):
+            raise BackendFailure("gone", f"sandbox {name} is not running")
+        substrate = info.get("substrate")
+        if substrate not in ("bwrap", "bubblewrap"):
+            raise Unsupported(f"get_host(port) reaches bubblewrap sandboxes only; this one runs on {substrate!r}, whose "
+                              "loopback is not a host network namespace (gVisor's is inside its own network stack)")
+        return await ports.port_socket_async(str(info["sandbox_id"]), port)
 
 
 def b64(data: bytes) -> str:

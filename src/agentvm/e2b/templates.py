@@ -1,7 +1,8 @@
 """E2B templates: agent files registered by name, and the narrowing of E2B's create options.
 
 ``agentvm template add FILE [--name N] [--port P]`` stores a validated agent file under
-``<home>/templates/N.yaml``; ``base`` is always there: the default anonymous policy (no egress,
+``<home>/templates/N.yaml`` (its ``--port`` list: the only ports ``get_host(port)`` reaches; a
+``lifecycle: persistent`` template's command is started with each sandbox, E2B's start command); ``base`` is always there: the default anonymous policy (no egress,
 no credentials, no grants). An E2B ``create`` names a template; its options can only *narrow*
 what the template allows:
 
@@ -138,8 +139,11 @@ def sandbox_spec(tpl: Template, sandbox_name: str, opts: CreateOptions) -> str:
     spec = doc.setdefault("spec", {})
     spec["presets"] = []
     doc["metadata"] = {"name": sandbox_name, "labels": {"e2b-template": tpl.name}}
+    # a persistent template's command is its start command (E2B's): the server its ports reach,
+    # restarted by the daemon if it ends; any other template's sandbox just stays up
+    if spec.get("lifecycle") != "persistent" or not spec.get("command"):
+        spec["command"] = ["/bin/sleep", "infinity"]
     spec["lifecycle"] = "persistent"
-    spec["command"] = ["/bin/sleep", "infinity"]
     egress = spec.setdefault("egress", {}) or {}
     spec["egress"] = egress
     allow = list(egress.get("allow") or [])
