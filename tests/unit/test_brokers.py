@@ -405,3 +405,29 @@ def test_broker_urls_must_be_https_except_on_loopback():
 def test_a_placeholder_for_a_brokered_credential_is_not_as_long_as_the_vault_entry():
     b = oauth_binding()
     assert len(make_placeholder(b, 5000)) == 40
+
+
+# -- `agentvm secret set --kind` ---------------------------------------------------------------
+@pytest.mark.parametrize("kind,value,ok,why", [
+    ("oauth2-refresh", json.dumps({"tokenUrl": "https://t.example/token", "clientId": "c", "clientSecret": "fake-cs-0123",
+                                   "refreshToken": "fake-rt-0123"}), True, ""),
+    ("oauth2-refresh", json.dumps({"tokenUrl": "http://t.example/token", "clientId": "c", "clientSecret": "fake-cs-0123"}),
+     False, "no 'refreshToken'; tokenUrl must be an https:// URL"),
+    ("aws-sts", "fake-plain-secret-0123", False, "is a JSON object"),
+    ("github-app", json.dumps({"appId": "1", "installationId": "2", "privateKey": "fake-not-a-key-0123"}), False,
+     "'privateKey' is not a PEM RSA private key"),
+    ("ssh-key", "fake-not-a-key-0123", False, "not an unencrypted OpenSSH private key"),
+])
+def test_secret_set_kind_checks_the_shape_without_echoing_values(tmp_path, monkeypatch, kind, value, ok, why):
+    from click.testing import CliRunner
+
+    from agentvm.cli import cli
+    from agentvm.vault import Vault
+
+    monkeypatch.setenv("AGENTVM_HOME", str(tmp_path / "home"))
+    r = CliRunner().invoke(cli, ["secret", "set", "e", "--kind", kind], input=value)
+    if ok:
+        assert r.exit_code == 0 and Vault(tmp_path / "home" / "vault").get("e") == value
+        return
+    assert r.exit_code == 78 and why in r.output, r.output
+    assert "fake-" not in r.output and not Vault(tmp_path / "home" / "vault").exists("e")

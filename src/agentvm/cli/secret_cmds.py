@@ -60,8 +60,10 @@ _NO_ARGV = (
 @click.argument("name")
 @click.option("--from-env", "from_env", metavar="VAR",
               help="Read the value from agent-vm's own environment variable VAR (e.g. in CI).")
+@click.option("--kind", type=click.Choice(["oauth2-refresh", "aws-sts", "github-app", "ssh-key"]),
+              help="Check the value's shape before storing it: a broker's JSON entry, or an OpenSSH private key.")
 @click.pass_context
-def set_cmd(ctx: click.Context, name: str, from_env: str | None) -> None:
+def set_cmd(ctx: click.Context, name: str, from_env: str | None, kind: str | None = None) -> None:
     """Store (or rotate) the secret NAME.
 
     The value is read from stdin when stdin is not a terminal (one trailing newline is
@@ -83,11 +85,35 @@ def set_cmd(ctx: click.Context, name: str, from_env: str | None) -> None:
             value = click.prompt(f"Value of secret {name}", hide_input=True, confirmation_prompt=True,
                                  show_default=False)
         validate_value(value, f"secret {name!r}")
+        if kind is not None:
+            _check_kind(name, kind, value)
         rotated = _vault().set(name, value)
     except AgentVMError as err:
         _fail(err)
         return
     click.echo(f"secret {name} {'rotated' if rotated else 'stored'}")
+
+
+def _check_kind(name: str, kind: str, value: str) -> None:
+    """The value's shape for ``--kind`` (the problems name fields, never a value)."""
+    from agentvm.vault import InvalidSecretValue
+
+    if kind == "ssh-key":
+        from agentvm.gate.sshagent import load_key
+
+        try:
+            load_key(name, value, ())
+        except ValueError:
+            raise InvalidSecretValue(f"secret {name!r}: not an unencrypted OpenSSH private key",
+                                     hint="store the key file itself: agentvm secret set NAME --kind ssh-key < KEYFILE "
+                                          "(ssh-keygen -p -N '' -f KEYFILE removes a passphrase)") from None
+        return
+    from agentvm.gate.brokers import entry_problems
+
+    problems = entry_problems(kind, value)
+    if problems:
+        raise InvalidSecretValue(f"secret {name!r} is no {kind} entry: " + "; ".join(problems),
+                                 hint="see docs/credentials.md, Brokered credentials, for the entry's fields")
 
 
 def _stdin_is_tty() -> bool:

@@ -348,6 +348,35 @@ def long_lived_parts(kind: str, entry: dict) -> tuple[str, ...]:
     return tuple(v for k in keys if isinstance(v := entry.get(k), str) and len(v) >= 8)
 
 
+REQUIRED = {"oauth2-refresh": ("tokenUrl", "clientId", "clientSecret", "refreshToken"),
+            "aws-sts": ("accessKeyId", "secretAccessKey"),
+            "github-app": ("appId", "installationId", "privateKey")}
+
+
+def entry_problems(kind: str, text: str) -> list[str]:
+    """What is wrong with ``text`` as the vault entry of a ``kind`` broker (names only, never a
+    value); [] when nothing is."""
+    try:
+        doc = json.loads(text)
+    except ValueError:
+        return [f"a {kind} entry is a JSON object"]
+    if not isinstance(doc, dict):
+        return [f"a {kind} entry is a JSON object"]
+    out = [f"no {k!r}" for k in REQUIRED[kind] if not doc.get(k)]
+    for k in ("tokenUrl", "revocationUrl", "endpoint", "api"):
+        if isinstance(doc.get(k), str):
+            try:
+                _check_url(doc[k], k)
+            except ValueError as e:
+                out.append(str(e))
+    if kind == "github-app" and doc.get("privateKey"):
+        try:
+            app_jwt(str(doc.get("appId") or "0"), str(doc["privateKey"]))
+        except (ValueError, TypeError):
+            out.append("'privateKey' is not a PEM RSA private key")
+    return out
+
+
 # -- the cache ------------------------------------------------------------------------------
 @dataclass
 class TokenCache:
