@@ -431,3 +431,67 @@ def test_secret_set_kind_checks_the_shape_without_echoing_values(tmp_path, monke
         return
     assert r.exit_code == 78 and why in r.output, r.output
     assert "fake-" not in r.output and not Vault(tmp_path / "home" / "vault").exists("e")
+
+
+# -- the agent file ---------------------------------------------------------------------------
+@pytest.mark.parametrize("cred,why", [
+    ({"inject": {"header": "Authorization"}, "broker": {"kind": "aws-sts"}}, "aws-sts goes with sigv4"),
+    ({"sigv4": {"accessKeyId": "AKIAX"}, "broker": {"kind": "oauth2-refresh"}}, "aws-sts goes with sigv4"),
+    ({"sigv4": {"accessKeyId": "AKIAX"}, "broker": {"kind": "aws-sts", "durationSeconds": 60}}, "greater than or equal to 900"),
+    ({"inject": {"header": "Authorization"}, "broker": {"kind": "github-app", "permissions": {"contents": "own"}}}, "read"),
+    ({"inject": {"header": "Authorization"}, "broker": {"kind": "vault-magic"}}, "oauth2-refresh"),
+    ({"ssh": {"knownHosts": ["git.test ssh-ed25519 !!notbase64"]}}, "not base64"),
+    ({"ssh": {"knownHosts": []}}, "at least 1"),
+    ({"ssh": {"knownHosts": ["git.test ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIOMqqnkVzrm0SdG6UOoqKLsabgH5C9okWi0dh2l9GKJl"]},
+      "inject": {"header": "Authorization"}}, "either injected"),
+])
+def test_the_spec_refuses_broker_and_ssh_mistakes(cred, why):
+    from pydantic import ValidationError
+
+    from agentvm.spec.models import Credential
+
+    with pytest.raises(ValidationError) as e:
+        Credential.model_validate({"name": "c", "env": "C", "ref": "vault:c", "hosts": ["h.test"], **cred})
+    assert why in str(e.value), str(e.value)
+
+
+def test_the_spec_compiles_brokers_and_ssh_keys():
+    from agentvm.spec.models import Credential
+
+    line = "git.test ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIOMqqnkVzrm0SdG6UOoqKLsabgH5C9okWi0dh2l9GKJl"
+    cs = [Credential.model_validate(c) for c in (
+        {"name": "a", "env": "A", "ref": "vault:a", "hosts": ["s3.test"], "sigv4": {"accessKeyId": "AKIAX"},
+         "broker": {"kind": "aws-sts", "roleArn": "arn:aws:iam::1:role/r", "sessionPolicy": "{}"}},
+        {"name": "k", "env": "SSH_AUTH_SOCK", "ref": "vault:k", "hosts": ["git.test"], "ssh": {"knownHosts": [line]}})]
+    a, k = compile_credentials(cs)
+    assert a.mode == "sigv4" and a.broker.kind == "aws-sts" and a.broker.role_arn.endswith("role/r")
+    assert a.broker.duration == 900 and a.broker.session_policy == "{}"
+    assert k.mode == "ssh" and k.ssh_known_hosts == (line,) and k.broker is None
+
+
+def test_aws_sts_asks_for_the_role_the_session_policy_and_the_shortest_duration(monkeypatch):
+    """What the gate asks STS (a recording client: moto does not evaluate session policies)."""
+    import datetime
+
+    import botocore.session
+
+    calls = []
+
+    class Client:
+        def assume_role(self, **kw):
+            calls.append(("AssumeRole", kw))
+            exp = datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(seconds=900)
+            return {"Credentials": {"AccessKeyId": "ASIAFAKE0001", "SecretAccessKey": "fake-session-secret",
+                                    "SessionToken": "fake-session-token", "Expiration": exp}}
+
+        def close(self):
+            pass
+
+    made = []
+    monkeypatch.setattr(botocore.session.Session, "create_client", lambda self, *a, **kw: made.append(kw) or Client())
+    spec = brokers.BrokerSpec(kind="aws-sts", role_arn="arn:aws:iam::1:role/r", session_policy='{"Statement":[]}')
+    m = brokers._aws_sts("aws", spec, {"accessKeyId": "AKIAFAKE", "secretAccessKey": "fake-long-lived"}, None)
+    assert calls == [("AssumeRole", {"RoleArn": "arn:aws:iam::1:role/r", "RoleSessionName": "agentvm",
+                                     "DurationSeconds": 900, "Policy": '{"Statement":[]}'})]
+    assert made[0]["aws_access_key_id"] == "AKIAFAKE" and made[0]["aws_secret_access_key"] == "fake-long-lived"
+    assert m.value.access_key_id == "ASIAFAKE0001" and 880 < m.lifetime <= 900
