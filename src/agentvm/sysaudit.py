@@ -331,6 +331,7 @@ class Supervisor:
         self._q: queue.Queue = queue.Queue(QUEUE_MAX)
         self._classifiers: dict[str, Classifier] = {}
         self._stop = False
+        self._busy = 0  # notifications received and not yet queued (answering thread)
         self._drop = threading.Event()
         self._dropped_all = threading.Event()
         self._answer = threading.Thread(target=self._answer_loop, name="agentvm-sysaudit-answer", daemon=True)
@@ -371,7 +372,7 @@ class Supervisor:
     def flush(self, timeout: float = 5.0) -> None:
         """Until every record taken so far has reached its sinks (tests, teardown)."""
         deadline = time.monotonic() + timeout
-        while self._q.unfinished_tasks and time.monotonic() < deadline:
+        while (self._busy or self._q.unfinished_tasks) and time.monotonic() < deadline:
             time.sleep(0.005)
 
     # -- answering thread ---------------------------------------------------------------
@@ -422,7 +423,11 @@ class Supervisor:
                 elif fd in listeners:
                     audit, c = listeners[fd]
                     if ev & select.POLLIN:
-                        self._one(fd, audit, c, notif, resp)
+                        self._busy += 1
+                        try:
+                            self._one(fd, audit, c, notif, resp)
+                        finally:
+                            self._busy -= 1
                         if audit.detached:
                             ev |= select.POLLHUP
                     if ev & (select.POLLHUP | select.POLLERR | select.POLLNVAL) and not ev & select.POLLIN \

@@ -114,16 +114,19 @@ def test_killing_the_supervisor_mid_run_leaves_every_probe_refused(env):
     box: dict = {}
     t = threading.Thread(target=lambda: box.update(o=env.sandbox(LOOP, lang="python", egress=False, timeout=60)))
     t.start()
+    def recorded() -> int:
+        return sum(len(p.read_text().splitlines()) for p in logs.glob("*.syscalls.jsonl"))
+
     deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and not list(logs.glob("*.syscalls.jsonl")):
+    while time.monotonic() < deadline and recorded() < 3:
         time.sleep(0.02)
-    assert list(logs.glob("*.syscalls.jsonl")), "the supervisor recorded the first probes"
+    assert recorded() >= 3, "the supervisor recorded the first round of probes"
     assert sysaudit.supervisor().drop_all(), "the supervisor let go of its listeners"
     t.join(90)
     o = box["o"]
     probes = [ln.split()[1:] for ln in o.stdout.splitlines() if ln.startswith("probe ")]
     assert probes and probes[0] == ["EPERM", "EPERM", "EPERM"], o.out
-    assert all(p in (["EPERM"] * 3, ["ENOSYS"] * 3) for p in probes), o.out
+    assert all(set(p) <= {"EPERM", "ENOSYS"} for p in probes), "never served: " + o.out
     assert probes[-5:] == [["ENOSYS"] * 3] * 5, "after the supervisor went away: refused with ENOSYS"
     assert "userns_same True" in o.stdout
 
