@@ -171,6 +171,24 @@ def test_oauth2_failures_are_clear_denials_without_values(oauth, break_it, why):
         assert secret not in text
 
 
+def test_oauth2_a_failed_refresh_is_not_retried_on_every_request(oauth):
+    st, srv = oauth
+    st.fail_next = "temporarily_unavailable"
+    cs = Store(api=oauth_entry(st, srv.port)).creds(oauth_binding())
+    clock = [time.time()]
+    cs.brokers["api"].now = lambda: clock[0]
+    calls = []
+    real_minter = cs.brokers["api"].minter
+    cs.brokers["api"].minter = lambda *a: calls.append(1) or real_minter(*a)
+    for _ in range(5):
+        with pytest.raises(CredentialError) as e:
+            _bearer(cs, "api")
+        assert "temporarily_unavailable" in e.value.reason
+    assert len(calls) == 1, "one call to the issuer for five requests"
+    clock[0] += brokers.FAIL_BACKOFF + 1
+    assert _bearer(cs, "api").startswith("Bearer fake-access-") and len(calls) == 2
+
+
 def test_oauth2_minted_and_long_lived_values_are_scrubbed_from_any_response(oauth):
     """The agent's echo attack: an upstream reflecting the swapped header (raw and base64), and
     a response quoting the refresh token or client secret - the sandbox gets placeholders."""

@@ -301,3 +301,26 @@ def test_git_push_over_ssh_signed_by_the_agent_only_for_a_listed_host(keys, tmp_
         stop()
         srv.stop()
         shutil.rmtree(d, ignore_errors=True)
+
+
+def test_session_agent_serves_the_ssh_credentials_of_a_session(keys, tmp_path):
+    from agentvm.gate.credentials import compile_credentials
+    from agentvm.spec.models import Credential
+
+    line = _host_line(keys["host"][1])
+    b = compile_credentials([
+        Credential.model_validate({"name": "deploy", "env": "SSH_AUTH_SOCK", "ref": "vault:deploy", "hosts": ["git.test"],
+                                   "ssh": {"knownHosts": [line]}}),
+        Credential.model_validate({"name": "api", "env": "API", "ref": "vault:api", "hosts": ["api.test"],
+                                   "inject": {"header": "X-Key"}})])
+    path, stop = sa.session_agent(b, {"deploy": keys["user"][0], "api": "fake-api-0123"}.__getitem__,
+                                  str(tmp_path / "agent"))
+    try:
+        assert oct(os.stat(path).st_mode & 0o777) == "0o666"
+        r = subprocess.run(["ssh-add", "-L"], env={"SSH_AUTH_SOCK": path, "PATH": os.environ["PATH"]},
+                           capture_output=True, text=True, timeout=10)
+        assert r.stdout.split()[:2] == keys["user"][1].split()[:2] and len(r.stdout.splitlines()) == 1
+    finally:
+        stop()
+    assert not os.path.exists(path)
+    assert sa.session_agent(b[1:], lambda n: "x", str(tmp_path / "none")) == (None, None)

@@ -27,7 +27,8 @@ and what the gate swaps in (or signs with) is a *minted* credential:
 expired, dropped (and revoked upstream, in the background) when the credential is revoked.
 A failure is a :class:`BrokerError` - a ``CredentialError`` with rule ``credential:unavailable``
 and a reason that says what failed (an HTTP status, an OAuth ``error`` code, an AWS error code),
-never a value. Values never appear in exceptions, reprs or logs: only names.
+never a value - and is answered from memory for :data:`FAIL_BACKOFF` seconds, so an agent's
+requests cannot make the gate hammer the issuer. Values never appear in exceptions, reprs or logs: only names.
 
 The caches are per process (each gate worker mints its own).
 """
@@ -53,6 +54,7 @@ KINDS = ("oauth2-refresh", "aws-sts", "github-app")
 TIMEOUT = 10.0  # seconds for one call to a token endpoint
 MAX_RESPONSE = 256 * 1024  # bytes read of a token endpoint's answer
 KEEP_OLD = 4  # previously minted values still scrubbed from responses
+FAIL_BACKOFF = 5.0  # seconds a failed mint is answered from memory (requests never hammer the issuer)
 _ERR_CODE = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
 
 
@@ -400,6 +402,7 @@ class TokenCache:
     _refreshing: bool = False
     _raw_seen: str | None = field(default=None, repr=False)
     _epoch: int = 0  # bumped by drop(): a mint begun before it is not kept
+    _failed: tuple | None = field(default=None, repr=False)  # (until, BrokerError) after a failed mint
 
     def __post_init__(self):
         if self.minter is None:
@@ -459,8 +462,15 @@ class TokenCache:
             m = self.current
             if m is not None and self.now() < m.expires - 1.0:
                 return m.value
+            if self._failed is not None and self.now() < self._failed[0]:
+                raise self._failed[1]  # (the same reason, without asking the issuer again yet)
             self._retire()
-            self.current = self._mint()
+            try:
+                self.current = self._mint()
+            except BrokerError as e:
+                self._failed = (self.now() + FAIL_BACKOFF, e)
+                raise
+            self._failed = None
             return self.current.value
 
     def prepare(self) -> None:
@@ -490,6 +500,7 @@ class TokenCache:
         """Forget what was minted (revocation, session end); revoke it upstream where the kind
         can (in the background unless ``wait``)."""
         self._epoch += 1
+        self._failed = None
         gone = [m for m in [self.current] + self.old if m is not None]
         self.current = None
         self.old = []

@@ -431,3 +431,19 @@ def serve_in_thread(path: str, keys: list[AgentKey], log=None, mode: int = 0o600
         t.join(10)
 
     return stop
+
+
+def session_agent(bindings, value: Callable[[str], str], directory: str, log=None):
+    """The agent of one sandbox session, for the launch to wire in: the session's ``ssh``
+    credentials (``bindings``: CredentialBindings; ``value``: name -> vault value, as
+    ``CredentialSet``'s) served at ``directory/agent.sock`` (the directory 0755, the socket 0666:
+    bind-mount the directory into the sandbox, read-only, and set each ssh credential's ``env``
+    to the socket's path inside). -> ``(socket path, stop)``, or ``(None, None)`` without ssh
+    credentials. ValueError names a credential whose vault value is no usable key."""
+    keys = keys_for(bindings, value)
+    if not keys:
+        return None, None
+    os.makedirs(directory, mode=0o755, exist_ok=True)
+    os.chmod(directory, 0o755)
+    path = os.path.join(directory, "agent.sock")
+    return path, serve_in_thread(path, keys, log, mode=0o666)
