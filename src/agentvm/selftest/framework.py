@@ -44,6 +44,7 @@ CATEGORIES = (
     "isolation",
     "control-plane",
     "tools",
+    "gate-containment",
 )
 
 WEAKENINGS = {
@@ -66,11 +67,14 @@ WEAKENINGS = {
     "writable-approvals": "the approvals queue's folder is granted read-write into the sandbox",
     "no-budget": "the gate meters no LLM budget (limits.budget is dropped)",
     "no-syscall-audit": "the seccomp filter denies escape probes silently (no user notification: nothing is recorded)",
+    "gate-unconfined": "a gate worker is not confined (root, the daemon's mount namespace, no Landlock, no seccomp)",
+    "gate-no-seccomp": "a gate worker is confined without its seccomp filter",
+    "gate-no-landlock": "a gate worker is confined without Landlock",
 }
 
 # weakenings of the policy or the gate (not of a substrate's plan): they apply on every substrate
 POLICY_WEAKENINGS = frozenset({"grant-canaries", "cred-in-env", "permissive-gate", "raw-scrub", "permissive-tools",
-                               "no-budget"})
+                               "no-budget", "gate-unconfined", "gate-no-seccomp", "gate-no-landlock"})
 
 SINK_NAME = "canary.selftest"
 CANARY_HOST = "canary-exfil.selftest"
