@@ -683,6 +683,10 @@ def freezer(group) -> Callable[[], None] | None:
     the v1 freezer; None when neither exists."""
     if group is None:
         return None
+    if callable(getattr(group, "freeze", None)):
+        # the backends' own pause (waits until the kernel reports the group frozen, never
+        # half-frozen): the operator's unpause/resume thaws it the usual way
+        return group.freeze
     v2 = getattr(group, "kill_dir", None)
     v1 = getattr(group, "freezer_dir", None)
     if v2 is not None and (Path(v2) / "cgroup.freeze").exists():
@@ -694,6 +698,9 @@ def freezer(group) -> Callable[[], None] | None:
 
 def thaw(group) -> None:
     """Undo :func:`freezer` (the operator's resume)."""
+    if callable(getattr(group, "thaw", None)):
+        group.thaw()
+        return
     v2 = getattr(group, "kill_dir", None)
     v1 = getattr(group, "freezer_dir", None)
     if v2 is not None and (Path(v2) / "cgroup.freeze").exists():
