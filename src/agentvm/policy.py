@@ -93,6 +93,8 @@ class Policy:
     env: tuple[tuple[str, str], ...] = ()
     limits: Limits = field(default_factory=Limits)
     allow_ptrace: bool = False
+    # security.onEscapeProbe: what a denied escape syscall does beyond its record (agentvm.sysaudit)
+    on_escape_probe: str = "log"
     local_ports: tuple[int, ...] = ()
     # "gate": every sandbox routes through the egress gate (no rules = deny all, explained and
     # logged); "none": no route at all, not even to the gate (then egress is None).
@@ -136,6 +138,8 @@ class Policy:
             d.pop("image", None)
         if not self.image_signers:
             d.pop("image_signers", None)
+        if self.on_escape_probe == "log":
+            d.pop("on_escape_probe", None)
         return d
 
     def digest(self) -> str:
@@ -235,6 +239,7 @@ def compile_policy(spec: "AgentSpec") -> Policy:
             budget=_budget(lim.budget),
         ),
         allow_ptrace=body.security.allow_ptrace,
+        on_escape_probe=body.security.on_escape_probe,
         min_substrate=body.security.min_substrate,
         local_ports=tuple(body.security.local_ports),
         network=body.network,

@@ -146,6 +146,8 @@ def _old_to_dict(p: Policy) -> dict:
         d.pop("image", None)
     if not p.image_signers:
         d.pop("image_signers", None)
+    if p.on_escape_probe == "log":  # added later: left out at its default
+        d.pop("on_escape_probe", None)
     return d
 
 

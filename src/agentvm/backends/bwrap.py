@@ -463,7 +463,7 @@ class BwrapBackend(hv.ChildProcessSandbox, Backend):
             seccomp="seccomp" not in degraded,
             seccomp_notify=notify,
             seccomp_watch=sc.DEFAULT_WATCH if notify else (),
-            on_escape_probe=str(getattr(policy, "on_escape_probe", None) or "log"),
+            on_escape_probe=policy.on_escape_probe,
             fds={"open_paths": tuple(fd_names), "stages": tuple(stages), "protects": tuple(protects),
                  "git_excludes": git_excludes,
                  "reviews": {"home": str(self.paths.home), "kind": kind, "name": lname, "uid": host.uid,

@@ -36,7 +36,7 @@ _COMMANDS: dict[str, str] = {
     "ps": "agentvm.cli.daemon_cmds:ps",
     "exec": "agentvm.cli.daemon_cmds:exec_cmd",
     "cp": "agentvm.cli.daemon_cmds:cp",
-    "logs": "agentvm.cli.daemon_cmds:logs",
+    "logs": "agentvm.cli.history_cmds:logs",
     "runs": "agentvm.cli.history_cmds:runs",
     "policy": "agentvm.cli.daemon_cmds:policy",
     "audit": "agentvm.cli.daemon_cmds:audit",

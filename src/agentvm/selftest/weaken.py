@@ -35,6 +35,8 @@ class WeakenedBackend(BwrapBackend):
             degrade |= {"landlock", "landlock-net", "landlock-scope"}
         if "no-limits" in ws:
             degrade |= {"cgroups"}
+        if "no-syscall-audit" in ws:
+            degrade |= {"syscall-audit"}
         ctx = dataclasses.replace(ctx, degraded=tuple(sorted(degrade)))
         plan = super().compile(policy, ctx)
         body = plan.body
@@ -145,7 +147,7 @@ class WeakenedBackend(BwrapBackend):
     def required_primitives(self, policy: Policy) -> tuple[str, ...]:
         req = super().required_primitives(policy)
         table = {"no-seccomp": {"seccomp"}, "no-landlock": {"landlock", "landlock-net", "landlock-scope"},
-                 "no-limits": {"cgroups", "cgroup-kill"}}
+                 "no-limits": {"cgroups", "cgroup-kill"}, "no-syscall-audit": {"syscall-audit"}}
         drop = set().union(*(table.get(w, set()) for w in self.weaken.split("+")))
         return tuple(r for r in req if r not in drop)
 
