@@ -7,6 +7,8 @@ reset): no exception out of it, no request upstream for a stream the policy deni
 from __future__ import annotations
 
 import asyncio
+import atexit
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -99,6 +101,7 @@ class _Side:
 
 
 _DIR = Path(tempfile.mkdtemp(prefix="agentvm-test-fuzz-h2-"))
+atexit.register(shutil.rmtree, _DIR, True)
 _GATE = Gate(_DIR / "state", _DIR / "logs")
 
 

@@ -8,7 +8,9 @@ garbage - the answer is an HTTP response on the connection, never the door's "in
 from __future__ import annotations
 
 import asyncio
+import atexit
 import json
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -118,6 +120,7 @@ def _gateway(run_dir: Path, reached: list):
 
 
 _DIR = Path(tempfile.mkdtemp(prefix="agentvm-test-fuzz-mcp-"))
+atexit.register(shutil.rmtree, _DIR, True)
 
 
 @settings(FUZZ, max_examples=max(20, EXAMPLES // 3))

@@ -238,3 +238,33 @@ def test_idle_timeout_counts_traffic_on_a_gate_worker(daemon_workers, tmp_path):
     idle(daemon_workers, tmp_path)
     placed = [r["data"].get("gate") for r in audit("d-idle") if r["kind"] == "lifecycle.running"]
     assert placed and all(g.startswith("worker ") for g in placed), placed
+
+
+def test_the_daemons_gate_workers_are_confined(daemon_workers):
+    """`agentvm up --gate-workers`: each worker runs as a uid of its own (not root, not another
+    worker's), with no capability, no_new_privs, a seccomp filter and a mount namespace that is
+    not the daemon's; the daemon's state is not in it (issue 43)."""
+    workers = worker_pids()
+    assert len(workers) == 2
+    daemon = int((Path(daemon_workers) / "run" / "daemon.pid").read_text())
+
+    def status(pid):
+        return dict(ln.split(":", 1) for ln in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in ln)
+
+    uids = set()
+    for pid in workers:
+        st = status(pid)
+        uid = st["Uid"].split()
+        assert len(set(uid)) == 1 and uid[0] != "0", st["Uid"]
+        uids.add(uid[0])
+        assert int(st["CapEff"], 16) == int(st["CapPrm"], 16) == int(st["CapBnd"], 16) == 0, st
+        assert st["NoNewPrivs"].strip() == "1" and st["Seccomp"].strip() == "2"
+        assert os.readlink(f"/proc/{pid}/ns/mnt") != os.readlink(f"/proc/{daemon}/ns/mnt")
+        # the daemon's home is not in the worker's view (/proc/PID/root is its root, seen from here)
+        home = Path(daemon_workers)
+        state = [p for p in home.iterdir() if p.name not in ("logs", "gate")]  # (its logs are bound; gate/ca/leaves is its own)
+        state += [p for p in (home / "gate").rglob("*") if "leaves" not in p.parts and p.is_file()]
+        assert state, "(the check below looks for files that exist)"
+        seen = [p for p in state if (Path(f"/proc/{pid}/root") / str(p).lstrip("/")).exists()]
+        assert not seen, seen
+    assert len(uids) == len(workers), "each worker slot has a uid of its own"
