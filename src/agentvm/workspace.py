@@ -49,8 +49,12 @@ from agentvm.errors import BackendError, ConfigError, LaunchError, PolicyDenied
 _MKFS = ("/usr/sbin/mkfs.ext4", "/sbin/mkfs.ext4")
 _NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")  # an agent's name (spec.models.NAME_RE)
 WARN_USE = 0.90  # doctor and `up` warn when the filesystem holding the workspaces is fuller than this
-_NEAR = 1 << 20  # within this of its limit (or of a full pool) counts as having hit it
+_NEAR = 1 << 20  # within this of its limit counts as having hit it
+_POOL_LOW = 16 << 20  # wspool.SLACK: admission keeps this free beyond every running agent's limit, so a
+# pool with less free while the agent is under its own limit ran out under it (overcommit): btrfs gives
+# back some reserved space after the failed writes (a full pool shows 1-15M free moments later)
 BACKENDS = ("auto", "pool", "image")
+_POOL = ".pool"  # wspool.POOL: the pool's mount point under <runtime>/ws
 
 
 @dataclass
@@ -69,8 +73,9 @@ class WorkspaceLease:
 
     def disk_state(self) -> dict | None:
         """A pool workspace's disk now: ``{"used", "limit", "limit_hit", "pool_free", "pool_full"}``;
-        ``pool_full``: the pool has (next to) nothing free - writes failed for want of pool, not
-        of the agent's own limit (only with overcommit). None for the other backends."""
+        ``pool_full``: the agent is under its own limit and the pool has less free than the
+        admission keeps spare - its writes failed (ENOSPC) for want of pool, not of its own limit
+        (possible only with overcommit). None for the other backends."""
         if self.kind != "pool" or self.pool_fd < 0:
             return None
         pool = self.pool
@@ -83,11 +88,16 @@ class WorkspaceLease:
         used = e.used if e else 0
         lim = (e.limit if e else 0) or self.limit
         return {"used": used, "limit": lim, "limit_hit": bool(lim) and used >= lim - _NEAR,
-                "pool_free": free, "pool_full": free < _NEAR}
+                "pool_free": free, "pool_full": free < _POOL_LOW and not (bool(lim) and used >= lim - _NEAR)}
 
     def release(self) -> list[str]:
-        """Unmount (if mounted) and drop the lock. Returns what could not be cleaned."""
+        """Unmount (if mounted) and drop the lock. Returns what could not be cleaned.
+        The pool's own mount point (``<runtime>/ws/.pool``, which the runtime's sweep of
+        ``<runtime>/ws`` also finds) is not a workspace: it stays mounted while it holds
+        workspaces (an empty pool is removed by the removal that emptied it)."""
         left: list[str] = []
+        if self.name == _POOL and self.lock_fd < 0 and self.pool_fd < 0:
+            return left
         if self.lock_fd >= 0 and self.image is not None:
             _touch(self.image)
         if self.pool_fd >= 0:
