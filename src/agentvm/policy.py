@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from agentvm import defaults as D
 from agentvm.egress_defaults import check_credential_hosts as _check_credential_hosts
-from agentvm.egress_defaults import default_deny_rules
+from agentvm.egress_defaults import default_deny_rules  # noqa: F401 (re-exported)
 from agentvm.egress_defaults import with_default_denies as _with_default_denies
 from agentvm.errors import ConfigError, PolicyDenied
 
