@@ -162,8 +162,8 @@ def _broker_spec(m):
 def make_placeholder(b: CredentialBinding, real_length: int) -> str:
     """Random, unique per session, as long as the real value (at least 32 characters) unless a
     length is declared, starting with the declared prefix."""
-    if b.broker is not None:
-        real_length = 40  # (the vault entry is a JSON document, not what is swapped in)
+    if b.broker is not None or b.ssh_known_hosts is not None:
+        real_length = 40  # (the vault entry is a JSON document or a key file, not what is swapped in)
     length = b.length or max(real_length, len(b.prefix) + 32, 32)
     alphabet = CHARSETS.get(b.charset, CHARSETS["alnum"])
     body_len = max(length - len(b.prefix), 24)
