@@ -1204,11 +1204,8 @@ def _eval_hook_enabled() -> bool:
         return False
     root = Path(__file__).resolve().parents[3]
     marker = root / EVAL_MARKER
-    try:
-        st = marker.lstat()
-    except OSError:
-        return False
-    return marker.is_file() and not marker.is_symlink() and (root / "pyproject.toml").is_file() and st.st_uid == os.geteuid()
+    # (whoever can write this file into the checkout can change the code beside it anyway)
+    return marker.is_file() and not marker.is_symlink() and (root / "pyproject.toml").is_file()
 
 
 def _install_eval_hook(gate) -> None:
