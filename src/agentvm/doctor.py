@@ -171,7 +171,8 @@ def _workspace_backend(u: dict) -> Primitive:
     if pool:
         detail += (f"; pool reserved on the host: {human(pool['reserved'])}"
                    + (f", {human(pool['free'])} free of {human(pool['size'])}, {pool['count']} workspaces"
-                      if pool.get("mounted") else " (not mounted: no agent uses it now)"))
+                      if pool.get("free") is not None else " (not mounted)")
+                   + ("" if pool.get("mounted") else "; unmounted while no agent uses it"))
     return Primitive("workspace-backend", name != "none", detail)
 
 

@@ -54,7 +54,6 @@ _POOL_LOW = 16 << 20  # wspool.SLACK: admission keeps this free beyond every run
 # pool with less free while the agent is under its own limit ran out under it (overcommit): btrfs gives
 # back some reserved space after the failed writes (a full pool shows 1-15M free moments later)
 BACKENDS = ("auto", "pool", "image")
-_POOL = ".pool"  # wspool.POOL: the pool's mount point under <runtime>/ws
 
 
 @dataclass
@@ -91,13 +90,11 @@ class WorkspaceLease:
                 "pool_free": free, "pool_full": free < _POOL_LOW and not (bool(lim) and used >= lim - _NEAR)}
 
     def release(self) -> list[str]:
-        """Unmount (if mounted) and drop the lock. Returns what could not be cleaned.
-        The pool's own mount point (``<runtime>/ws/.pool``, which the runtime's sweep of
-        ``<runtime>/ws`` also finds) is not a workspace: it stays mounted while it holds
-        workspaces (an empty pool is removed by the removal that emptied it)."""
+        """Unmount (if mounted) and drop the lock. Returns what could not be cleaned. A pool
+        workspace: the pool is unmounted when this was its last user (an idle host holds no
+        mount and no loop device; the runtime's sweep of ``<runtime>/ws`` does the same for a
+        pool whose users died)."""
         left: list[str] = []
-        if self.name == _POOL and self.lock_fd < 0 and self.pool_fd < 0:
-            return left
         if self.lock_fd >= 0 and self.image is not None:
             _touch(self.image)
         if self.pool_fd >= 0:
@@ -107,6 +104,8 @@ class WorkspaceLease:
                 self.disk = None
             os.close(self.pool_fd)
             self.pool_fd = -1
+            if self.pool is not None:
+                self.pool.unmount_if_idle()
         if self.mounted:
             r = subprocess.run(["umount", str(self.host_dir)], capture_output=True, text=True)
             if r.returncode != 0 and is_mounted(self.host_dir):
@@ -622,6 +621,7 @@ def pool_open(home_ws: Path, runtime: Path | None = None):
         yield pool
     finally:
         os.close(hold)
+        pool.unmount_if_idle()
 
 
 def _in_pool(home_ws: Path, name: str, runtime: Path | None) -> bool:
@@ -833,15 +833,21 @@ def usage(home_ws: Path) -> Usage:
         u.backend, u.backend_why = "none", exc.message
     from agentvm import wspool
 
-    pool = wspool.Pool.located(home_ws)
-    if pool is not None:
-        st = pool.img.stat()
-        info = {"size": st.st_size, "reserved": st.st_blocks * 512, "mounted": pool.mounted(), "free": None,
+    located = wspool.Pool.located(home_ws)
+    if located is not None:
+        st = located.img.stat()
+        info = {"size": st.st_size, "reserved": st.st_blocks * 512, "mounted": located.mounted(), "free": None,
                 "count": None}
-        if info["mounted"]:
-            n, lim, held = pool.totals()
-            psize, pfree = pool.space()
-            info.update(size=psize, free=pfree, count=n)
+        with contextlib.ExitStack() as stack:
+            # (mounted for the look when no agent uses it, and unmounted again; not as another user)
+            pool = located if info["mounted"] else stack.enter_context(pool_open(home_ws, located.runtime))
+            if pool is not None and pool.mounted():
+                n, lim, held = pool.totals()
+                psize, pfree = pool.space()
+                info.update(size=psize, free=pfree, count=n)
+            else:
+                pool = None
+        if pool is not None:
             u.count, u.committed, u.used = u.count + n, u.committed + lim, u.used + held
             if psize and (psize - pfree) / psize > WARN_USE:
                 u.warnings.append(

@@ -605,6 +605,27 @@ class Pool:
                  "overcommit (AGENTVM_WORKSPACE_OVERCOMMIT=2: a full pool then fails the writing agent)",
             code="workspace.overcommit")
 
+    def unmount_if_idle(self) -> bool:
+        """Unmount the pool when nobody holds it (call without :meth:`hold`): an idle host holds
+        no mount and no loop device. The data stays in the image; the next user mounts it."""
+        if not self.mounted():
+            return False
+        try:
+            fd = _flock(self.lock, fcntl.LOCK_EX, wait=0)
+        except (LaunchError, OSError):
+            return False  # in use
+        try:
+            r = subprocess.run(["umount", str(self.mnt)], capture_output=True, text=True, timeout=60)
+            if r.returncode != 0:
+                return False
+            try:
+                self.mnt.rmdir()
+            except OSError:
+                pass
+            return True
+        finally:
+            os.close(fd)
+
     # ------------------------------------------------------------------ removal
     def remove_if_empty(self) -> bool:
         """Unmount and delete the pool when it holds no workspace and nobody holds it.

@@ -82,6 +82,22 @@ def _loops_of(img: Path) -> list[str]:
     return [x for x in r.stdout.splitlines() if x.strip()]
 
 
+def _read(rt, name: str, file: str) -> bytes:
+    from agentvm import workspace
+
+    with workspace.pool_open(rt.paths.workspaces, rt.paths.runtime) as pool:
+        return (pool.path(name) / file).read_bytes()
+
+
+def _idle(pool) -> None:
+    """Not mounted, and its loop device gone (it detaches itself shortly after the unmount)."""
+    assert not pool.mounted()
+    deadline = time.monotonic() + 10
+    while _loops_of(pool.img):
+        assert time.monotonic() < deadline, _loops_of(pool.img)
+        time.sleep(0.05)
+
+
 @pytest.fixture
 def rt(fresh_home, monkeypatch):
     from agentvm import workspace
@@ -147,9 +163,8 @@ def test_quota_hit_in_one_agent_does_not_affect_another_writing_at_the_same_time
     assert b == {"mib": 12, "errno": None}, (b, outs["b"][1])  # untouched by a's
     assert procs["b"].returncode == 0, outs["b"][1]
     pool = wspool.Pool(rt.paths.workspaces, rt.paths.runtime)
-    data = (pool.path("wsq-b") / "data").read_bytes()
+    data = _read(rt, "wsq-b", "data")
     assert len(data) == 12 * M and data[11 * M: 11 * M + 251] == bytes(range(251))
-    assert len(_loops_of(pool.img)) == 1, "one loop device for both"
     # and b still writes after a is full
     out = tmp_path / "o"
     assert _run(rt, _policy("wsq-b", _writer("/workspace/more", 4), disk="32M"), out).exit_code == 0
@@ -173,7 +188,8 @@ def test_a_subvolume_made_inside_a_workspace_counts_against_its_limit(rt, tmp_pa
     assert r.teardown["verified"]
     pool = wspool.Pool(rt.paths.workspaces, rt.paths.runtime)
     assert workspace.remove_workspace(rt.paths.workspaces, "wsq-esc", runtime=rt.paths.runtime) > 8 * M
-    assert not pool.exists() and not _loops_of(pool.img)
+    assert not pool.exists()
+    _idle(pool)
 
 
 @needs_pool
@@ -235,26 +251,25 @@ def test_with_overcommit_a_full_pool_fails_the_writer_and_says_so_never_the_save
         a.release()
         b.release()
     assert a.disk["pool_full"] is True, ("kept on the lease for the run's report", a.disk, st)
-    assert wspool.Pool(ws, run).mounted()
+    _idle(wspool.Pool(ws, run))
 
 
 @needs_pool
 def test_data_survives_stop_start_and_the_pool_being_unmounted(rt, tmp_path):
-    from agentvm import wspool
+    from agentvm import workspace, wspool
     from agentvm.runtime import gc_stale
 
     out = tmp_path / "o"
     assert _run(rt, _policy("wsq-keep", ["/bin/sh", "-c", "echo kept > /workspace/f; sync"]), out).exit_code == 0
     pool = wspool.Pool(rt.paths.workspaces, rt.paths.runtime)
+    _idle(pool)  # its last user gone: no mount, no loop device (as after a reboot)
+    # a pool its user left mounted (it died before letting go): the runtime's sweep unmounts it
+    src = ("import os, sys; from pathlib import Path; from agentvm import workspace; "
+           "cm = workspace.pool_open(Path(sys.argv[1]), Path(sys.argv[2])); cm.__enter__(); os._exit(0)")
+    subprocess.run([sys.executable, "-c", src, str(rt.paths.workspaces), str(rt.paths.runtime)], check=True)
     assert pool.mounted()
-    gc_stale(rt.paths)  # the runtime's sweep of <runtime>/ws leaves the pool mounted (it is no agent's)
-    assert pool.mounted() and len(_loops_of(pool.img)) == 1
-    subprocess.run(["umount", str(pool.mnt)], check=True)  # as a reboot leaves it
-    deadline = time.monotonic() + 10
-    while _loops_of(pool.img):  # (the loop device detaches itself, shortly after)
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
-    assert not pool.mounted()
+    gc_stale(rt.paths)
+    _idle(pool)
     assert _run(rt, _policy("wsq-keep", ["/bin/cat", "/workspace/f"]), out).exit_code == 0
     assert out.read_text().strip() == "kept"
     # while a sandbox runs, the sweep leaves the pool alone
@@ -281,8 +296,9 @@ def test_prune_removes_exactly_the_unused_and_the_last_removal_leaves_nothing(rt
         workspace.acquire(ws, run, n, uid=3_999_020 + i, gid=3_999_020 + i, size=16 * M, enforce_quota=True).release()
     pool = wspool.Pool(ws, run)
     old = time.time() - 10 * 86400
-    for n in ("wsq-old1", "wsq-old2", "wsq-owned", "wsq-busy"):
-        os.utime(pool.path(n), (old, old))
+    with workspace.pool_open(ws, run) as opened:
+        for n in ("wsq-old1", "wsq-old2", "wsq-owned", "wsq-busy"):
+            os.utime(opened.path(n), (old, old))
     busy = workspace.lock_agent(ws, "wsq-busy", "test", "test")
     try:
         gone = workspace.prune(ws, 7 * 86400, runtime=run, owners={"wsq-owned"})
@@ -294,7 +310,8 @@ def test_prune_removes_exactly_the_unused_and_the_last_removal_leaves_nothing(rt
     for n in ("wsq-busy", "wsq-new", "wsq-owned"):
         workspace.remove_workspace(ws, n, runtime=run)
     assert sorted(os.listdir(ws)) == [], os.listdir(ws)
-    assert not _loops_of(pool.img) and not pool.mounted()
+    _idle(pool)
+    assert not pool.exists()
 
 
 @needs_pool
@@ -371,7 +388,10 @@ def test_a_full_host_never_takes_an_admitted_agents_writes(small_home, tmp_path)
     # end on the full disk: state.disk-full, exit 75 - its own failure, said as one)
     assert json.loads(out.strip().splitlines()[-1]) == {"mib": 24, "errno": None}, (out, err)
     assert proc.returncode == 0 or (proc.returncode == 75 and "state.disk-full" in err), err
-    data = (ws / "data").read_bytes()
+    from agentvm import workspace
+
+    with workspace.pool_open(home / "workspaces", home / "run") as pool:
+        data = (pool.path("wsq-host") / "data").read_bytes()
     assert len(data) == 24 * M and data[23 * M: 23 * M + 251] == bytes(range(251))
     # a new start on the full host is refused with the numbers, not admitted into nothing
     g = tmp_path / "b.yaml"

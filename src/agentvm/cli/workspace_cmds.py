@@ -101,7 +101,7 @@ def ls_cmd(as_json):
     u = usage(paths.workspaces)
     click.echo(f"{u.count} workspaces: {human(u.committed)} committed, {human(u.used)} used; "
                f"{human(u.fs_free)} free on the filesystem ({u.fs_use:.0%} full)")
-    if u.pool and u.pool.get("mounted"):
+    if u.pool and u.pool.get("free") is not None:
         click.echo(f"pool: {human(u.pool['free'])} free of {human(u.pool['size'])} "
                    f"({human(u.pool['reserved'])} reserved on the host)")
     click.echo(f"new workspaces: {u.backend}")
