@@ -714,13 +714,24 @@ def _egress_limits(a, b, old, new) -> list[str]:
     return _judge("EgressLimits", a, b, old, new)
 
 
+_PROBE_RANK = {"log": 0, "alert": 1, "pause": 2, "stop": 3}  # security.onEscapeProbe, weakest first
+
+
+def _grant_level(m) -> int:
+    """ro < review (writes held in a layer until accepted) < rw (writes reach the host)."""
+    return 1 if getattr(m, "review", False) else 2 if m.writable else 0
+
+
 def _mounts(a, b, *_) -> list[str]:
     old_m = {(m.host, m.path): m for m in a}
     out = []
     for m in b:
         m0 = old_m.get((m.host, m.path))
-        if m0 is None or (m.writable and not m0.writable):
-            out.append(f"new grant {m.host} -> {m.path} ({'rw' if m.writable else 'ro'})")
+        mode = ("ro", "review", "rw")[_grant_level(m)]
+        if m0 is None:
+            out.append(f"new grant {m.host} -> {m.path} ({mode})")
+        elif _grant_level(m) > _grant_level(m0):
+            out.append(f"grant {m.host} -> {m.path}: {('ro', 'review', 'rw')[_grant_level(m0)]} -> {mode}")
         elif set(m.writable_trusted) - set(m0.writable_trusted):
             out.append(f"grant {m.host} -> {m.path} lets the agent change "
                        f"{', '.join(sorted(set(m.writable_trusted) - set(m0.writable_trusted)))}")
@@ -867,6 +878,8 @@ JUDGED: dict[str, dict] = {
         "env": _neutral("values given to the sandbox, no access (credentials have their own field)"),
         "limits": _limits,
         "allow_ptrace": lambda a, b, *_: ["ptrace allowed"] if b else [],
+        "on_escape_probe": lambda a, b, *_: ([f"escape probes: {a} -> {b} (a weaker response)"]
+                                             if _PROBE_RANK.get(b, 0) < _PROBE_RANK.get(a, 0) else []),
         "local_ports": _local_ports,
         "network": lambda a, b, *_: ["network: none -> gate"] if a == "none" and b == "gate" else [],
         "egress": _egress,
@@ -901,10 +914,11 @@ JUDGED: dict[str, dict] = {
         "max_body": "_egress_allow/_egress_deny", "websocket": "_egress_allow/_egress_deny",
         "ask": "_egress_allow/_egress_deny",
     },
-    "MountGrant": {"host": "_mounts", "path": "_mounts", "writable": "_mounts", "writable_trusted": "_mounts"},
+    "MountGrant": {"host": "_mounts", "path": "_mounts", "writable": "_mounts", "writable_trusted": "_mounts",
+                   "review": "_mounts"},
     "CredentialBinding": {k: "_credentials (a new binding, more hosts, or any other change of one)" for k in (
         "name", "env", "ref", "hosts", "header", "format", "basic", "query", "file", "prefix", "length", "charset",
-        "sigv4_access_key_id", "sigv4_key_env", "hmac", "inspect")},
+        "sigv4_access_key_id", "sigv4_key_env", "hmac", "inspect", "broker", "ssh_known_hosts")},
     "ToolPolicy": {
         "servers": _tool_servers,
         "tier_approval": _tier_approval,

@@ -33,6 +33,12 @@ EXERCISED = {
     "images/agent.yaml": ["test_every_agent_file_validates", IMAGES_TEST],
     "images/hello.py": [IMAGES_TEST],
 }
+_BROKERS = "tests/integration/test_brokers_e2e.py::test_credentials_example_"
+for _kind in ("oauth2-refresh", "aws-sts", "github-app"):
+    for _f in ("run.sh", "agent.yaml.in"):
+        EXERCISED[f"credentials/{_kind}/{_f}"] = [_BROKERS + _kind.replace("-", "_")]
+for _f in ("peers.py", "common.sh"):
+    EXERCISED[f"credentials/{_f}"] = [_BROKERS + k for k in ("oauth2_refresh", "aws_sts", "github_app")]
 
 
 def avm(*args: str, timeout: float = 120, **kw) -> subprocess.CompletedProcess:

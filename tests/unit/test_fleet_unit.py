@@ -424,6 +424,7 @@ WIDENS = [
     ("Policy.limits", _on("Policy.limits", fn=lambda lim: __import__("dataclasses").replace(lim, memory=lim.memory * 2)),
      "limits.memory"),
     ("Policy.allow_ptrace", _on("Policy.allow_ptrace", True), "ptrace"),
+    ("Policy.on_escape_probe", _on("Policy.on_escape_probe", "stop"), None),
     ("Policy.local_ports", _on("Policy.local_ports", ()), "localPorts restriction removed"),
     ("Policy.local_ports", _on("Policy.local_ports", (8080, 9090)), "new local port 9090"),
     ("Policy.network", _on("Policy.network", "gate"), None),
@@ -472,7 +473,8 @@ WIDENS = [
     ("Rule.ask", _on("Rule.ask", False), "no human approval"),
     ("MountGrant.host", _on("MountGrant.host", "/usr/share/man"), "new grant /usr/share/man"),
     ("MountGrant.path", _on("MountGrant.path", "/man"), "new grant"),
-    ("MountGrant.writable", _on("MountGrant.writable", True), "(rw)"),
+    ("MountGrant.writable", _on("MountGrant.writable", True), "ro -> rw"),
+    ("MountGrant.review", _on("MountGrant.review", True), "ro -> review"),
     ("MountGrant.writable_trusted", _on("MountGrant.writable_trusted", (".git",)), "change .git"),
     ("CredentialBinding.name", _on("CredentialBinding.name", "other"), "new credential other"),
     ("CredentialBinding.hosts", _on("CredentialBinding.hosts", ("a.test", "b.test")), "also for b.test"),
@@ -480,7 +482,9 @@ WIDENS = [
 ] + [(f"CredentialBinding.{k}", _on(f"CredentialBinding.{k}", v), "credential key changed") for k, v in (
     ("env", "OTHER"), ("ref", "vault:other"), ("header", "x-api-key"), ("format", "{}"), ("basic", "user"),
     ("query", "key"), ("file", "/tmp/k"), ("prefix", "sk-"), ("length", 99), ("charset", "hex"),
-    ("sigv4_access_key_id", "AKIDX"), ("sigv4_key_env", "OTHER"), ("hmac", (("a", "b"),)), ("inspect", "lenient"))] + [
+    ("sigv4_access_key_id", "AKIDX"), ("sigv4_key_env", "OTHER"), ("hmac", (("a", "b"),)), ("inspect", "lenient"),
+    ("broker", __import__("agentvm.gate.brokers", fromlist=["BrokerSpec"]).BrokerSpec(kind="oauth2-refresh")),
+    ("ssh_known_hosts", ("git.test ssh-ed25519 AAAA",)))] + [
     ("ToolPolicy.servers", _on("ToolPolicy.servers", fn=lambda s: s + (__import__("dataclasses").replace(
         s[0], name="more"),)), "new tool server more"),
     ("ToolPolicy.tier_approval", _on("ToolPolicy.tier_approval", ()), "destructive tools no longer always need"),
@@ -627,3 +631,16 @@ def test_a_repo_path_the_kernel_refuses_is_the_operators_error_not_a_crash(tmp_p
         with pytest.raises(fl.FleetError) as e:
             fl.resolve(repo, "HEAD")
         assert e.value.exit_code == 78
+
+
+def test_grant_and_probe_levels_judge_both_directions():
+    from agentvm.policy import MountGrant
+
+    ro, review, rw = (MountGrant("/h", "/g", False), MountGrant("/h", "/g", True, review=True),
+                      MountGrant("/h", "/g", True))
+    assert fl._mounts((review,), (rw,)) == ["grant /h -> /g: review -> rw"]  # writes now reach the host
+    assert fl._mounts((ro,), (review,)) == ["grant /h -> /g: ro -> review"]
+    assert fl._mounts((rw,), (review,)) == [] and fl._mounts((review,), (ro,)) == []
+    judge = fl.JUDGED["Policy"]["on_escape_probe"]
+    assert judge("stop", "log") == ["escape probes: stop -> log (a weaker response)"]
+    assert judge("log", "pause") == [] and judge("alert", "alert") == []
