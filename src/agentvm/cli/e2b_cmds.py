@@ -54,6 +54,16 @@ def serve(listen, max_per_tenant, max_creating, domain):
     from agentvm.e2b.backend import DaemonBackend
 
     pkg.api_keys()  # the first key exists before anyone asks for it
+    import logging
+
+    # the adapter's records (e2b.create, e2b.kill, e2b.port...: never a token) on stderr
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(message)s"))
+    for lname in ("agentvm.e2b", "agentvm.e2b.ports"):
+        lg = logging.getLogger(lname)
+        lg.setLevel(logging.INFO)
+        if lname == "agentvm.e2b":
+            lg.addHandler(handler)
     domain = domain or f"localhost:{port}"
     app = make_app(DaemonBackend(client), lambda: pkg.api_keys(create=False), max_per_tenant=max_per_tenant,
                    max_concurrent_creates=max_creating, domain=domain)

@@ -425,7 +425,9 @@ class PortProxy:
             used.append(1)
             return sock
 
-        headers = [(k, v) for k, v in scope["headers"] if k.decode("latin-1").lower() not in _DROP]
+        # the body is framed as the client framed it (Content-Length or chunked): h11 reads those two
+        headers = [(k, v) for k, v in scope["headers"]
+                   if k.decode("latin-1").lower() not in _DROP - {"content-length", "transfer-encoding"}]
         has_body = any(k.lower() in (b"content-length", b"transfer-encoding") for k, _ in scope["headers"])
         more = [has_body]
 
