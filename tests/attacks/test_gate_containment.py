@@ -93,7 +93,8 @@ class _Setup:
         self.events: list[tuple[str, dict]] = []
         self.creds_a = session_credentials((_binding("vault:a-key"),), home / "vault", "sb-a")[0]
         self.creds_b = session_credentials((_binding("vault:b-key"),), home / "vault", "sb-b")[0]
-        self.pool = WorkerPool(1, home / "gate", home / "logs", on_record=lambda r: None,
+        self.records: list[dict] = []
+        self.pool = WorkerPool(1, home / "gate", home / "logs", on_record=self.records.append,
                                on_event=lambda kind, **d: self.events.append((kind, d)), confine="full",
                                isolate="agent")
         self.policy = compile_egress(None, extra_allow=["api.test:1"], extra_hosts={"api.test": "127.0.0.1"})
@@ -187,6 +188,45 @@ result = out
 
         assert Vault(home / "vault").get("b-key") == SECRET_B, "the daemon refused to write B's credential for A"
         assert s.a.worker.alive and s.b.worker.alive
+
+    _with_pool(home, body)
+
+
+def test_a_compromised_worker_gets_no_code_run_in_the_daemon_and_forges_no_record(home):
+    """The channel back to the daemon: a crafted pickle (an object whose unpickling would run a
+    command) is refused by the daemon's plain-data unpickler - the worker is dropped and
+    replaced, nothing runs - and a record forged for another agent's sandbox is dropped."""
+    home, _ = home
+    marker = home / "daemon-ran-this"
+    code = f"""
+import gc, os, pickle, struct
+class Evil:
+    def __reduce__(self):
+        return (os.system, ("touch {marker}",))
+sender = [o for o in gc.get_objects() if type(o).__name__ == "_Sender"][0]
+def send(msg):
+    data = pickle.dumps(msg)
+    sender.send(struct.pack("!I", len(data)) + data)
+send(("records", [{{"sandbox": "sb-b", "agent": "agent-b", "verdict": "allow", "host": "forged.test"}}]))
+send(("records", [{{"sandbox": "sb-a", "agent": "agent-a", "verdict": "allow", "host": "own.test"}}]))
+send(("records", [Evil()]))
+result = "sent"
+"""
+
+    async def body(s):
+        pid = s.a.worker.proc.pid
+        await _eval(s.home / "a.sock", code)
+        for _ in range(200):
+            if any(k == "gate.worker-restarted" for k, _ in s.events):
+                break
+            await asyncio.sleep(0.05)
+        lost = [d for k, d in s.events if k == "gate.worker-lost"]
+        assert lost and lost[0]["pid"] == pid and "UnpicklingError" in lost[0]["reason"], s.events
+        assert not marker.exists(), "the daemon ran the worker's pickle"
+        hosts = [r.get("host") for r in s.records]
+        assert "own.test" in hosts, "(a record of its own sandbox is taken: the check can see one)"
+        assert "forged.test" not in hosts, "a record forged for another agent's sandbox was taken"
+        assert await _eval(s.home / "a.sock", "result = 1") == "1", "the replacement serves agent A again"
 
     _with_pool(home, body)
 

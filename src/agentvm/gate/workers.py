@@ -38,8 +38,11 @@ daemon's in-process gate instead (:func:`unplaceable` says why; the placement is
 and a live change that would add such a need to a sandbox on a worker is refused with the fix
 (restart it: it is then placed on the daemon's gate). Nothing is silently dropped.
 
-Messages are length-prefixed pickles over a private socketpair: both ends are this program,
-started by the daemon as the same user, and nothing else holds the socket.
+Messages are length-prefixed pickles over a private socketpair that nothing else holds. The
+worker takes the daemon's as they come (the daemon is trusted); the daemon reads a worker's -
+which may be compromised - with a restricted unpickler that builds plain data only (dict, list,
+tuple, str, bytes, numbers: no class, no callable, so no code runs in the daemon), and takes a
+decision record only for a sandbox that worker was given.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import errno
+import io
 import logging
 import os
 import pickle
@@ -106,13 +110,26 @@ def _pack(obj) -> bytes:
     return HEADER.pack(len(data)) + data
 
 
+class _PlainData(pickle.Unpickler):
+    """What the daemon reads a worker's messages with: plain data only (a compromised worker
+    must not get code run in the daemon through a crafted pickle)."""
+
+    def find_class(self, module, name):
+        raise pickle.UnpicklingError(f"a gate worker sent an object of {module}.{name}: refused")
+
+
+def _plain_loads(data) -> object:
+    return _PlainData(io.BytesIO(data)).load()
+
+
 class _Frames(asyncio.Protocol):
     """Reading a channel, at either end: length-prefixed messages parsed as they arrive (a
     Protocol: no future per read, as a StreamReader would make; records arrive all the time),
-    each handed to ``on_message``; ``on_lost(reason)`` when the channel ends or breaks."""
+    each handed to ``on_message``; ``on_lost(reason)`` when the channel ends or breaks.
+    ``loads``: pickle.loads at the worker's end, :func:`_plain_loads` at the daemon's."""
 
-    def __init__(self, on_message, on_lost) -> None:
-        self.on_message, self.on_lost = on_message, on_lost
+    def __init__(self, on_message, on_lost, loads=pickle.loads) -> None:
+        self.on_message, self.on_lost, self.loads = on_message, on_lost, loads
         self.buf = bytearray()
         self.transport = None
 
@@ -130,7 +147,7 @@ class _Frames(asyncio.Protocol):
                     raise ValueError(f"a message of {n} bytes: the peer is broken")
                 if size - at - HEADER.size < n:
                     break
-                msg = pickle.loads(buf[at + HEADER.size:at + HEADER.size + n])
+                msg = self.loads(buf[at + HEADER.size:at + HEADER.size + n])
                 at += HEADER.size + n
                 self.on_message(msg)
         except Exception as exc:  # noqa: BLE001 - a broken channel is a lost worker
@@ -422,6 +439,7 @@ class GateWorker:
     def __init__(self, pool: "WorkerPool", index: int, tenant: str | None = None) -> None:
         self.pool, self.index = pool, index
         self.tenant = tenant  # the placement key it serves (isolate=...), for its whole life; None: anyone
+        self.given: set[str] = set()  # the sandboxes it was ever given: the only ones it may send records of
         self.uid = pool.uid_for(index)  # its uid once confined (None: not switched)
         self.endpoints: dict[str, RemoteEndpoint] = {}
         self.proc: asyncio.subprocess.Process | None = None
@@ -462,7 +480,8 @@ class GateWorker:
         self.alive = True
         self.lost = loop.create_future()
         try:
-            self._writer, _ = await loop.create_unix_connection(lambda: _Frames(self._message, self._gone), sock=chan)
+            self._writer, _ = await loop.create_unix_connection(lambda: _Frames(self._message, self._gone, _plain_loads),
+                                                                sock=chan)
             version = await asyncio.wait_for(self.call("ping"), START_TIMEOUT)
         except BaseException:
             chan.close()
@@ -479,8 +498,10 @@ class GateWorker:
         worker is gone)."""
         if not self.alive:
             raise WorkerLost(f"gate worker {self.index} is gone: {self.reason}")
-        if op == "open" and self.pool.confine is not None:
-            self.pool.own_log(args[0], self.uid)  # (a confined worker creates no file: its log is made for it)
+        if op == "open":
+            self.given.add(args[0])  # (its records are taken from now on)
+            if self.pool.confine is not None:
+                self.pool.own_log(args[0], self.uid)  # (a confined worker creates no file: its log is made for it)
         self._next += 1
         cid = self._next
         data = _pack((cid, op, args))  # (first: a call that cannot be sent sends no descriptor)
@@ -506,9 +527,15 @@ class GateWorker:
             raise WorkerLost(f"gate worker {self.index} did not answer {op!r} within {timeout:g} s; it is replaced") from None
 
     def _message(self, msg) -> None:
+        if not isinstance(msg, tuple) or not msg:
+            raise ValueError("a message that is not a tuple")
         if msg[0] == "records":
             on_record = self.pool.on_record
             for rec in msg[1]:
+                if not isinstance(rec, dict) or rec.get("sandbox") not in self.given:
+                    log.error("gate worker %d sent a record of a sandbox it does not serve: dropped (%.200r)",
+                              self.index, rec)
+                    continue
                 try:
                     on_record(rec)
                 except Exception:  # noqa: BLE001 - one record's consumer must not cost the channel
