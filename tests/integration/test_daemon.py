@@ -336,6 +336,23 @@ def test_run_goes_through_the_daemon_when_it_is_up(daemon, tmp_path):
     assert len([x for x in recs if x["kind"] == "operator.run"]) == n_before, "piped stdin ran embedded"
 
 
+def test_a_run_through_the_daemon_past_its_timeout_is_124_and_torn_down(daemon):
+    """The daemon's run is Lifecycle.run_to_end with the plan's timeout: past it, the backend's
+    own timeout path ends the sandbox (124, timed_out), and the teardown is verified."""
+    t0 = time.monotonic()
+    r = subprocess.run(agentvm_cmd() + ["run", "--json", "--timeout", "1", "--", "sleep", "30"],
+                       stdin=subprocess.DEVNULL, capture_output=True, timeout=120)
+    took = time.monotonic() - t0
+    assert r.returncode == 124, r.stderr.decode()
+    out = r.stdout.decode()
+    result = json.loads(out[out.index("{"):])
+    assert result["timed_out"] is True and result["limits_hit"] == ["timeout"], result
+    assert result["teardown"]["verified"] is True
+    assert took < 25, "the sleep was ended at its timeout, not run out"
+    recs = [json.loads(line) for line in av("audit", "show", "--json").stdout.decode().splitlines() if line]
+    assert [x for x in recs if x["kind"] == "operator.run"], "it ran through the daemon"
+
+
 def test_the_installed_entry_point_runs_through_the_daemon_and_hands_the_rest_to_python(daemon, tmp_path):
     """The venv's bin/agentvm as installed (scripts/install.sh: the compiled client, or the
     Python entry point where no compiler was found): `run -- CMD` goes to the daemon - output,
