@@ -39,3 +39,15 @@ def test_pool_options_are_checked(tmp_path):
     with pytest.raises(AgentVMError):
         WorkerPool(1, tmp_path / "s", tmp_path / "l", on_record=None, on_event=None, isolate="sandbox")
     assert WorkerPool(1, tmp_path / "s", tmp_path / "l", on_record=None, on_event=None, confine=None).confine is None
+
+
+def test_a_workers_counters_are_checked_before_the_daemon_adds_them():
+    from agentvm.gate.workers import _counters_ok
+
+    good = {"allowed": 1, "bytes_out": 2, "bytes_in": 3, "alerts": 0, "denials": {("default-deny", "x.test:443"): 2},
+            "denial_reasons": {("default-deny", "x.test:443"): ("no rule allows it", "add x.test")}}
+    assert _counters_ok(good)
+    for bad in ({**good, "allowed": "1"}, {**good, "bytes_in": -1}, {**good, "alerts": True},
+                {**good, "denials": {"k": 1}}, {**good, "denial_reasons": {("a", "b"): "why"}},
+                {k: v for k, v in good.items() if k != "alerts"}, [good], "x"):
+        assert not _counters_ok(bad), bad

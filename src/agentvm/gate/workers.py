@@ -197,6 +197,23 @@ def _policy_files(policy) -> dict[str, bytes | None]:
         return {path: None}  # (the worker fails its TLS to that upstream, as the gate would)
 
 
+def _counters_ok(stats) -> bool:
+    """A worker's counters at close, as op_close makes them (anything else is refused)."""
+    def pair(k) -> bool:
+        return isinstance(k, tuple) and len(k) == 2 and all(isinstance(x, str) for x in k)
+
+    try:
+        return (isinstance(stats, dict)
+                and all(type(stats[f]) is int and stats[f] >= 0 for f in ("allowed", "bytes_out", "bytes_in", "alerts"))
+                and isinstance(stats["denials"], dict) and len(stats["denials"]) <= 10_000
+                and all(pair(k) and type(n) is int and n >= 0 for k, n in stats["denials"].items())
+                and isinstance(stats["denial_reasons"], dict) and len(stats["denial_reasons"]) <= 10_000
+                and all(pair(k) and isinstance(v, tuple) and len(v) == 2 and isinstance(v[0], str)
+                        and (v[1] is None or isinstance(v[1], str)) for k, v in stats["denial_reasons"].items()))
+    except KeyError:
+        return False
+
+
 def placement_key(isolate: str | None, agent: str, tier: str | None = None) -> str | None:
     """Which workers may serve a sandbox of ``agent`` (risk tier ``tier``): None - any (``isolate``
     None); ``agent:NAME`` - only workers serving that agent's sandboxes (a parser bug exploited
@@ -777,6 +794,9 @@ class WorkerPool:
                     os.chown(ep.log_path, 0, 0, follow_symlinks=False)
                 except OSError:
                     pass
+        if stats and not _counters_ok(stats):  # (a worker is not trusted: its counters are checked)
+            log.error("gate worker %d sent counters of %s that are not counters: ignored", w.index, ep.sandbox_id)
+            ep.counts_lost, stats = True, None
         if stats:
             ep.allowed += stats["allowed"]
             ep.bytes_out += stats["bytes_out"]
