@@ -646,13 +646,26 @@ def remove_workspace(home_ws: Path, name: str, *, runtime: Path | None = None,
     ``record(kind, data)`` puts ``workspace.removed`` on the audit chain."""
     _check_name(name)
     img, d = home_ws / f"{name}.img", home_ws / name
-    if not img.exists() and not d.is_dir() and not _in_pool(home_ws, name, runtime):
-        raise ConfigError(f"there is no workspace named {name!r}", hint="`agentvm workspace ls` lists them",
-                          code="workspace.not-found")
+    with pool_open(home_ws, runtime) as pool:  # (held throughout: not unmounted under us)
+        in_pool = pool is not None and pool.path(name).is_dir()
+        if not img.exists() and not d.is_dir() and not in_pool:
+            raise ConfigError(f"there is no workspace named {name!r}", hint="`agentvm workspace ls` lists them",
+                              code="workspace.not-found")
+        freed, data, late, emptied = _remove_locked(home_ws, name, runtime, record, img, d, pool if in_pool else None)
+    _cache_clear()
+    if emptied:
+        _pool(home_ws, runtime).remove_if_empty()  # a host without workspaces reserves nothing
+    if late:
+        record("workspace.removed", dict(data, recorded="after the removal: the disk was full"))
+    return freed
+
+
+def _remove_locked(home_ws, name, runtime, record, img, d, pool):
     lock = home_ws / f"{name}.lock"
     fd = lock_agent(home_ws, name, "", f"stop it first (`agentvm stop {name}`, or let its `agentvm run` end), then retry",
                     message=f"the workspace {name!r} is in use: a sandbox of agent {name!r} is running",
                     code="workspace.in-use")
+    emptied = False
     try:
         where = runtime / "ws" / name if runtime is not None else None
         if str(img) in _attached() or (where is not None and is_mounted(where)):
@@ -666,27 +679,27 @@ def remove_workspace(home_ws: Path, name: str, *, runtime: Path | None = None,
             freed, size = st.st_blocks * 512, st.st_size
         if d.is_dir():
             freed += _dir_blocks(d) + d.stat().st_blocks * 512
-        with pool_open(home_ws, runtime) as pool:
-            e = None
-            if pool is not None and pool.path(name).is_dir():
-                pool.sync()
-                e = pool.entry(name)
-            if e is not None:
-                freed += e.used
-                size = size or e.limit
-            data = {"name": name, "bytes": freed, "size": size}
-            if e is not None:
-                data["backend"] = "pool"
-            late = False
-            if record is not None:  # first: a removal that cannot be recorded does not happen...
-                try:
-                    record("workspace.removed", data)
-                except Exception as exc:  # noqa: BLE001
-                    if not _disk_full(exc):
-                        raise
-                    late = True  # ...except for want of space, which is what removing it gives back
-            if e is not None:
-                pool.destroy(name)  # the subvolume, and (once the kernel has cleaned it) its quota group
+        e = None
+        if pool is not None:
+            pool.sync()
+            e = pool.entry(name)
+        if e is not None:
+            freed += e.used
+            size = size or e.limit
+        data = {"name": name, "bytes": freed, "size": size}
+        if e is not None:
+            data["backend"] = "pool"
+        late = False
+        if record is not None:  # first: a removal that cannot be recorded does not happen...
+            try:
+                record("workspace.removed", data)
+            except Exception as exc:  # noqa: BLE001
+                if not _disk_full(exc):
+                    raise
+                late = True  # ...except for want of space, which is what removing it gives back
+        if pool is not None:
+            pool.destroy(name)  # the subvolume, any inside it, its quota group
+            emptied = not pool.names()
         img.unlink(missing_ok=True)
         if d.is_dir():
             import shutil
@@ -696,13 +709,7 @@ def remove_workspace(home_ws: Path, name: str, *, runtime: Path | None = None,
         lock.unlink(missing_ok=True)  # while held: a sandbox starting now takes a new lock (lock_agent)
     finally:
         os.close(fd)
-    _cache_clear()
-    pool = _pool(home_ws, runtime)
-    if pool.exists() and os.geteuid() == 0:
-        pool.remove_if_empty()  # a host without workspaces reserves nothing
-    if late:
-        record("workspace.removed", dict(data, recorded="after the removal: the disk was full"))
-    return freed
+    return freed, data, late, emptied
 
 
 def _disk_full(exc: BaseException | None) -> bool:
@@ -752,13 +759,18 @@ def on_agent_removed(home_ws: Path, name: str, *, keep: bool = False, spec_text:
     removed, unless ``keep`` (``--keep-workspace``) or the agent file's ``workspace.keep``.
     Returns ``{"removed": bool, "kept": bool, "bytes": freed}`` (the daemon's answer)."""
     _check_name(name)
-    exists = (home_ws / f"{name}.img").exists() or (home_ws / name).is_dir() or _in_pool(home_ws, name, runtime)
-    if not exists:
-        _drop_lock_file(home_ws / f"{name}.lock")  # an agent without a workspace leaves its lock only
-        return {"removed": False, "kept": False, "bytes": 0}
     if keep or (spec_text is not None and spec_keeps(spec_text)):
-        return {"removed": False, "kept": True, "bytes": 0}
-    return {"removed": True, "kept": False, "bytes": remove_workspace(home_ws, name, runtime=runtime, record=record)}
+        if (home_ws / f"{name}.img").exists() or (home_ws / name).is_dir() or _in_pool(home_ws, name, runtime):
+            return {"removed": False, "kept": True, "bytes": 0}
+    else:
+        try:  # (one look into the pool, not two)
+            return {"removed": True, "kept": False,
+                    "bytes": remove_workspace(home_ws, name, runtime=runtime, record=record)}
+        except ConfigError as exc:
+            if exc.code != "workspace.not-found":
+                raise
+    _drop_lock_file(home_ws / f"{name}.lock")  # an agent without a workspace leaves its lock only
+    return {"removed": False, "kept": False, "bytes": 0}
 
 
 def prune(home_ws: Path, unused_for: float, *, now: float | None = None, runtime: Path | None = None,
