@@ -4,7 +4,8 @@ target with fixed examples; this runs them for as long as you give it.
 Two engines:
 
 * ``--engine atheris`` (default when installed): coverage-guided (libFuzzer) over raw bytes,
-  one target at a time, each target a function below that must only ever raise the parser's
+  one target at a time, on the pure-Python modules (``AGENTVM_GATE_PURE=1``: the compiled
+  request path in gate/_accel gives atheris no coverage; ``--compiled`` fuzzes it blind), each target a function below that must only ever raise the parser's
   own refusal. A crash is written to ``--crash-dir`` (libFuzzer's ``crash-*`` file) and printed:
   turn it into a regression test under tests/fuzz/ and fix it.
 * ``--engine hypothesis``: the grammars of tests/fuzz/grammar.py, random seeds, many examples
@@ -162,6 +163,10 @@ def main(argv=None) -> int:
     ap.add_argument("--target", choices=sorted(set(TARGETS) | set(HYPOTHESIS)), action="append")
     ap.add_argument("--seconds", type=int, default=30)
     ap.add_argument("--crash-dir", default="/tmp/agentvm-fuzz-crashes")
+    ap.add_argument("--compiled", action="store_true",
+                    help="atheris: fuzz the compiled request path (gate/_accel, what production loads) - no coverage "
+                         "feedback from it; by default the same modules as plain Python (AGENTVM_GATE_PURE=1), which "
+                         "atheris instruments")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ns = ap.parse_args(argv)
     if ns.child:
@@ -183,8 +188,9 @@ def main(argv=None) -> int:
             if target not in TARGETS:
                 print(f"{target:10s} (hypothesis only: --engine hypothesis)")
                 continue
+            env = dict(os.environ) if ns.compiled else {**os.environ, "AGENTVM_GATE_PURE": "1"}
             r = subprocess.run([sys.executable, __file__, "--child", target, "--seconds", str(ns.seconds),
-                                "--crash-dir", ns.crash_dir], capture_output=True, text=True)
+                                "--crash-dir", ns.crash_dir], capture_output=True, text=True, env=env)
             stats = [ln for ln in r.stderr.splitlines() if ln.startswith("stat::number_of_executed_units")]
             runs = stats[-1].split(":")[-1].strip() if stats else "?"
             crashed = r.returncode != 0
