@@ -60,7 +60,6 @@ def upstream():
     """test_ports.py's tornado HTTP + WebSocket echo server, run by Debian's python3 (which has
     tornado) on 127.0.0.1:<free port>: the fake sandbox's loopback."""
     import subprocess
-    import time
 
     from tests.e2b.test_ports import SERVER
 

@@ -137,7 +137,7 @@ class E2BBackend(Protocol):
     async def port_socket(self, name: str, port: int) -> "socket.socket":
         """A non-blocking TCP socket connected to ``127.0.0.1:port`` on the sandbox's own loopback
         (``sandbox.get_host(port)``; agentvm.e2b.ports). Raises ``ports.PortUnreachable`` (its
-        ``__cause__`` a ConnectionRefusedError when nothing listens) or BackendFailure."""
+        ``__cause__`` a ConnectionRefusedError when nothing listens) for every failure."""
         ...
 
 
@@ -471,13 +471,17 @@ class DaemonBackend:
         found from the sandbox's cgroup (``agentvm/<sandbox_id>``), see agentvm.e2b.ports."""
         from agentvm.e2b import ports
 
-        info = await self._call(self.client.get, name)
+        try:
+            info = await self._call(self.client.get, name)
+        except BackendFailure as exc:
+            raise ports.PortUnreachable(str(exc)) from exc
         if info.get("state") != "running" or not info.get("sandbox_id"):
-            raise BackendFailure("gone", f"sandbox {name} is not running")
+            raise ports.PortUnreachable(f"sandbox {name} is not running")
         substrate = info.get("substrate")
         if substrate not in ("bwrap", "bubblewrap"):
-            raise Unsupported(f"get_host(port) reaches bubblewrap sandboxes only; this one runs on {substrate!r}, whose "
-                              "loopback is not a host network namespace (gVisor's is inside its own network stack)")
+            raise ports.PortUnreachable(
+                f"get_host(port) reaches bubblewrap sandboxes only; this one runs on {substrate!r}, whose loopback "
+                "is not a host network namespace (gVisor's is inside its own network stack)")
         return await ports.port_socket_async(str(info["sandbox_id"]), port)
 
 

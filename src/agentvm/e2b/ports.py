@@ -94,12 +94,6 @@ def route_of(headers: dict[str, str]) -> tuple[str, int] | None:
     return None
 
 
-def host_envd_sid(headers: dict[str, str]) -> str | None:
-    """The sandbox id of a ``49983-SID.DOMAIN`` host (envd by host name), else None."""
-    m = _HOST_ROUTE.match(headers.get("host", ""))
-    return m.group(2) if m is not None and int(m.group(1)) == ENVD_PORT else None
-
-
 # -- the sandbox's network namespace -----------------------------------------------------------
 
 def _cgroup_dirs(sandbox_id: str) -> list[Path]:
@@ -380,8 +374,6 @@ class PortProxy:
             delay = min(delay * 2, 1.0)
 
     async def __call__(self, scope, receive, send, route: tuple[str, int], hdrs: dict[str, str]) -> None:
-        from agentvm.e2b.backend import BackendFailure
-
         sid, port = route
         ws = scope["type"] == "websocket"
         if ws and (await receive())["type"] != "websocket.connect":
@@ -403,7 +395,7 @@ class PortProxy:
         t0 = time.monotonic()
         try:
             sock = await self._open(box, port)
-        except (PortUnreachable, BackendFailure) as exc:
+        except PortUnreachable as exc:
             self.svc.record("e2b.port.unreachable", **where, error=str(exc))
             return await refuse(*_json_response(502, {
                 "code": 502, "sandboxId": sid, "port": port,
