@@ -210,7 +210,7 @@ def density(rt, m: int, size: int) -> dict:
     per = max(1, ((psize - pfree) - base) // (m - 1))
     v = os.statvfs(ws if ws.exists() else ws.parent)
     free = v.f_bavail * v.f_frsize
-    reserve = max(wspool.HOST_RESERVE_MIN, int(v.f_blocks * v.f_frsize * wspool.HOST_RESERVE_FRAC))
+    reserve = wspool.host_reserve(v.f_blocks * v.f_frsize)
     room = max(0, free - reserve)
     return {"declared": m, "create_s": create_s, "create_rate": m / create_s, "rm_s": rm_s,
             "rm_rate": (m - 1) / rm_s if rm_s else 0.0, "bytes_per_agent": per, "pool_reserved": reserved,

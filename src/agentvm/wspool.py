@@ -14,7 +14,7 @@ while every byte an admitted running agent may still write is reserved on the ho
   operator's overcommit factor (``AGENTVM_WORKSPACE_OVERCOMMIT``, default 1: no overcommit, so
   a running agent never meets a full pool); past it, ``start``/``run`` is refused with the
   numbers (``workspace.overcommit``). The pool grows up to ``AGENTVM_WORKSPACE_POOL`` (default:
-  whatever the host can give while keeping :data:`HOST_RESERVE` free for the daemon's state
+  whatever the host can give while keeping :func:`host_reserve` free for the daemon's state
   and audit).
 
 Why btrfs and not ext4/XFS project quotas: the kernel this was built on has neither
@@ -41,12 +41,13 @@ from pathlib import Path
 from agentvm.errors import ConfigError, LaunchError, PolicyDenied
 
 POOL = ".pool"  # not an agent name (names start with a letter or digit)
-INITIAL = 64 << 20  # (single metadata: btrfs makes a usable filesystem from 48M); grown on demand
+INITIAL = 64 << 20  # a new pool's size (less on a host with less room, down to MIN_POOL); grown on demand
+MIN_POOL = 48 << 20  # with single metadata, btrfs makes a usable filesystem from 48M
 STEP = 64 << 20  # growth is rounded up to this
 MIN_RESIZE = 256 << 20  # btrfs refuses to resize a filesystem to less (EINVAL): a grown pool is at least this
 SLACK = 16 << 20  # metadata: kept free beyond what the admitted agents may write
-HOST_RESERVE_MIN = 64 << 20  # the pool never takes the host's last 64M or 2%: the daemon's state and audit
-HOST_RESERVE_FRAC = 0.02
+HOST_RESERVE_MIN = 64 << 20  # the pool never takes the host's last 64M (a quarter of a smaller disk) or 2%:
+HOST_RESERVE_FRAC = 0.02  # the daemon's state and audit
 LOCK_WAIT = 30.0
 
 _MKFS = ("/usr/sbin/mkfs.btrfs", "/sbin/mkfs.btrfs", "/usr/bin/mkfs.btrfs", "/bin/mkfs.btrfs")
@@ -273,12 +274,12 @@ class Pool:
         os.chmod(self.mnt, 0o711)
         return True
 
-    def _create(self) -> None:
+    def _create(self, size: int = INITIAL) -> None:
         tmp = self.img.with_name(f"{POOL}.img.tmp")
         self.home_ws.mkdir(parents=True, exist_ok=True)
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
         try:
-            _reserve_fd(fd, INITIAL, self.home_ws)
+            _reserve_fd(fd, size, self.home_ws)
         finally:
             os.close(fd)
         # -K: no discard (it would punch holes in the reservation); quotas are enabled once mounted
@@ -518,7 +519,7 @@ class Pool:
         self.home_ws.mkdir(parents=True, exist_ok=True)
         v = os.statvfs(self.home_ws)
         free = v.f_bavail * v.f_frsize
-        reserve = max(HOST_RESERVE_MIN, int(v.f_blocks * v.f_frsize * HOST_RESERVE_FRAC))
+        reserve = host_reserve(v.f_blocks * v.f_frsize)
         room = max(0, free - reserve)
         cap = max_size()
         if cap is not None:
@@ -560,9 +561,10 @@ class Pool:
         made = False
         if not self.exists():
             room, host_free, reserve = self.host_room()
-            if room < INITIAL:
-                self._refuse(name, limit, factor, limit, 1, 0, 0, room, host_free, reserve)
-            self._create()
+            if room < MIN_POOL:
+                self._refuse(name, limit, factor, limit, 1, 0, 0, room, host_free, reserve,
+                             why=f"there is no pool yet, and making one takes {human(MIN_POOL)} at least")
+            self._create(min(INITIAL, room // (1 << 20) * (1 << 20)))
             made = True
         self.ensure(create=False)
         headroom, n = 0, 0
@@ -589,13 +591,14 @@ class Pool:
         return {"running": n, "headroom": headroom, "factor": factor, "pool_size": size, "pool_free": free,
                 "grown": grown, "made": made}
 
-    def _refuse(self, name, limit, factor, headroom, n, size, free, room, host_free, reserve):
+    def _refuse(self, name, limit, factor, headroom, n, size, free, room, host_free, reserve, why: str = ""):
         from agentvm.units import format_size
 
         need = int(headroom / factor) + SLACK
         cap = max_size()
         raise PolicyDenied(
-            f"workspace admission refused for {name!r} (it needs {format_size(limit)}): the {n} running agent(s) with "
+            f"workspace admission refused for {name!r} (it needs {format_size(limit)}): "
+            + (f"{why}; " if why else "") + f"the {n} running agent(s) with "
             f"a workspace, this one included, may still write {human(headroom)} (limits minus use); with overcommit "
             f"factor {factor:g} that needs {human(need)} free in the workspace pool ({human(SLACK)} of it for "
             f"metadata), and the pool has {human(free)} free of {human(size)} and can grow by {human(room)} (host: "
@@ -676,6 +679,11 @@ class Pool:
         self.img.unlink(missing_ok=True)
         self.img.with_name(f"{POOL}.img.tmp").unlink(missing_ok=True)
         self.lock.unlink(missing_ok=True)
+
+
+def host_reserve(fs_size: int) -> int:
+    """What the pool leaves free on the host's filesystem for agent-vm's own state and audit."""
+    return max(min(HOST_RESERVE_MIN, fs_size // 4), int(fs_size * HOST_RESERVE_FRAC))
 
 
 def _mounted_at(img: Path) -> Path | None:

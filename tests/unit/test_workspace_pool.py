@@ -26,8 +26,8 @@ class FakePool(wspool.Pool):
     def exists(self):
         return self._exists
 
-    def _create(self):
-        self._exists, self.made, self._size, self._free = True, True, wspool.INITIAL, wspool.INITIAL - 12 * M
+    def _create(self, size=wspool.INITIAL):
+        self._exists, self.made, self._size, self._free = True, True, size, size - 12 * M
 
     def ensure(self, *, create):
         return True
@@ -109,10 +109,13 @@ def test_the_overcommit_factor_divides_what_must_be_free_exactly(monkeypatch):
 
 
 def test_no_pool_is_made_when_the_host_cannot_hold_its_first_size():
-    p = FakePool({}, size=0, free=0, room=wspool.INITIAL - 1, exists=False)
+    p = FakePool({}, size=0, free=0, room=wspool.MIN_POOL - 1, exists=False)
     with pytest.raises(PolicyDenied) as ei:
         p.admit("first", 16 * M, set())
-    assert not p.made and "it needs 16M" in ei.value.message
+    assert not p.made and "it needs 16M" in ei.value.message and "no pool yet" in ei.value.message
+    # a host with less room than a pool's usual first size gets a smaller one, when it is enough
+    p = FakePool({}, size=0, free=0, room=60 * M, exists=False)
+    assert p.admit("first", 16 * M, set())["pool_size"] == 60 * M and p.made
     # made, then refused: the pool it made for nothing is removed again
     p = FakePool({}, size=0, free=0, room=wspool.INITIAL, exists=False)
     with pytest.raises(PolicyDenied):
