@@ -209,10 +209,10 @@ def disk_full_error(exc: BaseException, where=None) -> "DiskFull | None":
             elif "disk i/o error" in text and where is not None and _free_bytes(where) == 0:
                 full = True
         if full:
-            if path is None:
-                from agentvm.paths import default_paths
-
-                path = default_paths().home
+            if path is None:  # (agentvm.paths imports this module: the caller names the place)
+                return DiskFull("the disk holding agent-vm's state is full: agent-vm cannot write its state there",
+                                hint="free space on that filesystem (`agentvm workspace prune --unused-for 7d` "
+                                     "removes unused workspaces) and retry; nothing agent-vm recorded before is lost")
             free = _free_bytes(path)
             room = "" if free is None else f" ({free // 1024} KiB free)"
             return DiskFull(f"the disk holding {path} is full{room}: agent-vm cannot write its state there",

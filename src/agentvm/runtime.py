@@ -197,7 +197,8 @@ class Runtime:
             return policy
         from dataclasses import replace
 
-        from agentvm.images import Store, require_signature
+        from agentvm.images import Store
+        from agentvm.images.sign import require_signature
 
         store = Store(self.images_home)
         digest, _ = store.root_for_run(policy.image)

@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from agentvm.errors import PolicyDenied
-from agentvm.images import ImageError, Store, require_signature, tree_digest
+from agentvm.images import ImageError, Store, tree_digest
+from agentvm.images.sign import require_signature
 from agentvm.images.layers import Limits, Stats, apply_layer, import_layers
 
 

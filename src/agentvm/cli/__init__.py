@@ -9,27 +9,7 @@ from __future__ import annotations
 
 import sys
 
-TYPE_CHECKING = False  # not typing's: importing typing costs the thin client more than all the rest
-if TYPE_CHECKING:
-    from agentvm.errors import AgentVMError
-
-
-def report_error(err: AgentVMError, as_json: bool = False) -> int:
-    """Print an agent-vm error the same way everywhere and return its exit code."""
-    if err.code == "daemon.timeout" and "daemon.log" not in err.hint:
-        # the library's client does not know where `agentvm up` writes the log; every command says it
-        from agentvm.cli.fastrun import _timed_out
-
-        err.hint = _timed_out(0)[1]
-    if as_json:
-        import json
-
-        print(json.dumps(err.to_dict()), flush=True)
-    else:
-        from agentvm.runreport import error_text
-
-        sys.stderr.write(error_text(err.code, err.message, err.hint))
-    return err.exit_code
+from agentvm.cli.report import report_error  # noqa: F401 (the one way errors are printed)
 
 
 def _site() -> None:

@@ -13,7 +13,7 @@ import sys
 import click
 
 from agentvm import __version__
-from agentvm.cli import report_error
+from agentvm.cli.report import report_error
 from agentvm.errors import EXIT_BACKEND, EXIT_CONFIG, AgentVMError
 
 # name -> "module:attribute"
@@ -117,7 +117,9 @@ def cli_main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # last resort: a full state disk is one clear error, the rest is a bug
         from agentvm.errors import disk_full_error
 
-        full = disk_full_error(exc)
+        from agentvm.paths import default_paths
+
+        full = disk_full_error(exc, where=default_paths().home)
         if full is not None:
             return report_error(full, as_json="--json" in (argv if argv is not None else sys.argv))
         import traceback

@@ -378,35 +378,6 @@ def _untar_into(data: bytes, out: Path) -> int:
 
 @click.command()
 @click.argument("name")
-def logs(name):
-    """Print a managed sandbox's output log, or a past run's history (its audit records and
-    gate decisions; see `agentvm runs`)."""
-    from agentvm.cli.history_cmds import print_run_log
-
-    if print_run_log(name):
-        return 0
-    from agentvm.daemon.client import ApiFailure, DaemonUnavailable
-    from agentvm.errors import ConfigError
-
-    hint = "`agentvm runs` lists past runs, `agentvm ps` the daemon's sandboxes"
-    try:
-        text = _client().logs(name)
-    except ApiFailure as exc:
-        if exc.status != 404:
-            raise
-        raise ConfigError(f"no run or sandbox named {name!r}", hint=hint, code="logs.not-found") from None
-    except DaemonUnavailable as exc:
-        if exc.code != "daemon.unavailable" or "not running" not in exc.message:
-            raise
-        raise ConfigError(f"no run or sandbox named {name!r}",
-                          hint=f"{hint} (the daemon is not running: no sandbox was looked up)",
-                          code="logs.not-found") from None
-    click.echo(text, nl=False)
-    return 0
-
-
-@click.command()
-@click.argument("name")
 @click.argument("op", type=click.Choice(["show", "allow", "deny", "remove", "pause", "resume", "revoke", "restore", "limits",
                                         "tools", "budget"]))
 @click.argument("args", nargs=-1)

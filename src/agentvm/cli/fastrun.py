@@ -118,7 +118,7 @@ def fast_run(argv: list[str]) -> int | None:
             for _ in _events(r, status, headers):
                 pass
         except AgentVMError as err:
-            from agentvm.cli import report_error
+            from agentvm.cli.report import report_error
 
             return report_error(err)
         except (TimeoutError, OSError, ValueError) as exc:
@@ -180,8 +180,9 @@ def daemon_log() -> str:
 
 def _timed_out(timeout: float) -> tuple[str, str]:
     """(message, hint) of a daemon that did not answer in time, for both clients."""
-    return (f"the agent-vm daemon did not answer within {timeout:g}s ({socket_path()})",
-            f"it may be stopped or overloaded: its log is {daemon_log()}; AGENTVM_CLIENT_TIMEOUT sets the wait")
+    from agentvm.cli.report import daemon_timeout_hint
+
+    return f"the agent-vm daemon did not answer within {timeout:g}s ({socket_path()})", daemon_timeout_hint()
 
 
 def _unavailable(timeout: float, exc: BaseException) -> tuple[str, int]:

@@ -196,6 +196,24 @@ def logs(name, syscalls, as_json):
         click.echo(f"(no syscall records for {name!r}: none made, an unknown name, or the sandbox ran without "
                    "the syscall audit - `agentvm runs` shows a run's degradations)")
         return 0
-    from agentvm.cli.daemon_cmds import logs as daemon_logs
+    if print_run_log(name):
+        return 0
+    from agentvm.cli.daemon_cmds import _client
+    from agentvm.daemon.client import ApiFailure, DaemonUnavailable
+    from agentvm.errors import ConfigError
 
-    return daemon_logs.callback(name)
+    hint = "`agentvm runs` lists past runs, `agentvm ps` the daemon's sandboxes"
+    try:
+        text = _client().logs(name)
+    except ApiFailure as exc:
+        if exc.status != 404:
+            raise
+        raise ConfigError(f"no run or sandbox named {name!r}", hint=hint, code="logs.not-found") from None
+    except DaemonUnavailable as exc:
+        if exc.code != "daemon.unavailable" or "not running" not in exc.message:
+            raise
+        raise ConfigError(f"no run or sandbox named {name!r}",
+                          hint=f"{hint} (the daemon is not running: no sandbox was looked up)",
+                          code="logs.not-found") from None
+    click.echo(text, nl=False)
+    return 0

@@ -93,7 +93,7 @@ def main_run(argv: list[str]) -> int:
     try:
         return _run(argv)
     except AgentVMError as err:
-        from agentvm.cli import report_error
+        from agentvm.cli.report import report_error
 
         return report_error(err, as_json=as_json)
     except KeyboardInterrupt:
@@ -101,10 +101,12 @@ def main_run(argv: list[str]) -> int:
     except Exception as exc:  # a full state disk is one clear error (exit 75), not a traceback
         from agentvm.errors import disk_full_error
 
-        full = disk_full_error(exc)
+        from agentvm.paths import default_paths
+
+        full = disk_full_error(exc, where=default_paths().home)
         if full is None:
             raise
-        from agentvm.cli import report_error
+        from agentvm.cli.report import report_error
 
         return report_error(full, as_json=as_json)
 

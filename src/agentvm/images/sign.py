@@ -14,7 +14,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from agentvm.errors import ConfigError
+from agentvm.errors import ConfigError, PolicyDenied
 from agentvm.images import SIGN_NAMESPACE, ImageError, Store
 
 TIMEOUT = 30
@@ -63,3 +63,24 @@ def verified_principals(store: Store, digest: str, signers: Path) -> list[str]:
                 if p not in found:
                     found.append(p)
     return found
+
+
+def require_signature(store: Store, digest: str, signers_file: Path, identities: tuple[str, ...], why: str) -> str:
+    """The principal of a valid signature of ``digest`` (one of ``identities`` when given), or
+    PolicyDenied with the reason."""
+    if not signers_file.is_file():
+        raise PolicyDenied(f"{why} requires a signed image, and no signers are configured ({signers_file} is missing)",
+                           hint="list the operator's signers there in ssh-keygen's allowed_signers format",
+                           code="image.unsigned")
+    from agentvm.sshsig import check_signers_file
+
+    check_signers_file(signers_file, "the image signers file")  # root's, writable by nobody else
+    got = verified_principals(store, digest, signers_file)
+    ok = [p for p in got if not identities or p in identities]
+    if not ok:
+        want = f" by one of {', '.join(identities)}" if identities else ""
+        have = f" (valid signatures by: {', '.join(got)})" if got else ""
+        raise PolicyDenied(f"image {digest} has no valid signature{want}{have}; {why} requires one",
+                           hint="sign it with `agentvm image sign REF --key KEY` using a key listed in "
+                                f"{signers_file}", code="image.unsigned")
+    return ok[0]
