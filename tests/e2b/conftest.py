@@ -3,6 +3,7 @@ environment `agentvm e2b env` prints - the only thing the E2B examples get."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -45,9 +46,76 @@ def parse_env(text: str) -> dict[str, str]:
     return out
 
 
-@pytest.fixture(scope="module")
-def e2b_server(avm_home):
-    """`agentvm up` + `agentvm e2b serve` for this module; yields the env of `agentvm e2b env`."""
+# Which server the suite runs against: the daemon itself (`agentvm up --e2b-listen`, the
+# default) or `agentvm e2b serve` beside it (AGENTVM_E2B_VIA=serve). test_daemon_served.py and
+# test_serve_mode.py each pin one, whatever this says.
+VIA = os.environ.get("AGENTVM_E2B_VIA", "daemon")
+
+
+def wait_for_env(proc=None, log=None, timeout: float = 30) -> dict:
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        r = _av("e2b", "env", check=False)
+        if r.returncode == 0:
+            return parse_env(r.stdout.decode())
+        last = r
+        if proc is not None and proc.poll() is not None:
+            break
+        time.sleep(0.3)
+    detail = Path(log).read_text() if log else ""
+    raise AssertionError(f"the E2B API did not come up: {last.stderr.decode() if last else ''}\n{detail}")
+
+
+def daemon_up(port: int, *extra: str) -> dict:
+    """`agentvm up --e2b-listen 127.0.0.1:PORT` (limits as the tests expect); the env."""
+    _av("up", "--e2b-listen", f"127.0.0.1:{port}", "--e2b-max-per-tenant", "6", "--e2b-max-creating", "2", *extra)
+    return wait_for_env()
+
+
+def daemon_down(home: Path) -> None:
+    _av("down", check=False)
+    pidf = home / "run" / "daemon.pid"
+    deadline = time.monotonic() + 30
+    while pidf.exists() and time.monotonic() < deadline:
+        try:
+            os.kill(int(pidf.read_text()), 0)
+        except (ProcessLookupError, ValueError):
+            break
+        time.sleep(0.2)
+
+
+def _cleanup(home: Path) -> None:
+    # no sandbox of the E2B API is left behind
+    ps = json.loads(_av("ps", "--json", check=False).stdout or b"[]")
+    for row in ps:
+        if row.get("name", "").startswith("e2b-"):
+            _av("rm", row["name"], check=False)
+    _av("down", check=False)
+    pidf = home / "run" / "daemon.pid"
+    if pidf.exists():
+        try:
+            os.kill(int(pidf.read_text()), signal.SIGKILL)
+        except (ProcessLookupError, ValueError):
+            pass
+
+
+@contextlib.contextmanager
+def served_by_daemon(home: Path):
+    """The daemon serves the E2B API itself (`agentvm up --e2b-listen`)."""
+    if os.geteuid() != 0:
+        pytest.skip("the daemon's sandboxes need root here")
+    port = _free_port()
+    try:
+        env = daemon_up(port)
+        yield {"env": env, "home": home, "port": port, "proc": None, "via": "daemon"}
+    finally:
+        _cleanup(home)
+
+
+@contextlib.contextmanager
+def served_beside(home: Path):
+    """`agentvm up` + `agentvm e2b serve` (its own process, over the daemon's API)."""
     if os.geteuid() != 0:
         pytest.skip("the daemon's sandboxes need root here")
     _av("up")
@@ -56,20 +124,8 @@ def e2b_server(avm_home):
     proc = subprocess.Popen(agentvm_cmd() + ["e2b", "serve", "--listen", f"127.0.0.1:{port}", "--max-per-tenant", "6",
                                              "--max-creating", "2"], stdout=log, stderr=subprocess.STDOUT)
     try:
-        deadline = time.monotonic() + 30
-        env = None
-        while time.monotonic() < deadline:
-            r = _av("e2b", "env", check=False)
-            if r.returncode == 0:
-                env = parse_env(r.stdout.decode())
-                break
-            if proc.poll() is not None:
-                break
-            time.sleep(0.3)
-        if env is None:
-            log.flush()
-            raise AssertionError("e2b serve did not come up: " + Path(log.name).read_text())
-        yield {"env": env, "home": avm_home, "port": port, "proc": proc}
+        env = wait_for_env(proc, log.name)
+        yield {"env": env, "home": home, "port": port, "proc": proc, "via": "serve"}
     finally:
         proc.send_signal(signal.SIGINT)
         try:
@@ -77,18 +133,15 @@ def e2b_server(avm_home):
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-        # no sandbox of the E2B API is left behind
-        ps = json.loads(_av("ps", "--json", check=False).stdout or b"[]")
-        for row in ps:
-            if row.get("name", "").startswith("e2b-"):
-                _av("rm", row["name"], check=False)
-        _av("down", check=False)
-        pidf = avm_home / "run" / "daemon.pid"
-        if pidf.exists():
-            try:
-                os.kill(int(pidf.read_text()), signal.SIGKILL)
-            except (ProcessLookupError, ValueError):
-                pass
+        _cleanup(home)
+
+
+@pytest.fixture(scope="module")
+def e2b_server(avm_home):
+    """The E2B API for this module (AGENTVM_E2B_VIA: daemon, the default, or serve); yields
+    the env of `agentvm e2b env` (and home, port)."""
+    with (served_beside if VIA == "serve" else served_by_daemon)(avm_home) as server:
+        yield server
 
 
 def run_example(server, path: Path, *, timeout: float = 180, extra_env: dict | None = None):

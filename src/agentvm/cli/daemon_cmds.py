@@ -80,7 +80,14 @@ def _gate_workers(text: str) -> int:
               "rules or an LLM budget stay on the daemon's gate (env: AGENTVM_GATE_WORKERS).")
 @click.option("--no-resume", is_flag=True,
               help="Leave stopped the persistent workers the last daemon left running (by default they start again).")
-def up(foreground, listen, accept_broken_chain, otlp_endpoint, otlp_sample_allowed, gate_workers, no_resume):
+@click.option("--e2b-listen", metavar="HOST:PORT",
+              help="Also serve the E2B-compatible API on this loopback port (docs/e2b.md; `agentvm e2b env`).")
+@click.option("--e2b-max-per-tenant", type=click.IntRange(1, 10000), default=20, show_default=True,
+              help="E2B API: sandboxes one API key may hold.")
+@click.option("--e2b-max-creating", type=click.IntRange(1, 1000), default=4, show_default=True,
+              help="E2B API: creates in progress at once (more: 429).")
+def up(foreground, listen, accept_broken_chain, otlp_endpoint, otlp_sample_allowed, gate_workers, no_resume,
+       e2b_listen, e2b_max_per_tenant, e2b_max_creating):
     """Start the control-plane daemon (and the persistent workers that were running)."""
     from agentvm.daemon.server import check_chain, check_state
     from agentvm.paths import default_paths
@@ -94,11 +101,17 @@ def up(foreground, listen, accept_broken_chain, otlp_endpoint, otlp_sample_allow
     check_chain(paths, accept_broken_chain)  # refused here, with the reason, not in a log file
     check_state(paths)  # a lost identity database: refused here too (state.lost)
     _warn_workspace_disk(paths)
+    e2b = None
+    if e2b_listen:
+        from agentvm.daemon.server import parse_e2b_listen
+
+        parse_e2b_listen(e2b_listen)  # refused here, with the reason, not in a log file
+        e2b = {"listen": e2b_listen, "max_per_tenant": e2b_max_per_tenant, "max_creating": e2b_max_creating}
     if foreground:
         from agentvm.daemon.server import run_daemon
 
         run_daemon(paths, listen=listen, accept_broken_chain=accept_broken_chain, otlp_endpoint=otlp_endpoint,
-                   otlp_sample_allowed=otlp_sample_allowed, gate_workers=workers, resume=not no_resume)
+                   otlp_sample_allowed=otlp_sample_allowed, gate_workers=workers, resume=not no_resume, e2b=e2b)
         return 0
     if otlp_endpoint:
         from agentvm.observe.tracing import check_endpoint, check_sample
@@ -114,6 +127,8 @@ def up(foreground, listen, accept_broken_chain, otlp_endpoint, otlp_sample_allow
     args += ["--otlp-sample-allowed", str(otlp_sample_allowed)] if otlp_sample_allowed is not None else []
     args += ["--gate-workers", str(workers)]
     args += ["--no-resume"] if no_resume else []
+    args += ["--e2b-listen", e2b_listen, "--e2b-max-per-tenant", str(e2b_max_per_tenant),
+             "--e2b-max-creating", str(e2b_max_creating)] if e2b_listen else []
     proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=fd, stderr=fd, start_new_session=True, close_fds=True)
     os.close(fd)
     (paths.runtime / "daemon.pid").write_text(f"{proc.pid}\n")

@@ -1,7 +1,9 @@
 """``agentvm e2b serve | env | key``: the E2B-compatible API (docs/e2b.md).
 
-``serve`` runs the API on a loopback TCP port over the running daemon (until the daemon serves
-it on its own listener); ``env`` prints the ``export`` lines that point the ``e2b`` SDKs at it.
+The daemon serves the API itself with ``agentvm up --e2b-listen HOST:PORT`` (over its
+ControlPlane, its sandboxes kept across restarts); ``serve`` runs it in a process of its own
+over the running daemon's API instead (state in memory); ``env`` prints the ``export`` lines
+that point the ``e2b`` SDKs at whichever serves it (``<runtime>/e2b.json`` says which).
 """
 
 from __future__ import annotations
@@ -17,6 +19,23 @@ def _runtime_file():
     from agentvm.paths import default_paths
 
     return default_paths().runtime / "e2b.json"
+
+
+def _served():
+    """What ``<runtime>/e2b.json`` says serves the API (``url``, ``pid``, ``domain``, ``by``),
+    or None when nothing does (no file, or its process is gone)."""
+    try:
+        served = json.loads(_runtime_file().read_text())
+        url, pid = str(served["url"]), int(served["pid"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return None
+    except PermissionError:
+        pass
+    return {**served, "url": url}
 
 
 @click.group()
@@ -48,6 +67,13 @@ def serve(listen, max_per_tenant, max_creating, domain):
                           hint="the E2B API is plain HTTP: serve it on 127.0.0.1 (a TLS front is yours to add)") from None
     client = Client()
     client.request("GET", "/v1/sandboxes")  # DaemonUnavailable (with its hint) when it is not up
+    other = _served()
+    if other is not None and other.get("pid") != os.getpid():
+        from agentvm.errors import AgentVMError
+
+        who = "the daemon (`agentvm up --e2b-listen`)" if other.get("by") == "daemon" else f"pid {other.get('pid')}"
+        raise AgentVMError(f"the E2B API is already served at {other['url']} by {who}", code="e2b.bad-request",
+                           hint="use that one (`agentvm e2b env`), or stop it first")
     import uvicorn
 
     from agentvm.e2b.app import make_app
@@ -91,13 +117,19 @@ def env(tenant):
     from agentvm import e2b as pkg
     from agentvm.errors import AgentVMError
 
-    f = _runtime_file()
-    try:
-        served = json.loads(f.read_text())
-        url = served["url"]
-    except (OSError, ValueError, KeyError, TypeError):
-        raise AgentVMError("the E2B API is not being served", code="e2b.not-serving",
-                           hint="start the daemon (`agentvm up`) and then `agentvm e2b serve`") from None
+    served = _served()
+    if served is None:
+        from agentvm.daemon.client import Client
+
+        if not Client().available():
+            raise AgentVMError("the E2B API is not being served: the daemon is not running", code="e2b.not-serving",
+                               hint="start it with the API: `agentvm up --e2b-listen 127.0.0.1:49983`")
+        raise AgentVMError("the E2B API is not being served: the daemon runs without --e2b-listen",
+                           code="e2b.not-serving",
+                           hint="restart it with the API (`agentvm down && agentvm up --e2b-listen 127.0.0.1:49983`), "
+                                "or serve it beside the daemon with `agentvm e2b serve`")
+    url = served["url"]
+    by_daemon = served.get("by") == "daemon"
     keys = [k for k, t in pkg.api_keys().items() if t == tenant]
     if not keys:
         raise AgentVMError(f"no API key for tenant {tenant!r}", code="e2b.not-serving",
@@ -112,7 +144,8 @@ def env(tenant):
         status = 0
     if status != 200:
         raise AgentVMError(f"the E2B API at {url} does not answer (HTTP {status or 'none'})", code="e2b.not-serving",
-                           hint="is `agentvm e2b serve` still running? is the daemon up (`agentvm up`)?")
+                           hint="is the daemon up (`agentvm status`; its log: <home>/daemon.log)?" if by_daemon else
+                           "is `agentvm e2b serve` still running? is the daemon up (`agentvm up`)?")
     click.echo(f"export E2B_API_URL={url}")
     click.echo(f"export E2B_SANDBOX_URL={url}")
     click.echo(f"export E2B_API_KEY={keys[0]}")

@@ -24,12 +24,12 @@ import logging
 import posixpath
 import secrets
 import time
-from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Mapping
 from urllib.parse import parse_qsl
 
 from agentvm.e2b import templates as tpls
-from agentvm.e2b.backend import WORKSPACE, BackendFailure, E2BBackend
+from agentvm.e2b.backend import BackendFailure, E2BBackend
+from agentvm.e2b.model import Box, Proc, resolve_path  # noqa: F401 (re-exported)
 from agentvm.errors import AgentVMError
 
 log = logging.getLogger("agentvm.e2b")
@@ -40,40 +40,6 @@ MAX_TIMEOUT = 24 * 3600
 KILL_GRACE_TTL = MAX_TIMEOUT + 600  # the daemon's own TTL: a backstop if this adapter dies
 
 
-@dataclass
-class Proc:
-    pid: int
-    tag: str | None
-    cmd: str
-    args: list[str]
-    envs: dict[str, str]
-    cwd: str | None
-    handle: Any
-    subscribers: list[asyncio.Queue] = field(default_factory=list)
-    done: bool = False
-    task: asyncio.Task | None = None
-
-
-@dataclass
-class Box:
-    id: str
-    tenant: str
-    template: str
-    name: str  # the daemon's sandbox name
-    metadata: dict[str, str]
-    envs: dict[str, str]
-    started_at: float
-    end_at: float
-    token: str
-    auto_pause: bool = False
-    state: str = "running"  # running | paused
-    procs: dict[int, Proc] = field(default_factory=dict)
-    watchers: dict[str, dict] = field(default_factory=dict)
-    ports: tuple[int, ...] = ()  # the template's ports: the only ones get_host(port) reaches (ports.py)
-    traffic_token: str = ""  # E2B-Traffic-Access-Token for those ports
-    running_since: float = 0.0
-
-
 def _iso(t: float) -> str:
     return dt.datetime.fromtimestamp(t, dt.timezone.utc).isoformat().replace("+00:00", "Z")
 
@@ -82,8 +48,11 @@ class E2BService:
     """The state of the E2B adapter: tenants' sandboxes, their processes, timeouts, limits."""
 
     def __init__(self, backend: E2BBackend, api_keys: Mapping[str, str], *, home=None, max_per_tenant: int = 20,
-                 max_concurrent_creates: int = 4, audit=None, domain: str | None = None):
+                 max_concurrent_creates: int = 4, audit=None, domain: str | None = None, store=None):
         self.backend = backend
+        # agentvm.e2b.store.E2BStore: the sandboxes survive a restart of whoever serves this
+        # (the daemon); None: kept in memory and removed when the service closes (`e2b serve`)
+        self.store = store
         self.domain = domain  # answered as the sandboxes' domain: get_host(port) is PORT-ID.DOMAIN
         # key -> tenant; or a callable giving it (re-read when a key is not known: keys added later)
         self._keys_source = api_keys if callable(api_keys) else None
@@ -115,10 +84,43 @@ class E2BService:
 
     def envd_box(self, sandbox_id: str | None, token: str | None) -> Box | None:
         b = self.boxes.get(sandbox_id or "")
-        if b is None or not token or not hmac.compare_digest(b.token.encode(), token.encode()):
+        if b is None or not b.access_ok(token):
             return None
         return b
 
+    def save(self, box: Box) -> None:
+        if self.store is not None and box.id in self.boxes:
+            self.store.save(box)
+
+    def handed_out(self, box: Box) -> Box:
+        """``box`` with access tokens whose text can be answered (new ones after a restart)."""
+        if not box.known_tokens:
+            box.mint_tokens()
+            self.save(box)
+        return box
+
+    async def load(self) -> None:
+        """The sandboxes the store kept (a restart): those the control plane still has come
+        back with their deadlines (the reaper times out any that passed meanwhile)."""
+        if self.store is None:
+            return
+        for box in self.store.load():
+            try:
+                alive = await self.backend.info(box.name)
+            except BackendFailure:
+                log.exception("e2b: looking up %s failed; kept", box.name)
+                alive = True
+            if alive is None:
+                self.store.delete(box.id)
+                self.record("e2b.kill", tenant=box.tenant, sandbox=box.name, reason="gone at restart")
+                continue
+            self.boxes[box.id] = box
+            if box.state == "running" and getattr(alive, "state", "running") != "running":
+                try:  # the daemon left it stopped (`up --no-resume`): E2B's running sandbox runs
+                    await self.backend.resume(box.name)
+                except BackendFailure:
+                    log.exception("e2b: starting %s again failed", box.name)
+        log.info("e2b: %d sandboxes kept from before", len(self.boxes))
     # -- lifecycle ---------------------------------------------------------------------------
     async def create(self, tenant: str, body: dict) -> Box:
         template = body.get("templateID") or "base"
@@ -161,6 +163,7 @@ class E2BService:
             self.boxes[sid] = box  # counted against the tenant while it starts
             try:
                 await self.backend.create(name, spec_text, KILL_GRACE_TTL)
+                self.save(box)
             except BaseException:
                 self.boxes.pop(sid, None)
                 raise
@@ -174,13 +177,20 @@ class E2BService:
         for p in box.procs.values():
             if p.task is not None:
                 p.task.cancel()
-        await self.backend.kill(box.name)
+        try:
+            await self.backend.kill(box.name)
+        except BaseException:
+            self.boxes.setdefault(box.id, box)  # still there: the reaper (or the client) tries again
+            raise
+        if self.store is not None:
+            self.store.delete(box.id)
         self.record("e2b.kill", tenant=box.tenant, sandbox=box.name, reason=why)
 
     async def pause(self, box: Box) -> None:
         await self.backend.pause(box.name)
         box.state = "paused"
         box.procs.clear()
+        self.save(box)
         self.record("e2b.pause", tenant=box.tenant, sandbox=box.name)
 
     async def resume(self, box: Box, timeout: int | None) -> None:
@@ -191,6 +201,11 @@ class E2BService:
             self.record("e2b.resume", tenant=box.tenant, sandbox=box.name)
         if timeout is not None:
             box.end_at = time.time() + timeout
+        self.save(box)
+
+    def set_deadline(self, box: Box, end_at: float) -> None:
+        box.end_at = end_at
+        self.save(box)
 
     async def reap(self) -> None:
         while True:
@@ -201,13 +216,16 @@ class E2BService:
                     try:
                         if box.auto_pause and box.state == "running":
                             await self.pause(box)
-                            box.end_at = now + MAX_TIMEOUT
+                            self.set_deadline(box, now + MAX_TIMEOUT)
                         else:
                             await self.kill(box, "timeout")
                     except Exception:  # noqa: BLE001 - logged; retried on the next pass
                         log.exception("e2b: timing out %s failed", box.name)
 
     async def close(self) -> None:
+        if self.store is not None:  # kept for the next start (the deadlines too)
+            self.store.close()
+            return
         for box in list(self.boxes.values()):
             try:
                 await self.kill(box, "shutdown")
@@ -281,7 +299,7 @@ def _rest_routes(svc: E2BService):
     @authed
     async def create(request, tenant):
         box = await svc.create(tenant, await body_of(request))
-        return JSONResponse(_sandbox_doc(box, svc.domain), status_code=201)
+        return JSONResponse(_sandbox_doc(svc.handed_out(box), svc.domain), status_code=201)
 
     def _listed(tenant, query) -> list[Box]:
         boxes = [b for b in svc.boxes.values() if b.tenant == tenant]
@@ -326,7 +344,7 @@ def _rest_routes(svc: E2BService):
 
     @one
     async def get_one(request, box):
-        return JSONResponse(_detail_doc(box, token=True))
+        return JSONResponse(_detail_doc(svc.handed_out(box), token=True))
 
     @one
     async def kill(request, box):
@@ -338,7 +356,7 @@ def _rest_routes(svc: E2BService):
         t = (await body_of(request)).get("timeout")
         if not isinstance(t, int) or not 0 < t <= MAX_TIMEOUT:
             return err(400, f"timeout must be 1..{MAX_TIMEOUT} seconds")
-        box.end_at = time.time() + t
+        svc.set_deadline(box, time.time() + t)
         svc.record("e2b.timeout", tenant=box.tenant, sandbox=box.name, timeout=t)
         return Response(status_code=204)
 
@@ -347,7 +365,7 @@ def _rest_routes(svc: E2BService):
         d = (await body_of(request)).get("duration", DEFAULT_TIMEOUT)
         if not isinstance(d, int) or not 0 <= d <= 3600:
             return err(400, "duration must be 0..3600 seconds")
-        box.end_at = max(box.end_at, time.time() + d)
+        svc.set_deadline(box, max(box.end_at, time.time() + d))
         return Response(status_code=204)
 
     @one
@@ -363,7 +381,7 @@ def _rest_routes(svc: E2BService):
         if box.state != "paused":
             return err(409, f"sandbox {box.id} is not paused")
         await svc.resume(box, t if isinstance(t, int) and 0 < t <= MAX_TIMEOUT else DEFAULT_TIMEOUT)
-        return JSONResponse(_sandbox_doc(box, svc.domain), status_code=201)
+        return JSONResponse(_sandbox_doc(svc.handed_out(box), svc.domain), status_code=201)
 
     @one
     async def connect(request, box):
@@ -372,8 +390,8 @@ def _rest_routes(svc: E2BService):
         t = t if isinstance(t, int) and 0 < t <= MAX_TIMEOUT else None
         await svc.resume(box, t)
         if t is not None:  # connect only ever extends
-            box.end_at = max(box.end_at, time.time() + t)
-        return JSONResponse(_sandbox_doc(box, svc.domain), status_code=201 if was == "paused" else 200)
+            svc.set_deadline(box, max(box.end_at, time.time() + t))
+        return JSONResponse(_sandbox_doc(svc.handed_out(box), svc.domain), status_code=201 if was == "paused" else 200)
 
     @one
     async def metrics(request, box):
@@ -410,18 +428,6 @@ def _rest_routes(svc: E2BService):
 
 # -- envd --------------------------------------------------------------------------------------
 
-def resolve_path(path: str) -> str:
-    """An E2B path as the sandbox sees it: relative paths (and ``~``) start at the workspace,
-    the sandbox's home. Nothing else is done on the host side: the sandbox's own view decides."""
-    if not isinstance(path, str) or not path or "\x00" in path:
-        raise BackendFailure("invalid", "a path is required")
-    if path == "~" or path.startswith("~/"):
-        path = WORKSPACE + path[1:]
-    if not path.startswith("/"):
-        path = posixpath.join(WORKSPACE, path)
-    return posixpath.normpath(path)
-
-
 _HTTP_STATUS = {"not-found": 404, "exists": 409, "permission": 403, "not-dir": 400, "is-dir": 400, "invalid": 400,
                 "unsupported": 501, "gone": 502, "internal": 500}
 
@@ -443,7 +449,7 @@ def _envd_routes(svc: E2BService):
             data = await svc.backend.read_file(box.name, path)
         except BackendFailure as exc:
             return err(_HTTP_STATUS.get(exc.kind, 500), str(exc))
-        svc.record("e2b.files.read", sandbox=box.name, path=path, bytes=len(data))
+        svc.record("e2b.files.read", tenant=box.tenant, sandbox=box.name, path=path, bytes=len(data))
         return Response(data, media_type="application/octet-stream")
 
     async def files_post(request):
@@ -466,7 +472,7 @@ def _envd_routes(svc: E2BService):
             for p, data in items:
                 path = resolve_path(p)
                 await svc.backend.write_file(box.name, path, data)
-                svc.record("e2b.files.write", sandbox=box.name, path=path, bytes=len(data))
+                svc.record("e2b.files.write", tenant=box.tenant, sandbox=box.name, path=path, bytes=len(data))
                 out.append({"name": posixpath.basename(path), "type": "file", "path": path})
         except BackendFailure as exc:
             return err(_HTTP_STATUS.get(exc.kind, 500), str(exc))
@@ -483,21 +489,24 @@ ENVD_PATHS = ("/health", "/files")
 
 
 def make_app(backend: E2BBackend, api_keys, *, home=None, max_per_tenant: int = 20,
-             max_concurrent_creates: int = 4, audit=None, domain: str | None = None):
+             max_concurrent_creates: int = 4, audit=None, domain: str | None = None, store=None):
     """The ASGI app. ``api_keys`` maps each API key to its tenant (or is a callable returning
     that map, called again when an unknown key arrives). ``domain`` is answered as the
-    sandboxes' domain (``get_host(port)`` = ``PORT-ID.DOMAIN``, routed by ``Host``)."""
+    sandboxes' domain (``get_host(port)`` = ``PORT-ID.DOMAIN``, routed by ``Host``). ``store``
+    (agentvm.e2b.store.E2BStore) keeps the sandboxes across restarts; without it they live
+    as long as the app. ``audit(kind, **data)`` gets the adapter's records (``tenant`` in data)."""
     from starlette.applications import Starlette
 
     from agentvm.e2b.envd import connect_apps
 
     svc = E2BService(backend, api_keys, home=home, max_per_tenant=max_per_tenant,
-                     max_concurrent_creates=max_concurrent_creates, audit=audit, domain=domain)
+                     max_concurrent_creates=max_concurrent_creates, audit=audit, domain=domain, store=store)
 
     import contextlib
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
+        await svc.load()
         svc._reaper = asyncio.create_task(svc.reap())
         try:
             yield

@@ -407,6 +407,14 @@ class DaemonBackend:
         await self._control(name, pid, f"sig {int(sig)}")
 
     # -- files --------------------------------------------------------------------------------
+    async def _put_file(self, name: str, rel: str, data: bytes) -> None:
+        """The daemon's symlink-safe copy into the workspace (``rel`` below it)."""
+        await self._call(self.client.put_file, name, rel, data)
+
+    async def _get(self, name: str) -> dict:
+        """The daemon's row of ``name`` (state, sandbox_id, substrate)."""
+        return await self._call(self.client.get, name)
+
     async def read_file(self, name: str, path: str) -> bytes:
         out = await self._check(name, ["/bin/sh", "-c", 'if [ -d "$1" ]; then echo "$1: Is a directory" >&2; '
                                        'exit 1; fi; exec head -c "$2" -- "$1"', "e2b-read", path, str(MAX_READ + 1)])
@@ -418,11 +426,11 @@ class DaemonBackend:
         norm = posixpath.normpath(path)
         if norm.startswith(WORKSPACE + "/"):
             # the daemon's own copy: no link followed, written as the agent, all or nothing
-            await self._call(self.client.put_file, name, norm[len(WORKSPACE) + 1:], data)
+            await self._put_file(name, norm[len(WORKSPACE) + 1:], data)
             return
         # elsewhere: staged in the workspace, then moved by the sandbox itself (its own rights)
         stage = f".agentvm-e2b/{secrets.token_hex(8)}"
-        await self._call(self.client.put_file, name, stage, data)
+        await self._put_file(name, stage, data)
         try:
             await self._check(name, ["/bin/sh", "-c", 'mkdir -p -- "$(dirname -- "$2")" && mv -f -- "$1" "$2"; rc=$?; '
                                      'rmdir -- "$(dirname -- "$1")" 2>/dev/null; exit $rc',
@@ -472,7 +480,7 @@ class DaemonBackend:
         from agentvm.e2b import ports
 
         try:
-            info = await self._call(self.client.get, name)
+            info = await self._get(name)
         except BackendFailure as exc:
             raise ports.PortUnreachable(str(exc)) from exc
         if info.get("state") != "running" or not info.get("sandbox_id"):

@@ -23,9 +23,11 @@ from agentvm.e2b._gen import filesystem_pb as fpb
 from agentvm.e2b._gen import process_connect as pc
 from agentvm.e2b._gen import process_pb as ppb
 from agentvm.e2b.backend import BackendFailure, Entry, ExecSpec
+from agentvm.e2b.model import Proc, resolve_path
 
 if TYPE_CHECKING:
-    from agentvm.e2b.app import Box, E2BService, Proc
+    from agentvm.e2b.app import E2BService
+    from agentvm.e2b.model import Box
 
 _CODES = {"not-found": Code.NOT_FOUND, "exists": Code.ALREADY_EXISTS, "permission": Code.PERMISSION_DENIED,
           "not-dir": Code.INVALID_ARGUMENT, "is-dir": Code.INVALID_ARGUMENT, "invalid": Code.INVALID_ARGUMENT,
@@ -52,8 +54,6 @@ def _keepalive(ctx) -> float:
 
 
 def _resolve(path: str) -> str:
-    from agentvm.e2b.app import resolve_path
-
     try:
         return resolve_path(path)
     except BackendFailure as exc:
@@ -122,8 +122,6 @@ class ProcessService:
                             tag=p.tag) for p in box.procs.values() if not p.done])
 
     async def start(self, request, ctx):
-        from agentvm.e2b.app import Proc
-
         box = _box(self.svc, ctx)
         cfg = request.process
         if cfg is None or not cfg.cmd:
@@ -147,7 +145,7 @@ class ProcessService:
         proc.subscribers.append(q)
         box.procs[pid] = proc
         proc.task = asyncio.create_task(_pump(proc))
-        self.svc.record("e2b.exec", sandbox=box.name, argv=[cfg.cmd, *cfg.args], user_asked=user, pid=pid)
+        self.svc.record("e2b.exec", tenant=box.tenant, sandbox=box.name, argv=[cfg.cmd, *cfg.args], user_asked=user, pid=pid)
         try:
             yield ppb.StartResponse(event=ppb.ProcessEvent(event=Oneof("start", ppb.ProcessEvent.StartEvent(pid=pid))))
             async for r in _follow(q, _keepalive(ctx), lambda e: ppb.StartResponse(event=e)):
@@ -212,7 +210,7 @@ class ProcessService:
             await self.svc.backend.signal(box.name, proc.pid, sig)
         except BackendFailure as exc:
             raise _fail(exc) from None
-        self.svc.record("e2b.signal", sandbox=box.name, pid=proc.pid, signal=sig)
+        self.svc.record("e2b.signal", tenant=box.tenant, sandbox=box.name, pid=proc.pid, signal=sig)
         return ppb.SendSignalResponse()
 
 

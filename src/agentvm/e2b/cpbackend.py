@@ -1,0 +1,233 @@
+"""The E2B backend over the daemon's ControlPlane, in the daemon's own process.
+
+:class:`ControlPlaneBackend` is what the daemon serves the E2B API with (``agentvm up
+--e2b-listen``): every call is a typed ControlPlane call on the daemon's loop (create,
+start_and_wait, stop, remove, exec, copy_in, sandbox), so no HTTP hop, no token and no second
+process sit between the E2B API and the sandboxes. The operations that are commands inside
+the sandbox (stat, listing, mkdir, move, remove, signals, stdin through the wrapper's FIFOs)
+are :class:`agentvm.e2b.backend.DaemonBackend`'s, run through this backend's exec: the same
+sandbox view and the same controls whichever backend serves.
+
+``agentvm e2b serve`` keeps using DaemonBackend (the daemon's HTTP client) from its own process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import re
+from typing import AsyncIterator
+
+from agentvm.e2b.backend import _WRAPPER, CTL_DIR, BackendFailure, BoxInfo, DaemonBackend, ExecEvent, ExecSpec, Unsupported, \
+    check_env
+from agentvm.errors import AgentVMError
+
+ACTOR = "e2b-adapter"  # the daemon's own records of the adapter's calls (its e2b.* records name the tenant)
+
+_KINDS = {"sandbox.not-found": "not-found", "files.not-found": "not-found", "sandbox.not-running": "gone"}
+
+
+def _failure(exc: AgentVMError) -> BackendFailure:
+    code = getattr(exc, "code", "") or ""
+    kind = _KINDS.get(code)
+    if kind is None:
+        kind = "permission" if code.startswith("files.") or getattr(exc, "status", 0) == 403 else "internal"
+    return BackendFailure(kind, f"{exc} ({code})")
+
+
+class _Collect:
+    """A pump Output into a callback (the control plane's exec streams into it)."""
+
+    def __init__(self, on_data):
+        self.on_data = on_data
+
+    async def start(self) -> None:
+        pass
+
+    async def write(self, stream: str, data: bytes) -> None:
+        self.on_data(stream, data)
+
+    def hangup(self):
+        return None
+
+
+class _CPProcess:
+    """One exec on the control plane, its output parsed as the wrapper writes it (its pid on
+    the first stderr line) into events."""
+
+    def __init__(self, backend: "ControlPlaneBackend", name: str, argv: list[str], timeout: float | None,
+                 stdin: bool):
+        self.pid = 0
+        self._name, self._stdin, self._backend = name, stdin, backend
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._started = asyncio.Event()
+        self._head = b""
+        self._head_done = False
+        self._task = asyncio.ensure_future(self._run(argv, timeout))
+
+    def _started_with(self, pid: int) -> None:
+        if not self._started.is_set():
+            self.pid = pid
+            self._started.set()
+
+    def _data(self, stream: str, data: bytes) -> None:
+        if stream == "stderr" and not self._head_done:
+            self._head += data
+            if b"\n" not in self._head:
+                return
+            line, _, rest = self._head.partition(b"\n")
+            self._head_done = True
+            m = re.fullmatch(rb"\x1e(\d+)", line)
+            self._started_with(int(m.group(1)) if m else 0)
+            if not m:
+                rest = self._head
+            if rest:
+                self._queue.put_nowait(ExecEvent("stderr", rest))
+            return
+        self._queue.put_nowait(ExecEvent(stream, data))
+
+    async def _run(self, argv, timeout) -> None:
+        try:
+            status = await self._backend.cp.exec(self._name, argv, _Collect(self._data), timeout=timeout, actor=ACTOR)
+            if not self._head_done and self._head:
+                self._queue.put_nowait(ExecEvent("stderr", self._head))
+            err = None
+            if status.setup_error:
+                err = str(status.setup_error)
+            elif status.timed_out:
+                err = "timed out"
+            self._queue.put_nowait(ExecEvent("exit", exit_code=int(status.exit_code), error=err))
+        except asyncio.CancelledError:
+            self._queue.put_nowait(ExecEvent("exit", exit_code=-1, error="cancelled"))
+            raise
+        except AgentVMError as exc:
+            self._queue.put_nowait(ExecEvent("exit", exit_code=-1, error=str(_failure(exc))))
+        except Exception as exc:  # noqa: BLE001 - reported to the client as the process's end
+            self._queue.put_nowait(ExecEvent("exit", exit_code=-1, error=f"{type(exc).__name__}: {exc}"))
+        finally:
+            self._started_with(0)
+
+    async def wait_started(self) -> None:
+        await self._started.wait()
+
+    async def events(self) -> AsyncIterator[ExecEvent]:
+        while True:
+            ev = await self._queue.get()
+            yield ev
+            if ev.kind == "exit":
+                return
+
+    # stdin and signals go through the wrapper's FIFOs, as with DaemonBackend
+    async def write_stdin(self, data: bytes) -> None:
+        if not self._stdin:
+            raise BackendFailure("invalid", "the process was not started with stdin=True")
+        for i in range(0, len(data), 48 * 1024):  # argv strings are bounded (MAX_ARG_STRLEN)
+            code, _, _ = await self._backend._run(self._name, [
+                "/bin/sh", "-c", '[ -p "$1" ] || exit 3; printf %s "$2" | base64 -d > "$1"', "e2b-stdin",
+                f"{CTL_DIR}/{self.pid}/in", base64.b64encode(data[i:i + 48 * 1024]).decode()])
+            if code != 0:
+                raise BackendFailure("not-found", f"process {self.pid} is gone")
+
+    async def close_stdin(self) -> None:
+        if not self._stdin:
+            raise BackendFailure("invalid", "the process was not started with stdin=True")
+        await self._backend._control(self._name, self.pid, "close")
+
+    async def resize(self, cols: int, rows: int) -> None:
+        raise Unsupported("a pty needs the daemon's exec TTY relay, which it does not have yet")
+
+
+class _Out:
+    def __init__(self):
+        self.out, self.err = [], []
+
+    async def start(self) -> None:
+        pass
+
+    async def write(self, stream: str, data: bytes) -> None:
+        (self.out if stream == "stdout" else self.err).append(data)
+
+    def hangup(self):
+        return None
+
+
+class ControlPlaneBackend(DaemonBackend):
+    """E2BBackend over a ControlPlane (``cp``) on the same loop."""
+
+    def __init__(self, cp):
+        self.cp = cp
+        self.client = None  # nothing here goes through the HTTP client
+
+    async def _cp(self, coro):
+        try:
+            return await coro
+        except AgentVMError as exc:
+            raise _failure(exc) from exc
+
+    def _sync(self, fn, *a):
+        try:
+            return fn(*a)
+        except AgentVMError as exc:
+            raise _failure(exc) from exc
+
+    # -- sandboxes --------------------------------------------------------------------------
+    async def create(self, name: str, spec_text: str, ttl: float | None) -> None:
+        await self._cp(self.cp.create(spec_text, f"<e2b:{name}>", ttl=ttl, actor=ACTOR))
+        try:
+            await self._cp(self.cp.start_and_wait(name, actor=ACTOR))
+        except BackendFailure:
+            await self.kill(name)
+            raise
+
+    async def kill(self, name: str) -> None:
+        try:
+            await self._cp(self.cp.remove(name, actor=ACTOR))
+        except BackendFailure as exc:
+            if exc.kind != "not-found":
+                raise
+
+    async def pause(self, name: str) -> None:
+        await self._cp(self.cp.stop(name, actor=ACTOR))
+
+    async def resume(self, name: str) -> None:
+        await self._cp(self.cp.start_and_wait(name, actor=ACTOR))
+
+    async def info(self, name: str) -> BoxInfo | None:
+        try:
+            row = self._sync(self.cp.sandbox, name)
+        except BackendFailure as exc:
+            if exc.kind == "not-found":
+                return None
+            raise
+        return BoxInfo(name, str(row.get("state", "unknown")))
+
+    async def list(self) -> list[BoxInfo]:
+        return [BoxInfo(r["name"], str(r.get("state", "unknown"))) for r in self._sync(self.cp.sandboxes)]
+
+    async def _get(self, name: str) -> dict:
+        return self._sync(self.cp.sandbox, name)
+
+    # -- processes --------------------------------------------------------------------------
+    async def exec(self, name: str, spec: ExecSpec) -> _CPProcess:
+        if spec.pty is not None:
+            raise Unsupported("a pty needs the daemon's exec TTY relay, which it does not have yet")
+        check_env(spec.env)
+        if name not in self.cp.managed or self.cp.managed[name].handle is None:
+            self._sync(self.cp.row, name)  # not-found before not-running
+            raise BackendFailure("gone", f"{name} is not running")
+        argv = ["/bin/sh", "-c", _WRAPPER, "e2b-exec", spec.cwd or ".", "1" if spec.stdin else "0"]
+        if spec.env:
+            argv += ["/usr/bin/env", *[f"{k}={v}" for k, v in spec.env.items()]]
+        argv += spec.argv
+        proc = _CPProcess(self, name, argv, spec.timeout, spec.stdin)
+        await proc.wait_started()
+        return proc
+
+    async def _run(self, name: str, argv: list[str]) -> tuple[int, bytes, bytes]:
+        out = _Out()
+        status = await self._cp(self.cp.exec(name, argv, out, timeout=60, actor=ACTOR))
+        return int(status.exit_code), b"".join(out.out), b"".join(out.err)
+
+    # -- files --------------------------------------------------------------------------------
+    async def _put_file(self, name: str, rel: str, data: bytes) -> None:
+        await self._cp(self.cp.copy_in(name, rel, data, actor=ACTOR))
