@@ -121,6 +121,25 @@ class FakeBackend(Backend):
         if ev is not None:
             ev.set()
 
+    # pause/unpause/suspend: the protocol's "not supported" defaults (a test sets
+    # ``can_pause``/``can_suspend`` to exercise the layer above)
+    can_pause = False
+
+    def pause(self, handle: SandboxHandle, timeout: float = 5.0) -> None:
+        if not self.can_pause:
+            return super().pause(handle, timeout)
+        self.calls.append(("pause", handle.sandbox_id))
+        handle.private["paused"] = True
+
+    def unpause(self, handle: SandboxHandle, timeout: float = 5.0) -> None:
+        if not self.can_pause:
+            return super().unpause(handle, timeout)
+        self.calls.append(("unpause", handle.sandbox_id))
+        handle.private["paused"] = False
+
+    def paused(self, handle: SandboxHandle) -> bool:
+        return bool(handle.private.get("paused"))
+
     def destroy(self, handle: SandboxHandle) -> TeardownReport:
         self.calls.append(("destroy", handle.sandbox_id))
         self.live.pop(handle.sandbox_id, None)

@@ -49,7 +49,7 @@ from agentvm.backends.base import (
 )
 from agentvm.backends.protocol import Backend
 from agentvm.backends.status import drain
-from agentvm.errors import EXIT_BACKEND, EXIT_POLICY, EXIT_TIMEOUT, BackendError
+from agentvm.errors import EXIT_BACKEND, EXIT_POLICY, EXIT_TIMEOUT, AgentVMError, BackendError
 from agentvm.policy import Policy
 
 PRIMITIVES = (
@@ -645,6 +645,41 @@ class GvisorBackend(hv.ChildProcessSandbox, Backend):
         if "pids" in applied:
             applied["pids"] = pids
         return applied
+
+    # ------------------------------------------------------------------ suspend / resume (issue 37)
+    # ``runsc checkpoint`` writes the Sentry's whole state (every process, its memory, open
+    # files, the sandbox's own /tmp and loopback sockets) into one image and ends the sandbox:
+    # ``runsc run`` returns, and the ordinary teardown frees the cgroup, the processes, the
+    # gate endpoint. ``runsc restore`` (in place of ``run``, same bundle shape) brings it back.
+    can_suspend = True
+
+    def suspend(self, handle: SandboxHandle, image_dir: str) -> None:
+        proc: subprocess.Popen | None = handle.private.get("proc")
+        if proc is None or proc.poll() is not None:
+            raise AgentVMError("the sandbox is not running: nothing to suspend", code="sandbox.not-running")
+        handle.private["stopping"] = True  # its exit is ours, not runsc's failure
+        r = self._runsc(handle, "checkpoint", "--image-path", image_dir, handle.sandbox_id, timeout=300.0)
+        if r is None or r.returncode != 0:
+            handle.private["stopping"] = False
+            why = (r.stderr.strip()[-400:] if r is not None else "runsc did not answer within 300 s")
+            raise BackendError(f"runsc could not checkpoint the sandbox: {why}",
+                               hint="the sandbox keeps running; stop it or try again")
+        handle.private["suspended"] = True
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self._kill(handle)
+
+    def restoring(self, plan: LaunchPlan, image_dir: str) -> LaunchPlan:
+        import dataclasses
+
+        body: GvisorPlan = plan.body
+        argv = list(body.argv)
+        i = len(argv) - 4
+        if argv[i:i + 2] != ["run", "--bundle"]:
+            raise BackendError("this gVisor plan does not end in `run --bundle B ID`: cannot restore it")
+        argv[i:i + 1] = ["restore", "--image-path", image_dir]
+        return dataclasses.replace(plan, body=dataclasses.replace(body, argv=tuple(argv)))
 
     # ------------------------------------------------------------------ stop / destroy
     def _runsc(self, handle: SandboxHandle, *args: str, timeout: float = 10.0) -> subprocess.CompletedProcess | None:

@@ -996,6 +996,12 @@ class ChildProcessSandbox:
     # ``pause``/``unpause``: the cgroup freezer - every process stopped where it is, memory and
     # every host resource kept (the gate endpoint, the workspace, the uid), no CPU. Not suspend
     # (which frees them): a paused sandbox comes back exactly as it was, at once.
+    #: why a host-process sandbox (bubblewrap) is not suspended: CRIU, the only checkpointer
+    #: for it, cannot checkpoint or restore a Landlock domain (nor can a restore be verified to
+    #: carry one), so it would come back weaker - refused, never attempted (issue 37)
+    suspend_refusal = ("CRIU cannot checkpoint or restore the sandbox's Landlock domain, so a resumed sandbox "
+                       "would be weaker than the one suspended")
+
     def pause(self, handle, timeout: float = 5.0) -> None:
         self._cgroup_of(handle).freeze(timeout)
 

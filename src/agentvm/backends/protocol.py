@@ -108,6 +108,39 @@ class Backend(abc.ABC):
     def destroy(self, handle: SandboxHandle) -> TeardownReport:
         """Remove everything of the sandbox and *verify* nothing is left."""
 
+    # ---------------------------------------------------------------- pause / suspend (issue 37)
+    #: can write a running sandbox's whole state to disk and bring it back (``suspend``)
+    can_suspend: bool = False
+    #: why not, for the refusal (``backend.suspend-unsupported``)
+    suspend_refusal: str = "this substrate cannot checkpoint a sandbox"
+
+    def pause(self, handle: SandboxHandle, timeout: float = 5.0) -> None:
+        """Freeze every process of the sandbox (memory and host resources kept, CPU zero)."""
+        raise BackendError(f"the {self.name} substrate cannot pause a sandbox", code="backend.pause-unsupported",
+                           hint="stop the sandbox instead")
+
+    def unpause(self, handle: SandboxHandle, timeout: float = 5.0) -> None:
+        raise BackendError(f"the {self.name} substrate cannot pause a sandbox", code="backend.pause-unsupported",
+                           hint="stop the sandbox instead")
+
+    def paused(self, handle: SandboxHandle) -> bool:
+        return False
+
+    def suspend(self, handle: SandboxHandle, image_dir: str) -> None:
+        """Write the sandbox's whole state (processes, memory, open files, its /tmp) into
+        ``image_dir``; the sandbox then exits (``wait`` returns) and its teardown frees the rest."""
+        raise BackendError(f"the {self.name} substrate cannot suspend a sandbox: {self.suspend_refusal}",
+                           code="backend.suspend-unsupported",
+                           hint="use `agentvm pause NAME` (memory kept, CPU zero) or run the agent on the gvisor "
+                                "substrate (`substrate: gvisor`), which can checkpoint")
+
+    def restoring(self, plan: LaunchPlan, image_dir: str) -> LaunchPlan:
+        """``plan`` changed so that ``launch`` restores the checkpoint in ``image_dir`` instead of
+        starting the command afresh."""
+        raise BackendError(f"the {self.name} substrate cannot resume a sandbox: {self.suspend_refusal}",
+                           code="backend.suspend-unsupported",
+                           hint="use `agentvm pause NAME` or the gvisor substrate")
+
     def reap_stale(self) -> list[str]:
         """Tear down what sandboxes of a dead supervisor left behind; returns what was reaped."""
         return []

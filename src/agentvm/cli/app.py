@@ -57,6 +57,10 @@ _COMMANDS: dict[str, str] = {
     "template": "agentvm.cli.template_cmds:template",
     "gateway": "agentvm.cli.gateway_cmds:gateway",
     "k8s": "agentvm.cli.k8s_cmds:k8s",
+    "pause": "agentvm.cli.state_cmds:pause",
+    "unpause": "agentvm.cli.state_cmds:unpause",
+    "suspend": "agentvm.cli.state_cmds:suspend",
+    "resume": "agentvm.cli.state_cmds:resume",
 }
 
 

@@ -84,6 +84,8 @@ async def dispatch(h, method: str, target: str, body: bytes, conn, writer, actor
             if action == "restart":
                 return await answer(await cp.restart(name, actor=actor))
             return await answer(await cp.start_and_wait(name, actor=actor))
+        if action in ("pause", "unpause", "suspend", "resume") and method == "POST":
+            return await answer(await getattr(cp, action)(name, actor=actor))
         if action == "exec" and method == "POST":
             out = h.output(conn, writer)
             status = await cp.exec(name, list(m.argv), out, timeout=m.timeout, actor=actor)
@@ -199,7 +201,8 @@ async def _events(h, conn, writer) -> None:
 
 
 _SANDBOX_POSTS = {"start": api.Empty, "stop": api.Empty, "restart": api.Empty, "exec": api.Exec,
-                  "policy": api.POLICY_CHANGE}
+                  "policy": api.POLICY_CHANGE, "pause": api.Empty, "unpause": api.Empty, "suspend": api.Empty,
+                  "resume": api.Empty}
 _FLEET_POSTS = {"plan": api.FleetPlan, "apply": api.FleetApply, "rollback": api.FleetRollback}
 
 

@@ -64,7 +64,9 @@ CREATE TABLE IF NOT EXISTS promotions (
 TRANSITIONS: dict[str, frozenset[str]] = {
     "created": frozenset({"starting", "stopped"}),  # start / stop of a never-started sandbox
     "starting": frozenset({"running", "failed", "stopped"}),  # launched / refused or broken / stopped early
-    "running": frozenset({"backoff", "exited", "failed", "stopped"}),  # restart due / done / broken / stopped
+    "running": frozenset({"backoff", "exited", "failed", "stopped", "paused", "suspended"}),  # restart due / done / broken / stopped / frozen / checkpointed
+    "paused": frozenset({"running", "stopped", "exited", "failed", "backoff", "suspended"}),  # unpaused / stopped (thawed first) / ...
+    "suspended": frozenset({"starting", "stopped"}),  # resumed (restored) / stopped (its checkpoint dropped)
     "backoff": frozenset({"starting", "stopped"}),  # the restart begins / stopped while waiting
     "exited": frozenset({"starting", "stopped"}),
     "stopped": frozenset({"starting", "stopped"}),

@@ -60,6 +60,9 @@ class Managed:
         # its TTL or idle timeout ran out: it is not to run again, also if the disk refused to
         # record desired=stopped (cleared by the next start)
         self.expired = False
+        self.suspending = False  # its run ends in a checkpoint, not an exit (issue 37)
+        self.restore = None  # agentvm.checkpoint.Checkpoint: its next start restores this
+        self.idle_action: str | None = None  # lifecycle.idle ran out with this action (suspend|pause)
 
     def active(self, t: float) -> None:
         """Activity at wall time ``t`` (an allowed gate decision, an exec): in memory only."""
@@ -156,6 +159,10 @@ class Supervisor:
                 self.state.update(m.name, state="failed")
                 self.record("lifecycle.failed", sandbox=m.name, error="internal", message=f"{type(exc).__name__}: {exc}")
                 return
+            if m.suspending:  # checkpointed and torn down: it stays desired=running, resumable
+                m.suspending = False
+                self.state.update(m.name, state="suspended", exit_code=None)
+                return
             if m.stop_requested.is_set() or self.stopping.is_set():
                 break
             row = self.state.get(m.name)
@@ -194,14 +201,24 @@ class Supervisor:
         def prepared(s):
             m.session, m.policy = s, policy
 
+        restore, m.restore = m.restore, None
+
         async def attached(s):
             if s.endpoint is not None:
                 await self._sync_endpoint(m, row, s.endpoint)
+            if restore is not None:  # resume: the plan restores the checkpoint (checked again here)
+                from agentvm import checkpoint
+
+                await asyncio.to_thread(checkpoint.verify, restore, m.name, s.plan.policy_digest)
+                s.plan = s.backend.restoring(s.plan, restore.dir)
 
         def launched(s):
             m.started_at = m.activity_clock = _clock()  # the TTL and idle clocks start here
             m.activity = m.activity_saved = now = time.time()
             self.state.update(m.name, state="running", sandbox_id=s.sandbox_id, started=now, last_activity=now)
+            if restore is not None:
+                self.record("lifecycle.resumed", sandbox=m.name, sandbox_id=s.sandbox_id, restored=restore.sandbox_id,
+                            binding=restore.binding)
             self.record("lifecycle.running", sandbox=m.name, sandbox_id=s.sandbox_id, uid=s.res.host_uid,
                         substrate=s.plan.substrate, identity=s.plan.identity, policy=s.plan.policy_digest,
                         **({"gate": s.endpoint.placement} if s.endpoint is not None else {}))
@@ -318,8 +335,16 @@ class Supervisor:
             raise refuse("sandbox.not-found", f"no sandbox named {name!r}")
         m = self.managed.get(name)
         if m is not None and m.task is not None and not m.task.done():
+            if m.handle is not None and row.state == "paused":  # thawed first: a frozen sandbox cannot exit
+                try:
+                    await asyncio.to_thread(m.backend.unpause, m.handle)
+                except AgentVMError:
+                    log.warning("cannot thaw %s before stopping it (its cgroup is killed all the same)", name)
             m.stop_requested.set()
             await asyncio.gather(m.task, return_exceptions=True)
+        if row.state == "suspended" or self.checkpoints.get(name) is not None:
+            self.checkpoints.drop(name)  # stopped for good: its checkpoint goes
+            self.record("lifecycle.checkpoint-dropped", actor=actor, sandbox=name)
         self.record("lifecycle.stopped", actor=actor, sandbox=name)
         self._save(self.state.update, name, desired="stopped", state="stopped")
 
@@ -331,6 +356,125 @@ class Supervisor:
             if r is None or r.state in states:
                 return
             await asyncio.sleep(0.01)
+
+    # ------------------------------------------------------------------ pause, suspend, resume (issue 37)
+    @property
+    def checkpoints(self):
+        cs = getattr(self, "_checkpoint_store", None)
+        if cs is None:
+            from agentvm.checkpoint import CheckpointStore
+
+            cs = self._checkpoint_store = CheckpointStore(self.paths.home / "daemon.db")
+        return cs
+
+    def _live(self, name: str) -> Managed:
+        row = self.state.get(name)
+        if row is None:
+            raise refuse("sandbox.not-found", f"no sandbox named {name!r}")
+        if row.state == "suspended":
+            raise refuse("sandbox.suspended", f"{name} is suspended", hint=f"agentvm resume {name}")
+        m = self.managed.get(name)
+        if m is None or m.handle is None or row.state not in ("running", "paused"):
+            raise refuse("sandbox.not-running", f"{name} is not running ({row.state})", hint=f"agentvm start {name}")
+        return m
+
+    async def pause(self, name: str, *, actor: str = "operator") -> dict:
+        """The cgroup freezer: every process stopped where it is; memory, the gate endpoint, the
+        workspace and the uid kept; CPU zero. Any substrate with a freezer (bubblewrap too)."""
+        m = self._live(name)
+        if self.state.get(name).state == "paused":
+            return {"name": name, "state": "paused"}
+        await asyncio.to_thread(m.backend.pause, m.handle)
+        self.state.update(name, state="paused")
+        self.record("lifecycle.paused", actor=actor, sandbox=name, sandbox_id=m.session.sandbox_id)
+        return {"name": name, "state": "paused"}
+
+    async def unpause(self, name: str, *, actor: str = "operator", why: str | None = None) -> dict:
+        m = self._live(name)
+        if self.state.get(name).state != "paused":
+            return {"name": name, "state": "running"}
+        await asyncio.to_thread(m.backend.unpause, m.handle)
+        self.state.update(name, state="running")
+        m.active(time.time())
+        self.record("lifecycle.unpaused", actor=actor, sandbox=name, sandbox_id=m.session.sandbox_id,
+                    **({"woken_by": why} if why else {}))
+        return {"name": name, "state": "running"}
+
+    async def suspend(self, name: str, *, actor: str = "operator") -> dict:
+        """Write the sandbox's whole state to a root-only checkpoint and free every host
+        resource it held (its processes, memory, cgroup, gate endpoint): the run ends in the
+        checkpoint, and ``resume`` restores it. A substrate that cannot do so faithfully
+        (bubblewrap: CRIU cannot restore Landlock) refuses (``backend.suspend-unsupported``)."""
+        from agentvm import checkpoint
+
+        m = self._live(name)
+        backend, s = m.backend, m.session
+        if not getattr(backend, "can_suspend", False):
+            backend.suspend(m.handle, "")  # the substrate's refusal, by its code
+        if self.state.get(name).state == "paused":
+            await self.unpause(name, actor=actor, why="suspend")
+        sid, digest, substrate = s.sandbox_id, s.plan.policy_digest, s.plan.substrate
+        image = await asyncio.to_thread(checkpoint.new_dir, self.paths.home, name, sid)
+        t0 = time.monotonic()
+        m.suspending = True
+        try:
+            await asyncio.to_thread(backend.suspend, m.handle, str(image))
+        except BaseException:
+            m.suspending = False
+            raise
+        if m.task is not None:
+            await asyncio.gather(m.task, return_exceptions=True)  # the teardown frees the rest
+        cp = await asyncio.to_thread(checkpoint.seal, name, sid, substrate, digest, image)
+        self.checkpoints.put(cp)
+        took = time.monotonic() - t0
+        self.record("lifecycle.suspended", actor=actor, sandbox=name, sandbox_id=sid, binding=cp.binding,
+                    image_digest=cp.image_digest, policy=digest, bytes=cp.bytes, seconds=round(took, 3))
+        return {"name": name, "state": self.state.get(name).state, "checkpoint": {
+            "binding": cp.binding, "bytes": cp.bytes, "seconds": round(took, 3)}}
+
+    async def resume(self, name: str, *, actor: str = "operator", why: str | None = None) -> dict:
+        """Restore a suspended sandbox on the same policy and workspace, its processes continuing;
+        its checkpoint is checked against the binding recorded when it was taken first."""
+        from agentvm import checkpoint
+
+        row = self.state.get(name)
+        if row is None:
+            raise refuse("sandbox.not-found", f"no sandbox named {name!r}")
+        if row.state != "suspended":
+            raise refuse("sandbox.not-suspended", f"{name} is not suspended ({row.state})")
+        digest = await asyncio.to_thread(lambda: self.effective_policy(row).digest())
+        try:
+            cp = await asyncio.to_thread(checkpoint.verify, self.checkpoints.get(name), name, digest)
+        except AgentVMError as exc:
+            self.record("lifecycle.resume-refused", actor=actor, sandbox=name, error=exc.code, message=exc.message)
+            raise
+        m = self.managed.setdefault(name, Managed(name))
+        m.restore = cp
+        t0 = time.monotonic()
+        self.record("lifecycle.resume-requested", actor=actor, sandbox=name, binding=cp.binding,
+                    **({"woken_by": why} if why else {}))
+        try:
+            out = await self.start_and_wait(name, actor=actor)
+        finally:
+            m.restore = None
+        if out.get("state") == "running":
+            self.checkpoints.drop(name)  # restored: the image is spent (a later suspend writes a new one)
+        out["resume_seconds"] = round(time.monotonic() - t0, 3)
+        return out
+
+    async def wake(self, name: str, *, actor: str, why: str) -> bool:
+        """Before an exec, a cp, an answered approval or an operator command: a paused agent is
+        unpaused, a suspended one resumed (the caller waits; the audit says why). True if woken."""
+        row = self.state.get(name)
+        if row is None:
+            return False
+        if row.state == "paused":
+            await self.unpause(name, actor=actor, why=why)
+            return True
+        if row.state == "suspended":
+            await self.resume(name, actor=actor, why=why)
+            return True
+        return False
 
     # ------------------------------------------------------------------ recovery
     def _record_lost_runs(self) -> list[str]:
@@ -371,7 +515,9 @@ class Supervisor:
                 self.state.fleet_put(row.name, None, None)
                 reaped = [*reaped, f"canary {row.name}"]
                 continue
-            if row.state in ("running", "starting", "backoff") or row.desired == "running":
+            if row.state == "suspended":  # its checkpoint outlives the daemon: resumed on demand
+                continue
+            if row.state in ("running", "starting", "backoff", "paused") or row.desired == "running":
                 self.state.update(row.name, state="stopped")
                 if row.desired == "running" and row.lifecycle == "persistent" and resume:
                     await self.start(row.name, actor="recovery")
