@@ -161,6 +161,24 @@ def test_oauth2_the_sandbox_calls_the_api_with_a_minted_token_and_never_sees_it(
     assert any(ln.get("credentials") == ["api"] for ln in log_lines(res))
 
 
+def test_oauth2_the_minted_token_is_revoked_at_the_server_when_the_session_ends(world):
+    """The gate mints at attach (off its loop) and, when the endpoint closes, revokes what it
+    minted (RFC 7009): once ``agentvm run`` has returned, the token server has the revocation."""
+    p = world["api_port"]
+    code = textwrap.dedent(f"""
+        import os, requests
+        r = requests.get("https://api.test:{p}/api/me", headers={{"Authorization": "Bearer " + os.environ["API_TOKEN"]}})
+        print("ME", r.status_code)
+    """)
+    before = len(world["oauth"].seen_by_resource)
+    r, res = run_py(world, code)
+    out = r.stdout.decode()
+    assert r.returncode == 0 and "ME 200" in out, out + r.stderr.decode()[-3000:]
+    used = [a[7:] for a in world["oauth"].seen_by_resource[before:] if a.startswith("Bearer fake-access-")]
+    assert used, "the resource server saw a minted access token"
+    assert used[-1] in world["oauth"].revocations, "the session's minted token was revoked when the session ended"
+
+
 def test_oauth2_the_agent_asks_the_token_endpoint_itself(world):
     p = world["api_port"]
     code = textwrap.dedent(f"""
@@ -178,7 +196,7 @@ def test_oauth2_the_agent_asks_the_token_endpoint_itself(world):
     assert "True" not in out
     denials = [ln for ln in log_lines(res) if ln["verdict"] == "deny"]
     assert len(denials) == 2 and all(d["rule"] == "credential:leak:api" and d.get("alert") for d in denials)
-    assert world["oauth"].grants == grants
+    assert world["oauth"].grants == grants + 1, "only the gate's own mint at attach, none from the agent's attempts"
     _assert_nowhere(world, out, res)
 
 

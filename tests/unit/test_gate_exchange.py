@@ -46,7 +46,7 @@ REAL = "sk-REAL-fake-test-value-0123456789abcdef"
 
 
 def endpoint(policy=POLICY, *, creds=None, paused=False, rate=1e9):
-    return SimpleNamespace(policy=policy, creds=creds, paused=paused, bucket=TokenBucket(rate, rate))
+    return SimpleNamespace(policy=policy, creds=creds, paused=paused, bucket=TokenBucket(rate, rate), budget=None)
 
 
 def credset(vault=lambda n: REAL):

@@ -48,7 +48,16 @@ import urllib.request
 from dataclasses import dataclass, field
 from typing import Callable
 
-from agentvm.gate.credentials import CredentialError
+
+
+class CredentialError(Exception):
+    """A request breaks a credential rule. ``rule_id`` is what the 403 and the log carry.
+    (Defined here, below ``agentvm.gate.credentials``, which re-exports it: the credential set
+    builds on the brokers, never the other way round.)"""
+
+    def __init__(self, rule_id: str, reason: str, *, name: str, where: str, alert: bool):
+        super().__init__(reason)
+        self.rule_id, self.reason, self.name, self.where, self.alert = rule_id, reason, name, where, alert
 
 KINDS = ("oauth2-refresh", "aws-sts", "github-app")
 TIMEOUT = 10.0  # seconds for one call to a token endpoint

@@ -33,6 +33,7 @@ from functools import lru_cache
 from typing import Callable, NamedTuple
 from urllib.parse import parse_qsl, quote, quote_plus, urlencode
 
+from agentvm.gate.brokers import BrokerSpec, CredentialError, TokenCache  # (CredentialError lives there: no cycle)
 from agentvm.gate.encoding import DecodeError
 from agentvm.gate.policy import host_matches, normalize_host, normalize_pattern
 
@@ -154,8 +155,6 @@ def compile_credentials(spec_credentials) -> tuple[CredentialBinding, ...]:
 def _broker_spec(m):
     if m is None:
         return None
-    from agentvm.gate.brokers import BrokerSpec
-
     return BrokerSpec.from_model(m)
 
 
@@ -168,14 +167,6 @@ def make_placeholder(b: CredentialBinding, real_length: int) -> str:
     alphabet = CHARSETS.get(b.charset, CHARSETS["alnum"])
     body_len = max(length - len(b.prefix), 24)
     return b.prefix + "".join(secrets.choice(alphabet) for _ in range(body_len))
-
-
-class CredentialError(Exception):
-    """A request breaks a credential rule. ``rule_id`` is what the 403 and the log carry."""
-
-    def __init__(self, rule_id: str, reason: str, *, name: str, where: str, alert: bool):
-        super().__init__(reason)
-        self.rule_id, self.reason, self.name, self.where, self.alert = rule_id, reason, name, where, alert
 
 
 @dataclass
@@ -206,8 +197,6 @@ class CredentialSet:
         self.brokers = {}
         for b in bindings:
             if b.broker is not None:
-                from agentvm.gate.brokers import TokenCache
-
                 self.brokers[b.name] = TokenCache(b.name, b.broker, raw=(lambda n=b.name: value(n)),
                                                   persist=(lambda text, b=b: self._persist(b, text)))
         self.value = self._brokered_value if self.brokers else value  # name -> real value (may raise)

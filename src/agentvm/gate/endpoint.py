@@ -234,6 +234,7 @@ class Endpoint:
         self.splices: dict[asyncio.Task, RequestMeta] = {}  # opaque tunnels: decided once, at setup
         self.cut: dict[asyncio.Task, tuple[str, str]] = {}  # task -> (rule, reason) it was cut for
         self.creds = None  # CredentialSet of this session (credentials by reference), or None
+        self.creds_ready: asyncio.Task | None = None  # its brokered credentials being minted (prepare_credentials)
         self.tools = None  # agentvm.tools.slot.ToolsSlot: this sandbox's tool gateway, or None (no tools)
         self.approval_timeout = 300.0  # how long a held (action: ask) request waits for a human
         self.approval_webhook = None  # where pending requests are POSTed (approvals.webhook)
@@ -246,6 +247,38 @@ class Endpoint:
         self.decoder_waiters: set = set()
         self._pool_timer: asyncio.TimerHandle | None = None  # the prune that expires idle connections
         self.closing = False  # Gate.close_endpoint under way: nothing more is served
+
+    # -- brokered credentials: minted at attach, revoked at close ------------------------------
+    def prepare_credentials(self) -> None:
+        """Session start: mint this session's brokered credentials in a thread (a mint may take
+        seconds: never on the gate's event loop), so the first request finds them cached. The
+        gate holds each connection's first request until it is done (:meth:`credentials_ready`)."""
+        creds = self.creds
+        if creds is None or not getattr(creds, "brokers", None):
+            return
+        self.creds_ready = asyncio.get_running_loop().create_task(asyncio.to_thread(creds.prepare))
+
+    async def credentials_ready(self, timeout: float = 15.0) -> None:
+        """Wait (bounded) for the mint begun at attach: a request meanwhile would block the loop on
+        the token cache's lock. A failed or slow mint is left for the request to report."""
+        t = self.creds_ready
+        if t is not None and not t.done():
+            await asyncio.wait({t}, timeout=timeout)
+
+    async def close_credentials(self, timeout: float = 15.0) -> None:
+        """Session end: what was minted for it is forgotten and revoked upstream where the kind
+        can (RFC 7009, GitHub's installation-token DELETE), waited for (bounded) in a thread."""
+        creds = self.creds
+        if self.creds_ready is not None:
+            self.creds_ready.cancel()  # (the thread finishes; its mint is dropped below)
+            self.creds_ready = None
+        if creds is None or not getattr(creds, "brokers", None):
+            return
+        try:
+            await asyncio.wait_for(asyncio.to_thread(creds.close, wait=True), timeout)
+        except Exception:  # (a revocation that failed or hangs: the minted value still expires)
+            logging.getLogger("agentvm.gate").warning("sandbox %s: revoking its minted credentials did not finish",
+                                                      self.sandbox_id)
 
     def pool_get(self, key: tuple, *, retry_ok: bool = True):
         """An idle connection to ``key`` - only one the upstream has not closed and has sent

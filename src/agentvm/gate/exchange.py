@@ -383,7 +383,7 @@ def request(ep, req: h1.ProxyRequest, *, scheme: str, tunnel: Tunnel | None = No
     if not d.allowed:
         yield deny(req, d.rule_id, d.reason)
         return
-    budget = getattr(ep, "budget", None)
+    budget = ep.budget  # (EndpointHandle.budget: None without one)
     if budget is None or not budget.covers(req.host):
         budget = None
     elif req.upgrade_websocket:
@@ -508,7 +508,7 @@ def connect(ep, req: h1.ProxyRequest) -> Flow:
                    method="CONNECT", respond=False, sni=sni)
         return
     tunnel = replace(tunnel, sni=sni)
-    budget = getattr(ep, "budget", None)
+    budget = ep.budget
     if d.terminate or d2.terminate or creds is not None or (budget is not None and budget.covers(req.host)):
         # a sandbox holding placeholders gets every tunnel terminated: a placeholder must be
         # seen wherever it travels (and swapped only where it is bound)

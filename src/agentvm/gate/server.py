@@ -156,6 +156,7 @@ class Gate:
                 sock.close()
             raise
         self.endpoints[sandbox_id] = ep
+        ep.prepare_credentials()  # (brokered credentials minted off the loop; first requests wait for it)
         return ep
 
     async def close_endpoint(self, sandbox_id: str, *, unlink: bool = True) -> Endpoint | None:
@@ -210,6 +211,7 @@ class Gate:
         ep.pool_close()
         if ep.tools is not None:
             await ep.tools.close()
+        await ep.close_credentials()  # (minted tokens revoked at session end)
         ep.close_log()
         return ep
 
@@ -241,6 +243,8 @@ class Gate:
         task = asyncio.current_task()
         ep.conns.add(task)
         try:
+            if ep.creds_ready is not None:
+                await ep.credentials_ready()
             await self._requests(ep, client, b"", scheme="http", tunnel=None)
         except (ConnectionError, asyncio.TimeoutError, asyncio.IncompleteReadError, ssl.SSLError):
             pass

@@ -38,6 +38,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Callable
 
+from agentvm.sshkeys import parse_known_host  # (the pure parser; re-exported here)
+
 MAX_MESSAGE = 256 * 1024
 MAX_CONNECTIONS = 16
 MAX_SIGNS = 64
@@ -132,25 +134,6 @@ def load_key(name: str, pem: str, known_hosts: list[str] | tuple[str, ...]) -> A
         host, hkey = parse_known_host(line)
         allowed[hkey] = host
     return AgentKey(name, priv, blob, f"agent-vm:{name}", allowed)
-
-
-def parse_known_host(line: str) -> tuple[str, bytes]:
-    """``host keytype base64`` -> (host, key blob). ValueError when malformed."""
-    parts = line.split()
-    if len(parts) < 3:
-        raise ValueError("a known host is 'host keytype base64'")
-    host, kind, b64 = parts[:3]
-    try:
-        blob = base64.b64decode(b64, validate=True)
-    except ValueError:
-        raise ValueError("a known host's key is not base64") from None
-    r = _Reader(blob)
-    try:
-        if r.string().decode() != kind:
-            raise ValueError("a known host's key type does not match its key")
-    except (ProtocolError, UnicodeDecodeError):
-        raise ValueError("a known host's key is malformed") from None
-    return host, blob
 
 
 def _public_from_blob(blob: bytes):

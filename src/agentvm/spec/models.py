@@ -461,7 +461,7 @@ class SshAgentKey(_Model):
     @field_validator("known_hosts")
     @classmethod
     def _known(cls, v: list[str]) -> list[str]:
-        from agentvm.gate.sshagent import parse_known_host
+        from agentvm.sshkeys import parse_known_host
 
         for line in v:
             parse_known_host(line)
