@@ -287,11 +287,27 @@ def ps(as_json):
 @click.argument("name")
 @click.argument("argv", nargs=-1, type=click.UNPROCESSED, required=True)
 @click.option("--timeout", type=float)
-def exec_cmd(name, argv, timeout):
-    """Run a command in a running sandbox; streams its output; exits with its code."""
+@click.option("-i", "--interactive", is_flag=True, help="relay this stdin to the command (until its end)")
+@click.option("-t", "--tty", is_flag=True, help="give the command a terminal (this terminal's input, size and "
+              "Ctrl-C reach it; implies -i)")
+def exec_cmd(name, argv, timeout, interactive, tty):
+    """Run a command in a running sandbox; streams its output; exits with its code.
+    `exec -it NAME -- sh` attaches a terminal; `exec -i` relays a stdin pipe."""
     argv = list(argv)
     if argv and argv[0] == "--":
         argv = argv[1:]
+    if interactive or tty:
+        from urllib.parse import quote
+
+        from agentvm.cli.fastrun import attach, attach_body
+
+        sock, headers = _client().connect_raw()
+        doc = json.dumps({"argv": argv, "timeout": timeout}).encode()
+        code = attach(sock, f"/v1/sandboxes/{quote(name, safe='')}/exec/attach", attach_body(doc, tty), tty=tty,
+                      headers=headers)
+        if code is None:
+            raise click.ClickException("this daemon has no interactive exec: restart it (`agentvm down; agentvm up`)")
+        return code
     code = 125
     for ev in _client().exec(name, argv, timeout):
         if ev.get("stream") == "stdout":

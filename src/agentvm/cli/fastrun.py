@@ -12,7 +12,10 @@ Two ways in:
   come, then the exit code and the report already rendered by :mod:`agentvm.runreport`), so
   the client parses no JSON either. Anything else returns None and takes the full path;
 - :func:`connect` and :func:`run_stream` - the full path's client (one HTTP/1.1 request, a
-  chunked NDJSON response), used with every option.
+  chunked NDJSON response), used with every option;
+- :func:`attach` - an interactive session (stdin relayed, a terminal, signals): an upgraded
+  connection of frames both ways (docs/daemon.md "Interactive sessions"), for ``run`` with a
+  pipe or a terminal on stdin and for ``exec -i`` / ``exec -it``.
 """
 
 from __future__ import annotations
@@ -48,8 +51,8 @@ def _timeout() -> float:
 
 def stdin_kind() -> str:
     """What is on stdin, for the daemon: "stream" (a pipe, a socket, a terminal or another
-    character device but /dev/null: it could stream forever, and the daemon relays no stdin
-    stream), "file" (a regular file: the full client sends its content), else "none"."""
+    character device but /dev/null: it could stream forever - relayed in an interactive
+    session), "file" (a regular file), else "none"."""
     import stat
 
     try:
@@ -85,7 +88,16 @@ def fast_run(argv: list[str]) -> int | None:
     if os.isatty(0) and os.isatty(1):
         return None  # a terminal: the full path decides whether the sandbox gets one
     if stdin_kind() != "none":
-        return None  # a stream (embedded) or a file to send (the full client sends it)
+        # a pipe (or a file, a terminal that is not also stdout) to relay: an interactive
+        # session, still without argparse or the full client
+        from agentvm.errors import AgentVMError
+
+        try:
+            return attach_run(command)
+        except AgentVMError as err:
+            from agentvm.cli import report_error
+
+            return report_error(err)
     try:
         import _socket
     except ImportError:  # not CPython: the full path
@@ -413,3 +425,218 @@ def _events(r: _Reader, status: int, headers: dict):
             if "data" in ev:
                 ev["data"] = binascii.a2b_base64(ev["data"])
             yield ev
+
+
+# ---------------------------------------------------------------- interactive sessions
+ATTACH_PATH = "/v1/run/attach"
+ATTACH_PROTOCOL = "agentvm-frames/1"
+IN_FRAME = 65536  # bytes of stdin per frame (the daemon's limit)
+OUT_PENDING = 256 * 1024  # bytes queued for the daemon before stdin is no longer read (back-pressure)
+_SIGNAL_NAMES = {2: b"INT", 15: b"TERM", 1: b"HUP", 3: b"QUIT"}
+
+
+def _frame(kind: bytes, payload: bytes = b"") -> bytes:
+    return kind + str(len(payload)).encode() + b"\n" + payload
+
+
+def _term_size(fd: int) -> tuple[int, int] | None:
+    import fcntl
+    import struct
+    import termios
+
+    try:
+        rows, cols = struct.unpack("HHHH", fcntl.ioctl(fd, termios.TIOCGWINSZ, b"\0" * 8))[:2]
+    except OSError:
+        return None
+    return (rows or 24, cols or 80)
+
+
+def attach_body(doc_json: bytes, tty: bool) -> bytes:
+    """The request body of an interactive session: the run's (or exec's) JSON object, with the
+    terminal's size when it has one (``doc_json`` ends in ``}``)."""
+    if not tty:
+        return doc_json
+    rows, cols = _term_size(0) or _term_size(1) or (24, 80)
+    return doc_json[:-1] + b',"tty":{"rows":%d,"cols":%d}}' % (rows, cols)
+
+
+def attach(sock, path: str, body: bytes, *, tty: bool = False, report_to_stdout: bool = False,
+           headers: bytes = b"") -> int | None:
+    """An interactive session on ``sock`` (docs/daemon.md "Interactive sessions"): POST ``path``
+    with ``body`` asking for the upgrade, then frames both ways - this process's stdin as ``i``
+    frames (``c`` at its end), the terminal's size changes (SIGWINCH) as ``w``, SIGINT /
+    SIGTERM / SIGHUP / SIGQUIT as ``s``; ``o``/``e`` to stdout/stderr until ``x``. With
+    ``tty`` a terminal on stdin is put in raw mode (restored after). Returns the exit code;
+    None when the daemon has no such route (404: nothing ran); a refusal raises the error the
+    embedded path raises. Bounded: at most OUT_PENDING bytes wait for the daemon (then stdin
+    is not read), output is written before more is read (the daemon waits on us)."""
+    import select
+    import signal
+
+    timeout = _timeout()
+    sock.settimeout(timeout)
+    head = (b"POST %s HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: %d\r\n"
+            b"Connection: Upgrade\r\nUpgrade: %s\r\n%s\r\n" % (path.encode(), len(body), ATTACH_PROTOCOL.encode(),
+                                                              headers))
+    try:
+        sock.sendall(head + body)
+        r = _Reader(sock, timeout)
+        status, headers = r.head()
+        r.deadline = None
+    except TimeoutError:
+        sock.close()
+        from agentvm.daemon.client import DaemonUnavailable
+
+        message, hint = _timed_out(timeout)
+        raise DaemonUnavailable(message, hint=hint, code="daemon.timeout") from None
+    if status == 404:
+        sock.close()
+        return None
+    if status != 101:
+        try:
+            for _ in _events(r, status if status >= 300 else 502, headers):
+                pass
+        finally:
+            sock.close()
+        raise ConnectionError(f"the daemon answered {status} to an interactive session")
+    sock.settimeout(None)
+    sock.setblocking(False)
+    inbuf = bytearray(r.buf)
+    out = bytearray()
+    stdin_open = True
+    raw_saved = None
+    wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+    old_handlers: dict = {}
+    old_wakeup = None
+
+    def on_signal(signum, _frame_):
+        if signum == signal.SIGWINCH:
+            size = _term_size(0)
+            if size:
+                out.extend(_frame(b"w", b"%d %d" % size))
+        elif signum in _SIGNAL_NAMES:
+            out.extend(_frame(b"s", _SIGNAL_NAMES[signum]))
+
+    try:
+        if tty and os.isatty(0):
+            import termios
+            import tty as tty_
+
+            raw_saved = termios.tcgetattr(0)
+            tty_.setraw(0)
+        for sig in ([signal.SIGWINCH] if tty else []) + [signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT]:
+            old_handlers[sig] = signal.signal(sig, on_signal)
+        old_wakeup = signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
+        poller = select.poll()
+        sfd = sock.fileno()
+        while True:
+            poller.register(sfd, select.POLLIN | (select.POLLOUT if out else 0))
+            if stdin_open and len(out) < OUT_PENDING:
+                poller.register(0, select.POLLIN)
+            else:
+                try:
+                    poller.unregister(0)
+                except KeyError:
+                    pass
+            poller.register(wake_r, select.POLLIN)
+            ready = dict(poller.poll())
+            if wake_r in ready:
+                try:
+                    os.read(wake_r, 512)
+                except BlockingIOError:
+                    pass
+            if stdin_open and 0 in ready:
+                try:
+                    data = os.read(0, IN_FRAME)
+                except OSError:
+                    data = b""  # a terminal that hung up: its end
+                if data:
+                    out.extend(_frame(b"i", data))
+                else:
+                    out.extend(_frame(b"c"))
+                    stdin_open = False
+            if out and ready.get(sfd, 0) & select.POLLOUT:
+                try:
+                    out[:sock.send(out)] = b""
+                except BlockingIOError:
+                    pass
+            if ready.get(sfd, 0) & (select.POLLIN | select.POLLHUP | select.POLLERR):
+                try:
+                    data = sock.recv(65536)
+                except BlockingIOError:
+                    continue
+                if not data:
+                    raise ConnectionError("the daemon closed the connection mid-session")
+                inbuf += data
+                while True:
+                    nl = inbuf.find(b"\n", 0, 11)
+                    if nl < 0:
+                        if len(inbuf) > 10:
+                            raise ConnectionError("a malformed frame")
+                        break
+                    digits = bytes(inbuf[1:nl])
+                    if not 0 < len(digits) <= 9 or not digits.isdigit() or not digits.isascii():
+                        raise ConnectionError("a malformed frame")
+                    n = int(digits)
+                    if n > MAX_PIECE:
+                        raise ConnectionError("a frame over the size limit")
+                    if len(inbuf) < nl + 1 + n:
+                        break
+                    kind, payload = inbuf[:1], bytes(inbuf[nl + 1:nl + 1 + n])
+                    del inbuf[:nl + 1 + n]
+                    if kind == b"o":
+                        _write_all(1, payload)
+                    elif kind == b"e":
+                        _write_all(2, payload)
+                    elif kind == b"x":
+                        code, nl2, text = payload.partition(b"\n")
+                        if not nl2 or not 0 < len(code) <= 3 or not code.isdigit() or int(code) > 255:
+                            raise ConnectionError("a malformed end frame")
+                        if raw_saved is not None:
+                            import termios
+
+                            termios.tcsetattr(0, termios.TCSADRAIN, raw_saved)
+                            raw_saved = None
+                        if text:
+                            _write_all(1 if report_to_stdout else 2, text)
+                        return int(code)
+                    else:
+                        raise ConnectionError(f"unknown frame {bytes(kind)!r}")
+    finally:
+        if raw_saved is not None:
+            import termios
+
+            termios.tcsetattr(0, termios.TCSADRAIN, raw_saved)
+        if old_wakeup is not None:
+            signal.set_wakeup_fd(old_wakeup)
+        for sig, h in old_handlers.items():
+            signal.signal(sig, h)
+        os.close(wake_r)
+        os.close(wake_w)
+        sock.close()
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def attach_run(command: list[str], body: bytes | None = None, *, tty: bool = False) -> int | None:
+    """``agentvm run`` of ``command`` (or of the JSON ``body``) as an interactive session when a
+    daemon is listening; the exit code, or None (no daemon, or one without the route)."""
+    sock = connect()
+    if sock is None:
+        return None
+    if body is None:
+        from json import dumps
+
+        body = ('{"command":' + dumps(command) + "," + _NO_OPTIONS + "}").encode()
+    try:
+        return attach(sock, ATTACH_PATH, attach_body(body, tty), tty=tty)
+    except BrokenPipeError:
+        # our reader went away (`| head`): dropping the connection makes the daemon stop the run
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
+    except (ConnectionError, OSError, ValueError) as exc:
+        return _say(f"agentvm: the daemon ended the run without a result ({exc})\n", 125)

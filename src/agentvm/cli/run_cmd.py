@@ -131,7 +131,10 @@ def _run(argv: list[str]) -> int:
     # a daemon that is up does everything else: the thin client parses nothing more
     via = _daemon_for(ns, degrade)
     if via is not None:
-        return _run_via_daemon(via, ns, command, raw)
+        code = _run_via_daemon(via, ns, command, raw)
+        if code is not None:
+            return code
+        # a daemon without interactive sessions (404, nothing ran): embedded, as before
 
     from agentvm.overrides import from_cli
     from agentvm.policy import Policy, with_overrides
@@ -178,17 +181,14 @@ def _run(argv: list[str]) -> int:
 
 
 def _daemon_for(ns, degrade):
-    """Use the daemon when one is up - unless a terminal is involved (the daemon has no TTY
-    relay yet), stdin is a pipe (it could stream forever), or a primitive is degraded."""
+    """Use the daemon when one is up - unless a primitive is degraded (that is the embedded
+    run's, printed on this terminal). A terminal and a stdin pipe are relayed (an interactive
+    session: docs/daemon.md)."""
     import os
 
-    from agentvm.cli.fastrun import connect, stdin_kind
+    from agentvm.cli.fastrun import connect
 
-    if os.environ.get("AGENTVM_NO_DAEMON") == "1" or degrade or ns.tty:
-        return None
-    if ns.tty is None and sys.stdin.isatty() and sys.stdout.isatty():
-        return None
-    if stdin_kind() == "stream":
+    if os.environ.get("AGENTVM_NO_DAEMON") == "1" or degrade:
         return None
     return connect()  # None: no daemon listening - the run is embedded
 
@@ -197,9 +197,7 @@ def _run_via_daemon(sock, ns, command: list[str], raw: dict) -> int:
     """The same run, by the daemon: it gets the agent file's text and the options exactly as
     typed; it parses them with the same code (``agentvm.overrides``) and runs the same
     lifecycle on its own gate."""
-    import base64
     import os
-    import stat
 
     doc: dict = {"command": command or None, "cli": raw}
     if ns.agent_file:
@@ -212,11 +210,26 @@ def _run_via_daemon(sock, ns, command: list[str], raw: dict) -> int:
 
         # the caller's preset search path (--preset-path, else its own default), not the daemon's
         doc["preset_dirs"] = [str(p) for p in ns.preset_path] or [str(d) for d in default_preset_dirs()]
-    try:
-        if stat.S_ISREG(os.fstat(0).st_mode):
-            doc["stdin"] = base64.b64encode(sys.stdin.buffer.read()).decode()
-    except OSError:
-        pass
+    from agentvm.cli.fastrun import stdin_kind
+
+    tty = ns.tty if ns.tty is not None else (sys.stdin.isatty() and sys.stdout.isatty())
+    if tty or stdin_kind() != "none":
+        # stdin to relay (a pipe, a file, a terminal) or a terminal to give: an interactive
+        # session, streamed both ways (nothing buffered whole)
+        from agentvm.cli.fastrun import ATTACH_PATH, attach, attach_body
+
+        if ns.as_json:
+            doc["report"] = "json"
+        try:
+            code = attach(sock, ATTACH_PATH, attach_body(json.dumps(doc).encode(), tty), tty=tty,
+                          report_to_stdout=ns.as_json)
+        except BrokenPipeError:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return 141
+        except (ConnectionError, OSError, ValueError) as exc:
+            print(f"agentvm: the daemon ended the run without a result ({exc})", file=sys.stderr)
+            return 125
+        return code
     result = None
     from agentvm.cli.fastrun import run_stream
 

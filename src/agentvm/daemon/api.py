@@ -142,6 +142,30 @@ class Run(Body):
 # -- live policy ---------------------------------------------------------------------------
 
 
+class Tty(Body):
+    """The client's terminal size: the sandbox's pty starts with it (``w`` frames change it)."""
+
+    rows: Annotated[int, Field(ge=1, le=65535)]
+    cols: Annotated[int, Field(ge=1, le=65535)]
+
+
+class RunAttach(Run):
+    """``POST /v1/run/attach`` (an upgraded connection, docs/daemon.md "Interactive sessions"):
+    the run of ``POST /v1/run`` with its stdin relayed as frames, and with ``tty`` a terminal."""
+
+    stdin: Annotated[None, Field(description="not used: stdin comes as frames")] = None
+    tty: Tty | None = None
+    report: Literal["text", "json"] = Field("text", description="the end frame's report: the stderr text, or "
+                                            "the result as one JSON line (--json)")
+
+
+class ExecAttach(Exec):
+    """``POST /v1/sandboxes/{name}/exec/attach`` (an upgraded connection): ``exec`` with its stdin
+    relayed as frames (``exec -i``), and with ``tty`` a terminal (``exec -it``)."""
+
+    tty: Tty | None = None
+
+
 class _Op(Body):
     pass
 
@@ -344,12 +368,16 @@ ROUTES: list[tuple[str, str, Any, Any, str, str]] = [
     ("POST", "/v1/sandboxes/{name}/suspend", Empty, None, "json", "checkpoint a sandbox to disk, freeing it (gVisor)"),
     ("POST", "/v1/sandboxes/{name}/resume", Empty, None, "json", "restore a suspended sandbox (checkpoint checked)"),
     ("POST", "/v1/sandboxes/{name}/exec", Exec, None, "stream", "run a command in a running sandbox"),
+    ("POST", "/v1/sandboxes/{name}/exec/attach", ExecAttach, None, "attach",
+     "exec with stdin and/or a terminal (Upgrade: agentvm-frames/1; docs/daemon.md)"),
     ("GET", "/v1/sandboxes/{name}/logs", None, LogsQuery, "json", "the sandbox's log"),
     ("GET", "/v1/sandboxes/{name}/files", None, FilesQuery, "json", "read a file of its workspace"),
     ("PUT", "/v1/sandboxes/{name}/files", "bytes", FilesQuery, "json", "write a file of its workspace"),
     ("POST", "/v1/sandboxes/{name}/policy", POLICY_CHANGE, None, "json", "show or change its policy live"),
     ("POST", "/v1/run", Run, None, "stream", "one command in a fresh sandbox"),
     ("POST", "/v1/run/frames", Run, None, "frames", "the same run, answered in frames (the compiled client's)"),
+    ("POST", "/v1/run/attach", RunAttach, None, "attach",
+     "the same run with stdin and/or a terminal (Upgrade: agentvm-frames/1; docs/daemon.md)"),
     ("GET", "/v1/approvals", None, ApprovalsQuery, "json", "pending (or all) approval requests"),
     ("GET", "/v1/approvals/{id}", None, None, "json", "one approval request"),
     ("POST", "/v1/approvals/{id}/approve", ApprovalAnswer, None, "json", "approve a request"),
@@ -400,8 +428,12 @@ def openapi(version: str) -> dict:
                                                         "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}}}
         ok = {"json": {"application/json": {"schema": {}}}, "text": {"text/plain": {"schema": {"type": "string"}}},
               "stream": {"application/x-ndjson": {"schema": {"type": "string"}}},
-              "frames": {"application/x-agentvm-frames": {"schema": {"type": "string"}}}}[answers]
-        op["responses"]["200"] = {"description": "done", "content": ok}
+              "frames": {"application/x-agentvm-frames": {"schema": {"type": "string"}}},
+              "attach": None}[answers]
+        if ok is None:
+            op["responses"]["101"] = {"description": "switched to agentvm-frames/1: frames both ways"}
+        else:
+            op["responses"]["200"] = {"description": "done", "content": ok}
         params = [{"name": n, "in": "path", "required": True, "example": ex,
                    "schema": {"type": "string", "minLength": 1, "maxLength": _NAME}}
                   for n, ex in (("name", "hello-agent"), ("id", "apr-0123456789abcdef")) if "{" + n + "}" in path]

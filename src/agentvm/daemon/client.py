@@ -180,6 +180,44 @@ class Client:
                 ev = dict(ev, data=base64.b64decode(ev["data"]))
             yield ev
 
+    def connect_raw(self):
+        """A connected socket to the daemon and the header lines it needs (the token on TCP),
+        for an interactive session (``agentvm.cli.fastrun.attach``, :class:`AttachedSession`)."""
+        import socket
+
+        try:
+            if self.url:
+                host, _, port = self.url.replace("http://", "").rstrip("/").rpartition(":")
+                s = socket.create_connection((host, int(port)), timeout=self.timeout)
+            else:
+                s = socket.socket(socket.AF_UNIX)
+                s.settimeout(self.timeout)
+                s.connect(self.socket_path)
+        except (FileNotFoundError, ConnectionRefusedError) as exc:
+            raise DaemonUnavailable(f"the agent-vm daemon is not running ({self.url or self.socket_path})",
+                                    hint="start it with `agentvm up`") from exc
+        except PermissionError as exc:
+            raise DaemonUnavailable(f"no permission to talk to the daemon at {self.socket_path}",
+                                    hint="the control socket is owner-only: use the daemon's user") from exc
+        headers = f"Authorization: Bearer {self.token}\r\n".encode() if self.url and self.token else b""
+        return s, headers
+
+    def exec_session(self, name: str, argv: list[str], *, timeout: float | None = None,
+                     tty: tuple[int, int] | None = None) -> "AttachedSession":
+        """``exec`` with stdin (and with ``tty`` (rows, cols) a terminal) as an
+        :class:`AttachedSession` (docs/daemon.md "Interactive sessions")."""
+        doc: dict = {"argv": argv, "timeout": timeout}
+        if tty is not None:
+            doc["tty"] = {"rows": tty[0], "cols": tty[1]}
+        return AttachedSession(self, f"/v1/sandboxes/{quote(name)}/exec/attach", doc)
+
+    def run_session(self, doc: dict, *, tty: tuple[int, int] | None = None) -> "AttachedSession":
+        """``run`` (the body of ``POST /v1/run``) with stdin / a terminal, as an AttachedSession."""
+        doc = dict(doc)
+        if tty is not None:
+            doc["tty"] = {"rows": tty[0], "cols": tty[1]}
+        return AttachedSession(self, "/v1/run/attach", doc)
+
     def run(self, doc: dict) -> Iterator[dict]:
         for ev in self.stream("POST", "/v1/run", doc):
             if "data" in ev:
@@ -251,3 +289,92 @@ def ensure_spec_text(spec) -> tuple[str, str]:
     if isinstance(spec, str) and "apiVersion" in spec:
         return spec, "<sdk>"
     raise ConfigError(f"{spec!r} is neither an agent file nor agent YAML")
+
+
+class AttachedSession:
+    """An interactive session over an upgraded connection (docs/daemon.md): ``send(data)``,
+    ``close_stdin()``, ``resize(rows, cols)``, ``signal("INT")``; ``events()`` yields
+    ``("stdout"|"stderr", bytes)`` and last ``("exit", (code, text))``. Blocking; safe to
+    write from one thread while another reads."""
+
+    def __init__(self, client: Client, path: str, doc: dict) -> None:
+        import threading
+
+        from agentvm.cli import fastrun
+
+        self._f = fastrun
+        self.sock, headers = client.connect_raw()
+        body = json.dumps(doc).encode()
+        head = (f"POST {path} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(body)}\r\nConnection: Upgrade\r\nUpgrade: {fastrun.ATTACH_PROTOCOL}\r\n"
+                ).encode() + headers + b"\r\n"
+        self._lock = threading.Lock()
+        try:
+            self.sock.sendall(head + body)
+            r = fastrun._Reader(self.sock, client.timeout)
+            status, hdrs = r.head()
+        except TimeoutError:
+            self.sock.close()
+            raise DaemonUnavailable(f"the agent-vm daemon did not answer within {client.timeout:g}s",
+                                    code="daemon.timeout") from None
+        if status != 101:
+            try:
+                for _ in fastrun._events(r, status if status >= 300 else 502, hdrs):
+                    pass
+            finally:
+                self.sock.close()
+            raise DaemonUnavailable(f"the daemon answered {status} to an interactive session")
+        self.sock.settimeout(None)
+        self._buf = bytearray(r.buf)
+
+    def _send(self, frame: bytes) -> None:
+        with self._lock:
+            self.sock.sendall(frame)
+
+    def send(self, data: bytes) -> None:
+        for i in range(0, len(data), self._f.IN_FRAME):
+            self._send(self._f._frame(b"i", data[i:i + self._f.IN_FRAME]))
+
+    def close_stdin(self) -> None:
+        self._send(self._f._frame(b"c"))
+
+    def resize(self, rows: int, cols: int) -> None:
+        self._send(self._f._frame(b"w", b"%d %d" % (rows, cols)))
+
+    def signal(self, name: str) -> None:
+        self._send(self._f._frame(b"s", name.encode("ascii")))
+
+    def events(self):
+        while True:
+            nl = self._buf.find(b"\n", 0, 11)
+            if nl >= 0:
+                n = int(self._buf[1:nl])
+                if n > self._f.MAX_PIECE:
+                    raise ConnectionError("a frame over the size limit")
+                if len(self._buf) >= nl + 1 + n:
+                    kind, payload = bytes(self._buf[:1]), bytes(self._buf[nl + 1:nl + 1 + n])
+                    del self._buf[:nl + 1 + n]
+                    if kind == b"x":
+                        code, _, text = payload.partition(b"\n")
+                        yield "exit", (int(code), text.decode("utf-8", "replace"))
+                        return
+                    yield ("stdout" if kind == b"o" else "stderr"), payload
+                    continue
+            elif len(self._buf) > 10:
+                raise ConnectionError("a malformed frame")
+            data = self.sock.recv(65536)
+            if not data:
+                raise ConnectionError("the daemon closed the session without an end")
+            self._buf += data
+
+    def close(self) -> None:
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from agentvm.daemon.events import refuse
-from agentvm.daemon.pump import ClientGone, Output, pump
+from agentvm.daemon.pump import SIGNALS, Attached, ClientGone, Output, feed, pump, set_winsize
 from agentvm.errors import PolicyDenied
 
 log = logging.getLogger("agentvm.daemon")
@@ -106,6 +106,21 @@ class Commands:
         sequence on the daemon's gate, the same policy semantics as the embedded run), its
         output streamed to ``out``; returns its RunResult. A client that goes away is like
         Ctrl-C on an embedded run: the run is stopped (ClientGone)."""
+        return await self._run(req, out, None, None, actor)
+
+    async def run_attached(self, req: RunRequest, io: Attached, *, tty: tuple[int, int] | None = None,
+                           actor: str = "operator"):
+        """``run`` with the client's input relayed while it runs (``io.read()``: stdin bytes,
+        stdin's end, window sizes, signals). ``tty`` (rows, cols): the sandbox gets a
+        terminal of its own - a pty made here, its slave the command's controlling terminal
+        (the helper's ``init --tty``, as the embedded run does it); the master stays in the
+        daemon, never in the sandbox. Without ``tty``, stdin is a pipe. A forwarded signal
+        (INT, TERM, HUP, QUIT) ends the run as that signal ends an embedded run (stopped, exit
+        128+N); a client that goes away stops it (ClientGone). ``req.stdin`` is not used."""
+        return await self._run(req, io, io, tty, actor)
+
+    async def _run(self, req: RunRequest, out: Output, io: Attached | None, tty, actor: str):
+        from agentvm.backends.base import ExitStatus
         from agentvm.errors import HostEnvironmentError
 
         try:
@@ -118,34 +133,75 @@ class Commands:
             raise
         if not policy.command:
             raise refuse("api.bad-request", "nothing to run")
-        o_r, o_w = os.pipe2(os.O_CLOEXEC)
-        e_r, e_w = os.pipe2(os.O_CLOEXEC)
-        i_r, i_w = os.pipe2(os.O_CLOEXEC)
-        stdin_data = req.stdin
-
-        def feed_stdin():
-            try:
-                if stdin_data:
-                    os.write(i_w, stdin_data)
-            except OSError:
-                pass
-            finally:
-                os.close(i_w)
-
-        self.record("operator.run", actor=actor, sandbox=policy.name, command=list(policy.command))
+        note = None
+        if tty is not None and not self.runtime.backend_for(policy).tty:
+            # as the embedded run says it: no terminal, its stdin still relayed
+            note = (f"agentvm: note: the {policy.substrate} substrate cannot give the sandbox a terminal yet: it "
+                    "runs without one (its stdin and output are still this terminal; no job control, no line "
+                    "editing)\r\n").encode()
+            tty = None
         stop = asyncio.Event()
-        fut = asyncio.ensure_future(self._lifecycle().run_to_end(policy, stdio=(i_r, o_w, e_w), timed=True,
-                                                                 stop=stop, grace=1.0))
+        signalled: list[int] = []
+        feeder_args = {}
+        if tty is not None:
+            master, slave = os.openpty()  # non-inheritable: the master never reaches the sandbox
+            set_winsize(slave, *tty)
+            streams, our_ends, stdio = {master: "stdout"}, (slave,), (slave, slave, slave)
+            stdin_w = os.dup(master)
+            feeder_args = {"tty_fd": os.dup(master)}
+        else:
+            o_r, o_w = os.pipe2(os.O_CLOEXEC)
+            e_r, e_w = os.pipe2(os.O_CLOEXEC)
+            i_r, stdin_w = os.pipe2(os.O_CLOEXEC)
+            streams, our_ends, stdio = {o_r: "stdout", e_r: "stderr"}, (o_w, e_w, i_r), (i_r, o_w, e_w)
+
+        def on_signal(name: str) -> None:
+            self.record("operator.run-signal", sandbox=policy.name, signal=name)
+            if not signalled:
+                signalled.append(SIGNALS[name])
+            stop.set()
+
+        def before_teardown(s) -> None:
+            if signalled and s.status is not None and not s.status.timed_out:
+                s.status = ExitStatus(exit_code=128 + signalled[0], signal=signalled[0],
+                                      duration=s.status.duration)
+
+        self.record("operator.run", actor=actor, sandbox=policy.name, command=list(policy.command),
+                    **({"stdin": "tty" if tty is not None else "pipe"} if io is not None else {}))
+        fut = asyncio.ensure_future(self._lifecycle().run_to_end(policy, stdio=stdio, tty=tty is not None,
+                                                                 timed=True, stop=stop, grace=1.0,
+                                                                 before_teardown=before_teardown))
 
         def client_gone():
             # like Ctrl-C on an embedded run: the caller is gone, so is the run
-            self.record("operator.run-abandoned", sandbox=policy.name, reason="the client went away")
+            if not stop.is_set():
+                self.record("operator.run-abandoned", sandbox=policy.name, reason="the client went away")
             stop.set()
 
-        feeder = asyncio.ensure_future(asyncio.to_thread(feed_stdin))
+        if io is None:
+            data = req.stdin
+
+            def feed_stdin():
+                try:
+                    if data:
+                        os.write(stdin_w, data)
+                except OSError:
+                    pass
+                finally:
+                    os.close(stdin_w)
+
+            feeder = asyncio.ensure_future(asyncio.to_thread(feed_stdin))
+        else:
+            feeder = asyncio.ensure_future(feed(io, stdin_w, on_signal=on_signal, on_gone=client_gone,
+                                                **feeder_args))
         await out.start()
+        if note is not None:
+            try:
+                await out.write("stderr", note)
+            except (ConnectionError, OSError):
+                client_gone()
         try:
-            return await pump({o_r: "stdout", e_r: "stderr"}, fut, (o_w, e_w, i_r), out, client_gone)
+            return await pump(streams, fut, our_ends, out, client_gone)
         except ConnectionError as exc:
             if isinstance(exc, ClientGone):
                 raise
@@ -154,7 +210,65 @@ class Commands:
             raise refuse("internal.bug", f"the run failed: {type(exc).__name__}: {exc}",
                          "a bug in agent-vm: the daemon's log has the traceback") from exc
         finally:
-            await feeder
+            if io is not None:
+                # the run is over: a stdin that never closes holds nothing of the daemon's
+                feeder.cancel()
+            await asyncio.gather(feeder, return_exceptions=True)
+
+    async def exec_attached(self, name: str, argv: list[str], io: Attached, *, tty: tuple[int, int] | None = None,
+                            timeout: float | None = None, actor: str = "operator"):
+        """``exec`` with the client's input relayed (``exec -i``: a stdin pipe; ``exec -it``:
+        ``tty`` (rows, cols), a pty made here whose slave becomes the command's controlling
+        terminal inside the sandbox - its master stays in the daemon). A forwarded signal goes
+        to the terminal's foreground process group (TIOCSIG); without a terminal, signals are
+        not forwarded. A client that goes away closes the command's stdin (a terminal hangs
+        up), so an interactive shell ends; the sandbox keeps running. Returns the ExitStatus."""
+        m = self.managed.get(name)
+        if m is None or m.handle is None:
+            raise refuse("sandbox.not-running", f"{name} is not running", hint=f"agentvm start {name}")
+        backend = m.backend
+        if tty is not None and not backend.tty:
+            raise refuse("api.bad-request", f"the {backend.name} substrate cannot give a command a terminal yet",
+                         "exec without -t")
+        m.touch(self.state, time.time())
+        self.record("operator.exec", actor=actor, sandbox=name, argv=argv, stdin="tty" if tty is not None else "pipe")
+        kw: dict = {"timeout": timeout}
+        feeder_args: dict = {}
+        if tty is not None:
+            master, slave = os.openpty()  # non-inheritable: the master never reaches the sandbox
+            set_winsize(slave, *tty)
+            streams, our_ends, stdio = {master: "stdout"}, (slave,), (slave, slave, slave)
+            stdin_w = os.dup(master)
+            sig_fd = os.dup(master)
+            feeder_args = {"tty_fd": sig_fd}
+            argv = _with_ctty(backend, argv, kw)
+        else:
+            o_r, o_w = os.pipe2(os.O_CLOEXEC)
+            e_r, e_w = os.pipe2(os.O_CLOEXEC)
+            i_r, stdin_w = os.pipe2(os.O_CLOEXEC)
+            streams, our_ends, stdio = {o_r: "stdout", e_r: "stderr"}, (o_w, e_w, i_r), (i_r, o_w, e_w)
+            sig_fd = None
+
+        def on_signal(sig: str) -> None:
+            self.record("operator.exec-signal", sandbox=name, signal=sig, delivered=sig_fd is not None)
+            if sig_fd is not None:
+                _tiocsig(sig_fd, SIGNALS[sig])
+
+        fut = asyncio.ensure_future(asyncio.to_thread(backend.exec, m.handle, argv, stdio=stdio, **kw))
+        feeder = asyncio.ensure_future(feed(io, stdin_w, on_signal=on_signal, **feeder_args))
+        began = time.time()
+        await io.start()
+        try:
+            status = await pump(streams, fut, our_ends, io)
+        finally:
+            feeder.cancel()
+            await asyncio.gather(feeder, return_exceptions=True)
+        trace = m.session.trace if m.session is not None else None
+        if trace is not None:
+            trace.span("exec", began, attributes={"agentvm.exec.command": os.path.basename(argv[0])[:128],
+                                                  "agentvm.exec.exit_code": status.exit_code,
+                                                  "agentvm.exec.timed_out": bool(status.timed_out)})
+        return status
 
     def _workspace_dir(self, name: str) -> tuple[Path, int | None]:
         m = self.managed.get(name)
@@ -205,3 +319,26 @@ def _spec_name(text) -> str:
     except Exception:  # noqa: BLE001 - a record's label, never a reason to fail
         return "run"
     return str(name)[:200] if isinstance(name, str) else "run"
+
+
+def _with_ctty(backend, argv: list[str], kw: dict) -> list[str]:
+    """The exec'd command's controlling terminal: the backend's own (``exec(tty=True)``: the
+    helper's ``init --tty``) when it takes one, else util-linux ``setsid -c`` inside the
+    sandbox (a new session whose controlling terminal is its stdin: the pty's slave)."""
+    import inspect
+
+    if "tty" in inspect.signature(backend.exec).parameters:
+        kw["tty"] = True
+        return argv
+    return ["setsid", "-c", *argv]
+
+
+def _tiocsig(master: int, signum: int) -> None:
+    """Send ``signum`` to the foreground process group of the pty behind ``master``."""
+    import fcntl
+
+    TIOCSIG = 0x40045436  # _IOW('T', 0x36, int)
+    try:
+        fcntl.ioctl(master, TIOCSIG, signum)
+    except OSError:
+        pass

@@ -33,6 +33,9 @@ HEAD_TIMEOUT = 30.0  # seconds a TCP client has to send a whole request head (be
 TCP_CONNECTIONS = 256  # TCP connections open at once (the unix socket is the owner's only)
 CONSOLE_BODY = 64 * 1024  # a console form (and anything else sent before the console's own check)
 FRAMES_TYPE = "application/x-agentvm-frames"
+ATTACH_PROTOCOL = "agentvm-frames/1"  # an interactive session's upgraded connection (docs/daemon.md)
+MAX_IN_FRAME = 65536  # bytes of one client frame of an interactive session
+IN_QUEUE = 4  # client frames read ahead of the session (then the socket is not read: back-pressure)
 
 # the request's stream reader, for handlers that must notice the client hanging up mid-response
 _CLIENT_READER: contextvars.ContextVar = contextvars.ContextVar("agentvm_client_reader", default=None)
@@ -300,7 +303,13 @@ class HttpServer:
         """One error path for every route: an error object (code, message, hint, exit code - what
         the embedded path prints), as the response, or as the last line of a response that is
         already streaming (a refusal found after a run's output began)."""
-        if conn.our_state is h11.SEND_BODY:
+        if conn.our_state is h11.SWITCHED_PROTOCOL:  # an interactive session: its end frame says it
+            from agentvm.runreport import error_text
+
+            text = error_text(str(doc.get("error", "daemon.error")), str(doc.get("message", "")),
+                              str(doc.get("hint") or ""))
+            await _raw_exit(writer, doc.get("exit_code", 125), text)
+        elif conn.our_state is h11.SEND_BODY:
             if _FRAMED.get():
                 from agentvm.runreport import error_text
 
@@ -350,6 +359,16 @@ class HttpServer:
         """A streamed answer as the control plane's Output (agentvm.daemon.pump)."""
         return HttpOutput(self, conn, writer)
 
+    def attached(self, conn, writer) -> "HttpAttached":
+        """An interactive session on this request's connection (upgraded to ATTACH_PROTOCOL):
+        the control plane's Attached (agentvm.daemon.pump). Refused unless the client asked for
+        the upgrade - before anything runs."""
+        if conn.their_state is not h11.MIGHT_SWITCH_PROTOCOL:
+            raise refuse("api.bad-request", f"an interactive session is an upgraded connection: send "
+                         f"'Connection: Upgrade' and 'Upgrade: {ATTACH_PROTOCOL}'",
+                         "docs/daemon.md, \"Interactive sessions\", describes the protocol")
+        return HttpAttached(conn, writer, _CLIENT_READER.get())
+
 
 class HttpOutput:
     """A command's output as NDJSON lines (``{"stream", "data": base64}``) or, on a framed
@@ -371,6 +390,142 @@ class HttpOutput:
     def hangup(self):
         creader = _CLIENT_READER.get()
         return asyncio.ensure_future(creader.read(1)) if creader is not None else None
+
+
+async def _raw_exit(writer, exit_code, text: str) -> None:
+    code = exit_code if isinstance(exit_code, int) and not isinstance(exit_code, bool) else 125
+    payload = f"{code}\n{text}".encode("utf-8", "replace")
+    writer.write(b"x" + str(len(payload)).encode() + b"\n" + payload)
+    await writer.drain()
+
+
+class HttpAttached:
+    """An interactive session over an upgraded connection (``101 Switching Protocols`` to
+    ATTACH_PROTOCOL): ``KIND LENGTH\\n PAYLOAD`` frames both ways, no HTTP framing. Client to
+    daemon: ``i`` stdin bytes (at most MAX_IN_FRAME), ``c`` stdin closed, ``w`` "ROWS COLS", ``s``
+    a signal name; daemon to client: ``o``, ``e`` output, ``x`` the end ("CODE\\n" + report).
+
+    Bounded both ways: at most IN_QUEUE client frames are read ahead of the session (then the
+    socket is not read and the client's writes block); output waits on the socket's drain. A
+    malformed frame ends the session as a client that went away does."""
+
+    def __init__(self, conn, writer, reader) -> None:
+        self.conn, self.writer, self.reader = conn, writer, reader
+        self.queue: asyncio.Queue = asyncio.Queue(maxsize=IN_QUEUE)
+        self.buf = bytearray(conn.trailing_data[0])
+        self.gone: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._task = None
+        self._started = False
+
+    async def start(self) -> None:
+        if not self._started:
+            self._started = True
+            self.writer.write(self.conn.send(h11.InformationalResponse(
+                status_code=101, headers=[("upgrade", ATTACH_PROTOCOL), ("connection", "upgrade")])))
+            await self.writer.drain()
+        if self._task is None:
+            self._task = asyncio.ensure_future(self._read_frames())
+
+    async def write(self, stream: str, data: bytes) -> None:
+        self.writer.write((b"o" if stream == "stdout" else b"e") + str(len(data)).encode() + b"\n" + data)
+        await self.writer.drain()
+
+    async def exit(self, exit_code, text: str) -> None:
+        """The session's last frame; the connection closes after it."""
+        await _raw_exit(self.writer, exit_code, text)
+        self.close()
+
+    def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
+    def hangup(self):
+        return self.gone
+
+    async def read(self):
+        if self._task is None:
+            self._task = asyncio.ensure_future(self._read_frames())
+        ev = await self.queue.get()
+        if ev is None:
+            self.queue.put_nowait(None)  # every later read is None too
+        return ev
+
+    def _mark_gone(self) -> None:
+        if not self.gone.done():
+            self.gone.set_result(b"")
+
+    async def _more(self) -> bool:
+        data = await self.reader.read(65536) if self.reader is not None else b""
+        self.buf += data
+        return bool(data)
+
+    async def _read_frames(self) -> None:
+        from agentvm.daemon import pump as p
+
+        try:
+            while True:
+                while b"\n" not in self.buf:
+                    if len(self.buf) > 10 or not await self._more():
+                        return
+                nl = self.buf.index(b"\n")
+                kind, digits = bytes(self.buf[:1]), bytes(self.buf[1:nl])
+                if not 0 < len(digits) <= 6 or not digits.isdigit() or not digits.isascii():
+                    return
+                n = int(digits)
+                if n > MAX_IN_FRAME or (kind != b"i" and n > 32):
+                    return
+                while len(self.buf) < nl + 1 + n:
+                    if not await self._more():
+                        return
+                payload = bytes(self.buf[nl + 1:nl + 1 + n])
+                del self.buf[:nl + 1 + n]
+                if kind == b"i":
+                    ev = p.StdinData(payload)
+                elif kind == b"c":
+                    ev = p.StdinEof()
+                elif kind == b"w":
+                    f = payload.split(b" ")
+                    if len(f) != 2 or not all(x.isdigit() and 0 < len(x) <= 5 for x in f):
+                        return
+                    ev = p.Resize(min(int(f[0]), 65535), min(int(f[1]), 65535))
+                elif kind == b"s":
+                    name = payload.decode("ascii", "replace")
+                    if name not in p.SIGNALS:
+                        continue  # a signal this daemon does not forward: ignored, not fatal
+                    ev = p.Signal(name)
+                else:
+                    return
+                await self._put(ev)
+        except (ConnectionError, OSError, asyncio.IncompleteReadError):
+            return
+        finally:
+            self._mark_gone()
+            while self.queue.full():
+                self.queue.get_nowait()
+            self.queue.put_nowait(None)
+
+    async def _put(self, ev) -> None:
+        """Queue one event; while the session is not taking them, watch for the client's
+        hang-up (the kernel's RDHUP) so a blocked session still notices it went away."""
+        while True:
+            put = asyncio.ensure_future(self.queue.put(ev))
+            await asyncio.wait({put}, timeout=1.0)
+            if put.done() or not put.cancel():
+                return
+            await asyncio.gather(put, return_exceptions=True)
+            if _peer_closed(self.writer):
+                raise ConnectionError("the client went away")
+
+
+def _peer_closed(writer) -> bool:
+    import select
+
+    sock = writer.get_extra_info("socket")
+    if sock is None:
+        return False
+    p = select.poll()
+    p.register(sock.fileno(), select.POLLRDHUP)
+    return any(ev & (select.POLLRDHUP | select.POLLHUP | select.POLLERR) for _, ev in p.poll(0))
 
 
 def _phrase(status: int) -> bytes:

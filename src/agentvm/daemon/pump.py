@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import os
-from typing import Protocol
+from dataclasses import dataclass
+from typing import Protocol, Union
 
 
 class ClientGone(ConnectionError):
@@ -115,3 +116,111 @@ async def pump(streams: dict[int, str], fut, our_ends: tuple[int, ...], out: Out
     if not client:
         raise ClientGone("the client went away")
     return await fut
+
+
+# ---------------------------------------------------------------- interactive input
+# What a client of an interactive session (``run`` or ``exec`` with stdin or a terminal) sends,
+# whatever carries it (docs/daemon.md "Interactive sessions"): typed events, never raw frames.
+
+SIGNALS = {"INT": 2, "TERM": 15, "HUP": 1, "QUIT": 3}  # what a client may forward
+
+
+@dataclass(frozen=True)
+class StdinData:
+    data: bytes
+
+
+@dataclass(frozen=True)
+class StdinEof:
+    pass
+
+
+@dataclass(frozen=True)
+class Resize:
+    rows: int
+    cols: int
+
+
+@dataclass(frozen=True)
+class Signal:
+    name: str  # a key of SIGNALS
+
+
+InputEvent = Union[StdinData, StdinEof, Resize, Signal]
+
+
+class Attached(Output, Protocol):
+    """An interactive session's transport: an Output that also reads the client's input."""
+
+    async def read(self) -> InputEvent | None:
+        """The client's next input event; None when the client is gone (its connection closed)."""
+
+
+def set_winsize(fd: int, rows: int, cols: int) -> None:
+    """The terminal's size (the kernel sends SIGWINCH to its foreground process group)."""
+    import fcntl
+    import struct
+    import termios
+
+    try:
+        fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
+    except OSError:
+        pass
+
+
+async def write_all(fd: int, data: bytes) -> None:
+    """Write ``data`` to the non-blocking ``fd``, waiting (not buffering) while it is full:
+    back-pressure from the sandbox's stdin to the client's socket."""
+    loop = asyncio.get_running_loop()
+    view = memoryview(data)
+    while view:
+        try:
+            n = os.write(fd, view)
+            view = view[n:]
+            continue
+        except BlockingIOError:
+            pass
+        ready = loop.create_future()
+        loop.add_writer(fd, lambda: ready.done() or ready.set_result(None))
+        try:
+            await ready
+        finally:
+            loop.remove_writer(fd)
+
+
+async def feed(io: Attached, stdin_fd: int | None, *, tty_fd: int | None = None, on_signal=None,
+               on_gone=None) -> None:
+    """The client's input into a session until the client closes its stdin (then ``stdin_fd``
+    is closed: the command reads EOF) or goes away (``on_gone()``). One event at a time: the
+    next frame is read only once this one's bytes are in the pipe/terminal (so a client
+    streaming 100 MB waits on the sandbox's reading, the daemon holds one frame).
+    ``stdin_fd`` is this function's to close. Cancelled when the session ends."""
+    try:
+        if stdin_fd is not None:
+            os.set_blocking(stdin_fd, False)
+        while True:
+            ev = await io.read()
+            if ev is None:
+                if on_gone is not None:
+                    on_gone()
+                return
+            if isinstance(ev, StdinData):
+                if stdin_fd is not None:
+                    try:
+                        await write_all(stdin_fd, ev.data)
+                    except OSError:  # the command closed its stdin: the rest is dropped
+                        os.close(stdin_fd)
+                        stdin_fd = None
+            elif isinstance(ev, StdinEof):
+                if stdin_fd is not None and tty_fd is None:
+                    os.close(stdin_fd)
+                    stdin_fd = None
+            elif isinstance(ev, Resize):
+                if tty_fd is not None:
+                    set_winsize(tty_fd, ev.rows, ev.cols)
+            elif isinstance(ev, Signal):
+                if on_signal is not None:
+                    on_signal(ev.name)
+    finally:
+        if stdin_fd is not None:
+            os.close(stdin_fd)

@@ -18,6 +18,8 @@ a stream. Nothing here decides anything.
     POST   /v1/console/login                  a one-time login link for the web console
     POST   /v1/fleet/plan|apply|rollback, GET /v1/fleet/status   promotion (agentvm.fleet)
     POST   /v1/run, /v1/run/frames            one command in a fresh sandbox, streamed
+    POST   /v1/run/attach                     the same with stdin / a terminal: an upgraded
+    POST   /v1/sandboxes/NAME/exec/attach     connection of frames both ways (docs/daemon.md)
     POST   /v1/shutdown
     GET    /v1/openapi.json                   this API, as OpenAPI (from the models)
     GET    /metrics                           Prometheus exposition (agentvm.observe.metrics)
@@ -86,7 +88,18 @@ async def dispatch(h, method: str, target: str, body: bytes, conn, writer, actor
             return await answer(await cp.start_and_wait(name, actor=actor))
         if action in ("pause", "unpause", "suspend", "resume") and method == "POST":
             return await answer(await getattr(cp, action)(name, actor=actor))
-        if action == "exec" and method == "POST":
+        if action == "exec" and len(p) == 4 and p[3] == "attach" and method == "POST":
+            io = h.attached(conn, writer)
+            try:
+                status = await cp.exec_attached(name, list(m.argv), io, tty=_tty(m.tty), timeout=m.timeout,
+                                                actor=actor)
+            except BaseException:
+                io.close()
+                raise
+            se = status.setup_error
+            text = f"agentvm: exec failed at step '{se.get('step')}': {se.get('message')}\n" if se else ""
+            return await io.exit(status.exit_code, text)
+        if action == "exec" and len(p) == 3 and method == "POST":
             out = h.output(conn, writer)
             status = await cp.exec(name, list(m.argv), out, timeout=m.timeout, actor=actor)
             await h._stream_line(conn, writer, {"exit_code": status.exit_code, "timed_out": status.timed_out,
@@ -115,6 +128,18 @@ async def dispatch(h, method: str, target: str, body: bytes, conn, writer, actor
         return await answer(_approvals(cp, method, p[1:], m, qm, actor))
     if p[:1] == ["fleet"]:
         return await answer(await _fleet(cp, method, p[1:], m, actor))
+    if p == ["run", "attach"] and method == "POST":
+        io = h.attached(conn, writer)
+        try:
+            result = await cp.run_attached(run_request(m), io, tty=_tty(m.tty), actor=actor)
+        except BaseException:
+            io.close()
+            raise
+        if m.report == "json":
+            return await io.exit(result.exit_code, json.dumps(result.to_dict(), sort_keys=True) + "\n")
+        from agentvm.runreport import render
+
+        return await io.exit(result.exit_code, render(result.to_dict()))
     if p in (["run"], ["run", "frames"]) and method == "POST":
         if p == ["run", "frames"]:
             # the thin client's: the same run, answered in frames (a daemon without this path
@@ -143,6 +168,10 @@ async def dispatch(h, method: str, target: str, body: bytes, conn, writer, actor
     raise refuse("api.no-route", f"no route for {method} {u.path}")
 
 
+def _tty(t) -> tuple[int, int] | None:
+    return (t.rows, t.cols) if t is not None else None
+
+
 def run_request(m: api.Run):
     """The API's run body as the control plane's RunRequest."""
     from agentvm.daemon.control import RunRequest
@@ -151,7 +180,7 @@ def run_request(m: api.Run):
         command=tuple(m.command) if m.command is not None else None,
         cli=m.cli.model_dump(exclude_unset=True, mode="json") if m.cli is not None else None,
         spec=m.spec, file=m.file, preset_dirs=tuple(m.preset_dirs) if m.preset_dirs is not None else None,
-        stdin=base64.b64decode(m.stdin or ""),
+        stdin=base64.b64decode(getattr(m, "stdin", None) or ""),
         mounts=tuple((x.host, x.path, x.writable) for x in m.mounts), env=dict(m.env), timeout=m.timeout,
         memory=m.memory, allow=tuple(m.allow), hosts=dict(m.hosts), network=m.network, substrate=m.substrate)
 
@@ -214,8 +243,12 @@ def body_model(method: str, p: list[str]):
         return api.CreateSandbox
     if len(p) == 3 and p[0] == "sandboxes":
         return _SANDBOX_POSTS.get(p[2])
+    if len(p) == 4 and p[0] == "sandboxes" and p[2:] == ["exec", "attach"]:
+        return api.ExecAttach
     if p in (["run"], ["run", "frames"]):
         return api.Run
+    if p == ["run", "attach"]:
+        return api.RunAttach
     if len(p) == 3 and p[0] == "approvals" and p[2] in ("approve", "deny"):
         return api.ApprovalAnswer
     if len(p) == 2 and p[0] == "fleet":
