@@ -87,8 +87,11 @@ def daemon_down(home: Path) -> None:
 
 def _cleanup(home: Path) -> None:
     # no sandbox of the E2B API is left behind
-    ps = json.loads(_av("ps", "--json", check=False).stdout or b"[]")
-    for row in ps:
+    try:
+        ps = json.loads(_av("ps", "--json", check=False).stdout or b"[]")
+    except ValueError:
+        ps = []
+    for row in ps if isinstance(ps, list) else []:  # the daemon may be down (an error object)
         if row.get("name", "").startswith("e2b-"):
             _av("rm", row["name"], check=False)
     _av("down", check=False)
