@@ -1,14 +1,17 @@
 /* agentvm: the command's entry point, compiled (scripts/install.sh builds it as the venv's
  * bin/agentvm).
  *
- * One job of its own: `agentvm run [--] CMD...` with no options, no terminal and no stdin to
- * send, while a daemon is up - the hot path. It sends the command line to the daemon exactly as
+ * One job of its own: `agentvm run [--] CMD...` with no options and no terminal, while a daemon
+ * is up - the hot path. With /dev/null (or nothing) on stdin it is POST /v1/run/frames; with a
+ * pipe or a socket on stdin, an interactive session (POST /v1/run/attach upgraded to
+ * agentvm-frames/1, docs/daemon.md): stdin relayed as frames (its end as "c"), SIGINT, SIGTERM,
+ * SIGHUP and SIGQUIT forwarded as "s" frames, output frames relayed until "x". It sends the command line to the daemon exactly as
  * agent-vm's Python thin client would (agentvm/cli/fastrun.py: the same JSON document, asking
  * for frames), relays the run's output as it comes, prints the report the daemon rendered and
  * exits with the run's exit code. A Python interpreter's start alone costs more than the whole
  * round trip to the daemon.
  *
- * Everything else - every other command, any option, a terminal, piped or file stdin, an
+ * Everything else - every other command, any option, a terminal, a regular file on stdin, an
  * argument that is not UTF-8, no daemon listening, a refusal - is not decided here: it execs
  * the Python entry point (AGENTVM_PY_ENTRY, run by AGENTVM_PYTHON -S) with the same arguments,
  * which does all of it the one way it is done everywhere. Only an answer that is not a 200 is
@@ -23,6 +26,7 @@
  */
 #define _GNU_SOURCE
 #include <errno.h>
+#include <fcntl.h>
 #include <limits.h>
 #include <poll.h>
 #include <pwd.h>
@@ -265,6 +269,134 @@ static int write_all(int fd, const char *p, size_t n) {
     return 0;
 }
 
+/* ---------------------------------------------------------------- an interactive session */
+#define IN_FRAME 65536u          /* stdin bytes per frame (the daemon's limit) */
+#define OUT_PENDING (256u << 10) /* bytes queued for the daemon before stdin is no longer read */
+
+static int g_wake[2] = {-1, -1};
+static volatile sig_atomic_t g_sig;
+
+static void on_signal(int sig) {
+    int e = errno;
+    g_sig = sig;
+    if (g_wake[1] >= 0) (void)!write(g_wake[1], "s", 1);
+    errno = e;
+}
+
+static void frame(struct buf *b, char kind, const void *p, size_t n) {
+    char head[24];
+    int h = snprintf(head, sizeof head, "%c%zu\n", kind, n);
+    put(b, head, (size_t)h);
+    if (n) put(b, p, n);
+}
+
+static int ended(const char *why);
+
+/* Frames both ways until "x": its exit code. */
+static int attach_loop(struct conn *c) {
+    struct buf out = {0}, in = {0};
+    size_t out_off = 0, used = 0;
+    int stdin_open = 1;
+    if (c->len > c->off) put(&in, c->buf + c->off, c->len - c->off); /* frames that came with the head */
+    if (pipe2(g_wake, O_CLOEXEC | O_NONBLOCK) < 0) return 125;
+    struct sigaction sa = {.sa_handler = on_signal}; /* no SA_RESTART: poll wakes */
+    sigemptyset(&sa.sa_mask);
+    int sigs[] = {SIGINT, SIGTERM, SIGHUP, SIGQUIT};
+    for (size_t i = 0; i < sizeof sigs / sizeof *sigs; i++) sigaction(sigs[i], &sa, NULL);
+    int fl = fcntl(c->fd, F_GETFL);
+    if (fl >= 0) fcntl(c->fd, F_SETFL, fl | O_NONBLOCK);
+    static char rb[65536];
+    for (;;) {
+        /* whole frames from the daemon */
+        for (;;) {
+            char *nl = in.len > used ? memchr(in.p + used, '\n', in.len - used < 11 ? in.len - used : 11) : NULL;
+            if (!nl) {
+                if (in.len - used > 10) return ended("a malformed frame");
+                break;
+            }
+            char kind = in.p[used];
+            size_t n = 0;
+            const char *d = in.p + used + 1;
+            if (d == nl || nl - d > 9) return ended("a malformed frame");
+            for (; d < nl; d++) {
+                if (*d < '0' || *d > '9') return ended("a malformed frame");
+                n = n * 10 + (size_t)(*d - '0');
+            }
+            if (n > MAX_PIECE) return ended("a frame over the size limit");
+            size_t at = (size_t)(nl - in.p) + 1;
+            if (in.len - at < n) break;
+            const char *payload = in.p + at;
+            used = at + n;
+            if (kind == 'o' || kind == 'e') {
+                if (write_all(kind == 'o' ? 1 : 2, payload, n) < 0) return errno == EPIPE ? 141 : 125;
+            } else if (kind == 'x') {
+                const char *eol = memchr(payload, '\n', n);
+                int rc = 0;
+                if (!eol || eol == payload || eol - payload > 3) return ended("a malformed end frame");
+                for (const char *q = payload; q < eol; q++) {
+                    if (*q < '0' || *q > '9') return ended("a malformed end frame");
+                    rc = rc * 10 + (*q - '0');
+                }
+                if (rc > 255) return ended("a malformed end frame");
+                write_all(2, eol + 1, n - (size_t)(eol + 1 - payload));
+                return rc;
+            } else {
+                return ended("an unknown frame");
+            }
+        }
+        if (used == in.len) in.len = used = 0;
+        if (g_sig) {
+            int sig = g_sig;
+            g_sig = 0;
+            const char *name = sig == SIGINT ? "INT" : sig == SIGTERM ? "TERM" : sig == SIGHUP ? "HUP" : "QUIT";
+            frame(&out, 's', name, strlen(name));
+        }
+        struct pollfd p[3] = {{.fd = c->fd, .events = POLLIN | (out.len > out_off ? POLLOUT : 0)},
+                              {.fd = g_wake[0], .events = POLLIN},
+                              {.fd = stdin_open && out.len - out_off < OUT_PENDING ? 0 : -1, .events = POLLIN}};
+        if (poll(p, 3, -1) < 0) {
+            if (errno == EINTR) continue;
+            return 125;
+        }
+        if (p[1].revents) {
+            char junk[64];
+            while (read(g_wake[0], junk, sizeof junk) > 0) {
+            }
+        }
+        if (p[2].revents) {
+            static char ib[IN_FRAME];
+            ssize_t r = read(0, ib, sizeof ib);
+            if (r < 0 && errno == EINTR) continue;
+            if (r > 0) {
+                frame(&out, 'i', ib, (size_t)r);
+            } else {
+                frame(&out, 'c', NULL, 0);
+                stdin_open = 0;
+            }
+        }
+        if ((p[0].revents & POLLOUT) && out.len > out_off) {
+            ssize_t w = write(c->fd, out.p + out_off, out.len - out_off);
+            if (w > 0) out_off += (size_t)w;
+            else if (w < 0 && errno != EAGAIN && errno != EINTR) return ended("the connection closed mid-session");
+            if (out_off == out.len) out.len = out_off = 0;
+        }
+        if (p[0].revents & (POLLIN | POLLHUP | POLLERR)) {
+            ssize_t r = read(c->fd, rb, sizeof rb);
+            if (r == 0) return ended("the connection closed mid-session");
+            if (r < 0) {
+                if (errno == EAGAIN || errno == EINTR) continue;
+                return ended("the connection closed mid-session");
+            }
+            if (used) {
+                memmove(in.p, in.p + used, in.len - used);
+                in.len -= used;
+                used = 0;
+            }
+            put(&in, rb, (size_t)r);
+        }
+    }
+}
+
 static int ended(const char *why) {
     fprintf(stderr, "agentvm: the daemon ended the run without a result (%s)\n", why);
     return 125;
@@ -283,8 +415,10 @@ int main(int argc, char **argv) {
     if (nd && strcmp(nd, "1") == 0) fallback();
     if (isatty(0) && isatty(1)) fallback(); /* Python decides whether the sandbox gets a terminal */
     struct stat st;
+    int attach = 0; /* a pipe or a socket on stdin: an interactive session */
     if (fstat(0, &st) == 0) {
-        if (S_ISFIFO(st.st_mode) || S_ISSOCK(st.st_mode) || S_ISREG(st.st_mode)) fallback();
+        if (S_ISREG(st.st_mode)) fallback();
+        if (S_ISFIFO(st.st_mode) || S_ISSOCK(st.st_mode)) attach = 1;
         if (S_ISCHR(st.st_mode)) {
             struct stat dn;
             if (stat("/dev/null", &dn) != 0 || st.st_rdev != dn.st_rdev || st.st_ino != dn.st_ino) fallback();
@@ -312,10 +446,16 @@ int main(int argc, char **argv) {
 
     struct buf req = {0};
     char head[256];
-    snprintf(head, sizeof head,
-             "POST /v1/run/frames HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
-             "Content-Length: %zu\r\nConnection: close\r\n\r\n",
-             body.len);
+    if (attach)
+        snprintf(head, sizeof head,
+                 "POST /v1/run/attach HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+                 "Content-Length: %zu\r\nConnection: Upgrade\r\nUpgrade: agentvm-frames/1\r\n\r\n",
+                 body.len);
+    else
+        snprintf(head, sizeof head,
+                 "POST /v1/run/frames HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+                 "Content-Length: %zu\r\nConnection: close\r\n\r\n",
+                 body.len);
     puts_(&req, head);
     put(&req, body.p, body.len);
     if (write_all(fd, req.p, req.len) < 0) {
@@ -363,6 +503,10 @@ int main(int argc, char **argv) {
     if (code >= 300) {
         close(fd); /* a refusal before the run (or no /v1/run/frames: 404): Python asks again and says it */
         fallback();
+    }
+    if (attach) {
+        if (code != 101) return ended("an answer this client does not read");
+        return attach_loop(&c);
     }
     if (code != 200 || !frames || !chunked) return ended("an answer this client does not read");
     c.deadline = 0; /* the run is as long as it is */
