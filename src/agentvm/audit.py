@@ -11,6 +11,15 @@ detected too (the head no longer matches).
 
 Only agent-vm writes here (the daemon or ``agentvm run``), from outside every sandbox; a
 sandbox can only cause records to be written through events the daemon observes.
+
+No writer appends to a chain that does not verify (that would bury the break under new
+records): before its first record, every writer - the daemon, an embedded ``agentvm run``, the
+CLI's own records - verifies the chain from the last *verified checkpoint* (a side file,
+``audit.verified``: the sequence number and hash of the last record a verification or a
+writer vouched for) to the end, and refuses with ``audit.broken-chain`` when it does not hold.
+The checkpoint moves with verifications and with the records a writer appends onto a chain it
+verified, so the check costs the records written since, not the whole chain. A break below
+the checkpoint is found by a full walk: ``agentvm audit verify`` and the daemon's start.
 """
 
 from __future__ import annotations
@@ -122,12 +131,16 @@ class AuditLog:
         self._conn.execute("PRAGMA journal_mode=WAL")
         self._conn.execute("PRAGMA busy_timeout=10000")
         self._conn.executescript(_SCHEMA)
+        self._checked = False  # verified from the checkpoint before this writer's first record
+        self._vouched: tuple[int, str] | None = None  # the last record this writer can vouch for
+        self._vouched_written = 0.0
 
     @classmethod
     def open_readonly(cls, path: Path) -> "AuditLog":
         """The chain for reading and verifying only: nothing is created or written (a copy, a
         chain whose daemon is down, a disk that is full or read-only)."""
         self = cls.__new__(cls)
+        self._checked, self._vouched, self._vouched_written = True, None, 0.0  # a reader: it never appends
         self.path = Path(path)
         self.head_path = self.path.with_suffix(".head")
         self._lock = threading.Lock()
@@ -160,10 +173,73 @@ class AuditLog:
         return self
 
     def close(self) -> None:
+        if self._vouched is not None and self._vouched[0] > 0:
+            try:
+                self._write_checkpoint(*self._vouched)
+            except OSError:
+                pass  # a full disk: the next writer walks a little further
         self._conn.close()
+
+    # -- the verified checkpoint ---------------------------------------------------------------
+    @property
+    def checkpoint_path(self) -> Path:
+        return self.path.with_suffix(".verified")
+
+    def read_checkpoint(self) -> tuple[int, str] | None:
+        try:
+            seq, h = self.checkpoint_path.read_text().split()
+            return int(seq), h
+        except (FileNotFoundError, ValueError):
+            return None  # none yet, or unreadable: the next check walks the whole chain
+
+    def _write_checkpoint(self, seq: int, h: str) -> None:
+        tmp = self.checkpoint_path.with_name(f"{self.checkpoint_path.name}.{os.getpid()}.tmp")
+        tmp.write_text(f"{seq} {h}\n")
+        os.chmod(tmp, 0o600)
+        os.replace(tmp, self.checkpoint_path)
+        self._vouched_written = time.monotonic()
+
+    def _last(self) -> tuple[int, str]:
+        row = self._conn.execute("SELECT seq, hash FROM audit ORDER BY seq DESC LIMIT 1").fetchone()
+        return (int(row[0]), row[1]) if row else (0, GENESIS)
+
+    def check_appendable(self) -> None:
+        """Verify the chain from the checkpoint to its end; refuse (``audit.broken-chain``) to
+        append to one that does not hold, as the daemon refuses to start on it. Then move the
+        checkpoint to the end."""
+        v = self.verify(since=self.read_checkpoint())
+        if not v.ok:
+            from agentvm.errors import ConfigError
+
+            raise ConfigError(
+                f"the audit chain at {self.path} does not verify: {v.problem}; refusing to append to it",
+                hint="keep a copy for the investigation, then accept the break once with `agentvm up "
+                "--accept-broken-chain` (it is recorded as the first event; embedded runs append again after it), "
+                "or move the database aside to start a new chain; see docs/daemon.md", code="audit.broken-chain")
+        last = self._last()
+        if last[0]:
+            self._write_checkpoint(*last)
+        self._vouched = last
+        self._checked = True
+
+    def accept_break(self, problem: str, actor: str = "agentvm") -> Record:
+        """The operator accepted a chain that does not verify (``up --accept-broken-chain``):
+        the acceptance is appended as the next record (``daemon.accepted-broken-chain``, with
+        the problem) and the checkpoint moves to it, so every writer - embedded runs too -
+        appends again after it, and ``audit verify`` still shows the break below."""
+        last = self._last()
+        if last[0]:
+            self._write_head(*last)  # a cut tail accepted: the head names what is there now
+        self._vouched = last
+        self._checked = True
+        rec = self.append("daemon.accepted-broken-chain", actor=actor, data={"problem": problem})
+        self._write_checkpoint(rec.seq, rec.hash)
+        return rec
 
     def append(self, kind: str, *, actor: str = "agentvm", sandbox: str | None = None, data: dict | None = None) -> Record:
         payload = json.dumps(data or {}, sort_keys=True, separators=(",", ":"), ensure_ascii=True, default=str)
+        if not self._checked:
+            self.check_appendable()
         with self._lock, _FileLock(self.path.with_suffix(".lock"), self.lock_timeout):
             self._conn.execute("BEGIN IMMEDIATE")
             try:
@@ -184,6 +260,13 @@ class AuditLog:
             # A crash right here leaves the head one record behind, which verify tells apart
             # from a cut tail.
             self._write_head(seq, h)
+            # onto the record this writer vouched for: the chain is still verified to here
+            if self._vouched is not None and self._vouched == (seq - 1, prev):
+                self._vouched = (seq, h)
+                if time.monotonic() - self._vouched_written > 2.0:
+                    self._write_checkpoint(seq, h)
+            else:
+                self._vouched = None  # another writer's records came between: the next check walks them
         return Record(seq, t, kind, actor, sandbox, json.loads(payload), prev, h)
 
     def _write_head(self, seq: int, h: str) -> None:
@@ -226,7 +309,7 @@ class AuditLog:
         row = self._conn.execute("SELECT MAX(seq) FROM audit").fetchone()
         return int(row[0] or 0)
 
-    def verify(self, require_head: bool = True) -> Verification:
+    def verify(self, require_head: bool = True, *, since: tuple[int, str] | None = None) -> Verification:
         """Walk the chain; report the first record that does not hold, and a missing tail.
 
         The head is read *first*: records appended while the walk runs (another process) come
@@ -246,8 +329,28 @@ class AuditLog:
         expected_seq = 1
         n = 0
         at_head = None  # the hash of the record the head names
+        if since is not None and since[0] > 0:  # from a verified checkpoint: that record must be as it was
+            row = self._conn.execute("SELECT seq, time, kind, actor, sandbox, data, prev, hash FROM audit WHERE seq = ?",
+                                     (since[0],)).fetchone()
+            if row is None:
+                return Verification(False, 0, f"record {since[0]}, verified before, is missing (removed from the "
+                                              "end or deleted)", since[0])
+            if _digest(*row[6:7], *row[:6]) != row[7]:
+                return Verification(False, since[0], f"record {since[0]} was modified (its hash does not match its "
+                                                     "content)", since[0])
+            if row[7] != since[1]:
+                return Verification(False, 0, f"record {since[0]} is not the one verified before (rewritten)",
+                                    since[0])
+            if head is not None and head[0] < since[0] - 1:  # (one behind: a crash before the head moved)
+                return Verification(False, since[0], f"the head says {head[0]} records but record {since[0]} was "
+                                                     "verified before: the head was moved back", head[0])
+            prev, expected_seq, n = since[1], since[0] + 1, since[0]
+            if head is not None and 0 < head[0] <= since[0]:
+                row = self._conn.execute("SELECT hash FROM audit WHERE seq = ?", (head[0],)).fetchone()
+                at_head = row[0] if row else None
         for seq, t, kind, actor, sb, data, stored_prev, h in self._conn.execute(
-            "SELECT seq, time, kind, actor, sandbox, data, prev, hash FROM audit ORDER BY seq"
+            "SELECT seq, time, kind, actor, sandbox, data, prev, hash FROM audit WHERE seq >= ? ORDER BY seq",
+            (expected_seq,),
         ):
             n += 1
             if seq != expected_seq:

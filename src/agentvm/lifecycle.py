@@ -173,6 +173,13 @@ class Lifecycle:
                       **({"notes": ws_notes} if ws_notes else {}))
         except Exception as exc:
             res.release()
+            from agentvm.errors import AgentVMError, disk_full_error
+
+            if isinstance(exc, AgentVMError):  # a broken chain (audit.broken-chain), a lost one: as they are
+                raise
+            full = disk_full_error(exc, where=rt.paths.audit_dir)
+            if full is not None:
+                raise full from exc
             raise BackendError(f"cannot write the audit chain ({type(exc).__name__}: {exc}); refusing to run unrecorded",
                                hint=f"check {rt.paths.audit_dir} (free space, permissions), then `agentvm audit verify`") from exc
         return s

@@ -90,3 +90,54 @@ def test_the_error_is_in_the_registry_with_exit_75():
 
     c = lookup("state.disk-full")
     assert c is not None and c.exit == 75 and c.status == 507
+
+
+# -- an embedded run refuses a broken chain as the daemon does ---------------------------------
+@pytest.fixture
+def home(avm_home):
+    h = Path(f"/tmp/agentvm-chain-{secrets.token_hex(3)}")
+    h.mkdir(mode=0o711)
+    yield h
+    _av(h, "down", timeout=60)
+    subprocess.run(["rm", "-rf", str(h)])
+
+
+def _tamper(home: Path, sql: str) -> None:
+    import sqlite3
+
+    c = sqlite3.connect(str(home / "audit" / "audit.db"))
+    c.execute(sql)
+    c.commit()
+    c.close()
+
+
+@pytest.mark.parametrize("how,problem", [
+    ("DELETE FROM audit WHERE seq = (SELECT MAX(seq) FROM audit)", "removed from the end"),
+    ("UPDATE audit SET data = '{\"forged\": 1}' WHERE seq = (SELECT MAX(seq) FROM audit)", "was modified"),
+])
+def test_an_embedded_run_refuses_a_chain_broken_since_it_was_verified(home, how, problem):
+    for _ in range(2):
+        assert _av(home, "run", "--", "true", AGENTVM_NO_DAEMON="1").returncode == 0
+    n = len(_av(home, "audit", "show", "--json").stdout.splitlines())
+    _tamper(home, how)
+    r = _av(home, "run", "--", "echo", "ran", AGENTVM_NO_DAEMON="1")
+    assert r.returncode == 78, (r.returncode, r.stdout, r.stderr)
+    assert "[audit.broken-chain]" in r.stderr and problem in r.stderr and "--accept-broken-chain" in r.stderr
+    assert "ran" not in r.stdout  # refused before the sandbox started
+    assert len(_av(home, "audit", "show", "--json").stdout.splitlines()) <= n  # nothing appended
+    # the operator accepts the break once (the daemon records it); embedded runs append again
+    assert _av(home, "up", "--accept-broken-chain", timeout=60).returncode == 0
+    assert _av(home, "down", timeout=60).returncode == 0
+    r = _av(home, "run", "--", "echo", "ran", AGENTVM_NO_DAEMON="1")
+    assert r.returncode == 0 and "ran" in r.stdout, r.stderr
+    kinds = [json.loads(x)["kind"] for x in _av(home, "audit", "show", "--json").stdout.splitlines()]
+    assert "daemon.accepted-broken-chain" in kinds and kinds[-1] in ("run.exited", "lifecycle.exited"), kinds[-4:]
+
+
+def test_a_lost_checkpoint_means_a_full_walk_not_trust(home):
+    assert _av(home, "run", "--", "true", AGENTVM_NO_DAEMON="1").returncode == 0
+    assert _av(home, "run", "--", "true", AGENTVM_NO_DAEMON="1").returncode == 0
+    _tamper(home, "UPDATE audit SET data = '{\"forged\": 1}' WHERE seq = 1")
+    (home / "audit" / "audit.verified").unlink()
+    r = _av(home, "run", "--", "true", AGENTVM_NO_DAEMON="1")
+    assert r.returncode == 78 and "record 1 was modified" in r.stderr, r.stderr

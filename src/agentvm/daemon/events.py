@@ -237,6 +237,11 @@ def check_chain(paths: Paths, accept_broken: bool) -> str | None:
             hint="keep a copy for the investigation, then start with `agentvm up --accept-broken-chain` (the break "
             "is recorded as the first event), or move the database aside to start a new chain; see docs/daemon.md",
             code="audit.broken-chain")
+    accepted = AuditLog(db)
+    try:
+        accepted.accept_break(v.problem)  # recorded now; every writer (embedded runs too) appends after it
+    finally:
+        accepted.close()
     return v.problem
 
 

@@ -175,7 +175,7 @@ def run_daemon(paths: Paths, *, listen: str | None = None, backend=None, accept_
                otlp_endpoint: str | None = None, otlp_sample_allowed: float | None = None, gate_workers: int = 0,
                resume: bool = True, e2b: dict | None = None) -> None:
     """Foreground entry point (``agentvm up --foreground``)."""
-    accepted = check_chain(paths, accept_broken_chain)
+    check_chain(paths, accept_broken_chain)  # refuses a broken chain, or records its acceptance
     check_state(paths)
     from agentvm.observe.tracing import from_env_or
 
@@ -200,8 +200,7 @@ def run_daemon(paths: Paths, *, listen: str | None = None, backend=None, accept_
                    e2b=e2b)
         if tracing is not None:
             d.record("daemon.tracing", endpoint=tracing.endpoint, sample_allowed=tracing.sample_allowed)
-        if accepted:
-            d.record("daemon.accepted-broken-chain", problem=accepted)
+        # (an accepted break is on the chain already: check_chain recorded it)
         loop = asyncio.get_running_loop()
         for s in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(s, d.stopping.set)
