@@ -183,37 +183,38 @@ def run(home: Path, n: int, size: int, backends: list[str], declared: int) -> di
 
 def density(rt, m: int, size: int) -> dict:
     """``m`` workspaces made in the pool (as a first start makes them), 64 KiB written in each,
-    released; the pool's use per workspace; then removed."""
+    released; the pool's use per workspace; then removed. The pool is held mounted throughout
+    (as while any agent runs; an idle pool is unmounted between users)."""
     from agentvm import workspace, wspool
 
     ws, runtime = rt.paths.workspaces, rt.paths.runtime
     uid = 3_900_000
     blob = os.urandom(65536)
-    t0 = time.perf_counter()
-    for i in range(m):
-        lease = workspace.acquire(ws, runtime, f"bd-{i:05d}", uid=uid, gid=uid, size=size, enforce_quota=True)
-        (lease.host_dir / "f").write_bytes(blob)
-        lease.release()
-    create_s = time.perf_counter() - t0
-    pool = wspool.Pool(ws, runtime)
-    pool.sync()
-    psize, pfree = pool.space()
-    reserved = pool.img.stat().st_blocks * 512
-    t0 = time.perf_counter()
-    for i in range(m - 1):
-        workspace.remove_workspace(ws, f"bd-{i:05d}", runtime=runtime)
-    rm_s = time.perf_counter() - t0
-    pool.sync()
-    s1, f1 = pool.space()
-    base = s1 - f1  # one workspace left: the pool's own overhead
-    workspace.remove_workspace(ws, f"bd-{m - 1:05d}", runtime=runtime)
-    per = max(1, ((psize - pfree) - base) // (m - 1))
+    lease = workspace.acquire(ws, runtime, "bd-first", uid=uid, gid=uid, size=size, enforce_quota=True)
+    lease.release()
+    with workspace.pool_open(ws, runtime) as pool:
+        pool.sync()
+        s0, f0 = pool.space()
+        t0 = time.perf_counter()
+        for i in range(m):
+            lease = workspace.acquire(ws, runtime, f"bd-{i:05d}", uid=uid, gid=uid, size=size, enforce_quota=True)
+            (lease.host_dir / "f").write_bytes(blob)
+            lease.release()
+        create_s = time.perf_counter() - t0
+        pool.sync()
+        s1, f1 = pool.space()
+        reserved = pool.img.stat().st_blocks * 512
+        t0 = time.perf_counter()
+        for i in range(m):
+            workspace.remove_workspace(ws, f"bd-{i:05d}", runtime=runtime)
+        rm_s = time.perf_counter() - t0
+    workspace.remove_workspace(ws, "bd-first", runtime=runtime)
+    per = max(1, ((s1 - f1) - (s0 - f0)) // m)
     v = os.statvfs(ws if ws.exists() else ws.parent)
     free = v.f_bavail * v.f_frsize
-    reserve = wspool.host_reserve(v.f_blocks * v.f_frsize)
-    room = max(0, free - reserve)
+    room = max(0, free - wspool.host_reserve(v.f_blocks * v.f_frsize))
     return {"declared": m, "create_s": create_s, "create_rate": m / create_s, "rm_s": rm_s,
-            "rm_rate": (m - 1) / rm_s if rm_s else 0.0, "bytes_per_agent": per, "pool_reserved": reserved,
+            "rm_rate": m / rm_s if rm_s else 0.0, "bytes_per_agent": per, "pool_reserved": reserved,
             "host_room": room, "fit_pool": room // per, "fit_image": room // size, "fit_image_1g": room // (1 << 30),
             "running_1g": room // (1 << 30), "running_size": room // size}
 
