@@ -450,7 +450,12 @@ class Runtime:
         gc_stale(self.paths, self.backend_for(policy))
         gc_logs(self.paths)
         lc = Lifecycle(self, EmbeddedGateHost(self))
-        s = lc.prepare(policy, degrade=degrade, tty=tty, notes=lambda n: print(f"agentvm: note: {n}", file=sys.stderr))
+        syscalls_off = self._syscall_records()
+        try:
+            s = lc.prepare(policy, degrade=degrade, tty=tty, notes=lambda n: print(f"agentvm: note: {n}", file=sys.stderr))
+        except BaseException:
+            syscalls_off()
+            raise
         old = _install_signal_handlers()
         try:
             lc.attach(s)
@@ -471,8 +476,33 @@ class Runtime:
             s.status = ExitStatus(exit_code=128 + exc.signum, signal=exc.signum)
         finally:
             _restore_signal_handlers(old)
-            lc.teardown(s)
+            try:
+                lc.teardown(s)
+            finally:
+                syscalls_off()
         return lc.result(s)
+
+    def _syscall_records(self):
+        """Escape probes of the sandbox this run launches (agentvm.sysaudit) on the audit chain,
+        like the daemon's (``agentvm audit show``). -> the function that stops it (after the
+        records taken so far have reached the chain). A Runtime whose records go elsewhere (the
+        daemon's: ``record=``) leaves it to that owner's own registration."""
+        if self._record_fn is not None:
+            return lambda: None
+        from agentvm import sysaudit
+        from agentvm.audit import AuditLog
+
+        if self._audit is None:
+            self._audit = AuditLog(self.paths.audit_dir / "audit.db")
+        sink = sysaudit.audit_sink(self._audit, actor=f"uid:{os.getuid()}")
+        off = sysaudit.register_sink_factory(lambda sandbox_id: sink)
+
+        def stop() -> None:
+            off()
+            if sysaudit._SUP is not None:  # (never start a supervisor only to flush it)
+                sysaudit._SUP.flush(2.0)
+
+        return stop
 
 
 class _Resources:

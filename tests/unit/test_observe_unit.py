@@ -309,3 +309,35 @@ def test_skeleton_is_uts39():
     assert skeleton("p\u0430ypal") == skeleton("paypal")  # Cyrillic a
     assert skeleton("\u2212") == "-" and skeleton("rn") == skeleton("m")
     assert skeleton("\u0410\u0412\u0421") == "ABC"
+
+
+def test_syscall_and_ssh_records_become_spans_of_the_sandbox_session(monkeypatch):
+    """``syscall.*`` (agentvm.sysaudit) and ``ssh.*`` (the gate's ssh-agent) events are kept by
+    the sampler and turned into spans of the sandbox's session, named after the record's kind."""
+    from agentvm.observe.tracing import Tracing
+
+    tr = Tracing("http://127.0.0.1:9", sample_allowed=0.0)
+    try:
+        spans = []
+
+        class FakeSession:
+            def span(self, name, start, end=None, attributes=None, parent=None, error=None):
+                spans.append((name, attributes, error))
+
+        monkeypatch.setattr(tr, "session", lambda sid: FakeSession() if sid == "s1" else None)
+        tr._event({"kind": "syscall.denied", "sandbox": "s1", "syscall": "unshare", "errno": "EPERM", "pid": 7,
+                   "argv": ["unshare", "-U", "true"], "args": {"flags": "CLONE_NEWUSER"}, "rule": "deny:unshare"})
+        tr._event({"kind": "ssh.refuse", "sandbox": "s1", "verdict": "refuse", "key": "deploy", "host": "other.test",
+                   "reason": "not listed"})
+        tr._event({"kind": "syscall.denied", "sandbox": "elsewhere", "syscall": "mount"})
+        assert [s[0] for s in spans] == ["syscall.denied", "ssh.refuse"]
+        assert spans[0][1]["agentvm.syscall"] == "unshare" and spans[0][1]["agentvm.errno"] == "EPERM"
+        assert spans[1][1]["server.address"] == "other.test" and spans[1][2] == "not listed"
+        got = []
+        monkeypatch.setattr(tr, "submit", got.append)
+        tr.observe({"kind": "syscall.watched", "sandbox": "s1"})
+        tr.observe({"kind": "ssh.sign", "sandbox": "s1"})
+        tr.observe({"kind": "lifecycle.running"})
+        assert [g[1]["kind"] for g in got] == ["syscall.watched", "ssh.sign"]
+    finally:
+        tr.shutdown()

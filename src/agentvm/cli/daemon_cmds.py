@@ -542,8 +542,9 @@ def audit_verify(db):
 @audit.command("export")
 @click.option("--format", "fmt", type=click.Choice(["ocsf", "json"]), default="ocsf", show_default=True,
               help="ocsf: OCSF 1.3 events (HTTP Activity for decisions, API Activity for audit records); json: as stored.")
-@click.option("--what", type=click.Choice(["all", "audit", "decisions"]), default="all", show_default=True,
-              help="The audit chain's records, the gate's decisions (its logs), or both.")
+@click.option("--what", type=click.Choice(["all", "audit", "decisions", "syscalls"]), default="all", show_default=True,
+              help="The audit chain's records, the gate's decisions (its logs), or both; syscalls: only the "
+                   "escape probes (syscall.* records: the chain's, and those of sandbox logs the chain lacks).")
 @click.option("--since", type=_since(), help="From this time on: a Unix time, a duration ago (10m, 2h) or an ISO date.")
 @click.option("--sandbox", help="Only this sandbox (its name, or a run's sandbox id for decisions).")
 @click.option("--file", "db", type=click.Path(dir_okay=False), help="Read this audit database (default: this installation's).")
@@ -557,6 +558,8 @@ def audit_export(fmt, what, since, sandbox, db):
         recs = [r.to_dict() for r in local.records(since=since, sandbox=sandbox)] if local else _client().audit(since, sandbox)
         for r in recs:
             click.echo(json.dumps(ocsf.audit_record(r) if fmt == "ocsf" else r, sort_keys=True))
+    if what == "syscalls":
+        _export_syscalls(fmt, since, sandbox, db)
     if what in ("all", "decisions"):
         import os
 
@@ -569,6 +572,32 @@ def audit_export(fmt, what, since, sandbox, db):
                 for rec in ocsf.decisions_from_logs(f, since=since, sandbox=sandbox):
                     click.echo(json.dumps(ocsf.decision(rec) if fmt == "ocsf" else rec, sort_keys=True))
     return 0
+
+
+def _export_syscalls(fmt, since, sandbox, db) -> None:
+    """``audit export --what syscalls``: the chain's ``syscall.*`` records (OCSF Process Activity),
+    then the lines of each sandbox's ``.syscalls.jsonl`` whose sandbox has none on the chain
+    (a run from before its records reached the chain, or another installation's chain)."""
+    from agentvm import sysaudit
+    from agentvm.observe import ocsf
+    from agentvm.paths import default_paths
+
+    local = _local_audit(db)
+    recs = [r.to_dict() for r in local.records(since=since, sandbox=sandbox)] if local else _client().audit(since, sandbox)
+    seen = set()
+    for r in recs:
+        if str(r.get("kind") or "").startswith("syscall."):
+            seen.add(r.get("sandbox"))
+            click.echo(json.dumps(ocsf.syscall(r) if fmt == "ocsf" else r, sort_keys=True))
+    logs = default_paths().home / "logs"
+    for path in sorted(logs.glob("*.syscalls.jsonl"), key=lambda p: p.stat().st_mtime) if logs.is_dir() else ():
+        sid = path.name[:-len(".syscalls.jsonl")]
+        if sid in seen or (sandbox and sandbox not in (sid, sid.rsplit("-", 1)[0])):
+            continue
+        for rec in sysaudit.read_log(path):
+            if since is not None and float(rec.get("time") or 0) < since:
+                continue
+            click.echo(json.dumps(ocsf.syscall(rec) if fmt == "ocsf" else rec, sort_keys=True))
 
 
 @click.command()

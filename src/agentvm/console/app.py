@@ -229,6 +229,7 @@ class Console:
         rows = []
         for d in self.d.sandboxes():
             d["usage"] = self.d.usage(d["name"])
+            d["syscalls"] = self._syscalls(d["name"])
             s = self.d.observer.summary.get(d["name"], {})
             d["denied"] = sum(v[1] for v in s.values())
             d["allowed"] = sum(v[0] for v in s.values())
@@ -251,7 +252,22 @@ class Console:
             "rules": [r for r in view["rules"] if not r["id"].startswith("doh:")],
             "doh": sum(1 for r in view["rules"] if r["id"].startswith("doh:")),
             "summary": self.d.observer.egress_summary(name), "recent": recent,
+            "syscalls": self._syscalls(name),
             "flash": request.query_params.get("done", "")})
+
+    def _syscalls(self, name: str) -> dict | None:
+        """The sandbox's escape probes (agentvm.sysaudit): ``{denied, watched, suppressed, action,
+        detached, on_probe}``, or None where its substrate does not audit syscalls (gVisor) or it
+        is not running under this daemon."""
+        m = getattr(self.d, "managed", {}).get(name)
+        if m is None or m.handle is None:
+            return None
+        audit = getattr(m.backend, "syscall_audit", None)
+        try:
+            a = audit(m.handle) if audit is not None else None
+            return a.summary() if a is not None else None
+        except Exception:  # noqa: BLE001 - a sandbox between states: no column, not an error
+            return None
 
     async def sandbox_action(self, request: Request) -> Response:
         name = request.path_params["name"]

@@ -107,6 +107,19 @@ class Events:
             return
         self._in_loop(lambda: self.emit(kind, actor="agentvm", sandbox=sandbox, **data))
 
+    def syscall_sink(self, sandbox_id: str):
+        """``agentvm.sysaudit``'s sink factory (registered at start-up): each escape-probe record
+        of a sandbox this daemon launches goes on the audit chain and the event stream (and so
+        to /metrics' observer and the trace's span events). Called on the supervisor's
+        recording thread: handed to the loop (``call_soon_threadsafe``), never run there."""
+
+        def sink(rec: dict) -> None:
+            kind = str(rec.get("kind") or "syscall.denied")
+            data = {k: v for k, v in rec.items() if k not in ("kind", "sandbox", "time")}
+            self._in_loop(lambda: self.record(kind, sandbox=rec.get("sandbox") or sandbox_id, **data))
+
+        return sink
+
     def _worker_event(self, kind: str, **data) -> None:
         """A gate worker lost, replaced, or not replaceable (agentvm.gate.workers): on the chain."""
         log.warning("%s: %s", kind, json.dumps(data, default=str))

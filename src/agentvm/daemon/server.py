@@ -60,6 +60,9 @@ class Daemon(ControlPlane):
     async def serve(self) -> None:
         # recover before answering anyone: a client that sees the socket sees a clean state
         await self.open()
+        from agentvm import sysaudit  # escape probes of the sandboxes launched from now on: chain + events
+
+        self._sysaudit_off = sysaudit.register_sink_factory(self.syscall_sink)
         await self.http.start()
         if self.e2b_options:
             try:
@@ -79,6 +82,9 @@ class Daemon(ControlPlane):
             await self.e2b.stop()
         self.http.close_listeners()
         await self.close()
+        off = getattr(self, "_sysaudit_off", None)
+        if off is not None:
+            off()
         self.http.remove_socket()
 
 

@@ -80,6 +80,9 @@ class Observer:
         self._dyn = _Dynamic(sandboxes_by_state, approvals_pending, audit_status)
         r.register(self._dyn)
         r.register(_Workspaces(workspace_dir))
+        from agentvm import sysaudit  # escape probes: agentvm_syscalls_denied_total{syscall} (docs/syscall-audit.md)
+
+        r.register(sysaudit.Collector())
         self.recent: collections.deque = collections.deque(maxlen=RECENT)
         self._children: dict = {}
         self.summary: dict[str, dict[str, list]] = {}  # agent -> host -> [allow, deny, bytes_out, bytes_in, last]

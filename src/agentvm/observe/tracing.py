@@ -28,6 +28,7 @@ never a blocked sandbox.
 from __future__ import annotations
 
 import collections
+import json
 import random
 import re
 import threading
@@ -179,7 +180,8 @@ class Tracing:
     def observe(self, rec: dict) -> None:
         """One daemon event (``Daemon.emit``): queued for the worker; never raises or blocks."""
         kind = rec.get("kind")
-        if kind not in ("egress", "approval.requested", "approval.answered"):
+        if kind not in ("egress", "approval.requested", "approval.answered") and not (
+                isinstance(kind, str) and kind.startswith(("syscall.", "ssh."))):
             return
         if (kind == "egress" and self.sample_allowed < 1.0 and rec.get("verdict") == "allow"
                 and not rec.get("credentials") and not rec.get("llm") and random.random() >= self.sample_allowed):
@@ -231,8 +233,37 @@ class Tracing:
                     self._approvals[str(rec.get("id"))] = float(rec.get("time") or time.time())
             elif kind == "approval.answered":
                 self._approval(rec)
+            elif kind.startswith("syscall."):
+                self._syscall(rec)
+            elif kind.startswith("ssh."):
+                self._ssh(rec)
         except Exception:  # noqa: BLE001 - tracing must never break the daemon
             pass
+
+    def _syscall(self, rec: dict) -> None:
+        """An escape probe (``syscall.denied``/``syscall.watched``, agentvm.sysaudit): a span event
+        of the sandbox's session - a zero-length span named after the record's kind."""
+        st = self.session(rec.get("sandbox"))
+        if st is None:
+            return
+        t = float(rec.get("time") or time.time())
+        st.span(rec["kind"], t, t, attributes={
+            "agentvm.syscall": rec.get("syscall") or "", "agentvm.rule": rec.get("rule") or "",
+            "agentvm.errno": str(rec.get("errno") or ""), "agentvm.pid": int(rec.get("pid") or 0),
+            "agentvm.exe": rec.get("exe") or "", "agentvm.argv": " ".join(rec.get("argv") or [])[:512],
+            "agentvm.args": json.dumps(rec.get("args") or {}, sort_keys=True, default=str)},
+            error=None)
+
+    def _ssh(self, rec: dict) -> None:
+        """A signing decision of the gate's ssh-agent (``ssh.sign`` / ``ssh.refuse``)."""
+        st = self.session(rec.get("sandbox"))
+        if st is None:
+            return
+        t = float(rec.get("time") or time.time())
+        st.span(rec["kind"], t, t, attributes={
+            "agentvm.ssh.verdict": rec.get("verdict") or "", "agentvm.ssh.key": rec.get("key") or "",
+            "server.address": rec.get("host") or "", "agentvm.ssh.reason": rec.get("reason") or ""},
+            error=rec.get("reason") if rec.get("verdict") == "refuse" else None)
 
     def _decision(self, rec: dict) -> None:
         st = self.session(rec.get("sandbox"))
