@@ -483,6 +483,12 @@ class GvisorBackend(hv.ChildProcessSandbox, Backend):
             finally:
                 _close_relay_ends(state.get("relays"))
             hv.mark_run_dir(run_dir, self.name)
+            if _restores(body):  # a resume: running only once runsc has restored the image
+                why = self._wait_running(handle, timeout=120.0)
+                if why:
+                    err = _runsc_error(run_dir / "runsc.log")
+                    raise BackendError(f"runsc could not restore the checkpoint: {err or why}",
+                                       hint="the checkpoint is kept; `agentvm stop NAME` drops it")
         except BaseException:
             for fd in opened:
                 hv.close_fd(fd)
@@ -919,6 +925,11 @@ def _kvm_usable() -> bool:
     except OSError:
         return False
     return " vmx" in flags or " svm" in flags
+
+
+def _restores(body: GvisorPlan) -> bool:
+    """Is this plan a restore (``restoring``: ``restore --image-path IMG --bundle B ID``)?"""
+    return len(body.argv) >= 6 and body.argv[-6] == "restore" and body.argv[-5] == "--image-path"
 
 
 def _runsc_error(log: Path) -> str:

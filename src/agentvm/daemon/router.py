@@ -87,7 +87,8 @@ async def dispatch(h, method: str, target: str, body: bytes, conn, writer, actor
                 return await answer(await cp.restart(name, actor=actor))
             return await answer(await cp.start_and_wait(name, actor=actor))
         if action in ("pause", "unpause", "suspend", "resume") and method == "POST":
-            return await answer(await getattr(cp, action)(name, actor=actor))
+            verb = {"resume": "resume_sandbox"}.get(action, action)  # (cp.resume: `up --no-resume`'s flag)
+            return await answer(await getattr(cp, verb)(name, actor=actor))
         if action == "exec" and len(p) == 4 and p[3] == "attach" and method == "POST":
             io = h.attached(conn, writer)
             try:

@@ -432,8 +432,9 @@ class Supervisor:
         return {"name": name, "state": self.state.get(name).state, "checkpoint": {
             "binding": cp.binding, "bytes": cp.bytes, "seconds": round(took, 3)}}
 
-    async def resume(self, name: str, *, actor: str = "operator", why: str | None = None) -> dict:
-        """Restore a suspended sandbox on the same policy and workspace, its processes continuing;
+    async def resume_sandbox(self, name: str, *, actor: str = "operator", why: str | None = None) -> dict:
+        """(``resume``: the ControlPlane's ``resume`` is the flag of ``agentvm up --no-resume``.)
+        Restore a suspended sandbox on the same policy and workspace, its processes continuing;
         its checkpoint is checked against the binding recorded when it was taken first."""
         from agentvm import checkpoint
 
@@ -472,7 +473,7 @@ class Supervisor:
             await self.unpause(name, actor=actor, why=why)
             return True
         if row.state == "suspended":
-            await self.resume(name, actor=actor, why=why)
+            await self.resume_sandbox(name, actor=actor, why=why)
             return True
         return False
 
