@@ -11,8 +11,12 @@ Rates (agents per second), per backend (AGENTVM_WORKSPACE_BACKEND=image | pool):
   anonymous run (baseline)  `agentvm run -- true`'s sandbox: tmpfs workspace, nothing on disk
   create + first start      a new named agent: its workspace made (image: fallocate + mkfs.ext4 +
                             loop mount; pool: a subvolume and its quota group), the sandbox run
-  start (existing)          the same agent again
-  rm (workspace removed)    `agentvm rm NAME` without a daemon: lock, audit record, removal
+  start (existing)          the same agent again, nothing else running (the pool is mounted and
+                            unmounted around each run: an idle host holds no mount)
+  start (another runs)      the same, while another agent runs (the pool stays mounted)
+  rm (another runs)         `agentvm rm NAME` without a daemon (lock, audit record, removal) for
+                            half of them, while another agent runs
+  rm (workspace removed)    the other half, nothing else running
 
 Disk per agent: what the host's filesystem holds for the workspaces (st_blocks of the images, or
 of the pool's one image) divided by the agents, while they exist and after rm; loop devices used.
@@ -114,6 +118,9 @@ def report(rows: dict, backends: list[str], n: int, size: int) -> None:
 
 
 def run(home: Path, n: int, size: int, backends: list[str], declared: int) -> dict:
+    import contextlib
+
+    from agentvm import workspace
     from agentvm.cli.app import cli_main
     from agentvm.policy import Policy, compile_policy
     from agentvm.runtime import Runtime
@@ -169,10 +176,24 @@ def run(home: Path, n: int, size: int, backends: list[str], declared: int) -> di
             start(p)
         rates["start (existing)"] = n / (time.perf_counter() - t0)
         peak_loops = loops()  # (the last agent's still attached, if any: images detach at stop)
+        with contextlib.ExitStack() as held_open:
+            if backend == "pool":
+                # as while any other agent runs: the pool stays mounted between these starts
+                held_open.enter_context(workspace.pool_open(ws_dir, rt.paths.runtime))
+            t0 = time.perf_counter()
+            for p in pols:
+                start(p)
+            rates["start (another runs)"] = n / (time.perf_counter() - t0)
+            half = pols[: n // 2]
+            t0 = time.perf_counter()
+            for p in half:
+                rm(p.name)
+            rates["rm (another runs)"] = len(half) / (time.perf_counter() - t0) if half else 0.0
         t0 = time.perf_counter()
-        for p in pols:
+        rest = pols[n // 2:]
+        for p in rest:
             rm(p.name)
-        rates["rm (workspace removed)"] = n / (time.perf_counter() - t0)
+        rates["rm (workspace removed)"] = len(rest) / (time.perf_counter() - t0)
         out[backend] = {"rates": rates, "disk_per_agent": {"while they exist": exists, "after rm": held() / n},
                         "loops_peak": max(peak_loops, 1), "left_files": sorted(os.listdir(ws_dir))}
     os.environ.pop("AGENTVM_WORKSPACE_BACKEND", None)
