@@ -168,7 +168,7 @@ class Lifecycle:
             rt.record("run.started", sandbox=plan.sandbox_id, agent=policy.name, command=_shown_argv(policy.command),
                       policy=plan.policy_digest, substrate=plan.substrate, identity=plan.identity,
                       host_uid=res.host_uid, degraded=list(degrade), network=policy.network,
-                      grants=[f"{m.host}:{m.path}:{'rw' if m.writable else 'ro'}" for m in policy.mounts],
+                      grants=[f"{m.host}:{m.path}:{_grant_mode(m)}" for m in policy.mounts],
                       **({"image": policy.image} if policy.image else {}),
                       **({"notes": ws_notes} if ws_notes else {}))
         except Exception as exc:
@@ -374,6 +374,11 @@ class Lifecycle:
 
             print(f"agentvm: warning: the run's exit could not be written to the audit chain: {exc}", file=sys.stderr)
         return result
+
+
+def _grant_mode(m) -> str:
+    """A grant's mode as recorded: review (writes held in a layer until accepted), rw or ro."""
+    return "review" if getattr(m, "review", False) else ("rw" if m.writable else "ro")
 
 
 def _shown_argv(argv) -> list[str]:

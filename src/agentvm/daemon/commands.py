@@ -51,6 +51,7 @@ class Commands:
                    actor: str = "operator"):
         """Run ``argv`` in the running sandbox ``name``, its output streamed to ``out``;
         returns its ExitStatus."""
+        await self.wake(name, actor=actor, why="exec")  # a paused or suspended agent: woken, the caller waits
         m = self.managed.get(name)
         if m is None or m.handle is None:
             raise refuse("sandbox.not-running", f"{name} is not running", hint=f"agentvm start {name}")
@@ -283,6 +284,7 @@ class Commands:
         from agentvm.daemon import files
 
         self.row(name)  # not-found for a sandbox that does not exist, before "not running"
+        await self.wake(name, actor=actor, why="cp")
         root, uid = self._workspace_dir(name)
         if tar:
             got = await asyncio.to_thread(files.write_tree_beneath, root, path, data, uid)
@@ -298,6 +300,7 @@ class Commands:
         from agentvm.daemon import files
 
         self.row(name)
+        await self.wake(name, actor=actor, why="cp")
         root, _uid = self._workspace_dir(name)
         if tar and await asyncio.to_thread(files.is_dir_beneath, root, path):
             data, got = await asyncio.to_thread(files.read_tree_beneath, root, path)

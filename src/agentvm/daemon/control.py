@@ -254,10 +254,23 @@ class ControlPlane(Events, Supervisor, FleetOps, Commands):
         ws = workspace.on_agent_removed(
             self.paths.workspaces, name, keep=keep_workspace, spec_text=row.spec_text, runtime=self.paths.runtime,
             record=lambda kind, data: self.record(kind, actor=actor, sandbox=name, **data))
+        review = None if keep_workspace else await asyncio.to_thread(self._drop_review_layer, name, actor)
+        self.checkpoints.drop(name)  # (stop dropped a suspended one's; nothing else keeps it)
         self._save(self.state.delete, name)
         self.managed.pop(name, None)
-        self.record("lifecycle.removed", actor=actor, sandbox=name, workspace=ws)
+        self.record("lifecycle.removed", actor=actor, sandbox=name, workspace=ws,
+                    **({"review_layer": review} if review else {}))
         return ws
+
+    def _drop_review_layer(self, name: str, actor: str) -> str | None:
+        """rm takes the agent's review layer (its unaccepted writes) with it; recorded."""
+        from agentvm import review
+
+        if not review.layer_dir(self.paths.home, "agents", name).is_dir():
+            return None
+        got = review.discard(self.paths.home, name, record=lambda kind, data: self.record(kind, actor=actor, sandbox=name,
+                                                                                          **data))
+        return got["discarded"]
 
     async def logs(self, name: str, tail: int | None = None) -> str:
         """The last ``tail`` bytes (1 MiB by default, 16 MiB at most) of a sandbox's output log."""
@@ -325,7 +338,10 @@ class ControlPlane(Events, Supervisor, FleetOps, Commands):
     async def change_policy(self, name: str, patch: PolicyPatch, *, actor: str = "operator") -> dict:
         """A live policy change (agentvm.policy_patch): checked first (a change that fails
         changes nothing), applied to the running endpoint at once, recorded, and kept for
-        later starts."""
+        later starts. A suspended agent is resumed first (its checkpoint resumes only on the
+        policy it was taken under); a paused one is unpaused."""
+        self.row(name)
+        await self.wake(name, actor=actor, why="policy")
         row = self.row(name)
         live = LivePolicy.from_json(row.policy_patch)
         m = self.managed.get(name)

@@ -413,7 +413,10 @@ class Supervisor:
             backend.suspend(m.handle, "")  # the substrate's refusal, by its code
         if self.state.get(name).state == "paused":
             await self.unpause(name, actor=actor, why="suspend")
-        sid, digest, substrate = s.sandbox_id, s.plan.policy_digest, s.plan.substrate
+        # the policy it resumes on: its agent file's with the live changes made so far (what a
+        # start now would run; a change made while it is suspended wakes it first)
+        digest = await asyncio.to_thread(lambda: self.effective_policy(self.state.get(name)).digest())
+        sid, substrate = s.sandbox_id, s.plan.substrate
         image = await asyncio.to_thread(checkpoint.new_dir, self.paths.home, name, sid)
         t0 = time.monotonic()
         m.suspending = True
