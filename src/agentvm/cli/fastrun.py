@@ -523,7 +523,7 @@ def attach(sock, path: str, body: bytes, *, tty: bool = False, report_to_stdout:
             import tty as tty_
 
             raw_saved = termios.tcgetattr(0)
-            tty_.setraw(0)
+            tty_.setraw(0, termios.TCSADRAIN)  # what was typed ahead is kept, not flushed
         for sig in ([signal.SIGWINCH] if tty else []) + [signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT]:
             old_handlers[sig] = signal.signal(sig, on_signal)
         old_wakeup = signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)

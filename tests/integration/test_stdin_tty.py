@@ -1,0 +1,356 @@
+"""stdin and terminals through the daemon (docs/daemon.md "Interactive sessions"): `agentvm run`
+with a pipe or a terminal on stdin and `agentvm exec -i` / `exec -it` are relayed by the daemon
+over an upgraded connection - real sandboxes, real pipes, real ptys (pty.fork), real clients
+(the Python CLI and the compiled one)."""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import pty
+import select
+import shutil
+import signal
+import struct
+import subprocess
+import sys
+import termios
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import agentvm_cmd, needs_root
+from tests.integration.test_daemon import agent, av, daemon_up
+
+pytestmark = [pytest.mark.integration, needs_root]
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def daemon(avm_home):
+    with daemon_up(avm_home) as home:
+        yield home
+
+
+def records(kind: str | None = None) -> list[dict]:
+    recs = [json.loads(x) for x in av("audit", "show", "--json").stdout.decode().splitlines() if x]
+    return [r for r in recs if kind is None or r["kind"] == kind]
+
+
+def daemon_pid(home: Path) -> int:
+    return int((home / "run" / "daemon.pid").read_text())
+
+
+def rss_kib(pid: int) -> int:
+    return int(next(x for x in open(f"/proc/{pid}/status") if x.startswith("VmRSS:")).split()[1])
+
+
+def nfds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def wait_for(pred, timeout: float = 20.0, what: str = "the condition"):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        v = pred()
+        if v:
+            return v
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+_TERMS: list = []
+
+
+@pytest.fixture(autouse=True)
+def _no_client_left():
+    """A test that failed midway leaves no client (and so no run) behind."""
+    yield
+    while _TERMS:
+        t = _TERMS.pop()
+        try:
+            os.kill(t.pid, signal.SIGKILL)
+            os.waitpid(t.pid, 0)
+        except (ProcessLookupError, ChildProcessError):
+            pass
+
+
+class Term:
+    """A program on a real pty (pty.fork): type into it, read what it shows, resize it."""
+
+    def __init__(self, argv: list[str], rows: int = 30, cols: int = 100) -> None:
+        self.pid, self.fd = pty.fork()
+        if self.pid == 0:  # the child: the CLI on the pty's slave
+            os.execvp(argv[0], argv)
+        self.resize(rows, cols, signal_child=False)
+        self.buf = b""
+        _TERMS.append(self)
+
+    def resize(self, rows: int, cols: int, signal_child: bool = True) -> None:
+        fcntl.ioctl(self.fd, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
+        if signal_child:
+            os.kill(self.pid, signal.SIGWINCH)  # what a terminal emulator's resize does
+
+    def type(self, text: bytes) -> None:
+        os.write(self.fd, text)
+
+    def expect(self, pat: bytes, timeout: float = 20.0) -> bytes:
+        end = time.monotonic() + timeout
+        while pat not in self.buf:
+            left = end - time.monotonic()
+            r, _, _ = select.select([self.fd], [], [], max(0.0, left))
+            if not r:
+                raise AssertionError(f"no {pat!r} on the terminal within {timeout}s; it shows {self.buf[-400:]!r}")
+            try:
+                self.buf += os.read(self.fd, 65536)
+            except OSError:
+                raise AssertionError(f"the terminal closed before {pat!r}; it showed {self.buf[-400:]!r}") from None
+        before, _, self.buf = self.buf.partition(pat)
+        return before
+
+    def wait(self, timeout: float = 30.0) -> int:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            try:
+                self.buf += os.read(self.fd, 65536)
+            except OSError:
+                pass
+            pid, st = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                os.close(self.fd)
+                return os.waitstatus_to_exitcode(st)
+            time.sleep(0.05)
+        os.kill(self.pid, signal.SIGKILL)
+        raise AssertionError("the client did not exit")
+
+
+def drive_shell(t: Term, rows_cols=(30, 100)) -> None:
+    """Type into sh on the pty: stty size, a resize, Ctrl-C interrupting a foreground sleep."""
+    t.type(b"stty size; echo M$((40+2))\r")
+    before = t.expect(b"M42")
+    assert f"{rows_cols[0]} {rows_cols[1]}".encode() in before, before
+    t.resize(40, 120)
+    deadline = time.monotonic() + 10
+    while True:  # the resize frame and the command race: ask until the new size shows
+        t.type(b"stty size; echo N$((40+3))\r")
+        before = t.expect(b"N43")
+        if b"40 120" in before:
+            break
+        assert time.monotonic() < deadline, f"the resize never reached the sandbox's terminal: {before!r}"
+        time.sleep(0.2)
+    t.type(b"sleep 60; echo SLEPT$((1+1))\r")
+    time.sleep(1.0)
+    began = time.monotonic()
+    t.type(b"\x03")  # Ctrl-C: the pty's line discipline inside signals the foreground sleep
+    t.type(b"echo BACK$((2+2))\r")
+    before = t.expect(b"BACK4", timeout=20)
+    assert time.monotonic() - began < 15, "Ctrl-C did not interrupt the sleep"
+    assert b"SLEPT2" not in before
+
+
+def test_a_pipe_on_stdin_goes_through_the_daemon(daemon):
+    n = len(records("operator.run"))
+    r = subprocess.run(agentvm_cmd() + ["run", "--", "sort"], input=b"b\na\nc\n", capture_output=True, timeout=120)
+    assert r.returncode == 0, r.stderr.decode()
+    assert r.stdout == b"a\nb\nc\n"
+    runs = records("operator.run")
+    assert len(runs) == n + 1, "the run went through the daemon"
+    assert runs[-1]["data"].get("stdin") == "pipe", runs[-1]
+
+
+def test_a_program_reading_stdin_until_eof_gets_it_all_and_its_exit_code_comes_back(daemon):
+    data = os.urandom(3 * 1024 * 1024 + 17)  # several frames, not a multiple of their size
+    src = ("import hashlib,sys; d=sys.stdin.buffer.read(); print(len(d), hashlib.sha256(d).hexdigest()); "
+           "sys.exit(3)")
+    r = subprocess.run(agentvm_cmd() + ["run", "--json", "--", "/usr/bin/python3", "-c", src], input=data,
+                       capture_output=True, timeout=120)
+    assert r.returncode == 3, r.stderr.decode()
+    lines = r.stdout.decode().splitlines()
+    assert lines[0] == f"{len(data)} {hashlib.sha256(data).hexdigest()}"
+    assert json.loads(lines[-1])["exit_code"] == 3, "--json: the result is the last stdout line"
+
+
+def test_exec_i_relays_a_pipe_to_a_persistent_worker(daemon, tmp_path):
+    av("create", "-f", str(agent(tmp_path, "st-pipe", ["/bin/sh", "-c", "exec sleep 300"])), "--start")
+    try:
+        r = subprocess.run(agentvm_cmd() + ["exec", "-i", "st-pipe", "--", "/bin/sh", "-c", "wc -l; exit 4"],
+                           input=b"x\ny\nz\n", capture_output=True, timeout=60)
+        assert r.returncode == 4, r.stderr.decode()
+        assert r.stdout.strip() == b"3"
+    finally:
+        av("rm", "st-pipe", check=False)
+
+
+def test_exec_it_attaches_a_terminal_typing_resize_and_ctrl_c(daemon, tmp_path):
+    av("create", "-f", str(agent(tmp_path, "st-tty", ["/bin/sh", "-c", "exec sleep 300"])), "--start")
+    try:
+        t = Term(agentvm_cmd() + ["exec", "-it", "st-tty", "--", "/bin/sh"])
+        t.expect(b"$ ", timeout=30)  # the shell's prompt: the session is up
+        t.type(b"[ -t 0 ] && [ -t 1 ] && echo TERM$((1+1))\r")
+        t.expect(b"TERM2")  # the command has a terminal
+        drive_shell(t)
+        t.type(b"exit 5\r")
+        assert t.wait() == 5
+        recs = [r for r in records("operator.exec") if r["sandbox"] == "st-tty"]
+        assert recs and recs[-1]["data"]["stdin"] == "tty"
+        # the worker is still running: exec's end is not the sandbox's
+        assert av("exec", "st-tty", "--", "/bin/true").returncode == 0
+    finally:
+        av("rm", "st-tty", check=False)
+
+
+def test_run_on_a_terminal_gets_a_terminal_through_the_daemon(daemon):
+    n = len(records("operator.run"))
+    t = Term(agentvm_cmd() + ["run", "--", "/bin/sh"], rows=33, cols=91)
+    t.expect(b"$ ", timeout=30)
+    t.type(b"[ -t 0 ] && [ -t 1 ] && echo TERM$((1+1))\r")
+    t.expect(b"TERM2")
+    drive_shell(t, (33, 91))
+    t.type(b"exit 6\r")
+    assert t.wait() == 6
+    runs = records("operator.run")
+    assert len(runs) == n + 1 and runs[-1]["data"]["stdin"] == "tty", "it ran through the daemon, with a tty"
+
+
+def test_the_master_of_the_sandbox_terminal_is_not_in_the_sandbox(daemon):
+    """The pty's master stays in the daemon: inside, no descriptor of the process is a pty
+    master (/dev/ptmx), and TIOCSTI on its terminal is refused (seccomp) - nothing typed by the
+    agent can reach the operator's terminal."""
+    t = Term(agentvm_cmd() + ["run", "--", "/usr/bin/python3", "-c",
+                              "import os,fcntl,termios\n"
+                              "fds=[]\n"
+                              "for f in os.listdir('/proc/self/fd'):\n"
+                              " try: fds.append(os.readlink(f'/proc/self/fd/{f}'))\n"
+                              " except OSError: pass\n"
+                              "print('FDS', sorted(set(fds)))\n"
+                              "try:\n fcntl.ioctl(0, termios.TIOCSTI, b'x'); print('TIOCSTI ok')\n"
+                              "except OSError as e: print('TIOCSTI refused', e.errno)\n"])
+    out = t.expect(b"TIOCSTI", timeout=30)
+    rest = t.expect(b"\n", timeout=10)
+    code = t.wait()
+    assert b"ptmx" not in out, out
+    assert b"refused" in rest or code != 0, (out, rest, code)  # refused, or killed by the filter
+
+
+def test_a_huge_stdin_streams_without_the_daemon_growing(daemon):
+    pid = daemon_pid(daemon)
+    before = rss_kib(pid)
+    peak = [before]
+    done = threading.Event()
+
+    def sample():
+        while not done.is_set():
+            peak[0] = max(peak[0], rss_kib(pid))
+            time.sleep(0.05)
+
+    th = threading.Thread(target=sample)
+    th.start()
+    size = 100 * 1024 * 1024
+    try:
+        feeder = subprocess.Popen(["head", "-c", str(size), "/dev/zero"], stdout=subprocess.PIPE)
+        r = subprocess.run(agentvm_cmd() + ["run", "--", "wc", "-c"], stdin=feeder.stdout, capture_output=True,
+                           timeout=300)
+        feeder.stdout.close()
+        feeder.wait()
+    finally:
+        done.set()
+        th.join()
+    assert r.returncode == 0, r.stderr.decode()
+    assert r.stdout.strip() == str(size).encode()
+    grown = peak[0] - before
+    assert grown < 24 * 1024, f"the daemon grew {grown} KiB streaming {size >> 20} MiB of stdin"
+
+
+def test_a_client_that_goes_away_mid_run_stops_the_run(daemon):
+    runs_dir = daemon / "run" / "sandboxes"
+    before = set(os.listdir(runs_dir)) if runs_dir.is_dir() else set()
+    p = subprocess.Popen(agentvm_cmd() + ["run", "--", "/bin/sh", "-c", "echo started; exec sleep 301"],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    try:
+        assert p.stdout.readline() == b"started\n"
+        n_exits = len(records("run.exited"))
+        p.kill()  # SIGKILL: no goodbye frame, the connection just closes
+        p.wait()
+        wait_for(lambda: len(records("run.exited")) > n_exits, 30, "the abandoned run to end")
+        assert any(r["kind"] == "operator.run-abandoned" for r in records()), "the abandonment is on the chain"
+        wait_for(lambda: set(os.listdir(runs_dir)) <= before, 30, "the run's teardown")
+        out = subprocess.run(["pgrep", "-x", "-f", "sleep 301"], capture_output=True).stdout
+        assert not out.strip(), f"an orphan of the run: {out!r}"
+    finally:
+        if p.poll() is None:
+            p.kill()
+        p.stdin.close()
+        p.stdout.close()
+
+
+def test_sigint_to_a_piped_client_ends_the_run_as_it_ends_an_embedded_one(daemon):
+    p = subprocess.Popen(agentvm_cmd() + ["run", "--", "/bin/sh", "-c", "echo started; exec sleep 300"],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert p.stdout.readline() == b"started\n"
+        p.send_signal(signal.SIGINT)
+        assert p.wait(timeout=30) == 130
+        assert any(r["kind"] == "operator.run-signal" and r["data"]["signal"] == "INT" for r in records())
+    finally:
+        if p.poll() is None:
+            p.kill()
+        p.stdin.close()
+
+
+def test_a_stdin_that_never_closes_holds_nothing_after_the_run_exits(daemon):
+    pid = daemon_pid(daemon)
+    subprocess.run(agentvm_cmd() + ["run", "--", "/bin/true"], input=b"", capture_output=True, timeout=60)
+    base = nfds(pid)
+    p = subprocess.Popen(agentvm_cmd() + ["run", "--", "/bin/sh", "-c", "exit 9"], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        p.stdin.write(b"some input that is never read\n")
+        p.stdin.flush()
+        assert p.wait(timeout=60) == 9, "the client ends with the run, its stdin still open"
+    finally:
+        if p.poll() is None:
+            p.kill()
+        p.stdin.close()
+    wait_for(lambda: nfds(pid) <= base, 15, f"the daemon's descriptors back to {base} (now {nfds(pid)})")
+
+
+@pytest.fixture(scope="module")
+def compiled_client(tmp_path_factory):
+    if shutil.which("gcc") is None:
+        pytest.skip("gcc is needed to build the compiled client (scripts/install.sh installs it)")
+    d = tmp_path_factory.mktemp("client")
+    entry = d / "agentvm-py"
+    entry.write_text(f"#!{sys.executable} -S\nimport sys\nsys.path.append({str(ROOT / 'src')!r})\n"
+                     "from agentvm.cli import main\nsys.exit(main())\n")
+    entry.chmod(0o755)
+    exe = d / "agentvm"
+    subprocess.run(["gcc", "-O2", "-Wall", "-Werror", "-o", str(exe), f'-DAGENTVM_PYTHON="{sys.executable}"',
+                    f'-DAGENTVM_PY_ENTRY="{entry}"', str(ROOT / "src/agentvm/native/agentvm-client.c")], check=True)
+    return exe
+
+
+def test_the_compiled_client_relays_a_pipe_through_the_daemon(daemon, compiled_client):
+    n = len(records("operator.run"))
+    r = subprocess.run([str(compiled_client), "run", "--", "sort"], input=b"b\na\n", capture_output=True, timeout=60)
+    assert r.returncode == 0 and r.stdout == b"a\nb\n", r.stderr.decode()
+    r = subprocess.run([str(compiled_client), "run", "--", "/bin/sh", "-c", "cat >/dev/null; exit 7"],
+                       input=os.urandom(5 << 20), capture_output=True, timeout=60)
+    assert r.returncode == 7, r.stderr.decode()
+    runs = records("operator.run")
+    assert len(runs) == n + 2 and all(x["data"].get("stdin") == "pipe" for x in runs[-2:])
+    # SIGTERM to the client is forwarded: the run ends as an embedded one would (128+15)
+    p = subprocess.Popen([str(compiled_client), "run", "--", "/bin/sh", "-c", "echo up; exec sleep 300"],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert p.stdout.readline() == b"up\n"
+        p.terminate()
+        assert p.wait(timeout=30) == 143
+    finally:
+        if p.poll() is None:
+            p.kill()
+        p.stdin.close()
