@@ -280,6 +280,7 @@ class Supervisor:
         (locked, full, read-only) ends neither the watch nor the sandbox: the last row read
         still rules, and each kind of failure is said once."""
         r = row
+        idle = self._idle_policy(row)
         while True:
             await asyncio.sleep(0.5)
             clock = _clock()
@@ -312,6 +313,34 @@ class Supervisor:
             if r.idle_timeout and clock - max(m.activity_clock, m.started_at) > r.idle_timeout:
                 self._expired(m, "lifecycle.idle-timeout", idle_timeout=r.idle_timeout)
                 return
+            if (idle is not None and r.state == "running" and m.idle_action is None
+                    and clock - max(m.activity_clock, m.started_at) > idle.after):
+                if idle.action == "stop":
+                    self._expired(m, "lifecycle.idle-timeout", idle_timeout=idle.after, action="stop")
+                    return
+                m.idle_action = idle.action  # (once: its own task, which this watch must not wait for)
+                asyncio.ensure_future(self._idle_act(m, idle.action, idle.after))
+
+    def _idle_policy(self, row):
+        """The agent file's ``lifecycle.idle`` (None without one, or for a file that no longer parses)."""
+        from agentvm.spec.loader import load_agent_text
+
+        try:
+            return getattr(load_agent_text(row.spec_text, row.spec_file).spec.spec, "idle", None)
+        except Exception:  # noqa: BLE001 - its start parsed it; an idle policy is never a reason to fail
+            return None
+
+    async def _idle_act(self, m: Managed, action: str, after: float) -> None:
+        """lifecycle.idle ran out: pause or suspend it (recorded; a failure is said, the agent runs on)."""
+        try:
+            self.record("lifecycle.idle", sandbox=m.name, action=action, after=after)
+            await (self.pause if action == "pause" else self.suspend)(m.name, actor="idle")
+        except Exception as exc:  # noqa: BLE001 - the agent runs on, and the chain says why
+            log.warning("the idle %s of %s failed: %s", action, m.name, exc)
+            self.record("lifecycle.idle-failed", sandbox=m.name, action=action,
+                        error=getattr(exc, "code", type(exc).__name__), message=str(exc)[:300])
+        finally:
+            m.idle_action = None
 
     def _expired(self, m: Managed, kind: str, **data) -> None:
         """A TTL or idle timeout ran out: recorded, and the sandbox is not to run again (the

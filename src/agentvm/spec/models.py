@@ -711,7 +711,38 @@ class Approvals(_Model):
         return v
 
 
+class IdlePolicy(_Model):
+    """``lifecycle: {kind: persistent, idle: {after: 15m, action: suspend}}``: what happens to a
+    persistent worker after ``after`` without activity (no allowed gate request, exec or cp).
+    An exec, a cp or an operator command wakes it again (docs/concepts.md, "Lifecycle")."""
+
+    after: Duration = Field(gt=0, description="Inactivity before the action (e.g. 15m).")
+    action: Literal["suspend", "pause", "stop"] = Field(
+        description="suspend: checkpoint to disk, every host resource freed (gvisor only); pause: cgroup freezer, "
+        "memory kept; stop: end it (not restarted).")
+
+    @field_validator("after", mode="before")
+    @classmethod
+    def _after(cls, v):
+        return _duration(v)
+
+
 class AgentSpecBody(_Model):
+    @model_validator(mode="before")
+    @classmethod
+    def _lifecycle_mapping(cls, data):
+        """``lifecycle: {kind: persistent, idle: {...}}`` -> ``lifecycle: persistent`` + ``idle``."""
+        if isinstance(data, dict) and isinstance(data.get("lifecycle"), dict):
+            data = dict(data)
+            lc = dict(data.pop("lifecycle"))
+            unknown = set(lc) - {"kind", "idle"}
+            if unknown:
+                raise ValueError(f"lifecycle takes kind and idle, not {sorted(unknown)}")
+            data["lifecycle"] = lc.get("kind", "persistent")
+            if "idle" in lc:
+                data["idle"] = lc["idle"]
+        return data
+
     presets: list[str] = Field(default_factory=list, description="Preset names, merged in order before this spec.")
     command: list[str] = Field(default_factory=list, description="Argv of the agent's process.")
     lifecycle: Lifecycle = Field(
@@ -719,6 +750,9 @@ class AgentSpecBody(_Model):
     )
     substrate: Literal["bwrap", "gvisor", "fake"] = Field(
         "bwrap", description="Sandbox backend: bwrap (namespaces, seccomp, Landlock), gvisor (runsc), fake (tests only).")
+    idle: IdlePolicy | None = Field(
+        None, description="lifecycle.idle: what a persistent worker does after a while without activity "
+        "(written `lifecycle: {kind: persistent, idle: {after: 15m, action: suspend|pause|stop}}`).")
     risk_tier: RiskTier = Field(RiskTier.L2, description="Risk tier L0-L5: the ceiling of what may be granted.")
     image: str | None = Field(
         None, description="The read-only root: an image of `agentvm image ls` by name or by digest (sha256:...). "
@@ -775,6 +809,16 @@ class AgentSpecBody(_Model):
     @classmethod
     def _wd(cls, v: str | None) -> str | None:
         return None if v is None else _abs_path(v, "workdir")
+
+    @model_validator(mode="after")
+    def _idle_fits(self):
+        if self.idle is not None and self.lifecycle != Lifecycle.persistent:
+            raise ValueError("lifecycle.idle is for persistent workers (an ephemeral agent ends on its own)")
+        if self.idle is not None and self.idle.action == "suspend" and self.substrate != "gvisor":
+            raise ValueError(f"lifecycle.idle.action: suspend needs the gvisor substrate (backend.suspend-unsupported: "
+                             f"{self.substrate} cannot restore a sandbox's Landlock domain, so it would come back "
+                             "weaker); use action: pause (memory kept, CPU zero) or substrate: gvisor")
+        return self
 
     @model_validator(mode="after")
     def _network_none_has_no_egress(self):
