@@ -163,7 +163,7 @@ def test_the_form_without_double_dash_is_the_same_run(client, tmp_path):
     assert r.returncode == 0 and d.requests[0]["command"] == ["true", "--json"]
 
 
-@pytest.mark.parametrize("case", ["option", "no-command", "other-command", "no-daemon-env", "pipe-stdin",
+@pytest.mark.parametrize("case", ["option", "no-command", "other-command", "no-daemon-env",
                                   "file-stdin", "not-utf8", "no-socket"])
 def test_what_is_not_its_job_goes_to_python_unchanged_and_unsent(client, tmp_path, case):
     env = env_for(tmp_path)
@@ -172,8 +172,6 @@ def test_what_is_not_its_job_goes_to_python_unchanged_and_unsent(client, tmp_pat
     stdin = subprocess.DEVNULL
     if case == "no-daemon-env":
         env["AGENTVM_NO_DAEMON"] = "1"
-    if case == "pipe-stdin":
-        stdin = subprocess.PIPE
     if case == "file-stdin":
         f = tmp_path / "in.txt"
         f.write_text("x")
@@ -342,3 +340,130 @@ def test_it_finds_the_daemon_where_the_library_puts_it_as_a_user(client, kind, m
         d.close()
     shutil.rmtree(base, ignore_errors=True)
     assert r.returncode == 0 and len(d.requests) == 1, (r.stdout, r.stderr)
+
+
+class FakeAttachDaemon:
+    """A daemon's interactive session (docs/daemon.md): answers 101, records every client frame
+    until ``c`` (stdin's end) or ``s`` (a signal), then sends ``answer`` (raw frames)."""
+
+    def __init__(self, path: str, answer, status: bytes = b"101 Switching Protocols") -> None:
+        self.path, self.answer, self.status = path, answer, status
+        self.heads: list[bytes] = []
+        self.bodies: list[dict] = []
+        self.frames: list[tuple[bytes, bytes]] = []
+        self.got_end = threading.Event()
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        self.s = socket.socket(socket.AF_UNIX)
+        self.s.bind(path)
+        self.s.listen(4)
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        try:
+            c, _ = self.s.accept()
+        except OSError:
+            return
+        data = b""
+        while b"\r\n\r\n" not in data:
+            data += c.recv(65536)
+        head, _, rest = data.partition(b"\r\n\r\n")
+        self.heads.append(head)
+        n = int([h for h in head.split(b"\r\n") if h.lower().startswith(b"content-length")][0].split(b":")[1])
+        while len(rest) < n:
+            rest += c.recv(65536)
+        self.bodies.append(json.loads(rest[:n]))
+        buf = rest[n:]
+        c.sendall(b"HTTP/1.1 " + self.status + b"\r\nupgrade: agentvm-frames/1\r\nconnection: upgrade\r\n\r\n")
+        while True:
+            while b"\n" in buf:
+                h, _, tail = buf.partition(b"\n")
+                k, m = h[:1], int(h[1:])
+                if len(tail) < m:
+                    break
+                self.frames.append((k, tail[:m]))
+                buf = tail[m:]
+                if k in (b"c", b"s"):
+                    self.got_end.set()
+            if self.got_end.is_set():
+                break
+            more = c.recv(65536)
+            if not more:
+                break
+            buf += more
+        answer = self.answer(self) if callable(self.answer) else self.answer
+        try:
+            c.sendall(answer)
+        except OSError:
+            pass
+        c.close()
+
+    def close(self) -> None:
+        self.s.close()
+        os.unlink(self.path)
+
+
+def raw_frames(*items: tuple[bytes, bytes]) -> bytes:
+    return b"".join(k + str(len(p)).encode() + b"\n" + p for k, p in items)
+
+
+@pytest.mark.parametrize("which", ["client", "asan_client"])
+def test_a_pipe_on_stdin_is_an_interactive_session_frames_both_ways(which, request, tmp_path):
+    """stdin as ``i`` frames (at most 64 KiB each), its end as ``c``; the output frames relayed
+    byte for byte, the exit code from ``x`` - over the upgraded connection, asked for as the
+    Python client asks (same body, /v1/run/attach)."""
+    exe = request.getfixturevalue(which)
+    env = env_for(tmp_path, ASAN_OPTIONS="detect_leaks=0")
+    data = os.urandom(200_000)
+
+    def answer(d):
+        got = b"".join(p for k, p in d.frames if k == b"i")
+        return raw_frames((b"o", b"len=%d\n" % len(got)), (b"e", b"err \x00\n"), (b"x", b"9\nthe report\n"))
+
+    d = FakeAttachDaemon(sock_path(env), answer)
+    try:
+        r = run(exe, ["run", "--", "cat"], env, stdin=None, input=data)
+    finally:
+        d.close()
+    assert r.returncode == 9, r.stderr
+    assert r.stdout == b"len=%d\n" % len(data)
+    assert r.stderr == b"err \x00\nthe report\n"
+    head = d.heads[0].decode().lower()
+    assert head.startswith("post /v1/run/attach ") and "upgrade: agentvm-frames/1" in head
+    assert "connection: upgrade" in head
+    assert d.bodies[0] == json.loads('{"command":["cat"],' + fastrun._NO_OPTIONS + "}")
+    ins = [p for k, p in d.frames if k == b"i"]
+    assert b"".join(ins) == data and max(len(p) for p in ins) <= 65536
+    assert d.frames[-1] == (b"c", b""), "stdin's end is sent"
+
+
+def test_a_signal_to_the_client_is_forwarded_as_a_frame(client, tmp_path):
+    env = env_for(tmp_path)
+    d = FakeAttachDaemon(sock_path(env), raw_frames((b"x", b"130\n")))
+    try:
+        p = subprocess.Popen([str(client), "run", "--", "sleep", "100"], env=env, stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        deadline = time.monotonic() + 10
+        while not d.heads and time.monotonic() < deadline:
+            time.sleep(0.02)
+        time.sleep(0.2)
+        p.send_signal(2)
+        assert d.got_end.wait(10), "no frame for the signal"
+        assert p.wait(timeout=10) == 130
+        p.stdin.close()
+        p.stdout.close()
+        p.stderr.close()
+    finally:
+        d.close()
+    assert (b"s", b"INT") in d.frames
+
+
+@pytest.mark.parametrize("body", [b"o99999999999\n", b"z3\nabc", b"o5\nab"])
+def test_a_hostile_session_answer_is_an_error_not_a_crash(asan_client, tmp_path, body):
+    env = env_for(tmp_path, ASAN_OPTIONS="detect_leaks=0")
+    d = FakeAttachDaemon(sock_path(env), body)
+    try:
+        r = run(asan_client, ["run", "--", "cat"], env, stdin=None, input=b"x")
+    finally:
+        d.close()
+    assert r.returncode == 125, r.stderr
+    assert b"without a result" in r.stderr and b"AddressSanitizer" not in r.stderr
