@@ -424,3 +424,39 @@ def test_workspace_rm_on_a_full_host_gives_the_pool_back_and_records_after(small
     rm = [x for x in recs if x["kind"] == "workspace.removed"]
     assert len(rm) == 1 and rm[0]["data"]["backend"] == "pool" and "disk was full" in rm[0]["data"]["recorded"], rm
     assert _av(home, "audit", "verify").returncode == 0
+
+
+@needs_pool
+def test_a_persistent_agents_workspace_survives_stop_start_and_a_daemon_restart(fresh_home, tmp_path, monkeypatch):
+    """Through the daemon: written, stopped, the daemon restarted, started again - the data is
+    there; `agentvm rm` then removes it and the (empty) pool with it."""
+    monkeypatch.delenv("AGENTVM_NO_DAEMON", raising=False)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AGENTVM_WORKSPACE_")}
+
+    def av(*args, timeout=120):
+        return subprocess.run([sys.executable, "-m", "agentvm", *args], env=env, capture_output=True, text=True,
+                              timeout=timeout, stdin=subprocess.DEVNULL)
+
+    f = tmp_path / "p.yaml"
+    f.write_text("apiVersion: agentvm/v1\nkind: Agent\nmetadata: {name: wsq-daemon}\nspec:\n  lifecycle: persistent\n"
+                 "  command: [/bin/sh, -c, 'echo started >> /workspace/log; exec sleep 300']\n  limits: {disk: 16M}\n")
+    assert av("up").returncode == 0
+    try:
+        assert av("create", "-f", str(f), "--start").returncode == 0
+        r = av("exec", "wsq-daemon", "--", "/bin/sh", "-c", "echo saved > /workspace/data; sync")
+        assert r.returncode == 0, r.stderr
+        assert av("stop", "wsq-daemon").returncode == 0
+        assert av("down", timeout=60).returncode == 0
+        pool = __import__("agentvm.wspool", fromlist=["Pool"]).Pool(fresh_home / "workspaces", fresh_home / "run")
+        _idle(pool)  # nothing runs: nothing mounted
+        assert av("up").returncode == 0
+        assert av("start", "wsq-daemon").returncode == 0
+        r = av("exec", "wsq-daemon", "--", "/bin/sh", "-c", "cat /workspace/data /workspace/log")
+        assert r.returncode == 0 and r.stdout.split() == ["saved", "started", "started"], (r.stdout, r.stderr)
+        assert av("stop", "wsq-daemon").returncode == 0
+        r = av("rm", "wsq-daemon")
+        assert r.returncode == 0, r.stderr
+        assert sorted(os.listdir(fresh_home / "workspaces")) == []
+        _idle(pool)
+    finally:
+        av("down", timeout=60)
