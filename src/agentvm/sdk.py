@@ -4,6 +4,8 @@
     with agentvm.Sandbox("agent.yaml") as sb:          # create + start (removed on exit)
         r = sb.exec(["python3", "-c", "print(1)"])
         print(r.exit_code, r.stdout)
+        sb.exec(["sort"], stdin=b"b\na\n").stdout            # stdin, streamed
+        with sb.session(["sh"], tty=(24, 80)) as s: ...      # an interactive terminal
         sb.put("in/data.csv", b"...");  sb.get("out/result.json")
         sb.allow("pypi.org:443");  sb.revoke("openai")
 
@@ -52,7 +54,11 @@ class Sandbox:
         if self.name and not self.keep:
             self.client.rm(self.name)
 
-    def exec(self, argv: list[str], timeout: float | None = None) -> ExecResult:
+    def exec(self, argv: list[str], timeout: float | None = None, *, stdin: bytes | None = None) -> ExecResult:
+        """Run ``argv`` in the sandbox; its output collected. With ``stdin`` (bytes), the command
+        reads them, then EOF (an interactive session streams them: no size limit of a request)."""
+        if stdin is not None:
+            return self._exec_with_stdin(argv, timeout, stdin)
         out, err, final = [], [], {}
         for ev in self.client.exec(self.name, argv, timeout):
             if ev.get("stream") == "stdout":
@@ -63,6 +69,39 @@ class Sandbox:
                 final = ev
         return ExecResult(final.get("exit_code", 125), b"".join(out), b"".join(err), bool(final.get("timed_out")),
                           final.get("setup_error"))
+
+    def _exec_with_stdin(self, argv: list[str], timeout: float | None, stdin: bytes) -> ExecResult:
+        import threading
+
+        out, err = [], []
+        code, text = 125, ""
+        with self.session(argv, timeout=timeout) as sess:
+            def feed():
+                try:
+                    sess.send(stdin)
+                    sess.close_stdin()
+                except OSError:
+                    pass  # the command ended first: the rest is not read
+
+            t = threading.Thread(target=feed, daemon=True)
+            t.start()
+            for kind, data in sess.events():
+                if kind == "stdout":
+                    out.append(data)
+                elif kind == "stderr":
+                    err.append(data)
+                else:
+                    code, text = data
+        t.join(timeout=5)
+        return ExecResult(code, b"".join(out), b"".join(err), code == 124,
+                          {"message": text} if text else None)
+
+    def session(self, argv: list[str], *, timeout: float | None = None, tty: tuple[int, int] | None = None):
+        """An interactive exec (``exec -i``, with ``tty`` (rows, cols) ``exec -it``): an
+        ``AttachedSession`` - ``send(bytes)``, ``close_stdin()``, ``resize(rows, cols)``,
+        ``signal("INT")``, ``events()`` yielding ("stdout"|"stderr", bytes) then
+        ("exit", (code, text)). Use it as a context manager."""
+        return self.client.exec_session(self.name, argv, timeout=timeout, tty=tty)
 
     def put(self, path: str, data: bytes):
         return self.client.put_file(self.name, path, data)

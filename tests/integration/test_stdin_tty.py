@@ -354,3 +354,23 @@ def test_the_compiled_client_relays_a_pipe_through_the_daemon(daemon, compiled_c
         if p.poll() is None:
             p.kill()
         p.stdin.close()
+
+
+def test_the_sdk_streams_stdin_and_drives_a_terminal(daemon, tmp_path):
+    from agentvm.sdk import Sandbox
+
+    f = agent(tmp_path, "st-sdk", ["/bin/sh", "-c", "exec sleep 300"])
+    with Sandbox(f) as sb:
+        data = os.urandom(300_000)
+        r = sb.exec(["/usr/bin/python3", "-c", "import sys,hashlib; print(hashlib.sha256(sys.stdin.buffer.read())"
+                     ".hexdigest())"], stdin=data)
+        assert r.exit_code == 0 and r.stdout.decode().strip() == hashlib.sha256(data).hexdigest(), r
+        out = b""
+        with sb.session(["/bin/sh", "-c", "stty size; read x; echo got-$x; exit 3"], tty=(12, 34)) as s:
+            s.send(b"hello\r")
+            for kind, payload in s.events():
+                if kind == "exit":
+                    code = payload[0]
+                else:
+                    out += payload
+        assert code == 3 and b"12 34" in out and b"got-hello" in out, out

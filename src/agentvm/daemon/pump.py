@@ -224,3 +224,31 @@ async def feed(io: Attached, stdin_fd: int | None, *, tty_fd: int | None = None,
     finally:
         if stdin_fd is not None:
             os.close(stdin_fd)
+
+
+class QueueAttached:
+    """An Attached for in-process adapters (the E2B envd process service, tests): input events
+    put on ``input`` (an asyncio.Queue of InputEvent; None: the client is gone), output handed
+    to ``on_output(stream, data)`` (a coroutine function: awaiting it is the back-pressure)."""
+
+    def __init__(self, on_output, maxsize: int = 4) -> None:
+        self.input: asyncio.Queue = asyncio.Queue(maxsize=maxsize)
+        self.on_output = on_output
+        self.gone = asyncio.get_running_loop().create_future()
+
+    async def start(self) -> None:
+        return None
+
+    async def write(self, stream: str, data: bytes) -> None:
+        await self.on_output(stream, data)
+
+    def hangup(self):
+        return self.gone
+
+    async def read(self):
+        ev = await self.input.get()
+        if ev is None:
+            if not self.gone.done():
+                self.gone.set_result(b"")
+            self.input.put_nowait(None)
+        return ev
