@@ -307,10 +307,25 @@ def test_requests_are_logged_without_tokens(web):
                  additional_headers={"X-Access-Token": sb._envd_access_token}) as ws:
         ws.send("logged")
         assert ws.recv(timeout=30) == "logged"
-    log = Path(f"/tmp/e2bhelper-serve-{web['server']['port']}.log").read_text()
-    mine = [ln for ln in log.splitlines() if f"e2b-{sb.sandbox_id}" in ln]
-    assert any("e2b.port " in ln and "/logged-path" in ln and "'status': 200" in ln for ln in mine), mine[-5:]
-    assert any("e2b.port.refused" in ln and "/refused-path" in ln for ln in mine), mine[-5:]
-    assert any("e2b.port.websocket" in ln for ln in mine)
+    if web["server"].get("via") == "daemon":  # on the daemon's audit chain, the tenant as actor
+        import json
+        import subprocess
+
+        from tests.helpers import agentvm_cmd
+
+        log = subprocess.run(agentvm_cmd() + ["audit", "show", "--json"], capture_output=True, text=True).stdout
+        recs = [json.loads(ln) for ln in log.splitlines() if ln.strip()]
+        mine = [(r["kind"], r["data"]) for r in recs if r["sandbox"] == f"e2b-{sb.sandbox_id}"]
+        assert all(r["actor"] == "e2b:default" for r in recs if r["sandbox"] == f"e2b-{sb.sandbox_id}"
+                   and r["kind"].startswith("e2b.port"))
+        assert any(k == "e2b.port" and d["path"] == "/logged-path" and d["status"] == 200 for k, d in mine), mine[-5:]
+        assert any(k == "e2b.port.refused" and d["path"] == "/refused-path" for k, d in mine), mine[-5:]
+        assert any(k == "e2b.port.websocket" for k, _ in mine)
+    else:  # `agentvm e2b serve`'s log (stderr)
+        log = Path(f"/tmp/e2bhelper-serve-{web['server']['port']}.log").read_text()
+        mine = [ln for ln in log.splitlines() if f"e2b-{sb.sandbox_id}" in ln]
+        assert any("e2b.port " in ln and "/logged-path" in ln and "'status': 200" in ln for ln in mine), mine[-5:]
+        assert any("e2b.port.refused" in ln and "/refused-path" in ln for ln in mine), mine[-5:]
+        assert any("e2b.port.websocket" in ln for ln in mine)
     for secret in (sb._envd_access_token, sb.traffic_access_token, web["env"]["E2B_API_KEY"], web["other_key"]):
         assert secret not in log
