@@ -22,6 +22,8 @@ esac
 PY="${PYTHON:-python3}"
 
 want=(gcc libc6-dev python3-dev libseccomp2 e2fsprogs btrfs-progs util-linux mount procps runsc mmdebstrap openssh-client)
+# netcat-openbsd: the ProxyCommand (`nc -X connect`) that takes a sandbox's ssh through the gate's CONNECT
+want+=(netcat-openbsd)
 if [ "${1:-}" = "--test" ]; then
   # real clients the end-to-end tests run *inside* sandboxes (Debian's, under /usr)
   want+=(curl git nodejs python3-requests python3-httpx python3-aiohttp python3-pip)

@@ -12,6 +12,7 @@ import stat
 import signal
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -365,6 +366,14 @@ class Runtime:
             run_dir = str(self.paths.sandboxes / sandbox_id)
             gate = backend.gate_attachment(sandbox_id, run_dir) if policy.egress is not None else None
             res.gate, res.host_uid = gate, (uid if host_resources else None)
+            compiled = policy
+            if creds is not None and host_resources:
+                ssh = self._ssh_agent(policy, creds, sandbox_id, (uid, gid) if drop else None, gate is not None, res)
+                if ssh is not None:  # the agent's directory, bound read-only at its own path
+                    ssh_dir, ssh_env = ssh
+                    compiled = replace(policy, extra_ro=policy.extra_ro + (ssh_dir,))
+                    names = {e for e, _ in ssh_env}
+                    extra_env = tuple(e for e in extra_env if e[0] not in names) + ssh_env
             host = None
             if host_resources:
                 from agentvm.backends.hostview import etc_view
@@ -389,11 +398,62 @@ class Runtime:
                 degraded=tuple(degrade),
                 protected=protected,
             )
-            plan = backend.compile(policy, ctx)
+            plan = backend.compile(compiled, ctx)
         except BaseException:
             res.release()
             raise
         return plan, res
+
+    def _ssh_agent(self, policy: Policy, creds, sandbox_id: str, owner, via_gate: bool, res: "_Resources"):
+        """The gate's ssh-agent for this session's ``ssh`` credentials (agentvm.gate.sshagent):
+        served at ``<runtime>/ssh/<sandbox>/agent.sock`` until teardown (``res.ssh_stop``),
+        its directory the sandbox user's alone (as root) and bound read-only into the sandbox.
+        Beside the socket: ``known_hosts`` (the hosts the agent file lists) and ``ssh_config``
+        (ssh through the gate's CONNECT with ``nc -X connect``). -> (directory, env: each ssh
+        credential's variable = the socket, GIT_SSH_COMMAND unless the agent file sets it), or
+        None without ssh credentials. Every signing decision goes on the audit chain as
+        ``ssh.sign`` / ``ssh.refuse`` (and so to the daemon's events and the trace)."""
+        bindings = [b for b in creds.bindings.values() if getattr(b, "ssh_known_hosts", None) is not None]
+        if not bindings:
+            return None
+        from agentvm.gate import sshagent
+
+        directory = ssh_agent_dir(sandbox_id)
+
+        def log(d) -> None:
+            try:
+                self.record(f"ssh.{d.verdict}", sandbox=sandbox_id, agent=policy.name, key=d.key, host=d.host,
+                            reason=d.reason, verdict=d.verdict)
+            except Exception:  # noqa: BLE001 - the refusal or signature stands; only its record is lost
+                pass
+
+        def revoked(name: str) -> bool:
+            return bool(creds.revoked(name)) or name in creds.local_revoked
+
+        try:
+            path, stop = sshagent.session_agent(bindings, creds.value, str(directory), log, revoked=revoked,
+                                                owner=owner)
+        except ValueError as exc:
+            raise ConfigError(str(exc), hint="store the key's OpenSSH private key text (unencrypted) with "
+                              "`agentvm secret set NAME < key`", code="vault.invalid-value") from None
+        res.ssh_stop, res.ssh_dir = stop, directory
+        known = "".join(line + "\n" for b in bindings for line in b.ssh_known_hosts)
+        config = ["Host *", f"  IdentityAgent {path}", f"  UserKnownHostsFile {directory}/known_hosts",
+                  "  StrictHostKeyChecking yes", "  GlobalKnownHostsFile /dev/null", "  IdentitiesOnly no",
+                  "  BatchMode yes"]
+        if via_gate:  # the sandbox's only route out: the gate's CONNECT (host:22 must be allowed)
+            config.insert(1, f"  ProxyCommand {NC} -X connect -x {SANDBOX_PROXY} %h %p")
+        for name, text in (("known_hosts", known), ("ssh_config", "\n".join(config) + "\n")):
+            f = directory / name
+            fd = os.open(f, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o444)
+            try:
+                os.write(fd, text.encode())
+            finally:
+                os.close(fd)
+        env = [(b.env, path) for b in bindings]
+        if not any(k == "GIT_SSH_COMMAND" for k, _ in policy.env):
+            env.append(("GIT_SSH_COMMAND", f"ssh -F {directory}/ssh_config"))
+        return str(directory), tuple(env)
 
     def preview(self, policy: Policy, *, degrade: tuple[str, ...] = ()):
         """The plan ``prepare`` would compile for ``policy``, without leasing a uid, mounting a
@@ -516,8 +576,21 @@ class _Resources:
         self.gate = None  # the sandbox's GateAttachment (None: network none)
         self.host_uid: int | None = None  # the host uid it runs as (host-local substrates)
         self.agent_lock: int | None = None  # a named agent's uid, held when it has no workspace
+        self.ssh_stop = None  # stops the session's ssh-agent (Runtime._ssh_agent), or None
+        self.ssh_dir: Path | None = None
 
     def release(self, report: TeardownReport | None = None) -> None:
+        if self.ssh_stop is not None:
+            try:
+                self.ssh_stop()
+            except Exception:  # noqa: BLE001 - a stuck agent thread is a daemon thread; its socket goes below
+                pass
+            self.ssh_stop = None
+        if self.ssh_dir is not None:
+            import shutil
+
+            shutil.rmtree(self.ssh_dir, ignore_errors=True)
+            self.ssh_dir = None
         if self.agent_lock is not None:
             os.close(self.agent_lock)
             self.agent_lock = None
@@ -558,6 +631,24 @@ def _install_signal_handlers():
 def _restore_signal_handlers(old) -> None:
     for s, h in old.items():
         signal.signal(s, h)
+
+
+def ssh_agent_dir(sandbox_id: str) -> Path:
+    """A new directory for a session's ssh-agent socket, made here (never one that existed: a
+    name taken - by anyone - fails, so nothing planted is followed). Under /tmp: a grant
+    (``extra_ro``) may not be under agent-vm's own state or /run (agentvm.fsutil), and the
+    sticky /tmp lets no other user rename or remove it. TODO(lead): a backend mount at
+    ``/.agentvm/ssh`` (like the gate's socket) would keep it out of the host's /tmp."""
+    d = Path("/tmp") / f"agentvm-ssh-{sandbox_id}-{os.urandom(4).hex()}"
+    os.mkdir(d, 0o700)
+    return d
+
+
+#: the gate's proxy as the sandbox sees it (the bridge every substrate puts on its loopback)
+SANDBOX_PROXY = "127.0.0.1:3128"
+#: Debian's netcat-openbsd by its own name (``nc`` is an /etc/alternatives link the sandbox's
+#: filtered /etc may not carry; only this one speaks ``-X connect``): scripts/install.sh
+NC = "/usr/bin/nc.openbsd"
 
 
 def _node_shim() -> str:

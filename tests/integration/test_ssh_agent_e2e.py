@@ -1,20 +1,28 @@
-"""SSH without keys inside, end to end: `git push` over SSH from inside a real sandbox (the
-default substrate) to a real sshd listening on 127.0.0.1:22 in a network namespace this test
-creates. The sandbox holds no key file - only SSH_AUTH_SOCK, a socket served by the gate's
-agent (agentvm.gate.sshagent) - and the agent signs only for the host key the agent file lists.
+"""SSH without keys inside, end to end, through the gate: `git push` over SSH from inside a real
+sandbox (the default substrate) to a real sshd listening on 127.0.0.1:22 in a network namespace
+this test creates. The agent file binds an ``ssh`` credential (its vault entry: the private
+key); the launch serves the gate's agent for it (agentvm.gate.sshagent) on a socket bound
+read-only into the sandbox (SSH_AUTH_SOCK), with an ssh_config whose ProxyCommand
+(`nc -X connect`) takes the connection through the gate's CONNECT: the gate sees `SSH-2.0-`
+on a tunnel to host:22 the egress rules allow and splices it. The sandbox holds no key file;
+the agent signs only for the host key the agent file lists, and each decision is on the audit
+chain.
 
-The SSH connection reaches the sshd through a unix socket granted to the sandbox and bridged
-into the namespace by this test (ssh's ProxyCommand): the gate does not yet route raw TCP to
-host:22 (it reads a CONNECT tunnel's first bytes as TLS or HTTP), which is the part of issue 35
-item 2 left to wire - see docs/credentials.md, "SSH keys"."""
+Route: sandbox ssh -> nc -> the gate (CONNECT git.test:22) -> 127.0.0.N:22 on the host's
+loopback (a forwarder this test runs) -> a unix socket -> the namespace's 127.0.0.1:22."""
 
 from __future__ import annotations
 
+import json
 import os
+import random
 import secrets
 import shutil
+import socket
 import subprocess
 import textwrap
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -23,12 +31,13 @@ from tests.helpers import agentvm_cmd, needs_root
 from tests.unit.test_sshagent import SshdNetns, _host_line, keygen
 
 pytestmark = [pytest.mark.integration, needs_root,
-              pytest.mark.skipif(not Path("/usr/sbin/sshd").exists(), reason="openssh-server (scripts/install.sh --test)")]
+              pytest.mark.skipif(not Path("/usr/sbin/sshd").exists(), reason="openssh-server (scripts/install.sh --test)"),
+              pytest.mark.skipif(not Path("/usr/bin/nc.openbsd").exists(), reason="netcat-openbsd (scripts/install.sh)")]
 
 BRIDGE_SERVER = """
 import os, socket, sys, threading
 path = sys.argv[1]
-srv = socket.socket(socket.AF_UNIX); srv.bind(path); os.chmod(path, 0o666); srv.listen(8)
+srv = socket.socket(socket.AF_UNIX); srv.bind(path); os.chmod(path, 0o600); srv.listen(8)
 def pump(a, b):
     try:
         while (d := a.recv(65536)):
@@ -45,55 +54,87 @@ while True:
     threading.Thread(target=pump, args=(u, c), daemon=True).start()
 """
 
-PROXY = """
-import os, socket, sys, threading
-s = socket.socket(socket.AF_UNIX); s.connect(sys.argv[1])
-def up():
-    while (d := os.read(0, 65536)):
-        s.sendall(d)
-    s.shutdown(socket.SHUT_WR)
-threading.Thread(target=up, daemon=True).start()
-while (d := s.recv(65536)):
-    os.write(1, d)
-"""
+
+def _pump(a: socket.socket, b: socket.socket) -> None:
+    try:
+        while d := a.recv(65536):
+            b.sendall(d)
+    except OSError:
+        pass
+    finally:
+        try:
+            b.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass
+
+
+class Forwarder:
+    """127.0.0.N:22 on the host's loopback -> the namespace's bridge socket."""
+
+    def __init__(self, unix_path: Path):
+        self.unix_path = unix_path
+        for _ in range(20):
+            self.addr = f"127.{random.randint(1, 254)}.{random.randint(1, 254)}.{random.randint(2, 254)}"
+            self.srv = socket.socket()
+            try:
+                self.srv.bind((self.addr, 22))
+                break
+            except OSError:
+                self.srv.close()
+        else:
+            raise RuntimeError("no free loopback address for port 22")
+        self.srv.listen(8)
+        self.conns = 0
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                c, _ = self.srv.accept()
+            except OSError:
+                return
+            self.conns += 1
+            u = socket.socket(socket.AF_UNIX)
+            u.connect(str(self.unix_path))
+            threading.Thread(target=_pump, args=(c, u), daemon=True).start()
+            threading.Thread(target=_pump, args=(u, c), daemon=True).start()
+
+    def stop(self) -> None:
+        self.srv.close()
+
+
+def _secret_set(name: str, value: str) -> None:
+    r = subprocess.run(agentvm_cmd() + ["secret", "set", name], input=value.encode(), capture_output=True)
+    assert r.returncode == 0, r.stderr
 
 
 @pytest.fixture
-def world(tmp_path):
-    from agentvm.gate import sshagent as sa
-
+def world(avm_home):
     d = Path(f"/tmp/agentvm-test-sshe2e-{secrets.token_hex(3)}")
     (d / "keys").mkdir(parents=True)
     os.chmod(d, 0o755)
     user = keygen(d / "keys" / "user")
     host = keygen(d / "keys" / "host")
     other = keygen(d / "keys" / "other")
-    shutil.rmtree(d / "keys")  # the private key now exists only in this process (as a vault entry would)
-    share = d / "share"
-    share.mkdir(mode=0o755)
-    (share / "proxy.py").write_text(PROXY)
-    (share / "known_hosts").write_text(_host_line(host[1], "git.test") + "\n" + _host_line(other[1], "other.test") + "\n")
-    servers, stops, logs = {}, [], []
+    shutil.rmtree(d / "keys")  # the private key now exists only in the vault (below) and this process
+    _secret_set("deploy-key", user[0])
+    servers, fwd = {}, {}
     try:
         for name, hk in (("git", host), ("other", other)):
             srv = SshdNetns(d / name, hk, user[1])
             servers[name] = srv
             (d / name / "bridge.py").write_text(BRIDGE_SERVER)
-            srv.bridge = subprocess.Popen(["ip", "netns", "exec", srv.ns, "python3", str(d / name / "bridge.py"),
-                                           str(share / f"{name}.test.sock")])
-        # the agent file lists git.test's host key for this key, not other.test's
-        key = sa.load_key("deploy", user[0], [_host_line(host[1], "git.test")])
-        stops.append(sa.serve_in_thread(str(share / "agent.sock"), [key], logs.append, mode=0o666))
-        for _ in range(100):
-            if all((share / f"{n}.test.sock").exists() for n in servers):
-                break
-            import time
-
-            time.sleep(0.05)
-        yield {"dir": d, "share": share, "servers": servers, "logs": logs}
+            sock = d / name / "bridge.sock"
+            srv.bridge = subprocess.Popen(["ip", "netns", "exec", srv.ns, "python3", str(d / name / "bridge.py"), str(sock)])
+            for _ in range(100):
+                if sock.exists():
+                    break
+                time.sleep(0.05)
+            fwd[name] = Forwarder(sock)
+        yield {"dir": d, "servers": servers, "fwd": fwd, "host": host, "other": other, "home": avm_home}
     finally:
-        for stop in stops:
-            stop()
+        for f in fwd.values():
+            f.stop()
         for srv in servers.values():
             if getattr(srv, "bridge", None):
                 srv.bridge.terminate()
@@ -102,8 +143,8 @@ def world(tmp_path):
         shutil.rmtree(d, ignore_errors=True)
 
 
-def _push(world, target: str):
-    d, share = world["dir"], world["share"]
+def agent_file(world, ssh_env: str = "") -> Path:
+    d, fwd = world["dir"], world["fwd"]
     agent = d / "ssh-agent.yaml"
     agent.write_text(textwrap.dedent(f"""\
         apiVersion: agentvm/v1
@@ -112,15 +153,30 @@ def _push(world, target: str):
         spec:
           riskTier: L3
           limits: {{timeout: 90s, memory: 1G}}
-          mounts: [{{host: {share}, path: /run/agentvm-ssh}}]
           env:
-            SSH_AUTH_SOCK: /run/agentvm-ssh/agent.sock
-            GIT_SSH_COMMAND: "ssh -F /dev/null -o UserKnownHostsFile=/run/agentvm-ssh/known_hosts -o StrictHostKeyChecking=yes -o BatchMode=yes -o IdentityFile=none -o ProxyCommand='python3 /run/agentvm-ssh/proxy.py /run/agentvm-ssh/%h.sock'"
             GIT_AUTHOR_NAME: agent
             GIT_AUTHOR_EMAIL: agent@test
             GIT_COMMITTER_NAME: agent
-            GIT_COMMITTER_EMAIL: agent@test
+            GIT_COMMITTER_EMAIL: agent@test{ssh_env}
+          egress:
+            hosts: {{git.test: {fwd["git"].addr}, other.test: {fwd["other"].addr}}}
+            allow:
+              - {{host: git.test, ports: [22]}}
+              - {{host: other.test, ports: [22]}}
+          credentials:
+            - name: deploy
+              env: SSH_AUTH_SOCK
+              ref: vault:deploy-key
+              hosts: [git.test]
+              ssh:
+                knownHosts: ["{_host_line(world["host"][1], "git.test")}"]
         """))
+    return agent
+
+
+def _push(world, target: str, *, ssh_env: str = ""):
+    d = world["dir"]
+    agent = agent_file(world, ssh_env)
     remote = f"ssh://root@{target}.test{d}/{target}/repo.git"
     script = textwrap.dedent(f"""\
         set -eo pipefail
@@ -133,29 +189,75 @@ def _push(world, target: str):
                    --exclude-dir=lib --exclude-dir=lib64 --exclude-dir=bin --exclude-dir=sbin 2>/dev/null || true); do
           echo "KEYFILE $f"
         done
+        echo "SOCK $SSH_AUTH_SOCK"
         ssh-add -L | cut -d' ' -f1
         git push "{remote}" main 2>&1 | tail -12
         echo PUSHED
     """)
-    r = subprocess.run(agentvm_cmd() + ["run", "-f", str(agent), "--", "bash", "-c", script], capture_output=True,
-                       text=True, timeout=180)
+    r = subprocess.run(agentvm_cmd() + ["run", "-f", str(agent), "--json", "--", "bash", "-c", script],
+                       capture_output=True, text=True, timeout=180)
     log = subprocess.run(["git", "--git-dir", str(d / target / "repo.git"), "log", "--oneline", "main"],
                          capture_output=True, text=True)
     return r, log.stdout
 
 
-def test_git_push_over_ssh_from_the_sandbox_with_no_key_inside(world):
+def _chain(kind: str) -> list[dict]:
+    r = subprocess.run(agentvm_cmd() + ["audit", "export", "--what", "audit", "--format", "json"], capture_output=True,
+                       text=True, timeout=60)
+    return [json.loads(ln) for ln in r.stdout.splitlines() if ln.strip() and json.loads(ln).get("kind") == kind]
+
+
+def _egress(world) -> list[dict]:
+    out = []
+    for f in (Path(world["home"]) / "logs").glob("ssh-push-*.egress.jsonl"):
+        out += [json.loads(ln) for ln in f.read_text().splitlines()]
+    return out
+
+
+def test_git_push_over_ssh_through_the_gate_with_no_key_inside(world):
     r, pushed = _push(world, "git")
     assert r.returncode == 0 and "PUSHED" in r.stdout, r.stdout + r.stderr[-3000:]
     assert "KEYFILE" not in r.stdout and "ssh-ed25519" in r.stdout
+    assert "SOCK /tmp/agentvm-ssh-ssh-push-" in r.stdout and "/agent.sock" in r.stdout
     assert "pushed from the sandbox" in pushed
-    signs = [x for x in world["logs"] if x.verdict == "sign"]
-    assert signs and signs[0].host == "git.test" and signs[0].key == "deploy"
+    assert world["fwd"]["git"].conns >= 1, "the connection came through the gate (the only way to the forwarder)"
+    tunnels = [x for x in _egress(world) if x.get("phase") == "ssh" and x["verdict"] == "allow"]
+    assert tunnels and tunnels[0]["host"] == "git.test" and tunnels[0]["port"] == 22, _egress(world)
+    signs = _chain("ssh.sign")
+    assert signs and signs[-1]["data"]["host"] == "git.test" and signs[-1]["data"]["key"] == "deploy"
+    # the agent's directory is gone with the session
+    assert not list(Path("/tmp").glob("agentvm-ssh-ssh-push-*")), "the agent's directory is gone with the session"
 
 
 def test_a_host_the_agent_file_does_not_list_gets_no_signature(world):
-    r, pushed = _push(world, "other")
+    # the agent accepts other.test's host key itself (as hostile code would): the gate's agent refuses
+    signed_before = len(_chain("ssh.sign"))
+    r, pushed = _push(world, "other", ssh_env='\n            GIT_SSH_COMMAND: "ssh -o ProxyCommand=\'/usr/bin/nc.openbsd '
+                                            '-X connect -x 127.0.0.1:3128 %h %p\' -o StrictHostKeyChecking=no '
+                                            '-o UserKnownHostsFile=/dev/null -o BatchMode=yes"')
     assert "PUSHED" not in r.stdout and "pushed from the sandbox" not in pushed, r.stdout
-    refusals = [x for x in world["logs"] if x.verdict == "refuse"]
-    assert refusals and "is not one the agent file lists" in refusals[0].reason
-    assert not [x for x in world["logs"] if x.verdict == "sign"]
+    assert world["fwd"]["other"].conns >= 1, r.stdout + r.stderr[-2000:]
+    refusals = [x for x in _chain("ssh.refuse") if x["data"]["key"] == "deploy"]
+    assert refusals and "is not one the agent file lists" in refusals[-1]["data"]["reason"], r.stdout + r.stderr[-2000:]
+    assert len(_chain("ssh.sign")) == signed_before, "no signature for a host the agent file does not list"
+
+
+def test_ssh_to_a_port_other_than_22_is_refused_by_the_gate(world):
+    """An SSH banner on a tunnel to another port is not spliced (the rule allowed host:22 only,
+    and an allowed HTTPS port carrying SSH is refused too)."""
+    agent = agent_file(world)
+    code = textwrap.dedent("""\
+        import socket
+        s = socket.create_connection(("127.0.0.1", 3128))
+        s.sendall(b"CONNECT git.test:22 HTTP/1.1\\r\\nHost: git.test:22\\r\\n\\r\\n")
+        print("CONNECT22", s.recv(200).split(b"\\r\\n")[0].decode())
+        s.sendall(b"SSH-2.0-OpenSSH_9.2p1 probe\\r\\n")
+        print("BANNER22", s.recv(200)[:8])
+        t = socket.create_connection(("127.0.0.1", 3128))
+        t.sendall(b"CONNECT git.test:2222 HTTP/1.1\\r\\nHost: git.test:2222\\r\\n\\r\\n")
+        print("CONNECT2222", t.recv(200).split(b"\\r\\n")[0].decode())
+    """)
+    r = subprocess.run(agentvm_cmd() + ["run", "-f", str(agent), "--", "python3", "-c", code], capture_output=True,
+                       text=True, timeout=120)
+    assert "CONNECT22 HTTP/1.1 200" in r.stdout and "BANNER22 b'SSH-2.0-'" in r.stdout, r.stdout + r.stderr[-2000:]
+    assert "CONNECT2222 HTTP/1.1 403" in r.stdout, r.stdout

@@ -123,13 +123,13 @@ _make_forward = Forward.make
 @dataclass(frozen=True, slots=True)
 class Accept:
     """``CONNECT`` is allowed so far: answer 200 and read the tunnel's first bytes. Answer with
-    :class:`Hello`, :class:`PlainHTTP`, :class:`NotTLS` or ``None`` (the client went away)."""
+    :class:`Hello`, :class:`PlainHTTP`, :class:`NotTLS`, :class:`SshBanner` or ``None`` (the client went away)."""
 
 
 @dataclass(frozen=True, slots=True)
 class OpenTunnel:
     """Terminal: ``kind`` is ``splice`` (opaque, decided once: ``meta`` is re-decided when the
-    policy changes), ``terminate`` (TLS ended by the gate, each request decided) or ``plain``
+    policy changes; ``ssh``: the same, for an SSH session to host:22), ``terminate`` (TLS ended by the gate, each request decided) or ``plain``
     (plain HTTP inside the tunnel, each request decided)."""
 
     kind: str
@@ -202,6 +202,16 @@ class PlainHTTP:
 @dataclass(frozen=True, slots=True)
 class NotTLS:
     message: str
+
+
+@dataclass(frozen=True, slots=True)
+class SshBanner:
+    """The tunnel starts with an SSH identification string (``SSH-2.0-``, RFC 4253 4.2): the
+    sandbox's ssh through ``nc -X connect`` (docs/credentials.md, "SSH keys")."""
+
+
+#: the port an SSH tunnel may go to (the egress rule must allow host:22)
+SSH_PORT = 22
 
 
 @dataclass(frozen=True, slots=True)
@@ -487,6 +497,20 @@ def connect(ep, req: h1.ProxyRequest) -> Flow:
         # plain HTTP inside the tunnel (undici, some SDKs tunnel http:// too): every request is
         # parsed and decided like a forward-proxy request, Host pinned to the CONNECT target
         yield OpenTunnel(kind="plain", tunnel=tunnel, decision=d)
+        return
+    if isinstance(first, SshBanner):
+        # SSH: opaque (the gate cannot look inside; its ssh-agent decides every signature), so
+        # only where the rule allowed host:22 and asks for nothing the gate must see (a rule to
+        # terminate, an LLM budget to meter)
+        budget = ep.budget
+        why = ("the SSH port is 22" if req.port != SSH_PORT else
+               "the rule that allowed it terminates TLS to inspect requests" if d.terminate else
+               "the host is metered by an LLM budget" if budget is not None and budget.covers(req.host) else None)
+        if why is not None:
+            yield Deny(rule_id="ssh:refused", reason=f"an SSH tunnel to {req.host}:{req.port} is refused: {why}",
+                       phase="ssh", host=req.host, port=req.port, method="CONNECT", respond=False)
+            return
+        yield OpenTunnel(kind="ssh", tunnel=tunnel, decision=d, meta=meta)
         return
     if isinstance(first, NotTLS):
         yield Deny(rule_id="not-tls", reason=f"tunnel does not start with a TLS ClientHello: {first.message}",

@@ -464,6 +464,16 @@ class Gate:
         deadline = asyncio.get_running_loop().time() + HELLO_TIMEOUT
         try:
             while True:
+                if buf[:1] == b"S" and _SSH_ID.startswith(buf[:len(_SSH_ID)]):
+                    if len(buf) < len(_SSH_ID):  # (maybe an SSH identification string: read on)
+                        data = await _read_by(client, deadline)
+                        if not data:
+                            flow.close()
+                            return
+                        buf += data
+                        continue
+                    first = ex.SshBanner()
+                    break
                 if buf[:1] != b"\x16" and buf[:1].isalpha():
                     first = ex.PlainHTTP()
                     break
@@ -519,9 +529,11 @@ class Gate:
         finally:
             ep.splices.pop(task, None)
             upstream.close()
-        ep.log(verdict="allow", rule_id=cmd.decision.rule_id, reason="tunnel (SNI checked, not terminated)",
-               host=tunnel.host, port=tunnel.port, method="CONNECT", phase="tunnel", bytes_out=out + len(buf),
-               bytes_in=inn, sni=tunnel.sni)
+        ep.log(verdict="allow", rule_id=cmd.decision.rule_id,
+               reason=("ssh tunnel (opaque; signatures decided by the gate's ssh-agent)" if cmd.kind == "ssh"
+                       else "tunnel (SNI checked, not terminated)"),
+               host=tunnel.host, port=tunnel.port, method="CONNECT", phase="ssh" if cmd.kind == "ssh" else "tunnel",
+               bytes_out=out + len(buf), bytes_in=inn, sni=tunnel.sni)
 
     async def _terminate(self, ep: Endpoint, client: PlainStream, tunnel: ex.Tunnel, hello_bytes: bytes,
                          alpn: tuple[str, ...] = ()) -> None:
@@ -598,6 +610,9 @@ class Gate:
                 s.close()
             raise
         return stream
+
+
+_SSH_ID = b"SSH-2.0-"  # the start of an SSH client's identification string (RFC 4253 4.2)
 
 
 async def _read_by(stream, deadline: float) -> bytes:

@@ -206,9 +206,11 @@ class AgentSession:
     """One connection to the agent: :meth:`feed` bytes, get the replies; ``log(Decision)`` is
     called for every signature asked for and every refused binding."""
 
-    def __init__(self, keys: list[AgentKey], log: Callable[[Decision], None] | None = None):
+    def __init__(self, keys: list[AgentKey], log: Callable[[Decision], None] | None = None,
+                 revoked: Callable[[str], bool] | None = None):
         self.keys = {k.blob: k for k in keys}
         self.log = log or (lambda d: None)
+        self.revoked = revoked  # name -> revoked now (the vault's and the operator's: asked at each sign)
         self.buf = b""
         self.session_id: bytes | None = None
         self.host_key: bytes | None = None
@@ -286,6 +288,13 @@ class AgentSession:
             return self._refuse("", "a key this agent does not hold")
         if self.poisoned:
             return self._refuse(key.name, self.poisoned)
+        if self.revoked is not None:
+            try:
+                gone = bool(self.revoked(key.name))
+            except Exception:  # (cannot tell: fail closed)
+                gone = True
+            if gone:
+                return self._refuse(key.name, "the credential is revoked")
         if self.session_id is None:
             return self._refuse(key.name, "no session-bind@openssh.com before the sign request (OpenSSH >= 8.9 "
                                           "sends one; the host it signs for must be known)")
@@ -339,8 +348,8 @@ class SshAgentServer:
     must be able to connect, e.g. through a bind mount of its directory)."""
 
     def __init__(self, path: str, keys: list[AgentKey], log: Callable[[Decision], None] | None = None,
-                 mode: int = 0o600):
-        self.path, self.keys, self.log, self.mode = path, keys, log, mode
+                 mode: int = 0o600, revoked: Callable[[str], bool] | None = None):
+        self.path, self.keys, self.log, self.mode, self.revoked = path, keys, log, mode, revoked
         self.server: asyncio.AbstractServer | None = None
         self.active = 0
 
@@ -357,7 +366,7 @@ class SshAgentServer:
             writer.close()
             return
         self.active += 1
-        sess = AgentSession(self.keys, self.log)
+        sess = AgentSession(self.keys, self.log, self.revoked)
         try:
             while not sess.closed:
                 data = await asyncio.wait_for(reader.read(65536), IDLE_TIMEOUT)
@@ -390,10 +399,10 @@ def keys_for(bindings, value: Callable[[str], str]) -> list[AgentKey]:
             if getattr(b, "ssh_known_hosts", None) is not None]
 
 
-def serve_in_thread(path: str, keys: list[AgentKey], log=None, mode: int = 0o600):
+def serve_in_thread(path: str, keys: list[AgentKey], log=None, mode: int = 0o600, revoked=None):
     """Serve the agent from a thread with its own event loop; -> stop() (closes it, joins)."""
     loop = asyncio.new_event_loop()
-    srv = SshAgentServer(path, keys, log, mode)
+    srv = SshAgentServer(path, keys, log, mode, revoked)
     ready = threading.Event()
 
     def run():
@@ -416,17 +425,33 @@ def serve_in_thread(path: str, keys: list[AgentKey], log=None, mode: int = 0o600
     return stop
 
 
-def session_agent(bindings, value: Callable[[str], str], directory: str, log=None):
+def session_agent(bindings, value: Callable[[str], str], directory: str, log=None, *, revoked=None,
+                  owner: tuple[int, int] | None = None):
     """The agent of one sandbox session, for the launch to wire in: the session's ``ssh``
     credentials (``bindings``: CredentialBindings; ``value``: name -> vault value, as
-    ``CredentialSet``'s) served at ``directory/agent.sock`` (the directory 0755, the socket 0666:
-    bind-mount the directory into the sandbox, read-only, and set each ssh credential's ``env``
+    ``CredentialSet``'s) served at ``directory/agent.sock`` (the socket 0666, the directory the
+    sandbox user's alone - see ``owner``: bind-mount the directory into the sandbox, read-only, and set each ssh credential's ``env``
     to the socket's path inside). -> ``(socket path, stop)``, or ``(None, None)`` without ssh
-    credentials. ValueError names a credential whose vault value is no usable key."""
+    credentials. ValueError names a credential whose vault value is no usable key.
+
+    ``revoked(name)`` is asked at every signature (a revoked credential signs nothing more);
+    ``owner`` (uid, gid): the sandbox's user, who alone may enter the directory (it is then
+    0500 and theirs); without one the directory is 0700 (the sandbox runs as this process's
+    user): no other user of the host reaches the socket."""
     keys = keys_for(bindings, value)
     if not keys:
         return None, None
-    os.makedirs(directory, mode=0o755, exist_ok=True)
-    os.chmod(directory, 0o755)
+    os.makedirs(directory, mode=0o700, exist_ok=True)
+    os.chmod(directory, 0o700)  # (closed while the socket is made 0666; opened to its user below)
     path = os.path.join(directory, "agent.sock")
-    return path, serve_in_thread(path, keys, log, mode=0o666)
+    stop = serve_in_thread(path, keys, log, mode=0o666, revoked=revoked)
+    try:  # the sandbox's user alone (root's daemon needs no mode bits): no other host user reaches it
+        if owner is not None:
+            os.chown(directory, *owner)
+            os.chmod(directory, 0o500)
+        else:
+            os.chmod(directory, 0o700)
+    except BaseException:
+        stop()
+        raise
+    return path, stop
