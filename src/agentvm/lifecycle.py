@@ -173,7 +173,7 @@ class Lifecycle:
                       **({"notes": ws_notes} if ws_notes else {}))
         except Exception as exc:
             res.release()
-            from agentvm.errors import AgentVMError, disk_full_error
+            from agentvm.errors import disk_full_error
 
             if isinstance(exc, AgentVMError):  # a broken chain (audit.broken-chain), a lost one: as they are
                 raise

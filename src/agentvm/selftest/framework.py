@@ -45,6 +45,7 @@ CATEGORIES = (
     "control-plane",
     "tools",
     "gate-containment",
+    "state",
 )
 
 WEAKENINGS = {
@@ -70,11 +71,15 @@ WEAKENINGS = {
     "gate-unconfined": "a gate worker is not confined (root, the daemon's mount namespace, no Landlock, no seccomp)",
     "gate-no-seccomp": "a gate worker is confined without its seccomp filter",
     "gate-no-landlock": "a gate worker is confined without Landlock",
+    "checkpoint-granted": "checkpoints are kept in a folder granted read-write into the sandbox",
+    "unbound-checkpoint": "resume trusts a checkpoint as found (its binding is recomputed from the image, not read "
+                          "from the daemon's state)",
 }
 
 # weakenings of the policy or the gate (not of a substrate's plan): they apply on every substrate
 POLICY_WEAKENINGS = frozenset({"grant-canaries", "cred-in-env", "permissive-gate", "raw-scrub", "permissive-tools",
-                               "no-budget", "gate-unconfined", "gate-no-seccomp", "gate-no-landlock"})
+                               "no-budget", "gate-unconfined", "gate-no-seccomp", "gate-no-landlock",
+                               "checkpoint-granted", "unbound-checkpoint"})
 
 SINK_NAME = "canary.selftest"
 CANARY_HOST = "canary-exfil.selftest"
