@@ -351,6 +351,8 @@ def _acquire_pool(home_ws: Path, runtime: Path, name: str, uid: int, gid: int, s
                               pool=pool)
     except BaseException:
         os.close(hold)
+        if not pool.exists():  # refused before any pool was made: leave no lock file either
+            pool.lock.unlink(missing_ok=True)
         raise
 
 

@@ -393,16 +393,19 @@ def test_a_full_host_never_takes_an_admitted_agents_writes(small_home, tmp_path)
     with workspace.pool_open(home / "workspaces", home / "run") as pool:
         data = (pool.path("wsq-host") / "data").read_bytes()
     assert len(data) == 24 * M and data[23 * M: 23 * M + 251] == bytes(range(251))
-    # a new start on the full host is refused with the numbers, not admitted into nothing
+    # a new start on a (nearly) full host is refused with the numbers, not admitted into nothing:
+    # 40 MiB given back, enough for agent-vm's state, less than the host's reserve for it
+    fill = home / "fill"
+    os.truncate(fill, fill.stat().st_size - 40 * M)
     g = tmp_path / "b.yaml"
     g.write_text("apiVersion: agentvm/v1\nkind: Agent\nmetadata: {name: wsq-late}\nspec:\n  command: [/bin/true]\n"
                  "  limits: {disk: 300M}\n")
-    r = _av(home, "run", "-f", str(g), "--json")
+    r = _av(home, "run", "-f", str(g), "--json")  # (the pool exists: an agent was admitted into it)
     import re
 
     assert r.returncode == 125 and json.loads(r.stdout)["error"] == "workspace.overcommit", (r.stdout, r.stderr)
-    host_free = re.search(r"host: (\S+) free", json.loads(r.stdout)["message"]).group(1)
-    assert host_free.endswith(("B", "K")), r.stdout  # the numbers: the host has (next to) nothing free
+    msg = json.loads(r.stdout)["message"]
+    assert "can grow by 0B" in msg and re.search(r"host: (3\d|40)\.\dM free, 64\.0M of it kept", msg), msg
 
 
 @needs_pool
@@ -460,3 +463,23 @@ def test_a_persistent_agents_workspace_survives_stop_start_and_a_daemon_restart(
         _idle(pool)
     finally:
         av("down", timeout=60)
+
+
+@needs_pool
+def test_a_first_start_the_host_cannot_hold_is_refused_and_leaves_no_pool(avm_home):
+    from agentvm import workspace
+    from agentvm.errors import PolicyDenied
+
+    home = Path(f"/tmp/agentvm-wsqref-{secrets.token_hex(3)}")
+    home.mkdir(mode=0o711)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=40m,mode=0711", "tmpfs", str(home)], check=True)
+    try:
+        with pytest.raises(PolicyDenied) as ei:
+            workspace.acquire(home / "workspaces", home / "run", "wsq-x", uid=3_999_050, gid=3_999_050,
+                              size=16 * M, enforce_quota=True)
+        assert ei.value.code == "workspace.overcommit" and "no pool yet" in ei.value.message
+        assert sorted(os.listdir(home / "workspaces")) == ["wsq-x.lock"]  # the agent's own lock, as always
+    finally:
+        _cleanup(home)
+        subprocess.run(["umount", "-l", str(home)], capture_output=True)
+        shutil.rmtree(home, ignore_errors=True)
