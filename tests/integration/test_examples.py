@@ -39,6 +39,8 @@ for _kind in ("oauth2-refresh", "aws-sts", "github-app"):
         EXERCISED[f"credentials/{_kind}/{_f}"] = [_BROKERS + _kind.replace("-", "_")]
 for _f in ("peers.py", "common.sh"):
     EXERCISED[f"credentials/{_f}"] = [_BROKERS + k for k in ("oauth2_refresh", "aws_sts", "github_app")]
+for _f in ("run.sh", "agent.yaml.in", "peer.py"):
+    EXERCISED[f"credentials/ssh/{_f}"] = ["tests/integration/test_ssh_agent_e2e.py::test_credentials_example_ssh"]
 
 
 def avm(*args: str, timeout: float = 120, **kw) -> subprocess.CompletedProcess:

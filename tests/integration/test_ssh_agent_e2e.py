@@ -261,3 +261,18 @@ def test_ssh_to_a_port_other_than_22_is_refused_by_the_gate(world):
                        text=True, timeout=120)
     assert "CONNECT22 HTTP/1.1 200" in r.stdout and "BANNER22 b'SSH-2.0-'" in r.stdout, r.stdout + r.stderr[-2000:]
     assert "CONNECT2222 HTTP/1.1 403" in r.stdout, r.stdout
+
+
+def test_credentials_example_ssh(avm_home):
+    """examples/credentials/ssh/run.sh as shipped: a real sshd in a namespace it creates, the key
+    in the vault only, `git push` over SSH from the sandbox through the gate."""
+    import sys
+
+    example = Path(__file__).resolve().parents[2] / "examples" / "credentials" / "ssh" / "run.sh"
+    env = dict(os.environ, AGENTVM=f"{sys.executable} -m agentvm", AGENTVM_PYTHON=sys.executable)
+    r = subprocess.run(["bash", str(example)], capture_output=True, env=env, timeout=300)
+    out = r.stdout.decode()
+    assert r.returncode == 0, out + r.stderr.decode()[-3000:]
+    assert "keys the agent offers: ssh-ed25519" in out and "inside: pushed" in out
+    assert out.splitlines()[-1] == "sshd received: from the sandbox (agent)"
+    assert not list(Path("/tmp").glob("agentvm-ssh-ssh-demo-*")), "the agent's directory went with the session"
