@@ -324,3 +324,53 @@ def test_session_agent_serves_the_ssh_credentials_of_a_session(keys, tmp_path):
         stop()
     assert not os.path.exists(path)
     assert sa.session_agent(b[1:], lambda n: "x", str(tmp_path / "none")) == (None, None)
+
+
+# -- SSH through the gate's CONNECT (agentvm.gate.exchange: the SshBanner answer) -------------
+def _ssh_flow(allow: str, target: str, *, terminate: bool = False, budget=None):
+    from types import SimpleNamespace
+
+    from agentvm.gate import exchange as ex
+    from agentvm.gate import h1
+    from agentvm.gate.endpoint import TokenBucket
+    from agentvm.gate.policy import compile_egress
+    from agentvm.spec.loader import load_agent_text
+
+    from _spec_helpers import agent
+
+    host, port = allow.split(":")
+    extra = ", methods: [GET]" if terminate else ""  # (a rule on methods: the gate must see each request)
+    spec = agent(f"""\
+        spec:
+          egress:
+            allow:
+              - {{host: {host}, ports: [{port}], id: r{extra}}}
+            hosts:
+              {host}: 10.0.0.5
+        """)
+    policy = compile_egress(load_agent_text(spec, "a.yaml", preset_dirs=[]).spec.spec.egress)
+    ep = SimpleNamespace(policy=policy, creds=None, paused=False, bucket=TokenBucket(1e9, 1e9), budget=budget)
+    raw = f"CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n\r\n".encode()
+    flow = ex.connect(ep, h1.parse_head(raw)[0])
+    cmd = next(flow)
+    assert isinstance(cmd, ex.Accept), cmd
+    return flow.send(ex.SshBanner())
+
+
+def test_an_ssh_banner_on_an_allowed_host_22_is_an_opaque_tunnel():
+    from agentvm.gate import exchange as ex
+
+    cmd = _ssh_flow("git.test:22", "git.test:22")
+    assert isinstance(cmd, ex.OpenTunnel) and cmd.kind == "ssh" and cmd.tunnel.addr == "10.0.0.5"
+    assert cmd.meta is not None and cmd.meta.host == "git.test"  # (re-decided when the policy changes)
+
+
+def test_an_ssh_banner_is_refused_on_other_ports_under_terminate_rules_and_budgets():
+    from types import SimpleNamespace
+
+    from agentvm.gate import exchange as ex
+
+    for cmd, why in ((_ssh_flow("git.test:443", "git.test:443"), "22"),
+                     (_ssh_flow("git.test:22", "git.test:22", terminate=True), "terminates"),
+                     (_ssh_flow("git.test:22", "git.test:22", budget=SimpleNamespace(covers=lambda h: True)), "budget")):
+        assert isinstance(cmd, ex.Deny) and cmd.rule_id == "ssh:refused" and why in cmd.reason, cmd
