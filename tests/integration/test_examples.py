@@ -39,6 +39,24 @@ for _kind in ("oauth2-refresh", "aws-sts", "github-app"):
         EXERCISED[f"credentials/{_kind}/{_f}"] = [_BROKERS + _kind.replace("-", "_")]
 for _f in ("peers.py", "common.sh"):
     EXERCISED[f"credentials/{_f}"] = [_BROKERS + k for k in ("oauth2_refresh", "aws_sts", "github_app")]
+_PY, _CI = "tests/e2b/test_python_sdk.py::", "tests/e2b/test_code_interpreter.py::"
+EXERCISED.update({  # E2B's own documented examples, unchanged, against the E2B-compatible API
+    "e2b/quickstart.py": [_PY + "test_quickstart"],
+    "e2b/commands.py": [_PY + "test_commands_foreground_background_kill_envs_cwd"],
+    "e2b/files.py": [_PY + "test_files_write_read_list_and_friends"],
+    "e2b/lifecycle.py": [_PY + "test_lifecycle_timeout_info_list_connect_kill"],
+    "e2b/stdin_watch.py": [_PY + "test_stdin_and_watch_dir"],
+    "e2b/quickstart.mjs": ["tests/e2b/test_js_sdk.py::test_js_quickstart"],
+    "e2b/code_interpreter.py": [_CI + "test_readme_example_unchanged_on_the_host_view",
+                                _CI + "test_readme_example_unchanged_on_the_example_image"],
+    "e2b/code_interpreter_more.py": [_CI + "test_streams_errors_display_data_envs_and_contexts"],
+    "images/code-interpreter/image.yaml": ["test_every_agent_file_validates",
+                                           _CI + "test_readme_example_unchanged_on_the_example_image"],
+    "images/code-interpreter/template.yaml": ["test_every_agent_file_validates",
+                                              _CI + "test_readme_example_unchanged_on_the_example_image"],
+    "images/code-interpreter/server.py": [_CI + "test_readme_example_unchanged_on_the_host_view",
+                                          _CI + "test_readme_example_unchanged_on_the_example_image"],
+})
 for _f in ("run.sh", "agent.yaml.in", "peer.py"):
     EXERCISED[f"credentials/ssh/{_f}"] = ["tests/integration/test_ssh_agent_e2e.py::test_credentials_example_ssh"]
 
