@@ -116,3 +116,47 @@ def test_pause_and_connect_keep_the_workspace(e2b_server):
     finally:
         p.unlink()
     assert "state: paused" in out and "after: still here" in out
+
+
+def test_pty_input_resize_exit_and_kill(e2b_server):
+    if e2b_server.get("via") != "daemon":
+        pytest.skip("a pty needs the daemon's interactive exec: `agentvm e2b serve` over its HTTP API has none")
+    code = (
+        "import time\n"
+        "from e2b import Sandbox\n"
+        "from e2b.sandbox.commands.command_handle import PtySize\n"
+        "s = Sandbox.create()\n"
+        "out = []\n"
+        "h = s.pty.create(size=PtySize(rows=24, cols=80), timeout=60)\n"
+        "s.pty.send_stdin(h.pid, b'stty size; echo marker-$((6*7)); id -u\\n')\n"
+        "time.sleep(2)\n"
+        "s.pty.resize(h.pid, PtySize(rows=30, cols=100))\n"
+        "time.sleep(0.5)\n"
+        "s.pty.send_stdin(h.pid, b'stty size\\n')\n"
+        "time.sleep(1)\n"
+        "s.pty.send_stdin(h.pid, b'exit 3\\n')\n"
+        "try:\n"
+        "    print('exit:', h.wait(on_pty=lambda d: out.append(d)).exit_code)\n"
+        "except Exception as e:\n"
+        "    print('exit:', getattr(e, 'exit_code', e))\n"
+        "text = b''.join(out).decode(errors='replace')\n"
+        "print('size1:', '24 80' in text, 'size2:', '30 100' in text, 'marker:', 'marker-42' in text,\n"
+        "      'root:', '\\n0\\r' in text)\n"
+        "h2 = s.pty.create(size=PtySize(rows=24, cols=80), timeout=60)\n"
+        "s.pty.send_stdin(h2.pid, b'sleep 1000\\n')\n"
+        "time.sleep(1)\n"
+        "print('killed:', s.pty.kill(h2.pid))\n"
+        "try:\n"
+        "    h2.wait()\n"
+        "    print('after kill: ended')\n"
+        "except Exception as e:\n"
+        "    print('after kill: ended', type(e).__name__)\n"
+        "s.kill()\n")
+    p = Path(f"/tmp/e2bhelper-pty-{e2b_server['port']}.py")
+    p.write_text(code)
+    try:
+        out = _ok(run_example(e2b_server, p))
+    finally:
+        p.unlink()
+    assert "exit: 3" in out and "size1: True size2: True marker: True root: False" in out, out
+    assert "killed: True" in out and "after kill: ended CommandExitException" in out, out

@@ -280,14 +280,17 @@ CTL_DIR = "/dev/shm/.agentvm-e2b"
 # The sandbox's own shell runs the command with a control FIFO beside it: signals and the end
 # of stdin are written there by later execs and carried out by a child of this shell (a later
 # exec is another Landlock domain and may not signal this one's processes itself). With stdin,
-# the command reads a FIFO that later execs write to.
+# the command reads a FIFO that later execs write to; with "2" (a terminal: cpbackend's pty), the
+# shell's own stdin, the terminal.
 _WRAPPER = r"""
 d=/dev/shm/.agentvm-e2b/$$
 mkdir -p "$d" && mkfifo -m 600 "$d/ctl" || exit 126
 if [ "$2" = 1 ]; then mkfifo -m 600 "$d/in" || exit 126; fi
 printf '\036%s\n' "$$" >&2
 cd -- "$1" || exit 1
-if [ "$2" = 1 ]; then shift 2; "$@" < "$d/in" & c=$!; else shift 2; "$@" < /dev/null & c=$!; fi
+if [ "$2" = 1 ]; then shift 2; "$@" < "$d/in" & c=$!
+elif [ "$2" = 2 ]; then shift 2; exec 5<&0; "$@" <&5 5<&- & c=$!; exec 5<&-
+else shift 2; "$@" < /dev/null & c=$!; fi
 (
   exec 3<>"$d/ctl"
   if [ -p "$d/in" ]; then exec 4<>"$d/in"; fi

@@ -137,6 +137,94 @@ class _CPProcess:
         raise Unsupported("a pty needs the daemon's exec TTY relay, which it does not have yet")
 
 
+class _PtyProcess:
+    """A command on a terminal: the control plane's interactive exec (``exec_attached`` with a
+    pty made by the daemon, whose master never enters the sandbox), its input and resizes
+    relayed as typed events. The command runs under the same wrapper as any other (its pid is
+    the wrapper's first line on the terminal, taken off the output), so kill and signals go
+    through the wrapper's control FIFO: a process group of a terminal cannot be signalled
+    with SIGKILL through the terminal."""
+
+    def __init__(self, backend: "ControlPlaneBackend", name: str, argv: list[str], size: tuple[int, int],
+                 timeout: float | None):
+        from agentvm.daemon.pump import QueueAttached
+
+        self.pid = 0
+        self._backend, self._name = backend, name
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._started = asyncio.Event()
+        self._head = b""
+        self._head_done = False
+        self.io = QueueAttached(self._out)
+        cols, rows = size
+        self._task = asyncio.ensure_future(self._run(backend, name, argv, (rows, cols), timeout))
+
+    async def _out(self, stream: str, data: bytes) -> None:
+        if not self._head_done:
+            self._head += data
+            if b"\n" not in self._head and len(self._head) < 64:
+                return
+            line, _, rest = self._head.partition(b"\n")
+            self._head_done = True
+            m = re.fullmatch(rb"\x1e(\d+)\r?", line)
+            if m:
+                self.pid = int(m.group(1))
+            else:
+                rest = self._head
+            self._started.set()
+            if rest:
+                self._queue.put_nowait(ExecEvent("pty", rest))
+            return
+        self._queue.put_nowait(ExecEvent("pty", data))
+
+    async def wait_started(self) -> None:
+        await self._started.wait()
+
+    async def _run(self, backend, name, argv, tty, timeout) -> None:
+        try:
+            status = await backend.cp.exec_attached(name, argv, self.io, tty=tty, timeout=timeout, actor=ACTOR)
+            err = str(status.setup_error) if status.setup_error else ("timed out" if status.timed_out else None)
+            self._queue.put_nowait(ExecEvent("exit", exit_code=int(status.exit_code), error=err))
+        except asyncio.CancelledError:
+            self._queue.put_nowait(ExecEvent("exit", exit_code=-1, error="cancelled"))
+            raise
+        except AgentVMError as exc:
+            self._queue.put_nowait(ExecEvent("exit", exit_code=-1, error=str(_failure(exc))))
+        except Exception as exc:  # noqa: BLE001 - reported to the client as the process's end
+            self._queue.put_nowait(ExecEvent("exit", exit_code=-1, error=f"{type(exc).__name__}: {exc}"))
+        finally:
+            if not self._head_done and self._head:
+                self._queue.put_nowait(ExecEvent("pty", self._head))
+            self._started.set()
+
+    async def events(self) -> AsyncIterator[ExecEvent]:
+        while True:
+            ev = await self._queue.get()
+            yield ev
+            if ev.kind == "exit":
+                return
+
+    async def write_stdin(self, data: bytes) -> None:
+        from agentvm.daemon.pump import StdinData
+
+        if self._task.done():
+            raise BackendFailure("not-found", f"process {self.pid} is gone")
+        for i in range(0, len(data), 64 * 1024):
+            await self.io.input.put(StdinData(data[i:i + 64 * 1024]))
+
+    async def close_stdin(self) -> None:
+        from agentvm.daemon.pump import StdinEof
+
+        await self.io.input.put(StdinEof())
+
+    async def resize(self, cols: int, rows: int) -> None:
+        from agentvm.daemon.pump import Resize
+
+        if not (0 < cols <= 1000 and 0 < rows <= 1000):
+            raise BackendFailure("invalid", "a terminal of 1..1000 columns and rows")
+        await self.io.input.put(Resize(rows, cols))
+
+
 class _Out:
     def __init__(self):
         self.out, self.err = [], []
@@ -208,13 +296,15 @@ class ControlPlaneBackend(DaemonBackend):
         return self._sync(self.cp.sandbox, name)
 
     # -- processes --------------------------------------------------------------------------
-    async def exec(self, name: str, spec: ExecSpec) -> _CPProcess:
-        if spec.pty is not None:
-            raise Unsupported("a pty needs the daemon's exec TTY relay, which it does not have yet")
+    async def exec(self, name: str, spec: ExecSpec):
         check_env(spec.env)
         if name not in self.cp.managed or self.cp.managed[name].handle is None:
             self._sync(self.cp.row, name)  # not-found before not-running
             raise BackendFailure("gone", f"{name} is not running")
+        if spec.pty is not None:
+            proc = self._exec_pty(name, spec)
+            await proc.wait_started()
+            return proc
         argv = ["/bin/sh", "-c", _WRAPPER, "e2b-exec", spec.cwd or ".", "1" if spec.stdin else "0"]
         if spec.env:
             argv += ["/usr/bin/env", *[f"{k}={v}" for k, v in spec.env.items()]]
@@ -222,6 +312,15 @@ class ControlPlaneBackend(DaemonBackend):
         proc = _CPProcess(self, name, argv, spec.timeout, spec.stdin)
         await proc.wait_started()
         return proc
+
+    def _exec_pty(self, name: str, spec: ExecSpec) -> _PtyProcess:
+        if not hasattr(self.cp, "exec_attached"):
+            raise Unsupported("a pty needs the daemon's interactive exec, which this daemon does not have")
+        argv = ["/bin/sh", "-c", _WRAPPER, "e2b-pty", spec.cwd or ".", "2"]
+        if spec.env:
+            argv += ["/usr/bin/env", *[f"{k}={v}" for k, v in spec.env.items()]]
+        argv += spec.argv
+        return _PtyProcess(self, name, argv, spec.pty, spec.timeout)
 
     async def _run(self, name: str, argv: list[str]) -> tuple[int, bytes, bytes]:
         out = _Out()
