@@ -149,3 +149,19 @@ def test_a_worker_that_cannot_confine_itself_does_not_serve(tmp_path):
 
     run(main())
     assert not pool.pids()
+
+
+def test_a_process_with_another_thread_is_not_confined(tmp_path):
+    """Landlock, no_new_privs and seccomp bind the calling thread: a thread already running
+    would stay unconfined, so confine() refuses (a worker confines itself before any thread)."""
+    (tmp_path / "logs").mkdir()
+    r = _child(PRELUDE.format(home=str(tmp_path)) + """
+import threading, time
+threading.Thread(target=time.sleep, args=(5,), daemon=True).start()
+try:
+    confine.confine(p, skip=("mount-namespace", "identity"))
+    print("confined")
+except confine.ConfineError as e:
+    print("refused", e.step, e)
+""")
+    assert "refused validate" in r.stdout and "threads" in r.stdout, (r.stdout, r.stderr)
