@@ -374,3 +374,53 @@ def test_the_sdk_streams_stdin_and_drives_a_terminal(daemon, tmp_path):
                 else:
                     out += payload
         assert code == 3 and b"12 34" in out and b"got-hello" in out, out
+
+
+def _raw_session(home: Path, body: dict, upgrade: bool = True):
+    import socket
+
+    s = socket.socket(socket.AF_UNIX)
+    s.settimeout(30)
+    s.connect(str(home / "run" / "agentvm.sock"))
+    data = json.dumps(body).encode()
+    extra = b"Connection: Upgrade\r\nUpgrade: agentvm-frames/1\r\n" if upgrade else b"Connection: close\r\n"
+    s.sendall(b"POST /v1/run/attach HTTP/1.1\r\nHost: d\r\nContent-Type: application/json\r\nContent-Length: %d\r\n"
+              % len(data) + extra + b"\r\n" + data)
+    return s
+
+
+def _read_all(s) -> bytes:
+    out = b""
+    while True:
+        try:
+            chunk = s.recv(65536)
+        except OSError:
+            return out
+        if not chunk:
+            return out
+        out += chunk
+
+
+def test_the_protocol_refuses_what_it_does_not_speak(daemon):
+    # no Upgrade header: a 400 before anything runs
+    n = len(records("operator.run"))
+    s = _raw_session(daemon, {"command": ["/bin/true"]}, upgrade=False)
+    answer = _read_all(s)
+    s.close()
+    assert answer.startswith(b"HTTP/1.1 400") and b"Upgrade: agentvm-frames/1" in answer, answer[:300]
+    assert len(records("operator.run")) == n, "nothing ran"
+    # an input frame over the limit: the session ends as if the client had gone, the run is stopped
+    s = _raw_session(daemon, {"command": ["/bin/sh", "-c", "echo up; exec sleep 302"]})
+    head = b""
+    while b"up\n" not in head:
+        chunk = s.recv(65536)
+        assert chunk, head
+        head += chunk
+    assert head.startswith(b"HTTP/1.1 101"), head[:200]
+    n_exits = len(records("run.exited"))
+    s.sendall(b"i9999999\n" + b"x" * 1000)
+    rest = _read_all(s)
+    s.close()
+    wait_for(lambda: len(records("run.exited")) > n_exits, 30, "the run to be stopped")
+    assert b"x" in rest or rest == b"", rest[-200:]
+    assert not subprocess.run(["pgrep", "-x", "-f", "sleep 302"], capture_output=True).stdout.strip()
