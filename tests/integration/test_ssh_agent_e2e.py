@@ -276,3 +276,18 @@ def test_credentials_example_ssh(avm_home):
     assert "keys the agent offers: ssh-ed25519" in out and "inside: pushed" in out
     assert out.splitlines()[-1] == "sshd received: from the sandbox (agent)"
     assert not list(Path("/tmp").glob("agentvm-ssh-ssh-demo-*")), "the agent's directory went with the session"
+
+
+def test_git_push_over_ssh_from_a_daemon_run_sandbox(world):
+    """The same push with the daemon up: `agentvm run` goes through it, and the daemon's launch
+    serves the agent (its records reach the chain from the agent's thread through the daemon)."""
+    from tests.integration.test_daemon import daemon_up
+
+    with daemon_up(Path(world["home"])):
+        signed_before = len(_chain("ssh.sign"))
+        r, pushed = _push(world, "git")
+        assert r.returncode == 0 and "PUSHED" in r.stdout, r.stdout + r.stderr[-3000:]
+        assert "KEYFILE" not in r.stdout and "pushed from the sandbox" in pushed
+        signs = _chain("ssh.sign")
+        assert len(signs) > signed_before and signs[-1]["data"]["host"] == "git.test"
+        assert signs[-1]["actor"] == "agentvm", "recorded by the daemon (an embedded run records as uid:N)"
