@@ -424,3 +424,50 @@ def test_the_protocol_refuses_what_it_does_not_speak(daemon):
     wait_for(lambda: len(records("run.exited")) > n_exits, 30, "the run to be stopped")
     assert b"x" in rest or rest == b"", rest[-200:]
     assert not subprocess.run(["pgrep", "-x", "-f", "sleep 302"], capture_output=True).stdout.strip()
+
+
+def test_the_control_plane_serves_a_session_to_an_in_process_adapter(fresh_home, monkeypatch, tmp_path):
+    """No socket at all: what the E2B envd process service does - ControlPlane.exec_attached
+    and run_attached with a pump.QueueAttached, on the real substrate."""
+    import asyncio
+
+    from agentvm.daemon.control import ControlPlane, RunRequest
+    from agentvm.daemon.pump import QueueAttached, Resize, StdinData, StdinEof
+    from agentvm.paths import default_paths
+
+    monkeypatch.setenv("AGENTVM_UID_BASE", str(int(os.environ.get("AGENTVM_UID_BASE", "3000000")) + 100_000))
+    text = agent(tmp_path, "st-inproc", ["/bin/sh", "-c", "exec sleep 300"]).read_text()
+
+    async def main():
+        cp = ControlPlane(default_paths())
+        await cp.open()
+        try:
+            await cp.create(text, "st-inproc.yaml")
+            await cp.start_and_wait("st-inproc")
+            got: list[bytes] = []
+
+            async def sink(stream, data):
+                got.append(data)
+
+            io = QueueAttached(sink)
+            for ev in (StdinData(b"one\n"), StdinData(b"two\n"), StdinEof()):
+                await io.input.put(ev)
+            st = await cp.exec_attached("st-inproc", ["/bin/sh", "-c", "wc -l; exit 2"], io)
+            assert st.exit_code == 2 and b"".join(got).strip() == b"2", (st, got)
+            got.clear()
+            io = QueueAttached(sink)
+            await io.input.put(Resize(21, 77))
+            await io.input.put(StdinData(b"stty size; exit 4\r"))
+            st = await cp.exec_attached("st-inproc", ["/bin/sh"], io, tty=(10, 10))
+            assert st.exit_code == 4 and b"21 77" in b"".join(got), (st, got)
+            got.clear()
+            io = QueueAttached(sink)
+            await io.input.put(StdinData(b"b\na\n"))
+            await io.input.put(StdinEof())
+            res = await cp.run_attached(RunRequest(command=("sort",), network="none"), io)
+            assert res.exit_code == 0 and b"".join(got) == b"a\nb\n", (res, got)
+            await cp.remove("st-inproc")
+        finally:
+            await cp.close()
+
+    asyncio.run(main())
