@@ -70,6 +70,7 @@ _TABLE: list[tuple[str, int, int, str]] = [
     ("backend.suspend-unsupported", 409, POLICY, "this substrate cannot suspend a sandbox faithfully (use pause, or gVisor)"),
     ("backend.pause-unsupported", 409, POLICY, "this substrate or sandbox has no cgroup freezer to pause it"),
     ("checkpoint.missing", 404, CONFIG, "the sandbox's checkpoint is gone"),
+    ("snapshot.not-found", 404, CONFIG, "no snapshot by that id or tag"),
     ("checkpoint.tampered", 409, POLICY, "a checkpoint or snapshot no longer matches the digest recorded for it"),
     ("checkpoint.policy-changed", 409, POLICY, "the checkpoint was taken under another policy (stop and start instead)"),
     ("logs.not-found", 404, CONFIG, "no run or sandbox by that name"),

@@ -61,6 +61,9 @@ _COMMANDS: dict[str, str] = {
     "unpause": "agentvm.cli.state_cmds:unpause",
     "suspend": "agentvm.cli.state_cmds:suspend",
     "resume": "agentvm.cli.state_cmds:resume",
+    "snapshot": "agentvm.cli.state_cmds:snapshot",
+    "fork": "agentvm.cli.state_cmds:fork",
+    "restore": "agentvm.cli.state_cmds:restore",
 }
 
 

@@ -39,3 +39,79 @@ pause = _verb("pause", "Freeze a sandbox (cgroup freezer): memory and resources 
 unpause = _verb("unpause", "Thaw a paused sandbox.")
 suspend = _verb("suspend", "Checkpoint a sandbox to disk and free every host resource it held (gVisor).")
 resume = _verb("resume", "Restore a suspended sandbox, its processes continuing (its checkpoint is checked first).")
+
+
+# ---------------------------------------------------------------- snapshots, fork, restore
+class _SnapshotGroup(click.Group):
+    """``agentvm snapshot NAME [--tag T]`` takes one; ``snapshot ls`` / ``snapshot rm ID`` manage them."""
+
+    def resolve_command(self, ctx, args):
+        if args and args[0] not in self.commands:
+            return "take", self.commands["take"], args
+        return super().resolve_command(ctx, args)
+
+
+@click.group(cls=_SnapshotGroup, invoke_without_command=False,
+             help="Snapshot an agent's workspace (`agentvm snapshot NAME [--tag T]`), list (`ls`) or remove (`rm`).")
+def snapshot():
+    pass
+
+
+@snapshot.command("take", hidden=True)
+@click.argument("name")
+@click.option("--tag", help="A name for it (`agentvm fork NAME:TAG NEW`, `agentvm restore NAME TAG`).")
+def snapshot_take(name, tag):
+    from urllib.parse import quote
+
+    s = _client().request("POST", f"/v1/sandboxes/{quote(name)}/snapshot", {"tag": tag} if tag else {})
+    click.echo(f"{s['id'][:16]}  {name}{':' + tag if tag else ''}  {s['files']} files, {s['bytes']} bytes"
+               + (f" ({s['skipped']} links or special files left out)" if s["skipped"] else ""))
+    return 0
+
+
+@snapshot.command("ls")
+@click.option("--json", "as_json", is_flag=True)
+def snapshot_ls(as_json):
+    import json
+    import time
+
+    rows = _client().request("GET", "/v1/snapshots")
+    if as_json:
+        click.echo(json.dumps(rows, indent=2))
+        return 0
+    for s in rows:
+        when = time.strftime("%Y-%m-%d %H:%M", time.localtime(s["created"]))
+        click.echo(f"{s['id'][:16]}  {s['agent']:<20} {s['tag'] or '-':<16} {s['bytes']:>10}  {when}  "
+                   f"policy {s['policy_digest'][:12]}  image {s['image'][:19]}")
+    return 0
+
+
+@snapshot.command("rm")
+@click.argument("ref")
+def snapshot_rm(ref):
+    from urllib.parse import quote
+
+    ans = _client().request("DELETE", f"/v1/snapshots/{quote(ref)}")
+    click.echo(f"removed {ans['removed'][:16]}")
+    return 0
+
+
+@click.command(help="Start a new agent NEW from an agent (snapshotted now) or a snapshot (id, tag or NAME:TAG): "
+                    "its workspace, a new uid and fresh credential placeholders.")
+@click.argument("source")
+@click.argument("new")
+def fork(source, new):
+    row = _client().request("POST", "/v1/fork", {"source": source, "new": new})
+    click.echo(f"{new}: {row['state']} (fork of {source})")
+    return 0
+
+
+@click.command(help="Roll agent NAME back to one of its snapshots (stopped, workspace replaced, started).")
+@click.argument("name")
+@click.argument("snapshot_ref", metavar="SNAPSHOT")
+def restore(name, snapshot_ref):
+    from urllib.parse import quote
+
+    row = _client().request("POST", f"/v1/sandboxes/{quote(name)}/restore", {"snapshot": snapshot_ref})
+    click.echo(f"{name}: {row['state']} (restored to {snapshot_ref})")
+    return 0

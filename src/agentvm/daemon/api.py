@@ -274,6 +274,25 @@ class Empty(Body):
     """A route that takes no fields."""
 
 
+class SnapshotTake(Body):
+    """``POST /v1/sandboxes/NAME/snapshot``: its workspace, content-addressed (issue 37)."""
+
+    tag: Name | None = None
+
+
+class SnapshotRestore(Body):
+    """``POST /v1/sandboxes/NAME/restore``: roll it back to one of its snapshots (id or tag)."""
+
+    snapshot: Name
+
+
+class Fork(Body):
+    """``POST /v1/fork``: a new agent from an agent (snapshotted now) or a snapshot."""
+
+    source: Name
+    new: Name
+
+
 # -- queries -------------------------------------------------------------------------------
 
 
@@ -367,6 +386,11 @@ ROUTES: list[tuple[str, str, Any, Any, str, str]] = [
     ("POST", "/v1/sandboxes/{name}/unpause", Empty, None, "json", "thaw a paused sandbox"),
     ("POST", "/v1/sandboxes/{name}/suspend", Empty, None, "json", "checkpoint a sandbox to disk, freeing it (gVisor)"),
     ("POST", "/v1/sandboxes/{name}/resume", Empty, None, "json", "restore a suspended sandbox (checkpoint checked)"),
+    ("POST", "/v1/sandboxes/{name}/snapshot", SnapshotTake, None, "json", "snapshot its workspace (content-addressed)"),
+    ("POST", "/v1/sandboxes/{name}/restore", SnapshotRestore, None, "json", "roll it back to one of its snapshots"),
+    ("GET", "/v1/snapshots", None, None, "json", "list snapshots"),
+    ("DELETE", "/v1/snapshots/{id}", None, None, "json", "remove a snapshot"),
+    ("POST", "/v1/fork", Fork, None, "json", "a new agent from an agent or a snapshot (fresh uid and placeholders)"),
     ("POST", "/v1/sandboxes/{name}/exec", Exec, None, "stream", "run a command in a running sandbox"),
     ("POST", "/v1/sandboxes/{name}/exec/attach", ExecAttach, None, "attach",
      "exec with stdin and/or a terminal (Upgrade: agentvm-frames/1; docs/daemon.md)"),

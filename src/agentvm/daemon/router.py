@@ -86,6 +86,10 @@ async def dispatch(h, method: str, target: str, body: bytes, conn, writer, actor
             if action == "restart":
                 return await answer(await cp.restart(name, actor=actor))
             return await answer(await cp.start_and_wait(name, actor=actor))
+        if action == "snapshot" and method == "POST":
+            return await answer(await cp.snapshot(name, tag=m.tag, actor=actor), 201)
+        if action == "restore" and method == "POST":
+            return await answer(await cp.restore_snapshot(name, m.snapshot, actor=actor))
         if action in ("pause", "unpause", "suspend", "resume") and method == "POST":
             verb = {"resume": "resume_sandbox"}.get(action, action)  # (cp.resume: `up --no-resume`'s flag)
             return await answer(await getattr(cp, verb)(name, actor=actor))
@@ -123,6 +127,12 @@ async def dispatch(h, method: str, target: str, body: bytes, conn, writer, actor
             from agentvm.policy_patch import parse_patch
 
             return await answer(await cp.change_policy(name, parse_patch(m.fields()), actor=actor))
+    if p == ["snapshots"] and method == "GET":
+        return await answer(cp.snapshot_list())
+    if len(p) == 2 and p[0] == "snapshots" and method == "DELETE":
+        return await answer(cp.snapshot_remove(p[1], actor=actor))
+    if p == ["fork"] and method == "POST":
+        return await answer(await cp.fork(m.source, m.new, actor=actor), 201)
     if p == ["console", "login"] and method == "POST":
         return await answer(h.console_login(actor))
     if p[:1] == ["approvals"]:
@@ -232,7 +242,7 @@ async def _events(h, conn, writer) -> None:
 
 _SANDBOX_POSTS = {"start": api.Empty, "stop": api.Empty, "restart": api.Empty, "exec": api.Exec,
                   "policy": api.POLICY_CHANGE, "pause": api.Empty, "unpause": api.Empty, "suspend": api.Empty,
-                  "resume": api.Empty}
+                  "resume": api.Empty, "snapshot": api.SnapshotTake, "restore": api.SnapshotRestore}
 _FLEET_POSTS = {"plan": api.FleetPlan, "apply": api.FleetApply, "rollback": api.FleetRollback}
 
 
@@ -248,6 +258,8 @@ def body_model(method: str, p: list[str]):
         return api.ExecAttach
     if p in (["run"], ["run", "frames"]):
         return api.Run
+    if p == ["fork"]:
+        return api.Fork
     if p == ["run", "attach"]:
         return api.RunAttach
     if len(p) == 3 and p[0] == "approvals" and p[2] in ("approve", "deny"):

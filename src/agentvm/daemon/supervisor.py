@@ -14,6 +14,7 @@ import logging
 import os
 import sqlite3
 import time
+from pathlib import Path
 
 from agentvm.daemon.events import refuse
 from agentvm.daemon.gatehost import apply_live
@@ -62,6 +63,7 @@ class Managed:
         self.expired = False
         self.suspending = False  # its run ends in a checkpoint, not an exit (issue 37)
         self.restore = None  # agentvm.checkpoint.Checkpoint: its next start restores this
+        self.seed: tuple[bytes, bool] | None = None  # (a snapshot's tar, replace): its next start's workspace
         self.idle_action: str | None = None  # lifecycle.idle ran out with this action (suspend|pause)
 
     def active(self, t: float) -> None:
@@ -202,10 +204,21 @@ class Supervisor:
             m.session, m.policy = s, policy
 
         restore, m.restore = m.restore, None
+        seed, m.seed = m.seed, None
 
         async def attached(s):
             if s.endpoint is not None:
                 await self._sync_endpoint(m, row, s.endpoint)
+            if seed is not None:  # fork / restore: the workspace from a (verified) snapshot, before launch
+                from agentvm import snapshot
+
+                ws = s.res.workspace
+                if ws is None:
+                    raise refuse("config.invalid", f"{m.name} has no workspace to put a snapshot in")
+                if seed[1]:
+                    await asyncio.to_thread(snapshot.clear, Path(ws.host_dir))
+                await asyncio.to_thread(snapshot.untar_into, seed[0], Path(ws.host_dir), s.res.host_uid,
+                                        s.res.host_uid)
             if restore is not None:  # resume: the plan restores the checkpoint (checked again here)
                 from agentvm import checkpoint
 
@@ -508,6 +521,111 @@ class Supervisor:
             await self.resume_sandbox(name, actor=actor, why=why)
             return True
         return False
+
+    # ------------------------------------------------------------------ snapshots, fork, restore (issue 37)
+    @property
+    def snapshots(self):
+        ss = getattr(self, "_snapshot_store", None)
+        if ss is None:
+            from agentvm.snapshot import SnapshotStore
+
+            ss = self._snapshot_store = SnapshotStore(self.paths.home, self.paths.home / "daemon.db")
+        return ss
+
+    async def snapshot(self, name: str, *, tag: str | None = None, actor: str = "operator") -> dict:
+        """The agent's workspace, content-addressed, with the policy and image it runs on; taken
+        while its sandbox is paused where it can be (a consistent point; nothing moves while the
+        files are read). A suspended agent is resumed first."""
+        from agentvm import snapshot
+
+        await self.wake(name, actor=actor, why="snapshot")
+        m = self._live(name)
+        ws = m.session.res.workspace
+        if ws is None:
+            raise refuse("config.invalid", f"{name} has no workspace to snapshot")
+        froze = False
+        if self.state.get(name).state == "running":
+            try:
+                await asyncio.to_thread(m.backend.pause, m.handle)
+                froze = True
+            except AgentVMError:
+                pass  # no freezer: read while it runs
+        try:
+            data, files, skipped = await asyncio.to_thread(snapshot.tar_workspace, Path(ws.host_dir))
+        finally:
+            if froze:
+                await asyncio.to_thread(m.backend.unpause, m.handle)
+        row = self.state.get(name)
+        digest = await asyncio.to_thread(lambda: self.effective_policy(row).digest())
+        image = getattr(m.session.policy, "image", None) or "host-view"
+        snap = await asyncio.to_thread(self.snapshots.put, name, tag, data, digest, image, files, skipped)
+        self.record("snapshot.created", actor=actor, sandbox=name, snapshot=snap.id, tag=tag,
+                    workspace_digest=snap.workspace_digest, policy=digest, image=image, bytes=snap.bytes,
+                    files=files, skipped=skipped)
+        return snap.to_dict()
+
+    def snapshot_list(self, agent: str | None = None) -> list[dict]:
+        return [s.to_dict() for s in self.snapshots.all(agent)]
+
+    def _snapshot_of(self, ref: str):
+        snap = self.snapshots.find(ref)
+        if snap is None:
+            raise refuse("snapshot.not-found", f"no snapshot {ref!r}", hint="`agentvm snapshot ls` lists them")
+        return snap
+
+    def snapshot_remove(self, ref: str, *, actor: str = "operator") -> dict:
+        snap = self._snapshot_of(ref)
+        self.snapshots.remove(snap.id)
+        self.record("snapshot.removed", actor=actor, sandbox=snap.agent, snapshot=snap.id)
+        return {"removed": snap.id}
+
+    async def fork(self, source: str, new: str, *, actor: str = "operator") -> dict:
+        """A new agent from ``source`` (an agent: snapshotted now; or a snapshot by id or tag):
+        its agent file under the new name, the snapshot's workspace, a new sandbox - so a new
+        uid and fresh credential placeholders, minted for it alone (no placeholder is valid in
+        two sandboxes; its credentials are revoked on their own). Parent and child on the chain."""
+        import yaml
+
+        if self.state.get(source) is not None:
+            snap_d = await self.snapshot(source, tag=f"fork:{new}", actor=actor)
+            snap = self._snapshot_of(snap_d["id"])
+        else:
+            snap = self._snapshot_of(source)
+        data = await asyncio.to_thread(self.snapshots.load, snap)  # checked: tampered is refused
+        parent = self.state.get(snap.agent)
+        if parent is None:
+            raise refuse("sandbox.not-found", f"the snapshot's agent {snap.agent!r} is gone: its agent file with it",
+                         hint="fork from an agent that exists")
+        doc = yaml.safe_load(parent.spec_text)
+        doc.setdefault("metadata", {})["name"] = new
+        await self.create(yaml.safe_dump(doc, sort_keys=False), f"{parent.spec_file} (fork of {snap.agent})",
+                          actor=actor)
+        self.record("lifecycle.forked", actor=actor, sandbox=new, parent=snap.agent, child=new, snapshot=snap.id,
+                    policy=snap.policy_digest)
+        m = self.managed.setdefault(new, Managed(new))
+        m.seed = (data, False)
+        try:
+            return await self.start_and_wait(new, actor=actor)
+        finally:
+            m.seed = None
+
+    async def restore_snapshot(self, name: str, ref: str, *, actor: str = "operator") -> dict:
+        """Roll ``name`` back to one of its snapshots: stopped, its workspace replaced by the
+        snapshot's (checked first), started again."""
+        snap = self._snapshot_of(ref)
+        if snap.agent != name:
+            raise refuse("config.invalid", f"snapshot {snap.id[:16]} is of {snap.agent}, not {name}",
+                         hint=f"to start a new agent from it: agentvm fork {snap.id[:16]} NEW")
+        data = await asyncio.to_thread(self.snapshots.load, snap)
+        self.row(name)
+        await self.stop(name, actor=actor)
+        self.record("lifecycle.restored", actor=actor, sandbox=name, snapshot=snap.id)
+        m = self.managed.setdefault(name, Managed(name))
+        m.seed = (data, True)
+        try:
+            return await self.start_and_wait(name, actor=actor)
+        finally:
+            m.seed = None
 
     # ------------------------------------------------------------------ recovery
     def _record_lost_runs(self) -> list[str]:
