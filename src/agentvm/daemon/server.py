@@ -132,8 +132,9 @@ class E2BServer:
             def capture_signals(self):  # the daemon's loop owns SIGTERM/SIGINT
                 yield
 
+        # a stop waits at most 5 s for open streams (a client following a process's output)
         server = _InLoop(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on",
-                                        log_config=None, access_log=False))
+                                        log_config=None, access_log=False, timeout_graceful_shutdown=5))
         task = asyncio.ensure_future(server.serve())
         while not server.started:
             if task.done():
@@ -154,6 +155,7 @@ class E2BServer:
             await asyncio.wait_for(asyncio.shield(self.task), 30)
         except Exception:  # noqa: BLE001 - stopping anyway
             self.server.force_exit = True
+            await asyncio.wait({self.task}, timeout=5)
         try:
             (self.cp.paths.runtime / "e2b.json").unlink()
         except FileNotFoundError:

@@ -275,9 +275,23 @@ class ControlPlaneBackend(DaemonBackend):
                 raise
 
     async def pause(self, name: str) -> None:
+        """The daemon's suspend (a checkpoint: processes and memory kept) where the substrate
+        can; else (bubblewrap: ``backend.suspend-unsupported``) a stop, the workspace kept."""
+        suspend = getattr(self.cp, "suspend", None)
+        if suspend is not None:
+            try:
+                await suspend(name, actor=ACTOR)
+                return
+            except AgentVMError as exc:
+                if exc.code != "backend.suspend-unsupported":
+                    raise _failure(exc) from exc
         await self._cp(self.cp.stop(name, actor=ACTOR))
 
     async def resume(self, name: str) -> None:
+        row = self._sync(self.cp.row, name)
+        if row.state == "suspended" and hasattr(self.cp, "resume_sandbox"):
+            await self._cp(self.cp.resume_sandbox(name, actor=ACTOR, why="e2b"))
+            return
         await self._cp(self.cp.start_and_wait(name, actor=ACTOR))
 
     async def info(self, name: str) -> BoxInfo | None:
