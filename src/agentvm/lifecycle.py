@@ -42,6 +42,7 @@ class RunResult:
     egress: dict | None = None  # gate summary: allowed, denied [{rule, target, count}], bytes, log
     substrate: str = ""
     cpu_time: float | None = None  # seconds of CPU the whole sandbox used (host-side, its cgroup)
+    disk: dict | None = None  # a pool workspace's disk at release (WorkspaceLease.disk): used, limit, limit_hit, pool_full
 
     @property
     def limits_hit(self) -> list[str]:
@@ -52,6 +53,11 @@ class RunResult:
             out.append("memory")
         if self.pids_limit_hit:
             out.append("pids")
+        if self.disk:
+            if self.disk.get("limit_hit"):
+                out.append("disk")
+            if self.disk.get("pool_full"):
+                out.append("workspace-pool-full")
         return out
 
     def to_dict(self) -> dict:
@@ -125,6 +131,7 @@ class Session:
     torn_down: bool = False
     trace: object = None  # observe.tracing.SessionTrace when the daemon exports traces
     began: float = 0.0
+    disk: dict | None = None  # the workspace's disk at release (a pool workspace: WorkspaceLease.disk)
 
     @property
     def sandbox_id(self) -> str:
@@ -318,7 +325,10 @@ class Lifecycle:
             run_dir = self.runtime.paths.sandboxes / s.sandbox_id
             if run_dir.exists():
                 shutil.rmtree(run_dir, ignore_errors=True)
+        ws = s.res.workspace  # (release drops the lease; its disk at the end is read by its release)
         s.res.release(s.report)
+        if ws is not None:
+            s.disk = getattr(ws, "disk", None)
         if s.endpoint is not None:
             try:
                 s.egress = self.gate.close(s.sandbox_id, s.endpoint)
@@ -351,6 +361,7 @@ class Lifecycle:
                     "tmp": policy.limits.tmp, "shm": policy.limits.shm},
             substrate=plan.substrate,
             cpu_time=status.cpu_time if status else None,
+            disk=s.disk,
         )
         if s.gate_error is not None:
             result.setup_error = result.setup_error or {"step": "gate", "errno": 0, "message": s.gate_error.message}
@@ -368,7 +379,7 @@ class Lifecycle:
                 egress={"allowed": eg.get("allowed", 0), "denied": sum(d["count"] for d in eg.get("denied", [])),
                         "denied_hosts": sorted({d["target"] for d in eg.get("denied", [])})[:10],
                         "bytes_out": eg.get("bytes_out", 0), "bytes_in": eg.get("bytes_in", 0), "log": eg.get("log")}
-                if eg else None)
+                if eg else None, **({"disk": result.disk} if result.disk else {}))
         except Exception as exc:  # the run happened: its result is not lost for want of a record
             import sys
 

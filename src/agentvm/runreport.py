@@ -45,6 +45,17 @@ def render(result: dict) -> str:
         limit = f" ({lim['pids']})" if lim.get("pids") else ""
         say(f"agentvm: the task limit{limit} was hit (a fork or thread was refused inside the sandbox; threads "
             "count): raise limits.pids in the agent file (the presets 'build' and 'browser' give 1024)")
+    disk = result.get("disk") or {}
+    if disk.get("pool_full"):
+        size, free = disk.get("pool_size") or 0, disk.get("pool_free") or 0
+        say(f"agentvm: the workspace pool is full: {_size(max(0, size - free))} of {_size(size)} used; the agent's "
+            f"writes failed with ENOSPC (its own use: {_size(disk.get('used') or 0)} of its limit "
+            f"{_size(disk.get('limit') or 0)}). Other agents overcommitted the pool "
+            "(AGENTVM_WORKSPACE_OVERCOMMIT > 1): stop an agent, free space on the host, or lower the factor")
+    elif disk.get("limit_hit"):
+        say(f"agentvm: the workspace's disk limit ({_size(disk.get('limit') or 0)}) was hit: "
+            f"{_size(disk.get('used') or 0)} used; writes past it failed with EDQUOT (Disk quota exceeded): "
+            "raise limits.disk in the agent file or remove files from the workspace")
     eg = result.get("egress")
     if eg and eg.get("denied"):
         from agentvm.gate.policy import _safe as printable  # what a sandbox sent: printable ASCII only
@@ -60,3 +71,10 @@ def render(result: dict) -> str:
     if not teardown.get("verified"):
         say(f"agentvm: error: teardown NOT verified: {json.dumps(teardown)}")
     return "".join(ln + "\n" for ln in lines)
+
+
+def _size(n: int) -> str:
+    for unit, mult in (("T", 1 << 40), ("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if n >= mult:
+            return f"{n / mult:.1f}{unit}"
+    return f"{n}B"

@@ -71,7 +71,7 @@ class WorkspaceLease:
     pool: object = None  # a pool workspace: its wspool.Pool
 
     def disk_state(self) -> dict | None:
-        """A pool workspace's disk now: ``{"used", "limit", "limit_hit", "pool_free", "pool_full"}``;
+        """A pool workspace's disk now: ``{"used", "limit", "limit_hit", "pool_free", "pool_size", "pool_full"}``;
         ``pool_full``: the agent is under its own limit and the pool has less free than the
         admission keeps spare - its writes failed (ENOSPC) for want of pool, not of its own limit
         (possible only with overcommit). None for the other backends."""
@@ -81,13 +81,14 @@ class WorkspaceLease:
         try:
             pool.sync()  # (the agent's writes are on the disk at its stop, and counted)
             e = pool.entry(self.name)
-            _size, free = pool.space()
+            size, free = pool.space()
         except OSError:
             return None
         used = e.used if e else 0
         lim = (e.limit if e else 0) or self.limit
         return {"used": used, "limit": lim, "limit_hit": bool(lim) and used >= lim - _NEAR,
-                "pool_free": free, "pool_full": free < _POOL_LOW and not (bool(lim) and used >= lim - _NEAR)}
+                "pool_free": free, "pool_size": size,
+                "pool_full": free < _POOL_LOW and not (bool(lim) and used >= lim - _NEAR)}
 
     def release(self) -> list[str]:
         """Unmount (if mounted) and drop the lock. Returns what could not be cleaned. A pool

@@ -255,6 +255,52 @@ def test_with_overcommit_a_full_pool_fails_the_writer_and_says_so_never_the_save
 
 
 @needs_pool
+def test_a_pool_run_out_under_overcommit_is_in_the_writers_run_report_and_audit(rt, monkeypatch, tmp_path):
+    """Real sandboxes through the lifecycle: the agent whose writes hit a full pool gets ENOSPC,
+    its RunResult names ``workspace-pool-full``, the run report says so with the numbers, and its
+    ``run.exited`` record carries the disk; the other agent's saved data is whole, and its own
+    run (under its limit, pool not full) names no disk limit."""
+    from agentvm import runreport
+    from agentvm.audit import AuditLog
+
+    monkeypatch.setenv("AGENTVM_WORKSPACE_POOL", "256M")
+    monkeypatch.setenv("AGENTVM_WORKSPACE_OVERCOMMIT", "4")
+    out_b, out_a = tmp_path / "b.out", tmp_path / "a.out"
+    rb = _run(rt, _policy("wsr-keeper", _writer("/workspace/saved", 20), disk="300M"), out_b)
+    assert _result(out_b) == {"mib": 20, "errno": None}
+    assert rb.exit_code == 0 and rb.disk and not rb.disk["pool_full"] and not rb.disk["limit_hit"], rb.disk
+    assert rb.limits_hit == [], rb.limits_hit
+    ra = _run(rt, _policy("wsr-filler", _writer("/workspace/fill", 300), disk="300M"), out_a)
+    res = _result(out_a)
+    assert res["errno"] == "ENOSPC" and res["mib"] < 256, res  # the pool ran out, not its own limit
+    assert "workspace-pool-full" in ra.limits_hit and "disk" not in ra.limits_hit, (ra.limits_hit, ra.disk)
+    assert ra.disk["used"] < ra.disk["limit"] == 300 * M, ra.disk
+    text = runreport.render(ra.to_dict())
+    assert "the workspace pool is full:" in text and "failed with ENOSPC" in text, text
+    assert " of 256.0M used" in text, text
+    assert "workspace pool" not in runreport.render(rb.to_dict())
+    recs = AuditLog(rt.paths.audit_dir / "audit.db").records(kinds=("run.exited",))
+    by = {r.data.get("agent"): r.data for r in recs}
+    assert by["wsr-filler"]["disk"]["pool_full"] is True, by["wsr-filler"]
+    assert "workspace-pool-full" in by["wsr-filler"]["limits_hit"], by["wsr-filler"]
+    assert by["wsr-keeper"]["disk"]["pool_full"] is False and by["wsr-keeper"]["limits_hit"] == [], by["wsr-keeper"]
+    data = _read(rt, "wsr-keeper", "saved")
+    assert len(data) == 20 * M and data[:251] == bytes(range(251)), "the other agent's saved data is whole"
+
+
+@needs_pool
+def test_an_agent_at_its_own_limit_is_named_disk_in_its_run_report(rt, tmp_path):
+    from agentvm import runreport
+
+    out = tmp_path / "o.out"
+    r = _run(rt, _policy("wsr-limit", _writer("/workspace/big", 40), disk="16M"), out)
+    assert _result(out)["errno"] == "EDQUOT", _result(out)
+    assert r.limits_hit == ["disk"], (r.limits_hit, r.disk)
+    text = runreport.render(r.to_dict())
+    assert "disk limit (16.0M) was hit" in text and "EDQUOT" in text, text
+
+
+@needs_pool
 def test_data_survives_stop_start_and_the_pool_being_unmounted(rt, tmp_path):
     from agentvm import workspace, wspool
     from agentvm.runtime import gc_stale
