@@ -661,8 +661,12 @@ def etc_view(runtime: Path, gate_ca_pem: bytes = b"", root: str = "/") -> Path:
         _VIEW_CACHE[key] = (time.monotonic(), view)
         return view
     runtime.mkdir(parents=True, exist_ok=True)
-    tmp = runtime / f".etc-view-{fp}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
+    import secrets
+    import threading
+
+    # unique per call: two threads of one process (two rt.run at once) build their own copy, and
+    # the first rename wins; a copy left by a killed process is swept below once a day old
+    tmp = runtime / f".etc-view-{fp}-{os.getpid()}-{threading.get_ident()}-{secrets.token_hex(4)}"
     tmp.mkdir(mode=0o755)
     try:
         _EtcCopy(root, tmp).run(list(ETC_ALLOW) + list(linked))
@@ -700,7 +704,7 @@ def etc_view(runtime: Path, gate_ca_pem: bytes = b"", root: str = "/") -> Path:
         shutil.rmtree(tmp, ignore_errors=True)  # another launch won the race
     _VIEW_CACHE[key] = (time.monotonic(), view)
     # Old views may still be bound in running sandboxes: only remove day-old ones.
-    for old in runtime.glob("etc-view-*"):
+    for old in [*runtime.glob("etc-view-*"), *runtime.glob(".etc-view-*")]:
         if old != view:
             try:
                 if time.time() - old.stat().st_mtime > 86400:
