@@ -265,9 +265,11 @@ class Endpoint:
         if t is not None and not t.done():
             await asyncio.wait({t}, timeout=timeout)
 
-    async def close_credentials(self, timeout: float = 15.0) -> None:
+    async def close_credentials(self, timeout: float = 4.0) -> None:
         """Session end: what was minted for it is forgotten and revoked upstream where the kind
-        can (RFC 7009, GitHub's installation-token DELETE), waited for (bounded) in a thread."""
+        can (RFC 7009, GitHub's installation-token DELETE), waited for in a thread - at most
+        ``timeout`` (a gate worker's close must answer the daemon within its call timeout, 10 s;
+        a slower revocation goes on in its thread, and the minted value expires anyway)."""
         creds = self.creds
         if self.creds_ready is not None:
             self.creds_ready.cancel()  # (the thread finishes; its mint is dropped below)
