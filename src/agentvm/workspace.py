@@ -36,7 +36,6 @@ import contextlib
 import errno
 import fcntl
 import os
-import re
 import subprocess
 import threading
 import time
@@ -46,8 +45,9 @@ from typing import Callable
 
 from agentvm.errors import BackendError, ConfigError, LaunchError, PolicyDenied
 
+from agentvm.wspool import NAME_RE as _NAME_RE  # an agent's name (spec.models.NAME_RE)
+
 _MKFS = ("/usr/sbin/mkfs.ext4", "/sbin/mkfs.ext4")
-_NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")  # an agent's name (spec.models.NAME_RE)
 WARN_USE = 0.90  # doctor and `up` warn when the filesystem holding the workspaces is fuller than this
 _NEAR = 1 << 20  # within this of its limit counts as having hit it
 _POOL_LOW = 16 << 20  # wspool.SLACK: admission keeps this free beyond every running agent's limit, so a

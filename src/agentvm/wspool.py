@@ -32,6 +32,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+import re
 import struct
 import subprocess
 import time
@@ -49,6 +50,7 @@ SLACK = 16 << 20  # metadata: kept free beyond what the admitted agents may writ
 HOST_RESERVE_MIN = 64 << 20  # the pool never takes the host's last 64M (a quarter of a smaller disk) or 2%:
 HOST_RESERVE_FRAC = 0.02  # the daemon's state and audit
 LOCK_WAIT = 30.0
+NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")  # an agent's name (spec.models.NAME_RE)
 
 _MKFS = ("/usr/sbin/mkfs.btrfs", "/sbin/mkfs.btrfs", "/usr/bin/mkfs.btrfs", "/bin/mkfs.btrfs")
 
@@ -320,10 +322,8 @@ class Pool:
 
     # ------------------------------------------------------------------ workspaces
     def names(self) -> list[str]:
-        from agentvm.workspace import _NAME_RE
-
         try:
-            return sorted(n for n in os.listdir(self.mnt) if _NAME_RE.match(n))
+            return sorted(n for n in os.listdir(self.mnt) if NAME_RE.match(n))
         except OSError:
             return []
 

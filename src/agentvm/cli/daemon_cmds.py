@@ -12,27 +12,9 @@ from pathlib import Path
 
 import click
 
+from agentvm.cli.common import Parsed as _Parsed  # (shared with workspace_cmds: below both)
+from agentvm.cli.common import duration as _duration
 from agentvm.errors import EXIT_POLICY, ConfigError
-
-
-class _Parsed(click.ParamType):
-    """A value parsed by one of agent-vm's own parsers (``agentvm.units``), its ValueError a
-    usage error: the CLI takes durations and times the same way everywhere."""
-
-    def __init__(self, name: str, parse) -> None:
-        self.name, self._parse = name, parse
-
-    def convert(self, value, param, ctx):
-        try:
-            return self._parse(value)
-        except ValueError as exc:
-            self.fail(str(exc), param, ctx)
-
-
-def _duration() -> _Parsed:  # 90, 30s, 5m, 1h30m
-    from agentvm.units import parse_duration
-
-    return _Parsed("duration", parse_duration)
 
 
 def _since() -> _Parsed:  # a Unix time, a duration ago, an ISO date
@@ -249,7 +231,7 @@ def rm(name, keep_workspace):
 
 def _rm_local(name, keep_workspace):
     """No daemon: nothing of ``name`` is registered, or the daemon that owns it is down."""
-    from agentvm.cli.workspace_cmds import recorder
+    from agentvm.cli.common import recorder
     from agentvm.paths import default_paths
     from agentvm.workspace import human, on_agent_removed, registered_agents
 

@@ -7,54 +7,18 @@ which workspaces an agent still owns); a removal goes on the audit chain
 
 from __future__ import annotations
 
-import errno
 import json
-import os
 import time
 
 import click
+
+from agentvm.cli.common import recorder  # noqa: F401 - (review_cmds imports it from here)
 
 
 def _paths():
     from agentvm.paths import default_paths
 
     return default_paths()
-
-
-def _actor() -> str:
-    from agentvm.cli.approvals_cmd import _actor as actor
-
-    return actor()
-
-
-def recorder(paths, actor: str | None = None):
-    """``record(kind, data)`` appending to the audit chain (opened on the first record: listing
-    writes nothing), the way the CLI records when no daemon does it."""
-    state: dict = {}
-
-    def record(kind: str, data: dict) -> None:
-        import sqlite3
-
-        try:
-            if "log" not in state:
-                from agentvm.audit import AuditLog
-
-                state["log"] = AuditLog(paths.audit_dir / "audit.db")
-            state["log"].append(kind, actor=actor or _actor(), sandbox=data.get("name"), data=data)
-        except sqlite3.Error as exc:
-            # SQLite says "disk I/O error" when it cannot even make its WAL files: name a full
-            # disk as one (the removal that gives the space back then records afterwards)
-            try:
-                st = os.statvfs(paths.audit_dir)
-                full = st.f_bavail * st.f_frsize < (1 << 20)
-            except OSError:
-                full = False
-            if full:
-                state.pop("log", None)
-                raise OSError(errno.ENOSPC, f"the disk holding the audit chain is full ({exc})") from exc
-            raise
-
-    return record
 
 
 def _owners(paths):
@@ -128,9 +92,9 @@ def rm_cmd(names):
 
 
 def _duration():
-    from agentvm.cli.daemon_cmds import _duration as d
+    from agentvm.cli.common import duration
 
-    return d()
+    return duration()
 
 
 @workspace.command("prune")
