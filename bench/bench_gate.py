@@ -759,6 +759,114 @@ def sequential(s: socket.socket, req: bytes, count: int, who: str) -> None:
     s.close()
 
 
+# ---------------------------------------------------------------------------- the real path
+
+REAL_LOADGEN = """import argparse, sys
+sys.path.insert(0, {here!r})
+import bench_gate as bg
+bg.role_loadgen(argparse.Namespace(request={request!r}, conc={conc}, warmup={warmup}, duration={duration},
+                                   unix=None, port={port}, watch_pid=None))
+"""
+
+
+def real_path(args) -> int:
+    """c=10 keep-alive GETs from a load generator *inside a sandbox* (``agentvm run -f``, embedded
+    gate, no daemon: the sandbox's bridge on 127.0.0.1:3128 -> its gate socket -> the gate ->
+    the upstream) against Squid on the same upstream with the same load generator (the same
+    Debian python3, on the host: Squid has no bridge to cross). Interleaved rounds, their order
+    alternated; each round's ratio is printed and the count of rounds at >= 1.0x (the target:
+    every round). The sandbox row's rate is the load generator's own count over its measured
+    window (its warm-up and the sandbox's start are outside it)."""
+    rounds = args.rounds or 5
+    duration = args.duration or 3.0
+    warmup = 0.5
+    conc = args.conc or 10
+    py = "/usr/bin/python3" if os.path.exists("/usr/bin/python3") else sys.executable
+    entry = Path(sys.executable).parent / "agentvm"
+    cli = [str(entry)] if entry.exists() else [sys.executable, "-m", "agentvm"]
+    tmp = Path(tempfile.mkdtemp(prefix="agentvm-bench-real-", dir="/tmp"))
+    home = tmp / "home"
+    home.mkdir()
+    os.chmod(tmp, 0o755)
+    os.chmod(home, 0o711)
+    procs: list[subprocess.Popen] = []
+    try:
+        upp = subprocess.Popen(me("upstream"), stdout=subprocess.PIPE, text=True)
+        procs.append(upp)
+        port = int(upp.stdout.readline().split()[1])
+        sq, sq_port, label = start_squid(tmp, lambda m: print(m, file=sys.stderr))
+        procs.append(sq)
+        request = f"GET http://{NAME}:{port}/ HTTP/1.1\\r\\nHost: {NAME}:{port}\\r\\n\\r\\n"
+        box = tmp / "box"  # what the sandbox sees at /bench: this script and its load generator
+        box.mkdir()
+        shutil.copy(__file__, box / "bench_gate.py")
+        (box / "lg.py").write_text(REAL_LOADGEN.format(here="/bench", request=request, conc=conc, warmup=warmup,
+                                                       duration=duration, port=3128))
+        (tmp / "lg_host.py").write_text(REAL_LOADGEN.format(here=str(box), request=request, conc=conc,
+                                                            warmup=warmup, duration=duration, port=sq_port))
+        for f in box.iterdir():
+            os.chmod(f, 0o644)
+        os.chmod(box, 0o755)
+        agent = tmp / "agent.yaml"
+        agent.write_text(f"""apiVersion: agentvm/v1
+kind: Agent
+metadata: {{name: bench-real}}
+spec:
+  command: [{py}, /bench/lg.py]
+  workspace: {{enabled: false}}
+  mounts: [{{host: {box}, path: /bench, mode: ro}}]
+  egress:
+    hosts: {{{NAME}: 127.0.0.1}}
+    allow: [{{host: {NAME}, ports: [{port}]}}]
+    limits: {{requestsPerSecond: 1000000000, burst: 1000000000, bytesOut: 1T}}
+""")
+        env = dict(os.environ, AGENTVM_NO_DAEMON="1", AGENTVM_HOME=str(home))
+
+        def one(kind: str) -> dict:
+            argv = cli + ["run", "-f", str(agent)] if kind == "gate" else [py, str(tmp / "lg_host.py")]
+            r = subprocess.run(argv, capture_output=True, text=True, env=env, stdin=subprocess.DEVNULL,
+                               timeout=warmup + duration + 120)
+            lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
+            if r.returncode != 0 or not lines:
+                raise RuntimeError(f"{kind} round failed ({r.returncode}): {(r.stderr.strip().splitlines() or ['?'])[-1]}")
+            out = json.loads(lines[-1])
+            if out["bad_status"] or out["errors"]:
+                raise RuntimeError(f"{kind} round: {out['bad_status']} non-200 answers, {out['errors']} errors")
+            return out
+
+        one("gate")  # warm: the /etc view, the uid range, the preset and the compiled gate loaded once
+        one("squid")
+        res = []
+        for i in range(rounds):
+            order = ("gate", "squid") if i % 2 == 0 else ("squid", "gate")
+            got = {k: one(k) for k in order}
+            res.append(got)
+            print(f"round {i + 1}: gate (in a sandbox) {got['gate']['rps']:8.0f} req/s p50 {got['gate']['p50_ms']:.2f} ms"
+                  f"   squid {got['squid']['rps']:8.0f} req/s p50 {got['squid']['p50_ms']:.2f} ms"
+                  f"   {got['gate']['rps'] / got['squid']['rps']:.2f}x   (load {os.getloadavg()[0]:.1f})", flush=True)
+        ratios = [r["gate"]["rps"] / r["squid"]["rps"] for r in res]
+        met = sum(x >= 1.0 for x in ratios)
+        summary = {"label": label, "conc": conc, "duration_s": duration, "rounds": res, "ratios": ratios,
+                   "median_ratio": statistics.median(ratios), "rounds_at_parity": met}
+        if args.json:
+            print(json.dumps(summary, indent=2))
+        else:
+            print(f"real path, HTTP c={conc}: gate/squid median {statistics.median(ratios):.2f}x "
+                  f"(min {min(ratios):.2f}x, max {max(ratios):.2f}x); {met} of {rounds} rounds >= 1.0x "
+                  f"(target: {rounds} of {rounds}); {label}; load average {os.getloadavg()[0]:.1f} on "
+                  f"{os.cpu_count()} CPUs")
+        return 0
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def main() -> int:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from _python import agentvm_python
@@ -774,6 +882,9 @@ def main() -> int:
     ap.add_argument("--tunnel-mb", type=int, help="MB per tunnel transfer (default 200, --quick 50)")
     ap.add_argument("--no-squid", action="store_true")
     ap.add_argument("--no-mitmproxy", action="store_true")
+    ap.add_argument("--real-path", action="store_true",
+                    help="the real path only: the load generator inside a sandbox (agentvm run, embedded gate, "
+                    "the sandbox's bridge) against Squid with the same load generator on the host, interleaved")
     # child roles (internal)
     ap.add_argument("--role", help=argparse.SUPPRESS)
     ap.add_argument("--cert", help=argparse.SUPPRESS)
@@ -796,6 +907,8 @@ def main() -> int:
     if args.role:
         roles[args.role](args)
         return 0
+    if args.real_path:
+        return real_path(args)
 
     duration = args.duration or (1.5 if args.quick else 5.0)
     warmup = 0.5 if args.quick else 1.0
