@@ -430,7 +430,23 @@ class ControlPlane(Events, Supervisor, FleetOps, Commands):
                         digest: str | None = None) -> dict:
         """Approve or deny request ``rid`` (``digest``: of the request as it was shown - an
         approval of anything else is refused), answered by ``by``."""
-        return self._approval_call(lambda store: store.answer(rid, approve, by, note, digest))
+        out = self._approval_call(lambda store: store.answer(rid, approve, by, note, digest))
+        self._wake_for_approval(out, by)
+        return out
+
+    def _wake_for_approval(self, req: dict, by: str) -> None:
+        """An answered approval wakes its paused agent (the held request's answer reaches it);
+        a suspended one has no held request (its endpoint closed with it). Scheduled on the loop:
+        the answer itself does not wait."""
+        name = self._name_of(req.get("sandbox")) or req.get("agent")
+        row = self.state.get(name) if name else None
+        if row is None or row.state != "paused" or self.loop is None:
+            return
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        asyncio.ensure_future(self.wake(name, actor=by, why="approval"))
 
     def _approval_call(self, fn) -> dict:
         from agentvm.approvals import ApprovalError
