@@ -179,6 +179,36 @@ def test_oauth2_the_minted_token_is_revoked_at_the_server_when_the_session_ends(
     assert used[-1] in world["oauth"].revocations, "the session's minted token was revoked when the session ended"
 
 
+def test_oauth2_revoked_at_session_end_when_a_gate_worker_serves_the_sandbox(world):
+    """The same through the daemon with a gate worker: the worker's gate mints at attach and
+    revokes when the daemon closes the endpoint (the worker path of the endpoint lifecycle)."""
+    from tests.integration.test_daemon import daemon_up
+
+    p = world["api_port"]
+    code = textwrap.dedent(f"""
+        import os, requests
+        r = requests.get("https://api.test:{p}/api/me", headers={{"Authorization": "Bearer " + os.environ["API_TOKEN"]}})
+        print("ME", r.status_code)
+    """)
+    def in_daemon() -> int:  # sandboxes the daemon kept on its own gate (not placeable on a worker)
+        r = subprocess.run(agentvm_cmd() + ["audit", "export", "--what", "audit", "--format", "json"],
+                           capture_output=True, text=True, timeout=60)
+        return sum(1 for ln in r.stdout.splitlines() if '"gate.placement"' in ln)
+
+    with daemon_up(Path(world["home"]), "--gate-workers", "1"):
+        before, placed = len(world["oauth"].seen_by_resource), in_daemon()
+        r, res = run_py(world, code)
+        assert in_daemon() == placed, "the sandbox was served by a gate worker"
+        out = r.stdout.decode()
+        assert r.returncode == 0 and "ME 200" in out, out + r.stderr.decode()[-3000:]
+        used = [a[7:] for a in world["oauth"].seen_by_resource[before:] if a.startswith("Bearer fake-access-")]
+        assert used, "the resource server saw a minted access token"
+        deadline = time.time() + 10
+        while used[-1] not in world["oauth"].revocations and time.time() < deadline:
+            time.sleep(0.05)
+        assert used[-1] in world["oauth"].revocations, "the worker revoked the session's token when its endpoint closed"
+
+
 def test_oauth2_the_agent_asks_the_token_endpoint_itself(world):
     p = world["api_port"]
     code = textwrap.dedent(f"""
