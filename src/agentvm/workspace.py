@@ -348,6 +348,9 @@ def _acquire_pool(home_ws: Path, runtime: Path, name: str, uid: int, gid: int, s
         finally:
             os.close(admit)
         _touch(path)
+        k = _keeper(home_ws)
+        if k is not None and k.fd < 0:
+            k.take()  # (a pool this start made, or re-made: the daemon holds it from now on)
         return WorkspaceLease(name, path, False, lock_fd, image=path, kind="pool", pool_fd=hold, limit=size,
                               pool=pool)
     except BaseException:
@@ -627,6 +630,74 @@ def pool_open(home_ws: Path, runtime: Path | None = None):
         pool.unmount_if_idle()
 
 
+class _Keeper:
+    """A long-lived process's (the daemon's) own hold on the pool: mounted for as long as it runs,
+    so no start or removal through it pays for a btrfs mount and unmount. Taken when the pool
+    exists (at entry, or once an admitted start makes it), dropped when the last workspace is
+    removed (an empty pool is then removed: a host without workspaces reserves nothing)."""
+
+    def __init__(self, home_ws: Path, runtime: Path) -> None:
+        self.pool = _pool(home_ws, runtime)
+        self.fd = -1
+        self.lock = threading.Lock()
+
+    def take(self) -> None:
+        with self.lock:
+            if self.fd >= 0 or os.geteuid() != 0 or not self.pool.exists():
+                return
+            fd = self.pool.hold()
+            try:
+                if not self.pool.mounted():
+                    admit = self.pool.admitting()
+                    try:
+                        self.pool.ensure(create=False)
+                    finally:
+                        os.close(admit)
+            except BaseException:
+                os.close(fd)
+                raise
+            self.fd = fd
+
+    def drop(self) -> None:
+        with self.lock:
+            if self.fd >= 0:
+                os.close(self.fd)
+                self.fd = -1
+
+
+_keepers: dict[str, _Keeper] = {}
+
+
+def _keeper(home_ws: Path) -> _Keeper | None:
+    return _keepers.get(str(Path(home_ws)))
+
+
+@contextlib.contextmanager
+def keep_pool(home_ws: Path, runtime: Path):
+    """Hold the workspace pool mounted while the ``with`` body runs (the daemon: its lifetime),
+    including a pool the body's first admitted start makes. At exit the hold goes, and the pool
+    is removed when empty, else unmounted when nobody else uses it (an idle host holds no mount
+    and no loop device). Failing to mount it now is not fatal: each start then mounts it itself."""
+    k = _Keeper(home_ws, runtime)
+    _keepers[str(Path(home_ws))] = k
+    try:
+        try:
+            k.take()
+        except (LaunchError, OSError):
+            pass
+        yield k
+    finally:
+        if _keepers.get(str(Path(home_ws))) is k:
+            del _keepers[str(Path(home_ws))]
+        k.drop()
+        if k.pool.exists() and os.geteuid() == 0:
+            try:
+                if not k.pool.remove_if_empty():
+                    k.pool.unmount_if_idle()
+            except (LaunchError, OSError):
+                pass
+
+
 def _in_pool(home_ws: Path, name: str, runtime: Path | None) -> bool:
     with pool_open(home_ws, runtime) as pool:
         return pool is not None and pool.path(name).is_dir()
@@ -657,6 +728,9 @@ def remove_workspace(home_ws: Path, name: str, *, runtime: Path | None = None,
         freed, data, late, emptied = _remove_locked(home_ws, name, runtime, record, img, d, pool if in_pool else None)
     _cache_clear()
     if emptied:
+        k = _keeper(home_ws)
+        if k is not None:
+            k.drop()  # (the daemon's hold: an empty pool is not kept mounted; the next start takes it again)
         _pool(home_ws, runtime).remove_if_empty()  # a host without workspaces reserves nothing
     if late:
         record("workspace.removed", dict(data, recorded="after the removal: the disk was full"))
@@ -814,7 +888,7 @@ class Usage:
     warnings: list[str] = field(default_factory=list)
     backend: str = ""  # what new workspaces get ("pool", "image", "none") and why
     backend_why: str = ""
-    pool: dict | None = None  # {"size", "free", "reserved" (on the host), "mounted", "count"}; None: no pool
+    pool: dict | None = None  # {"size", "free", "reserved" (on the host), "mounted", "count", "committed", "used"}; None: no pool
 
     def to_dict(self) -> dict:
         return {"count": self.count, "committed": self.committed, "used": self.used, "fs_free": self.fs_free,
@@ -852,14 +926,14 @@ def usage(home_ws: Path) -> Usage:
     if located is not None:
         st = located.img.stat()
         info = {"size": st.st_size, "reserved": st.st_blocks * 512, "mounted": located.mounted(), "free": None,
-                "count": None}
+                "count": None, "committed": None, "used": None}
         with contextlib.ExitStack() as stack:
             # (mounted for the look when no agent uses it, and unmounted again; not as another user)
             pool = located if info["mounted"] else stack.enter_context(pool_open(home_ws, located.runtime))
             if pool is not None and pool.mounted():
                 n, lim, held = pool.totals()
                 psize, pfree = pool.space()
-                info.update(size=psize, free=pfree, count=n)
+                info.update(size=psize, free=pfree, count=n, committed=lim, used=held)
             else:
                 pool = None
         if pool is not None:

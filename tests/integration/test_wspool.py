@@ -512,6 +512,60 @@ def test_a_persistent_agents_workspace_survives_stop_start_and_a_daemon_restart(
 
 
 @needs_pool
+def test_the_daemon_holds_the_pool_mounted_and_metrics_show_it(fresh_home, tmp_path, monkeypatch):
+    """While the daemon runs the pool stays mounted between runs (its own hold: no mount and
+    unmount per start); /metrics has the pool's gauges; the last rm removes the pool even so,
+    the next start makes it (and the daemon holds it again), and `down` unmounts it."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from agentvm import wspool
+
+    monkeypatch.delenv("AGENTVM_NO_DAEMON", raising=False)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AGENTVM_WORKSPACE_")}
+
+    def av(*args, timeout=120):
+        return subprocess.run([sys.executable, "-m", "agentvm", *args], env=env, capture_output=True, text=True,
+                              timeout=timeout, stdin=subprocess.DEVNULL)
+
+    def metrics() -> dict:
+        r = subprocess.run(["curl", "-s", "--max-time", "20", "--unix-socket", str(fresh_home / "run" / "agentvm.sock"),
+                            "http://d/metrics"], capture_output=True, text=True, timeout=30)
+        fams = {f.name: f for f in text_string_to_metric_families(r.stdout)}
+        return {sm.labels["kind"]: sm.value for sm in fams["agentvm_workspace_pool_bytes"].samples}
+
+    pool = wspool.Pool(fresh_home / "workspaces", fresh_home / "run")
+    f = tmp_path / "p.yaml"
+    f.write_text("apiVersion: agentvm/v1\nkind: Agent\nmetadata: {name: wsq-held}\nspec:\n  lifecycle: persistent\n"
+                 "  command: [/bin/sh, -c, 'echo x > /workspace/f; exec sleep 300']\n  limits: {disk: 24M}\n")
+    assert av("up").returncode == 0
+    try:
+        assert av("create", "-f", str(f), "--start").returncode == 0
+        assert av("stop", "wsq-held").returncode == 0
+        assert pool.mounted(), "nothing runs, and the daemon still holds the pool mounted"
+        m = metrics()
+        assert m["committed"] == 24 * M, m
+        assert m["reserved"] >= m["size"] >= 48 * M and 0 < m["free"] < m["size"], m
+        assert av("start", "wsq-held").returncode == 0
+        assert av("stop", "wsq-held").returncode == 0
+        assert pool.mounted()
+        r = av("rm", "wsq-held")
+        assert r.returncode == 0, r.stderr
+        assert sorted(os.listdir(fresh_home / "workspaces")) == [], "the last rm removed the pool, held or not"
+        _idle(pool)
+        assert av("create", "-f", str(f), "--start").returncode == 0  # a new pool: the daemon takes it
+        assert av("stop", "wsq-held").returncode == 0
+        assert pool.mounted()
+        assert av("down", timeout=60).returncode == 0
+        _idle(pool)  # the daemon gone: unmounted, its loop device detached, the data kept
+        assert pool.exists()
+        assert av("up").returncode == 0
+        assert av("rm", "wsq-held").returncode == 0
+        assert not pool.exists()
+    finally:
+        av("down", timeout=60)
+
+
+@needs_pool
 def test_a_first_start_the_host_cannot_hold_is_refused_and_leaves_no_pool(avm_home):
     from agentvm import workspace
     from agentvm.errors import PolicyDenied

@@ -212,7 +212,12 @@ def run_daemon(paths: Paths, *, listen: str | None = None, backend=None, accept_
         loop = asyncio.get_running_loop()
         for s in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(s, d.stopping.set)
-        await d.serve()
+        from agentvm import workspace
+
+        # the workspace pool stays mounted while the daemon runs (no btrfs mount/unmount per start
+        # or rm); at shutdown it is removed when empty, else unmounted when nobody else uses it
+        with workspace.keep_pool(paths.workspaces, paths.runtime):
+            await d.serve()
 
     from agentvm.gate.server import run
 

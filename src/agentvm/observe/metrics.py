@@ -257,8 +257,8 @@ class _Dynamic:
 
 
 class _Workspaces:
-    """agentvm_workspace_bytes{kind="committed"|"used"} and agentvm_workspace_disk_free_bytes,
-    from ``agentvm.workspace.cached_usage`` (a failure drops the gauges, never the scrape)."""
+    """agentvm_workspace_bytes{kind="committed"|"used"}, agentvm_workspace_disk_free_bytes and
+    agentvm_workspace_pool_bytes{kind="size"|"free"|"reserved"|"committed"} (when there is a pool), from ``agentvm.workspace.cached_usage`` (a failure drops the gauges, never the scrape)."""
 
     def __init__(self, where) -> None:
         self.where = where
@@ -282,13 +282,25 @@ class _Workspaces:
         except Exception:  # noqa: BLE001 - metrics must not break the scrape
             return
         g = GaugeMetricFamily("agentvm_workspace_bytes", "Disk of the agents' workspaces: committed (the sum of "
-                              "their sizes, each fully reserved) and used (blocks allocated)", labels=["kind"])
+                              "their limits: an image's size, reserved in full; a pool workspace's quota) and "
+                              "used (an image's blocks; a pool workspace's quota group)", labels=["kind"])
         g.add_metric(["committed"], u.committed)
         g.add_metric(["used"], u.used)
         yield g
         yield GaugeMetricFamily("agentvm_workspace_disk_free_bytes", "Free space of the filesystem holding the "
                                 "workspaces", value=u.fs_free)
-        yield GaugeMetricFamily("agentvm_workspaces", "Workspaces under <home>/workspaces", value=u.count)
+        yield GaugeMetricFamily("agentvm_workspaces", "Workspaces (images, directories and pool workspaces)",
+                                value=u.count)
+        pool = u.pool
+        if pool:  # (no pool: no gauge - a host without pool workspaces reserves nothing for them)
+            p = GaugeMetricFamily("agentvm_workspace_pool_bytes", "The workspace pool (one btrfs filesystem for "
+                                  "every pool workspace): size (its filesystem), free (in it), reserved (on the "
+                                  "host, fallocated in full) and committed (the sum of its workspaces' quotas)",
+                                  labels=["kind"])
+            for kind in ("size", "free", "reserved", "committed"):
+                if pool.get(kind) is not None:
+                    p.add_metric([kind], pool[kind])
+            yield p
 
 
 class CachedVerify:
