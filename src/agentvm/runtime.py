@@ -411,8 +411,9 @@ class Runtime:
         Beside the socket: ``known_hosts`` (the hosts the agent file lists) and ``ssh_config``
         (ssh through the gate's CONNECT with ``nc -X connect``). -> (directory, env: each ssh
         credential's variable = the socket, GIT_SSH_COMMAND unless the agent file sets it), or
-        None without ssh credentials. Every signing decision goes on the audit chain as
-        ``ssh.sign`` / ``ssh.refuse`` (and so to the daemon's events and the trace)."""
+        None without ssh credentials. Every signing decision goes in the sandbox's decision log
+        (rule ``ssh-agent:sign`` / ``ssh-agent:refused``) and on the audit chain as ``ssh.sign`` /
+        ``ssh.refuse`` (and so to the daemon's events and the trace)."""
         bindings = [b for b in creds.bindings.values() if getattr(b, "ssh_known_hosts", None) is not None]
         if not bindings:
             return None
@@ -420,7 +421,24 @@ class Runtime:
 
         directory = ssh_agent_dir(sandbox_id)
 
+        decisions = self.log_dir / f"{sandbox_id}.egress.jsonl"
+
         def log(d) -> None:
+            # the sandbox's decision log (one whole line, one O_APPEND write: never inside the
+            # gate's own lines), then the audit chain (and so the daemon's events and the trace)
+            line = json.dumps({"time": round(time.time(), 6), "sandbox": sandbox_id, "agent": policy.name,
+                               "phase": "ssh-agent", "host": d.host, "port": 22, "method": None, "path": None,
+                               "rule": "ssh-agent:sign" if d.verdict == "sign" else "ssh-agent:refused",
+                               "verdict": "allow" if d.verdict == "sign" else "deny", "reason": d.reason,
+                               "key": d.key, "bytes_out": 0, "bytes_in": 0}, sort_keys=True)
+            try:
+                fd = os.open(decisions, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+                try:
+                    os.write(fd, (line + "\n").encode())
+                finally:
+                    os.close(fd)
+            except OSError:
+                pass
             try:
                 self.record(f"ssh.{d.verdict}", sandbox=sandbox_id, agent=policy.name, key=d.key, host=d.host,
                             reason=d.reason, verdict=d.verdict)

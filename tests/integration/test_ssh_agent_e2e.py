@@ -225,6 +225,8 @@ def test_git_push_over_ssh_through_the_gate_with_no_key_inside(world):
     assert tunnels and tunnels[0]["host"] == "git.test" and tunnels[0]["port"] == 22, _egress(world)
     signs = _chain("ssh.sign")
     assert signs and signs[-1]["data"]["host"] == "git.test" and signs[-1]["data"]["key"] == "deploy"
+    logged = [x for x in _egress(world) if x.get("rule") == "ssh-agent:sign"]
+    assert logged and logged[-1]["host"] == "git.test" and logged[-1]["key"] == "deploy", "in the decision log"
     # the agent's directory is gone with the session
     assert not list(Path("/tmp").glob("agentvm-ssh-ssh-push-*")), "the agent's directory is gone with the session"
 
@@ -240,6 +242,7 @@ def test_a_host_the_agent_file_does_not_list_gets_no_signature(world):
     refusals = [x for x in _chain("ssh.refuse") if x["data"]["key"] == "deploy"]
     assert refusals and "is not one the agent file lists" in refusals[-1]["data"]["reason"], r.stdout + r.stderr[-2000:]
     assert len(_chain("ssh.sign")) == signed_before, "no signature for a host the agent file does not list"
+    assert [x for x in _egress(world) if x.get("rule") == "ssh-agent:refused" and x["verdict"] == "deny"]
 
 
 def test_ssh_to_a_port_other_than_22_is_refused_by_the_gate(world):
