@@ -6,7 +6,9 @@ hold, for both backends in the same run, against a baseline measured in the same
 
 Each named agent runs a command that writes 64 KiB into its workspace, through the embedded path
 (`agentvm run -f`'s library call), in a private installation under /tmp removed at the end.
-Rates (agents per second), per backend (AGENTVM_WORKSPACE_BACKEND=image | pool):
+Rates (agents per second), per backend (AGENTVM_WORKSPACE_BACKEND=image | pool), and "pool-held":
+the pool again, with the hold the daemon keeps for its lifetime (``workspace.keep_pool``): the pool
+stays mounted between runs and removals (before/after of that change, in the same run):
 
   anonymous run (baseline)  `agentvm run -- true`'s sandbox: tmpfs workspace, nothing on disk
   create + first start      a new named agent: its workspace made (image: fallocate + mkfs.ext4 +
@@ -45,6 +47,7 @@ import time
 from pathlib import Path
 
 MiB = 1 << 20
+HELD = "pool-held"  # the pool with the daemon's hold (workspace.keep_pool), in the same run as "pool"
 
 
 def main() -> int:
@@ -76,7 +79,7 @@ def main() -> int:
         print(f"bench_workspaces: {n} agents of {size // MiB}M need {2 * n * size // MiB}M free; "
               f"{free // MiB}M are", file=sys.stderr)
         return 1
-    backends = ["image"] + (["pool"] if wspool.supported()[0] else [])
+    backends = ["image"] + (["pool", HELD] if wspool.supported()[0] else [])
     try:
         rows = run(home, n, size, backends, declared)
     finally:
@@ -96,16 +99,19 @@ def report(rows: dict, backends: list[str], n: int, size: int) -> None:
     base = rows["baseline"]
     print(f"{n} named agents per backend, limits.disk {size // MiB}M, 64 KiB written each ({os.uname().release})")
     print(f"anonymous run (baseline): {base:.1f}/s ({1000 / base:.1f} ms each)\n")
-    print(f"{'agents/s':<24} " + " ".join(f"{b:>8} {'x base':>7}" for b in backends)
-          + (f" {'pool/image':>10}" if len(backends) == 2 else ""))
+    others = backends[1:]
+    print(f"{'agents/s':<24} " + " ".join(f"{b:>9} {'x base':>7}" for b in backends)
+          + "".join(f" {b + '/image':>16}" for b in others)
+          + (f" {HELD + '/pool':>15}" if HELD in backends else ""))
     for k in rows[backends[0]]["rates"]:
-        vals = [rows[b]["rates"][k] for b in backends]
-        print(f"{k:<24} " + " ".join(f"{v:>8.1f} {v / base:>7.2f}" for v in vals)
-              + (f" {vals[1] / vals[0]:>10.2f}" if len(vals) == 2 else ""))
-    print(f"\n{'disk per agent (MiB)':<24} " + " ".join(f"{b:>8}" for b in backends))
+        vals = {b: rows[b]["rates"][k] for b in backends}
+        print(f"{k:<24} " + " ".join(f"{v:>9.1f} {v / base:>7.2f}" for v in vals.values())
+              + "".join(f" {vals[b] / vals['image']:>16.2f}" for b in others)
+              + (f" {vals[HELD] / vals['pool']:>15.2f}" if HELD in backends else ""))
+    print(f"\n{'disk per agent (MiB)':<24} " + " ".join(f"{b:>9}" for b in backends))
     for k in rows[backends[0]]["disk_per_agent"]:
-        print(f"{k:<24} " + " ".join(f"{rows[b]['disk_per_agent'][k] / MiB:>8.2f}" for b in backends))
-    print(f"{'loop devices at peak':<24} " + " ".join(f"{rows[b]['loops_peak']:>8}" for b in backends))
+        print(f"{k:<24} " + " ".join(f"{rows[b]['disk_per_agent'][k] / MiB:>9.2f}" for b in backends))
+    print(f"{'loop devices at peak':<24} " + " ".join(f"{rows[b]['loops_peak']:>9}" for b in backends))
     d = rows.get("density")
     if d:
         print(f"\ndensity: {d['declared']} pool workspaces made in {d['create_s']:.1f}s ({d['create_rate']:.0f}/s), "
@@ -161,8 +167,33 @@ def run(home: Path, n: int, size: int, backends: list[str], declared: int) -> di
         start(anon)
     out["baseline"] = n / (time.perf_counter() - t0)
 
+    phases = _phases_factory(rt, ws_dir, policy, start, held, loops, rm)
     for backend in backends:
-        os.environ["AGENTVM_WORKSPACE_BACKEND"] = backend
+        os.environ["AGENTVM_WORKSPACE_BACKEND"] = "pool" if backend.startswith("pool") else backend
+        with contextlib.ExitStack() as daemon_hold:
+            if backend == HELD:  # what the daemon does for its lifetime (daemon/server.py)
+                daemon_hold.enter_context(workspace.keep_pool(ws_dir, rt.paths.runtime))
+            out[backend] = phases(backend, n)
+        if backend == HELD and wspool_pool(home).exists():
+            raise SystemExit("bench_workspaces: the pool outlived its last workspace under the daemon's hold")
+    os.environ.pop("AGENTVM_WORKSPACE_BACKEND", None)
+    if declared > 1 and "pool" in backends:
+        out["density"] = density(rt, declared, size)
+    return out
+
+
+def wspool_pool(home: Path):
+    from agentvm import wspool
+
+    return wspool.Pool(home / "workspaces", home / "run")
+
+
+def _phases_factory(rt, ws_dir, policy, start, held, loops, rm):
+    import contextlib
+
+    from agentvm import workspace
+
+    def phases(backend: str, n: int) -> dict:
         rates: dict[str, float] = {}
         pols = [policy(f"bw-{backend}-{i:03d}") for i in range(n)]
         t0 = time.perf_counter()
@@ -194,12 +225,10 @@ def run(home: Path, n: int, size: int, backends: list[str], declared: int) -> di
         for p in rest:
             rm(p.name)
         rates["rm (workspace removed)"] = len(rest) / (time.perf_counter() - t0)
-        out[backend] = {"rates": rates, "disk_per_agent": {"while they exist": exists, "after rm": held() / n},
-                        "loops_peak": max(peak_loops, 1), "left_files": sorted(os.listdir(ws_dir))}
-    os.environ.pop("AGENTVM_WORKSPACE_BACKEND", None)
-    if declared > 1 and "pool" in backends:
-        out["density"] = density(rt, declared, size)
-    return out
+        return {"rates": rates, "disk_per_agent": {"while they exist": exists, "after rm": held() / n},
+                "loops_peak": max(peak_loops, 1), "left_files": sorted(os.listdir(ws_dir))}
+
+    return phases
 
 
 def density(rt, m: int, size: int) -> dict:
