@@ -684,6 +684,10 @@ class WorkerPool:
             persist(b, text)
 
     async def start(self) -> None:
+        if self.confine is not None:  # (made once here: each confined worker only loads it before confining itself)
+            from agentvm.gate.ca import CertificateAuthority
+
+            await asyncio.to_thread(CertificateAuthority.load_or_create, self.state_dir / "ca")
         self.workers = [GateWorker(self, i) for i in range(self.count)]
         try:
             await asyncio.gather(*(w.start() for w in self.workers))
