@@ -46,6 +46,12 @@ CREATE TABLE IF NOT EXISTS snapshots (
     skipped INTEGER NOT NULL,
     created REAL NOT NULL
 );
+CREATE TABLE IF NOT EXISTS lineage (
+    child TEXT NOT NULL,            -- a forked agent
+    name TEXT NOT NULL,             -- an ancestor's credential, as the child's gate knows it (NAME.parent)
+    placeholder TEXT NOT NULL,      -- the ancestor's placeholder (random, worthless outside its session)
+    PRIMARY KEY (child, name, placeholder)
+);
 """
 
 
@@ -140,6 +146,27 @@ def untar_into(data: bytes, host_dir: Path, uid: int | None, gid: int | None) ->
                 os.lchown(os.path.join(dirpath, n), uid, gid if gid is not None else uid)
 
 
+def with_ancestors(creds, bindings: tuple, ancestors: list[tuple[str, str]], vault_dir, sandbox_id: str):
+    """A fork's CredentialSet with its ancestors' placeholders added as credentials bound to no
+    host: the parent's placeholder replayed in the child is a ``credential:leak:NAME.parent``
+    (refused, alerted), never swapped. ``ancestors``: (NAME.parent, placeholder)."""
+    import dataclasses
+
+    from agentvm.sessioncreds import vault_credentials
+
+    by = {b.name: b for b in bindings}
+    extra_b, extra_p = [], {}
+    for name, ph in ancestors:
+        own = by.get(name.split(".", 1)[0])
+        if own is None or ph in creds.placeholders.values():
+            continue
+        extra_b.append(dataclasses.replace(own, name=name, hosts=(), env=f"AGENTVM_ANCESTOR_{len(extra_b)}", file=None))
+        extra_p[name] = ph
+    if not extra_b:
+        return creds
+    return vault_credentials(tuple(bindings) + tuple(extra_b), {**creds.placeholders, **extra_p}, vault_dir, sandbox_id)
+
+
 def clear(host_dir: Path) -> None:
     """Empty a workspace (nothing runs in it): its contents, never following a link."""
     for e in os.scandir(host_dir):
@@ -204,6 +231,19 @@ class SnapshotStore:
         with self._lock:
             self._db.execute("DELETE FROM snapshots WHERE id=?", (sid,))
         shutil.rmtree(root(self.home) / sid, ignore_errors=True)
+
+    def add_lineage(self, child: str, placeholders: list[tuple[str, str]]) -> None:
+        with self._lock:
+            self._db.executemany("INSERT OR IGNORE INTO lineage VALUES (?,?,?)",
+                                 [(child, n, p) for n, p in placeholders])
+
+    def lineage(self, child: str) -> list[tuple[str, str]]:
+        with self._lock:
+            return list(self._db.execute("SELECT name, placeholder FROM lineage WHERE child=?", (child,)))
+
+    def drop_lineage(self, child: str) -> None:
+        with self._lock:
+            self._db.execute("DELETE FROM lineage WHERE child=?", (child,))
 
     def load(self, snap: Snapshot) -> bytes:
         """The snapshot's tar, checked against its recorded digest and id (else refused)."""

@@ -256,6 +256,8 @@ class ControlPlane(Events, Supervisor, FleetOps, Commands):
             record=lambda kind, data: self.record(kind, actor=actor, sandbox=name, **data))
         review = None if keep_workspace else await asyncio.to_thread(self._drop_review_layer, name, actor)
         self.checkpoints.drop(name)  # (stop dropped a suspended one's; nothing else keeps it)
+        if self._has_snapshots():
+            self.snapshots.drop_lineage(name)  # (its snapshots stay: `agentvm snapshot rm`)
         self._save(self.state.delete, name)
         self.managed.pop(name, None)
         self.record("lifecycle.removed", actor=actor, sandbox=name, workspace=ws,

@@ -202,6 +202,13 @@ class Supervisor:
 
         def prepared(s):
             m.session, m.policy = s, policy
+            if s.res.creds is not None:  # a fork: its ancestors' placeholders are leaks here
+                ancestors = self.snapshots.lineage(m.name) if self._has_snapshots() else []
+                if ancestors:
+                    from agentvm import snapshot
+
+                    s.res.creds = snapshot.with_ancestors(s.res.creds, tuple(s.policy.credentials), ancestors,
+                                                          self.runtime.vault_dir, s.sandbox_id)
 
         restore, m.restore = m.restore, None
         seed, m.seed = m.seed, None
@@ -564,6 +571,19 @@ class Supervisor:
                     files=files, skipped=skipped)
         return snap.to_dict()
 
+    def _has_snapshots(self) -> bool:
+        return getattr(self, "_snapshot_store", None) is not None or (self.paths.home / "snapshots").exists()
+
+    def _placeholders_of(self, name: str) -> list[tuple[str, str]]:
+        """``name``'s live placeholders and its own ancestors', as its fork's gate must know them."""
+        out = []
+        m = self.managed.get(name)
+        creds = m.session.res.creds if m is not None and m.session is not None else None
+        if creds is not None:
+            out += [(f"{n.split('.', 1)[0]}.parent", p) for n, p in creds.placeholders.items()]
+        out += self.snapshots.lineage(name)
+        return out
+
     def snapshot_list(self, agent: str | None = None) -> list[dict]:
         return [s.to_dict() for s in self.snapshots.all(agent)]
 
@@ -602,6 +622,8 @@ class Supervisor:
                           actor=actor)
         self.record("lifecycle.forked", actor=actor, sandbox=new, parent=snap.agent, child=new, snapshot=snap.id,
                     policy=snap.policy_digest)
+        lineage = self._placeholders_of(snap.agent)
+        self.snapshots.add_lineage(new, lineage)
         m = self.managed.setdefault(new, Managed(new))
         m.seed = (data, False)
         try:
