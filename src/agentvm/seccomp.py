@@ -31,7 +31,7 @@ from pathlib import Path
 
 from agentvm.errors import PrimitiveMissing
 
-FILTER_VERSION = 6
+FILTER_VERSION = 7
 
 # Syscalls denied with EPERM, grouped by why. Documented in docs/threat-model.md.
 DENY_GROUPS: dict[str, tuple[str, ...]] = {
@@ -65,6 +65,7 @@ AF_INET, AF_INET6, AF_NETLINK, AF_PACKET, AF_KEY, AF_VSOCK = 2, 10, 16, 17, 15, 
 TIOCSTI = 0x5412
 TIOCLINUX = 0x541C
 NETLINK_ROUTE = 0
+SECCOMP_SET_MODE_FILTER, SECCOMP_FILTER_FLAG_NEW_LISTENER = 1, 8
 SOCK_TYPE_MASK = 0xF
 SOCK_RAW = 3
 SOCK_PACKET = 10
@@ -115,14 +116,26 @@ def denied_syscalls(opts: SeccompOptions) -> list[str]:
 # ------------------------------------------------------------------ the rules, as data
 # A condition on one argument: (index, "eq", value) | (index, "ne", value) |
 # (index, "masked_eq", mask, value) - libseccomp's comparisons, over the full 64-bit argument.
+# An argument the kernel reads as an ``int`` (socket's family/type/protocol, prctl's option,
+# seccomp's op) drops its upper 32 bits, so it is compared with :func:`int_eq` (masked to the
+# low word): a plain "eq" would let ``AF_VSOCK | 1 << 32`` through. "ne" over 64 bits fails
+# closed for such an argument (high bits set -> "not equal" -> refused).
 Cond = tuple
+INT_MASK = 0xFFFFFFFF
+
+
+def int_eq(index: int, value: int) -> Cond:
+    """``args[index]`` as the kernel's ``int`` equals ``value`` (the high word ignored)."""
+    return (index, "masked_eq", INT_MASK, value & INT_MASK)
 
 
 @dataclass(frozen=True)
 class Rule:
     """One rule of the filter. ``action``: "deny" (an escape probe: errno, or a notification
-    answered with that errno), "compat" (errno, never notified: libc falls back), "watch"
-    (allowed; only in a notify filter, and then recorded)."""
+    answered with that errno), "refuse" (an escape probe answered by the errno in the BPF
+    itself, never notified: ERRNO outranks every USER_NOTIF, the agent's own filters' included),
+    "compat" (errno, never notified: libc falls back), "watch" (allowed; only in a notify
+    filter, and then recorded)."""
 
     id: str  # rule id: "seccomp:<group>" for denials, "watch:<name>" for watched calls
     syscall: str
@@ -151,8 +164,8 @@ PR_SET_MM, PR_SET_PTRACER = 35, 0x59616D61
 WATCH_RULES: tuple[Rule, ...] = (
     Rule("watch:memfd-create", "memfd_create", action="watch"),  # fileless payloads
     Rule("watch:execveat", "execveat", action="watch"),  # fexecve of a memfd
-    Rule("watch:prctl-mm", "prctl", ((0, "eq", PR_SET_MM),), action="watch"),  # rewriting /proc/PID/cmdline, exe
-    Rule("watch:prctl-ptracer", "prctl", ((0, "eq", PR_SET_PTRACER),), action="watch"),
+    Rule("watch:prctl-mm", "prctl", (int_eq(0, PR_SET_MM),), action="watch"),  # rewriting /proc/PID/cmdline, exe
+    Rule("watch:prctl-ptracer", "prctl", (int_eq(0, PR_SET_PTRACER),), action="watch"),
 )
 DEFAULT_WATCH: tuple[str, ...] = tuple(r.id for r in WATCH_RULES)
 
@@ -198,14 +211,27 @@ def rules(opts: SeccompOptions) -> list[Rule]:
     for cmd in (TIOCSTI, TIOCLINUX):
         out.append(Rule("seccomp:terminal-injection", "ioctl", ((1, "masked_eq", 0xFFFFFFFF, cmd),)))
     # Sockets: no packet sockets, no raw IP sockets, netlink only for NETLINK_ROUTE.
-    out.append(Rule("seccomp:socket-packet", "socket", ((0, "eq", AF_PACKET),)))
+    # family, type and protocol are ints to the kernel: compared on the low word only (int_eq);
+    # the protocol's "ne" is over 64 bits, which fails closed (ROUTE | 1 << 32 is refused).
+    out.append(Rule("seccomp:socket-packet", "socket", (int_eq(0, AF_PACKET),)))
     for fam in (AF_INET, AF_INET6):
-        out.append(Rule("seccomp:socket-raw", "socket", ((0, "eq", fam), (1, "masked_eq", SOCK_TYPE_MASK, SOCK_RAW))))
+        out.append(Rule("seccomp:socket-raw", "socket", (int_eq(0, fam), (1, "masked_eq", SOCK_TYPE_MASK, SOCK_RAW))))
         out.append(Rule("seccomp:socket-packet", "socket",
-                        ((0, "eq", fam), (1, "masked_eq", SOCK_TYPE_MASK, SOCK_PACKET))))
-    out.append(Rule("seccomp:socket-netlink", "socket", ((0, "eq", AF_NETLINK), (2, "ne", NETLINK_ROUTE))))
+                        (int_eq(0, fam), (1, "masked_eq", SOCK_TYPE_MASK, SOCK_PACKET))))
+    out.append(Rule("seccomp:socket-netlink", "socket", (int_eq(0, AF_NETLINK), (2, "ne", NETLINK_ROUTE))))
     for fam, what in ((AF_KEY, "key"), (AF_VSOCK, "vsock")):  # IPsec keys, the host channel of VMs
-        out.append(Rule(f"seccomp:socket-{what}", "socket", ((0, "eq", fam),)))
+        out.append(Rule(f"seccomp:socket-{what}", "socket", (int_eq(0, fam),)))
+    # No seccomp listener of the agent's own: seccomp(SECCOMP_SET_MODE_FILTER, flags with
+    # SECCOMP_FILTER_FLAG_NEW_LISTENER) -> EBUSY (the kernel's own answer while agent-vm's
+    # listener is there), in the BPF itself (never a notification: an
+    # ERRNO outranks any filter's USER_NOTIF). A listener would let the agent answer its own
+    # USER_NOTIF rules - which win over the audit's on a tie (the newest filter's) - with
+    # CONTINUE, i.e. run every call the deny list notifies. Ordinary filters (Chromium's, no
+    # listener) stay allowed; a USER_NOTIF without a listener is ENOSYS - refused.
+    out.append(Rule("seccomp:seccomp-listener", "seccomp",
+                    (int_eq(0, SECCOMP_SET_MODE_FILTER),
+                     (1, "masked_eq", SECCOMP_FILTER_FLAG_NEW_LISTENER, SECCOMP_FILTER_FLAG_NEW_LISTENER)),
+                    errno=errno.EBUSY, action="refuse", strict=True))
     if opts.notify:
         chosen = set(opts.watch)
         unknown = chosen - set(DEFAULT_WATCH)
@@ -231,7 +257,7 @@ def _build(opts: SeccompOptions) -> bytes:
     ops = {"eq": sc.EQ, "ne": sc.NE, "masked_eq": sc.MASKED_EQ}
 
     for r in rules(opts):
-        if r.action == "compat" or (r.action == "deny" and not opts.notify):
+        if r.action in ("compat", "refuse") or (r.action == "deny" and not opts.notify):
             action = sc.ERRNO(r.errno)
         else:
             action = sc.NOTIFY
@@ -243,7 +269,7 @@ def _build(opts: SeccompOptions) -> bytes:
                 # A syscall this architecture/libseccomp does not know cannot be called either.
                 continue
             if r.syscall != "fchmodat2":
-                raise PrimitiveMissing(f"libseccomp cannot filter {r.syscall}: a setuid bit could not be refused",
+                raise PrimitiveMissing(f"libseccomp cannot filter {r.syscall}: rule {r.id} could not be applied",
                                        hint="upgrade libseccomp") from None
             f.add_rule(action, 452, *args)
 

@@ -27,9 +27,16 @@ copy. This module answers and records:
 
 Fail closed: if this process dies the kernel answers every pending and later notification
 with ``ENOSYS`` - the call is still refused (never run), only the errno differs from the deny
-list's ``EPERM``. A sandbox that floods notifications (more than ``FLOOD_PER_SEC`` in a second)
-has its listener closed: its calls stay refused (``ENOSYS``), one record says so, and the
-supervisor's CPU is no longer the agent's to spend.
+list's ``EPERM``. The listener is never closed while a task of the sandbox lives: with no
+listener the kernel forgets it, and a process could then have a listener of its own (which
+wins a tie between USER_NOTIF filters and could answer CONTINUE). The filter refuses that too,
+in the BPF (``seccomp:seccomp-listener``: ``seccomp()`` with ``SECCOMP_FILTER_FLAG_NEW_LISTENER``
+-> EBUSY, an ERRNO that outranks any USER_NOTIF), so a dead supervisor still leaves every call
+refused. A sandbox that floods notifications (more than ``FLOOD_PER_SEC`` in a second) keeps
+its answers - each call is refused with its rule's errno, as ever - but for the rest of that
+second its calls are not read from ``/proc`` nor recorded: they are counted (``suppressed``)
+and one ``syscall.audit-flood`` record per flooded second says so. :meth:`Supervisor.drop_all`
+(letting go of every listener) stops or freezes the sandboxes first.
 """
 
 from __future__ import annotations
@@ -90,7 +97,7 @@ ON_PROBE = ("log", "alert", "pause", "stop")
 PROBE_THRESHOLD = 3  # denied calls of one sandbox before pause/stop acts
 QUEUE_MAX = 4096  # records waiting for the sinks; beyond: dropped and counted
 REPEAT_WINDOW = 10.0  # seconds: identical records of one process are folded into one
-FLOOD_PER_SEC = 5000  # notifications of one sandbox in one second: its listener is closed
+FLOOD_PER_SEC = 5000  # notifications of one sandbox in one second: beyond, answered but not recorded
 ARGV_MAX = 4096  # bytes of /proc/PID/cmdline kept
 
 
@@ -116,8 +123,8 @@ class Classifier:
         self.by_nr: dict[int, list[sc.Rule]] = {}
         self.names: dict[int, str] = {}
         for r in sc.rules(opts):
-            if r.action == "compat":
-                continue
+            if r.action in ("compat", "refuse"):
+                continue  # errno in the BPF itself: never notified
             try:
                 nr = int(pyseccomp.resolve_syscall(pyseccomp.Arch.NATIVE, r.syscall))
             except Exception:
@@ -242,7 +249,8 @@ class SandboxAudit:
     suppressed: int = 0
     acted: str | None = None
     _act_started: bool = False
-    detached: bool = False
+    detached: bool = False  # never set any more (a flood no longer closes the listener); kept for readers
+    flooded: int = 0  # seconds in which the sandbox went over FLOOD_PER_SEC
     listeners: int = 0
     _repeat: dict = field(default_factory=dict, repr=False)
     _second: list = field(default_factory=lambda: [0.0, 0], repr=False)
@@ -250,7 +258,8 @@ class SandboxAudit:
     def summary(self) -> dict:
         """The console's column: counts and the action taken (see docs/syscall-audit.md)."""
         return {"denied": self.denied, "watched": self.watched, "suppressed": self.suppressed,
-                "action": self.acted, "detached": self.detached, "on_probe": self.on_probe}
+                "action": self.acted, "detached": self.detached, "flooded": self.flooded,
+                "on_probe": self.on_probe}
 
 
 # ------------------------------------------------------------------ metrics (process-wide)
@@ -333,6 +342,7 @@ class Supervisor:
         self._stop = False
         self._busy = 0  # notifications received and not yet queued (answering thread)
         self._drop = threading.Event()
+        self._stop_on_drop = True
         self._dropped_all = threading.Event()
         self._answer = threading.Thread(target=self._answer_loop, name="agentvm-sysaudit-answer", daemon=True)
         self._record = threading.Thread(target=self._record_loop, name="agentvm-sysaudit-record", daemon=True)
@@ -358,9 +368,13 @@ class Supervisor:
         except BlockingIOError:
             pass
 
-    def drop_all(self, timeout: float = 5.0) -> bool:
-        """Close every listener at once, answering nothing: what the kernel sees when this
-        process dies (tests prove the sandbox stays confined then; shutdown uses it too)."""
+    def drop_all(self, timeout: float = 5.0, *, stop_sandboxes: bool = True) -> bool:
+        """Close every listener at once. A sandbox is not left running with notify rules and no
+        listener: each one with a listener is stopped (``kill``) or else frozen first.
+        ``stop_sandboxes=False`` closes the listeners alone - what the kernel does when this
+        process dies (tests prove the sandbox stays confined then: ENOSYS, and no listener of
+        its own, see ``seccomp:seccomp-listener``)."""
+        self._stop_on_drop = stop_sandboxes
         self._dropped_all.clear()
         self._drop.set()
         try:
@@ -389,6 +403,9 @@ class Supervisor:
             except InterruptedError:
                 continue
             if self._drop.is_set():
+                if self._stop_on_drop:
+                    for audit in {id(a): a for a, _c in listeners.values()}.values():
+                        _stop_sandbox(audit)
                 for fd in list(listeners):
                     poller.unregister(fd)
                     listeners.pop(fd)[0].listeners -= 1
@@ -428,11 +445,9 @@ class Supervisor:
                             self._one(fd, audit, c, notif, resp)
                         finally:
                             self._busy -= 1
-                        if audit.detached:
-                            ev |= select.POLLHUP
-                    if ev & (select.POLLHUP | select.POLLERR | select.POLLNVAL) and not ev & select.POLLIN \
-                            or audit.detached:
-                        # every task under this filter is gone (or the sandbox flooded): close
+                    if ev & (select.POLLHUP | select.POLLERR | select.POLLNVAL) and not ev & select.POLLIN:
+                        # every task under this filter is gone (the only time a listener is
+                        # closed while the supervisor lives: never on a flood, see the module doc)
                         poller.unregister(fd)
                         del listeners[fd]
                         audit.listeners -= 1
@@ -445,11 +460,24 @@ class Supervisor:
         now = time.monotonic()
         args = tuple(notif.data.args)
         v = c.classify(notif.data.nr, args)
-        # the flood valve: one second's worth of notifications over the limit closes the listener
+        # the flood valve: past FLOOD_PER_SEC in one second, the call is still answered (its
+        # errno, or CONTINUE for a watched call) but neither read from /proc nor recorded. The
+        # listener is NEVER closed here: without it the kernel forgets the listener (see the
+        # module doc).
         sec = audit._second
         if now - sec[0] >= 1.0:
             sec[0], sec[1] = now, 0
         sec[1] += 1
+        if sec[1] > FLOOD_PER_SEC:
+            self._answer_only(fd, audit, v, notif, resp)
+            if sec[1] == FLOOD_PER_SEC + 1:
+                audit.flooded += 1
+                self._put(audit, {
+                    "kind": "syscall.audit-flood", "time": time.time(), "sandbox": audit.sandbox_id,
+                    "agent": audit.agent, "pid": notif.pid, "syscall": v.syscall, "rule": v.rule, "alert": True,
+                    "reason": f"more than {FLOOD_PER_SEC} notified syscalls in one second: the rest of this second's "
+                              "calls are refused as ever (their errno) but counted, not recorded"})
+            return
         decoded = decode_args(v.syscall, args)
         key = (notif.pid, v.syscall, v.rule, tuple(sorted(decoded.items())))
         last = audit._repeat.get(key)
@@ -493,12 +521,26 @@ class Supervisor:
             "errno": _errno.errorcode.get(v.errno, str(v.errno)) if v.action == "deny" else None,
             "repeats": last[1] if last else 0,
         }
-        if sec[1] > FLOOD_PER_SEC and not audit.detached:
-            audit.detached = True
-            self._put(audit, {**rec, "kind": "syscall.audit-detached", "reason":
-                              f"more than {FLOOD_PER_SEC} notified syscalls in one second: the listener is closed; "
-                              "the calls stay refused (ENOSYS) but are no longer recorded"})
         self._put(audit, rec)
+
+    def _answer_only(self, fd: int, audit: SandboxAudit, v: Verdict, notif: _Notif, resp: _NotifResp) -> None:
+        """A flooded second: answer as ever, count, record nothing."""
+        resp.id = notif.id
+        resp.val = 0
+        if v.action == "watch":
+            resp.error, resp.flags = 0, FLAG_CONTINUE
+        else:
+            resp.error, resp.flags = -v.errno, 0
+        _ioctl(fd, IOCTL_SEND, ctypes.byref(resp))
+        with _metric_lock:
+            (_watched_by_syscall if v.action == "watch" else _denied_by_syscall)[v.syscall] += 1
+        audit.suppressed += 1
+        if v.action == "watch":
+            audit.watched += 1
+        else:
+            audit.denied += 1
+            if act_due(audit):
+                threading.Thread(target=act, args=(audit, v.rule), name="agentvm-sysaudit-act", daemon=True).start()
 
     def _put(self, audit: SandboxAudit, rec: dict) -> None:
         try:
@@ -556,6 +598,23 @@ def act(audit: SandboxAudit, rule: str | None = None) -> dict:
            "reason": f"{audit.denied} denied escape probes (security.onEscapeProbe: {audit.on_probe})"}
     deliver(audit, rec)
     return rec
+
+
+def _stop_sandbox(audit: SandboxAudit) -> None:
+    """Before the supervisor lets go of a live sandbox's listener: kill it (or else freeze it)."""
+    for how in (audit.kill, audit.freeze):
+        if how is None:
+            continue
+        try:
+            how()
+        except Exception:  # noqa: BLE001 - try the next way
+            continue
+        audit.acted = "stopped" if how is audit.kill else "paused"
+        deliver(audit, {"kind": "syscall.audit-released", "time": time.time(), "sandbox": audit.sandbox_id,
+                        "agent": audit.agent, "alert": True, "action": audit.acted,
+                        "reason": "the syscall supervisor let go of the sandbox's listener: the sandbox was "
+                                  + audit.acted})
+        return
 
 
 def _recv_listener(sock: socket.socket) -> int | None:

@@ -68,7 +68,7 @@ def test_every_rule_classifies_to_itself_with_its_errno():
 
     seen = 0
     for r in sc.rules(OPTS):
-        if r.action == "compat":
+        if r.action in ("compat", "refuse"):  # errno in the BPF: never notified
             continue
         nr = int(pyseccomp.resolve_syscall(pyseccomp.Arch.NATIVE, r.syscall))
         if nr < 0:
@@ -276,3 +276,36 @@ def test_sink_factories_are_asked_for_each_new_sandbox():
     finally:
         unregister()
     assert sysaudit.sinks_for("run-b") == [] and seen == ["run-a"]
+
+
+def test_a_listener_of_the_agents_own_is_refused_in_the_bpf_in_both_programs():
+    """seccomp(SECCOMP_SET_MODE_FILTER, NEW_LISTENER) -> an ERRNO return (outranks any USER_NOTIF),
+    in the plain and the notify program alike; never classified as a notification."""
+    for notify in (False, True):
+        [r] = [r for r in sc.rules(sc.SeccompOptions(notify=notify)) if r.id == "seccomp:seccomp-listener"]
+        assert r.action == "refuse" and r.errno == errno.EBUSY
+        assert r.matches((1, 8, 0, 0, 0, 0)) and r.matches((1 | 1 << 32, 8 | 1 << 40, 0, 0, 0, 0))
+        assert not r.matches((1, 0, 0, 0, 0, 0)) and not r.matches((1, 1, 0, 0, 0, 0))  # ordinary / TSYNC filters
+        rets = {i[3] for i in _insns(sc._build(sc.SeccompOptions(notify=notify))) if i[0] == 0x06}
+        assert 0x00050000 | errno.EBUSY in rets
+    c = sysaudit.Classifier(OPTS)
+    assert 317 not in c.by_nr or all(r.action != "refuse" for r in c.by_nr[317])
+
+
+def test_int_arguments_are_compared_on_their_low_word_only():
+    """The kernel reads socket's family/type/protocol and prctl's option as int: a rule's
+    equality must ignore bits 32-63 (AF_VSOCK | 1 << 32 is AF_VSOCK to the kernel)."""
+    hi = 1 << 32
+    for notify in (False, True):
+        rs = sc.rules(sc.SeccompOptions(notify=notify, watch=sc.DEFAULT_WATCH))
+        for r in rs:
+            for cond in r.conds:
+                assert cond[1] != "eq" or r.syscall not in ("socket", "prctl", "seccomp"), (r, cond)
+        sock = [r for r in rs if r.syscall == "socket"]
+        for fam, typ, proto in ((40, 1, 0), (15, 3, 2), (17, 3, 0), (2, 3, 1), (16, 3, 9), (16, 3, 0 | hi)):
+            assert any(r.matches((fam | hi, typ | hi, proto, 0, 0, 0)) for r in sock), (fam, typ, proto)
+        assert not any(r.matches((16 | hi, 3, 0, 0, 0, 0)) for r in sock), "NETLINK_ROUTE stays allowed"
+    c = sysaudit.Classifier(OPTS)
+    assert c.classify(41, (40 | hi, 1, 0, 0, 0, 0)).rule == "seccomp:socket-vsock"
+    if any(r.syscall == "prctl" for r in sc.rules(OPTS)):
+        assert c.classify(157, (sc.PR_SET_MM | hi, 0, 0, 0, 0, 0)).action == "watch"
