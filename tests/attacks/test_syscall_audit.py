@@ -101,6 +101,14 @@ while time.time() < deadline:
             break
     time.sleep(0.02)
 print("userns_same", os.stat("/proc/self/ns/user").st_ino == ns)
+# with agent-vm's listener gone, a listener of the agent's own (which would answer its own
+# USER_NOTIF rules with CONTINUE) is still refused: the filter's seccomp-listener rule
+import struct
+allow = ctypes.create_string_buffer(struct.pack("HBBI", 0x06, 0, 0, 0x7fc00000))
+prog = ctypes.create_string_buffer(struct.pack("HxxxxxxQ", 1, ctypes.addressof(allow)))
+libc.syscall.restype = ctypes.c_long
+r = libc.syscall(ctypes.c_long(317), ctypes.c_long(1), ctypes.c_long(8), ctypes.c_long(ctypes.addressof(prog)))
+print("own_listener", "OK" if r >= 0 else errno.errorcode.get(ctypes.get_errno()))
 """
 
 
@@ -129,6 +137,29 @@ def test_killing_the_supervisor_mid_run_leaves_every_probe_refused(env):
     assert all(set(p) <= {"EPERM", "ENOSYS"} for p in probes), "never served: " + o.out
     assert probes[-5:] == [["ENOSYS"] * 3] * 5, "after the supervisor went away: refused with ENOSYS"
     assert "userns_same True" in o.stdout
+    assert "own_listener EBUSY" in o.stdout, "no listener of the agent's own after the supervisor went: " + o.out
+
+
+def test_the_supervisor_letting_go_stops_the_sandbox_first(env):
+    """drop_all (the supervisor letting go of its listeners while it lives) kills the sandbox
+    rather than leave it running with notify rules and no listener."""
+    from agentvm import sysaudit
+
+    logs = env.paths.home / "logs"
+    box: dict = {}
+    t = threading.Thread(target=lambda: box.update(o=env.sandbox(LOOP, lang="python", egress=False, timeout=60)))
+    t.start()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and sum(len(p.read_text().splitlines()) for p in logs.glob("*.syscalls.jsonl")) < 3:
+        time.sleep(0.02)
+    assert sysaudit.supervisor().drop_all(15), "the supervisor let go of its listeners"
+    t.join(90)
+    o = box["o"]
+    assert "userns_same" not in o.stdout, "the sandbox ran on after its listener was dropped: " + o.out
+    assert not any("ENOSYS" in ln for ln in o.stdout.splitlines()), o.out
+    sysaudit.supervisor().flush()
+    recs = [json.loads(l) for p in logs.glob("*.syscalls.jsonl") for l in p.read_text().splitlines()]
+    assert [r["action"] for r in recs if r["kind"] == "syscall.audit-released"] == ["stopped"], recs
 
 
 class _NoAudit:
