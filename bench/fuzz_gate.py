@@ -188,9 +188,17 @@ def main(argv=None) -> int:
             if target not in TARGETS:
                 print(f"{target:10s} (hypothesis only: --engine hypothesis)")
                 continue
+            import shutil
+            import tempfile
+
+            scratch = tempfile.mkdtemp(prefix="agentvm-test-fuzzrun-")  # (libFuzzer exits without atexit: removed here)
             env = dict(os.environ) if ns.compiled else {**os.environ, "AGENTVM_GATE_PURE": "1"}
-            r = subprocess.run([sys.executable, __file__, "--child", target, "--seconds", str(ns.seconds),
-                                "--crash-dir", ns.crash_dir], capture_output=True, text=True, env=env)
+            env["TMPDIR"] = scratch
+            try:
+                r = subprocess.run([sys.executable, __file__, "--child", target, "--seconds", str(ns.seconds),
+                                    "--crash-dir", ns.crash_dir], capture_output=True, text=True, env=env)
+            finally:
+                shutil.rmtree(scratch, ignore_errors=True)
             stats = [ln for ln in r.stderr.splitlines() if ln.startswith("stat::number_of_executed_units")]
             runs = stats[-1].split(":")[-1].strip() if stats else "?"
             crashed = r.returncode != 0
