@@ -374,3 +374,50 @@ def test_an_ssh_banner_is_refused_on_other_ports_under_terminate_rules_and_budge
                      (_ssh_flow("git.test:22", "git.test:22", terminate=True), "terminates"),
                      (_ssh_flow("git.test:22", "git.test:22", budget=SimpleNamespace(covers=lambda h: True)), "budget")):
         assert isinstance(cmd, ex.Deny) and cmd.rule_id == "ssh:refused" and why in cmd.reason, cmd
+
+
+@needs_root
+def test_a_session_agents_socket_is_reachable_by_the_sandbox_user_only(keys, tmp_path):
+    """session_agent(owner=(uid, gid)): the socket is 0666 (the sandbox's user connects through a
+    read-only bind mount) but its directory is that user's alone, 0500 - another user of the host
+    (here a child process that dropped to another uid) cannot reach it; the owner can."""
+    from types import SimpleNamespace as NS
+
+    b = NS(name="deploy", ssh_known_hosts=(_host_line(keys["host"][1]),))
+    d = Path(f"/tmp/agentvm-test-sshdir-{uuid.uuid4().hex[:6]}")
+    owner, other = 2_999_101, 2_999_102
+    path, stop = sa.session_agent([b], lambda n: keys["user"][0], str(d), owner=(owner, owner))
+    try:
+        st = os.stat(d)
+        assert (st.st_uid, st.st_mode & 0o777) == (owner, 0o500)
+
+        def connect_as(uid: int) -> str:
+            r, w = os.pipe()
+            pid = os.fork()
+            if pid == 0:  # the child: drop to uid, try the socket
+                os.close(r)
+                import socket
+
+                try:
+                    os.setgroups([])
+                    os.setgid(uid)
+                    os.setuid(uid)
+                    s = socket.socket(socket.AF_UNIX)
+                    s.connect(path)
+                    s.sendall(struct.pack(">IB", 1, 11))  # REQUEST_IDENTITIES
+                    out = s.recv(5)
+                    os.write(w, b"ok %d" % out[4])
+                except OSError as e:
+                    os.write(w, type(e).__name__.encode())
+                os._exit(0)
+            os.close(w)
+            os.waitpid(pid, 0)
+            got = os.read(r, 100).decode()
+            os.close(r)
+            return got
+
+        assert connect_as(other) == "PermissionError"
+        assert connect_as(owner) == "ok 12"  # IDENTITIES_ANSWER
+    finally:
+        stop()
+        shutil.rmtree(d, ignore_errors=True)
