@@ -133,20 +133,46 @@ def test_a_tools_section_in_the_old_placeholder_format_is_refused_with_the_line(
 
 
 def test_named_agent_workspace_is_durable_private_and_size_limited(agentvm, tmp_path, avm_home):
+    from agentvm import workspace
+
     f = write_agent(tmp_path, "keeper")
-    r1 = agentvm("run", "-f", str(f), "--json", "--", "/bin/sh", "-c", "echo kept > /workspace/note; df -k /workspace | tail -1")
+    img = avm_home / "workspaces" / "keeper.img"
+    # an agent that has an image keeps it; else new workspaces get the backend in force (the pool by default)
+    kind = "image" if img.exists() or workspace.backend()[0] == "image" else "pool"
+    if kind == "image":  # its own ext4 filesystem of the declared size: df shows it
+        probe = "df -k /workspace | tail -1"
+    else:  # one btrfs for all (df shows the pool): the quota group stops writes at the limit
+        probe = ("dd if=/dev/zero of=/workspace/big bs=1M count=32 conv=fsync 2>&1 | grep -o 'Disk quota exceeded' | "
+                 "head -1; sync; stat -c %s /workspace/big; rm -f /workspace/big")
+    r1 = agentvm("run", "-f", str(f), "--json", "--", "/bin/sh", "-c", f"echo kept > /workspace/note; {probe}")
     assert r1.returncode == 0, r1.stderr
     d1 = last_json(r1.stdout)
-    size_kb = int(r1.stdout.decode().splitlines()[0].split()[1])
-    assert size_kb <= 16 * 1024, "the workspace is its own filesystem of the declared size"
+    out = r1.stdout.decode().splitlines()
+    if kind == "image":
+        size_kb = int(out[0].split()[1])
+        assert size_kb <= 16 * 1024, "the workspace is its own filesystem of the declared size"
+    else:
+        assert out[0] == "Disk quota exceeded", out  # EDQUOT inside, at its own limit
+        written = int(out[1])
+        assert 12 * 1024**2 <= written <= 16 * 1024**2, ("stopped at the 16M limit, not before nor past it", written)
     r2 = agentvm("run", "-f", str(f), "--json", "--", "/bin/cat", "/workspace/note")
     assert r2.stdout.decode().startswith("kept")
     d2 = last_json(r2.stdout)
     assert d1["host_uid"] == d2["host_uid"], "an agent keeps its uid across runs"
-    # on the host, outside any run: an image file owned by root, not a browsable directory
-    img = avm_home / "workspaces" / "keeper.img"
-    assert img.is_file() and img.stat().st_mode & 0o077 == 0
-    assert not any((avm_home / "run" / "ws").glob("keeper/*")), "unmounted after the run"
+    if kind == "image":
+        # on the host, outside any run: an image file owned by root, not a browsable directory
+        assert img.is_file() and img.stat().st_mode & 0o077 == 0
+        assert not any((avm_home / "run" / "ws").glob("keeper/*")), "unmounted after the run"
+    else:
+        # the pool's image is root's alone; where it is mounted (another user holds it), the
+        # workspace is a directory only its agent's uid can enter
+        pool_img = avm_home / "workspaces" / ".pool.img"
+        assert pool_img.is_file() and pool_img.stat().st_mode & 0o077 == 0 and pool_img.stat().st_uid == 0
+        assert not img.exists() and not (avm_home / "workspaces" / "keeper").exists(), "no image, no plain directory"
+        sub = avm_home / "run" / "ws" / ".pool" / "keeper"
+        if sub.is_dir():
+            st = sub.stat()
+            assert st.st_mode & 0o077 == 0 and st.st_uid == d1["host_uid"], (oct(st.st_mode), st.st_uid)
     # another agent gets another uid and never sees it
     g = write_agent(tmp_path, "other")
     r3 = agentvm("run", "-f", str(g), "--json", "--", "/bin/sh", "-c", "ls -A /workspace; cat /workspace/note 2>&1; true")
