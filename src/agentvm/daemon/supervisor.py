@@ -102,6 +102,16 @@ class Managed:
         return self.session.backend if self.session is not None else None
 
 
+def idle_policy(row):
+    """The agent file's ``lifecycle.idle`` (None without one, or for a file that no longer parses)."""
+    from agentvm.spec.loader import load_agent_text
+
+    try:
+        return getattr(load_agent_text(row.spec_text, row.spec_file).spec.spec, "idle", None)
+    except Exception:  # noqa: BLE001 - its start parsed it; an idle policy is never a reason to fail
+        return None
+
+
 class StartAgain(Exception):
     """A start that must be redone from the sandbox's row (nothing of it has run yet)."""
 
@@ -300,7 +310,7 @@ class Supervisor:
         (locked, full, read-only) ends neither the watch nor the sandbox: the last row read
         still rules, and each kind of failure is said once."""
         r = row
-        idle = self._idle_policy(row)
+        idle = idle_policy(row)
         while True:
             await asyncio.sleep(0.5)
             clock = _clock()
@@ -340,15 +350,6 @@ class Supervisor:
                     return
                 m.idle_action = idle.action  # (once: its own task, which this watch must not wait for)
                 asyncio.ensure_future(self._idle_act(m, idle.action, idle.after))
-
-    def _idle_policy(self, row):
-        """The agent file's ``lifecycle.idle`` (None without one, or for a file that no longer parses)."""
-        from agentvm.spec.loader import load_agent_text
-
-        try:
-            return getattr(load_agent_text(row.spec_text, row.spec_file).spec.spec, "idle", None)
-        except Exception:  # noqa: BLE001 - its start parsed it; an idle policy is never a reason to fail
-            return None
 
     async def _idle_act(self, m: Managed, action: str, after: float) -> None:
         """lifecycle.idle ran out: pause or suspend it (recorded; a failure is said, the agent runs on)."""
