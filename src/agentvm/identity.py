@@ -20,7 +20,8 @@ from pathlib import Path
 
 from agentvm.errors import BackendError
 
-AGENT_RANGE = 60000  # uids for named agents: base .. base+AGENT_RANGE-1
+AGENT_RANGE = 60000  # uids for named agents: base .. base+AGENT_RANGE-GATE_UIDS-1
+GATE_UIDS = 64  # the top of the agent range: one uid per confined gate worker slot (agentvm.gate.confine)
 LEASE_RANGE = 60000  # uids for anonymous runs: base+AGENT_RANGE ..
 
 
@@ -236,7 +237,7 @@ def agent_identity(db: Path, name: str) -> Identity:
         row = conn.execute("SELECT uid FROM identities WHERE name=?", (name,)).fetchone()
         if row is None:
             used = {r[0] for r in conn.execute("SELECT uid FROM identities")}
-            uid = next((u for u in range(base, base + AGENT_RANGE) if u not in used), None)
+            uid = next((u for u in range(base, base + AGENT_RANGE - GATE_UIDS) if u not in used), None)
             if uid is None:
                 conn.execute("ROLLBACK")
                 raise BackendError("no free agent uid left", hint="remove unused agents or raise AGENTVM_UID_BASE")

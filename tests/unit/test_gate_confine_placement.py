@@ -51,3 +51,27 @@ def test_a_workers_counters_are_checked_before_the_daemon_adds_them():
                 {**good, "denials": {"k": 1}}, {**good, "denial_reasons": {("a", "b"): "why"}},
                 {k: v for k, v in good.items() if k != "alerts"}, [good], "x"):
         assert not _counters_ok(bad), bad
+
+
+def test_no_agent_uid_is_ever_a_gate_workers(tmp_path):
+    """The last GATE_UIDS uids of the agent range belong to the confined gate workers: agent
+    uids stop below them, so a compromised worker never shares an agent's uid (its files)."""
+    from agentvm import identity
+    from agentvm.gate import confine
+
+    home = tmp_path / "home"
+    home.mkdir()
+    base = identity.uid_base(home)
+    gate = {confine.gate_uid(home, i) for i in range(confine.MAX_GATE_UIDS)}
+    top = base + identity.AGENT_RANGE - identity.GATE_UIDS
+    assert min(gate) >= top and max(gate) < base + identity.AGENT_RANGE
+    db = home / "state.db"
+    with __import__("unittest.mock").mock.patch.object(identity, "AGENT_RANGE", identity.GATE_UIDS + 3):
+        uids = [identity.agent_identity(db, f"a{i}").uid for i in range(3)]
+        assert max(uids) < base + identity.AGENT_RANGE - identity.GATE_UIDS
+        import pytest
+
+        from agentvm.errors import BackendError
+
+        with pytest.raises(BackendError, match="no free agent uid"):
+            identity.agent_identity(db, "one-too-many")

@@ -48,8 +48,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from agentvm.errors import AgentVMError
-
-MAX_GATE_UIDS = 64  # worker slots with a uid of their own (agentvm.gate.workers.MAX_WORKERS)
+from agentvm.identity import GATE_UIDS as MAX_GATE_UIDS  # worker slots with a uid of their own; never an agent's
 
 # ---------------------------------------------------------------------------------- errors
 STEPS = ("validate", "mount-namespace", "identity", "no-new-privs", "landlock", "seccomp")
