@@ -38,6 +38,7 @@ import json
 import os
 import secrets
 import stat
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -498,6 +499,67 @@ def _link_escapes(rel: str, target: str) -> bool:
     return False
 
 
+LINK_HOPS = 40  # the kernel's own limit on symbolic links followed in one lookup
+
+
+def _link_at(fd: int, path: str) -> tuple[str, str | None]:
+    """What ``path`` (every parent already known not to be a link in this tree) is under ``fd``:
+    ("link", target) | ("whiteout", None) | ("other", None) | ("none", None)."""
+    try:
+        st = os.stat(path, dir_fd=fd, follow_symlinks=False)
+    except (FileNotFoundError, NotADirectoryError):
+        return "none", None
+    if stat.S_ISLNK(st.st_mode):
+        return "link", os.readlink(path, dir_fd=fd)
+    if stat.S_ISCHR(st.st_mode) and st.st_rdev == 0:
+        return "whiteout", None
+    return "other", None
+
+
+def _link_resolves_out(rel: str, target: str, upper_fd: int | None, host_fd: int | None) -> str | None:
+    """Why the link at ``rel`` -> ``target`` leads out of the folder once applied, or None.
+
+    Resolved as the kernel would, against the folder as it will be - the layer's entries over
+    the host's - following every symbolic link on the way (a chain ``x/l -> ..``, ``esc -> x/l/..``
+    is each "inside" as text alone, and leads out together; so does ``e -> vendor/..`` when the
+    host's ``vendor`` is a link out). A name that is a link on the host but not in the layer is
+    refused (which one wins depends on how it is applied); a loop or more than ``LINK_HOPS``
+    links is refused."""
+    if not target or target.startswith("/"):
+        return f"a symbolic link out of the folder (-> {target})"
+    cur = [p for p in rel.split("/") if p][:-1]
+    todo = target.split("/")
+    hops = 0
+    while todo:
+        part = todo.pop(0)
+        if part in ("", "."):
+            continue
+        if part == "..":
+            if not cur:
+                return f"a symbolic link out of the folder (-> {target})"
+            cur.pop()
+            continue
+        path = "/".join(cur + [part])
+        lk, lt = _link_at(upper_fd, path) if upper_fd is not None else ("none", None)
+        hk, ht = _link_at(host_fd, path) if host_fd is not None and lk != "whiteout" else ("none", None)
+        if lk == "link":
+            t = lt
+        elif hk == "link" and lk == "none":
+            t = ht
+        elif hk == "link":
+            return f"a symbolic link through {path}, a symbolic link on the host (-> {ht}) (-> {target})"
+        else:
+            cur.append(part)
+            continue
+        hops += 1
+        if hops > LINK_HOPS:
+            return f"a symbolic link through too many links (-> {target})"
+        if not t or t.startswith("/"):
+            return f"a symbolic link out of the folder through {path} -> {t} (-> {target})"
+        todo = t.split("/") + todo
+    return None
+
+
 def _trusted_refusal(rel: str, ginfo: dict) -> str | None:
     from agentvm.grants import TRUSTED_NAMES
 
@@ -507,6 +569,10 @@ def _trusted_refusal(rel: str, ginfo: dict) -> str | None:
     if top in protected:
         return f"{top} is a host-trusted name (the host's tools run or obey it): never applied from a review layer"
     return None
+
+
+_UPPER = threading.local()  # .fd: the upper directory of the layer being walked (this thread)
+_UPPER.fd = None
 
 
 def changes(layer: Path, grant: str, ginfo: dict, host_fd: int) -> list[Change]:
@@ -522,7 +588,11 @@ def changes(layer: Path, grant: str, ginfo: dict, host_fd: int) -> list[Change]:
         host_st = os.fstat(host_fd)
         if stat.S_IMODE(root_st.st_mode) != stat.S_IMODE(host_st.st_mode):
             out.append(Change(grant, "", "mode", "dir", "dir", stat.S_IMODE(host_st.st_mode), _safe_mode(root_st.st_mode, True)))
-        _walk(ufd, "", grant, ginfo, host_fd, out, opaque=False)
+        _UPPER.fd = ufd  # links are resolved against the whole layer (_link_resolves_out)
+        try:
+            _walk(ufd, "", grant, ginfo, host_fd, out, opaque=False)
+        finally:
+            _UPPER.fd = None
     finally:
         os.close(ufd)
     out.sort(key=lambda c: c.rel)
@@ -596,8 +666,9 @@ def _walk_entry(ufd: int, rel: str, name: str, grant: str, ginfo: dict, host_fd:
             if c.old_target == c.target:
                 return
         c.action = "symlink"
-        if _link_escapes(r, c.target):
-            c.action, c.reason = "refuse", f"a symbolic link out of the folder (-> {c.target})"
+        why = _link_resolves_out(r, c.target, getattr(_UPPER, "fd", None), host_fd)
+        if _link_escapes(r, c.target) or why:
+            c.action, c.reason = "refuse", why or f"a symbolic link out of the folder (-> {c.target})"
     elif lk == "file":
         c.new_mode = _safe_mode(st.st_mode, False)
         if st.st_mode & (stat.S_ISUID | stat.S_ISGID):

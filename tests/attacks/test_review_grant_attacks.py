@@ -143,6 +143,41 @@ def test_links_out_of_the_folder_gain_nothing(avm_home, folder, outside):
     assert not Path("/etc/agentvm-planted").exists()
 
 
+def test_chains_of_links_each_inside_as_text_gain_nothing(avm_home, folder, outside):
+    """The security review's chains: each link is "inside the folder" read as text alone, but
+    followed together they lead out - ``x/l -> ..`` + ``esc -> x/l/..``, a deep ``l -> ../../../..``
+    used as ``pw -> a/b/c/d/l/../../../../etc/passwd``, and a host folder's own link out
+    (``vendor -> <outside>``) used as ``e -> vendor/..`` / ``v2 -> vendor/victim``. accept
+    refuses each; the innocent ones (``x/l``, ``a/b/c/d/l`` stay inside, ``ok -> sub/f``) apply."""
+    os.symlink(str(outside), folder / "vendor")  # the host folder's own link out (not the agent's)
+    before = host_state(folder, outside)
+    script = """
+    cd /src
+    mkdir x && ln -s .. x/l && ln -s x/l/.. esc
+    mkdir -p a/b/c/d && ln -s ../../../.. a/b/c/d/l && ln -s a/b/c/d/l/../../../../etc/passwd pw
+    ln -s vendor/.. e; ln -s vendor/victim v2; ln -s esc esc2; ln -s loop1 loop2; ln -s loop2 loop1
+    ln -s sub/f ok
+    """
+    code, out = sandbox(folder, textwrap.dedent(script))
+    assert code == 0, out
+    name = layer_name(avm_home, folder)
+    r = cli("accept", name)
+    assert r.returncode != 0 and "review.refused" in r.stderr, r.stdout + r.stderr
+    for n in ("esc", "pw", "e", "v2", "esc2", "loop1", "loop2"):
+        assert f"  {n}:" in r.stderr, (n, r.stderr)
+    assert not (folder / "esc").exists() and not (folder / "pw").is_symlink(), "refused as a whole"
+    r = cli("accept", name, "x", "a", "ok")  # the rest, by name
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert os.readlink(folder / "x" / "l") == ".." and os.readlink(folder / "ok") == "sub/f"
+    for n in ("esc", "pw", "e", "v2", "esc2", "loop1", "loop2"):
+        assert not os.path.lexists(folder / n), n
+    assert host_state(folder, outside) == before
+    (folder / "vendor").unlink()  # the host's own link, planted by this test
+    # x/l and a/b/c/d/l lead to the folder itself (links_out wants strictly below it)
+    assert os.path.realpath(folder / "x" / "l") == os.path.realpath(folder / "a/b/c/d/l") == str(folder)
+    assert [b for b in links_out(folder) if not b.endswith(("x/l -> ..", "a/b/c/d/l -> ../../../.."))] == []
+
+
 def test_hardlinks_fifos_setuid_and_reserved_names(avm_home, folder, outside):
     before = host_state(folder, outside)
     script = """
