@@ -350,20 +350,22 @@ def daemon_stdin_rows(home: Path, runs: int) -> dict:
     a: list[float] = []
     b: list[float] = []
     c: list[float] = []
+    cpu: dict[str, list[float]] = {"a": [], "b": [], "c": []}
     try:
         for f in (null, pipe, pipe_embedded):
             measure(f, 0, warmup=2)
         for i in range(runs):
-            a += measure(null, 1, warmup=0)
-            b += measure(pipe, 1, warmup=0)
+            a += measure(null, 1, warmup=0, cpu=cpu["a"])
+            b += measure(pipe, 1, warmup=0, cpu=cpu["b"])
             if i % 3 == 0:
-                c += measure(pipe_embedded, 1, warmup=0)
+                c += measure(pipe_embedded, 1, warmup=0, cpu=cpu["c"])
     finally:
         subprocess.run(cli + ["down"], env=env, capture_output=True)
     rows = {"run via daemon": summary(a), "run via daemon, stdin a pipe": summary(b),
             "embedded, stdin a pipe (before)": summary(c)}
-    for r in rows.values():
+    for r, k in zip(rows.values(), "abc"):
         r["x_daemon_devnull"] = r["median_ms"] / rows["run via daemon"]["median_ms"]
+        r["client_cpu_median_ms"] = statistics.median(cpu[k])  # the client's (and an embedded run's) own CPU
     rows["run via daemon"]["client"] = " ".join(cli)
     return rows
 
@@ -372,9 +374,10 @@ def print_daemon_rows(rows: dict, as_json: bool) -> int:
     if as_json:
         print(json.dumps(rows, indent=2))
         return 0
-    print(f"{'':34} {'median ms':>10} {'p90 ms':>8} {'x via daemon (/dev/null)':>25}")
+    print(f"{'':34} {'median ms':>10} {'p90 ms':>8} {'x via daemon (/dev/null)':>25} {'client CPU ms':>14}")
     for name, r in rows.items():
-        print(f"{name:34} {r['median_ms']:10.2f} {r['p90_ms']:8.2f} {r['x_daemon_devnull']:25.2f}")
+        print(f"{name:34} {r['median_ms']:10.2f} {r['p90_ms']:8.2f} {r['x_daemon_devnull']:25.2f} "
+              f"{r['client_cpu_median_ms']:14.2f}")
     if rows:
         p = rows["run via daemon, stdin a pipe"]["median_ms"]
         print(f"stdin a pipe through the daemon: {p:.1f} ms median (target <= 20 ms: {'met' if p <= 20 else 'NOT met'}); "

@@ -117,7 +117,8 @@ class Term:
         end = time.monotonic() + timeout
         while time.monotonic() < end:
             try:
-                self.buf += os.read(self.fd, 65536)
+                if select.select([self.fd], [], [], 0.05)[0]:
+                    self.buf += os.read(self.fd, 65536)
             except OSError:
                 pass
             pid, st = os.waitpid(self.pid, os.WNOHANG)
@@ -471,3 +472,26 @@ def test_the_control_plane_serves_a_session_to_an_in_process_adapter(fresh_home,
             await cp.close()
 
     asyncio.run(main())
+
+
+def test_an_exec_terminal_whose_client_vanishes_hangs_up_and_holds_nothing(daemon, tmp_path):
+    av("create", "-f", str(agent(tmp_path, "st-hup", ["/bin/sh", "-c", "exec sleep 300"])), "--start")
+    try:
+        pid = daemon_pid(daemon)
+        av("exec", "st-hup", "--", "/bin/true")
+        base = nfds(pid)
+        t = Term(agentvm_cmd() + ["exec", "-it", "st-hup", "--", "/bin/cat"])
+        t.type(b"READY\r")
+        t.expect(b"READY\r\nREADY")  # the terminal's echo, then cat's copy: cat reads its terminal
+        os.kill(t.pid, signal.SIGKILL)  # the client vanishes: no frame, the connection closes
+        os.waitpid(t.pid, 0)
+        _TERMS.remove(t)
+        wait_for(lambda: any(r["kind"] == "operator.exec-abandoned" and r["sandbox"] == "st-hup" for r in records()),
+                 20, "the abandoned exec on the chain")
+        # the shell got its hang-up: only the worker's own process is left, and the daemon's
+        # descriptors are back where they were
+        wait_for(lambda: nfds(pid) <= base, 20, f"the daemon's descriptors back to {base} (now {nfds(pid)})")
+        out = av("exec", "st-hup", "--", "ps", "-eo", "comm").stdout.decode().split()
+        assert "sleep" in out and "cat" not in out, out
+    finally:
+        av("rm", "st-hup", check=False)

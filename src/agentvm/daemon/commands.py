@@ -224,6 +224,7 @@ class Commands:
         to the terminal's foreground process group (TIOCSIG); without a terminal, signals are
         not forwarded. A client that goes away closes the command's stdin (a terminal hangs
         up), so an interactive shell ends; the sandbox keeps running. Returns the ExitStatus."""
+        await self.wake(name, actor=actor, why="exec")
         m = self.managed.get(name)
         if m is None or m.handle is None:
             raise refuse("sandbox.not-running", f"{name} is not running", hint=f"agentvm start {name}")
@@ -241,6 +242,7 @@ class Commands:
             streams, our_ends, stdio = {master: "stdout"}, (slave,), (slave, slave, slave)
             stdin_w = os.dup(master)
             sig_fd = os.dup(master)
+            hup = [os.dup(slave)]  # to hang it up; closed the moment the command ends (below)
             feeder_args = {"tty_fd": sig_fd}
             argv = _with_ctty(backend, argv, kw)
         else:
@@ -248,15 +250,34 @@ class Commands:
             e_r, e_w = os.pipe2(os.O_CLOEXEC)
             i_r, stdin_w = os.pipe2(os.O_CLOEXEC)
             streams, our_ends, stdio = {o_r: "stdout", e_r: "stderr"}, (o_w, e_w, i_r), (i_r, o_w, e_w)
-            sig_fd = None
+            sig_fd, hup = None, [None]
 
         def on_signal(sig: str) -> None:
-            self.record("operator.exec-signal", sandbox=name, signal=sig, delivered=sig_fd is not None)
-            if sig_fd is not None:
-                _tiocsig(sig_fd, SIGNALS[sig])
+            # a pty delivers INT and QUIT to its foreground process group (TIOCSIG); HUP is a
+            # hang-up of the terminal; TERM (and anything without a terminal) is not deliverable
+            delivered = False
+            if sig in ("INT", "QUIT") and sig_fd is not None:
+                delivered = _tiocsig(sig_fd, SIGNALS[sig])
+            elif sig == "HUP" and hup[0] is not None:
+                delivered = _vhangup(hup[0])
+            self.record("operator.exec-signal", sandbox=name, signal=sig, delivered=delivered)
+
+        def on_gone() -> None:
+            # the client is gone: its stdin ends (the feeder closes the pipe); a terminal hangs up
+            self.record("operator.exec-abandoned", sandbox=name, reason="the client went away")
+            if hup[0] is not None:
+                _vhangup(hup[0])  # the terminal hangs up: its session gets SIGHUP, reads end
+
+        def drop_hup(_fut=None) -> None:
+            # a slave held open would keep the master from its EOF: closed as soon as the command
+            # ends (on the loop, as every user of it: no fd number is used after it is freed)
+            if hup[0] is not None:
+                os.close(hup[0])
+                hup[0] = None
 
         fut = asyncio.ensure_future(asyncio.to_thread(backend.exec, m.handle, argv, stdio=stdio, **kw))
-        feeder = asyncio.ensure_future(feed(io, stdin_w, on_signal=on_signal, **feeder_args))
+        fut.add_done_callback(drop_hup)
+        feeder = asyncio.ensure_future(feed(io, stdin_w, on_signal=on_signal, on_gone=on_gone, **feeder_args))
         began = time.time()
         await io.start()
         try:
@@ -264,6 +285,7 @@ class Commands:
         finally:
             feeder.cancel()
             await asyncio.gather(feeder, return_exceptions=True)
+            drop_hup()
         trace = m.session.trace if m.session is not None else None
         if trace is not None:
             trace.span("exec", began, attributes={"agentvm.exec.command": os.path.basename(argv[0])[:128],
@@ -336,12 +358,27 @@ def _with_ctty(backend, argv: list[str], kw: dict) -> list[str]:
     return ["setsid", "-c", *argv]
 
 
-def _tiocsig(master: int, signum: int) -> None:
-    """Send ``signum`` to the foreground process group of the pty behind ``master``."""
+def _tiocsig(master: int, signum: int) -> bool:
+    """Send ``signum`` (SIGINT, SIGQUIT or SIGTSTP: what Linux allows) to the foreground process
+    group of the pty behind ``master``."""
     import fcntl
 
-    TIOCSIG = 0x40045436  # _IOW('T', 0x36, int)
+    TIOCSIG = 0x40045436  # _IOW('T', 0x36, int); the signal is passed by value
     try:
         fcntl.ioctl(master, TIOCSIG, signum)
     except OSError:
-        pass
+        return False
+    return True
+
+
+def _vhangup(slave: int) -> bool:
+    """Hang up the pty behind ``slave`` (TIOCVHANGUP, the daemon's CAP_SYS_ADMIN): its session
+    gets SIGHUP and its reads end - what closing a terminal does."""
+    import fcntl
+
+    TIOCVHANGUP = 0x5437
+    try:
+        fcntl.ioctl(slave, TIOCVHANGUP, 0)
+    except OSError:
+        return False
+    return True

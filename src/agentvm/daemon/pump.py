@@ -194,7 +194,7 @@ async def feed(io: Attached, stdin_fd: int | None, *, tty_fd: int | None = None,
     is closed: the command reads EOF) or goes away (``on_gone()``). One event at a time: the
     next frame is read only once this one's bytes are in the pipe/terminal (so a client
     streaming 100 MB waits on the sandbox's reading, the daemon holds one frame).
-    ``stdin_fd`` is this function's to close. Cancelled when the session ends."""
+    ``stdin_fd`` and ``tty_fd`` are this function's to close. Cancelled when the session ends."""
     try:
         if stdin_fd is not None:
             os.set_blocking(stdin_fd, False)
@@ -224,6 +224,8 @@ async def feed(io: Attached, stdin_fd: int | None, *, tty_fd: int | None = None,
     finally:
         if stdin_fd is not None:
             os.close(stdin_fd)
+        if tty_fd is not None:
+            os.close(tty_fd)
 
 
 class QueueAttached:
