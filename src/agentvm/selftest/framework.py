@@ -74,13 +74,14 @@ WEAKENINGS = {
     "checkpoint-granted": "checkpoints are kept in a folder granted read-write into the sandbox",
     "unbound-checkpoint": "resume trusts a checkpoint as found (its binding is recomputed from the image, not read "
                           "from the daemon's state)",
+    "no-lineage": "a fork's gate does not know its ancestors' placeholders",
     "ssh-any-host": "the ssh credential's knownHosts also lists the attacker's host (the gate's agent signs for it)",
 }
 
 # weakenings of the policy or the gate (not of a substrate's plan): they apply on every substrate
 POLICY_WEAKENINGS = frozenset({"grant-canaries", "cred-in-env", "permissive-gate", "raw-scrub", "permissive-tools",
                                "no-budget", "gate-unconfined", "gate-no-seccomp", "gate-no-landlock",
-                               "checkpoint-granted", "unbound-checkpoint", "ssh-any-host"})
+                               "checkpoint-granted", "unbound-checkpoint", "no-lineage", "ssh-any-host"})
 
 SINK_NAME = "canary.selftest"
 CANARY_HOST = "canary-exfil.selftest"

@@ -104,3 +104,42 @@ def _(env: Env) -> Verdict:
         return Verdict.escaped("a tampered checkpoint was accepted for resume: " + ", ".join(accepted))
     return Verdict.contained("an edited byte, an added file and an image claimed for another sandbox were each "
                              "refused (checkpoint.tampered): the binding is read from the daemon's state, not the image")
+
+
+@case("state.fork-parent-placeholder", "state",
+      "a fork replays its parent's credential placeholder (found in the forked workspace) to the bound host",
+      weakened_by="no-lineage")
+def _(env: Env) -> Verdict:
+    """The fork's gate (its CredentialSet, as the daemon builds it for a forked agent) is asked
+    to forward a request carrying the parent's placeholder in the very header the credential is
+    injected in, to the host it is bound to: it must refuse it as a leak, never swap it."""
+    from agentvm import snapshot
+    from agentvm.gate.brokers import CredentialError
+    from agentvm.gate.credentials import CredentialBinding, make_placeholder
+    from agentvm.sessioncreds import vault_credentials
+
+    real = "SELFTEST-REAL-" + secrets.token_hex(12)
+    d = Path(tempfile.mkdtemp(prefix="agentvm-selftest-lineage-", dir="/tmp"))
+    try:
+        (d / "secret").write_text(real + "\n")
+        b = CredentialBinding(name="k", env="K", ref=f"file:{d / 'secret'}", hosts=("api.selftest",), header="x-api-key")
+        parent_ph, child_ph = make_placeholder(b, len(real)), make_placeholder(b, len(real))
+        child = vault_credentials((b,), {"k": child_ph}, d / "vault", "child-00000000")
+        if "no-lineage" not in env.weakens:
+            child = snapshot.with_ancestors(child, (b,), [("k.parent", parent_ph)], d / "vault", "child-00000000")
+        own = child.apply(host="api.selftest", scheme="https", target="/", headers=[(b"x-api-key", child_ph.encode())])
+        if (b"x-api-key", real.encode()) not in own.headers:
+            return Verdict.error("control failed: the child's own placeholder was not swapped")
+        try:
+            sw = child.apply(host="api.selftest", scheme="https", target="/",
+                             headers=[(b"x-api-key", parent_ph.encode())])
+        except CredentialError as exc:
+            if not exc.rule_id.startswith("credential:leak:"):
+                return Verdict.error(f"refused, but not as a leak: {exc.rule_id}")
+            return Verdict.contained(f"the parent's placeholder in the child: refused as {exc.rule_id} (the "
+                                     "child's own placeholder is swapped beside it)")
+        if any(real.encode() in v for _, v in sw.headers):
+            return Verdict.escaped("the parent's placeholder was swapped for the real value in the child")
+        return Verdict.escaped("the parent's placeholder passed the child's gate unrefused (forwarded upstream as is)")
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
