@@ -93,7 +93,12 @@ def fast_run(argv: list[str]) -> int | None:
         from agentvm.errors import AgentVMError
 
         try:
-            return attach_run(command)
+            from _json import encode_basestring_ascii as q
+        except ImportError:
+            from json.encoder import encode_basestring_ascii as q
+        body = ('{"command":[' + ",".join(q(a) for a in command) + "]," + _NO_OPTIONS + "}").encode("ascii")
+        try:
+            return attach_run(command, body)
         except AgentVMError as err:
             from agentvm.cli import report_error
 
