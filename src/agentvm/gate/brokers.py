@@ -152,15 +152,28 @@ def _check_url(url: str, what: str) -> str:
     raise ValueError(f"{what} must be an https:// URL (http:// only on loopback)")
 
 
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    """A 3xx stays a 3xx (urllib raises it as an HTTPError) instead of being followed."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):  # noqa: ANN001
+        return None
+
+
 def _http(name: str, method: str, url: str, *, data: bytes | None = None, headers: dict | None = None,
           ca: str | None = None, what: str = "the token endpoint") -> tuple[int, dict]:
     """One call; -> (status, JSON object or {}). Raises BrokerError for a network failure."""
     req = urllib.request.Request(url, data=data, method=method, headers=dict(headers or {}))
     ctx = ssl.create_default_context(cafile=ca) if url.startswith("https:") else None
+    # never follow a redirect: urllib would re-send the headers (the client's Basic auth, an
+    # app's JWT) to wherever the Location points
+    handlers = [_NoRedirect()] + ([urllib.request.HTTPSHandler(context=ctx)] if ctx is not None else [])
     try:
-        with urllib.request.urlopen(req, timeout=TIMEOUT, context=ctx) as r:
+        with urllib.request.build_opener(*handlers).open(req, timeout=TIMEOUT) as r:
             status, body = r.status, r.read(MAX_RESPONSE)
     except urllib.error.HTTPError as e:
+        if 300 <= e.code < 400:
+            raise BrokerError(name, f"{what} answered a redirect (HTTP {e.code}), which a broker never follows "
+                                    "(its request carries credentials): configure the final URL") from None
         status, body = e.code, e.read(MAX_RESPONSE)
     except (OSError, ValueError) as e:
         raise BrokerError(name, f"{what} could not be reached ({type(e).__name__})") from None
