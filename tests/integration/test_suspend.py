@@ -198,3 +198,38 @@ def test_bwrap_suspend_refused_pause_works(avm_home, tmp_path):
             assert not list((home / "run" / "sandboxes").iterdir()), "teardown left a run dir"
         finally:
             av("rm", name, check=False)
+
+
+@needs_gvisor
+def test_idle_suspend_then_exec_resumes_transparently_across_a_daemon_restart(avm_home, tmp_path):
+    """lifecycle.idle suspends a quiet gVisor worker; the daemon goes down and up again (the
+    checkpoint and its binding outlive it); an exec then resumes it transparently - the caller
+    waits, the counter continues, the chain says the exec woke it."""
+    import time
+
+    name = "susp-idle"
+    p = _agent(tmp_path, name, "gvisor", ["python3", "-c", STATEFUL])
+    p.write_text(p.read_text().replace("lifecycle: persistent",
+                                       "lifecycle: {kind: persistent, idle: {after: 2, action: suspend}}"))
+    with daemon_up(avm_home) as home:
+        av("create", "-f", str(p), "--start")
+        try:
+            n1, _, _ = _probe(name)
+            deadline = time.monotonic() + 30
+            while _row(name)["state"] != "suspended" and time.monotonic() < deadline:
+                time.sleep(0.3)
+            assert _row(name)["state"] == "suspended"
+            idle = _audit(home, "lifecycle.idle")
+            assert idle and idle[-1]["data"]["action"] == "suspend"
+        finally:
+            pass
+    with daemon_up(avm_home) as home:
+        try:
+            assert _row(name)["state"] == "suspended", "a suspended agent stays suspended across `down`/`up`"
+            n2, pos2, _ = _probe(name)  # the exec resumes it
+            assert n1 <= n2 < n1 + 200, (n1, n2)
+            assert pos2 == sum(len(f"{i}\n") for i in range(1, n2 + 1))
+            req = _audit(home, "lifecycle.resume-requested")
+            assert req and req[-1]["data"].get("woken_by") == "exec"
+        finally:
+            av("rm", name, check=False)
