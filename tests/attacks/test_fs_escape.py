@@ -101,7 +101,11 @@ homes.add("/var/lib/agentvm")
 guesses = []
 for h in homes:
     guesses += [f"{h}/workspaces/{victim}.img", f"{h}/run/ws/{victim}/secret.txt", f"{h}/run/ws/{victim}",
-                f"{h}/workspaces", f"{h}/state.db", f"/run/agentvm/ws/{victim}/secret.txt"]
+                f"{h}/workspaces", f"{h}/state.db", f"/run/agentvm/ws/{victim}/secret.txt",
+                # the workspace pool (the default backend): one btrfs for all, each agent a subvolume
+                f"{h}/run/ws/.pool/{victim}/secret.txt", f"{h}/run/ws/.pool/{victim}", f"{h}/run/ws/.pool",
+                f"{h}/workspaces/.pool.img", f"{h}/workspaces/.pool.lock", f"/run/agentvm/ws/.pool/{victim}/secret.txt",
+                f"{h}/run/ws"]
 for g in guesses:
     for target in (g, "/proc/1/root" + g, "/proc/self/root" + g):
         try:
@@ -114,7 +118,7 @@ for g in guesses:
         except OSError as e:
             pass
 # 2. block devices / loop images
-for d in ("/dev/loop0", "/dev/loop1", "/dev/loop-control", "/dev/vda"):
+for d in ("/dev/loop0", "/dev/loop1", "/dev/loop2", "/dev/loop3", "/dev/loop-control", "/dev/btrfs-control", "/dev/vda"):
     try:
         with open(d, "rb") as fh:
             check(d, fh.read(64 << 20)); print("OPENED", d)
@@ -162,7 +166,8 @@ def test_other_agent_workspace_unreachable(avm_home, agentvm, agent_file, agent_
         line = victim.stdout.readline().decode()
         assert line.strip() == "ready", f"victim agent did not start: {line!r} {victim.stderr.read1(4000)!r}"
         # positive control: the secret really sits on the host, in the victim's mounted workspace
-        found_on_host = [p for p in (avm_home / "run" / "ws").glob(f"{a}*/secret.txt")]
+        ws = avm_home / "run" / "ws"  # an image mounted at ws/NAME, or the pool's subvolume ws/.pool/NAME
+        found_on_host = [*ws.glob(f"{a}*/secret.txt"), *ws.glob(f".pool/{a}/secret.txt")]
         host_dirs = list((avm_home / "run" / "ws").iterdir()) if (avm_home / "run" / "ws").exists() else []
         assert any(p.read_text().strip() == secret for p in found_on_host), f"control failed: {host_dirs}"
         r = agentvm(
