@@ -130,6 +130,13 @@ class ProcessService:
         if request.pty is not None:
             size = request.pty.size
             pty = (size.cols, size.rows) if size is not None else (80, 24)
+        from agentvm.e2b import templates as tpls
+        from agentvm.errors import PolicyDenied
+
+        try:  # the same names refused as at create (templates.check_envs)
+            tpls.check_command_envs(box.template, dict(cfg.envs or {}), self.svc.home)
+        except PolicyDenied as exc:
+            raise ConnectError(Code.PERMISSION_DENIED, str(exc)) from None
         envs = dict(box.envs)
         envs.update(dict(cfg.envs or {}))
         cwd = _resolve(cfg.cwd) if cfg.cwd else None

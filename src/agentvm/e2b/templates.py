@@ -128,6 +128,40 @@ def _host_allowed(host: str, allow_rules: list[dict]) -> list[dict]:
     return [r for r in allow_rules if r.get("host") and (host_matches(r["host"].lower(), h) or r["host"].lower() == h)]
 
 
+def check_envs(envs, spec: dict, template: str) -> None:
+    """Refuse a variable the policy owns (a credential's placeholder variable, the proxy and CA
+    variables, ``AGENTVM_*``, ``LD_*``): the one check of E2B ``envVars`` at create and of a
+    command's ``envs`` (envd). ``spec``: the template's resolved spec."""
+    creds = spec.get("credentials") or []
+    reserved = set(RESERVED_ENV) | {c.get("env") for c in creds if c.get("env")}
+    reserved |= {(c.get("sigv4") or {}).get("accessKeyIdEnv") for c in creds if c.get("sigv4")}
+    for k in envs:
+        if k in reserved or k.upper().startswith(("AGENTVM_", "LD_")):
+            raise PolicyDenied(
+                f"envs may not set {k}: template {template!r} (or agent-vm) owns that variable",
+                hint="give a credential by reference in the template (credentials: [{name, env, ref: vault:NAME, "
+                     "hosts}]): the sandbox gets a placeholder and the gate swaps in the real value",
+                code="e2b.env-refused")
+
+
+def check_command_envs(template: str, envs, home: Path | None = None) -> None:
+    """:func:`check_envs` for a command's ``envs`` in a sandbox of ``template``. A template
+    that no longer loads refuses every variable (its credentials' names are unknown)."""
+    if not envs:
+        return
+    from agentvm.spec.loader import dump_resolved
+
+    tpl = get(template, home)
+    try:
+        spec = (dump_resolved(_load(tpl.text, f"<template {tpl.name}>")).get("spec") or {}) if tpl else None
+    except Exception:  # noqa: BLE001 - fail closed
+        spec = None
+    if spec is None:
+        raise PolicyDenied(f"envs refused: template {template!r} cannot be read, so the variables it owns are unknown",
+                           hint="run the command without envs, or register the template again", code="e2b.env-refused")
+    check_envs(envs, spec, template)
+
+
 def sandbox_spec(tpl: Template, sandbox_name: str, opts: CreateOptions) -> str:
     """The agent file of one E2B sandbox: the template, renamed, kept alive, narrowed by the
     E2B options (never widened). Raises PolicyDenied naming the template otherwise."""
@@ -181,15 +215,7 @@ def sandbox_spec(tpl: Template, sandbox_name: str, opts: CreateOptions) -> str:
         deny.append({"host": d.strip().lower().rstrip(".")})
     egress["deny"] = deny
 
-    reserved = set(RESERVED_ENV) | {c.get("env") for c in spec.get("credentials") or [] if c.get("env")}
-    reserved |= {(c.get("sigv4") or {}).get("accessKeyIdEnv") for c in spec.get("credentials") or [] if c.get("sigv4")}
-    for k in opts.envs:
-        if k in reserved or k.upper().startswith("AGENTVM_"):
-            raise PolicyDenied(
-                f"envs may not set {k}: template {tpl.name!r} (or agent-vm) owns that variable",
-                hint="give a credential by reference in the template (credentials: [{name, env, ref: vault:NAME, "
-                     "hosts}]): the sandbox gets a placeholder and the gate swaps in the real value",
-                code="e2b.env-refused")
+    check_envs(opts.envs, spec, tpl.name)
     env = dict(spec.get("env") or {})
     env.update(opts.envs)
     spec["env"] = env
