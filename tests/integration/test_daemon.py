@@ -300,7 +300,7 @@ def test_limits_can_be_tightened_live_not_raised(daemon, tmp_path):
 def test_run_goes_through_the_daemon_when_it_is_up(daemon, tmp_path):
     """`agentvm run` with a daemon up is served by it: output streams back, the exit code is the
     sandbox's, the gate still denies, and the run is on the daemon's audit chain. A pipe on stdin
-    falls back to the embedded runtime (the daemon has no stdin relay) - visibly, not silently."""
+    goes through the daemon too (its interactive session relays stdin), not an embedded run."""
     cmd = agentvm_cmd() + ["run", "--json", "--allow", "allowed.test", "--", "/bin/sh", "-c",
                            "echo out; echo err >&2; id -u; curl -s -o /dev/null -w '%{http_code}' "
                            "--max-time 5 http://example.invalid/; exit 5"]
@@ -333,7 +333,7 @@ def test_run_goes_through_the_daemon_when_it_is_up(daemon, tmp_path):
     r = subprocess.run(agentvm_cmd() + ["run", "--", "cat"], input=b"piped\n", capture_output=True, timeout=120)
     assert r.returncode == 0 and r.stdout == b"piped\n"
     recs = [json.loads(line) for line in av("audit", "show", "--json").stdout.decode().splitlines() if line]
-    assert len([x for x in recs if x["kind"] == "operator.run"]) == n_before, "piped stdin ran embedded"
+    assert len([x for x in recs if x["kind"] == "operator.run"]) == n_before + 1, "piped stdin ran through the daemon"
 
 
 def test_a_run_through_the_daemon_past_its_timeout_is_124_and_torn_down(daemon):
