@@ -164,6 +164,35 @@ tryit("CONTROL_netlink_route", socket.AF_NETLINK, socket.SOCK_DGRAM, 0)
     return _seccomp_verdict(env, o, "sockets", ("netlink_uevent", "netlink_sock_diag", "vsock"))
 
 
+@case("proc.socket-family-high-bits", "process",
+      "socket() with bits 32-63 of the family set (the kernel reads an int and drops them): AF_VSOCK, AF_PACKET, "
+      "AF_KEY, netlink uevent/audit", weakened_by="no-seccomp")
+def _(env: Env) -> Verdict:
+    code = """
+import ctypes, errno, os
+libc = ctypes.CDLL(None, use_errno=True); libc.syscall.restype = ctypes.c_long
+NR_SOCKET = %d
+def tryit(label, fam, typ, proto):
+    ctypes.set_errno(0)
+    r = libc.syscall(ctypes.c_long(NR_SOCKET), ctypes.c_long(fam | (1 << 32)), ctypes.c_long(typ), ctypes.c_long(proto))
+    if r >= 0:
+        os.close(r); print(label, r, "OK")
+    else:
+        print(label, r, errno.errorcode.get(ctypes.get_errno(), ctypes.get_errno()))
+tryit("vsock_hi", 40, 1, 0)
+tryit("packet_hi", 17, 3, 0)
+tryit("af_key_hi", 15, 3, 2)
+tryit("netlink_uevent_hi", 16, 2, 15)
+tryit("netlink_audit_hi", 16, 3, 9)
+tryit("CONTROL_netlink_route_hi", 16, 3, 0)
+""" % ({"aarch64": 198}.get(os.uname().machine, 41),)
+    o = env.sandbox(code, lang="python", egress=False)
+    if table(o.stdout).get("CONTROL_netlink_route_hi", ["", ""])[1] != "OK":
+        return Verdict.error("control failed: a NETLINK_ROUTE socket (family with bit 32 set) was refused: " + o.out[-300:])
+    return _seccomp_verdict(env, o, "sockets with bits 32-63 set",
+                            ("vsock_hi", "packet_hi", "af_key_hi", "netlink_uevent_hi", "netlink_audit_hi"))
+
+
 @case("proc.int80-32bit-abi", "process", "a 32-bit syscall through int $0x80 (bypasses filters written for the native ABI)",
       weakened_by="no-seccomp")
 def _(env: Env) -> Verdict:

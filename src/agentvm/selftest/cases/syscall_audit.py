@@ -115,3 +115,69 @@ def _(env: Env) -> Verdict:
                                + str([(r.get("argv"), r.get("syscall")) for r in records(env, o)]))
     return Verdict.contained(f"refused and recorded: argv={cli[0]['argv']} exe={cli[0].get('exe')} "
                              f"flags={cli[0].get('args')}")
+
+
+OWN_LISTENER = r"""
+import ctypes, errno, os, struct, threading, time
+libc = ctypes.CDLL(None, use_errno=True); libc.syscall.restype = ctypes.c_long
+NR = %r
+def sc(nr, *a):
+    ctypes.set_errno(0)
+    r = libc.syscall(ctypes.c_long(nr), *[ctypes.c_long(x) for x in a])
+    return r, ("OK" if r >= 0 else errno.errorcode.get(ctypes.get_errno(), str(ctypes.get_errno())))
+# 1. flood the audit with distinct denied calls (a new protocol each: nothing is folded) - what
+#    once made the supervisor close its listener, after which the kernel accepted a new one
+stop = time.monotonic() + 1.5
+def flood(base):
+    i = 0
+    while time.monotonic() < stop:
+        libc.syscall(ctypes.c_long(NR["socket"]), ctypes.c_long(16), ctypes.c_long(3), ctypes.c_long(1000 + base + i))
+        i += 1
+ts = [threading.Thread(target=flood, args=(k * 10_000_000,)) for k in range(2)]
+[t.start() for t in ts]; [t.join() for t in ts]
+# 2. a filter of our own whose USER_NOTIF for keyctl would win the tie, with a listener
+ins = [struct.pack("HBBI", 0x20, 0, 0, 0), struct.pack("HBBI", 0x15, 0, 1, NR["keyctl"]),
+       struct.pack("HBBI", 0x06, 0, 0, 0x7fc00000), struct.pack("HBBI", 0x06, 0, 0, 0x7fff0000)]
+buf = ctypes.create_string_buffer(b"".join(ins))
+prog = ctypes.create_string_buffer(struct.pack("HxxxxxxQ", len(ins), ctypes.addressof(buf)))
+lst = sc(NR["seccomp"], 1, 8, ctypes.addressof(prog))  # SET_MODE_FILTER, FLAG_NEW_LISTENER
+print("own_listener", *lst, flush=True)
+if lst[0] >= 0:
+    def answer():  # CONTINUE every notification: the call runs
+        while True:
+            n = ctypes.create_string_buffer(80)
+            if libc.ioctl(lst[0], ctypes.c_ulong(0xc0502100), n) < 0:
+                return
+            nid = struct.unpack_from("Q", n, 0)[0]
+            libc.ioctl(lst[0], ctypes.c_ulong(0xc0182101), ctypes.create_string_buffer(struct.pack("QqiI", nid, 0, 0, 1)))
+    threading.Thread(target=answer, daemon=True).start()
+print("keyctl_after", *sc(NR["keyctl"], 0, -3, 1), flush=True)  # KEYCTL_GET_KEYRING_ID(session)
+"""
+_NR_LISTENER = {"x86_64": {"seccomp": 317, "keyctl": 250, "socket": 41},
+                "aarch64": {"seccomp": 277, "keyctl": 219, "socket": 198}}
+
+
+@case("proc.own-seccomp-listener", "process",
+      "after flooding the syscall audit, load a seccomp filter with a listener of the agent's own and answer its "
+      "USER_NOTIF rules with CONTINUE (the newest filter wins a tie): denied calls must stay refused",
+      weakened_by="no-seccomp")
+def _(env: Env) -> Verdict:
+    import os
+
+    nr = _NR_LISTENER.get(os.uname().machine, _NR_LISTENER["x86_64"])
+    o = env.sandbox(OWN_LISTENER % (nr,), lang="python", egress=False, timeout=60)
+    res: dict[str, list[str]] = {}
+    for ln in o.stdout.splitlines():
+        parts = ln.split()
+        if parts:
+            res[parts[0]] = parts[1:]
+    if "own_listener" not in res or "keyctl_after" not in res:
+        return Verdict.error("the program did not report: " + o.out.strip()[-400:])
+    if res["keyctl_after"][-1] == "OK":
+        return Verdict.escaped(f"keyctl ran through the agent's own listener (listener: {res['own_listener']})")
+    if res["own_listener"][-1] == "OK":
+        return Verdict.escaped(f"the agent got a seccomp listener of its own (keyctl: {res['keyctl_after']})")
+    if res["keyctl_after"][-1] != "EPERM":
+        return Verdict.error(f"keyctl refused, but not with the deny list's EPERM (the audit's listener gone?): "
+                             f"{res['keyctl_after']}")
+    return Verdict.contained(f"own listener refused ({res['own_listener'][-1]}), keyctl still EPERM after the flood")
