@@ -11,6 +11,7 @@ directly (``tests/unit/test_control_plane.py``).
       Supervisor  runs, restarts, TTLs, stops, recovery            (daemon/supervisor.py)
       FleetOps    fleet plan, apply, rollback, status              (daemon/fleetops.py)
       Commands    exec, run, cp                                    (daemon/commands.py)
+      StateControl pause, suspend, resume, wake, snapshot, fork    (daemon/statectl.py)
       + here: sandboxes (create, start, stop, remove, logs), live policy, approvals, audit
     DaemonGateHost  the gate's placement and endpoints             (daemon/gatehost.py)
 """
@@ -30,6 +31,7 @@ from agentvm.daemon.events import Events, make_reserve, refuse
 from agentvm.daemon.fleetops import FleetOps, Replay  # noqa: F401 (Replay: the fleet_plan argument's type)
 from agentvm.daemon.gatehost import DaemonGateHost, apply_live, budget_store
 from agentvm.daemon.state import State
+from agentvm.daemon.statectl import StateControl
 from agentvm.daemon.supervisor import Managed, Supervisor
 from agentvm.errors import AgentVMError, PolicyDenied
 from agentvm.paths import Paths
@@ -41,7 +43,7 @@ log = logging.getLogger("agentvm.daemon")
 START_WAIT = 30.0  # seconds a start (through the API) waits for the sandbox to run, exit or fail
 
 
-class ControlPlane(Events, Supervisor, FleetOps, Commands):
+class ControlPlane(Events, Supervisor, StateControl, FleetOps, Commands):
     """The daemon's state, gate, supervision and audit chain, and every operation on them."""
 
     def __init__(self, paths: Paths, *, backend=None, tracing=None, gate_workers: int = 0,
