@@ -1,4 +1,5 @@
-"""A real daemon (bubblewrap sandboxes) with the E2B API served over it on loopback, and the
+"""A real daemon (bubblewrap sandboxes) serving the E2B API on loopback (`agentvm up
+--e2b-listen`, or `agentvm e2b serve` beside it with AGENTVM_E2B_VIA=serve), and the
 environment `agentvm e2b env` prints - the only thing the E2B examples get."""
 
 from __future__ import annotations
