@@ -17,7 +17,11 @@ rules (allowed but rare) are added: the in-sandbox helper loads that program wit
 ``SECCOMP_FILTER_FLAG_NEW_LISTENER`` and hands the listener to the supervisor
 (``agentvm.sysaudit``), which answers each denied call with the rule's errno and records it.
 Compatibility rules (``clone3``/``openat2``/``statx`` -> ENOSYS, so libc falls back) and the
-chown prefix are never notified: they are not probes. See docs/syscall-audit.md.
+chown prefix are never notified: they are not probes. Neither is ``seccomp:seccomp-listener``
+(``seccomp()`` with ``SECCOMP_FILTER_FLAG_NEW_LISTENER`` -> EBUSY): it must be an ERRNO, which
+outranks the USER_NOTIF of any filter the agent loads, so the agent can never hold a listener
+that answers its own notifications with CONTINUE. Arguments the kernel reads as ``int`` are
+compared on their low 32 bits (:func:`int_eq`). See docs/syscall-audit.md.
 """
 
 from __future__ import annotations
