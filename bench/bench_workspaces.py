@@ -148,7 +148,8 @@ def run(home: Path, n: int, size: int, backends: list[str], declared: int) -> di
             raise SystemExit(f"bench_workspaces: a run failed: {r}")
 
     def held() -> int:
-        return sum(p.stat().st_blocks * 512 for p in list(ws_dir.glob("*.img")) + list(ws_dir.glob(".pool.img")))
+        # (pathlib's "*" matches dot files: the pool's image once, not twice)
+        return sum(p.stat().st_blocks * 512 for p in set(ws_dir.glob("*.img")) | set(ws_dir.glob(".pool.img")))
 
     def loops() -> int:
         r = subprocess.run(["losetup", "-a"], capture_output=True, text=True)
