@@ -67,6 +67,7 @@ _TABLE: list[tuple[str, int, int, str]] = [
     ("sandbox.suspended", 409, CONFIG, "the sandbox is suspended (resume it first: `agentvm resume NAME`)"),
     ("sandbox.not-suspended", 409, CONFIG, "the sandbox is not suspended: nothing to resume"),
     ("sandbox.paused", 409, CONFIG, "the sandbox is paused (`agentvm unpause NAME`)"),
+    ("sandbox.suspend-busy", 409, TEMPFAIL, "an egress connection is open: the sandbox cannot be checkpointed now"),
     ("backend.suspend-unsupported", 409, POLICY, "this substrate cannot suspend a sandbox faithfully (use pause, or gVisor)"),
     ("backend.pause-unsupported", 409, POLICY, "this substrate or sandbox has no cgroup freezer to pause it"),
     ("checkpoint.missing", 404, CONFIG, "the sandbox's checkpoint is gone"),

@@ -667,9 +667,19 @@ class GvisorBackend(hv.ChildProcessSandbox, Backend):
         r = self._runsc(handle, "checkpoint", "--image-path", image_dir, handle.sandbox_id, timeout=300.0)
         if r is None or r.returncode != 0:
             handle.private["stopping"] = False
-            why = (r.stderr.strip()[-400:] if r is not None else "runsc did not answer within 300 s")
-            raise BackendError(f"runsc could not checkpoint the sandbox: {why}",
-                               hint="the sandbox keeps running; stop it or try again")
+            err = (r.stderr.strip() if r is not None else "") or "runsc did not answer within 300 s"
+            why = next((ln for ln in err.splitlines() if "error" in ln.lower() or "panic" in ln.lower()), err[:300])
+            try:
+                proc.wait(timeout=2)
+            except subprocess.TimeoutExpired:
+                pass
+            alive = proc.poll() is None
+            raise BackendError(
+                f"runsc could not checkpoint the sandbox: {why[:400]}" + ("" if alive else
+                                                                          " - and the sandbox did not survive it"),
+                hint="the sandbox keeps running; stop it or try again" if alive else
+                "a persistent worker is restarted afresh (its memory is lost); an open host socket (an egress "
+                "connection through the gate, even one the gate closed) is the usual cause with this runsc")
         handle.private["suspended"] = True
         try:
             proc.wait(timeout=30)

@@ -75,6 +75,12 @@ class StateControl:
         backend, s = m.backend, m.session
         if not getattr(backend, "can_suspend", False):
             backend.suspend(m.handle, "")  # the substrate's refusal, by its code
+        busy = getattr(m.endpoint, "active", 0) if m.endpoint is not None else 0
+        if busy:  # runsc cannot save a host socket (the gate's): checkpointing now would crash it
+            raise refuse("sandbox.suspend-busy", f"{name} has {busy} egress connection(s) open through the gate; "
+                         "a sandbox holding a host socket cannot be checkpointed",
+                         hint=f"try again when it is idle (`agentvm suspend {name}`), or pause it: "
+                              f"`agentvm pause {name}`")
         if self.state.get(name).state == "paused":
             await self.unpause(name, actor=actor, why="suspend")
         # the policy it resumes on: its agent file's with the live changes made so far (what a

@@ -26,6 +26,7 @@ log = logging.getLogger("agentvm.daemon")
 ACTIVITY_SAVE = 5.0  # seconds between writes of a busy sandbox's last activity to its row
 ACTIVITY_RETRY = 30.0  # seconds before a failed write of it is tried again
 STOP_GRACE = 2.0  # seconds a stopped sandbox has to exit
+IDLE_RETRY = 30.0  # seconds before a failed idle action (a busy sandbox) is tried again
 _CLOCK = getattr(time, "CLOCK_BOOTTIME", time.CLOCK_MONOTONIC)
 
 
@@ -360,6 +361,7 @@ class Supervisor:
             log.warning("the idle %s of %s failed: %s", action, m.name, exc)
             self.record("lifecycle.idle-failed", sandbox=m.name, action=action,
                         error=getattr(exc, "code", type(exc).__name__), message=str(exc)[:300])
+            await asyncio.sleep(IDLE_RETRY)  # (not tried again at every tick of the watch)
         finally:
             m.idle_action = None
 
