@@ -276,14 +276,16 @@ class ControlPlaneBackend(DaemonBackend):
 
     async def pause(self, name: str) -> None:
         """The daemon's suspend (a checkpoint: processes and memory kept) where the substrate
-        can; else (bubblewrap: ``backend.suspend-unsupported``) a stop, the workspace kept."""
+        can; else (bubblewrap: ``backend.suspend-unsupported``; connections open:
+        ``sandbox.suspend-busy``) a stop, the workspace kept."""
         suspend = getattr(self.cp, "suspend", None)
         if suspend is not None:
             try:
                 await suspend(name, actor=ACTOR)
                 return
             except AgentVMError as exc:
-                if exc.code != "backend.suspend-unsupported":
+                # cannot checkpoint here (bubblewrap), or not now (open egress connections)
+                if exc.code not in ("backend.suspend-unsupported", "sandbox.suspend-busy"):
                     raise _failure(exc) from exc
         await self._cp(self.cp.stop(name, actor=ACTOR))
 
