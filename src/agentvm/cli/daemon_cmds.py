@@ -311,53 +311,120 @@ def exec_cmd(name, argv, timeout, interactive, tty):
 @click.argument("dst")
 def cp(src, dst):
     """Copy into or out of a workspace: `cp FILE|DIR NAME:PATH` or `cp NAME:PATH FILE|DIR`
-    (a folder is copied whole: folders and regular files; links and special files are not)."""
+    (a folder is copied whole: folders and regular files; links and special files are not).
+    Streamed both ways: a file of any size within the workspace's room, never whole in memory."""
     c = _client()
     if ":" in dst and not Path(dst).exists():
         name, _, path = dst.partition(":")
         local = Path(src)
+        if local.is_dir():
+            import tempfile
+
+            with tempfile.TemporaryFile(prefix="agentvm-cp-") as spool:  # the tar on disk, not in memory
+                try:
+                    skipped = _tar_of(local, spool)
+                except OSError as exc:
+                    raise ConfigError(f"cannot read {src}: {exc.strerror}") from None
+                size = spool.tell()
+                spool.seek(0)
+                r = c.put_stream(name, path, spool, size, tar=True)
+            click.echo(f"{src} -> {name}:{path} ({r['files']} files, {r['dirs']} folders, {r['bytes']} bytes)"
+                       + (f"; left out {len(skipped)} links or special files: {', '.join(skipped[:5])}"
+                          if skipped else ""))
+            return 0
         try:
-            if local.is_dir():
-                data, skipped = _tar_of(local)
-                r = c.put_tree(name, path, data)
-                click.echo(f"{src} -> {name}:{path} ({r['files']} files, {r['dirs']} folders, {r['bytes']} bytes)"
-                           + (f"; left out {len(skipped)} links or special files: {', '.join(skipped[:5])}"
-                              if skipped else ""))
-                return 0
-            data = local.read_bytes()
+            fh = open(local, "rb")
         except OSError as exc:
             raise ConfigError(f"cannot read {src}: {exc.strerror}") from None
-        r = c.put_file(name, path, data)
+        with fh:
+            r = c.put_stream(name, path, fh, os.fstat(fh.fileno()).st_size)
         click.echo(f"{r['written']} bytes -> {name}:{path}")
     elif ":" in src:
         name, _, path = src.partition(":")
-        kind, data = c.get_path(name, path)
-        out = Path(dst)
-        if out.is_dir():  # `cp NAME:PATH .`: into the folder, under its own name
-            out = out / Path(path).name
-        try:
-            if kind == "tar":
-                n = _untar_into(data, out)
+        with c.open_download(name, path) as dl:
+            out = Path(dst)
+            if out.is_dir():  # `cp NAME:PATH .`: into the folder, under its own name
+                out = out / Path(path).name
+            if dl.kind == "tar":
+                import tempfile
+
+                with tempfile.TemporaryFile(prefix="agentvm-cp-") as spool:
+                    _receive(dl, spool, out)
+                    spool.seek(0)
+                    try:
+                        n = _untar_into(spool, out)
+                    except OSError as exc:
+                        raise ConfigError(f"cannot write {out}: {exc.strerror}") from None
                 click.echo(f"{name}:{path} -> {out} ({n} files)")
                 return 0
-            out.write_bytes(data)
-        except OSError as exc:
-            raise ConfigError(f"cannot write {out}: {exc.strerror}") from None
-        click.echo(f"{name}:{path} -> {out} ({len(data)} bytes)")
+            n = _receive_file(dl, out)
+        click.echo(f"{name}:{path} -> {out} ({n} bytes)")
     else:
         raise click.UsageError("one side must be NAME:PATH")
     return 0
 
 
-def _tar_of(folder: Path) -> tuple[bytes, list[str]]:
-    """A local folder as a tar stream of its folders and regular files (links and special
-    files are left out - named - never followed)."""
-    import io
+def _receive(dl, fh, out: Path) -> int:
+    """The download into the binary file ``fh``, a piece at a time; its byte count."""
+    import http.client
+
+    from agentvm.errors import BackendError
+
+    n = 0
+    try:
+        while True:
+            b = dl.read()
+            if not b:
+                return n
+            fh.write(b)
+            n += len(b)
+    except http.client.IncompleteRead:
+        raise BackendError(f"the copy to {out} was cut short after {n} bytes (the file changed or the daemon "
+                           "stopped): nothing was written", hint="copy it again") from None
+    except OSError as exc:
+        raise ConfigError(f"cannot write {out}: {exc.strerror}") from None
+
+
+def _receive_file(dl, out: Path) -> int:
+    """A file's download, written next to ``out`` and renamed over it once whole (a copy cut
+    short leaves the old ``out``, not half a file)."""
+    import tempfile
+
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.agentvm-", dir=str(out.parent or "."))
+    except OSError as exc:
+        raise ConfigError(f"cannot write {out}: {exc.strerror}") from None
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            n = _receive(dl, fh, out)
+        try:
+            os.chmod(tmp, 0o666 & ~_umask())
+            os.replace(tmp, out)
+        except OSError as exc:
+            raise ConfigError(f"cannot write {out}: {exc.strerror}") from None
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    return n
+
+
+def _umask() -> int:
+    m = os.umask(0o022)
+    os.umask(m)
+    return m
+
+
+def _tar_of(folder: Path, out) -> list[str]:
+    """A local folder as a tar stream of its folders and regular files, written to the binary
+    file ``out`` (links and special files are left out - named - never followed)."""
     import stat
     import tarfile
 
-    buf, skipped = io.BytesIO(), []
-    with tarfile.open(fileobj=buf, mode="w:", format=tarfile.PAX_FORMAT) as tf:
+    skipped = []
+    with tarfile.open(fileobj=out, mode="w:", format=tarfile.PAX_FORMAT, copybufsize=1 << 20) as tf:
         for dirpath, dirnames, filenames in os.walk(folder, followlinks=False):
             rel_dir = Path(dirpath).relative_to(folder)
             for d in sorted(dirnames):
@@ -373,17 +440,17 @@ def _tar_of(folder: Path) -> tuple[bytes, list[str]]:
                     skipped.append(str(rel_dir / f))
                     continue
                 tf.add(p, arcname=str(rel_dir / f), recursive=False)
-    return buf.getvalue(), skipped
+    return skipped
 
 
-def _untar_into(data: bytes, out: Path) -> int:
-    """Unpack a workspace folder's tar stream at ``out`` (created), with the stdlib's 'data'
-    filter: nothing outside ``out``, no links out, no device files, no setuid bits."""
-    import io
+def _untar_into(src, out: Path) -> int:
+    """Unpack a workspace folder's tar stream (a seekable binary file) at ``out`` (created),
+    with the stdlib's 'data' filter: nothing outside ``out``, no links out, no device files, no
+    setuid bits."""
     import tarfile
 
     out.mkdir(parents=True, exist_ok=True)
-    with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as tf:
+    with tarfile.open(fileobj=src, mode="r:") as tf:
         members = tf.getmembers()
         tf.extractall(out, members=members, filter="data")
     return sum(1 for m in members if m.isreg())

@@ -45,9 +45,35 @@ class ApiFailure(AgentVMError):
             self.exit_code = doc["exit_code"]
 
 
+STREAM_CHUNK = 1 << 20  # bytes of a cp upload sent at once (http.client's blocksize)
+STREAM_RATE = 20 << 20  # bytes/s a cp is given at least, on top of the timeout, before it is called stuck
+
+
+class Download:
+    """A cp download being received: ``kind`` ("file" or "tar"), ``counts`` (a folder's
+    files, dirs, bytes, skipped), ``read(n)`` the next bytes (b"" at the end; a body cut short
+    raises http.client.IncompleteRead), ``close()``."""
+
+    def __init__(self, kind: str, counts: dict, body, conn) -> None:
+        self.kind, self.counts, self._body, self._conn = kind, counts, body, conn
+
+    def read(self, n: int = STREAM_CHUNK) -> bytes:
+        return self._body.read(n)
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+
+    def __enter__(self) -> "Download":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
 class _UnixConnection(http.client.HTTPConnection):
     def __init__(self, path: str, timeout: float | None):
-        super().__init__("localhost", timeout=timeout)
+        super().__init__("localhost", timeout=timeout, blocksize=STREAM_CHUNK)
         self._path = path
 
     def connect(self) -> None:
@@ -87,14 +113,17 @@ class Client:
     def _conn(self):
         if self.url:
             host, _, port = self.url.replace("http://", "").rstrip("/").rpartition(":")
-            return http.client.HTTPConnection(host, int(port), timeout=self.timeout)
+            return http.client.HTTPConnection(host, int(port), timeout=self.timeout, blocksize=STREAM_CHUNK)
         return _UnixConnection(self.socket_path, self.timeout)
 
-    def _send(self, method: str, path: str, body: bytes | None, ctype: str):
+    def _send(self, method: str, path: str, body, ctype: str, extra: dict | None = None, *,
+              timeout: float | None = None):
         c = self._conn()
-        headers = {"Content-Type": ctype}
+        headers = {"Content-Type": ctype, **(extra or {})}
         if self.url and self.token:
             headers["Authorization"] = f"Bearer {self.token}"
+        if timeout is not None:
+            c.timeout = timeout
         try:
             try:
                 c.request(method, path, body=body, headers=headers)
@@ -229,6 +258,54 @@ class Client:
 
     def put_file(self, name: str, path: str, data: bytes):
         return self.request("PUT", f"/v1/sandboxes/{quote(name)}/files?path={quote(path)}", raw=data)
+
+    def put_stream(self, name: str, path: str, fh, size: int, *, tar: bool = False) -> dict:
+        """Upload ``size`` bytes read from the binary file ``fh`` (a file, or with ``tar`` a
+        folder's tar stream) STREAM_CHUNK at a time: never the whole in memory. The daemon
+        stages it on its state disk and refuses it up front when ``size`` cannot fit."""
+        target = f"/v1/sandboxes/{quote(name)}/files?path={quote(path)}" + ("&tar=1" if tar else "")
+        timeout = None if self.timeout is None else self.timeout + size / STREAM_RATE
+        c, r = self._send("PUT", target, fh, "application/octet-stream", {"Content-Length": str(size)},
+                          timeout=timeout)
+        try:
+            data = r.read()
+        finally:
+            c.close()
+        try:
+            out = json.loads(data) if data else None
+        except ValueError:
+            out = {"message": data[:200].decode(errors="replace")}
+        if r.status >= 300:
+            raise error_from(out or {}, r.status)
+        return out
+
+    def open_download(self, name: str, path: str, *, tar: bool = True) -> "Download":
+        """A file (``kind`` "file") or, with ``tar``, a folder (``kind`` "tar": a tar stream) of
+        the workspace as a :class:`Download` to ``read()`` STREAM_CHUNK at a time and close."""
+        target = f"/v1/sandboxes/{quote(name)}/files?path={quote(path)}" + ("&tar=1" if tar else "")
+        c, r = self._send("GET", target, None, "application/json", {"Accept": "application/octet-stream"})
+        try:
+            if r.status >= 300:
+                data = r.read()
+                try:
+                    doc = json.loads(data) if data else {}
+                except ValueError:
+                    doc = {"message": data[:200].decode(errors="replace")}
+                raise error_from(doc if isinstance(doc, dict) else {}, r.status)
+            if (r.getheader("content-type") or "").startswith("application/json"):  # a daemon without streaming
+                import io
+
+                d = json.loads(r.read())
+                c.close()
+                return Download(d.get("kind", "file"), d, io.BytesIO(base64.b64decode(d["data"])), None)
+            try:
+                counts = json.loads(r.getheader("x-agentvm-counts") or "{}")
+            except ValueError:
+                counts = {}
+            return Download(r.getheader("x-agentvm-kind") or "file", counts, r, c)
+        except BaseException:
+            c.close()
+            raise
 
     def get_file(self, name: str, path: str) -> bytes:
         return base64.b64decode(self.request("GET", f"/v1/sandboxes/{quote(name)}/files?path={quote(path)}")["data"])

@@ -8,6 +8,7 @@ workspace. Output is streamed to an :class:`~agentvm.daemon.pump.Output` (the tr
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import os
 import time
@@ -300,25 +301,124 @@ class Commands:
             raise refuse("sandbox.not-running", f"{name} is not running (its workspace is mounted only while it runs)")
         return Path(s.res.workspace.host_dir), s.res.host_uid
 
-    async def copy_in(self, name: str, path: str, data: bytes, *, tar: bool = False, actor: str = "operator") -> dict:
+    async def copy_in(self, name: str, path: str, data, *, tar: bool = False, actor: str = "operator") -> dict:
         """cp into a running sandbox's workspace: one file, or with ``tar`` a folder as a tar
-        stream (daemon.files: the same path checks for every member)."""
+        stream (daemon.files: the same path checks for every member). ``data``: bytes, or an
+        upload arriving (an object with ``length``, None when unknown, and ``await read()``):
+        that is staged on the state disk as it comes (:meth:`_stage`), never held in memory."""
         from agentvm.daemon import files
 
         self.row(name)  # not-found for a sandbox that does not exist, before "not running"
         await self.wake(name, actor=actor, why="cp")
         root, uid = self._workspace_dir(name)
-        if tar:
-            got = await asyncio.to_thread(files.write_tree_beneath, root, path, data, uid)
-            self.record("operator.cp-in", actor=actor, sandbox=name, path=path, folder=True, **got)
-            return {"written": got["bytes"], "path": path, **got}
-        n = await asyncio.to_thread(files.write_beneath, root, path, data, uid)
+        if isinstance(data, (bytes, bytearray, memoryview)):
+            src, fd = data, None
+        else:
+            fd = await self._stage(name, path, data)
+            src = fd
+        try:
+            if tar:
+                tree = src if fd is None else os.fdopen(os.dup(fd), "rb")
+                try:
+                    got = await asyncio.to_thread(files.write_tree_beneath, root, path, tree, uid)
+                finally:
+                    if fd is not None:
+                        tree.close()
+                self.record("operator.cp-in", actor=actor, sandbox=name, path=path, folder=True, **got)
+                return {"written": got["bytes"], "path": path, **got}
+            n = await asyncio.to_thread(files.write_beneath, root, path, src, uid)
+        finally:
+            if fd is not None:
+                os.close(fd)  # (a nameless file: its space is freed here)
         self.record("operator.cp-in", actor=actor, sandbox=name, path=path, bytes=n)
         return {"written": n, "path": path}
 
+    def _cp_room(self, name: str) -> tuple[int, str]:
+        """Bytes the workspace of ``name`` can still take, and what bounds it: a pool
+        workspace's quota (its limits.disk less what it holds; the pool's free space when
+        less), else its filesystem's free space (an image's, or the host's)."""
+        m = self.managed.get(name)
+        lease = m.session.res.workspace if m is not None and m.session is not None else None
+        if lease is None:
+            raise refuse("sandbox.not-running", f"{name} is not running (its workspace is mounted only while it runs)")
+        if lease.kind == "pool" and lease.pool is not None:
+            e = lease.pool.entry(name)
+            _size, free = lease.pool.space()
+            lim = (e.limit if e else 0) or lease.limit
+            if lim:
+                used = e.used if e else 0
+                if lim - used <= free:
+                    return max(0, lim - used), f"its limits.disk of {lim} bytes, {used} of them used"
+            return free, "the free space of the workspace pool"
+        v = os.statvfs(lease.host_dir)
+        return v.f_bavail * v.f_frsize, "the free space of its workspace"
+
+    async def _stage(self, name: str, path: str, body) -> int:
+        """An upload, written as it arrives to a nameless file on the state disk
+        (daemon.files.staging_open: root-only, reached by no sandbox), bounded by what the
+        destination can take and by the state disk (less its reserve): refused before a byte is
+        read when its length is over either, and reading stops as soon as it passes them.
+        Returns the file's descriptor at offset 0 (the caller closes it)."""
+        from agentvm.daemon import files
+        from agentvm.daemon.events import RESERVE
+
+        room, why = await asyncio.to_thread(self._cp_room, name)
+        staged = getattr(self, "_cp_staged", 0)  # other uploads being staged now
+        disk = max(0, await asyncio.to_thread(files.staging_room, self.paths.home, RESERVE) - staged)
+        length = body.length
+
+        def over(n: int, *, known: bool) -> None:
+            said = f"{n} bytes" if known else f"{n} bytes or more (its reading stopped there)"
+            if n > room:
+                raise refuse("files.no-space", f"{name}:{path} cannot take {said}: the workspace has room for "
+                             f"{room} ({why}); nothing was written",
+                             hint="free space in the workspace, or give the agent a larger limits.disk")
+            if n > disk:
+                raise refuse("state.disk-full", f"{said} cannot be staged: the daemon's state disk has room for "
+                             f"{disk} (its free space less a reserve of {RESERVE + files.STAGING_KEEP} bytes); "
+                             "nothing was written", hint=f"free space on the disk of {self.paths.home}")
+
+        if length is not None:
+            over(length, known=True)
+        limit = min(room, disk)
+        fd = await asyncio.to_thread(files.staging_open, self.paths.home)
+        total = 0
+        held = limit if length is None else length
+        self._cp_staged = getattr(self, "_cp_staged", 0) + held
+        try:
+            pending = bytearray()
+            while True:
+                chunk = await body.read()
+                if chunk:
+                    total += len(chunk)
+                    if total > limit:  # (a chunked body, or a client that lied about its length)
+                        over(total, known=False)
+                    pending += chunk
+                    if len(pending) < files.COPY_CHUNK:
+                        continue
+                if pending:
+                    await asyncio.to_thread(_write_all, fd, bytes(pending))
+                    pending.clear()
+                if not chunk:
+                    break
+            os.lseek(fd, 0, os.SEEK_SET)
+            return fd
+        except OSError as exc:
+            os.close(fd)
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise refuse("state.disk-full", f"the daemon's state disk filled while {total} bytes of the copy "
+                             "were staged; nothing was written", hint=f"free space on the disk of {self.paths.home}") from None
+            raise
+        except BaseException:
+            os.close(fd)
+            raise
+        finally:
+            self._cp_staged = max(0, getattr(self, "_cp_staged", 0) - held)
+
     async def copy_out(self, name: str, path: str, *, tar: bool = False, actor: str = "operator") -> dict:
         """cp out of a running sandbox's workspace: ``{"path", "kind": "file"|"tar", "data":
-        bytes, ...}`` (with ``tar``, a folder comes as a tar stream)."""
+        bytes, ...}`` (with ``tar``, a folder comes as a tar stream). In memory: at most
+        daemon.files.MAX_FILE (:meth:`copy_out_stream` has no such cap)."""
         from agentvm.daemon import files
 
         self.row(name)
@@ -331,6 +431,51 @@ class Commands:
         data = await asyncio.to_thread(files.read_beneath, root, path)
         self.record("operator.cp-out", actor=actor, sandbox=name, path=path, bytes=len(data))
         return {"path": path, "kind": "file", "data": data}
+
+    async def copy_out_stream(self, name: str, path: str, *, tar: bool = False, actor: str = "operator") -> dict:
+        """cp out, for streaming: ``{"path", "kind", "fd", "size", ...}`` - ``fd`` the workspace
+        file itself (opened beneath it, O_NOFOLLOW) or, for a folder with ``tar``, its tar
+        stream staged on the state disk (bounded by the disk less its reserve). The caller
+        sends ``size`` bytes from ``fd`` and closes it."""
+        from agentvm.daemon import files
+        from agentvm.daemon.events import RESERVE
+
+        self.row(name)
+        await self.wake(name, actor=actor, why="cp")
+        root, _uid = self._workspace_dir(name)
+        if tar and await asyncio.to_thread(files.is_dir_beneath, root, path):
+            room = await asyncio.to_thread(files.staging_room, self.paths.home, RESERVE)
+            fd = await asyncio.to_thread(files.staging_open, self.paths.home)
+            try:
+                def build() -> tuple[dict, int]:
+                    with os.fdopen(os.dup(fd), "wb") as out:
+                        got = files.tar_tree_beneath(root, path, out, room)
+                        out.flush()
+                        size = out.tell()
+                    os.lseek(fd, 0, os.SEEK_SET)
+                    return got, size
+
+                got, size = await asyncio.to_thread(build)
+            except OSError as exc:
+                os.close(fd)
+                if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                    raise refuse("state.disk-full", f"the daemon's state disk filled while {name}:{path} was "
+                                 "packed", hint=f"free space on the disk of {self.paths.home}") from None
+                raise
+            except BaseException:
+                os.close(fd)
+                raise
+            self.record("operator.cp-out", actor=actor, sandbox=name, path=path, folder=True, **got)
+            return {"path": path, "kind": "tar", **got, "fd": fd, "size": size}
+        fd, size = await asyncio.to_thread(files.open_beneath, root, path)
+        self.record("operator.cp-out", actor=actor, sandbox=name, path=path, bytes=size)
+        return {"path": path, "kind": "file", "bytes": size, "fd": fd, "size": size}
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
 
 
 def _spec_name(text) -> str:

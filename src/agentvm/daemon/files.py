@@ -51,15 +51,19 @@ def _open_dir_beneath(root: Path, parts: list[str], *, create: bool, uid: int | 
         raise
 
 
-def write_beneath(root: Path, rel: str, data: bytes, uid: int | None) -> int:
+def write_beneath(root: Path, rel: str, data, uid: int | None) -> int:
     """Write ``data`` to ``rel`` all or nothing: into a temporary file owned by the agent, then
     renamed over the target, so a copy that fails (a full workspace) leaves no partial file -
-    and no root-owned one the agent could not change."""
+    and no root-owned one the agent could not change.
+
+    ``data`` is bytes (held in memory: at most MAX_FILE), a file descriptor (a staged upload:
+    copied by the kernel from its current offset) or a readable binary file (a tar member:
+    COPY_CHUNK at a time). A staged copy's size is bounded by whoever staged it, not here."""
     import secrets
     import stat as _st
 
     parts = _parts(rel)
-    if len(data) > MAX_FILE:
+    if isinstance(data, (bytes, bytearray, memoryview)) and len(data) > MAX_FILE:
         raise PolicyDenied("file too large", code="files.too-large")
     dfd = _open_dir_beneath(root, parts[:-1], create=True, uid=uid)
     tmp = f".agentvm-cp-{secrets.token_hex(6)}"
@@ -79,9 +83,7 @@ def write_beneath(root: Path, rel: str, data: bytes, uid: int | None) -> int:
             if uid is not None:
                 os.fchown(fd, uid, uid)
             os.fchmod(fd, mode)
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
+            written = _copy_into(fd, data)
             os.fsync(fd)
         except BaseException:
             os.close(fd)
@@ -95,6 +97,8 @@ def write_beneath(root: Path, rel: str, data: bytes, uid: int | None) -> int:
             raise
         os.fsync(dfd)  # the rename itself is durable too
     except OSError as exc:
+        if exc.errno == errno.EFBIG:
+            raise PolicyDenied(f"{rel!r} is over the workspace's file size limit", code="files.too-large") from None
         if exc.errno in (errno.ENOSPC, errno.EDQUOT):
             from agentvm.errors import BackendError
 
@@ -106,7 +110,114 @@ def write_beneath(root: Path, rel: str, data: bytes, uid: int | None) -> int:
         raise
     finally:
         os.close(dfd)
-    return len(data)
+    return written
+
+
+COPY_CHUNK = 1 << 20  # bytes per read/write when a copy is not done by the kernel
+
+
+def _copy_into(fd: int, data) -> int:
+    """Write all of ``data`` (bytes, a file descriptor or a readable binary file, from its current position) to
+    ``fd``; returns the bytes written. Never more than COPY_CHUNK in memory for a file."""
+    if isinstance(data, (bytes, bytearray, memoryview)):
+        view = memoryview(data)
+        n = len(view)
+        while view:
+            view = view[os.write(fd, view):]
+        return n
+    total = 0
+    if isinstance(data, int):  # a file descriptor (a staged upload): the kernel copies, from its offset
+        while True:
+            n = os.sendfile(fd, data, None, 1 << 30)
+            if n == 0:
+                return total
+            total += n
+    while True:
+        b = data.read(COPY_CHUNK)
+        if not b:
+            return total
+        view = memoryview(b)
+        while view:
+            view = view[os.write(fd, view):]
+        total += len(b)
+
+
+def open_beneath(root: Path, rel: str) -> tuple[int, int]:
+    """Open the regular file ``rel`` of the workspace for reading (every component O_NOFOLLOW,
+    relative to its parent): ``(fd, size)``. The caller closes ``fd``; a download streams it
+    (no size cap here: nothing is held in memory)."""
+    import stat as _st
+
+    parts = _parts(rel)
+    try:
+        dfd = _open_dir_beneath(root, parts[:-1], create=False, uid=None)
+    except FileNotFoundError:
+        raise _not_found(rel) from None
+    try:
+        try:
+            fd = os.open(parts[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=dfd)
+        except FileNotFoundError:
+            raise _not_found(rel) from None
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise PolicyDenied(f"{rel!r} is a symlink: refused", code="files.symlink") from None
+            raise
+        st = os.fstat(fd)
+        if not _st.S_ISREG(st.st_mode):
+            os.close(fd)
+            raise PolicyDenied(f"{rel!r} is not a regular file", code="files.not-regular")
+        return fd, st.st_size
+    finally:
+        os.close(dfd)
+
+
+# -- staging: an upload (or a folder's tar) on the state disk, never in memory ------------------
+# The file has no name (O_TMPFILE; where the filesystem has none, it is unlinked as it is
+# created) in a root-only folder of the daemon's state disk that no sandbox mounts: nothing can
+# reach it while it is written, and it is gone when its descriptor closes (a crash included).
+
+STAGING_DIR = ".staging"
+STAGING_KEEP = 64 * 1024 * 1024  # bytes of the state disk a staged copy leaves free (with its reserve)
+
+
+def staging_dir(home: Path) -> Path:
+    d = Path(home) / STAGING_DIR
+    try:
+        os.mkdir(d, 0o700)
+    except FileExistsError:
+        pass
+    st = os.lstat(d)
+    import stat as _st
+
+    if not _st.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+        raise PolicyDenied(f"{d} is not the daemon's own folder: refused to stage a copy there", code="files.bad-path")
+    if _st.S_IMODE(st.st_mode) != 0o700:
+        os.chmod(d, 0o700)
+    return d
+
+
+def staging_open(home: Path) -> int:
+    """A nameless read-write file in the staging folder (mode 0600, close-on-exec)."""
+    d = staging_dir(home)
+    try:
+        return os.open(d, os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        if exc.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
+            raise
+    import secrets
+
+    p = d / f"cp-{secrets.token_hex(8)}"
+    fd = os.open(p, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    os.unlink(p)
+    return fd
+
+
+def staging_room(home: Path, reserve: int) -> int:
+    """Bytes a staged copy may take on the state disk: its free space less the daemon's reserve
+    (agentvm.daemon.events.RESERVE: its state and audit chain must still be written) and
+    STAGING_KEEP."""
+    v = os.statvfs(staging_dir(home))
+    return max(0, v.f_bavail * v.f_frsize - reserve - STAGING_KEEP)
 
 
 def read_beneath(root: Path, rel: str) -> bytes:
@@ -163,16 +274,18 @@ def _not_found(rel: str):
 MAX_MEMBERS = 100_000
 
 
-def write_tree_beneath(root: Path, rel: str, tar_bytes: bytes, uid: int | None) -> dict:
-    """Unpack the tar stream ``tar_bytes`` into the folder ``rel`` of the workspace (created if
-    absent): folders and regular files only - a link, device or FIFO member is refused before
-    anything is written. Returns ``{"files", "dirs", "bytes"}``."""
+def write_tree_beneath(root: Path, rel: str, tar_bytes, uid: int | None) -> dict:
+    """Unpack the tar stream ``tar_bytes`` (bytes, or a seekable binary file: a staged upload)
+    into the folder ``rel`` of the workspace (created if absent): folders and regular files
+    only - a link, device or FIFO member is refused before anything is written. Each member is
+    copied COPY_CHUNK at a time. Returns ``{"files", "dirs", "bytes"}``."""
     import io
     import tarfile
 
     base = _parts(rel)
+    src = io.BytesIO(tar_bytes) if isinstance(tar_bytes, (bytes, bytearray, memoryview)) else tar_bytes
     try:
-        tf = tarfile.open(fileobj=io.BytesIO(tar_bytes), mode="r:")
+        tf = tarfile.open(fileobj=src, mode="r:")
         members = tf.getmembers()
     except (tarfile.TarError, EOFError, ValueError) as exc:
         from agentvm.errors import ConfigError
@@ -195,8 +308,7 @@ def write_tree_beneath(root: Path, rel: str, tar_bytes: bytes, uid: int | None) 
             dirs += 1
             continue
         f = tf.extractfile(m)
-        data = f.read() if f is not None else b""
-        total += write_beneath(root, "/".join(base + parts), data, uid)
+        total += write_beneath(root, "/".join(base + parts), f if f is not None else b"", uid)
         files += 1
     return {"files": files, "dirs": dirs, "bytes": total}
 
@@ -206,10 +318,21 @@ def _open_dir_beneath_close(root: Path, parts: list[str], uid: int | None) -> No
 
 
 def read_tree_beneath(root: Path, rel: str) -> tuple[bytes, dict]:
-    """The folder ``rel`` of the workspace as a tar stream (folders and regular files; a
-    symlink or special file inside is left out and counted, never followed). Capped at
-    MAX_FILE bytes of content."""
+    """The folder ``rel`` of the workspace as a tar stream in memory (folders and regular
+    files; a symlink or special file inside is left out and counted, never followed). Capped at
+    MAX_FILE bytes of content: a larger folder is streamed (:func:`tar_tree_beneath`)."""
     import io
+
+    buf = io.BytesIO()
+    counts = tar_tree_beneath(root, rel, buf, MAX_FILE)
+    return buf.getvalue(), counts
+
+
+def tar_tree_beneath(root: Path, rel: str, out, limit: int) -> dict:
+    """Write the folder ``rel`` of the workspace as a tar stream to the binary file ``out``
+    (a staged download), each file copied COPY_CHUNK at a time; at most ``limit`` bytes of
+    content (over it: files.too-large, with the numbers). Returns ``{"files", "dirs", "bytes",
+    "skipped"}``."""
     import stat as _st
     import tarfile
 
@@ -218,9 +341,8 @@ def read_tree_beneath(root: Path, rel: str) -> tuple[bytes, dict]:
         top = _open_dir_beneath(root, parts, create=False, uid=None)
     except FileNotFoundError:
         raise _not_found(rel) from None
-    buf = io.BytesIO()
     counts = {"files": 0, "dirs": 0, "bytes": 0, "skipped": 0}
-    with tarfile.open(fileobj=buf, mode="w:", format=tarfile.PAX_FORMAT) as tf:
+    with tarfile.open(fileobj=out, mode="w:", format=tarfile.PAX_FORMAT, copybufsize=COPY_CHUNK) as tf:
         def walk(dfd: int, prefix: str) -> None:
             for name in sorted(os.listdir(dfd)):
                 st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
@@ -242,16 +364,26 @@ def read_tree_beneath(root: Path, rel: str) -> tuple[bytes, dict]:
                         if not _st.S_ISREG(fst.st_mode):
                             counts["skipped"] += 1
                             continue
-                        if counts["bytes"] + fst.st_size > MAX_FILE:
-                            raise PolicyDenied(f"{rel!r} holds over {MAX_FILE >> 20} MiB: copy it in parts",
-                                               code="files.too-large")
-                        with os.fdopen(os.dup(fd), "rb") as fh:
-                            data = fh.read(MAX_FILE + 1 - counts["bytes"])
+                        if counts["bytes"] + fst.st_size > limit:
+                            raise PolicyDenied(f"{rel!r} holds over {limit} bytes, the most this copy may take "
+                                               f"({counts['bytes']} copied before {arc!r} of {fst.st_size})",
+                                               code="files.too-large",
+                                               hint="free space on the daemon's state disk, or copy the folder in parts")
                         ti = tarfile.TarInfo(arc)
-                        ti.size, ti.mode, ti.mtime = len(data), _st.S_IMODE(fst.st_mode) & 0o777, int(fst.st_mtime)
-                        tf.addfile(ti, io.BytesIO(data))
+                        ti.size, ti.mode, ti.mtime = fst.st_size, _st.S_IMODE(fst.st_mode) & 0o777, int(fst.st_mtime)
+                        with os.fdopen(os.dup(fd), "rb", buffering=0) as fh:
+                            try:
+                                tf.addfile(ti, fh)  # exactly ti.size bytes
+                            except OSError as exc:
+                                if "unexpected end of data" not in str(exc):
+                                    raise
+                                from agentvm.errors import BackendError
+
+                                raise BackendError(f"{arc!r} shrank while it was copied: nothing usable was sent",
+                                                   hint="copy it again once the agent has stopped writing it",
+                                                   code="backend.error") from None
                         counts["files"] += 1
-                        counts["bytes"] += len(data)
+                        counts["bytes"] += fst.st_size
                     finally:
                         os.close(fd)
                 else:  # a symlink, FIFO, socket or device: left out, never followed
@@ -261,7 +393,7 @@ def read_tree_beneath(root: Path, rel: str) -> tuple[bytes, dict]:
             walk(top, "")
         finally:
             os.close(top)
-    return buf.getvalue(), counts
+    return counts
 
 
 def is_dir_beneath(root: Path, rel: str) -> bool:

@@ -25,8 +25,8 @@ from agentvm.errors import AgentVMError
 log = logging.getLogger("agentvm.daemon")
 
 SOCKET_NAME = "agentvm.sock"
-MAX_BODY = 64 * 1024 * 1024
-LARGE_BODY = 1024 * 1024  # bodies above this (cp uploads) are buffered at most UPLOADS at a time
+MAX_BODY = 64 * 1024 * 1024  # a request body read into memory (every route but a cp upload's)
+LARGE_BODY = 1024 * 1024  # bodies above this are read (or a cp upload staged) at most UPLOADS at a time
 UPLOADS = 2
 BODY_TIMEOUT = 30.0  # seconds a request body may stall between reads
 HEAD_TIMEOUT = 30.0  # seconds a TCP client has to send a whole request head (before any auth)
@@ -39,6 +39,8 @@ IN_QUEUE = 4  # client frames read ahead of the session (then the socket is not 
 
 # the request's stream reader, for handlers that must notice the client hanging up mid-response
 _CLIENT_READER: contextvars.ContextVar = contextvars.ContextVar("agentvm_client_reader", default=None)
+# this request's head (for the few routes that read a header: a cp download's Accept)
+_HEADERS: contextvars.ContextVar = contextvars.ContextVar("agentvm_headers", default=())
 # this connection's run streams frames (agentvm.cli.fastrun's thin client) instead of NDJSON
 _FRAMED: contextvars.ContextVar = contextvars.ContextVar("agentvm_framed", default=False)
 
@@ -113,10 +115,11 @@ class HttpServer:
                     return
             if _is_console(req.target):
                 return await self._serve_console(req, body, conn, writer, reader, tcp)
+            _HEADERS.set(tuple(req.headers))
             await dispatch(self, req.method.decode(), req.target.decode(), body, conn, writer, actor)
         except AgentVMError as e:  # every refusal: its status and exit code from agentvm.errorcodes
             await self._fail(conn, writer, e.status, e.to_dict())
-            if e.status in (408, 413, 429, 401):
+            if e.status in (408, 413, 429, 401) or conn.their_state is h11.SEND_BODY:
                 await _drain(reader, writer)  # a client still sending its body then reads our answer
         except h11.RemoteProtocolError as e:
             try:  # not HTTP: still an answer that says so, not a silently closed connection
@@ -190,6 +193,13 @@ class HttpServer:
                     auth = next((v.decode("latin-1") for k, v in ev.headers if k.lower() == b"authorization"), "")
                     if not (self.token and auth.startswith("Bearer ") and hmac.compare_digest(auth[7:], self.token)):
                         raise refuse("api.unauthorized", "a bearer token is required on the TCP listener")
+                if _is_upload(ev):
+                    # a cp upload is not read here: the control plane stages it on the state disk
+                    # as it arrives, bounded by its destination (BodyStream); it is refused first,
+                    # before a byte of it is read, when its Content-Length cannot fit
+                    if size > LARGE_BODY or not length.isdigit():
+                        self._take_upload_slot(held)
+                    return req, BodyStream(conn, reader, size if length.isdigit() else None)
                 if size > MAX_BODY:
                     raise refuse("api.too-large", f"request body of {size} bytes is over the limit of {MAX_BODY}")
                 if size > LARGE_BODY:
@@ -208,7 +218,8 @@ class HttpServer:
                 return None, b""
 
     def _take_upload_slot(self, held: list[bool]) -> None:
-        # a large body is buffered whole: only a few at a time, the rest are told to retry
+        # a large body is buffered whole (or a cp upload staged): only a few at a time, the rest
+        # are told to retry
         if self._uploads <= 0:
             raise refuse("api.busy", f"{UPLOADS} large uploads are already in progress",
                            hint="retry in a moment")
@@ -229,6 +240,24 @@ class HttpServer:
                                                                          ("content-length", str(len(data))),
                                                                          ("connection", "close")])))
         writer.write(conn.send(h11.Data(data=data)))
+        writer.write(conn.send(h11.EndOfMessage()))
+        await writer.drain()
+
+    async def _send_fd(self, conn, writer, fd: int, size: int, headers: list) -> None:
+        """A download: exactly ``size`` bytes of the file ``fd`` (from its offset), read
+        SEND_CHUNK at a time off the loop and written as the socket drains - memory does not
+        grow with the file. A file that shrank under us ends the connection short (the client
+        sees an incomplete body, never a silently truncated file)."""
+        writer.write(conn.send(h11.Response(status_code=200, headers=[*headers, ("content-length", str(size)),
+                                                                      ("connection", "close")])))
+        left = size
+        while left > 0:
+            chunk = await asyncio.to_thread(os.read, fd, min(SEND_CHUNK, left))
+            if not chunk:
+                raise ConnectionError("the file shrank while it was sent")
+            left -= len(chunk)
+            writer.write(conn.send(h11.Data(data=chunk)))
+            await writer.drain()
         writer.write(conn.send(h11.EndOfMessage()))
         await writer.drain()
 
@@ -347,6 +376,12 @@ class HttpServer:
         await writer.drain()
 
     @staticmethod
+    def header(name: str) -> str:
+        """This request's header ``name`` ("" when absent)."""
+        key = name.lower().encode()
+        return next((bytes(v).decode("latin-1") for k, v in _HEADERS.get() if bytes(k).lower() == key), "")
+
+    @staticmethod
     def set_framed() -> None:
         """This request's run answers in frames (agentvm.cli.fastrun's thin client)."""
         _FRAMED.set(True)
@@ -368,6 +403,45 @@ class HttpServer:
                          f"'Connection: Upgrade' and 'Upgrade: {ATTACH_PROTOCOL}'",
                          "docs/daemon.md, \"Interactive sessions\", describes the protocol")
         return HttpAttached(conn, writer, _CLIENT_READER.get())
+
+
+SEND_CHUNK = 1 << 20  # bytes of a download read at once
+
+
+class BodyStream:
+    """A cp upload's body, read as the control plane takes it (``await read()``: the next
+    piece, ``b""`` at its end), each read within BODY_TIMEOUT. ``length``: its Content-Length,
+    None when chunked. Nothing is buffered here beyond one piece."""
+
+    def __init__(self, conn, reader, length: int | None) -> None:
+        self.conn, self.reader, self.length = conn, reader, length
+        self.done = False
+
+    async def read(self) -> bytes:
+        while not self.done:
+            ev = self.conn.next_event()
+            if ev is h11.NEED_DATA:
+                try:
+                    data = await asyncio.wait_for(self.reader.read(1 << 20), BODY_TIMEOUT)
+                except asyncio.TimeoutError:
+                    raise refuse("api.timeout", f"the request body stalled for {BODY_TIMEOUT:g}s") from None
+                self.conn.receive_data(data)
+                continue
+            if isinstance(ev, h11.Data):
+                return bytes(ev.data)
+            if isinstance(ev, h11.EndOfMessage):
+                self.done = True
+                return b""
+            raise ConnectionError("the client closed the connection before the end of its upload")
+        return b""
+
+
+def _is_upload(req) -> bool:
+    """``PUT /v1/sandboxes/NAME/files``: the one route whose body is streamed, not read whole."""
+    if req.method != b"PUT":
+        return False
+    parts = [p for p in req.target.split(b"?", 1)[0].split(b"/") if p]
+    return len(parts) == 4 and parts[:2] == [b"v1", b"sandboxes"] and parts[3] == b"files"
 
 
 class HttpOutput:

@@ -9,8 +9,9 @@ a stream. Nothing here decides anything.
     DELETE /v1/sandboxes/NAME                 rm
     POST   /v1/sandboxes/NAME/exec            {"argv": [...], "timeout": s}  -> NDJSON stream
     GET    /v1/sandboxes/NAME/logs
-    PUT    /v1/sandboxes/NAME/files?path=P    cp into the workspace (body = bytes)
-    GET    /v1/sandboxes/NAME/files?path=P    cp out of the workspace
+    PUT    /v1/sandboxes/NAME/files?path=P    cp into the workspace (body = bytes, streamed: [&tar=1] a folder)
+    GET    /v1/sandboxes/NAME/files?path=P    cp out of the workspace (JSON; with
+                                              'Accept: application/octet-stream', the bytes, streamed)
     POST   /v1/sandboxes/NAME/policy          {"op": allow|deny|remove|pause|resume|revoke|restore, ...}
     GET    /v1/audit?since=&sandbox=          GET /v1/audit/verify
     GET    /v1/events                         NDJSON stream of decisions and lifecycle events
@@ -116,6 +117,8 @@ async def dispatch(h, method: str, target: str, body: bytes, conn, writer, actor
             tar = qm.tar == "1"
             if method == "PUT":
                 return await answer(await cp.copy_in(name, qm.path, body, tar=tar, actor=actor))
+            if method == "GET" and RAW_TYPE in h.header("accept"):
+                return await _download(h, cp, name, qm.path, tar, conn, writer, actor)
             if method == "GET":
                 got = await cp.copy_out(name, qm.path, tar=tar, actor=actor)
                 return await answer({**got, "data": base64.b64encode(got["data"]).decode()})
@@ -177,6 +180,26 @@ async def dispatch(h, method: str, target: str, body: bytes, conn, writer, actor
         cp.stopping.set()
         return
     raise refuse("api.no-route", f"no route for {method} {u.path}")
+
+
+RAW_TYPE = "application/octet-stream"
+
+
+async def _download(h, cp, name: str, path: str, tar: bool, conn, writer, actor: str) -> None:
+    """A cp download as the bytes themselves, streamed from a file descriptor (a workspace
+    file, or a folder's tar staged on the state disk); what it is in ``X-Agentvm-Kind``
+    (file|tar) and, for a folder, ``X-Agentvm-Counts`` (JSON)."""
+    got = await cp.copy_out_stream(name, path, tar=tar, actor=actor)
+    fd = got.pop("fd")
+    try:
+        size = got.pop("size")
+        headers = [("content-type", RAW_TYPE), ("x-agentvm-kind", got["kind"]),
+                   ("x-agentvm-counts", json.dumps(got, sort_keys=True))]
+        await h._send_fd(conn, writer, fd, size, headers)
+    finally:
+        import os
+
+        os.close(fd)
 
 
 def _tty(t) -> tuple[int, int] | None:
