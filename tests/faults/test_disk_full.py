@@ -141,3 +141,23 @@ def test_a_lost_checkpoint_means_a_full_walk_not_trust(home):
     (home / "audit" / "audit.verified").unlink()
     r = _av(home, "run", "--", "true", AGENTVM_NO_DAEMON="1")
     assert r.returncode == 78 and "record 1 was modified" in r.stderr, r.stderr
+
+
+def test_up_on_a_full_disk_leaves_no_daemon_behind(full_home):
+    r = _av(full_home, "up", timeout=60)
+    assert r.returncode in (75, 78), r.stderr
+    import time
+
+    time.sleep(1.0)
+    left = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+            cmd = open(f"/proc/{pid}/cmdline", "rb").read()
+        except OSError:
+            continue
+        if f"AGENTVM_HOME={full_home}".encode() in env and b"--foreground" in cmd:
+            left.append(pid)
+    assert not left, f"a daemon outlived its failed start: {left}"

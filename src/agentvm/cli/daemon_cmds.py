@@ -113,7 +113,12 @@ def up(foreground, listen, accept_broken_chain, otlp_endpoint, otlp_sample_allow
              "--e2b-max-creating", str(e2b_max_creating)] if e2b_listen else []
     proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=fd, stderr=fd, start_new_session=True, close_fds=True)
     os.close(fd)
-    (paths.runtime / "daemon.pid").write_text(f"{proc.pid}\n")
+    try:
+        (paths.runtime / "daemon.pid").write_text(f"{proc.pid}\n")
+    except BaseException:  # (a full disk): a daemon no pid file names would outlive every `down`
+        proc.kill()
+        proc.wait()
+        raise
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
         if proc.poll() is not None:
