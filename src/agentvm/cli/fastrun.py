@@ -100,7 +100,7 @@ def fast_run(argv: list[str]) -> int | None:
         try:
             return attach_run(command, body)
         except AgentVMError as err:
-            from agentvm.cli import report_error
+            from agentvm.cli.report import report_error
 
             return report_error(err)
     try:
@@ -366,7 +366,7 @@ def run_stream(sock, doc: dict):
         r.deadline = None
     except TimeoutError:
         sock.close()
-        from agentvm.daemon.client import DaemonUnavailable
+        from agentvm.daemon.apierror import DaemonUnavailable
 
         message, hint = _timed_out(timeout)
         raise DaemonUnavailable(message, hint=hint, code="daemon.timeout") from None
@@ -412,7 +412,7 @@ def _events(r: _Reader, status: int, headers: dict):
             doc_ = json.loads(data or b"{}")
         except ValueError:
             doc_ = {}
-        from agentvm.daemon.client import error_from
+        from agentvm.daemon.apierror import error_from
 
         raise error_from(doc_ if isinstance(doc_, dict) else {}, status)
     pending = b""
@@ -424,7 +424,7 @@ def _events(r: _Reader, status: int, headers: dict):
                 continue
             ev = json.loads(ln)
             if isinstance(ev, dict) and isinstance(ev.get("error"), dict):
-                from agentvm.daemon.client import error_from
+                from agentvm.daemon.apierror import error_from
 
                 raise error_from(ev["error"])
             if "data" in ev:
@@ -490,7 +490,7 @@ def attach(sock, path: str, body: bytes, *, tty: bool = False, report_to_stdout:
         r.deadline = None
     except TimeoutError:
         sock.close()
-        from agentvm.daemon.client import DaemonUnavailable
+        from agentvm.daemon.apierror import DaemonUnavailable
 
         message, hint = _timed_out(timeout)
         raise DaemonUnavailable(message, hint=hint, code="daemon.timeout") from None

@@ -14,35 +14,11 @@ from pathlib import Path
 from typing import Iterator
 from urllib.parse import quote
 
-from agentvm.errors import AgentVMError, BackendError, ConfigError
-
-
-class DaemonUnavailable(BackendError):
-    code = "daemon.unavailable"
+from agentvm.daemon.apierror import ApiFailure, DaemonUnavailable, error_from  # noqa: F401 (their home for clients)
+from agentvm.errors import ConfigError
 
 
 DEFAULT_TIMEOUT = 60.0  # seconds a command waits for the daemon's answer (AGENTVM_CLIENT_TIMEOUT)
-
-
-def error_from(doc: dict, status: int = 0) -> AgentVMError:
-    """The daemon's error object as the same error the embedded path raises: code, message,
-    hint and exit code exactly as sent."""
-    err = ApiFailure(status, doc)
-    if isinstance(doc.get("exit_code"), int):
-        err.exit_code = doc["exit_code"]
-    return err
-
-
-class ApiFailure(AgentVMError):
-    code = "daemon.error"
-
-    def __init__(self, status: int, doc: dict):
-        super().__init__(doc.get("message", f"HTTP {status}"), hint=doc.get("hint", ""),
-                         code=str(doc.get("error") or "daemon.error"))
-        self.status = status
-        # the daemon's own word (its registry, agentvm.errorcodes), else ours for the code
-        if isinstance(doc.get("exit_code"), int) and not isinstance(doc.get("exit_code"), bool):
-            self.exit_code = doc["exit_code"]
 
 
 STREAM_CHUNK = 1 << 20  # bytes of a cp upload sent at once (http.client's blocksize)
