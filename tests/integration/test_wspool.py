@@ -548,6 +548,11 @@ def test_the_daemon_holds_the_pool_mounted_and_metrics_show_it(fresh_home, tmp_p
         assert av("start", "wsq-held").returncode == 0
         assert av("stop", "wsq-held").returncode == 0
         assert pool.mounted()
+        # a run through the daemon that hits its own limit: the thin client's report says so
+        g = _spec_file(tmp_path, "wsq-over", _writer("/workspace/big", 40), "16M")
+        r = av("run", "-f", str(g))
+        assert "EDQUOT" in r.stdout and "the workspace's disk limit (16.0M) was hit" in r.stderr, (r.stdout, r.stderr)
+        assert av("workspace", "rm", "wsq-over").returncode == 0  # (run -f leaves a workspace, no agent)
         r = av("rm", "wsq-held")
         assert r.returncode == 0, r.stderr
         assert sorted(os.listdir(fresh_home / "workspaces")) == [], "the last rm removed the pool, held or not"
