@@ -314,6 +314,7 @@ class Commands:
         if isinstance(data, (bytes, bytearray, memoryview)):
             src, fd = data, None
         else:
+            files.check_path(path)  # a path that leaves the workspace: refused before the body is read
             fd = await self._stage(name, path, data)
             src = fd
         try:

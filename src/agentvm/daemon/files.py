@@ -25,6 +25,11 @@ def _parts(rel: str) -> list[str]:
     return parts
 
 
+def check_path(rel: str) -> None:
+    """Refuse (files.bad-path) a path that is not relative or leaves the workspace."""
+    _parts(rel)
+
+
 def _open_dir_beneath(root: Path, parts: list[str], *, create: bool, uid: int | None) -> int:
     fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
