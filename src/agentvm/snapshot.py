@@ -7,18 +7,32 @@ counted as left out), stored content-addressed like images::
     <home>/snapshots/<id>/workspace.tar     0600, the folders 0700 (root-only, outside every sandbox)
     id = sha256("agentvm-snapshot-v1" \\0 sha256(workspace.tar) \\0 policy digest \\0 image)
 
-with the policy digest and image (digest) it ran on. The index (agent, tag, digests, size) is
-a table of the daemon's state database; ``verify`` recomputes the tar's digest and the id
-before a fork or restore uses it: an edited or swapped snapshot is refused
-(``checkpoint.tampered``). Memory is not captured (see docs/concepts.md: a memory fork would
-carry the parent's credential placeholders into the child).
+with the policy digest and image (digest) it ran on; ``policy.json`` beside it keeps the agent
+file and live changes that digest was computed from (a fork is judged against it). The index
+(agent, tag, digests, size) is a table of the daemon's state database; ``load`` recomputes the
+tar's digest and the id before a fork or restore uses it, and ``untar_into`` again as it
+extracts: an edited or swapped snapshot is refused (``checkpoint.tampered``). Memory is not
+captured (see docs/concepts.md: a memory fork would carry the parent's credential
+placeholders into the child).
+
+Size (docs/concepts.md "Snapshots"): the tar is streamed to a root-only file under
+``<home>/snapshots`` (never held in memory), hashed as it is written. A file is stored at its
+full length - Python's tarfile writes no sparse members - so the files' lengths together may
+not exceed the agent's ``limits.disk`` (``snapshot.too-large``, before anything is written past
+it): a restore writes them back at that length, into the same limit. The tar may not eat into
+the host's reserve for agent-vm's state (``wspool.host_reserve``: ``snapshot.no-room``).
+A restore extracts into a fresh folder inside the workspace and swaps it in only when all of
+it was written and its digest checked: on a failure (the limit, a full disk, a tampered tar)
+the workspace is as it was.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
-import io
+import json
 import os
+import secrets
 import shutil
 import sqlite3
 import stat
@@ -31,7 +45,10 @@ from pathlib import Path
 from agentvm.errors import AgentVMError
 
 DOMAIN = b"agentvm-snapshot-v1"
-MAX_BYTES = 1 << 30  # a workspace snapshot's content, at most (1 GiB)
+MAX_BYTES = 1 << 30  # a snapshot's content where the agent has no disk limit, at most (1 GiB)
+HEADER_SLACK = 32 << 20  # the tar's headers beyond its files' content, at most (~64k members)
+CHUNK = 1 << 20
+STAGING = ".agentvm-restore-"  # a restore's fresh folder inside the workspace (swapped in on success)
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS snapshots (
@@ -81,18 +98,56 @@ def snapshot_id(workspace_digest: str, policy_digest: str, image: str) -> str:
                                       image.encode()])).hexdigest()
 
 
-def tar_workspace(host_dir: Path) -> tuple[bytes, int, int]:
-    """The workspace as a tar (folders and regular files, walked by fd, never following a link):
-    (tar bytes, files, members left out)."""
-    buf = io.BytesIO()
-    counts = {"files": 0, "skipped": 0, "bytes": 0}
+class _Sink:
+    """The tar's bytes to a file, hashed and counted as they go; past ``cap`` refused."""
+
+    def __init__(self, f, cap: int, on_cap) -> None:
+        self.f, self.cap, self.on_cap = f, cap, on_cap
+        self.h = hashlib.sha256()
+        self.n = 0
+
+    def write(self, b) -> int:
+        self.n += len(b)
+        if self.n > self.cap:
+            raise self.on_cap(self.n)
+        self.h.update(b)
+        self.f.write(b)
+        return len(b)
+
+
+def host_room(path: Path) -> int:
+    """Bytes a snapshot may still take on the disk holding ``path`` (agent-vm's state): its free
+    space less what the workspace pool keeps free there for the daemon's state and audit."""
+    from agentvm.wspool import host_reserve
+
+    v = os.statvfs(path)
+    return max(0, v.f_bavail * v.f_frsize - host_reserve(v.f_blocks * v.f_frsize))
+
+
+def tar_workspace(host_dir: Path, out, *, limit: int, room: int | None = None) -> tuple[str, int, int, int]:
+    """The workspace as a tar (folders and regular files, walked by fd, never following a link),
+    streamed to the binary file ``out``: (its sha256, bytes, files, members left out). Refused
+    (``snapshot.too-large``) once the files' lengths pass ``limit`` (the agent's disk limit: a
+    sparse file counts at its length), or (``snapshot.no-room``) once the tar passes ``room``."""
+    counts = {"files": 0, "skipped": 0, "bytes": 0, "limit": limit}
+
+    def on_cap(n):
+        if room is not None and n > room:
+            return AgentVMError(f"no room for the snapshot on the host: {room >> 20} MiB free above the reserve kept "
+                                "for agent-vm's state and audit", code="snapshot.no-room",
+                                hint="free space on the disk holding the agent-vm home (`agentvm snapshot rm` old ones)")
+        return AgentVMError(f"the snapshot's tar passes {(limit + HEADER_SLACK) >> 20} MiB (its files' headers too)",
+                            code="snapshot.too-large", hint="remove files the agent need not keep, then snapshot again")
+
+    cap = limit + HEADER_SLACK if room is None else min(limit + HEADER_SLACK, room)
+    sink = _Sink(out, cap, on_cap)
     top = os.open(host_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    with tarfile.open(fileobj=buf, mode="w:", format=tarfile.PAX_FORMAT) as tf:
-        try:
+    try:
+        with tarfile.open(fileobj=sink, mode="w|", format=tarfile.PAX_FORMAT, bufsize=CHUNK) as tf:
             _walk(top, "", tf, counts)
-        finally:
-            os.close(top)
-    return buf.getvalue(), counts["files"], counts["skipped"]
+    finally:
+        os.close(top)
+    return sink.h.hexdigest(), sink.n, counts["files"], counts["skipped"]
 
 
 def _walk(dfd: int, prefix: str, tf: tarfile.TarFile, counts: dict) -> None:
@@ -116,9 +171,15 @@ def _walk(dfd: int, prefix: str, tf: tarfile.TarFile, counts: dict) -> None:
                     counts["skipped"] += 1
                     continue
                 counts["bytes"] += fst.st_size
-                if counts["bytes"] > MAX_BYTES:
-                    raise AgentVMError(f"the workspace holds more than {MAX_BYTES >> 20} MiB: too large to snapshot",
-                                       code="config.invalid", hint="remove what it need not keep, then snapshot again")
+                if counts["bytes"] > counts["limit"]:
+                    alloc = fst.st_blocks * 512
+                    sparse = (f" ({rel} is sparse: {fst.st_size} bytes long, {alloc} allocated)"
+                              if alloc < fst.st_size else "")
+                    raise AgentVMError(
+                        f"the workspace's files are longer than its disk limit ({counts['limit'] >> 20} MiB) together"
+                        f"{sparse}: a snapshot stores each file at its full length, and a restore writes it back "
+                        "at that length into the same limit", code="snapshot.too-large",
+                        hint="remove (or shorten) the files the agent need not keep, then snapshot again")
                 ti = tarfile.TarInfo(rel)
                 ti.size, ti.mode, ti.mtime = fst.st_size, stat.S_IMODE(fst.st_mode) & 0o777, int(fst.st_mtime)
                 with os.fdopen(os.dup(fd), "rb") as f:
@@ -130,20 +191,86 @@ def _walk(dfd: int, prefix: str, tf: tarfile.TarFile, counts: dict) -> None:
             counts["skipped"] += 1
 
 
-def untar_into(data: bytes, host_dir: Path, uid: int | None, gid: int | None) -> None:
-    """Unpack a snapshot into an empty workspace that nothing runs in (a fork before its launch,
-    a restore after its stop): folders and regular files only, no setuid/setgid, owned by
-    the sandbox's uid."""
-    with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as tf:
-        members = tf.getmembers()
-        for m in members:
-            if not (m.isdir() or m.isreg()) or m.name.startswith("/") or ".." in m.name.split("/"):
-                raise AgentVMError(f"the snapshot holds a member it cannot: {m.name!r}", code="checkpoint.tampered")
-        tf.extractall(host_dir, members=members, filter="data")
-    if uid is not None:
-        for dirpath, dirnames, filenames in os.walk(host_dir):
-            for n in dirnames + filenames:
-                os.lchown(os.path.join(dirpath, n), uid, gid if gid is not None else uid)
+class _HashReader:
+    def __init__(self, f) -> None:
+        self.f, self.h = f, hashlib.sha256()
+
+    def read(self, n: int = -1) -> bytes:
+        b = self.f.read(n)
+        self.h.update(b)
+        return b
+
+    def drain(self) -> str:
+        while b := self.read(CHUNK):
+            pass
+        return self.h.hexdigest()
+
+
+def _no_room(exc: OSError) -> bool:
+    return exc.errno in (errno.EDQUOT, errno.ENOSPC, errno.EFBIG)
+
+
+def untar_into(tar: Path, digest: str, host_dir: Path, uid: int | None, gid: int | None, *,
+               replace: bool) -> None:
+    """Unpack a snapshot (streamed from ``tar``, its sha256 checked against ``digest`` as it is
+    read) into a workspace that nothing runs in (a fork before its launch, a restore after its
+    stop): folders and regular files only, no setuid/setgid, owned by the sandbox's uid. It is
+    extracted into a fresh folder inside the workspace first; only when all of it is there
+    (and the digest matched) is the workspace's content (``replace``) removed and the new one
+    moved in - on any failure the workspace is as it was (``snapshot.no-room`` for its disk
+    limit or a full disk, ``checkpoint.tampered`` for a tar that is not the one recorded)."""
+    host_dir = Path(host_dir)
+    for e in os.scandir(host_dir):  # a restore the daemon did not finish (it died): never swapped in
+        if e.name.startswith(STAGING) and e.is_dir(follow_symlinks=False):
+            shutil.rmtree(e.path, ignore_errors=True)
+    staging = host_dir / f"{STAGING}{secrets.token_hex(6)}"
+    os.mkdir(staging, 0o700)
+    try:
+        with open(tar, "rb") as raw:
+            hr = _HashReader(raw)
+            with tarfile.open(fileobj=hr, mode="r|", bufsize=CHUNK) as tf:
+                tf.extractall(staging, members=_checked(tf), filter="data")
+            got = hr.drain()
+        if got != digest:
+            raise AgentVMError(f"the snapshot's tar does not match the digest recorded for it (found {got[:16]}): "
+                               "edited or replaced; nothing was changed", code="checkpoint.tampered")
+        if uid is not None:
+            _chown_all(staging, uid, gid if gid is not None else uid)
+    except OSError as exc:
+        shutil.rmtree(staging, ignore_errors=True)
+        if _no_room(exc):
+            raise AgentVMError(
+                f"the snapshot does not fit in the workspace ({os.strerror(exc.errno)}): the workspace's current "
+                "content and the snapshot's must fit its disk limit together while it is restored; nothing was "
+                "changed", code="snapshot.no-room",
+                hint="remove files from the workspace (or raise limits.disk), then restore again") from exc
+        raise
+    except tarfile.TarError as exc:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise AgentVMError(f"the snapshot's tar cannot be read ({exc}); nothing was changed",
+                           code="checkpoint.tampered") from exc
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    # all of it is there: the swap (removals and renames inside one filesystem, no new data)
+    if replace:
+        clear(host_dir, keep=staging.name)
+    for e in os.scandir(staging):
+        os.rename(e.path, host_dir / e.name)
+    os.rmdir(staging)
+
+
+def _checked(tf: tarfile.TarFile):
+    for m in tf:
+        if not (m.isdir() or m.isreg()) or m.name.startswith("/") or ".." in m.name.split("/"):
+            raise AgentVMError(f"the snapshot holds a member it cannot: {m.name!r}", code="checkpoint.tampered")
+        yield m
+
+
+def _chown_all(top: Path, uid: int, gid: int) -> None:
+    for dirpath, dirnames, filenames in os.walk(top):
+        for n in dirnames + filenames:
+            os.lchown(os.path.join(dirpath, n), uid, gid)
 
 
 def with_ancestors(creds, bindings: tuple, ancestors: list[tuple[str, str]], vault_dir, sandbox_id: str):
@@ -167,9 +294,11 @@ def with_ancestors(creds, bindings: tuple, ancestors: list[tuple[str, str]], vau
     return vault_credentials(tuple(bindings) + tuple(extra_b), {**creds.placeholders, **extra_p}, vault_dir, sandbox_id)
 
 
-def clear(host_dir: Path) -> None:
-    """Empty a workspace (nothing runs in it): its contents, never following a link."""
+def clear(host_dir: Path, keep: str | None = None) -> None:
+    """Empty a workspace (nothing runs in it): its contents (but ``keep``), never following a link."""
     for e in os.scandir(host_dir):
+        if e.name == keep:
+            continue
         if e.is_dir(follow_symlinks=False):
             shutil.rmtree(e.path)
         else:
@@ -187,27 +316,58 @@ class SnapshotStore:
     def path(self, sid: str) -> Path:
         return root(self.home) / sid / "workspace.tar"
 
-    def put(self, agent: str, tag: str | None, data: bytes, policy_digest: str, image: str, files: int,
-            skipped: int) -> Snapshot:
-        wd = hashlib.sha256(data).hexdigest()
-        sid = snapshot_id(wd, policy_digest, image)
-        d = root(self.home) / sid
-        d.mkdir(parents=True, exist_ok=True, mode=0o700)
-        os.chmod(root(self.home), 0o700)
-        os.chmod(d, 0o700)
-        tmp = d / ".workspace.tar.tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, d / "workspace.tar")
-        snap = Snapshot(sid, agent, tag, wd, policy_digest, image, len(data), files, skipped, time.time())
+    def take(self, agent: str, tag: str | None, host_dir: Path, *, policy_digest: str, image: str, limit: int,
+             policy_doc: dict) -> Snapshot:
+        """Tar ``host_dir`` into the store (streamed to a root-only file, hashed as it is written;
+        see :func:`tar_workspace` for what is refused) and index it. ``policy_doc``: the agent
+        file and live changes ``policy_digest`` was computed from (kept as policy.json)."""
+        top = root(self.home)
+        top.mkdir(parents=True, exist_ok=True, mode=0o700)
+        os.chmod(top, 0o700)
+        tmp = top / f".taking-{secrets.token_hex(8)}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                try:
+                    wd, size, files, skipped = tar_workspace(Path(host_dir), f, limit=limit, room=host_room(top))
+                    f.flush()
+                    os.fsync(f.fileno())
+                except OSError as exc:
+                    if _no_room(exc):
+                        raise AgentVMError(f"no room for the snapshot on the host ({os.strerror(exc.errno)})",
+                                           code="snapshot.no-room", hint="free space on the disk holding the "
+                                           "agent-vm home (`agentvm snapshot rm` old ones)") from exc
+                    raise
+            sid = snapshot_id(wd, policy_digest, image)
+            d = top / sid
+            d.mkdir(exist_ok=True, mode=0o700)
+            os.chmod(d, 0o700)
+            pfd = os.open(d / ".policy.json.tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+            with os.fdopen(pfd, "w") as pf:
+                json.dump(policy_doc, pf)
+            os.replace(d / ".policy.json.tmp", d / "policy.json")
+            os.replace(tmp, d / "workspace.tar")
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
+            raise
+        snap = Snapshot(sid, agent, tag, wd, policy_digest, image, size, files, skipped, time.time())
         with self._lock:
             self._db.execute("INSERT OR REPLACE INTO snapshots VALUES (?,?,?,?,?,?,?,?,?,?)",
                              (snap.id, snap.agent, snap.tag, snap.workspace_digest, snap.policy_digest, snap.image,
                               snap.bytes, snap.files, snap.skipped, snap.created))
         return snap
+
+    def policy_doc(self, snap: Snapshot) -> dict | None:
+        """The agent file and live changes the snapshot's policy digest was computed from (None:
+        a snapshot taken before they were kept, or unreadable). The caller checks the digest."""
+        try:
+            doc = json.loads((root(self.home) / snap.id / "policy.json").read_text())
+        except (OSError, ValueError):
+            return None
+        return doc if isinstance(doc, dict) and isinstance(doc.get("spec_text"), str) else None
 
     def all(self, agent: str | None = None) -> list[Snapshot]:
         q, args = "SELECT * FROM snapshots", ()
@@ -245,16 +405,21 @@ class SnapshotStore:
         with self._lock:
             self._db.execute("DELETE FROM lineage WHERE child=?", (child,))
 
-    def load(self, snap: Snapshot) -> bytes:
-        """The snapshot's tar, checked against its recorded digest and id (else refused)."""
+    def load(self, snap: Snapshot) -> Path:
+        """The snapshot's tar (its path), checked against its recorded digest and id (else
+        refused), read in chunks; :func:`untar_into` checks the digest again as it extracts."""
+        p = self.path(snap.id)
+        h = hashlib.sha256()
         try:
-            data = self.path(snap.id).read_bytes()
+            with open(p, "rb") as f:
+                while b := f.read(CHUNK):
+                    h.update(b)
         except FileNotFoundError:
             raise AgentVMError(f"snapshot {snap.id[:16]}'s files are gone", code="checkpoint.missing",
                                hint="`agentvm snapshot ls` lists what is there") from None
-        wd = hashlib.sha256(data).hexdigest()
+        wd = h.hexdigest()
         if wd != snap.workspace_digest or snapshot_id(wd, snap.policy_digest, snap.image) != snap.id:
             raise AgentVMError(f"snapshot {snap.id[:16]} does not match the digest recorded when it was taken "
                                f"(found {wd[:16]}): it was edited or replaced; refused", code="checkpoint.tampered",
                                hint=f"remove it: `agentvm snapshot rm {snap.id[:16]}`")
-        return data
+        return p

@@ -171,25 +171,32 @@ class StateControl:
         ws = m.session.res.workspace
         if ws is None:
             raise refuse("config.invalid", f"{name} has no workspace to snapshot")
+        row = self.state.get(name)
+        policy = await asyncio.to_thread(self.effective_policy, row)
+        digest = policy.digest()
+        image = getattr(m.session.policy, "image", None) or "host-view"
+        # a snapshot holds at most the agent's disk limit of file content (restored into that limit)
+        limit = policy.limits.disk or snapshot.MAX_BYTES
+        doc = {"spec_text": row.spec_text, "spec_file": row.spec_file, "policy_patch": row.policy_patch or "{}"}
         froze = False
-        if self.state.get(name).state == "running":
+        if row.state == "running":
             try:
                 await asyncio.to_thread(m.backend.pause, m.handle)
                 froze = True
             except AgentVMError:
                 pass  # no freezer: read while it runs
         try:
-            data, files, skipped = await asyncio.to_thread(snapshot.tar_workspace, Path(ws.host_dir))
+            snap = await asyncio.to_thread(self.snapshots.take, name, tag, Path(ws.host_dir), policy_digest=digest,
+                                           image=image, limit=limit, policy_doc=doc)
+        except AgentVMError as exc:
+            self.record("snapshot.refused", actor=actor, sandbox=name, error=exc.code, message=exc.message)
+            raise
         finally:
             if froze:
                 await asyncio.to_thread(m.backend.unpause, m.handle)
-        row = self.state.get(name)
-        digest = await asyncio.to_thread(lambda: self.effective_policy(row).digest())
-        image = getattr(m.session.policy, "image", None) or "host-view"
-        snap = await asyncio.to_thread(self.snapshots.put, name, tag, data, digest, image, files, skipped)
         self.record("snapshot.created", actor=actor, sandbox=name, snapshot=snap.id, tag=tag,
                     workspace_digest=snap.workspace_digest, policy=digest, image=image, bytes=snap.bytes,
-                    files=files, skipped=skipped)
+                    files=snap.files, skipped=snap.skipped)
         return snap.to_dict()
 
     def _has_snapshots(self) -> bool:
@@ -220,51 +227,113 @@ class StateControl:
         self.record("snapshot.removed", actor=actor, sandbox=snap.agent, snapshot=snap.id)
         return {"removed": snap.id}
 
+    def _snapshot_policy(self, snap):
+        """The policy the snapshot's digest binds (its agent file and live changes, kept beside
+        it, recompiled and checked against the digest; for a snapshot taken before they were
+        kept, its agent's policy now if that is the same digest), or None."""
+        from types import SimpleNamespace
+
+        candidates = []
+        doc = self.snapshots.policy_doc(snap)
+        if doc is not None:
+            candidates.append(SimpleNamespace(spec_text=doc["spec_text"], spec_file=doc.get("spec_file") or "<snapshot>",
+                                              policy_patch=doc.get("policy_patch") or "{}"))
+        parent = self.state.get(snap.agent)
+        if parent is not None:
+            candidates.append(parent)
+        for c in candidates:
+            try:
+                p = self.effective_policy(c)
+            except Exception:  # noqa: BLE001 - a file that no longer compiles binds nothing
+                continue
+            if p.digest() == snap.policy_digest:
+                return p
+        return None
+
     async def fork(self, source: str, new: str, *, actor: str = "operator") -> dict:
         """A new agent from ``source`` (an agent: snapshotted now; or a snapshot by id or tag):
-        its agent file under the new name, the snapshot's workspace, a new sandbox - so a new
-        uid and fresh credential placeholders, minted for it alone (no placeholder is valid in
-        two sandboxes; its credentials are revoked on their own). Parent and child on the chain."""
+        its agent file under the new name with the parent's live changes (a live deny, lowered
+        limits, a revoked credential, a lowered budget hold for the child too), the snapshot's
+        workspace, a new sandbox - so a new uid and fresh credential placeholders, minted for it
+        alone (no placeholder is valid in two sandboxes; its credentials are revoked on their
+        own). A child whose policy would be wider than the one the snapshot was taken under is
+        refused (``snapshot.policy-wider``); a child that fails to start is removed. LLM budget
+        counters are per agent: the child's start at zero, under the limits it inherits
+        (docs/concepts.md "Snapshots"). Parent and child on the chain."""
         import yaml
+
+        from agentvm.fleet import widening
+        from agentvm.policy_patch import LivePolicy
 
         if self.state.get(source) is not None:
             snap_d = await self.snapshot(source, tag=f"fork:{new}", actor=actor)
             snap = self._snapshot_of(snap_d["id"])
         else:
             snap = self._snapshot_of(source)
-        data = await asyncio.to_thread(self.snapshots.load, snap)  # checked: tampered is refused
+        tar = await asyncio.to_thread(self.snapshots.load, snap)  # checked: tampered is refused
         parent = self.state.get(snap.agent)
         if parent is None:
             raise refuse("sandbox.not-found", f"the snapshot's agent {snap.agent!r} is gone: its agent file with it",
                          hint="fork from an agent that exists")
+        if self.state.get(new) is not None:
+            raise refuse("sandbox.exists", f"a sandbox named {new!r} exists", hint=f"agentvm rm {new}")
+        bound = await asyncio.to_thread(self._snapshot_policy, snap)
+        if bound is None:
+            raise refuse("snapshot.policy-wider", f"the policy snapshot {snap.id[:16]} was taken under cannot be "
+                         f"recovered (its agent file or live changes changed since): a fork of it cannot be "
+                         "checked to be no wider", hint=f"fork the agent itself: `agentvm fork {snap.agent} {new}`")
         doc = yaml.safe_load(parent.spec_text)
         doc.setdefault("metadata", {})["name"] = new
+        patch = parent.policy_patch or "{}"  # the parent's live changes, now: the child is at least as narrow
         await self.create(yaml.safe_dump(doc, sort_keys=False), f"{parent.spec_file} (fork of {snap.agent})",
                           actor=actor)
-        self.record("lifecycle.forked", actor=actor, sandbox=new, parent=snap.agent, child=new, snapshot=snap.id,
-                    policy=snap.policy_digest)
-        lineage = self._placeholders_of(snap.agent)
-        self.snapshots.add_lineage(new, lineage)
-        m = self.managed.setdefault(new, Managed(new))
-        m.seed = (data, False)
         try:
-            return await self.start_and_wait(new, actor=actor)
-        finally:
-            m.seed = None
+            self.state.update(new, policy_patch=patch)
+            child = await asyncio.to_thread(self.effective_policy, self.state.get(new))
+            wider = widening(bound, child)
+            if wider:
+                raise refuse("snapshot.policy-wider", f"{new} would run under a wider policy than snapshot "
+                             f"{snap.id[:16]} was taken under: " + "; ".join(wider),
+                             hint=f"narrow {snap.agent} again (`agentvm policy {snap.agent} ...`), or fork the agent "
+                                  f"itself: `agentvm fork {snap.agent} {new}`")
+            self.record("lifecycle.forked", actor=actor, sandbox=new, parent=snap.agent, child=new, snapshot=snap.id,
+                        policy=snap.policy_digest, child_policy=child.digest(),
+                        policy_patch=LivePolicy.from_json(patch).to_dict(), budget="per-agent counters (fresh)")
+            self.snapshots.add_lineage(new, self._placeholders_of(snap.agent))
+            m = self.managed.setdefault(new, Managed(new))
+            m.seed = (tar, snap.workspace_digest, False)
+            try:
+                return await self.start_and_wait(new, actor=actor)
+            finally:
+                m.seed = None
+        except BaseException as exc:
+            # a fork that did not start leaves no agent behind (its row, workspace, lineage)
+            err = getattr(exc, "code", type(exc).__name__)
+            try:
+                await self.remove(new, actor=actor)
+            except Exception:  # noqa: BLE001 - the first error is the one to report
+                import logging
+
+                logging.getLogger("agentvm.daemon").exception("cannot remove the failed fork %s", new)
+            self.record("lifecycle.fork-failed", actor=actor, sandbox=new, parent=snap.agent, snapshot=snap.id,
+                        error=err)
+            raise
 
     async def restore_snapshot(self, name: str, ref: str, *, actor: str = "operator") -> dict:
         """Roll ``name`` back to one of its snapshots: stopped, its workspace replaced by the
-        snapshot's (checked first), started again."""
+        snapshot's (checked first; extracted beside the current content and swapped in only when
+        whole: a restore that fails leaves the workspace as it was, the agent stopped), started
+        again."""
         snap = self._snapshot_of(ref)
         if snap.agent != name:
             raise refuse("config.invalid", f"snapshot {snap.id[:16]} is of {snap.agent}, not {name}",
                          hint=f"to start a new agent from it: agentvm fork {snap.id[:16]} NEW")
-        data = await asyncio.to_thread(self.snapshots.load, snap)
+        tar = await asyncio.to_thread(self.snapshots.load, snap)
         self.row(name)
         await self.stop(name, actor=actor)
         self.record("lifecycle.restored", actor=actor, sandbox=name, snapshot=snap.id)
         m = self.managed.setdefault(name, Managed(name))
-        m.seed = (data, True)
+        m.seed = (tar, snap.workspace_digest, True)
         try:
             return await self.start_and_wait(name, actor=actor)
         finally:

@@ -64,7 +64,8 @@ class Managed:
         self.expired = False
         self.suspending = False  # its run ends in a checkpoint, not an exit (issue 37)
         self.restore = None  # agentvm.checkpoint.Checkpoint: its next start restores this
-        self.seed: tuple[bytes, bool] | None = None  # (a snapshot's tar, replace): its next start's workspace
+        # (a snapshot's tar file, its sha256, replace): its next start's workspace
+        self.seed: tuple[Path, str, bool] | None = None
         self.idle_action: str | None = None  # lifecycle.idle ran out with this action (suspend|pause)
 
     def active(self, t: float) -> None:
@@ -233,10 +234,10 @@ class Supervisor:
                 ws = s.res.workspace
                 if ws is None:
                     raise refuse("config.invalid", f"{m.name} has no workspace to put a snapshot in")
-                if seed[1]:
-                    await asyncio.to_thread(snapshot.clear, Path(ws.host_dir))
-                await asyncio.to_thread(snapshot.untar_into, seed[0], Path(ws.host_dir), s.res.host_uid,
-                                        s.res.host_uid)
+                # extracted beside the current content, swapped in only when whole (a failure
+                # leaves the workspace as it was: snapshot.no-room, checkpoint.tampered)
+                await asyncio.to_thread(snapshot.untar_into, seed[0], seed[1], Path(ws.host_dir), s.res.host_uid,
+                                        s.res.host_uid, replace=seed[2])
             if restore is not None:  # resume: the plan restores the checkpoint (checked again here)
                 from agentvm import checkpoint
 
