@@ -269,6 +269,259 @@ static int write_all(int fd, const char *p, size_t n) {
     return 0;
 }
 
+/* ---------------------------------------------------------------- what reaches a terminal */
+/* When stdout (or stderr, each on its own) is a terminal, the sandbox's output goes through
+ * this filter: agentvm/termfilter.py is the same state machine, documented there, and
+ * tests/unit/test_termfilter.py holds the table both are tested with. It removes what makes the
+ * terminal act for the sandbox - answer-back queries (DSR, DA, DECRQSS, XTGETTCAP, colour and
+ * window reports, ENQ, DECID), the clipboard (OSC 52), titles, every DCS/SOS/PM/APC string and
+ * the UTF-8-encoded C1 controls - and keeps text, SGR colours, cursor movement, modes, OSC 8.
+ * A sequence is held until its end, at most TF_LIMIT bytes (then it is dropped, the rest is
+ * text); one left incomplete at the end is dropped. AGENTVM_RAW_OUTPUT=1 passes bytes as they
+ * are (the Python entry point's --raw-output); so does a pipe or a file. */
+#define TF_LIMIT 4096u
+enum { TF_GROUND, TF_ESC, TF_ESC_I, TF_CSI, TF_OSC, TF_OSC_ESC, TF_STR, TF_STR_ESC, TF_C2 };
+struct tf {
+    int on, state;
+    size_t n;
+    unsigned char held[TF_LIMIT + 8];
+};
+
+static int tf_csi_keep(const unsigned char *s, size_t n) { /* ESC [ PARAMS INTERMEDIATES FINAL */
+    unsigned char fin = s[n - 1];
+    size_t i = n - 1;
+    while (i > 2 && s[i - 1] >= 0x20 && s[i - 1] <= 0x2f) i--;
+    const unsigned char *p = s + 2, *in = s + i;
+    size_t np = i - 2, ni = n - 1 - i;
+    for (size_t k = 0; k < np; k++)
+        if (p[k] >= 0x20 && p[k] <= 0x2f) return 0;
+    if (fin == 'n' || fin == 'c' || fin == 't') return 0;
+    if (ni == 0) {
+        if (fin == 'x') return 0;
+        if (fin == 'q' && np && p[0] == '>') return 0;
+        if ((fin == 'u' || fin == 'S' || fin == 'm') && np && p[0] == '?') return 0;
+        return 1;
+    }
+    if (ni == 1) {
+        static const char *const bad[] = {"$p", "$w", "$u", "*y", "'w", "&u", "\"v", "#|"};
+        for (size_t k = 0; k < sizeof bad / sizeof *bad; k++)
+            if (in[0] == (unsigned char)bad[k][0] && fin == (unsigned char)bad[k][1]) return 0;
+    }
+    return 1;
+}
+
+static int tf_osc_keep(const unsigned char *p, size_t n) { /* between ESC ] and the terminator */
+    size_t i = 0;
+    unsigned num = 0;
+    while (i < n && p[i] >= '0' && p[i] <= '9' && i < 5) num = num * 10 + (unsigned)(p[i++] - '0');
+    if (i == 0 || (i < n && p[i] != ';')) return 0;
+    int keep = num == 7 || num == 8 || num == 133 || num == 4 || num == 104 || num == 105 ||
+               (num >= 10 && num < 20) || (num >= 110 && num < 120);
+    if (!keep) return 0;
+    for (size_t k = 0; k < n; k++)
+        if (p[k] < 0x20 || p[k] > 0x7e) return 0;
+    if (num == 7 || num == 8 || num == 133) return 1;
+    /* a colour: no item may be "?" (a query) */
+    size_t a = i;
+    while (a < n) {
+        size_t b = a + 1;
+        while (b < n && p[b] != ';') b++;
+        size_t s = a + 1, e = b;
+        while (s < e && p[s] == ' ') s++;
+        while (e > s && p[e - 1] == ' ') e--;
+        if (e - s == 1 && p[s] == '?') return 0;
+        a = b;
+    }
+    return 1;
+}
+
+/* Filters n bytes of d into out (at most n + 1 bytes: a held 0xc2 may come out): its length. */
+static size_t tf_feed(struct tf *f, const unsigned char *d, size_t n, unsigned char *out) {
+    size_t o = 0;
+    for (size_t i = 0; i < n;) {
+        unsigned char b = d[i++];
+        switch (f->state) {
+        case TF_GROUND:
+            if (b == 0x1b) {
+                f->held[0] = b;
+                f->n = 1;
+                f->state = TF_ESC;
+            } else if (b == 0xc2) {
+                f->state = TF_C2;
+            } else if (b != 0x05) { /* ENQ: dropped */
+                out[o++] = b;
+            }
+            continue;
+        case TF_C2:
+            f->state = TF_GROUND;
+            if (b >= 0x80 && b <= 0x9f) continue; /* a C1 control, UTF-8 encoded */
+            out[o++] = 0xc2;
+            i--;
+            continue;
+        }
+        if (b == 0x18 || b == 0x1a) { /* CAN, SUB */
+            f->n = 0;
+            f->state = TF_GROUND;
+            continue;
+        }
+        switch (f->state) {
+        case TF_ESC:
+            if (b == '[') {
+                f->held[f->n++] = b;
+                f->state = TF_CSI;
+            } else if (b == ']') {
+                f->held[f->n++] = b;
+                f->state = TF_OSC;
+            } else if (b == 'P' || b == 'X' || b == '^' || b == '_') {
+                f->n = 0;
+                f->state = TF_STR;
+            } else if (b >= 0x20 && b <= 0x2f) {
+                f->held[f->n++] = b;
+                f->state = TF_ESC_I;
+            } else if (b >= 0x30 && b <= 0x7e) {
+                if (b != 'Z') {
+                    out[o++] = 0x1b;
+                    out[o++] = b;
+                }
+                f->n = 0;
+                f->state = TF_GROUND;
+            } else {
+                f->n = 0;
+                f->state = TF_GROUND;
+                i--;
+            }
+            continue;
+        case TF_ESC_I:
+            if (b >= 0x20 && b <= 0x2f) {
+                f->held[f->n++] = b;
+            } else if (b >= 0x30 && b <= 0x7e) {
+                f->held[f->n++] = b;
+                memcpy(out + o, f->held, f->n);
+                o += f->n;
+                f->n = 0;
+                f->state = TF_GROUND;
+                continue;
+            } else {
+                f->n = 0;
+                f->state = TF_GROUND;
+                i--;
+                continue;
+            }
+            break;
+        case TF_CSI:
+            if (b >= 0x20 && b <= 0x3f) {
+                f->held[f->n++] = b;
+            } else if (b >= 0x40 && b <= 0x7e) {
+                f->held[f->n++] = b;
+                if (tf_csi_keep(f->held, f->n)) {
+                    memcpy(out + o, f->held, f->n);
+                    o += f->n;
+                }
+                f->n = 0;
+                f->state = TF_GROUND;
+                continue;
+            } else {
+                f->n = 0;
+                f->state = TF_GROUND;
+                i--;
+                continue;
+            }
+            break;
+        case TF_OSC:
+            if (b == 0x07) {
+                if (tf_osc_keep(f->held + 2, f->n - 2)) {
+                    memcpy(out + o, f->held, f->n);
+                    o += f->n;
+                    out[o++] = b;
+                }
+                f->n = 0;
+                f->state = TF_GROUND;
+                continue;
+            } else if (b == 0x1b) {
+                f->state = TF_OSC_ESC;
+                continue;
+            }
+            f->held[f->n++] = b;
+            break;
+        case TF_OSC_ESC:
+            if (b == '\\') {
+                if (tf_osc_keep(f->held + 2, f->n - 2)) {
+                    memcpy(out + o, f->held, f->n);
+                    o += f->n;
+                    out[o++] = 0x1b;
+                    out[o++] = '\\';
+                }
+                f->n = 0;
+                f->state = TF_GROUND;
+            } else { /* a new sequence: this one is dropped */
+                f->held[0] = 0x1b;
+                f->n = 1;
+                f->state = TF_ESC;
+                i--;
+            }
+            continue;
+        case TF_STR:
+            if (b == 0x1b) f->state = TF_STR_ESC;
+            else if (b == 0x07) f->state = TF_GROUND;
+            continue;
+        case TF_STR_ESC:
+            if (b == '\\') {
+                f->state = TF_GROUND;
+            } else {
+                f->held[0] = 0x1b;
+                f->n = 1;
+                f->state = TF_ESC;
+                i--;
+            }
+            continue;
+        }
+        if (f->n > TF_LIMIT) { /* too long to hold: dropped, the rest is text */
+            f->n = 0;
+            f->state = TF_GROUND;
+        }
+    }
+    return o;
+}
+
+/* The end of a stream: a sequence left incomplete is dropped. */
+static void tf_finish(struct tf *f) {
+    f->n = 0;
+    f->state = TF_GROUND;
+}
+
+static struct tf g_tf[3]; /* [1] stdout's, [2] stderr's */
+
+static void tf_setup(void) {
+    const char *raw = getenv("AGENTVM_RAW_OUTPUT");
+    int r = raw && strcmp(raw, "1") == 0;
+    g_tf[1].on = !r && isatty(1);
+    g_tf[2].on = !r && isatty(2);
+}
+
+/* write_all of the sandbox's output to fd 1 or 2, through its filter when it has one. */
+static int write_out(int fd, const char *p, size_t n) {
+    struct tf *f = &g_tf[fd];
+    if (!f->on) return write_all(fd, p, n);
+    static unsigned char ob[65536 + TF_LIMIT + 64]; /* k bytes in; out: k, plus what was held */
+    while (n) {
+        size_t k = n < 65536 ? n : 65536;
+        size_t o = tf_feed(f, (const unsigned char *)p, k, ob);
+        if (o && write_all(fd, (const char *)ob, o) < 0) return -1;
+        p += k;
+        n -= k;
+    }
+    return 0;
+}
+
+/* The report the daemon rendered, after the run's output: the stream's filter ends (what the
+ * sandbox left incomplete does not swallow it) and the report goes through a fresh one. */
+static void write_report(const char *p, size_t n) {
+    struct tf *f = &g_tf[2];
+    if (f->on) tf_finish(f);
+    write_out(2, p, n);
+    if (f->on) tf_finish(f);
+}
+
 /* ---------------------------------------------------------------- an interactive session */
 #define IN_FRAME 65536u          /* stdin bytes per frame (the daemon's limit) */
 #define OUT_PENDING (256u << 10) /* bytes queued for the daemon before stdin is no longer read */
@@ -328,7 +581,7 @@ static int attach_loop(struct conn *c) {
             const char *payload = in.p + at;
             used = at + n;
             if (kind == 'o' || kind == 'e') {
-                if (write_all(kind == 'o' ? 1 : 2, payload, n) < 0) return errno == EPIPE ? 141 : 125;
+                if (write_out(kind == 'o' ? 1 : 2, payload, n) < 0) return errno == EPIPE ? 141 : 125;
             } else if (kind == 'x') {
                 const char *eol = memchr(payload, '\n', n);
                 int rc = 0;
@@ -338,7 +591,7 @@ static int attach_loop(struct conn *c) {
                     rc = rc * 10 + (*q - '0');
                 }
                 if (rc > 255) return ended("a malformed end frame");
-                write_all(2, eol + 1, n - (size_t)(eol + 1 - payload));
+                write_report(eol + 1, n - (size_t)(eol + 1 - payload));
                 return rc;
             } else {
                 return ended("an unknown frame");
@@ -402,6 +655,9 @@ static int ended(const char *why) {
     return 125;
 }
 
+#ifdef AGENTVM_TERMFILTER_TEST
+#define main client_main
+#endif
 int main(int argc, char **argv) {
     g_argv = argv;
     if (argc < 3 || strcmp(argv[1], "run") != 0) fallback();
@@ -443,6 +699,7 @@ int main(int argc, char **argv) {
         fallback(); /* no daemon listening: the run is embedded (Python's) */
     }
     signal(SIGPIPE, SIG_IGN);
+    tf_setup();
 
     struct buf req = {0};
     char head[256];
@@ -533,7 +790,7 @@ int main(int argc, char **argv) {
                 const char *payload = fb.p + at;
                 used = at + n;
                 if (kind == 'o' || kind == 'e') {
-                    if (write_all(kind == 'o' ? 1 : 2, payload, n) < 0) {
+                    if (write_out(kind == 'o' ? 1 : 2, payload, n) < 0) {
                         if (errno == EPIPE) return 141; /* our reader went away: so does the run */
                         return 125;
                     }
@@ -546,7 +803,7 @@ int main(int argc, char **argv) {
                         rc = rc * 10 + (*d - '0');
                     }
                     if (rc > 255) return ended("a malformed end frame");
-                    write_all(2, eol + 1, n - (size_t)(eol + 1 - payload));
+                    write_report(eol + 1, n - (size_t)(eol + 1 - payload));
                     return rc;
                 } else {
                     return ended("an unknown frame");
@@ -593,3 +850,36 @@ int main(int argc, char **argv) {
         if (crlf[0] != '\r' || crlf[1] != '\n') return ended("a malformed chunk");
     }
 }
+
+#ifdef AGENTVM_TERMFILTER_TEST
+#undef main
+/* tests/unit/test_client_c.py: stdin through the filter whole (to stdout); then split at every
+ * byte boundary and a byte at a time, each of which must give the same bytes (else exit 3). */
+int main(void) {
+    static unsigned char in[1 << 16], a[(1 << 16) + TF_LIMIT + 64], b[(1 << 16) + TF_LIMIT + 64];
+    size_t n = 0;
+    ssize_t r;
+    while ((r = read(0, in + n, sizeof in - n)) > 0) n += (size_t)r;
+    static struct tf f;
+    tf_finish(&f);
+    size_t whole = tf_feed(&f, in, n, a);
+    for (size_t k = 0; k <= n; k++) {
+        tf_finish(&f);
+        size_t o = tf_feed(&f, in, k, b);
+        o += tf_feed(&f, in + k, n - k, b + o);
+        if (o != whole || memcmp(a, b, o) != 0) {
+            fprintf(stderr, "split at %zu differs\n", k);
+            return 3;
+        }
+    }
+    tf_finish(&f);
+    size_t o = 0;
+    for (size_t k = 0; k < n; k++) o += tf_feed(&f, in + k, 1, b + o);
+    if (o != whole || memcmp(a, b, o) != 0) {
+        fprintf(stderr, "a byte at a time differs\n");
+        return 3;
+    }
+    write_all(1, (const char *)a, whole);
+    return 0;
+}
+#endif

@@ -1,0 +1,256 @@
+"""What a sandboxed program writes, made safe for the operator's terminal.
+
+A terminal acts on some of the bytes it is given: it can write the operator's clipboard
+(OSC 52), report on itself by typing its answer into its own input (DSR ``CSI 6n``, DA
+``CSI c``, DECRQSS ``DCS $ q``, XTGETTCAP ``DCS + q``, colour queries ``OSC 11;?``, window
+reports ``CSI 21 t``, ENQ's answerback...; the answer lands in the operator's shell once the
+client exits), set its window title, define keys. When the client's stdout (or stderr, each on
+its own) is a terminal, the sandbox's output goes through :class:`TermFilter`, a streaming state
+machine that keeps what interactive programs need (text, SGR colours, cursor movement, erasing,
+scrolling regions, modes such as the alternate screen, bracketed paste and the mouse, OSC 8
+hyperlinks) and removes the rest:
+
+* every answer-back query: CSI ``n`` (DSR), ``c`` (DA1/2/3), ``t`` (window operations and
+  reports), ``x`` (DECREQTPARM), ``$ p`` (DECRQM), ``> q`` (XTVERSION), ``? u`` (keyboard
+  protocol query), ``? S`` (XTSMGRAPHICS), ``? m`` (XTQMODKEYS), ``* y`` (DECRQCRA), ``' w``,
+  ``$ w``, ``$ u``, ``& u``, ``" v``, ``# |``; ``ESC Z`` (DECID); ENQ (0x05);
+* every DCS, SOS, PM and APC string (DECRQSS, XTGETTCAP, DECUDK, sixel, tmux pass-through,
+  kitty graphics);
+* every OSC but an allow-list: 7 (working directory), 8 (hyperlink), 133 (prompt marks), and
+  the colour settings 4, 10-19, 104, 110-119 unless an item is ``?`` (a query). So OSC 52 and
+  the titles (OSC 0/1/2: a program in the sandbox does not name the operator's window) go;
+* the C1 controls in their UTF-8 form (U+0080-U+009F, ``c2 80``-``c2 9f``), which some
+  terminals act on as 8-bit CSI/OSC/DCS.
+
+A sequence is held only until its end: one longer than ``limit`` bytes is dropped (its
+introducer never reaches the terminal, the rest is plain text), never buffered without bound.
+A sequence is also cut short where a terminal would end or cancel it (CAN, SUB, a new ESC, a
+control byte inside it): nothing kept ever spans a byte the terminal might read differently.
+``finish()`` drops a sequence left incomplete (the next writer must not complete it).
+
+Not covered (docs/daemon.md): raw 8-bit C1 bytes (0x80-0x9f outside the UTF-8 form) pass -
+they are UTF-8 continuation bytes, and only a terminal not in UTF-8 mode acts on them; modes
+the terminal reports input in (mouse, focus, bracketed paste) pass, as full-screen programs need
+them.
+
+The C client (agentvm/native/agentvm-client.c, ``tf_feed``) implements the same machine; the
+two are tested with one table (tests/unit/test_termfilter.py).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+LIMIT = 4096  # bytes of one held sequence (an OSC 8 link's URI fits)
+
+_GROUND, _ESC, _ESC_I, _CSI, _OSC, _OSC_ESC, _STR, _STR_ESC, _C2 = range(9)
+_SPECIAL = re.compile(rb"[\x05\x1b\xc2]")
+_OSC_KEEP = {7, 8, 133, 4, 104, 105} | set(range(10, 20)) | set(range(110, 120))
+_OSC_COLOR = {4} | set(range(10, 20))
+
+
+def raw_output_env() -> bool:
+    return os.environ.get("AGENTVM_RAW_OUTPUT") == "1"
+
+
+def for_fd(fd: int, raw: bool = False) -> "TermFilter | None":
+    """A filter for output written to ``fd``; None when it is not a terminal (a pipe, a file:
+    bytes pass exact) or raw output was asked for (``--raw-output``, AGENTVM_RAW_OUTPUT=1)."""
+    if raw or raw_output_env():
+        return None
+    try:
+        if not os.isatty(fd):
+            return None
+    except OSError:
+        return None
+    return TermFilter()
+
+
+def _csi_keep(seq: bytes) -> bool:
+    """``seq`` is ESC [ PARAMS INTERMEDIATES FINAL (bytes 0x20-0x7e)."""
+    body = seq[2:-1]
+    final = seq[-1:]
+    i = len(body)
+    while i and 0x20 <= body[i - 1] <= 0x2F:
+        i -= 1
+    params, inter = body[:i], body[i:]
+    if any(0x20 <= b <= 0x2F for b in params):
+        return False  # malformed (an intermediate before a parameter): terminals differ, dropped
+    if final in (b"n", b"c", b"t"):
+        return False
+    if not inter:
+        if final == b"x":
+            return False
+        if final == b"q" and params.startswith(b">"):
+            return False
+        if final in (b"u", b"S", b"m") and params.startswith(b"?"):
+            return False
+        return True
+    if (inter, final) in ((b"$", b"p"), (b"$", b"w"), (b"$", b"u"), (b"*", b"y"), (b"'", b"w"), (b"&", b"u"),
+                          (b'"', b"v"), (b"#", b"|")):
+        return False
+    return True
+
+
+def _osc_keep(payload: bytes) -> bool:
+    """``payload`` is what comes between ESC ] and the terminator."""
+    num, _, rest = payload.partition(b";")
+    if not num.isdigit() or len(num) > 5 or int(num) not in _OSC_KEEP:
+        return False
+    if any(b < 0x20 or b > 0x7E for b in payload):
+        return False  # a control or a byte above ASCII inside: dropped (no terminal may end it early)
+    if int(num) in _OSC_COLOR or int(num) in (104, 105) or 110 <= int(num) < 120:
+        if any(item.strip() == b"?" for item in rest.split(b";")):
+            return False
+    return True
+
+
+class TermFilter:
+    """Feed it output (any split); it returns what may reach the terminal."""
+
+    __slots__ = ("state", "held", "limit")
+
+    def __init__(self, limit: int = LIMIT) -> None:
+        self.state = _GROUND
+        self.held = bytearray()
+        self.limit = limit
+
+    def finish(self) -> bytes:
+        """The end of the stream: a sequence left incomplete is dropped."""
+        self.state = _GROUND
+        self.held.clear()
+        return b""
+
+    def feed(self, data: bytes) -> bytes:
+        out = bytearray()
+        held = self.held
+        st = self.state
+        n = len(data)
+        i = 0
+        while i < n:
+            if st == _GROUND:
+                m = _SPECIAL.search(data, i)
+                if m is None:
+                    out += data[i:]
+                    break
+                j = m.start()
+                out += data[i:j]
+                b = data[j]
+                i = j + 1
+                if b == 0x1B:
+                    held.clear()
+                    held.append(b)
+                    st = _ESC
+                elif b == 0xC2:
+                    st = _C2
+                # ENQ (0x05): dropped
+                continue
+            b = data[i]
+            i += 1
+            if st == _C2:
+                st = _GROUND
+                if 0x80 <= b <= 0x9F:
+                    continue  # a C1 control, UTF-8 encoded: dropped
+                out.append(0xC2)
+                i -= 1  # the byte after it, in ground
+                continue
+            if b in (0x18, 0x1A):  # CAN, SUB: a terminal cancels the sequence
+                held.clear()
+                st = _GROUND
+                continue
+            if st == _ESC:
+                if b == 0x5B:  # [
+                    held.append(b)
+                    st = _CSI
+                elif b == 0x5D:  # ]
+                    held.append(b)
+                    st = _OSC
+                elif b in (0x50, 0x58, 0x5E, 0x5F):  # P X ^ _: DCS SOS PM APC, never kept
+                    held.clear()
+                    st = _STR
+                elif 0x20 <= b <= 0x2F:
+                    held.append(b)
+                    st = _ESC_I
+                elif 0x30 <= b <= 0x7E:
+                    if b != 0x5A:  # ESC Z: DECID, an answer-back
+                        held.append(b)
+                        out += held
+                    held.clear()
+                    st = _GROUND
+                else:  # a control, ESC again, or a byte above ASCII: the ESC is dropped
+                    held.clear()
+                    st = _GROUND
+                    i -= 1
+                continue
+            if st == _ESC_I:
+                if 0x20 <= b <= 0x2F:
+                    held.append(b)
+                elif 0x30 <= b <= 0x7E:
+                    held.append(b)
+                    out += held
+                    held.clear()
+                    st = _GROUND
+                else:
+                    held.clear()
+                    st = _GROUND
+                    i -= 1
+                    continue
+            elif st == _CSI:
+                if 0x20 <= b <= 0x3F:
+                    held.append(b)
+                elif 0x40 <= b <= 0x7E:
+                    held.append(b)
+                    if _csi_keep(bytes(held)):
+                        out += held
+                    held.clear()
+                    st = _GROUND
+                else:
+                    held.clear()
+                    st = _GROUND
+                    i -= 1
+                    continue
+            elif st == _OSC:
+                if b == 0x07:
+                    if _osc_keep(bytes(held[2:])):
+                        out += held
+                        out.append(b)
+                    held.clear()
+                    st = _GROUND
+                elif b == 0x1B:
+                    st = _OSC_ESC
+                else:
+                    held.append(b)
+            elif st == _OSC_ESC:
+                if b == 0x5C:  # ESC \ : ST
+                    if _osc_keep(bytes(held[2:])):
+                        out += held
+                        out += b"\x1b\\"
+                    held.clear()
+                    st = _GROUND
+                else:  # a new sequence: this one is dropped
+                    held.clear()
+                    held.append(0x1B)
+                    st = _ESC
+                    i -= 1
+                continue
+            elif st == _STR:
+                if b == 0x1B:
+                    st = _STR_ESC
+                elif b == 0x07:
+                    st = _GROUND
+                continue  # nothing held: a dropped string costs no memory
+            elif st == _STR_ESC:
+                if b == 0x5C:
+                    st = _GROUND
+                else:
+                    held.clear()
+                    held.append(0x1B)
+                    st = _ESC
+                    i -= 1
+                continue
+            if len(held) > self.limit:  # too long to hold: dropped, the rest is text
+                held.clear()
+                st = _GROUND
+        self.state = st
+        return bytes(out)

