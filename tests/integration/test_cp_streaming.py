@@ -35,6 +35,23 @@ def _av(home: Path, *args: str, timeout: float = 300) -> subprocess.CompletedPro
                           stdin=subprocess.DEVNULL)
 
 
+_MEASURED = (
+    "import resource, subprocess, sys\n"
+    "r = subprocess.run(sys.argv[1:], capture_output=True, stdin=subprocess.DEVNULL)\n"
+    "sys.stdout.buffer.write(r.stdout); sys.stderr.buffer.write(r.stderr)\n"
+    "sys.stderr.write('\\nmaxrss=%d\\n' % resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)\n"
+    "sys.exit(r.returncode)\n"
+)
+
+
+def _av_rss(home: Path, *args: str) -> tuple[subprocess.CompletedProcess, int]:
+    """The CLI run as the only child of a small wrapper: its result and its peak RSS in bytes."""
+    r = subprocess.run([agentvm_cmd()[0], "-c", _MEASURED, *agentvm_cmd(), *args], capture_output=True,
+                       env=_env(home), timeout=300, stdin=subprocess.DEVNULL)
+    body, _, tail = r.stderr.rpartition(b"\nmaxrss=")
+    return subprocess.CompletedProcess(r.args, r.returncode, r.stdout, body), int(tail.split()[0]) * 1024
+
+
 def _release_workspaces(h: Path) -> None:
     ws = h / "run" / "ws"
     for d in sorted(ws.glob("*"), reverse=True) if ws.is_dir() else ():
@@ -128,16 +145,19 @@ def test_a_200_mib_file_goes_in_and_out_streamed_and_the_daemon_does_not_grow(ho
     pid = _daemon_pid(home)
     warm = tmp_path / "warm"
     warm.write_bytes(b"w" * (2 * MIB))
-    # one small copy each way first: what a copy imports is loaded before the baseline
-    assert _av(home, "cp", str(warm), "big:warm").returncode == 0
-    assert _av(home, "cp", "big:warm", str(tmp_path / "warm.back")).returncode == 0
+    # one small copy each way first: what a copy imports is loaded before the baseline (and the
+    # client's own peak RSS for a small file, its baseline)
+    r, client_small_in = _av_rss(home, "cp", str(warm), "big:warm")
+    assert r.returncode == 0, r.stderr
+    r, client_small_out = _av_rss(home, "cp", "big:warm", str(tmp_path / "warm.back"))
+    assert r.returncode == 0, r.stderr
 
     src = tmp_path / "src.bin"
     digest = _random_file(src, 200 * MIB)
 
     base = _status(pid, "VmRSS")
     _reset_peak(pid)
-    r = _av(home, "cp", str(src), "big:data/blob.bin")
+    r, client_in = _av_rss(home, "cp", str(src), "big:data/blob.bin")
     peak_in = _status(pid, "VmHWM")
     assert r.returncode == 0, r.stderr
     assert f"{200 * MIB} bytes -> big:data/blob.bin".encode() in r.stdout, r.stdout
@@ -147,14 +167,18 @@ def test_a_200_mib_file_goes_in_and_out_streamed_and_the_daemon_does_not_grow(ho
     base_out = _status(pid, "VmRSS")
     _reset_peak(pid)
     back = tmp_path / "back.bin"
-    r = _av(home, "cp", "big:data/blob.bin", str(back))
+    r, client_out = _av_rss(home, "cp", "big:data/blob.bin", str(back))
     peak_out = _status(pid, "VmHWM")
     assert r.returncode == 0, r.stderr
     assert _sha256(back) == digest
     print(f"daemon RSS {base >> 20} MiB; upload peak +{(peak_in - base) / MIB:.1f} MiB, "
           f"download peak +{(peak_out - base_out) / MIB:.1f} MiB (200 MiB each way)")
+    print(f"client (the CLI) peak RSS: upload {client_in >> 20} MiB vs {client_small_in >> 20} MiB for 2 MiB, "
+          f"download {client_out >> 20} MiB vs {client_small_out >> 20} MiB")
     assert peak_in - base < 32 * MIB, (base, peak_in)
     assert peak_out - base_out < 32 * MIB, (base_out, peak_out)
+    assert client_in - client_small_in < 32 * MIB and client_out - client_small_out < 32 * MIB, \
+        (client_small_in, client_in, client_small_out, client_out)
     # the staging folder: root-only, and nothing left in it (the staged file had no name)
     st = os.lstat(home / ".staging")
     assert stat.S_IMODE(st.st_mode) == 0o700 and st.st_uid == 0
