@@ -147,3 +147,90 @@ def test_snapshot_restore_fork_fresh_placeholders(avm_home, tmp_path):
                 av("rm", n, check=False)
             up.close()
             shutil.rmtree(d, ignore_errors=True)
+
+
+class _Page:
+    """A plain HTTP server on loopback (what the agent is allowed, then denied, to reach)."""
+
+    def __init__(self) -> None:
+        import http.server
+        import threading
+
+        class H(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                self.send_response(200)
+                self.send_header("Content-Length", "11")
+                self.end_headers()
+                self.wfile.write(b"secret-page")
+
+            def log_message(self, *a):
+                pass
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
+        self.port = self.httpd.server_address[1]
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+PROBE = ("import urllib.request\ntry: print(urllib.request.urlopen('http://api.test:{port}/', timeout=10).read().decode())\n"
+         "except Exception as e: print('refused', e)")
+# forks until the pids limit stops it (children sleep, then exit): how many it got
+FORKS = ("import os, time\nn = 0\nfor i in range(60):\n    try:\n        pid = os.fork()\n    except OSError:\n"
+         "        break\n    if pid == 0:\n        time.sleep(3)\n        os._exit(0)\n    n += 1\nprint(n)")
+
+
+def _policy(name: str) -> dict:
+    return json.loads(av("policy", name, "show", "--json").stdout)
+
+
+def test_fork_keeps_the_parents_live_restrictions(avm_home, tmp_path):
+    """F2: a live deny and lowered limits on the parent hold for its fork (the child's row gets
+    the parent's live changes): the child is refused the denied host and keeps pids 20; a fork
+    of a snapshot taken under a narrower policy than the parent has now is refused, and leaves
+    no agent behind."""
+    page = _Page()
+    probe = PROBE.format(port=page.port)
+    with daemon_up(avm_home):
+        f = agent(tmp_path, "fp-p", ["/bin/sh", "-c", "echo kept > /workspace/w; exec sleep 600"],
+                  extra=(f"  egress:\n    hosts: {{api.test: 127.0.0.1}}\n"
+                         f"    allow: [{{host: api.test, ports: [{page.port}]}}]\n"))
+        av("create", "-f", str(f), "--start")
+        try:
+            assert av("exec", "fp-p", "--", "python3", "-c", probe).stdout.strip() == b"secret-page"
+            av("policy", "fp-p", "deny", "api.test")
+            av("policy", "fp-p", "limits", "--pids", "20")
+            assert av("exec", "fp-p", "--", "python3", "-c", probe).stdout.startswith(b"refused")
+            av("fork", "fp-p", "fp-c")
+            assert av("exec", "fp-c", "--", "cat", "/workspace/w").stdout == b"kept\n"
+            # the child: refused the denied host, by the gate (never reaching the page)
+            out = av("exec", "fp-c", "--", "python3", "-c", probe).stdout
+            assert out.startswith(b"refused") and b"secret-page" not in out, out
+            pol = _policy("fp-c")
+            assert pol["limits"]["pids"] == 20, pol["limits"]
+            assert any("api.test" in json.dumps(r) for r in pol["rules"] if "deny" in json.dumps(r)), pol["rules"]
+            # and the kernel holds it to pids 20 (its processes, not only its policy)
+            n = int(av("exec", "fp-c", "--", "python3", "-c", FORKS).stdout)
+            assert n < 20, f"the fork started {n} processes under a pids limit of 20"
+            forked = _records("lifecycle.forked")[-1]["data"]
+            assert forked["child"] == "fp-c" and forked["policy_patch"]["deny"] == ["api.test"], forked
+            assert forked["policy_patch"]["limits"]["pids"] == 20, forked
+            # a snapshot taken under the deny; then the parent's deny is lifted: a fork of that
+            # snapshot would be wider than what the snapshot binds - refused, no child left
+            av("snapshot", "fp-p", "--tag", "narrow")
+            rid = next(r["id"] for r in _policy("fp-p")["rules"] if "api.test" in json.dumps(r)
+                       and "deny" in json.dumps(r))
+            av("policy", "fp-p", "remove", rid)
+            r = av("fork", "fp-p:narrow", "fp-w", check=False)
+            assert r.returncode != 0 and b"snapshot.policy-wider" in r.stderr, (r.stdout, r.stderr)
+            names = [s["name"] for s in json.loads(av("ps", "--json").stdout)]
+            assert "fp-w" not in names, names
+            # the parent itself (the agent, not the old snapshot) still forks: its policy now
+            av("fork", "fp-p", "fp-w")
+            assert av("exec", "fp-w", "--", "python3", "-c", probe).stdout.strip() == b"secret-page"
+        finally:
+            for n in ("fp-w", "fp-c", "fp-p"):
+                av("rm", n, check=False)
+            page.close()
