@@ -467,3 +467,112 @@ def test_a_hostile_session_answer_is_an_error_not_a_crash(asan_client, tmp_path,
         d.close()
     assert r.returncode == 125, r.stderr
     assert b"without a result" in r.stderr and b"AddressSanitizer" not in r.stderr
+
+
+# ---------------------------------------------------------------- the terminal output filter
+from tests.unit.test_termfilter import CLIP, TABLE  # noqa: E402 (one table for both machines)
+
+
+@pytest.fixture(scope="module")
+def termfilter_driver(build_dir):
+    """The client's filter (tf_feed) alone, with ASan/UBSan: stdin whole, split at every byte
+    boundary and a byte at a time must agree (else exit 3); the answer on stdout."""
+    return _build(build_dir, "termfilter-test", "-DAGENTVM_TERMFILTER_TEST", "-fsanitize=address,undefined",
+                  "-fno-sanitize-recover=all")
+
+
+@pytest.mark.parametrize("data,want", TABLE)
+def test_the_c_filter_gives_the_python_filters_answer_split_anywhere(termfilter_driver, data, want):
+    r = subprocess.run([str(termfilter_driver)], input=data, capture_output=True, timeout=30,
+                       env={**os.environ, "ASAN_OPTIONS": "detect_leaks=0"})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == want
+
+
+def test_the_c_filter_drops_a_sequence_past_its_bound(termfilter_driver):
+    data = b"\x1b]52;c;" + b"A" * 5000 + b"\x07tail" + b"\x1bP" + b"x" * 5000
+    r = subprocess.run([str(termfilter_driver)], input=data, capture_output=True, timeout=60,
+                       env={**os.environ, "ASAN_OPTIONS": "detect_leaks=0"})
+    assert r.returncode == 0, r.stderr
+    assert b"\x1b" not in r.stdout and b"52;c" not in r.stdout and r.stdout.endswith(b"\x07tail")
+
+
+def _on_ptys(client, args, env, stdin=subprocess.DEVNULL, input_=None):
+    """Run the client with stdout and stderr on two terminals (raw: no newline translation);
+    what each terminal received."""
+    import pty
+    import tty
+
+    got = []
+    masters, slaves = [], []
+    for _ in range(2):
+        m, s = pty.openpty()
+        tty.setraw(s)
+        masters.append(m)
+        slaves.append(s)
+    p = subprocess.Popen([str(client), *args], env=env, stdin=stdin, stdout=slaves[0], stderr=slaves[1])
+    for s in slaves:
+        os.close(s)
+    if input_ is not None:
+        p.stdin.write(input_)
+        p.stdin.close()
+    rc = p.wait(timeout=30)
+    for m in masters:
+        data = b""
+        while True:
+            try:
+                chunk = os.read(m, 65536)
+            except OSError:  # EIO: every slave closed
+                break
+            if not chunk:
+                break
+            data += chunk
+        os.close(m)
+        got.append(data)
+    return rc, got[0], got[1]
+
+
+SANDBOX_OUT = (b"a" + CLIP + b"\x1b[31mred\x1b[0m" + b"\x1b[6n" + b"\x1b]0;pwned\x07" + b"\xc2\x9b6n"
+               + b"\x1bP$qm\x1b\\" + b"b\n")
+SHOWN = b"a\x1b[31mred\x1b[0m6nb\n"
+
+
+@pytest.mark.parametrize("raw", [False, True])
+def test_a_terminal_gets_the_sandbox_output_filtered_unless_raw_output(client, tmp_path, raw):
+    env = env_for(tmp_path, **({"AGENTVM_RAW_OUTPUT": "1"} if raw else {}))
+    # split across chunks of 5 bytes: the sequences arrive cut in pieces
+    answer = frames((b"o", SANDBOX_OUT[:9]), (b"o", SANDBOX_OUT[9:]), (b"e", b"err\x1b[5n\x1b]52;c;QQ==\x1b"),
+                    (b"x", b"3\nagentvm: the report\n"), cut=5)
+    d = FakeDaemon(sock_path(env), answer)
+    try:
+        rc, out, err = _on_ptys(client, ["run", "--", "x"], env)
+    finally:
+        d.close()
+    assert rc == 3
+    if raw:
+        assert out == SANDBOX_OUT
+        assert err == b"err\x1b[5n\x1b]52;c;QQ==\x1bagentvm: the report\n"
+    else:
+        assert out == SHOWN
+        # what the sandbox left incomplete does not swallow the report
+        assert err == b"erragentvm: the report\n"
+
+
+def test_a_pipe_gets_the_exact_bytes_even_with_a_terminal_on_stderr(client, tmp_path):
+    env = env_for(tmp_path)
+    d = FakeDaemon(sock_path(env), frames((b"o", SANDBOX_OUT), (b"e", SANDBOX_OUT), (b"x", b"0\n")))
+    try:
+        r = run(client, ["run", "--", "x"], env)
+    finally:
+        d.close()
+    assert r.returncode == 0 and r.stdout == SANDBOX_OUT and r.stderr == SANDBOX_OUT
+
+
+def test_an_interactive_session_on_a_terminal_is_filtered_too(client, tmp_path):
+    env = env_for(tmp_path)
+    d = FakeAttachDaemon(sock_path(env), raw_frames((b"o", SANDBOX_OUT), (b"e", b"e\x1b[c\n"), (b"x", b"0\n")))
+    try:
+        rc, out, err = _on_ptys(client, ["run", "--", "cat"], env, stdin=subprocess.PIPE, input_=b"in")
+    finally:
+        d.close()
+    assert rc == 0 and out == SHOWN and err == b"e\n"
