@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import collections
+import concurrent.futures
 import posixpath
 import re
 import secrets
@@ -30,6 +32,8 @@ from typing import AsyncIterator, Protocol, runtime_checkable
 
 WORKSPACE = "/workspace"  # where every agent-vm sandbox sees its workspace
 MAX_READ = 64 * 1024 * 1024  # the daemon's copy limit (daemon.files.MAX_FILE)
+# the most an adapter's own command (stat, find, head -c MAX_READ+1) may answer: past it, an error
+RUN_OUTPUT_LIMIT = MAX_READ + 4 * 1024 * 1024
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
@@ -184,13 +188,122 @@ def parse_find(out: bytes) -> list[Entry]:
     return entries
 
 
+# -- bounded event channels (back-pressure, never unbounded buffering) --------------------------
+# A process's output is moved by awaiting: the daemon's pump awaits the write into a process's
+# channel; a full channel stops the pump, the sandbox's pipe fills and the command blocks on its
+# write (as with a slow terminal). Nothing between the sandbox and the client grows with the
+# output: what is held per process is a few chunks of at most 64 KiB (docs/e2b.md "Back-pressure").
+CHANNEL_EVENTS = 4  # events (chunks of at most 64 KiB) a process's own channel holds
+
+
+class EventChannel:
+    """A bounded channel of events with one consumer.
+
+    ``put`` waits while ``maxsize`` events are queued (back-pressure); ``finish(last)`` ends it
+    (``last`` after what is queued; never waits: the end always fits); ``drop(last)`` ends it
+    now (what is queued is discarded); ``close()`` is the consumer leaving: what is queued is
+    released and every put, waiting or later, returns False at once - a producer never blocks
+    on a consumer that is gone. ``get()`` returns :data:`EventChannel.END` once finished and empty."""
+
+    END = object()
+
+    def __init__(self, maxsize: int = CHANNEL_EVENTS):
+        self.maxsize = max(1, int(maxsize))
+        self._items: collections.deque = collections.deque()
+        self._finished = False
+        self._room: asyncio.Future | None = None  # producers wait here for room
+        self._ready: asyncio.Future | None = None  # the consumer waits here for an item or the end
+
+    @property
+    def finished(self) -> bool:
+        return self._finished
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    @staticmethod
+    def _wake(fut: asyncio.Future | None) -> None:
+        if fut is not None and not fut.done():
+            fut.set_result(None)
+
+    async def put(self, item, timeout: float | None = None) -> bool:
+        """Queue ``item``, waiting while the channel is full. False (``item`` not queued) when
+        the channel is finished or closed, or still full after ``timeout`` seconds."""
+        if len(self._items) >= self.maxsize and not self._finished:
+            loop = asyncio.get_running_loop()
+            deadline = None if timeout is None else loop.time() + timeout
+            while len(self._items) >= self.maxsize and not self._finished:
+                if self._room is None or self._room.done():
+                    self._room = loop.create_future()
+                room = self._room
+                if deadline is None:
+                    await asyncio.shield(room)
+                    continue
+                left = deadline - loop.time()
+                if left <= 0:
+                    return False
+                try:
+                    await asyncio.wait_for(asyncio.shield(room), left)
+                except asyncio.TimeoutError:
+                    return False
+        if self._finished:
+            return False
+        self._items.append(item)
+        self._wake(self._ready)
+        return True
+
+    def finish(self, last=END) -> None:
+        """No more events: the consumer gets what is queued, then ``last`` (if given), then END."""
+        if self._finished:
+            return
+        if last is not EventChannel.END:
+            self._items.append(last)
+        self._finished = True
+        self._wake(self._ready)
+        self._wake(self._room)
+
+    def drop(self, last=END) -> None:
+        """End now: what is queued is discarded; the consumer gets ``last`` (if given), then END."""
+        self._items.clear()
+        self._finished = False
+        self.finish(last)
+
+    def close(self) -> None:
+        """The consumer is gone: what is queued is released, producers never wait again."""
+        self._items.clear()
+        self._finished = True
+        self._wake(self._ready)
+        self._wake(self._room)
+
+    async def get(self):
+        while not self._items:
+            if self._finished:
+                return EventChannel.END
+            if self._ready is None or self._ready.done():
+                self._ready = asyncio.get_running_loop().create_future()
+            await asyncio.shield(self._ready)
+        item = self._items.popleft()
+        self._wake(self._room)
+        return item
+
+    async def events(self) -> AsyncIterator[ExecEvent]:
+        """A process's events up to and including its ``exit``."""
+        while True:
+            ev = await self.get()
+            if ev is EventChannel.END:
+                return
+            yield ev
+            if ev.kind == "exit":
+                return
+
+
 class _DaemonProcess:
     """One exec through the daemon's streaming API, pumped from a thread into the loop."""
 
     def __init__(self, backend: "DaemonBackend", name: str, argv: list[str], timeout: float | None, stdin: bool):
         self.pid = 0
         self._name, self._stdin = name, stdin
-        self._queue: asyncio.Queue = asyncio.Queue()
+        self._events = EventChannel()  # bounded: the thread waits for room (back-pressure)
         self._loop = asyncio.get_running_loop()
         self._started = asyncio.Event()
         self._backend = backend
@@ -198,8 +311,22 @@ class _DaemonProcess:
         self._thread = threading.Thread(target=self._pump, args=(backend, name, argv, timeout), daemon=True)
         self._thread.start()
 
-    def _put(self, item) -> None:
-        self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+    def _put(self, item) -> bool:
+        """``item`` into the channel, this thread waiting while it is full: the daemon's exec
+        stream is not read meanwhile, so the daemon's pump (and the sandbox's pipe) waits too.
+        False when nobody will read it any more (the stream is then left, and closed)."""
+        try:
+            if item.kind == "exit":  # the end always fits: never waits
+                self._loop.call_soon_threadsafe(self._events.finish, item)
+                return False
+            return asyncio.run_coroutine_threadsafe(self._events.put(item), self._loop).result()
+        except (RuntimeError, asyncio.CancelledError, concurrent.futures.CancelledError):  # the loop is gone
+            return False
+
+    def close(self) -> None:
+        """Nobody reads this process's events any more: what is queued is released and the
+        thread leaves the daemon's stream (the daemon drains the command's output until it ends)."""
+        self._events.close()
 
     def _started_with(self, pid: int) -> None:
         self.pid = pid
@@ -222,15 +349,16 @@ class _DaemonProcess:
                         self._started_with(int(m.group(1)) if m else 0)
                         if not m:
                             rest = self._stderr_head
-                        if rest:
-                            self._put(ExecEvent("stderr", rest))
+                        if rest and not self._put(ExecEvent("stderr", rest)):
+                            return
                         continue
-                    self._put(ExecEvent(stream, data))
+                    if not self._put(ExecEvent(stream, data)):
+                        return
                 elif "exit_code" in ev:
                     if not head_done:
                         self._started_with(0)
-                        if self._stderr_head:
-                            self._put(ExecEvent("stderr", self._stderr_head))
+                        if self._stderr_head and not self._put(ExecEvent("stderr", self._stderr_head)):
+                            return
                     err = None
                     if ev.get("setup_error"):
                         err = str(ev["setup_error"])
@@ -250,12 +378,8 @@ class _DaemonProcess:
     async def wait_started(self) -> None:
         await self._started.wait()
 
-    async def events(self) -> AsyncIterator[ExecEvent]:
-        while True:
-            ev = await self._queue.get()
-            yield ev
-            if ev.kind == "exit":
-                return
+    def events(self) -> AsyncIterator[ExecEvent]:
+        return self._events.events()
 
     async def write_stdin(self, data: bytes) -> None:
         if not self._stdin:
@@ -381,12 +505,13 @@ class DaemonBackend:
 
     async def _run(self, name: str, argv: list[str]) -> tuple[int, bytes, bytes]:
         def go():
-            out, err, code = [], [], 125
+            out, err, code, size = [], [], 125, 0
             for ev in self.client.exec(name, argv, 60):
-                if ev.get("stream") == "stdout":
-                    out.append(ev["data"])
-                elif ev.get("stream") == "stderr":
-                    err.append(ev["data"])
+                if ev.get("stream") in ("stdout", "stderr"):
+                    size += len(ev["data"])
+                    if size > RUN_OUTPUT_LIMIT:  # never held past it: the stream is left
+                        raise BackendFailure("invalid", f"the answer is larger than {RUN_OUTPUT_LIMIT} bytes")
+                    (out if ev["stream"] == "stdout" else err).append(ev["data"])
                 elif "exit_code" in ev:
                     code = int(ev["exit_code"])
             return code, b"".join(out), b"".join(err)

@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import re
 from typing import AsyncIterator
 
-from agentvm.e2b.backend import _WRAPPER, CTL_DIR, BackendFailure, BoxInfo, DaemonBackend, ExecEvent, ExecSpec, Unsupported, \
-    check_env
+from agentvm.e2b.backend import _WRAPPER, CTL_DIR, BackendFailure, BoxInfo, DaemonBackend, EventChannel, ExecEvent, \
+    ExecSpec, RUN_OUTPUT_LIMIT, Unsupported, check_env
 from agentvm.errors import AgentVMError
 
 ACTOR = "e2b-adapter"  # the daemon's own records of the adapter's calls (its e2b.* records name the tenant)
@@ -36,7 +37,9 @@ def _failure(exc: AgentVMError) -> BackendFailure:
 
 
 class _Collect:
-    """A pump Output into a callback (the control plane's exec streams into it)."""
+    """A pump Output into a coroutine function (the control plane's exec streams into it).
+    The pump awaits each write: ``on_data`` waiting for room in a full channel is what stops
+    the pump, so the sandbox's pipe fills and the command blocks (back-pressure)."""
 
     def __init__(self, on_data):
         self.on_data = on_data
@@ -45,7 +48,7 @@ class _Collect:
         pass
 
     async def write(self, stream: str, data: bytes) -> None:
-        self.on_data(stream, data)
+        await self.on_data(stream, data)
 
     def hangup(self):
         return None
@@ -59,7 +62,7 @@ class _CPProcess:
                  stdin: bool):
         self.pid = 0
         self._name, self._stdin, self._backend = name, stdin, backend
-        self._queue: asyncio.Queue = asyncio.Queue()
+        self._queue = EventChannel()  # bounded: a full one stops the daemon's pump
         self._started = asyncio.Event()
         self._head = b""
         self._head_done = False
@@ -70,10 +73,10 @@ class _CPProcess:
             self.pid = pid
             self._started.set()
 
-    def _data(self, stream: str, data: bytes) -> None:
+    async def _data(self, stream: str, data: bytes) -> None:
         if stream == "stderr" and not self._head_done:
             self._head += data
-            if b"\n" not in self._head:
+            if b"\n" not in self._head and len(self._head) < 64:
                 return
             line, _, rest = self._head.partition(b"\n")
             self._head_done = True
@@ -81,41 +84,43 @@ class _CPProcess:
             self._started_with(int(m.group(1)) if m else 0)
             if not m:
                 rest = self._head
+            self._head = b""
             if rest:
-                self._queue.put_nowait(ExecEvent("stderr", rest))
+                await self._queue.put(ExecEvent("stderr", rest))
             return
-        self._queue.put_nowait(ExecEvent(stream, data))
+        await self._queue.put(ExecEvent(stream, data))
 
     async def _run(self, argv, timeout) -> None:
         try:
             status = await self._backend.cp.exec(self._name, argv, _Collect(self._data), timeout=timeout, actor=ACTOR)
             if not self._head_done and self._head:
-                self._queue.put_nowait(ExecEvent("stderr", self._head))
+                await self._queue.put(ExecEvent("stderr", self._head))
             err = None
             if status.setup_error:
                 err = str(status.setup_error)
             elif status.timed_out:
                 err = "timed out"
-            self._queue.put_nowait(ExecEvent("exit", exit_code=int(status.exit_code), error=err))
+            self._queue.finish(ExecEvent("exit", exit_code=int(status.exit_code), error=err))
         except asyncio.CancelledError:
-            self._queue.put_nowait(ExecEvent("exit", exit_code=-1, error="cancelled"))
+            self._queue.finish(ExecEvent("exit", exit_code=-1, error="cancelled"))
             raise
         except AgentVMError as exc:
-            self._queue.put_nowait(ExecEvent("exit", exit_code=-1, error=str(_failure(exc))))
+            self._queue.finish(ExecEvent("exit", exit_code=-1, error=str(_failure(exc))))
         except Exception as exc:  # noqa: BLE001 - reported to the client as the process's end
-            self._queue.put_nowait(ExecEvent("exit", exit_code=-1, error=f"{type(exc).__name__}: {exc}"))
+            self._queue.finish(ExecEvent("exit", exit_code=-1, error=f"{type(exc).__name__}: {exc}"))
         finally:
             self._started_with(0)
 
     async def wait_started(self) -> None:
         await self._started.wait()
 
-    async def events(self) -> AsyncIterator[ExecEvent]:
-        while True:
-            ev = await self._queue.get()
-            yield ev
-            if ev.kind == "exit":
-                return
+    def events(self) -> AsyncIterator[ExecEvent]:
+        return self._queue.events()
+
+    def close(self) -> None:
+        """Nobody reads the events any more: the queued output is released and the pump's
+        writes return at once (the daemon drains the command's pipes until it ends)."""
+        self._queue.close()
 
     # stdin and signals go through the wrapper's FIFOs, as with DaemonBackend
     async def write_stdin(self, data: bytes) -> None:
@@ -151,7 +156,7 @@ class _PtyProcess:
 
         self.pid = 0
         self._backend, self._name = backend, name
-        self._queue: asyncio.Queue = asyncio.Queue()
+        self._queue = EventChannel()  # bounded: a full one stops the daemon's pump (the terminal fills)
         self._started = asyncio.Event()
         self._head = b""
         self._head_done = False
@@ -171,11 +176,12 @@ class _PtyProcess:
                 self.pid = int(m.group(1))
             else:
                 rest = self._head
+            self._head = b""
             self._started.set()
             if rest:
-                self._queue.put_nowait(ExecEvent("pty", rest))
+                await self._queue.put(ExecEvent("pty", rest))
             return
-        self._queue.put_nowait(ExecEvent("pty", data))
+        await self._queue.put(ExecEvent("pty", data))
 
     async def wait_started(self) -> None:
         await self._started.wait()
@@ -183,26 +189,32 @@ class _PtyProcess:
     async def _run(self, backend, name, argv, tty, timeout) -> None:
         try:
             status = await backend.cp.exec_attached(name, argv, self.io, tty=tty, timeout=timeout, actor=ACTOR)
+            if not self._head_done and self._head:
+                await self._queue.put(ExecEvent("pty", self._head))
+                self._head = b""
             err = str(status.setup_error) if status.setup_error else ("timed out" if status.timed_out else None)
-            self._queue.put_nowait(ExecEvent("exit", exit_code=int(status.exit_code), error=err))
+            self._queue.finish(ExecEvent("exit", exit_code=int(status.exit_code), error=err))
         except asyncio.CancelledError:
-            self._queue.put_nowait(ExecEvent("exit", exit_code=-1, error="cancelled"))
+            self._queue.finish(ExecEvent("exit", exit_code=-1, error="cancelled"))
             raise
         except AgentVMError as exc:
-            self._queue.put_nowait(ExecEvent("exit", exit_code=-1, error=str(_failure(exc))))
+            self._queue.finish(ExecEvent("exit", exit_code=-1, error=str(_failure(exc))))
         except Exception as exc:  # noqa: BLE001 - reported to the client as the process's end
-            self._queue.put_nowait(ExecEvent("exit", exit_code=-1, error=f"{type(exc).__name__}: {exc}"))
+            self._queue.finish(ExecEvent("exit", exit_code=-1, error=f"{type(exc).__name__}: {exc}"))
         finally:
-            if not self._head_done and self._head:
-                self._queue.put_nowait(ExecEvent("pty", self._head))
             self._started.set()
 
-    async def events(self) -> AsyncIterator[ExecEvent]:
-        while True:
-            ev = await self._queue.get()
-            yield ev
-            if ev.kind == "exit":
-                return
+    def events(self) -> AsyncIterator[ExecEvent]:
+        return self._queue.events()
+
+    def close(self) -> None:
+        """Nobody reads the events any more: the queued output is released, the pump's writes
+        return at once, and the terminal is hung up as for a client that went away."""
+        self._queue.close()
+        if not self.io.gone.done():
+            self.io.gone.set_result(b"")
+        with contextlib.suppress(asyncio.QueueFull):
+            self.io.input.put_nowait(None)
 
     async def write_stdin(self, data: bytes) -> None:
         from agentvm.daemon.pump import StdinData
@@ -226,13 +238,24 @@ class _PtyProcess:
 
 
 class _Out:
+    """The whole output of one of the adapter's own commands (stat, find, head -c ...), kept up
+    to RUN_OUTPUT_LIMIT bytes: past it the rest is dropped and the call fails."""
+
     def __init__(self):
         self.out, self.err = [], []
+        self.size, self.over = 0, False
 
     async def start(self) -> None:
         pass
 
     async def write(self, stream: str, data: bytes) -> None:
+        self.size += len(data)
+        if self.size > RUN_OUTPUT_LIMIT:
+            if not self.over:
+                self.over = True
+                self.out.clear()
+                self.err.clear()
+            return
         (self.out if stream == "stdout" else self.err).append(data)
 
     def hangup(self):
@@ -341,6 +364,8 @@ class ControlPlaneBackend(DaemonBackend):
     async def _run(self, name: str, argv: list[str]) -> tuple[int, bytes, bytes]:
         out = _Out()
         status = await self._cp(self.cp.exec(name, argv, out, timeout=60, actor=ACTOR))
+        if out.over:
+            raise BackendFailure("invalid", f"the answer is larger than {RUN_OUTPUT_LIMIT} bytes")
         return int(status.exit_code), b"".join(out.out), b"".join(out.err)
 
     # -- files --------------------------------------------------------------------------------

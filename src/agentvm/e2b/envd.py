@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import os
 import signal as _signal
 import time
 from typing import TYPE_CHECKING
@@ -22,7 +24,7 @@ from agentvm.e2b._gen import filesystem_connect as fsc
 from agentvm.e2b._gen import filesystem_pb as fpb
 from agentvm.e2b._gen import process_connect as pc
 from agentvm.e2b._gen import process_pb as ppb
-from agentvm.e2b.backend import BackendFailure, Entry, ExecSpec
+from agentvm.e2b.backend import BackendFailure, Entry, EventChannel, ExecSpec
 from agentvm.e2b.model import Proc, resolve_path
 
 if TYPE_CHECKING:
@@ -83,20 +85,77 @@ def _event(ev) -> ppb.ProcessEvent:
     return ppb.ProcessEvent(event=Oneof("data", ppb.ProcessEvent.DataEvent(output=Oneof(ev.kind, ev.data))))
 
 
+# Back-pressure (docs/e2b.md "Back-pressure"): a process's output is handed to each client that
+# follows it (Start's stream, Connect's) through a channel of SUBSCRIBER_EVENTS events (chunks of
+# at most 64 KiB). A full channel makes the process wait - the daemon stops reading its pipe and
+# the command blocks on its write - for up to lag_seconds(); a client that has not made room by
+# then is dropped: its stream ends with RESOURCE_EXHAUSTED and the process goes on without it.
+SUBSCRIBER_EVENTS = 8
+MAX_SUBSCRIBERS = 8  # clients following one process at once
+MAX_PROCS = 32  # processes followed at once in one sandbox
+LAG_SECONDS = 30.0
+log = logging.getLogger("agentvm.e2b")
+
+
+def lag_seconds() -> float:
+    """How long a process waits for a client that does not read (AGENTVM_E2B_SUBSCRIBER_LAG,
+    seconds, 1..3600; default LAG_SECONDS)."""
+    try:
+        return min(max(float(os.environ.get("AGENTVM_E2B_SUBSCRIBER_LAG") or LAG_SECONDS), 1.0), 3600.0)
+    except ValueError:
+        return LAG_SECONDS
+
+
+class _Dropped:
+    """The last item of a dropped client's channel: its stream ends with this error."""
+
+    def __init__(self, message: str):
+        self.message = message
+
+
 async def _pump(proc: "Proc") -> None:
+    lag = lag_seconds()
     try:
         async for ev in proc.handle.events():
-            for q in list(proc.subscribers):
-                q.put_nowait(ev)
             if ev.kind == "exit":
+                for sub in list(proc.subscribers):
+                    sub.finish(ev)  # the end always fits: never waits
                 break
+            for sub in list(proc.subscribers):
+                if await sub.put(ev, timeout=lag):
+                    continue
+                with contextlib.suppress(ValueError):
+                    proc.subscribers.remove(sub)
+                if not sub.finished:  # still full after `lag`: the client does not read
+                    log.warning("e2b: process %s: a client that read nothing for %.0f s was dropped", proc.pid, lag)
+                    sub.drop(_Dropped(
+                        f"this stream was dropped: its client read none of process {proc.pid}'s output for {lag:.0f} s "
+                        f"({SUBSCRIBER_EVENTS} chunks behind; the daemon does not buffer output for a client that "
+                        "does not read). The process keeps running: follow it again with connect"))
     finally:
         proc.done = True
-        for q in list(proc.subscribers):
-            q.put_nowait(None)
+        close = getattr(proc.handle, "close", None)
+        if close is not None:
+            close()  # what the process's own channel holds is released; its pump never waits again
+        for sub in list(proc.subscribers):
+            sub.finish()
 
 
-async def _follow(q: asyncio.Queue, interval: float, wrap):
+def _subscribe(proc: "Proc") -> EventChannel:
+    if len(proc.subscribers) >= MAX_SUBSCRIBERS:
+        raise ConnectError(Code.RESOURCE_EXHAUSTED, f"at most {MAX_SUBSCRIBERS} streams follow one process")
+    sub = EventChannel(SUBSCRIBER_EVENTS)
+    proc.subscribers.append(sub)
+    return sub
+
+
+def _unsubscribe(proc: "Proc", sub: EventChannel) -> None:
+    with contextlib.suppress(ValueError):
+        proc.subscribers.remove(sub)
+    sub.close()  # what it held is released; a pump waiting for room in it goes on
+
+
+async def _follow(q: EventChannel, interval: float, wrap):
     keep = ppb.ProcessEvent(event=Oneof("keepalive", ppb.ProcessEvent.KeepAlive()))
     while True:
         try:
@@ -104,8 +163,10 @@ async def _follow(q: asyncio.Queue, interval: float, wrap):
         except asyncio.TimeoutError:
             yield wrap(keep)
             continue
-        if ev is None:
+        if ev is EventChannel.END:
             return
+        if isinstance(ev, _Dropped):
+            raise ConnectError(Code.RESOURCE_EXHAUSTED, ev.message)
         yield wrap(_event(ev))
         if ev.kind == "exit":
             return
@@ -142,14 +203,16 @@ class ProcessService:
         cwd = _resolve(cfg.cwd) if cfg.cwd else None
         user = _user(ctx)
         spec = ExecSpec([cfg.cmd, *cfg.args], env=envs, cwd=cwd, stdin=bool(request.stdin), pty=pty)
+        if sum(not p.done for p in box.procs.values()) >= MAX_PROCS:
+            raise ConnectError(Code.RESOURCE_EXHAUSTED, f"at most {MAX_PROCS} processes run at once in a sandbox "
+                                                        "through this API; wait for one to end or kill one")
         try:
             handle = await self.svc.backend.exec(box.name, spec)
         except BackendFailure as exc:
             raise _fail(exc) from None
         pid = handle.pid or (max(box.procs, default=10_000) + 1)
         proc = Proc(pid, request.tag, cfg.cmd, list(cfg.args), dict(cfg.envs or {}), cfg.cwd, handle)
-        q: asyncio.Queue = asyncio.Queue()
-        proc.subscribers.append(q)
+        q = _subscribe(proc)
         box.procs[pid] = proc
         proc.task = asyncio.create_task(_pump(proc))
         self.svc.record("e2b.exec", tenant=box.tenant, sandbox=box.name, argv=[cfg.cmd, *cfg.args], user_asked=user, pid=pid)
@@ -158,24 +221,21 @@ class ProcessService:
             async for r in _follow(q, _keepalive(ctx), lambda e: ppb.StartResponse(event=e)):
                 yield r
         finally:
-            with contextlib.suppress(ValueError):
-                proc.subscribers.remove(q)
+            _unsubscribe(proc, q)
             if proc.done:
                 box.procs.pop(pid, None)
 
     async def connect(self, request, ctx):
         box = _box(self.svc, ctx)
         proc = _select(box, request.process)
-        q: asyncio.Queue = asyncio.Queue()
-        proc.subscribers.append(q)
+        q = _subscribe(proc)
         try:
             yield ppb.ConnectResponse(event=ppb.ProcessEvent(event=Oneof("start", ppb.ProcessEvent.StartEvent(
                 pid=proc.pid))))
             async for r in _follow(q, _keepalive(ctx), lambda e: ppb.ConnectResponse(event=e)):
                 yield r
         finally:
-            with contextlib.suppress(ValueError):
-                proc.subscribers.remove(q)
+            _unsubscribe(proc, q)
 
     async def update(self, request, ctx):
         proc = _select(_box(self.svc, ctx), request.process)
