@@ -20,6 +20,7 @@ import h11
 
 from agentvm.daemon.events import refuse
 from agentvm.daemon.router import dispatch
+from agentvm.daemon.transfer import BodyStream, is_upload as _is_upload, send_fd
 from agentvm.errors import AgentVMError
 
 log = logging.getLogger("agentvm.daemon")
@@ -199,7 +200,7 @@ class HttpServer:
                     # before a byte of it is read, when its Content-Length cannot fit
                     if size > LARGE_BODY or not length.isdigit():
                         self._take_upload_slot(held)
-                    return req, BodyStream(conn, reader, size if length.isdigit() else None)
+                    return req, BodyStream(conn, reader, size if length.isdigit() else None, BODY_TIMEOUT)
                 if size > MAX_BODY:
                     raise refuse("api.too-large", f"request body of {size} bytes is over the limit of {MAX_BODY}")
                 if size > LARGE_BODY:
@@ -244,22 +245,8 @@ class HttpServer:
         await writer.drain()
 
     async def _send_fd(self, conn, writer, fd: int, size: int, headers: list) -> None:
-        """A download: exactly ``size`` bytes of the file ``fd`` (from its offset), read
-        SEND_CHUNK at a time off the loop and written as the socket drains - memory does not
-        grow with the file. A file that shrank under us ends the connection short (the client
-        sees an incomplete body, never a silently truncated file)."""
-        writer.write(conn.send(h11.Response(status_code=200, headers=[*headers, ("content-length", str(size)),
-                                                                      ("connection", "close")])))
-        left = size
-        while left > 0:
-            chunk = await asyncio.to_thread(os.read, fd, min(SEND_CHUNK, left))
-            if not chunk:
-                raise ConnectionError("the file shrank while it was sent")
-            left -= len(chunk)
-            writer.write(conn.send(h11.Data(data=chunk)))
-            await writer.drain()
-        writer.write(conn.send(h11.EndOfMessage()))
-        await writer.drain()
+        """A download streamed from a file descriptor (agentvm.daemon.transfer.send_fd)."""
+        await send_fd(conn, writer, fd, size, headers)
 
     # ---------------------------------------------------------------- the web console
     def console(self):
@@ -403,45 +390,6 @@ class HttpServer:
                          f"'Connection: Upgrade' and 'Upgrade: {ATTACH_PROTOCOL}'",
                          "docs/daemon.md, \"Interactive sessions\", describes the protocol")
         return HttpAttached(conn, writer, _CLIENT_READER.get())
-
-
-SEND_CHUNK = 1 << 20  # bytes of a download read at once
-
-
-class BodyStream:
-    """A cp upload's body, read as the control plane takes it (``await read()``: the next
-    piece, ``b""`` at its end), each read within BODY_TIMEOUT. ``length``: its Content-Length,
-    None when chunked. Nothing is buffered here beyond one piece."""
-
-    def __init__(self, conn, reader, length: int | None) -> None:
-        self.conn, self.reader, self.length = conn, reader, length
-        self.done = False
-
-    async def read(self) -> bytes:
-        while not self.done:
-            ev = self.conn.next_event()
-            if ev is h11.NEED_DATA:
-                try:
-                    data = await asyncio.wait_for(self.reader.read(1 << 20), BODY_TIMEOUT)
-                except asyncio.TimeoutError:
-                    raise refuse("api.timeout", f"the request body stalled for {BODY_TIMEOUT:g}s") from None
-                self.conn.receive_data(data)
-                continue
-            if isinstance(ev, h11.Data):
-                return bytes(ev.data)
-            if isinstance(ev, h11.EndOfMessage):
-                self.done = True
-                return b""
-            raise ConnectionError("the client closed the connection before the end of its upload")
-        return b""
-
-
-def _is_upload(req) -> bool:
-    """``PUT /v1/sandboxes/NAME/files``: the one route whose body is streamed, not read whole."""
-    if req.method != b"PUT":
-        return False
-    parts = [p for p in req.target.split(b"?", 1)[0].split(b"/") if p]
-    return len(parts) == 4 and parts[:2] == [b"v1", b"sandboxes"] and parts[3] == b"files"
 
 
 class HttpOutput:
