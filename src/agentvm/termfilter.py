@@ -254,3 +254,75 @@ class TermFilter:
                 st = _GROUND
         self.state = st
         return bytes(out)
+
+
+def _pump(r: int, term: int, f: TermFilter) -> None:
+    try:
+        while True:
+            try:
+                data = os.read(r, 65536)
+            except InterruptedError:
+                continue
+            if not data:
+                break
+            shown = memoryview(f.feed(data))
+            while shown:
+                shown = shown[os.write(term, shown):]
+    except OSError:
+        pass  # the terminal went away: what is left is not shown
+    finally:
+        f.finish()
+        os.close(r)
+
+
+class filtered_fds:
+    """For an embedded run, whose sandbox inherits this process's fds 1 and 2: each of them that
+    is a terminal becomes, for the run, a pipe whose bytes a thread writes onto the terminal
+    through a :class:`TermFilter`; restored on exit (the pump drains what is left first). A
+    no-op when neither is a terminal or raw output was asked for."""
+
+    def __init__(self, raw: bool = False) -> None:
+        self.raw = raw
+        self.saved: list[tuple[int, int]] = []
+        self.threads: list = []
+
+    def __enter__(self) -> "filtered_fds":
+        import sys
+        import threading
+
+        sys.stdout.flush()
+        sys.stderr.flush()
+        try:
+            for fd in (1, 2):
+                f = for_fd(fd, self.raw)
+                if f is None:
+                    continue
+                term = os.dup(fd)  # not inherited by the sandbox
+                r, w = os.pipe()
+                os.dup2(w, fd)
+                os.close(w)
+                self.saved.append((fd, term))
+                t = threading.Thread(target=_pump, args=(r, term, f), name=f"termfilter-{fd}", daemon=True)
+                t.start()
+                self.threads.append(t)
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import sys
+
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        except (OSError, ValueError):
+            pass
+        for fd, term in self.saved:
+            os.dup2(term, fd)  # our write end closes: the pump sees the end once the sandbox's have
+        for t in self.threads:
+            t.join(timeout=5)
+        for (fd, term), t in zip(self.saved, self.threads):
+            if not t.is_alive():  # a pump still writing keeps its descriptor (never reused under it)
+                os.close(term)
+        self.saved, self.threads = [], []

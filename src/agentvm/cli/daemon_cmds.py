@@ -277,7 +277,9 @@ def ps(as_json):
 @click.option("-i", "--interactive", is_flag=True, help="relay this stdin to the command (until its end)")
 @click.option("-t", "--tty", is_flag=True, help="give the command a terminal (this terminal's input, size and "
               "Ctrl-C reach it; implies -i)")
-def exec_cmd(name, argv, timeout, interactive, tty):
+@click.option("--raw-output", is_flag=True, help="write the command's output to this terminal byte for byte (default: "
+              "escape sequences that make a terminal act - clipboard, answer-back queries, titles - are removed)")
+def exec_cmd(name, argv, timeout, interactive, tty, raw_output):
     """Run a command in a running sandbox; streams its output; exits with its code.
     `exec -it NAME -- sh` attaches a terminal; `exec -i` relays a stdin pipe."""
     argv = list(argv)
@@ -291,17 +293,20 @@ def exec_cmd(name, argv, timeout, interactive, tty):
         sock, headers = _client().connect_raw()
         doc = json.dumps({"argv": argv, "timeout": timeout}).encode()
         code = attach(sock, f"/v1/sandboxes/{quote(name, safe='')}/exec/attach", attach_body(doc, tty), tty=tty,
-                      headers=headers)
+                      headers=headers, raw_output=raw_output)
         if code is None:
             raise click.ClickException("this daemon has no interactive exec: restart it (`agentvm down; agentvm up`)")
         return code
     code = 125
+    from agentvm.cli.fastrun import output_filters
+
+    fo, fe = output_filters(raw_output)  # a terminal: agentvm.termfilter (docs/daemon.md)
     for ev in _client().exec(name, argv, timeout):
         if ev.get("stream") == "stdout":
-            sys.stdout.buffer.write(ev["data"])
+            sys.stdout.buffer.write(fo.feed(ev["data"]) if fo else ev["data"])
             sys.stdout.buffer.flush()
         elif ev.get("stream") == "stderr":
-            sys.stderr.buffer.write(ev["data"])
+            sys.stderr.buffer.write(fe.feed(ev["data"]) if fe else ev["data"])
             sys.stderr.buffer.flush()
         elif "exit_code" in ev:
             code = ev["exit_code"]

@@ -148,15 +148,16 @@ def fast_run(argv: list[str]) -> int | None:
                     "shown of it (see `agentvm runs`)\n", 125)
     sock.settimeout(None)  # the stream is as long as the run; the answer came in time
     out, err = sys.stdout.buffer, sys.stderr.buffer
+    fo, fe = output_filters()
     try:
         frames = _Frames(r, headers)
         while True:
             kind, payload = frames.next()
             if kind == b"o":
-                out.write(payload)
+                out.write(fo.feed(payload) if fo else payload)
                 out.flush()
             elif kind == b"e":
-                err.write(payload)
+                err.write(fe.feed(payload) if fe else payload)
                 err.flush()
             elif kind == b"x":  # the end: "CODE\n" and what to print on stderr
                 code, nl, text = payload.partition(b"\n")
@@ -164,7 +165,7 @@ def fast_run(argv: list[str]) -> int | None:
                     raise ConnectionError("a malformed end frame")
                 if text:
                     out.flush()
-                    err.write(text)
+                    err.write(report_text(fe, text))
                     err.flush()
                 return int(code)
             else:
@@ -179,6 +180,31 @@ def fast_run(argv: list[str]) -> int | None:
         return _say(f"agentvm: the daemon ended the run without a result ({exc})\n", 125)
     finally:
         sock.close()
+
+
+def output_filters(raw: bool = False) -> tuple:
+    """(stdout's, stderr's) filter of the sandbox's output (agentvm.termfilter): one for each
+    that is a terminal, None where bytes pass exact (a pipe, a file; ``--raw-output``,
+    AGENTVM_RAW_OUTPUT=1). The filter's module is imported only for a terminal."""
+    if raw or os.environ.get("AGENTVM_RAW_OUTPUT") == "1":
+        return None, None
+    t1, t2 = os.isatty(1), os.isatty(2)
+    if not (t1 or t2):
+        return None, None
+    from agentvm.termfilter import TermFilter
+
+    return (TermFilter() if t1 else None), (TermFilter() if t2 else None)
+
+
+def report_text(f, text: bytes) -> bytes:
+    """The report the daemon rendered, written after the run's output through ``f``: what the
+    sandbox left incomplete is dropped first (it does not swallow the report)."""
+    if f is None:
+        return text
+    f.finish()
+    shown = f.feed(text)
+    f.finish()
+    return shown
 
 
 def _say(text_or_err, code: int = 0) -> int:
@@ -466,7 +492,7 @@ def attach_body(doc_json: bytes, tty: bool) -> bytes:
 
 
 def attach(sock, path: str, body: bytes, *, tty: bool = False, report_to_stdout: bool = False,
-           headers: bytes = b"") -> int | None:
+           headers: bytes = b"", raw_output: bool = False) -> int | None:
     """An interactive session on ``sock`` (docs/daemon.md "Interactive sessions"): POST ``path``
     with ``body`` asking for the upgrade, then frames both ways - this process's stdin as ``i``
     frames (``c`` at its end), the terminal's size changes (SIGWINCH) as ``w``, SIGINT /
@@ -474,7 +500,8 @@ def attach(sock, path: str, body: bytes, *, tty: bool = False, report_to_stdout:
     ``tty`` a terminal on stdin is put in raw mode (restored after). Returns the exit code;
     None when the daemon has no such route (404: nothing ran); a refusal raises the error the
     embedded path raises. Bounded: at most OUT_PENDING bytes wait for the daemon (then stdin
-    is not read), output is written before more is read (the daemon waits on us)."""
+    is not read), output is written before more is read (the daemon waits on us). Output to a
+    terminal goes through agentvm.termfilter unless ``raw_output`` (or AGENTVM_RAW_OUTPUT=1)."""
     import select
     import signal
 
@@ -506,6 +533,7 @@ def attach(sock, path: str, body: bytes, *, tty: bool = False, report_to_stdout:
         raise ConnectionError(f"the daemon answered {status} to an interactive session")
     sock.settimeout(None)
     sock.setblocking(False)
+    fo, fe = output_filters(raw_output)
     inbuf = bytearray(r.buf)
     out = bytearray()
     stdin_open = True
@@ -590,9 +618,9 @@ def attach(sock, path: str, body: bytes, *, tty: bool = False, report_to_stdout:
                     kind, payload = inbuf[:1], bytes(inbuf[nl + 1:nl + 1 + n])
                     del inbuf[:nl + 1 + n]
                     if kind == b"o":
-                        _write_all(1, payload)
+                        _write_all(1, fo.feed(payload) if fo else payload)
                     elif kind == b"e":
-                        _write_all(2, payload)
+                        _write_all(2, fe.feed(payload) if fe else payload)
                     elif kind == b"x":
                         code, nl2, text = payload.partition(b"\n")
                         if not nl2 or not 0 < len(code) <= 3 or not code.isdigit() or int(code) > 255:
@@ -603,7 +631,8 @@ def attach(sock, path: str, body: bytes, *, tty: bool = False, report_to_stdout:
                             termios.tcsetattr(0, termios.TCSADRAIN, raw_saved)
                             raw_saved = None
                         if text:
-                            _write_all(1 if report_to_stdout else 2, text)
+                            _write_all(1 if report_to_stdout else 2,
+                                       report_text(fo if report_to_stdout else fe, text))
                         return int(code)
                     else:
                         raise ConnectionError(f"unknown frame {bytes(kind)!r}")

@@ -4,7 +4,7 @@ Contract (stable; see docs/cli.md)::
 
     agentvm run [-f AGENT.yaml] [--mount HOST:PATH[:ro|rw]]... [--timeout DURATION]
                 [--memory SIZE] [--env K=V]... [--json] [--tty | --no-tty]
-                [--degrade PRIMITIVE]... [--] CMD [ARGS...]
+                [--degrade PRIMITIVE]... [--raw-output] [--] CMD [ARGS...]
 
 Exit code: the command's own; 124 on timeout; 77 when refused (policy, missing primitive);
 78 for an invalid agent file or option; 125 when agent-vm or the substrate failed; 127 when
@@ -76,6 +76,12 @@ def build_parser() -> argparse.ArgumentParser:
     tty = p.add_mutually_exclusive_group()
     tty.add_argument("--tty", dest="tty", action="store_true", default=None, help="give the sandbox a terminal")
     tty.add_argument("--no-tty", dest="tty", action="store_false", help="never give the sandbox a terminal")
+    p.add_argument(
+        "--raw-output",
+        action="store_true",
+        help="write the sandbox's output to this terminal byte for byte (default: on a terminal, escape sequences "
+        "that make it act - clipboard, answer-back queries, titles - are removed; AGENTVM_RAW_OUTPUT=1 is the same)",
+    )
     p.add_argument(
         "--degrade",
         action="append",
@@ -172,12 +178,29 @@ def _run(argv: list[str]) -> int:
     from agentvm.runtime import Runtime
 
     rt = Runtime()
+    # decided before the output filter puts pipes on stdout/stderr, as Runtime.run would decide it
+    tty = ns.tty if ns.tty is not None else (sys.stdin.isatty() and sys.stdout.isatty())
     try:
-        result = rt.run(policy, degrade=degrade, tty=ns.tty)
+        with _output_filter(ns.raw_output):
+            result = rt.run(policy, degrade=degrade, tty=tty)
     finally:
         rt.close()
     _report(result.to_dict(), ns.as_json)
     return result.exit_code
+
+
+def _output_filter(raw: bool):
+    """An embedded run's sandbox writes to this process's stdout/stderr: where one is a
+    terminal, through agentvm.termfilter (docs/daemon.md "What reaches the terminal")."""
+    import os
+
+    if raw or os.environ.get("AGENTVM_RAW_OUTPUT") == "1" or not (os.isatty(1) or os.isatty(2)):
+        from contextlib import nullcontext
+
+        return nullcontext()
+    from agentvm.termfilter import filtered_fds
+
+    return filtered_fds()
 
 
 def _daemon_for(ns, degrade):
@@ -222,7 +245,7 @@ def _run_via_daemon(sock, ns, command: list[str], raw: dict) -> int:
             doc["report"] = "json"
         try:
             code = attach(sock, ATTACH_PATH, attach_body(json.dumps(doc).encode(), tty), tty=tty,
-                          report_to_stdout=ns.as_json)
+                          report_to_stdout=ns.as_json, raw_output=ns.raw_output)
         except BrokenPipeError:
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             return 141
@@ -231,15 +254,16 @@ def _run_via_daemon(sock, ns, command: list[str], raw: dict) -> int:
             return 125
         return code
     result = None
-    from agentvm.cli.fastrun import run_stream
+    from agentvm.cli.fastrun import output_filters, run_stream
 
+    fo, fe = output_filters(ns.raw_output)
     try:
         for ev in run_stream(sock, doc):
             if ev.get("stream") == "stdout":
-                sys.stdout.buffer.write(ev["data"])
+                sys.stdout.buffer.write(fo.feed(ev["data"]) if fo else ev["data"])
                 sys.stdout.buffer.flush()
             elif ev.get("stream") == "stderr":
-                sys.stderr.buffer.write(ev["data"])
+                sys.stderr.buffer.write(fe.feed(ev["data"]) if fe else ev["data"])
                 sys.stderr.buffer.flush()
             elif "result" in ev:
                 result = ev["result"]
@@ -249,6 +273,9 @@ def _run_via_daemon(sock, ns, command: list[str], raw: dict) -> int:
         return 141
     except KeyboardInterrupt:
         return 130
+    for f in (fo, fe):
+        if f is not None:
+            f.finish()  # what the sandbox left incomplete is dropped
     if result is None:
         print("agentvm: the daemon ended the run without a result", file=sys.stderr)
         return 125
