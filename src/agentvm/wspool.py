@@ -683,13 +683,21 @@ class Pool:
         self.lock.unlink(missing_ok=True)
 
 
+SMALL_META = 24 << 20  # what a 64M pool's statfs free overstates the writable data by (measured), 0 from 256M
+
+
 def usable(size: int, free: int) -> int:
     """What admission counts as the pool's free space. Under MIN_RESIZE, btrfs allocates
     metadata chunks out of proportion to the data, and ``statfs`` overstates what can be
-    written (measured on a new 64M pool: 52M free by statfs, 33M writable; from 256M on, statfs
-    is exact): half of it is counted there, so a small pool grows before it admits an agent that
-    would meet ENOSPC under its own limit (the admission's promise at overcommit 1)."""
-    return free if size >= MIN_RESIZE else free // 2
+    written: a new 64M pool with quotas showed 52M free and took 29.7M of 1M-fsync'd writes
+    (33M of one large write); from 256M on, statfs is exact. So a small pool counts
+    ``SMALL_META`` less (scaled to 0 at 256M), beyond the SLACK every admission keeps, and grows
+    before it admits an agent that would meet ENOSPC under its own limit (the admission's
+    promise at overcommit 1)."""
+    if size >= MIN_RESIZE:
+        return free
+    extra = SMALL_META * (MIN_RESIZE - size) // (MIN_RESIZE - INITIAL) - SLACK
+    return max(0, free - max(0, extra))
 
 
 def host_reserve(fs_size: int) -> int:

@@ -186,8 +186,12 @@ def test_one_sandbox_per_agent_workspace(agentvm, tmp_path, avm_home):
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         deadline = time.monotonic() + 20
-        while not (avm_home / "run" / "ws" / "busy").is_dir() and time.monotonic() < deadline:
+        # running: its supervisor is up (its workspace - an image mounted at ws/busy, or the
+        # pool's ws/.pool/busy, which outlives the run - was taken before the launch)
+        sandboxes = avm_home / "run" / "sandboxes"
+        while not any(sandboxes.glob("busy-*/supervisor.pid")) and time.monotonic() < deadline:
             time.sleep(0.05)
+        assert first.poll() is None and any(sandboxes.glob("busy-*/supervisor.pid")), "the first run is up"
         time.sleep(0.3)
         r = agentvm("run", "-f", str(f), "--", "/bin/true")
         assert r.returncode == 77 and b"already running" in r.stderr
