@@ -30,8 +30,8 @@ def _env(home: Path) -> dict:
     return {**os.environ, "AGENTVM_HOME": str(home), "AGENTVM_UID_BASE": os.environ["AGENTVM_UID_BASE"]}
 
 
-def _av(home: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run(agentvm_cmd() + list(args), capture_output=True, env=_env(home), timeout=timeout,
+def _av(home: Path, *args: str, timeout: float = 300, **env) -> subprocess.CompletedProcess:
+    return subprocess.run(agentvm_cmd() + list(args), capture_output=True, env={**_env(home), **env}, timeout=timeout,
                           stdin=subprocess.DEVNULL)
 
 
@@ -297,3 +297,52 @@ def test_other_routes_keep_their_body_limit_and_a_staged_upload_has_no_name(home
         assert b"half" not in ls.stdout and b".agentvm-cp" not in ls.stdout, ls.stdout
     finally:
         s.close()
+
+
+@pytest.fixture
+def small_home(avm_home):
+    """A home on a 96 MiB tmpfs: a small state disk (the workspace's image or pool on it too)."""
+    h = Path(f"/tmp/agentvm-test-cpstream-{secrets.token_hex(3)}")
+    h.mkdir(mode=0o711)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=96m,mode=0711", "tmpfs", str(h)], check=True)
+    yield h
+    _av(h, "down", timeout=60)
+    _release_workspaces(h)
+    subprocess.run(["umount", "-l", str(h)], capture_output=True)
+    subprocess.run(["rm", "-rf", str(h)])
+
+
+@pytest.mark.timeout(300)
+def test_an_upload_the_state_disk_cannot_stage_is_refused_and_the_reserve_kept(small_home, tmp_path):
+    home = small_home
+    # overcommit: the workspace's limit may be more than the host keeps free, so it is the state
+    # disk (less the daemon's reserve), not the workspace, that bounds the copy
+    assert _av(home, "up", AGENTVM_WORKSPACE_OVERCOMMIT="2").returncode == 0
+    r = _av(home, "create", "-f", str(_write_agent(tmp_path, "tiny", "48M")), "--start",
+            AGENTVM_WORKSPACE_OVERCOMMIT="2")
+    if r.returncode != 0:
+        pytest.skip(f"a 48M workspace does not fit a 96 MiB tmpfs home here: {r.stderr.decode()[-300:]}")
+    v = os.statvfs(home)
+    free = v.f_bavail * v.f_frsize
+    room = _av(home, "exec", "tiny", "--", "df", "-B1", "--output=avail", "/workspace")
+    ws_free = int(room.stdout.split()[-1])
+    size = min(ws_free - MIB, free - 2 * MIB)  # the workspace could take it; the state disk, less its reserve, not
+    if size <= free - (8 * MIB + (96 * MIB) // 20):
+        pytest.skip(f"the workspace ({ws_free}) is not larger than the state disk's room here ({free})")
+    src = tmp_path / "mid.bin"
+    _random_file(src, size)
+    r = _av(home, "cp", str(src), "tiny:mid.bin")
+    err = r.stderr.decode()
+    assert r.returncode == 75 and "cannot be staged" in err and "room for" in err, (r.returncode, err)
+    assert (home / ".reserve").exists() and (home / ".reserve").stat().st_size == 8 * MIB  # never touched
+    assert _av(home, "audit", "verify").returncode == 0
+    ls = _av(home, "exec", "tiny", "--", "ls", "-A", "/workspace")
+    assert b"mid.bin" not in ls.stdout, ls.stdout
+    _av(home, "rm", "tiny")
+
+
+def _write_agent(tmp_path: Path, name: str, disk: str) -> Path:
+    f = tmp_path / f"{name}.yaml"
+    f.write_text(f"apiVersion: agentvm/v1\nkind: Agent\nmetadata: {{name: {name}}}\nspec:\n"
+                 f"  lifecycle: persistent\n  command: [/bin/sleep, '600']\n  limits: {{disk: {disk}}}\n")
+    return f

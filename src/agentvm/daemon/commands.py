@@ -376,7 +376,7 @@ class Commands:
                              hint="free space in the workspace, or give the agent a larger limits.disk")
             if n > disk:
                 raise refuse("state.disk-full", f"{said} cannot be staged: the daemon's state disk has room for "
-                             f"{disk} (its free space less a reserve of {RESERVE + files.STAGING_KEEP} bytes); "
+                             f"{disk} (its free space less the daemon's reserve of {RESERVE} bytes and a margin); "
                              "nothing was written", hint=f"free space on the disk of {self.paths.home}")
 
         if length is not None:

@@ -220,9 +220,15 @@ def staging_open(home: Path) -> int:
 def staging_room(home: Path, reserve: int) -> int:
     """Bytes a staged copy may take on the state disk: its free space less the daemon's reserve
     (agentvm.daemon.events.RESERVE: its state and audit chain must still be written) and
-    STAGING_KEEP."""
+    :func:`staging_keep` more."""
     v = os.statvfs(staging_dir(home))
-    return max(0, v.f_bavail * v.f_frsize - reserve - STAGING_KEEP)
+    return max(0, v.f_bavail * v.f_frsize - reserve - staging_keep(v.f_blocks * v.f_frsize))
+
+
+def staging_keep(fs_size: int) -> int:
+    """What a staged copy leaves free on a state disk of ``fs_size`` bytes besides the reserve:
+    STAGING_KEEP, or a twentieth of a small disk."""
+    return min(STAGING_KEEP, fs_size // 20)
 
 
 def read_beneath(root: Path, rel: str) -> bytes:
