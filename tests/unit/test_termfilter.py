@@ -122,3 +122,29 @@ def test_only_a_terminal_gets_a_filter_and_raw_output_turns_it_off(monkeypatch, 
     finally:
         for fd in (master, slave, r, w):
             os.close(fd)
+
+
+def test_the_hot_path_imports_the_filter_only_for_a_terminal():
+    """fastrun (the thin client's hot path) imports agentvm.termfilter only when stdout or
+    stderr is a terminal; with pipes it has no filter at all."""
+    import subprocess
+    import sys
+
+    src = ("import sys; from agentvm.cli import fastrun; f = fastrun.output_filters(); "
+           "print(f == (None, None), 'agentvm.termfilter' in sys.modules)")
+    r = subprocess.run([sys.executable, "-c", src], capture_output=True, timeout=60, stdin=subprocess.DEVNULL,
+                       env={k: v for k, v in os.environ.items() if k != "AGENTVM_RAW_OUTPUT"})
+    assert r.stdout.split() == [b"True", b"False"], r.stderr
+    master, slave = pty.openpty()
+    try:
+        r = subprocess.run([sys.executable, "-c", src.replace("print(", "sys.stderr.write(str((").replace(
+            "sys.modules)", "sys.modules)))")], stdout=subprocess.DEVNULL, stderr=slave, timeout=60,
+            stdin=subprocess.DEVNULL, env={k: v for k, v in os.environ.items() if k != "AGENTVM_RAW_OUTPUT"})
+        os.close(slave)
+        slave = -1
+        got = os.read(master, 4096)
+    finally:
+        os.close(master)
+        if slave >= 0:
+            os.close(slave)
+    assert r.returncode == 0 and got == b"(False, True)", got
