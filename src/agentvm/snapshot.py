@@ -220,9 +220,6 @@ def untar_into(tar: Path, digest: str, host_dir: Path, uid: int | None, gid: int
     moved in - on any failure the workspace is as it was (``snapshot.no-room`` for its disk
     limit or a full disk, ``checkpoint.tampered`` for a tar that is not the one recorded)."""
     host_dir = Path(host_dir)
-    for e in os.scandir(host_dir):  # a restore the daemon did not finish (it died): never swapped in
-        if e.name.startswith(STAGING) and e.is_dir(follow_symlinks=False):
-            shutil.rmtree(e.path, ignore_errors=True)
     staging = host_dir / f"{STAGING}{secrets.token_hex(6)}"
     os.mkdir(staging, 0o700)
     try:
@@ -252,11 +249,19 @@ def untar_into(tar: Path, digest: str, host_dir: Path, uid: int | None, gid: int
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    # all of it is there: the swap (removals and renames inside one filesystem, no new data)
+    # all of it is there: the swap (removals and renames inside one filesystem, no new data);
+    # without ``replace`` (a fork's new workspace: empty, unless a kept one of that name) the
+    # snapshot's entries win over what is there by the same name
     if replace:
         clear(host_dir, keep=staging.name)
     for e in os.scandir(staging):
-        os.rename(e.path, host_dir / e.name)
+        dest = host_dir / e.name
+        if not replace and (dest.exists() or dest.is_symlink()):
+            if dest.is_dir() and not dest.is_symlink():
+                shutil.rmtree(dest)
+            else:
+                dest.unlink()
+        os.rename(e.path, dest)
     os.rmdir(staging)
 
 
