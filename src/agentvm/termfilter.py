@@ -45,7 +45,11 @@ import re
 LIMIT = 4096  # bytes of one held sequence (an OSC 8 link's URI fits)
 
 _GROUND, _ESC, _ESC_I, _CSI, _OSC, _OSC_ESC, _STR, _STR_ESC, _C2 = range(9)
-_SPECIAL = re.compile(rb"[\x05\x1b\xc2]")
+# in ground: the next byte that starts something, or a whole short CSI in one piece (most of
+# them: decided at once, the answer cached); anything else (split across writes, long, cut
+# short) goes through the state machine byte by byte
+_NEXT = re.compile(rb"\x1b\[[\x20-\x3f]{0,64}[\x40-\x7e]|[\x05\x1b\xc2]")
+_CSI_SEEN: dict = {}
 _OSC_KEEP = {7, 8, 133, 4, 104, 105} | set(range(10, 20)) | set(range(110, 120))
 _OSC_COLOR = {4} | set(range(10, 20))
 
@@ -130,21 +134,37 @@ class TermFilter:
         i = 0
         while i < n:
             if st == _GROUND:
-                m = _SPECIAL.search(data, i)
-                if m is None:
-                    out += data[i:]
-                    break
-                j = m.start()
-                out += data[i:j]
-                b = data[j]
-                i = j + 1
-                if b == 0x1B:
-                    held.clear()
-                    held.append(b)
-                    st = _ESC
-                elif b == 0xC2:
-                    st = _C2
-                # ENQ (0x05): dropped
+                start = i  # data[start:i] is to be written as it is
+                while True:
+                    m = _NEXT.search(data, i)
+                    if m is None:
+                        i = n
+                        break
+                    seq = m.group()
+                    if len(seq) > 1:  # a whole CSI
+                        keep = _CSI_SEEN.get(seq)
+                        if keep is None:
+                            keep = _csi_keep(seq)
+                            if len(_CSI_SEEN) < 1024:
+                                _CSI_SEEN[seq] = keep
+                        if not keep:
+                            out += data[start:m.start()]
+                            start = m.end()
+                        i = m.end()
+                        continue
+                    b = seq[0]
+                    out += data[start:m.start()]
+                    start = i = m.end()
+                    if b == 0x1B:
+                        held.clear()
+                        held.append(b)
+                        st = _ESC
+                        break
+                    if b == 0xC2:
+                        st = _C2
+                        break
+                    # ENQ (0x05): dropped
+                out += data[start:i]
                 continue
             b = data[i]
             i += 1

@@ -37,6 +37,8 @@ TABLE: list[tuple[bytes, bytes]] = [
     (E + b"]7;file://host/tmp\x07" + E + b"]133;A\x07", E + b"]7;file://host/tmp\x07" + E + b"]133;A\x07"),
     (E + b"]12;#ff0000\x07" + E + b"]4;1;rgb:ff/00/00" + ST + E + b"]104\x07",
      E + b"]12;#ff0000\x07" + E + b"]4;1;rgb:ff/00/00" + ST + E + b"]104\x07"),
+    (E + b"[" + b"1;" * 40 + b"m long" + E + b"[" + b"9;" * 40 + b"n", E + b"[" + b"1;" * 40 + b"m long"),
+    (E + b"[31m" * 3 + E + b"[6n" + E + b"[32m" + b"\x05" + E + b"[c", E + b"[31m" * 3 + E + b"[32m"),
     # removed: the clipboard, titles, other OSCs
     (b"a" + CLIP + b"b", b"ab"),
     (b"a" + E + b"]52;c;?" + ST + b"b", b"ab"),
