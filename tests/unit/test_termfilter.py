@@ -150,3 +150,21 @@ def test_the_hot_path_imports_the_filter_only_for_a_terminal():
         if slave >= 0:
             os.close(slave)
     assert r.returncode == 0 and got == b"(False, True)", got
+
+
+def test_random_sequences_give_the_same_answer_however_they_are_split():
+    import random
+
+    rnd = random.Random(1128)
+    alphabet = [b"\x1b", b"[", b"]", b"P", b"\\", b"\x07", b"6", b"n", b"c", b"52", b";", b"?", b"$", b"q", b"m",
+                b"0", b"1", b"t", b"\xc2", b"\x9b", b"\x18", b"\n", b"a", b">", b"\x05", b" ", b"8", b"Z", b"_"]
+    for _ in range(300):
+        data = b"".join(rnd.choice(alphabet) for _ in range(rnd.randint(1, 60)))
+        whole = run(TermFilter(), [data])
+        for k in range(len(data) + 1):
+            assert run(TermFilter(), [data[:k], data[k:]]) == whole, (data, k)
+        # an ESC that goes out is never the last byte (a sequence left open) nor followed by a control
+        for i in range(len(whole)):
+            if whole[i] == 0x1B:
+                assert 0x20 <= (whole[i + 1] if i + 1 < len(whole) else 0) <= 0x7E, (data, whole)
+        assert b"\x1b[6n" not in whole and b"\x1b[c" not in whole and b"\x05" not in whole and b"\xc2\x9b" not in whole
