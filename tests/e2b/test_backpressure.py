@@ -53,7 +53,8 @@ def server(avm_home):
         else:
             os.environ["AGENTVM_E2B_SUBSCRIBER_LAG"] = old
     try:
-        yield {"env": env, "home": avm_home, "pid": int((avm_home / "run" / "daemon.pid").read_text())}
+        yield {"env": env, "home": avm_home, "pid": int((avm_home / "run" / "daemon.pid").read_text()),
+               "uid_base": os.environ.get("AGENTVM_UID_BASE")}
     finally:
         _cleanup(avm_home)
 
@@ -298,3 +299,29 @@ def test_killing_the_sandbox_ends_the_unread_stream_and_keeps_the_memory(server)
         assert grew < 64 * MiB, f"the daemon's RSS grew {grew / MiB:.1f} MiB"
     finally:
         s.close()
+
+
+def test_agentvm_e2b_serve_holds_the_command_too(fresh_home, server):
+    """`agentvm e2b serve` (DaemonBackend, its own process over the daemon's HTTP API): an unread
+    stream holds the command, not the memory of the adapter's process or of the daemon."""
+    from tests.e2b.conftest import served_beside
+
+    if os.environ["AGENTVM_UID_BASE"] == str(server.get("uid_base")):
+        os.environ["AGENTVM_UID_BASE"] = str(int(os.environ["AGENTVM_UID_BASE"]) + 100_000)
+    with served_beside(fresh_home) as srv:
+        env = srv["env"]
+        doc = _rest(env, "POST", "/sandboxes", {"templateID": "base", "timeout": 300})
+        b = {"env": env, "sid": doc["sandboxID"], "token": doc["envdAccessToken"]}
+        daemon = int((fresh_home / "run" / "daemon.pid").read_text())
+        s, _ = _start(b, SEQ, False)
+        try:
+            d0 = _rss(daemon)
+            grew = _not_reading(srv["proc"].pid, 10)
+            assert grew < 64 * MiB, f"`agentvm e2b serve`'s RSS grew {grew / MiB:.1f} MiB in 10 s of unread output"
+            assert _rss(daemon) - d0 < 64 * MiB
+            nums = Numbers()
+            _read(s, nums, nbytes=8 * MiB)
+            assert nums.last > 100_000
+        finally:
+            s.close()
+            _rest(env, "DELETE", f"/sandboxes/{doc['sandboxID']}")
