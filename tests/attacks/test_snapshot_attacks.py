@@ -86,3 +86,33 @@ def test_a_restore_that_does_not_fit_leaves_the_workspace_as_it_was(avm_home, tm
             assert all(x[2] == uid for x in lines), out
         finally:
             av("rm", "rs-a", check=False)
+
+
+def test_a_fork_that_cannot_start_is_removed_and_a_kept_workspace_stays(avm_home, tmp_path):
+    """A fork whose workspace cannot take the snapshot (a workspace of that name was kept, 10M
+    in a 16M limit, and the snapshot holds 10M more) fails with snapshot.no-room and leaves no
+    agent behind; the kept workspace is as it was."""
+    keep = "  workspace: {keep: true}\n"
+    with daemon_up(avm_home):
+        av("create", "-f", str(agent(tmp_path, "fk-k", ["/bin/sh", "-c", "exec sleep 600"], extra=keep)), "--start")
+        av("create", "-f", str(agent(tmp_path, "fk-p", ["/bin/sh", "-c", "exec sleep 600"])), "--start")
+        try:
+            av("exec", "fk-k", "--", "/bin/sh", "-c", "head -c 10485760 /dev/urandom > /workspace/mine")
+            want = av("exec", "fk-k", "--", "sha256sum", "/workspace/mine").stdout
+            av("rm", "fk-k")  # its workspace is kept
+            av("exec", "fk-p", "--", "/bin/sh", "-c", "head -c 10485760 /dev/urandom > /workspace/big")
+            r = av("fork", "fk-p", "fk-k", check=False)
+            assert r.returncode != 0 and b"snapshot.no-room" in r.stderr, (r.stdout, r.stderr)
+            assert "fk-k" not in [s["name"] for s in json.loads(av("ps", "--json").stdout)], "the failed fork stayed"
+            failed = [x for x in (json.loads(line) for line in av("audit", "show", "--json").stdout.splitlines()
+                                  if line.strip()) if x["kind"] == "lifecycle.fork-failed"]
+            assert failed and failed[-1]["data"]["error"] == "snapshot.no-room", failed
+            # the kept workspace: still there, as it was (an agent of that name gets it back)
+            av("create", "-f", str(agent(tmp_path, "fk-k", ["/bin/sh", "-c", "exec sleep 600"], extra=keep)),
+               "--start")
+            assert av("exec", "fk-k", "--", "sha256sum", "/workspace/mine").stdout == want
+            assert av("exec", "fk-k", "--", "ls", "-A", "/workspace").stdout == b"mine\n"
+        finally:
+            for n in ("fk-k", "fk-p"):
+                av("rm", n, check=False)
+            av("workspace", "rm", "fk-k", check=False)

@@ -250,6 +250,17 @@ class StateControl:
                 return p
         return None
 
+    def _workspace_exists(self, name: str) -> bool:
+        """A workspace named ``name`` is there (kept from an agent removed before); True when it
+        cannot be told (a fork that fails then keeps it)."""
+        from agentvm import workspace
+
+        try:
+            return any(w.name == name for w in workspace.list_workspaces(self.paths.workspaces,
+                                                                          runtime=self.paths.runtime))
+        except Exception:  # noqa: BLE001
+            return True
+
     async def fork(self, source: str, new: str, *, actor: str = "operator") -> dict:
         """A new agent from ``source`` (an agent: snapshotted now; or a snapshot by id or tag):
         its agent file under the new name with the parent's live changes (a live deny, lowered
@@ -285,6 +296,7 @@ class StateControl:
         doc = yaml.safe_load(parent.spec_text)
         doc.setdefault("metadata", {})["name"] = new
         patch = parent.policy_patch or "{}"  # the parent's live changes, now: the child is at least as narrow
+        kept = await asyncio.to_thread(self._workspace_exists, new)  # (a kept one of that name: never removed here)
         await self.create(yaml.safe_dump(doc, sort_keys=False), f"{parent.spec_file} (fork of {snap.agent})",
                           actor=actor)
         try:
@@ -307,10 +319,16 @@ class StateControl:
             finally:
                 m.seed = None
         except BaseException as exc:
-            # a fork that did not start leaves no agent behind (its row, workspace, lineage)
+            # a fork that did not start leaves no agent behind (its row, the workspace made for
+            # it, its lineage); a workspace of that name kept from before stays as it was
             err = getattr(exc, "code", type(exc).__name__)
             try:
-                await self.remove(new, actor=actor)
+                await self.remove(new, keep_workspace=kept, actor=actor)
+                if not kept:  # (also where the agent file says workspace.keep: it was made for this fork)
+                    from agentvm import workspace
+
+                    await asyncio.to_thread(workspace.on_agent_removed, self.paths.workspaces, new,
+                                            runtime=self.paths.runtime)
             except Exception:  # noqa: BLE001 - the first error is the one to report
                 import logging
 
