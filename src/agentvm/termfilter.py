@@ -20,7 +20,10 @@ hyperlinks) and removes the rest:
   the colour settings 4, 10-19, 104, 110-119 unless an item is ``?`` (a query). So OSC 52 and
   the titles (OSC 0/1/2: a program in the sandbox does not name the operator's window) go;
 * the C1 controls in their UTF-8 form (U+0080-U+009F, ``c2 80``-``c2 9f``), which some
-  terminals act on as 8-bit CSI/OSC/DCS.
+  terminals act on as 8-bit CSI/OSC/DCS, and the lead bytes of their overlong forms (``c0``,
+  ``c1``; ``e0``/``f0`` not followed by a byte that makes them valid). A ``c2``/``e0``/``f0``
+  is written only together with its next byte, so no dropped sequence between them can join
+  a lead with a later ``9b`` into U+009B.
 
 A sequence is held only until its end: one longer than ``limit`` bytes is dropped (its
 introducer never reaches the terminal, the rest is plain text), never buffered without bound.
@@ -44,11 +47,14 @@ import re
 
 LIMIT = 4096  # bytes of one held sequence (an OSC 8 link's URI fits)
 
-_GROUND, _ESC, _ESC_I, _CSI, _OSC, _OSC_ESC, _STR, _STR_ESC, _C2 = range(9)
+_GROUND, _ESC, _ESC_I, _CSI, _OSC, _OSC_ESC, _STR, _STR_ESC, _LEAD = range(9)
 # in ground: the next byte that starts something, or a whole short CSI in one piece (most of
 # them: decided at once, the answer cached); anything else (split across writes, long, cut
 # short) goes through the state machine byte by byte
-_NEXT = re.compile(rb"\x1b\[[\x20-\x3f]{0,64}[\x40-\x7e]|[\x05\x1b\xc2]")
+_NEXT = re.compile(rb"\x1b\[[\x20-\x3f]{0,64}[\x40-\x7e]|[\x05\x1b\xc0-\xc2\xe0\xf0]")
+# UTF-8 lead bytes held until their next byte: the one that, with it, may encode a C1 control
+# (c2 80-9f) or its overlong forms (e0 80-9f, f0 80-8f); -> the first next byte that is valid
+_LEAD_MIN = {0xC2: 0xA0, 0xE0: 0xA0, 0xF0: 0x90}
 _CSI_SEEN: dict = {}
 _OSC_KEEP = {7, 8, 133, 4, 104, 105} | set(range(10, 20)) | set(range(110, 120))
 _OSC_COLOR = {4} | set(range(10, 20))
@@ -160,20 +166,27 @@ class TermFilter:
                         held.append(b)
                         st = _ESC
                         break
-                    if b == 0xC2:
-                        st = _C2
+                    if b in _LEAD_MIN:
+                        held.clear()
+                        held.append(b)
+                        st = _LEAD
                         break
-                    # ENQ (0x05): dropped
+                    # ENQ (0x05), c0, c1 (never in UTF-8: overlong): dropped
                 out += data[start:i]
                 continue
             b = data[i]
             i += 1
-            if st == _C2:
+            if st == _LEAD:
                 st = _GROUND
-                if 0x80 <= b <= 0x9F:
-                    continue  # a C1 control, UTF-8 encoded: dropped
-                out.append(0xC2)
-                i -= 1  # the byte after it, in ground
+                lead = held[0]
+                held.clear()
+                if _LEAD_MIN[lead] <= b <= 0xBF:
+                    out.append(lead)  # written only with its next byte: nothing dropped later joins them
+                    out.append(b)
+                elif lead == 0xC2 and 0x80 <= b <= 0x9F:
+                    pass  # a C1 control, UTF-8 encoded: dropped
+                else:
+                    i -= 1  # not UTF-8 (or overlong): the lead is dropped, the byte after it is in ground
                 continue
             if b in (0x18, 0x1A):  # CAN, SUB: a terminal cancels the sequence
                 held.clear()

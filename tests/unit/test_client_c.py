@@ -588,7 +588,7 @@ def test_the_c_and_python_filters_agree_on_random_sequences(termfilter_driver):
     rnd = random.Random(20261128)
     alphabet = [b"\x1b", b"[", b"]", b"P", b"\\", b"\x07", b"6", b"n", b"c", b"5", b"2", b";", b"?", b"$", b"q",
                 b"m", b"0", b"1", b"t", b"\xc2", b"\x9b", b"\x18", b"\n", b"a", b">", b"\x05", b" ", b"8", b"Z",
-                b"_", b"(", b"x", b"\x7f", b"\xe2"]
+                b"_", b"(", b"x", b"\x7f", b"\xe2", b"\xe0", b"\xf0", b"\xc0", b"\x80", b"\xa0"]
     for _ in range(60):
         data = b"".join(rnd.choice(alphabet) for _ in range(rnd.randint(1, 80)))
         f = TermFilter()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import pty
+import re
 
 import pytest
 
@@ -58,6 +59,10 @@ TABLE: list[tuple[bytes, bytes]] = [
     (b"a" + E + b"Zb\x05c", b"abc"),
     # removed: C1 controls in UTF-8 (U+009B CSI, U+009D OSC, U+0090 DCS)
     (b"a\xc2\x9b6nb\xc2\x9d52;c;QQ==\x07c\xc2\x90$qm", b"a6nb52;c;QQ==\x07c$qm"),
+    # ... and never joined by what is dropped between a lead and a later byte; overlong forms
+    (b"a\xc2" + E + b"[6n\x9bb", b"a\x9bb"),
+    (b"a\xe0\x82\x9b6n \xc0\x9b \xc1\x9d \xf0\x80\x82\x9b .", b"a\x82\x9b6n \x9b \x9d \x80\x82\x9b ."),
+    ("क ✓ 😀 \u00a0 ࠀ 𐀀".encode(), "क ✓ 😀 \u00a0 ࠀ 𐀀".encode()),
     # cancelled, cut short, malformed
     (b"a" + E + b"[6\x18nb", b"anb"),
     (b"a" + E + b"]52;c;QQ==\x1ab", b"ab"),
@@ -157,7 +162,8 @@ def test_random_sequences_give_the_same_answer_however_they_are_split():
 
     rnd = random.Random(1128)
     alphabet = [b"\x1b", b"[", b"]", b"P", b"\\", b"\x07", b"6", b"n", b"c", b"52", b";", b"?", b"$", b"q", b"m",
-                b"0", b"1", b"t", b"\xc2", b"\x9b", b"\x18", b"\n", b"a", b">", b"\x05", b" ", b"8", b"Z", b"_"]
+                b"0", b"1", b"t", b"\xc2", b"\x9b", b"\x18", b"\n", b"a", b">", b"\x05", b" ", b"8", b"Z", b"_",
+                b"\xe0", b"\xf0", b"\xc0", b"\x80", b"\xa0"]
     for _ in range(300):
         data = b"".join(rnd.choice(alphabet) for _ in range(rnd.randint(1, 60)))
         whole = run(TermFilter(), [data])
@@ -168,3 +174,5 @@ def test_random_sequences_give_the_same_answer_however_they_are_split():
             if whole[i] == 0x1B:
                 assert 0x20 <= (whole[i + 1] if i + 1 < len(whole) else 0) <= 0x7E, (data, whole)
         assert b"\x1b[6n" not in whole and b"\x1b[c" not in whole and b"\x05" not in whole and b"\xc2\x9b" not in whole
+        assert re.search(rb"\xc2[\x80-\x9f]|[\xc0\xc1]|\xe0[\x80-\x9f]|\xf0[\x80-\x8f]|[\xc2\xe0\xf0]$", whole) is None, \
+            (data, whole)  # no C1 in UTF-8 form, overlong or not, and no lead left at the end

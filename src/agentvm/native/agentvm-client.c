@@ -280,7 +280,7 @@ static int write_all(int fd, const char *p, size_t n) {
  * text); one left incomplete at the end is dropped. AGENTVM_RAW_OUTPUT=1 passes bytes as they
  * are (the Python entry point's --raw-output); so does a pipe or a file. */
 #define TF_LIMIT 4096u
-enum { TF_GROUND, TF_ESC, TF_ESC_I, TF_CSI, TF_OSC, TF_OSC_ESC, TF_STR, TF_STR_ESC, TF_C2 };
+enum { TF_GROUND, TF_ESC, TF_ESC_I, TF_CSI, TF_OSC, TF_OSC_ESC, TF_STR, TF_STR_ESC, TF_LEAD };
 struct tf {
     int on, state;
     size_t n;
@@ -335,7 +335,7 @@ static int tf_osc_keep(const unsigned char *p, size_t n) { /* between ESC ] and 
     return 1;
 }
 
-/* Filters n bytes of d into out (at most n + 1 bytes: a held 0xc2 may come out): its length. */
+/* Filters n bytes of d into out (at most n + TF_LIMIT + 4 bytes: what was held may come out): its length. */
 static size_t tf_feed(struct tf *f, const unsigned char *d, size_t n, unsigned char *out) {
     size_t o = 0;
     for (size_t i = 0; i < n;) {
@@ -346,18 +346,24 @@ static size_t tf_feed(struct tf *f, const unsigned char *d, size_t n, unsigned c
                 f->held[0] = b;
                 f->n = 1;
                 f->state = TF_ESC;
-            } else if (b == 0xc2) {
-                f->state = TF_C2;
-            } else if (b != 0x05) { /* ENQ: dropped */
+            } else if (b == 0xc2 || b == 0xe0 || b == 0xf0) { /* held until the next byte (termfilter.py) */
+                f->held[0] = b;
+                f->state = TF_LEAD;
+            } else if (b != 0x05 && b != 0xc0 && b != 0xc1) { /* ENQ; overlong leads: dropped */
                 out[o++] = b;
             }
             continue;
-        case TF_C2:
+        case TF_LEAD: {
+            unsigned char lead = f->held[0], min = lead == 0xf0 ? 0x90 : 0xa0;
             f->state = TF_GROUND;
-            if (b >= 0x80 && b <= 0x9f) continue; /* a C1 control, UTF-8 encoded */
-            out[o++] = 0xc2;
-            i--;
+            if (b >= min && b <= 0xbf) { /* written only with its next byte */
+                out[o++] = lead;
+                out[o++] = b;
+            } else if (!(lead == 0xc2 && b >= 0x80 && b <= 0x9f)) { /* else a C1 control, UTF-8 encoded */
+                i--; /* not UTF-8 (or overlong): the lead is dropped, the byte after it is in ground */
+            }
             continue;
+        }
         }
         if (b == 0x18 || b == 0x1a) { /* CAN, SUB */
             f->n = 0;
