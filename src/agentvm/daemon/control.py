@@ -100,6 +100,7 @@ class ControlPlane(Events, Supervisor, StateControl, FleetOps, Commands):
                                       telemetry=self.tracing.endpoint if self.tracing is not None else None)
             await self.workers.start()
             self.record("gate.workers", count=self.gate_workers, pids=self.workers.pids())
+        self.checkpoints  # its table made now, while there is room: stop and rm read it on a full disk
         await self.recover(resume=self.resume)
 
     async def close(self) -> None:
