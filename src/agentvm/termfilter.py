@@ -147,7 +147,7 @@ class TermFilter:
                         i = n
                         break
                     seq = m.group()
-                    if len(seq) > 1:  # a whole CSI
+                    if 1 < len(seq) <= self.limit:  # a whole CSI (no longer than the machine would hold)
                         keep = _CSI_SEEN.get(seq)
                         if keep is None:
                             keep = _csi_keep(seq)
@@ -160,7 +160,7 @@ class TermFilter:
                         continue
                     b = seq[0]
                     out += data[start:m.start()]
-                    start = i = m.end()
+                    start = i = m.start() + 1  # (a CSI too long for a small limit: byte by byte)
                     if b == 0x1B:
                         held.clear()
                         held.append(b)

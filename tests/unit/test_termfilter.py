@@ -176,3 +176,10 @@ def test_random_sequences_give_the_same_answer_however_they_are_split():
         assert b"\x1b[6n" not in whole and b"\x1b[c" not in whole and b"\x05" not in whole and b"\xc2\x9b" not in whole
         assert re.search(rb"\xc2[\x80-\x9f]|[\xc0\xc1]|\xe0[\x80-\x9f]|\xf0[\x80-\x8f]|[\xc2\xe0\xf0]$", whole) is None, \
             (data, whole)  # no C1 in UTF-8 form, overlong or not, and no lead left at the end
+
+
+def test_a_smaller_bound_holds_for_short_sequences_too():
+    data = E + b"[1;2;3;4;5;6;7m" + b"x" + E + b"[1m"
+    want = b";5;6;7mx" + E + b"[1m"  # over 8 bytes held: dropped, the rest is text
+    assert run(TermFilter(limit=8), [data]) == want
+    assert run(TermFilter(limit=8), [data[i:i + 1] for i in range(len(data))]) == want
