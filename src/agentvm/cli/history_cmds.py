@@ -215,5 +215,12 @@ def logs(name, syscalls, as_json):
         raise ConfigError(f"no run or sandbox named {name!r}",
                           hint=f"{hint} (the daemon is not running: no sandbox was looked up)",
                           code="logs.not-found") from None
-    click.echo(text, nl=False)
+    from agentvm.termfilter import for_fd
+
+    f = for_fd(1)  # the sandbox's output: on a terminal, without clipboard writes or answer-back queries
+    if f is None:
+        click.echo(text, nl=False)
+    else:
+        data = f.feed(text.encode("utf-8", "surrogateescape")) + f.finish()
+        click.echo(data.decode("utf-8", "replace"), nl=False)
     return 0
