@@ -264,7 +264,10 @@ class AuditLog:
             if self._vouched is not None and self._vouched == (seq - 1, prev):
                 self._vouched = (seq, h)
                 if time.monotonic() - self._vouched_written > 2.0:
-                    self._write_checkpoint(seq, h)
+                    try:
+                        self._write_checkpoint(seq, h)
+                    except OSError:  # (a full disk) the record is in: the next check walks further
+                        pass
             else:
                 self._vouched = None  # another writer's records came between: the next check walks them
         return Record(seq, t, kind, actor, sandbox, json.loads(payload), prev, h)
