@@ -139,3 +139,46 @@ def test_a_stuck_lock_holder_costs_a_bounded_wait(tmp_path):
     os.close(fd)
     a.append("now")
     assert a.verify().ok
+
+
+def test_every_writer_verifies_from_the_checkpoint_before_its_first_record(tmp_path):
+    """A writer refuses to append to a chain broken since the last verified checkpoint (a cut
+    tail, the checkpoint record rewritten); a lost checkpoint means a full walk; an accepted
+    break is recorded and moves the checkpoint past it."""
+    import sqlite3
+
+    import pytest
+
+    from agentvm.audit import AuditLog
+    from agentvm.errors import ConfigError
+
+    db = tmp_path / "audit.db"
+    a = AuditLog(db)
+    for i in range(5):
+        a.append("t.x", data={"i": i})
+    a.close()
+    assert AuditLog(db).read_checkpoint()[0] == 5
+
+    c = sqlite3.connect(db)
+    c.execute("DELETE FROM audit WHERE seq = 5")
+    c.commit()
+    c.close()
+    with pytest.raises(ConfigError) as e:
+        AuditLog(db).append("t.y")
+    assert e.value.code == "audit.broken-chain" and "verified before, is missing" in e.value.message
+
+    b = AuditLog(db)
+    rec = b.accept_break("record 5 is missing")
+    assert rec.kind == "daemon.accepted-broken-chain" and b.read_checkpoint() == (rec.seq, rec.hash)
+    b.close()
+    AuditLog(db).append("t.after")  # appends again after the acceptance
+
+    c = sqlite3.connect(db)
+    c.execute("UPDATE audit SET data = '{\"forged\": 1}' WHERE seq = 1")  # below the checkpoint
+    c.commit()
+    c.close()
+    AuditLog(db).append("t.unseen")  # (found by the full walks, not by a writer's check)
+    assert not AuditLog.open_readonly(db).verify().ok
+    (tmp_path / "audit.verified").unlink()
+    with pytest.raises(ConfigError, match="record 1 was modified"):
+        AuditLog(db).append("t.refused")
