@@ -66,6 +66,10 @@ def run(main) -> None:
 class Gate:
     """The gate: owns the CA, the upstream TLS contexts and every sandbox endpoint."""
 
+    # a spliced tunnel moves bytes socket to socket (splice(2)) where the client's socket carries
+    # them as they are; a subclass whose client sockets carry TLS (the mTLS gateway) turns it off
+    zero_copy = True
+
     def __init__(self, state_dir: Path, log_dir: Path):
         self.state_dir = Path(state_dir)
         self.log_dir = Path(log_dir)
@@ -522,7 +526,7 @@ class Gate:
         try:
             await upstream.write(buf)
             ep.splices[task] = cmd.meta
-            if hasattr(os, "splice"):
+            if hasattr(os, "splice") and self.zero_copy:
                 out, inn = await zero_copy_splice(ep, client, upstream, target)
             else:  # pragma: no cover - Linux < 2.6.17 / Python < 3.10
                 out, inn = await stream_splice(ep, client, upstream, target)

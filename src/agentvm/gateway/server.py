@@ -35,7 +35,6 @@ from agentvm.gate import h1
 from agentvm.gate.endpoint import Endpoint
 from agentvm.gate.server import STREAM_LIMIT, Gate
 from agentvm.gate.streams import HELLO_TIMEOUT, PlainStream
-from agentvm.gate.tunnel import stream_splice
 from agentvm.gateway.config import CompiledAgent, Refusal, Registry
 from agentvm.gateway.identity import Identity, from_peercert
 
@@ -69,6 +68,8 @@ def _not_after(cert: dict) -> float:
 
 class GatewayGate(Gate):
     """A Gate whose endpoints are identities, reached through one mTLS listener."""
+
+    zero_copy = False  # a spliced tunnel goes through the stream: the client's socket carries mTLS
 
     def __init__(self, state_dir: Path, log_dir: Path, registry: Registry) -> None:
         super().__init__(state_dir, log_dir)
@@ -264,29 +265,6 @@ class GatewayGate(Gate):
             elif self.by_id.get(ep.sandbox_id, (None, None))[1] != res.digest:
                 self._apply(ep, ident, res)
 
-    # -- a spliced tunnel, through the stream (the socket carries mTLS) -------------------
-    async def _splice(self, ep, client, cmd, buf: bytes) -> None:
-        tunnel = cmd.tunnel
-        target = (tunnel.host, tunnel.port)
-        try:
-            upstream = await self._dial(ep, tunnel.addr, tunnel.port, limit=STREAM_LIMIT)
-        except (OSError, asyncio.TimeoutError) as exc:
-            ep.log(verdict="allow", rule_id=cmd.decision.rule_id, reason=f"upstream unreachable: {type(exc).__name__}",
-                   host=tunnel.host, port=tunnel.port, method="CONNECT", phase="upstream",
-                   error="upstream:unreachable")
-            return
-        ep.count_out(len(buf), *target)
-        task = asyncio.current_task()
-        try:
-            await upstream.write(buf)
-            ep.splices[task] = cmd.meta
-            out, inn = await stream_splice(ep, client, upstream, target)
-        finally:
-            ep.splices.pop(task, None)
-            upstream.close()
-        ep.log(verdict="allow", rule_id=cmd.decision.rule_id, reason="tunnel (SNI checked, not terminated)",
-               host=tunnel.host, port=tunnel.port, method="CONNECT", phase="tunnel", bytes_out=out + len(buf),
-               bytes_in=inn, sni=tunnel.sni)
 
 
 async def serve(config_dir: Path, ca_dir: Path, host: str, port: int, *, state_dir: Path, audit_dir: Path | None,
