@@ -30,7 +30,7 @@ import pytest
 from tests.e2b.conftest import _cleanup, _free_port, daemon_up
 from tests.helpers import needs_root
 
-pytestmark = [pytest.mark.integration, needs_root]
+integration = pytest.mark.integration
 
 LAG = 15  # AGENTVM_E2B_SUBSCRIBER_LAG of this module's daemon
 MiB = 1024 * 1024
@@ -207,6 +207,8 @@ def _not_reading(pid: int, seconds: float) -> int:
     return peak - base
 
 
+@integration
+@needs_root
 @pytest.mark.parametrize("pty", [False, True], ids=["process", "pty"])
 def test_a_client_that_does_not_read_holds_the_command_not_the_daemons_memory(box, pty):
     s, _ = _start(box, SEQ, pty)
@@ -221,6 +223,8 @@ def test_a_client_that_does_not_read_holds_the_command_not_the_daemons_memory(bo
         s.close()
 
 
+@integration
+@needs_root
 @pytest.mark.parametrize("pty", [False, True], ids=["process", "pty"])
 def test_a_slow_reader_gets_every_byte_in_order(box, pty):
     s, _ = _start(box, SEQ, pty)
@@ -235,6 +239,8 @@ def test_a_slow_reader_gets_every_byte_in_order(box, pty):
         s.close()
 
 
+@integration
+@needs_root
 @pytest.mark.parametrize("pty", [False, True], ids=["process", "pty"])
 def test_a_client_that_never_reads_is_dropped_with_a_clear_end(box, pty):
     s, pid = _start(box, YES if not pty else SEQ, pty)
@@ -279,6 +285,8 @@ def test_a_client_that_never_reads_is_dropped_with_a_clear_end(box, pty):
         s.close()
 
 
+@integration
+@needs_root
 def test_killing_the_sandbox_ends_the_unread_stream_and_keeps_the_memory(server):
     """A sandbox killed under an unread stream: the stream ends, the daemon's memory did not grow."""
     doc = _rest(server["env"], "POST", "/sandboxes", {"templateID": "base", "timeout": 300})
@@ -301,6 +309,8 @@ def test_killing_the_sandbox_ends_the_unread_stream_and_keeps_the_memory(server)
         s.close()
 
 
+@integration
+@needs_root
 def test_agentvm_e2b_serve_holds_the_command_too(fresh_home, server):
     """`agentvm e2b serve` (DaemonBackend, its own process over the daemon's HTTP API): an unread
     stream holds the command, not the memory of the adapter's process or of the daemon."""
@@ -325,3 +335,50 @@ def test_agentvm_e2b_serve_holds_the_command_too(fresh_home, server):
         finally:
             s.close()
             _rest(env, "DELETE", f"/sandboxes/{doc['sandboxID']}")
+
+
+# -- the channel itself (no sandbox) ------------------------------------------------------------
+
+def test_channel_put_waits_for_room_and_close_releases_a_waiting_producer():
+    import asyncio
+
+    from agentvm.e2b.backend import EventChannel
+
+    async def go():
+        ch = EventChannel(2)
+        assert await ch.put("a") and await ch.put("b")
+        assert not await ch.put("c", timeout=0.01)  # full: not queued, the caller decides (envd drops)
+        waiting = asyncio.ensure_future(ch.put("c"))
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert not waiting.done() and len(ch) == 2  # back-pressure: waits, holds nothing more
+        assert await ch.get() == "a"
+        assert await waiting is True and len(ch) == 2
+        blocked = asyncio.ensure_future(ch.put("d"))
+        for _ in range(5):
+            await asyncio.sleep(0)
+        ch.close()  # the consumer is gone: what it held is released, the producer goes on
+        assert await blocked is False and len(ch) == 0
+        assert await ch.put("e") is False and len(ch) == 0
+        assert await ch.get() is EventChannel.END
+
+    asyncio.run(go())
+
+
+def test_channel_finish_and_drop_always_fit_and_end_in_order():
+    import asyncio
+
+    from agentvm.e2b.backend import EventChannel, ExecEvent
+
+    async def go():
+        ch = EventChannel(1)
+        await ch.put(ExecEvent("stdout", b"1"))
+        ch.finish(ExecEvent("exit", exit_code=3))  # full, and the end still fits (never waits)
+        got = [ev async for ev in ch.events()]
+        assert [e.kind for e in got] == ["stdout", "exit"] and got[1].exit_code == 3
+        ch = EventChannel(1)
+        await ch.put("queued")
+        ch.drop("dropped")  # what was queued is released; the reason is next, then the end
+        assert await ch.get() == "dropped" and await ch.get() is EventChannel.END
+
+    asyncio.run(go())
