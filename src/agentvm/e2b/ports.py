@@ -64,7 +64,7 @@ _WS_DROP = _DROP | {"host", "sec-websocket-key", "sec-websocket-version", "sec-w
                     "sec-websocket-protocol", "sec-websocket-accept"}
 _RESP_DROP = {"connection", "keep-alive", "proxy-connection", "te", "trailer", "transfer-encoding", "upgrade",
               "proxy-authenticate"}
-STARTUP_GRACE = 30.0  # seconds after a sandbox starts during which a refused connect is retried
+STARTUP_GRACE = 60.0  # seconds after a sandbox starts during which a refused connect is retried (a kernel server on a loaded host)
 CONNECT_TIMEOUT = 10.0
 
 
