@@ -922,6 +922,11 @@ static int cmd_init(int argc, char **argv) {
 
 seccomp:
     if (no_landlock && prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) < 0) fail("no-new-privs", errno, "prctl");
+    /* not dumpable from here to exec: between loading the filter and handing its listener
+     * away this process holds the fd that answers the sandbox's syscalls, and (with
+     * allow_ptrace, no Landlock and Yama 0) another process of the agent could otherwise
+     * take it with pidfd_getfd or ptrace. execve makes the command dumpable again. */
+    if (prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) < 0) fail("dumpable", errno, "prctl(PR_SET_DUMPABLE, 0)");
     if (prog.len && sysaudit_fd >= 0) {
         /* the filter's denials of escape probes are user notifications: its listener goes to
          * the supervisor, which answers each with the deny-list's errno and records it. No
