@@ -13,17 +13,20 @@ hyperlinks) and removes the rest:
 * every answer-back query: CSI ``n`` (DSR), ``c`` (DA1/2/3), ``t`` (window operations and
   reports), ``x`` (DECREQTPARM), ``$ p`` (DECRQM), ``> q`` (XTVERSION), ``? u`` (keyboard
   protocol query), ``? S`` (XTSMGRAPHICS), ``? m`` (XTQMODKEYS), ``* y`` (DECRQCRA), ``' w``,
-  ``$ w``, ``$ u``, ``& u``, ``" v``, ``# |``; ``ESC Z`` (DECID); ENQ (0x05);
+  ``$ w``, ``$ u``, ``& u``, ``" v``, ``# |``, ``' |``; ``ESC Z`` (DECID); ENQ (0x05);
 * every DCS, SOS, PM and APC string (DECRQSS, XTGETTCAP, DECUDK, sixel, tmux pass-through,
   kitty graphics);
 * every OSC but an allow-list: 7 (working directory), 8 (hyperlink), 133 (prompt marks), and
   the colour settings 4, 10-19, 104, 110-119 unless an item is ``?`` (a query). So OSC 52 and
   the titles (OSC 0/1/2: a program in the sandbox does not name the operator's window) go;
 * the C1 controls in their UTF-8 form (U+0080-U+009F, ``c2 80``-``c2 9f``), which some
-  terminals act on as 8-bit CSI/OSC/DCS, and the lead bytes of their overlong forms (``c0``,
-  ``c1``; ``e0``/``f0`` not followed by a byte that makes them valid). A ``c2``/``e0``/``f0``
-  is written only together with its next byte, so no dropped sequence between them can join
-  a lead with a later ``9b`` into U+009B.
+  terminals act on as 8-bit CSI/OSC/DCS, and every byte above ASCII that is not part of a
+  well-formed UTF-8 sequence (a stray continuation byte such as a raw 8-bit ``9b``/``9d``,
+  overlong forms, surrogates, ``c0``/``c1``/``f5``-``ff``): the output is valid UTF-8 whatever
+  mode the terminal is in. A sequence is written only whole, so no dropped sequence between
+  its bytes can join a lead with a later ``9b`` into U+009B;
+* ``ESC %`` but ``ESC % G`` (the others take the terminal out of UTF-8, after which raw C1
+  bytes would act), screen's title string ``ESC k ... ESC \\``, DECRQLP ``CSI ' |``.
 
 A sequence is held only until its end: one longer than ``limit`` bytes is dropped (its
 introducer never reaches the terminal, the rest is plain text), never buffered without bound.
@@ -31,9 +34,7 @@ A sequence is also cut short where a terminal would end or cancel it (CAN, SUB, 
 control byte inside it): nothing kept ever spans a byte the terminal might read differently.
 ``finish()`` drops a sequence left incomplete (the next writer must not complete it).
 
-Not covered (docs/daemon.md): raw 8-bit C1 bytes (0x80-0x9f outside the UTF-8 form) pass -
-they are UTF-8 continuation bytes, and only a terminal not in UTF-8 mode acts on them; modes
-the terminal reports input in (mouse, focus, bracketed paste) pass, as full-screen programs need
+Not covered (docs/daemon.md): modes the terminal reports input in (mouse, focus, bracketed paste) pass, as full-screen programs need
 them.
 
 The C client (agentvm/native/agentvm-client.c, ``tf_feed``) implements the same machine; the
@@ -51,10 +52,32 @@ _GROUND, _ESC, _ESC_I, _CSI, _OSC, _OSC_ESC, _STR, _STR_ESC, _LEAD = range(9)
 # in ground: the next byte that starts something, or a whole short CSI in one piece (most of
 # them: decided at once, the answer cached); anything else (split across writes, long, cut
 # short) goes through the state machine byte by byte
-_NEXT = re.compile(rb"\x1b\[[\x20-\x3f]{0,64}[\x40-\x7e]|[\x05\x1b\xc0-\xc2\xe0\xf0]")
-# UTF-8 lead bytes held until their next byte: the one that, with it, may encode a C1 control
-# (c2 80-9f) or its overlong forms (e0 80-9f, f0 80-8f); -> the first next byte that is valid
-_LEAD_MIN = {0xC2: 0xA0, 0xE0: 0xA0, 0xF0: 0x90}
+_NEXT = re.compile(rb"\x1b\[[\x20-\x3f]{0,64}[\x40-\x7e]|[\x05\x1b\x80-\xff]")
+# a run of well-formed UTF-8 sequences (Unicode table 3-7) of two or more bytes, without the
+# C1 controls (c2 80-9f): written as it is
+_UTF8_RUN = re.compile(rb"(?:\xc2[\xa0-\xbf]|[\xc3-\xdf][\x80-\xbf]|\xe0[\xa0-\xbf][\x80-\xbf]"
+                       rb"|[\xe1-\xec\xee\xef][\x80-\xbf]{2}|\xed[\x80-\x9f][\x80-\xbf]"
+                       rb"|\xf0[\x90-\xbf][\x80-\xbf]{2}|[\xf1-\xf3][\x80-\xbf]{3}|\xf4[\x80-\x8f][\x80-\xbf]{2})+")
+
+
+def _utf8_lead(b: int) -> "tuple[int, int, int] | None":
+    """A UTF-8 lead byte's sequence length and the range of its second byte; None if ``b``
+    starts no well-formed sequence (a continuation byte, c0, c1, f5-ff)."""
+    if 0xC2 <= b <= 0xDF:
+        return 2, 0x80, 0xBF
+    if b == 0xE0:
+        return 3, 0xA0, 0xBF
+    if 0xE1 <= b <= 0xEF:
+        return 3, 0x80, 0x9F if b == 0xED else 0xBF
+    if b == 0xF0:
+        return 4, 0x90, 0xBF
+    if 0xF1 <= b <= 0xF3:
+        return 4, 0x80, 0xBF
+    if b == 0xF4:
+        return 4, 0x80, 0x8F
+    return None
+
+
 _CSI_SEEN: dict = {}
 _OSC_KEEP = {7, 8, 133, 4, 104, 105} | set(range(10, 20)) | set(range(110, 120))
 _OSC_COLOR = {4} | set(range(10, 20))
@@ -98,7 +121,7 @@ def _csi_keep(seq: bytes) -> bool:
             return False
         return True
     if (inter, final) in ((b"$", b"p"), (b"$", b"w"), (b"$", b"u"), (b"*", b"y"), (b"'", b"w"), (b"&", b"u"),
-                          (b'"', b"v"), (b"#", b"|")):
+                          (b'"', b"v"), (b"#", b"|"), (b"'", b"|")):
         return False
     return True
 
@@ -159,6 +182,11 @@ class TermFilter:
                         i = m.end()
                         continue
                     b = seq[0]
+                    if b >= 0x80:
+                        u = _UTF8_RUN.match(data, m.start())
+                        if u is not None:  # well-formed UTF-8: written as it is
+                            i = u.end()
+                            continue
                     out += data[start:m.start()]
                     start = i = m.start() + 1  # (a CSI too long for a small limit: byte by byte)
                     if b == 0x1B:
@@ -166,27 +194,31 @@ class TermFilter:
                         held.append(b)
                         st = _ESC
                         break
-                    if b in _LEAD_MIN:
-                        held.clear()
-                        held.append(b)
+                    if b >= 0x80 and _utf8_lead(b) is not None:
+                        held.clear()  # a sequence split across writes, a C1 control or malformed:
+                        held.append(b)  # decided byte by byte
                         st = _LEAD
                         break
-                    # ENQ (0x05), c0, c1 (never in UTF-8: overlong): dropped
+                    # ENQ (0x05), a byte that starts no UTF-8 sequence: dropped
                 out += data[start:i]
                 continue
             b = data[i]
             i += 1
             if st == _LEAD:
-                st = _GROUND
-                lead = held[0]
-                held.clear()
-                if _LEAD_MIN[lead] <= b <= 0xBF:
-                    out.append(lead)  # written only with its next byte: nothing dropped later joins them
-                    out.append(b)
-                elif lead == 0xC2 and 0x80 <= b <= 0x9F:
-                    pass  # a C1 control, UTF-8 encoded: dropped
-                else:
-                    i -= 1  # not UTF-8 (or overlong): the lead is dropped, the byte after it is in ground
+                need, lo, hi = _utf8_lead(held[0])  # type: ignore[misc]
+                if len(held) > 1:
+                    lo, hi = 0x80, 0xBF
+                if lo <= b <= hi:
+                    held.append(b)
+                    if len(held) == need:  # written only whole: nothing dropped later joins its bytes
+                        if not (held[0] == 0xC2 and held[1] <= 0x9F):  # else a C1 control, UTF-8 encoded
+                            out += held
+                        held.clear()
+                        st = _GROUND
+                else:  # malformed: what was held is dropped, the byte after it is in ground
+                    held.clear()
+                    st = _GROUND
+                    i -= 1
                 continue
             if b in (0x18, 0x1A):  # CAN, SUB: a terminal cancels the sequence
                 held.clear()
@@ -199,7 +231,7 @@ class TermFilter:
                 elif b == 0x5D:  # ]
                     held.append(b)
                     st = _OSC
-                elif b in (0x50, 0x58, 0x5E, 0x5F):  # P X ^ _: DCS SOS PM APC, never kept
+                elif b in (0x50, 0x58, 0x5E, 0x5F, 0x6B):  # P X ^ _: DCS SOS PM APC; k: screen's title
                     held.clear()
                     st = _STR
                 elif 0x20 <= b <= 0x2F:
@@ -221,7 +253,8 @@ class TermFilter:
                     held.append(b)
                 elif 0x30 <= b <= 0x7E:
                     held.append(b)
-                    out += held
+                    if held[1] != 0x25 or bytes(held) == b"\x1b%G":  # ESC % (other than G: to UTF-8)
+                        out += held  # would take the terminal out of UTF-8, where 8-bit C1 act
                     held.clear()
                     st = _GROUND
                 else:

@@ -60,8 +60,17 @@ TABLE: list[tuple[bytes, bytes]] = [
     # removed: C1 controls in UTF-8 (U+009B CSI, U+009D OSC, U+0090 DCS)
     (b"a\xc2\x9b6nb\xc2\x9d52;c;QQ==\x07c\xc2\x90$qm", b"a6nb52;c;QQ==\x07c$qm"),
     # ... and never joined by what is dropped between a lead and a later byte; overlong forms
-    (b"a\xc2" + E + b"[6n\x9bb", b"a\x9bb"),
-    (b"a\xe0\x82\x9b6n \xc0\x9b \xc1\x9d \xf0\x80\x82\x9b .", b"a\x82\x9b6n \x9b \x9d \x80\x82\x9b ."),
+    (b"a\xc2" + E + b"[6n\x9bb", b"ab"),
+    (b"a\xe0\x82\x9b6n \xc0\x9b \xc1\x9d \xf0\x80\x82\x9b .", b"a6n    ."),
+    # raw 8-bit C1 (a terminal out of UTF-8 mode acts on them): every byte not in well-formed UTF-8
+    # is dropped - stray continuations, surrogates, above U+10FFFF, f5-ff, a truncated sequence
+    (b"a\x9b6nb\x9d52;c;QQ==\x07c\x90$qm\x85d", b"a6nb52;c;QQ==\x07c$qmd"),
+    (b"\xed\xa0\x80x\xf4\x90\x80\x80y\xf5\xff\xfe\xe1\x80z\xe2\x9c", b"xyz"),
+    # ESC % (but ESC % G) takes the terminal out of UTF-8: dropped, and the raw C1 after it too
+    (b"a" + E + b"%@b\x9b6nc\x9d52;c;QQ==\x07d" + E + b"%/Ge" + E + b"%8", b"ab6nc52;c;QQ==\x07de"),
+    (E + b"%Gx", E + b"%Gx"),
+    # screen's title string, DECRQLP (an answer-back)
+    (b"a" + E + b"ktitle" + ST + b"b" + E + b"[1'|c" + E + b"['|", b"abc"),
     ("क ✓ 😀 \u00a0 ࠀ 𐀀".encode(), "क ✓ 😀 \u00a0 ࠀ 𐀀".encode()),
     # cancelled, cut short, malformed
     (b"a" + E + b"[6\x18nb", b"anb"),
@@ -163,7 +172,8 @@ def test_random_sequences_give_the_same_answer_however_they_are_split():
     rnd = random.Random(1128)
     alphabet = [b"\x1b", b"[", b"]", b"P", b"\\", b"\x07", b"6", b"n", b"c", b"52", b";", b"?", b"$", b"q", b"m",
                 b"0", b"1", b"t", b"\xc2", b"\x9b", b"\x18", b"\n", b"a", b">", b"\x05", b" ", b"8", b"Z", b"_",
-                b"\xe0", b"\xf0", b"\xc0", b"\x80", b"\xa0"]
+                b"\xe0", b"\xf0", b"\xc0", b"\x80", b"\xa0", b"%", b"G", b"@", b"k", b"\xed", b"\xf4", b"\x90",
+                b"\xe2\x9c", b"\xff"]
     for _ in range(300):
         data = b"".join(rnd.choice(alphabet) for _ in range(rnd.randint(1, 60)))
         whole = run(TermFilter(), [data])
@@ -176,6 +186,9 @@ def test_random_sequences_give_the_same_answer_however_they_are_split():
         assert b"\x1b[6n" not in whole and b"\x1b[c" not in whole and b"\x05" not in whole and b"\xc2\x9b" not in whole
         assert re.search(rb"\xc2[\x80-\x9f]|[\xc0\xc1]|\xe0[\x80-\x9f]|\xf0[\x80-\x8f]|[\xc2\xe0\xf0]$", whole) is None, \
             (data, whole)  # no C1 in UTF-8 form, overlong or not, and no lead left at the end
+        text = whole.decode("utf-8")  # well-formed UTF-8 whatever came in: no raw 8-bit C1 byte
+        assert not re.search("[\x80-\x9f]", text), (data, whole)
+        assert b"\x1b%" not in whole.replace(b"\x1b%G", b""), (data, whole)
 
 
 def test_a_smaller_bound_holds_for_short_sequences_too():

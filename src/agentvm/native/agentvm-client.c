@@ -275,7 +275,8 @@ static int write_all(int fd, const char *p, size_t n) {
  * tests/unit/test_termfilter.py holds the table both are tested with. It removes what makes the
  * terminal act for the sandbox - answer-back queries (DSR, DA, DECRQSS, XTGETTCAP, colour and
  * window reports, ENQ, DECID), the clipboard (OSC 52), titles, every DCS/SOS/PM/APC string and
- * the UTF-8-encoded C1 controls - and keeps text, SGR colours, cursor movement, modes, OSC 8.
+ * the UTF-8-encoded C1 controls, every byte not in well-formed UTF-8, ESC % but ESC % G, screen's
+ * ESC k title - and keeps text, SGR colours, cursor movement, modes, OSC 8.
  * A sequence is held until its end, at most TF_LIMIT bytes (then it is dropped, the rest is
  * text); one left incomplete at the end is dropped. AGENTVM_RAW_OUTPUT=1 passes bytes as they
  * are (the Python entry point's --raw-output); so does a pipe or a file. */
@@ -303,7 +304,7 @@ static int tf_csi_keep(const unsigned char *s, size_t n) { /* ESC [ PARAMS INTER
         return 1;
     }
     if (ni == 1) {
-        static const char *const bad[] = {"$p", "$w", "$u", "*y", "'w", "&u", "\"v", "#|"};
+        static const char *const bad[] = {"$p", "$w", "$u", "*y", "'w", "&u", "\"v", "#|", "'|"};
         for (size_t k = 0; k < sizeof bad / sizeof *bad; k++)
             if (in[0] == (unsigned char)bad[k][0] && fin == (unsigned char)bad[k][1]) return 0;
     }
@@ -335,6 +336,20 @@ static int tf_osc_keep(const unsigned char *p, size_t n) { /* between ESC ] and 
     return 1;
 }
 
+/* A UTF-8 lead byte: its sequence's length and the range of its second byte (Unicode table
+ * 3-7); 0 if b starts no well-formed sequence (a continuation byte, c0, c1, f5-ff). */
+static int tf_utf8(unsigned char b, unsigned char *lo, unsigned char *hi) {
+    *lo = 0x80;
+    *hi = 0xbf;
+    if (b >= 0xc2 && b <= 0xdf) return 2;
+    if (b == 0xe0) { *lo = 0xa0; return 3; }
+    if (b >= 0xe1 && b <= 0xef) { if (b == 0xed) *hi = 0x9f; return 3; }
+    if (b == 0xf0) { *lo = 0x90; return 4; }
+    if (b >= 0xf1 && b <= 0xf3) return 4;
+    if (b == 0xf4) { *hi = 0x8f; return 4; }
+    return 0;
+}
+
 /* Filters n bytes of d into out (at most n + TF_LIMIT + 4 bytes: what was held may come out): its length. */
 static size_t tf_feed(struct tf *f, const unsigned char *d, size_t n, unsigned char *out) {
     size_t o = 0;
@@ -346,21 +361,38 @@ static size_t tf_feed(struct tf *f, const unsigned char *d, size_t n, unsigned c
                 f->held[0] = b;
                 f->n = 1;
                 f->state = TF_ESC;
-            } else if (b == 0xc2 || b == 0xe0 || b == 0xf0) { /* held until the next byte (termfilter.py) */
-                f->held[0] = b;
-                f->state = TF_LEAD;
-            } else if (b != 0x05 && b != 0xc0 && b != 0xc1) { /* ENQ; overlong leads: dropped */
+            } else if (b >= 0x80) { /* UTF-8: held until whole (termfilter.py); a byte starting none: dropped */
+                unsigned char lo, hi;
+                if (tf_utf8(b, &lo, &hi)) {
+                    f->held[0] = b;
+                    f->n = 1;
+                    f->state = TF_LEAD;
+                }
+            } else if (b != 0x05) { /* ENQ: dropped */
                 out[o++] = b;
             }
             continue;
         case TF_LEAD: {
-            unsigned char lead = f->held[0], min = lead == 0xf0 ? 0x90 : 0xa0;
-            f->state = TF_GROUND;
-            if (b >= min && b <= 0xbf) { /* written only with its next byte */
-                out[o++] = lead;
-                out[o++] = b;
-            } else if (!(lead == 0xc2 && b >= 0x80 && b <= 0x9f)) { /* else a C1 control, UTF-8 encoded */
-                i--; /* not UTF-8 (or overlong): the lead is dropped, the byte after it is in ground */
+            unsigned char lo, hi;
+            int need = tf_utf8(f->held[0], &lo, &hi);
+            if (f->n > 1) {
+                lo = 0x80;
+                hi = 0xbf;
+            }
+            if (b >= lo && b <= hi) {
+                f->held[f->n++] = b;
+                if ((int)f->n == need) { /* written only whole: nothing dropped later joins its bytes */
+                    if (!(f->held[0] == 0xc2 && f->held[1] <= 0x9f)) { /* else a C1 control, UTF-8 encoded */
+                        memcpy(out + o, f->held, f->n);
+                        o += f->n;
+                    }
+                    f->n = 0;
+                    f->state = TF_GROUND;
+                }
+            } else { /* malformed: what was held is dropped, the byte after it is in ground */
+                f->n = 0;
+                f->state = TF_GROUND;
+                i--;
             }
             continue;
         }
@@ -378,7 +410,7 @@ static size_t tf_feed(struct tf *f, const unsigned char *d, size_t n, unsigned c
             } else if (b == ']') {
                 f->held[f->n++] = b;
                 f->state = TF_OSC;
-            } else if (b == 'P' || b == 'X' || b == '^' || b == '_') {
+            } else if (b == 'P' || b == 'X' || b == '^' || b == '_' || b == 'k') { /* k: screen's title */
                 f->n = 0;
                 f->state = TF_STR;
             } else if (b >= 0x20 && b <= 0x2f) {
@@ -402,8 +434,11 @@ static size_t tf_feed(struct tf *f, const unsigned char *d, size_t n, unsigned c
                 f->held[f->n++] = b;
             } else if (b >= 0x30 && b <= 0x7e) {
                 f->held[f->n++] = b;
-                memcpy(out + o, f->held, f->n);
-                o += f->n;
+                /* ESC % other than ESC % G would take the terminal out of UTF-8 (raw C1 then act) */
+                if (f->held[1] != '%' || (f->n == 3 && b == 'G')) {
+                    memcpy(out + o, f->held, f->n);
+                    o += f->n;
+                }
                 f->n = 0;
                 f->state = TF_GROUND;
                 continue;
