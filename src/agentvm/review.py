@@ -516,8 +516,31 @@ def _link_at(fd: int, path: str) -> tuple[str, str | None]:
     return "other", None
 
 
-def _link_resolves_out(rel: str, target: str, upper_fd: int | None, host_fd: int | None) -> str | None:
-    """Why the link at ``rel`` -> ``target`` leads out of the folder once applied, or None.
+def _link_resolves_out(rel: str, target: str, upper_fd: int | None, host_fd: int | None,
+                       applied=None) -> str | None:
+    """Why the link at ``rel`` -> ``target`` may lead out of the folder once applied, or None.
+
+    Conservative: it must stay inside under every way the folder may look once it is applied -
+    the whole layer over the host (a full accept), the host alone (the layer's other entries not
+    applied: a partial accept, or a whiteout of a host link that is not accepted with it), and,
+    for a partial accept (``applied(rel)``: the layer's entry at ``rel`` is in the selection),
+    the host with only the selected changes."""
+    why = _resolve_out(rel, target, upper_fd, host_fd)
+    if why is None and applied is not None and upper_fd is not None:
+        why = _resolve_out(rel, target, upper_fd, host_fd, applied)
+        if why:
+            why += " (with only the selected changes applied)"
+    if why is None and upper_fd is not None and host_fd is not None:
+        why = _resolve_out(rel, target, None, host_fd)
+        if why:
+            why += " (with the host's entries as they are now)"
+    return why
+
+
+def _resolve_out(rel: str, target: str, upper_fd: int | None, host_fd: int | None, applied=None) -> str | None:
+    """Why the link at ``rel`` -> ``target`` leads out of the folder, resolved against one view
+    of it (``_link_resolves_out``): the layer's entries (those ``applied`` accepts, if given)
+    over the host's.
 
     Resolved as the kernel would, against the folder as it will be - the layer's entries over
     the host's - following every symbolic link on the way (a chain ``x/l -> ..``, ``esc -> x/l/..``
@@ -540,7 +563,8 @@ def _link_resolves_out(rel: str, target: str, upper_fd: int | None, host_fd: int
             cur.pop()
             continue
         path = "/".join(cur + [part])
-        lk, lt = _link_at(upper_fd, path) if upper_fd is not None else ("none", None)
+        lk, lt = (_link_at(upper_fd, path) if upper_fd is not None and (applied is None or applied(path))
+                  else ("none", None))
         hk, ht = _link_at(host_fd, path) if host_fd is not None and lk != "whiteout" else ("none", None)
         if lk == "link":
             t = lt
@@ -572,11 +596,14 @@ def _trusted_refusal(rel: str, ginfo: dict) -> str | None:
 
 
 _UPPER = threading.local()  # .fd: the upper directory of the layer being walked (this thread)
-_UPPER.fd = None
+_UPPER.fd = None  # .applied: None (all of it is applied) or which of its paths a partial accept selects
+_UPPER.applied = None
 
 
-def changes(layer: Path, grant: str, ginfo: dict, host_fd: int) -> list[Change]:
-    """What the layer of grant ``grant`` changes in the host folder (``host_fd``), path by path."""
+def changes(layer: Path, grant: str, ginfo: dict, host_fd: int, applied=None) -> list[Change]:
+    """What the layer of grant ``grant`` changes in the host folder (``host_fd``), path by path.
+    ``applied(rel)``: for a partial accept, whether the layer's entry at ``rel`` is selected
+    (links are then judged against the host with only those changes too)."""
     upper = layer / f"g{grant}" / "upper"
     try:
         ufd = os.open(upper, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
@@ -588,11 +615,13 @@ def changes(layer: Path, grant: str, ginfo: dict, host_fd: int) -> list[Change]:
         host_st = os.fstat(host_fd)
         if stat.S_IMODE(root_st.st_mode) != stat.S_IMODE(host_st.st_mode):
             out.append(Change(grant, "", "mode", "dir", "dir", stat.S_IMODE(host_st.st_mode), _safe_mode(root_st.st_mode, True)))
-        _UPPER.fd = ufd  # links are resolved against the whole layer (_link_resolves_out)
+        _UPPER.fd = ufd  # links are resolved against the whole layer, the host, the selection
+        _UPPER.applied = applied  # (_link_resolves_out)
         try:
             _walk(ufd, "", grant, ginfo, host_fd, out, opaque=False)
         finally:
             _UPPER.fd = None
+            _UPPER.applied = None
     finally:
         os.close(ufd)
     out.sort(key=lambda c: c.rel)
@@ -666,7 +695,7 @@ def _walk_entry(ufd: int, rel: str, name: str, grant: str, ginfo: dict, host_fd:
             if c.old_target == c.target:
                 return
         c.action = "symlink"
-        why = _link_resolves_out(r, c.target, getattr(_UPPER, "fd", None), host_fd)
+        why = _link_resolves_out(r, c.target, getattr(_UPPER, "fd", None), host_fd, getattr(_UPPER, "applied", None))
         if _link_escapes(r, c.target) or why:
             c.action, c.reason = "refuse", why or f"a symbolic link out of the folder (-> {c.target})"
     elif lk == "file":
@@ -801,7 +830,11 @@ def load(home: Path, name: str, paths_filter: tuple[str, ...] = ()) -> Review:
     for g, ginfo in sorted((meta.get("grants") or {}).items()):
         hfd = open_host(ginfo)
         try:
-            cs = [c for c in changes(layer, g, ginfo, hfd) if _selected(c, ginfo, paths_filter)]
+            applied = None
+            if paths_filter:
+                def applied(rel: str, _g=g, _gi=ginfo) -> bool:
+                    return _selected(Change(_g, rel, ""), _gi, paths_filter)
+            cs = [c for c in changes(layer, g, ginfo, hfd, applied) if _selected(c, ginfo, paths_filter)]
             baseline = (_read_json(layer / f"g{g}" / "baseline.json") or {}).get("entries") or {}
             new_dirs = {c.rel for c in cs if c.action == "mkdir"}
             for c in cs:

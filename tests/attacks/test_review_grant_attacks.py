@@ -274,3 +274,39 @@ def test_racing_accept_from_a_running_sandbox_gains_nothing(avm_home, folder, ou
     assert (folder / "x").read_text() == "benign\n" and not (folder / "d").exists()
     assert not links_out(folder) and host_state(folder, outside) == before
     cli("discard", name)
+
+
+def test_a_partial_accept_judges_links_against_the_host_as_it_stays(avm_home, folder, outside):
+    """A link judged only against the whole layer is not safe to apply alone: the host's
+    ``vendor -> <outside>/sub`` replaced in the layer by ``vendor -> lib`` makes ``esc -> vendor/..``
+    look inside, but ``agentvm accept NAME esc`` leaves the host's vendor in place and esc leads
+    out; a whiteout of the host's link ``vend2`` makes ``esc2 -> vend2/..`` look inside the same
+    way. Each is refused, alone or with everything; once the host's links are replaced (accepted
+    by name), the same links stay inside and apply."""
+    (outside / "sub").mkdir()
+    os.symlink(f"../{outside.name}/sub", folder / "vendor")  # the host folder's own links out
+    os.symlink(f"../{outside.name}", folder / "vend2")
+    before = host_state(folder, outside)
+    script = """
+    cd /src
+    rm vendor && mkdir lib && ln -s lib vendor && ln -s vendor/.. esc
+    rm vend2 && ln -s vend2/.. esc2
+    """
+    code, out = sandbox(folder, textwrap.dedent(script))
+    assert code == 0, out
+    name = layer_name(avm_home, folder)
+    for sel in (("esc",), ("esc2",), ("esc", "esc2"), ()):
+        r = cli("accept", name, *sel)
+        assert r.returncode != 0 and "review.refused" in r.stderr, (sel, r.stdout + r.stderr)
+        for n in sel or ("esc", "esc2"):
+            assert f"  {n}:" in r.stderr, (sel, n, r.stderr)
+        assert not os.path.lexists(folder / "esc") and not os.path.lexists(folder / "esc2"), sel
+        assert os.readlink(folder / "vendor") == f"../{outside.name}/sub", "refused as a whole"
+    assert host_state(folder, outside) == before
+    r = cli("accept", name, "lib", "vendor", "vend2")  # the host's links out go first
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert os.readlink(folder / "vendor") == "lib" and not os.path.lexists(folder / "vend2")
+    r = cli("accept", name, "esc", "esc2")  # now inside as the host is and as the layer is
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert os.path.realpath(folder / "esc") == os.path.realpath(folder / "esc2") == str(folder)
+    assert host_state(folder, outside) == before and sorted(os.listdir(outside / "sub")) == []
