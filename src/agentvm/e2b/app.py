@@ -40,6 +40,49 @@ MAX_TIMEOUT = 24 * 3600
 KILL_GRACE_TTL = MAX_TIMEOUT + 600  # the daemon's own TTL: a backstop if this adapter dies
 
 
+# Request bodies (docs/e2b.md "Back-pressure"): refused on their Content-Length before a byte is
+# read (413), and read as a bounded stream (a chunked body stops at the limit): a REST body of at
+# most MAX_JSON_BODY in memory; an upload staged in a temporary file as it arrives, never whole
+# in memory, at most MAX_UPLOAD (the daemon's copy limit) plus a multipart envelope.
+MAX_JSON_BODY = 1 << 20
+MAX_UPLOAD = 64 * 1024 * 1024  # = daemon.files.MAX_FILE
+MULTIPART_SLACK = 1 << 20  # multipart boundaries and headers around the files
+# files read or uploaded at once by one tenant (each read holds up to backend.MAX_READ bytes)
+MAX_TRANSFERS_PER_TENANT = 4
+
+
+class _TooLarge(Exception):
+    pass
+
+
+def _declared_length(headers) -> int | None:
+    raw = headers.get("content-length")
+    if raw is None:
+        return None
+    try:
+        n = int(raw)
+    except ValueError:
+        raise _TooLarge("an invalid Content-Length") from None
+    if n < 0:
+        raise _TooLarge("an invalid Content-Length")
+    return n
+
+
+def _bounded_receive(receive, limit: int):
+    """``receive`` that ends the request (``_TooLarge``) once its body passes ``limit`` bytes."""
+    seen = [0]
+
+    async def wrapped():
+        msg = await receive()
+        if msg["type"] == "http.request":
+            seen[0] += len(msg.get("body", b""))
+            if seen[0] > limit:
+                raise _TooLarge(f"the body is larger than {limit} bytes")
+        return msg
+
+    return wrapped
+
+
 def _iso(t: float) -> str:
     return dt.datetime.fromtimestamp(t, dt.timezone.utc).isoformat().replace("+00:00", "Z")
 
@@ -61,6 +104,7 @@ class E2BService:
         self.max_per_tenant = max_per_tenant
         self.max_concurrent_creates = max_concurrent_creates
         self.creating = 0
+        self.transfers: dict[str, int] = {}  # tenant -> files being read or uploaded (MAX_TRANSFERS_PER_TENANT)
         self.boxes: dict[str, Box] = {}
         self.record = audit or (lambda kind, **data: log.info("%s %s", kind, data))
         self._reaper: asyncio.Task | None = None
@@ -276,6 +320,8 @@ def _rest_routes(svc: E2BService):
             except AgentVMError as exc:
                 msg = str(exc) + (f" ({exc.hint})" if exc.hint else "")
                 return err(exc.status if exc.status >= 400 else 400, f"{msg} [{exc.code}]")
+            except _TooLarge as exc:
+                return err(413, str(exc))
             except _TooMany as exc:
                 hdr = {"Retry-After": "2"} if exc.retry else {"Should-Retry": "false"}
                 return err(429, str(exc), **hdr)
@@ -285,9 +331,19 @@ def _rest_routes(svc: E2BService):
         return handler
 
     async def body_of(request) -> dict:
-        raw = await request.body()
-        if len(raw) > 1 << 20:
-            raise AgentVMError("request body too large", code="e2b.bad-request")
+        too_big = _TooLarge(f"the request body is larger than {MAX_JSON_BODY} bytes")
+        try:
+            n = _declared_length(request.headers)
+        except _TooLarge as exc:
+            raise AgentVMError(str(exc), code="e2b.bad-request") from None
+        if n is not None and n > MAX_JSON_BODY:
+            raise too_big  # refused before a byte is read
+        buf = bytearray()
+        async for chunk in request.stream():
+            buf += chunk
+            if len(buf) > MAX_JSON_BODY:  # a chunked body (or a short Content-Length) stops here
+                raise too_big
+        raw = bytes(buf)
         try:
             doc = json.loads(raw or b"{}")
         except ValueError:
@@ -433,6 +489,8 @@ _HTTP_STATUS = {"not-found": 404, "exists": 409, "permission": 403, "not-dir": 4
 
 
 def _envd_routes(svc: E2BService):
+    import contextlib
+
     from starlette.responses import JSONResponse, Response
     from starlette.routing import Route
 
@@ -442,41 +500,112 @@ def _envd_routes(svc: E2BService):
     async def health(request):
         return Response(status_code=204)
 
+    def transfer(box: Box):
+        """One of the tenant's MAX_TRANSFERS_PER_TENANT file transfers, or None (answer 429)."""
+        import contextlib
+
+        if svc.transfers.get(box.tenant, 0) >= MAX_TRANSFERS_PER_TENANT:
+            return None
+
+        @contextlib.contextmanager
+        def held():
+            svc.transfers[box.tenant] = svc.transfers.get(box.tenant, 0) + 1
+            try:
+                yield
+            finally:
+                svc.transfers[box.tenant] -= 1
+                if not svc.transfers[box.tenant]:
+                    del svc.transfers[box.tenant]
+
+        return held()
+
+    def busy(box: Box) -> JSONResponse:
+        r = err(429, f"at most {MAX_TRANSFERS_PER_TENANT} files are read or uploaded at once per tenant; "
+                     "retry when one has finished")
+        r.headers["Retry-After"] = "1"
+        return r
+
     async def files_get(request):
         box = request.scope["e2b.box"]
-        try:
-            path = resolve_path(request.query_params.get("path", ""))
-            data = await svc.backend.read_file(box.name, path)
-        except BackendFailure as exc:
-            return err(_HTTP_STATUS.get(exc.kind, 500), str(exc))
+        slot = transfer(box)
+        if slot is None:
+            return busy(box)
+        with slot:
+            try:
+                path = resolve_path(request.query_params.get("path", ""))
+                data = await svc.backend.read_file(box.name, path)
+            except BackendFailure as exc:
+                return err(_HTTP_STATUS.get(exc.kind, 500), str(exc))
         svc.record("e2b.files.read", tenant=box.tenant, sandbox=box.name, path=path, bytes=len(data))
         return Response(data, media_type="application/octet-stream")
 
     async def files_post(request):
         box = request.scope["e2b.box"]
         ctype = request.headers.get("content-type", "")
-        items: list[tuple[str, bytes]] = []
+        multipart = ctype.startswith("multipart/form-data")
+        limit = MAX_UPLOAD + (MULTIPART_SLACK if multipart else 0)
         try:
-            if ctype.startswith("multipart/form-data"):
-                form = await request.form(max_files=1000, max_fields=1000)
-                for _, v in form.multi_items():
-                    if hasattr(v, "read"):
-                        items.append((v.filename or request.query_params.get("path", ""), await v.read()))
-                if len(items) == 1 and request.query_params.get("path"):
-                    items = [(request.query_params["path"], items[0][1])]
-            else:
-                if request.headers.get("content-encoding", "identity") not in ("identity", ""):
-                    return err(400, "compressed uploads are not supported")
-                items.append((request.query_params.get("path", ""), await request.body()))
-            out = []
-            for p, data in items:
-                path = resolve_path(p)
-                await svc.backend.write_file(box.name, path, data)
-                svc.record("e2b.files.write", tenant=box.tenant, sandbox=box.name, path=path, bytes=len(data))
-                out.append({"name": posixpath.basename(path), "type": "file", "path": path})
-        except BackendFailure as exc:
-            return err(_HTTP_STATUS.get(exc.kind, 500), str(exc))
+            n = _declared_length(request.headers)
+        except _TooLarge as exc:
+            return err(400, str(exc))
+        if n is not None and n > limit:  # refused before a byte is read
+            return err(413, f"the upload is {n} bytes; at most {MAX_UPLOAD} bytes per file")
+        if not multipart and request.headers.get("content-encoding", "identity") not in ("identity", ""):
+            return err(400, "compressed uploads are not supported")
+        slot = transfer(box)
+        if slot is None:
+            return busy(box)
+        from starlette.requests import Request
+
+        request = Request(request.scope, _bounded_receive(request.receive, limit))
+        with slot, contextlib.ExitStack() as files:
+            try:
+                items = await _staged(request, multipart, files)
+                out = []
+                for p, up in items:
+                    path = resolve_path(p)
+                    await svc.backend.write_file(box.name, path, up)
+                    svc.record("e2b.files.write", tenant=box.tenant, sandbox=box.name, path=path, bytes=up.length)
+                    out.append({"name": posixpath.basename(path), "type": "file", "path": path})
+            except _TooLarge:
+                return err(413, f"the upload is larger than {MAX_UPLOAD} bytes per file (its reading stopped "
+                                "there)")
+            except BackendFailure as exc:
+                return err(_HTTP_STATUS.get(exc.kind, 500), str(exc))
         return JSONResponse(out)
+
+    async def _staged(request, multipart: bool, files) -> list:
+        """The upload's files, each an :class:`Upload` in a temporary file (never whole in memory)."""
+        import tempfile
+
+        from agentvm.e2b.backend import Upload
+
+        items = []
+        if multipart:
+            form = await request.form(max_files=1000, max_fields=1000)  # files spooled to disk past 1 MiB
+            files.callback(_close_form, form)
+            for _, v in form.multi_items():
+                if hasattr(v, "read"):
+                    size = v.size if v.size is not None else 0
+                    if size > MAX_UPLOAD:
+                        raise _TooLarge()
+                    items.append((v.filename or request.query_params.get("path", ""), Upload(v.file, size)))
+            if len(items) == 1 and request.query_params.get("path"):
+                items = [(request.query_params["path"], items[0][1])]
+            return items
+        f = files.enter_context(tempfile.TemporaryFile(prefix="agentvm-e2b-upload-"))
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > MAX_UPLOAD:
+                raise _TooLarge()
+            await asyncio.to_thread(f.write, chunk)
+        return [(request.query_params.get("path", ""), Upload(f, size))]
+
+    def _close_form(form) -> None:
+        for _, v in form.multi_items():
+            if hasattr(v, "file"):
+                v.file.close()
 
     return [Route("/health", health, methods=["GET"]), Route("/files", files_get, methods=["GET"]),
             Route("/files", files_post, methods=["POST"])]

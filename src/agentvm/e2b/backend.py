@@ -126,7 +126,7 @@ class E2BBackend(Protocol):
 
     async def read_file(self, name: str, path: str) -> bytes: ...
 
-    async def write_file(self, name: str, path: str, data: bytes) -> None: ...
+    async def write_file(self, name: str, path: str, data: "bytes | Upload") -> None: ...
 
     async def list_dir(self, name: str, path: str, depth: int) -> list[Entry]: ...
 
@@ -297,6 +297,39 @@ class EventChannel:
                 return
 
 
+HEAD_LIMIT = 64  # bytes of a process's first stderr output held while looking for the wrapper's pid line
+
+
+async def started(proc) -> None:
+    """Wait for ``proc`` to start; a caller cancelled meanwhile (the client of a Start went away)
+    leaves no orphan behind: the process is aborted (its pump or thread released)."""
+    try:
+        await proc.wait_started()
+    except BaseException:
+        abort = getattr(proc, "abort", None) or proc.close
+        abort()
+        raise
+
+
+class Upload:
+    """A request body staged in a temporary file (never held whole in memory): ``length``
+    bytes, read ``COPY_CHUNK`` at a time (``await read()``, b"" at the end) - what the daemon's
+    ``ControlPlane.copy_in`` takes as an upload arriving; ``file`` is the binary file itself."""
+
+    COPY_CHUNK = 1 << 20
+
+    def __init__(self, file, length: int):
+        self.file = file
+        self.length = length
+
+    async def read(self, n: int = COPY_CHUNK) -> bytes:
+        return await asyncio.to_thread(self.file.read, min(max(1, n), self.COPY_CHUNK))
+
+    def rewind(self) -> "Upload":
+        self.file.seek(0)
+        return self
+
+
 class _DaemonProcess:
     """One exec through the daemon's streaming API, pumped from a thread into the loop."""
 
@@ -308,6 +341,7 @@ class _DaemonProcess:
         self._started = asyncio.Event()
         self._backend = backend
         self._stderr_head = b""
+        self._abandoned = False
         self._thread = threading.Thread(target=self._pump, args=(backend, name, argv, timeout), daemon=True)
         self._thread.start()
 
@@ -328,6 +362,13 @@ class _DaemonProcess:
         thread leaves the daemon's stream (the daemon drains the command's output until it ends)."""
         self._events.close()
 
+    def abort(self) -> None:
+        """The Start that asked for this process was cancelled before it was handed out: nobody
+        will ever read or close it, so it is closed here and its thread leaves the daemon's
+        stream at the next event (not only at the next event that does not fit)."""
+        self._abandoned = True
+        self.close()
+
     def _started_with(self, pid: int) -> None:
         self.pid = pid
         self._loop.call_soon_threadsafe(self._started.set)
@@ -336,19 +377,22 @@ class _DaemonProcess:
         head_done = False
         try:
             for ev in backend.client.exec(name, argv, timeout):
+                if self._abandoned:  # closed by a Start that was cancelled: the stream is left
+                    return
                 stream = ev.get("stream")
                 if stream in ("stdout", "stderr"):
                     data = ev["data"]
                     if stream == "stderr" and not head_done:
                         self._stderr_head += data
-                        if b"\n" not in self._stderr_head:
-                            continue
+                        if b"\n" not in self._stderr_head and len(self._stderr_head) < HEAD_LIMIT:
+                            continue  # (bounded: a first line longer than HEAD_LIMIT is not the wrapper's)
                         line, _, rest = self._stderr_head.partition(b"\n")
                         head_done = True
                         m = re.fullmatch(rb"\x1e(\d+)", line)
                         self._started_with(int(m.group(1)) if m else 0)
                         if not m:
                             rest = self._stderr_head
+                        self._stderr_head = b""
                         if rest and not self._put(ExecEvent("stderr", rest)):
                             return
                         continue
@@ -500,7 +544,7 @@ class DaemonBackend:
             argv += ["/usr/bin/env", *[f"{k}={v}" for k, v in spec.env.items()]]
         argv += spec.argv
         proc = _DaemonProcess(self, name, argv, spec.timeout, spec.stdin)
-        await proc.wait_started()
+        await started(proc)
         return proc
 
     async def _run(self, name: str, argv: list[str]) -> tuple[int, bytes, bytes]:
@@ -535,8 +579,13 @@ class DaemonBackend:
         await self._control(name, pid, f"sig {int(sig)}")
 
     # -- files --------------------------------------------------------------------------------
-    async def _put_file(self, name: str, rel: str, data: bytes) -> None:
-        """The daemon's symlink-safe copy into the workspace (``rel`` below it)."""
+    async def _put_file(self, name: str, rel: str, data) -> None:
+        """The daemon's symlink-safe copy into the workspace (``rel`` below it). ``data``: bytes,
+        or an :class:`Upload` (streamed from its file, never read whole)."""
+        if isinstance(data, Upload):
+            data.rewind()
+            await self._call(self.client.put_stream, name, rel, data.file, data.length)
+            return
         await self._call(self.client.put_file, name, rel, data)
 
     async def _get(self, name: str) -> dict:
@@ -550,7 +599,7 @@ class DaemonBackend:
             raise BackendFailure("invalid", f"{path} is larger than {MAX_READ} bytes")
         return out
 
-    async def write_file(self, name: str, path: str, data: bytes) -> None:
+    async def write_file(self, name: str, path: str, data) -> None:
         norm = posixpath.normpath(path)
         if norm.startswith(WORKSPACE + "/"):
             # the daemon's own copy: no link followed, written as the agent, all or nothing

@@ -19,8 +19,8 @@ import contextlib
 import re
 from typing import AsyncIterator
 
-from agentvm.e2b.backend import _WRAPPER, CTL_DIR, BackendFailure, BoxInfo, DaemonBackend, EventChannel, ExecEvent, \
-    ExecSpec, RUN_OUTPUT_LIMIT, Unsupported, check_env
+from agentvm.e2b.backend import _WRAPPER, CTL_DIR, HEAD_LIMIT, BackendFailure, BoxInfo, DaemonBackend, EventChannel, \
+    ExecEvent, ExecSpec, RUN_OUTPUT_LIMIT, Unsupported, Upload, check_env, started
 from agentvm.errors import AgentVMError
 
 ACTOR = "e2b-adapter"  # the daemon's own records of the adapter's calls (its e2b.* records name the tenant)
@@ -76,7 +76,7 @@ class _CPProcess:
     async def _data(self, stream: str, data: bytes) -> None:
         if stream == "stderr" and not self._head_done:
             self._head += data
-            if b"\n" not in self._head and len(self._head) < 64:
+            if b"\n" not in self._head and len(self._head) < HEAD_LIMIT:
                 return
             line, _, rest = self._head.partition(b"\n")
             self._head_done = True
@@ -121,6 +121,12 @@ class _CPProcess:
         """Nobody reads the events any more: the queued output is released and the pump's
         writes return at once (the daemon drains the command's pipes until it ends)."""
         self._queue.close()
+
+    def abort(self) -> None:
+        """The Start that asked for this process was cancelled before it was handed out: its
+        events are released and the control plane's exec is cancelled (nobody will follow it)."""
+        self.close()
+        self._task.cancel()
 
     # stdin and signals go through the wrapper's FIFOs, as with DaemonBackend
     async def write_stdin(self, data: bytes) -> None:
@@ -167,7 +173,7 @@ class _PtyProcess:
     async def _out(self, stream: str, data: bytes) -> None:
         if not self._head_done:
             self._head += data
-            if b"\n" not in self._head and len(self._head) < 64:
+            if b"\n" not in self._head and len(self._head) < HEAD_LIMIT:
                 return
             line, _, rest = self._head.partition(b"\n")
             self._head_done = True
@@ -342,14 +348,14 @@ class ControlPlaneBackend(DaemonBackend):
             raise BackendFailure("gone", f"{name} is not running")
         if spec.pty is not None:
             proc = self._exec_pty(name, spec)
-            await proc.wait_started()
+            await started(proc)  # (cancelled: its terminal is hung up)
             return proc
         argv = ["/bin/sh", "-c", _WRAPPER, "e2b-exec", spec.cwd or ".", "1" if spec.stdin else "0"]
         if spec.env:
             argv += ["/usr/bin/env", *[f"{k}={v}" for k, v in spec.env.items()]]
         argv += spec.argv
         proc = _CPProcess(self, name, argv, spec.timeout, spec.stdin)
-        await proc.wait_started()
+        await started(proc)
         return proc
 
     def _exec_pty(self, name: str, spec: ExecSpec) -> _PtyProcess:
@@ -369,5 +375,7 @@ class ControlPlaneBackend(DaemonBackend):
         return int(status.exit_code), b"".join(out.out), b"".join(out.err)
 
     # -- files --------------------------------------------------------------------------------
-    async def _put_file(self, name: str, rel: str, data: bytes) -> None:
+    async def _put_file(self, name: str, rel: str, data) -> None:
+        if isinstance(data, Upload):  # staged by copy_in on the state disk as it is read: never whole in memory
+            data.rewind()
         await self._cp(self.cp.copy_in(name, rel, data, actor=ACTOR))

@@ -92,7 +92,8 @@ def _event(ev) -> ppb.ProcessEvent:
 # then is dropped: its stream ends with RESOURCE_EXHAUSTED and the process goes on without it.
 SUBSCRIBER_EVENTS = 8
 MAX_SUBSCRIBERS = 8  # clients following one process at once
-MAX_PROCS = 32  # processes followed at once in one sandbox
+MAX_PROCS = 32  # processes followed at once in one sandbox (running, starting, or ended with a client still reading)
+MAX_WATCH_STREAMS = 16  # watch_dir streams open at once in one sandbox (create_watcher has its own 16)
 LAG_SECONDS = 30.0
 log = logging.getLogger("agentvm.e2b")
 
@@ -113,7 +114,28 @@ class _Dropped:
         self.message = message
 
 
-async def _pump(proc: "Proc") -> None:
+def _retire(box: "Box", proc: "Proc") -> None:
+    """An ended process leaves ``box.procs`` once no client follows it any more (its exit was
+    delivered, or its clients left); a client that has not taken its end within lag_seconds()
+    is dropped and the process leaves then (what its channel held is released)."""
+    if not proc.done:
+        return
+    if not proc.subscribers:
+        if box.procs.get(proc.pid) is proc:  # (a later process with the same pid stays)
+            del box.procs[proc.pid]
+        return
+    if proc.expiry is None:
+        def expire() -> None:
+            for sub in list(proc.subscribers):
+                sub.drop(_Dropped(f"process {proc.pid} ended {lag_seconds():.0f} s ago and this stream did not read "
+                                  "its end: dropped"))
+            proc.subscribers.clear()
+            _retire(box, proc)
+
+        proc.expiry = asyncio.get_running_loop().call_later(lag_seconds(), expire)
+
+
+async def _pump(proc: "Proc", box: "Box | None" = None) -> None:
     lag = lag_seconds()
     try:
         async for ev in proc.handle.events():
@@ -139,6 +161,8 @@ async def _pump(proc: "Proc") -> None:
             close()  # what the process's own channel holds is released; its pump never waits again
         for sub in list(proc.subscribers):
             sub.finish()
+        if box is not None:
+            _retire(box, proc)
 
 
 def _subscribe(proc: "Proc") -> EventChannel:
@@ -149,10 +173,14 @@ def _subscribe(proc: "Proc") -> EventChannel:
     return sub
 
 
-def _unsubscribe(proc: "Proc", sub: EventChannel) -> None:
+def _unsubscribe(proc: "Proc", sub: EventChannel, box: "Box | None" = None) -> None:
     with contextlib.suppress(ValueError):
         proc.subscribers.remove(sub)
     sub.close()  # what it held is released; a pump waiting for room in it goes on
+    if box is not None:
+        _retire(box, proc)
+        if not proc.subscribers and proc.expiry is not None:
+            proc.expiry.cancel()
 
 
 async def _follow(q: EventChannel, interval: float, wrap):
@@ -203,27 +231,29 @@ class ProcessService:
         cwd = _resolve(cfg.cwd) if cfg.cwd else None
         user = _user(ctx)
         spec = ExecSpec([cfg.cmd, *cfg.args], env=envs, cwd=cwd, stdin=bool(request.stdin), pty=pty)
-        if sum(not p.done for p in box.procs.values()) >= MAX_PROCS:
+        # the slot is taken before the first await: concurrent Starts cannot all pass the check
+        if len(box.procs) + box.starting >= MAX_PROCS:
             raise ConnectError(Code.RESOURCE_EXHAUSTED, f"at most {MAX_PROCS} processes run at once in a sandbox "
                                                         "through this API; wait for one to end or kill one")
+        box.starting += 1
         try:
-            handle = await self.svc.backend.exec(box.name, spec)
+            handle = await self.svc.backend.exec(box.name, spec)  # (cancelled: the backend aborts it)
         except BackendFailure as exc:
             raise _fail(exc) from None
+        finally:
+            box.starting -= 1
         pid = handle.pid or (max(box.procs, default=10_000) + 1)
         proc = Proc(pid, request.tag, cfg.cmd, list(cfg.args), dict(cfg.envs or {}), cfg.cwd, handle)
         q = _subscribe(proc)
         box.procs[pid] = proc
-        proc.task = asyncio.create_task(_pump(proc))
+        proc.task = asyncio.create_task(_pump(proc, box))
         self.svc.record("e2b.exec", tenant=box.tenant, sandbox=box.name, argv=[cfg.cmd, *cfg.args], user_asked=user, pid=pid)
         try:
             yield ppb.StartResponse(event=ppb.ProcessEvent(event=Oneof("start", ppb.ProcessEvent.StartEvent(pid=pid))))
             async for r in _follow(q, _keepalive(ctx), lambda e: ppb.StartResponse(event=e)):
                 yield r
         finally:
-            _unsubscribe(proc, q)
-            if proc.done:
-                box.procs.pop(pid, None)
+            _unsubscribe(proc, q, box)
 
     async def connect(self, request, ctx):
         box = _box(self.svc, ctx)
@@ -235,7 +265,7 @@ class ProcessService:
             async for r in _follow(q, _keepalive(ctx), lambda e: ppb.ConnectResponse(event=e)):
                 yield r
         finally:
-            _unsubscribe(proc, q)
+            _unsubscribe(proc, q, box)
 
     async def update(self, request, ctx):
         proc = _select(_box(self.svc, ctx), request.process)
@@ -367,19 +397,26 @@ class FilesystemService:
     async def watch_dir(self, request, ctx):
         box = _box(self.svc, ctx)
         path = _resolve(request.path)
-        snap = await self._snapshot(box, path, bool(request.recursive))
-        yield fpb.WatchDirResponse(event=Oneof("start", fpb.WatchDirResponse.StartEvent()))
-        last = time.monotonic()
-        while box.state == "running" and box.id in self.svc.boxes:
-            await asyncio.sleep(0.5)
-            new = await self._snapshot(box, path, bool(request.recursive))
-            for ev in self._diff(snap, new, path):
-                yield fpb.WatchDirResponse(event=Oneof("filesystem", ev))
-                last = time.monotonic()
-            snap = new
-            if time.monotonic() - last > _keepalive(ctx):
-                yield fpb.WatchDirResponse(event=Oneof("keepalive", fpb.WatchDirResponse.KeepAlive()))
-                last = time.monotonic()
+        if box.watch_streams >= MAX_WATCH_STREAMS:  # each holds a snapshot of its tree
+            raise ConnectError(Code.RESOURCE_EXHAUSTED, f"at most {MAX_WATCH_STREAMS} watch_dir streams per sandbox; "
+                                                        "stop one first")
+        box.watch_streams += 1
+        try:
+            snap = await self._snapshot(box, path, bool(request.recursive))
+            yield fpb.WatchDirResponse(event=Oneof("start", fpb.WatchDirResponse.StartEvent()))
+            last = time.monotonic()
+            while box.state == "running" and box.id in self.svc.boxes:
+                await asyncio.sleep(0.5)
+                new = await self._snapshot(box, path, bool(request.recursive))
+                for ev in self._diff(snap, new, path):
+                    yield fpb.WatchDirResponse(event=Oneof("filesystem", ev))
+                    last = time.monotonic()
+                snap = new
+                if time.monotonic() - last > _keepalive(ctx):
+                    yield fpb.WatchDirResponse(event=Oneof("keepalive", fpb.WatchDirResponse.KeepAlive()))
+                    last = time.monotonic()
+        finally:
+            box.watch_streams -= 1
 
     async def create_watcher(self, request, ctx):
         import secrets

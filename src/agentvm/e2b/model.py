@@ -12,7 +12,7 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
-from agentvm.e2b.backend import WORKSPACE, BackendFailure
+from agentvm.e2b.backend import WORKSPACE, BackendFailure, EventChannel
 
 
 def digest(token: str) -> str:
@@ -39,9 +39,10 @@ class Proc:
     envs: dict[str, str]
     cwd: str | None
     handle: Any
-    subscribers: list[asyncio.Queue] = field(default_factory=list)
+    subscribers: list[EventChannel] = field(default_factory=list)  # the clients following it (envd._subscribe)
     done: bool = False
     task: asyncio.Task | None = None
+    expiry: asyncio.TimerHandle | None = None  # ended with clients still following: when they are dropped (envd._retire)
 
 
 @dataclass
@@ -59,6 +60,8 @@ class Box:
     state: str = "running"  # running | paused
     procs: dict[int, Proc] = field(default_factory=dict)
     watchers: dict[str, dict] = field(default_factory=dict)
+    starting: int = 0  # Starts between their check of MAX_PROCS and their process's entry in procs
+    watch_streams: int = 0  # watch_dir streams open (envd.MAX_WATCH_STREAMS)
     ports: tuple[int, ...] = ()  # the template's ports: the only ones get_host(port) reaches (ports.py)
     traffic_token: str = ""  # E2B-Traffic-Access-Token for those ports
     running_since: float = 0.0

@@ -336,6 +336,12 @@ async def _deny_ws(scope, send, status: int, headers: list, body: bytes) -> None
         await send({"type": "websocket.close", "code": 1008})
 
 
+# WebSocket messages through the proxy, each way: at most WS_MAX_MESSAGE bytes (a larger one ends the
+# connection with 1009), and at most WS_MAX_QUEUE frames received from the sandbox and not yet sent on
+WS_MAX_MESSAGE = 16 * 1024 * 1024
+WS_MAX_QUEUE = 4
+
+
 class PortProxy:
     """The port proxy of one E2B service (``svc``: :class:`agentvm.e2b.app.E2BService`)."""
 
@@ -513,8 +519,8 @@ class PortProxy:
             try:
                 upstream = await connect(f"ws://127.0.0.1:{port}{path}", sock=sock, additional_headers=hdrs,
                                          subprotocols=scope.get("subprotocols") or None, open_timeout=CONNECT_TIMEOUT,
-                                         max_size=None, compression=None, user_agent_header=None,
-                                         origin=None, ping_interval=None)
+                                         max_size=WS_MAX_MESSAGE, max_queue=WS_MAX_QUEUE, compression=None,
+                                         user_agent_header=None, origin=None, ping_interval=None)
             except InvalidStatus as exc:
                 r = exc.response
                 await _deny_ws(scope, send, r.status_code,
@@ -531,13 +537,20 @@ class PortProxy:
             code = 101
 
             async def down():  # sandbox -> client
-                async for m in upstream:
-                    frames[1] += 1
-                    if isinstance(m, bytes):
-                        await send({"type": "websocket.send", "bytes": m})
-                    else:
-                        await send({"type": "websocket.send", "text": m})
-                rc = upstream.close_code or 1000
+                # a message over WS_MAX_MESSAGE is refused as its frame header arrives (never
+                # reassembled): the connection ends with 1009 on both sides
+                rc = None
+                try:
+                    async for m in upstream:
+                        frames[1] += 1
+                        if isinstance(m, bytes):
+                            await send({"type": "websocket.send", "bytes": m})
+                        else:
+                            await send({"type": "websocket.send", "text": m})
+                except ConnectionClosed as exc:
+                    if exc.sent is not None and exc.sent.code == 1009:
+                        rc = 1009  # the sandbox sent a message over WS_MAX_MESSAGE
+                rc = rc or upstream.close_code or 1000
                 await send({"type": "websocket.close", "code": rc if rc not in (1005, 1006) else 1000})
 
             async def up():  # client -> sandbox
@@ -547,10 +560,12 @@ class PortProxy:
                         await upstream.close(m.get("code", 1000) if m.get("code", 1000) not in (1005, 1006) else 1000)
                         return
                     frames[0] += 1
-                    if m.get("bytes") is not None:
-                        await upstream.send(m["bytes"])
-                    else:
-                        await upstream.send(m.get("text") or "")
+                    data = m.get("bytes") if m.get("bytes") is not None else (m.get("text") or "")
+                    if len(data) > WS_MAX_MESSAGE:  # (the server's own ws_max_size normally stops it first)
+                        await upstream.close(1009, "message too big")
+                        await send({"type": "websocket.close", "code": 1009})
+                        return
+                    await upstream.send(data)
 
             tasks = [asyncio.ensure_future(down()), asyncio.ensure_future(up())]
             try:
