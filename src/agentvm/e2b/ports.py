@@ -339,7 +339,7 @@ async def _deny_ws(scope, send, status: int, headers: list, body: bytes) -> None
 # WebSocket messages through the proxy, each way: at most WS_MAX_MESSAGE bytes (a larger one ends the
 # connection with 1009), and at most WS_MAX_QUEUE frames received from the sandbox and not yet sent on
 WS_MAX_MESSAGE = 16 * 1024 * 1024
-WS_MAX_QUEUE = 4
+WS_MAX_QUEUE = 1
 
 
 class PortProxy:
