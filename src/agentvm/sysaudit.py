@@ -32,11 +32,16 @@ listener the kernel forgets it, and a process could then have a listener of its 
 wins a tie between USER_NOTIF filters and could answer CONTINUE). The filter refuses that too,
 in the BPF (``seccomp:seccomp-listener``: ``seccomp()`` with ``SECCOMP_FILTER_FLAG_NEW_LISTENER``
 -> EBUSY, an ERRNO that outranks any USER_NOTIF), so a dead supervisor still leaves every call
-refused. A sandbox that floods notifications (more than ``FLOOD_PER_SEC`` in a second) keeps
-its answers - each call is refused with its rule's errno, as ever - but for the rest of that
-second its calls are not read from ``/proc`` nor recorded: they are counted (``suppressed``)
-and one ``syscall.audit-flood`` record per flooded second says so. :meth:`Supervisor.drop_all`
-(letting go of every listener) stops or freezes the sandboxes first.
+refused. The answering thread is shared by every sandbox, so each has a budget: once one has
+had ``FLOOD_PER_SEC`` notifications answered in a second, its listeners are not polled until
+that second is over - its further calls wait in the kernel (its threads block; every call is
+still refused with its rule's errno when it is answered), the listener is never closed, other
+sandboxes are answered as ever - and one ``syscall.audit-flood`` record says so. Records are
+capped too: at most ``RECORDS_PER_MIN`` per sandbox per minute (varying arguments defeat the
+folding); beyond it the calls are answered without reading ``/proc``, counted
+(``suppressed``), and one ``syscall.audit-capped`` record gives the count when the minute is
+over (or the sandbox's last listener closes). :meth:`Supervisor.drop_all` (letting go of
+every listener) stops or freezes the sandboxes first.
 """
 
 from __future__ import annotations
@@ -97,7 +102,8 @@ ON_PROBE = ("log", "alert", "pause", "stop")
 PROBE_THRESHOLD = 3  # denied calls of one sandbox before pause/stop acts
 QUEUE_MAX = 4096  # records waiting for the sinks; beyond: dropped and counted
 REPEAT_WINDOW = 10.0  # seconds: identical records of one process are folded into one
-FLOOD_PER_SEC = 5000  # notifications of one sandbox in one second: beyond, answered but not recorded
+FLOOD_PER_SEC = 1000  # notifications of one sandbox answered in one second: then its listeners wait for the next
+RECORDS_PER_MIN = 600  # records of one sandbox in one minute: beyond, counted and summed up in one record
 ARGV_MAX = 4096  # bytes of /proc/PID/cmdline kept
 
 
@@ -254,6 +260,7 @@ class SandboxAudit:
     listeners: int = 0
     _repeat: dict = field(default_factory=dict, repr=False)
     _second: list = field(default_factory=lambda: [0.0, 0], repr=False)
+    _minute: list = field(default_factory=lambda: [0.0, 0, 0], repr=False)  # start, records, capped
 
     def summary(self) -> dict:
         """The console's column: counts and the action taken (see docs/syscall-audit.md)."""
@@ -395,21 +402,37 @@ class Supervisor:
         poller.register(self._wake_r, select.POLLIN)
         socks: dict[int, tuple] = {}  # fd -> (sock, audit, classifier): waiting for a listener
         listeners: dict[int, tuple] = {}  # fd -> (audit, classifier)
+        paused: dict[int, float] = {}  # listener fd -> when it is polled again (its sandbox's budget is spent)
         notif = _Notif()
         resp = _NotifResp()
         while not self._stop:
+            wait = 1000
+            if paused:
+                wait = max(0, min(1000, int((min(paused.values()) - time.monotonic()) * 1000) + 1))
             try:
-                events = poller.poll(1000)
+                events = poller.poll(wait)
             except InterruptedError:
                 continue
+            if paused:
+                now = time.monotonic()
+                for fd, until in list(paused.items()):
+                    if now >= until:
+                        del paused[fd]
+                        if fd in listeners:
+                            poller.register(fd, select.POLLIN)
             if self._drop.is_set():
                 if self._stop_on_drop:
                     for audit in {id(a): a for a, _c in listeners.values()}.values():
                         _stop_sandbox(audit)
                 for fd in list(listeners):
-                    poller.unregister(fd)
-                    listeners.pop(fd)[0].listeners -= 1
+                    if fd not in paused:
+                        poller.unregister(fd)
+                    audit = listeners.pop(fd)[0]
+                    audit.listeners -= 1
                     os.close(fd)
+                    if not audit.listeners:
+                        self._flush_capped(audit)
+                paused.clear()
                 for fd in list(socks):
                     poller.unregister(fd)
                     socks.pop(fd)[0].close()
@@ -437,14 +460,22 @@ class Supervisor:
                         listeners[lfd] = (audit, c)
                         audit.listeners += 1
                         poller.register(lfd, select.POLLIN)
-                elif fd in listeners:
+                elif fd in listeners and fd not in paused:
                     audit, c = listeners[fd]
                     if ev & select.POLLIN:
                         self._busy += 1
                         try:
-                            self._one(fd, audit, c, notif, resp)
+                            until = self._one(fd, audit, c, notif, resp)
                         finally:
                             self._busy -= 1
+                        if until is not None:
+                            # its budget for this second is spent: its listeners wait (its calls
+                            # stay pending in the kernel); never closed, see the module doc
+                            for lfd, (a, _c) in listeners.items():
+                                if a is audit and lfd not in paused:
+                                    poller.unregister(lfd)
+                                    paused[lfd] = until
+                            continue
                     if ev & (select.POLLHUP | select.POLLERR | select.POLLNVAL) and not ev & select.POLLIN:
                         # every task under this filter is gone (the only time a listener is
                         # closed while the supervisor lives: never on a flood, see the module doc)
@@ -452,36 +483,46 @@ class Supervisor:
                         del listeners[fd]
                         audit.listeners -= 1
                         os.close(fd)
+                        if not audit.listeners:
+                            self._flush_capped(audit)
 
-    def _one(self, fd: int, audit: SandboxAudit, c: Classifier, notif: _Notif, resp: _NotifResp) -> None:
+    def _one(self, fd: int, audit: SandboxAudit, c: Classifier, notif: _Notif, resp: _NotifResp) -> float | None:
+        """Receive and answer one notification. Returns None, or (its sandbox's budget for this
+        second spent) when its listeners may be polled again."""
         ctypes.memset(ctypes.byref(notif), 0, ctypes.sizeof(notif))
         if _ioctl(fd, IOCTL_RECV, ctypes.byref(notif)) < 0:
-            return  # ENOENT: the caller died (or was interrupted) in between
+            return None  # ENOENT: the caller died (or was interrupted) in between
         now = time.monotonic()
         args = tuple(notif.data.args)
         v = c.classify(notif.data.nr, args)
-        # the flood valve: past FLOOD_PER_SEC in one second, the call is still answered (its
-        # errno, or CONTINUE for a watched call) but neither read from /proc nor recorded. The
-        # listener is NEVER closed here: without it the kernel forgets the listener (see the
-        # module doc).
+        # the flood valve: FLOOD_PER_SEC answers per sandbox per second on this shared thread;
+        # the one that spends the budget pauses its listeners until the second is over (the
+        # caller's answer is sent first). The listener is NEVER closed here: without it the
+        # kernel forgets the listener (see the module doc).
         sec = audit._second
         if now - sec[0] >= 1.0:
             sec[0], sec[1] = now, 0
         sec[1] += 1
-        if sec[1] > FLOOD_PER_SEC:
+        until = sec[0] + 1.0 if sec[1] >= FLOOD_PER_SEC else None
+        if sec[1] > FLOOD_PER_SEC:  # (another listener of the same sandbox in the same round)
             self._answer_only(fd, audit, v, notif, resp)
-            if sec[1] == FLOOD_PER_SEC + 1:
-                audit.flooded += 1
+            return until
+        if sec[1] == FLOOD_PER_SEC:
+            audit.flooded += 1
+            if self._may_record(audit, now, call=False):
                 self._put(audit, {
                     "kind": "syscall.audit-flood", "time": time.time(), "sandbox": audit.sandbox_id,
                     "agent": audit.agent, "pid": notif.pid, "syscall": v.syscall, "rule": v.rule, "alert": True,
-                    "reason": f"more than {FLOOD_PER_SEC} notified syscalls in one second: the rest of this second's "
-                              "calls are refused as ever (their errno) but counted, not recorded"})
-            return
+                    "reason": f"{FLOOD_PER_SEC} notified syscalls in one second: the sandbox's further calls wait in "
+                              "the kernel until the second is over, then are refused as ever (their errno)"})
         decoded = decode_args(v.syscall, args)
         key = (notif.pid, v.syscall, v.rule, tuple(sorted(decoded.items())))
         last = audit._repeat.get(key)
         folded = last is not None and now - last[0] < REPEAT_WINDOW
+        if not folded and not self._may_record(audit, now):
+            # past RECORDS_PER_MIN: answered as ever, counted, summed up in one record later
+            self._answer_only(fd, audit, v, notif, resp)
+            return until
         argv: list[str] = []
         exe = ""
         verified = False
@@ -509,7 +550,7 @@ class Supervisor:
         if folded:
             last[1] += 1
             audit.suppressed += 1
-            return
+            return until
         if len(audit._repeat) > 4096:
             audit._repeat.clear()
         audit._repeat[key] = [now, 0]
@@ -522,9 +563,34 @@ class Supervisor:
             "repeats": last[1] if last else 0,
         }
         self._put(audit, rec)
+        return until
+
+    def _may_record(self, audit: SandboxAudit, now: float, call: bool = True) -> bool:
+        """One more record of ``audit`` this minute? (RECORDS_PER_MIN; answering thread.) A
+        ``call``'s record refused is counted for the summary."""
+        m = audit._minute
+        if now - m[0] >= 60.0:
+            self._flush_capped(audit)
+            m[0], m[1] = now, 0
+        if m[1] < RECORDS_PER_MIN:
+            m[1] += 1
+            return True
+        if call:
+            m[2] += 1
+        return False
+
+    def _flush_capped(self, audit: SandboxAudit) -> None:
+        """The one record for the calls the record cap left unrecorded (if any)."""
+        n, audit._minute[2] = audit._minute[2], 0
+        if n:
+            self._put(audit, {
+                "kind": "syscall.audit-capped", "time": time.time(), "sandbox": audit.sandbox_id,
+                "agent": audit.agent, "alert": True, "suppressed": n,
+                "reason": f"more than {RECORDS_PER_MIN} syscall records in one minute: {n} more calls were refused "
+                          "as ever (their errno) and counted, not recorded one by one"})
 
     def _answer_only(self, fd: int, audit: SandboxAudit, v: Verdict, notif: _Notif, resp: _NotifResp) -> None:
-        """A flooded second: answer as ever, count, record nothing."""
+        """Past the record cap: answer as ever, count, record nothing (no /proc reads)."""
         resp.id = notif.id
         resp.val = 0
         if v.action == "watch":

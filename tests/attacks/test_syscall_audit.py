@@ -316,3 +316,89 @@ def test_every_selftest_case_attempting_a_denied_syscall_leaves_a_record(monkeyp
         assert unrecorded == [], f"refused without a record: {unrecorded}"
     else:
         assert sorted(unrecorded) == sorted(c.id for c in cases), "without the notify filter nothing is recorded"
+
+
+FLOODER = r"""
+import ctypes, errno, json, threading, time
+libc = ctypes.CDLL(None, use_errno=True); libc.syscall.restype = ctypes.c_long
+stop = time.monotonic() + %(secs)s
+got, counts = set(), []
+def flood(base):
+    i = 0
+    while time.monotonic() < stop:  # distinct calls (a new protocol each: no folding)
+        r = libc.syscall(ctypes.c_long(41), ctypes.c_long(16), ctypes.c_long(3), ctypes.c_long(1000 + base + i))
+        got.add("OK" if r >= 0 else errno.errorcode.get(ctypes.get_errno(), "?"))
+        i += 1
+    counts.append(i)
+ts = [threading.Thread(target=flood, args=(k * 10_000_000,)) for k in range(4)]
+[t.start() for t in ts]; [t.join() for t in ts]
+print("FLOOD " + json.dumps({"calls": sum(counts), "got": sorted(got)}), flush=True)
+"""
+
+PROMPT = r"""
+import ctypes, errno, time
+libc = ctypes.CDLL(None, use_errno=True)
+t = time.monotonic(); r = libc.unshare(0x10000000); e = ctypes.get_errno()
+print("PROMPT", r, errno.errorcode.get(e, "?"), round(time.monotonic() - t, 3), flush=True)
+"""
+
+
+def _cpu_seconds(tid: int) -> float:
+    f = Path(f"/proc/self/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+def test_a_flooding_sandbox_is_throttled_alone_and_its_records_are_capped(env):
+    """A sandbox making as many distinct denied calls as it can (4 threads) on the answering
+    thread every sandbox shares: each of its calls is still refused (EPERM: answered, never
+    the listener-less ENOSYS), but past its budget its listener waits for the next second, so
+    the answering thread's CPU stays a fraction of one core; another sandbox's denied call is
+    answered at once meanwhile; and the flooder's records are capped per minute, the rest
+    counted in one summary record."""
+    from agentvm import sysaudit
+
+    sup = sysaudit.supervisor()
+    logs = env.paths.home / "logs"
+    box: dict = {}
+    flooder = threading.Thread(target=lambda: box.update(a=env.sandbox(FLOODER % {"secs": 12}, lang="python",
+                                                                       egress=False, timeout=90)))
+    flooder.start()
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not any(p.stat().st_size > 10_000 for p in logs.glob("*.syscalls.jsonl")):
+            time.sleep(0.05)
+        assert any(p.stat().st_size > 10_000 for p in logs.glob("*.syscalls.jsonl")), "the flood was recorded"
+        tid = sup._answer.native_id
+        c0, t0 = _cpu_seconds(tid), time.monotonic()
+        box["b"] = env.sandbox(PROMPT, lang="python", egress=False, timeout=60)  # meanwhile, another sandbox
+        time.sleep(max(0.0, 3.0 - (time.monotonic() - t0)))
+        share = (_cpu_seconds(tid) - c0) / (time.monotonic() - t0)
+        print(f"answering thread: {share:.1%} of a core while flooded")
+        flood_alive = flooder.is_alive()
+    finally:
+        flooder.join(120)
+    a, b = box["a"], box["b"]
+    assert flood_alive, "the window was measured while the flood ran"
+    [line] = [ln for ln in a.stdout.splitlines() if ln.startswith("FLOOD ")]
+    fl = json.loads(line[6:])
+    assert fl["got"] == ["EPERM"], f"every flooded call refused with its errno: {fl}"
+    assert share < 0.2, f"the answering thread spent {share:.0%} of a core on one flooding sandbox"
+    [prompt] = [ln.split() for ln in b.stdout.splitlines() if ln.startswith("PROMPT ")]
+    assert prompt[1:3] == ["-1", "EPERM"] and float(prompt[3]) < 2.0, b.out
+    # records: at most RECORDS_PER_MIN a minute, every other call counted in a summary
+    deadline = time.monotonic() + 15
+    recs: list[dict] = []
+    while time.monotonic() < deadline:
+        sup.flush()
+        recs = [json.loads(l) for p in logs.glob("*.syscalls.jsonl") for l in p.read_text().splitlines()]
+        if any(r["kind"] == "syscall.audit-capped" for r in recs):
+            break
+        time.sleep(0.2)
+    mine = [r for r in recs if r.get("syscall") == "socket" or r["kind"] == "syscall.audit-capped"]
+    denied = [r for r in mine if r["kind"] == "syscall.denied"]
+    capped = [r for r in mine if r["kind"] == "syscall.audit-capped"]
+    assert capped, "one summary record for what the cap left unrecorded"
+    assert len(denied) + len([r for r in mine if r["kind"] == "syscall.audit-flood"]) <= sysaudit.RECORDS_PER_MIN, \
+        len(denied)
+    assert len(denied) + sum(r["suppressed"] for r in capped) == fl["calls"], (len(denied), capped, fl)
+    assert [r for r in recs if r.get("syscall") == "unshare"], "the other sandbox's call was recorded"
