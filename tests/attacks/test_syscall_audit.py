@@ -402,3 +402,61 @@ def test_a_flooding_sandbox_is_throttled_alone_and_its_records_are_capped(env):
         len(denied)
     assert len(denied) + sum(r["suppressed"] for r in capped) == fl["calls"], (len(denied), capped, fl)
     assert [r for r in recs if r.get("syscall") == "unshare"], "the other sandbox's call was recorded"
+
+
+def test_the_helper_holding_the_listener_is_not_dumpable(tmp_path):
+    """Between loading the notify filter and handing its listener over, ``agentvm-helper init``
+    holds the fd that answers the sandbox's syscalls; with allow_ptrace, no Landlock and Yama 0
+    another process of the agent (same uid) could take it (pidfd_getfd). Held here in that
+    window - the supervisor's socket is full, so the hand-over blocks - the helper must be
+    non-dumpable: its /proc entries belong to root, not to its uid."""
+    import shutil
+    import socket
+    import subprocess
+    import sys
+
+    from agentvm import native
+    from agentvm import seccomp as sc
+
+    d = Path(f"/tmp/agentvm-test-dumpable-{os.getpid()}")
+    d.mkdir(mode=0o755, exist_ok=True)
+    try:
+        helper = d / "agentvm-helper"
+        shutil.copy(native.helper_path(tmp_path / "libexec"), helper)
+        os.chmod(helper, 0o755)
+        sup_end, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:  # fill the helper's direction: its sendmsg of the listener blocks
+            while True:
+                theirs.send(b"x" * 4096, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            pass
+        sfd = sc.filter_fd(sc.SeccompOptions(notify=True, watch=sc.DEFAULT_WATCH))
+        try:
+            p = subprocess.Popen([str(helper), "init", "--no-landlock", "--seccomp-fd", str(sfd), "--sysaudit-fd",
+                                  str(theirs.fileno()), "--", "/bin/true"],
+                                 pass_fds=(sfd, theirs.fileno()), user=65534, group=65534, extra_groups=[],
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        finally:
+            os.close(sfd)
+            theirs.close()
+        try:
+            deadline = time.monotonic() + 30
+            where = ""
+            while time.monotonic() < deadline and p.poll() is None:
+                try:
+                    where = Path(f"/proc/{p.pid}/syscall").read_text().split()[0]
+                except (OSError, IndexError):
+                    where = ""
+                if where == "46":  # sendmsg (x86_64): blocked handing the listener over
+                    break
+                time.sleep(0.01)
+            assert where == "46", (where, p.poll(), p.stderr.read() if p.poll() is not None else b"")
+            holds = [os.readlink(f"/proc/{p.pid}/fd/{n}") for n in os.listdir(f"/proc/{p.pid}/fd")]
+            assert "anon_inode:seccomp notify" in holds, holds
+            assert os.stat(f"/proc/{p.pid}/fd").st_uid == 0, "the helper holding the listener is dumpable"
+        finally:
+            p.kill()
+            p.wait(10)
+            sup_end.close()
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
