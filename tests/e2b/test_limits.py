@@ -538,3 +538,64 @@ def test_a_websocket_message_over_16_mib_from_the_client_is_refused(ws_client):
         got = ws.receive()
         assert got["type"] == "websocket.close", f"relayed: {len(got.get('bytes') or b'')} bytes"
         assert got["code"] == 1009
+
+
+# -- the daemon itself: an upload does not grow its memory ----------------------------------------
+
+@pytest.mark.integration
+def test_a_60_mib_upload_to_the_daemon_served_api_is_not_held_in_its_memory(avm_home):
+    """A chunked 60 MiB upload through the daemon (`up --e2b-listen`, ControlPlaneBackend: the
+    daemon's copy_in stages it): it arrives whole, and the root daemon's RSS, sampled while it
+    is sent, grows by less than half of it."""
+    import os
+
+    import httpx
+
+    from tests.e2b.conftest import _cleanup, _free_port, daemon_up
+
+    if os.geteuid() != 0:
+        pytest.skip("the daemon's sandboxes need root here")
+    env = daemon_up(_free_port())
+    try:
+        pid = int((avm_home / "run" / "daemon.pid").read_text())
+        url, key = env["E2B_API_URL"], env["E2B_API_KEY"]
+        doc = httpx.post(f"{url}/sandboxes", json={"templateID": "base", "timeout": 300},
+                         headers={"X-API-Key": key}, timeout=120).json()
+        hdrs = {"E2b-Sandbox-Id": doc["sandboxID"], "X-Access-Token": doc["envdAccessToken"]}
+
+        def rss() -> int:
+            for line in open(f"/proc/{pid}/status"):
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+            raise AssertionError("no VmRSS")
+
+        base, peak, stop = rss(), [0], threading.Event()
+
+        def sample():
+            while not stop.is_set():
+                peak[0] = max(peak[0], rss())
+                time.sleep(0.01)
+
+        chunk = os.urandom(MiB)
+        t = threading.Thread(target=sample, daemon=True)
+        t.start()
+        try:
+            r = httpx.post(f"{url}/files", params={"path": "big.bin"}, headers={
+                **hdrs, "Content-Type": "application/octet-stream"}, content=(chunk for _ in range(60)), timeout=300)
+        finally:
+            stop.set()
+            t.join()
+        assert r.status_code == 200, r.text
+        got = httpx.get(f"{url}/files", params={"path": "big.bin"}, headers=hdrs, timeout=300).content
+        assert hashlib.sha256(got).digest() == hashlib.sha256(chunk * 60).digest()
+        assert peak[0] - base < 30 * MiB, f"the daemon grew by {(peak[0] - base) // MiB} MiB for a 60 MiB upload"
+        # a length over the limit: answered 413 at once, with none of the body sent
+        host, port = url.split("//")[1].split(":")
+        with socket.create_connection((host, int(port)), timeout=30) as c:
+            c.sendall(f"POST /files?path=big2.bin HTTP/1.1\r\nHost: {host}\r\nE2b-Sandbox-Id: {doc['sandboxID']}\r\n"
+                      f"X-Access-Token: {doc['envdAccessToken']}\r\nContent-Type: application/octet-stream\r\n"
+                      f"Content-Length: {65 * MiB}\r\n\r\n".encode())
+            assert c.recv(64).startswith(b"HTTP/1.1 413 ")
+        httpx.delete(f"{url}/sandboxes/{doc['sandboxID']}", headers={"X-API-Key": key}, timeout=120)
+    finally:
+        _cleanup(avm_home)
