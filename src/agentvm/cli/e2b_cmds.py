@@ -99,7 +99,8 @@ def serve(listen, max_per_tenant, max_creating, domain):
     f.write_text(json.dumps({"url": url, "pid": os.getpid(), "domain": domain}))
     click.echo(f"E2B API on {url} (`agentvm e2b env` prints the environment)", err=True)
     try:
-        uvicorn.run(app, host=host.strip("[]"), port=port, log_level="warning", lifespan="on")
+        uvicorn.run(app, host=host.strip("[]"), port=port, log_level="warning", lifespan="on",
+                    ws_max_size=16 << 20, ws_max_queue=1)  # a WebSocket message, and messages held: bounded
     finally:
         try:
             if json.loads(f.read_text()).get("pid") == os.getpid():

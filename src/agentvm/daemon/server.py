@@ -134,6 +134,7 @@ class E2BServer:
 
         # a stop waits at most 5 s for open streams (a client following a process's output)
         server = _InLoop(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on",
+                                        ws_max_size=16 << 20, ws_max_queue=1,  # (bounded: docs/e2b.md)
                                         log_config=None, access_log=False, timeout_graceful_shutdown=5))
         task = asyncio.ensure_future(server.serve())
         while not server.started:
