@@ -237,6 +237,7 @@ def _console(tmp_path):
     control.answer_approval = lambda *a, **kw: ControlPlane.answer_approval(control, *a, **kw)
     control._approval_call = lambda fn: ControlPlane._approval_call(control, fn)
     control._store = lambda: ControlPlane._store(control)
+    control._wake_for_approval = lambda req, by: None  # (no sandbox here to wake)
     c = Console(control, token=None, listen="127.0.0.1:8765")
     sid, sess = c.sessions.redeem(c.sessions.mint_code())
     return c, s, f"{COOKIE}={sid}", sess["csrf"]

@@ -23,6 +23,7 @@ RULES: dict[str, str] = {
     "sni-mismatch": "the TLS ClientHello names another host than CONNECT",
     "no-sni": "the TLS ClientHello carries no server name",
     "not-tls": "a CONNECT tunnel that starts with neither a TLS ClientHello nor an HTTP request",
+    "ssh:refused": "a CONNECT tunnel that starts with SSH-2.0- refused: not to port 22, not allowed as host:22, or under rules that inspect requests or meter an LLM budget",
     "clienthello-timeout": "a CONNECT tunnel that sent neither a whole TLS ClientHello nor a first byte of plain HTTP within 10 s: closed",
     "host-mismatch": "a request inside a tunnel names another host than the tunnel (domain fronting)",
     "path-normalization": "an ambiguous path (encoded slashes, dot segments) where a rule matches on paths",
