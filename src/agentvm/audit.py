@@ -207,7 +207,16 @@ class AuditLog:
         """Verify the chain from the checkpoint to its end; refuse (``audit.broken-chain``) to
         append to one that does not hold, as the daemon refuses to start on it. Then move the
         checkpoint to the end."""
-        v = self.verify(since=self.read_checkpoint())
+        # under the writers' lock, in a write transaction: the head file, the checkpoint and the
+        # records are read as one state (a writer moves them together under this lock), never a
+        # head newer than the snapshot the walk reads
+        with self._lock, _FileLock(self.path.with_suffix(".lock"), self.lock_timeout):
+            self._conn.execute("BEGIN IMMEDIATE")
+            try:
+                v = self.verify(since=self.read_checkpoint())
+                last = self._last()
+            finally:
+                self._conn.execute("COMMIT")
         if not v.ok:
             from agentvm.errors import ConfigError
 
@@ -216,7 +225,6 @@ class AuditLog:
                 hint="keep a copy for the investigation, then accept the break once with `agentvm up "
                 "--accept-broken-chain` (it is recorded as the first event; embedded runs append again after it), "
                 "or move the database aside to start a new chain; see docs/daemon.md", code="audit.broken-chain")
-        last = self._last()
         if last[0]:
             self._write_checkpoint(*last)
         self._vouched = last

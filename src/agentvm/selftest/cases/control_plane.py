@@ -54,12 +54,15 @@ def _forge(env: Env, kind: str, where: Path, what: str) -> Verdict:
     if not line:
         return Verdict.error(f"the forger did not run: {o.out[-300:]}")
     forged = []
-    for f in where.glob("*") if where.is_dir() else []:
-        try:
-            if mark in f.read_text(errors="replace"):
-                forged.append(f.name)
-        except OSError:
-            continue
+    if where.is_dir():
+        # read in another process: opening and closing a SQLite file here (the audit chain) would
+        # drop this process's POSIX locks on it, and another process closing its connection could
+        # then checkpoint and delete the write-ahead log this process's open connection still uses
+        import subprocess
+
+        out = subprocess.run(["grep", "-l", "-F", "-a", "-s", "--", mark] + [str(f) for f in sorted(where.glob("*"))],
+                             capture_output=True, text=True, timeout=30).stdout
+        forged = [os.path.basename(line) for line in out.splitlines() if line]
     res = json.loads(line[6:])
     if forged:
         return Verdict.escaped(f"a forged line is in the host's {what}: {', '.join(forged)}")
@@ -131,12 +134,17 @@ def _(env: Env) -> Verdict:
     vlog.write_text(json.dumps({"sandbox": f"victim-{victim}", "host": "private.example", "verdict": "allow"}) + "\n")
     os.chmod(vlog, 0o600)
     secrets_on_host = {}
-    for p in (env.home / "gate" / "ca" / "ca.key", env.home / "vault" / "key", env.home / "vault" / "store.json",
-              env.home / "state.db", vlog):
-        try:
-            secrets_on_host[hashlib.sha256(p.read_bytes()).hexdigest()] = str(p.relative_to(env.home))
-        except OSError:
-            continue
+    # hashed by another process: opening and closing state.db here would drop this process's
+    # SQLite locks on it (see _forge)
+    import subprocess
+
+    files = [p for p in (env.home / "gate" / "ca" / "ca.key", env.home / "vault" / "key",
+                         env.home / "vault" / "store.json", env.home / "state.db", vlog) if p.exists()]
+    out = subprocess.run(["sha256sum", "--"] + [str(p) for p in files], capture_output=True, text=True,
+                         timeout=30).stdout
+    for line in out.splitlines():
+        h, _, name = line.partition("  ")
+        secrets_on_host[h] = str(Path(name).relative_to(env.home))
     try:
         o = env.sandbox(["/usr/bin/python3", "-c", _READ.replace("@VICTIM@", victim), str(env.home)], lang="argv",
                         timeout=10, egress=False)
