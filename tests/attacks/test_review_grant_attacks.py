@@ -55,6 +55,10 @@ def folder():
     (d / "sub").mkdir()
     (d / "sub" / "f").write_text("f\n")
     yield d
+    home = os.environ.get("AGENTVM_HOME")
+    if home:  # the layers over it go too: the session's home is shared with later tests
+        for x in layers_of(Path(home), d):
+            subprocess.run([sys.executable, "-m", "agentvm", "discard", x["name"]], capture_output=True, timeout=60)
     shutil.rmtree(d, ignore_errors=True)
 
 

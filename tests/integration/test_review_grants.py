@@ -66,8 +66,13 @@ def cli(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     return r
 
 
-def only_layer(home: Path) -> str:
-    layers = review.list_layers(home)
+def layers_of(home: Path, folder: Path) -> list[dict]:
+    """The layers over ``folder`` (the session's home holds other tests' layers too)."""
+    return [x for x in review.list_layers(home) if str(folder) in x["grants"]]
+
+
+def only_layer(home: Path, folder: Path) -> str:
+    layers = layers_of(home, folder)
     assert len(layers) == 1, layers
     return layers[0]["name"]
 
@@ -100,7 +105,7 @@ def test_writes_reach_the_host_only_through_accept_and_diff_shows_each_kind(avm_
     code, out = run_in_sandbox(EDITS, folder)
     assert code == 0 and "SEES-OWN" in out, out
     assert tree(folder) == before, "the host folder changed before accept"
-    name = only_layer(avm_home)
+    name = only_layer(avm_home, folder)
     assert name.startswith("run-"), "an anonymous run's layer is named by the run"
 
     d = cli("diff", name).stdout
@@ -125,7 +130,7 @@ def test_writes_reach_the_host_only_through_accept_and_diff_shows_each_kind(avm_
     assert "no changes" in cli("diff", name).stdout
 
     cli("discard", name)
-    assert review.list_layers(avm_home) == []
+    assert layers_of(avm_home, folder) == []
     from agentvm.audit import AuditLog
 
     kinds = [r.kind for r in AuditLog(avm_home / "audit" / "audit.db").records()]
@@ -135,7 +140,7 @@ def test_writes_reach_the_host_only_through_accept_and_diff_shows_each_kind(avm_
 def test_a_conflicting_host_change_refuses_the_accept_and_applies_nothing(avm_home, folder):
     code, out = run_in_sandbox("echo agent >> /src/a.txt && echo agent >> /src/b.txt", folder)
     assert code == 0, out
-    name = only_layer(avm_home)
+    name = only_layer(avm_home, folder)
     (folder / "a.txt").write_text("the operator's edit\n")  # the host changed it meanwhile
     d = cli("diff", name).stdout
     assert "CONFLICT: changed on the host since the sandbox started" in d
@@ -175,7 +180,7 @@ def test_host_trusted_names_stay_read_only_in_the_layer(avm_home, folder):
         "mkdir -p /src/.vscode 2>/dev/null; echo '{}' > /src/.vscode/tasks.json 2>/dev/null && echo VSCODE; "
         "echo ok > /src/Makefile && echo MAKEFILE", folder)
     assert "MAKEFILE" in out and not any(w in out for w in ("HOOK", "ENVRC", "VSCODE")), out
-    name = only_layer(avm_home)
+    name = only_layer(avm_home, folder)
     d = cli("diff", name).stdout
     assert "new file /src/Makefile" in d and ".git" not in d and ".envrc" not in d
     cli("discard", name)
@@ -204,5 +209,5 @@ def test_gvisor_refuses_a_review_grant_before_anything_starts(avm_home, folder):
         rt.close()
     # refused by the substrate: never run as a plain rw grant
     assert ei.value.code == "policy.review-unsupported" and "review" in ei.value.message
-    assert review.list_layers(avm_home) == []
+    assert layers_of(avm_home, folder) == []
     assert sorted(os.listdir(folder)) == ["a.txt", "b.txt", "bin.dat", "gone.txt", "ln", "run.sh"]
