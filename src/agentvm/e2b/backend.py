@@ -661,7 +661,9 @@ class DaemonBackend:
         except BackendFailure as exc:
             raise ports.PortUnreachable(str(exc)) from exc
         if info.get("state") != "running" or not info.get("sandbox_id"):
-            raise ports.PortUnreachable(f"sandbox {name} is not running")
+            exc = ports.PortUnreachable(f"sandbox {name} is not running")
+            exc.transient = info.get("state") in ("starting", "restarting", "backoff")  # (retried while young)
+            raise exc
         substrate = info.get("substrate")
         if substrate not in ("bwrap", "bubblewrap"):
             raise ports.PortUnreachable(

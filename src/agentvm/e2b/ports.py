@@ -69,7 +69,11 @@ CONNECT_TIMEOUT = 10.0
 
 
 class PortUnreachable(Exception):
-    """The sandbox's port cannot be reached (nothing listens, or the namespace is not there)."""
+    """The sandbox's port cannot be reached (nothing listens, or the namespace is not there).
+    ``transient``: the sandbox's processes were not found where they will be once it runs (its
+    cgroup empty or missing: starting, or restarting) - retried while the sandbox is young."""
+
+    transient = False
 
 
 class _ClientGone(Exception):
@@ -135,7 +139,9 @@ def open_sandbox_netns(sandbox_id: str) -> int:
         raise PortUnreachable(f"not a sandbox id: {sandbox_id!r}")
     dirs = _cgroup_dirs(sandbox_id)
     if not dirs:
-        raise PortUnreachable(f"sandbox {sandbox_id} has no cgroup (is it running?)")
+        exc = PortUnreachable(f"sandbox {sandbox_id} has no cgroup (is it running?)")
+        exc.transient = True
+        raise exc
     own = os.stat("/proc/self/ns/net")
     own_ns = (own.st_dev, own.st_ino)
     pids: list[int] = []
@@ -150,8 +156,10 @@ def open_sandbox_netns(sandbox_id: str) -> int:
         if ns is not None and ns != own_ns:
             by_ns.setdefault(ns, []).append(pid)
     if len(by_ns) != 1:
-        raise PortUnreachable(f"sandbox {sandbox_id}: {len(by_ns)} network namespaces found in its cgroup "
+        exc = PortUnreachable(f"sandbox {sandbox_id}: {len(by_ns)} network namespaces found in its cgroup "
                               "(exactly one is required; nothing is joined)")
+        exc.transient = not by_ns  # none yet (starting); two is never retried
+        raise exc
     (ns, candidates), = by_ns.items()
     for pid in candidates:
         try:
@@ -372,7 +380,7 @@ class PortProxy:
             try:
                 return await self.svc.backend.port_socket(box.name, port)
             except PortUnreachable as exc:
-                refused = isinstance(exc.__cause__, ConnectionRefusedError)
+                refused = isinstance(exc.__cause__, ConnectionRefusedError) or exc.transient
                 if not refused or time.time() + delay > deadline:
                     raise
             await asyncio.sleep(delay)
