@@ -330,7 +330,31 @@ class Upload:
         return self
 
 
-class _DaemonProcess:
+class _FifoControl:
+    """stdin, its end and (no) resize of a command run under the wrapper (``_WRAPPER``): written
+    to its control FIFOs by later execs. Needs ``_backend`` (``_run``, ``_control``), ``_name``,
+    ``_stdin`` and ``pid``; shared by the daemon's and the control plane's processes."""
+
+    async def write_stdin(self, data: bytes) -> None:
+        if not self._stdin:
+            raise BackendFailure("invalid", "the process was not started with stdin=True")
+        for i in range(0, len(data), 48 * 1024):  # argv strings are bounded (MAX_ARG_STRLEN)
+            code, _, _ = await self._backend._run(self._name, [
+                "/bin/sh", "-c", '[ -p "$1" ] || exit 3; printf %s "$2" | base64 -d > "$1"', "e2b-stdin",
+                f"{CTL_DIR}/{self.pid}/in", base64.b64encode(data[i:i + 48 * 1024]).decode()])
+            if code != 0:
+                raise BackendFailure("not-found", f"process {self.pid} is gone")
+
+    async def close_stdin(self) -> None:
+        if not self._stdin:
+            raise BackendFailure("invalid", "the process was not started with stdin=True")
+        await self._backend._control(self._name, self.pid, "close")
+
+    async def resize(self, cols: int, rows: int) -> None:
+        raise Unsupported("a pty needs the daemon's exec TTY relay, which it does not have yet")
+
+
+class _DaemonProcess(_FifoControl):
     """One exec through the daemon's streaming API, pumped from a thread into the loop."""
 
     def __init__(self, backend: "DaemonBackend", name: str, argv: list[str], timeout: float | None, stdin: bool):
@@ -424,24 +448,6 @@ class _DaemonProcess:
 
     def events(self) -> AsyncIterator[ExecEvent]:
         return self._events.events()
-
-    async def write_stdin(self, data: bytes) -> None:
-        if not self._stdin:
-            raise BackendFailure("invalid", "the process was not started with stdin=True")
-        for i in range(0, len(data), 48 * 1024):  # argv strings are bounded (MAX_ARG_STRLEN)
-            code, _, err = await self._backend._run(self._name, [
-                "/bin/sh", "-c", '[ -p "$1" ] || exit 3; printf %s "$2" | base64 -d > "$1"', "e2b-stdin",
-                f"{CTL_DIR}/{self.pid}/in", base64.b64encode(data[i:i + 48 * 1024]).decode()])
-            if code != 0:
-                raise BackendFailure("not-found", f"process {self.pid} is gone")
-
-    async def close_stdin(self) -> None:
-        if not self._stdin:
-            raise BackendFailure("invalid", "the process was not started with stdin=True")
-        await self._backend._control(self._name, self.pid, "close")
-
-    async def resize(self, cols: int, rows: int) -> None:
-        raise Unsupported("a pty needs the daemon's exec TTY relay, which it does not have yet")
 
 
 CTL_DIR = "/dev/shm/.agentvm-e2b"

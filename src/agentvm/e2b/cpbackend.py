@@ -14,13 +14,12 @@ sandbox view and the same controls whichever backend serves.
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import re
 from typing import AsyncIterator
 
-from agentvm.e2b.backend import _WRAPPER, CTL_DIR, HEAD_LIMIT, BackendFailure, BoxInfo, DaemonBackend, EventChannel, \
-    ExecEvent, ExecSpec, RUN_OUTPUT_LIMIT, Unsupported, Upload, check_env, started
+from agentvm.e2b.backend import _WRAPPER, HEAD_LIMIT, BackendFailure, BoxInfo, DaemonBackend, EventChannel, \
+    ExecEvent, ExecSpec, RUN_OUTPUT_LIMIT, Unsupported, Upload, _FifoControl, check_env, started
 from agentvm.errors import AgentVMError
 
 ACTOR = "e2b-adapter"  # the daemon's own records of the adapter's calls (its e2b.* records name the tenant)
@@ -54,7 +53,7 @@ class _Collect:
         return None
 
 
-class _CPProcess:
+class _CPProcess(_FifoControl):
     """One exec on the control plane, its output parsed as the wrapper writes it (its pid on
     the first stderr line) into events."""
 
@@ -127,25 +126,6 @@ class _CPProcess:
         events are released and the control plane's exec is cancelled (nobody will follow it)."""
         self.close()
         self._task.cancel()
-
-    # stdin and signals go through the wrapper's FIFOs, as with DaemonBackend
-    async def write_stdin(self, data: bytes) -> None:
-        if not self._stdin:
-            raise BackendFailure("invalid", "the process was not started with stdin=True")
-        for i in range(0, len(data), 48 * 1024):  # argv strings are bounded (MAX_ARG_STRLEN)
-            code, _, _ = await self._backend._run(self._name, [
-                "/bin/sh", "-c", '[ -p "$1" ] || exit 3; printf %s "$2" | base64 -d > "$1"', "e2b-stdin",
-                f"{CTL_DIR}/{self.pid}/in", base64.b64encode(data[i:i + 48 * 1024]).decode()])
-            if code != 0:
-                raise BackendFailure("not-found", f"process {self.pid} is gone")
-
-    async def close_stdin(self) -> None:
-        if not self._stdin:
-            raise BackendFailure("invalid", "the process was not started with stdin=True")
-        await self._backend._control(self._name, self.pid, "close")
-
-    async def resize(self, cols: int, rows: int) -> None:
-        raise Unsupported("a pty needs the daemon's exec TTY relay, which it does not have yet")
 
 
 class _PtyProcess:
