@@ -586,6 +586,30 @@ static void frame(struct buf *b, char kind, const void *p, size_t n) {
 
 static int ended(const char *why);
 
+/* One frame from the daemon, on either path (a framed run, an interactive session): output
+   is written on (-1: read on), the end frame is the exit code, anything else ends the run. */
+static int daemon_frame(char kind, const char *payload, size_t n) {
+    if (kind == 'o' || kind == 'e') {
+        if (write_out(kind == 'o' ? 1 : 2, payload, n) < 0) {
+            if (errno == EPIPE) return 141; /* our reader went away: so does the run */
+            return 125;
+        }
+        return -1;
+    }
+    if (kind != 'x') return ended("an unknown frame");
+    const char *eol = memchr(payload, '\n', n);
+    int rc = 0;
+    if (!eol || eol == payload || eol - payload > 3) return ended("a malformed end frame");
+    for (const char *d = payload; d < eol; d++) {
+        if (*d < '0' || *d > '9') return ended("a malformed end frame");
+        rc = rc * 10 + (*d - '0');
+    }
+    if (rc > 255) return ended("a malformed end frame");
+    write_report(eol + 1, n - (size_t)(eol + 1 - payload));
+    return rc;
+}
+
+
 /* Frames both ways until "x": its exit code. */
 static int attach_loop(struct conn *c) {
     struct buf out = {0}, in = {0};
@@ -621,22 +645,8 @@ static int attach_loop(struct conn *c) {
             if (in.len - at < n) break;
             const char *payload = in.p + at;
             used = at + n;
-            if (kind == 'o' || kind == 'e') {
-                if (write_out(kind == 'o' ? 1 : 2, payload, n) < 0) return errno == EPIPE ? 141 : 125;
-            } else if (kind == 'x') {
-                const char *eol = memchr(payload, '\n', n);
-                int rc = 0;
-                if (!eol || eol == payload || eol - payload > 3) return ended("a malformed end frame");
-                for (const char *q = payload; q < eol; q++) {
-                    if (*q < '0' || *q > '9') return ended("a malformed end frame");
-                    rc = rc * 10 + (*q - '0');
-                }
-                if (rc > 255) return ended("a malformed end frame");
-                write_report(eol + 1, n - (size_t)(eol + 1 - payload));
-                return rc;
-            } else {
-                return ended("an unknown frame");
-            }
+            int rc = daemon_frame(kind, payload, n);
+            if (rc >= 0) return rc;
         }
         if (used == in.len) in.len = used = 0;
         if (g_sig) {
@@ -830,25 +840,8 @@ int main(int argc, char **argv) {
             if (fb.len - at >= n) {
                 const char *payload = fb.p + at;
                 used = at + n;
-                if (kind == 'o' || kind == 'e') {
-                    if (write_out(kind == 'o' ? 1 : 2, payload, n) < 0) {
-                        if (errno == EPIPE) return 141; /* our reader went away: so does the run */
-                        return 125;
-                    }
-                } else if (kind == 'x') {
-                    const char *eol = memchr(payload, '\n', n);
-                    int rc = 0;
-                    if (!eol || eol == payload || eol - payload > 3) return ended("a malformed end frame");
-                    for (const char *d = payload; d < eol; d++) {
-                        if (*d < '0' || *d > '9') return ended("a malformed end frame");
-                        rc = rc * 10 + (*d - '0');
-                    }
-                    if (rc > 255) return ended("a malformed end frame");
-                    write_report(eol + 1, n - (size_t)(eol + 1 - payload));
-                    return rc;
-                } else {
-                    return ended("an unknown frame");
-                }
+                int rc = daemon_frame(kind, payload, n);
+                if (rc >= 0) return rc;
                 if (used == fb.len) fb.len = used = 0;
                 continue;
             }
