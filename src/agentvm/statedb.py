@@ -51,8 +51,7 @@ def connect(path: Path, table: str, schema: str, consequence: str = _UIDS) -> sq
             conn.close()
             raise _lost(path, f"has no {table} table", consequence)
         if not has:
-            conn.execute("PRAGMA journal_mode=WAL")
-            conn.executescript(schema)
+            _create(conn, path, table, schema)
     except sqlite3.OperationalError as exc:  # busy, locked, unopenable: not a lost database
         from agentvm.errors import BackendError
 
@@ -64,6 +63,26 @@ def connect(path: Path, table: str, schema: str, consequence: str = _UIDS) -> sq
         fd = os.open(_marker(path), os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
         os.close(fd)
     return conn
+
+
+def _create(conn: sqlite3.Connection, path: Path, table: str, schema: str) -> None:
+    """Make the schema once, when several processes open a new database at the same moment
+    (two `agentvm run`s on a fresh home): switching to WAL and a schema script's deferred
+    transaction each fail at once with "database is locked" when another process is doing the
+    same (SQLite does not wait out a lock upgrade that could deadlock). So the first one makes
+    it under an exclusive lock on a file beside it; the others wait for that lock, then see the
+    table and make nothing."""
+    import fcntl
+
+    fd = os.open(path.with_name(f".{path.name}.init"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # held only while a schema is made: milliseconds
+        if conn.execute("SELECT 1 FROM sqlite_master WHERE type='table' AND name=?", (table,)).fetchone():
+            return
+        conn.execute("PRAGMA journal_mode=WAL")
+        conn.executescript(schema)
+    finally:
+        os.close(fd)
 
 
 def _lost(path: Path, what: str, consequence: str = _UIDS) -> ConfigError:

@@ -158,6 +158,8 @@ def test_quota_hit_in_one_agent_does_not_affect_another_writing_at_the_same_time
                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for k, f in (("b", b_f), ("a", a_f))}
     outs = {k: p.communicate(timeout=120) for k, p in procs.items()}
+    for k in ("a", "b"):  # each printed its writer's result (else: its run's error, shown)
+        assert outs[k][0].strip(), (k, procs[k].returncode, outs[k][1])
     a, b = (json.loads(outs[k][0].strip().splitlines()[-1]) for k in ("a", "b"))
     assert a["errno"] == "EDQUOT" and 13 <= a["mib"] <= 16, (a, outs["a"][1])  # its own limit, inside
     assert b == {"mib": 12, "errno": None}, (b, outs["b"][1])  # untouched by a's
