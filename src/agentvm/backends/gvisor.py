@@ -398,8 +398,11 @@ class GvisorBackend(hv.ChildProcessSandbox, Backend):
                                 {"containerID": SANDBOX_UID, "hostID": host.gid, "size": 1}],
             },
         }
-        runsc_argv = [runsc, "--root", str(self.state_root), f"--platform={platform}", "--network=none",
-                      "--host-uds=open", "--ignore-cgroups", "--log", f"{run_dir}/runsc.log"]
+        runsc_global = [runsc, "--root", str(self.state_root), f"--platform={platform}", "--network=none",
+                        "--host-uds=open", "--ignore-cgroups"]
+        # the per-run logs: runsc's own, and (info level, ~13 KB a run) the sandbox's boot and
+        # gofer processes' - the only place their reason is written when they die while starting
+        runsc_argv = runsc_global + [f"--debug-log={run_dir}/runsc-debug/", "--log", f"{run_dir}/runsc.log"]
         launch = [helper, "launch", "--status-fd", "@fd:status@"]
         for name, _ in fd_names:
             launch += ["--keep-fd", f"@fd:{name}@"]
@@ -411,7 +414,7 @@ class GvisorBackend(hv.ChildProcessSandbox, Backend):
         argv = tuple(launch + ["--"] + runsc_argv + ["run", "--bundle", f"{run_dir}/bundle", ctx.sandbox_id])
         body = GvisorPlan(
             argv=argv,
-            runsc=tuple(runsc_argv[:-2]),  # without the per-run log (exec/kill/delete log to stderr)
+            runsc=tuple(runsc_global),  # without the per-run logs (exec/kill/delete log to stderr)
             oci=oci,
             skeleton=tuple(skeleton),
             files=hv.sandbox_files(policy, ctx) + (("etc/ld.so.preload", COMPAT_IN_SANDBOX + "\n"),),
@@ -943,13 +946,24 @@ def _restores(body: GvisorPlan) -> bool:
 
 
 def _runsc_error(log: Path) -> str:
-    """The last error runsc logged (why it could not create or start the sandbox)."""
-    try:
-        lines = log.read_text(errors="replace").splitlines()
-    except OSError:
-        return ""
-    errs = [ln for ln in lines if " E" in ln[:40] or "error" in ln.lower()]
-    return (errs[-1] if errs else "")[-500:]
+    """The last error runsc logged (why it could not create or start the sandbox), followed,
+    when the sandbox's own processes died while starting (runsc then only says "cannot read
+    client sync file: ... EOF"), by the last warning or error those wrote in their logs."""
+    def errors(path: Path, pick) -> list[str]:
+        try:
+            return [ln for ln in path.read_text(errors="replace").splitlines() if pick(ln)]
+        except OSError:
+            return []
+
+    errs = errors(log, lambda ln: " E" in ln[:40] or "error" in ln.lower())
+    why = (errs[-1] if errs else "")[-500:]
+    if "sync" in why or "EOF" in why:
+        for part in ("boot", "gofer"):
+            for f in sorted(log.parent.glob(f"runsc-debug/*.{part}.txt"), reverse=True)[:1]:
+                last = errors(f, lambda ln: ln[:1] in ("W", "E", "F") or "panic" in ln or "fatal" in ln)
+                if last:
+                    why += f"; the sandbox's {part} process said: {last[-1][-400:]}"
+    return why
 
 
 def _remove_runsc_state(state_root: Path, cid: str) -> None:
