@@ -532,7 +532,8 @@ class GvisorBackend(hv.ChildProcessSandbox, Backend):
         elif rc == 128 and not timed_out and not handle.private.get("stopping"):
             why = _runsc_error(Path(handle.private["run_dir"]) / "runsc.log")
             if why:  # runsc could not create or start the sandbox (its message is in its log)
-                es.setup_error = {"step": "runsc", "errno": 0, "message": why}
+                es.setup_error = {"step": "runsc", "errno": 0,
+                                  "message": f"{why} (platform {handle.plan.body.platform})"}
                 es.exit_code = EXIT_BACKEND
         if timed_out:
             es.timed_out, es.exit_code = True, EXIT_TIMEOUT
