@@ -369,21 +369,45 @@ def _host_path_is_linked(base_fd: int, rel: str) -> str | None:
         os.close(fd)
 
 
-def _read_file_at(base_fd: int, rel: str, limit: int | None = None) -> bytes | None:
+def _in_parent(base_fd: int, rel: str, op):
+    """``op(dfd, name)`` on ``rel``'s parent directory under ``base_fd`` (reached one component at
+    a time, no link followed) and its last name, or None when either fails (OSError)."""
     parent, _, name = rel.rpartition("/")
     try:
         dfd = _open_dir(base_fd, parent)
     except OSError:
         return None
     try:
-        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dfd)
+        return op(dfd, name)
     except OSError:
         return None
     finally:
         os.close(dfd)
+
+
+def _open_file_at(base_fd: int, rel: str) -> int | None:
+    """A read fd of the regular file ``rel`` under ``base_fd`` (no link followed on the way or
+    at the end; the type checked after the open), or None. The caller closes it."""
+    fd = _in_parent(base_fd, rel, lambda dfd, name: os.open(
+        name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dfd))
+    if fd is None:
+        return None
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return None
+        regular = stat.S_ISREG(os.fstat(fd).st_mode)
+    except BaseException:
+        os.close(fd)
+        raise
+    if not regular:
+        os.close(fd)
+        return None
+    return fd
+
+
+def _read_file_at(base_fd: int, rel: str, limit: int | None = None) -> bytes | None:
+    fd = _open_file_at(base_fd, rel)
+    if fd is None:
+        return None
+    try:
         chunks, n = [], 0
         while True:
             b = os.read(fd, 1 << 20)
@@ -411,19 +435,11 @@ def _hash_fd(fd: int) -> str:
 
 
 def _file_hash_at(base_fd: int, rel: str) -> str | None:
-    parent, _, name = rel.rpartition("/")
-    try:
-        dfd = _open_dir(base_fd, parent)
-    except OSError:
+    fd = _open_file_at(base_fd, rel)
+    if fd is None:
         return None
     try:
-        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dfd)
-    except OSError:
-        return None
-    finally:
-        os.close(dfd)
-    try:
-        return _hash_fd(fd) if stat.S_ISREG(os.fstat(fd).st_mode) else None
+        return _hash_fd(fd)
     finally:
         os.close(fd)
 
@@ -735,17 +751,7 @@ def _refuse_trusted(c: Change, ginfo: dict) -> Change:
 
 
 def _readlink_at(base_fd: int, rel: str) -> str | None:
-    parent, _, name = rel.rpartition("/")
-    try:
-        dfd = _open_dir(base_fd, parent)
-    except OSError:
-        return None
-    try:
-        return os.readlink(name, dir_fd=dfd)
-    except OSError:
-        return None
-    finally:
-        os.close(dfd)
+    return _in_parent(base_fd, rel, lambda dfd, name: os.readlink(name, dir_fd=dfd))
 
 
 # ---------------------------------------------------------------- the layer as a whole

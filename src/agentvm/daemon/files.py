@@ -232,42 +232,24 @@ def staging_keep(fs_size: int) -> int:
 
 
 def read_beneath(root: Path, rel: str) -> bytes:
-    parts = _parts(rel)
+    """The regular file ``rel`` of the workspace (opened as :func:`open_beneath` does), whole:
+    at most MAX_FILE bytes."""
+    fd, size = open_beneath(root, rel)
     try:
-        dfd = _open_dir_beneath(root, parts[:-1], create=False, uid=None)
-    except FileNotFoundError:
-        raise _not_found(rel) from None
-    try:
-        try:
-            fd = os.open(parts[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=dfd)
-        except FileNotFoundError:
-            raise _not_found(rel) from None
-        except OSError as exc:
-            if exc.errno == errno.ELOOP:
-                raise PolicyDenied(f"{rel!r} is a symlink: refused", code="files.symlink") from None
-            raise
-        try:
-            import stat as _st
-
-            st = os.fstat(fd)
-            if not _st.S_ISREG(st.st_mode):
-                raise PolicyDenied(f"{rel!r} is not a regular file", code="files.not-regular")
-            if st.st_size > MAX_FILE:
+        if size > MAX_FILE:
+            raise PolicyDenied("file too large", code="files.too-large")
+        chunks, total = [], 0
+        while True:
+            b = os.read(fd, 1 << 20)
+            if not b:
+                break
+            total += len(b)
+            if total > MAX_FILE:  # it grew while we read: the cap holds anyway
                 raise PolicyDenied("file too large", code="files.too-large")
-            chunks, total = [], 0
-            while True:
-                b = os.read(fd, 1 << 20)
-                if not b:
-                    break
-                total += len(b)
-                if total > MAX_FILE:  # it grew while we read: the cap holds anyway
-                    raise PolicyDenied("file too large", code="files.too-large")
-                chunks.append(b)
-            return b"".join(chunks)
-        finally:
-            os.close(fd)
+            chunks.append(b)
+        return b"".join(chunks)
     finally:
-        os.close(dfd)
+        os.close(fd)
 
 
 def _not_found(rel: str):
