@@ -8,13 +8,14 @@ workspace. Output is streamed to an :class:`~agentvm.daemon.pump.Output` (the tr
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import logging
 import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterator
 
 from agentvm.daemon.events import refuse
 from agentvm.daemon.pump import SIGNALS, Attached, ClientGone, Output, feed, pump, set_winsize
@@ -67,11 +68,7 @@ class Commands:
         began = time.time()
         await out.start()
         status = await pump({o_r: "stdout", e_r: "stderr"}, fut, (o_w, e_w, stdin), out)
-        trace = m.session.trace if m.session is not None else None
-        if trace is not None:
-            trace.span("exec", began, attributes={"agentvm.exec.command": os.path.basename(argv[0])[:128],
-                                                  "agentvm.exec.exit_code": status.exit_code,
-                                                  "agentvm.exec.timed_out": bool(status.timed_out)})
+        _trace_exec(m, argv, began, status)
         return status
 
     def run_policy(self, req: RunRequest):
@@ -287,11 +284,7 @@ class Commands:
             feeder.cancel()
             await asyncio.gather(feeder, return_exceptions=True)
             drop_hup()
-        trace = m.session.trace if m.session is not None else None
-        if trace is not None:
-            trace.span("exec", began, attributes={"agentvm.exec.command": os.path.basename(argv[0])[:128],
-                                                  "agentvm.exec.exit_code": status.exit_code,
-                                                  "agentvm.exec.timed_out": bool(status.timed_out)})
+        _trace_exec(m, argv, began, status)
         return status
 
     def _workspace_dir(self, name: str) -> tuple[Path, int | None]:
@@ -387,32 +380,25 @@ class Commands:
         held = limit if length is None else length
         self._cp_staged = getattr(self, "_cp_staged", 0) + held
         try:
-            pending = bytearray()
-            while True:
-                chunk = await body.read()
-                if chunk:
-                    total += len(chunk)
-                    if total > limit:  # (a chunked body, or a client that lied about its length)
-                        over(total, known=False)
-                    pending += chunk
-                    if len(pending) < files.COPY_CHUNK:
-                        continue
-                if pending:
-                    await asyncio.to_thread(_write_all, fd, bytes(pending))
-                    pending.clear()
-                if not chunk:
-                    break
-            os.lseek(fd, 0, os.SEEK_SET)
-            return fd
-        except OSError as exc:
-            os.close(fd)
-            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise refuse("state.disk-full", f"the daemon's state disk filled while {total} bytes of the copy "
-                             "were staged; nothing was written", hint=f"free space on the disk of {self.paths.home}") from None
-            raise
-        except BaseException:
-            os.close(fd)
-            raise
+            with _closed_on_failure(fd, self.paths.home,
+                                    lambda: f"{total} bytes of the copy were staged; nothing was written"):
+                pending = bytearray()
+                while True:
+                    chunk = await body.read()
+                    if chunk:
+                        total += len(chunk)
+                        if total > limit:  # (a chunked body, or a client that lied about its length)
+                            over(total, known=False)
+                        pending += chunk
+                        if len(pending) < files.COPY_CHUNK:
+                            continue
+                    if pending:
+                        await asyncio.to_thread(_write_all, fd, bytes(pending))
+                        pending.clear()
+                    if not chunk:
+                        break
+                os.lseek(fd, 0, os.SEEK_SET)
+                return fd
         finally:
             self._cp_staged = max(0, getattr(self, "_cp_staged", 0) - held)
 
@@ -447,30 +433,47 @@ class Commands:
         if tar and await asyncio.to_thread(files.is_dir_beneath, root, path):
             room = await asyncio.to_thread(files.staging_room, self.paths.home, RESERVE)
             fd = await asyncio.to_thread(files.staging_open, self.paths.home)
-            try:
-                def build() -> tuple[dict, int]:
-                    with os.fdopen(os.dup(fd), "wb") as out:
-                        got = files.tar_tree_beneath(root, path, out, room)
-                        out.flush()
-                        size = out.tell()
-                    os.lseek(fd, 0, os.SEEK_SET)
-                    return got, size
 
+            def build() -> tuple[dict, int]:
+                with os.fdopen(os.dup(fd), "wb") as out:
+                    got = files.tar_tree_beneath(root, path, out, room)
+                    out.flush()
+                    size = out.tell()
+                os.lseek(fd, 0, os.SEEK_SET)
+                return got, size
+
+            with _closed_on_failure(fd, self.paths.home, lambda: f"{name}:{path} was packed"):
                 got, size = await asyncio.to_thread(build)
-            except OSError as exc:
-                os.close(fd)
-                if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                    raise refuse("state.disk-full", f"the daemon's state disk filled while {name}:{path} was "
-                                 "packed", hint=f"free space on the disk of {self.paths.home}") from None
-                raise
-            except BaseException:
-                os.close(fd)
-                raise
             self.record("operator.cp-out", actor=actor, sandbox=name, path=path, folder=True, **got)
             return {"path": path, "kind": "tar", **got, "fd": fd, "size": size}
         fd, size = await asyncio.to_thread(files.open_beneath, root, path)
         self.record("operator.cp-out", actor=actor, sandbox=name, path=path, bytes=size)
         return {"path": path, "kind": "file", "bytes": size, "fd": fd, "size": size}
+
+
+def _trace_exec(m, argv: list[str], began: float, status) -> None:
+    """The exec's span in its sandbox's session trace (when it has one)."""
+    trace = m.session.trace if m.session is not None else None
+    if trace is not None:
+        trace.span("exec", began, attributes={"agentvm.exec.command": os.path.basename(argv[0])[:128],
+                                              "agentvm.exec.exit_code": status.exit_code,
+                                              "agentvm.exec.timed_out": bool(status.timed_out)})
+
+
+@contextlib.contextmanager
+def _closed_on_failure(fd: int, home: Path, what: Callable[[], str]) -> Iterator[None]:
+    """``fd`` (a copy staged on the state disk) closed when the block fails; the state disk
+    filling while it runs (ENOSPC, EDQUOT) is ``state.disk-full``, saying ``what()`` was under way
+    (the generic agentvm.errors.disk_full_error would not say which copy, nor that nothing was
+    written)."""
+    try:
+        yield
+    except BaseException as exc:
+        os.close(fd)
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise refuse("state.disk-full", f"the daemon's state disk filled while {what()}",
+                         hint=f"free space on the disk of {home}") from None
+        raise
 
 
 def _write_all(fd: int, data: bytes) -> None:
