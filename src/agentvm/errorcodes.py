@@ -168,6 +168,7 @@ _TABLE: list[tuple[str, int, int, str]] = [
     ("gateway.config-invalid", 400, CONFIG, "the gateway's configuration source is not valid"),
     ("gateway.ca-invalid", 400, CONFIG, "the gateway's CA files are missing or not usable (agentvm gateway init)"),
     ("gateway.identity-invalid", 400, CONFIG, "not a sandbox identity (agentvm://NAMESPACE/SANDBOX, DNS labels)"),
+    ("gateway.enroll-refused", 403, POLICY, "the gateway refused to enrol or renew a sandbox's certificate"),
     ("k8s.render-invalid", 400, CONFIG, "the agent cannot be rendered for Kubernetes as declared"),
     ("k8s.unavailable", 503, BACKEND, "no Kubernetes cluster configured or reachable (KUBECONFIG)"),
     ("k8s.not-found", 404, CONFIG, "no such object in the cluster"),

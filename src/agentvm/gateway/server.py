@@ -125,7 +125,10 @@ class GatewayGate(Gate):
         serial = (cert or {}).get("serialNumber")
         res = self.registry.admit(ident, serial)
         if isinstance(res, Refusal):
-            await self._refuse(stream, ident, res)
+            # into the identity's own decision log when it has one open (a revoked claim); never
+            # an endpoint opened for a refusal (an unknown name must not cost the gateway a log)
+            ep = self.endpoints.get(ident.key) if ident is not None else None
+            await self._refuse(stream, ident, res, ep if ep is not None and not ep.closing else None)
             stream.close()
             return
         ep = self._endpoint(ident, res)
@@ -268,8 +271,12 @@ class GatewayGate(Gate):
 
 
 async def serve(config_dir: Path, ca_dir: Path, host: str, port: int, *, state_dir: Path, audit_dir: Path | None,
-                replica: str, vault_dir: Path | None = None, ready=None, stop: asyncio.Event | None = None) -> None:
-    """Run a gateway replica until ``stop`` is set (or forever)."""
+                replica: str, vault_dir: Path | None = None, ready=None, stop: asyncio.Event | None = None,
+                issuer_dir: Path | None = None, enroll_key: Path | None = None, enroll_port: int | None = None,
+                cert_lifetime: float = 3600.0) -> None:
+    """Run a gateway replica until ``stop`` is set (or forever). With ``issuer_dir`` and
+    ``enroll_key`` it also serves per-claim enrolment on ``enroll_port`` (agentvm.gateway.enroll);
+    ``ready`` then gets the enrolment address as ``gate.enroll_addr``."""
     registry = Registry(config_dir, vault_dir=vault_dir)
     gate = GatewayGate(Path(state_dir) / "gate", Path(state_dir) / "logs" / replica, registry)
     gate.ca  # the interception CA now (its ca.pem is what sandboxes trust; replicas share it: docs/k8s.md)
@@ -285,6 +292,18 @@ async def serve(config_dir: Path, ca_dir: Path, host: str, port: int, *, state_d
         sink = AuditSink(audit_dir, replica)
         gate.subscribers.append(sink)
     server = await gate.listen(host, port, server_context(ca_dir))
+    enroll_server = None
+    if issuer_dir is not None or enroll_key is not None:
+        from agentvm.errors import ConfigError
+        from agentvm.gateway.ca import Issuer
+        from agentvm.gateway.enroll import ENROLL_PORT, Enroller, enroll_context, load_key
+
+        if issuer_dir is None or enroll_key is None:
+            raise ConfigError("per-claim enrolment needs both --issuer and --enroll-key", code="gateway.ca-invalid")
+        gate.enroller = Enroller(gate, Issuer(issuer_dir), load_key(enroll_key), lifetime=cert_lifetime)
+        enroll_server = await gate.enroller.listen(host, ENROLL_PORT if enroll_port is None else enroll_port,
+                                                   enroll_context(ca_dir))
+        gate.enroll_addr = enroll_server.sockets[0].getsockname()[:2]
     if ready is not None:
         ready(server.sockets[0].getsockname()[:2], gate)
     try:
@@ -293,6 +312,8 @@ async def serve(config_dir: Path, ca_dir: Path, host: str, port: int, *, state_d
         else:
             await stop.wait()
     finally:
+        if enroll_server is not None:
+            enroll_server.close()
         await gate.close()
         if sink is not None:
             sink.close()
