@@ -255,6 +255,11 @@ class Supervisor:
                         substrate=s.plan.substrate, identity=s.plan.identity, policy=s.plan.policy_digest,
                         **({"gate": s.endpoint.placement} if s.endpoint is not None else {}))
             m.starts_again = 0
+            # the sandbox holds its own copies of its stdio now: an idle worker costs the daemon
+            # no descriptor for its log or for /dev/null
+            for fd in fds:
+                os.close(fd)
+            fds.clear()
 
         def before_teardown(s):
             try:
