@@ -49,16 +49,20 @@ def test_worker_agent_with_host_grants_is_refused():
     assert e.value.code == "k8s.render-invalid"
 
 
-def _all_objects():
+def _all_objects(identity_mode="claim"):
     objs = render_all([ROOT / "examples" / e for e in EXAMPLES if e != "worker-agent.yaml"], namespace="team",
-                      warm_pool=3, image=IMAGE)
+                      warm_pool=3, image=IMAGE, identity_mode=identity_mode)
     return objs
 
 
-def test_every_rendered_object_is_valid():
-    objs = _all_objects()
+@pytest.mark.parametrize("mode", ["claim", "template"])
+def test_every_rendered_object_is_valid(mode):
+    objs = _all_objects(mode)
     kinds = {o["kind"] for o in objs}
-    assert {"SandboxTemplate", "SandboxWarmPool", "NetworkPolicy", "Secret", "ConfigMap", "Deployment", "Service"} <= kinds
+    assert {"SandboxTemplate", "SandboxWarmPool", "NetworkPolicy", "ConfigMap", "Deployment", "Service"} <= kinds
+    assert ("Secret" in kinds) == (mode == "template")  # per claim: no identity Secret at all
+    names = [(o["kind"], o["metadata"]["name"]) for o in objs]
+    assert len(names) == len(set(names)), "an object rendered twice"
     for o in objs:
         assert validate.problems(o) == [], o["kind"]
     # and the stream is what kubectl apply -f - reads: documents, in order
@@ -125,12 +129,24 @@ def test_the_sandbox_pod_is_hardened_and_holds_no_secret():
     agent, bridge = pod["containers"]
     assert agent["name"] == "agent" and bridge["name"] == "proxy-bridge"
     assert agent["securityContext"]["runAsUser"] != bridge["securityContext"]["runAsUser"]
-    # the identity Secret is a volume of the bridge only
+    # per claim (the default): no Secret in the pod at all; the bridge alone mounts the pod's
+    # annotations (the claim's token), the memory volume its key is made in, and the gateway's CA
     vols = {v["name"]: v for v in pod["volumes"]}
-    ident = [n for n, v in vols.items() if "secret" in v]
-    assert ident == ["identity"]
-    assert not any(m["name"] == "identity" for m in agent["volumeMounts"])
-    assert any(m["name"] == "identity" for m in bridge["volumeMounts"])
+    assert not [n for n, v in vols.items() if "secret" in v or "projected" in v]
+    assert vols["identity"] == {"name": "identity", "emptyDir": {"medium": "Memory", "sizeLimit": "1Mi"}}
+    assert vols["podinfo"]["downwardAPI"]["items"] == [{"path": "annotations",
+                                                        "fieldRef": {"fieldPath": "metadata.annotations"}}]
+    bridge_only = {"identity", "podinfo", "gateway-ca"}
+    assert not bridge_only & {m["name"] for m in agent["volumeMounts"]}
+    assert bridge_only <= {m["name"] for m in bridge["volumeMounts"]}
+    assert "--enroll-token-file" in bridge["command"]
+    # the template's own Secret (--identity template) is a volume of the bridge only
+    _t2, pod2 = _pod(render(ROOT / "examples" / "tools-github-agent.yaml", namespace="team", image=IMAGE,
+                            identity_mode="template"), "tools-github-agent")
+    vols2 = {v["name"]: v for v in pod2["volumes"]}
+    assert [n for n, v in vols2.items() if "secret" in v] == ["identity"]
+    assert not any(m["name"] == "identity" for m in pod2["containers"][0]["volumeMounts"])
+    assert any(m["name"] == "identity" for m in pod2["containers"][1]["volumeMounts"])
     # credentials: the pod holds placeholders, the gateway a reference to a Secret it alone mounts
     gw_cfg = yaml.safe_load(next(o for o in objs if o["kind"] == "ConfigMap" and o["metadata"]["name"] ==
                                  "agentvm-gateway-config")["data"]["gateway.yaml"])
@@ -157,7 +173,11 @@ def test_the_network_policy_allows_the_gateway_only():
     assert np_["spec"]["policyTypes"] == ["Ingress", "Egress"] and np_["spec"]["ingress"] == []
     (rule,) = np_["spec"]["egress"]
     assert rule["to"] == [{"podSelector": {"matchLabels": {"agentvm.dev/role": "gateway"}}}]
-    assert rule["ports"] == [{"protocol": "TCP", "port": 8443}]  # no DNS (53) at all
+    # the gateway's proxy port and its enrolment port; no DNS (53) at all
+    assert rule["ports"] == [{"protocol": "TCP", "port": 8443}, {"protocol": "TCP", "port": 8444}]
+    objs2 = render(ROOT / "examples" / "hello-agent.yaml", namespace="team", image=IMAGE, identity_mode="template")
+    (rule2,) = next(o for o in objs2 if o["kind"] == "NetworkPolicy")["spec"]["egress"]
+    assert rule2["ports"] == [{"protocol": "TCP", "port": 8443}]
     gw = next(o for o in objs if o["kind"] == "Deployment")
     assert gw["spec"]["template"]["metadata"]["labels"]["agentvm.dev/role"] == "gateway"
     assert t["spec"]["networkPolicyManagement"] == "Unmanaged"
@@ -185,7 +205,7 @@ def test_render_with_a_ca_mints_the_identity(tmp_path):
 
     GatewayCA.create(tmp_path / "ca")
     out = subprocess.run([sys.executable, "-m", "agentvm", "k8s", "render", "-f", str(ROOT / "examples" / "hello-agent.yaml"),
-                          "-n", "team", "--image", IMAGE, "--ca", str(tmp_path / "ca")],
+                          "-n", "team", "--image", IMAGE, "--ca", str(tmp_path / "ca"), "--identity", "template"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     secret = next(d for d in yaml.safe_load_all(out.stdout) if d["kind"] == "Secret")
@@ -268,3 +288,65 @@ def test_live_claim_exec_rm():  # pragma: no cover - needs a cluster with agent-
         assert out.strip() in ("403", "000")
     finally:
         c.rm(name, ns)
+
+
+def test_render_per_claim_with_a_ca_publishes_only_the_ca_certificate(tmp_path):
+    from agentvm.gateway.ca import GatewayCA
+
+    ca = GatewayCA.create(tmp_path / "ca")
+    out = subprocess.run([sys.executable, "-m", "agentvm", "k8s", "render", "-f", str(ROOT / "examples" / "hello-agent.yaml"),
+                          "-n", "team", "--image", IMAGE, "--ca", str(tmp_path / "ca")],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    docs = list(yaml.safe_load_all(out.stdout))
+    cm = next(d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "agentvm-gateway-ca")
+    assert cm["data"]["ca.pem"] == ca.cert_pem.decode()
+    assert "PRIVATE KEY" not in out.stdout and not any(d["kind"] == "Secret" for d in docs)
+    assert all(validate.problems(d) == [] for d in docs)
+
+
+def test_the_rendered_commands_are_ones_the_cli_takes():
+    """The bridge's and the gateway's command lines in the render parse with agentvm's own CLI
+    (an option renamed on one side would leave every pod crash-looping)."""
+    from agentvm.cli.gateway_cmds import gateway
+
+    objs = render(ROOT / "examples" / "hello-agent.yaml", namespace="team", image=IMAGE)
+    _t, pod = _pod(objs, "hello-agent")
+    dep = next(o for o in objs if o["kind"] == "Deployment")
+    for argv in (pod["containers"][1]["command"], dep["spec"]["template"]["spec"]["containers"][0]["command"]):
+        assert argv[:2] == ["agentvm", "gateway"]
+        cmd = gateway.commands[argv[2]]
+        ctx = cmd.make_context(argv[2], list(argv[3:]))
+        assert ctx.params  # parsed: every option exists
+    bridge_params = gateway.commands["bridge"].make_context("bridge", list(pod["containers"][1]["command"][3:])).params
+    assert str(bridge_params["enroll_token_file"]) == "/etc/agentvm/podinfo/annotations"
+    mounts = {m["mountPath"]: m["name"] for m in pod["containers"][1]["volumeMounts"]}
+    assert mounts["/etc/agentvm/podinfo"] == "podinfo" and mounts["/etc/agentvm/identity"] == "identity"
+    gw_params = gateway.commands["serve"].make_context("serve", list(
+        dep["spec"]["template"]["spec"]["containers"][0]["command"][3:])).params
+    assert str(gw_params["issuer_dir"]) == "/etc/agentvm/gateway-issuer" and gw_params["enroll_port"] == 8444
+
+
+def test_a_claim_carries_its_own_enrolment_token(tmp_path):
+    """``k8s claim --enroll-key``: the SandboxClaim (valid against the vendored CRD) carries, as
+    pod annotations, a token the gateway accepts for agentvm://NS/NAME and no other identity."""
+    from agentvm.gateway import enroll as en
+    from agentvm.gateway.ca import GatewayCA
+    from agentvm.gateway.identity import Identity
+
+    files = GatewayCA.create(tmp_path / "ca").make_issuer(tmp_path / "iss", namespaces=("team",))
+    ann = cluster.enrolment_annotations("hello-agent-1", "team", "hello-agent", files["enroll.key"])
+    body = cluster.claim_body("hello-agent-1", "team", "hello-agent", annotations=ann)
+    assert validate.problems(body) == []
+    got = body["spec"]["additionalPodMetadata"]["annotations"]
+    assert got["agentvm.dev/identity"] == "agentvm://team/hello-agent-1"
+    ident, _nonce, _exp = en.check_token(en.load_key(files["enroll.key"]), got[en.ANNOTATION])
+    assert ident == Identity("team", "hello-agent-1")
+    with pytest.raises(en.Refused):
+        en.check_token(b"x" * 32, got[en.ANNOTATION])
+    # the downwardAPI file as the kubelet writes it gives the bridge the token back
+    (tmp_path / "annotations").write_text("".join(f"{k}={__import__('json').dumps(v)}\n" for k, v in got.items()))
+    assert en.read_annotation(tmp_path / "annotations") == got[en.ANNOTATION]
+    with pytest.raises(ConfigError):  # a name the rendered gateway would not map to the agent
+        cluster.enrolment_annotations("other-1", "team", "hello-agent", files["enroll.key"])
+    assert "additionalPodMetadata" not in cluster.claim_body("c1", "team", "hello-agent")["spec"]

@@ -26,18 +26,28 @@ def k8s() -> None:
 @click.option("--gateway-replicas", type=int, default=2, show_default=True)
 @click.option("--ca", "ca_dir", type=click.Path(path_type=Path), default=None,
               help="The gateway's CA: mint each agent's identity into its Secret (else left empty to fill).")
-@click.option("--identity-ttl", type=float, default=86400.0, show_default=True, help="Lifetime of minted identities, s.")
+@click.option("--identity", "identity_mode", type=click.Choice(["claim", "template"]), default="claim", show_default=True,
+              help="claim: each claim enrols its own short-lived certificate at the gateway; template: one "
+                   "Secret shared by every pod of the template.")
+@click.option("--identity-ttl", type=float, default=86400.0, show_default=True,
+              help="Lifetime of the certificate minted into the template's Secret (--identity template), s.")
 @click.option("--trust", "trust_file", type=click.Path(exists=True, path_type=Path), default=None,
               help="The gate's interception CA certificate (PEM) sandboxes trust.")
 def render_cmd(files, namespace, warm_pool, image, gateway_image, runtime_class, gateway_replicas, ca_dir,
-               identity_ttl, trust_file) -> None:
+               identity_mode, identity_ttl, trust_file) -> None:
     """Print the objects for the agent(s) as one multi-document YAML stream (kubectl apply -f -)."""
     from agentvm.k8s.render import render_all, to_yaml
 
+    gateway_ca_pem = None
+    if ca_dir is not None and identity_mode == "claim":
+        from agentvm.gateway.ca import GatewayCA
+
+        gateway_ca_pem = GatewayCA.load(ca_dir).cert_pem.decode()
     objs = render_all(files, namespace=namespace, warm_pool=warm_pool, image=image, gateway_image=gateway_image,
                       runtime_class=runtime_class, gateway_replicas=gateway_replicas,
-                      trust_pem=trust_file.read_text() if trust_file else None)
-    if ca_dir is not None:
+                      trust_pem=trust_file.read_text() if trust_file else None, identity_mode=identity_mode,
+                      gateway_ca_pem=gateway_ca_pem)
+    if ca_dir is not None and identity_mode == "template":
         import base64
 
         from agentvm.gateway.ca import GatewayCA
@@ -57,11 +67,18 @@ def render_cmd(files, namespace, warm_pool, image, gateway_image, runtime_class,
 @click.argument("name")
 @click.option("--pool", required=True, help="The SandboxWarmPool (the agent's name).")
 @click.option("--namespace", "-n", default="default", show_default=True)
-def claim(name, pool, namespace) -> None:
-    """Claim a sandbox NAME from an agent's warm pool."""
-    from agentvm.k8s.cluster import Cluster
+@click.option("--enroll-key", type=click.Path(exists=True, path_type=Path), default=None,
+              envvar="AGENTVM_ENROLL_KEY", help="enroll.key (agentvm gateway issuer): give the claim its own identity.")
+@click.option("--token-ttl", type=float, default=1800.0, show_default=True,
+              help="Seconds the claim's bootstrap token is good for (until its bridge enrols).")
+def claim(name, pool, namespace, enroll_key, token_ttl) -> None:
+    """Claim a sandbox NAME from an agent's warm pool (with --enroll-key: identity agentvm://NS/NAME)."""
+    from agentvm.k8s.cluster import Cluster, enrolment_annotations
 
-    click.echo(json.dumps(Cluster().claim(name, namespace, pool).get("metadata", {}), default=str))
+    ann = enrolment_annotations(name, namespace, pool, enroll_key, ttl=token_ttl) if enroll_key else None
+    meta = Cluster().claim(name, namespace, pool, annotations=ann).get("metadata", {})
+    click.echo(json.dumps({"name": meta.get("name"), "namespace": meta.get("namespace"),
+                           "identity": (ann or {}).get("agentvm.dev/identity")}, default=str))
 
 
 @k8s.command("exec")

@@ -14,19 +14,39 @@ GROUP, VERSION = "extensions.agents.x-k8s.io", "v1beta1"
 SANDBOX_GROUP = "agents.x-k8s.io"
 
 
-def claim_body(name: str, namespace: str, pool: str, *, ttl_after_finished: int | None = None) -> dict:
+def enrolment_annotations(name: str, namespace: str, pool: str, enroll_key, *, ttl: float = 1800.0) -> dict:
+    """The pod annotations that give a claim its own identity ``agentvm://NAMESPACE/NAME``: a
+    bootstrap token bound to it (agentvm.gateway.enroll). The rendered gateway maps
+    ``agentvm://NS/POOL`` and ``agentvm://NS/POOL-*`` to the agent, so NAME must be one of them."""
+    from agentvm.gateway.enroll import ANNOTATION, IDENTITY_ANNOTATION, load_key, make_token
+    from agentvm.gateway.identity import Identity
+
+    ident = Identity(namespace, name)
+    if name != pool and not name.startswith(pool + "-"):
+        raise ConfigError(f"claim {name} of pool {pool}: the gateway maps only {pool} and {pool}-* to the agent",
+                          hint=f"name the claim {pool}-SOMETHING", code="k8s.render-invalid")
+    return {IDENTITY_ANNOTATION: ident.uri, ANNOTATION: make_token(load_key(enroll_key), ident, ttl=ttl)}
+
+
+def claim_body(name: str, namespace: str, pool: str, *, ttl_after_finished: int | None = None,
+               annotations: dict | None = None) -> dict:
     """A SandboxClaim (v1beta1 claims come from a warm pool: ``warmPoolRef``); the sandbox is
-    deleted with the claim (``shutdownPolicy: Delete``)."""
+    deleted with the claim (``shutdownPolicy: Delete``). ``annotations`` go onto the claimed
+    pod (``additionalPodMetadata``, which the controller applies to a warm pod it hands over):
+    the per-claim enrolment token (:func:`enrolment_annotations`)."""
     from agentvm.gateway.identity import Identity
 
     Identity(namespace, name)  # DNS labels
     lifecycle: dict = {"shutdownPolicy": "Delete"}
     if ttl_after_finished is not None:
         lifecycle["ttlSecondsAfterFinished"] = int(ttl_after_finished)
+    spec: dict = {"warmPoolRef": {"name": pool}, "lifecycle": lifecycle}
+    if annotations:
+        spec["additionalPodMetadata"] = {"annotations": dict(annotations)}
     return {"apiVersion": f"{GROUP}/{VERSION}", "kind": "SandboxClaim",
             "metadata": {"name": name, "namespace": namespace,
                          "labels": {"app.kubernetes.io/managed-by": "agentvm", "agentvm.dev/agent": pool}},
-            "spec": {"warmPoolRef": {"name": pool}, "lifecycle": lifecycle}}
+            "spec": spec}
 
 
 def claim_request(body: dict) -> dict:
@@ -76,8 +96,9 @@ class Cluster:
             raise AgentVMError(f"the Kubernetes API failed: {status or type(exc).__name__}: "
                                f"{getattr(exc, 'reason', exc)}", code="k8s.error") from exc
 
-    def claim(self, name: str, namespace: str, pool: str) -> dict:
-        return self._call(self.custom.create_namespaced_custom_object, **claim_request(claim_body(name, namespace, pool)))
+    def claim(self, name: str, namespace: str, pool: str, *, annotations: dict | None = None) -> dict:
+        return self._call(self.custom.create_namespaced_custom_object,
+                          **claim_request(claim_body(name, namespace, pool, annotations=annotations)))
 
     def rm(self, name: str, namespace: str) -> dict:
         return self._call(self.custom.delete_namespaced_custom_object, **delete_request(name, namespace))

@@ -8,8 +8,14 @@ What is rendered, in apply order:
   (gateway.yaml and the agent file), Deployment and Service ``agentvm-gateway``; the gateway's
   credentials are references to the Secret ``agentvm-credentials`` (key ``AGENT.CREDENTIAL``),
   created by the operator, mounted by the gateway alone - never by a sandbox;
-* the agent: Secret ``AGENT-identity`` (its mTLS client certificate: filled with ``--ca``,
-  mounted only into the ``proxy-bridge`` container), ConfigMap ``AGENT-trust`` (the gate's
+* per-claim identities (the default, ``identity_mode="claim"``): ConfigMap ``agentvm-gateway-ca``
+  (the gateway CA's certificate, public); the gateway mounts the Secret ``agentvm-gateway-issuer``
+  and serves enrolment on 8444; each sandbox's bridge enrols with its claim's bootstrap token,
+  read from a downwardAPI volume of the pod's annotations that only the bridge mounts, and keeps
+  its key and certificate in a memory volume only it mounts (agentvm.gateway.enroll);
+* the agent: with ``identity_mode="template"`` a Secret ``AGENT-identity`` (one mTLS client
+  certificate for every pod of the template: filled with ``--ca``, mounted only into the
+  ``proxy-bridge`` container); ConfigMap ``AGENT-trust`` (the gate's
   interception CA, public), NetworkPolicy ``AGENT-egress`` (no ingress; egress to the gateway's
   pods on its port only - no DNS: the bridge finds the gateway by the Service's environment
   variables), SandboxTemplate ``AGENT``, and a SandboxWarmPool ``AGENT`` when asked.
@@ -28,6 +34,9 @@ GROUP = "extensions.agents.x-k8s.io"
 API = f"{GROUP}/v1beta1"
 GATEWAY = "agentvm-gateway"
 GATEWAY_PORT = 8443
+ENROLL_PORT = 8444  # per-claim enrolment (agentvm.gateway.enroll)
+GATEWAY_CA = "agentvm-gateway-ca"  # ConfigMap: the gateway CA's certificate (public) the bridge verifies the gateway with
+ISSUER_SECRET = "agentvm-gateway-issuer"  # Secret: issuer.pem, issuer.key, enroll.key (agentvm gateway issuer)
 BRIDGE_PORT = 3128
 CREDENTIALS_SECRET = "agentvm-credentials"
 AGENT_UID, BRIDGE_UID = 65532, 65533
@@ -74,9 +83,13 @@ def _cpu(c: float) -> str:
 
 def render(agent_path: Path | str, *, namespace: str = "default", warm_pool: int | None = None, image: str | None = None,
            gateway_image: str | None = None, runtime_class: str | None = None, gateway_replicas: int = 2,
-           identity: dict | None = None, trust_pem: str | None = None, agent_text: str | None = None) -> list[dict]:
-    """The objects for the agent file at ``agent_path``. ``identity``: {"tls.crt", "tls.key",
-    "ca.crt"} of a minted certificate (``--ca``); ``trust_pem``: the gate's interception CA."""
+           identity: dict | None = None, trust_pem: str | None = None, agent_text: str | None = None,
+           identity_mode: str = "claim", gateway_ca_pem: str | None = None) -> list[dict]:
+    """The objects for the agent file at ``agent_path``. ``identity_mode``: ``claim`` (each claim
+    enrols its own certificate) or ``template`` (one Secret for every pod of the template);
+    ``identity``: {"tls.crt", "tls.key", "ca.crt"} of a minted certificate for ``template``;
+    ``gateway_ca_pem``: the gateway CA's certificate for ``claim``; ``trust_pem``: the gate's
+    interception CA."""
     from agentvm import __version__
     from agentvm.gateway.identity import Identity
     from agentvm.policy import SUBSTRATE_STRENGTH, compile_policy
@@ -87,6 +100,9 @@ def render(agent_path: Path | str, *, namespace: str = "default", warm_pool: int
     policy = compile_policy(loaded.spec)
     name = loaded.spec.metadata.name
     Identity(namespace, name)  # both DNS labels (raises gateway.identity-invalid)
+    if identity_mode not in ("claim", "template"):
+        raise ConfigError(f"identity mode {identity_mode!r}: claim or template", code="k8s.render-invalid")
+    per_claim = identity_mode == "claim"
     if warm_pool is not None and warm_pool < 0:
         raise ConfigError("--warm-pool must be >= 0", code="k8s.render-invalid")
     if policy.network == "none":
@@ -141,9 +157,13 @@ def render(agent_path: Path | str, *, namespace: str = "default", warm_pool: int
                         "name": "gateway", "image": gw_image,
                         "command": ["agentvm", "gateway", "serve", "--config", "/etc/agentvm/gateway",
                                     "--ca", "/etc/agentvm/gateway-tls", "--listen", f"0.0.0.0:{GATEWAY_PORT}",
-                                    "--state", "/var/lib/agentvm/gateway", "--audit", "/var/log/agentvm/audit"],
+                                    "--state", "/var/lib/agentvm/gateway", "--audit", "/var/log/agentvm/audit"]
+                        + (["--issuer", "/etc/agentvm/gateway-issuer", "--enroll-key",
+                            "/etc/agentvm/gateway-issuer/enroll.key", "--enroll-port", str(ENROLL_PORT)]
+                           if per_claim else []),
                         "env": gw_env + [{"name": "AGENTVM_HOME", "value": "/var/lib/agentvm"}],
-                        "ports": [{"name": "mtls", "containerPort": GATEWAY_PORT, "protocol": "TCP"}],
+                        "ports": [{"name": "mtls", "containerPort": GATEWAY_PORT, "protocol": "TCP"}]
+                        + ([{"name": "enroll", "containerPort": ENROLL_PORT, "protocol": "TCP"}] if per_claim else []),
                         "resources": {"requests": {"cpu": "1", "memory": "512Mi"}, "limits": {"cpu": "2", "memory": "1Gi"}},
                         "securityContext": _hardened(AGENT_UID),
                         "volumeMounts": [
@@ -151,16 +171,24 @@ def render(agent_path: Path | str, *, namespace: str = "default", warm_pool: int
                             {"name": "gateway-tls", "mountPath": "/etc/agentvm/gateway-tls", "readOnly": True},
                             {"name": "intercept-ca", "mountPath": "/var/lib/agentvm/gateway/gate/ca", "readOnly": True},
                             {"name": "state", "mountPath": "/var/lib/agentvm"},
-                            {"name": "audit", "mountPath": "/var/log/agentvm/audit"}]}],
+                            {"name": "audit", "mountPath": "/var/log/agentvm/audit"}]
+                        + ([{"name": "issuer", "mountPath": "/etc/agentvm/gateway-issuer", "readOnly": True}]
+                           if per_claim else [])}],
                     "volumes": [
                         {"name": "config", "configMap": {"name": f"{GATEWAY}-config"}},
                         {"name": "gateway-tls", "secret": {"secretName": f"{GATEWAY}-tls", "defaultMode": 0o440}},
                         {"name": "intercept-ca", "secret": {"secretName": f"{GATEWAY}-intercept-ca", "defaultMode": 0o440}},
                         {"name": "state", "emptyDir": {}},
-                        {"name": "audit", "persistentVolumeClaim": {"claimName": f"{GATEWAY}-audit"}}]}}}}
+                        {"name": "audit", "persistentVolumeClaim": {"claimName": f"{GATEWAY}-audit"}}]
+                    + ([{"name": "issuer", "secret": {"secretName": ISSUER_SECRET, "defaultMode": 0o440}}]
+                       if per_claim else [])}}}}
     service = {"apiVersion": "v1", "kind": "Service", "metadata": gmeta(GATEWAY),
                "spec": {"selector": {ROLE: "gateway"},
-                        "ports": [{"name": "mtls", "port": GATEWAY_PORT, "targetPort": GATEWAY_PORT, "protocol": "TCP"}]}}
+                        "ports": [{"name": "mtls", "port": GATEWAY_PORT, "targetPort": GATEWAY_PORT, "protocol": "TCP"}]
+                        + ([{"name": "enroll", "port": ENROLL_PORT, "targetPort": ENROLL_PORT, "protocol": "TCP"}]
+                           if per_claim else [])}}
+    gateway_ca = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": gmeta(GATEWAY_CA),
+                  "data": {"ca.pem": gateway_ca_pem or ""}}
 
     # -- the agent ------------------------------------------------------------------------------
     ident_uri = f"agentvm://{namespace}/{name}"
@@ -173,7 +201,8 @@ def render(agent_path: Path | str, *, namespace: str = "default", warm_pool: int
               "spec": {"podSelector": {"matchLabels": {AGENT_LABEL: name, ROLE: "sandbox"}},
                        "policyTypes": ["Ingress", "Egress"], "ingress": [],
                        "egress": [{"to": [{"podSelector": {"matchLabels": {ROLE: "gateway"}}}],
-                                   "ports": [{"protocol": "TCP", "port": GATEWAY_PORT}]}]}}
+                                   "ports": [{"protocol": "TCP", "port": GATEWAY_PORT}]
+                                   + ([{"protocol": "TCP", "port": ENROLL_PORT}] if per_claim else [])}]}}
     lim = policy.limits
     proxy = f"http://127.0.0.1:{BRIDGE_PORT}"
     env = [{"name": k, "value": v} for k, v in policy.env]
@@ -197,12 +226,19 @@ def render(agent_path: Path | str, *, namespace: str = "default", warm_pool: int
                "securityContext": _hardened(AGENT_UID), "volumeMounts": mounts}
     if agent_c["command"] is None:
         del agent_c["command"]
+    bridge_cmd = ["agentvm", "gateway", "bridge", "--listen", f"127.0.0.1:{BRIDGE_PORT}",
+                  "--identity", "/etc/agentvm/identity", "--server-name", f"{GATEWAY}.{namespace}.svc"]
+    bridge_mounts = [{"name": "identity", "mountPath": "/etc/agentvm/identity", "readOnly": not per_claim}]
+    if per_claim:  # the bridge enrols: the claim's token from the pod's annotations, its own key in memory
+        bridge_cmd += ["--enroll-token-file", "/etc/agentvm/podinfo/annotations",
+                       "--gateway-ca", "/etc/agentvm/gateway-ca/ca.pem", "--enroll-port", str(ENROLL_PORT)]
+        bridge_mounts += [{"name": "podinfo", "mountPath": "/etc/agentvm/podinfo", "readOnly": True},
+                          {"name": "gateway-ca", "mountPath": "/etc/agentvm/gateway-ca", "readOnly": True}]
     bridge_c = {"name": "proxy-bridge", "image": gw_image,
-                "command": ["agentvm", "gateway", "bridge", "--listen", f"127.0.0.1:{BRIDGE_PORT}",
-                            "--identity", "/etc/agentvm/identity", "--server-name", f"{GATEWAY}.{namespace}.svc"],
+                "command": bridge_cmd,
                 "resources": {"requests": {"cpu": "50m", "memory": "64Mi"}, "limits": {"cpu": "500m", "memory": "128Mi"}},
                 "securityContext": _hardened(BRIDGE_UID),
-                "volumeMounts": [{"name": "identity", "mountPath": "/etc/agentvm/identity", "readOnly": True}]}
+                "volumeMounts": bridge_mounts}
     pod_spec = {
         "runtimeClassName": runtime,
         "automountServiceAccountToken": False,
@@ -215,7 +251,11 @@ def render(agent_path: Path | str, *, namespace: str = "default", warm_pool: int
         "containers": [agent_c, bridge_c],
         "volumes": [{"name": "tmp", "emptyDir": {"medium": "Memory", "sizeLimit": _quantity(lim.tmp)}},
                     {"name": "trust", "configMap": {"name": f"{name}-trust"}},
-                    {"name": "identity", "secret": {"secretName": f"{name}-identity", "defaultMode": 0o440}}],
+                    *([{"name": "identity", "emptyDir": {"medium": "Memory", "sizeLimit": "1Mi"}},
+                       {"name": "podinfo", "downwardAPI": {"items": [
+                           {"path": "annotations", "fieldRef": {"fieldPath": "metadata.annotations"}}]}},
+                       {"name": "gateway-ca", "configMap": {"name": GATEWAY_CA}}] if per_claim else
+                      [{"name": "identity", "secret": {"secretName": f"{name}-identity", "defaultMode": 0o440}}])],
     }
     if policy.lifecycle == "ephemeral" and lim.timeout:
         pod_spec["activeDeadlineSeconds"] = int(lim.timeout)
@@ -224,7 +264,7 @@ def render(agent_path: Path | str, *, namespace: str = "default", warm_pool: int
                          "podTemplate": {"metadata": {"labels": dict(labels, **{ROLE: "sandbox"})}, "spec": pod_spec}}}
     if claims:
         template["spec"]["volumeClaimTemplates"] = claims
-    out = [config_map, deployment, service, secret, trust, netpol, template]
+    out = [config_map, deployment, service, gateway_ca if per_claim else secret, trust, netpol, template]
     if warm_pool is not None:
         out.append({"apiVersion": API, "kind": "SandboxWarmPool", "metadata": meta(name),
                     "spec": {"replicas": warm_pool, "sandboxTemplateRef": {"name": name}}})
@@ -268,5 +308,5 @@ def render_all(agent_paths, **kw) -> list[dict]:
         cm["data"]["gateway.yaml"] = yaml.safe_dump(cfg, sort_keys=False)
         dep["spec"]["template"]["spec"]["containers"][0]["env"][:0] = [
             e for e in new_dep["spec"]["template"]["spec"]["containers"][0]["env"] if "valueFrom" in e]
-        out.extend(objs[3:])
+        out.extend(o for o in objs[3:] if not (o["kind"] == "ConfigMap" and o["metadata"]["name"] == GATEWAY_CA))
     return out
