@@ -35,6 +35,8 @@ if [ "${1:-}" = "--test" ]; then
   # (javac and java.security through /usr links into /etc), fakeroot (chown answers)
   want+=(libpython3.11-testsuite python3-ipykernel python3-jupyter-client python3-flask chromium python3-websocket make)
   want+=(default-jdk-headless fakeroot)
+  # `agentvm image export --oci` is checked by real OCI tools: skopeo copies/inspects the layout, umoci unpacks it
+  want+=(skopeo umoci)
 fi
 missing=()
 for p in "${want[@]}"; do

@@ -170,3 +170,47 @@ def sign_cmd(ref, key):
     store = _store()
     out = sign(store, ref, key)
     click.echo(f"signed {store.resolve(ref)} ({out.name})")
+
+
+@image.command("export")
+@click.argument("ref")
+@click.argument("out")
+@click.option("--oci", "oci", is_flag=True, required=True, help="As an OCI image layout (the only format).")
+@click.option("--tag", default=None, help="The layout's ref name (default: the image's name).")
+def export_cmd(ref, out, oci, tag):
+    """Write image REF as an OCI image layout in directory OUT (or a tar on stdout for -), with
+    its signatures in the manifest's annotations (docs/images.md)."""
+    import sys
+
+    from agentvm.images.export import export_oci
+
+    if out == "-" and sys.stdout.isatty():
+        from agentvm.errors import ConfigError
+
+        raise ConfigError("not writing a tar to a terminal", hint="redirect stdout to a file, or give a directory")
+    got = export_oci(_store(), ref, out, tag=tag, stream=sys.stdout.buffer if out == "-" else None)
+    if out == "-":
+        sys.stdout.buffer.flush()
+    _say(f"exported {got['image']} as {got['manifest']} ({got['layer_bytes'] / 1e6:.1f} MB layer, "
+         f"{got['signatures']} signature(s)); push with: skopeo copy oci:{out if out != '-' else 'DIR'}:{got['tag']} "
+         f"docker://REGISTRY/NAME:{got['tag']}")
+    if out != "-":
+        click.echo(json.dumps(got))
+
+
+@image.command("verify-oci")
+@click.argument("layout", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--signers", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="an allowed-signers file: report (and require, with --require-signed) valid signatures")
+@click.option("--ref", default=None, help="the image's ref name in the layout")
+@click.option("--require-signed", is_flag=True, help="exit 1 unless a signer of --signers signed it")
+def verify_oci_cmd(layout, signers, ref, require_signed):
+    """Check an exported (and copied) OCI layout: blobs, diff_ids, the tree, the signatures."""
+    from agentvm.images.export import verify_layout
+
+    got = verify_layout(layout, signers, ref=ref)
+    click.echo(json.dumps(got))
+    if require_signed and not got["signed_by"]:
+        from agentvm.errors import PolicyDenied
+
+        raise PolicyDenied(f"{layout}: no valid signature of {got['tree']}", code="image.unsigned")
