@@ -8,6 +8,10 @@ that listening socket. The connection waits in the backlog meanwhile (the first 
 a run pays the gate's start once). A sandbox that never connects never starts a gate. If
 the gate cannot start, the socket is closed and every waiting connection is refused (fail
 closed), and the run reports it.
+
+The gate that serves is, by default, not this process: one confined, unprivileged gate worker
+process (agentvm.gate.embedded_worker), forked early and told to start on the first connection.
+See LazyGate for which sandboxes the in-process gate still serves, and docs/gate-embedded.md.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import socket
 import threading
 from pathlib import Path
 
-from agentvm.errors import BackendError
+from agentvm.errors import AgentVMError, BackendError
 from agentvm.fsutil import bind_unix_listener
 
 START_TIMEOUT = 30.0
@@ -85,48 +89,162 @@ class PendingEndpoint:
         return self._ep
 
 
-class LazyGate:
-    def __init__(self, state_dir: Path, log_dir: Path, approvals_factory=None) -> None:
-        self.state_dir, self.log_dir = state_dir, log_dir
-        self.approvals_factory = approvals_factory
-        self._pending: set[PendingEndpoint] = set()  # endpoints not yet served or abandoned
-        self._ready = threading.Event()
-        self._start_lock = threading.Lock()
-        self._started = False
-        self._impl = None
-        self._error: BaseException | None = None
+class _Lazy:
+    """One gate implementation, started (in a background thread) when first needed."""
 
-    def _ensure_started(self) -> None:
-        with self._start_lock:
-            if not self._started:
-                self._started = True
+    def __init__(self, factory) -> None:
+        self.factory = factory
+        self.ready = threading.Event()
+        self._lock = threading.Lock()
+        self.started = False
+        self.impl_ = None
+        self.error: BaseException | None = None
+
+    def ensure_started(self) -> None:
+        with self._lock:
+            if not self.started:
+                self.started = True
                 threading.Thread(target=self._start, name="agentvm-gate-start", daemon=True).start()
 
     def _start(self) -> None:
         try:
-
-            self._impl = EmbeddedGate(self.state_dir, self.log_dir)
-            self._impl.gate.approvals_factory = self.approvals_factory
+            self.impl_ = self.factory()
         except BaseException as exc:  # noqa: BLE001 - reported to every endpoint
-            self._error = exc
+            self.error = exc
         finally:
-            self._ready.set()
+            self.ready.set()
 
     def impl(self, timeout: float = START_TIMEOUT):
-        self._ensure_started()
-        if not self._ready.wait(timeout):
+        self.ensure_started()
+        if not self.ready.wait(timeout):
             raise BackendError(f"the egress gate did not start within {timeout:g}s")
-        if self._error is not None:
-            raise BackendError(f"the egress gate failed to start: {self._error}") from self._error
-        return self._impl
+        if self.error is not None:
+            if isinstance(self.error, AgentVMError):
+                raise self.error
+            raise BackendError(f"the egress gate failed to start: {self.error}") from self.error
+        return self.impl_
+
+    def running(self):
+        """The started implementation, or None (never started, or failed)."""
+        if not self.started:
+            return None
+        self.ready.wait(START_TIMEOUT)
+        return self.impl_
+
+
+class LazyGate:
+    """The embedded run's gate. By default each sandbox's socket is served by one confined gate
+    worker process (agentvm.gate.embedded_worker: unprivileged, its own uid, no capabilities,
+    no_new_privs, Landlock, seccomp); the in-process gate (a thread of this process, as root)
+    serves only a sandbox a worker cannot serve - tools, held requests (``action: ask``), an
+    LLM budget: state only this process holds - or every sandbox with the explicit opt-in
+    ``AGENTVM_GATE_UNCONFINED=1``. Each placement is recorded (``record``: the run's audit
+    chain). A confined gate that cannot be had refuses the run (fail closed).
+
+    ``confine``: None - confined unless the opt-in is set; False - the in-process gate (tests
+    of the gate itself); True - confined whatever the environment says. ``lease_dir``: where the
+    worker's uid is leased (the anonymous runs' lease directory)."""
+
+    def __init__(self, state_dir: Path, log_dir: Path, approvals_factory=None, *, record=None,
+                 lease_dir: Path | None = None, confine: bool | None = None) -> None:
+        from agentvm.gate import embedded_worker as EW
+
+        self.state_dir, self.log_dir = state_dir, log_dir
+        self.approvals_factory = approvals_factory
+        self._record = record
+        self.lease_dir = Path(lease_dir) if lease_dir is not None else Path(state_dir).parent / "run" / "uid-leases"
+        self.opt_in = EW.unconfined_opt_in() if confine is None else not confine
+        self.confine = not self.opt_in
+        self._pending: set[PendingEndpoint] = set()  # endpoints not yet served or abandoned
+        self._inproc = _Lazy(self._make_inprocess)
+        self._confined = _Lazy(self._make_confined)
+        self._where: dict[str, _Lazy] = {}  # sandbox -> the implementation serving it
+        self._lease = None  # the confined worker's uid lease
+        self._lease_lock = threading.Lock()
+        self._zygote = None
+        self._noted = False
+        # the worker is forked now - before the run reads a secret - and waits for its first connection
+        self._problem = EW.confinable() if self.confine else None
+        if self.confine and self._problem is None:
+            self._zygote = EW.Zygote()
 
     @property
-    def gate(self):  # the started gate (its subscribers, endpoints...)
+    def _started(self) -> bool:
+        return self._inproc.started or self._confined.started
+
+    def _make_inprocess(self):
+        impl = EmbeddedGate(self.state_dir, self.log_dir)
+        impl.gate.approvals_factory = self.approvals_factory
+        return impl
+
+    def _make_confined(self):
+        from agentvm.gate.embedded_worker import ConfinedGate
+
+        zygote, self._zygote = self._zygote, None
+        return ConfinedGate(self.state_dir, self.log_dir, uid=self._lease.uid, zygote=zygote, on_event=self._event)
+
+    def _event(self, kind: str, **data) -> None:
+        """A worker lost, replaced, or killed by its seccomp filter (a security alert): on the chain."""
+        sids = data.get("sandboxes") or []
+        self._rec(kind, sandbox=sids[0] if len(sids) == 1 else None, **data)
+
+    def _rec(self, kind: str, sandbox: str | None = None, **data) -> None:
+        if self._record is not None:
+            self._record(kind, sandbox=sandbox, **data)
+
+    def impl(self, timeout: float = START_TIMEOUT):
+        """The in-process gate (started if it is not)."""
+        return self._inproc.impl(timeout)
+
+    @property
+    def gate(self):  # the in-process gate (its subscribers, endpoints...)
         return self.impl().gate
+
+    def _place(self, sandbox_id: str) -> _Lazy | None:
+        """At open: the in-process gate (the opt-in, recorded), None (decided at the first
+        connection: :meth:`_decide`), or a refusal when the gate must be confined and cannot."""
+        from agentvm.gate import embedded_worker as EW
+
+        if self.opt_in:
+            self._rec("gate.unconfined", sandbox=sandbox_id, reason=f"opt-in: {EW.UNCONFINED_ENV}=1",
+                      opt_in=EW.UNCONFINED_ENV, uid=os.geteuid())
+            if not self._noted:
+                self._noted = True
+                import sys
+
+                print(f"agentvm: note: {EW.UNCONFINED_ENV}=1: the egress gate runs unconfined in this process "
+                      f"(uid {os.geteuid()}); recorded on the audit chain", file=sys.stderr)
+            return self._inproc
+        if self._problem is not None:
+            raise EW.refusal(self._problem)
+        return None
+
+    def _decide(self, sandbox_id: str, policy, creds, extras) -> _Lazy:
+        """At the first connection (off the run's critical path): the confined worker, or the
+        in-process gate for a sandbox that needs state only this process holds. Recorded."""
+        from agentvm.gate.workers import unplaceable
+
+        why = unplaceable(policy, extras, creds)
+        if why is not None:
+            self._rec("gate.unconfined", sandbox=sandbox_id, reason=why, uid=os.geteuid())
+            return self._inproc
+        with self._lease_lock:
+            if self._lease is None:
+                from agentvm import identity
+
+                self._lease = identity.lease_identity(self.lease_dir, f"gate-{sandbox_id}",
+                                                      Path(self.state_dir).parent)
+            if self._zygote is None and not self._confined.started:
+                from agentvm.gate.embedded_worker import Zygote
+
+                self._zygote = Zygote()  # (a gate made after its zygote was discarded)
+        self._rec("gate.confined", sandbox=sandbox_id, uid=self._lease.uid)
+        return self._confined
 
     def open(self, sandbox_id: str, agent: str, policy, sock_path: Path, uid: int | None, creds=None,
              extras=None) -> PendingEndpoint:
         """Bind, own and listen on the sandbox's socket now; the gate serves it when it is up."""
+        placed = self._place(sandbox_id)
         s = bind_unix_listener(Path(sock_path), uid, 128)
         pending = PendingEndpoint(s)
 
@@ -150,7 +268,9 @@ class LazyGate:
                     if pending._abandoned:
                         return
                     pending._claimed = True
-                impl = self.impl()
+                lazy = placed or self._decide(sandbox_id, policy, creds, extras)
+                self._where[sandbox_id] = lazy
+                impl = lazy.impl()
                 pending._set(impl.open(sandbox_id, agent, policy, sock_path, uid, creds=creds, sock=s, extras=extras))
             except BaseException as exc:  # noqa: BLE001
                 with pending._lock:
@@ -168,19 +288,38 @@ class LazyGate:
         return pending
 
     def close(self, sandbox_id: str):
-        if not self._started:
+        lazy = self._where.pop(sandbox_id, None)
+        impl = lazy.running() if lazy is not None else None
+        if impl is None:
             return None
-        self._ready.wait(START_TIMEOUT)
-        if self._impl is None:
-            return None
-        return self._impl.close(sandbox_id)
+        return impl.close(sandbox_id)
+
+    def worker_pids(self) -> list[int]:
+        """The confined gate worker's pid(s) while it runs (tests, diagnostics)."""
+        impl = self._confined.impl_
+        return impl.alive() if impl is not None else []
 
     def stop(self) -> None:
         for pending in list(self._pending):
             pending.abandon_if_unused()
-        if self._ready.is_set() and self._impl is not None:
-            self._impl.stop()
-        # still starting: nothing of it serves anyone (every endpoint was closed or abandoned)
+        for lazy in (self._inproc, self._confined):
+            if lazy.started:
+                lazy.ready.wait(START_TIMEOUT)  # (one coming up now would serve, unstopped, after the run)
+            if lazy.ready.is_set() and lazy.impl_ is not None:
+                lazy.impl_.stop()
+            # still starting: nothing of it serves anyone (every endpoint was closed or abandoned)
+        z, self._zygote = self._zygote, None
+        if z is not None:
+            z.discard()
+        if self._lease is not None:
+            from agentvm import identity
+
+            impl = self._confined.impl_
+            if impl is None or not impl.alive():
+                identity.release_lease(self._lease)
+            elif self._lease.lease_fd is not None:
+                os.close(self._lease.lease_fd)  # a process of that uid may remain: the next leaser checks it
+            self._lease = None
 
 
 class EmbeddedGate:

@@ -1,0 +1,433 @@
+"""The embedded run's gate as a confined, unprivileged process (issue 43).
+
+``agentvm run`` without a daemon used to parse every byte its sandbox sends in a thread of its
+own process - as root. Here that parsing moves to one gate worker process of the kind the
+daemon runs (:mod:`agentvm.gate.workers`: same entry point, same protocol, same confinement by
+:mod:`agentvm.gate.confine` - its own mount namespace without agent-vm's state, a uid of its own,
+no capabilities, no_new_privs, Landlock, a seccomp filter whose forbidden calls kill it), and
+the run process keeps only the control side (:class:`ConfinedGate`): it binds the sandbox's
+socket, hands it over ``SCM_RIGHTS``, resolves this sandbox's credentials and sends only their
+values, and reads back the counters of the run's egress summary.
+
+Start-up: a fresh ``python -m agentvm.gate.workers`` costs ~150 ms of imports. So the worker is
+a :class:`Zygote`: a child *forked* (no exec) from the run process early - before the run has
+read a secret, so none is in its memory - which waits, doing nothing, until it is needed. A
+run whose sandbox never connects pays only the fork (and the zygote is killed); the first
+connection tells it to become the worker (it imports the gate, loads the CA, confines itself
+and serves - the same first-connection start the in-thread gate had).
+
+The worker's uid is leased like an anonymous run's (``identity.lease_identity``: one uid per
+run, never an agent's, never another run's or a daemon worker's), so two embedded runs' gates
+cannot signal, trace or write each other's files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import sys
+import threading
+from pathlib import Path
+
+from agentvm.errors import AgentVMError
+
+#: the explicit, audited opt-in to the old in-process gate (as root): "1"
+UNCONFINED_ENV = "AGENTVM_GATE_UNCONFINED"
+START_TIMEOUT = 30.0
+
+
+def unconfined_opt_in() -> bool:
+    return os.environ.get(UNCONFINED_ENV) == "1"
+
+
+def confinable() -> str | None:
+    """Why this process cannot run a confined gate worker, or None (it can). Cheap: it is asked
+    on every run's critical path (the worker itself checks everything again, and refuses to
+    serve unconfined: agentvm.gate.confine)."""
+    if os.geteuid() != 0:
+        return (f"agentvm run runs as uid {os.geteuid()}, not root: the gate worker cannot switch to a uid of its "
+                "own nor make its mount namespace")
+    if os.uname().machine not in ("x86_64", "aarch64"):  # (agentvm.gate.confine.NR)
+        return f"no system call table for {os.uname().machine}"
+    try:
+        with open("/sys/kernel/security/lsm") as f:
+            landlock = "landlock" in f.read().strip().split(",")
+    except OSError:  # (no securityfs: the kernel is asked)
+        from agentvm.gate.confine import landlock_abi
+
+        landlock = landlock_abi() >= 1
+    if not landlock:
+        return "the kernel has no Landlock (a kernel >= 5.13 with lsm=landlock)"
+    import importlib.util
+
+    if importlib.util.find_spec("pyseccomp") is None:
+        return "pyseccomp is not installed (scripts/install.sh installs it)"
+    return None
+
+
+def refusal(problem: str):
+    """The error a run gets when its gate cannot be confined (fail closed)."""
+    from agentvm.gate.confine import ConfineError
+
+    return ConfineError(
+        "validate", f"the embedded run's egress gate cannot be confined: {problem}",
+        hint=f"run agentvm as root on a kernel with Landlock, or use the daemon (`agentvm up`); to run this "
+             f"sandbox's gate unconfined in this process anyway (recorded on the audit chain), set "
+             f"{UNCONFINED_ENV}=1")
+
+
+# ------------------------------------------------------------------------------ the zygote
+class Zygote:
+    """A child forked now that becomes a gate worker when :meth:`go` is called (or exits when it
+    is discarded). Fork it before the run reads a secret: the child has a copy of this
+    process's memory, and keeps it until it confines itself."""
+
+    def __init__(self) -> None:
+        chan, chan_w = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        fds, fds_w = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
+        go_r, go_w = os.pipe2(os.O_CLOEXEC)
+        parent = os.getpid()
+        for f in (sys.stdout, sys.stderr):  # (nothing buffered is written twice)
+            try:
+                f.flush()
+            except Exception:  # noqa: BLE001
+                pass
+        pid = os.fork()
+        if pid == 0:  # ---- the child: never returns into the caller's code
+            rc = 70
+            try:
+                chan.close()
+                fds.close()
+                os.close(go_w)
+                rc = _child(parent, go_r, chan_w.fileno(), fds_w.fileno())
+            except BaseException:  # noqa: BLE001
+                try:
+                    import traceback
+
+                    traceback.print_exc()
+                except BaseException:  # noqa: BLE001
+                    pass
+            finally:
+                os._exit(rc)
+        os.close(go_r)
+        chan_w.close()
+        fds_w.close()
+        self.pid = pid
+        self.proc = ForkedProc(pid)
+        self.chan, self.fds = chan, fds
+        self._go = go_w
+        self.used = False
+
+    def go(self, argv: list[str]) -> None:
+        """Become the gate worker ``python -m agentvm.gate.workers ARGV`` would be (its channel
+        and descriptor sockets are added here)."""
+        if self.used:
+            raise AgentVMError("the gate zygote was used already")
+        self.used = True
+        fd, self._go = self._go, -1
+        try:
+            data = json.dumps(argv).encode()
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+        finally:
+            os.close(fd)
+
+    def discard(self) -> None:
+        """Not needed: killed and reaped (it holds nothing; it never ran anything)."""
+        if self._go >= 0:
+            os.close(self._go)
+            self._go = -1
+        if not self.used:
+            self.used = True
+            self.chan.close()
+            self.fds.close()
+            self.proc.kill()
+            if self.proc.reap(0) is None:  # (reaped off the caller's path)
+                threading.Thread(target=self.proc.reap, args=(10.0,), daemon=True).start()
+
+
+def _child(parent: int, go_r: int, chan: int, fds: int) -> int:
+    """The zygote's life: wait for the word, then run the gate worker's main."""
+    import gc
+
+    # what the run process left for the collector stays uncollected here: a finalizer of one of
+    # its files or sockets would close a descriptor number this process has reused by then
+    gc.freeze()
+    # a terminal's ^C, ^\ and hang-up are the run's: it ends this process itself (its channel)
+    for s in (signal.SIGINT, signal.SIGQUIT, signal.SIGHUP, signal.SIGTSTP):
+        signal.signal(s, signal.SIG_IGN)
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
+    except Exception:  # noqa: BLE001 - (the channel's end stops it as well)
+        pass
+    if os.getppid() != parent:
+        return 0
+    null = os.open("/dev/null", os.O_RDWR)
+    os.dup2(null, 0)
+    os.dup2(null, 1)  # (stderr stays: the worker's log lines)
+    os.close(null)
+    chunks = []
+    while True:
+        try:
+            b = os.read(go_r, 65536)
+        except InterruptedError:
+            continue
+        if not b:
+            break
+        chunks.append(b)
+    os.close(go_r)
+    if not chunks:
+        return 0  # discarded
+    argv = json.loads(b"".join(chunks)) + ["--channel", str(chan), "--fds", str(fds)]
+    from agentvm.gate import workers
+
+    return workers.main(argv) or 0
+
+
+class ForkedProc:
+    """What agentvm.gate.workers.GateWorker reads of its process (an asyncio Process's
+    ``pid``, ``returncode``, ``kill()``, ``wait()``), for a forked child."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self._rc: int | None = None
+        self._lock = threading.Lock()
+
+    def _poll(self, flags: int = os.WNOHANG) -> int | None:
+        with self._lock:
+            if self._rc is None:
+                try:
+                    p, status = os.waitpid(self.pid, flags)
+                except ChildProcessError:  # (reaped by someone else: its status is lost)
+                    self._rc = 255
+                else:
+                    if p:
+                        self._rc = os.waitstatus_to_exitcode(status)
+            return self._rc
+
+    @property
+    def returncode(self) -> int | None:
+        return self._poll()
+
+    def kill(self) -> None:
+        if self._poll() is None:
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def reap(self, timeout: float) -> int | None:
+        import time
+
+        deadline = time.monotonic() + timeout
+        while self._poll() is None and time.monotonic() < deadline:
+            time.sleep(0.002)
+        return self._rc
+
+    async def wait(self) -> int:
+        import asyncio
+
+        if self._poll() is not None:
+            return self._rc
+        loop = asyncio.get_running_loop()
+        try:
+            fd = os.pidfd_open(self.pid)
+        except (OSError, AttributeError):
+            fd = -1
+        try:
+            while self._poll() is None:
+                if fd >= 0:
+                    fut = loop.create_future()
+                    loop.add_reader(fd, lambda: fut.done() or fut.set_result(None))
+                    try:
+                        await asyncio.wait_for(fut, 1.0)
+                    except asyncio.TimeoutError:
+                        pass
+                    finally:
+                        loop.remove_reader(fd)
+                else:
+                    await asyncio.sleep(0.01)
+        finally:
+            if fd >= 0:
+                os.close(fd)
+        return self._rc
+
+
+# ------------------------------------------------------------------------------ the run's side
+def _classes():
+    """The worker pool's classes specialised for one forked, confined worker (defined on first
+    use: agentvm.gate.workers is imported only when a gate starts)."""
+    import asyncio
+
+    from agentvm.gate import workers as W
+
+    class ForkedWorker(W.GateWorker):
+        """Gate worker slot 0 of the run, started from the zygote instead of a new interpreter."""
+
+        def __init__(self, pool, zygote: Zygote) -> None:
+            super().__init__(pool, 0)
+            self.zygote = zygote
+
+        async def start(self) -> None:
+            loop = asyncio.get_running_loop()
+            z = self.zygote
+            argv = ["--index", "0", "--state-dir", str(self.pool.state_dir), "--log-dir", str(self.pool.log_dir),
+                    "--confine", str(self.uid), "--confine-skip", ""]
+            self.proc = z.proc
+            z.go(argv)
+            chan = z.chan
+            z.fds.setblocking(False)
+            self._fd_sock = z.fds
+            self.alive = True
+            self.lost = loop.create_future()
+            try:
+                self._writer, _ = await loop.create_unix_connection(
+                    lambda: W._Frames(self._message, self._gone, W._plain_loads), sock=chan)
+                version = await asyncio.wait_for(self.call("ping"), START_TIMEOUT)
+            except BaseException:
+                chan.close()
+                self.kill("it did not come up")
+                raise
+            if version != W.PROTOCOL:
+                self.kill("it runs another version of agent-vm")
+                raise AgentVMError("the embedded gate worker runs another version of agent-vm")
+
+    class EmbeddedPool(W.WorkerPool):
+        """One confined worker serving this run's sandboxes (a lost one is replaced by a fresh
+        ``python -m agentvm.gate.workers`` of the same uid, as the daemon's are)."""
+
+        def __init__(self, state_dir: Path, log_dir: Path, uid: int, zygote: Zygote | None, on_event) -> None:
+            self._uid = uid
+            self.zygote = zygote
+            super().__init__(1, state_dir, log_dir, on_record=lambda rec: None, on_event=on_event, confine="full")
+
+        def uid_for(self, index: int) -> int:
+            return self._uid
+
+        async def start(self) -> None:
+            w = ForkedWorker(self, self.zygote) if self.zygote is not None else W.GateWorker(self, 0)
+            self.workers = [w]
+            try:
+                await w.start()
+            except BaseException as exc:
+                await self.stop()
+                raise AgentVMError(f"the embedded gate worker did not start: {exc}",
+                                   hint="see the lines above (gate-worker-0) for its error; "
+                                   f"{UNCONFINED_ENV}=1 runs the gate unconfined in the run's process (recorded)",
+                                   code="gate.confine-failed") from exc
+            self._watch = asyncio.get_running_loop().create_task(self._watch_vault())
+
+        async def open_bound(self, sandbox_id: str, agent: str, policy, sock_path: Path, sock: socket.socket,
+                             creds) -> "W.RemoteEndpoint":
+            """WorkerPool.open for a socket the run bound (and listened on) before its sandbox started."""
+            w = await self._a_worker(None)
+            sock.setblocking(False)
+            ep = W.RemoteEndpoint(self, w, sandbox_id, agent, policy, Path(sock_path), sock, creds)
+            w.endpoints[sandbox_id] = ep
+            try:
+                async with w.opening:
+                    await w.call("open", *ep.open_args(), fd=sock.fileno())
+            except BaseException:
+                ep.closed = True
+                ep.worker.endpoints.pop(sandbox_id, None)
+                sock.close()
+                Path(sock_path).unlink(missing_ok=True)
+                raise
+            if ep.worker is w:
+                ep.served = True
+            else:
+                try:
+                    await ep.synced()
+                except BaseException:
+                    await asyncio.shield(self.close(ep))
+                    raise
+            return ep
+
+    return EmbeddedPool
+
+
+class ConfinedGate:
+    """The embedded gate's control side: a loop thread of the run's process driving one confined
+    gate worker. Same calls as agentvm.gate.embedded.EmbeddedGate (open, close, stop)."""
+
+    def __init__(self, state_dir: Path, log_dir: Path, *, uid: int, zygote: Zygote | None, on_event) -> None:
+        import asyncio
+
+        self.uid = uid
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="agentvm-gate-control", daemon=True)
+        self._thread.start()
+        self.endpoints: dict = {}
+        try:
+            self.pool = self.call(self._make(state_dir, log_dir, zygote, on_event), timeout=START_TIMEOUT + 5)
+        except BaseException:
+            if zygote is not None and not zygote.used:
+                zygote.discard()
+            self._stop_loop()
+            raise
+
+    async def _make(self, state_dir, log_dir, zygote, on_event):
+        pool = _classes()(Path(state_dir), Path(log_dir), self.uid, zygote, on_event)
+        await pool.start()
+        return pool
+
+    @property
+    def pid(self) -> int | None:
+        pids = self.pool.pids()
+        return pids[0] if pids else None
+
+    def call(self, coro, timeout: float = 15.0):
+        import asyncio
+
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def open(self, sandbox_id: str, agent: str, policy, sock_path: Path, uid: int | None, creds=None, sock=None,
+             extras=None):
+        if sock is None:
+            from agentvm.fsutil import bind_unix_listener
+
+            sock = bind_unix_listener(Path(sock_path), uid, 128)
+        ep = self.call(self.pool.open_bound(sandbox_id, agent, policy, Path(sock_path), sock, creds))
+        self.endpoints[sandbox_id] = ep
+        return ep
+
+    def close(self, sandbox_id: str):
+        ep = self.endpoints.pop(sandbox_id, None)
+        if ep is None:
+            return None
+        return self.call(self.pool.close(ep))
+
+    def stop(self) -> None:
+        try:
+            for sid in list(self.endpoints):
+                self.close(sid)
+        except Exception:  # noqa: BLE001 - stopping anyway
+            pass
+        try:
+            self.call(self.pool.stop(), timeout=10)
+        except Exception:  # noqa: BLE001
+            for w in self.pool.workers:
+                if w.proc is not None:
+                    try:
+                        w.proc.kill()
+                    except ProcessLookupError:
+                        pass
+        self._stop_loop()
+
+    def alive(self) -> list[int]:
+        """Pids of this gate's worker processes still running (after stop: none, or a lease is kept)."""
+        out = []
+        for w in self.pool.workers:
+            p = w.proc
+            if p is not None and p.returncode is None:
+                out.append(p.pid)
+        return out
+
+    def _stop_loop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(5)
