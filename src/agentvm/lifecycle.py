@@ -113,6 +113,21 @@ class EmbeddedGateHost:
         return egress_summary(ep)
 
 
+def _no_warmup() -> None:
+    return None
+
+
+def _prewarm(rt, policy):
+    """The backend's launch warm-up, started (``prewarm_launch``, bwrap's: the first cgroup
+    migration's grace period paid while the run is prepared) -> its stop function. Nothing
+    when the backend has none or cannot be had (preflight says why, as ever)."""
+    try:
+        start = getattr(rt.backend_for(policy), "prewarm_launch", None)
+        return start() if start is not None else _no_warmup
+    except Exception:  # noqa: BLE001 - an optimisation only: never a reason to refuse or fail
+        return _no_warmup
+
+
 @dataclass
 class Session:
     """One sandbox on its way through the lifecycle."""
@@ -132,6 +147,7 @@ class Session:
     trace: object = None  # observe.tracing.SessionTrace when the daemon exports traces
     began: float = 0.0
     disk: dict | None = None  # the workspace's disk at release (a pool workspace: WorkspaceLease.disk)
+    warm: object = _no_warmup  # stops the backend's launch warm-up (agentvm.backends.bwrap.MigrationWarmup)
 
     @property
     def sandbox_id(self) -> str:
@@ -154,17 +170,20 @@ class Lifecycle:
         rt = self.runtime
         began = time.time()
         trace = self.tracing.begin(policy) if self.tracing is not None else None
+        warm = _prewarm(rt, policy)
         try:
             policy = rt.resolve_image(policy)  # a name -> the digest that runs (and its signature, if required)
             plan, res = rt.prepare(policy, degrade=degrade, tty=tty, session_env=trace.env() if trace else (),
                                    telemetry=trace is not None and getattr(self.gate, "relays_telemetry", False))
-        except AgentVMError as exc:
-            rt.record("run.refused", agent=policy.name, code=exc.code, message=exc.message[:500])
-            if trace is not None:
-                trace.end(error=f"refused: {exc.code}")
+        except BaseException as exc:
+            warm()
+            if isinstance(exc, AgentVMError):
+                rt.record("run.refused", agent=policy.name, code=exc.code, message=exc.message[:500])
+                if trace is not None:
+                    trace.end(error=f"refused: {exc.code}")
             raise
         s = Session(policy, rt.backend_for(policy), plan, res, tuple(degrade))
-        s.trace, s.began = trace, began
+        s.trace, s.began, s.warm = trace, began, warm
         if trace is not None:
             trace.bind(plan.sandbox_id, substrate=plan.substrate, policy=plan.policy_digest)
         ws_notes = list(res.workspace.notes) if res.workspace is not None else []
@@ -179,6 +198,7 @@ class Lifecycle:
                       **({"image": policy.image} if policy.image else {}),
                       **({"notes": ws_notes} if ws_notes else {}))
         except Exception as exc:
+            warm()
             res.release()
             from agentvm.errors import disk_full_error
 
@@ -213,6 +233,8 @@ class Lifecycle:
             if s.trace is not None:
                 s.trace.span("launch", s.began, attributes={"agentvm.substrate": s.plan.substrate}, error=exc.message)
             raise
+        finally:
+            s.warm()  # the helper has moved into the sandbox's cgroups (or never will)
         if s.trace is not None:
             s.trace.span("launch", s.began, attributes={"agentvm.substrate": s.plan.substrate,
                                                         "agentvm.policy": s.plan.policy_digest})

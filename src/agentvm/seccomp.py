@@ -357,14 +357,81 @@ def chown_prefix(uid: int, gid: int) -> bytes:
     return out
 
 
+# ------------------------------------------------------------------ libseccomp, without pyseccomp
+# pyseccomp finds libseccomp with ctypes.util.find_library, which runs `ldconfig -p` twice (two
+# forks of the whole process, ~8 ms on every start). What a start needs of libseccomp - a
+# syscall's number, the library's version for the cache key - is two plain calls: the library
+# is opened by its soname (the dynamic loader's own lookup: the same file find_library names).
+# Building a filter still goes through pyseccomp (_build), once per cache key.
+_LIB: list = []
+
+
+def libseccomp():
+    """libseccomp, opened by its soname (ctypes.CDLL), with the two functions a start uses."""
+    if not _LIB:
+        import ctypes
+
+        try:
+            lib = ctypes.CDLL("libseccomp.so.2")
+        except OSError:
+            import ctypes.util
+
+            name = ctypes.util.find_library("seccomp")
+            if name is None:
+                raise PrimitiveMissing("libseccomp is not installed", hint="apt-get install -y libseccomp2") from None
+            lib = ctypes.CDLL(name)
+        lib.seccomp_syscall_resolve_name_arch.argtypes = (ctypes.c_uint32, ctypes.c_char_p)
+        lib.seccomp_syscall_resolve_name_arch.restype = ctypes.c_int
+
+        class _Version(ctypes.Structure):
+            _fields_ = [("major", ctypes.c_uint), ("minor", ctypes.c_uint), ("micro", ctypes.c_uint)]
+
+        lib.seccomp_version.argtypes = ()
+        lib.seccomp_version.restype = ctypes.POINTER(_Version)
+        _LIB.append(lib)
+    return _LIB[0]
+
+
+def syscall_number(name: str) -> int:
+    """``name``'s number on the native architecture, as libseccomp resolves it (what
+    pyseccomp.resolve_syscall(Arch.NATIVE, name) returns); negative when this libseccomp does
+    not know it on this architecture."""
+    return int(libseccomp().seccomp_syscall_resolve_name_arch(0, name.encode()))
+
+
+def libseccomp_version() -> str:
+    v = libseccomp().seccomp_version().contents
+    return f"{v.major}.{v.minor}.{v.micro}"
+
+
+def cache_key(opts: SeccompOptions) -> str:
+    """The name of ``opts``' compiled filter on disk: the options' key and a digest of every
+    input of the program - the rule list as it is now (a rule changed without a FILTER_VERSION
+    bump is a new file, never the old program), the chown prefix's table, the architecture and
+    libseccomp's version (a newer libseccomp may name more syscalls)."""
+    import hashlib
+
+    h = hashlib.sha256(repr((FILTER_VERSION, os.uname().machine, libseccomp_version(), rules(opts),
+                             CHOWN_SYSCALLS if opts.chown_mapped else None)).encode())
+    return f"{opts.key()}-{h.hexdigest()[:12]}"
+
+
 @lru_cache(maxsize=8)
 def compiled_filter(opts: SeccompOptions, cache_dir: Path | None = None) -> bytes:
-    """The BPF program for ``opts`` (cached in memory and, if given, on disk)."""
+    """The BPF program for ``opts`` (cached in memory and, if given, on disk under
+    :func:`cache_key`: a file this user or root wrote, no one else may write, read without
+    following a link; anything else is compiled again)."""
     if cache_dir is not None:
-        path = cache_dir / f"seccomp-{opts.key()}.bpf"
+        path = cache_dir / f"seccomp-{cache_key(opts)}.bpf"
         try:
-            data = path.read_bytes()
-            if data and len(data) % 8 == 0:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            try:
+                st = os.fstat(fd)
+                data = os.read(fd, 1 << 20) if (stat.S_ISREG(st.st_mode) and st.st_uid in (0, os.geteuid())
+                                                 and not st.st_mode & 0o022) else b""
+            finally:
+                os.close(fd)
+            if data and len(data) % 8 == 0 and len(data) == st.st_size:
                 return data
         except OSError:
             pass
@@ -378,7 +445,7 @@ def compiled_filter(opts: SeccompOptions, cache_dir: Path | None = None) -> byte
             with os.fdopen(fd, "wb") as fh:
                 fh.write(data)
             os.chmod(tmp, 0o644)
-            os.replace(tmp, cache_dir / f"seccomp-{opts.key()}.bpf")
+            os.replace(tmp, cache_dir / f"seccomp-{cache_key(opts)}.bpf")
         except OSError:
             pass
     return data

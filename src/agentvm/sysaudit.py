@@ -124,17 +124,19 @@ class Classifier:
     denied with EPERM under ``seccomp:unknown``: fail closed."""
 
     def __init__(self, opts: sc.SeccompOptions) -> None:
-        import pyseccomp
-
+        # numbers from libseccomp itself (the library the BPF is compiled with), without
+        # pyseccomp: importing it runs `ldconfig -p` twice (seccomp.libseccomp)
         self.by_nr: dict[int, list[sc.Rule]] = {}
         self.names: dict[int, str] = {}
         for r in sc.rules(opts):
             if r.action in ("compat", "refuse"):
                 continue  # errno in the BPF itself: never notified
             try:
-                nr = int(pyseccomp.resolve_syscall(pyseccomp.Arch.NATIVE, r.syscall))
+                nr = sc.syscall_number(r.syscall)
             except Exception:
-                nr = 452 if r.syscall == "fchmodat2" else -1
+                nr = -1
+            if nr < 0 and r.syscall == "fchmodat2":
+                nr = 452  # as the BPF has it (seccomp._build): the same number on every architecture
             if nr < 0:
                 continue
             self.by_nr.setdefault(nr, []).append(r)

@@ -26,7 +26,6 @@ from dataclasses import asdict, dataclass, field
 
 from agentvm import cgroups as cg
 from agentvm import defaults as D
-from agentvm import review
 from agentvm import seccomp as sc
 from agentvm import sysaudit
 from agentvm.backends import hostview as hv
@@ -158,6 +157,105 @@ class BwrapPlan:
         return d
 
 
+# ------------------------------------------------------------------ the first cgroup migration
+# Moving a process into a cgroup takes the kernel's cgroup_threadgroup_rwsem for writing; a
+# writer after a quiet moment waits for an RCU grace period first (rcu_sync_enter: ~8-12 ms
+# here, measured by bench/bench_startup.py's "cgroup migration" row), and one that comes while
+# another writer is in, or within a grace period after the last one left, does not. The helper's
+# move into the sandbox's cgroups is such a first writer on every start. MigrationWarmup pays
+# that grace period off the critical path, while the run is still being prepared: a child of
+# ours that does nothing (`sleep`) is "moved" into the cgroup it is already in - ours, checked
+# by finding our own pid in that cgroup.procs - every WARM_INTERVAL seconds until the sandbox
+# is launched. A no-op: nothing changes cgroup (the child cannot be moved anywhere new; if the
+# check were wrong, only that child would move, and it is killed right after); no limit or
+# check of the sandbox changes; the helper's migration is the same write, it just does not
+# wait. Where the cgroup cannot be found or written (not root, no cgroups), nothing happens.
+WARM_INTERVAL = 0.003  # s: well inside one grace period, so the fast path never closes
+WARM_MAX = 0.5  # s: a warm-up never stopped (its run failed before launch) ends by itself
+
+
+def _own_cgroup_procs() -> str | None:
+    """The cgroup.procs file of this process's cgroup in one hierarchy (the lock is global:
+    any will do), verified by finding this process's pid in it; None where there is none."""
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return None
+    layout = cg.detect()
+    me = str(os.getpid())
+    for line in lines:
+        hid, _, rest = line.partition(":")
+        ctrls, _, path = rest.partition(":")
+        if hid == "0" and not ctrls:
+            base = layout.v2_root
+        else:
+            base = next((layout.v1[c] for c in ctrls.split(",") if c in layout.v1), None)
+        if base is None or not path.startswith("/"):
+            continue
+        procs = os.path.join(str(base), path.lstrip("/"), "cgroup.procs")
+        try:
+            fd = os.open(procs, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                listed = b""
+                while True:
+                    chunk = os.read(fd, 65536)
+                    if not chunk:
+                        break
+                    listed += chunk
+            finally:
+                os.close(fd)
+        except OSError:
+            continue
+        if me in listed.decode().split():
+            return procs
+    return None
+
+
+class MigrationWarmup:
+    """See above: started when a run is being prepared, stopped once its sandbox is launched."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="agentvm-cgroup-warmup", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        procs = _own_cgroup_procs()
+        if procs is None or self._stop.is_set():
+            return
+        try:
+            fd = os.open(procs, os.O_WRONLY | os.O_CLOEXEC)
+        except OSError:
+            return  # not ours to write (not root): the helper pays the grace period as before
+        child = None
+        try:
+            sleep = next((p for p in ("/usr/bin/sleep", "/bin/sleep") if os.access(p, os.X_OK)), None)
+            if sleep is None:
+                return
+            child = subprocess.Popen([sleep, "5"], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.DEVNULL, close_fds=True)
+            pid = str(child.pid).encode()
+            deadline = time.monotonic() + WARM_MAX
+            while not self._stop.is_set() and time.monotonic() < deadline:
+                try:
+                    os.write(fd, pid)
+                except OSError:
+                    return
+                self._stop.wait(WARM_INTERVAL)
+        except OSError:
+            return
+        finally:
+            os.close(fd)
+            if child is not None:
+                child.kill()
+                child.wait()
+
+
 class BwrapBackend(hv.ChildProcessSandbox, Backend):
     name = "bwrap"
     primitives = PRIMITIVES
@@ -171,6 +269,11 @@ class BwrapBackend(hv.ChildProcessSandbox, Backend):
         self._tools = dict(tools or {})
         if os.geteuid() == 0 and tools is None:
             paths.check_traversable()
+
+    def prewarm_launch(self):
+        """Called as a run starts being prepared (agentvm.lifecycle): the next launch's first
+        cgroup migration does not wait for a grace period (MigrationWarmup). -> its stop()."""
+        return MigrationWarmup().stop
 
     def _tool(self, name: str) -> str:
         if name not in self._tools:
@@ -274,6 +377,8 @@ class BwrapBackend(hv.ChildProcessSandbox, Backend):
         protects: list[tuple[str, str, tuple]] = []  # every rw grant: (fd name, host path, grants.Protect...)
         protect_args: list[str] = []  # as root: the helper's --protect GRANT,KIND,REL
         reviews: list[dict] = []  # review-mode grants: an overlay whose upper layer is agent-vm's (agentvm.review)
+        if policy.mounts:
+            from agentvm import review  # (only with grants: not on a plain run's import path)
         for i, m in enumerate(policy.mounts):
             real = os.path.realpath(m.host)
             fd_names.append((f"grant{i}", real))

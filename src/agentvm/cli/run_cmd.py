@@ -11,13 +11,12 @@ Exit code: the command's own; 124 on timeout; 77 when refused (policy, missing p
 CMD is not found, 126 when it cannot be executed; 128+N when it died of signal N.
 
 This is the hot path, so it is parsed with argparse and imports neither click nor pydantic
-(unless ``-f`` is given). The click app registers a pass-through ``run`` so it is listed in
+(unless ``-f`` is given); the plain form ``run -- CMD...`` does not even import argparse. The click app registers a pass-through ``run`` so it is listed in
 ``agentvm --help``; argparse stays the only parser.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 
@@ -29,12 +28,14 @@ PRIMITIVE_HELP = (
 )
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # usage errors are config errors (exit 78), not argparse's 2
-        raise ConfigError(f"agentvm run: {message}", hint="see `agentvm run --help`")
+def build_parser():
+    """The argparse parser of ``agentvm run`` (argparse imported here: not on the plain form's path)."""
+    import argparse
 
+    class _Parser(argparse.ArgumentParser):
+        def error(self, message: str):  # usage errors are config errors (exit 78), not argparse's 2
+            raise ConfigError(f"agentvm run: {message}", hint="see `agentvm run --help`")
 
-def build_parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="agentvm run",
         description="Run CMD in a fresh sandbox and propagate its exit code.",
@@ -117,8 +118,20 @@ def main_run(argv: list[str]) -> int:
         return report_error(full, as_json=as_json)
 
 
+def _plain(argv: list[str]):
+    """``run -- CMD...`` (no option at all) as the parser would read it, without argparse (its
+    import and the parser's construction are a few ms of every start); None for anything else."""
+    if not argv or argv[0] != "--":
+        return None
+    from types import SimpleNamespace
+
+    return SimpleNamespace(agent_file=None, mount=[], timeout=None, memory=None, env=[], allow=[], add_host=[],
+                           substrate=None, image=None, network=None, as_json=False, tty=None, raw_output=False,
+                           degrade=[], preset_path=[], command=list(argv))
+
+
 def _run(argv: list[str]) -> int:
-    ns = build_parser().parse_args(argv)
+    ns = _plain(argv) or build_parser().parse_args(argv)
     command = list(ns.command)
     if command and command[0] == "--":
         command = command[1:]
