@@ -481,6 +481,16 @@ exit "$rc"
 """
 
 
+def wrapped_argv(spec: ExecSpec, tag: str, stdin_mode: str) -> list[str]:
+    """The argv that runs ``spec`` under ``_WRAPPER`` (``tag``: its $0, for ps), in its cwd, with
+    its env (through env(1)); ``stdin_mode``: "0" none, "1" a FIFO (stdin=True), "2" the terminal."""
+    argv = ["/bin/sh", "-c", _WRAPPER, tag, spec.cwd or ".", stdin_mode]
+    if spec.env:
+        argv += ["/usr/bin/env", *[f"{k}={v}" for k, v in spec.env.items()]]
+    argv += spec.argv
+    return argv
+
+
 class DaemonBackend:
     """E2BBackend over the daemon's API (unix socket or TCP), as the CLI and SDK use it."""
 
@@ -516,10 +526,13 @@ class DaemonBackend:
 
     async def kill(self, name: str) -> None:
         try:
-            await self._call(self.client.rm, name)
+            await self._remove(name)
         except BackendFailure as exc:
             if exc.kind != "not-found":
                 raise
+
+    async def _remove(self, name: str) -> None:
+        await self._call(self.client.rm, name)
 
     async def pause(self, name: str) -> None:
         await self._call(self.client.action, name, "stop")
@@ -529,7 +542,7 @@ class DaemonBackend:
 
     async def info(self, name: str) -> BoxInfo | None:
         try:
-            row = await self._call(self.client.get, name)
+            row = await self._get(name)
         except BackendFailure as exc:
             if exc.kind == "not-found":
                 return None
@@ -545,10 +558,7 @@ class DaemonBackend:
         if spec.pty is not None:
             raise Unsupported("a pty needs the daemon's exec TTY relay, which it does not have yet")
         check_env(spec.env)
-        argv = ["/bin/sh", "-c", _WRAPPER, "e2b-exec", spec.cwd or ".", "1" if spec.stdin else "0"]
-        if spec.env:
-            argv += ["/usr/bin/env", *[f"{k}={v}" for k, v in spec.env.items()]]
-        argv += spec.argv
+        argv = wrapped_argv(spec, "e2b-exec", "1" if spec.stdin else "0")
         proc = _DaemonProcess(self, name, argv, spec.timeout, spec.stdin)
         await started(proc)
         return proc

@@ -18,8 +18,8 @@ import contextlib
 import re
 from typing import AsyncIterator
 
-from agentvm.e2b.backend import _WRAPPER, HEAD_LIMIT, BackendFailure, BoxInfo, DaemonBackend, EventChannel, \
-    ExecEvent, ExecSpec, RUN_OUTPUT_LIMIT, Unsupported, Upload, _FifoControl, check_env, started
+from agentvm.e2b.backend import HEAD_LIMIT, BackendFailure, BoxInfo, DaemonBackend, EventChannel, ExecEvent, \
+    ExecSpec, RUN_OUTPUT_LIMIT, Unsupported, Upload, _FifoControl, check_env, started, wrapped_argv
 from agentvm.errors import AgentVMError
 
 ACTOR = "e2b-adapter"  # the daemon's own records of the adapter's calls (its e2b.* records name the tenant)
@@ -53,52 +53,54 @@ class _Collect:
         return None
 
 
-class _CPProcess(_FifoControl):
-    """One exec on the control plane, its output parsed as the wrapper writes it (its pid on
-    the first stderr line) into events."""
+class _Wrapped:
+    """What both process kinds share: a command run under the wrapper (``_WRAPPER``), whose
+    first line on ``_head_stream`` is its pid (taken off the output: ``\\x1e<pid>``), its output
+    and its end as events in a bounded channel (a full one stops the daemon's pump)."""
 
-    def __init__(self, backend: "ControlPlaneBackend", name: str, argv: list[str], timeout: float | None,
-                 stdin: bool):
+    _head_stream = "stderr"  # where the wrapper writes its pid (and where an unparsed head goes)
+    _pid_line = re.compile(rb"\x1e(\d+)")
+
+    def _begin(self) -> None:
         self.pid = 0
-        self._name, self._stdin, self._backend = name, stdin, backend
-        self._queue = EventChannel()  # bounded: a full one stops the daemon's pump
+        self._queue = EventChannel()
         self._started = asyncio.Event()
         self._head = b""
         self._head_done = False
-        self._task = asyncio.ensure_future(self._run(argv, timeout))
 
     def _started_with(self, pid: int) -> None:
         if not self._started.is_set():
             self.pid = pid
             self._started.set()
 
-    async def _data(self, stream: str, data: bytes) -> None:
-        if stream == "stderr" and not self._head_done:
-            self._head += data
-            if b"\n" not in self._head and len(self._head) < HEAD_LIMIT:
-                return
-            line, _, rest = self._head.partition(b"\n")
-            self._head_done = True
-            m = re.fullmatch(rb"\x1e(\d+)", line)
-            self._started_with(int(m.group(1)) if m else 0)
-            if not m:
-                rest = self._head
-            self._head = b""
-            if rest:
-                await self._queue.put(ExecEvent("stderr", rest))
+    async def _head_data(self, data: bytes) -> None:
+        """Output of ``_head_stream``: its first line is the wrapper's pid (bounded: a first line
+        longer than HEAD_LIMIT is not the wrapper's), the rest goes on as output."""
+        if self._head_done:
+            await self._queue.put(ExecEvent(self._head_stream, data))
             return
-        await self._queue.put(ExecEvent(stream, data))
+        self._head += data
+        if b"\n" not in self._head and len(self._head) < HEAD_LIMIT:
+            return
+        line, _, rest = self._head.partition(b"\n")
+        self._head_done = True
+        m = self._pid_line.fullmatch(line)
+        self._started_with(int(m.group(1)) if m else 0)
+        if not m:
+            rest = self._head
+        self._head = b""
+        if rest:
+            await self._queue.put(ExecEvent(self._head_stream, rest))
 
-    async def _run(self, argv, timeout) -> None:
+    async def _end(self, run) -> None:
+        """Await ``run()`` (the control plane's exec: its ExitStatus) and finish the events with
+        the command's end: its exit status, or -1 with why it failed; started in any case."""
         try:
-            status = await self._backend.cp.exec(self._name, argv, _Collect(self._data), timeout=timeout, actor=ACTOR)
+            status = await run()
             if not self._head_done and self._head:
-                await self._queue.put(ExecEvent("stderr", self._head))
-            err = None
-            if status.setup_error:
-                err = str(status.setup_error)
-            elif status.timed_out:
-                err = "timed out"
+                await self._queue.put(ExecEvent(self._head_stream, self._head))
+                self._head = b""
+            err = str(status.setup_error) if status.setup_error else ("timed out" if status.timed_out else None)
             self._queue.finish(ExecEvent("exit", exit_code=int(status.exit_code), error=err))
         except asyncio.CancelledError:
             self._queue.finish(ExecEvent("exit", exit_code=-1, error="cancelled"))
@@ -116,6 +118,24 @@ class _CPProcess(_FifoControl):
     def events(self) -> AsyncIterator[ExecEvent]:
         return self._queue.events()
 
+
+class _CPProcess(_Wrapped, _FifoControl):
+    """One exec on the control plane, its output parsed as the wrapper writes it (its pid on
+    the first stderr line) into events."""
+
+    def __init__(self, backend: "ControlPlaneBackend", name: str, argv: list[str], timeout: float | None,
+                 stdin: bool):
+        self._begin()
+        self._name, self._stdin, self._backend = name, stdin, backend
+        self._task = asyncio.ensure_future(self._end(lambda: backend.cp.exec(
+            name, argv, _Collect(self._data), timeout=timeout, actor=ACTOR)))
+
+    async def _data(self, stream: str, data: bytes) -> None:
+        if stream == "stderr":
+            await self._head_data(data)
+            return
+        await self._queue.put(ExecEvent(stream, data))
+
     def close(self) -> None:
         """Nobody reads the events any more: the queued output is released and the pump's
         writes return at once (the daemon drains the command's pipes until it ends)."""
@@ -128,7 +148,7 @@ class _CPProcess(_FifoControl):
         self._task.cancel()
 
 
-class _PtyProcess:
+class _PtyProcess(_Wrapped):
     """A command on a terminal: the control plane's interactive exec (``exec_attached`` with a
     pty made by the daemon, whose master never enters the sandbox), its input and resizes
     relayed as typed events. The command runs under the same wrapper as any other (its pid is
@@ -136,62 +156,22 @@ class _PtyProcess:
     through the wrapper's control FIFO: a process group of a terminal cannot be signalled
     with SIGKILL through the terminal."""
 
+    _head_stream = "pty"  # the whole terminal: the wrapper's pid is its first line
+    _pid_line = re.compile(rb"\x1e(\d+)\r?")
+
     def __init__(self, backend: "ControlPlaneBackend", name: str, argv: list[str], size: tuple[int, int],
                  timeout: float | None):
         from agentvm.daemon.pump import QueueAttached
 
-        self.pid = 0
+        self._begin()  # (the terminal fills when the channel is full)
         self._backend, self._name = backend, name
-        self._queue = EventChannel()  # bounded: a full one stops the daemon's pump (the terminal fills)
-        self._started = asyncio.Event()
-        self._head = b""
-        self._head_done = False
         self.io = QueueAttached(self._out)
         cols, rows = size
-        self._task = asyncio.ensure_future(self._run(backend, name, argv, (rows, cols), timeout))
+        self._task = asyncio.ensure_future(self._end(lambda: backend.cp.exec_attached(
+            name, argv, self.io, tty=(rows, cols), timeout=timeout, actor=ACTOR)))
 
     async def _out(self, stream: str, data: bytes) -> None:
-        if not self._head_done:
-            self._head += data
-            if b"\n" not in self._head and len(self._head) < HEAD_LIMIT:
-                return
-            line, _, rest = self._head.partition(b"\n")
-            self._head_done = True
-            m = re.fullmatch(rb"\x1e(\d+)\r?", line)
-            if m:
-                self.pid = int(m.group(1))
-            else:
-                rest = self._head
-            self._head = b""
-            self._started.set()
-            if rest:
-                await self._queue.put(ExecEvent("pty", rest))
-            return
-        await self._queue.put(ExecEvent("pty", data))
-
-    async def wait_started(self) -> None:
-        await self._started.wait()
-
-    async def _run(self, backend, name, argv, tty, timeout) -> None:
-        try:
-            status = await backend.cp.exec_attached(name, argv, self.io, tty=tty, timeout=timeout, actor=ACTOR)
-            if not self._head_done and self._head:
-                await self._queue.put(ExecEvent("pty", self._head))
-                self._head = b""
-            err = str(status.setup_error) if status.setup_error else ("timed out" if status.timed_out else None)
-            self._queue.finish(ExecEvent("exit", exit_code=int(status.exit_code), error=err))
-        except asyncio.CancelledError:
-            self._queue.finish(ExecEvent("exit", exit_code=-1, error="cancelled"))
-            raise
-        except AgentVMError as exc:
-            self._queue.finish(ExecEvent("exit", exit_code=-1, error=str(_failure(exc))))
-        except Exception as exc:  # noqa: BLE001 - reported to the client as the process's end
-            self._queue.finish(ExecEvent("exit", exit_code=-1, error=f"{type(exc).__name__}: {exc}"))
-        finally:
-            self._started.set()
-
-    def events(self) -> AsyncIterator[ExecEvent]:
-        return self._queue.events()
+        await self._head_data(data)
 
     def close(self) -> None:
         """Nobody reads the events any more: the queued output is released, the pump's writes
@@ -276,12 +256,8 @@ class ControlPlaneBackend(DaemonBackend):
             await self.kill(name)
             raise
 
-    async def kill(self, name: str) -> None:
-        try:
-            await self._cp(self.cp.remove(name, actor=ACTOR))
-        except BackendFailure as exc:
-            if exc.kind != "not-found":
-                raise
+    async def _remove(self, name: str) -> None:
+        await self._cp(self.cp.remove(name, actor=ACTOR))
 
     async def pause(self, name: str) -> None:
         """The daemon's suspend (a checkpoint: processes and memory kept) where the substrate
@@ -305,15 +281,6 @@ class ControlPlaneBackend(DaemonBackend):
             return
         await self._cp(self.cp.start_and_wait(name, actor=ACTOR))
 
-    async def info(self, name: str) -> BoxInfo | None:
-        try:
-            row = self._sync(self.cp.sandbox, name)
-        except BackendFailure as exc:
-            if exc.kind == "not-found":
-                return None
-            raise
-        return BoxInfo(name, str(row.get("state", "unknown")))
-
     async def list(self) -> list[BoxInfo]:
         return [BoxInfo(r["name"], str(r.get("state", "unknown"))) for r in self._sync(self.cp.sandboxes)]
 
@@ -330,10 +297,7 @@ class ControlPlaneBackend(DaemonBackend):
             proc = self._exec_pty(name, spec)
             await started(proc)  # (cancelled: its terminal is hung up)
             return proc
-        argv = ["/bin/sh", "-c", _WRAPPER, "e2b-exec", spec.cwd or ".", "1" if spec.stdin else "0"]
-        if spec.env:
-            argv += ["/usr/bin/env", *[f"{k}={v}" for k, v in spec.env.items()]]
-        argv += spec.argv
+        argv = wrapped_argv(spec, "e2b-exec", "1" if spec.stdin else "0")
         proc = _CPProcess(self, name, argv, spec.timeout, spec.stdin)
         await started(proc)
         return proc
@@ -341,11 +305,7 @@ class ControlPlaneBackend(DaemonBackend):
     def _exec_pty(self, name: str, spec: ExecSpec) -> _PtyProcess:
         if not hasattr(self.cp, "exec_attached"):
             raise Unsupported("a pty needs the daemon's interactive exec, which this daemon does not have")
-        argv = ["/bin/sh", "-c", _WRAPPER, "e2b-pty", spec.cwd or ".", "2"]
-        if spec.env:
-            argv += ["/usr/bin/env", *[f"{k}={v}" for k, v in spec.env.items()]]
-        argv += spec.argv
-        return _PtyProcess(self, name, argv, spec.pty, spec.timeout)
+        return _PtyProcess(self, name, wrapped_argv(spec, "e2b-pty", "2"), spec.pty, spec.timeout)
 
     async def _run(self, name: str, argv: list[str]) -> tuple[int, bytes, bytes]:
         out = _Out()
