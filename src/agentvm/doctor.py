@@ -24,6 +24,7 @@ class DoctorReport:
     facts: dict
     substrate: str = "bwrap"
     workspaces: dict | None = None  # agentvm.workspace.Usage: committed, used, free (warnings never fail)
+    gate: dict | None = None  # the running daemon's gate mode (gate_containment), None: no daemon
 
     @property
     def ok(self) -> bool:
@@ -38,8 +39,35 @@ class DoctorReport:
             "facts": self.facts,
             "substrate": self.substrate,
             "workspaces": self.workspaces,
-            "warnings": list((self.workspaces or {}).get("warnings", [])),
+            "gate": self.gate,
+            "warnings": list((self.workspaces or {}).get("warnings", []))
+            + ([self.gate["warning"]] if self.gate and self.gate.get("warning") else []),
         }
+
+
+def gate_containment(paths) -> tuple[Primitive, dict | None]:
+    """Whether the running daemon's gate - the code that parses what sandboxes send - is
+    contained (confined gate workers, one per agent: the default) or runs in the daemon's own
+    root process (``agentvm up --gate-workers 0``: an opt-in, warned here). Read from the
+    file the daemon writes at start (``<runtime>/gate-mode.json``), if that daemon still runs."""
+    import json
+
+    try:
+        d = json.loads((paths.runtime / "gate-mode.json").read_text())
+        pid = int(d.get("pid") or 0)
+        os.kill(pid, 0)
+    except (OSError, ValueError, TypeError, AttributeError):
+        return Primitive("gate-contained", True, "no daemon running (`agentvm up` serves each agent's egress from a "
+                         "confined gate worker of its own)"), None
+    if d.get("mode") == "unconfined":
+        d["warning"] = ("the daemon's gate is not contained: it runs in the daemon's own process (uid "
+                        f"{d.get('uid')}; `agentvm up --gate-workers 0`), so a parser bug an agent exploits is code "
+                        "running as the daemon; restart it without --gate-workers 0 / --unconfined-gate")
+        return Primitive("gate-contained", False, d["warning"]), d
+    detail = f"{d.get('mode')} confined gate workers ({d.get('confined')})"
+    if d.get("warning"):
+        detail += f"; warning: {d['warning']}"
+    return Primitive("gate-contained", not d.get("warning"), detail), d
 
 
 def _gate_stack() -> Primitive:
@@ -154,10 +182,11 @@ def run_doctor(smoke: bool = True, substrate: str = "bwrap") -> DoctorReport:
             prims.append(Primitive("smoke-test", False, "skipped: required primitives missing"))
         required.append("smoke-test")
     ws = workspace_usage(rt.paths)
-    extras = [_gate_stack(), _gate_hot_path(), _favordynmods(), _kvm(), _workspace_backend(ws)] + (
+    gate, gate_mode = gate_containment(rt.paths)
+    extras = [_gate_stack(), _gate_hot_path(), gate, _favordynmods(), _kvm(), _workspace_backend(ws)] + (
         [_gvisor()] if substrate != "gvisor" else [])
     facts = dict(caps.facts, kernel=os.uname().release)
-    return DoctorReport(prims, required, extras, facts, substrate, ws)
+    return DoctorReport(prims, required, extras, facts, substrate, ws, gate_mode)
 
 
 def _workspace_backend(u: dict) -> Primitive:

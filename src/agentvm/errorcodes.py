@@ -131,6 +131,7 @@ _TABLE: list[tuple[str, int, int, str]] = [
     # -- the gate and credentials
     ("gate.timeout", 504, BACKEND, "the daemon's gate did not answer in time"),
     ("gate.worker-lost", 500, BACKEND, "the gate worker serving the sandbox died"),
+    ("gate.no-worker-slot", 503, TEMPFAIL, "every confined gate worker slot serves another running agent: the start is refused"),
     ("gate.confine-failed", 500, BACKEND, "a gate worker could not confine itself (the step is named); it does not serve"),
     ("gate.ca-invalid", 400, CONFIG, "the gate's CA files are not usable"),
     ("gate.ca-key-insecure", 400, CONFIG, "the gate's CA key is readable by others"),

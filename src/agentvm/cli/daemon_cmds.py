@@ -29,10 +29,14 @@ def _client():
     return Client()
 
 
-def _gate_workers(text: str) -> int:
+def _gate_workers(text: str) -> int | str:
+    """``agent`` (the default: a confined worker per running agent), ``auto`` (one shared
+    worker per CPU), N shared workers, or 0 (the daemon's own process: the audited opt-in)."""
     from agentvm.gate.workers import MAX_WORKERS
 
-    t = (text or "0").strip().lower()
+    t = (text or "agent").strip().lower()
+    if t in ("agent", "per-agent"):
+        return "agent"
     if t == "auto":
         return max(1, min(MAX_WORKERS, len(os.sched_getaffinity(0))))
     try:
@@ -40,7 +44,8 @@ def _gate_workers(text: str) -> int:
     except ValueError:
         n = -1
     if not 0 <= n <= MAX_WORKERS:
-        raise click.BadParameter(f"{text!r}: give a number from 0 to {MAX_WORKERS}, or auto (one per CPU)",
+        raise click.BadParameter(f"{text!r}: give agent (the default: one confined worker per running agent), "
+                                 f"a number from 0 to {MAX_WORKERS}, or auto (one per CPU)",
                                  param_hint="--gate-workers")
     return n
 
@@ -56,10 +61,14 @@ def _gate_workers(text: str) -> int:
 @click.option("--otlp-sample-allowed", type=float, metavar="RATIO", envvar="AGENTVM_OTLP_SAMPLE_ALLOWED",
               help="The share (0-1, default 1) of plain allowed egress decisions that become spans; denials, "
               "credential uses, LLM calls, tools, approvals and lifecycle always do.")
-@click.option("--gate-workers", metavar="N|auto", envvar="AGENTVM_GATE_WORKERS", default="0", show_default=True,
-              help="Serve the sandboxes' egress from N gate worker processes (auto: one per CPU), the daemon still "
-              "the one control point; 0 serves it from the daemon's own process. Sandboxes with tools, approval "
-              "rules or an LLM budget stay on the daemon's gate (env: AGENTVM_GATE_WORKERS).")
+@click.option("--gate-workers", metavar="agent|N|auto", envvar="AGENTVM_GATE_WORKERS", default="agent", show_default=True,
+              help="Who parses the sandboxes' egress: agent - a confined gate worker per running agent, started with "
+              "its first sandbox and retired after its last (the default); N (or auto: one per CPU) - N confined "
+              "workers shared by all agents; 0 - the daemon's own root process, not contained (recorded on the "
+              "audit chain as a security alert, warned by doctor and status). Sandboxes with tools stay on the "
+              "daemon's gate (recorded). Env: AGENTVM_GATE_WORKERS.")
+@click.option("--unconfined-gate", is_flag=True,
+              help="The same as --gate-workers 0: the gate in the daemon's own process (audited; docs/threat-model.md).")
 @click.option("--no-resume", is_flag=True,
               help="Leave stopped the persistent workers the last daemon left running (by default they start again).")
 @click.option("--e2b-listen", metavar="HOST:PORT",
@@ -68,13 +77,17 @@ def _gate_workers(text: str) -> int:
               help="E2B API: sandboxes one API key may hold.")
 @click.option("--e2b-max-creating", type=click.IntRange(1, 1000), default=4, show_default=True,
               help="E2B API: creates in progress at once (more: 429).")
-def up(foreground, listen, accept_broken_chain, otlp_endpoint, otlp_sample_allowed, gate_workers, no_resume,
-       e2b_listen, e2b_max_per_tenant, e2b_max_creating):
+def up(foreground, listen, accept_broken_chain, otlp_endpoint, otlp_sample_allowed, gate_workers, unconfined_gate,
+       no_resume, e2b_listen, e2b_max_per_tenant, e2b_max_creating):
     """Start the control-plane daemon (and the persistent workers that were running)."""
     from agentvm.daemon.server import check_chain, check_state
     from agentvm.paths import default_paths
 
-    workers = _gate_workers(gate_workers)
+    workers = 0 if unconfined_gate else _gate_workers(gate_workers)
+    if workers == 0:
+        click.echo(click.style("agentvm: warning: ", fg="yellow") + "the gate runs in the daemon's own process "
+                   "(--gate-workers 0): every sandbox's bytes are parsed by it, not contained; this is recorded on "
+                   "the audit chain (gate.unconfined)", err=True)
     paths = default_paths().ensure()
     c = _client()
     if c.available():

@@ -46,7 +46,7 @@ START_WAIT = 30.0  # seconds a start (through the API) waits for the sandbox to 
 class ControlPlane(Events, Supervisor, StateControl, FleetOps, Commands):
     """The daemon's state, gate, supervision and audit chain, and every operation on them."""
 
-    def __init__(self, paths: Paths, *, backend=None, tracing=None, gate_workers: int = 0,
+    def __init__(self, paths: Paths, *, backend=None, tracing=None, gate_workers: int | str = "agent",
                  resume: bool = True) -> None:
         from agentvm.gate.server import Gate
         from agentvm.runtime import Runtime
@@ -68,7 +68,10 @@ class ControlPlane(Events, Supervisor, StateControl, FleetOps, Commands):
         self.gate = Gate(self.paths.home / "gate", self.paths.home / "logs")
         self.gate.subscribers.append(self._on_decision)
         self.gate.approvals_factory = self._approval_store
-        self.gate_workers = gate_workers  # worker processes serving sandboxes' egress (0: the gate above only)
+        # who parses the sandboxes' bytes (docs/daemon.md, docs/threat-model.md): "agent" - confined
+        # gate workers, one per running agent (the default); N - N confined workers shared by
+        # every agent; 0 - the gate above, in this root process (an audited opt-in, not contained)
+        self.gate_workers = "agent" if gate_workers in (None, "agent") else int(gate_workers)
         self.workers = None  # agentvm.gate.workers.WorkerPool, started by open()
         self.managed: dict[str, Managed] = {}
         self.subscribers: set[asyncio.Queue] = set()
@@ -92,16 +95,76 @@ class ControlPlane(Events, Supervisor, StateControl, FleetOps, Commands):
         the last daemon left (before anyone is answered: a client sees a clean state)."""
         self.loop, self._loop_thread = asyncio.get_running_loop(), threading.get_ident()
         self._flush_task = asyncio.ensure_future(self._flusher())
-        if self.gate_workers:  # before recover(): it starts persistent sandboxes
-            from agentvm.gate.workers import WorkerPool
-
-            self.workers = WorkerPool(self.gate_workers, self.gate.state_dir, self.gate.log_dir,
-                                      on_record=self._on_decision, on_event=self._worker_event,
-                                      telemetry=self.tracing.endpoint if self.tracing is not None else None)
-            await self.workers.start()
-            self.record("gate.workers", count=self.gate_workers, pids=self.workers.pids())
+        await self._open_gate()  # before recover(): it starts persistent sandboxes
         self.checkpoints  # its table made now, while there is room: stop and rm read it on a full disk
         await self.recover(resume=self.resume)
+
+    async def _open_gate(self) -> None:
+        """The sandboxes' gate: confined workers (per agent by default), or - opted into - this
+        process's own gate, which is then on the audit chain as a security alert and warned of
+        by ``agentvm doctor`` and ``agentvm status`` (:meth:`gate_mode`)."""
+        if self.gate_workers == 0:
+            log.warning("the gate runs in the daemon's own process (--gate-workers 0): every sandbox's bytes are "
+                        "parsed by root, not contained (docs/threat-model.md)")
+            self.record("gate.unconfined", alert="security", pid=os.getpid(), uid=os.geteuid(),
+                        reason="the operator started the daemon with its gate in its own process (--gate-workers 0 "
+                               "/ --unconfined-gate): every sandbox's egress is parsed by this process "
+                               f"({'root' if os.geteuid() == 0 else 'the operator'}), not by confined gate workers")
+            self._write_gate_mode()
+            return
+        from agentvm.gate.workers import RETIRE_AFTER, WorkerPool
+
+        per_agent = self.gate_workers == "agent"
+        self.workers = WorkerPool(0 if per_agent else self.gate_workers, self.gate.state_dir, self.gate.log_dir,
+                                  on_record=self._on_decision, on_event=self._worker_event,
+                                  telemetry=self.tracing.endpoint if self.tracing is not None else None,
+                                  isolate="agent" if per_agent else None, approvals=self.gate.approval_store,
+                                  retire=RETIRE_AFTER if per_agent else None)
+        await self.workers.start()
+        self.record("gate.workers", count=0 if per_agent else self.gate_workers, pids=self.workers.pids(),
+                    mode="per-agent" if per_agent else "shared", confined=self.workers.confine)
+        self._write_gate_mode()
+
+    def gate_mode(self) -> dict:
+        """Who parses the sandboxes' bytes: ``mode`` per-agent | shared | unconfined, whether it
+        is contained, the workers running now; ``warning`` when it is not contained."""
+        w = self.workers
+        if w is None:
+            return {"mode": "unconfined", "contained": False, "pid": os.getpid(), "uid": os.geteuid(),
+                    "warning": "the gate runs in the daemon's own process (--gate-workers 0): a parser bug exploited "
+                               "by an agent is code running as the daemon; restart the daemon without "
+                               "--gate-workers 0 / --unconfined-gate"}
+        d = {"mode": "per-agent" if w.isolate == "agent" else "shared", "contained": w.confine == "full",
+             "confined": w.confine, "pid": os.getpid(), "workers": w.serving()}
+        if w.confine != "full":
+            d["warning"] = ("the gate workers cannot switch to a uid of their own nor make their mount namespace (the "
+                            "daemon is not root): Landlock, seccomp and no_new_privs only")
+        elif w.isolate != "agent":
+            d["warning"] = ("the gate workers are shared by all agents (--gate-workers N): a worker compromised by one "
+                            "agent holds the credentials of the others it serves; the default is one per agent")
+        return d
+
+    def _gate_mode_path(self) -> Path:
+        return self.paths.runtime / "gate-mode.json"
+
+    def _write_gate_mode(self) -> None:
+        """For ``agentvm doctor`` (which runs without asking the daemon): the gate's mode, with
+        the daemon's pid (a file a dead daemon left is told apart)."""
+        import json
+
+        d = self.gate_mode()
+        d.pop("workers", None)
+        try:
+            tmp = self._gate_mode_path().with_suffix(".tmp")
+            tmp.write_text(json.dumps(d, sort_keys=True) + "\n")
+            tmp.replace(self._gate_mode_path())
+        except OSError as exc:
+            log.warning("the gate's mode could not be written for `agentvm doctor`: %s", exc)
+
+    def fleet_status(self) -> dict:
+        d = super().fleet_status()
+        d["gate"] = self.gate_mode()  # (`agentvm status` warns when the gate is not contained)
+        return d
 
     async def close(self) -> None:
         """Stop every supervised sandbox (they stay desired=running: the next `up` resumes
@@ -117,6 +180,7 @@ class ControlPlane(Events, Supervisor, StateControl, FleetOps, Commands):
             await asyncio.wait(tasks, timeout=30)
         if self.workers is not None:
             await self.workers.stop()
+        self._gate_mode_path().unlink(missing_ok=True)
         for q in list(self.subscribers):
             q.put_nowait(None)
         self.record("daemon.stopped", pid=os.getpid())
@@ -352,7 +416,7 @@ class ControlPlane(Events, Supervisor, StateControl, FleetOps, Commands):
         m = self.managed.get(name)
         ep = m.endpoint if m else None
         t0 = time.perf_counter()
-        if (isinstance(patch, BudgetChange) and ep is not None and not ep.can_meter
+        if (isinstance(patch, BudgetChange) and ep is not None and not ep.can_meter  # (never now: workers meter)
                 and any(v is not None for v in (patch.tokens, patch.requests, patch.cost))):
             # a gate worker cannot meter (the only live op that adds what a worker does not
             # carry: allow/deny/remove rules are never `action: ask`, tools ops change only a

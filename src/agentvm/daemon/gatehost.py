@@ -72,11 +72,16 @@ class DaemonGateHost:
             from agentvm.gate.workers import unplaceable
 
             why = unplaceable(egress, extras, creds)
-            if why is None:  # a gate worker serves it (agentvm.gate.workers)
+            if why is None:  # a gate worker serves it (agentvm.gate.workers): held requests and budgets too
+                from agentvm.gate.workers import START_TIMEOUT
+
+                # (a per-agent worker may be started for it first: its start's time allowed)
                 return self._call(workers.open(sandbox_id, agent, egress, Path(attachment.address), uid=uid,
-                                               creds=creds), undo=workers.close)
+                                               creds=creds, extras=extras), START_TIMEOUT + 30.0, undo=workers.close)
+            # the daemon's own gate (root, not contained) parses this sandbox's bytes: recorded
+            # as such, with the reason (docs/threat-model.md: what remains of issue 43)
             self.daemon._in_loop(lambda: self.daemon.record("gate.placement", sandbox_id=sandbox_id, gate="daemon",
-                                                            reason=why))
+                                                            reason=why, confined=False))
         gate = self.daemon.gate
 
         async def undo(ep):
@@ -121,7 +126,5 @@ def apply_live(ep, policy, live, paths) -> None:
             from agentvm.gate.budget import Budget
 
             ep.set_budget(Budget(ep.agent, policy.limits.budget, budget_store(paths)))
-        # else a gate worker, which cannot meter: never the case of a budget op (refused
-        # first), nor of a start (placed on the daemon's gate); here only when the row's file
-        # gained a budget it is not running yet (a fleet update between its stop and start):
-        # it applies at that start
+        # (every endpoint meters: a gate worker's budget is kept by the daemon, which the
+        # worker asks before each metered request)

@@ -145,6 +145,18 @@ class Hold:
 
     req: h1.ProxyRequest
     decision: Decision
+    #: what the decision was asked: (host, port, scheme, method, path, body size, sni,
+    #: websocket) - a gate worker sends it to the daemon, which decides it again before it holds
+    asked: tuple = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Admit:
+    """Reserve one request of an LLM budget whose counters live in another process (a gate
+    worker's budget: the daemon holds the agent's ledger). Answer with None (reserved) or
+    (rule id, reason) - a budget that cannot answer is a refusal."""
+
+    budget: Any
 
 
 @dataclass(frozen=True, slots=True)
@@ -376,7 +388,7 @@ def request(ep, req: h1.ProxyRequest, *, scheme: str, tunnel: Tunnel | None = No
              tunnel.host if tunnel is not None and scheme == "https" else None, req.upgrade_websocket)
     d = decide_request(ep.policy, *asked)
     if d.verdict == "ask":
-        answer = yield Hold(req=req, decision=d)
+        answer = yield Hold(req=req, decision=d, asked=asked)
         if not isinstance(answer, Answered) or not answer.approved:
             rid = answer.rule_id if isinstance(answer, Answered) else "approval:unavailable"
             why = answer.reason if isinstance(answer, Answered) else "no answer"
@@ -455,7 +467,7 @@ def request(ep, req: h1.ProxyRequest, *, scheme: str, tunnel: Tunnel | None = No
     if budget is not None:
         # the last check: a reservation is only taken for a request that is forwarded (the
         # relay settles it with the response's usage, or releases it)
-        why = budget.admit()
+        why = (yield Admit(budget)) if getattr(budget, "remote", False) else budget.admit()
         if why is not None:
             yield deny(shown, why[0], why[1], status=429, explain=False, alert=why[0] == "budget:exceeded",
                        answer="budget")

@@ -189,6 +189,10 @@ class H2Bridge:
             self._deny(s, ex.deny(req, "approval:h2-unsupported", "a request that needs a human approval (action: "
                                   "ask) is refused on HTTP/2; the same client over HTTP/1.1 is held", explain=False))
             return
+        if isinstance(cmd, ex.Admit):  # (a budget kept by the daemon: nothing reserved yet) as below
+            self._deny(s, ex.deny(req, "budget:unmetered-connection", "this HTTP/2 connection was opened before the "
+                                  "LLM budget was set; reconnect (metered requests use HTTP/1.1)", explain=False))
+            return
         if not isinstance(cmd, ex.Forward):  # a tunnel's requests never need a lookup
             self._deny(s, ex.Deny(rule_id="internal-error", reason="unexpected command", phase="request",
                                   host=req.host, port=req.port, method=req.method, path=req.path))

@@ -60,6 +60,8 @@ RULES: dict[str, str] = {
     "budget:websocket": "a WebSocket to an LLM API under a budget: refused, its usage cannot be metered",
     "budget:unmetered-connection": "a connection opened before an LLM budget was set live (a tunnel is cut, an "
                                    "HTTP/2 stream refused): the client reconnects and is metered",
+    "budget:unavailable": "a gate worker could not get an answer from the daemon, which keeps the agent's LLM "
+                          "budget (429, retryable): nothing is forwarded unmetered",
     # operator and limits
     "paused": "egress of the sandbox is paused by the operator (connections open at the time are cut)",
     "endpoint:closed": "the sandbox's gate endpoint was closed while a connection was open (a gate worker "

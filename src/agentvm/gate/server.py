@@ -330,6 +330,9 @@ class Gate:
                     # held while its requester is there: a cut connection expires the request
                     cmd = flow.send(await ep.hold(cmd, gone=lambda: client_left(client)))
                     continue
+                if isinstance(cmd, ex.Admit):  # an LLM budget kept by the daemon (a gate worker's)
+                    cmd = flow.send(await cmd.budget.admit_async())
+                    continue
                 if isinstance(cmd, ex.Lookup):
                     try:
                         infos = await asyncio.get_running_loop().getaddrinfo(cmd.name, cmd.port, type=socket.SOCK_STREAM)

@@ -80,6 +80,9 @@ RESTARTS = 5  # attempts at replacing a lost worker before its sandboxes are rep
 STALL_LIMIT = 60.0  # seconds a worker waits for a daemon that reads nothing before exiting
 BACKLOG = 128  # a sandbox socket's accept backlog (connections wait here while a worker is replaced)
 REVOKE_POLL = 0.2  # seconds between two looks at the vault for revocations/rotations made by another process
+RETIRE_AFTER = 2.0  # seconds a per-agent worker outlives its agent's last sandbox (a restart reuses it)
+MAX_QUESTIONS = 64  # questions (held requests, budget admissions) one worker may have open at the daemon
+MAX_FIELD = 1 << 16  # the longest string a worker's question may carry (a held request's path: SHOW_MAX)
 # a worker killed by one of these may have been attacked (a forbidden system call, a memory error)
 ALERT_SIGNALS = {signal.SIGSYS: "seccomp", signal.SIGSEGV: "crash", signal.SIGBUS: "crash", signal.SIGILL: "crash",
                  signal.SIGABRT: "crash"}
@@ -103,6 +106,15 @@ PROTOCOL = _protocol()
 
 class WorkerLost(AgentVMError):
     code = "gate.worker-lost"
+
+
+class NoWorkerSlot(WorkerLost):
+    """Every confined worker slot (one uid each) serves another running agent: refused, never
+    served by a shared or unconfined gate instead."""
+
+    code = "gate.no-worker-slot"
+    exit_code = 75  # (retry once another agent's sandboxes stopped: errorcodes TEMPFAIL)
+    status = 503
 
 
 def _pack(obj) -> bytes:
@@ -170,15 +182,12 @@ def _quiet(fut: asyncio.Future) -> None:
 def unplaceable(policy, extras=None, creds=None) -> str | None:
     """Why a sandbox's endpoint cannot be served by a gate worker (it is served by the daemon's
     own gate), or None. ``policy`` is the sandbox's EgressPolicy; ``extras`` its
-    agentvm.tools.slot.EndpointExtras."""
-    if any(getattr(r, "ask", False) for r in policy.allow):
-        return "its egress has rules that wait for an approval (action: ask): held requests wait in the daemon"
+    agentvm.tools.slot.EndpointExtras. Held requests (``action: ask``) and LLM budgets are
+    served by a worker, which asks the daemon (:meth:`WorkerPool.question`)."""
     if extras is not None:
         tools = getattr(extras, "tools", None)
         if tools is not None and getattr(tools, "servers", None):
             return "it has tools: the tool gateway's MCP sessions live in the daemon"
-        if getattr(extras, "budget", None) is not None:
-            return "it has an LLM budget: the counters an agent's sandboxes share live in the daemon"
     if creds is not None and getattr(creds, "spec", None) is None:
         return "its credentials are not the vault's (nothing a worker could rebuild them from)"
     return None
@@ -303,12 +312,11 @@ class RemoteEndpoint:
     and, once closed, the run's counters for egress_summary). Every change is pushed to the
     worker at once, in order; :meth:`synced` waits for the worker's acknowledgement."""
 
-    can_meter = False  # (agentvm.gate.endpoint.EndpointHandle: LLM budgets are metered by the daemon's gate)
+    can_meter = True  # (the daemon keeps the ledger; the worker asks it before each metered request)
     tools = None
-    budget = None
 
     def __init__(self, pool: "WorkerPool", worker: "GateWorker", sandbox_id: str, agent: str, policy, sock_path: Path,
-                 sock: socket.socket, creds) -> None:
+                 sock: socket.socket, creds, extras=None) -> None:
         self.pool, self.worker = pool, worker
         self.sandbox_id, self.agent = sandbox_id, agent
         self._policy = policy
@@ -327,6 +335,18 @@ class RemoteEndpoint:
         self.denial_reasons: dict = {}
         self.closed = False
         self.counts_lost = False  # a worker serving it died: its counters from then are gone
+        # what the daemon answers its worker's questions with (agentvm.tools.slot.EndpointExtras)
+        self.approval_timeout = float(getattr(extras, "approval_timeout", 300.0) or 300.0)
+        self.approval_webhook = getattr(extras, "webhook", None)
+        self.policy_digest = getattr(extras, "policy_digest", "") or ""
+        self.budget = None  # _PushBudget over the daemon's Budget (the agent's ledger), or None
+        self.reserved = 0  # budget admissions its worker holds (released if the worker goes)
+        spec = getattr(extras, "budget", None)
+        if spec is not None:
+            from agentvm.gate.budget import Budget, BudgetStore
+
+            db = getattr(extras, "budget_db", None)
+            self.budget = _PushBudget(self, Budget(agent, spec, BudgetStore(db) if db else None))
 
     def __repr__(self) -> str:
         return f"RemoteEndpoint({self.sandbox_id!r} on gate worker {self.worker.index})"
@@ -353,8 +373,20 @@ class RemoteEndpoint:
         self._push()
 
     def set_budget(self, budget) -> None:
-        raise AgentVMError(f"sandbox {self.sandbox_id} is served by gate worker {self.worker.index}, which does not "
-                           "meter LLM budgets", hint="restart the sandbox: it is then served by the daemon's own gate")
+        """An LLM budget set live: the daemon keeps the ledger, the worker is told the spec (and
+        cuts its opaque tunnels to the budget's hosts) before the call returns."""
+        self.budget = _PushBudget(self, budget)
+        self._push()
+
+    def _budget_spec(self):
+        return None if self.budget is None else self.budget.spec
+
+    def release_reservations(self) -> None:
+        """Its worker is gone or it closed: the admissions it held end uncounted."""
+        while self.reserved > 0 and self.budget is not None:
+            self.reserved -= 1
+            self.budget.release()
+        self.reserved = 0
 
     def revoke(self, names, revoked: bool = True) -> None:
         """Revoke (or restore) this session's credentials by name: the next request sees it."""
@@ -373,7 +405,7 @@ class RemoteEndpoint:
             spec = ((bindings, placeholders, sid), self.creds.scrub_encoded, self._creds_sent)
         self._policy_sent = self._policy
         return (self.sandbox_id, self.agent, self._policy, str(self.sock_path), spec, self._paused, self._revoked(),
-                _policy_files(self._policy))
+                _policy_files(self._policy), self._budget_spec())
 
     def _creds_change(self):
         """The credentials' state if it differs from what the worker holds, else None."""
@@ -393,7 +425,7 @@ class RemoteEndpoint:
         creds = self._creds_change()
         try:
             self._pending.append(self.worker.send("state", self.sandbox_id, policy, self._paused, self._revoked(), creds,
-                                                  _policy_files(policy)))
+                                                  _policy_files(policy), self._budget_spec()))
         except WorkerLost:
             return
         self._policy_sent = self._policy
@@ -410,7 +442,7 @@ class RemoteEndpoint:
         policy = None if self._policy is self._policy_sent else self._policy
         try:  # (nobody waits for it: a worker that fails it is replaced, the replacement gets it all)
             self.worker.send("state", self.sandbox_id, policy, self._paused, self._revoked(), creds,
-                             _policy_files(policy)).add_done_callback(_quiet)
+                             _policy_files(policy), self._budget_spec()).add_done_callback(_quiet)
         except WorkerLost:
             return
         self._policy_sent, self._creds_sent = self._policy, creds
@@ -450,6 +482,93 @@ class RemoteEndpoint:
                            code="gate.worker-lost")
 
 
+class _PushBudget:
+    """The daemon's Budget of a worker-served sandbox (the agent's ledger: admissions and counts
+    happen here, asked by the worker); a change of its spec or a reset is pushed to the worker."""
+
+    def __init__(self, ep: RemoteEndpoint, inner) -> None:
+        self._ep, self.inner = ep, inner
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def set_spec(self, spec) -> None:
+        self.inner.set_spec(spec)
+        self._ep._push()
+
+    def reset(self) -> None:
+        self.inner.reset()
+        self._ep._push()
+
+
+def _text(v, limit: int = MAX_FIELD) -> str:
+    if type(v) is not str or len(v) > limit:
+        raise ValueError(f"not a string of at most {limit} characters: {type(v).__name__}")
+    return v
+
+
+def _count(v, limit: int = 1 << 40) -> int:
+    if type(v) is not int or not 0 <= v <= limit:
+        raise ValueError(f"not a count: {v!r:.40}")
+    return v
+
+
+def _asked(args) -> tuple:
+    """A held request as a worker sends it: (host, port, scheme, method, path, body size, sni,
+    websocket), chunked - each field checked for its type and size (ValueError otherwise)."""
+    if not isinstance(args, tuple) or len(args) != 2 or not isinstance(args[0], tuple) or len(args[0]) != 8:
+        raise ValueError("a held request that is not ((8 fields), chunked)")
+    (host, port, scheme, method, path, size, sni, ws), chunked = args
+    asked = (_text(host, 1024), _count(port, 65535), _text(scheme, 8), _text(method, 64), _text(path),
+             None if size is None else _count(size), None if sni is None else _text(sni, 1024), ws)
+    if type(ws) is not bool or type(chunked) is not bool:
+        raise ValueError("websocket and chunked are booleans")
+    return asked, chunked
+
+
+async def hold_request(store, ep, asked: tuple, chunked: bool, rule_id: str, log, gone) -> tuple:
+    """The daemon's side of a worker's held request (``action: ask``) - what
+    ``Endpoint.hold`` does on the daemon's own gate: queued (on the audit chain), the pending
+    record handed to ``log`` (the worker writes it), the answer awaited (the approval timeout,
+    ``gone()``: its requester left). -> (approved, rule id, reason, request id)."""
+    from agentvm.held import SHOW_MAX, digest
+
+    host, port, _scheme, method, path, size, _sni, _ws = asked
+    if store is None:
+        return False, "approval:unavailable", "no approvals queue is available to ask a human", None
+    if len(path) > SHOW_MAX:  # a human approves only what a human can see, whole
+        return (False, "approval:unshowable", f"the request target ({len(path)} bytes) is too long to show a human "
+                f"for approval (at most {SHOW_MAX})", None)
+    shown = path if len(path) <= 512 else path[:509] + "..."
+    target = f"{method} {host}:{port}{shown}"
+    body = ("none" if not size and not chunked else
+            f"{size if size is not None else 'chunked, unknown'} bytes, NOT shown: the gate has not read it "
+            "(approve only if the target alone tells you enough)")
+    summary = {"method": method, "host": host, "port": port, "path": path, "rule": rule_id, "body": body,
+               "body_bytes": size, "preview": target[:200], "keys": ["method", "host", "port", "path"]}
+    try:
+        queued = store.submit(kind="egress", sandbox=ep.sandbox_id, agent=ep.agent, target=target, summary=summary,
+                              arg_digest=digest([method, host, port, path]), policy=ep.policy_digest,
+                              timeout=ep.approval_timeout, webhook=ep.approval_webhook)
+    except Exception as exc:  # noqa: BLE001 - not recorded, not held: denied
+        return False, "approval:unavailable", f"the request could not be queued ({type(exc).__name__})", None
+    log(verdict="ask", rule_id="approval:pending", reason=f"waiting for a human ({queued.id})", host=host, port=port,
+        method=method, path=path, phase="request", approval=queued.id)
+    try:
+        done = await store.wait(queued.id, gone=gone)
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:  # noqa: BLE001
+        return False, "approval:unavailable", f"the approvals queue failed ({type(exc).__name__})", None
+    if done.state == "approved" and gone():
+        return False, "client-gone", f"{done.id} was approved after its requester left: not forwarded", done.id
+    if done.state == "approved":
+        return True, "approval:approved", f"approved by {done.by}", done.id
+    if done.state == "expired":
+        return False, "approval:timeout", f"no human answered {done.id} in time ({done.note or 'expired'})", done.id
+    return False, "approval:denied", f"{done.id} was denied by {done.by}", done.id
+
+
 class GateWorker:
     """One worker process, from the daemon's side."""
 
@@ -469,6 +588,10 @@ class GateWorker:
         self._next = 0
         self.reason = ""  # why it is gone
         self._stopping = False  # stop(): the worker is let exit on its own (up to STOP_TIMEOUT)
+        self.retired = False  # its agent's last sandbox closed: stopped, never replaced, its slot free again
+        self.questions: dict[int, asyncio.Task] = {}  # its questions the daemon is answering (held requests...)
+        self.abandoned: set[int] = set()  # held requests whose requester left (the worker said so)
+        self._retire: asyncio.TimerHandle | None = None
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -569,6 +692,8 @@ class GateWorker:
                 # it holds an endpoint in a state the daemon does not know: replaced, and the
                 # replacement opens every endpoint with the daemon's whole state
                 self.kill(f"it failed to apply a change ({value})")
+        elif msg[0] == "q":  # a question to the monitor: a held request, a budget admission or count
+            self.pool.question(self, msg)
         elif msg[0] == "persist":  # a brokered credential's rotated vault entry (agentvm.gate.brokers)
             try:
                 self.pool.persist(self, *msg[1:])
@@ -584,6 +709,11 @@ class GateWorker:
             if not fut.done():
                 fut.set_exception(WorkerLost(f"gate worker {self.index} is gone: {reason}"))
         self._calls.clear()
+        for t in self.questions.values():  # (a held request's row expires: nothing waits for its answer)
+            t.cancel()
+        self.questions.clear()
+        for ep in self.endpoints.values():
+            ep.release_reservations()
         if self._writer is not None:
             self._writer.close()
         if self._fd_sock is not None:
@@ -599,6 +729,11 @@ class GateWorker:
 
     def kill(self, reason: str) -> None:
         self._gone(reason)
+
+    def tell(self, msg: tuple) -> None:
+        """A message to the worker outside the calls (an answer to its question)."""
+        if self.alive and self._writer is not None:
+            self._writer.write(_pack(msg))
 
     async def stop(self) -> None:
         """Hang up: the worker closes its endpoints and exits (SIGKILL after STOP_TIMEOUT)."""
@@ -620,14 +755,20 @@ class WorkerPool:
     ``on_event(kind, **data)``: a worker lost, replaced, or not replaceable (for the audit chain)."""
 
     def __init__(self, count: int, state_dir: Path, log_dir: Path, *, on_record, on_event, telemetry: str | None = None,
-                 confine: str | None = "auto", isolate: str | None = None):
+                 confine: str | None = "auto", isolate: str | None = None, approvals=None,
+                 retire: float | None = None):
         """``confine``: "auto" (the default: wholly confined under a root daemon; Landlock, seccomp
         and no_new_privs only under an unprivileged one, which cannot switch uid), "full" (refuse
         to run otherwise) or None (unconfined: the benchmark's baseline). ``isolate``: None (any
         worker serves any sandbox), "agent" or "tier" (see :func:`placement_key`): a worker serves
-        one key's sandboxes for its whole life; workers are started on demand, up to MAX_WORKERS."""
-        if not 1 <= count <= MAX_WORKERS:
-            raise AgentVMError(f"gate workers: {count} is not between 1 and {MAX_WORKERS}")
+        one key's sandboxes for its whole life; workers are started on demand, up to MAX_WORKERS
+        (``count`` may then be 0: none before the first sandbox). ``approvals``: a function giving
+        the approvals queue (agentvm.approvals.ApprovalStore) the workers' held requests wait in
+        (None: held requests are denied, ``approval:unavailable``). ``retire``: seconds after
+        which a worker of a key whose last sandbox closed is stopped and its slot freed (None:
+        kept; only with ``isolate``)."""
+        if not (0 if isolate is not None else 1) <= count <= MAX_WORKERS:
+            raise AgentVMError(f"gate workers: {count} is not between {0 if isolate else 1} and {MAX_WORKERS}")
         if confine not in ("auto", "full", None):
             raise AgentVMError(f"gate workers: confine={confine!r} is not auto, full or None")
         if isolate not in ("agent", "tier", None):
@@ -638,6 +779,8 @@ class WorkerPool:
         self.on_record, self.on_event = on_record, on_event
         self.telemetry = telemetry
         self.isolate = isolate
+        self.approvals = approvals
+        self.retire = retire if isolate is not None else None
         root = os.geteuid() == 0
         if confine == "full" and not root:
             raise AgentVMError("gate workers: confine=full needs a root daemon (a worker switches to a uid of its own)",
@@ -683,6 +826,116 @@ class WorkerPool:
         if persist is not None:
             persist(b, text)
 
+    # -- the monitor: a worker's questions ------------------------------------------------
+    def question(self, w: GateWorker, msg) -> None:
+        """A worker asks the daemon - the only thing it may ask: to hold one of its sandboxes'
+        requests for a human (``hold``; ``gone``: its requester left), to admit one request
+        under its sandbox's LLM budget (``admit``), to end an admission uncounted (``release``)
+        or to count a response (``charge``). Everything is checked: a worker may be compromised.
+        A malformed question (not the shape of one, an unknown op) drops the worker (ValueError:
+        its channel is taken for broken; it is replaced); one about a sandbox it does not serve
+        now is refused; a held request is decided again here under the daemon's policy. The
+        parsing of the sandbox's bytes stays in the worker: these are small typed values."""
+        if not isinstance(msg, tuple) or len(msg) != 5:
+            raise ValueError("a question that is not (q, id, op, sandbox, args)")
+        _, qid, op, sid, args = msg
+        if type(qid) is not int or type(op) is not str or type(sid) is not str or not isinstance(args, tuple):
+            raise ValueError("a question whose id, op, sandbox or arguments are not of their type")
+        if op not in ("hold", "gone", "admit", "release", "charge"):
+            raise ValueError(f"an unknown question {op[:40]!r}")
+        ep = w.endpoints.get(sid)
+        if ep is None or ep.closed:
+            log.error("gate worker %d asked %r about sandbox %.80r, which it does not serve: refused", w.index, op, sid)
+            if qid and op in ("hold", "admit"):
+                w.tell(("a", qid, False, "not a sandbox this worker serves"))
+            return
+        if op == "gone":  # (args: the id of the held request whose requester left)
+            if len(args) == 1 and type(args[0]) is int and args[0] in w.questions:
+                w.abandoned.add(args[0])
+            return
+        if op == "release":
+            if ep.reserved > 0:
+                ep.reserved -= 1
+                ep.budget.release()
+            return
+        if op == "charge":
+            self._charge(w, ep, args)
+            return
+        if not qid or qid in w.questions:
+            raise ValueError(f"a question id {qid} that is 0 or in use")
+        if len(w.questions) >= MAX_QUESTIONS:
+            w.tell(("a", qid, False, f"more than {MAX_QUESTIONS} questions open at once"))
+            return
+        handler = self._q_hold if op == "hold" else self._q_admit
+        task = asyncio.get_running_loop().create_task(handler(w, ep, qid, args))
+        task.sandbox_id = sid
+        w.questions[qid] = task
+
+        def answered(t: asyncio.Task) -> None:
+            w.questions.pop(qid, None)
+            w.abandoned.discard(qid)
+            if t.cancelled():
+                return
+            exc = t.exception()
+            if exc is not None:
+                log.error("gate worker %d: answering %s about %s: %s", w.index, op, sid, exc)
+                w.tell(("a", qid, False, f"{type(exc).__name__}"))
+            else:
+                w.tell(("a", qid, True, t.result()))
+
+        task.add_done_callback(answered)
+
+    async def _q_hold(self, w: GateWorker, ep: RemoteEndpoint, qid: int, args) -> tuple:
+        from agentvm.gate.policy import decide_request
+
+        try:
+            asked, chunked = _asked(args)
+        except ValueError as exc:
+            log.error("gate worker %d sent a held request of %s that is not one (%s): refused", w.index, ep.sandbox_id, exc)
+            return False, "approval:unavailable", "the gate worker's request to hold it was malformed", None
+        d = decide_request(ep.policy, *asked)  # the daemon's policy decides whether a human is asked
+        if d.verdict != "ask":
+            log.error("gate worker %d asked to hold a request of %s that its policy does not hold (%s): refused",
+                      w.index, ep.sandbox_id, d.rule_id)
+            return False, "approval:unavailable", "the daemon's policy does not hold this request for a human", None
+        store = None
+        if self.approvals is not None:
+            try:
+                store = self.approvals()
+            except Exception:  # noqa: BLE001 - no queue: denied
+                store = None
+
+        def log_pending(**fields) -> None:
+            w.tell(("held", qid, fields))
+
+        return await hold_request(store, ep, asked, chunked, d.rule_id, log_pending, lambda: qid in w.abandoned)
+
+    async def _q_admit(self, w: GateWorker, ep: RemoteEndpoint, qid: int, args):
+        if args or ep.budget is None:
+            return ("budget:unavailable", "the daemon keeps no LLM budget for this sandbox")
+        why = ep.budget.admit()
+        if why is None:
+            ep.reserved += 1
+        return why
+
+    def _charge(self, w: GateWorker, ep: RemoteEndpoint, args) -> None:
+        """A metered response's usage, counted in the agent's ledger (its cost priced here, by the
+        daemon's spec). Counting more than the worker reserved is accepted (never free)."""
+        if ep.budget is None:
+            log.error("gate worker %d counted LLM usage for %s, which has no budget: ignored", w.index, ep.sandbox_id)
+            return
+        if len(args) != 4 or (args[0] is not None and type(args[0]) is not str) or type(args[3]) is not bool:
+            raise ValueError("a count that is not (model, input, output, estimated)")
+        model = None if args[0] is None else args[0][:128]
+        inp, out = _count(args[1], 1 << 40), _count(args[2], 1 << 40)
+        if ep.reserved > 0:
+            ep.reserved -= 1
+        else:  # (settle() ends one reservation: this count ends none of another sandbox's)
+            led = ep.budget.ledger
+            with led.lock:
+                led.inflight += 1
+        ep.budget.add(model, inp, out, args[3])
+
     async def start(self) -> None:
         if self.confine is not None:  # (made once here: each confined worker only loads it before confining itself)
             from agentvm.gate.ca import CertificateAuthority
@@ -690,7 +943,8 @@ class WorkerPool:
             await asyncio.to_thread(CertificateAuthority.load_or_create, self.state_dir / "ca")
         self.workers = [GateWorker(self, i) for i in range(self.count)]
         try:
-            await asyncio.gather(*(w.start() for w in self.workers))
+            if self.workers:
+                await asyncio.gather(*(w.start() for w in self.workers))
         except BaseException as exc:
             await self.stop()
             raise AgentVMError(f"the gate workers did not start: {exc}",
@@ -711,51 +965,109 @@ class WorkerPool:
                         log.exception("gate workers: the vault of %s", ep.sandbox_id)
 
     def pids(self) -> list[int]:
-        return [w.proc.pid for w in self.workers if w.proc is not None and w.alive]
+        return [w.proc.pid for w in self.workers if w.proc is not None and w.alive and not w.retired]
+
+    def serving(self) -> list[dict]:
+        """The running workers: slot, pid, uid, the key they serve and their sandboxes."""
+        return [{"worker": w.index, "pid": w.proc.pid, "uid": w.uid, "tenant": w.tenant, "sandboxes": sorted(w.endpoints)}
+                for w in self.workers if w.proc is not None and w.alive and not w.retired]
 
     async def _a_worker(self, key: str | None = None) -> GateWorker:
         for _ in range(3):
-            alive = [w for w in self.workers if w.alive and (key is None or w.tenant == key)]
+            mine = [w for w in self.workers if not w.retired and (key is None or w.tenant == key)]
+            alive = [w for w in mine if w.alive]
             if alive:
                 return min(alive, key=lambda w: (len(w.endpoints), w.index))
-            if key is not None and not any(w.tenant == key for w in self.workers):
+            if key is not None and not mine:
                 return await self._claim(key)
-            await asyncio.gather(*(self.replaced(w) for w in list(self.workers) if key is None or w.tenant == key),
-                                 return_exceptions=True)
+            await asyncio.gather(*(self.replaced(w) for w in mine), return_exceptions=True)
         raise WorkerLost("no gate worker is running, and none could be started; see the daemon's log")
 
     async def _claim(self, key: str) -> GateWorker:
-        """A worker for a key no worker serves yet: one that never served anybody, else a new
-        slot, else the slot of an idle worker of another key (stopped first: a worker never
-        serves a second key - what it held of the first stays with that process)."""
-        fresh = next((w for w in self.workers if w.alive and w.tenant is None and not w.endpoints), None)
+        """A worker for a key no worker serves yet: one that never served anybody, else a free
+        slot (never used, or its retired worker has exited: two processes never share a slot's
+        uid across keys), else the slot of an idle worker of another key (stopped first: a
+        worker never serves a second key - what it held of the first stays with that process).
+        None left: refused (NoWorkerSlot), never served by a shared or unconfined gate."""
+        fresh = next((w for w in self.workers if w.alive and not w.retired and w.tenant is None and not w.endpoints),
+                     None)
         if fresh is not None:
             fresh.tenant = key
             return fresh
-        if len(self.workers) < MAX_WORKERS:
+        free = next((w for w in self.workers if w.retired and (w.proc is None or w.proc.returncode is not None)
+                     and self._replacing.get(w.index) is None), None)
+        if free is not None:
+            self.workers[free.index] = w = GateWorker(self, free.index, key)
+        elif len(self.workers) < MAX_WORKERS:
             w = GateWorker(self, len(self.workers), key)
             self.workers.append(w)
         else:
-            idle = next((w for w in self.workers if not w.endpoints and self._replacing.get(w.index) is None), None)
+            idle = next((w for w in self.workers if not w.endpoints and not w.retired
+                         and self._replacing.get(w.index) is None), None)
             if idle is None:
-                raise WorkerLost(f"all {MAX_WORKERS} gate workers serve other {self.isolate}s: none left for {key}",
-                                 hint="stop sandboxes of other agents, or run this one on the daemon's own gate")
+                busy = sum(1 for w in self.workers if not w.retired)
+                raise NoWorkerSlot(
+                    f"all {MAX_WORKERS} confined gate worker slots serve other {self.isolate}s ({busy} running, each "
+                    f"a uid of its own): none is left for {key}; the start is refused (a gate is never shared "
+                    "between agents nor run unconfined without the operator saying so)",
+                    hint="stop the sandboxes of an agent that does not need to run now (its worker retires "
+                         f"{self.retire or 0:g} s after its last sandbox), or start the daemon with "
+                         "`--gate-workers N` (N workers shared by all agents) - see docs/daemon.md")
             self.workers[idle.index] = w = GateWorker(self, idle.index, key)
+            idle.retired = True
             await idle.stop()
         try:
             await w.start()
         except BaseException:
             w.alive = False
+            w.retired = True  # (its slot is free again)
             raise
+        if key is not None:
+            self.on_event("gate.worker-started", worker=w.index, pid=w.proc.pid, uid=w.uid, tenant=key,
+                          confined=self.confine)
         return w
 
+    def _schedule_retire(self, w: GateWorker) -> None:
+        """``w``'s key has no sandbox left: retire it after ``retire`` seconds unless one comes."""
+        if self.retire is None or w.tenant is None or w.endpoints or w.retired or self.stopping:
+            return
+        if w._retire is not None:
+            w._retire.cancel()
+        loop = asyncio.get_running_loop()
+        w._retire = loop.call_later(self.retire, lambda: loop.create_task(self._retire_now(w)))
+
+    async def _retire_now(self, w: GateWorker) -> None:
+        w._retire = None
+        if w.endpoints or w.retired or self.stopping or self.workers[w.index] is not w:
+            return
+        if self._replacing.get(w.index) is not None:
+            return
+        w.retired = True  # (from here no sandbox is placed on it: a new one of its key gets a new worker)
+        pid = w.proc.pid if w.proc is not None else None
+        await w.stop()
+        self.on_event("gate.worker-retired", worker=w.index, pid=pid, tenant=w.tenant,
+                      reason="its agent's last sandbox closed")
+
     async def open(self, sandbox_id: str, agent: str, policy, sock_path: Path, *, uid: int | None, creds,
-                   tier: str | None = None) -> RemoteEndpoint:
+                   tier: str | None = None, extras=None) -> RemoteEndpoint:
+        """Serve ``sandbox_id`` from a worker. ``extras`` (agentvm.tools.slot.EndpointExtras):
+        its approval timeout, webhook and policy digest (held requests wait in the daemon) and
+        its LLM budget (the daemon keeps the ledger); a sandbox with tools is not placeable
+        (:func:`unplaceable`)."""
         sock_path = Path(sock_path)
         w = await self._a_worker(placement_key(self.isolate, agent, tier))
+        if w._retire is not None:  # (a sandbox again before its retirement: kept)
+            w._retire.cancel()
+            w._retire = None
         sock = bind_unix_listener(sock_path, uid, BACKLOG)
         sock.setblocking(False)
-        ep = RemoteEndpoint(self, w, sandbox_id, agent, policy, sock_path, sock, creds)
+        try:
+            ep = RemoteEndpoint(self, w, sandbox_id, agent, policy, sock_path, sock, creds, extras)
+        except BaseException:
+            sock.close()
+            sock_path.unlink(missing_ok=True)
+            self._schedule_retire(w)
+            raise
         w.endpoints[sandbox_id] = ep
         try:
             async with w.opening:
@@ -770,6 +1082,7 @@ class WorkerPool:
                     pass
             sock.close()
             sock_path.unlink(missing_ok=True)
+            self._schedule_retire(ep.worker)
             raise
         if ep.worker is w:
             ep.served = True
@@ -785,6 +1098,9 @@ class WorkerPool:
         ep.closed = True
         w = ep.worker
         w.endpoints.pop(ep.sandbox_id, None)
+        for qid, t in list(w.questions.items()):  # its held requests: expired (nothing waits for them now)
+            if getattr(t, "sandbox_id", None) == ep.sandbox_id:
+                t.cancel()
         try:
             stats = await w.call("close", ep.sandbox_id) if w.alive else None
         except (WorkerLost, AgentVMError) as exc:
@@ -798,6 +1114,8 @@ class WorkerPool:
                     os.chown(ep.log_path, 0, 0, follow_symlinks=False)
                 except OSError:
                     pass
+            ep.release_reservations()
+            self._schedule_retire(w)
         if stats and not _counters_ok(stats):  # (a worker is not trusted: its counters are checked)
             log.error("gate worker %d sent counters of %s that are not counters: ignored", w.index, ep.sandbox_id)
             ep.counts_lost, stats = True, None
@@ -814,8 +1132,8 @@ class WorkerPool:
 
     # -- a worker lost: replaced, its endpoints handed over ---------------------------------
     def worker_gone(self, w: GateWorker) -> None:
-        if self.stopping or w.index in self._replacing or self.workers[w.index] is not w:
-            return  # (stopping; a replacement under way handles it; or w was replaced already)
+        if self.stopping or w.retired or w.index in self._replacing or self.workers[w.index] is not w:
+            return  # (stopping; retired; a replacement under way handles it; or w was replaced already)
         self._replacing[w.index] = asyncio.get_running_loop().create_task(self._replace(w))
 
     async def replaced(self, w: GateWorker) -> None:
@@ -936,6 +1254,9 @@ class WorkerPool:
         self.stopping = True
         if self._watch is not None:
             self._watch.cancel()
+        for w in self.workers:
+            if w._retire is not None:
+                w._retire.cancel()
         for t in list(self._replacing.values()):
             t.cancel()
         await asyncio.gather(*(w.stop() for w in self.workers), return_exceptions=True)
@@ -1008,13 +1329,127 @@ class _Sender:
         self.sock.close()
 
 
+class _Asker:
+    """The worker's questions to the daemon (the monitor) - held requests, LLM budgets - and
+    their answers, which arrive beside the daemon's calls (never queued behind them)."""
+
+    def __init__(self, writer: _Sender) -> None:
+        self.writer = writer
+        self._next = 0
+        self.waiting: dict[int, tuple[asyncio.Future, object]] = {}
+
+    def ask(self, op: str, sandbox_id: str, *args, on_held=None) -> tuple[int, asyncio.Future]:
+        self._next += 1
+        qid = self._next
+        fut = asyncio.get_running_loop().create_future()
+        self.waiting[qid] = (fut, on_held)
+        self.writer.send(_pack(("q", qid, op, sandbox_id, args)))
+        if self.writer.closed and not fut.done():
+            self.waiting.pop(qid, None)
+            fut.set_exception(ConnectionError("the daemon is gone"))
+        return qid, fut
+
+    def tell(self, op: str, sandbox_id: str, *args) -> None:
+        """A message that wants no answer (in order with the questions)."""
+        self.writer.send(_pack(("q", 0, op, sandbox_id, args)))
+
+    def answer(self, msg) -> None:
+        if msg[0] == "held":  # a held request was queued: its pending record, written here
+            entry = self.waiting.get(msg[1])
+            if entry is not None and entry[1] is not None:
+                try:
+                    entry[1](msg[2])
+                except Exception:  # noqa: BLE001 - a record lost is logged, the answer still awaited
+                    log.exception("gate worker: the pending record of a held request")
+            return
+        _, qid, ok, value = msg
+        entry = self.waiting.pop(qid, None)
+        if entry is None or entry[0].done():
+            return
+        if ok:
+            entry[0].set_result(value)
+        else:
+            entry[0].set_exception(AgentVMError(f"the daemon refused: {value}"))
+
+    def lost(self) -> None:
+        for fut, _ in self.waiting.values():
+            if not fut.done():
+                fut.set_exception(ConnectionError("the daemon is gone"))
+        self.waiting.clear()
+
+
+class _RemoteBudget:
+    """A worker-served sandbox's LLM budget: the daemon keeps the agent's ledger. Each metered
+    request is admitted by the daemon (``exchange.Admit``: asked, awaited), each response's
+    usage counted there (``charge``), an admission that ends uncounted released there; the
+    worker keeps only the spec (which hosts, the price table for its records) and the last
+    "spent" answer, to refuse early as the daemon's gate does."""
+
+    remote = True
+
+    def __init__(self, asker: _Asker, sandbox_id: str, spec) -> None:
+        self.asker, self.sandbox_id, self.spec = asker, sandbox_id, spec
+        self._spent = None
+
+    def covers(self, host: str) -> bool:
+        return self.spec.covers(host)
+
+    def refusal_now(self):
+        return self._spent
+
+    def refusal(self):
+        return self._spent[1] if self._spent else None
+
+    def admit(self):  # (never called: exchange yields Admit for a remote budget)
+        return ("budget:unavailable", "a gate worker's budget is admitted by the daemon")
+
+    async def admit_async(self):
+        try:
+            _, fut = self.asker.ask("admit", self.sandbox_id)
+            why = await asyncio.wait_for(fut, CALL_TIMEOUT)
+        except Exception as exc:  # noqa: BLE001 - no answer: nothing is forwarded unmetered
+            return ("budget:unavailable", f"the daemon, which keeps this agent's LLM budget, did not answer "
+                    f"({type(exc).__name__}); retry")
+        if why is not None:
+            why = (str(why[0]), str(why[1]))
+            if why[0] == "budget:exceeded":
+                self._spent = why
+        return why
+
+    def release(self) -> None:
+        self.asker.tell("release", self.sandbox_id)
+
+    def meter(self):
+        from agentvm.gate.budget import Meter
+
+        return Meter()
+
+    def add(self, model, input_tokens: int, output_tokens: int, estimated: bool) -> dict:
+        """Count one admitted request's response: at the daemon; -> its record's fields (priced
+        by the spec, as the daemon prices it)."""
+        model = (model or "unknown")[:128]
+        self.asker.tell("charge", self.sandbox_id, model, int(input_tokens), int(output_tokens), bool(estimated))
+        price = self.spec.price(model)
+        out = {"model": model, "input_tokens": input_tokens, "output_tokens": output_tokens}
+        if price is not None:
+            out["cost"] = round((input_tokens * price[0] + output_tokens * price[1]) / 1e6, 8)
+        if estimated:
+            out["estimated"] = True
+        return out
+
+    def set_spec(self, spec) -> None:
+        self.spec = spec
+        self._spent = None  # (raised, or reset: the daemon says again at the next admission)
+
+
 class _Worker:
     """The worker process: a Gate, its endpoints opened and changed on the daemon's word."""
 
-    def __init__(self, gate, fd_sock: socket.socket, writer: _Sender) -> None:
+    def __init__(self, gate, fd_sock: socket.socket, writer: _Sender, asker: _Asker | None = None) -> None:
         self.gate = gate
         self.fd_sock = fd_sock
         self.writer = writer
+        self.asker = asker if asker is not None else _Asker(writer)
         self._batch: list[dict] = []
         self._timer: asyncio.TimerHandle | None = None
         self._loop = asyncio.get_running_loop()
@@ -1077,7 +1512,8 @@ class _Worker:
                 ctx.load_verify_locations(cadata=pem.decode("ascii", "replace"))
                 self.gate._client_ctx[(path, h2)] = ctx
 
-    async def op_open(self, sock, sandbox_id, agent, policy, sock_path, creds_spec, paused, revoked, files=None) -> None:
+    async def op_open(self, sock, sandbox_id, agent, policy, sock_path, creds_spec, paused, revoked, files=None,
+                      budget=None) -> None:
         creds = None
         try:
             self._take_files(files)
@@ -1093,6 +1529,56 @@ class _Worker:
             sock.close()
             raise
         ep.paused = paused
+        # a held request (action: ask) waits in the daemon's approvals queue: asked, not served here
+        ep.hold = lambda cmd, gone=None, _ep=ep: self._hold_remote(_ep, cmd, gone)
+        if budget is not None:
+            ep.budget = _RemoteBudget(self.asker, sandbox_id, budget)
+
+    def _budget(self, ep, spec) -> None:
+        if spec is None:
+            return
+        if isinstance(ep.budget, _RemoteBudget):
+            ep.budget.set_spec(spec)
+        else:  # set live: the endpoint cuts its opaque tunnels to the budget's hosts
+            ep.set_budget(_RemoteBudget(self.asker, ep.sandbox_id, spec))
+
+    async def _hold_remote(self, ep, cmd, gone=None):
+        """``Endpoint.hold`` on a worker: the daemon queues the request for a human (it decides
+        it again first) and answers; the pending record it sends is written here. The requester
+        leaving - or this wait being cancelled (the sandbox paused, its endpoint closed) - is
+        told to the daemon, which expires the request."""
+        from agentvm.gate import exchange as ex
+
+        req = cmd.req
+        asked = tuple(getattr(cmd, "asked", ()) or ())
+        if len(asked) != 8:
+            return ex.Answered(False, "approval:unavailable", "the request cannot be put before a human from here")
+        try:
+            qid, fut = self.asker.ask("hold", ep.sandbox_id, asked, bool(req.chunked),
+                                      on_held=lambda fields: ep.log(**fields))
+        except Exception as exc:  # noqa: BLE001
+            return ex.Answered(False, "approval:unavailable", f"the daemon could not be asked ({type(exc).__name__})")
+        told = False
+        try:
+            while not fut.done():
+                await asyncio.wait([fut], timeout=0.1)
+                if not told and gone is not None and not fut.done():
+                    try:
+                        left = bool(gone())
+                    except Exception:  # noqa: BLE001 - a check that fails: gone
+                        left = True
+                    if left:
+                        told = True
+                        self.asker.tell("gone", ep.sandbox_id, qid)
+        except asyncio.CancelledError:
+            if not told:
+                self.asker.tell("gone", ep.sandbox_id, qid)
+            raise
+        try:
+            approved, rule_id, reason, rid = fut.result()
+        except Exception as exc:  # noqa: BLE001
+            return ex.Answered(False, "approval:unavailable", f"the daemon did not hold it ({exc})"[:300])
+        return ex.Answered(bool(approved), str(rule_id), str(reason), rid)
 
     def _held_credentials(self, sandbox_id: str, bindings, placeholders, held):
         """A CredentialSet over the values the daemon sent (``held``: dropped names, values,
@@ -1132,11 +1618,12 @@ class _Worker:
                 cache.drop(revoke=True)  # (what was minted from it is forgotten, revoked upstream)
         creds._scrub_table = None  # (rebuilt from the values held now)
 
-    async def op_state(self, sandbox_id, policy, paused, revoked, held=None, files=None) -> str:
+    async def op_state(self, sandbox_id, policy, paused, revoked, held=None, files=None, budget=None) -> str:
         ep = self.gate.endpoints.get(sandbox_id)
         if ep is None:  # its open failed: the daemon opens it again with the whole state
             return "absent"
         self._take_files(files)
+        self._budget(ep, budget)
         if policy is not None:
             ep.set_policy(policy)
         if ep.paused != paused:
@@ -1186,8 +1673,20 @@ async def _worker_main(ns) -> None:
     fd_sock.setblocking(True)
     sender = _Sender(chan.fileno())
     calls: asyncio.Queue = asyncio.Queue()  # the daemon's calls, in order; None: the channel ended
+    asker = _Asker(sender)
+
+    def on_message(msg) -> None:
+        if isinstance(msg, tuple) and msg and msg[0] in ("a", "held"):  # answers to this worker's questions
+            asker.answer(msg)
+        else:
+            calls.put_nowait(msg)
+
+    def on_lost(why) -> None:
+        asker.lost()
+        calls.put_nowait(None)
+
     channel, _ = await asyncio.get_running_loop().create_unix_connection(
-        lambda: _Frames(calls.put_nowait, lambda why: calls.put_nowait(None)), sock=chan)
+        lambda: _Frames(on_message, on_lost), sock=chan)
     gate = Gate(Path(ns.state_dir), Path(ns.log_dir))
     if ns.telemetry:
         from agentvm.gate.telemetry import TelemetryRelay
@@ -1204,7 +1703,7 @@ async def _worker_main(ns) -> None:
             ep.flush_log()
 
     sender.before_exit = before_exit
-    w = _Worker(gate, fd_sock, sender)
+    w = _Worker(gate, fd_sock, sender, asker)
     try:
         await w.serve(calls)
     finally:
