@@ -193,10 +193,11 @@ def test_two_claims_of_one_template_get_their_own_identity_policy_and_log(world)
     got_b = b.claim(en.make_token(world["key"], Identity("team", "hello-b")))
     assert got_a["identity"] == "agentvm://team/hello-a" and got_b["identity"] == "agentvm://team/hello-b"
     assert got_a["serial"] != got_b["serial"]
-    assert _san(a.identity / "tls.crt") == ["agentvm://team/hello-a"]
-    assert _san(b.identity / "tls.crt") == ["agentvm://team/hello-b"]
-    assert (a.identity / "tls.key").stat().st_mode & 0o077 == 0
-    assert (a.identity / "tls.key").read_bytes() != (b.identity / "tls.key").read_bytes()
+    ca_, cb_ = en.current(a.identity), en.current(b.identity)
+    assert _san(ca_ / "tls.crt") == ["agentvm://team/hello-a"]
+    assert _san(cb_ / "tls.crt") == ["agentvm://team/hello-b"]
+    assert (ca_ / "tls.key").stat().st_mode & 0o077 == 0
+    assert (ca_ / "tls.key").read_bytes() != (cb_ / "tls.key").read_bytes()
     # a: the template's policy (api.test, its credential swapped in)
     assert a.curl("api.test", "/a-ok", PH).stdout == "200"
     assert world["up"].auth.pop("/a-ok") == f"Bearer {SECRET}"
@@ -211,6 +212,16 @@ def test_two_claims_of_one_template_get_their_own_identity_policy_and_log(world)
     assert any(r.get("path") == "/a-ok" for r in la) and not any(r.get("path") == "/a-ok" for r in lb)
     assert any(r["host"] == "api.test" and r["verdict"] == "deny" for r in lb)
     assert not any(r["host"] == "api.test" and r["verdict"] == "deny" for r in la)
+    # and each its own verifiable audit chain, its enrolment the first record
+    from agentvm.gateway.audit import verify
+
+    time.sleep(1.5)  # (heads are written at most every second)
+    for ident, path in (("team.hello-a", "/a-ok"), ("team.hello-b", "/b-ok")):
+        merged: list = []
+        v = verify(world["tmp"] / "audit", ident, merged=merged)
+        assert v.ok, v.problems
+        assert merged[0]["rule"] == "identity:enrolled" and all(r["sandbox"] == ident for r in merged)
+        assert any(r.get("path") == path for r in merged)
 
 
 def test_renewal_over_mtls_keeps_the_identity_with_a_new_key(world):
@@ -218,11 +229,17 @@ def test_renewal_over_mtls_keeps_the_identity_with_a_new_key(world):
     if en.held(a.identity) is None:
         a.claim(en.make_token(world["key"], Identity("team", "hello-a")))
     out = world["tmp"] / "renew-copy"
-    shutil.copytree(a.identity, out)
-    before = json.loads((out / "identity.json").read_text())
+    shutil.copytree(a.identity, out, symlinks=True)
+    before = en.held(out)
+    old_gen = en.current(out).resolve()
     got = en.renew(world["gw"].enroll_addr, "localhost", world["ca"].cert_path, out)
     assert got["identity"] == "agentvm://team/hello-a" and got["serial"] != before["serial"]
-    assert (out / "tls.key").read_bytes() != (a.identity / "tls.key").read_bytes()
+    assert en.held(out)["serial"] == got["serial"] and not old_gen.exists()  # swapped whole, the old one gone
+    assert (en.current(out) / "tls.key").read_bytes() != (en.current(a.identity) / "tls.key").read_bytes()
+    # the bridge's own client context takes the renewed pair
+    from agentvm.gateway.bridge import client_context
+
+    client_context(out)
     # a renewal needs the certificate it renews: without one it is refused
     import ssl
 
@@ -258,7 +275,7 @@ def test_tokens_are_good_once_for_their_identity_only(world):
         en.enroll(gw.enroll_addr, "localhost", cafile, en.make_token(key, Identity("team", "nobody-1")),
                   world["tmp"] / "c6")
     assert exc.value.rule_id == "identity:unknown"
-    assert not (world["tmp"] / "c6" / "tls.crt").exists()
+    assert en.held(world["tmp"] / "c6") is None
 
 
 def test_a_csr_cannot_choose_its_identity(world):
@@ -291,7 +308,7 @@ def test_the_issuer_cannot_mint_outside_its_namespace(world):
                     en.make_token(world["key"], Identity("other", "hello-x")), world["tmp"] / "ox")
     assert got["identity"] == "agentvm://other/hello-x"  # signed (the issuer does not check) ...
     w = dict(world)
-    c = Client(w, world["tmp"] / "ox" / "tls.crt", world["tmp"] / "ox" / "tls.key")
+    c = Client(w, en.current(world["tmp"] / "ox") / "tls.crt", en.current(world["tmp"] / "ox") / "tls.key")
     try:  # ... and refused at the handshake (or on first use, TLS 1.3 reports the alert late)
         with pytest.raises((ConnectionError, OSError)):
             c.connect()
@@ -335,3 +352,31 @@ def test_the_issuer_files_and_its_constraint(world):
     assert iss.not_after > __import__("datetime").datetime.now(__import__("datetime").timezone.utc)
     assert (world["issuer"] / "issuer.key").stat().st_mode & 0o077 == 0
     assert (world["issuer"] / "enroll.key").stat().st_mode & 0o077 == 0
+
+
+def test_the_bridge_loop_renews_before_expiry_and_keeps_serving(world, monkeypatch):
+    """keep_enrolled renews at RENEW_AT of the lifetime (0 here: at once) over mTLS, each time
+    a new key and serial, keeping only the newest generation of files."""
+    monkeypatch.setattr(en, "RENEW_AT", 0.0)
+    out, ann = world["tmp"] / "loop" / "identity", world["tmp"] / "loop" / "annotations"
+    ann.parent.mkdir(parents=True)
+    ann.write_text(f"{en.ANNOTATION}={json.dumps(en.make_token(world['key'], Identity('team', 'hello-r')))}\n")
+    logs: list[str] = []
+    loop, stop = new_event_loop(), asyncio.Event()
+    t = threading.Thread(target=lambda: loop.run_until_complete(en.keep_enrolled(
+        world["gw"].enroll_addr, "localhost", world["ca"].cert_path, ann, out, poll=0.05, log=logs.append,
+        stop=stop)), daemon=True)
+    t.start()
+    try:
+        deadline = time.monotonic() + 20
+        while sum(m.startswith("renewed") for m in logs) < 2:
+            assert time.monotonic() < deadline, logs
+            time.sleep(0.05)
+    finally:
+        monkeypatch.setattr(en, "RENEW_AT", 2 / 3)
+        loop.call_soon_threadsafe(stop.set)
+        t.join(15)
+    assert logs[0].startswith("enrolled as agentvm://team/hello-r")
+    serials = [m.split("certificate ")[1].split()[0] for m in logs if "certificate " in m]
+    assert len(set(serials)) == len(serials) >= 3
+    assert [p.name for p in out.iterdir() if p.name.startswith("gen-")] == [en.current(out).resolve().name]

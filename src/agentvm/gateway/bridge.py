@@ -15,6 +15,8 @@ from pathlib import Path
 
 def client_context(identity_dir: Path) -> ssl.SSLContext:
     d = Path(identity_dir)
+    if (d / "current").is_dir():  # what the bridge enrolled itself (agentvm.gateway.enroll), swapped whole
+        d = d / "current"
     ctx = ssl.create_default_context(cafile=str(d / "ca.crt"))
     ctx.load_cert_chain(str(d / "tls.crt"), str(d / "tls.key"))
     return ctx

@@ -267,19 +267,36 @@ def _post(addr: tuple[str, int], server_name: str, ctx: ssl.SSLContext, path: st
         return 502, {"error": "enroll:bad-response", "reason": head[:200].decode("latin-1")}
 
 
+def current(out: Path) -> Path:
+    """Where the files the bridge uses are: ``out/current`` (a link swapped whole on each
+    enrolment or renewal) once it enrolled; ``out`` itself for a mounted Secret."""
+    c = Path(out) / "current"
+    return c if c.is_dir() else Path(out)
+
+
 def _store(out: Path, key_pem: bytes, got: dict) -> dict:
-    """tls.key (0600), tls.crt (the chain), ca.crt: the files the bridge's client context reads,
-    each replaced atomically (key first: a reader never pairs a new certificate with an old key
-    for long - the bridge reads them per connection)."""
+    """tls.key (0600), tls.crt (the chain), ca.crt and identity.json in a new directory of
+    ``out``, then ``out/current`` pointed at it in one rename: the bridge, which reads them per
+    connection, never pairs a new certificate with an old key."""
     from agentvm.gateway.ca import _write
 
     out.mkdir(parents=True, exist_ok=True)
-    _write(out / "tls.key.new", key_pem, 0o600)
-    _write(out / "tls.crt.new", got["certificate"].encode(), 0o644)
-    _write(out / "ca.crt", got["ca"].encode(), 0o644)
-    os.replace(out / "tls.key.new", out / "tls.key")
-    os.replace(out / "tls.crt.new", out / "tls.crt")
-    (out / "identity.json").write_text(json.dumps({k: got[k] for k in ("identity", "serial", "not_after")}))
+    gen = out / f"gen-{got['serial']}"
+    gen.mkdir(mode=0o700, exist_ok=True)
+    _write(gen / "tls.key", key_pem, 0o600)
+    _write(gen / "tls.crt", got["certificate"].encode(), 0o644)
+    _write(gen / "ca.crt", got["ca"].encode(), 0o644)
+    (gen / "identity.json").write_text(json.dumps({k: got[k] for k in ("identity", "serial", "not_after")}))
+    link = out / "current.new"
+    if link.is_symlink() or link.exists():
+        link.unlink()
+    os.symlink(gen.name, link)
+    old = os.readlink(out / "current") if (out / "current").is_symlink() else None
+    os.replace(link, out / "current")
+    if old and old != gen.name:
+        import shutil
+
+        shutil.rmtree(out / old, ignore_errors=True)
     return got
 
 
@@ -298,7 +315,7 @@ def renew(addr: tuple[str, int], server_name: str, gateway_ca: Path, out: Path) 
     out = Path(out)
     key_pem, csr = _csr()
     ctx = ssl.create_default_context(cafile=str(gateway_ca))
-    ctx.load_cert_chain(str(out / "tls.crt"), str(out / "tls.key"))
+    ctx.load_cert_chain(str(current(out) / "tls.crt"), str(current(out) / "tls.key"))
     status, got = _post(addr, server_name, ctx, "/v1/renew", {"csr": csr.decode()})
     if status != 200:
         raise Refused(got.get("error", "enroll:failed"), got.get("reason", f"HTTP {status}"))
@@ -308,7 +325,7 @@ def renew(addr: tuple[str, int], server_name: str, gateway_ca: Path, out: Path) 
 def held(out: Path) -> dict | None:
     """The identity the bridge holds in ``out`` if its certificate is still valid."""
     try:
-        d = json.loads((Path(out) / "identity.json").read_text())
+        d = json.loads((current(out) / "identity.json").read_text())
         if _dt.datetime.fromisoformat(d["not_after"]).timestamp() > time.time() + 30:
             return d
     except (FileNotFoundError, ValueError, KeyError):
@@ -334,7 +351,7 @@ async def keep_enrolled(addr: tuple[str, int], server_name: str, gateway_ca: Pat
                 log(f"enrolled as {cur['identity']} (certificate {cur['serial']} until {cur['not_after']})")
             else:
                 life_end = _dt.datetime.fromisoformat(cur["not_after"]).timestamp()
-                issued = os.stat(Path(out) / "tls.crt").st_mtime
+                issued = os.stat(current(out) / "tls.crt").st_mtime
                 wait = issued + (life_end - issued) * RENEW_AT - time.time()
                 if wait > 0:
                     await _sleep(stop, min(wait, 60.0))
