@@ -158,25 +158,26 @@ class BwrapPlan:
 
 
 # ------------------------------------------------------------------ the first cgroup migration
-# Moving a process into a cgroup takes the kernel's cgroup_threadgroup_rwsem for writing; a
-# writer after a quiet moment waits for an RCU grace period first (rcu_sync_enter: ~8-12 ms
-# here, measured by bench/bench_startup.py's "cgroup migration" row), and one that comes while
-# another writer is in, or within a grace period after the last one left, does not. The helper's
-# move into the sandbox's cgroups is such a first writer on every start. MigrationWarmup pays
-# that grace period off the critical path, while the run is still being prepared: a child of
-# ours that does nothing (`sleep`) is "moved" into the cgroup it is already in - ours, checked
-# by finding our own pid in that cgroup.procs - every WARM_INTERVAL seconds until the sandbox
-# is launched. A no-op: nothing changes cgroup (the child cannot be moved anywhere new; if the
-# check were wrong, only that child would move, and it is killed right after); no limit or
-# check of the sandbox changes; the helper's migration is the same write, it just does not
-# wait. Where the cgroup cannot be found or written (not root, no cgroups), nothing happens.
+# Moving a task into a cgroup takes the kernel's cgroup_threadgroup_rwsem for writing; a writer
+# after a quiet moment waits for an RCU grace period first (rcu_sync_enter: ~8-12 ms here, the
+# "cgroup migration" row of bench/bench_startup.py), and one that comes while another writer is
+# in, or within a grace period after the last one left, does not. The helper's move into the
+# sandbox's cgroups is such a first writer on every start. MigrationWarmup pays that grace
+# period off the critical path, while the run is still being prepared: a thread of ours moves
+# itself - that one thread, by its thread id - into the cgroup it is already in (v1 ``tasks``,
+# v2 ``cgroup.threads``; the cgroup checked to be ours by finding this process's pid in its
+# cgroup.procs) every WARM_INTERVAL seconds until the sandbox is launched. A no-op: nothing
+# changes cgroup (were the check ever wrong, only that thread, which does nothing else, would
+# move); no limit or check of the sandbox changes; the helper's migration is the same kind of
+# write, it just does not wait. Where the cgroup cannot be found or written (not root, no
+# cgroups) nothing happens and the helper waits as before.
 WARM_INTERVAL = 0.003  # s: well inside one grace period, so the fast path never closes
 WARM_MAX = 0.5  # s: a warm-up never stopped (its run failed before launch) ends by itself
 
 
-def _own_cgroup_procs() -> str | None:
-    """The cgroup.procs file of this process's cgroup in one hierarchy (the lock is global:
-    any will do), verified by finding this process's pid in it; None where there is none."""
+def _own_cgroup_dir() -> str | None:
+    """The directory of this process's cgroup in one hierarchy (the lock is global: any will
+    do), checked by finding this process's pid in its cgroup.procs; None where there is none."""
     try:
         lines = Path("/proc/self/cgroup").read_text().splitlines()
     except OSError:
@@ -192,22 +193,14 @@ def _own_cgroup_procs() -> str | None:
             base = next((layout.v1[c] for c in ctrls.split(",") if c in layout.v1), None)
         if base is None or not path.startswith("/"):
             continue
-        procs = os.path.join(str(base), path.lstrip("/"), "cgroup.procs")
+        d = os.path.join(str(base), path.lstrip("/"))
         try:
-            fd = os.open(procs, os.O_RDONLY | os.O_CLOEXEC)
-            try:
-                listed = b""
-                while True:
-                    chunk = os.read(fd, 65536)
-                    if not chunk:
-                        break
-                    listed += chunk
-            finally:
-                os.close(fd)
+            with open(os.path.join(d, "cgroup.procs"), "rb") as f:
+                listed = f.read().split()
         except OSError:
             continue
-        if me in listed.decode().split():
-            return procs
+        if me.encode() in listed:
+            return d
     return None
 
 
@@ -225,35 +218,31 @@ class MigrationWarmup:
         self._stop.set()
 
     def _run(self) -> None:
-        procs = _own_cgroup_procs()
-        if procs is None or self._stop.is_set():
+        import threading
+
+        d = _own_cgroup_dir()
+        if d is None or self._stop.is_set():
             return
-        try:
-            fd = os.open(procs, os.O_WRONLY | os.O_CLOEXEC)
-        except OSError:
+        fd = None
+        for name in ("tasks", "cgroup.threads"):  # v1, v2: one thread, by its id
+            try:
+                fd = os.open(os.path.join(d, name), os.O_WRONLY | os.O_CLOEXEC)
+                break
+            except OSError:
+                continue
+        if fd is None:
             return  # not ours to write (not root): the helper pays the grace period as before
-        child = None
         try:
-            sleep = next((p for p in ("/usr/bin/sleep", "/bin/sleep") if os.access(p, os.X_OK)), None)
-            if sleep is None:
-                return
-            child = subprocess.Popen([sleep, "5"], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.DEVNULL, close_fds=True)
-            pid = str(child.pid).encode()
+            tid = str(threading.get_native_id()).encode()
             deadline = time.monotonic() + WARM_MAX
             while not self._stop.is_set() and time.monotonic() < deadline:
                 try:
-                    os.write(fd, pid)
+                    os.write(fd, tid)
                 except OSError:
                     return
                 self._stop.wait(WARM_INTERVAL)
-        except OSError:
-            return
         finally:
             os.close(fd)
-            if child is not None:
-                child.kill()
-                child.wait()
 
 
 class BwrapBackend(hv.ChildProcessSandbox, Backend):
