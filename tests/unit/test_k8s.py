@@ -268,8 +268,9 @@ live = pytest.mark.skipif(not os.environ.get("KUBECONFIG"), reason="KUBECONFIG i
 def test_live_claim_exec_rm():  # pragma: no cover - needs a cluster with agent-sandbox and the rendered objects
     c = cluster.Cluster()
     ns, pool = os.environ.get("AGENTVM_K8S_NAMESPACE", "default"), os.environ.get("AGENTVM_K8S_POOL", "hello-agent")
-    name = f"agentvm-live-{os.getpid()}"
-    c.claim(name, ns, pool)
+    name = f"{pool}-live-{os.getpid()}"
+    key = os.environ.get("AGENTVM_ENROLL_KEY")  # per-claim identity (the default render) needs the issuer's enroll.key
+    c.claim(name, ns, pool, annotations=cluster.enrolment_annotations(name, ns, pool, key) if key else None)
     try:
         import time
 
@@ -350,3 +351,22 @@ def test_a_claim_carries_its_own_enrolment_token(tmp_path):
     with pytest.raises(ConfigError):  # a name the rendered gateway would not map to the agent
         cluster.enrolment_annotations("other-1", "team", "hello-agent", files["enroll.key"])
     assert "additionalPodMetadata" not in cluster.claim_body("c1", "team", "hello-agent")["spec"]
+
+
+def test_golden_claim(tmp_path):
+    """What `agentvm k8s claim hello-agent-1 --pool hello-agent -n team --enroll-key K` sends
+    (the token, random and timed, masked), valid against the vendored SandboxClaim CRD."""
+    from agentvm.gateway.ca import GatewayCA
+
+    files = GatewayCA.create(tmp_path / "ca").make_issuer(tmp_path / "iss", namespaces=("team",))
+    body = cluster.claim_body("hello-agent-1", "team", "hello-agent", annotations=cluster.enrolment_annotations(
+        "hello-agent-1", "team", "hello-agent", files["enroll.key"]))
+    assert validate.problems(body) == []
+    ann = body["spec"]["additionalPodMetadata"]["annotations"]
+    assert ann["agentvm.dev/enroll-token"].startswith("v1.")
+    ann["agentvm.dev/enroll-token"] = "v1.MASKED"
+    text = to_yaml([body])
+    golden = GOLDEN / "claim__hello-agent-1.yaml"
+    if os.environ.get("AGENTVM_UPDATE_GOLDEN") == "1":
+        golden.write_text(text)
+    assert golden.exists() and text == golden.read_text(), "claim body changed (AGENTVM_UPDATE_GOLDEN=1 after review)"
