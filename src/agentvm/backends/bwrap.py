@@ -208,14 +208,25 @@ class MigrationWarmup:
     """See above: started when a run is being prepared, stopped once its sandbox is launched."""
 
     def __init__(self) -> None:
+        import _thread
         import threading
 
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="agentvm-cgroup-warmup", daemon=True)
-        self._thread.start()
+        self.done = threading.Event()  # set when the thread has ended
+        # a bare thread: threading.Thread.start() waits until the new thread runs, which on a
+        # busy machine is a scheduler round trip on the run's critical path
+        _thread.start_new_thread(self._main, ())
 
     def stop(self) -> None:
         self._stop.set()
+
+    def _main(self) -> None:
+        try:
+            self._run()
+        except Exception:  # noqa: BLE001 - an optimisation only: the helper waits as before
+            pass
+        finally:
+            self.done.set()
 
     def _run(self) -> None:
         import threading
