@@ -36,6 +36,7 @@ from agentvm.errors import AgentVMError, ConfigError
 from agentvm.gateway.identity import Identity
 
 CONFIG_FILE = "gateway.yaml"
+GATEWAY_LOG = "gateway"  # the sink key of refusals that name no configured identity (has no dot: no collision)
 
 
 @dataclass(frozen=True)

@@ -174,7 +174,7 @@ class Enroller:
         raise Refused("enroll:not-found", f"no {path} here")
 
     def _refusal_record(self, exc: Refused, who: str | None) -> None:
-        from agentvm.gateway.server import GATEWAY_LOG
+        from agentvm.gateway.config import GATEWAY_LOG
 
         self.gate.emit({"time": round(time.time(), 6), "sandbox": GATEWAY_LOG, "identity": who, "phase": "enroll",
                         "rule": exc.rule_id, "verdict": "deny", "reason": exc.reason})

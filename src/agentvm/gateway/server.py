@@ -35,14 +35,13 @@ from agentvm.gate import h1
 from agentvm.gate.endpoint import Endpoint
 from agentvm.gate.server import STREAM_LIMIT, Gate
 from agentvm.gate.streams import HELLO_TIMEOUT, PlainStream
-from agentvm.gateway.config import CompiledAgent, Refusal, Registry
+from agentvm.gateway.config import GATEWAY_LOG, CompiledAgent, Refusal, Registry
 from agentvm.gateway.identity import Identity, from_peercert
 
 log = logging.getLogger("agentvm.gateway")
 
 RECHECK_INTERVAL = 1.0  # seconds between checks of connections that are not sending requests
 IDLE_CLOSE = 300.0  # an identity's endpoint without a connection this long is closed (its log fd, its pool)
-GATEWAY_LOG = "gateway"  # the sink key of refusals that name no configured identity (has no dot: no collision)
 
 
 def server_context(ca_dir: Path) -> ssl.SSLContext:
