@@ -127,17 +127,7 @@ class Client:
     def request(self, method: str, path: str, doc=None, *, raw: bytes | None = None):
         body = raw if raw is not None else (json.dumps(doc).encode() if doc is not None else None)
         c, r = self._send(method, path, body, "application/octet-stream" if raw is not None else "application/json")
-        try:
-            data = r.read()
-        finally:
-            c.close()
-        try:
-            out = json.loads(data) if data else None
-        except ValueError:
-            out = {"message": data[:200].decode(errors="replace")}
-        if r.status >= 300:
-            raise error_from(out or {}, r.status)
-        return out
+        return _answer(c, r)
 
     def stream(self, method: str, path: str, doc=None) -> Iterator[dict]:
         c, r = self._send(method, path, json.dumps(doc).encode() if doc is not None else None, "application/json")
@@ -243,17 +233,7 @@ class Client:
         timeout = None if self.timeout is None else self.timeout + size / STREAM_RATE
         c, r = self._send("PUT", target, fh, "application/octet-stream", {"Content-Length": str(size)},
                           timeout=timeout)
-        try:
-            data = r.read()
-        finally:
-            c.close()
-        try:
-            out = json.loads(data) if data else None
-        except ValueError:
-            out = {"message": data[:200].decode(errors="replace")}
-        if r.status >= 300:
-            raise error_from(out or {}, r.status)
-        return out
+        return _answer(c, r)
 
     def open_download(self, name: str, path: str, *, tar: bool = True) -> "Download":
         """A file (``kind`` "file") or, with ``tar``, a folder (``kind`` "tar": a tar stream) of
@@ -333,6 +313,22 @@ class Client:
 
     def shutdown(self):
         return self.request("POST", "/v1/shutdown")
+
+
+def _answer(c, r):
+    """A whole answer's JSON document (None when empty; a body that is not JSON as its
+    ``message``), the connection closed; a status of 300 or more raised as the daemon's error."""
+    try:
+        data = r.read()
+    finally:
+        c.close()
+    try:
+        out = json.loads(data) if data else None
+    except ValueError:
+        out = {"message": data[:200].decode(errors="replace")}
+    if r.status >= 300:
+        raise error_from(out or {}, r.status)
+    return out
 
 
 def ensure_spec_text(spec) -> tuple[str, str]:
