@@ -35,6 +35,7 @@ import shutil
 import stat
 import tarfile
 import tempfile
+import zlib
 from pathlib import Path
 from typing import BinaryIO
 
@@ -232,13 +233,28 @@ def verify_layout(layout: Path, signers: Path | None = None, *, ref: str | None 
     tree = ann.get(A_TREE, "")
     config = json.loads(blob(manifest["config"]["digest"]))
     layers = manifest.get("layers") or []
-    if len(layers) != 1 or config["rootfs"]["diff_ids"] != [
-            "sha256:" + hashlib.sha256(gzip.decompress(blob(layers[0]["digest"]))).hexdigest()]:
+    if len(layers) != 1 or layers[0].get("mediaType") != MT_LAYER:
+        raise ImageError("not an agent-vm export (one gzip layer)", code="image.unsupported")
+    path = layout / "blobs" / "sha256" / layers[0]["digest"].split(":", 1)[1]
+    packed, unpacked = hashlib.sha256(), hashlib.sha256()
+    with open(path, "rb") as f:  # streamed: a layer may be larger than memory
+        while chunk := f.read(1 << 20):
+            packed.update(chunk)
+        if "sha256:" + packed.hexdigest() != layers[0]["digest"]:
+            raise ImageError(f"blob {layers[0]['digest'][:19]} does not match its digest", code="image.digest-mismatch")
+        f.seek(0)
+        try:
+            with gzip.GzipFile(fileobj=f, mode="rb") as gz:
+                while chunk := gz.read(1 << 20):
+                    unpacked.update(chunk)
+        except (OSError, EOFError, zlib.error) as exc:
+            raise ImageError(f"the layer is not a gzip stream: {exc}", code="image.bad-archive") from None
+    if config["rootfs"]["diff_ids"] != ["sha256:" + unpacked.hexdigest()]:
         raise ImageError("the config's diff_ids do not match the layer", code="image.digest-mismatch")
     with tempfile.TemporaryDirectory(prefix="agentvm-oci-verify-") as td:
         root = Path(td) / "root"
         root.mkdir()
-        with open(layout / "blobs" / "sha256" / layers[0]["digest"].split(":", 1)[1], "rb") as f:
+        with open(path, "rb") as f:
             apply_layer(f, root, Limits(), Stats(), "the exported layer")
         os.chmod(root, 0o755)
         got, _n, _b = tree_digest(root)
