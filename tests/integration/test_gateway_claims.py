@@ -380,3 +380,25 @@ def test_the_bridge_loop_renews_before_expiry_and_keeps_serving(world, monkeypat
     serials = [m.split("certificate ")[1].split()[0] for m in logs if "certificate " in m]
     assert len(set(serials)) == len(serials) >= 3
     assert [p.name for p in out.iterdir() if p.name.startswith("gen-")] == [en.current(out).resolve().name]
+
+
+def test_a_claim_revoked_in_revoked_yaml_cannot_renew(world):
+    """The revocation `agentvm k8s rm --revoke` writes (revoked.yaml beside gateway.yaml) is
+    honoured by the running gateway on the next request (here: a renewal)."""
+    from agentvm.gateway.config import add_revocations
+
+    out = world["tmp"] / "ry"
+    en.enroll(world["gw"].enroll_addr, "localhost", world["ca"].cert_path,
+              en.make_token(world["key"], Identity("team", "hello-ry")), out)
+    assert en.renew(world["gw"].enroll_addr, "localhost", world["ca"].cert_path, out)["identity"] == "agentvm://team/hello-ry"
+    (world["cfg"] / "revoked.yaml").write_text(add_revocations(None, identities=["agentvm://team/hello-ry"]))
+    try:
+        with pytest.raises(en.Refused) as exc:
+            en.renew(world["gw"].enroll_addr, "localhost", world["ca"].cert_path, out)
+        assert exc.value.rule_id == "identity:revoked"
+        b = world["pods"]["hello-b"]
+        if en.held(b.identity) is None:
+            b.claim(en.make_token(world["key"], Identity("team", "hello-b")))
+        assert b.curl("other.test", "/b-ry", PH_N).stdout == "200"  # the sibling goes on
+    finally:
+        (world["cfg"] / "revoked.yaml").unlink()

@@ -121,3 +121,46 @@ def test_a_ca_made_for_no_intermediate_is_refused_clearly(tmp_path):
     with pytest.raises(ConfigError) as e:
         GatewayCA.load(d).make_issuer(tmp_path / "iss")
     assert e.value.code == "gateway.ca-invalid" and "pathlen 0" in e.value.message
+
+
+def test_revocations_kept_apart_in_revoked_yaml(tmp_path):
+    """``revoked.yaml`` beside gateway.yaml (a ConfigMap key the render never writes) adds to the
+    revocations; one that does not parse refuses everything (fail closed)."""
+    from agentvm.gateway.config import Registry, add_revocations
+    from agentvm.k8s.cluster import revoke_request
+
+    (tmp_path / "a.yaml").write_text("""apiVersion: agentvm/v1
+kind: Agent
+metadata: {name: hello}
+spec:
+  command: ["true"]
+  egress:
+    allow:
+      - {host: api.test, ports: [443]}
+""")
+    (tmp_path / "gateway.yaml").write_text("""apiVersion: agentvm/v1
+kind: Gateway
+agents:
+  hello: {file: a.yaml}
+identities:
+  - {match: "agentvm://team/hello-*", agent: hello}
+""")
+    reg = Registry(tmp_path)
+    assert reg.admit(Identity("team", "hello-1"), None).name == "hello"
+    text = add_revocations(None, identities=["agentvm://team/hello-1"])
+    assert add_revocations(text, identities=["team/hello-1"]) == text  # idempotent
+    (tmp_path / "revoked.yaml").write_text(text)
+    assert reg.admit(Identity("team", "hello-1"), None).rule_id == "identity:revoked"
+    assert reg.admit(Identity("team", "hello-2"), None).name == "hello"
+    (tmp_path / "revoked.yaml").write_text("identities: [agentvm://team/hello-1]\nsurprise: 1\n")
+    assert reg.admit(Identity("team", "hello-2"), None).rule_id == "gateway:config-invalid"
+    (tmp_path / "revoked.yaml").unlink()
+    assert reg.admit(Identity("team", "hello-1"), None).name == "hello"
+    # what `k8s rm --revoke` patches: that one key, the existing revocations kept
+    req = revoke_request("agentvm://team/hello-2", "team", {"revoked.yaml": text, "gateway.yaml": "untouched"})
+    assert req["name"] == "agentvm-gateway-config" and req["namespace"] == "team"
+    assert set(req["body"]["data"]) == {"revoked.yaml"}
+    import yaml
+
+    assert yaml.safe_load(req["body"]["data"]["revoked.yaml"])["identities"] == ["agentvm://team/hello-1",
+                                                                                 "agentvm://team/hello-2"]

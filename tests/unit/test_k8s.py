@@ -242,6 +242,10 @@ def test_claim_exec_rm_build_the_requests_the_client_sends():
     assert calls[-1] == ("list_namespaced_pod", {"namespace": "team", "label_selector": "agents.x-k8s.io/sandbox=sb-1"})
     c.rm("c1", "team")
     assert calls[-1][0] == "delete_namespaced_custom_object" and calls[-1][1]["name"] == "c1"
+    c.revoke("agentvm://team/c1", "team")  # rm --revoke: a merge patch of revoked.yaml only
+    assert calls[-2][0] == "read_namespaced_config_map" and calls[-1][0] == "patch_namespaced_config_map"
+    assert list(calls[-1][1]["body"]["data"]) == ["revoked.yaml"]
+    assert "agentvm://team/c1" in calls[-1][1]["body"]["data"]["revoked.yaml"]
     r = cluster.exec_request("pod-1", "team", ["sh", "-c", "true"])
     assert r["container"] == "agent" and r["command"] == ["sh", "-c", "true"] and r["tty"] is False
     with pytest.raises(ConfigError):

@@ -99,9 +99,16 @@ def exec_cmd(name, argv, namespace, timeout) -> None:
 @k8s.command("rm")
 @click.argument("name")
 @click.option("--namespace", "-n", default="default", show_default=True)
-def rm(name, namespace) -> None:
-    """Delete the claim NAME (its sandbox goes with it)."""
+@click.option("--revoke", is_flag=True,
+              help="Also revoke its identity agentvm://NS/NAME at the gateway (revoked.yaml of its ConfigMap).")
+def rm(name, namespace, revoke) -> None:
+    """Delete the claim NAME (its sandbox goes with it, and the only copy of its key)."""
+    from agentvm.gateway.identity import Identity
     from agentvm.k8s.cluster import Cluster
 
-    Cluster().rm(name, namespace)
+    c = Cluster()
+    if revoke:  # first: the identity is refused even if deleting the claim fails
+        c.revoke(Identity(namespace, name).uri, namespace)
+        click.echo(f"revoked agentvm://{namespace}/{name}")
+    c.rm(name, namespace)
     click.echo(f"deleted claim {namespace}/{name}")

@@ -18,6 +18,11 @@ read-only), the one thing replicas share besides the audit sink.
       serials: ["5f0c..."]                     # certificate serial numbers, hex
       credentials: [OPENAI]                    # revoked for every sandbox
 
+and, optionally, ``revoked.yaml`` beside it with the same three lists (``identities``,
+``serials``, ``credentials``), added to those: in Kubernetes a key of the same ConfigMap that
+``agentvm k8s rm --revoke`` patches and the render never writes, so re-applying a render keeps
+it (kubectl apply leaves fields it did not set).
+
 Each agent file is compiled exactly as the host does it (``spec.loader`` -> ``policy``): its
 egress rules, credential bindings (the reference replaced by the gateway's own, which resolves
 in the gateway's environment - a Kubernetes Secret the gateway alone mounts), budget and
@@ -36,6 +41,7 @@ from agentvm.errors import AgentVMError, ConfigError
 from agentvm.gateway.identity import Identity
 
 CONFIG_FILE = "gateway.yaml"
+REVOKED_FILE = "revoked.yaml"  # optional, beside it: revocations kept apart from the rendered configuration
 GATEWAY_LOG = "gateway"  # the sink key of refusals that name no configured identity (has no dot: no collision)
 
 
@@ -87,7 +93,7 @@ class Registry:
         self.directory = Path(directory)
         self.vault_dir = vault_dir
         self._stamp: tuple | None = None
-        self._files: tuple[Path, ...] = (self.directory / CONFIG_FILE,)
+        self._files: tuple[Path, ...] = (self.directory / CONFIG_FILE, self.directory / REVOKED_FILE)
         self._snap = Snapshot(0, error="not loaded yet")
         self.listeners: list = []  # called with (old, new) after a reload
         self.current()
@@ -137,7 +143,7 @@ class Registry:
         if unknown:
             raise ConfigError(f"{path}: unknown keys {sorted(unknown)}", code="gateway.config-invalid")
         agents: dict[str, CompiledAgent] = {}
-        files = [path]
+        files = [path, self.directory / REVOKED_FILE]
         for name, a in (doc.get("agents") or {}).items():
             if not isinstance(a, dict) or not isinstance(a.get("file"), str):
                 raise ConfigError(f"{path}: agents.{name} needs a file", code="gateway.config-invalid")
@@ -169,9 +175,16 @@ class Registry:
             Identity.parse(m[:-1] + "x" if m.endswith("*") else m)  # (the pattern's prefix is a valid identity)
             idents.append((m, e["agent"]))
         rv = doc.get("revoked") or {}
-        revoked_ids = frozenset(Identity.parse(x).uri for x in rv.get("identities") or ())
-        serials = frozenset(_serial(s) for s in rv.get("serials") or ())
-        creds = frozenset(str(c) for c in rv.get("credentials") or ())
+        lists = [rv]
+        rpath = self.directory / REVOKED_FILE
+        if rpath.exists():
+            extra = yaml.safe_load(rpath.read_text()) or {}
+            if not isinstance(extra, dict) or set(extra) - {"identities", "serials", "credentials"}:
+                raise ConfigError(f"{rpath}: only identities, serials and credentials lists", code="gateway.config-invalid")
+            lists.append(extra)
+        revoked_ids = frozenset(Identity.parse(x).uri for r in lists for x in r.get("identities") or ())
+        serials = frozenset(_serial(s) for r in lists for s in r.get("serials") or ())
+        creds = frozenset(str(c) for r in lists for c in r.get("credentials") or ())
         self._files = tuple(files)
         return Snapshot(generation, agents, tuple(idents), revoked_ids, serials, creds,
                         approvals=doc.get("approvals"))
@@ -211,6 +224,23 @@ class Registry:
             return name in self.current().revoked_credentials
 
         return CredentialSet(agent.bindings, agent.placeholders, value, revoked)
+
+
+def add_revocations(text: str | None, *, identities=(), serials=(), credentials=()) -> str:
+    """``revoked.yaml``'s text with these added (what ``agentvm k8s rm --revoke`` patches into
+    the ConfigMap; pure)."""
+    import yaml
+
+    doc = yaml.safe_load(text or "") or {}
+    if not isinstance(doc, dict):
+        raise ConfigError(f"{REVOKED_FILE} is not a mapping", code="gateway.config-invalid")
+    for key, new in (("identities", [Identity.parse(i).uri for i in identities]),
+                     ("serials", [_serial(s) for s in serials]), ("credentials", list(credentials))):
+        have = list(doc.get(key) or [])
+        have += [x for x in new if x not in have]
+        if have:
+            doc[key] = have
+    return yaml.safe_dump(doc, sort_keys=True)
 
 
 def edit_revocations(directory: Path, *, identities=(), serials=(), credentials=()) -> dict:

@@ -60,6 +60,15 @@ def delete_request(name: str, namespace: str) -> dict:
             "propagation_policy": "Foreground"}
 
 
+def revoke_request(identity: str, namespace: str, data: dict, config_map: str = "agentvm-gateway-config") -> dict:
+    """The keyword arguments of CoreV1Api.patch_namespaced_config_map adding ``identity`` to the
+    gateway's ``revoked.yaml``."""
+    from agentvm.gateway.config import REVOKED_FILE, add_revocations
+
+    return {"name": config_map, "namespace": namespace,
+            "body": {"data": {REVOKED_FILE: add_revocations(data.get(REVOKED_FILE), identities=[identity])}}}
+
+
 def exec_request(pod: str, namespace: str, argv: list[str], *, container: str = "agent") -> dict:
     """The keyword arguments of ``kubernetes.stream.stream(CoreV1Api.connect_get_namespaced_pod_exec, ...)``."""
     if not argv:
@@ -102,6 +111,14 @@ class Cluster:
 
     def rm(self, name: str, namespace: str) -> dict:
         return self._call(self.custom.delete_namespaced_custom_object, **delete_request(name, namespace))
+
+    def revoke(self, identity: str, namespace: str, *, config_map: str = "agentvm-gateway-config") -> dict:
+        """Add ``identity`` to ``revoked.yaml`` of the gateway's ConfigMap (a merge patch of that
+        one key: the render never writes it, so a later ``kubectl apply`` of the render keeps it).
+        Every replica refuses the identity's next request once the kubelet has synced the volume."""
+        cm = self._call(self.core.read_namespaced_config_map, name=config_map, namespace=namespace)
+        data = (getattr(cm, "data", None) if not isinstance(cm, dict) else cm.get("data")) or {}
+        return self._call(self.core.patch_namespaced_config_map, **revoke_request(identity, namespace, data, config_map))
 
     def pod_of(self, name: str, namespace: str) -> str:
         """The pod behind a claim: claim.status.sandbox.name -> Sandbox.status.selector -> pod."""
