@@ -402,3 +402,64 @@ def test_a_claim_revoked_in_revoked_yaml_cannot_renew(world):
         assert b.curl("other.test", "/b-ry", PH_N).stdout == "200"  # the sibling goes on
     finally:
         (world["cfg"] / "revoked.yaml").unlink()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_the_cli_processes_as_rendered_enrol_and_serve(world):
+    """`agentvm gateway serve --issuer --enroll-key` and `agentvm gateway bridge
+    --enroll-token-file` as processes (the command lines the render gives the gateway and the
+    pod), the token from `agentvm gateway token`: curl through the bridge is served as the
+    claim's identity."""
+    import sys
+
+    tmp = world["tmp"] / "cli"
+    tmp.mkdir()
+    gport, eport, bport = _free_port(), _free_port(), _free_port()
+    py = [sys.executable, "-m", "agentvm"]
+    env = dict(os.environ, AGENTVM_HOME=str(tmp / "home"))
+    gw = subprocess.Popen(py + ["gateway", "serve", "--config", str(world["cfg"]), "--ca", str(world["tmp"] / "ca"),
+                                "--listen", f"127.0.0.1:{gport}", "--state", str(tmp / "state"), "--replica", "cli",
+                                "--issuer", str(world["issuer"]), "--enroll-key", str(world["issuer"] / "enroll.key"),
+                                "--enroll-port", str(eport)], env=env, stdout=subprocess.DEVNULL,
+                          stderr=open(tmp / "gw.err", "wb"))
+    ann = tmp / "podinfo" / "annotations"
+    ann.parent.mkdir()
+    br = subprocess.Popen(py + ["gateway", "bridge", "--listen", f"127.0.0.1:{bport}", "--gateway", f"127.0.0.1:{gport}",
+                                "--server-name", "localhost", "--identity", str(tmp / "identity"),
+                                "--enroll-token-file", str(ann), "--gateway-ca", str(world["ca"].cert_path),
+                                "--enroll-port", str(eport)], env=env, stdout=subprocess.DEVNULL,
+                          stderr=open(tmp / "bridge.err", "wb"))
+    try:
+        tok = subprocess.run(py + ["gateway", "token", "agentvm://team/hello-cli", "--enroll-key",
+                                   str(world["issuer"] / "enroll.key")], capture_output=True, text=True, timeout=60, env=env)
+        assert tok.returncode == 0, tok.stderr
+        ann.write_text(f"{en.ANNOTATION}={json.dumps(tok.stdout.strip())}\n")
+        deadline = time.monotonic() + 60
+        while en.held(tmp / "identity") is None:
+            assert gw.poll() is None and br.poll() is None, (tmp / "gw.err").read_text() + (tmp / "bridge.err").read_text()
+            assert time.monotonic() < deadline, (tmp / "bridge.err").read_text()
+            time.sleep(0.1)
+        assert en.held(tmp / "identity")["identity"] == "agentvm://team/hello-cli"
+        up = world["up"]
+        r = subprocess.run(["curl", "-sS", "--max-time", "10", "--proxy", f"http://127.0.0.1:{bport}", "--cacert",
+                            str(tmp / "state" / "gate" / "ca" / "ca.crt"), "-H", f"Authorization: Bearer {PH}",
+                            "-o", "/dev/null", "-w", "%{http_code}", f"https://api.test:{up.port}/via-cli"],
+                           capture_output=True, text=True, timeout=30)
+        assert r.stdout == "200", (r.stderr, (tmp / "gw.err").read_text())
+        assert world["up"].auth.pop("/via-cli") == f"Bearer {SECRET}"
+        assert "enrolled as agentvm://team/hello-cli" in (tmp / "bridge.err").read_text()
+    finally:
+        for p in (br, gw):
+            p.terminate()
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(5)
