@@ -193,7 +193,12 @@ class Enroller:
             if not isinstance(body, dict):
                 raise Refused("enroll:bad-request", "the body is not a JSON object")
             ssl_obj = writer.get_extra_info("ssl_object")
-            out = self.handle(path, body, ssl_obj.getpeercert() if ssl_obj is not None else None)
+            peer = ssl_obj.getpeercert() if ssl_obj is not None else None
+            from agentvm.gateway.identity import from_peercert
+
+            held_ident = from_peercert(peer)
+            who = held_ident.uri if held_ident is not None else None  # (a refused renewal names its identity)
+            out = self.handle(path, body, peer)
         except Refused as exc:
             status, out = 403, {"error": exc.rule_id, "reason": exc.reason}
             self._refusal_record(exc, who)
