@@ -12,7 +12,8 @@ Rows (median and p90 of N runs, /bin/true as the payload):
   ... + gate             the above with the egress gate attached (every sandbox has one unless
                          `network: none`): endpoint opened before launch, closed after
   agentvm run -- true    the whole CLI, end to end, as a user types it (new Python process),
-                         embedded (AGENTVM_NO_DAEMON=1; target: <= 60 ms median); the default
+                         embedded (AGENTVM_NO_DAEMON=1; target: <= 60 ms median), through the
+                         compiled entry point built from this source tree (as installed); the default
                          routes through the gate. Interleaved with bare bwrap and python -c pass,
                          each with its CPU time (children's user + system): on a shared machine
                          wall time is noise, CPU time much less so
@@ -30,6 +31,11 @@ Rows (median and p90 of N runs, /bin/true as the payload):
                          the same-run baseline. `--daemon-only` measures just these rows; the
                          client is built from src/agentvm/native/agentvm-client.c into the
                          bench's home when gcc is there (the source as it is, not an old install)
+  quiet start, no warm-up / cgroup warm-up
+                         prepare + launch + wait in-process, each after 50 ms of quiet (as a CLI
+                         start is), without and with bwrap.MigrationWarmup (which Lifecycle.prepare
+                         starts): the first cgroup migration's RCU grace period paid while the run is
+                         prepared, or on the critical path (interleaved)
   python -c pass         the interpreter's own start-up, for context
   cgroup migration       the kernel's cost of moving one new process into a cgroup after a
                          quiet moment (every sandbox start pays it once): on this kernel a
@@ -192,9 +198,12 @@ def main() -> int:
 
     compileall.compile_dir(str(Path(__file__).resolve().parent.parent / "src" / "agentvm"), quiet=1)
 
-    # the entry point next to this interpreter (a venv's), never a pyenv shim
+    # the compiled entry point built from this source tree, as scripts/install.sh lays it out
+    # (with AGENTVM_NO_DAEMON=1 it execs `python -S` on the lean Python entry): what an
+    # installed agent-vm runs, whatever state this machine's install is in; else the entry
+    # point next to this interpreter (a venv's), never a pyenv shim
     entry = Path(sys.executable).parent / "agentvm"
-    cli = [str(entry)] if entry.exists() else [sys.executable, "-m", "agentvm"]
+    cli = compiled_client(home) or ([str(entry)] if entry.exists() else [sys.executable, "-m", "agentvm"])
 
     # embedded, whatever the caller's environment says: this row is the Python CLI doing it all
     embedded = dict(os.environ, AGENTVM_NO_DAEMON="1")
@@ -225,8 +234,36 @@ def main() -> int:
         r = subprocess.run(cli + ["run", "--substrate", "gvisor", "--", "/bin/true"], stdin=subprocess.DEVNULL)
         assert r.returncode == 0
 
+    # the first cgroup migration of a start after a quiet moment waits for an RCU grace period
+    # unless a warm-up (bwrap.MigrationWarmup, what Lifecycle.prepare starts) paid it while the
+    # run was being prepared: prepare + launch + wait, each after 50 ms of quiet, interleaved
+    from agentvm.backends.bwrap import MigrationWarmup
+
+    def quiet_start(warm: bool, out: list[float]):
+        time.sleep(0.05)
+        t = time.perf_counter()
+        w = MigrationWarmup() if warm else None
+        plan, res = rt.prepare(pol, tty=False)
+        try:
+            h = backend.launch(plan, stdio=(subprocess.DEVNULL, subprocess.DEVNULL, subprocess.DEVNULL))
+        finally:
+            if w is not None:
+                w.stop()
+        st = backend.wait(h)
+        out.append((time.perf_counter() - t) * 1000)
+        rep = backend.destroy(h)
+        res.release(rep)
+        assert st.exit_code == 0 and rep.verified, (st, rep)
+
     rows = {}
     rows["bare bwrap"] = summary(measure(bare, args.runs))
+    cold: list[float] = []
+    warmed: list[float] = []
+    for _ in range(max(10, args.runs // 2)):
+        quiet_start(False, cold)
+        quiet_start(True, warmed)
+    rows["quiet start, no warm-up"] = summary(cold)
+    rows["quiet start, cgroup warm-up"] = summary(warmed)
     full = measure(sandbox_full, args.runs)
     start_exit[:] = start_exit[-args.runs :]
     rows["sandbox start-to-exit"] = summary(start_exit)
@@ -260,11 +297,20 @@ def main() -> int:
             r = subprocess.run(cli + ["run", "--", "/bin/true"], stdin=subprocess.DEVNULL, env=env)
             assert r.returncode == 0
 
-        rows["run via daemon"] = summary(measure(via_daemon, args.runs))
-        subprocess.run(cli + ["down"], env=env, capture_output=True)
+        try:
+            rows["run via daemon"] = summary(measure(via_daemon, args.runs))
+        except AssertionError:
+            print("bench_startup: no daemon row: a run through the daemon failed (its error is above)",
+                  file=sys.stderr)
+        finally:
+            subprocess.run(cli + ["down"], env=env, capture_output=True)
     else:
         print(f"bench_startup: no daemon row (agentvm up failed: {up.stderr.strip()[-200:]})", file=sys.stderr)
-    rows.update(daemon_stdin_rows(home, args.runs))
+    try:
+        rows.update(daemon_stdin_rows(home, args.runs))
+    except AssertionError:
+        print("bench_startup: no daemon stdin rows: a run through the daemon failed (its error is above)",
+              file=sys.stderr)
     mig = cgroup_migration(max(10, args.runs // 2))
     if mig:
         rows["cgroup migration"] = summary(mig)
@@ -301,6 +347,8 @@ def main() -> int:
           f"(target <= 60 ms: {'met' if run['median_ms'] <= 60 else 'NOT met'}), {run['cpu_median_ms']:.1f} ms CPU; "
           f"bare bwrap in the same run {bb['median_ms']:.1f} ms wall, {bb['cpu_median_ms']:.1f} ms CPU "
           f"({run['median_ms'] / bb['median_ms']:.1f}x); load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs")
+    print(f"cgroup warm-up: {rows['quiet start, no warm-up']['median_ms'] - rows['quiet start, cgroup warm-up']['median_ms']:+.2f} "
+          "ms off a start after a quiet moment (prepare + launch + wait, in-process, interleaved)")
     gate_ms = rows["agentvm run -- true"]["median_ms"] - rows["... --network none"]["median_ms"]
     print(f"gate cost per run: {gate_ms:+.2f} ms end to end, "
           f"{rows['... + gate']['median_ms'] - rows['sandbox + teardown']['median_ms']:+.2f} ms in-process (target <= 5 ms)")

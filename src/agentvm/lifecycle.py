@@ -328,6 +328,7 @@ class Lifecycle:
         if s.torn_down:
             return
         s.torn_down = True
+        s.warm()  # (a session that never launched: its warm-up ends here, not at WARM_MAX)
         began = time.time()
         try:
             self._teardown(s)
