@@ -41,6 +41,7 @@ pytestmark = [pytest.mark.integration, needs_root]
 SECRET_A = "fake-embedded-a-" + "a" * 20
 SECRET_B = "fake-embedded-b-" + "b" * 20
 EVAL_ENV = "AGENTVM_TEST_GATE_EVAL"
+OPERATOR_VAR, OPERATOR_TOKEN = "EMBGATE_OPERATOR_TOKEN", "fake-operator-token-" + "c" * 12  # the operator's shell
 
 
 def _landlock() -> bool:
@@ -68,6 +69,7 @@ PROBE_CODE = textwrap.dedent("""\
     result = {'pid': os.getpid(), 'uid': list(os.getresuid()), 'gid': list(os.getresgid()),
               'caps': list(confine.capabilities()), 'nnp': libc.prctl(39, 0, 0, 0, 0),
               'seccomp': libc.prctl(21, 0, 0, 0, 0), 'held': held, 'proc': os.path.exists('/proc/self'),
+              'env': sorted(os.environ),
               'reads': {p: tryread(p) for p in PATHS}}
     """)
 
@@ -233,13 +235,16 @@ def test_the_process_serving_the_sandbox_is_unprivileged_and_confined(env):
     paths = [str(env["probe"]), str(home / "state.db"), str(home / "vault" / "key"), str(home / "vault" / "store"),
              str(home / "audit" / "audit.db"), "/etc/shadow", str(home / "gate" / "ca" / "ca.key")]
     code = f"PATHS = {paths!r}\n" + PROBE_CODE
-    p = _start(env, _sandbox_script(("EVAL", _payload(code)), hold=2.0))
+    p = _start(env, _sandbox_script(("EVAL", _payload(code)), hold=2.0), extra_env={OPERATOR_VAR: OPERATOR_TOKEN})
     try:
         sock = _gate_socket(home, "embgate", p)
         # the sandbox's first connection starts the worker: it then holds the socket
         pid = _serving_pid(sock, p.pid)
         st = _status(pid)
         run_st = _status(p.pid)
+        environ = Path(f"/proc/{pid}/environ").read_bytes()
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        run_environ = Path(f"/proc/{p.pid}/environ").read_bytes()
     finally:
         res, out, err = _finish(p)
     assert res["exit_code"] == 0, (out, err)
@@ -249,12 +254,18 @@ def test_the_process_serving_the_sandbox_is_unprivileged_and_confined(env):
     assert int(st["CapEff"][0], 16) == 0 and int(st["CapPrm"][0], 16) == 0 and int(st["CapBnd"][0], 16) == 0, st
     assert st["NoNewPrivs"] == ["1"] and st["Seccomp"] == ["2"], st
     assert st["Uid"][0] != str(res["host_uid"]), "the gate and the sandbox never share a uid"
+    # forked from the run, it keeps nothing of the operator's environment, and its command line
+    # is its own (not the run's, which names the sandbox's command)
+    assert OPERATOR_TOKEN.encode() in run_environ
+    assert OPERATOR_TOKEN.encode() not in environ and OPERATOR_VAR.encode() not in environ, environ[:300]
+    assert b"EVAL" not in cmdline and cmdline.startswith(b"agentvm-gate-worker"), cmdline[:200]
     # from inside (code run in the gate process by the sandbox's own bytes): the same process
     ans = _eval_answer(out, "EVAL")
     assert ans["pid"] == pid, (ans, pid)
     assert [str(u) for u in ans["uid"]] == st["Uid"][:3] and 0 not in ans["gid"], ans
     assert ans["caps"] == [0, 0, 0] and ans["nnp"] == 1 and ans["seccomp"] == 2, ans
     assert ans["proc"] is False, "no /proc in the worker's mount namespace"
+    assert OPERATOR_VAR not in ans["env"], ans["env"]
     assert all(v != "READ" for v in ans["reads"].values()), ans["reads"]
     # it holds this sandbox's credential value (to swap it in), and no other of the vault
     assert ans["held"] == [SECRET_A], ans["held"]

@@ -5,12 +5,21 @@ from __future__ import annotations
 
 import socket
 
+import pytest
+
 from agentvm.gate.embedded import LazyGate
+from agentvm.gate.embedded_worker import confinable
 from agentvm.gate.policy import compile_egress
 
+# each test on the in-process gate and on the confined gate worker (the default, where it can be had)
+GATES = [pytest.param(False, id="in-process"),
+         pytest.param(True, id="confined", marks=pytest.mark.skipif(confinable() is not None,
+                                                                    reason=f"no confined gate here: {confinable()}"))]
 
-def test_an_unused_endpoint_is_abandoned_without_starting_a_gate(tmp_path):
-    g = LazyGate(tmp_path / "gate", tmp_path / "logs")
+
+@pytest.mark.parametrize("confine", GATES)
+def test_an_unused_endpoint_is_abandoned_without_starting_a_gate(tmp_path, confine):
+    g = LazyGate(tmp_path / "gate", tmp_path / "logs", confine=confine)
     ep = g.open("s1", "a", compile_egress(None), tmp_path / "s1.sock", None)
     assert (tmp_path / "s1.sock").exists() and oct((tmp_path / "s1.sock").stat().st_mode & 0o777) == "0o600"
     assert ep.abandon_if_unused() is True
@@ -24,8 +33,9 @@ def test_an_unused_endpoint_is_abandoned_without_starting_a_gate(tmp_path):
     g.stop()
 
 
-def test_a_waiting_connection_is_served_not_abandoned(tmp_path):
-    g = LazyGate(tmp_path / "gate", tmp_path / "logs")
+@pytest.mark.parametrize("confine", GATES)
+def test_a_waiting_connection_is_served_not_abandoned(tmp_path, confine):
+    g = LazyGate(tmp_path / "gate", tmp_path / "logs", confine=confine)
     ep = g.open("s2", "a", compile_egress(None), tmp_path / "s2.sock", None)
     c = socket.socket(socket.AF_UNIX)
     c.connect(str(tmp_path / "s2.sock"))

@@ -136,10 +136,11 @@ class LazyGate:
     """The embedded run's gate. By default each sandbox's socket is served by one confined gate
     worker process (agentvm.gate.embedded_worker: unprivileged, its own uid, no capabilities,
     no_new_privs, Landlock, seccomp); the in-process gate (a thread of this process, as root)
-    serves only a sandbox a worker cannot serve - tools, held requests (``action: ask``), an
-    LLM budget: state only this process holds - or every sandbox with the explicit opt-in
+    serves only a sandbox a worker cannot serve (agentvm.gate.workers.unplaceable: tools - the
+    MCP sessions live here) or every sandbox with the explicit opt-in
     ``AGENTVM_GATE_UNCONFINED=1``. Each placement is recorded (``record``: the run's audit
-    chain). A confined gate that cannot be had refuses the run (fail closed).
+    chain; :meth:`placement` for the run's result). A confined gate that cannot be had refuses
+    the run (fail closed).
 
     ``confine``: None - confined unless the opt-in is set; False - the in-process gate (tests
     of the gate itself); True - confined whatever the environment says. ``lease_dir``: where the
@@ -163,6 +164,7 @@ class LazyGate:
         self._lease_lock = threading.Lock()
         self._zygote = None
         self._noted = False
+        self._placements: dict[str, dict] = {}  # sandbox -> where its gate runs (placement())
         # the worker is forked now - before the run reads a secret - and waits for its first connection
         self._problem = EW.confinable() if self.confine else None
         if self.confine and self._problem is None:
@@ -181,7 +183,8 @@ class LazyGate:
         from agentvm.gate.embedded_worker import ConfinedGate
 
         zygote, self._zygote = self._zygote, None
-        return ConfinedGate(self.state_dir, self.log_dir, uid=self._lease.uid, zygote=zygote, on_event=self._event)
+        return ConfinedGate(self.state_dir, self.log_dir, uid=self._lease.uid, zygote=zygote, on_event=self._event,
+                            approvals=self.approvals_factory)
 
     def _event(self, kind: str, **data) -> None:
         """A worker lost, replaced, or killed by its seccomp filter (a security alert): on the chain."""
@@ -206,6 +209,8 @@ class LazyGate:
         from agentvm.gate import embedded_worker as EW
 
         if self.opt_in:
+            self._placements[sandbox_id] = {"confined": False, "uid": os.geteuid(), "opt_in": EW.UNCONFINED_ENV,
+                                            "reason": f"opt-in: {EW.UNCONFINED_ENV}=1"}
             self._rec("gate.unconfined", sandbox=sandbox_id, reason=f"opt-in: {EW.UNCONFINED_ENV}=1",
                       opt_in=EW.UNCONFINED_ENV, uid=os.geteuid())
             if not self._noted:
@@ -226,6 +231,7 @@ class LazyGate:
 
         why = unplaceable(policy, extras, creds)
         if why is not None:
+            self._placements[sandbox_id] = {"confined": False, "uid": os.geteuid(), "reason": why}
             self._rec("gate.unconfined", sandbox=sandbox_id, reason=why, uid=os.geteuid())
             return self._inproc
         with self._lease_lock:
@@ -238,8 +244,15 @@ class LazyGate:
                 from agentvm.gate.embedded_worker import Zygote
 
                 self._zygote = Zygote()  # (a gate made after its zygote was discarded)
+        self._placements[sandbox_id] = {"confined": True, "uid": self._lease.uid}
         self._rec("gate.confined", sandbox=sandbox_id, uid=self._lease.uid)
         return self._confined
+
+    def placement(self, sandbox_id: str) -> dict | None:
+        """Where ``sandbox_id``'s gate ran, for the run's result: {"confined": bool, "uid": int,
+        and "reason"/"opt_in" when unconfined}; None when no gate served it (it never connected)."""
+        p = self._placements.get(sandbox_id)
+        return dict(p) if p is not None else None
 
     def open(self, sandbox_id: str, agent: str, policy, sock_path: Path, uid: int | None, creds=None,
              extras=None) -> PendingEndpoint:

@@ -165,6 +165,8 @@ def _child(parent: int, go_r: int, chan: int, fds: int) -> int:
         ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
     except Exception:  # noqa: BLE001 - (the channel's end stops it as well)
         pass
+    _retitle(b"agentvm-gate-worker (embedded)")
+    _scrub_environment()
     if os.getppid() != parent:
         return 0
     null = os.open("/dev/null", os.O_RDWR)
@@ -187,6 +189,51 @@ def _child(parent: int, go_r: int, chan: int, fds: int) -> int:
     from agentvm.gate import workers
 
     return workers.main(argv) or 0
+
+
+#: what the gate worker keeps of the run's environment (the operator's shell may hold tokens of
+#: its own: a compromised gate must not find them)
+ENV_KEEP = ("PATH", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "SSL_CERT_FILE", "SSL_CERT_DIR")
+
+
+def _scrub_environment() -> None:
+    """Only ENV_KEEP and agent-vm's own settings (``AGENTVM_*``) stay in the environment, and the
+    original environment block (/proc/PID/environ, the process's memory) is overwritten."""
+    keep = {k: v for k, v in os.environ.items() if k in ENV_KEEP or k.startswith("AGENTVM_")}
+    os.environ.clear()
+    os.environ.update(keep)
+    try:
+        import ctypes
+
+        with open("/proc/self/stat", "rb") as f:
+            data = f.read()
+        fields = data[data.rindex(b")") + 2:].split()
+        start, end = int(fields[47]), int(fields[48])  # env_start, env_end (fields 50, 51)
+        if end > start:
+            ctypes.memset(start, 0, end - start)
+    except Exception:  # noqa: BLE001 - (os.environ is scrubbed either way)
+        pass
+
+
+def _retitle(title: bytes) -> None:
+    """This process's name (comm) and command line (/proc/PID/cmdline): the gate worker's, not a
+    copy of the ``agentvm run`` command it was forked from (which named the sandbox's command:
+    whoever looks for the sandbox's processes by their command line must not find this one)."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(15, ctypes.c_char_p(title[:15]), 0, 0, 0)  # PR_SET_NAME
+        with open("/proc/self/stat", "rb") as f:
+            data = f.read()
+        fields = data[data.rindex(b")") + 2:].split()  # fields[0] is field 3 (state)
+        start, end = int(fields[45]), int(fields[46])  # arg_start, arg_end (fields 48, 49)
+        size = end - start
+        if size > 0:
+            buf = (title[:size - 1] + b"\0").ljust(size, b"\0")
+            ctypes.memmove(start, buf, size)
+    except Exception:  # noqa: BLE001 - cosmetic, except for the scans above
+        pass
 
 
 class ForkedProc:
@@ -259,6 +306,12 @@ class ForkedProc:
 
 
 # ------------------------------------------------------------------------------ the run's side
+def _accepts(fn, name: str) -> bool:
+    import inspect
+
+    return name in inspect.signature(fn).parameters
+
+
 def _classes():
     """The worker pool's classes specialised for one forked, confined worker (defined on first
     use: agentvm.gate.workers is imported only when a gate starts)."""
@@ -301,10 +354,12 @@ def _classes():
         """One confined worker serving this run's sandboxes (a lost one is replaced by a fresh
         ``python -m agentvm.gate.workers`` of the same uid, as the daemon's are)."""
 
-        def __init__(self, state_dir: Path, log_dir: Path, uid: int, zygote: Zygote | None, on_event) -> None:
+        def __init__(self, state_dir: Path, log_dir: Path, uid: int, zygote: Zygote | None, on_event,
+                     approvals=None) -> None:
             self._uid = uid
             self.zygote = zygote
-            super().__init__(1, state_dir, log_dir, on_record=lambda rec: None, on_event=on_event, confine="full")
+            kw = {"approvals": approvals} if _accepts(W.WorkerPool.__init__, "approvals") else {}
+            super().__init__(1, state_dir, log_dir, on_record=lambda rec: None, on_event=on_event, confine="full", **kw)
 
         def uid_for(self, index: int) -> int:
             return self._uid
@@ -321,14 +376,36 @@ def _classes():
                                    f"{UNCONFINED_ENV}=1 runs the gate unconfined in the run's process (recorded)",
                                    code="gate.confine-failed") from exc
             self._watch = asyncio.get_running_loop().create_task(self._watch_vault())
+            self._inotify = _VaultWatch(asyncio.get_running_loop(), self._vault_changed)
+
+        def _vault_changed(self) -> None:
+            """The vault directory changed (another process revoked, restored or rotated a
+            secret): each endpoint's worker is sent its new state now, not at the next poll."""
+            for w in list(self.workers):
+                for ep in list(w.endpoints.values()):
+                    try:
+                        ep.poll_vault()
+                    except Exception:  # noqa: BLE001 - (the poll tries again)
+                        W.log.exception("embedded gate: the vault of %s", ep.sandbox_id)
+
+        async def stop(self) -> None:
+            watch = getattr(self, "_inotify", None)
+            if watch is not None:
+                watch.close()
+            await super().stop()
 
         async def open_bound(self, sandbox_id: str, agent: str, policy, sock_path: Path, sock: socket.socket,
-                             creds) -> "W.RemoteEndpoint":
-            """WorkerPool.open for a socket the run bound (and listened on) before its sandbox started."""
+                             creds, extras=None) -> "W.RemoteEndpoint":
+            """WorkerPool.open for a socket the run bound (and listened on) before its sandbox started.
+            TODO(workers): a ``sock=`` parameter of WorkerPool.open would make this a call."""
             w = await self._a_worker(None)
             sock.setblocking(False)
-            ep = W.RemoteEndpoint(self, w, sandbox_id, agent, policy, Path(sock_path), sock, creds)
+            kw = {"extras": extras} if _accepts(W.RemoteEndpoint.__init__, "extras") else {}
+            ep = W.RemoteEndpoint(self, w, sandbox_id, agent, policy, Path(sock_path), sock, creds, **kw)
             w.endpoints[sandbox_id] = ep
+            spec = getattr(creds, "spec", None)
+            if spec is not None and getattr(self, "_inotify", None) is not None:
+                self._inotify.add(spec[2])
             try:
                 async with w.opening:
                     await w.call("open", *ep.open_args(), fd=sock.fileno())
@@ -351,14 +428,63 @@ def _classes():
     return EmbeddedPool
 
 
+class _VaultWatch:
+    """inotify on vault directories: ``changed()`` on the loop when a file in one is written or
+    replaced (the vault writes a temp file and renames it over the store). Without inotify,
+    nothing: the pool's poll (agentvm.gate.workers.REVOKE_POLL) still sees every change."""
+
+    IN_MODIFY, IN_ATTRIB, IN_CLOSE_WRITE, IN_MOVED_TO, IN_CREATE, IN_DELETE = 0x2, 0x4, 0x8, 0x80, 0x100, 0x200
+
+    def __init__(self, loop, changed) -> None:
+        self.loop, self.changed = loop, changed
+        self.fd = -1
+        self.dirs: set[str] = set()
+        try:
+            import ctypes
+
+            self._libc = ctypes.CDLL(None, use_errno=True)
+            fd = self._libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
+        except Exception:  # noqa: BLE001
+            return
+        if fd < 0:
+            return
+        self.fd = fd
+        loop.add_reader(fd, self._readable)
+
+    def add(self, directory: str) -> None:
+        if self.fd < 0 or directory in self.dirs:
+            return
+        mask = self.IN_MODIFY | self.IN_ATTRIB | self.IN_CLOSE_WRITE | self.IN_MOVED_TO | self.IN_CREATE | self.IN_DELETE
+        if self._libc.inotify_add_watch(self.fd, os.fsencode(directory), mask) >= 0:
+            self.dirs.add(directory)
+
+    def _readable(self) -> None:
+        try:
+            while os.read(self.fd, 65536):
+                pass
+        except BlockingIOError:
+            pass
+        except OSError:
+            return
+        self.changed()
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            self.loop.remove_reader(self.fd)
+            os.close(self.fd)
+            self.fd = -1
+
+
 class ConfinedGate:
     """The embedded gate's control side: a loop thread of the run's process driving one confined
     gate worker. Same calls as agentvm.gate.embedded.EmbeddedGate (open, close, stop)."""
 
-    def __init__(self, state_dir: Path, log_dir: Path, *, uid: int, zygote: Zygote | None, on_event) -> None:
+    def __init__(self, state_dir: Path, log_dir: Path, *, uid: int, zygote: Zygote | None, on_event,
+                 approvals=None) -> None:
         import asyncio
 
         self.uid = uid
+        self.approvals = approvals
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="agentvm-gate-control", daemon=True)
         self._thread.start()
@@ -372,7 +498,7 @@ class ConfinedGate:
             raise
 
     async def _make(self, state_dir, log_dir, zygote, on_event):
-        pool = _classes()(Path(state_dir), Path(log_dir), self.uid, zygote, on_event)
+        pool = _classes()(Path(state_dir), Path(log_dir), self.uid, zygote, on_event, self.approvals)
         await pool.start()
         return pool
 
@@ -392,7 +518,7 @@ class ConfinedGate:
             from agentvm.fsutil import bind_unix_listener
 
             sock = bind_unix_listener(Path(sock_path), uid, 128)
-        ep = self.call(self.pool.open_bound(sandbox_id, agent, policy, Path(sock_path), sock, creds))
+        ep = self.call(self.pool.open_bound(sandbox_id, agent, policy, Path(sock_path), sock, creds, extras))
         self.endpoints[sandbox_id] = ep
         return ep
 
