@@ -7,10 +7,12 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import secrets
 import signal
 import socket
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -154,6 +156,17 @@ def run_example(server, path: Path, *, timeout: float = 180, extra_env: dict | N
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": os.environ.get("HOME", "/root"),
            **server["env"], **(extra_env or {})}
     return subprocess.run([sys.executable, str(path)], capture_output=True, timeout=timeout, env=env, text=True)
+
+
+def run_code(server, code: str, **kw):
+    """Run the Python ``code`` (dedented) as :func:`run_example` runs an example, from a
+    temporary file removed after it."""
+    p = Path(f"/tmp/e2bhelper-{secrets.token_hex(4)}.py")
+    p.write_text(textwrap.dedent(code))
+    try:
+        return run_example(server, p, **kw)
+    finally:
+        p.unlink()
 
 
 pytestmark = [needs_root]

@@ -8,25 +8,15 @@ import json
 import os
 import secrets
 import subprocess
-import textwrap
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.e2b.conftest import run_example
+from tests.e2b.conftest import run_code
 from tests.helpers import agentvm_cmd, needs_root
 
 pytestmark = [pytest.mark.integration, needs_root]
-
-
-def _script(server, code: str, **kw):
-    p = Path(f"/tmp/e2bhelper-attack-{secrets.token_hex(4)}.py")
-    p.write_text(textwrap.dedent(code))
-    try:
-        return run_example(server, p, **kw)
-    finally:
-        p.unlink()
 
 
 def _api(server):
@@ -45,7 +35,7 @@ def _kill(server, sid, headers=None):
 
 
 def test_internet_access_the_template_denies_is_refused_naming_the_template(e2b_server):
-    r = _script(e2b_server, """
+    r = run_code(e2b_server, """
         from e2b import Sandbox
         for kw in ({"allow_internet_access": True}, {"network": {"allow_out": ["example.com"]}}):
             try:
@@ -62,7 +52,7 @@ def test_internet_access_the_template_denies_is_refused_naming_the_template(e2b_
 
 def test_a_sandbox_of_the_base_template_cannot_reach_out(e2b_server):
     # the gate is the only way out, and the base template allows nothing: a denial, explained
-    r = _script(e2b_server, """
+    r = run_code(e2b_server, """
         from e2b import Sandbox
         s = Sandbox.create()
         try:
@@ -119,7 +109,7 @@ def test_path_traversal_in_files_stays_in_the_sandbox(e2b_server):
     host_secret.write_text("HOST-ONLY-SECRET")
     pwned = Path(f"/tmp/agentvm-e2b-pwned-{secrets.token_hex(4)}")
     try:
-        r = _script(e2b_server, f"""
+        r = run_code(e2b_server, f"""
             from e2b import Sandbox
             s = Sandbox.create()
             def attempt(label, fn):
@@ -151,7 +141,7 @@ def test_path_traversal_in_files_stays_in_the_sandbox(e2b_server):
 
 
 def test_a_process_asked_to_run_as_root_runs_as_the_agent(e2b_server):
-    r = _script(e2b_server, """
+    r = run_code(e2b_server, """
         from e2b import Sandbox
         s = Sandbox.create()
         r = s.commands.run("id -u; grep CapEff /proc/self/status; touch /root-was-here 2>&1 || true", user="root")

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2b.conftest import _av, run_example
+from tests.e2b.conftest import _av, run_code, run_example
 from tests.helpers import needs_root
 
 pytestmark = [pytest.mark.integration, needs_root]
@@ -51,15 +51,6 @@ def _ok(r):
     return r.stdout
 
 
-def _script(server, code: str):
-    p = Path(f"/tmp/e2bhelper-ci-{secrets.token_hex(4)}.py")
-    p.write_text(code)
-    try:
-        return run_example(server, p)
-    finally:
-        p.unlink()
-
-
 def test_readme_example_unchanged_on_the_host_view(e2b_server):
     _host_view_template()
     out = _ok(run_example(e2b_server, EX / "code_interpreter.py"))
@@ -80,7 +71,7 @@ def test_the_code_runs_inside_the_sandbox_with_its_controls(e2b_server):
     """The kernel is the sandbox's: the agent uid (not root), a read-only /usr, the workspace, no
     egress (the gate refuses), its own network namespace."""
     _host_view_template()
-    out = _ok(_script(e2b_server, """
+    out = _ok(run_code(e2b_server, """
 from e2b_code_interpreter import Sandbox
 with Sandbox.create() as sb:
     print("uid:", sb.run_code("import os; os.getuid()").text)
@@ -108,7 +99,7 @@ def test_readme_example_unchanged_on_the_example_image(e2b_server):
     try:
         out = _ok(run_example(e2b_server, EX / "code_interpreter.py"))
         assert out.strip().splitlines()[-1] == "2", out
-        out = _ok(_script(e2b_server, """
+        out = _ok(run_code(e2b_server, """
 from e2b_code_interpreter import Sandbox
 with Sandbox.create() as sb:
     print("os:", sb.run_code("open('/etc/os-release').read().split('PRETTY_NAME=')[1].splitlines()[0]").text)

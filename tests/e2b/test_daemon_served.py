@@ -14,11 +14,10 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from pathlib import Path
 
 import pytest
 
-from tests.e2b.conftest import _av, _cleanup, _free_port, daemon_down, daemon_up, run_example
+from tests.e2b.conftest import _av, _cleanup, _free_port, daemon_down, daemon_up, run_code
 from tests.helpers import needs_root
 
 pytestmark = [pytest.mark.integration, needs_root]
@@ -136,12 +135,7 @@ def test_a_restart_keeps_sandboxes_and_deadlines_and_reaps_the_expired(home):
             "print('read:', s.files.read('kept.txt'))\n"
             "print('ran:', s.commands.run('echo hi').stdout.strip())\n"
             "s.kill()\n")
-    p = Path(f"/tmp/e2bhelper-restart-{port}.py")
-    p.write_text(code)
-    try:
-        r = run_example({"env": env2}, p)
-    finally:
-        p.unlink()
+    r = run_code({"env": env2}, code)
     assert r.returncode == 0, r.stderr
     assert "read: still here" in r.stdout and "ran: hi" in r.stdout
     assert f"e2b-{kid}" not in _names()

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2b.conftest import E2B_PY_VERSION, run_example
+from tests.e2b.conftest import E2B_PY_VERSION, run_code, run_example
 from tests.helpers import agentvm_cmd, needs_root
 
 pytestmark = [pytest.mark.integration, needs_root]
@@ -90,12 +90,7 @@ def test_set_timeout_ends_the_sandbox(e2b_server):
         "    print('ran')\n"
         "except Exception as e:\n"
         "    print('refused:', type(e).__name__)\n")
-    p = Path(f"/tmp/e2bhelper-timeout-{e2b_server['port']}.py")
-    p.write_text(code)
-    try:
-        out = _ok(run_example(e2b_server, p))
-    finally:
-        p.unlink()
+    out = _ok(run_code(e2b_server, code))
     assert "running: False" in out and "refused:" in out and "ran" not in out
 
 
@@ -109,12 +104,7 @@ def test_pause_and_connect_keep_the_workspace(e2b_server):
         "s2 = Sandbox.connect(s.sandbox_id)\n"
         "print('after:', s2.files.read('kept.txt'))\n"
         "s2.kill()\n")
-    p = Path(f"/tmp/e2bhelper-pause-{e2b_server['port']}.py")
-    p.write_text(code)
-    try:
-        out = _ok(run_example(e2b_server, p))
-    finally:
-        p.unlink()
+    out = _ok(run_code(e2b_server, code))
     assert "state: paused" in out and "after: still here" in out
 
 
@@ -152,11 +142,6 @@ def test_pty_input_resize_exit_and_kill(e2b_server):
         "except Exception as e:\n"
         "    print('after kill: ended', type(e).__name__)\n"
         "s.kill()\n")
-    p = Path(f"/tmp/e2bhelper-pty-{e2b_server['port']}.py")
-    p.write_text(code)
-    try:
-        out = _ok(run_example(e2b_server, p))
-    finally:
-        p.unlink()
+    out = _ok(run_code(e2b_server, code))
     assert "exit: 3" in out and "size1: True size2: True marker: True root: False" in out, out
     assert "killed: True" in out and "after kill: ended CommandExitException" in out, out
