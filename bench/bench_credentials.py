@@ -64,8 +64,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_gate import (  # noqa: E402 - the sibling benchmark's reusable pieces
     MITM_VENV,
     Child,
+    _LoadGen as _GateLoadGen,
     connect_through,
-    cpu_seconds,
     find_py312,
     free_port,
     gate_hot_path,
@@ -327,7 +327,10 @@ class _Conn(asyncio.Protocol):
                 lg.all_closed.set()
 
 
-class _LoadGen:
+class _LoadGen(_GateLoadGen):
+    """bench_gate's load generator, each connection a TLS session to the upstream's name (in a
+    CONNECT tunnel through the proxy, or direct); answers counted by status and rule id."""
+
     def __init__(self, args):
         self.args = args
         self.ctx = client_ctx(args.cafile)
@@ -336,17 +339,9 @@ class _LoadGen:
                         f"Authorization: Bearer {args.auth}\r\n"
                         + ("Accept-Encoding: gzip\r\n" if path == "/gz" else "") + "\r\n").encode()
         self.connect = f"CONNECT {NAME}:{args.upstream_port} HTTP/1.1\r\nHost: {NAME}:{args.upstream_port}\r\n\r\n".encode()
-        self.running = True
-        self.measuring = False
-        self.count = 0
+        self._counters()
         self.bad_status: dict[str, int] = {}
-        self.errors = 0
-        self.reconnects = 0
         self.tunnels = 0
-        self.lat: list[float] = []
-        self.conns: set[_Conn] = set()
-        self.all_closed = asyncio.Event()
-        self.connect_failures = 0
         self.last_error = ""
 
     def record(self, status: int, rule, dt: float) -> None:
@@ -358,9 +353,6 @@ class _LoadGen:
         else:
             k = f"{status} {rule or ''}".strip()
             self.bad_status[k] = self.bad_status.get(k, 0) + 1
-
-    def open(self) -> None:
-        asyncio.get_running_loop().create_task(self._open())
 
     async def _open(self) -> None:
         loop = asyncio.get_running_loop()
@@ -387,39 +379,16 @@ class _LoadGen:
             self.conns.add(c)
             c.send()
         except (OSError, ssl.SSLError, asyncio.TimeoutError, ConnectionError) as exc:
-            self.connect_failures += 1
-            self.errors += 1
             self.last_error = f"{type(exc).__name__}: {exc}"
-            if self.running and self.connect_failures < 1000:
-                await asyncio.sleep(0.01)
-                self.open()
+            await self._connect_failed()
 
-    async def run(self) -> dict:
-        for _ in range(self.args.conc):
-            self.open()
-        await asyncio.sleep(self.args.warmup)
-        self.measuring = True
-        t0 = time.perf_counter()
-        c0 = cpu_seconds(self.args.watch_pid)
-        await asyncio.sleep(self.args.duration)
-        self.measuring = False
-        el = time.perf_counter() - t0
-        c1 = cpu_seconds(self.args.watch_pid)
-        cpu = (c1 - c0) / el if c0 is not None and c1 is not None else None
-        self.running = False
-        if self.conns:
-            for c in list(self.conns):
-                if not c.busy and c.t is not None:
-                    c.t.close()
-            try:
-                await asyncio.wait_for(self.all_closed.wait(), 5)
-            except asyncio.TimeoutError:
-                pass
-        lat = sorted(self.lat)
-        q = (lambda p: lat[min(len(lat) - 1, int(p * len(lat)))] * 1000) if lat else (lambda p: None)
-        return {"requests": self.count, "seconds": el, "rps": self.count / el, "p50_ms": q(0.5), "p99_ms": q(0.99),
-                "bad_status": self.bad_status, "errors": self.errors, "reconnects": self.reconnects,
-                "tunnels": self.tunnels, "proxy_cpu": cpu, "last_error": self.last_error}
+    def _close_idle(self) -> None:
+        for c in list(self.conns):
+            if not c.busy and c.t is not None:
+                c.t.close()
+
+    def _result(self, el: float, cpu: float | None) -> dict:
+        return {**super()._result(el, cpu), "tunnels": self.tunnels, "last_error": self.last_error}
 
 
 def role_loadgen(args) -> None:

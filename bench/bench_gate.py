@@ -272,9 +272,16 @@ class _LoadConn(asyncio.Protocol):
 
 
 class _LoadGen:
+    """Keep-alive load: ``args.conc`` connections, each sending its next request when the last
+    is answered; a warm-up, then ``args.duration`` seconds measured (and the CPU of
+    ``args.watch_pid``). bench_credentials' load generator is one of these with TLS tunnels."""
+
     def __init__(self, args):
         self.args = args
         self.request = args.request.encode().decode("unicode_escape").encode("latin-1")
+        self._counters()
+
+    def _counters(self) -> None:
         self.running = True
         self.measuring = False
         self.count = 0
@@ -308,11 +315,14 @@ class _LoadGen:
                 await loop.create_connection(lambda: c, HOST, self.args.port)
             self.conns.add(c)
         except OSError:
-            self.connect_failures += 1
-            self.errors += 1
-            if self.running and self.connect_failures < 1000:
-                await asyncio.sleep(0.01)
-                self.open()
+            await self._connect_failed()
+
+    async def _connect_failed(self) -> None:
+        self.connect_failures += 1
+        self.errors += 1
+        if self.running and self.connect_failures < 1000:
+            await asyncio.sleep(0.01)
+            self.open()
 
     async def run(self) -> dict:
         for _ in range(self.args.conc):
@@ -328,10 +338,17 @@ class _LoadGen:
         cpu = (c1 - c0) / el if c0 is not None and c1 is not None else None
         self.running = False
         if self.conns:
+            self._close_idle()
             try:
                 await asyncio.wait_for(self.all_closed.wait(), 5)
             except asyncio.TimeoutError:
                 pass
+        return self._result(el, cpu)
+
+    def _close_idle(self) -> None:
+        """The connections not waiting for an answer are closed (here: each closes itself)."""
+
+    def _result(self, el: float, cpu: float | None) -> dict:
         lat = sorted(self.lat)
         q = (lambda p: lat[min(len(lat) - 1, int(p * len(lat)))] * 1000) if lat else (lambda p: None)
         return {"requests": self.count, "seconds": el, "rps": self.count / el, "p50_ms": q(0.5), "p99_ms": q(0.99),
