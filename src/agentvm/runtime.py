@@ -128,7 +128,7 @@ class Runtime:
             self.log_dir.mkdir(parents=True, exist_ok=True)
             os.chmod(self.log_dir, 0o700)
             # comes up off the run's critical path; by default served by a confined worker process
-            # forked here (before the run reads a secret): agentvm.gate.embedded_worker
+            # (agentvm.gate.embedded_worker)
             self._gate = LazyGate(self.gate_dir, self.log_dir, self.approval_store, record=self.record,
                                   lease_dir=self.paths.runtime / "uid-leases")
         return self._gate
@@ -533,8 +533,8 @@ class Runtime:
         lc = Lifecycle(self, EmbeddedGateHost(self))
         syscalls_off = self._syscall_records()
         try:
-            if policy.egress is not None:
-                self.embedded_gate()  # its worker forked now: before prepare reads the vault
+            if policy.egress is not None and policy.credentials:
+                self.embedded_gate().prefork()  # its worker forked now: before prepare reads the vault
             s = lc.prepare(policy, degrade=degrade, tty=tty, notes=lambda n: print(f"agentvm: note: {n}", file=sys.stderr))
         except BaseException:
             syscalls_off()

@@ -24,6 +24,7 @@ def test_an_unused_endpoint_is_abandoned_without_starting_a_gate(tmp_path, confi
     assert (tmp_path / "s1.sock").exists() and oct((tmp_path / "s1.sock").stat().st_mode & 0o777) == "0o600"
     assert ep.abandon_if_unused() is True
     assert not g._started, "no gate was started for a sandbox that never connected"
+    assert g._zygote is None, "nor a gate worker forked (no prefork: nothing for it to come before)"
     c = socket.socket(socket.AF_UNIX)
     try:
         c.connect(str(tmp_path / "s1.sock"))

@@ -165,10 +165,20 @@ class LazyGate:
         self._zygote = None
         self._noted = False
         self._placements: dict[str, dict] = {}  # sandbox -> where its gate runs (placement())
-        # the worker is forked now - before the run reads a secret - and waits for its first connection
         self._problem = EW.confinable() if self.confine else None
-        if self.confine and self._problem is None:
-            self._zygote = EW.Zygote()
+
+    def prefork(self) -> None:
+        """Fork the gate worker now, before this process reads a secret (the vault, for the
+        sandbox's credentials): it keeps a copy of this process's memory until it confines
+        itself. Call it before ``prepare`` when the policy has credentials; otherwise the worker
+        is forked at the sandbox's first connection (nothing secret in memory then), and a run
+        whose sandbox never connects pays nothing (a fork costs the rest of the run copies of
+        the pages it writes while the two processes share them)."""
+        with self._lease_lock:
+            if self.confine and self._problem is None and self._zygote is None and not self._confined.started:
+                from agentvm.gate.embedded_worker import Zygote
+
+                self._zygote = Zygote()
 
     @property
     def _started(self) -> bool:
@@ -243,7 +253,7 @@ class LazyGate:
             if self._zygote is None and not self._confined.started:
                 from agentvm.gate.embedded_worker import Zygote
 
-                self._zygote = Zygote()  # (a gate made after its zygote was discarded)
+                self._zygote = Zygote()  # not forked early (see prefork): now
         self._placements[sandbox_id] = {"confined": True, "uid": self._lease.uid}
         self._rec("gate.confined", sandbox=sandbox_id, uid=self._lease.uid)
         return self._confined

@@ -51,14 +51,11 @@ def confinable() -> str | None:
                 "own nor make its mount namespace")
     if os.uname().machine not in ("x86_64", "aarch64"):  # (agentvm.gate.confine.NR)
         return f"no system call table for {os.uname().machine}"
-    try:
-        with open("/sys/kernel/security/lsm") as f:
-            landlock = "landlock" in f.read().strip().split(",")
-    except OSError:  # (no securityfs: the kernel is asked)
-        from agentvm.gate.confine import landlock_abi
+    import ctypes
 
-        landlock = landlock_abi() >= 1
-    if not landlock:
+    # landlock_create_ruleset(NULL, 0, LANDLOCK_CREATE_RULESET_VERSION): the ABI version, or < 0
+    abi = ctypes.CDLL(None, use_errno=True).syscall(444, None, ctypes.c_size_t(0), ctypes.c_uint32(1))
+    if abi < 1:
         return "the kernel has no Landlock (a kernel >= 5.13 with lsm=landlock)"
     import importlib.util
 
@@ -136,7 +133,8 @@ class Zygote:
             os.close(fd)
 
     def discard(self) -> None:
-        """Not needed: killed and reaped (it holds nothing; it never ran anything)."""
+        """Not needed: its pipe closed, it exits on its own (it holds nothing, it never ran
+        anything), off the caller's path; reaped later (:func:`_reap_discarded`)."""
         if self._go >= 0:
             os.close(self._go)
             self._go = -1
@@ -144,9 +142,16 @@ class Zygote:
             self.used = True
             self.chan.close()
             self.fds.close()
-            self.proc.kill()
-            if self.proc.reap(0) is None:  # (reaped off the caller's path)
-                threading.Thread(target=self.proc.reap, args=(10.0,), daemon=True).start()
+            _DISCARDED.append(self.proc)
+        _reap_discarded()
+
+
+_DISCARDED: list = []  # zygotes told to exit, not yet reaped
+
+
+def _reap_discarded() -> None:
+    """Reap the discarded zygotes that have exited (a long-lived process makes many)."""
+    _DISCARDED[:] = [p for p in _DISCARDED if p.returncode is None]
 
 
 def _child(parent: int, go_r: int, chan: int, fds: int) -> int:
@@ -154,8 +159,10 @@ def _child(parent: int, go_r: int, chan: int, fds: int) -> int:
     import gc
 
     # what the run process left for the collector stays uncollected here: a finalizer of one of
-    # its files or sockets would close a descriptor number this process has reused by then
-    gc.freeze()
+    # its files or sockets would close a descriptor number this process has reused by then.
+    # (Disabled now - a flag; frozen once it is told to start: freezing writes to every
+    # object, a copy of most of the run's memory that a discarded zygote need not make)
+    gc.disable()
     # a terminal's ^C, ^\ and hang-up are the run's: it ends this process itself (its channel)
     for s in (signal.SIGINT, signal.SIGQUIT, signal.SIGHUP, signal.SIGTSTP):
         signal.signal(s, signal.SIG_IGN)
@@ -185,6 +192,8 @@ def _child(parent: int, go_r: int, chan: int, fds: int) -> int:
     os.close(go_r)
     if not chunks:
         return 0  # discarded
+    gc.freeze()
+    gc.enable()
     argv = json.loads(b"".join(chunks)) + ["--channel", str(chan), "--fds", str(fds)]
     from agentvm.gate import workers
 
