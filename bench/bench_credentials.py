@@ -62,15 +62,13 @@ from types import SimpleNamespace
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_gate import (  # noqa: E402 - the sibling benchmark's reusable pieces
-    MITM_VENV,
     Child,
     _LoadGen as _GateLoadGen,
     connect_through,
-    find_py312,
-    free_port,
     gate_hot_path,
+    launch_mitmdump,
+    mitmdump_setup,
     print_profile,
-    wait_listen,
 )
 
 HOST = "127.0.0.1"  # the only address this benchmark ever talks to
@@ -506,38 +504,11 @@ def make_test_ca(d: Path) -> tuple[str, str, str]:
 # ---------------------------------------------------------------------------- mitmproxy
 
 
-def ensure_mitmdump(log) -> Path:
-    mitmdump = MITM_VENV / "bin" / "mitmdump"
-    if mitmdump.exists():
-        return mitmdump
-    py = find_py312()
-    if py is None:
-        raise RuntimeError("no Python >= 3.12 found")
-    log(f"mitmproxy: installing into {MITM_VENV} with {py} (one-time) ...")
-    r = subprocess.run([py, "-m", "venv", str(MITM_VENV)], capture_output=True, text=True)
-    if r.returncode != 0:
-        raise RuntimeError("venv failed: " + (r.stderr.strip().splitlines() or ["?"])[-1])
-    r = subprocess.run([str(MITM_VENV / "bin" / "python"), "-m", "pip", "install", "-q", "mitmproxy"],
-                       capture_output=True, text=True, timeout=600)
-    if r.returncode != 0 or not mitmdump.exists():
-        err = [ln for ln in r.stderr.strip().splitlines() if "WARNING" not in ln]
-        raise RuntimeError("pip install mitmproxy failed: " + (err or ["?"])[-1])
-    return mitmdump
-
-
 def start_mitmproxy(tmp: Path, log, test_ca: str, placeholder: str, real: str,
                     upstream_port: int) -> tuple[subprocess.Popen, int, str, str]:
     """mitmdump with its own CA, verifying the upstream with the test CA, plus the swap addon.
     -> (process, port, label, path of mitmproxy's CA certificate for the client)."""
-    mitmdump = ensure_mitmdump(log)
-    ver = subprocess.run([str(mitmdump), "--version"], capture_output=True, text=True, timeout=60).stdout
-    vline = {ln.split(":", 1)[0].strip(): ln.split(":", 1)[1].strip() for ln in ver.splitlines() if ":" in ln}
-    label = f"mitmproxy {vline.get('Mitmproxy', '?')} (Python {vline.get('Python', '?')})"
-    d = tmp / "mitm"
-    d.mkdir()
-    port = free_port()
-    hosts = d / "hosts"
-    hosts.write_text(f"127.0.0.1 localhost\n127.0.0.1 {NAME}\n")
+    mitmdump, label, d, port, hosts = mitmdump_setup(tmp, log)
     addon = d / "swap.py"
     # the same swap the gate does: the declared header, exact placeholder value -> real value
     addon.write_text(
@@ -555,25 +526,9 @@ def start_mitmproxy(tmp: Path, log, test_ca: str, placeholder: str, real: str,
         f"        data.server.address = ({HOST!r}, data.server.address[1])\n")
     cmd = [str(mitmdump), "--listen-host", HOST, "--listen-port", str(port), "-q", "--set", f"confdir={d}",
            "--set", f"ssl_verify_upstream_trusted_ca={test_ca}", "-s", str(addon)]
-    attempts = []
-    unshare = shutil.which("unshare")
-    if unshare and os.geteuid() == 0:
-        attempts.append(([unshare, "-m", "--propagation", "private", "sh", "-c",
-                          f'mount --bind "{hosts}" /etc/hosts && exec "$@"', "sh", *cmd], "private /etc/hosts"))
-    attempts.append((cmd + ["-s", str(resolve)], "addon resolves bench.test"))
-    why = ""
-    for argv, how in attempts:
-        p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                             stderr=open(d / "stderr.log", "w"))
-        if wait_listen(port, p, 30) and (d / "mitmproxy-ca-cert.pem").exists():
-            return p, port, f"{label}; {how}; swap addon", str(d / "mitmproxy-ca-cert.pem")
-        p.kill()
-        p.wait()
-        try:
-            why = (d / "stderr.log").read_text().strip().splitlines()[-1]
-        except (OSError, IndexError):
-            why = f"exit {p.returncode}"
-    raise RuntimeError(f"mitmdump did not start ({why})")
+    ca = d / "mitmproxy-ca-cert.pem"
+    p, how = launch_mitmdump(cmd, d, port, hosts, ["-s", str(resolve)], ready=ca.exists)
+    return p, port, f"{label}; {how}; swap addon", str(ca)
 
 
 # ---------------------------------------------------------------------------- measurements

@@ -528,21 +528,30 @@ def find_py312() -> str | None:
     return None
 
 
-def start_mitmproxy(tmp: Path, log) -> tuple[subprocess.Popen, int, str]:
+def ensure_mitmdump(log) -> Path:
+    """mitmdump, installed once into MITM_VENV with a Python >= 3.12 (what mitmproxy 12 needs)."""
     mitmdump = MITM_VENV / "bin" / "mitmdump"
-    if not mitmdump.exists():
-        py = find_py312()
-        if py is None:
-            raise RuntimeError("no Python >= 3.12 found")
-        log(f"mitmproxy: installing into {MITM_VENV} with {py} (one-time) ...")
-        r = subprocess.run([py, "-m", "venv", str(MITM_VENV)], capture_output=True, text=True)
-        if r.returncode != 0:
-            raise RuntimeError("venv failed: " + (r.stderr.strip().splitlines() or ["?"])[-1])
-        r = subprocess.run([str(MITM_VENV / "bin" / "python"), "-m", "pip", "install", "-q", "mitmproxy"],
-                           capture_output=True, text=True, timeout=600)
-        if r.returncode != 0 or not mitmdump.exists():
-            err = [ln for ln in r.stderr.strip().splitlines() if "WARNING" not in ln]
-            raise RuntimeError("pip install mitmproxy failed: " + (err or ["?"])[-1])
+    if mitmdump.exists():
+        return mitmdump
+    py = find_py312()
+    if py is None:
+        raise RuntimeError("no Python >= 3.12 found")
+    log(f"mitmproxy: installing into {MITM_VENV} with {py} (one-time) ...")
+    r = subprocess.run([py, "-m", "venv", str(MITM_VENV)], capture_output=True, text=True)
+    if r.returncode != 0:
+        raise RuntimeError("venv failed: " + (r.stderr.strip().splitlines() or ["?"])[-1])
+    r = subprocess.run([str(MITM_VENV / "bin" / "python"), "-m", "pip", "install", "-q", "mitmproxy"],
+                       capture_output=True, text=True, timeout=600)
+    if r.returncode != 0 or not mitmdump.exists():
+        err = [ln for ln in r.stderr.strip().splitlines() if "WARNING" not in ln]
+        raise RuntimeError("pip install mitmproxy failed: " + (err or ["?"])[-1])
+    return mitmdump
+
+
+def mitmdump_setup(tmp: Path, log) -> tuple[Path, str, Path, int, Path]:
+    """mitmdump (:func:`ensure_mitmdump`), its label (versions), a fresh config folder, a free
+    port and a hosts file there that sends NAME to loopback (for :func:`launch_mitmdump`)."""
+    mitmdump = ensure_mitmdump(log)
     ver = subprocess.run([str(mitmdump), "--version"], capture_output=True, text=True, timeout=60).stdout
     vline = {ln.split(":", 1)[0].strip(): ln.split(":", 1)[1].strip() for ln in ver.splitlines() if ":" in ln}
     label = f"mitmproxy {vline.get('Mitmproxy', '?')} (Python {vline.get('Python', '?')})"
@@ -551,15 +560,40 @@ def start_mitmproxy(tmp: Path, log) -> tuple[subprocess.Popen, int, str]:
     port = free_port()
     hosts = d / "hosts"
     hosts.write_text(f"127.0.0.1 localhost\n127.0.0.1 {NAME}\n")
-    cmd = [str(mitmdump), "--listen-host", HOST, "--listen-port", str(port), "-q", "--set", f"confdir={d}"]
-    # bench.test must resolve for mitmproxy (it uses getaddrinfo): give the process a private
-    # mount namespace with its own /etc/hosts; the host's file is not touched.
+    return mitmdump, label, d, port, hosts
+
+
+def launch_mitmdump(cmd: list[str], d: Path, port: int, hosts: Path, fallback: list[str],
+                    ready=None) -> tuple[subprocess.Popen, str]:
+    """Start mitmdump (``cmd``) where NAME resolves to loopback (it uses getaddrinfo): as root, a
+    private mount namespace whose /etc/hosts is ``hosts`` (the host's file is not touched); else
+    ``cmd + fallback`` (an addon that resolves it). Started: its port listens (and ``ready()``).
+    -> (process, how NAME was resolved)."""
     unshare = shutil.which("unshare")
     attempts = []
     if unshare and os.geteuid() == 0:
         attempts.append(([unshare, "-m", "--propagation", "private", "sh", "-c",
                           f'mount --bind "{hosts}" /etc/hosts && exec "$@"', "sh", *cmd], "private /etc/hosts"))
-    # fallback: an addon that sends bench.test to 127.0.0.1 (keeps the Host header)
+    attempts.append((cmd + fallback, "addon resolves bench.test"))
+    why = ""
+    for argv, how in attempts:
+        p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                             stderr=open(d / "stderr.log", "w"))
+        if wait_listen(port, p, 30) and (ready is None or ready()):
+            return p, how
+        p.kill()
+        p.wait()
+        try:
+            why = (d / "stderr.log").read_text().strip().splitlines()[-1]
+        except (OSError, IndexError):
+            why = f"exit {p.returncode}"
+    raise RuntimeError(f"mitmdump did not start ({why})")
+
+
+def start_mitmproxy(tmp: Path, log) -> tuple[subprocess.Popen, int, str]:
+    mitmdump, label, d, port, hosts = mitmdump_setup(tmp, log)
+    cmd = [str(mitmdump), "--listen-host", HOST, "--listen-port", str(port), "-q", "--set", f"confdir={d}"]
+    # the fallback: an addon that sends bench.test to 127.0.0.1 (keeps the Host header)
     addon = d / "resolve_bench.py"
     addon.write_text(
         "def request(flow):\n"
@@ -568,20 +602,8 @@ def start_mitmproxy(tmp: Path, log) -> tuple[subprocess.Popen, int, str]:
         f"        flow.request.host = {HOST!r}\n"
         "        if h:\n"
         "            flow.request.headers['host'] = h\n")
-    attempts.append((cmd + ["-s", str(addon)], "addon resolves bench.test"))
-    why = ""
-    for argv, how in attempts:
-        p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                             stderr=open(d / "stderr.log", "w"))
-        if wait_listen(port, p, 30):
-            return p, port, f"{label}; {how}"
-        p.kill()
-        p.wait()
-        try:
-            why = (d / "stderr.log").read_text().strip().splitlines()[-1]
-        except (OSError, IndexError):
-            why = f"exit {p.returncode}"
-    raise RuntimeError(f"mitmdump did not start ({why})")
+    p, how = launch_mitmdump(cmd, d, port, hosts, ["-s", str(addon)])
+    return p, port, f"{label}; {how}"
 
 
 # ---------------------------------------------------------------------------- measurements
