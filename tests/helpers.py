@@ -58,3 +58,21 @@ def write_agent(directory, name: str, spec: str):
     p.write_text(f"apiVersion: agentvm/v1\nkind: Agent\nmetadata: {{name: {name}}}\nspec:\n"
                  + textwrap.indent(textwrap.dedent(spec), "  "))
     return p
+
+
+def release_workspaces(home) -> None:
+    """Whatever a test left mounted under ``<home>/run/ws`` (images, the pool) unmounted, and the
+    loop devices backed by files under the home detached: a home removed under an attached loop
+    device keeps its space (and one of the host's few loop devices) allocated."""
+    import subprocess
+    from pathlib import Path
+
+    h = Path(home)
+    ws = h / "run" / "ws"
+    for d in sorted(ws.glob("*"), reverse=True) if ws.is_dir() else ():
+        subprocess.run(["umount", "-l", str(d)], capture_output=True)
+    r = subprocess.run(["losetup", "-l", "-n", "-O", "NAME,BACK-FILE"], capture_output=True, text=True)
+    for line in r.stdout.splitlines():
+        dev, _, back = line.strip().partition(" ")
+        if back.strip().removesuffix(" (deleted)").startswith(str(h) + "/"):
+            subprocess.run(["losetup", "-d", dev], capture_output=True)

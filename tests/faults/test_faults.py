@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import agentvm_cmd, last_json, needs_root
+from tests.helpers import agentvm_cmd, last_json, needs_root, release_workspaces
 
 pytestmark = [pytest.mark.integration, needs_root]
 
@@ -37,23 +37,9 @@ def home(avm_home):
     h.mkdir(mode=0o711)
     yield h
     _av(h, "down", timeout=60)
-    _release_workspaces(h)
+    release_workspaces(h)
     subprocess.run(["umount", "-l", str(h)], capture_output=True)
     subprocess.run(["rm", "-rf", str(h)])
-
-
-def _release_workspaces(h: Path) -> None:
-    """Whatever a test left mounted under ``<home>/run/ws`` (images, the pool) unmounted, and the
-    loop devices backed by files under the home detached: a home removed under an attached loop
-    device keeps its space (and one of the host's few loop devices) allocated."""
-    ws = h / "run" / "ws"
-    for d in sorted(ws.glob("*"), reverse=True) if ws.is_dir() else ():
-        subprocess.run(["umount", "-l", str(d)], capture_output=True)
-    r = subprocess.run(["losetup", "-l", "-n", "-O", "NAME,BACK-FILE"], capture_output=True, text=True)
-    for line in r.stdout.splitlines():
-        dev, _, back = line.strip().partition(" ")
-        if back.strip().removesuffix(" (deleted)").startswith(str(h) + "/"):
-            subprocess.run(["losetup", "-d", dev], capture_output=True)
 
 
 def _agent(tmp_path: Path, name: str, body: str) -> Path:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import agentvm_cmd, needs_root
+from tests.helpers import agentvm_cmd, needs_root, release_workspaces
 
 pytestmark = [pytest.mark.integration, needs_root]
 
@@ -52,17 +52,6 @@ def _av_rss(home: Path, *args: str) -> tuple[subprocess.CompletedProcess, int]:
     return subprocess.CompletedProcess(r.args, r.returncode, r.stdout, body), int(tail.split()[0]) * 1024
 
 
-def _release_workspaces(h: Path) -> None:
-    ws = h / "run" / "ws"
-    for d in sorted(ws.glob("*"), reverse=True) if ws.is_dir() else ():
-        subprocess.run(["umount", "-l", str(d)], capture_output=True)
-    r = subprocess.run(["losetup", "-l", "-n", "-O", "NAME,BACK-FILE"], capture_output=True, text=True)
-    for line in r.stdout.splitlines():
-        dev, _, back = line.strip().partition(" ")
-        if back.strip().removesuffix(" (deleted)").startswith(str(h) + "/"):
-            subprocess.run(["losetup", "-d", dev], capture_output=True)
-
-
 @pytest.fixture
 def home(avm_home):
     """A home of its own (its own daemon), sharing the session's uid range; workspaces removed."""
@@ -71,7 +60,7 @@ def home(avm_home):
     assert _av(h, "up").returncode == 0
     yield h
     _av(h, "down", timeout=60)
-    _release_workspaces(h)
+    release_workspaces(h)
     subprocess.run(["rm", "-rf", str(h)])
 
 
@@ -307,7 +296,7 @@ def small_home(avm_home):
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=96m,mode=0711", "tmpfs", str(h)], check=True)
     yield h
     _av(h, "down", timeout=60)
-    _release_workspaces(h)
+    release_workspaces(h)
     subprocess.run(["umount", "-l", str(h)], capture_output=True)
     subprocess.run(["rm", "-rf", str(h)])
 
