@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from agentvm import defaults as D
-from agentvm import grants, identity
+from agentvm import identity
 from agentvm.backends.base import ExitStatus, HostContext, LaunchContext, TeardownReport
 from agentvm.backends.hostview import _alive  # noqa: F401 (the CLI asks the same question of the daemon)
 from agentvm.lifecycle import EmbeddedGateHost, Lifecycle, RunResult  # noqa: F401 (RunResult: re-exported)
@@ -360,6 +360,8 @@ class Runtime:
                         "is the agent inside",
                         code="policy.grant-unwritable",
                     )
+            if policy.mounts:
+                from agentvm import grants  # (only with grants: not on a plain run's import path)
             protected = tuple(grants.plan(os.path.realpath(m.host), m.writable_trusted) if m.writable else ()
                               for m in policy.mounts)
             creds, extra_env, extra_files = None, (), ()
@@ -497,6 +499,8 @@ class Runtime:
                                image_root=image_root,
                                node_shim=_node_shim() if gate is not None else "",
                                mcp_shim=self.mcp_shim() if gate is not None and policy.tools is not None else "")
+        from agentvm import grants
+
         ctx = LaunchContext(
             sandbox_id=sandbox_id,
             workspace=str(self.paths.runtime / "ws" / policy.name) if policy.workspace and policy.agent else None,
