@@ -364,7 +364,7 @@ def test_an_open_whose_replacement_cannot_take_it_leaves_nothing(tmp_path, monke
             first.append(self)
             os.kill(self.proc.pid, signal.SIGKILL)  # dies right after acknowledging the open
             await asyncio.wait_for(self.lost, 10)
-            await asyncio.sleep(0.3)
+            await self.pool.settle(self.index)  # (its replacement tried to take it: however long its start took)
         return v
 
     monkeypatch.setattr(W.GateWorker, "call", call)

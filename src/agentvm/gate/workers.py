@@ -341,6 +341,7 @@ class RemoteEndpoint:
         self.policy_digest = getattr(extras, "policy_digest", "") or ""
         self.budget = None  # _PushBudget over the daemon's Budget (the agent's ledger), or None
         self.reserved = 0  # budget admissions its worker holds (released if the worker goes)
+        self._live = (0, 0)  # (out, in) bytes its current worker reported so far (counted above)
         spec = getattr(extras, "budget", None)
         if spec is not None:
             from agentvm.gate.budget import Budget, BudgetStore
@@ -670,6 +671,7 @@ class GateWorker:
         if not isinstance(msg, tuple) or not msg:
             raise ValueError("a message that is not a tuple")
         if msg[0] == "records":
+            moved = self._counters(msg[2]) if len(msg) > 2 else ()
             on_record = self.pool.on_record
             for rec in msg[1]:
                 if not isinstance(rec, dict) or rec.get("sandbox") not in self.given:
@@ -680,6 +682,11 @@ class GateWorker:
                     on_record(rec)
                 except Exception:  # noqa: BLE001 - one record's consumer must not cost the channel
                     log.exception("a gate worker's record")
+            for ep in moved:
+                try:
+                    self.pool.on_bytes(ep)
+                except Exception:  # noqa: BLE001
+                    log.exception("a gate worker's byte counters")
         elif msg[0] == "reply":
             _, cid, ok, value = msg
             fut, op = self._calls.pop(cid, (None, None))
@@ -730,6 +737,27 @@ class GateWorker:
     def kill(self, reason: str) -> None:
         self._gone(reason)
 
+    def _counters(self, counters) -> list:
+        """Its endpoints' byte counters (sandbox -> (out, in)), as they move: added to the daemon's
+        view of the endpoint by what they grew (a counter of a sandbox it does not serve, or one
+        not of its type, is ignored; one that shrinks adds nothing)."""
+        moved = []
+        if not isinstance(counters, dict) or len(counters) > 100_000:
+            log.error("gate worker %d sent byte counters that are not counters: ignored", self.index)
+            return moved
+        for sid, v in counters.items():
+            ep = self.endpoints.get(sid) if type(sid) is str else None
+            if (ep is None or ep.worker is not self or not isinstance(v, tuple) or len(v) != 2
+                    or not all(type(x) is int and 0 <= x < 1 << 62 for x in v)):
+                continue
+            out, inn = max(0, v[0] - ep._live[0]), max(0, v[1] - ep._live[1])
+            ep._live = (max(v[0], ep._live[0]), max(v[1], ep._live[1]))
+            if out or inn:
+                ep.bytes_out += out
+                ep.bytes_in += inn
+                moved.append(ep)
+        return moved
+
     def tell(self, msg: tuple) -> None:
         """A message to the worker outside the calls (an answer to its question)."""
         if self.alive and self._writer is not None:
@@ -756,7 +784,7 @@ class WorkerPool:
 
     def __init__(self, count: int, state_dir: Path, log_dir: Path, *, on_record, on_event, telemetry: str | None = None,
                  confine: str | None = "auto", isolate: str | None = None, approvals=None,
-                 retire: float | None = None):
+                 retire: float | None = None, on_bytes=None):
         """``confine``: "auto" (the default: wholly confined under a root daemon; Landlock, seccomp
         and no_new_privs only under an unprivileged one, which cannot switch uid), "full" (refuse
         to run otherwise) or None (unconfined: the benchmark's baseline). ``isolate``: None (any
@@ -766,7 +794,8 @@ class WorkerPool:
         the approvals queue (agentvm.approvals.ApprovalStore) the workers' held requests wait in
         (None: held requests are denied, ``approval:unavailable``). ``retire``: seconds after
         which a worker of a key whose last sandbox closed is stopped and its slot freed (None:
-        kept; only with ``isolate``)."""
+        kept; only with ``isolate``). ``on_bytes(ep)``: an endpoint's byte counters moved (its
+        worker reports them with its records)."""
         if not (0 if isolate is not None else 1) <= count <= MAX_WORKERS:
             raise AgentVMError(f"gate workers: {count} is not between {0 if isolate else 1} and {MAX_WORKERS}")
         if confine not in ("auto", "full", None):
@@ -781,6 +810,7 @@ class WorkerPool:
         self.isolate = isolate
         self.approvals = approvals
         self.retire = retire if isolate is not None else None
+        self.on_bytes = on_bytes or (lambda ep: None)
         root = os.geteuid() == 0
         if confine == "full" and not root:
             raise AgentVMError("gate workers: confine=full needs a root daemon (a worker switches to a uid of its own)",
@@ -1121,8 +1151,8 @@ class WorkerPool:
             ep.counts_lost, stats = True, None
         if stats:
             ep.allowed += stats["allowed"]
-            ep.bytes_out += stats["bytes_out"]
-            ep.bytes_in += stats["bytes_in"]
+            ep.bytes_out += max(0, stats["bytes_out"] - ep._live[0])  # (what was not reported as it moved)
+            ep.bytes_in += max(0, stats["bytes_in"] - ep._live[1])
             ep.alerts += stats["alerts"]
             for k, n in stats["denials"].items():
                 ep.denials[k] = ep.denials.get(k, 0) + n
@@ -1204,6 +1234,7 @@ class WorkerPool:
                     if ep.closed:
                         continue
                     ep.worker, ep.served, ep.counts_lost = new, False, True
+                    ep._live = (0, 0)  # (the new worker counts from zero)
                     new.endpoints[sid] = ep  # (kept if it fails: a later replacement tries it again)
                     try:
                         async with new.opening:
@@ -1451,6 +1482,7 @@ class _Worker:
         self.writer = writer
         self.asker = asker if asker is not None else _Asker(writer)
         self._batch: list[dict] = []
+        self._counted: dict[str, tuple[int, int]] = {}  # byte counters last sent, per sandbox
         self._timer: asyncio.TimerHandle | None = None
         self._loop = asyncio.get_running_loop()
         gate.subscribers.append(self._record)
@@ -1472,7 +1504,14 @@ class _Worker:
             self._timer = None
         batch, self._batch = self._batch, []
         if batch:
-            self.writer.send(_pack(("records", batch)))
+            # with the records: the byte counters of the endpoints that moved (the daemon's
+            # /metrics counts them as they move, as for its own gate)
+            counters = {}
+            for sid, ep in self.gate.endpoints.items():
+                now = (ep.bytes_out, ep.bytes_in)
+                if self._counted.get(sid) != now:
+                    counters[sid] = self._counted[sid] = now
+            self.writer.send(_pack(("records", batch, counters) if counters else ("records", batch)))
 
     async def op_ping(self) -> str:
         return PROTOCOL
