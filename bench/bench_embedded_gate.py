@@ -17,6 +17,10 @@ types it (AGENTVM_NO_DAEMON=1), /bin/true or a one-request client as the payload
                                   the worker's start (imports, CA, confinement) is in it - and
                                   the whole run's wall time
   first request (unconfined)      the same through the in-process gate
+  ... credentialed                the same with an agent file binding one (fake) credential: its
+                                  gate worker is forked before prepare and imports the gate
+                                  while the sandbox is set up (a run without credentials forks
+                                  it at the first connection: nothing to do before)
 
 Ratios: each row against bare bwrap; confined against unconfined.
 """
@@ -85,11 +89,20 @@ def main() -> int:
             assert r.returncode == 0
         return fn
 
-    first: dict[str, list[float]] = {"confined": [], "unconfined": []}
+    first: dict[str, list[float]] = {"confined": [], "unconfined": [], "confined, credentialed": [],
+                                     "unconfined, credentialed": []}
+    r = subprocess.run(cli + ["secret", "set", "bench-key"], input=b"fake-bench-value-0123456789", env=base,
+                       capture_output=True)
+    assert r.returncode == 0, r.stderr
+    spec = home / "cred.yaml"
+    spec.write_text("apiVersion: agentvm/v1\nkind: Agent\nmetadata: {name: benchcred}\nspec:\n  riskTier: L3\n"
+                    "  egress:\n    hosts: {api.test: 127.0.0.1}\n    allow: [{host: api.test, ports: [9]}]\n"
+                    "  credentials:\n    - {name: k, env: K, ref: 'vault:bench-key', hosts: [api.test], "
+                    "inject: {header: X-Api-Key}}\n")
 
-    def request(env, key):
+    def request(env, key, *extra):
         def fn():
-            r = subprocess.run(cli + ["run", "--", "/usr/bin/python3", "-c", CLIENT], stdin=subprocess.DEVNULL,
+            r = subprocess.run(cli + ["run", *extra, "--", "/usr/bin/python3", "-c", CLIENT], stdin=subprocess.DEVNULL,
                                env=env, capture_output=True, text=True)
             line = next((ln for ln in r.stdout.splitlines() if ln.startswith("FIRST_MS")), None)
             assert r.returncode == 0 and line and "403" in line, (r.returncode, r.stdout[-500:], r.stderr[-500:])
@@ -103,6 +116,8 @@ def main() -> int:
         "run --network none -- true": run(base, "--network", "none"),
         "first request run (confined)": request(base, "confined"),
         "first request run (unconfined)": request(unconf, "unconfined"),
+        "first request run (confined, credentialed)": request(base, "confined, credentialed", "-f", str(spec)),
+        "first request run (unconfined, credentialed)": request(unconf, "unconfined, credentialed", "-f", str(spec)),
     }
     wall: dict[str, list[float]] = {k: [] for k in rows}
     cpu: dict[str, list[float]] = {k: [] for k in rows}
@@ -121,8 +136,9 @@ def main() -> int:
     for k, xs in first.items():
         out[f"first answer ({k}), in the sandbox"] = {"median_ms": round(statistics.median(xs), 2)}
     out["ratio confined/unconfined, run -- true"] = round(med["run -- true (confined)"] / med["run -- true (unconfined)"], 3)
-    out["ratio confined/unconfined, first answer"] = round(statistics.median(first["confined"])
-                                                          / statistics.median(first["unconfined"]), 3)
+    for k in ("", ", credentialed"):
+        out[f"ratio confined/unconfined, first answer{k}"] = round(statistics.median(first["confined" + k])
+                                                                  / statistics.median(first["unconfined" + k]), 3)
     if args.json:
         print(json.dumps(out, indent=1))
         return 0

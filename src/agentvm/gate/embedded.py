@@ -178,7 +178,7 @@ class LazyGate:
             if self.confine and self._problem is None and self._zygote is None and not self._confined.started:
                 from agentvm.gate.embedded_worker import Zygote
 
-                self._zygote = Zygote()
+                self._zygote = Zygote(preload=True)
 
     @property
     def _started(self) -> bool:
@@ -190,9 +190,11 @@ class LazyGate:
         return impl
 
     def _make_confined(self):
-        from agentvm.gate.embedded_worker import ConfinedGate
+        from agentvm.gate.embedded_worker import ConfinedGate, worker_argv
 
         zygote, self._zygote = self._zygote, None
+        if zygote is not None and not zygote.used:  # it starts now, beside this side's own imports
+            zygote.go(worker_argv(Path(self.state_dir), Path(self.log_dir), self._lease.uid))
         return ConfinedGate(self.state_dir, self.log_dir, uid=self._lease.uid, zygote=zygote, on_event=self._event,
                             approvals=self.approvals_factory)
 
@@ -237,13 +239,8 @@ class LazyGate:
     def _decide(self, sandbox_id: str, policy, creds, extras) -> _Lazy:
         """At the first connection (off the run's critical path): the confined worker, or the
         in-process gate for a sandbox that needs state only this process holds. Recorded."""
-        from agentvm.gate.workers import unplaceable
+        from agentvm.gate.embedded_worker import Zygote, worker_argv
 
-        why = unplaceable(policy, extras, creds)
-        if why is not None:
-            self._placements[sandbox_id] = {"confined": False, "uid": os.geteuid(), "reason": why}
-            self._rec("gate.unconfined", sandbox=sandbox_id, reason=why, uid=os.geteuid())
-            return self._inproc
         with self._lease_lock:
             if self._lease is None:
                 from agentvm import identity
@@ -251,9 +248,19 @@ class LazyGate:
                 self._lease = identity.lease_identity(self.lease_dir, f"gate-{sandbox_id}",
                                                       Path(self.state_dir).parent)
             if self._zygote is None and not self._confined.started:
-                from agentvm.gate.embedded_worker import Zygote
-
                 self._zygote = Zygote()  # not forked early (see prefork): now
+            tools = getattr(getattr(extras, "tools", None), "servers", None)
+            z = self._zygote
+            if z is not None and not z.used and not tools:
+                # (told now, so that its imports run beside this side's; unplaceable() decides)
+                z.go(worker_argv(Path(self.state_dir), Path(self.log_dir), self._lease.uid))
+        from agentvm.gate.workers import unplaceable
+
+        why = unplaceable(policy, extras, creds)
+        if why is not None:
+            self._placements[sandbox_id] = {"confined": False, "uid": os.geteuid(), "reason": why}
+            self._rec("gate.unconfined", sandbox=sandbox_id, reason=why, uid=os.geteuid())
+            return self._inproc
         self._placements[sandbox_id] = {"confined": True, "uid": self._lease.uid}
         self._rec("gate.confined", sandbox=sandbox_id, uid=self._lease.uid)
         return self._confined
@@ -325,20 +332,22 @@ class LazyGate:
     def stop(self) -> None:
         for pending in list(self._pending):
             pending.abandon_if_unused()
+        killed = True  # (the confined worker runs no more code: its uid may be leased again)
         for lazy in (self._inproc, self._confined):
             if lazy.started:
                 lazy.ready.wait(START_TIMEOUT)  # (one coming up now would serve, unstopped, after the run)
             if lazy.ready.is_set() and lazy.impl_ is not None:
-                lazy.impl_.stop()
+                r = lazy.impl_.stop()
+                if lazy is self._confined:
+                    killed = bool(r)
             # still starting: nothing of it serves anyone (every endpoint was closed or abandoned)
         z, self._zygote = self._zygote, None
         if z is not None:
-            z.discard()
+            z.abandon() if z.used else z.discard()
         if self._lease is not None:
             from agentvm import identity
 
-            impl = self._confined.impl_
-            if impl is None or not impl.alive():
+            if killed:
                 identity.release_lease(self._lease)
             elif self._lease.lease_fd is not None:
                 os.close(self._lease.lease_fd)  # a process of that uid may remain: the next leaser checks it

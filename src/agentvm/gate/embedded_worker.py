@@ -81,7 +81,10 @@ class Zygote:
     is discarded). Fork it before the run reads a secret: the child has a copy of this
     process's memory, and keeps it until it confines itself."""
 
-    def __init__(self) -> None:
+    def __init__(self, preload: bool = False) -> None:
+        """``preload``: the child imports the gate's modules while it waits (a zygote forked
+        long before it is needed, e.g. before the run's prepare: its first answer is then
+        sooner); else it waits doing nothing."""
         chan, chan_w = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         fds, fds_w = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
         go_r, go_w = os.pipe2(os.O_CLOEXEC)
@@ -98,7 +101,7 @@ class Zygote:
                 chan.close()
                 fds.close()
                 os.close(go_w)
-                rc = _child(parent, go_r, chan_w.fileno(), fds_w.fileno())
+                rc = _child(parent, go_r, chan_w.fileno(), fds_w.fileno(), preload)
             except BaseException:  # noqa: BLE001
                 try:
                     import traceback
@@ -132,6 +135,13 @@ class Zygote:
         finally:
             os.close(fd)
 
+    def abandon(self) -> None:
+        """Told to start, then not wanted (nothing connected it): its channel closed, killed."""
+        self.chan.close()
+        self.fds.close()
+        self.proc.kill()
+        _DISCARDED.append(self.proc)
+
     def discard(self) -> None:
         """Not needed: its pipe closed, it exits on its own (it holds nothing, it never ran
         anything), off the caller's path; reaped later (:func:`_reap_discarded`)."""
@@ -154,7 +164,27 @@ def _reap_discarded() -> None:
     _DISCARDED[:] = [p for p in _DISCARDED if p.returncode is None]
 
 
-def _child(parent: int, go_r: int, chan: int, fds: int) -> int:
+def worker_argv(state_dir: Path, log_dir: Path, uid: int) -> list[str]:
+    """The gate worker's arguments (``python -m agentvm.gate.workers``'s, without the channels)."""
+    return ["--index", "0", "--state-dir", str(state_dir), "--log-dir", str(log_dir), "--confine", str(uid),
+            "--confine-skip", ""]
+
+
+PRELOAD = ("agentvm.gate.workers", "agentvm.gate.server", "agentvm.gate.confine", "agentvm.gate.ca",
+           "agentvm.gate.tls", "agentvm.gate.encoding", "agentvm.gate.h2relay", "pyseccomp", "uvloop")
+
+
+def _preload() -> None:
+    import importlib
+
+    for name in PRELOAD:
+        try:
+            importlib.import_module(name)
+        except Exception:  # noqa: BLE001 - (the worker imports what it needs, and says what failed)
+            pass
+
+
+def _child(parent: int, go_r: int, chan: int, fds: int, preload: bool = False) -> int:
     """The zygote's life: wait for the word, then run the gate worker's main."""
     import gc
 
@@ -180,6 +210,8 @@ def _child(parent: int, go_r: int, chan: int, fds: int) -> int:
     os.dup2(null, 0)
     os.dup2(null, 1)  # (stderr stays: the worker's log lines)
     os.close(null)
+    if preload:
+        _preload()
     chunks = []
     while True:
         try:
@@ -338,10 +370,9 @@ def _classes():
         async def start(self) -> None:
             loop = asyncio.get_running_loop()
             z = self.zygote
-            argv = ["--index", "0", "--state-dir", str(self.pool.state_dir), "--log-dir", str(self.pool.log_dir),
-                    "--confine", str(self.uid), "--confine-skip", ""]
             self.proc = z.proc
-            z.go(argv)
+            if not z.used:  # (LazyGate tells it as soon as it is needed, before this side's imports)
+                z.go(worker_argv(self.pool.state_dir, self.pool.log_dir, self.uid))
             chan = z.chan
             z.fds.setblocking(False)
             self._fd_sock = z.fds
@@ -537,25 +568,41 @@ class ConfinedGate:
             return None
         return self.call(self.pool.close(ep))
 
-    def stop(self) -> None:
+    def stop(self) -> bool:
+        """Close what is open, kill the worker. -> True when every worker process of this gate
+        is dead or SIGKILLed (it runs no more code: its uid may be leased again)."""
         try:
             for sid in list(self.endpoints):
                 self.close(sid)
         except Exception:  # noqa: BLE001 - stopping anyway
             pass
-        try:
-            self.call(self.pool.stop(), timeout=10)
-        except Exception:  # noqa: BLE001
-            for w in self.pool.workers:
-                if w.proc is not None:
-                    try:
-                        w.proc.kill()
-                    except ProcessLookupError:
-                        pass
-        self._stop_loop()
+        done = threading.Event()
+        self.killed = False
+
+        def halt() -> None:
+            try:
+                self.pool.stopping = True  # (first: a death seen now is not replaced)
+                for w in self.pool.workers:
+                    if w.proc is not None and w.proc.returncode is None:
+                        try:
+                            w.proc.kill()
+                        except ProcessLookupError:
+                            pass
+                self.killed = True
+                # the rest (reaping, the channels) on the loop, and then the loop ends: the run
+                # does not wait for the kernel to tear the worker down (~10 ms)
+                task = self.loop.create_task(self.pool.stop())
+                task.add_done_callback(lambda t: (t.cancelled() or t.exception(), self.loop.stop()))
+            finally:
+                done.set()
+
+        self.loop.call_soon_threadsafe(halt)
+        if not done.wait(10):
+            self._stop_loop()
+        return self.killed
 
     def alive(self) -> list[int]:
-        """Pids of this gate's worker processes still running (after stop: none, or a lease is kept)."""
+        """Pids of this gate's worker processes still running."""
         out = []
         for w in self.pool.workers:
             p = w.proc
