@@ -84,18 +84,24 @@ class Snapshot:
     files: int
     skipped: int
     created: float
+    memory_digest: str | None = None  # a memory snapshot (gVisor): its checkpoint image's digest
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
+
+
+COLUMNS = ("id, agent, tag, workspace_digest, policy_digest, image, bytes, files, skipped, created, memory_digest")
 
 
 def root(home: Path) -> Path:
     return Path(home) / "snapshots"
 
 
-def snapshot_id(workspace_digest: str, policy_digest: str, image: str) -> str:
-    return hashlib.sha256(b"\0".join([DOMAIN, workspace_digest.encode(), policy_digest.encode(),
-                                      image.encode()])).hexdigest()
+def snapshot_id(workspace_digest: str, policy_digest: str, image: str, memory_digest: str | None = None) -> str:
+    parts = [DOMAIN, workspace_digest.encode(), policy_digest.encode(), image.encode()]
+    if memory_digest:  # (a memory snapshot: its checkpoint image is part of what it is)
+        parts.append(b"memory:" + memory_digest.encode())
+    return hashlib.sha256(b"\0".join(parts)).hexdigest()
 
 
 class _Sink:
@@ -317,6 +323,12 @@ class SnapshotStore:
         self._db = sqlite3.connect(str(db), check_same_thread=False, timeout=5.0, isolation_level=None)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.executescript(_SCHEMA)
+        cols = {r[1] for r in self._db.execute("PRAGMA table_info(snapshots)")}
+        if "memory_digest" not in cols:  # (a store from before memory snapshots)
+            try:
+                self._db.execute("ALTER TABLE snapshots ADD COLUMN memory_digest TEXT")
+            except sqlite3.OperationalError:  # (another process added it meanwhile)
+                pass
 
     def path(self, sid: str) -> Path:
         return root(self.home) / sid / "workspace.tar"
@@ -326,6 +338,13 @@ class SnapshotStore:
         """Tar ``host_dir`` into the store (streamed to a root-only file, hashed as it is written;
         see :func:`tar_workspace` for what is refused) and index it. ``policy_doc``: the agent
         file and live changes ``policy_digest`` was computed from (kept as policy.json)."""
+        return self.commit(agent, tag, self.stage(host_dir, limit=limit), policy_digest=policy_digest, image=image,
+                           policy_doc=policy_doc)
+
+    def stage(self, host_dir: Path, *, limit: int) -> tuple[Path, str, int, int, int]:
+        """The workspace's tar, written to a root-only file in the store not indexed yet:
+        (its path, digest, bytes, files, left out). :meth:`commit` indexes it, :meth:`unstage`
+        drops it."""
         top = root(self.home)
         top.mkdir(parents=True, exist_ok=True, mode=0o700)
         os.chmod(top, 0o700)
@@ -343,27 +362,97 @@ class SnapshotStore:
                                            code="snapshot.no-room", hint="free space on the disk holding the "
                                            "agent-vm home (`agentvm snapshot rm` old ones)") from exc
                     raise
-            sid = snapshot_id(wd, policy_digest, image)
-            d = top / sid
+        except BaseException:
+            self.unstage((tmp,))
+            raise
+        return tmp, wd, size, files, skipped
+
+    @staticmethod
+    def unstage(staged) -> None:
+        try:
+            os.unlink(staged[0])
+        except FileNotFoundError:
+            pass
+
+    def commit(self, agent: str, tag: str | None, staged, *, policy_digest: str, image: str, policy_doc: dict,
+               memory: Path | None = None, memory_digest: str | None = None, extra: dict | None = None) -> Snapshot:
+        """Index a staged tar. A memory snapshot also gets ``memory`` (a sealed checkpoint image
+        whose digest is ``memory_digest``), linked (or copied) into ``<id>/memory`` root-only and
+        checked against that digest there; ``extra``: JSON kept beside it (``extra.json``)."""
+        from agentvm import checkpoint
+
+        tmp, wd, size, files, skipped = staged
+        top = root(self.home)
+        sid = snapshot_id(wd, policy_digest, image, memory_digest)
+        d = top / sid
+        try:
             d.mkdir(exist_ok=True, mode=0o700)
             os.chmod(d, 0o700)
             pfd = os.open(d / ".policy.json.tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
             with os.fdopen(pfd, "w") as pf:
                 json.dump(policy_doc, pf)
             os.replace(d / ".policy.json.tmp", d / "policy.json")
+            if extra is not None:
+                efd = os.open(d / "extra.json", os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+                with os.fdopen(efd, "w") as ef:
+                    json.dump(extra, ef)
+            if memory is not None:
+                mem = d / "memory"
+                shutil.rmtree(mem, ignore_errors=True)
+                checkpoint.make_private_dir(mem)
+                for dirpath, dirnames, filenames in os.walk(memory):
+                    rel = os.path.relpath(dirpath, memory)
+                    for dn in dirnames:
+                        os.mkdir(mem / rel / dn, 0o700)
+                    for fn in filenames:
+                        src, dst = os.path.join(dirpath, fn), mem / rel / fn
+                        try:  # the image is never written again: a link costs nothing
+                            os.link(src, dst, follow_symlinks=False)
+                        except OSError:
+                            shutil.copyfile(src, dst, follow_symlinks=False)
+                        os.chmod(dst, 0o600)
+                got, _ = checkpoint.image_digest(mem)
+                if got != memory_digest:
+                    raise AgentVMError("the memory image changed while it was stored in the snapshot", code="checkpoint.tampered")
             os.replace(tmp, d / "workspace.tar")
         except BaseException:
-            try:
-                os.unlink(tmp)
-            except FileNotFoundError:
-                pass
+            self.unstage(staged)
             raise
-        snap = Snapshot(sid, agent, tag, wd, policy_digest, image, size, files, skipped, time.time())
+        snap = Snapshot(sid, agent, tag, wd, policy_digest, image, size, files, skipped, time.time(), memory_digest)
         with self._lock:
-            self._db.execute("INSERT OR REPLACE INTO snapshots VALUES (?,?,?,?,?,?,?,?,?,?)",
+            self._db.execute(f"INSERT OR REPLACE INTO snapshots ({COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
                              (snap.id, snap.agent, snap.tag, snap.workspace_digest, snap.policy_digest, snap.image,
-                              snap.bytes, snap.files, snap.skipped, snap.created))
+                              snap.bytes, snap.files, snap.skipped, snap.created, snap.memory_digest))
         return snap
+
+    def extra(self, snap: Snapshot) -> dict:
+        try:
+            doc = json.loads((root(self.home) / snap.id / "extra.json").read_text())
+        except (OSError, ValueError):
+            return {}
+        return doc if isinstance(doc, dict) else {}
+
+    def memory_dir(self, snap: Snapshot) -> Path:
+        return root(self.home) / snap.id / "memory"
+
+    def load_memory(self, snap: Snapshot) -> tuple[Path, int]:
+        """A memory snapshot's checkpoint image (its folder, bytes), checked against the digest
+        recorded for it (which the id covers): an edited, added or swapped file is refused."""
+        from agentvm import checkpoint
+
+        d = self.memory_dir(snap)
+        if not snap.memory_digest:
+            raise AgentVMError(f"snapshot {snap.id[:16]} holds no memory", code="snapshot.not-found")
+        if not d.is_dir():
+            raise AgentVMError(f"snapshot {snap.id[:16]}'s memory image is gone", code="checkpoint.missing",
+                               hint="`agentvm snapshot ls` lists what is there")
+        got, size = checkpoint.image_digest(d)
+        if got != snap.memory_digest or snapshot_id(snap.workspace_digest, snap.policy_digest, snap.image,
+                                                    got) != snap.id:
+            raise AgentVMError(f"snapshot {snap.id[:16]}'s memory image does not match the digest recorded when it "
+                               f"was taken (found {got[:16]}): it was edited or replaced; refused",
+                               code="checkpoint.tampered", hint=f"remove it: `agentvm snapshot rm {snap.id[:16]}`")
+        return d, size
 
     def policy_doc(self, snap: Snapshot) -> dict | None:
         """The agent file and live changes the snapshot's policy digest was computed from (None:
@@ -375,7 +464,7 @@ class SnapshotStore:
         return doc if isinstance(doc, dict) and isinstance(doc.get("spec_text"), str) else None
 
     def all(self, agent: str | None = None) -> list[Snapshot]:
-        q, args = "SELECT * FROM snapshots", ()
+        q, args = f"SELECT {COLUMNS} FROM snapshots", ()
         if agent is not None:
             q, args = q + " WHERE agent=?", (agent,)
         with self._lock:
@@ -423,7 +512,7 @@ class SnapshotStore:
             raise AgentVMError(f"snapshot {snap.id[:16]}'s files are gone", code="checkpoint.missing",
                                hint="`agentvm snapshot ls` lists what is there") from None
         wd = h.hexdigest()
-        if wd != snap.workspace_digest or snapshot_id(wd, snap.policy_digest, snap.image) != snap.id:
+        if wd != snap.workspace_digest or snapshot_id(wd, snap.policy_digest, snap.image, snap.memory_digest) != snap.id:
             raise AgentVMError(f"snapshot {snap.id[:16]} does not match the digest recorded when it was taken "
                                f"(found {wd[:16]}): it was edited or replaced; refused", code="checkpoint.tampered",
                                hint=f"remove it: `agentvm snapshot rm {snap.id[:16]}`")

@@ -663,10 +663,117 @@ class GvisorBackend(hv.ChildProcessSandbox, Backend):
     # gate endpoint. ``runsc restore`` (in place of ``run``, same bundle shape) brings it back.
     can_suspend = True
 
-    def suspend(self, handle: SandboxHandle, image_dir: str) -> None:
+    def host_sockets(self, handle: SandboxHandle) -> list[dict]:
+        """The host sockets the sandbox holds open: with ``--host-uds=open`` a connect to the
+        gate's socket (the only host socket mounted in) is made by the gofer, in the gofer's
+        network namespace, and its descriptor handed to the Sentry. So a unix socket the Sentry
+        holds, of the gofer's namespace, whose peer is neither the gofer's nor the Sentry's own
+        (the gofer's channels are socket pairs between the two) is a connection to the gate -
+        open, or half-open (the gate closed its end, peer 0, while the agent still holds the
+        bridge's). runsc 2022 cannot save one: a checkpoint then takes the sandbox down.
+        [] when none; BackendError when it cannot be told (then nothing may be checkpointed)."""
+        sentry, gofers = self._runtime_pids(handle)
+        if sentry is None or not gofers:
+            raise BackendError("cannot find the sandbox's Sentry and gofer processes to look at its open sockets")
+        sentry_held = _socket_fds(sentry)
+        own = set(sentry_held)
+        for g in gofers:
+            own.update(_socket_fds(g))
+        out, seen_ns = [], set()
+        host_ns = os.readlink("/proc/self/ns/net")
+        for g in gofers:
+            try:
+                ns = os.readlink(f"/proc/{g}/ns/net")
+            except OSError:
+                continue
+            if ns == host_ns:  # (the host's: every host socket would be looked at)
+                raise BackendError("the gofer runs in the host's network namespace: the sandbox's connections "
+                                   "to its gate cannot be told apart from the host's")
+            if ns in seen_ns:
+                continue
+            seen_ns.add(ns)
+            for local, peer, state in _unix_sockets_in(g):
+                if local in sentry_held and peer not in own:
+                    out.append({"inode": local, "sentry_fd": sentry_held[local], "state": state,
+                                "peer": "closed by the gate (half-open)" if peer == 0 else "open"})
+        if not seen_ns:
+            raise BackendError("cannot read the gofer's sockets: whether the sandbox holds a connection open is unknown")
+        return out
+
+    def wait_quiet(self, handle: SandboxHandle, timeout: float) -> list[dict]:
+        """Wait up to ``timeout`` seconds for the sandbox to hold no connection to its gate (its
+        requests under way finish, its clients close what the gate closed): what it still
+        holds then ([] once quiet). A census that cannot be taken is left to :meth:`suspend`."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                held = self.host_sockets(handle)
+            except BackendError:
+                return []
+            if not held or time.monotonic() >= deadline:
+                return held
+            time.sleep(0.2)
+
+    def _runtime_pids(self, handle: SandboxHandle) -> tuple[int | None, list[int]]:
+        """(the Sentry's pid, the gofers' pids) of this sandbox."""
+        sentry = None
+        r = self._runsc(handle, "state", handle.sandbox_id)
+        if r is not None and r.returncode == 0:
+            try:
+                sentry = int(json.loads(r.stdout).get("pid") or 0) or None
+            except ValueError:
+                sentry = None
+        group: cg.SandboxCgroup | None = handle.private.get("cgroup")
+        pids = sorted(group.pids()) if group is not None else [int(p) for p in os.listdir("/proc") if p.isdigit()]
+        gofers = []
+        for p in pids:
+            try:
+                argv = Path(f"/proc/{p}/cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if argv and argv[0].endswith(b"runsc-gofer") and handle.sandbox_id.encode() in b" ".join(argv):
+                gofers.append(p)
+        return sentry, gofers
+
+    def suspend(self, handle: SandboxHandle, image_dir: str, *, paused=None) -> None:
+        """``runsc pause`` (every task of the Sentry stopped: nothing can open a connection
+        now), the census of host sockets (:meth:`host_sockets`): any -> ``runsc resume`` and
+        ``sandbox.suspend-busy`` naming them, the sandbox running as before; none -> ``runsc
+        checkpoint`` of the paused sandbox (which ends it: its run returns). ``paused()``, if
+        given, is called just before the checkpoint, nothing of the sandbox running (a memory
+        snapshot reads its workspace there); if it raises, the sandbox is resumed, unchanged."""
         proc: subprocess.Popen | None = handle.private.get("proc")
         if proc is None or proc.poll() is not None:
             raise AgentVMError("the sandbox is not running: nothing to suspend", code="sandbox.not-running")
+        r = self._runsc(handle, "pause", handle.sandbox_id, timeout=30.0)
+        if r is None or r.returncode != 0:
+            raise BackendError("runsc could not pause the sandbox before its checkpoint: "
+                               + ((r.stderr.strip() if r is not None else "") or "no answer within 30 s")[-300:],
+                               hint="the sandbox keeps running; try again")
+        try:
+            held = self.host_sockets(handle)
+        except BaseException:
+            self._runsc(handle, "resume", handle.sandbox_id, timeout=30.0)
+            raise
+        if held:
+            self._runsc(handle, "resume", handle.sandbox_id, timeout=30.0)
+            half = sum(1 for h in held if h["peer"] != "open")
+            kinds = ([f"{len(held) - half} open (a request under way, or an idle keep-alive connection)"]
+                     if len(held) > half else []) + ([f"{half} half-open (closed by the gate, still held by "
+                                                      "the agent's client)"] if half else [])
+            raise AgentVMError(
+                f"the sandbox holds {len(held)} connection(s) to its gate: " + ", ".join(kinds)
+                + " (Sentry fds " + ", ".join(str(h["sentry_fd"]) for h in held) + "). This runsc cannot save a host "
+                  "socket, and a checkpoint now would take the sandbox down. Nothing was changed: it keeps running",
+                code="sandbox.suspend-busy",
+                hint="let the request finish, or close the connection in the agent (its client's idle timeout "
+                     "does), and suspend again; or pause it (`agentvm pause NAME`: memory kept, CPU zero)")
+        if paused is not None:
+            try:
+                paused()
+            except BaseException:
+                self._runsc(handle, "resume", handle.sandbox_id, timeout=30.0)
+                raise
         handle.private["stopping"] = True  # its exit is ours, not runsc's failure
         r = self._runsc(handle, "checkpoint", "--image-path", image_dir, handle.sandbox_id, timeout=300.0)
         if r is None or r.returncode != 0:
@@ -678,15 +785,18 @@ class GvisorBackend(hv.ChildProcessSandbox, Backend):
             except subprocess.TimeoutExpired:
                 pass
             alive = proc.poll() is None
+            if alive:
+                self._runsc(handle, "resume", handle.sandbox_id, timeout=30.0)
             raise BackendError(
                 f"runsc could not checkpoint the sandbox: {why[:400]}" + ("" if alive else
                                                                           " - and the sandbox did not survive it"),
                 hint="the sandbox keeps running; stop it or try again" if alive else
-                "a persistent worker is restarted afresh (its memory is lost); an open host socket (an egress "
-                "connection through the gate, even one the gate closed) is the usual cause with this runsc")
+                "a persistent worker is restarted afresh (its memory is lost)")
         handle.private["suspended"] = True
+        # the image is whole; the Sentry, paused, would wait for its tasks to die: they never
+        # run again (a write after the image was taken would not be in it), so it is killed
         try:
-            proc.wait(timeout=30)
+            proc.wait(timeout=1)
         except subprocess.TimeoutExpired:
             self._kill(handle)
 
@@ -987,3 +1097,42 @@ def _runsc_state_left(state_root: Path, cid: str) -> list[str]:
                 if p.name == cid or p.name.startswith(f"{cid}_sandbox:{cid}.")]
     except FileNotFoundError:
         return []
+
+
+def _socket_fds(pid: int) -> dict[int, int]:
+    """{socket inode: fd} of the process ``pid``."""
+    out: dict[int, int] = {}
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError as exc:
+        raise BackendError(f"cannot read the descriptors of the sandbox's process {pid} ({exc.strerror})") from None
+    for fd in fds:
+        try:
+            t = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if t.startswith("socket:["):
+            out[int(t[8:-1])] = int(fd)
+    return out
+
+
+def _unix_sockets_in(pid: int) -> list[tuple[int, int, str]]:
+    """(inode, peer inode, state) of every unix stream socket of ``pid``'s network namespace
+    (``ss`` there: the peer comes from sock_diag; 0 when the peer was closed)."""
+    try:
+        r = subprocess.run(["nsenter", f"--net=/proc/{pid}/ns/net", "ss", "-xaH"], capture_output=True, text=True,
+                           timeout=10, env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"})
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise BackendError(f"cannot list the sandbox's sockets (nsenter/ss: {exc})") from None
+    if r.returncode != 0:
+        raise BackendError(f"cannot list the sandbox's sockets: {r.stderr.strip()[-200:]}")
+    out = []
+    for ln in r.stdout.splitlines():
+        cols = ln.split()
+        # u_str ESTAB 0 0 <local addr|*> <inode> <peer addr|*> <peer inode>
+        if len(cols) >= 8 and cols[0] == "u_str":
+            try:
+                out.append((int(cols[5]), int(cols[7]), cols[1].lower()))
+            except ValueError:
+                continue
+    return out

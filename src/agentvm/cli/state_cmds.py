@@ -60,11 +60,17 @@ def snapshot():
 @snapshot.command("take", hidden=True)
 @click.argument("name")
 @click.option("--tag", help="A name for it (`agentvm fork NAME:TAG NEW`, `agentvm restore NAME TAG`).")
-def snapshot_take(name, tag):
+@click.option("--memory", is_flag=True, help="Its processes' memory too (gVisor: a checkpoint; the agent runs on). "
+                                              "`agentvm fork` of it restores them in a new sandbox.")
+def snapshot_take(name, tag, memory):
     from urllib.parse import quote
 
-    s = _client().request("POST", f"/v1/sandboxes/{quote(name)}/snapshot", {"tag": tag} if tag else {})
+    body = {"tag": tag} if tag else {}
+    if memory:
+        body["memory"] = True
+    s = _client().request("POST", f"/v1/sandboxes/{quote(name)}/snapshot", body)
     click.echo(f"{s['id'][:16]}  {name}{':' + tag if tag else ''}  {s['files']} files, {s['bytes']} bytes"
+               + (" + memory" if s.get("memory_digest") else "")
                + (f" ({s['skipped']} links or special files left out)" if s["skipped"] else ""))
     return 0
 
@@ -100,8 +106,13 @@ def snapshot_rm(ref):
                     "its workspace, a new uid and fresh credential placeholders.")
 @click.argument("source")
 @click.argument("new")
-def fork(source, new):
-    row = _client().request("POST", "/v1/fork", {"source": source, "new": new})
+@click.option("--memory", is_flag=True, help="From an agent: snapshot its memory too and restore its processes in "
+                                              "NEW (gVisor). A memory snapshot is always forked with its memory.")
+def fork(source, new, memory):
+    body = {"source": source, "new": new}
+    if memory:
+        body["memory"] = True
+    row = _client().request("POST", "/v1/fork", body)
     click.echo(f"{new}: {row['state']} (fork of {source})")
     return 0
 

@@ -17,6 +17,19 @@ from agentvm.daemon.events import refuse
 from agentvm.daemon.supervisor import Managed
 from agentvm.errors import AgentVMError
 
+# how long a suspend lets requests under way through the gate finish (the daemon's environment
+# may set it: AGENTVM_SUSPEND_DRAIN)
+DRAIN_SECONDS = 10.0
+
+
+def _drain() -> float:
+    import os
+
+    try:
+        return max(0.0, float(os.environ.get("AGENTVM_SUSPEND_DRAIN", DRAIN_SECONDS)))
+    except ValueError:
+        return DRAIN_SECONDS
+
 
 class StateControl:
     """pause, unpause, suspend, resume_sandbox, wake, snapshot, fork, restore_snapshot."""
@@ -64,46 +77,81 @@ class StateControl:
                     **({"woken_by": why} if why else {}))
         return {"name": name, "state": "running"}
 
-    async def suspend(self, name: str, *, actor: str = "operator") -> dict:
+    async def suspend(self, name: str, *, actor: str = "operator", drain: float | None = None) -> dict:
         """Write the sandbox's whole state to a root-only checkpoint and free every host
         resource it held (its processes, memory, cgroup, gate endpoint): the run ends in the
         checkpoint, and ``resume`` restores it. A substrate that cannot do so faithfully
-        (bubblewrap: CRIU cannot restore Landlock) refuses (``backend.suspend-unsupported``)."""
+        (bubblewrap: CRIU cannot restore Landlock) refuses (``backend.suspend-unsupported``).
+
+        Its gate connections first (runsc cannot save a host socket: a checkpoint holding one
+        takes the sandbox down): the endpoint is quiesced - no new connection served, idle
+        keep-alive ones closed, requests under way given ``drain`` seconds (DRAIN_SECONDS) to
+        finish - and the backend checkpoints only a sandbox it has paused and found holding no
+        connection to the gate. Otherwise ``sandbox.suspend-busy`` says what is open, the
+        endpoint serves again and the sandbox keeps running: a suspend never loses it."""
+        m = self._live(name)
+        cp = await self._checkpoint(name, m, actor=actor, drain=_drain() if drain is None else drain)
+        return {"name": name, "state": self.state.get(name).state, "checkpoint": {
+            "binding": cp.binding, "bytes": cp.bytes, "seconds": cp.seconds}}
+
+    async def _checkpoint(self, name: str, m: Managed, *, actor: str, drain: float, why: str = "suspend",
+                          paused=None):
+        """The checkpoint of ``m``'s sandbox (its run ends in it; the agent is then suspended),
+        sealed and recorded: the Checkpoint, with ``seconds`` it took."""
         from agentvm import checkpoint
 
-        m = self._live(name)
         backend, s = m.backend, m.session
         if not getattr(backend, "can_suspend", False):
             backend.suspend(m.handle, "")  # the substrate's refusal, by its code
-        busy = getattr(m.endpoint, "active", 0) if m.endpoint is not None else 0
-        if busy:  # runsc cannot save a host socket (the gate's): checkpointing now would crash it
-            raise refuse("sandbox.suspend-busy", f"{name} has {busy} egress connection(s) open through the gate; "
-                         "a sandbox holding a host socket cannot be checkpointed",
-                         hint=f"try again when it is idle (`agentvm suspend {name}`), or pause it: "
-                              f"`agentvm pause {name}`")
         if self.state.get(name).state == "paused":
-            await self.unpause(name, actor=actor, why="suspend")
+            await self.unpause(name, actor=actor, why=why)
         # the policy it resumes on: its agent file's with the live changes made so far (what a
         # start now would run; a change made while it is suspended wakes it first)
         digest = await asyncio.to_thread(lambda: self.effective_policy(self.state.get(name)).digest())
         sid, substrate = s.sandbox_id, s.plan.substrate
-        image = await asyncio.to_thread(checkpoint.new_dir, self.paths.home, name, sid)
+        ep = m.endpoint
+        quiesced = ep is not None and hasattr(ep, "quiesce")
         t0 = time.monotonic()
+        if quiesced:
+            busy = await ep.quiesce(drain)
+            if busy:
+                ep.unquiesce()
+                raise refuse("sandbox.suspend-busy", f"{name} still has {busy} request(s) under way through its gate "
+                             f"after {drain:g} s: a sandbox holding a connection to its gate cannot be checkpointed. "
+                             "Nothing was changed: it keeps running",
+                             hint=f"try again when they are done (`agentvm suspend {name}`), or pause it: "
+                                  f"`agentvm pause {name}`")
+        wait_quiet = getattr(backend, "wait_quiet", None)
+        if wait_quiet is not None:  # (what the endpoint closed, or requests under way a worker's gate serves)
+            left = max(0.0, drain - (time.monotonic() - t0))
+            await asyncio.to_thread(wait_quiet, m.handle, left)
+        image = await asyncio.to_thread(checkpoint.new_dir, self.paths.home, name, sid)
         m.suspending = True
         try:
-            await asyncio.to_thread(backend.suspend, m.handle, str(image))
-        except BaseException:
+            if paused is not None:
+                await asyncio.to_thread(lambda: backend.suspend(m.handle, str(image), paused=paused))
+            else:
+                await asyncio.to_thread(backend.suspend, m.handle, str(image))
+        except BaseException as exc:
             m.suspending = False
+            if quiesced and m.task is not None and not m.task.done():
+                ep.unquiesce()  # (refused or failed, the sandbox still runs: it is served again)
+            import shutil
+
+            await asyncio.to_thread(shutil.rmtree, image.parent, True)
+            if isinstance(exc, AgentVMError):
+                self.record("lifecycle.suspend-refused", actor=actor, sandbox=name, sandbox_id=sid, error=exc.code,
+                            message=exc.message[:500])
             raise
         if m.task is not None:
             await asyncio.gather(m.task, return_exceptions=True)  # the teardown frees the rest
         cp = await asyncio.to_thread(checkpoint.seal, name, sid, substrate, digest, image)
         self.checkpoints.put(cp)
-        took = time.monotonic() - t0
+        cp.seconds = round(time.monotonic() - t0, 3)
         self.record("lifecycle.suspended", actor=actor, sandbox=name, sandbox_id=sid, binding=cp.binding,
-                    image_digest=cp.image_digest, policy=digest, bytes=cp.bytes, seconds=round(took, 3))
-        return {"name": name, "state": self.state.get(name).state, "checkpoint": {
-            "binding": cp.binding, "bytes": cp.bytes, "seconds": round(took, 3)}}
+                    image_digest=cp.image_digest, policy=digest, bytes=cp.bytes, seconds=cp.seconds,
+                    **({"for": why} if why != "suspend" else {}))
+        return cp
 
     async def resume_sandbox(self, name: str, *, actor: str = "operator", why: str | None = None) -> dict:
         """(``resume``: the ControlPlane's ``resume`` is the flag of ``agentvm up --no-resume``.)
@@ -160,12 +208,16 @@ class StateControl:
             ss = self._snapshot_store = SnapshotStore(self.paths.home, self.paths.home / "daemon.db")
         return ss
 
-    async def snapshot(self, name: str, *, tag: str | None = None, actor: str = "operator") -> dict:
+    async def snapshot(self, name: str, *, tag: str | None = None, actor: str = "operator",
+                       memory: bool = False) -> dict:
         """The agent's workspace, content-addressed, with the policy and image it runs on; taken
         while its sandbox is paused where it can be (a consistent point; nothing moves while the
-        files are read). A suspended agent is resumed first."""
+        files are read). A suspended agent is resumed first. ``memory``: its processes too
+        (:meth:`_memory_snapshot`, gVisor)."""
         from agentvm import snapshot
 
+        if memory:
+            return await self._memory_snapshot(name, tag=tag, actor=actor)
         await self.wake(name, actor=actor, why="snapshot")
         m = self._live(name)
         ws = m.session.res.workspace
@@ -197,6 +249,85 @@ class StateControl:
         self.record("snapshot.created", actor=actor, sandbox=name, snapshot=snap.id, tag=tag,
                     workspace_digest=snap.workspace_digest, policy=digest, image=image, bytes=snap.bytes,
                     files=snap.files, skipped=snap.skipped)
+        return snap.to_dict()
+
+    async def _memory_snapshot(self, name: str, *, tag: str | None, actor: str) -> dict:
+        """A snapshot with memory (gVisor): the sandbox is checkpointed as by ``suspend`` (its
+        gate connections drained first, or refused), its workspace read while it is paused just
+        before (nothing runs: files and memory are of one instant), the checkpoint image linked
+        into the snapshot (root-only, its digest part of the snapshot's id), and the agent
+        resumed from its checkpoint - it runs on, its processes continuing. The placeholders its
+        memory holds are kept with the snapshot: a fork's gate refuses them as leaks. A
+        substrate that cannot checkpoint faithfully refuses (``snapshot.memory-unsupported``)."""
+        await self.wake(name, actor=actor, why="snapshot")
+        m = self._live(name)
+        if not getattr(m.backend, "can_suspend", False):
+            raise refuse("snapshot.memory-unsupported",
+                         f"{name} runs on {m.session.plan.substrate}, which cannot checkpoint its processes faithfully: "
+                         "the only checkpointer for host processes (CRIU) can neither save nor restore a Landlock "
+                         "domain, so a memory fork would run weaker than its parent - never attempted",
+                         hint=f"snapshot the workspace only (`agentvm snapshot {name}`), or run the agent on gVisor "
+                              "(`substrate: gvisor`) to snapshot its memory")
+        ws = m.session.res.workspace
+        if ws is None:
+            raise refuse("config.invalid", f"{name} has no workspace to snapshot")
+        row = self.state.get(name)
+        policy = await asyncio.to_thread(self.effective_policy, row)
+        digest = policy.digest()
+        image = getattr(m.session.policy, "image", None) or "host-view"
+        from agentvm import snapshot as snapmod
+
+        limit = policy.limits.disk or snapmod.MAX_BYTES
+        doc = {"spec_text": row.spec_text, "spec_file": row.spec_file, "policy_patch": row.policy_patch or "{}"}
+        creds = m.session.res.creds
+        held = [[f"{n.split('.', 1)[0]}.parent", p] for n, p in (creds.placeholders.items() if creds else ())]
+        staged: dict = {}
+        store = self.snapshots
+        host_dir = Path(ws.host_dir)
+
+        def while_paused():  # (the backend's thread, the sandbox paused)
+            staged["tar"] = store.stage(host_dir, limit=limit)
+
+        try:
+            cp = await self._checkpoint(name, m, actor=actor, drain=_drain(), why="snapshot", paused=while_paused)
+        except AgentVMError as exc:
+            if "tar" in staged:
+                store.unstage(staged["tar"])
+            self.record("snapshot.refused", actor=actor, sandbox=name, error=exc.code, message=exc.message[:500],
+                        memory=True)
+            raise
+        except BaseException:
+            if "tar" in staged:
+                store.unstage(staged["tar"])
+            raise
+        # checkpointed: from here on the agent is resumed, whatever happens to the snapshot
+        snap, err = None, None
+        try:
+            snap = await asyncio.to_thread(store.commit, name, tag, staged["tar"], policy_digest=digest, image=image,
+                                           policy_doc=doc, memory=Path(cp.dir), memory_digest=cp.image_digest,
+                                           extra={"placeholders": held, "substrate": cp.substrate,
+                                                  "sandbox_id": cp.sandbox_id})
+        except AgentVMError as exc:
+            err = exc
+            self.record("snapshot.refused", actor=actor, sandbox=name, error=exc.code, message=exc.message[:500],
+                        memory=True)
+        finally:
+            try:
+                await self.resume_sandbox(name, actor=actor, why="snapshot")
+            except Exception as exc:  # noqa: BLE001 - it stays suspended, its checkpoint kept: never lost
+                import logging
+
+                logging.getLogger("agentvm.daemon").warning("%s: not resumed after its memory snapshot: %s", name, exc)
+                if err is None and snap is not None:
+                    self.record("snapshot.created", actor=actor, sandbox=name, snapshot=snap.id, tag=tag, memory=True,
+                                memory_digest=snap.memory_digest, workspace_digest=snap.workspace_digest,
+                                policy=digest, image=image, bytes=snap.bytes, files=snap.files, skipped=snap.skipped)
+                raise
+        if err is not None:
+            raise err
+        self.record("snapshot.created", actor=actor, sandbox=name, snapshot=snap.id, tag=tag, memory=True,
+                    memory_digest=snap.memory_digest, memory_bytes=cp.bytes, workspace_digest=snap.workspace_digest,
+                    policy=digest, image=image, bytes=snap.bytes, files=snap.files, skipped=snap.skipped)
         return snap.to_dict()
 
     def _has_snapshots(self) -> bool:
@@ -261,7 +392,7 @@ class StateControl:
         except Exception:  # noqa: BLE001
             return True
 
-    async def fork(self, source: str, new: str, *, actor: str = "operator") -> dict:
+    async def fork(self, source: str, new: str, *, actor: str = "operator", memory: bool = False) -> dict:
         """A new agent from ``source`` (an agent: snapshotted now; or a snapshot by id or tag):
         its agent file under the new name with the parent's live changes (a live deny, lowered
         limits, a revoked credential, a lowered budget hold for the child too), the snapshot's
@@ -277,11 +408,16 @@ class StateControl:
         from agentvm.policy_patch import LivePolicy
 
         if self.state.get(source) is not None:
-            snap_d = await self.snapshot(source, tag=f"fork:{new}", actor=actor)
+            snap_d = await self.snapshot(source, tag=f"fork:{new}", actor=actor, memory=memory)
             snap = self._snapshot_of(snap_d["id"])
         else:
             snap = self._snapshot_of(source)
+            if memory and not snap.memory_digest:
+                raise refuse("snapshot.not-found", f"snapshot {snap.id[:16]} holds no memory",
+                             hint=f"fork the agent itself with its memory: `agentvm fork {snap.agent} {new} --memory`")
         tar = await asyncio.to_thread(self.snapshots.load, snap)  # checked: tampered is refused
+        # a memory snapshot: its checkpoint image, checked (the child restores it)
+        mem = await asyncio.to_thread(self.snapshots.load_memory, snap) if snap.memory_digest else None
         parent = self.state.get(snap.agent)
         if parent is None:
             raise refuse("sandbox.not-found", f"the snapshot's agent {snap.agent!r} is gone: its agent file with it",
@@ -309,15 +445,33 @@ class StateControl:
                              hint=f"narrow {snap.agent} again (`agentvm policy {snap.agent} ...`), or fork the agent "
                                   f"itself: `agentvm fork {snap.agent} {new}`")
             self.record("lifecycle.forked", actor=actor, sandbox=new, parent=snap.agent, child=new, snapshot=snap.id,
+                        memory=bool(snap.memory_digest),
                         policy=snap.policy_digest, child_policy=child.digest(),
                         policy_patch=LivePolicy.from_json(patch).to_dict(), budget="per-agent counters (fresh)")
-            self.snapshots.add_lineage(new, self._placeholders_of(snap.agent))
+            # the placeholders the snapshot's memory holds (its agent's session then) are leaks
+            # in the child too, beside its parent's now and their ancestors'
+            held = [tuple(x) for x in self.snapshots.extra(snap).get("placeholders", []) if len(x) == 2]
+            self.snapshots.add_lineage(new, self._placeholders_of(snap.agent) + held)
             m = self.managed.setdefault(new, Managed(new))
             m.seed = (tar, snap.workspace_digest, False)
+            if mem is not None:  # restored (runsc restore) into the child's new sandbox: bound to the snapshot
+                from agentvm import checkpoint
+
+                cd = child.digest()
+                m.restore = checkpoint.Checkpoint(new, snap.id, self.snapshots.extra(snap).get("substrate", "gvisor"),
+                                                  cd, snap.memory_digest, checkpoint.binding(snap.memory_digest, cd,
+                                                                                             snap.id),
+                                                  str(mem[0]), mem[1], time.time())
             try:
-                return await self.start_and_wait(new, actor=actor)
+                out = await self.start_and_wait(new, actor=actor)
             finally:
                 m.seed = None
+                m.restore = None
+            if mem is not None and out.get("state") != "running":
+                raise refuse("sandbox.start-failed", f"{new} did not start from snapshot {snap.id[:16]}'s memory "
+                             f"({out.get('state')}): {((out.get('error') or {}).get('message') or '')[:300]}",
+                             hint=f"fork its workspace only: `agentvm fork {snap.agent} {new}`")
+            return out
         except BaseException as exc:
             # a fork that did not start leaves no agent behind (its row, the workspace made for
             # it, its lineage); a workspace of that name kept from before stays as it was
