@@ -75,6 +75,7 @@ _TABLE: list[tuple[str, int, int, str]] = [
     ("snapshot.too-large", 413, CONFIG, "the workspace's files, at their full length (a snapshot stores no holes), exceed the agent's disk limit"),
     ("snapshot.no-room", 507, TEMPFAIL, "no room for the snapshot: the workspace's disk limit or the host's free space above its reserve (nothing was changed)"),
     ("snapshot.policy-wider", 409, POLICY, "a fork would run under a wider policy than the snapshot was taken under"),
+    ("snapshot.memory-unsupported", 409, POLICY, "this substrate cannot checkpoint processes faithfully: snapshot the workspace only, or use gVisor"),
     ("checkpoint.tampered", 409, POLICY, "a checkpoint or snapshot no longer matches the digest recorded for it"),
     ("checkpoint.policy-changed", 409, POLICY, "the checkpoint was taken under another policy (stop and start instead)"),
     ("logs.not-found", 404, CONFIG, "no run or sandbox by that name"),

@@ -278,6 +278,7 @@ class SnapshotTake(Body):
     """``POST /v1/sandboxes/NAME/snapshot``: its workspace, content-addressed (issue 37)."""
 
     tag: Name | None = None
+    memory: bool = False  # its processes' memory too (gVisor: a checkpoint; refused elsewhere)
 
 
 class SnapshotRestore(Body):
@@ -291,6 +292,7 @@ class Fork(Body):
 
     source: Name
     new: Name
+    memory: bool = False  # from an agent: snapshot its memory too, and restore it in the child (gVisor)
 
 
 # -- queries -------------------------------------------------------------------------------

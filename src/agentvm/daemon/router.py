@@ -88,7 +88,7 @@ async def dispatch(h, method: str, target: str, body: bytes, conn, writer, actor
                 return await answer(await cp.restart(name, actor=actor))
             return await answer(await cp.start_and_wait(name, actor=actor))
         if action == "snapshot" and method == "POST":
-            return await answer(await cp.snapshot(name, tag=m.tag, actor=actor), 201)
+            return await answer(await cp.snapshot(name, tag=m.tag, actor=actor, memory=m.memory), 201)
         if action == "restore" and method == "POST":
             return await answer(await cp.restore_snapshot(name, m.snapshot, actor=actor))
         if action in ("pause", "unpause", "suspend", "resume") and method == "POST":
@@ -135,7 +135,7 @@ async def dispatch(h, method: str, target: str, body: bytes, conn, writer, actor
     if len(p) == 2 and p[0] == "snapshots" and method == "DELETE":
         return await answer(cp.snapshot_remove(p[1], actor=actor))
     if p == ["fork"] and method == "POST":
-        return await answer(await cp.fork(m.source, m.new, actor=actor), 201)
+        return await answer(await cp.fork(m.source, m.new, actor=actor, memory=m.memory), 201)
     if p == ["console", "login"] and method == "POST":
         return await answer(h.console_login(actor))
     if p[:1] == ["approvals"]:

@@ -356,6 +356,31 @@ class Endpoint:
             for t in list(self.conns):
                 self._cut(t, "paused", "egress paused by the operator: connection cut")
 
+    async def quiesce(self, timeout: float) -> int:
+        """Before a checkpoint (issue 37: ``agentvm suspend``): no new connection is served
+        (each is closed at once, as while the endpoint closes), an idle keep-alive connection
+        (between requests) is closed, and one with a request under way is given up to
+        ``timeout`` seconds to finish (then closed as it goes idle). Returns how many still
+        have a request under way (0: none left); :meth:`unquiesce` serves again."""
+        self.closing = True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        waits, expired = self.gate._head_waits, self.gate._head_expired
+        while True:
+            for t in list(self.conns):
+                if t in waits and not t.done():  # idle between requests: closed quietly
+                    expired.add(t)
+                    t.cancel()
+            left = [t for t in self.conns if not t.done()]
+            busy = [t for t in left if t not in waits]
+            if not left or loop.time() >= deadline:
+                return len(busy)
+            await asyncio.wait(left, timeout=min(0.1, max(0.0, deadline - loop.time())))
+
+    def unquiesce(self) -> None:
+        """Serve again after :meth:`quiesce` (a suspend refused or failed)."""
+        self.closing = False
+
     def _cut(self, task: asyncio.Task, rule: str, reason: str) -> None:
         if task not in self.cut and not task.done():
             self.cut[task] = (rule, reason)
