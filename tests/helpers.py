@@ -27,6 +27,21 @@ def av(*args: str, check: bool = True, input: bytes | None = None, timeout: floa
     return r
 
 
+def stop_daemon(home) -> None:
+    """`agentvm down` for the installation at ``home``; a daemon still there after it (its pid
+    file left behind) is killed."""
+    import signal
+    from pathlib import Path
+
+    av("down", check=False)
+    pidf = Path(home) / "run" / "daemon.pid"
+    if pidf.exists():
+        try:
+            os.kill(int(pidf.read_text()), signal.SIGKILL)
+        except (ProcessLookupError, ValueError):
+            pass
+
+
 def last_json(stdout: str | bytes) -> dict:
     """The ``--json`` result of ``agentvm run``: the last non-empty stdout line."""
     if isinstance(stdout, bytes):

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import agentvm_cmd, needs_root
+from tests.helpers import agentvm_cmd, needs_root, stop_daemon
 
 E2B_PY_VERSION = "2.63.0"  # pinned in pyproject's test extra
 HERE = Path(__file__).parent
@@ -97,13 +97,7 @@ def _cleanup(home: Path) -> None:
     for row in ps if isinstance(ps, list) else []:  # the daemon may be down (an error object)
         if row.get("name", "").startswith("e2b-"):
             _av("rm", row["name"], check=False)
-    _av("down", check=False)
-    pidf = home / "run" / "daemon.pid"
-    if pidf.exists():
-        try:
-            os.kill(int(pidf.read_text()), signal.SIGKILL)
-        except (ProcessLookupError, ValueError):
-            pass
+    stop_daemon(home)
 
 
 @contextlib.contextmanager

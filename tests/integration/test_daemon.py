@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import agentvm_cmd, last_json, needs_root
+from tests.helpers import agentvm_cmd, last_json, needs_root, stop_daemon
 
 pytestmark = [pytest.mark.integration, needs_root]
 
@@ -35,13 +35,7 @@ def daemon_up(home: Path, *up_args: str):
     try:
         yield home
     finally:
-        av("down", check=False)
-        pidf = home / "run" / "daemon.pid"
-        if pidf.exists():
-            try:
-                os.kill(int(pidf.read_text()), signal.SIGKILL)
-            except (ProcessLookupError, ValueError):
-                pass
+        stop_daemon(home)
 
 
 @pytest.fixture
