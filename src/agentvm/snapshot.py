@@ -11,9 +11,14 @@ with the policy digest and image (digest) it ran on; ``policy.json`` beside it k
 file and live changes that digest was computed from (a fork is judged against it). The index
 (agent, tag, digests, size) is a table of the daemon's state database; ``load`` recomputes the
 tar's digest and the id before a fork or restore uses it, and ``untar_into`` again as it
-extracts: an edited or swapped snapshot is refused (``checkpoint.tampered``). Memory is not
-captured (see docs/concepts.md: a memory fork would carry the parent's credential
-placeholders into the child).
+extracts: an edited or swapped snapshot is refused (``checkpoint.tampered``).
+
+A memory snapshot (gVisor, ``agentvm snapshot NAME --memory``) also holds the sandbox's
+checkpoint image under ``<id>/memory`` (root-only), whose digest is part of the id
+(:func:`snapshot_id`) and is checked by :meth:`SnapshotStore.load_memory` before a fork
+restores it; ``extra.json`` keeps the placeholders the memory holds (the fork's gate refuses
+them as leaks). The workspace tar is staged while the sandbox is paused (:meth:`SnapshotStore.
+stage`) and committed with the image once the checkpoint is written (:meth:`SnapshotStore.commit`).
 
 Size (docs/concepts.md "Snapshots"): the tar is streamed to a root-only file under
 ``<home>/snapshots`` (never held in memory), hashed as it is written. A file is stored at its
