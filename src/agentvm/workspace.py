@@ -46,6 +46,7 @@ from typing import Callable
 from agentvm.errors import BackendError, ConfigError, LaunchError, PolicyDenied
 
 from agentvm.wspool import NAME_RE as _NAME_RE  # an agent's name (spec.models.NAME_RE)
+from agentvm.wspool import same_file as _same_file
 
 _MKFS = ("/usr/sbin/mkfs.ext4", "/sbin/mkfs.ext4")
 WARN_USE = 0.90  # doctor and `up` warn when the filesystem holding the workspaces is fuller than this
@@ -255,14 +256,6 @@ def lock_agent(home_ws: Path, name: str, why: str, hint: str, *, message: str | 
         # removed (remove_workspace unlinks the lock while holding it) between our open and
         # our flock: that lock guards nothing now - take the one at the path
         os.close(lock_fd)
-
-
-def _same_file(fd: int, path: Path) -> bool:
-    try:
-        a, b = os.fstat(fd), os.stat(path)
-    except FileNotFoundError:
-        return False
-    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
 
 
 def _touch(p: Path) -> None:

@@ -182,7 +182,8 @@ def _mountinfo() -> dict[str, str]:
     return out
 
 
-def _same_file(fd: int, path: Path) -> bool:
+def same_file(fd: int, path: Path) -> bool:
+    """``fd`` is the file at ``path`` now (not one removed, or replaced, since it was opened)."""
     try:
         a, b = os.fstat(fd), os.stat(path)
     except FileNotFoundError:
@@ -206,7 +207,7 @@ def _flock(path: Path, mode: int, *, wait: float = LOCK_WAIT, what: str = "") ->
                 raise LaunchError("workspace", f"the workspace pool is busy ({what or path}) for {wait:.0f} s") from None
             time.sleep(0.02)
             continue
-        if _same_file(fd, path):
+        if same_file(fd, path):
             return fd
         os.close(fd)
 
@@ -620,16 +621,20 @@ class Pool:
         except (LaunchError, OSError):
             return False  # in use
         try:
-            r = subprocess.run(["umount", str(self.mnt)], capture_output=True, text=True, timeout=60)
-            if r.returncode != 0:
-                return False
-            try:
-                self.mnt.rmdir()
-            except OSError:
-                pass
-            return True
+            return self._unmount()
         finally:
             os.close(fd)
+
+    def _unmount(self) -> bool:
+        """Unmount the pool and remove its mount point (False: umount refused)."""
+        r = subprocess.run(["umount", str(self.mnt)], capture_output=True, text=True, timeout=60)
+        if r.returncode != 0:
+            return False
+        try:
+            self.mnt.rmdir()
+        except OSError:
+            pass
+        return True
 
     # ------------------------------------------------------------------ removal
     def remove_if_empty(self) -> bool:
@@ -643,15 +648,8 @@ class Pool:
                 return False  # in use
             try:
                 if self.mounted():
-                    if self.names():
+                    if self.names() or not self._unmount():
                         return False
-                    r = subprocess.run(["umount", str(self.mnt)], capture_output=True, text=True, timeout=60)
-                    if r.returncode != 0:
-                        return False
-                    try:
-                        self.mnt.rmdir()
-                    except OSError:
-                        pass
                 elif self.img.exists() and not self._empty_offline():
                     return False
                 self.img.unlink(missing_ok=True)

@@ -117,12 +117,17 @@ class Client:
             c.close()
             raise DaemonUnavailable(f"the agent-vm daemon closed the connection ({self.url or self.socket_path})",
                                     hint="it may be shutting down: `agentvm up` starts it again") from exc
-        except (FileNotFoundError, ConnectionRefusedError) as exc:
-            raise DaemonUnavailable(f"the agent-vm daemon is not running ({self.url or self.socket_path})",
-                                    hint="start it with `agentvm up`") from exc
-        except PermissionError as exc:
-            raise DaemonUnavailable(f"no permission to talk to the daemon at {self.socket_path}",
-                                    hint="the control socket is owner-only: use the daemon's user") from exc
+        except (FileNotFoundError, ConnectionRefusedError, PermissionError) as exc:
+            raise self._refused(exc) from exc
+
+    def _refused(self, exc: OSError) -> DaemonUnavailable:
+        """A connection the daemon's socket refused: no permission (PermissionError), else no
+        daemon there."""
+        if isinstance(exc, PermissionError):
+            return DaemonUnavailable(f"no permission to talk to the daemon at {self.socket_path}",
+                                     hint="the control socket is owner-only: use the daemon's user")
+        return DaemonUnavailable(f"the agent-vm daemon is not running ({self.url or self.socket_path})",
+                                 hint="start it with `agentvm up`")
 
     def request(self, method: str, path: str, doc=None, *, raw: bytes | None = None):
         body = raw if raw is not None else (json.dumps(doc).encode() if doc is not None else None)
@@ -188,12 +193,8 @@ class Client:
                 s = socket.socket(socket.AF_UNIX)
                 s.settimeout(self.timeout)
                 s.connect(self.socket_path)
-        except (FileNotFoundError, ConnectionRefusedError) as exc:
-            raise DaemonUnavailable(f"the agent-vm daemon is not running ({self.url or self.socket_path})",
-                                    hint="start it with `agentvm up`") from exc
-        except PermissionError as exc:
-            raise DaemonUnavailable(f"no permission to talk to the daemon at {self.socket_path}",
-                                    hint="the control socket is owner-only: use the daemon's user") from exc
+        except (FileNotFoundError, ConnectionRefusedError, PermissionError) as exc:
+            raise self._refused(exc) from exc
         headers = f"Authorization: Bearer {self.token}\r\n".encode() if self.url and self.token else b""
         return s, headers
 
