@@ -382,6 +382,23 @@ class RemoteEndpoint:
     def _budget_spec(self):
         return None if self.budget is None else self.budget.spec
 
+    async def quiesce(self, timeout: float) -> int:
+        """``Endpoint.quiesce`` on its worker (before a checkpoint: no new connection served,
+        idle ones closed, requests under way given ``timeout`` s) -> how many are still under
+        way. A worker that cannot say counts as busy (the suspend is refused)."""
+        try:
+            n = await self.worker.call("quiesce", self.sandbox_id, float(timeout), timeout=float(timeout) + CALL_TIMEOUT)
+        except AgentVMError as exc:
+            log.warning("quiescing %s on gate worker %d: %s", self.sandbox_id, self.worker.index, exc)
+            return 1
+        return n if type(n) is int and n >= 0 else 1
+
+    def unquiesce(self) -> None:
+        try:
+            self.worker.send("unquiesce", self.sandbox_id).add_done_callback(_quiet)
+        except AgentVMError:
+            pass
+
     def release_reservations(self) -> None:
         """Its worker is gone or it closed: the admissions it held end uncounted."""
         while self.reserved > 0 and self.budget is not None:
@@ -1689,6 +1706,9 @@ class _Worker:
             if msg is None:  # (the channel ended)
                 return
             cid, op, args = msg
+            if op == "quiesce":  # (it may wait for requests to finish: the other calls are not held behind it)
+                asyncio.ensure_future(self._reply_later(cid, op, args))
+                continue
             try:
                 if op == "open":  # its socket first, whatever happens next
                     args = (self.take_socket(cid), *args)
@@ -1702,6 +1722,26 @@ class _Worker:
                 reply = ("reply", cid, False, f"{op}: {type(exc).__name__}: {exc}")
             self._flush()  # the records before the acknowledgement
             self.writer.send(_pack(reply))
+
+
+    async def _reply_later(self, cid, op, args) -> None:
+        try:
+            reply = ("reply", cid, True, await getattr(self, "op_" + op)(*args))
+        except Exception as exc:  # noqa: BLE001 - told to the daemon
+            log.exception("gate worker: %s failed", op)
+            reply = ("reply", cid, False, f"{op}: {type(exc).__name__}: {exc}")
+        self._flush()
+        self.writer.send(_pack(reply))
+
+    async def op_quiesce(self, sandbox_id, timeout) -> int:
+        """Before a checkpoint: ``Endpoint.quiesce`` here (-> requests still under way)."""
+        ep = self.gate.endpoints.get(sandbox_id)
+        return 0 if ep is None else int(await ep.quiesce(float(timeout)))
+
+    async def op_unquiesce(self, sandbox_id) -> None:
+        ep = self.gate.endpoints.get(sandbox_id)
+        if ep is not None:
+            ep.unquiesce()
 
 
 async def _worker_main(ns) -> None:
