@@ -36,22 +36,22 @@ def api_keys(home: Path | None = None, *, create: bool = True) -> dict[str, str]
     d.mkdir(parents=True, exist_ok=True)
     os.chmod(d, 0o700)
     keys = {"e2b_" + secrets.token_hex(20): "default"}
+    _write_keys(f, keys)
+    return keys
+
+
+def _write_keys(f: Path, keys: dict[str, str]) -> None:
+    """``keys`` (API key -> tenant) as ``f``: written to a 0600 file beside it, renamed over it."""
     tmp = f.with_suffix(".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as fh:
         json.dump(keys, fh)
     os.replace(tmp, f)
-    return keys
 
 
 def add_tenant(tenant: str, home: Path | None = None) -> str:
     keys = api_keys(home)
     key = "e2b_" + secrets.token_hex(20)
     keys[key] = tenant
-    f = state_dir(home) / "api-keys.json"
-    tmp = f.with_suffix(".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as fh:
-        json.dump(keys, fh)
-    os.replace(tmp, f)
+    _write_keys(state_dir(home) / "api-keys.json", keys)
     return key
