@@ -521,3 +521,54 @@ def test_stopping_a_worker_blocked_on_its_daemon_is_prompt_and_graceful(tmp_path
         assert len(lines) >= answered[0] > 0, "every answered request is in the decision log"
 
     run(main())
+
+
+def test_per_agent_workers_start_on_demand_retire_and_refuse_past_their_slots(tmp_path, monkeypatch):
+    """The daemon's default pool (issue 43): no worker before an agent's first sandbox; one per
+    agent; retired after its last sandbox closes (its slot free again); an agent past the last
+    slot is refused (gate.no-worker-slot), never served by another agent's worker."""
+    import agentvm.gate.workers as W
+    from agentvm.gate.workers import NoWorkerSlot
+
+    monkeypatch.setattr(W, "MAX_WORKERS", 2)
+    events: list = []
+
+    async def main():
+        up = await asyncio.get_running_loop().create_server(_Up, "127.0.0.1", 0)
+        port = up.sockets[0].getsockname()[1]
+        pool = WorkerPool(0, tmp_path / "state", tmp_path / "logs", on_record=lambda r: None,
+                          on_event=lambda kind, **d: events.append((kind, d)), isolate="agent", retire=0.2)
+        await pool.start()
+        try:
+            assert pool.pids() == [], "no worker before the first sandbox"
+            a1 = await pool.open("sb-a1", "a", _policy(port), tmp_path / "a1.sock", uid=None, creds=None)
+            a2 = await pool.open("sb-a2", "a", _policy(port), tmp_path / "a2.sock", uid=None, creds=None)
+            b = await pool.open("sb-b", "b", _policy(port), tmp_path / "b.sock", uid=None, creds=None)
+            assert a1.worker is a2.worker and b.worker is not a1.worker and len(pool.pids()) == 2
+            with pytest.raises(NoWorkerSlot) as err:
+                await pool.open("sb-c", "c", _policy(port), tmp_path / "c.sock", uid=None, creds=None)
+            assert err.value.code == "gate.no-worker-slot" and "stop the sandboxes" in (err.value.hint or "")
+            assert not (tmp_path / "c.sock").exists() and len(pool.pids()) == 2
+            assert (await _get(tmp_path / "b.sock", port))[0] == 200
+            # b's last sandbox closes: its worker retires, its slot serves c
+            pid_b = b.worker.proc.pid
+            await pool.close(b)
+            for _ in range(100):
+                if any(k == "gate.worker-retired" for k, _ in events):
+                    break
+                await asyncio.sleep(0.05)
+            retired = [d for k, d in events if k == "gate.worker-retired"]
+            assert retired and retired[0]["pid"] == pid_b and retired[0]["tenant"] == "agent:b", events
+            c = await pool.open("sb-c", "c", _policy(port), tmp_path / "c.sock", uid=None, creds=None)
+            assert c.worker.proc.pid != pid_b and c.worker.tenant == "agent:c"
+            assert (await _get(tmp_path / "c.sock", port))[0] == 200
+            # one of a's two sandboxes closes: its worker stays
+            await pool.close(a1)
+            await asyncio.sleep(0.4)
+            assert a2.worker.alive and not a2.worker.retired
+            assert (await _get(tmp_path / "a2.sock", port))[0] == 200
+        finally:
+            await pool.stop()
+            up.close()
+
+    run(main())
