@@ -1281,17 +1281,7 @@ def _after_accept(rv: Review, paths_filter: tuple[str, ...]) -> None:
                     for c in mine:
                         if c.action in ("add", "modify", "mode", "symlink", "delete") and c.layer != "dir" \
                                 and not c.under_opaque:
-                            parent, _, nm = c.rel.rpartition("/")
-                            try:
-                                dfd = _open_dir(ufd, parent)
-                            except OSError:
-                                continue
-                            try:
-                                os.unlink(nm, dir_fd=dfd)
-                            except OSError:
-                                pass
-                            finally:
-                                os.close(dfd)
+                            _in_parent(ufd, c.rel, lambda dfd, nm: os.unlink(nm, dir_fd=dfd))  # (gone already: fine)
                 finally:
                     os.close(ufd)
             base["entries"] = entries
