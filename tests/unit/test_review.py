@@ -233,6 +233,7 @@ def test_accept_by_path_then_the_rest(setup):
     review.accept(home, "run-test", ("sub",))
     assert (host / "sub" / "x").read_text() == "X\n" and (host / "a.txt").read_text() == "one\ntwo\n"
     assert [c.rel for c in review.load(home, "run-test").changes] == ["a.txt"]
+    assert not (up / "sub" / "x").exists() and (up / "a.txt").exists(), "what was applied leaves the layer"
     review.accept(home, "run-test")
     assert (host / "a.txt").read_text() == "A\n"
 
