@@ -188,3 +188,18 @@ def test_a_folder_reached_through_a_planted_link_is_refused(tmp_path):
     with pytest.raises(PolicyDenied):
         files.write_tree_beneath(ws, "out/x", _tar([("f", "file", b"x")]), None)
     assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("read", [files.read_beneath, files.open_beneath], ids=["read", "open"])
+def test_reads_through_a_symlink_are_refused_and_read_nothing_outside(tmp_path, read):
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "f").write_text("secret")
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    (ws / "dirlink").symlink_to(outside)
+    (ws / "filelink").symlink_to(outside / "f")
+    for rel in ("dirlink/f", "filelink"):
+        with pytest.raises(PolicyDenied) as ei:
+            read(ws, rel)
+        assert ei.value.code == "files.symlink", (rel, ei.value.code)
