@@ -572,3 +572,37 @@ def test_per_agent_workers_start_on_demand_retire_and_refuse_past_their_slots(tm
             up.close()
 
     run(main())
+
+
+def test_a_spare_worker_is_taken_by_an_agents_first_sandbox_and_made_again(tmp_path):
+    """``spare=1``: a started worker that serves nobody waits for the next agent (its first
+    sandbox waits for no start) and is made again once taken; it becomes that agent's alone."""
+    events: list = []
+
+    async def main():
+        up = await asyncio.get_running_loop().create_server(_Up, "127.0.0.1", 0)
+        port = up.sockets[0].getsockname()[1]
+        pool = WorkerPool(0, tmp_path / "state", tmp_path / "logs", on_record=lambda r: None,
+                          on_event=lambda kind, **d: events.append((kind, d)), isolate="agent", retire=0.2, spare=1)
+        await pool.start()
+        try:
+            spare = [w for w in pool.workers if w.alive and w.tenant is None]
+            assert len(spare) == 1 and spare[0].ready
+            a = await pool.open("sb-a", "a", _policy(port), tmp_path / "a.sock", uid=None, creds=None)
+            assert a.worker is spare[0] and a.worker.tenant == "agent:a"
+            assert (await _get(tmp_path / "a.sock", port))[0] == 200
+            for _ in range(200):
+                again = [w for w in pool.workers if w.alive and w.ready and w.tenant is None]
+                if again:
+                    break
+                await asyncio.sleep(0.05)
+            assert again and again[0] is not a.worker, "a new spare"
+            b = await pool.open("sb-b", "b", _policy(port), tmp_path / "b.sock", uid=None, creds=None)
+            assert b.worker is again[0] and b.worker is not a.worker
+            started = [d for k, d in events if k == "gate.worker-started"]
+            assert [d["tenant"] for d in started] == ["agent:a", "agent:b"] and all(d.get("spare") for d in started)
+        finally:
+            await pool.stop()
+            up.close()
+
+    run(main())

@@ -607,6 +607,7 @@ class GateWorker:
         self.reason = ""  # why it is gone
         self._stopping = False  # stop(): the worker is let exit on its own (up to STOP_TIMEOUT)
         self.retired = False  # its agent's last sandbox closed: stopped, never replaced, its slot free again
+        self.ready = False  # its start finished (it answered): it may be given sandboxes
         self.questions: dict[int, asyncio.Task] = {}  # its questions the daemon is answering (held requests...)
         self.abandoned: set[int] = set()  # held requests whose requester left (the worker said so)
         self._retire: asyncio.TimerHandle | None = None
@@ -650,6 +651,7 @@ class GateWorker:
             raise AgentVMError(f"gate worker {self.index} runs another version of agent-vm than the daemon (the "
                                "installation changed under the running daemon)", hint="restart the daemon: "
                                "`agentvm down && agentvm up`")
+        self.ready = True
 
     def send(self, op: str, *args, fd: int | None = None) -> asyncio.Future:
         """Send one call; -> the future of its acknowledgement (raises WorkerLost at once if the
@@ -801,7 +803,7 @@ class WorkerPool:
 
     def __init__(self, count: int, state_dir: Path, log_dir: Path, *, on_record, on_event, telemetry: str | None = None,
                  confine: str | None = "auto", isolate: str | None = None, approvals=None,
-                 retire: float | None = None, on_bytes=None):
+                 retire: float | None = None, on_bytes=None, spare: int = 0):
         """``confine``: "auto" (the default: wholly confined under a root daemon; Landlock, seccomp
         and no_new_privs only under an unprivileged one, which cannot switch uid), "full" (refuse
         to run otherwise) or None (unconfined: the benchmark's baseline). ``isolate``: None (any
@@ -812,7 +814,9 @@ class WorkerPool:
         (None: held requests are denied, ``approval:unavailable``). ``retire``: seconds after
         which a worker of a key whose last sandbox closed is stopped and its slot freed (None:
         kept; only with ``isolate``). ``on_bytes(ep)``: an endpoint's byte counters moved (its
-        worker reports them with its records)."""
+        worker reports them with its records). ``spare``: with ``isolate``, keep this many started
+        workers that serve nobody yet (each confined, holding nothing), so an agent's first
+        sandbox does not wait for a worker's start; one is started again after each is taken."""
         if not (0 if isolate is not None else 1) <= count <= MAX_WORKERS:
             raise AgentVMError(f"gate workers: {count} is not between {0 if isolate else 1} and {MAX_WORKERS}")
         if confine not in ("auto", "full", None):
@@ -828,6 +832,8 @@ class WorkerPool:
         self.approvals = approvals
         self.retire = retire if isolate is not None else None
         self.on_bytes = on_bytes or (lambda ep: None)
+        self.spare = max(0, int(spare)) if isolate is not None else 0
+        self._sparing: asyncio.Task | None = None
         root = os.geteuid() == 0
         if confine == "full" and not root:
             raise AgentVMError("gate workers: confine=full needs a root daemon (a worker switches to a uid of its own)",
@@ -992,6 +998,8 @@ class WorkerPool:
         try:
             if self.workers:
                 await asyncio.gather(*(w.start() for w in self.workers))
+            if self.spare:
+                await self._make_spares()
         except BaseException as exc:
             await self.stop()
             raise AgentVMError(f"the gate workers did not start: {exc}",
@@ -1036,10 +1044,13 @@ class WorkerPool:
         uid across keys), else the slot of an idle worker of another key (stopped first: a
         worker never serves a second key - what it held of the first stays with that process).
         None left: refused (NoWorkerSlot), never served by a shared or unconfined gate."""
-        fresh = next((w for w in self.workers if w.alive and not w.retired and w.tenant is None and not w.endpoints),
-                     None)
+        fresh = next((w for w in self.workers if w.alive and w.ready and not w.retired and w.tenant is None
+                      and not w.endpoints), None)
         if fresh is not None:
             fresh.tenant = key
+            self.on_event("gate.worker-started", worker=fresh.index, pid=fresh.proc.pid, uid=fresh.uid, tenant=key,
+                          confined=self.confine, spare=True)
+            self._keep_spare()
             return fresh
         free = next((w for w in self.workers if w.retired and (w.proc is None or w.proc.returncode is not None)
                      and self._replacing.get(w.index) is None), None)
@@ -1049,7 +1060,7 @@ class WorkerPool:
             w = GateWorker(self, len(self.workers), key)
             self.workers.append(w)
         else:
-            idle = next((w for w in self.workers if not w.endpoints and not w.retired
+            idle = next((w for w in self.workers if not w.endpoints and not w.retired and w.ready
                          and self._replacing.get(w.index) is None), None)
             if idle is None:
                 busy = sum(1 for w in self.workers if not w.retired)
@@ -1072,7 +1083,42 @@ class WorkerPool:
         if key is not None:
             self.on_event("gate.worker-started", worker=w.index, pid=w.proc.pid, uid=w.uid, tenant=key,
                           confined=self.confine)
+        self._keep_spare()
         return w
+
+    def _free_slot(self) -> int | None:
+        """A slot no worker uses: a retired worker's (its process gone) or a new one."""
+        free = next((w for w in self.workers if w.retired and (w.proc is None or w.proc.returncode is not None)
+                     and self._replacing.get(w.index) is None), None)
+        if free is not None:
+            return free.index
+        return len(self.workers) if len(self.workers) < MAX_WORKERS else None
+
+    def _keep_spare(self) -> None:
+        """Start a spare worker (serving nobody yet) if fewer than ``spare`` are up."""
+        if not self.spare or self.stopping or (self._sparing is not None and not self._sparing.done()):
+            return
+        self._sparing = asyncio.get_running_loop().create_task(self._make_spares())
+
+    async def _make_spares(self) -> None:
+        while not self.stopping:
+            spares = [w for w in self.workers if w.tenant is None and not w.retired and (w.alive or not w.ready)]
+            if len(spares) >= self.spare:
+                return
+            i = self._free_slot()
+            if i is None:  # (every slot serves an agent: no spare; the next agent is refused or takes a retired slot)
+                return
+            w = GateWorker(self, i)
+            if i == len(self.workers):
+                self.workers.append(w)
+            else:
+                self.workers[i] = w
+            try:
+                await w.start()
+            except Exception as exc:  # noqa: BLE001 - no spare: agents start their worker themselves
+                w.alive, w.retired = False, True
+                log.warning("a spare gate worker did not start: %s", exc)
+                return
 
     def _schedule_retire(self, w: GateWorker) -> None:
         """``w``'s key has no sandbox left: retire it after ``retire`` seconds unless one comes."""
@@ -1302,6 +1348,8 @@ class WorkerPool:
         self.stopping = True
         if self._watch is not None:
             self._watch.cancel()
+        if self._sparing is not None:
+            self._sparing.cancel()
         for w in self.workers:
             if w._retire is not None:
                 w._retire.cancel()
