@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """What the default gate (issue 43: a confined gate worker per running agent) costs an agent.
 
-    sudo python3 bench/bench_gate_default.py [--agents N] [--json]
+    sudo python3 bench/bench_gate_default.py [--agents N] [--spare 1] [--json]
 
 Measured in one run, with the daemon's own pool (``WorkerPool(0, isolate="agent",
 confine="full")``, as ``agentvm up`` makes it; root: a worker switches to a uid of its own):
@@ -72,7 +72,8 @@ async def main(args) -> dict:
     os.chmod(d, 0o711)
     events: list = []
     pool = WorkerPool(0, d / "gate", d / "logs", on_record=lambda r: None,
-                      on_event=lambda k, **kw: events.append((k, kw)), isolate="agent", confine="full", retire=0.2)
+                      on_event=lambda k, **kw: events.append((k, kw)), isolate="agent", confine="full", retire=0.2,
+                      spare=args.spare)
     first, nxt, rss, pss, retire = [], [], [], [], []
     await pool.start()
     try:
@@ -80,6 +81,9 @@ async def main(args) -> dict:
             t0 = time.perf_counter()
             a = await pool.open(f"sb-{i}-a", f"agent-{i}", pol, d / f"{i}a.sock", uid=None, creds=None)
             first.append(time.perf_counter() - t0)
+            if args.spare:  # (the next spare is started meanwhile: measured as the daemon sees it, between agents)
+                while pool._sparing is not None and not pool._sparing.done():
+                    await asyncio.sleep(0.01)
             t0 = time.perf_counter()
             b = await pool.open(f"sb-{i}-b", f"agent-{i}", pol, d / f"{i}b.sock", uid=None, creds=None)
             nxt.append(time.perf_counter() - t0)
@@ -104,7 +108,7 @@ async def main(args) -> dict:
 
         shutil.rmtree(d, ignore_errors=True)
     med = statistics.median
-    return {"agents": args.agents, "first_sandbox_ms": round(med(first) * 1000, 1),
+    return {"agents": args.agents, "spare": args.spare, "first_sandbox_ms": round(med(first) * 1000, 1),
             "next_sandbox_ms": round(med(nxt) * 1000, 2),
             "ratio_first_to_next": round(med(first) / med(nxt), 1),
             "worker_rss_kib": int(med(rss)), "worker_pss_kib": int(med(pss)),
@@ -115,6 +119,7 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--agents", type=int, default=5)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--spare", type=int, default=0, help="spare workers kept (the daemon keeps 1)")
     ns = ap.parse_args()
     if os.geteuid() != 0:
         sys.exit("run as root: a confined worker switches to a uid of its own")
