@@ -517,12 +517,18 @@ class DaemonBackend:
 
     # -- sandboxes --------------------------------------------------------------------------
     async def create(self, name: str, spec_text: str, ttl: float | None) -> None:
-        await self._call(self.client.create, spec_text, f"<e2b:{name}>", ttl, None)
+        await self._create(name, spec_text, ttl)
         try:
-            await self._call(self.client.action, name, "start")
+            await self._start(name)
         except BackendFailure:
             await self.kill(name)
             raise
+
+    async def _create(self, name: str, spec_text: str, ttl: float | None) -> None:
+        await self._call(self.client.create, spec_text, f"<e2b:{name}>", ttl, None)
+
+    async def _start(self, name: str) -> None:
+        await self._call(self.client.action, name, "start")
 
     async def kill(self, name: str) -> None:
         try:
@@ -538,7 +544,7 @@ class DaemonBackend:
         await self._call(self.client.action, name, "stop")
 
     async def resume(self, name: str) -> None:
-        await self._call(self.client.action, name, "start")
+        await self._start(name)
 
     async def info(self, name: str) -> BoxInfo | None:
         try:
@@ -550,8 +556,11 @@ class DaemonBackend:
         return BoxInfo(name, str(row.get("state", "unknown")))
 
     async def list(self) -> list[BoxInfo]:
-        rows = await self._call(self.client.ps)
-        return [BoxInfo(r["name"], str(r.get("state", "unknown"))) for r in rows or []]
+        return [BoxInfo(r["name"], str(r.get("state", "unknown"))) for r in await self._rows()]
+
+    async def _rows(self) -> list[dict]:
+        """The daemon's rows of every sandbox (``name``, ``state``...)."""
+        return await self._call(self.client.ps) or []
 
     # -- processes --------------------------------------------------------------------------
     async def exec(self, name: str, spec: ExecSpec) -> _DaemonProcess:

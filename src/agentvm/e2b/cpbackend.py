@@ -18,7 +18,7 @@ import contextlib
 import re
 from typing import AsyncIterator
 
-from agentvm.e2b.backend import HEAD_LIMIT, BackendFailure, BoxInfo, DaemonBackend, EventChannel, ExecEvent, \
+from agentvm.e2b.backend import HEAD_LIMIT, BackendFailure, DaemonBackend, EventChannel, ExecEvent, \
     ExecSpec, RUN_OUTPUT_LIMIT, Unsupported, Upload, _FifoControl, check_env, started, wrapped_argv
 from agentvm.errors import AgentVMError
 
@@ -248,13 +248,11 @@ class ControlPlaneBackend(DaemonBackend):
             raise _failure(exc) from exc
 
     # -- sandboxes --------------------------------------------------------------------------
-    async def create(self, name: str, spec_text: str, ttl: float | None) -> None:
+    async def _create(self, name: str, spec_text: str, ttl: float | None) -> None:
         await self._cp(self.cp.create(spec_text, f"<e2b:{name}>", ttl=ttl, actor=ACTOR))
-        try:
-            await self._cp(self.cp.start_and_wait(name, actor=ACTOR))
-        except BackendFailure:
-            await self.kill(name)
-            raise
+
+    async def _start(self, name: str) -> None:
+        await self._cp(self.cp.start_and_wait(name, actor=ACTOR))
 
     async def _remove(self, name: str) -> None:
         await self._cp(self.cp.remove(name, actor=ACTOR))
@@ -279,10 +277,10 @@ class ControlPlaneBackend(DaemonBackend):
         if row.state == "suspended" and hasattr(self.cp, "resume_sandbox"):
             await self._cp(self.cp.resume_sandbox(name, actor=ACTOR, why="e2b"))
             return
-        await self._cp(self.cp.start_and_wait(name, actor=ACTOR))
+        await self._start(name)
 
-    async def list(self) -> list[BoxInfo]:
-        return [BoxInfo(r["name"], str(r.get("state", "unknown"))) for r in self._sync(self.cp.sandboxes)]
+    async def _rows(self) -> list[dict]:
+        return self._sync(self.cp.sandboxes)
 
     async def _get(self, name: str) -> dict:
         return self._sync(self.cp.sandbox, name)
