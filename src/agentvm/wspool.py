@@ -69,6 +69,10 @@ _QUOTA_ENABLE, _QUOTA_ENABLE_SIMPLE = 1, 4
 _LIMIT_MAX_RFER = 1
 _LOOP_SET_CAPACITY = 0x4C07
 _SYNC = 0x9408  # _IO(0x94, 8): commit the transaction (quota groups count at commit)
+_TREE_SEARCH = 0xD0009411  # _IOWR(0x94, 17, struct btrfs_ioctl_search_args)
+_ROOT_TREE, _ROOT_REF_KEY = 1, 156  # the root tree; (parent id, ROOT_REF, child id): a subvolume inside another
+_INODE_ITEM_KEY = 1
+_FILEID_BTRFS_WITHOUT_PARENT = 0x4D  # a btrfs file handle: objectid, root objectid, generation
 
 
 def _vol_args(name: str = "") -> bytearray:
@@ -365,35 +369,23 @@ class Pool:
         finally:
             os.close(fd)
 
-    def _nested(self, name: str) -> list[tuple[Path, int]]:
-        """Subvolumes the agent made inside its workspace, deepest first (path, subvolume id)."""
-        out: list[tuple[Path, int]] = []
-        top = self.path(name)
-        stack = [(str(top), 0)]
-        while stack:
-            d, depth = stack.pop()
-            try:
-                it = os.scandir(d)
-            except OSError:
-                continue
-            with it:
-                for e in it:
-                    try:
-                        if not e.is_dir(follow_symlinks=False):
-                            continue
-                        if e.stat(follow_symlinks=False).st_ino == 256:  # the root directory of a subvolume
-                            out.append((Path(e.path), depth + 1))
-                        stack.append((e.path, depth + 1))
-                    except OSError:
-                        continue
-        out.sort(key=lambda x: -x[1])
-        ids = []
-        for path, _depth in out:
-            try:
-                ids.append((path, self._subvol_id_at(path)))
-            except OSError:
-                continue
-        return ids
+    def _nested(self, name: str) -> list[tuple[int, int, int, bytes]]:
+        """The subvolumes the agent made inside its workspace, children before their parents:
+        (id, parent id, folder inode in the parent, name). Found in the filesystem's root tree
+        (ROOT_REF items), not by walking paths: one made past PATH_MAX or in a folder a walk
+        could not open is found all the same (a path walk skipped it, and the workspace then
+        could not be removed)."""
+        fd = os.open(self.mnt, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            order, queue = [], [self.subvol_id(name)]
+            while queue:
+                parent = queue.pop()
+                for child, dirid, nm in _child_subvolumes(fd, parent):
+                    order.append((child, parent, dirid, nm))
+                    queue.append(child)
+        finally:
+            os.close(fd)
+        return order[::-1]
 
     def destroy(self, name: str) -> None:
         """The workspace's subvolume (and any the agent made inside it) and its quota group."""
@@ -409,9 +401,9 @@ class Pool:
         finally:
             os.close(fd)
         members = [sid]
-        for path, nid in self._nested(name):
+        for nid, parent, dirid, nm in self._nested(name):
             members.append(nid)
-            _destroy_at(path)
+            _destroy_in(self.mnt, parent, dirid, nm, nid)
         _destroy_at(top)
         fd = os.open(self.mnt, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:  # 0/N go by themselves once cleaned (a commit or two later); 1/sid is ours to remove
@@ -746,6 +738,75 @@ def _destroy_at(path: Path) -> None:
         if exc.errno != errno.ENOENT:
             raise LaunchError("workspace", f"cannot remove the subvolume {path}: {exc.strerror}") from None
     finally:
+        os.close(fd)
+
+
+def _tree_items(fd: int, tree: int, objectid: int, typ: int):
+    """(offset, data) of every item (objectid, typ, *) of btrfs tree ``tree``
+    (BTRFS_IOC_TREE_SEARCH; root only)."""
+    offset = 0
+    while True:
+        args = bytearray(4096)  # the search key (104 bytes), then the kernel's answer
+        struct.pack_into("QQQQQQQIIII", args, 0, tree, objectid, objectid, offset, (1 << 64) - 1, 0, (1 << 64) - 1,
+                         typ, typ, 512, 0)
+        fcntl.ioctl(fd, _TREE_SEARCH, args)
+        n = struct.unpack_from("I", args, 64)[0]  # nr_items: how many it wrote
+        if not n:
+            return
+        pos = 104
+        for _ in range(n):
+            _transid, obj, off, t, length = struct.unpack_from("QQQII", args, pos)
+            data = bytes(args[pos + 32: pos + 32 + length])
+            pos += 32 + length
+            if t == typ and obj == objectid:
+                yield off, data
+            offset = off + 1
+        if offset == 0 or offset > (1 << 64) - 1:
+            return
+
+
+def _child_subvolumes(fd: int, parent: int) -> list[tuple[int, int, bytes]]:
+    """The subvolumes directly inside subvolume ``parent``: (id, the inode of the folder holding
+    it in the parent, its name there), from the root tree's ROOT_REF items - kept by the kernel,
+    found however deep the folder is."""
+    out = []
+    for child, data in _tree_items(fd, _ROOT_TREE, parent, _ROOT_REF_KEY):
+        dirid, _seq, name_len = struct.unpack_from("QQH", data, 0)
+        out.append((child, dirid, data[18:18 + name_len]))
+    return out
+
+
+def _destroy_in(mnt: Path, parent: int, dirid: int, name: bytes, subvol: int) -> None:
+    """Delete subvolume ``name`` in folder ``dirid`` of subvolume ``parent``: the folder opened
+    by its file handle (no path: a folder past PATH_MAX opens the same), then SNAP_DESTROY in it."""
+    import ctypes  # (only here: not on a start's import path)
+
+    class _Handle(ctypes.Structure):
+        _fields_ = [("handle_bytes", ctypes.c_uint), ("handle_type", ctypes.c_int), ("f_handle", ctypes.c_ubyte * 20)]
+
+    fd = os.open(mnt, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    dfd = -1
+    try:
+        gen = next((struct.unpack_from("Q", d, 0)[0] for _, d in _tree_items(fd, parent, dirid, _INODE_ITEM_KEY)), None)
+        if gen is None:
+            return  # gone meanwhile
+        h = _Handle(20, _FILEID_BTRFS_WITHOUT_PARENT)
+        ctypes.memmove(h.f_handle, struct.pack("QQI", dirid, parent, gen & 0xFFFFFFFF), 20)
+        libc = ctypes.CDLL(None, use_errno=True)
+        dfd = libc.open_by_handle_at(fd, ctypes.byref(h), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        if dfd < 0:
+            e = ctypes.get_errno()
+            if e in (errno.ENOENT, errno.ESTALE):
+                return
+            raise OSError(e, os.strerror(e))
+        fcntl.ioctl(dfd, _SNAP_DESTROY, _vol_args(name.decode("utf-8", "surrogateescape")))
+    except OSError as exc:
+        if exc.errno != errno.ENOENT:
+            raise LaunchError("workspace", f"cannot remove the subvolume {subvol} an agent made in its workspace: "
+                              f"{exc.strerror}") from None
+    finally:
+        if dfd >= 0:
+            os.close(dfd)
         os.close(fd)
 
 

@@ -195,6 +195,39 @@ def test_a_subvolume_made_inside_a_workspace_counts_against_its_limit(rt, tmp_pa
 
 
 @needs_pool
+def test_subvolumes_made_below_path_max_and_nested_do_not_keep_a_workspace_from_being_removed(rt, tmp_path):
+    """An agent that hides subvolumes where a path walk cannot reach (2,200 folders deep: past
+    PATH_MAX) and nests one in another: removing its workspace removes them all (found by id in
+    the filesystem's root tree, deleted by id), and its quota group and space go with it
+    (found by a security review: `rm` failed with 'Directory not empty' and the space stayed)."""
+    from agentvm import workspace, wspool
+
+    src = ("import fcntl, os\n"
+           "def subvol(dfd, name):\n"
+           "    b = bytearray(4096); b[8:8 + len(name)] = name\n"
+           "    fcntl.ioctl(dfd, 0x5000940E, b)\n"  # BTRFS_IOC_SUBVOL_CREATE
+           "fd = os.open('/workspace', os.O_RDONLY)\n"
+           "for i in range(2200):\n"  # fd-relative: the path is 4,400 bytes, past PATH_MAX
+           "    os.mkdir('d', dir_fd=fd); nfd = os.open('d', os.O_RDONLY, dir_fd=fd); os.close(fd); fd = nfd\n"
+           "subvol(fd, b'deep')\n"
+           "inner = os.open('deep', os.O_RDONLY, dir_fd=fd)\n"
+           "subvol(inner, b'deeper')\n"
+           "subvol(os.open('/workspace', os.O_RDONLY), b'top')\n"
+           "with open(os.open('deeper/f', os.O_WRONLY | os.O_CREAT, 0o600, dir_fd=inner), 'wb') as f:\n"
+           "    f.write(os.urandom(4 << 20))\n"
+           "print('made', flush=True)\n")
+    out = tmp_path / "o"
+    r = _run(rt, _policy("wsq-deep", _py(src), disk="32M"), out)
+    assert r.exit_code == 0 and "made" in out.read_text(), out.read_text()
+    pool = wspool.Pool(rt.paths.workspaces, rt.paths.runtime)
+    with workspace.pool_open(rt.paths.workspaces, rt.paths.runtime) as p:
+        assert len(p._nested("wsq-deep")) == 3  # deep, deeper (inside deep) and top
+    assert workspace.remove_workspace(rt.paths.workspaces, "wsq-deep", runtime=rt.paths.runtime) >= 4 * M
+    assert not pool.exists()
+    _idle(pool)
+
+
+@needs_pool
 def test_admission_refuses_with_the_numbers_and_overcommit_admits(rt, monkeypatch):
     from agentvm import workspace, wspool
     from agentvm.errors import PolicyDenied
