@@ -49,6 +49,10 @@ KINDS = ("agents", "runs")
 TEXT_LIMIT = 1 << 20  # larger files are compared and listed, not shown as a unified diff
 OPAQUE_XATTRS = ("user.overlay.opaque", "trusted.overlay.opaque")
 TMP_PREFIX = ".agentvm-accept-"
+# reads of a layer never move its atime: a running agent that polls stat() of its own file
+# would otherwise see when the host reads it (and swap the content between two reads).
+# Root may (CAP_FOWNER); anyone else opening another uid's file would get EPERM.
+_NOATIME = getattr(os, "O_NOATIME", 0) if os.geteuid() == 0 else 0
 
 
 def _refuse(code: str, message: str, hint: str = "") -> AgentVMError:
@@ -311,12 +315,12 @@ def _open_dir(base_fd: int, rel: str, *, create: bool = False, mode: int = 0o755
             if part in (".", ".."):
                 raise OSError(errno.EINVAL, f"{part!r} in a path")
             try:
-                nfd = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+                nfd = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC | _NOATIME, dir_fd=fd)
             except FileNotFoundError:
                 if not create:
                     raise
                 os.mkdir(part, 0o700, dir_fd=fd)
-                nfd = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+                nfd = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC | _NOATIME, dir_fd=fd)
                 if owner is not None and os.geteuid() == 0:
                     os.fchown(nfd, *owner)
                 os.fchmod(nfd, mode)
@@ -361,7 +365,7 @@ def _host_path_is_linked(base_fd: int, rel: str) -> str | None:
                 return None
             if not stat.S_ISDIR(st.st_mode):
                 return "/".join(parts[:i + 1])
-            nfd = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+            nfd = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC | _NOATIME, dir_fd=fd)
             os.close(fd)
             fd = nfd
         return None
@@ -389,7 +393,7 @@ def _open_file_at(base_fd: int, rel: str) -> int | None:
     """A read fd of the regular file ``rel`` under ``base_fd`` (no link followed on the way or
     at the end; the type checked after the open), or None. The caller closes it."""
     fd = _in_parent(base_fd, rel, lambda dfd, name: os.open(
-        name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dfd))
+        name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | _NOATIME, dir_fd=dfd))
     if fd is None:
         return None
     try:
@@ -446,7 +450,7 @@ def _file_hash_at(base_fd: int, rel: str) -> str | None:
 
 def _opaque(dfd: int, name: str) -> bool:
     try:
-        fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
+        fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC | _NOATIME, dir_fd=dfd)
     except OSError:
         return False
     try:
@@ -622,7 +626,7 @@ def changes(layer: Path, grant: str, ginfo: dict, host_fd: int, applied=None) ->
     (links are then judged against the host with only those changes too)."""
     upper = layer / f"g{grant}" / "upper"
     try:
-        ufd = os.open(upper, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        ufd = os.open(upper, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC | _NOATIME)
     except FileNotFoundError:
         return []
     out: list[Change] = []
@@ -698,7 +702,7 @@ def _walk_entry(ufd: int, rel: str, name: str, grant: str, ginfo: dict, host_fd:
         elif stat.S_IMODE(st.st_mode) != stat.S_IMODE(hst.st_mode):
             c.action, c.old_mode, c.new_mode = "mode", stat.S_IMODE(hst.st_mode), _safe_mode(st.st_mode, True)
             out.append(_refuse_trusted(c, ginfo))
-        sub = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=ufd)
+        sub = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC | _NOATIME, dir_fd=ufd)
         try:
             _walk(sub, r, grant, ginfo, host_fd, out, opaque=op and hk == "dir")
         finally:
@@ -720,7 +724,7 @@ def _walk_entry(ufd: int, rel: str, name: str, grant: str, ginfo: dict, host_fd:
             c.notes.append("setuid/setgid bit dropped")
         if st.st_nlink > 1:
             c.notes.append(f"{st.st_nlink} links in the layer: applied as a copy")
-        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=ufd)
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | _NOATIME, dir_fd=ufd)
         try:
             if not stat.S_ISREG(os.fstat(fd).st_mode):
                 c.action, c.reason = "refuse", "changed type while read"
@@ -763,6 +767,7 @@ class Review:
     changes: list[Change]
     conflicts: dict[str, str]  # "grant:rel" -> why
     running: bool
+    changed_while_shown: list[str] = field(default_factory=list)  # "grant:rel" render() found rewritten
 
     @property
     def review_id(self) -> str:
@@ -897,7 +902,12 @@ def render(rv: Review, *, home_fd_cache: dict | None = None) -> str:
             lines.append(f"mode {shown}: {c.old_mode:04o} -> {c.new_mode:04o}{notes}{flag}")
             continue
         # add / modify: a unified diff when both sides are text
-        new = _layer_bytes(rv.layer, c)
+        new, same = _layer_bytes(rv.layer, c)
+        if not same:
+            rv.changed_while_shown.append(f"{c.grant}:{c.rel}")
+            lines.append(f"{'new file' if c.action == 'add' else 'modified'} {shown}: CHANGED WHILE SHOWN (the layer's "
+                         f"file is no longer the one hashed for the review id: not shown){flag}")
+            continue
         old = b""
         if c.action == "modify":
             try:
@@ -935,7 +945,11 @@ def render(rv: Review, *, home_fd_cache: dict | None = None) -> str:
                          f"layer's copy: {rv.layer}/g{c.grant}/upper/{c.rel})")
     if not rv.changes:
         lines.append("no changes")
-    lines.append(f"review id: {rv.review_id}" + (" (the sandbox is running: accept with --expect this id)" if rv.running else ""))
+    if rv.changed_while_shown:  # the id would bind content this diff did not show
+        lines.append(f"review id: withheld ({len(rv.changed_while_shown)} file(s) changed in the layer while this diff "
+                     f"read them: the sandbox is writing; look again, or stop it first: agentvm stop {rv.name})")
+    else:
+        lines.append(f"review id: {rv.review_id}" + (" (the sandbox is running: accept with --expect this id)" if rv.running else ""))
     # every line as plain text: a name or a line of the agent's cannot move the cursor, erase
     # or reorder what the reviewer sees (terminal escapes, CR, bidi overrides: shown escaped)
     return "\n".join(_visible(x) for x in lines) + "\n"
@@ -974,15 +988,36 @@ def _is_text(b: bytes | None) -> bool:
         return False
 
 
-def _layer_bytes(layer: Path, c: Change) -> bytes:
+def _layer_bytes(layer: Path, c: Change) -> tuple[bytes, bool]:
+    """The layer's file as shown, and whether it is the content ``c.content_hash`` (the review
+    id) binds: read once, through one fd, and hashed as read. A file the agent rewrote since
+    load() hashed it (a running sandbox) is reported changed, so a diff never shows one content
+    under the id of another. A file past TEXT_LIMIT is not shown (only its hash is)."""
     try:
-        ufd = os.open(layer / f"g{c.grant}" / "upper", os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        ufd = os.open(layer / f"g{c.grant}" / "upper", os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC | _NOATIME)
     except OSError:
-        return b""
+        return b"", False
     try:
-        return _read_file_at(ufd, c.rel, TEXT_LIMIT) or b""
+        fd = _open_file_at(ufd, c.rel)
     finally:
         os.close(ufd)
+    if fd is None:
+        return b"", False
+    try:
+        h = hashlib.sha256()
+        chunks, n = [], 0
+        while True:
+            b = os.read(fd, 1 << 20)
+            if not b:
+                break
+            h.update(b)
+            n += len(b)
+            if n > TEXT_LIMIT:
+                return b"".join(chunks) + b, True  # too large to show: what is shown is the hash
+            chunks.append(b)
+        return b"".join(chunks), h.hexdigest() == c.content_hash
+    finally:
+        os.close(fd)
 
 
 def to_json(rv: Review) -> dict:
@@ -1044,7 +1079,7 @@ def accept(home: Path, name: str, paths_filter: tuple[str, ...] = (), *, expect:
             ginfo = grants[g]
             hfd = host_fds[g] = open_host(ginfo)
             owner = tuple(ginfo.get("owner") or (os.fstat(hfd).st_uid, os.fstat(hfd).st_gid))
-            ufd = os.open(rv.layer / f"g{g}" / "upper", os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            ufd = os.open(rv.layer / f"g{g}" / "upper", os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC | _NOATIME)
             tmpdirs: dict[str, str] = {}
             try:
                 for c in cs:
@@ -1150,7 +1185,7 @@ def _stage(ufd: int, hfd: int, c: Change, owner: tuple, made: list, tmpdirs: dic
         lparent, _, lname = c.rel.rpartition("/")
         ldfd = _open_dir(ufd, lparent)
         try:
-            src = os.open(lname, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=ldfd)
+            src = os.open(lname, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | _NOATIME, dir_fd=ldfd)
         finally:
             os.close(ldfd)
         try:
@@ -1276,7 +1311,7 @@ def _after_accept(rv: Review, paths_filter: tuple[str, ...]) -> None:
                     _clear_dir(gd / "upper")
                     (gd / "baseline.json").unlink(missing_ok=True)
                     continue
-                ufd = os.open(gd / "upper", os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+                ufd = os.open(gd / "upper", os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC | _NOATIME)
                 try:
                     for c in mine:
                         if c.action in ("add", "modify", "mode", "symlink", "delete") and c.layer != "dir" \
