@@ -16,9 +16,11 @@ hyperlinks) and removes the rest:
   ``$ w``, ``$ u``, ``& u``, ``" v``, ``# |``, ``' |``; ``ESC Z`` (DECID); ENQ (0x05);
 * every DCS, SOS, PM and APC string (DECRQSS, XTGETTCAP, DECUDK, sixel, tmux pass-through,
   kitty graphics);
-* every OSC but an allow-list: 7 (working directory), 8 (hyperlink), 133 (prompt marks), and
-  the colour settings 4, 10-19, 104, 110-119 unless an item is ``?`` (a query). So OSC 52 and
-  the titles (OSC 0/1/2: a program in the sandbox does not name the operator's window) go;
+* every OSC but an allow-list: 8 (hyperlink), 133 (prompt marks), and the colour settings 4,
+  10-19, 104, 110-119 unless an item is ``?`` (a query). So OSC 52, the titles (OSC 0/1/2: a
+  program in the sandbox does not name the operator's window) and OSC 7 (the working directory:
+  many terminals open new tabs there, so the sandbox could steer the operator into a folder it
+  prepared, where a git-aware prompt runs its hooks) go;
 * the C1 controls in their UTF-8 form (U+0080-U+009F, ``c2 80``-``c2 9f``), which some
   terminals act on as 8-bit CSI/OSC/DCS, and every byte above ASCII that is not part of a
   well-formed UTF-8 sequence (a stray continuation byte such as a raw 8-bit ``9b``/``9d``,
@@ -79,7 +81,7 @@ def _utf8_lead(b: int) -> "tuple[int, int, int] | None":
 
 
 _CSI_SEEN: dict = {}
-_OSC_KEEP = {7, 8, 133, 4, 104, 105} | set(range(10, 20)) | set(range(110, 120))
+_OSC_KEEP = {8, 133, 4, 104, 105} | set(range(10, 20)) | set(range(110, 120))
 _OSC_COLOR = {4} | set(range(10, 20))
 
 

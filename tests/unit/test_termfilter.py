@@ -35,12 +35,14 @@ TABLE: list[tuple[bytes, bytes]] = [
     (E + b"[2 q" + E + b"[!p" + E + b"[>4;2m" + E + b"[3S", E + b"[2 q" + E + b"[!p" + E + b"[>4;2m" + E + b"[3S"),
     (E + b"]8;;https://example.test/a?b=c" + ST + b"link" + E + b"]8;;" + ST,
      E + b"]8;;https://example.test/a?b=c" + ST + b"link" + E + b"]8;;" + ST),
-    (E + b"]7;file://host/tmp\x07" + E + b"]133;A\x07", E + b"]7;file://host/tmp\x07" + E + b"]133;A\x07"),
+    (E + b"]133;A\x07", E + b"]133;A\x07"),
     (E + b"]12;#ff0000\x07" + E + b"]4;1;rgb:ff/00/00" + ST + E + b"]104\x07",
      E + b"]12;#ff0000\x07" + E + b"]4;1;rgb:ff/00/00" + ST + E + b"]104\x07"),
     (E + b"[" + b"1;" * 40 + b"m long" + E + b"[" + b"9;" * 40 + b"n", E + b"[" + b"1;" * 40 + b"m long"),
     (E + b"[31m" * 3 + E + b"[6n" + E + b"[32m" + b"\x05" + E + b"[c", E + b"[31m" * 3 + E + b"[32m"),
     # removed: the clipboard, titles, other OSCs
+    # the working directory (OSC 7): terminals open new tabs there (security review, 2026-11-28)
+    (b"a" + E + b"]7;file://host/root/project\x07b" + E + b"]7;file:///tmp" + ST + b"c", b"abc"),
     (b"a" + CLIP + b"b", b"ab"),
     (b"a" + E + b"]52;c;?" + ST + b"b", b"ab"),
     (b"a" + E + b"]0;pwned\x07b" + E + b"]2;title" + ST + b"c" + E + b"]1;icon\x07", b"abc"),

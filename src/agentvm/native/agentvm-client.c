@@ -316,12 +316,12 @@ static int tf_osc_keep(const unsigned char *p, size_t n) { /* between ESC ] and 
     unsigned num = 0;
     while (i < n && p[i] >= '0' && p[i] <= '9' && i < 5) num = num * 10 + (unsigned)(p[i++] - '0');
     if (i == 0 || (i < n && p[i] != ';')) return 0;
-    int keep = num == 7 || num == 8 || num == 133 || num == 4 || num == 104 || num == 105 ||
+    int keep = num == 8 || num == 133 || num == 4 || num == 104 || num == 105 ||
                (num >= 10 && num < 20) || (num >= 110 && num < 120);
     if (!keep) return 0;
     for (size_t k = 0; k < n; k++)
         if (p[k] < 0x20 || p[k] > 0x7e) return 0;
-    if (num == 7 || num == 8 || num == 133) return 1;
+    if (num == 8 || num == 133) return 1;
     /* a colour: no item may be "?" (a query) */
     size_t a = i;
     while (a < n) {
