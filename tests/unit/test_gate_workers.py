@@ -601,6 +601,17 @@ def test_a_spare_worker_is_taken_by_an_agents_first_sandbox_and_made_again(tmp_p
             assert b.worker is again[0] and b.worker is not a.worker
             started = [d for k, d in events if k == "gate.worker-started"]
             assert [d["tenant"] for d in started] == ["agent:a", "agent:b"] and all(d.get("spare") for d in started)
+            # before the daemon restarts its persistent sandboxes: a spare for each, at once; the
+            # ones left unclaimed are retired afterwards (one spare stays)
+            for _ in range(200):
+                if [w for w in pool.workers if w.alive and w.ready and w.tenant is None]:
+                    break
+                await asyncio.sleep(0.05)
+            await pool.prestart(3)
+            assert len([w for w in pool.workers if w.alive and w.ready and w.tenant is None]) == 3
+            await pool.trim_spares()
+            assert len([w for w in pool.workers if w.alive and not w.retired and w.tenant is None]) == 1
+            assert a.worker.alive and b.worker.alive
         finally:
             await pool.stop()
             up.close()

@@ -97,6 +97,15 @@ class ControlPlane(Events, Supervisor, StateControl, FleetOps, Commands):
         self._flush_task = asyncio.ensure_future(self._flusher())
         await self._open_gate()  # before recover(): it starts persistent sandboxes
         self.checkpoints  # its table made now, while there is room: stop and rm read it on a full disk
+        if self.workers is not None and self.workers.spare and self.resume:
+            # a spare per sandbox recover() restarts: none of them waits for a worker's start
+            n = sum(1 for r in self.state.all() if r.desired == "running"
+                    or r.state in ("running", "starting", "backoff", "paused"))
+            if n > 1:
+                await self.workers.prestart(n)
+                # (the spares left unclaimed once those starts are done: retired)
+                pool = self.workers
+                asyncio.get_running_loop().call_later(60, lambda: asyncio.ensure_future(pool.trim_spares()))
         await self.recover(resume=self.resume)
 
     async def _open_gate(self) -> None:
