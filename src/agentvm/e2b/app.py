@@ -106,6 +106,7 @@ class E2BService:
         self.creating = 0
         self.transfers: dict[str, int] = {}  # tenant -> files being read or uploaded (MAX_TRANSFERS_PER_TENANT)
         self.boxes: dict[str, Box] = {}
+        self.listing_gates: dict[str, asyncio.Semaphore] = {}  # tenant -> its listings at once (envd)
         self.record = audit or (lambda kind, **data: log.info("%s %s", kind, data))
         self._reaper: asyncio.Task | None = None
 
@@ -167,26 +168,16 @@ class E2BService:
         log.info("e2b: %d sandboxes kept from before", len(self.boxes))
     # -- lifecycle ---------------------------------------------------------------------------
     async def create(self, tenant: str, body: dict) -> Box:
-        template = body.get("templateID") or "base"
+        req = _create_request(body)  # wrong types: 400 before anything else
+        template = req["template"]
         tpl = tpls.get(template, self.home)
-        if tpl is None:
+        # another tenant's template is answered as one that does not exist (as its sandboxes are)
+        if tpl is None or not tpl.usable_by(tenant):
             raise AgentVMError(f"template {template!r} not found", hint="`agentvm template ls` lists them",
                                code="e2b.template-not-found")
-        timeout = body.get("timeout", DEFAULT_TIMEOUT)
-        if not isinstance(timeout, int) or not 0 < timeout <= MAX_TIMEOUT:
-            raise AgentVMError(f"timeout must be 1..{MAX_TIMEOUT} seconds", code="e2b.bad-request")
-        net = body.get("network") or {}
-        metadata = body.get("metadata") or {}
-        envs = body.get("envVars") or {}
-        if not all(isinstance(k, str) and isinstance(v, str) for d in (metadata, envs) for k, v in d.items()):
-            raise AgentVMError("metadata and envVars map strings to strings", code="e2b.bad-request")
-        for unsupported in ("volumeMounts", "iam", "mcp"):
-            if body.get(unsupported):
-                raise AgentVMError(f"{unsupported} is not supported by agent-vm's E2B API",
-                                   hint="see docs/e2b.md (not compatible)", code="e2b.bad-request")
-        opts = tpls.CreateOptions(template=template, allow_internet_access=body.get("allow_internet_access"),
-                                  allow_out=list(net.get("allowOut") or []), deny_out=list(net.get("denyOut") or []),
-                                  envs=envs)
+        timeout, metadata, envs = req["timeout"], req["metadata"], req["envs"]
+        opts = tpls.CreateOptions(template=template, allow_internet_access=req["allow_internet_access"],
+                                  allow_out=req["allow_out"], deny_out=req["deny_out"], envs=envs)
         sid = "i" + secrets.token_hex(10)
         name = f"e2b-{sid}"
         spec_text = tpls.sandbox_spec(tpl, name, opts)  # refusals raise here, before anything exists
@@ -202,7 +193,7 @@ class E2BService:
             from agentvm.e2b.ports import allowed_ports
 
             box = Box(sid, tenant, template, name, dict(metadata), {}, now, now + timeout,
-                      secrets.token_urlsafe(24), auto_pause=bool(body.get("autoPause")),
+                      secrets.token_urlsafe(24), auto_pause=req["auto_pause"],
                       ports=allowed_ports(tpl.ports), traffic_token=secrets.token_urlsafe(24), running_since=now)
             self.boxes[sid] = box  # counted against the tenant while it starts
             try:
@@ -275,6 +266,58 @@ class E2BService:
                 await self.kill(box, "shutdown")
             except Exception:  # noqa: BLE001
                 log.exception("e2b: removing %s failed", box.name)
+
+
+def _seconds(v) -> bool:
+    """A whole number of seconds as JSON gives it (``true`` is not 1)."""
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _create_request(body: dict) -> dict:
+    """E2B's create body (NewSandbox), its types checked: a wrong one is a 400 naming the field
+    (never a 500, never ``true`` taken as 1 s). Fields agent-vm does not read are ignored."""
+    def bad(msg: str) -> AgentVMError:
+        return AgentVMError(msg, code="e2b.bad-request")
+
+    def str_map(field: str) -> dict[str, str]:
+        v = body.get(field)
+        if v is None:
+            return {}
+        if not isinstance(v, dict) or not all(isinstance(k, str) and isinstance(x, str) for k, x in v.items()):
+            raise bad(f"{field} must be an object mapping strings to strings")
+        return dict(v)
+
+    def str_list(doc: dict, field: str) -> list[str]:
+        v = doc.get(field)
+        if v is None:
+            return []
+        if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
+            raise bad(f"network.{field} must be a list of strings")
+        return list(v)
+
+    template = body.get("templateID")
+    if template is None or template == "":
+        template = "base"
+    if not isinstance(template, str):
+        raise bad("templateID must be a string")
+    timeout = body.get("timeout", DEFAULT_TIMEOUT)
+    if not _seconds(timeout) or not 0 < timeout <= MAX_TIMEOUT:
+        raise bad(f"timeout must be a whole number of seconds, 1..{MAX_TIMEOUT}")
+    for flag in ("autoPause", "allow_internet_access", "secure"):
+        if body.get(flag) is not None and not isinstance(body.get(flag), bool):
+            raise bad(f"{flag} must be true or false")
+    net = body.get("network")
+    if net is None:
+        net = {}
+    if not isinstance(net, dict):
+        raise bad("network must be an object ({allowOut: [...], denyOut: [...]})")
+    for unsupported in ("volumeMounts", "iam", "mcp"):
+        if body.get(unsupported):
+            raise AgentVMError(f"{unsupported} is not supported by agent-vm's E2B API",
+                               hint="see docs/e2b.md (not compatible)", code="e2b.bad-request")
+    return {"template": template, "timeout": timeout, "metadata": str_map("metadata"), "envs": str_map("envVars"),
+            "allow_internet_access": body.get("allow_internet_access"), "auto_pause": body.get("autoPause") is True,
+            "allow_out": str_list(net, "allowOut"), "deny_out": str_list(net, "denyOut")}
 
 
 class _TooMany(Exception):
@@ -410,7 +453,7 @@ def _rest_routes(svc: E2BService):
     @one
     async def set_timeout(request, box):
         t = (await body_of(request)).get("timeout")
-        if not isinstance(t, int) or not 0 < t <= MAX_TIMEOUT:
+        if not _seconds(t) or not 0 < t <= MAX_TIMEOUT:
             return err(400, f"timeout must be 1..{MAX_TIMEOUT} seconds")
         svc.set_deadline(box, time.time() + t)
         svc.record("e2b.timeout", tenant=box.tenant, sandbox=box.name, timeout=t)
@@ -419,7 +462,7 @@ def _rest_routes(svc: E2BService):
     @one
     async def refresh(request, box):
         d = (await body_of(request)).get("duration", DEFAULT_TIMEOUT)
-        if not isinstance(d, int) or not 0 <= d <= 3600:
+        if not _seconds(d) or not 0 <= d <= 3600:
             return err(400, "duration must be 0..3600 seconds")
         svc.set_deadline(box, max(box.end_at, time.time() + d))
         return Response(status_code=204)
@@ -436,14 +479,14 @@ def _rest_routes(svc: E2BService):
         t = (await body_of(request)).get("timeout")
         if box.state != "paused":
             return err(409, f"sandbox {box.id} is not paused")
-        await svc.resume(box, t if isinstance(t, int) and 0 < t <= MAX_TIMEOUT else DEFAULT_TIMEOUT)
+        await svc.resume(box, t if _seconds(t) and 0 < t <= MAX_TIMEOUT else DEFAULT_TIMEOUT)
         return JSONResponse(_sandbox_doc(svc.handed_out(box), svc.domain), status_code=201)
 
     @one
     async def connect(request, box):
         t = (await body_of(request)).get("timeout")
         was = box.state
-        t = t if isinstance(t, int) and 0 < t <= MAX_TIMEOUT else None
+        t = t if _seconds(t) and 0 < t <= MAX_TIMEOUT else None
         await svc.resume(box, t)
         if t is not None:  # connect only ever extends
             svc.set_deadline(box, max(box.end_at, time.time() + t))

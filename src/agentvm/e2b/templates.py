@@ -1,6 +1,6 @@
 """E2B templates: agent files registered by name, and the narrowing of E2B's create options.
 
-``agentvm template add FILE [--name N] [--port P]`` stores a validated agent file under
+``agentvm template add FILE [--name N] [--port P] [--tenant T | --public]`` stores a validated agent file under
 ``<home>/templates/N.yaml`` (its ``--port`` list: the only ports ``get_host(port)`` reaches; a
 ``lifecycle: persistent`` template's command is started with each sandbox, E2B's start command); ``base`` is always there: the default anonymous policy (no egress,
 no credentials, no grants). An E2B ``create`` names a template; its options can only *narrow*
@@ -49,6 +49,14 @@ class Template:
     text: str
     ports: tuple[int, ...] = ()
     source: str = "<builtin>"
+    # who may create from it (docs/e2b.md "Templates and tenants"): one tenant, or every tenant
+    # (public); a template registered before templates had tenants and granting something
+    # (mounts, credentials, tools, egress) has neither until `agentvm template set` assigns it
+    tenant: str | None = None
+    public: bool = False
+
+    def usable_by(self, tenant: str) -> bool:
+        return self.public or (self.tenant is not None and self.tenant == tenant)
 
 
 @dataclass
@@ -74,7 +82,35 @@ def _load(text: str, filename: str):
     return load_agent_text(text, filename)
 
 
-def add(path: str | Path, name: str | None = None, ports: list[int] | None = None, home: Path | None = None) -> Template:
+DEFAULT_TENANT = "default"  # the tenant of the first API key (agentvm.e2b.api_keys)
+
+
+def _owner(tenant: str | None, public: bool, text: str | None = None) -> tuple[str | None, bool]:
+    """(tenant, public) as asked; neither asked (``text`` given): public when the template
+    grants nothing (:func:`grants_anything`), else the ``default`` tenant's."""
+    if public and tenant is not None:
+        raise ConfigError("a template is either one tenant's (--tenant T) or every tenant's (--public), not both")
+    if public:
+        return None, True
+    if tenant is None and text is not None and not grants_anything(text):
+        return None, True
+    tenant = DEFAULT_TENANT if tenant is None else tenant
+    if not isinstance(tenant, str) or not tenant or len(tenant) > 200 or any(c in tenant for c in "\x00\n\r"):
+        raise ConfigError(f"tenant {tenant!r} is not a tenant name", hint="`agentvm e2b key --tenant T` names them")
+    return tenant, False
+
+
+def _write_meta(d: Path, name: str, meta: dict) -> None:
+    tmp = d / f".{name}.json.tmp"
+    tmp.write_text(json.dumps(meta))
+    os.replace(tmp, d / f"{name}.json")
+
+
+def add(path: str | Path, name: str | None = None, ports: list[int] | None = None, home: Path | None = None, *,
+        tenant: str | None = None, public: bool = False) -> Template:
+    """Register ``path`` as template ``name`` for ``tenant``, or for every tenant (``public``):
+    only what holds nothing of one tenant's (no grants, no credentials by reference) should be
+    public. Neither given: public if it grants nothing, else tenant ``default``'s."""
     p = Path(path)
     text = p.read_text()
     loaded = _load(text, str(p))  # SpecError (file:line) when invalid
@@ -85,17 +121,48 @@ def add(path: str | Path, name: str | None = None, ports: list[int] | None = Non
     for port in ports or []:
         if not 1 <= port <= 65535:
             raise ConfigError(f"port {port} out of range 1-65535")
+    tenant, public = _owner(tenant, public, text)
     d = templates_dir(home)
     d.mkdir(parents=True, exist_ok=True)
     os.chmod(d, 0o700)
     (d / f"{name}.yaml").write_text(text)
-    (d / f"{name}.json").write_text(json.dumps({"ports": sorted(set(ports or [])), "source": str(p.resolve())}))
-    return Template(name, text, tuple(sorted(set(ports or []))), str(p.resolve()))
+    _write_meta(d, name, {"ports": sorted(set(ports or [])), "source": str(p.resolve()), "tenant": tenant,
+                          "public": public})
+    return Template(name, text, tuple(sorted(set(ports or []))), str(p.resolve()), tenant, public)
+
+
+def assign(name: str, home: Path | None = None, *, tenant: str | None = None, public: bool = False) -> Template:
+    """Give template ``name`` (already registered) to ``tenant``, or to every tenant (``public``)."""
+    tpl = get(name, home)
+    if tpl is None or name == "base":
+        raise ConfigError(f"template {name!r} not found" if tpl is None else "the built-in base template is public",
+                          hint="`agentvm template ls` lists them")
+    if tenant is None and not public:
+        raise ConfigError("say whose template it is: --tenant T, or --public for every tenant")
+    tenant, public = _owner(tenant, public)
+    d = templates_dir(home)
+    _write_meta(d, name, {"ports": list(tpl.ports), "source": tpl.source, "tenant": tenant, "public": public})
+    return get(name, home)
+
+
+def grants_anything(text: str, name: str = "?") -> bool:
+    """Whether an agent file gives a sandbox anything of someone's: host folders, credentials
+    (by reference), tool servers, egress, an image, environment values. Fails closed (True)
+    when it does not load."""
+    from agentvm.spec.loader import dump_resolved
+
+    try:
+        spec = dump_resolved(_load(text, f"<template {name}>")).get("spec") or {}
+    except Exception:  # noqa: BLE001 - fail closed
+        return True
+    egress = spec.get("egress") or {}
+    return bool(spec.get("mounts") or spec.get("credentials") or spec.get("tools") or egress.get("allow")
+                or spec.get("image") or spec.get("env"))
 
 
 def get(name: str, home: Path | None = None) -> Template | None:
     if name == "base":
-        return Template("base", BASE_TEXT)
+        return Template("base", BASE_TEXT, public=True)
     if not isinstance(name, str) or not NAME.fullmatch(name):
         return None
     d = templates_dir(home)
@@ -107,7 +174,15 @@ def get(name: str, home: Path | None = None) -> Template | None:
         meta = json.loads((d / f"{name}.json").read_text())
     except (OSError, ValueError):
         pass
-    return Template(name, y.read_text(), tuple(meta.get("ports", ())), meta.get("source", str(y)))
+    if not isinstance(meta, dict):
+        meta = {}
+    text = y.read_text()
+    if "tenant" in meta or "public" in meta:
+        tenant, public = meta.get("tenant"), meta.get("public") is True
+        tenant = tenant if isinstance(tenant, str) and not public else None
+    else:  # registered before templates had tenants: public only if it grants nothing
+        tenant, public = None, not grants_anything(text, name)
+    return Template(name, text, tuple(meta.get("ports", ())), meta.get("source", str(y)), tenant, public)
 
 
 def ls(home: Path | None = None) -> list[Template]:
