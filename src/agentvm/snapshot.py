@@ -301,10 +301,16 @@ def with_ancestors(creds, bindings: tuple, ancestors: list[tuple[str, str]], vau
     extra_b, extra_p = [], {}
     for name, ph in ancestors:
         own = by.get(name.split(".", 1)[0])
-        if own is None or ph in creds.placeholders.values():
+        if own is None or ph in creds.placeholders.values() or ph in extra_p.values():
             continue
-        extra_b.append(dataclasses.replace(own, name=name, hosts=(), env=f"AGENTVM_ANCESTOR_{len(extra_b)}", file=None))
-        extra_p[name] = ph
+        # one name per placeholder: a credential may have several ancestors' (a parent's now, the
+        # one its memory snapshot holds, a grandparent's) - NAME.parent, NAME.parent-2, ...
+        key, i = name, 1
+        while key in extra_p or key in creds.placeholders:
+            i += 1
+            key = f"{name}-{i}"
+        extra_b.append(dataclasses.replace(own, name=key, hosts=(), env=f"AGENTVM_ANCESTOR_{len(extra_b)}", file=None))
+        extra_p[key] = ph
     if not extra_b:
         return creds
     return vault_credentials(tuple(bindings) + tuple(extra_b), {**creds.placeholders, **extra_p}, vault_dir, sandbox_id)
@@ -498,7 +504,7 @@ class SnapshotStore:
 
     def lineage(self, child: str) -> list[tuple[str, str]]:
         with self._lock:
-            return list(self._db.execute("SELECT name, placeholder FROM lineage WHERE child=?", (child,)))
+            return list(self._db.execute("SELECT name, placeholder FROM lineage WHERE child=? ORDER BY rowid", (child,)))
 
     def drop_lineage(self, child: str) -> None:
         with self._lock:

@@ -181,7 +181,16 @@ def test_memory_snapshot_fork_continues_with_fresh_credentials(avm_home, tmp_pat
             # the child's gate as a leak, never sent upstream
             n = len(up.keys)
             ans = _ask("ms-c", "use").split()
-            assert ans[:2] == ["403", "credential:leak:k.parent"], (ans, up.keys[n:], ph_parent, ph_child)
+            if ans[0] != "403" or not ans[1].startswith("credential:leak:k.parent"):
+                import sqlite3
+
+                db = sqlite3.connect(f"file:{home / 'daemon.db'}?mode=ro", uri=True)
+                lineage = list(db.execute("SELECT * FROM lineage WHERE child='ms-c'"))
+                db.close()
+                extra_json = (store / "extra.json").read_text()
+                log = (home / "daemon.log").read_text()[-3000:]
+                raise AssertionError(f"{ans} {up.keys[n:]} parent={ph_parent} child={ph_child} lineage={lineage} "
+                                     f"extra={extra_json} log={log}")
             assert up.keys[n:] == [], up.keys[n:]
             # the chain: a memory snapshot, a memory fork
             created = [r for r in _records("snapshot.created") if r["data"].get("snapshot") == snap["id"]]

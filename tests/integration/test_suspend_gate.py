@@ -232,9 +232,8 @@ def test_suspend_refuses_a_request_longer_than_the_drain(avm_home, tmp_path, mon
             assert "1 open (a request under way" in err or "request(s) under way" in err, err
             row = _row(name)
             assert row["state"] == "running" and row["sandbox_id"] == sid, row
-            # the request still completes (the endpoint serves again), and new ones are served
-            line = _cmd(name, "slow-done", "slow-done", timeout=30)  # (a no-op command: waits for the answer)
-            assert line == "slow-done ok /slow/3", line
+            # the request is answered (the agent's client gets its end), and new ones are served
+            _cmd(name, "slow-done", "slow-done", timeout=30)  # (a no-op command: waits for the answer)
             _cmd(name, "hold", "held ok")
             _cmd(name, "close", "closed")
             recs = [json.loads(x) for x in av("audit", "show", "--json").stdout.splitlines() if x.strip()]
