@@ -99,7 +99,10 @@ def serve(listen, max_per_tenant, max_creating, domain):
     f.write_text(json.dumps({"url": url, "pid": os.getpid(), "domain": domain}))
     click.echo(f"E2B API on {url} (`agentvm e2b env` prints the environment)", err=True)
     try:
+        from agentvm.e2b.listener import guarded_protocol
+
         uvicorn.run(app, host=host.strip("[]"), port=port, log_level="warning", lifespan="on",
+                    http=guarded_protocol(),  # connections capped, heads due in time (docs/e2b.md)
                     ws_max_size=16 << 20, ws_max_queue=1)  # a WebSocket message, and messages held: bounded
     finally:
         try:

@@ -133,7 +133,11 @@ class E2BServer:
                 yield
 
         # a stop waits at most 5 s for open streams (a client following a process's output)
+        from agentvm.e2b.listener import guarded_protocol
+
+        # connections capped, heads due in time: local peers cannot hold the daemon's fds (docs/e2b.md)
         server = _InLoop(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on",
+                                        http=guarded_protocol(),
                                         ws_max_size=16 << 20, ws_max_queue=1,  # (bounded: docs/e2b.md)
                                         log_config=None, access_log=False, timeout_graceful_shutdown=5))
         task = asyncio.ensure_future(server.serve())

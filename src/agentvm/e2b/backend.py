@@ -34,6 +34,9 @@ WORKSPACE = "/workspace"  # where every agent-vm sandbox sees its workspace
 MAX_READ = 64 * 1024 * 1024  # the daemon's copy limit (daemon.files.MAX_FILE)
 # the most an adapter's own command (stat, find, head -c MAX_READ+1) may answer: past it, an error
 RUN_OUTPUT_LIMIT = MAX_READ + 4 * 1024 * 1024
+# one directory listing (files.list, and each poll of a watch): past either, an error (docs/e2b.md)
+MAX_LIST_ENTRIES = 20_000
+MAX_LIST_BYTES = 8 * 1024 * 1024
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
@@ -645,9 +648,18 @@ class DaemonBackend:
         st = await self.stat(name, path)
         if st.type != "dir":
             raise BackendFailure("not-dir", f"{path} is not a directory")
-        out = await self._check(name, ["find", path, "-mindepth", "1", "-maxdepth", str(max(1, depth)),
-                                       "-printf", _FIND_FMT])
-        return parse_find(out)
+        # bounded in the sandbox (the agent fills the directory): at most MAX_LIST_ENTRIES+1
+        # records and MAX_LIST_BYTES+1 bytes come back; parsed off the daemon's loop
+        _, out, err = await self._run(name, ["/bin/sh", "-c", 'find "$1" -mindepth 1 -maxdepth "$2" -printf "$3" | '
+                                             'head -z -n "$4" | head -c "$5"', "e2b-list", path, str(max(1, depth)),
+                                             _FIND_FMT, str(MAX_LIST_ENTRIES + 1), str(MAX_LIST_BYTES + 1)])
+        if out.count(b"\0") > MAX_LIST_ENTRIES or len(out) > MAX_LIST_BYTES:
+            raise BackendFailure("too-many", f"{path} holds more than {MAX_LIST_ENTRIES} entries (or {MAX_LIST_BYTES} "
+                                             "bytes of them) at that depth: list or watch a narrower directory")
+        if err.strip():  # find's own complaint (its exit status is lost in the pipe)
+            msg = err.decode(errors="replace").strip()
+            raise BackendFailure(_errkind(msg), msg)
+        return await asyncio.to_thread(parse_find, out)
 
     async def stat(self, name: str, path: str) -> Entry:
         out = await self._check(name, ["find", path, "-maxdepth", "0", "-printf", _FIND_FMT])

@@ -33,7 +33,8 @@ if TYPE_CHECKING:
 
 _CODES = {"not-found": Code.NOT_FOUND, "exists": Code.ALREADY_EXISTS, "permission": Code.PERMISSION_DENIED,
           "not-dir": Code.INVALID_ARGUMENT, "is-dir": Code.INVALID_ARGUMENT, "invalid": Code.INVALID_ARGUMENT,
-          "unsupported": Code.UNIMPLEMENTED, "gone": Code.UNAVAILABLE, "internal": Code.INTERNAL}
+          "unsupported": Code.UNIMPLEMENTED, "gone": Code.UNAVAILABLE, "internal": Code.INTERNAL,
+          "too-many": Code.RESOURCE_EXHAUSTED}
 
 
 def _fail(exc: BackendFailure) -> ConnectError:
@@ -94,6 +95,15 @@ SUBSCRIBER_EVENTS = 8
 MAX_SUBSCRIBERS = 8  # clients following one process at once
 MAX_PROCS = 32  # processes followed at once in one sandbox (running, starting, or ended with a client still reading)
 MAX_WATCH_STREAMS = 16  # watch_dir streams open at once in one sandbox (create_watcher has its own 16)
+MAX_WATCHERS = 16  # create_watcher watchers kept at once in one sandbox
+# Listings and watches (docs/e2b.md "Listings and watches"): the agent fills the directories, so
+# one listing is capped in the sandbox (backend.MAX_LIST_ENTRIES), parsed and diffed off the
+# loop, at most MAX_LISTINGS_PER_TENANT run at once per tenant (the others wait their turn), and
+# what the tenant's watchers keep between polls (a digest per path) is counted against
+# WATCH_BUDGET: past it the watch is refused (RESOURCE_EXHAUSTED).
+MAX_LISTINGS_PER_TENANT = 4
+WATCH_BUDGET = 32 * 1024 * 1024  # estimated bytes held by one tenant's watchers together
+ENTRY_COST = 120  # estimated bytes one watched path costs beyond its name (dict slot, digest)
 LAG_SECONDS = 30.0
 log = logging.getLogger("agentvm.e2b")
 
@@ -365,10 +375,20 @@ class FilesystemService:
         await self._do(self.svc.backend.move(box.name, src, dst))
         return fpb.MoveResponse(entry=_entry(await self._do(self.svc.backend.stat(box.name, dst))))
 
+    def _listing(self, tenant: str) -> asyncio.Semaphore:
+        gates = self.svc.listing_gates
+        if tenant not in gates:
+            gates[tenant] = asyncio.Semaphore(MAX_LISTINGS_PER_TENANT)
+        return gates[tenant]
+
+    async def _list(self, box, path: str, depth: int) -> list[Entry]:
+        async with self._listing(box.tenant):
+            return await self._do(self.svc.backend.list_dir(box.name, path, depth))
+
     async def list_dir(self, request, ctx):
         box = _box(self.svc, ctx)
-        got = await self._do(self.svc.backend.list_dir(box.name, _resolve(request.path), int(request.depth or 1)))
-        return fpb.ListDirResponse(entries=[_entry(e) for e in got])
+        got = await self._list(box, _resolve(request.path), int(request.depth or 1))
+        return fpb.ListDirResponse(entries=await asyncio.to_thread(lambda: [_entry(e) for e in got]))
 
     async def remove(self, request, ctx):
         box = _box(self.svc, ctx)
@@ -376,9 +396,23 @@ class FilesystemService:
         return fpb.RemoveResponse()
 
     # watches: polled listings (the sandbox's own view), diffed into events
-    async def _snapshot(self, box, path: str, recursive: bool) -> dict[str, tuple]:
-        got = await self._do(self.svc.backend.list_dir(box.name, path, 64 if recursive else 1))
-        return {e.path: (e.type, e.size, e.mtime) for e in got}
+    async def _snapshot(self, box, path: str, recursive: bool, key: str) -> dict[str, int]:
+        """What a watch keeps of ``path``: path -> a digest of (type, size, mtime), its low bit
+        set for a file; its estimated size is held as ``box.held[key]``, within WATCH_BUDGET
+        for the tenant's watches together."""
+        got = await self._list(box, path, 64 if recursive else 1)
+        snap, cost = await asyncio.to_thread(_compact, got)
+        del got
+        others = sum(c for b in list(self.svc.boxes.values()) if b.tenant == box.tenant
+                     for k, c in b.held.items() if not (b is box and k == key))
+        if others + cost > WATCH_BUDGET:
+            box.held.pop(key, None)
+            raise ConnectError(Code.RESOURCE_EXHAUSTED,
+                               f"watching {path} would hold ~{cost >> 10} KiB; this tenant's watches hold "
+                               f"~{others >> 10} KiB of at most {WATCH_BUDGET >> 20} MiB: stop a watch, or watch a "
+                               "narrower directory")
+        box.held[key] = cost
+        return snap
 
     @staticmethod
     def _diff(old: dict, new: dict, root: str) -> list[fpb.FilesystemEvent]:
@@ -390,7 +424,7 @@ class FilesystemService:
         for p in old.keys() - new.keys():
             out.append(fpb.FilesystemEvent(name=posixpath.relpath(p, root), type=fpb.EventType.REMOVE))
         for p in new.keys() & old.keys():
-            if new[p] != old[p] and new[p][0] == "file":
+            if new[p] != old[p] and new[p] & 1:
                 out.append(fpb.FilesystemEvent(name=posixpath.relpath(p, root), type=fpb.EventType.WRITE))
         return out
 
@@ -401,14 +435,17 @@ class FilesystemService:
             raise ConnectError(Code.RESOURCE_EXHAUSTED, f"at most {MAX_WATCH_STREAMS} watch_dir streams per sandbox; "
                                                         "stop one first")
         box.watch_streams += 1
+        import secrets
+
+        key = "stream-" + secrets.token_hex(8)
         try:
-            snap = await self._snapshot(box, path, bool(request.recursive))
+            snap = await self._snapshot(box, path, bool(request.recursive), key)
             yield fpb.WatchDirResponse(event=Oneof("start", fpb.WatchDirResponse.StartEvent()))
             last = time.monotonic()
             while box.state == "running" and box.id in self.svc.boxes:
                 await asyncio.sleep(0.5)
-                new = await self._snapshot(box, path, bool(request.recursive))
-                for ev in self._diff(snap, new, path):
+                new = await self._snapshot(box, path, bool(request.recursive), key)
+                for ev in await asyncio.to_thread(self._diff, snap, new, path):
                     yield fpb.WatchDirResponse(event=Oneof("filesystem", ev))
                     last = time.monotonic()
                 snap = new
@@ -417,17 +454,21 @@ class FilesystemService:
                     last = time.monotonic()
         finally:
             box.watch_streams -= 1
+            box.held.pop(key, None)
 
     async def create_watcher(self, request, ctx):
         import secrets
 
         box = _box(self.svc, ctx)
         path = _resolve(request.path)
-        if len(box.watchers) >= 16:
-            raise ConnectError(Code.RESOURCE_EXHAUSTED, "at most 16 watchers per sandbox")
+        if len(box.watchers) >= MAX_WATCHERS:
+            raise ConnectError(Code.RESOURCE_EXHAUSTED, f"at most {MAX_WATCHERS} watchers per sandbox")
         wid = secrets.token_hex(8)
-        box.watchers[wid] = {"path": path, "recursive": bool(request.recursive),
-                             "snap": await self._snapshot(box, path, bool(request.recursive))}
+        snap = await self._snapshot(box, path, bool(request.recursive), wid)
+        if len(box.watchers) >= MAX_WATCHERS:  # others were made while this one listed
+            box.held.pop(wid, None)
+            raise ConnectError(Code.RESOURCE_EXHAUSTED, f"at most {MAX_WATCHERS} watchers per sandbox")
+        box.watchers[wid] = {"path": path, "recursive": bool(request.recursive), "snap": snap}
         return fpb.CreateWatcherResponse(watcher_id=wid)
 
     async def get_watcher_events(self, request, ctx):
@@ -435,15 +476,32 @@ class FilesystemService:
         w = box.watchers.get(request.watcher_id)
         if w is None:
             raise ConnectError(Code.NOT_FOUND, "watcher not found")
-        new = await self._snapshot(box, w["path"], w["recursive"])
-        events = self._diff(w["snap"], new, w["path"])
+        try:
+            new = await self._snapshot(box, w["path"], w["recursive"], request.watcher_id)
+        except ConnectError as exc:
+            if exc.code == Code.RESOURCE_EXHAUSTED:  # past a cap: the watcher cannot go on
+                box.watchers.pop(request.watcher_id, None)
+                box.held.pop(request.watcher_id, None)
+            raise
+        events = await asyncio.to_thread(self._diff, w["snap"], new, w["path"])
         w["snap"] = new
         return fpb.GetWatcherEventsResponse(events=events)
 
     async def remove_watcher(self, request, ctx):
         box = _box(self.svc, ctx)
         box.watchers.pop(request.watcher_id, None)
+        box.held.pop(request.watcher_id, None)
         return fpb.RemoveWatcherResponse()
+
+
+def _compact(entries: list[Entry]) -> tuple[dict[str, int], int]:
+    """A watch's snapshot (path -> digest, low bit: a file) and its estimated size in bytes."""
+    snap: dict[str, int] = {}
+    cost = 0
+    for e in entries:
+        snap[e.path] = ((hash((e.type, e.size, e.mtime)) & ((1 << 60) - 1)) << 1) | (e.type == "file")
+        cost += len(e.path) + ENTRY_COST
+    return snap, cost
 
 
 def connect_apps(svc: "E2BService") -> dict:

@@ -62,6 +62,7 @@ class Box:
     watchers: dict[str, dict] = field(default_factory=dict)
     starting: int = 0  # Starts between their check of MAX_PROCS and their process's entry in procs
     watch_streams: int = 0  # watch_dir streams open (envd.MAX_WATCH_STREAMS)
+    held: dict[str, int] = field(default_factory=dict)  # watcher/stream -> bytes its snapshot holds (envd.WATCH_BUDGET)
     ports: tuple[int, ...] = ()  # the template's ports: the only ones get_host(port) reaches (ports.py)
     traffic_token: str = ""  # E2B-Traffic-Access-Token for those ports
     running_since: float = 0.0
