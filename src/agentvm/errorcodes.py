@@ -197,6 +197,8 @@ _TABLE: list[tuple[str, int, int, str]] = [
     ("config.otlp-endpoint", 400, CONFIG, "not an OTLP/HTTP endpoint URL"),
     ("config.otlp-sample", 400, CONFIG, "not a sampling ratio"),
     ("sshsig.no-ssh-keygen", 400, CONFIG, "ssh-keygen is needed to verify signatures"),
+    ("files.too-deep", 403, POLICY, "a folder nested deeper than a copy walks: copy a deeper folder on its own"),
+    ("snapshot.too-deep", 413, CONFIG, "the workspace holds folders nested deeper than a snapshot walks"),
 ]
 
 CODES: dict[str, Code] = {c: Code(c, s, e, m) for c, s, e, m in _TABLE}

@@ -265,6 +265,7 @@ def _not_found(rel: str):
 # opened with O_NOFOLLOW beneath the workspace), so an archive cannot reach out of it either.
 
 MAX_MEMBERS = 100_000
+MAX_DEPTH = 512  # folder levels a cp-out walks (one open fd each)
 
 
 def write_tree_beneath(root: Path, rel: str, tar_bytes, uid: int | None) -> dict:
@@ -323,9 +324,11 @@ def read_tree_beneath(root: Path, rel: str) -> tuple[bytes, dict]:
 
 def tar_tree_beneath(root: Path, rel: str, out, limit: int) -> dict:
     """Write the folder ``rel`` of the workspace as a tar stream to the binary file ``out``
-    (a staged download), each file copied COPY_CHUNK at a time; at most ``limit`` bytes of
-    content (over it: files.too-large, with the numbers). Returns ``{"files", "dirs", "bytes",
-    "skipped"}``."""
+    (a staged download), each file copied COPY_CHUNK at a time. The tar itself - headers (pax
+    ones for long names), padding and the end blocks too, not just the files' content - stays
+    within ``limit`` bytes, with at most MAX_MEMBERS members (over either: files.too-large,
+    with the numbers), and folders at most MAX_DEPTH deep (files.too-deep). Returns
+    ``{"files", "dirs", "bytes", "skipped"}`` (``bytes``: the files' content)."""
     import stat as _st
     import tarfile
 
@@ -335,57 +338,92 @@ def tar_tree_beneath(root: Path, rel: str, out, limit: int) -> dict:
     except FileNotFoundError:
         raise _not_found(rel) from None
     counts = {"files": 0, "dirs": 0, "bytes": 0, "skipped": 0}
+
+    def too_large(why: str) -> PolicyDenied:
+        return PolicyDenied(f"{rel!r} {why}", code="files.too-large",
+                            hint="free space on the daemon's state disk, or copy the folder in parts")
+
     with tarfile.open(fileobj=out, mode="w:", format=tarfile.PAX_FORMAT, copybufsize=COPY_CHUNK) as tf:
-        def walk(dfd: int, prefix: str) -> None:
-            for name in sorted(os.listdir(dfd)):
-                st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+        def room_for(ti: tarfile.TarInfo, arc: str) -> None:
+            """Refuse before a member that would take the tar past ``limit`` or MAX_MEMBERS."""
+            if counts["files"] + counts["dirs"] >= MAX_MEMBERS:
+                raise too_large(f"holds over {MAX_MEMBERS} entries, the most one copy takes")
+            head = len(ti.tobuf(tf.format, tf.encoding, tf.errors))
+            body = -(-ti.size // tarfile.BLOCKSIZE) * tarfile.BLOCKSIZE
+            end = tf.offset + head + body + 2 * tarfile.BLOCKSIZE  # the tar were it the last member:
+            end = -(-end // tarfile.RECORDSIZE) * tarfile.RECORDSIZE  # its end blocks, padded to a record
+            if end > limit:
+                raise too_large(f"makes a tar of over {limit} bytes, the most this copy may take ({tf.offset} "
+                                f"bytes of tar before {arc!r}; {counts['files']} files of {counts['bytes']} "
+                                f"content bytes, {counts['dirs']} folders)")
+
+        def add_file(dfd: int, name: str, arc: str) -> None:
+            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=dfd)
+            try:
+                fst = os.fstat(fd)
+                if not _st.S_ISREG(fst.st_mode):
+                    counts["skipped"] += 1
+                    return
+                ti = tarfile.TarInfo(arc)
+                ti.size, ti.mode, ti.mtime = fst.st_size, _st.S_IMODE(fst.st_mode) & 0o777, int(fst.st_mtime)
+                room_for(ti, arc)
+                with os.fdopen(os.dup(fd), "rb", buffering=0) as fh:
+                    try:
+                        tf.addfile(ti, fh)  # exactly ti.size bytes
+                    except OSError as exc:
+                        if "unexpected end of data" not in str(exc):
+                            raise
+                        from agentvm.errors import BackendError
+
+                        raise BackendError(f"{arc!r} shrank while it was copied: nothing usable was sent",
+                                           hint="copy it again once the agent has stopped writing it",
+                                           code="backend.error") from None
+                counts["files"] += 1
+                counts["bytes"] += fst.st_size
+            finally:
+                os.close(fd)
+
+        # depth-first, names sorted, a folder's header before its entries; iterative (one open
+        # fd per level, no Python frame per level): a deep folder is a clear refusal
+        stack: list[tuple[int, str, list[str]]] = [(top, "", [])]
+        try:
+            stack[0] = (top, "", sorted(os.listdir(top), reverse=True))
+            while stack:
+                dfd, prefix, names = stack[-1]
+                if not names:
+                    os.close(dfd)
+                    stack.pop()
+                    continue
+                name = names.pop()  # (sorted backwards: the first name last)
+                try:
+                    st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+                except FileNotFoundError:
+                    continue  # gone while we walked (the agent may be running)
                 arc = f"{prefix}/{name}" if prefix else name
                 if _st.S_ISDIR(st.st_mode):
+                    if len(stack) >= MAX_DEPTH:
+                        raise PolicyDenied(f"{rel!r} holds folders nested over {MAX_DEPTH} deep ({arc[:200]!r}...): "
+                                           "more than a copy walks", code="files.too-deep",
+                                           hint="copy a deeper folder on its own (agentvm cp NAME:PATH/DEEPER DST)")
                     ti = tarfile.TarInfo(arc)
                     ti.type, ti.mode, ti.mtime = tarfile.DIRTYPE, _st.S_IMODE(st.st_mode) & 0o777, int(st.st_mtime)
+                    room_for(ti, arc)
                     tf.addfile(ti)
                     counts["dirs"] += 1
                     sub = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
                     try:
-                        walk(sub, arc)
-                    finally:
+                        subnames = sorted(os.listdir(sub), reverse=True)
+                    except BaseException:
                         os.close(sub)
+                        raise
+                    stack.append((sub, arc, subnames))
                 elif _st.S_ISREG(st.st_mode):
-                    fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=dfd)
-                    try:
-                        fst = os.fstat(fd)
-                        if not _st.S_ISREG(fst.st_mode):
-                            counts["skipped"] += 1
-                            continue
-                        if counts["bytes"] + fst.st_size > limit:
-                            raise PolicyDenied(f"{rel!r} holds over {limit} bytes, the most this copy may take "
-                                               f"({counts['bytes']} copied before {arc!r} of {fst.st_size})",
-                                               code="files.too-large",
-                                               hint="free space on the daemon's state disk, or copy the folder in parts")
-                        ti = tarfile.TarInfo(arc)
-                        ti.size, ti.mode, ti.mtime = fst.st_size, _st.S_IMODE(fst.st_mode) & 0o777, int(fst.st_mtime)
-                        with os.fdopen(os.dup(fd), "rb", buffering=0) as fh:
-                            try:
-                                tf.addfile(ti, fh)  # exactly ti.size bytes
-                            except OSError as exc:
-                                if "unexpected end of data" not in str(exc):
-                                    raise
-                                from agentvm.errors import BackendError
-
-                                raise BackendError(f"{arc!r} shrank while it was copied: nothing usable was sent",
-                                                   hint="copy it again once the agent has stopped writing it",
-                                                   code="backend.error") from None
-                        counts["files"] += 1
-                        counts["bytes"] += fst.st_size
-                    finally:
-                        os.close(fd)
+                    add_file(dfd, name, arc)
                 else:  # a symlink, FIFO, socket or device: left out, never followed
                     counts["skipped"] += 1
-
-        try:
-            walk(top, "")
         finally:
-            os.close(top)
+            for dfd, _, _ in stack:
+                os.close(dfd)
     return counts
 
 
