@@ -219,3 +219,12 @@ def test_the_unconfined_gate_is_an_audited_opt_in(fresh_home, tmp_path, upstream
     # the default again: doctor warns of nothing about the gate (no daemon, or a contained one)
     doc = json.loads(av("doctor", "--json", "--no-smoke", check=False).stdout)
     assert not any("not contained" in w for w in doc["warnings"]), doc["warnings"]
+    # --unconfined-gate: the same opt-in, recorded again (each start of such a daemon)
+    with daemon_up(fresh_home, "--unconfined-gate") as home:
+        alerts = [r for r in audit() if r["kind"] == "gate.unconfined"]
+        assert len(alerts) == 2 and alerts[-1]["data"]["pid"] == int((Path(home) / "run" / "daemon.pid").read_text())
+    with daemon_up(fresh_home):
+        assert len([r for r in audit() if r["kind"] == "gate.unconfined"]) == 2, "the default is not an opt-in"
+        doc = json.loads(av("doctor", "--json", "--no-smoke", check=False).stdout)
+        gate = next(p for p in doc["extras"] if p["name"] == "gate-contained")
+        assert gate["ok"] and "per-agent" in gate["detail"], gate
