@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 _CODES = {"not-found": Code.NOT_FOUND, "exists": Code.ALREADY_EXISTS, "permission": Code.PERMISSION_DENIED,
           "not-dir": Code.INVALID_ARGUMENT, "is-dir": Code.INVALID_ARGUMENT, "invalid": Code.INVALID_ARGUMENT,
           "unsupported": Code.UNIMPLEMENTED, "gone": Code.UNAVAILABLE, "internal": Code.INTERNAL,
-          "too-many": Code.RESOURCE_EXHAUSTED}
+          "too-many": Code.FAILED_PRECONDITION}  # a directory past MAX_LIST_ENTRIES: no retry will help
 
 
 def _fail(exc: BackendFailure) -> ConnectError:
