@@ -39,6 +39,16 @@ def connection_limit(limit: int = MAX_CONNECTIONS) -> int:
     return limit
 
 
+def _live(connections) -> int:
+    """Connections not already being closed (an evicted one stays in uvicorn's set until its
+    connection_lost runs, later in the same loop pass as a burst of accepts)."""
+    n = 0
+    for c in connections:
+        t = getattr(c, "transport", None)
+        n += t is None or not t.is_closing()
+    return n
+
+
 def _base():
     try:  # what uvicorn's http="auto" would choose
         import httptools  # noqa: F401
@@ -65,7 +75,7 @@ def guarded_protocol(limit: int | None = None, head_timeout: float = HEAD_TIMEOU
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
             self._waiting_since = time.monotonic()
-            if len(self.connections) > limit and not self._evict_one():
+            if len(self.connections) > limit and _live(self.connections) > limit and not self._evict_one():
                 stats["refused"] += 1
                 transport.abort()  # connection_lost follows and forgets it
                 return
@@ -74,7 +84,7 @@ def guarded_protocol(limit: int | None = None, head_timeout: float = HEAD_TIMEOU
         def _evict_one(self) -> bool:
             oldest = None
             for c in self.connections:
-                if c is not self and isinstance(c, Guarded) and c._waiting() and \
+                if c is not self and isinstance(c, Guarded) and c._waiting() and not c.transport.is_closing() and \
                         (oldest is None or c._waiting_since < oldest._waiting_since):
                     oldest = c
             if oldest is None:
