@@ -245,6 +245,8 @@ def test_the_process_serving_the_sandbox_is_unprivileged_and_confined(env):
         environ = Path(f"/proc/{pid}/environ").read_bytes()
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
         run_environ = Path(f"/proc/{p.pid}/environ").read_bytes()
+        fds = {int(f): os.readlink(f"/proc/{pid}/fd/{f}") for f in os.listdir(f"/proc/{pid}/fd")}
+        run_fds = set(os.readlink(f"/proc/{p.pid}/fd/{f}") for f in os.listdir(f"/proc/{p.pid}/fd"))
     finally:
         res, out, err = _finish(p)
     assert res["exit_code"] == 0, (out, err)
@@ -259,6 +261,12 @@ def test_the_process_serving_the_sandbox_is_unprivileged_and_confined(env):
     assert OPERATOR_TOKEN.encode() in run_environ
     assert OPERATOR_TOKEN.encode() not in environ and OPERATOR_VAR.encode() not in environ, environ[:300]
     assert b"EVAL" not in cmdline and cmdline.startswith(b"agentvm-gate-worker"), cmdline[:200]
+    # and none of the run's descriptors but its stderr (its log lines): not the run's stdout, not
+    # the audit chain, not the state db
+    assert fds[0] == "/dev/null" and fds[1] == "/dev/null", fds
+    shared = {t for t in fds.values() if not t.startswith(("socket:", "anon_inode:", "pipe:"))} & run_fds
+    assert shared <= {"/dev/null", fds[2]}, shared
+    assert not any(t.endswith((".db", "audit.db", "state.db")) for t in fds.values()), fds
     # from inside (code run in the gate process by the sandbox's own bytes): the same process
     ans = _eval_answer(out, "EVAL")
     assert ans["pid"] == pid, (ans, pid)

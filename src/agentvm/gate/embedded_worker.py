@@ -206,6 +206,19 @@ def _child(parent: int, go_r: int, chan: int, fds: int, preload: bool = False) -
     _scrub_environment()
     if os.getppid() != parent:
         return 0
+    # nothing of the run's descriptors stays open here (a copy of a pipe's write end would keep
+    # its reader - the sandbox's stdin, the caller of the run - from ever seeing its end)
+    keep = {0, 1, 2, go_r, chan, fds}
+    try:
+        for name in os.listdir("/proc/self/fd"):
+            if int(name) not in keep:
+                try:
+                    os.close(int(name))
+                except OSError:
+                    pass
+    except OSError:
+        for lo, hi in zip(sorted(keep), sorted(keep)[1:] + [os.sysconf("SC_OPEN_MAX")]):
+            os.closerange(lo + 1, hi)
     null = os.open("/dev/null", os.O_RDWR)
     os.dup2(null, 0)
     os.dup2(null, 1)  # (stderr stays: the worker's log lines)
