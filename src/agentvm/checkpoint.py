@@ -40,9 +40,11 @@ CREATE TABLE IF NOT EXISTS checkpoints (
     binding TEXT NOT NULL,
     dir TEXT NOT NULL,
     bytes INTEGER NOT NULL,
-    created REAL NOT NULL
+    created REAL NOT NULL,
+    placeholders TEXT NOT NULL DEFAULT '{}'  -- the session's credential placeholders (JSON), which its memory holds
 );
 """
+COLUMNS = "name, sandbox_id, substrate, policy_digest, image_digest, binding, dir, bytes, created, placeholders"
 
 
 def root(home: Path) -> Path:
@@ -110,9 +112,21 @@ class Checkpoint:
     dir: str
     bytes: int
     created: float
+    # {credential: placeholder} of the session checkpointed: its processes hold these, so a
+    # resume must bind the same ones (agentvm.sessioncreds), or their requests go out unswapped
+    placeholders: str = "{}"
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
+
+    def placeholder_map(self) -> dict[str, str]:
+        import json
+
+        try:
+            d = json.loads(self.placeholders or "{}")
+        except ValueError:
+            return {}
+        return {str(k): str(v) for k, v in d.items()} if isinstance(d, dict) else {}
 
 
 class CheckpointStore:
@@ -123,21 +137,26 @@ class CheckpointStore:
         self._db = sqlite3.connect(str(db), check_same_thread=False, timeout=5.0, isolation_level=None)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.executescript(_SCHEMA)
+        if "placeholders" not in {r[1] for r in self._db.execute("PRAGMA table_info(checkpoints)")}:
+            try:  # (a database from before)
+                self._db.execute("ALTER TABLE checkpoints ADD COLUMN placeholders TEXT NOT NULL DEFAULT '{}'")
+            except sqlite3.OperationalError:  # (added by another process meanwhile)
+                pass
 
     def put(self, cp: Checkpoint) -> None:
         with self._lock:
-            self._db.execute("INSERT OR REPLACE INTO checkpoints VALUES (?,?,?,?,?,?,?,?,?)",
+            self._db.execute(f"INSERT OR REPLACE INTO checkpoints ({COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?)",
                              (cp.name, cp.sandbox_id, cp.substrate, cp.policy_digest, cp.image_digest, cp.binding,
-                              cp.dir, cp.bytes, cp.created))
+                              cp.dir, cp.bytes, cp.created, cp.placeholders))
 
     def get(self, name: str) -> Checkpoint | None:
         with self._lock:
-            r = self._db.execute("SELECT * FROM checkpoints WHERE name=?", (name,)).fetchone()
+            r = self._db.execute(f"SELECT {COLUMNS} FROM checkpoints WHERE name=?", (name,)).fetchone()
         return Checkpoint(*r) if r else None
 
     def all(self) -> list[Checkpoint]:
         with self._lock:
-            return [Checkpoint(*r) for r in self._db.execute("SELECT * FROM checkpoints ORDER BY name")]
+            return [Checkpoint(*r) for r in self._db.execute(f"SELECT {COLUMNS} FROM checkpoints ORDER BY name")]
 
     def drop(self, name: str) -> None:
         """Forget ``name``'s checkpoint and remove its files."""

@@ -210,7 +210,7 @@ def test_suspend_drains_a_request_under_way_then_checkpoints(avm_home, tmp_path)
             # the request finished before the checkpoint: its answer reached the agent
             assert any(ln == "slow-done ok /slow/3" for ln in _out(name)), _out(name)
             recs = [json.loads(x) for x in av("audit", "show", "--json").stdout.splitlines() if x.strip()]
-            assert any(x["kind"] == "lifecycle.suspended" for x in recs)
+            assert any(x["kind"] == "lifecycle.suspended" and x.get("sandbox") == name for x in recs)
         finally:
             av("rm", name, check=False)
             up.close()
@@ -237,7 +237,8 @@ def test_suspend_refuses_a_request_longer_than_the_drain(avm_home, tmp_path, mon
             _cmd(name, "hold", "held ok")
             _cmd(name, "close", "closed")
             recs = [json.loads(x) for x in av("audit", "show", "--json").stdout.splitlines() if x.strip()]
-            assert not any(x["kind"] == "lifecycle.suspended" for x in recs)
+            assert not any(x["kind"] == "lifecycle.suspended" and x.get("sandbox") == name for x in recs)
+            assert any(x["kind"] == "lifecycle.suspend-refused" and x.get("sandbox") == name for x in recs)
         finally:
             av("rm", name, check=False)
             up.close()

@@ -110,6 +110,9 @@ class StateControl:
         digest = await asyncio.to_thread(lambda: self.effective_policy(self.state.get(name)).digest())
         sid, substrate = s.sandbox_id, s.plan.substrate
         ep = m.endpoint
+        creds = s.res.creds  # (its processes hold these placeholders: kept with the checkpoint)
+        held_placeholders = {b.name: creds.placeholders[b.name] for b in getattr(s.policy, "credentials", ())
+                             if creds is not None and b.name in creds.placeholders}
         quiesced = ep is not None and hasattr(ep, "quiesce")
         t0 = time.monotonic()
         if quiesced:
@@ -146,6 +149,10 @@ class StateControl:
         if m.task is not None:
             await asyncio.gather(m.task, return_exceptions=True)  # the teardown frees the rest
         cp = await asyncio.to_thread(checkpoint.seal, name, sid, substrate, digest, image)
+        if held_placeholders:
+            import json
+
+            cp.placeholders = json.dumps(held_placeholders)
         self.checkpoints.put(cp)
         cp.seconds = round(time.monotonic() - t0, 3)
         self.record("lifecycle.suspended", actor=actor, sandbox=name, sandbox_id=sid, binding=cp.binding,
