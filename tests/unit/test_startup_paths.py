@@ -7,7 +7,7 @@
   from a regular file of this user (or root) that no one else may write: anything else is
   compiled again;
 - the cgroup warm-up (bwrap.MigrationWarmup) moves no task anywhere new: this process stays
-  in its cgroups, the warm-up thread ends;
+  in its cgroups, the warm-up thread ends, one thread serves every run prepared at once;
 - the plain form `run -- CMD` is read as argparse reads it.
 """
 
@@ -102,14 +102,15 @@ def test_the_cgroup_warmup_moves_nothing():
     assert d is not None, "this machine has cgroups (HOST-FACTS): the warm-up must find ours"
     assert str(os.getpid()).encode() in Path(d, "cgroup.procs").read_bytes().split()
     tasks = set(os.listdir("/proc/self/task"))
-    w = bwrap.MigrationWarmup()
+    release = bwrap.warm_launch()
+    w = bwrap._WARM[0]
     time.sleep(0.05)  # several rounds of the no-op move
     for t in os.listdir("/proc/self/task"):  # every thread of ours (the warm-up's too), where the process is
         try:
             assert Path(f"/proc/self/task/{t}/cgroup").read_text() == before
         except FileNotFoundError:
             pass
-    w.stop()
+    release()
     assert w.done.wait(5)
     assert Path("/proc/self/cgroup").read_text() == before
     deadline = time.monotonic() + 5
@@ -119,12 +120,33 @@ def test_the_cgroup_warmup_moves_nothing():
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="moving a task between cgroups needs root")
-def test_a_warmup_never_stopped_ends_by_itself(monkeypatch):
+def test_runs_prepared_at_once_share_one_warmup_until_the_last_lets_go():
+    from agentvm.backends import bwrap
+
+    tasks = set(os.listdir("/proc/self/task"))
+    releases = [bwrap.warm_launch() for _ in range(20)]  # a daemon preparing 20 runs at once
+    w = bwrap._WARM[0]
+    time.sleep(0.02)
+    assert len(set(os.listdir("/proc/self/task")) - tasks) == 1  # one thread, not 20
+    for r in releases[:-1]:
+        r()
+        r()  # (idempotent: a second call lets go of nothing more)
+    assert not w.done.wait(0.05)  # one holder left: still warm
+    releases[-1]()
+    assert w.done.wait(5)
+    r = bwrap.warm_launch()  # the next run starts a new one
+    assert bwrap._WARM[0] is not w
+    r()
+    assert bwrap._WARM[0].done.wait(5)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="moving a task between cgroups needs root")
+def test_a_warmup_never_let_go_ends_by_itself(monkeypatch):
     from agentvm.backends import bwrap
 
     monkeypatch.setattr(bwrap, "WARM_MAX", 0.05)
-    w = bwrap.MigrationWarmup()
-    assert w.done.wait(5)
+    bwrap.warm_launch()  # never released (its run failed before launch and before teardown)
+    assert bwrap._WARM[0].done.wait(5)
 
 
 @pytest.mark.parametrize("argv", [["--", "echo", "--json", "-x"], ["--"], ["--", "--"], ["--", "-f", "a.yaml"]])

@@ -19,6 +19,7 @@ import ctypes
 import os
 import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -169,8 +170,10 @@ class BwrapPlan:
 # cgroup.procs) every WARM_INTERVAL seconds until the sandbox is launched. A no-op: nothing
 # changes cgroup (were the check ever wrong, only that thread, which does nothing else, would
 # move); no limit or check of the sandbox changes; the helper's migration is the same kind of
-# write, it just does not wait. Where the cgroup cannot be found or written (not root, no
-# cgroups) nothing happens and the helper waits as before.
+# write, it just does not wait. One thread per process, however many runs are being prepared
+# at once (a daemon's burst: one no-op move every WARM_INTERVAL, not one per run). Where the
+# cgroup cannot be found or written (not root, no cgroups) nothing happens and the helper
+# waits as before.
 WARM_INTERVAL = 0.003  # s: well inside one grace period, so the fast path never closes
 WARM_MAX = 0.5  # s: a warm-up never stopped (its run failed before launch) ends by itself
 
@@ -205,14 +208,17 @@ def _own_cgroup_dir() -> str | None:
 
 
 class MigrationWarmup:
-    """See above: started when a run is being prepared, stopped once its sandbox is launched."""
+    """See above: one thread per process whatever the number of runs being prepared at once
+    (:func:`warm_launch` holds it), writing until the last holder lets go or WARM_MAX after
+    the newest hold."""
 
     def __init__(self) -> None:
         import _thread
-        import threading
 
         self._stop = threading.Event()
         self.done = threading.Event()  # set when the thread has ended
+        self.holders = 0
+        self.deadline = time.monotonic() + WARM_MAX
         # a bare thread: threading.Thread.start() waits until the new thread runs, which on a
         # busy machine is a scheduler round trip on the run's critical path
         _thread.start_new_thread(self._main, ())
@@ -226,11 +232,10 @@ class MigrationWarmup:
         except Exception:  # noqa: BLE001 - an optimisation only: the helper waits as before
             pass
         finally:
+            self._stop.set()  # (a hold arriving now starts a new one)
             self.done.set()
 
     def _run(self) -> None:
-        import threading
-
         d = _own_cgroup_dir()
         if d is None or self._stop.is_set():
             return
@@ -245,8 +250,7 @@ class MigrationWarmup:
             return  # not ours to write (not root): the helper pays the grace period as before
         try:
             tid = str(threading.get_native_id()).encode()
-            deadline = time.monotonic() + WARM_MAX
-            while not self._stop.is_set() and time.monotonic() < deadline:
+            while not self._stop.is_set() and time.monotonic() < self.deadline:
                 try:
                     os.write(fd, tid)
                 except OSError:
@@ -254,6 +258,34 @@ class MigrationWarmup:
                 self._stop.wait(WARM_INTERVAL)
         finally:
             os.close(fd)
+
+
+_WARM: list = []  # the process's running MigrationWarmup, if any
+_WARM_LOCK = threading.Lock()
+
+
+def warm_launch():
+    """Hold the process's cgroup warm-up (started if none runs) until a launch is done ->
+    the function that lets go (idempotent); the thread stops when the last holder has."""
+    with _WARM_LOCK:
+        w = _WARM[0] if _WARM else None
+        if w is None or w._stop.is_set():
+            w = MigrationWarmup()
+            _WARM[:] = [w]
+        w.holders += 1
+        w.deadline = time.monotonic() + WARM_MAX
+    held = [True]
+
+    def release() -> None:
+        with _WARM_LOCK:
+            if not held[0]:
+                return
+            held[0] = False
+            w.holders -= 1
+            if w.holders <= 0:
+                w.stop()
+
+    return release
 
 
 class BwrapBackend(hv.ChildProcessSandbox, Backend):
@@ -272,8 +304,9 @@ class BwrapBackend(hv.ChildProcessSandbox, Backend):
 
     def prewarm_launch(self):
         """Called as a run starts being prepared (agentvm.lifecycle): the next launch's first
-        cgroup migration does not wait for a grace period (MigrationWarmup). -> its stop()."""
-        return MigrationWarmup().stop
+        cgroup migration does not wait for a grace period (MigrationWarmup) -> the function
+        to call once it is launched (or will not be)."""
+        return warm_launch()
 
     def _tool(self, name: str) -> str:
         if name not in self._tools:
