@@ -161,45 +161,79 @@ def tar_workspace(host_dir: Path, out, *, limit: int, room: int | None = None) -
     return sink.h.hexdigest(), sink.n, counts["files"], counts["skipped"]
 
 
-def _walk(dfd: int, prefix: str, tf: tarfile.TarFile, counts: dict) -> None:
-    for name in sorted(os.listdir(dfd)):
-        st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
-        rel = f"{prefix}{name}"
-        if stat.S_ISDIR(st.st_mode):
-            fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
-            try:
-                ti = tarfile.TarInfo(rel)
-                ti.type, ti.mode, ti.mtime = tarfile.DIRTYPE, stat.S_IMODE(st.st_mode) & 0o777, int(st.st_mtime)
-                tf.addfile(ti)
-                _walk(fd, rel + "/", tf, counts)
-            finally:
-                os.close(fd)
-        elif stat.S_ISREG(st.st_mode):
-            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dfd)
-            try:
-                fst = os.fstat(fd)
-                if not stat.S_ISREG(fst.st_mode):  # (swapped meanwhile: left out)
-                    counts["skipped"] += 1
-                    continue
-                counts["bytes"] += fst.st_size
-                if counts["bytes"] > counts["limit"]:
-                    alloc = fst.st_blocks * 512
-                    sparse = (f" ({rel} is sparse: {fst.st_size} bytes long, {alloc} allocated)"
-                              if alloc < fst.st_size else "")
-                    raise AgentVMError(
-                        f"the workspace's files are longer than its disk limit ({counts['limit'] >> 20} MiB) together"
-                        f"{sparse}: a snapshot stores each file at its full length, and a restore writes it back "
-                        "at that length into the same limit", code="snapshot.too-large",
-                        hint="remove (or shorten) the files the agent need not keep, then snapshot again")
-                ti = tarfile.TarInfo(rel)
-                ti.size, ti.mode, ti.mtime = fst.st_size, stat.S_IMODE(fst.st_mode) & 0o777, int(fst.st_mtime)
-                with os.fdopen(os.dup(fd), "rb") as f:
-                    tf.addfile(ti, f)
-                counts["files"] += 1
-            finally:
-                os.close(fd)
-        else:  # a link, FIFO, socket or device: never followed, never copied
-            counts["skipped"] += 1
+# a snapshot walks at most MAX_DEPTH folder levels (one open fd each) and members of paths up to
+# MAX_NAME bytes: a restore extracts by path (PATH_MAX less its staging folder) and clears a
+# workspace with shutil.rmtree (a Python frame per level), so a deeper tree would snapshot but
+# not restore: refused at snapshot time instead (snapshot.too-deep)
+MAX_DEPTH = 512
+MAX_NAME = 3584
+
+
+def _walk(top: int, prefix: str, tf: tarfile.TarFile, counts: dict) -> None:
+    """Depth-first, names sorted, a folder before its entries; iterative (an explicit stack of
+    dir fds, no Python frame per level): past MAX_DEPTH / MAX_NAME a clear ``snapshot.too-deep``,
+    never RecursionError."""
+    stack: list[tuple[int, str, list[str]]] = [(os.dup(top), prefix, [])]
+    try:
+        stack[0] = (stack[0][0], prefix, sorted(os.listdir(top), reverse=True))
+        while stack:
+            dfd, pre, names = stack[-1]
+            if not names:
+                os.close(dfd)
+                stack.pop()
+                continue
+            name = names.pop()  # (sorted backwards: the first name last)
+            rel = f"{pre}{name}"
+            if len(stack) > MAX_DEPTH or len(rel.encode()) > MAX_NAME:
+                raise AgentVMError(f"the workspace holds folders nested too deep to snapshot and restore "
+                                   f"({len(stack)} levels, a path of {len(rel.encode())} bytes: at most {MAX_DEPTH} "
+                                   f"levels and {MAX_NAME} bytes): {rel[:120]!r}...", code="snapshot.too-deep",
+                                   hint="move or remove the deep folder inside the sandbox, then snapshot again")
+            _walk_one(dfd, name, rel, tf, counts, stack)
+    finally:
+        for dfd, _, _ in stack:
+            os.close(dfd)
+
+
+def _walk_one(dfd: int, name: str, rel: str, tf: tarfile.TarFile, counts: dict, stack: list) -> None:
+    st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+    if stat.S_ISDIR(st.st_mode):
+        fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
+        try:
+            ti = tarfile.TarInfo(rel)
+            ti.type, ti.mode, ti.mtime = tarfile.DIRTYPE, stat.S_IMODE(st.st_mode) & 0o777, int(st.st_mtime)
+            tf.addfile(ti)
+            names = sorted(os.listdir(fd), reverse=True)
+        except BaseException:
+            os.close(fd)
+            raise
+        stack.append((fd, rel + "/", names))  # walked next (closed by _walk)
+    elif stat.S_ISREG(st.st_mode):
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dfd)
+        try:
+            fst = os.fstat(fd)
+            if not stat.S_ISREG(fst.st_mode):  # (swapped meanwhile: left out)
+                counts["skipped"] += 1
+                return
+            counts["bytes"] += fst.st_size
+            if counts["bytes"] > counts["limit"]:
+                alloc = fst.st_blocks * 512
+                sparse = (f" ({rel} is sparse: {fst.st_size} bytes long, {alloc} allocated)"
+                          if alloc < fst.st_size else "")
+                raise AgentVMError(
+                    f"the workspace's files are longer than its disk limit ({counts['limit'] >> 20} MiB) together"
+                    f"{sparse}: a snapshot stores each file at its full length, and a restore writes it back "
+                    "at that length into the same limit", code="snapshot.too-large",
+                    hint="remove (or shorten) the files the agent need not keep, then snapshot again")
+            ti = tarfile.TarInfo(rel)
+            ti.size, ti.mode, ti.mtime = fst.st_size, stat.S_IMODE(fst.st_mode) & 0o777, int(fst.st_mtime)
+            with os.fdopen(os.dup(fd), "rb") as f:
+                tf.addfile(ti, f)
+            counts["files"] += 1
+        finally:
+            os.close(fd)
+    else:  # a link, FIFO, socket or device: never followed, never copied
+        counts["skipped"] += 1
 
 
 class _HashReader:
