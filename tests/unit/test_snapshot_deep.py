@@ -43,7 +43,7 @@ def test_a_deep_folder_is_a_clear_refusal(ws):
     with open(ws / "out.tar", "wb") as out, pytest.raises(AgentVMError) as ei:
         snapshot.tar_workspace(ws / "w", out, limit=1 << 30)
     assert ei.value.code == "snapshot.too-deep", ei.value
-    assert _fds() == before, "dir fds leaked"
+    assert _fds() <= before, "dir fds leaked"
 
 
 def test_a_long_path_within_the_depth_is_a_clear_refusal(ws):
