@@ -404,3 +404,35 @@ def test_connections_inside_a_request_are_not_evicted_and_the_rest_is_refused():
         release.set()
         server.should_exit = True
         th.join(10)
+
+
+def test_a_kept_sandbox_of_another_tenants_template_is_kept_and_reported(tmp_path):
+    """A sandbox tenant B made from tenant A's template before templates had owners survives
+    a restart (nothing is removed behind the operator's back) but is put on the audit log."""
+    from agentvm.e2b.app import E2BService
+    from agentvm.e2b.backend import BoxInfo
+    from agentvm.e2b.model import Box
+    from agentvm.e2b.store import E2BStore
+
+    data = tmp_path / "data"
+    data.mkdir()
+    f = tmp_path / "a.yaml"
+    f.write_text(GRANTING.format(data=data))
+    tpls.add(f, name="tenanta", home=tmp_path, tenant="a")
+
+    class Back:
+        async def info(self, name):
+            return BoxInfo(name, "running")
+
+    now = time.time()
+    st = E2BStore(tmp_path / "e2b" / "sandboxes.db")
+    st.save(Box("i" + "b" * 20, "b", "tenanta", "e2b-ib", {}, {}, now, now + 600, "tok-b"))
+    st.save(Box("i" + "c" * 20, "a", "tenanta", "e2b-ic", {}, {}, now, now + 600, "tok-c"))
+    st.close()
+    records = []
+    svc = E2BService(Back(), {"key-a": "a"}, home=tmp_path, store=E2BStore(tmp_path / "e2b" / "sandboxes.db"),
+                     audit=lambda kind, **d: records.append((kind, d)))
+    asyncio.run(svc.load())
+    assert set(svc.boxes) == {"i" + "b" * 20, "i" + "c" * 20}
+    assert [(k, d["tenant"], d["template"]) for k, d in records] == [("e2b.template-not-owned", "b", "tenanta")]
+    svc.store.close()

@@ -160,6 +160,11 @@ class E2BService:
                 self.record("e2b.kill", tenant=box.tenant, sandbox=box.name, reason="gone at restart")
                 continue
             self.boxes[box.id] = box
+            tpl = tpls.get(box.template, self.home)
+            if tpl is None or not tpl.usable_by(box.tenant):  # made before templates had tenants
+                log.warning("e2b: sandbox %s of tenant %s was made from template %s, which is not that tenant's "
+                            "(kept; `agentvm template set` or `agentvm rm`)", box.name, box.tenant, box.template)
+                self.record("e2b.template-not-owned", tenant=box.tenant, sandbox=box.name, template=box.template)
             if box.state == "running" and getattr(alive, "state", "running") != "running":
                 try:  # the daemon left it stopped (`up --no-resume`): E2B's running sandbox runs
                     await self.backend.resume(box.name)
