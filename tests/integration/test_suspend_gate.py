@@ -238,7 +238,7 @@ def test_suspend_refuses_a_request_longer_than_the_drain(avm_home, tmp_path, mon
             _cmd(name, "close", "closed")
             recs = [json.loads(x) for x in av("audit", "show", "--json").stdout.splitlines() if x.strip()]
             assert not any(x["kind"] == "lifecycle.suspended" and x.get("sandbox") == name for x in recs)
-            assert any(x["kind"] == "lifecycle.suspend-refused" and x.get("sandbox") == name for x in recs)
+            assert any(x["kind"] == "lifecycle.suspend-refused" and x.get("sandbox") == name for x in recs), err
         finally:
             av("rm", name, check=False)
             up.close()

@@ -119,6 +119,8 @@ class StateControl:
             busy = await ep.quiesce(drain)
             if busy:
                 ep.unquiesce()
+                self.record("lifecycle.suspend-refused", actor=actor, sandbox=name, sandbox_id=sid,
+                            error="sandbox.suspend-busy", message=f"{busy} request(s) under way after {drain:g} s")
                 raise refuse("sandbox.suspend-busy", f"{name} still has {busy} request(s) under way through its gate "
                              f"after {drain:g} s: a sandbox holding a connection to its gate cannot be checkpointed. "
                              "Nothing was changed: it keeps running",
