@@ -22,7 +22,6 @@ from agentvm.backends.base import ExitStatus, HostContext, LaunchContext, Teardo
 from agentvm.backends.hostview import _alive  # noqa: F401 (the CLI asks the same question of the daemon)
 from agentvm.lifecycle import EmbeddedGateHost, Lifecycle, RunResult  # noqa: F401 (RunResult: re-exported)
 from agentvm.errors import AgentVMError, ConfigError, PolicyDenied, PrimitiveMissing
-from agentvm.fsutil import check_grant_target, untrusted_symlink
 from agentvm.paths import Paths, default_paths
 from agentvm.policy import SUBSTRATE_STRENGTH, MountGrant, Policy, check_tier
 from agentvm.sessioncreds import session_credentials, vault_credentials  # noqa: F401 (re-exported)
@@ -276,6 +275,8 @@ class Runtime:
         own = [self.paths.home.resolve(), self.paths.runtime.resolve()]
         grants = list(policy.mounts) + [MountGrant(p, p, False) for p in policy.extra_ro]
         for m in grants:
+            from agentvm.fsutil import check_grant_target, untrusted_symlink  # (grants only: not a plain run's)
+
             real = Path(os.path.realpath(m.host))
             if not real.exists():
                 raise ConfigError(f"granted host path {m.host} does not exist")
