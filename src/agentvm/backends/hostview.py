@@ -911,9 +911,7 @@ def open_grants(plan_fds: dict, paths, run_dir: Path, state: dict, opened: list[
     read-write grant lacks (held in ``state["grant_holds"]``). Opened fds go to ``opened``."""
     import stat as st_
 
-    from agentvm import grants
     from agentvm.errors import AgentVMError
-    from agentvm.fsutil import check_grant_target
 
     fds: dict[str, int] = {}
     own = [paths.home.resolve(), paths.runtime.resolve()]
@@ -930,6 +928,8 @@ def open_grants(plan_fds: dict, paths, run_dir: Path, state: dict, opened: list[
         actual = os.readlink(f"/proc/self/fd/{fd}")
         if actual != host:
             raise LaunchError("grant", f"{host} changed since it was checked (it now leads to {actual}): refused")
+        from agentvm.fsutil import check_grant_target  # (a grant: not on a plain run's import path)
+
         try:
             check_grant_target(actual, own, host, name in writable)
         except AgentVMError as exc:
@@ -941,9 +941,12 @@ def open_grants(plan_fds: dict, paths, run_dir: Path, state: dict, opened: list[
         else:
             os.close(os.open(stage, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600))
     state["grant_holds"] = []
-    for name, host, prot in plan_fds.get("protects", ()):
-        state["grant_holds"].append(grants.ensure(fds[name], host, prot, paths.runtime / "grants"))
-    grants.save(run_dir, state["grant_holds"])
+    if plan_fds.get("protects"):
+        from agentvm import grants  # (read-write grants only: not on a plain run's import path)
+
+        for name, host, prot in plan_fds["protects"]:
+            state["grant_holds"].append(grants.ensure(fds[name], host, prot, paths.runtime / "grants"))
+        grants.save(run_dir, state["grant_holds"])
     rv = plan_fds.get("reviews")
     if rv:  # review-mode grants: their layer made (or continued) and held while the sandbox lives
         from agentvm import review
@@ -959,14 +962,16 @@ def finish_teardown(rep, state: dict, host_uid: int, paths, t0: float):
     is gone; then the verdict."""
     import shutil
 
-    from agentvm import grants
-
     if host_uid != os.getuid():
         for pid in sweep_uid(host_uid):
             if pid not in rep.processes_left:
                 rep.processes_left.append(pid)
-    for hold in state.pop("grant_holds", None) or []:
-        grants.release(hold, paths.runtime / "grants")
+    holds = state.pop("grant_holds", None) or []
+    if holds:
+        from agentvm import grants  # (read-write grants only: not on a plain run's import path)
+
+        for hold in holds:
+            grants.release(hold, paths.runtime / "grants")
     if state.get("review_hold") is not None:  # the layer stays, unheld, until accepted or discarded
         from agentvm import review
 
