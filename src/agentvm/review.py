@@ -652,7 +652,59 @@ def _safe_mode(mode: int, is_dir: bool) -> int:
     return stat.S_IMODE(mode) & (0o777 if not is_dir else 0o1777) & ~(stat.S_ISUID | stat.S_ISGID)
 
 
+MAX_DEPTH = 512  # folder levels of a layer walked (one open fd each); deeper: a refused entry
+
+
 def _walk(ufd: int, rel: str, grant: str, ginfo: dict, host_fd: int, out: list[Change], opaque: bool) -> None:
+    """Every entry of the layer below ``ufd`` (the folder ``rel``) into ``out``. Iterative (one
+    dir fd per level on an explicit stack, no Python frame per level): a folder nested past
+    MAX_DEPTH is a refused entry (accept applies nothing of it), never a RecursionError that
+    would keep the operator from reviewing the rest."""
+    stack: list[tuple[int, str, bool, list[str]]] = [(os.dup(ufd), rel, opaque, [])]
+    try:
+        stack[0] = (stack[0][0], rel, opaque, _enter(stack[0][0], rel, grant, ginfo, host_fd, out, opaque))
+        while stack:
+            dfd, r, op, names = stack[-1]
+            if not names:
+                os.close(dfd)
+                stack.pop()
+                continue
+            name = names.pop()
+            try:
+                sub = _walk_entry(dfd, r, name, grant, ginfo, host_fd, out, op)
+            except (FileNotFoundError, NotADirectoryError):
+                continue  # gone or changed while read (a running sandbox): the next diff shows it as it is then
+            except OSError as exc:
+                if exc.errno != errno.ELOOP:
+                    raise
+                continue
+            if sub is None:
+                continue
+            sfd, sr, sop = sub
+            if len(stack) >= MAX_DEPTH:
+                os.close(sfd)
+                while out and out[-1].rel == sr:
+                    out.pop()
+                out.append(Change(grant, sr, "refuse", "dir", reason=f"folders nested over {MAX_DEPTH} deep (not "
+                                  "walked: nothing in it is applied)"))
+                continue
+            try:
+                subnames = _enter(sfd, sr, grant, ginfo, host_fd, out, sop)
+            except (FileNotFoundError, NotADirectoryError):
+                os.close(sfd)
+                continue
+            except BaseException:
+                os.close(sfd)
+                raise
+            stack.append((sfd, sr, sop, subnames))
+    finally:
+        for dfd, _, _, _ in stack:
+            os.close(dfd)
+
+
+def _enter(ufd: int, rel: str, grant: str, ginfo: dict, host_fd: int, out: list[Change], opaque: bool) -> list[str]:
+    """A layer folder's names (sorted backwards: popped first to last); an opaque one's hidden
+    host entries recorded as deletions."""
     names = sorted(os.listdir(ufd))
     if opaque:  # the host's entries this directory hides are deleted
         try:
@@ -669,18 +721,12 @@ def _walk(ufd: int, rel: str, grant: str, ginfo: dict, host_fd: int, out: list[C
                                                           under_opaque=True), ginfo))
             finally:
                 os.close(hfd)
-    for name in names:
-        try:
-            _walk_entry(ufd, rel, name, grant, ginfo, host_fd, out, opaque)
-        except (FileNotFoundError, NotADirectoryError):
-            continue  # gone or changed while read (a running sandbox): the next diff shows it as it is then
-        except OSError as exc:
-            if exc.errno != errno.ELOOP:
-                raise
+    return names[::-1]
 
 
 def _walk_entry(ufd: int, rel: str, name: str, grant: str, ginfo: dict, host_fd: int, out: list[Change],
-                opaque: bool) -> None:
+                opaque: bool) -> tuple[int, str, bool] | None:
+    """One layer entry into ``out``; for a folder, (its fd, its rel, opaque) to walk next."""
     r = f"{rel}/{name}" if rel else name
     st = os.stat(name, dir_fd=ufd, follow_symlinks=False)
     if name.startswith(TMP_PREFIX):  # accept's own temporary names: never the agent's to use
@@ -703,11 +749,7 @@ def _walk_entry(ufd: int, rel: str, name: str, grant: str, ginfo: dict, host_fd:
             c.action, c.old_mode, c.new_mode = "mode", stat.S_IMODE(hst.st_mode), _safe_mode(st.st_mode, True)
             out.append(_refuse_trusted(c, ginfo))
         sub = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC | _NOATIME, dir_fd=ufd)
-        try:
-            _walk(sub, r, grant, ginfo, host_fd, out, opaque=op and hk == "dir")
-        finally:
-            os.close(sub)
-        return
+        return sub, r, op and hk == "dir"
     elif lk == "symlink":
         c.target = os.readlink(name, dir_fd=ufd)
         if hk == "symlink":
@@ -1231,14 +1273,34 @@ def _remove_tree_at(dfd: int, name: str) -> None:
     if not stat.S_ISDIR(st.st_mode):
         os.unlink(name, dir_fd=dfd)
         return
-    sub = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
+    # any depth, two fds and no recursion: each folder inside is emptied by moving its folders
+    # up into the top one (renames inside the doomed tree only) and unlinking the rest
+    top = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
     try:
-        if os.fstat(sub).st_dev != st.st_dev:
+        if os.fstat(top).st_dev != st.st_dev:
             raise OSError(errno.EXDEV, f"{name} is a mount point")
-        for n in os.listdir(sub):
-            _remove_tree_at(sub, n)
+        tag = secrets.token_hex(4)
+        moved = 0
+        while names := os.listdir(top):
+            for n in names:
+                if not stat.S_ISDIR(os.stat(n, dir_fd=top, follow_symlinks=False).st_mode):
+                    os.unlink(n, dir_fd=top)
+                    continue
+                sub = os.open(n, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=top)
+                try:
+                    if os.fstat(sub).st_dev != st.st_dev:
+                        raise OSError(errno.EXDEV, f"{n} is a mount point")
+                    for x in os.listdir(sub):
+                        if stat.S_ISDIR(os.stat(x, dir_fd=sub, follow_symlinks=False).st_mode):
+                            moved += 1
+                            os.rename(x, f"{TMP_PREFIX}rm-{tag}-{moved}", src_dir_fd=sub, dst_dir_fd=top)
+                        else:
+                            os.unlink(x, dir_fd=sub)
+                finally:
+                    os.close(sub)
+                os.rmdir(n, dir_fd=top)
     finally:
-        os.close(sub)
+        os.close(top)
     os.rmdir(name, dir_fd=dfd)
 
 
