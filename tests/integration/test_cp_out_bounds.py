@@ -72,7 +72,11 @@ def test_folder_cp_out_counts_tar_headers_members_and_depth(home, tmp_path):
     r = _av(home, "cp", "hl:deep", str(tmp_path / "deep-out"))
     assert r.returncode == 77 and b"files.too-deep" in r.stderr and b"internal" not in r.stderr, \
         (r.returncode, r.stderr[-600:])
-    # a deep folder's shallower part is still copied out whole, through the same walk
+    # the snapshot walk too: a clear snapshot.too-deep (was internal: RecursionError)
+    r = _av(home, "snapshot", "hl")
+    assert r.returncode == 78 and b"snapshot.too-deep" in r.stderr and b"internal" not in r.stderr, \
+        (r.returncode, r.stderr[-600:])
+    # a folder's shallower part is still copied out whole, through the same walk
     r = _av(home, "exec", "hl", "--", "python3", "-c",
             "import os; os.makedirs('/workspace/ok/a/b/c'); open('/workspace/ok/a/b/c/f', 'w').write('x')")
     assert r.returncode == 0, r.stderr
