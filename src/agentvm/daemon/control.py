@@ -129,7 +129,8 @@ class ControlPlane(Events, Supervisor, StateControl, FleetOps, Commands):
                                   telemetry=self.tracing.endpoint if self.tracing is not None else None,
                                   isolate="agent" if per_agent else None, approvals=self.gate.approval_store,
                                   retire=RETIRE_AFTER if per_agent else None, on_bytes=self._count_bytes,
-                                  spare=1 if per_agent else 0)  # (an agent's first sandbox waits for no start)
+                                  spare=1 if per_agent else 0,  # (an agent's first sandbox waits for no start)
+                                  host_gate=self.gate)
         await self.workers.start()
         self.record("gate.workers", count=0 if per_agent else self.gate_workers, pids=self.workers.pids(),
                     mode="per-agent" if per_agent else "shared", confined=self.workers.confine)

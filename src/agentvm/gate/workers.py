@@ -179,15 +179,19 @@ def _quiet(fut: asyncio.Future) -> None:
         fut.exception()
 
 
-def unplaceable(policy, extras=None, creds=None) -> str | None:
+def unplaceable(policy, extras=None, creds=None, *, tools: bool = False) -> str | None:
     """Why a sandbox's endpoint cannot be served by a gate worker (it is served by the daemon's
     own gate), or None. ``policy`` is the sandbox's EgressPolicy; ``extras`` its
     agentvm.tools.slot.EndpointExtras. Held requests (``action: ask``) and LLM budgets are
-    served by a worker, which asks the daemon (:meth:`WorkerPool.question`)."""
+    served by a worker, which asks the daemon (:meth:`WorkerPool.question`); tools too when the
+    pool's host keeps the sandbox's tool gateway (``tools=True``: the daemon, ``host_gate``)."""
     if extras is not None:
-        tools = getattr(extras, "tools", None)
-        if tools is not None and getattr(tools, "servers", None):
-            return "it has tools: the tool gateway's MCP sessions live in the daemon"
+        spec = getattr(extras, "tools", None)
+        if spec is not None and getattr(spec, "servers", None):
+            if not tools:  # (a pool whose host keeps no tool gateway for it: the embedded run's)
+                return "it has tools: the tool gateway's MCP sessions live in the daemon"
+            if getattr(extras, "run_dir", None) is None:
+                return "it has tools but no run directory for its tool gateway"
     if creds is not None and getattr(creds, "spec", None) is None:
         return "its credentials are not the vault's (nothing a worker could rebuild them from)"
     return None
@@ -313,7 +317,6 @@ class RemoteEndpoint:
     worker at once, in order; :meth:`synced` waits for the worker's acknowledgement."""
 
     can_meter = True  # (the daemon keeps the ledger; the worker asks it before each metered request)
-    tools = None
 
     def __init__(self, pool: "WorkerPool", worker: "GateWorker", sandbox_id: str, agent: str, policy, sock_path: Path,
                  sock: socket.socket, creds, extras=None) -> None:
@@ -348,6 +351,28 @@ class RemoteEndpoint:
 
             db = getattr(extras, "budget_db", None)
             self.budget = _PushBudget(self, Budget(agent, spec, BudgetStore(db) if db else None))
+        # its tool gateway (MCP sessions, tool servers) lives here, in the daemon; the worker parses
+        # the /mcp requests' HTTP and asks the daemon to answer each one (WorkerPool._q_tools)
+        self.tools = None
+        tools = getattr(extras, "tools", None)
+        if tools is not None and getattr(tools, "servers", None):
+            from agentvm.tools.slot import ToolsSlot
+
+            self.tools = ToolsSlot(self, tools, self.policy_digest, Path(extras.run_dir), dict(getattr(extras, "env", ())))
+
+    @property
+    def gate(self):
+        """The daemon's own gate (the tool gateway opens its remote servers' endpoints there, and
+        asks its approvals queue)."""
+        return self.pool.host_gate
+
+    def log(self, **fields) -> None:
+        """A decision of the daemon's side (the tool gateway's): written by the worker, in the
+        sandbox's decision log, and sent back as its records are."""
+        try:
+            self.worker.tell(("log", self.sandbox_id, fields))
+        except Exception:  # noqa: BLE001
+            log.exception("a tool decision of %s could not be logged", self.sandbox_id)
 
     def __repr__(self) -> str:
         return f"RemoteEndpoint({self.sandbox_id!r} on gate worker {self.worker.index})"
@@ -423,7 +448,7 @@ class RemoteEndpoint:
             spec = ((bindings, placeholders, sid), self.creds.scrub_encoded, self._creds_sent)
         self._policy_sent = self._policy
         return (self.sandbox_id, self.agent, self._policy, str(self.sock_path), spec, self._paused, self._revoked(),
-                _policy_files(self._policy), self._budget_spec())
+                _policy_files(self._policy), self._budget_spec(), self.tools is not None)
 
     def _creds_change(self):
         """The credentials' state if it differs from what the worker holds, else None."""
@@ -803,7 +828,7 @@ class WorkerPool:
 
     def __init__(self, count: int, state_dir: Path, log_dir: Path, *, on_record, on_event, telemetry: str | None = None,
                  confine: str | None = "auto", isolate: str | None = None, approvals=None,
-                 retire: float | None = None, on_bytes=None, spare: int = 0):
+                 retire: float | None = None, on_bytes=None, spare: int = 0, host_gate=None):
         """``confine``: "auto" (the default: wholly confined under a root daemon; Landlock, seccomp
         and no_new_privs only under an unprivileged one, which cannot switch uid), "full" (refuse
         to run otherwise) or None (unconfined: the benchmark's baseline). ``isolate``: None (any
@@ -833,6 +858,7 @@ class WorkerPool:
         self.retire = retire if isolate is not None else None
         self.on_bytes = on_bytes or (lambda ep: None)
         self.spare = max(0, int(spare)) if isolate is not None else 0
+        self.host_gate = host_gate  # the daemon's own gate: the tool gateways' remote servers are served there
         self._sparing: asyncio.Task | None = None
         root = os.geteuid() == 0
         if confine == "full" and not root:
@@ -894,7 +920,7 @@ class WorkerPool:
         _, qid, op, sid, args = msg
         if type(qid) is not int or type(op) is not str or type(sid) is not str or not isinstance(args, tuple):
             raise ValueError("a question whose id, op, sandbox or arguments are not of their type")
-        if op not in ("hold", "gone", "admit", "release", "charge"):
+        if op not in ("hold", "gone", "admit", "release", "charge", "tools"):
             raise ValueError(f"an unknown question {op[:40]!r}")
         ep = w.endpoints.get(sid)
         if ep is None or ep.closed:
@@ -919,7 +945,7 @@ class WorkerPool:
         if len(w.questions) >= MAX_QUESTIONS:
             w.tell(("a", qid, False, f"more than {MAX_QUESTIONS} questions open at once"))
             return
-        handler = self._q_hold if op == "hold" else self._q_admit
+        handler = {"hold": self._q_hold, "admit": self._q_admit, "tools": self._q_tools}[op]
         task = asyncio.get_running_loop().create_task(handler(w, ep, qid, args))
         task.sandbox_id = sid
         w.questions[qid] = task
@@ -962,6 +988,56 @@ class WorkerPool:
             w.tell(("held", qid, fields))
 
         return await hold_request(store, ep, asked, chunked, d.rule_id, log_pending, lambda: qid in w.abandoned)
+
+    async def _q_tools(self, w: GateWorker, ep: RemoteEndpoint, qid: int, args) -> tuple:
+        """One ``/mcp`` request of a sandbox with tools, its HTTP parsed by the worker (head,
+        body framing, a body of at most 4 MiB): answered by the sandbox's tool gateway here ->
+        (status, headers, body). The worker frames the answer."""
+        from agentvm.gate.asgi import MAX_BODY
+
+        if ep.tools is None:
+            return 404, [(b"content-type", b"text/plain")], b"no tools"
+        if not isinstance(args, tuple) or len(args) != 7:
+            raise ValueError("a tools request that is not (method, path, query, headers, body, version, port)")
+        method, path, query, headers, body, version, port = args
+        _text(method, 64), _text(path, 8192), _text(query, 8192), _text(version, 8), _count(port, 65535)
+        if type(body) is not bytes or len(body) > MAX_BODY:
+            raise ValueError("a tools request body that is not bytes of at most MAX_BODY")
+        if not isinstance(headers, list) or len(headers) > 256 or not all(
+                isinstance(h, tuple) and len(h) == 2 and all(type(x) is bytes and len(x) <= 8192 for x in h)
+                for h in headers):
+            raise ValueError("tools request headers that are not (bytes, bytes) pairs")
+        gw = await ep.tools.gateway()
+        scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": version,
+                 "method": method, "scheme": "http", "path": path, "raw_path": path.encode("ascii", "replace"),
+                 "query_string": query.encode("ascii", "replace"), "root_path": "", "headers": headers,
+                 "client": ("127.0.0.1", 0), "server": ("127.0.0.1", port or 80), "state": {},
+                 "agentvm.gone": lambda: qid in w.abandoned}
+        sent, finished = False, asyncio.Event()
+        out = {"status": None, "headers": [], "body": []}
+
+        async def receive():
+            nonlocal sent
+            if not sent:
+                sent = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            await finished.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(msg):
+            if msg.get("type") == "http.response.start":
+                out["status"] = int(msg["status"])
+                out["headers"] = [(bytes(k), bytes(v)) for k, v in msg.get("headers", [])]
+            elif msg.get("type") == "http.response.body":
+                out["body"].append(bytes(msg.get("body", b"")))
+
+        try:
+            await gw.handle(scope, receive, send)
+        finally:
+            finished.set()
+        if out["status"] is None:
+            raise RuntimeError("the tool gateway gave no answer")
+        return out["status"], out["headers"], b"".join(out["body"])
 
     async def _q_admit(self, w: GateWorker, ep: RemoteEndpoint, qid: int, args):
         if args or ep.budget is None:
@@ -1234,6 +1310,11 @@ class WorkerPool:
         finally:  # (cancelled or not: the daemon's socket is never left bound)
             ep.sock.close()
             ep.sock_path.unlink(missing_ok=True)
+            if ep.tools is not None:  # (its MCP sessions and tool servers end with it)
+                try:
+                    await ep.tools.close()
+                except Exception:  # noqa: BLE001
+                    log.exception("closing the tool gateway of %s", ep.sandbox_id)
             if w.uid is not None:  # the log is the daemon's again (a later tenant of the slot has the same uid)
                 try:
                     os.chown(ep.log_path, 0, 0, follow_symlinks=False)
@@ -1570,6 +1651,52 @@ class _RemoteBudget:
         self._spent = None  # (raised, or reset: the daemon says again at the next admission)
 
 
+class _RemoteTools:
+    """A worker-served sandbox's tool gateway, as the gate's ``/mcp`` door sees it
+    (``agentvm.gate.asgi.serve_one``): the HTTP of each request is parsed here (head, body
+    framing, the body bounded), the request is answered by the sandbox's tool gateway in the
+    daemon (the MCP sessions, tool servers and approvals live there), and the answer framed here."""
+
+    def __init__(self, asker: _Asker, sandbox_id: str) -> None:
+        self.asker, self.sandbox_id = asker, sandbox_id
+
+    async def gateway(self):
+        return self
+
+    def set_policy(self, policy, digest) -> None:  # (the daemon's gateway has the policy)
+        pass
+
+    async def close(self) -> None:
+        pass
+
+    async def handle(self, scope, receive, send) -> None:
+        msg = await receive()
+        body = bytes(msg.get("body", b""))
+        qid, fut = self.asker.ask("tools", self.sandbox_id, scope["method"], scope["path"],
+                                  scope["query_string"].decode("ascii", "replace"),
+                                  [(bytes(k), bytes(v)) for k, v in scope["headers"]], body, scope["http_version"],
+                                  int(scope["server"][1] or 80))
+        gone, told = scope.get("agentvm.gone"), False
+        try:
+            while not fut.done():
+                await asyncio.wait([fut], timeout=0.1)
+                if not told and gone is not None and not fut.done():
+                    try:
+                        left = bool(gone())
+                    except Exception:  # noqa: BLE001
+                        left = True
+                    if left:
+                        told = True
+                        self.asker.tell("gone", self.sandbox_id, qid)
+        except asyncio.CancelledError:
+            if not told:
+                self.asker.tell("gone", self.sandbox_id, qid)
+            raise
+        status, headers, data = fut.result()  # (an error: the door answers 500 tools:internal-error)
+        await send({"type": "http.response.start", "status": int(status), "headers": list(headers)})
+        await send({"type": "http.response.body", "body": bytes(data), "more_body": False})
+
+
 class _Worker:
     """The worker process: a Gate, its endpoints opened and changed on the daemon's word."""
 
@@ -1649,7 +1776,7 @@ class _Worker:
                 self.gate._client_ctx[(path, h2)] = ctx
 
     async def op_open(self, sock, sandbox_id, agent, policy, sock_path, creds_spec, paused, revoked, files=None,
-                      budget=None) -> None:
+                      budget=None, tools=False) -> None:
         creds = None
         try:
             self._take_files(files)
@@ -1669,6 +1796,8 @@ class _Worker:
         ep.hold = lambda cmd, gone=None, _ep=ep: self._hold_remote(_ep, cmd, gone)
         if budget is not None:
             ep.budget = _RemoteBudget(self.asker, sandbox_id, budget)
+        if tools:  # its /mcp requests: parsed here, answered by its tool gateway in the daemon
+            ep.tools = _RemoteTools(self.asker, sandbox_id)
 
     def _budget(self, ep, spec) -> None:
         if spec is None:
@@ -1837,6 +1966,10 @@ async def _worker_main(ns) -> None:
     def on_message(msg) -> None:
         if isinstance(msg, tuple) and msg and msg[0] in ("a", "held"):  # answers to this worker's questions
             asker.answer(msg)
+        elif isinstance(msg, tuple) and msg and msg[0] == "log":  # a decision of the daemon's side (tools)
+            ep = gate.endpoints.get(msg[1])
+            if ep is not None:
+                ep.log(**msg[2])
         else:
             calls.put_nowait(msg)
 
