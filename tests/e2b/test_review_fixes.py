@@ -108,15 +108,20 @@ def test_a_local_users_half_open_connections_do_not_take_the_daemons_fds(e2b_ser
     p = subprocess.Popen(["/usr/bin/python3", str(script), str(port), str(n), str(hold)], stdout=subprocess.PIPE,
                          text=True, preexec_fn=_as_nobody)
     try:
-        first = p.stdout.readline().split()
-        assert first[:2] == ["open", str(n)], first  # every connect was accepted (the cap closes, never blocks)
+        lines = []
+        while not lines or lines[-1][:1] != ["open"]:
+            line = p.stdout.readline()
+            assert line, lines
+            lines.append(line.split())
+        opened = int(lines[-1][1])
+        assert opened >= 2 * MAX_CONNECTIONS, lines  # accepted (past the cap: evicted or closed, never blocked)
         peak = _fds(pid)
         # the owner's unix-socket API answers, and so does a tenant with a whole request
         r = subprocess.run([sys.executable, "-m", "agentvm", "ps", "--json"], capture_output=True, timeout=60)
         assert r.returncode == 0, r.stderr
         assert _e2b_get(port, key) == 200
         peak = max(peak, _fds(pid))
-        # the peer holds 3x the cap: the daemon holds at most the cap of them
+        # the peer opened 2-3x the cap: the daemon holds at most the cap of them
         assert peak - base <= MAX_CONNECTIONS + 32, (base, peak)
         out, _ = p.communicate(timeout=hold + 60)
         alive = int(out.split()[-1])
