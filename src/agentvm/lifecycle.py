@@ -165,8 +165,10 @@ class Lifecycle:
         self.tracing = tracing
 
     # ---------------------------------------------------------------- prepare
-    def prepare(self, policy, *, degrade: tuple[str, ...] = (), tty: bool = False, notes=None) -> Session:
-        """Preflight (fail closed), host resources, compile - and ``run.started`` on the chain."""
+    def prepare(self, policy, *, degrade: tuple[str, ...] = (), tty: bool = False, notes=None,
+                placeholders: dict | None = None) -> Session:
+        """Preflight (fail closed), host resources, compile - and ``run.started`` on the chain.
+        ``placeholders``: credential placeholders to keep (a resumed sandbox's processes hold them)."""
         rt = self.runtime
         began = time.time()
         trace = self.tracing.begin(policy) if self.tracing is not None else None
@@ -174,7 +176,8 @@ class Lifecycle:
         try:
             policy = rt.resolve_image(policy)  # a name -> the digest that runs (and its signature, if required)
             plan, res = rt.prepare(policy, degrade=degrade, tty=tty, session_env=trace.env() if trace else (),
-                                   telemetry=trace is not None and getattr(self.gate, "relays_telemetry", False))
+                                   telemetry=trace is not None and getattr(self.gate, "relays_telemetry", False),
+                                   **({"placeholders": placeholders} if placeholders else {}))
         except BaseException as exc:
             warm()
             if isinstance(exc, AgentVMError):
@@ -254,7 +257,8 @@ class Lifecycle:
     # ---------------------------------------------------------------- the whole sequence
     async def run_to_end(self, policy, *, stdio=None, tty: bool = False, notes=None, degrade: tuple[str, ...] = (),
                          timed: bool = False, stop=None, watch=None, grace: float = 2.0, on_session=None,
-                         attached=None, launched=None, before_teardown=None, after_teardown=None) -> RunResult:
+                         attached=None, launched=None, before_teardown=None, after_teardown=None,
+                         placeholders: dict | None = None) -> RunResult:
         """prepare -> attach -> launch -> wait (or stop) -> teardown -> result, on the caller's
         loop: each blocking step runs in a worker thread only while it lasts, and the wait holds
         none (``Backend.wait_async``) - a thousand running sandboxes are not a thousand threads.
@@ -270,7 +274,7 @@ class Lifecycle:
         ``after_teardown`` around its teardown (which always happens once it is prepared)."""
         import asyncio
 
-        s = await asyncio.to_thread(self.prepare, policy, degrade=degrade, tty=tty, notes=notes)
+        s = await asyncio.to_thread(self.prepare, policy, degrade=degrade, tty=tty, notes=notes, placeholders=placeholders)
         if on_session is not None:
             on_session(s)
         try:

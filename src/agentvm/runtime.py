@@ -166,12 +166,12 @@ class Runtime:
     def vault_dir(self) -> Path:
         return self.paths.home / "vault"
 
-    def session_credentials(self, policy: Policy, sandbox_id: str):
+    def session_credentials(self, policy: Policy, sandbox_id: str, placeholders: dict | None = None):
         """Placeholders for this session, and the gate's view of the real values.
 
         Every reference must resolve now (fail closed: a missing secret refuses the run).
         Returns (CredentialSet, extra env, extra files)."""
-        return session_credentials(policy.credentials, self.vault_dir, sandbox_id)
+        return session_credentials(policy.credentials, self.vault_dir, sandbox_id, placeholders)
 
     def close(self) -> None:
         if self._gate is not None:
@@ -291,10 +291,12 @@ class Runtime:
 
     # ------------------------------------------------------------------ run
     def prepare(self, policy: Policy, *, degrade: tuple[str, ...] = (), tty: bool = False,
-                session_env: tuple[tuple[str, str], ...] = (), telemetry: bool = False):
+                session_env: tuple[tuple[str, str], ...] = (), telemetry: bool = False,
+                placeholders: dict | None = None):
         """Everything before launch. Returns (plan, resources) - resources must be released.
         ``session_env``: agent-vm's own per-session variables (the trace context);
-        ``telemetry``: the gate relays the agent's OTLP export."""
+        ``telemetry``: the gate relays the agent's OTLP export; ``placeholders``: credential
+        placeholders to keep (a resume: see sessioncreds.session_credentials)."""
         self.preflight(policy, degrade)
         backend = self.backend_for(policy)
         sandbox_id = f"{policy.name}-{os.urandom(4).hex()}"
@@ -367,7 +369,8 @@ class Runtime:
                               for m in policy.mounts)
             creds, extra_env, extra_files = None, (), ()
             if policy.credentials:
-                creds, extra_env, extra_files = self.session_credentials(policy, sandbox_id)
+                creds, extra_env, extra_files = (self.session_credentials(policy, sandbox_id, placeholders) if placeholders
+                                                 else self.session_credentials(policy, sandbox_id))
                 res.creds = creds
             run_dir = str(self.paths.sandboxes / sandbox_id)
             gate = backend.gate_attachment(sandbox_id, run_dir) if policy.egress is not None else None

@@ -9,10 +9,12 @@ from __future__ import annotations
 from agentvm.errors import AgentVMError, ConfigError
 
 
-def session_credentials(bindings_: tuple, vault_dir, sandbox_id: str):
+def session_credentials(bindings_: tuple, vault_dir, sandbox_id: str, placeholders: dict | None = None):
     """Placeholders for one session and the gate's view of the real values (a CredentialSet),
     for the bindings of a sandbox - or of a remote tool server's gate endpoint. Every reference
-    must resolve now (fail closed: a missing secret refuses). -> (CredentialSet, env, files)."""
+    must resolve now (fail closed: a missing secret refuses). -> (CredentialSet, env, files).
+    ``placeholders``: binding name -> the placeholder to keep (a resumed sandbox: its restored
+    processes hold the ones of the session it was suspended in); the others are minted."""
     from agentvm.gate.credentials import make_placeholder
     from agentvm.vault import Vault
 
@@ -24,7 +26,8 @@ def session_credentials(bindings_: tuple, vault_dir, sandbox_id: str):
         except AgentVMError as exc:
             raise ConfigError(f"credential {b.name!r}: {exc.message}", hint=exc.hint or
                               f"store it with `agentvm secret set {b.ref.partition(':')[2]}`") from None
-    placeholders = {b.name: make_placeholder(b, len(values[b.name])) for b in bindings_}
+    keep = placeholders or {}
+    placeholders = {b.name: keep.get(b.name) or make_placeholder(b, len(values[b.name])) for b in bindings_}
     creds = vault_credentials(bindings_, placeholders, vault_dir, sandbox_id, vault=vault)
     env = [(b.env, placeholders[b.name]) for b in bindings_]
     env += [(b.sigv4_key_env, b.sigv4_access_key_id) for b in bindings_ if b.sigv4_access_key_id]

@@ -156,6 +156,9 @@ def test_memory_snapshot_fork_continues_with_fresh_credentials(avm_home, tmp_pat
             assert n1 >= n0, (n0, n1)
             started = av("exec", "ms-p", "--", "cat", "/workspace/started").stdout
             assert started == b"x\n", f"the parent's process was started again: {started!r}"
+            # resumed on the placeholders its processes hold: the one in its memory still swaps
+            # (a resume that minted new ones sent this one out raw)
+            assert _ask("ms-p", "use").split()[0] == "200" and up.keys[-1] == REAL, up.keys[-1:]
             # the parent's memory changes after the snapshot: not the child's business
             _ask("ms-p", "bump")
             # the fork: runsc restore of the image in a new sandbox

@@ -276,7 +276,10 @@ class Supervisor:
         notes = lambda n: self._in_loop(lambda: self.record("lifecycle.workspace-repaired", sandbox=m.name,  # noqa: E731
                                                             note=n))
         try:
-            result = await lc.run_to_end(policy, stdio=stdio, notes=notes, stop=m.stop_requested,
+            # a resume keeps the placeholders its restored processes hold (a memory fork's
+            # checkpoint carries none: a fork's are fresh, its parent's refused as leaks)
+            keep = restore.placeholder_map() if restore is not None else None
+            result = await lc.run_to_end(policy, stdio=stdio, notes=notes, stop=m.stop_requested, placeholders=keep,
                                          watch=lambda s: self._watch(m, row), grace=STOP_GRACE, on_session=prepared,
                                          attached=attached, launched=launched, before_teardown=before_teardown,
                                          after_teardown=after_teardown)

@@ -317,8 +317,8 @@ class Env:
             cls = Runtime
             if "raw-scrub" in self.weakens:
                 class RawScrubRuntime(Runtime):
-                    def session_credentials(self, policy, sandbox_id):
-                        creds, env, files = super().session_credentials(policy, sandbox_id)
+                    def session_credentials(self, policy, sandbox_id, *args):
+                        creds, env, files = super().session_credentials(policy, sandbox_id, *args)
                         creds.scrub_encoded = False
                         return creds, env, files
 
