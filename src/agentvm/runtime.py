@@ -125,7 +125,9 @@ class Runtime:
             from agentvm.gate.embedded import LazyGate
 
             self.log_dir.mkdir(parents=True, exist_ok=True)
-            os.chmod(self.log_dir, 0o700)
+            # no one lists it; a confined gate worker (this run's, or a daemon's sharing the home)
+            # reaches its own decision log by name: 0700 here broke every later daemon run
+            os.chmod(self.log_dir, 0o711)
             # comes up off the run's critical path; by default served by a confined worker process
             # (agentvm.gate.embedded_worker)
             self._gate = LazyGate(self.gate_dir, self.log_dir, self.approval_store, record=self.record,

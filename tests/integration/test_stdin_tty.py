@@ -588,3 +588,14 @@ def test_a_pipe_gets_the_exact_bytes(daemon):
     r = subprocess.run(agentvm_cmd() + ["run", "--", "/bin/sh", "-c", HOSTILE], stdin=subprocess.DEVNULL,
                        capture_output=True, timeout=120)
     assert r.returncode == 0 and all(bit in r.stdout for bit in HOSTILE_BITS), r.stdout
+
+
+def test_an_embedded_run_in_the_daemons_home_leaves_its_workers_able_to_log(daemon):
+    """An embedded run made the logs folder 0700, and every later run through the daemon failed
+    (its confined gate worker, not root, could not open its decision log: exit 125)."""
+    r = subprocess.run(agentvm_cmd() + ["run", "--", "/bin/true"], env={**os.environ, "AGENTVM_NO_DAEMON": "1"},
+                       stdin=subprocess.DEVNULL, capture_output=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    r = subprocess.run(agentvm_cmd() + ["run", "--", "/bin/sh", "-c", "echo through-the-daemon"],
+                       stdin=subprocess.DEVNULL, capture_output=True, timeout=120)
+    assert r.returncode == 0 and r.stdout == b"through-the-daemon\n", r.stderr
