@@ -103,6 +103,9 @@ class Client:
         try:
             try:
                 c.request(method, path, body=body, headers=headers)
+                # kept: a response that closes the connection takes the socket from ``c`` (c.sock
+                # is None then), and a stream must still lift the timeout from it (see stream())
+                c.avm_sock = c.sock
             except (BrokenPipeError, ConnectionResetError):
                 # the daemon answered early (413, 429...) and stopped reading: its answer may be there
                 return c, c.getresponse()
@@ -143,8 +146,9 @@ class Client:
                 except ValueError:
                     body = {}
                 raise error_from(body if isinstance(body, dict) else {}, r.status)
-            if c.sock is not None:
-                c.sock.settimeout(None)  # the stream is as long as the run; the answer came in time
+            sock = c.sock or getattr(c, "avm_sock", None)
+            if sock is not None:  # the stream is as long as the run (silent for minutes, maybe): the answer came in time
+                sock.settimeout(None)
             while True:
                 line = r.readline()
                 if not line:
