@@ -14,6 +14,8 @@ exactly what the diff that printed its id showed."""
 
 from __future__ import annotations
 
+import json
+
 import re
 import select
 import time
@@ -167,6 +169,10 @@ def test_fast_flip_flop_never_applies_what_the_diff_did_not_show(avm_home, folde
             if rid is None:
                 assert "review id: withheld" in d.stdout, d.stdout
                 withheld += 1
+                if withheld == 1:  # the chain says the id was not shown (it binds content no one saw)
+                    recs = [json.loads(x) for x in cli("audit", "show", "--json").stdout.splitlines() if x.strip()]
+                    last = [r for r in recs if r["kind"] == "review.diffed"][-1]
+                    assert last["data"]["shown"] is False and last["data"]["changed_while_shown"], last
                 continue
             shown = _shown_new(d.stdout, "run.sh")
             r = cli("accept", name, "--expect", rid)

@@ -37,12 +37,14 @@ def diff(name, path, as_json):
 
     paths = _paths()
     rv = review.load(paths.home, name, (path,) if path else ())
+    # rendered first: a file the agent rewrote while it was shown withholds the id, and the
+    # record says the id was not shown (it then names no content the operator saw)
+    text = json.dumps(review.to_json(rv), sort_keys=True) if as_json else review.render(rv)
+    shown = as_json or not rv.changed_while_shown
     _record(paths)("review.diffed", {"name": name, "review_id": rv.review_id, "changes": len(rv.changes),
-                                     "conflicts": len(rv.conflicts), "path": path})
-    if as_json:
-        click.echo(json.dumps(review.to_json(rv), sort_keys=True))
-    else:
-        click.echo(review.render(rv), nl=False)
+                                     "conflicts": len(rv.conflicts), "path": path, "shown": shown,
+                                     **({} if shown else {"changed_while_shown": rv.changed_while_shown[:20]})})
+    click.echo(text, nl=as_json)
     return 0
 
 
