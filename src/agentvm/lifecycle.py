@@ -106,11 +106,16 @@ class EmbeddedGateHost:
                                                  extras=extras)
 
     def close(self, sandbox_id: str, pending) -> dict:
+        gate = self.runtime.embedded_gate()
+        placed = getattr(gate, "placement", lambda _sid: None)(sandbox_id)  # where it ran (confined, uid)
         if pending.abandon_if_unused():
             return dict(NO_TRAFFIC)  # the sandbox never connected: no need to wait for the gate
         ep = pending.result()  # raises when the gate never served (every connection refused)
-        self.runtime.embedded_gate().close(sandbox_id)
-        return egress_summary(ep)
+        gate.close(sandbox_id)
+        summary = egress_summary(ep)
+        if placed is not None:
+            summary["gate"] = placed
+        return summary
 
 
 def _no_warmup() -> None:

@@ -1132,6 +1132,8 @@ def test_fail_closed_when_the_gate_cannot_start(gate, monkeypatch, tmp_path):
     on its socket are refused, and the run says so (exit 125, setup_error.step gate)."""
     from agentvm.gate import embedded
 
+    monkeypatch.setenv("AGENTVM_GATE_UNCONFINED", "1")  # the in-process gate (the confined one: test_embedded_gate_confined)
+
     def broken(self, *a, **kw):
         raise RuntimeError("simulated gate start failure")
 

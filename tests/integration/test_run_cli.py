@@ -261,8 +261,16 @@ def test_fail_closed_without_root_then_explicit_degrade(tmp_path):
         r = subprocess.run(base + ["run", "--", "/bin/true"], capture_output=True, env=env, timeout=60)
         assert r.returncode == 77, r.stderr
         assert b"refusing to start" in r.stderr and b"cgroups" in r.stderr and b"dedicated-uid" in r.stderr
-        r = subprocess.run(base + ["run", "--degrade", "cgroups", "--degrade", "cgroup-kill", "--degrade", "dedicated-uid",
-                                   "--", "/bin/sh", "-c", "id -u"], capture_output=True, env=env, timeout=60)
+        degraded = base + ["run", "--degrade", "cgroups", "--degrade", "cgroup-kill", "--degrade", "dedicated-uid",
+                           "--", "/bin/sh", "-c", "id -u"]
+        # the gate cannot be confined without root (no uid to switch to): refused, with the opt-in
+        # named (in a home of its own: this Python's cryptography may be older than the venv's)
+        other = home / "other"
+        other.mkdir()
+        os.chown(other, 65534, 65534)
+        r = subprocess.run(degraded, capture_output=True, env={**env, "AGENTVM_HOME": str(other)}, timeout=60)
+        assert r.returncode != 0 and b"gate.confine-failed" in r.stderr and b"AGENTVM_GATE_UNCONFINED=1" in r.stderr, r.stderr
+        r = subprocess.run(degraded, capture_output=True, env={**env, "AGENTVM_GATE_UNCONFINED": "1"}, timeout=60)
         assert b"DEGRADED" in r.stderr
         assert r.returncode == 0, r.stderr
         assert r.stdout.strip() == b"1000"
