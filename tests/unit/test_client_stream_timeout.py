@@ -25,7 +25,13 @@ def test_a_stream_silent_for_longer_than_the_timeout_is_read_to_its_end(tmp_path
 
     def serve():
         c, _ = srv.accept()
-        c.recv(65536)
+        req = b""
+        while b"\r\n\r\n" not in req:  # the whole request (head, then its body): unread bytes at close reset it
+            req += c.recv(65536)
+        head, _, body = req.partition(b"\r\n\r\n")
+        n = int(next((ln.split(b":")[1] for ln in head.split(b"\r\n") if ln.lower().startswith(b"content-length:")), 0))
+        while len(body) < n:
+            body += c.recv(65536)
         head = "HTTP/1.1 200 OK\r\nContent-Type: application/x-ndjson\r\n"
         head += "Connection: close\r\n\r\n" if close else "Transfer-Encoding: identity\r\n\r\n"
         c.sendall(head.encode() + json.dumps({"data": "YQ=="}).encode() + b"\n")
