@@ -228,3 +228,24 @@ def test_the_unconfined_gate_is_an_audited_opt_in(fresh_home, tmp_path, upstream
         doc = json.loads(av("doctor", "--json", "--no-smoke", check=False).stdout)
         gate = next(p for p in doc["extras"] if p["name"] == "gate-contained")
         assert gate["ok"] and "per-agent" in gate["detail"], gate
+
+
+from tests.integration.test_tools_e2e import env, outputs, run_client, write_agent  # noqa: E402,F401 (env: a fixture)
+
+
+def test_a_sandbox_with_tools_is_served_by_a_worker_and_its_tools_by_the_daemon(env, avm_home):
+    """Its egress and its /mcp requests' HTTP are parsed by its agent's confined worker; the
+    tool gateway (MCP sessions, tool servers, approvals) answers each request in the daemon."""
+    with daemon_up(avm_home):
+        agent = write_agent(env, "tgw")
+        r = run_client(env, agent, [["call", "t__echo", {"text": "through a worker"}]])
+        assert r.returncode == 0, r.stderr.decode()[-3000:]
+        assert outputs(r.stdout)[1] == {"ok": True, "text": "through a worker"}
+        recs = audit()
+        assert not [x for x in recs if x["kind"] == "gate.placement"], "placed on the daemon's own gate"
+        started = [x["data"] for x in recs if x["kind"] == "gate.worker-started"]
+        assert any(d["tenant"].endswith("tgw") for d in started), started
+        # the gateway's decision, written by the worker in the sandbox's decision log
+        logged = [ln for f in (Path(avm_home) / "logs").glob("*.egress.jsonl") for ln in f.read_text().splitlines()
+                  if '"phase": "tool"' in ln.replace('":"', '": "') and "echo" in ln]
+        assert logged, "the tool call's decision record"

@@ -71,9 +71,9 @@ class DaemonGateHost:
         if workers is not None:
             from agentvm.gate.workers import unplaceable
 
-            # (tools=False: a sandbox with tools stays on the daemon's gate - serving its /mcp from
-            # a worker, agentvm.gate.workers._RemoteTools, is not enabled yet: see docs/daemon.md)
-            why = unplaceable(egress, extras, creds, tools=False)
+            # (with tools too: its /mcp requests are parsed by the worker, answered by its tool
+            # gateway here - agentvm.gate.workers._RemoteTools / WorkerPool._q_tools)
+            why = unplaceable(egress, extras, creds, tools=workers.host_gate is not None)
             if why is None:  # a gate worker serves it (agentvm.gate.workers): held requests and budgets too
                 from agentvm.gate.workers import START_TIMEOUT
 
