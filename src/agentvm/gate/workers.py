@@ -886,6 +886,10 @@ class WorkerPool:
     def own_log(self, sandbox_id: str, uid: int | None) -> None:
         """Make ``sandbox_id``'s decision log (appended to if it exists) the worker's to write."""
         path = self.log_dir / f"{sandbox_id}.egress.jsonl"
+        if uid is not None:  # the worker reaches its log by name: the folder must stay searchable
+            st = self.log_dir.stat()  # (another process may have made it 0700 meanwhile)
+            if not st.st_mode & 0o001:
+                os.chmod(self.log_dir, (st.st_mode & 0o7777) | 0o001)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
             if uid is not None:
