@@ -21,7 +21,11 @@ from pathlib import Path
 from agentvm.errors import BackendError
 
 AGENT_RANGE = 60000  # uids for named agents: base .. base+AGENT_RANGE-GATE_UIDS-1
-GATE_UIDS = 64  # the top of the agent range: one uid per confined gate worker slot (agentvm.gate.confine)
+# the top of the agent range: one uid per confined gate worker slot (agentvm.gate.confine), so at
+# most this many agents run at once with egress (each one worker). Was 64 (a 65th running agent
+# was refused); an installation's identities never reached this band (58,976 agents ever made),
+# and one that did is refused by agent_identity rather than share a uid with a gate worker.
+GATE_UIDS = 1024
 LEASE_RANGE = 60000  # uids for anonymous runs: base+AGENT_RANGE ..
 
 
@@ -246,6 +250,13 @@ def agent_identity(db: Path, name: str) -> Identity:
         else:
             uid = row[0]
             conn.execute("COMMIT")
+            if uid >= base + AGENT_RANGE - GATE_UIDS and not os.environ.get("AGENTVM_GATE_UID_BASE"):
+                # made when the gate band was narrower: never share a uid with a gate worker
+                raise BackendError(
+                    f"agent {name!r} has uid {uid}, which is now a confined gate worker's "
+                    f"(the top {GATE_UIDS} of the installation's agent uids): refusing to run it as that uid",
+                    hint="move the agent to a new name (its workspace is owned by the old uid), or set "
+                    "AGENTVM_GATE_UID_BASE to a range no agent uses")
     return Identity(uid=uid, gid=uid, leased=False)
 
 

@@ -37,9 +37,9 @@ def test_plan_never_root_and_never_the_daemons_state(tmp_path):
 
 def test_gate_uids_are_per_slot_and_never_low(monkeypatch, tmp_path):
     monkeypatch.setenv("AGENTVM_GATE_UID_BASE", "5000000")
-    assert [confine.gate_uid(tmp_path, i) for i in (0, 1, 63)] == [5000000, 5000001, 5000063]
+    assert [confine.gate_uid(tmp_path, i) for i in (0, 1, 1023)] == [5000000, 5000001, 5001023]
     with pytest.raises(ConfineError):
-        confine.gate_uid(tmp_path, 64)
+        confine.gate_uid(tmp_path, 1024)
     monkeypatch.setenv("AGENTVM_GATE_UID_BASE", "1000")
     with pytest.raises(ConfineError, match="65536"):
         confine.gate_uid(tmp_path, 0)

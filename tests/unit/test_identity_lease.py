@@ -123,3 +123,28 @@ def test_a_range_of_an_installation_that_is_gone_is_claimed_again(tmp_path, monk
     other = tmp_path / "other"
     other.mkdir()
     assert identity.uid_base(other) == base2
+
+
+def test_an_agent_whose_uid_is_now_a_gate_workers_is_refused_not_run_as_it(tmp_path, monkeypatch):
+    """The gate workers' band at the top of the agent range grew (64 -> 1024 slots): an agent made
+    before, with a uid now in the band, must not run as a uid a confined gate worker also uses
+    (it could signal or trace that worker, or read the decision logs it owns)."""
+    import sqlite3
+
+    from agentvm.gate.confine import gate_uid
+    from agentvm.identity import AGENT_RANGE, GATE_UIDS, agent_identity, uid_base
+
+    monkeypatch.setenv("AGENTVM_UID_REGISTRY", str(tmp_path / "registry"))
+    monkeypatch.delenv("AGENTVM_GATE_UID_BASE", raising=False)
+    db = tmp_path / "state.db"
+    ok = agent_identity(db, "alpha")  # allocated from the bottom, below the band
+    base = uid_base(tmp_path)
+    assert ok.uid < base + AGENT_RANGE - GATE_UIDS
+    band = gate_uid(tmp_path, 0)
+    assert band == base + AGENT_RANGE - GATE_UIDS
+    with sqlite3.connect(db) as c:  # as an installation that had allocated this high
+        c.execute("INSERT INTO identities(name, uid, created) VALUES ('old', ?, 0)", (band + 5,))
+    with pytest.raises(BackendError) as ei:
+        agent_identity(db, "old")
+    assert "confined gate worker" in ei.value.message and "AGENTVM_GATE_UID_BASE" in ei.value.hint
+    assert agent_identity(db, "alpha") == ok

@@ -64,6 +64,7 @@ from pathlib import Path
 
 from agentvm.errors import AgentVMError
 from agentvm.fsutil import bind_unix_listener
+from agentvm.identity import GATE_UIDS
 
 log = logging.getLogger("agentvm.gate.workers")
 
@@ -72,7 +73,7 @@ MAX_MESSAGE = 1 << 28  # a pickled message larger than this is a broken peer
 CALL_TIMEOUT = 10.0  # seconds a worker has to acknowledge a call; past it, it is killed and replaced
 START_TIMEOUT = 30.0  # seconds a new worker has to come up (imports, its first acknowledgement)
 STOP_TIMEOUT = 5.0  # seconds a worker has to exit once the daemon hangs up, before SIGKILL
-MAX_WORKERS = 64
+MAX_WORKERS = GATE_UIDS  # one uid per slot (gate.confine.gate_uid): at most this many agents run with egress
 RECORD_DELAY = 0.002  # seconds a worker holds decision records to send them in one message
 RECORD_BATCH = 256  # ... or until this many wait
 OPENS_IN_FLIGHT = 16  # endpoint opens (each with a descriptor queued) sent to one worker at once
