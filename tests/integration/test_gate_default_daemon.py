@@ -213,6 +213,8 @@ def test_the_unconfined_gate_is_an_audited_opt_in(fresh_home, tmp_path, upstream
         assert pid == daemon, "(the opt-in: the daemon's own process reads the sandbox's bytes)"
         gate = json.loads(av("status", "--json", check=False).stdout)["gate"]
         assert gate["mode"] == "unconfined" and gate["contained"] is False and "--gate-workers 0" in gate["warning"]
+        text = av("status", check=False)  # the text form says it too, on stderr
+        assert b"warning: " in text.stderr and b"--gate-workers 0" in text.stderr, text.stderr
         doc = json.loads(av("doctor", "--json", "--no-smoke", check=False).stdout)
         assert any("not contained" in w for w in doc["warnings"]), doc["warnings"]
         av("rm", "gd-root")

@@ -147,6 +147,9 @@ def status(as_json):
         click.echo(f"last promotion: {x['commit'][:12]} {x['result']} by {x['actor']} at "
                    f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(x['time']))}")
     click.echo("drift" if s["drift"] else "no drift")
+    gate = s.get("gate") or {}
+    if gate.get("warning"):  # an unconfined or shared gate: said every time, not only at `up`
+        click.echo(f"warning: {gate['warning']}", err=True)
     return 1 if s["drift"] else 0
 
 
