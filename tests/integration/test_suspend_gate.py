@@ -233,7 +233,7 @@ def test_suspend_refuses_a_request_longer_than_the_drain(avm_home, tmp_path, mon
             row = _row(name)
             assert row["state"] == "running" and row["sandbox_id"] == sid, row
             # the request is answered (the agent's client gets its end), and new ones are served
-            _cmd(name, "slow-done", "slow-done", timeout=30)  # (a no-op command: waits for the answer)
+            _cmd(name, "noop", "slow-done", timeout=30)  # (a command the agent ignores: waits for the answer)
             _cmd(name, "hold", "held ok")
             _cmd(name, "close", "closed")
             recs = [json.loads(x) for x in av("audit", "show", "--json").stdout.splitlines() if x.strip()]
