@@ -223,22 +223,11 @@ class StateControl:
         while its sandbox is paused where it can be (a consistent point; nothing moves while the
         files are read). A suspended agent is resumed first. ``memory``: its processes too
         (:meth:`_memory_snapshot`, gVisor)."""
-        from agentvm import snapshot
-
         if memory:
             return await self._memory_snapshot(name, tag=tag, actor=actor)
         await self.wake(name, actor=actor, why="snapshot")
         m = self._live(name)
-        ws = m.session.res.workspace
-        if ws is None:
-            raise refuse("config.invalid", f"{name} has no workspace to snapshot")
-        row = self.state.get(name)
-        policy = await asyncio.to_thread(self.effective_policy, row)
-        digest = policy.digest()
-        image = getattr(m.session.policy, "image", None) or "host-view"
-        # a snapshot holds at most the agent's disk limit of file content (restored into that limit)
-        limit = policy.limits.disk or snapshot.MAX_BYTES
-        doc = {"spec_text": row.spec_text, "spec_file": row.spec_file, "policy_patch": row.policy_patch or "{}"}
+        ws, row, policy, digest, image, limit, doc = await self._snapshot_basis(name, m)
         froze = False
         if row.state == "running":
             try:
@@ -260,6 +249,21 @@ class StateControl:
                     files=snap.files, skipped=snap.skipped)
         return snap.to_dict()
 
+    async def _snapshot_basis(self, name: str, m):
+        """What any snapshot of ``name`` records: its workspace, row, effective policy and its
+        digest, the image it runs on, the content limit (at most the agent's disk limit of file
+        content: restored into that limit) and the policy document."""
+        from agentvm import snapshot
+
+        ws = m.session.res.workspace
+        if ws is None:
+            raise refuse("config.invalid", f"{name} has no workspace to snapshot")
+        row = self.state.get(name)
+        policy = await asyncio.to_thread(self.effective_policy, row)
+        image = getattr(m.session.policy, "image", None) or "host-view"
+        doc = {"spec_text": row.spec_text, "spec_file": row.spec_file, "policy_patch": row.policy_patch or "{}"}
+        return ws, row, policy, policy.digest(), image, policy.limits.disk or snapshot.MAX_BYTES, doc
+
     async def _memory_snapshot(self, name: str, *, tag: str | None, actor: str) -> dict:
         """A snapshot with memory (gVisor): the sandbox is checkpointed as by ``suspend`` (its
         gate connections drained first, or refused), its workspace read while it is paused just
@@ -277,17 +281,7 @@ class StateControl:
                          "domain, so a memory fork would run weaker than its parent - never attempted",
                          hint=f"snapshot the workspace only (`agentvm snapshot {name}`), or run the agent on gVisor "
                               "(`substrate: gvisor`) to snapshot its memory")
-        ws = m.session.res.workspace
-        if ws is None:
-            raise refuse("config.invalid", f"{name} has no workspace to snapshot")
-        row = self.state.get(name)
-        policy = await asyncio.to_thread(self.effective_policy, row)
-        digest = policy.digest()
-        image = getattr(m.session.policy, "image", None) or "host-view"
-        from agentvm import snapshot as snapmod
-
-        limit = policy.limits.disk or snapmod.MAX_BYTES
-        doc = {"spec_text": row.spec_text, "spec_file": row.spec_file, "policy_patch": row.policy_patch or "{}"}
+        ws, row, policy, digest, image, limit, doc = await self._snapshot_basis(name, m)
         creds = m.session.res.creds
         held = [[f"{n.split('.', 1)[0]}.parent", p] for n, p in (creds.placeholders.items() if creds else ())]
         staged: dict = {}
