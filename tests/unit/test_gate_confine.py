@@ -79,6 +79,24 @@ print("survived", flush=True)
     assert "getpid True" in r.stdout and "sethostname -1 1" in r.stdout and "survived" not in r.stdout
 
 
+@pytest.mark.parametrize("how", ["os.fork()", "libc.syscall(57)", "libc.syscall(58)", "libc.syscall(56, 17, 0, 0, 0, 0)"])
+def test_a_new_process_is_killed_threads_still_start(tmp_path, how):
+    """A worker only ever starts threads: a process it made could outlive it as its slot's uid
+    and meet the next agent's worker there (security review: it read the next agent's decision
+    log). fork, vfork and clone without CLONE_THREAD (17: SIGCHLD, as fork does) kill it."""
+    (tmp_path / "logs").mkdir()
+    r = _child(PRELUDE.format(home=str(tmp_path)) + f"""
+import threading
+confine.seccomp_filter(p.kill, p.allow).load()
+libc = ctypes.CDLL(None, use_errno=True)
+t = threading.Thread(target=lambda: print("thread ran", flush=True)); t.start(); t.join()
+{how}
+print("survived", flush=True)
+""")
+    assert r.returncode == -31, (r.returncode, r.stdout, r.stderr)
+    assert "thread ran" in r.stdout and "survived" not in r.stdout
+
+
 def test_landlock_reads_only_the_plans_directories(tmp_path):
     (tmp_path / "logs").mkdir()
     (tmp_path / "logs" / "mine.jsonl").write_text("")

@@ -386,6 +386,9 @@ KILL = (
     "setuid", "setgid", "setreuid", "setregid", "setresuid", "setresgid", "setgroups", "setfsuid", "setfsgid",
     "capset", "personality", "name_to_handle_at", "open_by_handle_at", "swapon", "swapoff", "acct",
     "iopl", "ioperm", "quotactl", "syslog", "vhangup", "uselib", "lookup_dcookie",
+    # a new process: one could outlive its worker as the slot's uid and meet the next agent's
+    # worker there (its decision logs, its signals); a worker only ever starts threads
+    "fork", "vfork",
 )
 # what an asyncio network proxy (CPython, uvloop, OpenSSL, zlib/brotli/zstd) calls; anything
 # else fails with EPERM
@@ -413,7 +416,7 @@ ALLOW = (
     "getuid", "geteuid", "getgid", "getegid", "getresuid", "getresgid", "getgroups", "uname", "getrlimit",
     "prlimit64", "getrusage", "sysinfo", "times", "getcpu", "sched_getaffinity", "sched_getparam",
     "sched_getscheduler", "getpriority", "capget", "seccomp", "landlock_create_ruleset", "landlock_add_rule",
-    "landlock_restrict_self", "fork", "vfork",
+    "landlock_restrict_self",
     # time, randomness, signals
     "clock_gettime", "clock_getres", "gettimeofday", "time", "getrandom", "rt_sigaction", "rt_sigprocmask",
     "rt_sigreturn", "rt_sigtimedwait", "rt_sigpending", "rt_sigsuspend", "sigaltstack", "tgkill", "tkill", "kill",
@@ -421,6 +424,7 @@ ALLOW = (
 )
 CLONE_NS_BITS = (0x00020000, 0x02000000, 0x04000000, 0x08000000, 0x10000000, 0x20000000, 0x40000000, 0x00000080)
 CLONE_NS_ALL = sum(CLONE_NS_BITS)
+CLONE_THREAD = 0x00010000
 AF_UNIX, AF_INET, AF_INET6, AF_NETLINK = 1, 2, 10, 16
 SOCK_TYPE_MASK, SOCK_RAW, SOCK_PACKET = 0xF, 3, 10
 TIOCSTI, TIOCLINUX = 0x5412, 0x541C
@@ -446,11 +450,13 @@ def seccomp_filter(kill: tuple[str, ...] = KILL, allow: tuple[str, ...] = ALLOW)
             f.add_rule(sc.KILL_PROCESS, name)
         except Exception:  # noqa: BLE001 - (idem)
             pass
-    # threads, not namespaces: clone without a CLONE_NEW* flag; with one: killed. clone3 hides
-    # its flags in a struct: ENOSYS (glibc falls back to clone)
-    f.add_rule(sc.ALLOW, "clone", sc.Arg(0, sc.MASKED_EQ, CLONE_NS_ALL, 0))
+    # threads only: clone with CLONE_THREAD and no CLONE_NEW* flag; a new process (no
+    # CLONE_THREAD) or a namespace: killed. clone3 hides its flags in a struct: ENOSYS (glibc
+    # falls back to clone)
+    f.add_rule(sc.ALLOW, "clone", sc.Arg(0, sc.MASKED_EQ, CLONE_NS_ALL | CLONE_THREAD, CLONE_THREAD))
+    f.add_rule(sc.KILL_PROCESS, "clone", sc.Arg(0, sc.MASKED_EQ, CLONE_THREAD, 0))
     for bit in CLONE_NS_BITS:
-        f.add_rule(sc.KILL_PROCESS, "clone", sc.Arg(0, sc.MASKED_EQ, bit, bit))
+        f.add_rule(sc.KILL_PROCESS, "clone", sc.Arg(0, sc.MASKED_EQ, bit | CLONE_THREAD, bit | CLONE_THREAD))
     f.add_rule(sc.ERRNO(errno.ENOSYS), "clone3")
     # sockets: unix, IP (no raw, no packet), netlink route only (getaddrinfo's AI_ADDRCONFIG)
     f.add_rule(sc.ALLOW, "socket", sc.Arg(0, sc.EQ, AF_UNIX))

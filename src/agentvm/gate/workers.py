@@ -51,6 +51,7 @@ import argparse
 import asyncio
 import errno
 import io
+import json
 import logging
 import os
 import pickle
@@ -69,7 +70,10 @@ from agentvm.identity import GATE_UIDS
 log = logging.getLogger("agentvm.gate.workers")
 
 HEADER = struct.Struct("!I")
-MAX_MESSAGE = 1 << 28  # a pickled message larger than this is a broken peer
+MAX_MESSAGE = 1 << 28  # a pickled message larger than this is a broken peer (the daemon's to a worker)
+MAX_FROM_WORKER = 16 << 20  # ... from a worker (its largest: a tool call's 4 MiB body); unpickled ~90x
+MAX_NODES = 1 << 20  # containers and items a worker's message may expand to, shared references counted
+MAX_DEPTH = 64
 CALL_TIMEOUT = 10.0  # seconds a worker has to acknowledge a call; past it, it is killed and replaced
 START_TIMEOUT = 30.0  # seconds a new worker has to come up (imports, its first acknowledgement)
 STOP_TIMEOUT = 5.0  # seconds a worker has to exit once the daemon hangs up, before SIGKILL
@@ -132,7 +136,44 @@ class _PlainData(pickle.Unpickler):
 
 
 def _plain_loads(data) -> object:
-    return _PlainData(io.BytesIO(data)).load()
+    if len(data) > MAX_FROM_WORKER:
+        raise ValueError(f"a message of {len(data)} bytes from a gate worker (at most {MAX_FROM_WORKER})")
+    obj = _PlainData(io.BytesIO(data)).load()
+    _bounded(obj)
+    return obj
+
+
+def _bounded(obj) -> None:
+    """Refuse a worker's message whose data *expands* past MAX_NODES or nests past MAX_DEPTH.
+    Pickle's memo lets a few hundred bytes reference one list from many places: 60 levels of
+    two references each is 2^60 leaves, and the daemon's first str() or JSON dump of it would
+    hold its loop for ever. The expanded size is computed once per distinct container (linear
+    in the message), without recursion."""
+    sizes: dict[int, int] = {}
+    stack: list = [(obj, 0, False)]
+    keep: list = []  # (the containers measured stay alive: ids are not reused meanwhile)
+    while stack:
+        o, depth, done = stack.pop()
+        if type(o) not in (list, tuple, dict, set, frozenset):
+            continue
+        if done:
+            items = list(o.keys()) + list(o.values()) if type(o) is dict else o
+            n = 1 + sum(sizes.get(id(x), 1) for x in items)
+            if n > MAX_NODES:
+                raise ValueError(f"a gate worker's message expands to more than {MAX_NODES} items")
+            sizes[id(o)] = n
+            continue
+        if id(o) in sizes:
+            continue
+        if depth > MAX_DEPTH:
+            raise ValueError(f"a gate worker's message nests deeper than {MAX_DEPTH}")
+        keep.append(o)
+        sizes[id(o)] = MAX_NODES + 1  # (a cycle back to it, while it is measured: refused)
+        stack.append((o, depth, True))
+        items = list(o.keys()) + list(o.values()) if type(o) is dict else o
+        for x in items:
+            if type(x) in (list, tuple, dict, set, frozenset) and id(x) not in sizes:
+                stack.append((x, depth + 1, False))
 
 
 class _Frames(asyncio.Protocol):
@@ -143,6 +184,8 @@ class _Frames(asyncio.Protocol):
 
     def __init__(self, on_message, on_lost, loads=pickle.loads) -> None:
         self.on_message, self.on_lost, self.loads = on_message, on_lost, loads
+        # the daemon's end reads a worker (maybe compromised): a smaller frame, never buffered past it
+        self.limit = MAX_FROM_WORKER if loads is _plain_loads else MAX_MESSAGE
         self.buf = bytearray()
         self.transport = None
 
@@ -156,7 +199,7 @@ class _Frames(asyncio.Protocol):
         try:
             while size - at >= HEADER.size:
                 (n,) = HEADER.unpack_from(buf, at)
-                if n > MAX_MESSAGE:
+                if n > self.limit:
                     raise ValueError(f"a message of {n} bytes: the peer is broken")
                 if size - at - HEADER.size < n:
                     break
@@ -172,6 +215,40 @@ class _Frames(asyncio.Protocol):
 
     def connection_lost(self, exc) -> None:
         self.on_lost("its channel closed" if exc is None else f"its channel broke ({exc})")
+
+
+def _only_rotated(index: int, name: str, binding, creds, text) -> None:
+    """What a worker may write in the vault: an OAuth2 broker's rotated refresh token, nothing
+    else of the entry. The entry is global (every agent bound to it mints from it): a worker
+    that could rewrite its token URL or client would have every later mint sent where it chose."""
+    refuse = AgentVMError(f"gate worker {index} asked to store credential {name!r} with more than its refresh "
+                          "token changed: refused")
+    if getattr(getattr(binding, "broker", None), "kind", None) != "oauth2-refresh" or type(text) is not str \
+            or len(text) > 65536:
+        raise refuse
+    try:
+        src = getattr(creds, "source", creds)  # (the daemon's side of a worker's set: its source reads the vault)
+        cur, new = json.loads(getattr(src, "_raw_value", None)(name)), json.loads(text)
+    except Exception:  # noqa: BLE001 - unreadable either side: nothing is stored
+        raise refuse from None
+    rt = new.get("refreshToken") if isinstance(new, dict) else None
+    if (not isinstance(cur, dict) or not isinstance(rt, str) or not rt or len(rt) > 8192
+            or set(new) - {"refreshToken"} != set(cur) - {"refreshToken"}
+            or any(new[k] != cur[k] for k in cur if k != "refreshToken")):
+        raise refuse
+
+
+def _worker_record(rec: dict, agent: str, now: float) -> dict:
+    """A decision record from a worker (which may be compromised), as the daemon takes it: the
+    agent is the one the daemon gave the sandbox to (never the worker's word: a record in another
+    agent's name on the audit chain), no ``kind`` of its own (an event posing as another kind),
+    a time within the last five minutes (a record's time moves idle clocks and orders the chain);
+    string keys only."""
+    out = {k: v for k, v in rec.items() if type(k) is str and k not in ("kind", "agent", "time")}
+    t = rec.get("time")
+    out["time"] = t if type(t) in (int, float) and now - 300 <= t <= now + 1 else now
+    out["agent"] = agent
+    return out
 
 
 def _quiet(fut: asyncio.Future) -> None:
@@ -619,7 +696,9 @@ class GateWorker:
     def __init__(self, pool: "WorkerPool", index: int, tenant: str | None = None) -> None:
         self.pool, self.index = pool, index
         self.tenant = tenant  # the placement key it serves (isolate=...), for its whole life; None: anyone
-        self.given: set[str] = set()  # the sandboxes it was ever given: the only ones it may send records of
+        # the sandboxes it was ever given (-> their agent, as the daemon knows it): the only ones
+        # it may send records of, and the agent a record is written under whatever it says
+        self.given: dict[str, str] = {}
         self.uid = pool.uid_for(index)  # its uid once confined (None: not switched)
         self.endpoints: dict[str, RemoteEndpoint] = {}
         self.proc: asyncio.subprocess.Process | None = None
@@ -640,6 +719,8 @@ class GateWorker:
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
+        if self.uid is not None:  # nothing of the slot's uid may outlive its last worker (its seccomp kills
+            await asyncio.to_thread(self._clear_slot)  # a fork; this is the second wall) and meet this one
         chan, chan_w = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         fds, fds_w = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
         args = [sys.executable, "-m", "agentvm.gate.workers", "--channel", str(chan_w.fileno()),
@@ -679,13 +760,34 @@ class GateWorker:
                                "`agentvm down && agentvm up`")
         self.ready = True
 
+    def _clear_slot(self) -> None:
+        """Kill any process of this slot's uid left alive (an earlier worker's): recorded as a
+        security alert. One that will not die fails the start (fail closed)."""
+        from agentvm.identity import uid_has_processes
+
+        left = uid_has_processes(self.uid)
+        if not left:
+            return
+        for pid in left:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.pool.on_event("gate.slot-leftover", worker=self.index, uid=self.uid, pids=left[:20], alert="security")
+        deadline = time.monotonic() + 5
+        while uid_has_processes(self.uid):
+            if time.monotonic() > deadline:
+                raise AgentVMError(f"gate worker slot {self.index} (uid {self.uid}) still has processes after SIGKILL: "
+                                   "refusing to start a worker beside them")
+            time.sleep(0.02)
+
     def send(self, op: str, *args, fd: int | None = None) -> asyncio.Future:
         """Send one call; -> the future of its acknowledgement (raises WorkerLost at once if the
         worker is gone)."""
         if not self.alive:
             raise WorkerLost(f"gate worker {self.index} is gone: {self.reason}")
         if op == "open":
-            self.given.add(args[0])  # (its records are taken from now on)
+            self.given[args[0]] = args[1]  # (its records are taken from now on; args: sandbox, agent, ...)
             if self.pool.confine is not None:
                 self.pool.own_log(args[0], self.uid)  # (a confined worker creates no file: its log is made for it)
         self._next += 1
@@ -718,11 +820,13 @@ class GateWorker:
         if msg[0] == "records":
             moved = self._counters(msg[2]) if len(msg) > 2 else ()
             on_record = self.pool.on_record
+            now = time.time()
             for rec in msg[1]:
                 if not isinstance(rec, dict) or rec.get("sandbox") not in self.given:
                     log.error("gate worker %d sent a record of a sandbox it does not serve: dropped (%.200r)",
                               self.index, rec)
                     continue
+                rec = _worker_record(rec, self.given[rec["sandbox"]], now)
                 try:
                     on_record(rec)
                 except Exception:  # noqa: BLE001 - one record's consumer must not cost the channel
@@ -906,9 +1010,11 @@ class WorkerPool:
         if b is None or getattr(b, "broker", None) is None:
             raise AgentVMError(f"gate worker {w.index} asked to store credential {name!r} of {sandbox_id}, "
                                "which is not a brokered credential of a sandbox it serves")
+        _only_rotated(w.index, name, b, ep.creds, text)
         persist = getattr(ep.creds.source, "_persist", None)
         if persist is not None:
             persist(b, text)
+            self.on_event("credential.rotated", sandbox=sandbox_id, credential=name, worker=w.index)
 
     # -- the monitor: a worker's questions ------------------------------------------------
     def question(self, w: GateWorker, msg) -> None:
@@ -1320,9 +1426,14 @@ class WorkerPool:
                     await ep.tools.close()
                 except Exception:  # noqa: BLE001
                     log.exception("closing the tool gateway of %s", ep.sandbox_id)
-            if w.uid is not None:  # the log is the daemon's again (a later tenant of the slot has the same uid)
-                try:
-                    os.chown(ep.log_path, 0, 0, follow_symlinks=False)
+            if w.uid is not None:  # the log is the daemon's again (a later tenant of the slot has the same uid),
+                try:  # and only its: a worker may have made it world-writable (fchmod is a proxy's call)
+                    fd = os.open(ep.log_path, os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+                    try:
+                        os.fchown(fd, 0, 0)
+                        os.fchmod(fd, 0o600)
+                    finally:
+                        os.close(fd)
                 except OSError:
                     pass
             ep.release_reservations()
