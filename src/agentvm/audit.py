@@ -128,9 +128,9 @@ class AuditLog:
         if new:  # owner-only from the first byte
             os.close(os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600))
         self._conn = sqlite3.connect(str(self.path), timeout=10.0, isolation_level=None, check_same_thread=False)
-        self._conn.execute("PRAGMA journal_mode=WAL")
-        self._conn.execute("PRAGMA busy_timeout=10000")
-        self._conn.executescript(_SCHEMA)
+        from agentvm.statedb import init_schema
+
+        init_schema(self._conn, self.path, _SCHEMA)  # (under a lock: writers opening a new chain at once)
         self._checked = False  # verified from the checkpoint before this writer's first record
         self._vouched: tuple[int, str] | None = None  # the last record this writer can vouch for
         self._vouched_written = 0.0

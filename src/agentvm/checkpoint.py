@@ -135,8 +135,9 @@ class CheckpointStore:
     def __init__(self, db: Path) -> None:
         self._lock = threading.Lock()
         self._db = sqlite3.connect(str(db), check_same_thread=False, timeout=5.0, isolation_level=None)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.executescript(_SCHEMA)
+        from agentvm.statedb import init_schema
+
+        init_schema(self._db, db, _SCHEMA)
         if "placeholders" not in {r[1] for r in self._db.execute("PRAGMA table_info(checkpoints)")}:
             try:  # (a database from before)
                 self._db.execute("ALTER TABLE checkpoints ADD COLUMN placeholders TEXT NOT NULL DEFAULT '{}'")

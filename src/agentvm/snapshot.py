@@ -366,8 +366,9 @@ class SnapshotStore:
         self.home = Path(home)
         self._lock = threading.Lock()
         self._db = sqlite3.connect(str(db), check_same_thread=False, timeout=5.0, isolation_level=None)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.executescript(_SCHEMA)
+        from agentvm.statedb import init_schema
+
+        init_schema(self._db, db, _SCHEMA)
         cols = {r[1] for r in self._db.execute("PRAGMA table_info(snapshots)")}
         if "memory_digest" not in cols:  # (a store from before memory snapshots)
             try:

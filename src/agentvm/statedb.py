@@ -66,20 +66,30 @@ def connect(path: Path, table: str, schema: str, consequence: str = _UIDS) -> sq
 
 
 def _create(conn: sqlite3.Connection, path: Path, table: str, schema: str) -> None:
-    """Make the schema once, when several processes open a new database at the same moment
-    (two `agentvm run`s on a fresh home): switching to WAL and a schema script's deferred
-    transaction each fail at once with "database is locked" when another process is doing the
-    same (SQLite does not wait out a lock upgrade that could deadlock). So the first one makes
-    it under an exclusive lock on a file beside it; the others wait for that lock, then see the
-    table and make nothing."""
+    init_schema(conn, path, schema, table=table)
+
+
+def init_schema(conn: sqlite3.Connection, path, schema: str, *, table: str | None = None) -> None:
+    """WAL and ``schema`` for a database several processes may open at the same moment (two
+    `agentvm run`s on a fresh home, a run beside the daemon): switching to WAL, and a schema
+    script's deferred transaction, fail at once with "database is locked" when another process is
+    doing the same (SQLite does not wait out a lock it could deadlock on). So they are done under
+    an exclusive lock on a file beside the database (held for milliseconds); the others wait for
+    it, then find the work done. ``table``: when it exists already, nothing is done. Every
+    agent-vm database opened for writing comes here (statedb.connect, the audit chain, the
+    checkpoint, snapshot and E2B stores)."""
     import fcntl
 
+    path = Path(path)
+    conn.execute("PRAGMA busy_timeout=10000")
     fd = os.open(path.with_name(f".{path.name}.init"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)  # held only while a schema is made: milliseconds
-        if conn.execute("SELECT 1 FROM sqlite_master WHERE type='table' AND name=?", (table,)).fetchone():
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        if table is not None and conn.execute("SELECT 1 FROM sqlite_master WHERE type='table' AND name=?",
+                                              (table,)).fetchone():
             return
-        conn.execute("PRAGMA journal_mode=WAL")
+        if conn.execute("PRAGMA journal_mode").fetchone()[0].lower() != "wal":
+            conn.execute("PRAGMA journal_mode=WAL")
         conn.executescript(schema)
     finally:
         os.close(fd)

@@ -43,9 +43,10 @@ class E2BStore:
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
         os.close(fd)
         self.db = sqlite3.connect(str(self.path), isolation_level=None, check_same_thread=False)
-        self.db.execute("PRAGMA journal_mode=WAL")
+        from agentvm.statedb import init_schema
+
+        init_schema(self.db, self.path, SCHEMA)
         self.db.execute("PRAGMA synchronous=FULL")
-        self.db.executescript(SCHEMA)
 
     def save(self, b: Box) -> None:
         self.db.execute(
