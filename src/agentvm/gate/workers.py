@@ -238,6 +238,27 @@ def _only_rotated(index: int, name: str, binding, creds, text) -> None:
         raise refuse
 
 
+async def _answer_of(asker, sandbox_id: str, qid, fut: asyncio.Future, gone) -> None:
+    """Wait for the daemon's answer to question ``qid``, telling it once when the requester
+    left (``gone()`` true, or failing) or the wait is cancelled, so it drops what it holds."""
+    told = False
+    try:
+        while not fut.done():
+            await asyncio.wait([fut], timeout=0.1)
+            if not told and gone is not None and not fut.done():
+                try:
+                    left = bool(gone())
+                except Exception:  # noqa: BLE001 - a check that fails: gone
+                    left = True
+                if left:
+                    told = True
+                    asker.tell("gone", sandbox_id, qid)
+    except asyncio.CancelledError:
+        if not told:
+            asker.tell("gone", sandbox_id, qid)
+        raise
+
+
 def _worker_record(rec: dict, agent: str, now: float) -> dict:
     """A decision record from a worker (which may be compromised), as the daemon takes it: the
     agent is the one the daemon gave the sandbox to (never the worker's word: a record in another
@@ -1792,22 +1813,7 @@ class _RemoteTools:
                                   scope["query_string"].decode("ascii", "replace"),
                                   [(bytes(k), bytes(v)) for k, v in scope["headers"]], body, scope["http_version"],
                                   int(scope["server"][1] or 80))
-        gone, told = scope.get("agentvm.gone"), False
-        try:
-            while not fut.done():
-                await asyncio.wait([fut], timeout=0.1)
-                if not told and gone is not None and not fut.done():
-                    try:
-                        left = bool(gone())
-                    except Exception:  # noqa: BLE001
-                        left = True
-                    if left:
-                        told = True
-                        self.asker.tell("gone", self.sandbox_id, qid)
-        except asyncio.CancelledError:
-            if not told:
-                self.asker.tell("gone", self.sandbox_id, qid)
-            raise
+        await _answer_of(self.asker, self.sandbox_id, qid, fut, scope.get("agentvm.gone"))
         status, headers, data = fut.result()  # (an error: the door answers 500 tools:internal-error)
         await send({"type": "http.response.start", "status": int(status), "headers": list(headers)})
         await send({"type": "http.response.body", "body": bytes(data), "more_body": False})
@@ -1939,22 +1945,7 @@ class _Worker:
                                       on_held=lambda fields: ep.log(**fields))
         except Exception as exc:  # noqa: BLE001
             return ex.Answered(False, "approval:unavailable", f"the daemon could not be asked ({type(exc).__name__})")
-        told = False
-        try:
-            while not fut.done():
-                await asyncio.wait([fut], timeout=0.1)
-                if not told and gone is not None and not fut.done():
-                    try:
-                        left = bool(gone())
-                    except Exception:  # noqa: BLE001 - a check that fails: gone
-                        left = True
-                    if left:
-                        told = True
-                        self.asker.tell("gone", ep.sandbox_id, qid)
-        except asyncio.CancelledError:
-            if not told:
-                self.asker.tell("gone", ep.sandbox_id, qid)
-            raise
+        await _answer_of(self.asker, ep.sandbox_id, qid, fut, gone)
         try:
             approved, rule_id, reason, rid = fut.result()
         except Exception as exc:  # noqa: BLE001
