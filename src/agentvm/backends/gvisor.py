@@ -1073,7 +1073,12 @@ def _runsc_error(log: Path) -> str:
             for f in sorted(log.parent.glob(f"runsc-debug/*.{part}.txt"), reverse=True)[:1]:
                 last = errors(f, lambda ln: ln[:1] in ("W", "E", "F") or "panic" in ln or "fatal" in ln)
                 if last:
-                    why += f"; the sandbox's {part} process said: {last[-1][-400:]}"
+                    said = " | ".join(ln[-300:] for ln in last[-3:])
+                    why += f"; the sandbox's {part} process said: {said}"
+                else:  # no warning at all: its last words are the best clue
+                    tail = errors(f, lambda ln: bool(ln.strip()))
+                    if tail:
+                        why += f"; the sandbox's {part} process's last line: {tail[-1][-300:]}"
     return why
 
 

@@ -250,6 +250,7 @@ class Env:
             raise ValueError("on substrates other than bwrap, only these weakenings exist: "
                              + ", ".join(sorted(POLICY_WEAKENINGS)))
         self.substrate = substrate
+        self.start_failures: list[str] = []  # why runsc's sandboxes died while starting (this case)
         # an image of the operator's store (its digest, verified whole once here): every
         # sandbox of the run has it as its root
         self.image, self.images_home = None, None
@@ -480,6 +481,12 @@ class Env:
             except OSError:
                 pass
         time.sleep(0.05)  # let the sink threads record late arrivals
+        why = (res.setup_error or {}).get("message", "")
+        if START_FAILED in stdout + stderr + why:
+            # runsc's own stderr says only "EOF": keep the backend's reason (the sandbox's boot
+            # log) for the case's evidence
+            with self._lock:
+                self.start_failures.append(why or "(no setup error recorded)")
         return Outcome(res.exit_code, stdout, stderr, res.to_dict(), egress, self.sink.since(mark))
 
     def canary_seen(self, text: str) -> list[str]:
@@ -512,14 +519,19 @@ def run_cases(cases: list[Case], env: Env) -> list[dict]:
                             "evidence": f"not applicable on {env.substrate}: {c.not_on[env.substrate]}", "seconds": 0.0,
                             "weakened_by": c.weakened_by})
             continue
+        env.start_failures.clear()
         v = _run_case(c, env)
         if v.status == "error" and START_FAILED in v.evidence:
             # runsc's sandbox died while starting: the attack never ran, so this says nothing about
             # containment either way - the case is run once more, and the report says so
             first = v.evidence
+            first_why = "; ".join(env.start_failures)[-600:]
+            env.start_failures.clear()
             v = _run_case(c, env)
-            v = replace(v, evidence=f"(run again: the first attempt's gVisor sandbox did not start: {first[:300]}) "
-                                    + v.evidence)
+            v = replace(v, evidence=f"(run again: the first attempt's gVisor sandbox did not start: {first[:300]}"
+                                    f" [backend: {first_why}]) " + v.evidence)
+        if v.status == "error" and env.start_failures:
+            v = replace(v, evidence=v.evidence + " [backend: " + "; ".join(env.start_failures)[-600:] + "]")
         results.append({
             "id": c.id, "category": c.category, "title": c.title, "status": v.status,
             "evidence": v.evidence[:2000], "seconds": round(time.monotonic() - t0, 3), "weakened_by": c.weakened_by,
