@@ -619,3 +619,15 @@ def test_a_spare_worker_is_taken_by_an_agents_first_sandbox_and_made_again(tmp_p
             up.close()
 
     run(main())
+
+
+def test_a_daemon_made_as_a_library_confines_its_gate_by_default():
+    """Not only the CLI: ``Daemon(...)`` and ``run_daemon(...)`` called without a gate mode get
+    confined per-agent workers; the daemon's own gate is an opt-in (``gate_workers=0``)."""
+    import inspect
+
+    from agentvm.daemon.control import ControlPlane
+    from agentvm.daemon.server import Daemon, run_daemon
+
+    for fn in (Daemon.__init__, run_daemon, ControlPlane.__init__):
+        assert inspect.signature(fn).parameters["gate_workers"].default == "agent", fn

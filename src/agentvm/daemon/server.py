@@ -39,7 +39,7 @@ class Daemon(ControlPlane):
     """The ControlPlane, served: its HTTP listeners (``http``) from ``serve()`` until stopped."""
 
     def __init__(self, paths: Paths, *, backend=None, listen: str | None = None, tracing=None,
-                 gate_workers: int = 0, resume: bool = True, e2b: dict | None = None) -> None:
+                 gate_workers: int | str = "agent", resume: bool = True, e2b: dict | None = None) -> None:
         super().__init__(paths, backend=backend, tracing=tracing, gate_workers=gate_workers, resume=resume)
         self.http = HttpServer(self, listen)
         self.e2b_options = e2b  # {"listen": HOST:PORT, "max_per_tenant", "max_creating"} or None
@@ -185,7 +185,7 @@ def parse_e2b_listen(listen: str) -> tuple[str, int]:
 
 
 def run_daemon(paths: Paths, *, listen: str | None = None, backend=None, accept_broken_chain: bool = False,
-               otlp_endpoint: str | None = None, otlp_sample_allowed: float | None = None, gate_workers: int = 0,
+               otlp_endpoint: str | None = None, otlp_sample_allowed: float | None = None, gate_workers: int | str = "agent",
                resume: bool = True, e2b: dict | None = None) -> None:
     """Foreground entry point (``agentvm up --foreground``)."""
     check_chain(paths, accept_broken_chain)  # refuses a broken chain, or records its acceptance
