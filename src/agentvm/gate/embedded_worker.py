@@ -376,36 +376,27 @@ def _classes():
     class ForkedWorker(W.GateWorker):
         """Gate worker slot 0 of the run, started from the zygote instead of a new interpreter."""
 
+        # (the zygote may be confined - as the run's freshly leased uid - before this side
+        # starts: that uid holds nothing else)
+        clears_slot = False
+
         def __init__(self, pool, zygote: Zygote) -> None:
             super().__init__(pool, 0)
             self.zygote = zygote
 
-        async def start(self) -> None:
-            loop = asyncio.get_running_loop()
+        async def _spawn(self):
             z = self.zygote
             self.proc = z.proc
             if not z.used:  # (LazyGate tells it as soon as it is needed, before this side's imports)
                 z.go(worker_argv(self.pool.state_dir, self.pool.log_dir, self.uid))
-            chan = z.chan
-            z.fds.setblocking(False)
-            self._fd_sock = z.fds
-            self.alive = True
-            self.lost = loop.create_future()
-            try:
-                self._writer, _ = await loop.create_unix_connection(
-                    lambda: W._Frames(self._message, self._gone, W._plain_loads), sock=chan)
-                version = await asyncio.wait_for(self.call("ping"), START_TIMEOUT)
-            except BaseException:
-                chan.close()
-                self.kill("it did not come up")
-                raise
-            if version != W.PROTOCOL:
-                self.kill("it runs another version of agent-vm")
-                raise AgentVMError("the embedded gate worker runs another version of agent-vm")
+            return z.chan, z.fds
 
     class EmbeddedPool(W.WorkerPool):
         """One confined worker serving this run's sandboxes (a lost one is replaced by a fresh
         ``python -m agentvm.gate.workers`` of the same uid, as the daemon's are)."""
+
+        host_name = "this run"
+        restart_hint = "run it again (agent-vm was reinstalled while this run started)"
 
         def __init__(self, state_dir: Path, log_dir: Path, uid: int, zygote: Zygote | None, on_event,
                      approvals=None) -> None:

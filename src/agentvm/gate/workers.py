@@ -714,6 +714,8 @@ async def hold_request(store, ep, asked: tuple, chunked: bool, rule_id: str, log
 class GateWorker:
     """One worker process, from the daemon's side."""
 
+    clears_slot = True  # its uid's leftover processes are killed before it starts (:meth:`_clear_slot`)
+
     def __init__(self, pool: "WorkerPool", index: int, tenant: str | None = None) -> None:
         self.pool, self.index = pool, index
         self.tenant = tenant  # the placement key it serves (isolate=...), for its whole life; None: anyone
@@ -739,9 +741,33 @@ class GateWorker:
         self._retire: asyncio.TimerHandle | None = None
 
     async def start(self) -> None:
+        """Start the worker process and wait for its answer (the same version of agent-vm)."""
+        if self.uid is not None and self.clears_slot:  # nothing of the slot's uid may outlive its last worker (its
+            await asyncio.to_thread(self._clear_slot)  # seccomp kills a fork; this is the second wall) and meet this one
+        chan, fds = await self._spawn()
+        fds.setblocking(False)  # (never blocks the daemon's loop: `opening` keeps its queue short)
+        self._fd_sock = fds
+        self.alive = True
         loop = asyncio.get_running_loop()
-        if self.uid is not None:  # nothing of the slot's uid may outlive its last worker (its seccomp kills
-            await asyncio.to_thread(self._clear_slot)  # a fork; this is the second wall) and meet this one
+        self.lost = loop.create_future()
+        try:
+            self._writer, _ = await loop.create_unix_connection(lambda: _Frames(self._message, self._gone, _plain_loads),
+                                                                sock=chan)
+            version = await asyncio.wait_for(self.call("ping"), START_TIMEOUT)
+        except BaseException:
+            chan.close()
+            self.kill("it did not come up")
+            raise
+        if version != PROTOCOL:
+            self.kill("it runs another version of agent-vm")
+            raise AgentVMError(f"gate worker {self.index} runs another version of agent-vm than {self.pool.host_name} "
+                               "(the installation changed under it)", hint=self.pool.restart_hint)
+        self.ready = True
+
+    async def _spawn(self) -> tuple[socket.socket, socket.socket]:
+        """The worker process (``self.proc``), a new interpreter: -> this side's ends of its
+        call channel and of its descriptor socket. (The embedded run's first worker comes from
+        a zygote forked earlier instead: agentvm.gate.embedded_worker.)"""
         chan, chan_w = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         fds, fds_w = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
         args = [sys.executable, "-m", "agentvm.gate.workers", "--channel", str(chan_w.fileno()),
@@ -762,24 +788,7 @@ class GateWorker:
         finally:
             chan_w.close()
             fds_w.close()
-        fds.setblocking(False)  # (never blocks the daemon's loop: `opening` keeps its queue short)
-        self._fd_sock = fds
-        self.alive = True
-        self.lost = loop.create_future()
-        try:
-            self._writer, _ = await loop.create_unix_connection(lambda: _Frames(self._message, self._gone, _plain_loads),
-                                                                sock=chan)
-            version = await asyncio.wait_for(self.call("ping"), START_TIMEOUT)
-        except BaseException:
-            chan.close()
-            self.kill("it did not come up")
-            raise
-        if version != PROTOCOL:
-            self.kill("it runs another version of agent-vm")
-            raise AgentVMError(f"gate worker {self.index} runs another version of agent-vm than the daemon (the "
-                               "installation changed under the running daemon)", hint="restart the daemon: "
-                               "`agentvm down && agentvm up`")
-        self.ready = True
+        return chan, fds
 
     def _clear_slot(self) -> None:
         """Kill any process of this slot's uid left alive (an earlier worker's): recorded as a
@@ -951,6 +960,9 @@ class GateWorker:
 class WorkerPool:
     """The daemon's gate workers. ``on_record(rec)``: every decision record of their endpoints;
     ``on_event(kind, **data)``: a worker lost, replaced, or not replaceable (for the audit chain)."""
+
+    host_name = "the daemon"  # (who starts them, for the version-mismatch error)
+    restart_hint = "restart the daemon: `agentvm down && agentvm up`"
 
     def __init__(self, count: int, state_dir: Path, log_dir: Path, *, on_record, on_event, telemetry: str | None = None,
                  confine: str | None = "auto", isolate: str | None = None, approvals=None,
