@@ -141,6 +141,7 @@ class Zygote:
         self.fds.close()
         self.proc.kill()
         _DISCARDED.append(self.proc)
+        _reap_discarded()
 
     def discard(self) -> None:
         """Not needed: its pipe closed, it exits on its own (it holds nothing, it never ran
@@ -160,8 +161,31 @@ _DISCARDED: list = []  # zygotes told to exit, not yet reaped
 
 
 def _reap_discarded() -> None:
-    """Reap the discarded zygotes that have exited (a long-lived process makes many)."""
+    """Reap the discarded zygotes that have exited (a long-lived process makes many: a
+    selftest, an SDK user running sandboxes in its own process); those still exiting are
+    waited for by one background thread, so none is left a zombie until the next run."""
+    global _REAPER
     _DISCARDED[:] = [p for p in _DISCARDED if p.returncode is None]
+    if _DISCARDED and (_REAPER is None or not _REAPER.is_alive()):
+        _REAPER = threading.Thread(target=_reap_all, name="agentvm-zygote-reaper", daemon=True)
+        _REAPER.start()
+
+
+_REAPER: threading.Thread | None = None
+
+
+def _reap_all() -> None:
+    import time
+
+    deadline = time.monotonic() + 30  # (each was killed or told to exit: they go within milliseconds)
+    while _DISCARDED and time.monotonic() < deadline:
+        for p in list(_DISCARDED):
+            if p.returncode is not None:
+                try:
+                    _DISCARDED.remove(p)
+                except ValueError:
+                    pass
+        time.sleep(0.01)
 
 
 def worker_argv(state_dir: Path, log_dir: Path, uid: int) -> list[str]:
