@@ -240,3 +240,65 @@ def test_the_plan_is_printable(sub):
     d = json.loads(json.dumps(plan.to_dict()))
     assert d["substrate"] == sub.name and d["command"] == ["/bin/true"] and "body" in d
     assert plan.sandbox_id == "c-0"
+
+
+def test_a_caller_holding_hundreds_of_descriptors_still_starts_sandboxes(real, grant_dir, monkeypatch):
+    """A daemon with many sandboxes (or a long test run) holds hundreds of descriptors, so what it
+    opens for a launch - the helper's status pipe, a grant's O_PATH fd - gets a number past 255.
+    gVisor's sandbox process remaps its stdio to fds 256-258 and refused to start when one of
+    those numbers was taken by a descriptor handed down to runsc ("unable to remap stdios, FD
+    258 is already in use": every gVisor start of a stretch of the full suite failed, each with
+    the same numbers). Here the status pipe's write end is put on exactly 258, and a grant is
+    given; and once more with every number below 256 held."""
+    import fcntl
+
+    from agentvm.policy import MountGrant
+
+    ro = grant_dir()
+    (ro / "in.txt").write_text("given")
+    real_pipe2 = os.pipe2
+
+    def pipe2_high(flags=0):  # the status pipe (opened last in a launch) on 257/258
+        r, w = real_pipe2(flags)
+        for fd, to in ((r, 257), (w, 258)):
+            try:
+                fcntl.fcntl(to, fcntl.F_GETFD)
+                return r, w  # (taken: left as it is)
+            except OSError:
+                pass
+        hi_r, hi_w = os.dup2(r, 257, inheritable=False), os.dup2(w, 258, inheritable=False)
+        os.close(r)
+        os.close(w)
+        return hi_r, hi_w
+
+    def run():
+        return real.run(["/bin/sh", "-c", "cat /ro/in.txt; echo; ls /proc/self/fd | wc -l"], risk_tier="L1",
+                        mounts=(MountGrant(str(ro), "/ro", False),))
+
+    import agentvm.backends.gvisor as gv
+    import agentvm.backends.bwrap as bw
+
+    for mod in (gv, bw):
+        monkeypatch.setattr(mod.os, "pipe2", pipe2_high)
+    try:
+        res, out, err = run()
+    finally:
+        monkeypatch.undo()
+    results = [("status fd on 258", res, out, err)]
+    held = []
+    try:
+        while True:
+            fd = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+            if fd >= 256:
+                os.close(fd)
+                break
+            held.append(fd)
+        results.append(("every number below 256 held", *run()))
+    finally:
+        for fd in held:
+            os.close(fd)
+    for what, res, out, err in results:
+        assert res.exit_code == 0, (what, res.setup_error, out, err)
+        lines = out.split()
+        assert lines[0] == "given", (what, out, err)
+        assert int(lines[1]) < 16, f"the sandbox's command got the caller's descriptors: {out}"

@@ -532,6 +532,18 @@ static int cmd_launch(int argc, char **argv) {
     /* 7. no_new_privs: nothing setuid can raise privileges from here on. */
     if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) < 0) fail("no-new-privs", errno, "prctl");
 
+    /* 7b. runsc needs none of the kept fds (the grants are staged by now; the status fd is
+     * ours until the exec): none may reach it. Go's exec passes an inherited fd that is not
+     * close-on-exec on to runsc's own children at its number, and gVisor's sandbox process
+     * remaps its stdio to fds 256 and up, refusing to start ("unable to remap stdios, FD 258
+     * is already in use") when one is there - what a caller holding ~256 fds (a daemon with
+     * many sandboxes, a long test run) handed down. */
+    if (runtime_root)
+        for (int j = 0; j < nkeep; j++) {
+            int fl = fcntl(keep[j], F_GETFD); /* (a grant's fd is closed once staged: EBADF) */
+            if (fl >= 0 && fcntl(keep[j], F_SETFD, fl | FD_CLOEXEC) < 0) fail("validate", errno, "fd %d", keep[j]);
+        }
+
     /* 8. exec bwrap, with an empty environment: nothing of the agent's env (LD_PRELOAD...)
      * may act on a process that runs outside the sandbox's layers. */
     const char *path = argv[i];

@@ -501,6 +501,9 @@ class Env:
 
 
 START_FAILED = "cannot read client sync file"  # runsc: the sandbox process went away while starting
+# (once every start of a stretch of the full suite: a descriptor of the caller's on 256-258,
+# where gVisor's sandbox process puts its stdio - fixed in the helper, pinned by
+# tests/contract's test_a_caller_holding_hundreds_of_descriptors_still_starts_sandboxes)
 
 
 def _run_case(c: Case, env: Env) -> Verdict:
@@ -521,16 +524,7 @@ def run_cases(cases: list[Case], env: Env) -> list[dict]:
             continue
         env.start_failures.clear()
         v = _run_case(c, env)
-        if v.status == "error" and START_FAILED in v.evidence:
-            # runsc's sandbox died while starting: the attack never ran, so this says nothing about
-            # containment either way - the case is run once more, and the report says so
-            first = v.evidence
-            first_why = "; ".join(env.start_failures)[-600:]
-            env.start_failures.clear()
-            v = _run_case(c, env)
-            v = replace(v, evidence=f"(run again: the first attempt's gVisor sandbox did not start: {first[:300]}"
-                                    f" [backend: {first_why}]) " + v.evidence)
-        if v.status == "error" and env.start_failures:
+        if v.status == "error" and env.start_failures:  # (runsc's own words are only "EOF")
             v = replace(v, evidence=v.evidence + " [backend: " + "; ".join(env.start_failures)[-600:] + "]")
         results.append({
             "id": c.id, "category": c.category, "title": c.title, "status": v.status,
