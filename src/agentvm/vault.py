@@ -87,6 +87,22 @@ MAX_VALUE_BYTES = 64 * 1024
 #: A store/revocations file larger than this is refused as corrupt.
 _MAX_FILE_BYTES = 256 * 1024 * 1024
 
+# Has this process held a secret (the vault's key, a value, an env:/file: reference's text)?
+# Once it has, a child forked from it carries the secret in its copy of the heap (freed text
+# is not wiped): the embedded gate forks its worker from this process only before
+# (agentvm.gate.embedded.LazyGate), and starts a fresh interpreter after.
+_HELD_SECRETS = False
+
+
+def held_secrets() -> bool:
+    """Whether this process has read a secret (see ``_HELD_SECRETS``)."""
+    return _HELD_SECRETS
+
+
+def _holding() -> None:
+    global _HELD_SECRETS
+    _HELD_SECRETS = True
+
 _NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}\Z")
 _ENV_VAR = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 _SCHEME = re.compile(r"[a-z][a-z0-9+.-]{0,15}\Z")
@@ -298,6 +314,7 @@ class Vault:
     def get(self, name: str) -> str:
         """The plaintext value of ``name``. Does not look at revocations (see :meth:`is_revoked`)."""
         validate_name(name)
+        _holding()
         store, _ = self._read_json(self.store_path, "store")
         entry = store.get(name)
         if entry is None:
@@ -491,6 +508,7 @@ class Vault:
         own environment) or ``file:/abs/path`` (content minus one trailing newline)."""
         if not isinstance(ref, str):
             raise InvalidReference("a credential reference must be a string")
+        _holding()
         kind, sep, rest = ref.partition(":")
         if not sep or kind not in ("vault", "env", "file"):
             # never echo the whole string: a value pasted where a reference belongs must not leak
@@ -560,6 +578,7 @@ class Vault:
             os.close(fd)
 
     def _load_key(self, *, must_exist: bool) -> bytes | None:
+        _holding()
         path = self.key_path
         self._check_dir()
         try:

@@ -50,3 +50,104 @@ def test_a_waiting_connection_is_served_not_abandoned(tmp_path, confine):
     g.close("s2")  # (a confined worker's counters reach the run at the close)
     assert endpoint.denials, "the attempt is counted"
     g.stop()
+
+
+# ---------------------------------------------------------------- the zygote's life (review 3)
+def test_discarded_zygotes_from_many_threads_leave_no_zombie():
+    """(review: the list of discarded zygotes was rebuilt by the caller while the reaper thread
+    removed from it and other threads appended: some exited zygotes fell out of it and stayed
+    zombies for the life of the process)"""
+    import os
+    import threading
+    import time
+
+    from agentvm.gate import embedded_worker as EW
+
+    pids: list[int] = []
+    lock = threading.Lock()
+
+    def discard_many():
+        for _ in range(60):
+            pid = os.fork()
+            if pid == 0:
+                os._exit(0)
+            with lock:
+                pids.append(pid)
+            EW._discard(EW.ForkedProc(pid))
+
+    threads = [threading.Thread(target=discard_many) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+    def zombies() -> list[int]:
+        left = []
+        for pid in pids:
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                        left.append(pid)
+            except FileNotFoundError:
+                pass
+        return left
+
+    deadline = time.monotonic() + 10
+    while zombies() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not zombies(), f"{len(zombies())} of {len(pids)} discarded zygotes left as zombies"
+
+
+def test_a_process_that_held_a_secret_forks_no_zygote(tmp_path, monkeypatch):
+    """(review: in a long-lived process - an SDK user, the selftest - a later run's gate worker
+    was forked from a heap that had held earlier runs' credential values and the vault's key.
+    Once this process has held one, the worker is a fresh interpreter instead)"""
+    from agentvm import vault
+    from agentvm.gate import embedded
+
+    if embedded.os.geteuid() != 0:
+        import pytest
+
+        pytest.skip("the confined gate worker needs root (a uid of its own)")
+    g = embedded.LazyGate(tmp_path / "gate", tmp_path / "logs", confine=True)
+    monkeypatch.setattr(vault, "_HELD_SECRETS", False)
+    g.prefork()
+    try:
+        assert g._zygote is not None, "before any secret: the worker is forked early, as before"
+    finally:
+        g.stop()
+    g = embedded.LazyGate(tmp_path / "gate", tmp_path / "logs", confine=True)
+    monkeypatch.setattr(vault, "_HELD_SECRETS", False)
+    v = vault.Vault(tmp_path / "vault")
+    v.set("demo", "fake-secret-value-123")
+    assert v.get("demo") == "fake-secret-value-123" and vault.held_secrets()
+    g.prefork()
+    try:
+        assert g._zygote is None, "after a secret: nothing forked from this process"
+    finally:
+        g.stop()
+
+
+def test_a_confined_gate_still_starting_at_stop_keeps_its_uid_lease(tmp_path, monkeypatch):
+    """(review: stop() gave up waiting for a confined gate still starting and released its
+    uid's lease, so the next leaser skipped its check for processes of that uid while the
+    worker might yet come up as it)"""
+    import types
+
+    from agentvm import identity
+    from agentvm.gate import embedded
+
+    monkeypatch.setattr(embedded, "START_TIMEOUT", 0.05)
+    released, closed = [], []
+    monkeypatch.setattr(identity, "release_lease", lambda lease: released.append(lease))
+    g = embedded.LazyGate(tmp_path / "gate", tmp_path / "logs", confine=True)
+    g._confined.started = True  # (its start thread never finishes here: ready is never set)
+    r, w = embedded.os.pipe()
+    embedded.os.close(w)
+    g._lease = types.SimpleNamespace(uid=12345, lease_fd=r)
+    monkeypatch.setattr(embedded.os, "close", lambda fd: closed.append(fd))
+    g.stop()
+    monkeypatch.undo()
+    embedded.os.close(r)
+    assert released == [], "the lease of a uid whose worker may still come up was released"
+    assert closed == [r], "its lock is let go (the next leaser checks the uid for processes)"

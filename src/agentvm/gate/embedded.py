@@ -174,8 +174,11 @@ class LazyGate:
         is forked at the sandbox's first connection (nothing secret in memory then), and a run
         whose sandbox never connects pays nothing (a fork costs the rest of the run copies of
         the pages it writes while the two processes share them)."""
+        from agentvm import vault
+
         with self._lease_lock:
-            if self.confine and self._problem is None and self._zygote is None and not self._confined.started:
+            if (self.confine and self._problem is None and self._zygote is None and not self._confined.started
+                    and not vault.held_secrets()):
                 from agentvm.gate.embedded_worker import Zygote
 
                 self._zygote = Zygote(preload=True)
@@ -247,8 +250,13 @@ class LazyGate:
 
                 self._lease = identity.lease_identity(self.lease_dir, f"gate-{sandbox_id}",
                                                       Path(self.state_dir).parent)
-            if self._zygote is None and not self._confined.started:
-                self._zygote = Zygote()  # not forked early (see prefork): now
+            from agentvm import vault
+
+            if self._zygote is None and not self._confined.started and not vault.held_secrets():
+                # not forked early (see prefork): now. (A process that has held a secret - an
+                # earlier run's, in an SDK user or the selftest - forks nothing: the worker is a
+                # fresh interpreter, whose memory never held one)
+                self._zygote = Zygote()
             tools = getattr(getattr(extras, "tools", None), "servers", None)
             z = self._zygote
             if z is not None and not z.used and not tools:
@@ -340,7 +348,11 @@ class LazyGate:
                 r = lazy.impl_.stop()
                 if lazy is self._confined:
                     killed = bool(r)
-            # still starting: nothing of it serves anyone (every endpoint was closed or abandoned)
+            elif lazy is self._confined and lazy.started and not lazy.ready.is_set():
+                # still starting: nothing of it serves anyone (every endpoint was closed or
+                # abandoned), but its worker may yet run as the leased uid - the lease is kept
+                # (not released), so the next leaser of that uid checks it for processes
+                killed = False
         z, self._zygote = self._zygote, None
         if z is not None:
             z.abandon() if z.used else z.discard()

@@ -140,8 +140,7 @@ class Zygote:
         self.chan.close()
         self.fds.close()
         self.proc.kill()
-        _DISCARDED.append(self.proc)
-        _reap_discarded()
+        _discard(self.proc)
 
     def discard(self) -> None:
         """Not needed: its pipe closed, it exits on its own (it holds nothing, it never ran
@@ -153,11 +152,21 @@ class Zygote:
             self.used = True
             self.chan.close()
             self.fds.close()
-            _DISCARDED.append(self.proc)
-        _reap_discarded()
+            _discard(self.proc)
 
 
 _DISCARDED: list = []  # zygotes told to exit, not yet reaped
+
+
+_DISCARDED_LOCK = threading.Lock()  # (the list and the reaper: runs on several threads discard)
+_REAPER: threading.Thread | None = None
+
+
+def _discard(proc: "ForkedProc") -> None:
+    """``proc`` (killed, or told to exit) is reaped as soon as it has exited."""
+    with _DISCARDED_LOCK:
+        _DISCARDED.append(proc)
+    _reap_discarded()
 
 
 def _reap_discarded() -> None:
@@ -165,26 +174,24 @@ def _reap_discarded() -> None:
     selftest, an SDK user running sandboxes in its own process); those still exiting are
     waited for by one background thread, so none is left a zombie until the next run."""
     global _REAPER
-    _DISCARDED[:] = [p for p in _DISCARDED if p.returncode is None]
-    if _DISCARDED and (_REAPER is None or not _REAPER.is_alive()):
-        _REAPER = threading.Thread(target=_reap_all, name="agentvm-zygote-reaper", daemon=True)
-        _REAPER.start()
-
-
-_REAPER: threading.Thread | None = None
+    with _DISCARDED_LOCK:
+        _DISCARDED[:] = [p for p in _DISCARDED if p.returncode is None]
+        if _DISCARDED and (_REAPER is None or not _REAPER.is_alive()):
+            _REAPER = threading.Thread(target=_reap_all, name="agentvm-zygote-reaper", daemon=True)
+            _REAPER.start()
 
 
 def _reap_all() -> None:
     import time
 
+    global _REAPER
     deadline = time.monotonic() + 30  # (each was killed or told to exit: they go within milliseconds)
-    while _DISCARDED and time.monotonic() < deadline:
-        for p in list(_DISCARDED):
-            if p.returncode is not None:
-                try:
-                    _DISCARDED.remove(p)
-                except ValueError:
-                    pass
+    while True:
+        with _DISCARDED_LOCK:
+            _DISCARDED[:] = [p for p in _DISCARDED if p.returncode is None]
+            if not _DISCARDED or time.monotonic() > deadline:
+                _REAPER = None  # (a later discard starts another; under the lock: none is missed)
+                return
         time.sleep(0.01)
 
 
