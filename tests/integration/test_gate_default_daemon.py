@@ -235,14 +235,41 @@ def test_the_unconfined_gate_is_an_audited_opt_in(fresh_home, tmp_path, upstream
 from tests.integration.test_tools_e2e import env, outputs, run_client, write_agent  # noqa: E402,F401 (env: a fixture)
 
 
+BAD_RPC = r"""
+import json, os, urllib.request
+url = os.environ["AGENTVM_MCP_URL"]
+for body in (b'{"jsonrpc": "2.0", "id": 1, "method": "tools/list"', b'[' * 100000, b'\xff\xfe not json',
+             json.dumps({"jsonrpc": "2.0", "id": 2, "method": "tools/call", "params": {"name": 7}}).encode()):
+    req = urllib.request.Request(url, data=body, method="POST", headers={
+        "content-type": "application/json", "accept": "application/json, text/event-stream"})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            doc = json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        doc = json.loads(e.read() or b"{}")
+    print(json.dumps({"code": (doc.get("error") or {}).get("code")}), flush=True)
+"""
+
+
 def test_a_sandbox_with_tools_is_served_by_a_worker_and_its_tools_by_the_daemon(env, avm_home):
-    """Its egress and its /mcp requests' HTTP are parsed by its agent's confined worker; the
-    tool gateway (MCP sessions, tool servers, approvals) answers each request in the daemon."""
+    """Its egress and its /mcp requests - their HTTP and their JSON-RPC - are parsed by its
+    agent's confined worker (agentvm.tools.front); the tool gateway (tool servers, policy,
+    approvals) answers each request in the daemon, asked with plain data. Malformed JSON-RPC
+    (cut short, nested 100,000 deep, not UTF-8, params of the wrong type) is answered with the
+    protocol's errors, and the tools are served on after it."""
     with daemon_up(avm_home):
         agent = write_agent(env, "tgw")
         r = run_client(env, agent, [["call", "t__echo", {"text": "through a worker"}]])
         assert r.returncode == 0, r.stderr.decode()[-3000:]
         assert outputs(r.stdout)[1] == {"ok": True, "text": "through a worker"}
+        (env["dir"] / "bad_rpc.py").write_text(BAD_RPC)
+        bad = subprocess.run(agentvm_cmd() + ["run", "-f", str(agent), "--json", "--", "python3", "/work/bad_rpc.py"],
+                             capture_output=True, timeout=150)
+        assert bad.returncode == 0, bad.stderr.decode()[-3000:]
+        codes = [d["code"] for d in outputs(bad.stdout)]
+        assert codes[:3] == [-32700, -32700, -32700] and codes[3] == -32602, codes
+        r = run_client(env, agent, [["call", "t__echo", {"text": "still served"}]])
+        assert r.returncode == 0 and outputs(r.stdout)[1] == {"ok": True, "text": "still served"}, r.stderr[-2000:]
         recs = audit()
         assert not [x for x in recs if x["kind"] == "gate.placement"], "placed on the daemon's own gate"
         started = [x["data"] for x in recs if x["kind"] == "gate.worker-started"]

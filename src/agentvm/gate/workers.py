@@ -1134,54 +1134,21 @@ class WorkerPool:
         return await hold_request(store, ep, asked, chunked, d.rule_id, log_pending, lambda: qid in w.abandoned)
 
     async def _q_tools(self, w: GateWorker, ep: RemoteEndpoint, qid: int, args) -> tuple:
-        """One ``/mcp`` request of a sandbox with tools, its HTTP parsed by the worker (head,
-        body framing, a body of at most 4 MiB): answered by the sandbox's tool gateway here ->
-        (status, headers, body). The worker frames the answer."""
-        from agentvm.gate.asgi import MAX_BODY
-
+        """One MCP request of a sandbox with tools, parsed by its worker - the HTTP and the
+        JSON-RPC (agentvm.tools.front) - and handed over as plain data, ``(method, params)``:
+        answered by the sandbox's tool gateway here -> ``("ok", result)`` or ``("error", code,
+        message, data)``. The agent's bytes never reach this process; the params are checked
+        again by the SDK's models (ToolGateway.rpc)."""
+        if not isinstance(args, tuple) or len(args) != 2:
+            raise ValueError("a tools request that is not (method, params)")
+        method, params = args
+        _text(method, 64)
+        if params is not None and type(params) is not dict:
+            raise ValueError("tools request params that are not a dict")
         if ep.tools is None:
-            return 404, [(b"content-type", b"text/plain")], b"no tools"
-        if not isinstance(args, tuple) or len(args) != 7:
-            raise ValueError("a tools request that is not (method, path, query, headers, body, version, port)")
-        method, path, query, headers, body, version, port = args
-        _text(method, 64), _text(path, 8192), _text(query, 8192), _text(version, 8), _count(port, 65535)
-        if type(body) is not bytes or len(body) > MAX_BODY:
-            raise ValueError("a tools request body that is not bytes of at most MAX_BODY")
-        if not isinstance(headers, list) or len(headers) > 256 or not all(
-                isinstance(h, tuple) and len(h) == 2 and all(type(x) is bytes and len(x) <= 8192 for x in h)
-                for h in headers):
-            raise ValueError("tools request headers that are not (bytes, bytes) pairs")
+            return "error", -32601, "agent-vm tool gateway: this sandbox has no tools", None
         gw = await ep.tools.gateway()
-        scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": version,
-                 "method": method, "scheme": "http", "path": path, "raw_path": path.encode("ascii", "replace"),
-                 "query_string": query.encode("ascii", "replace"), "root_path": "", "headers": headers,
-                 "client": ("127.0.0.1", 0), "server": ("127.0.0.1", port or 80), "state": {},
-                 "agentvm.gone": lambda: qid in w.abandoned}
-        sent, finished = False, asyncio.Event()
-        out = {"status": None, "headers": [], "body": []}
-
-        async def receive():
-            nonlocal sent
-            if not sent:
-                sent = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            await finished.wait()
-            return {"type": "http.disconnect"}
-
-        async def send(msg):
-            if msg.get("type") == "http.response.start":
-                out["status"] = int(msg["status"])
-                out["headers"] = [(bytes(k), bytes(v)) for k, v in msg.get("headers", [])]
-            elif msg.get("type") == "http.response.body":
-                out["body"].append(bytes(msg.get("body", b"")))
-
-        try:
-            await gw.handle(scope, receive, send)
-        finally:
-            finished.set()
-        if out["status"] is None:
-            raise RuntimeError("the tool gateway gave no answer")
-        return out["status"], out["headers"], b"".join(out["body"])
+        return await gw.rpc(method, params, gone=lambda: qid in w.abandoned)
 
     async def _q_admit(self, w: GateWorker, ep: RemoteEndpoint, qid: int, args):
         if args or ep.budget is None:
@@ -1803,11 +1770,14 @@ class _RemoteBudget:
 class _RemoteTools:
     """A worker-served sandbox's tool gateway, as the gate's ``/mcp`` door sees it
     (``agentvm.gate.asgi.serve_one``): the HTTP of each request is parsed here (head, body
-    framing, the body bounded), the request is answered by the sandbox's tool gateway in the
-    daemon (the MCP sessions, tool servers and approvals live there), and the answer framed here."""
+    framing, the body bounded), and so is its JSON-RPC - by the MCP SDK's server in a
+    :class:`agentvm.tools.front.ToolFront` - and each request that passes is answered by the
+    sandbox's tool gateway in the daemon (the tool servers, the policy and approvals live
+    there), which is asked with plain data (method, params) only."""
 
     def __init__(self, asker: _Asker, sandbox_id: str) -> None:
         self.asker, self.sandbox_id = asker, sandbox_id
+        self.front = None
 
     async def gateway(self):
         return self
@@ -1816,19 +1786,22 @@ class _RemoteTools:
         pass
 
     async def close(self) -> None:
-        pass
+        if self.front is not None:
+            await self.front.close()
+
+    async def _ask(self, method: str, params: dict | None) -> tuple:
+        from agentvm.tools.front import REQUESTER_GONE
+
+        qid, fut = self.asker.ask("tools", self.sandbox_id, method, params)
+        await _answer_of(self.asker, self.sandbox_id, qid, fut, REQUESTER_GONE.get())
+        return fut.result()
 
     async def handle(self, scope, receive, send) -> None:
-        msg = await receive()
-        body = bytes(msg.get("body", b""))
-        qid, fut = self.asker.ask("tools", self.sandbox_id, scope["method"], scope["path"],
-                                  scope["query_string"].decode("ascii", "replace"),
-                                  [(bytes(k), bytes(v)) for k, v in scope["headers"]], body, scope["http_version"],
-                                  int(scope["server"][1] or 80))
-        await _answer_of(self.asker, self.sandbox_id, qid, fut, scope.get("agentvm.gone"))
-        status, headers, data = fut.result()  # (an error: the door answers 500 tools:internal-error)
-        await send({"type": "http.response.start", "status": int(status), "headers": list(headers)})
-        await send({"type": "http.response.body", "body": bytes(data), "more_body": False})
+        if self.front is None:
+            from agentvm.tools.front import ToolFront
+
+            self.front = ToolFront(self._ask)
+        await self.front.handle(scope, receive, send)
 
 
 class _Worker:

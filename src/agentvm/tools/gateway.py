@@ -46,8 +46,6 @@ from mcp import Client
 from mcp.client.stdio import get_default_environment
 from mcp.client.streamable_http import streamable_http_client
 from mcp.server.lowlevel import Server
-from mcp.server.streamable_http_manager import StreamableHTTPSessionManager
-from mcp.server.transport_security import TransportSecuritySettings
 from mcp.shared.exceptions import MCPError
 
 from agentvm import names
@@ -55,6 +53,8 @@ from agentvm.held import digest as arg_digest
 from agentvm.gate.endpoint import TokenBucket
 from agentvm.approvals import GONE, SHOW_MAX, preview, shown
 from agentvm.tools import policy as tp
+from agentvm.tools.front import METHODS, OPTIONAL_PARAMS, session_manager
+from agentvm.tools.front import request_access_tool as _request_access_tool
 from agentvm.tools.stdio import MAX_LINE_FLOOR, MAX_UNREAD, Busy, Flooded, StdioSession
 
 START_TIMEOUT = 60.0  # a local server's sandbox and MCP handshake
@@ -349,13 +349,7 @@ class ToolGateway:
             on_list_prompts=self._list_prompts,
             on_get_prompt=self._get_prompt,
         )
-        self.manager = StreamableHTTPSessionManager(
-            app=self.server, json_response=True, stateless=True,
-            security_settings=TransportSecuritySettings(
-                enable_dns_rebinding_protection=True,
-                allowed_hosts=["127.0.0.1:*", "localhost:*", "127.0.0.1", "localhost"],
-                allowed_origins=["http://127.0.0.1:*", "http://localhost:*"]),
-        )
+        self.manager = session_manager(self.server)
         self._running: asyncio.Task | None = None
         self._up = asyncio.Event()
         self._closing = asyncio.Event()
@@ -383,6 +377,35 @@ class ToolGateway:
             await self.manager.handle_request(scope, receive, send)
         finally:
             _REQUESTER_GONE.reset(token)
+
+    async def rpc(self, method: str, params: dict | None, gone=None) -> tuple:
+        """One MCP request of a sandbox served by a confined gate worker, which parsed its HTTP
+        and JSON-RPC (agentvm.tools.front): its method and params as plain data, validated here
+        again by the SDK's models -> ``("ok", result as plain data)`` or ``("error", code,
+        message, data)``. This process never parses the agent's bytes. ``gone``: whether the
+        requester has left (a held call then ends)."""
+        from pydantic import ValidationError
+
+        model = METHODS.get(method) if type(method) is str else None
+        if model is None:
+            raise ValueError("not a method of the tool gateway")
+        if params is None and method not in OPTIONAL_PARAMS:
+            return "error", types.INVALID_PARAMS, f"{method} needs params", None
+        try:
+            p = model.model_validate(params) if params is not None else None
+        except ValidationError as exc:
+            return "error", types.INVALID_PARAMS, f"invalid params for {method} ({exc.error_count()} error(s))", None
+        handler = {"tools/list": self._list_tools, "tools/call": self._call_tool,
+                   "resources/list": self._list_resources, "resources/read": self._read_resource,
+                   "prompts/list": self._list_prompts, "prompts/get": self._get_prompt}[method]
+        token = _REQUESTER_GONE.set(gone)
+        try:
+            result = await handler(None, p)
+        except MCPError as exc:
+            return "error", int(exc.code), str(exc.message), _plain_data(exc.data)
+        finally:
+            _REQUESTER_GONE.reset(token)
+        return "ok", result.model_dump(mode="json", by_alias=True, exclude_none=True)
 
     async def close(self) -> None:
         for u in self.upstreams.values():
@@ -829,19 +852,11 @@ class ToolGateway:
         return res
 
 
-def _request_access_tool() -> types.Tool:
-    return types.Tool(
-        name=tp.REQUEST_ACCESS,
-        description="Ask a human operator for access this sandbox does not have: egress to hosts, tools of the "
-        "declared servers, or anything else in words. The request waits for a human; if approved, the egress and "
-        "tools asked for are granted for this session. Nothing is granted without a human.",
-        input_schema={"type": "object", "required": ["reason"], "additionalProperties": False,
-                      "properties": {
-                          "egress": {"type": "array", "items": {"type": "string"},
-                                     "description": "HOST[:PORT] items, e.g. 'api.example.com:443'"},
-                          "tools": {"type": "array", "items": {"type": "string"},
-                                    "description": "SERVER__TOOL names of declared servers"},
-                          "access": {"type": "string", "description": "Anything else, in words (a folder...)"},
-                          "reason": {"type": "string", "description": "Why it is needed"}}},
-    )
-
+def _plain_data(data):
+    """An MCP error's data as plain JSON data (what crosses to the worker), or None."""
+    if data is None:
+        return None
+    try:
+        return json.loads(json.dumps(data, default=str))
+    except (TypeError, ValueError):
+        return None

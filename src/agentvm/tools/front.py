@@ -1,0 +1,156 @@
+"""The tool gateway's agent-facing side, for a sandbox served by a confined gate worker.
+
+What an agent sends to ``/mcp`` is parsed here, in the worker (unprivileged, its own uid,
+seccomp, Landlock): the HTTP (agentvm.gate.asgi), then the JSON-RPC, by the MCP SDK's own
+server and its pydantic models - the same :class:`mcp.server.lowlevel.Server` and stateless
+streamable-HTTP transport the gateway uses in-process, with the same DNS-rebinding settings.
+Each request that gets past them is handed to the sandbox's tool gateway in the daemon as
+plain data - a method of :data:`METHODS` and its params as a dict - and its answer (a result
+as a dict, or an MCP error) comes back the same way. The daemon validates that data again
+with the models (agentvm.tools.gateway.ToolGateway.rpc), but never sees the agent's bytes:
+no JSON, no HTTP (issue 43).
+
+The tool servers, their sessions, the policy and human approvals stay in the daemon.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from typing import Any, Awaitable, Callable
+
+import mcp_types as types
+from mcp.server.lowlevel import Server
+from mcp.server.streamable_http_manager import StreamableHTTPSessionManager
+from mcp.server.transport_security import TransportSecuritySettings
+from mcp.shared.exceptions import MCPError
+
+from agentvm.tools import policy as tp
+
+NAME = "agentvm-tool-gateway"
+
+#: the methods the gateway serves -> their params' model (None: the params may be absent)
+METHODS: dict[str, type] = {
+    "tools/list": types.PaginatedRequestParams,
+    "tools/call": types.CallToolRequestParams,
+    "resources/list": types.PaginatedRequestParams,
+    "resources/read": types.ReadResourceRequestParams,
+    "prompts/list": types.PaginatedRequestParams,
+    "prompts/get": types.GetPromptRequestParams,
+}
+#: the result model of each method (what the front rebuilds from the daemon's answer)
+RESULTS: dict[str, type] = {
+    "tools/list": types.ListToolsResult,
+    "tools/call": types.CallToolResult,
+    "resources/list": types.ListResourcesResult,
+    "resources/read": types.ReadResourceResult,
+    "prompts/list": types.ListPromptsResult,
+    "prompts/get": types.GetPromptResult,
+}
+OPTIONAL_PARAMS = {"tools/list", "resources/list", "prompts/list"}
+#: the lowlevel Server's handler argument of each method
+HANDLERS = {"tools/list": "on_list_tools", "tools/call": "on_call_tool", "resources/list": "on_list_resources",
+            "resources/read": "on_read_resource", "prompts/list": "on_list_prompts", "prompts/get": "on_get_prompt"}
+
+#: whether the requester of the request being served has left (a callable; None: unknown)
+REQUESTER_GONE: contextvars.ContextVar = contextvars.ContextVar("agentvm_front_requester_gone", default=None)
+
+
+def request_access_tool() -> types.Tool:
+    return types.Tool(
+        name=tp.REQUEST_ACCESS,
+        description="Ask a human operator for access this sandbox does not have: egress to hosts, tools of the "
+        "declared servers, or anything else in words. The request waits for a human; if approved, the egress and "
+        "tools asked for are granted for this session. Nothing is granted without a human.",
+        input_schema={"type": "object", "required": ["reason"], "additionalProperties": False,
+                      "properties": {
+                          "egress": {"type": "array", "items": {"type": "string"},
+                                     "description": "HOST[:PORT] items, e.g. 'api.example.com:443'"},
+                          "tools": {"type": "array", "items": {"type": "string"},
+                                    "description": "SERVER__TOOL names of declared servers"},
+                          "access": {"type": "string", "description": "Anything else, in words (a folder...)"},
+                          "reason": {"type": "string", "description": "Why it is needed"}}},
+    )
+
+
+def session_manager(server: Server) -> StreamableHTTPSessionManager:
+    """The transport both sides use: stateless, JSON answers, loopback hosts and origins only."""
+    return StreamableHTTPSessionManager(
+        app=server, json_response=True, stateless=True,
+        security_settings=TransportSecuritySettings(
+            enable_dns_rebinding_protection=True,
+            allowed_hosts=["127.0.0.1:*", "localhost:*", "127.0.0.1", "localhost"],
+            allowed_origins=["http://127.0.0.1:*", "http://localhost:*"]),
+    )
+
+
+def plain(params) -> dict | None:
+    """A validated params model as plain data (what crosses to the daemon)."""
+    if params is None:
+        return None
+    return params.model_dump(mode="json", by_alias=True, exclude_none=True)
+
+
+class ToolFront:
+    """The MCP server an agent talks to, in the gate worker; ``ask(method, params)`` is awaited
+    for each request and gives ``("ok", result dict)`` or ``("error", code, message, data)``."""
+
+    def __init__(self, ask: Callable[[str, dict | None], Awaitable[tuple]]) -> None:
+        import asyncio
+
+        self.ask = ask
+        # input schemas by exposed tool name, from the last tools/list this front answered (the
+        # SDK's 2026-07-28 transport checks Mcp-Param-* headers against them)
+        self._schemas: dict[str, Any] = {tp.REQUEST_ACCESS: request_access_tool().input_schema}
+        self.server = Server(NAME, get_tool_input_schema=self._schemas.get,
+                             **{HANDLERS[m]: self._handler(m) for m in METHODS})
+        self.manager = session_manager(self.server)
+        self._running: asyncio.Task | None = None
+        self._up = asyncio.Event()
+        self._closing = asyncio.Event()
+
+    def _handler(self, method: str):
+        async def handle(ctx, params):
+            answer = await self.ask(method, plain(params))
+            if not isinstance(answer, tuple) or not answer or answer[0] not in ("ok", "error"):
+                raise MCPError(types.INTERNAL_ERROR, "agent-vm tool gateway: no answer")
+            if answer[0] == "error":
+                _, code, message, data = answer
+                raise MCPError(int(code), str(message), data)
+            result = RESULTS[method].model_validate(answer[1])
+            if method == "tools/list":
+                self._schemas.clear()
+                self._schemas.update((t.name, t.input_schema) for t in result.tools)
+                self._schemas.setdefault(tp.REQUEST_ACCESS, request_access_tool().input_schema)
+            return result
+        return handle
+
+    async def _run(self) -> None:
+        try:
+            async with self.manager.run():
+                self._up.set()
+                await self._closing.wait()
+        finally:
+            self._up.set()
+
+    async def handle(self, scope, receive, send) -> None:
+        import asyncio
+
+        if self._running is None:
+            self._running = asyncio.get_running_loop().create_task(self._run())
+        await self._up.wait()
+        token = REQUESTER_GONE.set(scope.get("agentvm.gone"))
+        try:
+            await self.manager.handle_request(scope, receive, send)
+        finally:
+            REQUESTER_GONE.reset(token)
+
+    async def close(self) -> None:
+        import asyncio
+
+        self._closing.set()
+        if self._running is not None:
+            try:
+                async with asyncio.timeout(5):
+                    await self._running
+            except (TimeoutError, Exception):  # noqa: BLE001
+                self._running.cancel()
