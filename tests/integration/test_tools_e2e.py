@@ -171,6 +171,9 @@ def test_only_allowed_tools_are_listed_and_a_hidden_one_is_denied(env, mode, via
     assert ("t__echo", "allow", "tools:allow:t:echo") in calls
     assert ("t__secret_tool", "deny", "tools:not-allowed") in calls
     assert all(x["policy"].startswith("sha256:") for x in log if x.get("phase") == "tool")
+    # (issue 43) the agent's /mcp requests - HTTP and JSON-RPC - were parsed by the run's
+    # confined gate worker, not by this root process; the tool gateway answered from here
+    assert res["egress"]["gate"]["confined"] is True and res["egress"]["gate"]["uid"] != 0, res["egress"]["gate"]
 
 
 def test_resources_and_prompts_follow_the_allowlist(env):

@@ -135,10 +135,11 @@ class _Lazy:
 class LazyGate:
     """The embedded run's gate. By default each sandbox's socket is served by one confined gate
     worker process (agentvm.gate.embedded_worker: unprivileged, its own uid, no capabilities,
-    no_new_privs, Landlock, seccomp); the in-process gate (a thread of this process, as root)
-    serves only a sandbox a worker cannot serve (agentvm.gate.workers.unplaceable: tools - the
-    MCP sessions live here) or every sandbox with the explicit opt-in
-    ``AGENTVM_GATE_UNCONFINED=1``. Each placement is recorded (``record``: the run's audit
+    no_new_privs, Landlock, seccomp) - a sandbox with tools too: the worker parses its /mcp
+    requests, and their tool gateway lives here, asked with plain data; the in-process gate (a
+    thread of this process, as root) serves only what a worker cannot (agentvm.gate.workers.
+    unplaceable: credentials not of the vault), the tool gateways' own remote servers, or every
+    sandbox with the explicit opt-in ``AGENTVM_GATE_UNCONFINED=1``. Each placement is recorded (``record``: the run's audit
     chain; :meth:`placement` for the run's result). A confined gate that cannot be had refuses
     the run (fail closed).
 
@@ -199,7 +200,7 @@ class LazyGate:
         if zygote is not None and not zygote.used:  # it starts now, beside this side's own imports
             zygote.go(worker_argv(Path(self.state_dir), Path(self.log_dir), self._lease.uid))
         return ConfinedGate(self.state_dir, self.log_dir, uid=self._lease.uid, zygote=zygote, on_event=self._event,
-                            approvals=self.approvals_factory)
+                            approvals=self.approvals_factory, host_gate=_HostGate(self))
 
     def _event(self, kind: str, **data) -> None:
         """A worker lost, replaced, or killed by its seccomp filter (a security alert): on the chain."""
@@ -257,14 +258,19 @@ class LazyGate:
                 # earlier run's, in an SDK user or the selftest - forks nothing: the worker is a
                 # fresh interpreter, whose memory never held one)
                 self._zygote = Zygote()
-            tools = getattr(getattr(extras, "tools", None), "servers", None)
             z = self._zygote
-            if z is not None and not z.used and not tools:
+            if z is not None and not z.used:
                 # (told now, so that its imports run beside this side's; unplaceable() decides)
                 z.go(worker_argv(Path(self.state_dir), Path(self.log_dir), self._lease.uid))
         from agentvm.gate.workers import unplaceable
 
-        why = unplaceable(policy, extras, creds)
+        # a sandbox with tools is served by the worker too - its /mcp requests' HTTP and
+        # JSON-RPC parsed there (agentvm.tools.front) - and its tool gateway (tool servers,
+        # approvals) lives in this process, whose in-process gate serves the remote tool
+        # servers' egress and keeps the approvals queue (started now, ready by the first call)
+        if getattr(getattr(extras, "tools", None), "servers", None):
+            self._inproc.ensure_started()
+        why = unplaceable(policy, extras, creds, tools=True)
         if why is not None:
             self._placements[sandbox_id] = {"confined": False, "uid": os.geteuid(), "reason": why}
             self._rec("gate.unconfined", sandbox=sandbox_id, reason=why, uid=os.geteuid())
@@ -364,6 +370,18 @@ class LazyGate:
             elif self._lease.lease_fd is not None:
                 os.close(self._lease.lease_fd)  # a process of that uid may remain: the next leaser checks it
             self._lease = None
+
+
+class _HostGate:
+    """The run's in-process gate as the confined worker's pool sees its host's gate (for a
+    sandbox's tool gateway: its approvals queue, its remote servers' endpoints), started when
+    first used."""
+
+    def __init__(self, lazy: "LazyGate") -> None:
+        self._lazy = lazy
+
+    def __getattr__(self, name: str):
+        return getattr(self._lazy.gate, name)
 
 
 class EmbeddedGate:

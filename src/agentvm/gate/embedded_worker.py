@@ -430,10 +430,12 @@ def _classes():
         restart_hint = "run it again (agent-vm was reinstalled while this run started)"
 
         def __init__(self, state_dir: Path, log_dir: Path, uid: int, zygote: Zygote | None, on_event,
-                     approvals=None) -> None:
+                     approvals=None, host_gate=None) -> None:
             self._uid = uid
             self.zygote = zygote
             kw = {"approvals": approvals} if _accepts(W.WorkerPool.__init__, "approvals") else {}
+            if host_gate is not None:  # (the run's in-process gate: its tool gateways' approvals and remote servers)
+                kw["host_gate"] = host_gate
             super().__init__(1, state_dir, log_dir, on_record=lambda rec: None, on_event=on_event, confine="full", **kw)
 
         def uid_for(self, index: int) -> int:
@@ -555,11 +557,12 @@ class ConfinedGate:
     gate worker. Same calls as agentvm.gate.embedded.EmbeddedGate (open, close, stop)."""
 
     def __init__(self, state_dir: Path, log_dir: Path, *, uid: int, zygote: Zygote | None, on_event,
-                 approvals=None) -> None:
+                 approvals=None, host_gate=None) -> None:
         import asyncio
 
         self.uid = uid
         self.approvals = approvals
+        self.host_gate = host_gate
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="agentvm-gate-control", daemon=True)
         self._thread.start()
@@ -573,7 +576,7 @@ class ConfinedGate:
             raise
 
     async def _make(self, state_dir, log_dir, zygote, on_event):
-        pool = _classes()(Path(state_dir), Path(log_dir), self.uid, zygote, on_event, self.approvals)
+        pool = _classes()(Path(state_dir), Path(log_dir), self.uid, zygote, on_event, self.approvals, self.host_gate)
         await pool.start()
         return pool
 
