@@ -361,6 +361,7 @@ def test_a_gate_that_cannot_be_confined_refuses_the_run(env, monkeypatch, tmp_pa
 def test_a_worker_that_cannot_confine_itself_serves_nothing(env, monkeypatch, tmp_path):
     """The worker's confinement fails (simulated, in the forked worker): it exits without
     serving, the sandbox's connections are refused, the run says so."""
+    from agentvm import vault
     from agentvm.gate import confine
 
     def broken(plan, skip=()):
@@ -368,6 +369,9 @@ def test_a_worker_that_cannot_confine_itself_serves_nothing(env, monkeypatch, tm
 
     monkeypatch.delenv("AGENTVM_GATE_UNCONFINED", raising=False)
     monkeypatch.setattr(confine, "confine", broken)  # (the fork inherits it)
+    # (a test process that has held a secret - an earlier test's - forks no worker: it would
+    # start a fresh interpreter, which the simulation cannot reach. The zygote's path here)
+    monkeypatch.setattr(vault, "_HELD_SECRETS", False)
     script = ("import socket\n"
               "s = socket.create_connection(('127.0.0.1', 3128), timeout=20)\n"
               "s.sendall(b'GET http://denied.test/ HTTP/1.1\\r\\nHost: denied.test\\r\\n\\r\\n')\n"
