@@ -1157,6 +1157,11 @@ def test_fail_closed_when_gate_stops_listening(gate, monkeypatch, tmp_path):
         await ep.server.wait_closed()
         return ep
 
-    monkeypatch.setattr(server.Gate, "open_endpoint", open_then_stop)
+    monkeypatch.setattr(server.Gate, "open_endpoint", open_then_stop)  # (the forked worker inherits it)
+    # (a test process that has held an earlier test's secret forks no gate worker - it starts a
+    # fresh interpreter, which the patch cannot reach: the zygote's path here)
+    from agentvm import vault
+
+    monkeypatch.setattr(vault, "_HELD_SECRETS", False)
     result, out = _run_library(gate, tmp_path)
     _assert_nothing_left(result, out, gate)
