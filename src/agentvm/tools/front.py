@@ -90,23 +90,69 @@ def plain(params) -> dict | None:
     return params.model_dump(mode="json", by_alias=True, exclude_none=True)
 
 
-class ToolFront:
+class Served:
+    """An MCP lowlevel :class:`Server` (``self.server``) on the stateless streamable-HTTP
+    transport, started on its first request; :meth:`handle` serves one ASGI request, with
+    :data:`REQUESTER_GONE` set for the handlers the SDK runs for it. (The tool gateway's
+    in-process door and the worker's front.)"""
+
+    def _serve(self, server: Server) -> None:
+        import asyncio
+
+        self.server = server
+        self.manager = session_manager(server)
+        self._running: asyncio.Task | None = None
+        self._up = asyncio.Event()
+        self._closing = asyncio.Event()
+
+    async def start(self) -> None:
+        import asyncio
+
+        if self._running is None:
+            self._running = asyncio.get_running_loop().create_task(self._run())
+        await self._up.wait()
+
+    async def _run(self) -> None:
+        try:
+            async with self.manager.run():
+                self._up.set()
+                await self._closing.wait()
+        finally:
+            self._up.set()
+
+    async def handle(self, scope, receive, send) -> None:
+        await self.start()
+        # whether this request's requester has left (the gate's door says: its connection was
+        # cut); the handlers the SDK runs for it inherit the context
+        token = REQUESTER_GONE.set(scope.get("agentvm.gone"))
+        try:
+            await self.manager.handle_request(scope, receive, send)
+        finally:
+            REQUESTER_GONE.reset(token)
+
+    async def _stop_serving(self) -> None:
+        import asyncio
+
+        self._closing.set()
+        if self._running is not None:
+            try:
+                async with asyncio.timeout(5):
+                    await self._running
+            except (TimeoutError, Exception):  # noqa: BLE001
+                self._running.cancel()
+
+
+class ToolFront(Served):
     """The MCP server an agent talks to, in the gate worker; ``ask(method, params)`` is awaited
     for each request and gives ``("ok", result dict)`` or ``("error", code, message, data)``."""
 
     def __init__(self, ask: Callable[[str, dict | None], Awaitable[tuple]]) -> None:
-        import asyncio
-
         self.ask = ask
         # input schemas by exposed tool name, from the last tools/list this front answered (the
         # SDK's 2026-07-28 transport checks Mcp-Param-* headers against them)
         self._schemas: dict[str, Any] = {tp.REQUEST_ACCESS: request_access_tool().input_schema}
-        self.server = Server(NAME, get_tool_input_schema=self._schemas.get,
-                             **{HANDLERS[m]: self._handler(m) for m in METHODS})
-        self.manager = session_manager(self.server)
-        self._running: asyncio.Task | None = None
-        self._up = asyncio.Event()
-        self._closing = asyncio.Event()
+        self._serve(Server(NAME, get_tool_input_schema=self._schemas.get,
+                           **{HANDLERS[m]: self._handler(m) for m in METHODS}))
 
     def _handler(self, method: str):
         async def handle(ctx, params):
@@ -124,33 +170,5 @@ class ToolFront:
             return result
         return handle
 
-    async def _run(self) -> None:
-        try:
-            async with self.manager.run():
-                self._up.set()
-                await self._closing.wait()
-        finally:
-            self._up.set()
-
-    async def handle(self, scope, receive, send) -> None:
-        import asyncio
-
-        if self._running is None:
-            self._running = asyncio.get_running_loop().create_task(self._run())
-        await self._up.wait()
-        token = REQUESTER_GONE.set(scope.get("agentvm.gone"))
-        try:
-            await self.manager.handle_request(scope, receive, send)
-        finally:
-            REQUESTER_GONE.reset(token)
-
     async def close(self) -> None:
-        import asyncio
-
-        self._closing.set()
-        if self._running is not None:
-            try:
-                async with asyncio.timeout(5):
-                    await self._running
-            except (TimeoutError, Exception):  # noqa: BLE001
-                self._running.cancel()
+        await self._stop_serving()

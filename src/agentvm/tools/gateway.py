@@ -33,7 +33,6 @@ A server that crashes, hangs, floods or answers garbage costs the agent that ser
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import json
 import os
 import sys
@@ -53,7 +52,7 @@ from agentvm.held import digest as arg_digest
 from agentvm.gate.endpoint import TokenBucket
 from agentvm.approvals import GONE, SHOW_MAX, preview, shown
 from agentvm.tools import policy as tp
-from agentvm.tools.front import METHODS, OPTIONAL_PARAMS, session_manager
+from agentvm.tools.front import METHODS, NAME, OPTIONAL_PARAMS, REQUESTER_GONE as _REQUESTER_GONE, Served
 from agentvm.tools.front import request_access_tool as _request_access_tool
 from agentvm.tools.stdio import MAX_LINE_FLOOR, MAX_UNREAD, Busy, Flooded, StdioSession
 
@@ -62,9 +61,9 @@ LIST_PAGES = 20  # at most this many pages of tools/list per server
 MAX_TOOLS = 1000  # per server: a server that lists more is cut here
 MAX_REQUEST_ACCESS = 4096  # bytes of a request_access justification
 
-#: the current request's "has its requester left?" check (set by :meth:`ToolGateway.handle`
-#: from the gate's ASGI scope; None where nobody can tell)
-_REQUESTER_GONE: contextvars.ContextVar = contextvars.ContextVar("agentvm_requester_gone", default=None)
+#: the current request's "has its requester left?" check (agentvm.tools.front.REQUESTER_GONE:
+#: set by Served.handle from the gate's ASGI scope, or by :meth:`ToolGateway.rpc` from the
+#: worker's word; None where nobody can tell)
 
 
 def _gone(gone) -> bool:
@@ -322,7 +321,7 @@ class Upstream:
         await self._reap(self._task)
 
 
-class ToolGateway:
+class ToolGateway(Served):
     def __init__(self, *, sandbox_id: str, agent: str, policy: tp.ToolPolicy, policy_digest: str, run_dir: Path,
                  log: Callable[..., None], approvals=None, env: dict | None = None, gate=None,
                  endpoint=None) -> None:
@@ -339,8 +338,8 @@ class ToolGateway:
         # 2026-07-28 transport checks Mcp-Param-* headers against. Without it the SDK runs the
         # whole tools/list (a round trip to every tool server) before each tools/call.
         self._schemas: dict[str, Any] = {tp.REQUEST_ACCESS: _request_access_tool().input_schema}
-        self.server = Server(
-            "agentvm-tool-gateway",
+        self._serve(Server(
+            NAME,
             get_tool_input_schema=self._schemas.get,
             on_list_tools=self._list_tools,
             on_call_tool=self._call_tool,
@@ -348,35 +347,9 @@ class ToolGateway:
             on_read_resource=self._read_resource,
             on_list_prompts=self._list_prompts,
             on_get_prompt=self._get_prompt,
-        )
-        self.manager = session_manager(self.server)
-        self._running: asyncio.Task | None = None
-        self._up = asyncio.Event()
-        self._closing = asyncio.Event()
+        ))
 
-    # ------------------------------------------------------------------ lifecycle
-    async def start(self) -> None:
-        if self._running is None:
-            self._running = asyncio.get_running_loop().create_task(self._run())
-        await self._up.wait()
-
-    async def _run(self) -> None:
-        try:
-            async with self.manager.run():
-                self._up.set()
-                await self._closing.wait()
-        finally:
-            self._up.set()
-
-    async def handle(self, scope, receive, send) -> None:
-        await self.start()
-        # whether this request's requester has left (the gate's door says: its connection was
-        # cut); the handlers the SDK runs for it inherit the context
-        token = _REQUESTER_GONE.set(scope.get("agentvm.gone"))
-        try:
-            await self.manager.handle_request(scope, receive, send)
-        finally:
-            _REQUESTER_GONE.reset(token)
+    # ------------------------------------------------------------------ lifecycle: Served (start, handle)
 
     async def rpc(self, method: str, params: dict | None, gone=None) -> tuple:
         """One MCP request of a sandbox served by a confined gate worker, which parsed its HTTP
@@ -410,13 +383,7 @@ class ToolGateway:
     async def close(self) -> None:
         for u in self.upstreams.values():
             await u.close()
-        self._closing.set()
-        if self._running is not None:
-            try:
-                async with asyncio.timeout(5):
-                    await self._running
-            except (TimeoutError, Exception):  # noqa: BLE001
-                self._running.cancel()
+        await self._stop_serving()
 
     def set_policy(self, policy: tp.ToolPolicy, digest: str) -> None:
         """Live change (``agentvm policy NAME tools ...``): the next call is decided under it."""
