@@ -34,26 +34,96 @@ def _pool_and_ep(gw):
 
 
 def test_the_daemon_takes_only_method_and_plain_params(tmp_path):
+    from agentvm.gate.workers import _tools_question
+
     gw = gateway(tmp_path, tp.ServerPolicy(name="fs", kind="local", allow=("read_note",)))[0]
     pool, w, ep = _pool_and_ep(gw)
 
-    async def ask(args):
-        return await pool._q_tools(w, ep, 1, args)
+    def ask(args):
+        return asyncio.run(pool._q_tools(w, ep, 1, _tools_question(args)))
 
     raw_http = ("POST", "/mcp", "", [(b"content-type", b"application/json")], b'{"jsonrpc":"2.0"}', "1.1", 80)
+    deep: dict = {}
+    cur = deep
+    for _ in range(60):
+        cur["x"] = {}
+        cur = cur["x"]
     for bad in (raw_http, ("tools/call", b'{"name": "x"}'), ("tools/call", ["x"]), ("x" * 65, {}),
-                ("admin/shutdown", {}), ("tools/call",)):
+                ("admin/shutdown", {}), ("tools/call",), ("tools/call", {"name": "x", "arguments": {"a": b"raw"}}),
+                ("tools/call", {"name": "x", "arguments": {"a": {1, 2}}}), ("tools/call", {"name": "x", 7: 1}),
+                ("tools/call", {"name": "x", "arguments": {"a": float("nan")}}),
+                ("tools/call", {"name": "x", "arguments": {"a": 1 << 70}}), ("tools/call", {"name": "x", "arguments": deep}),
+                ("tools/call", {"name": "x", "arguments": {"a": ("t", "u")}})):
         with pytest.raises(ValueError):
-            asyncio.run(ask(bad))
-    status, code, message, _ = asyncio.run(ask(("tools/call", {"name": 7})))
+            ask(bad)
+    status, code, message, _ = ask(("tools/call", {"name": 7}))
     assert (status, code) == ("error", mt.INVALID_PARAMS) and "tools/call" in message
-    assert asyncio.run(ask(("tools/call", None)))[:2] == ("error", mt.INVALID_PARAMS)
-    status, result = asyncio.run(ask(("tools/list", None)))
+    assert ask(("tools/call", None))[:2] == ("error", mt.INVALID_PARAMS)
+    status, result = ask(("tools/list", None))
     assert status == "ok" and {t["name"] for t in result["tools"]} == {tp.REQUEST_ACCESS, "fs__read_note"}
-    status, result = asyncio.run(ask(("tools/call", {"name": "fs__read_note", "arguments": {}})))
+    status, result = ask(("tools/call", {"name": "fs__read_note", "arguments": {}}))
     assert status == "ok" and result["content"][0]["text"] == "done"
-    status, code, message, data = asyncio.run(ask(("tools/call", {"name": "fs__write_note", "arguments": {}})))
+    status, code, message, data = ask(("tools/call", {"name": "fs__write_note", "arguments": {}}))
     assert status == "error" and data["rule"].startswith("tools:"), (code, message, data)
+
+
+def test_a_malformed_tools_question_drops_the_worker_at_once(tmp_path):
+    """(review 4: the shape was checked inside the question's task, whose ValueError only became
+    a refused answer - not the dropped worker the threat model says)"""
+    from agentvm.gate.workers import WorkerPool
+
+    pool = WorkerPool.__new__(WorkerPool)
+    ep = pytypes.SimpleNamespace(closed=False)
+    w = pytypes.SimpleNamespace(endpoints={"sbx1": ep}, questions={}, index=0)
+
+    async def go():
+        pool.question(w, ("q", 1, "tools", "sbx1", ("POST", "/mcp", "", [], b"{}", "1.1", 80)))
+
+    with pytest.raises(ValueError):
+        asyncio.run(go())
+    assert w.questions == {}
+
+
+def test_shared_references_cannot_make_the_daemon_expand_a_message():
+    """(review 4: one 12 MiB string referenced a million times passed the item count - every
+    string was one item - and the first json.dumps of the params built terabytes in root)"""
+    import pickle
+
+    from agentvm.gate.workers import MAX_FROM_WORKER, _plain_loads
+
+    big = "x" * (12 << 20)
+    msg = pickle.dumps(("q", 1, "tools", "sbx1", ("tools/call", {"name": "t", "arguments": {"a": [big] * 1_000_000}})),
+                       protocol=5)
+    assert len(msg) < MAX_FROM_WORKER, "small enough to be read"
+    with pytest.raises(ValueError, match="bytes of text"):
+        _plain_loads(msg)
+
+
+def test_the_front_answers_what_the_daemon_would_refuse_without_asking():
+    """(review 4: an agent's 239-byte request - arguments nested 70 deep - passed the SDK and cost
+    the agent its gate worker, dropped by the daemon as a broken channel)"""
+    from mcp.shared.exceptions import MCPError
+
+    asked = []
+
+    async def ask(method, params):
+        asked.append(method)
+        return "ok", {"content": []}
+
+    f = front.ToolFront(ask)
+    call = f._handler("tools/call")
+    deep: dict = {}
+    cur = deep
+    for _ in range(70):
+        cur["x"] = {}
+        cur = cur["x"]
+    for args in (deep, {"a": [0] * (front.PARAMS_ITEMS + 1)}):
+        with pytest.raises(MCPError) as e:
+            asyncio.run(call(None, mt.CallToolRequestParams(name="s__t", arguments=args)))
+        assert e.value.code == mt.INVALID_PARAMS and "tools:request-too-large" in e.value.message
+    assert asked == []
+    asyncio.run(call(None, mt.CallToolRequestParams(name="s__t", arguments={"a": [0] * 1000})))
+    assert asked == ["tools/call"]
 
 
 def test_the_front_rebuilds_results_and_errors_from_plain_answers():

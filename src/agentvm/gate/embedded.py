@@ -373,15 +373,35 @@ class LazyGate:
 
 
 class _HostGate:
-    """The run's in-process gate as the confined worker's pool sees its host's gate (for a
-    sandbox's tool gateway: its approvals queue, its remote servers' endpoints), started when
-    first used."""
+    """The run's in-process gate as the confined worker's pool sees its host's gate - for a
+    sandbox's tool gateway, which runs on the pool's loop: its approvals queue, the CA, and its
+    remote servers' endpoints, opened and closed on the in-process gate's own loop (its state
+    is that loop's). Started when a sandbox with tools connects (LazyGate._decide)."""
 
     def __init__(self, lazy: "LazyGate") -> None:
         self._lazy = lazy
 
-    def __getattr__(self, name: str):
-        return getattr(self._lazy.gate, name)
+    def _impl(self) -> "EmbeddedGate":
+        return self._lazy.impl()
+
+    def __getattr__(self, name: str):  # (ca, endpoints: read only)
+        return getattr(self._impl().gate, name)
+
+    def approval_store(self):
+        return self._impl().gate.approval_store()
+
+    async def _on_its_loop(self, name: str, *a, **kw):
+        import asyncio
+
+        impl = await asyncio.to_thread(self._impl)  # (this loop does not wait for its start)
+        coro = getattr(impl.gate, name)(*a, **kw)
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, impl.loop))
+
+    async def open_endpoint(self, *a, **kw):
+        return await self._on_its_loop("open_endpoint", *a, **kw)
+
+    async def close_endpoint(self, *a, **kw):
+        return await self._on_its_loop("close_endpoint", *a, **kw)
 
 
 class EmbeddedGate:

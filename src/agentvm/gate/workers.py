@@ -74,6 +74,7 @@ MAX_MESSAGE = 1 << 28  # a pickled message larger than this is a broken peer (th
 MAX_FROM_WORKER = 16 << 20  # ... from a worker (its largest: a tool call's 4 MiB body); unpickled ~90x
 MAX_NODES = 1 << 20  # containers and items a worker's message may expand to, shared references counted
 MAX_DEPTH = 64
+MAX_EXPANDED = 64 << 20  # bytes of text a worker's message may expand to, shared references counted
 CALL_TIMEOUT = 10.0  # seconds a worker has to acknowledge a call; past it, it is killed and replaced
 START_TIMEOUT = 30.0  # seconds a new worker has to come up (imports, its first acknowledgement)
 STOP_TIMEOUT = 5.0  # seconds a worker has to exit once the daemon hangs up, before SIGKILL
@@ -144,35 +145,46 @@ def _plain_loads(data) -> object:
 
 
 def _bounded(obj) -> None:
-    """Refuse a worker's message whose data *expands* past MAX_NODES or nests past MAX_DEPTH.
-    Pickle's memo lets a few hundred bytes reference one list from many places: 60 levels of
-    two references each is 2^60 leaves, and the daemon's first str() or JSON dump of it would
-    hold its loop for ever. The expanded size is computed once per distinct container (linear
-    in the message), without recursion."""
-    sizes: dict[int, int] = {}
+    """Refuse a worker's message whose data *expands* past MAX_NODES items or MAX_EXPANDED bytes
+    of text, or nests past MAX_DEPTH. Pickle's memo lets a few hundred bytes reference one list
+    from many places (60 levels of two references each is 2^60 leaves), or one 12 MiB string a
+    million times: the daemon's first str() or JSON dump of it would hold its loop for ever. The
+    expanded size is computed once per distinct container (linear in the message), without
+    recursion."""
+    containers = (list, tuple, dict, set, frozenset)
+
+    def text(x) -> int:
+        return len(x) if type(x) in (str, bytes, bytearray) else 0
+
+    sizes: dict[int, tuple[int, int]] = {}
     stack: list = [(obj, 0, False)]
     keep: list = []  # (the containers measured stay alive: ids are not reused meanwhile)
     while stack:
         o, depth, done = stack.pop()
-        if type(o) not in (list, tuple, dict, set, frozenset):
+        if type(o) not in containers:
             continue
         if done:
             items = list(o.keys()) + list(o.values()) if type(o) is dict else o
-            n = 1 + sum(sizes.get(id(x), 1) for x in items)
+            n, b = 1, 0
+            for x in items:
+                xn, xb = sizes.get(id(x), (1, text(x))) if type(x) in containers else (1, text(x))
+                n, b = n + xn, b + xb
             if n > MAX_NODES:
                 raise ValueError(f"a gate worker's message expands to more than {MAX_NODES} items")
-            sizes[id(o)] = n
+            if b > MAX_EXPANDED:
+                raise ValueError(f"a gate worker's message expands to more than {MAX_EXPANDED} bytes of text")
+            sizes[id(o)] = (n, b)
             continue
         if id(o) in sizes:
             continue
         if depth > MAX_DEPTH:
             raise ValueError(f"a gate worker's message nests deeper than {MAX_DEPTH}")
         keep.append(o)
-        sizes[id(o)] = MAX_NODES + 1  # (a cycle back to it, while it is measured: refused)
+        sizes[id(o)] = (MAX_NODES + 1, 0)  # (a cycle back to it, while it is measured: refused)
         stack.append((o, depth, True))
         items = list(o.keys()) + list(o.values()) if type(o) is dict else o
         for x in items:
-            if type(x) in (list, tuple, dict, set, frozenset) and id(x) not in sizes:
+            if type(x) in containers and id(x) not in sizes:
                 stack.append((x, depth + 1, False))
 
 
@@ -257,6 +269,26 @@ async def _answer_of(asker, sandbox_id: str, qid, fut: asyncio.Future, gone) -> 
         if not told:
             asker.tell("gone", sandbox_id, qid)
         raise
+
+
+def _tools_question(args) -> tuple:
+    """A worker's ``tools`` question's arguments: ``(method, params)``, a method the tool gateway
+    serves and params that are plain JSON data within the front's bounds (or None). Anything
+    else raises ValueError: the worker is dropped (an honest front never sends it)."""
+    from agentvm.tools.front import METHODS, json_shaped
+
+    if not isinstance(args, tuple) or len(args) != 2:
+        raise ValueError("a tools request that is not (method, params)")
+    method, params = args
+    if type(method) is not str or method not in METHODS:
+        raise ValueError("a tools request for a method the tool gateway does not serve")
+    if params is not None:
+        if type(params) is not dict:
+            raise ValueError("tools request params that are not a dict")
+        why = json_shaped(params)
+        if why is not None:
+            raise ValueError(f"tools request params that are not plain JSON data within bounds: {why}")
+    return method, params
 
 
 def _worker_record(rec: dict, agent: str, now: float) -> dict:
@@ -1089,6 +1121,8 @@ class WorkerPool:
         if len(w.questions) >= MAX_QUESTIONS:
             w.tell(("a", qid, False, f"more than {MAX_QUESTIONS} questions open at once"))
             return
+        if op == "tools":
+            args = _tools_question(args)  # (here, not in its task: a malformed one drops the worker)
         handler = {"hold": self._q_hold, "admit": self._q_admit, "tools": self._q_tools}[op]
         task = asyncio.get_running_loop().create_task(handler(w, ep, qid, args))
         task.sandbox_id = sid
@@ -1135,16 +1169,12 @@ class WorkerPool:
 
     async def _q_tools(self, w: GateWorker, ep: RemoteEndpoint, qid: int, args) -> tuple:
         """One MCP request of a sandbox with tools, parsed by its worker - the HTTP and the
-        JSON-RPC (agentvm.tools.front) - and handed over as plain data, ``(method, params)``:
-        answered by the sandbox's tool gateway here -> ``("ok", result)`` or ``("error", code,
-        message, data)``. The agent's bytes never reach this process; the params are checked
-        again by the SDK's models (ToolGateway.rpc)."""
-        if not isinstance(args, tuple) or len(args) != 2:
-            raise ValueError("a tools request that is not (method, params)")
+        JSON-RPC (agentvm.tools.front) - and handed over as plain data, ``(method, params)``
+        (checked by :func:`_tools_question` before this runs): answered by the sandbox's tool
+        gateway here -> ``("ok", result)`` or ``("error", code, message, data)``. The agent's
+        bytes never reach this process; the params are checked again by the SDK's models
+        (ToolGateway.rpc)."""
         method, params = args
-        _text(method, 64)
-        if params is not None and type(params) is not dict:
-            raise ValueError("tools request params that are not a dict")
         if ep.tools is None:
             return "error", -32601, "agent-vm tool gateway: this sandbox has no tools", None
         gw = await ep.tools.gateway()

@@ -51,6 +51,13 @@ OPTIONAL_PARAMS = {"tools/list", "resources/list", "prompts/list"}
 HANDLERS = {"tools/list": "on_list_tools", "tools/call": "on_call_tool", "resources/list": "on_list_resources",
             "resources/read": "on_read_resource", "prompts/list": "on_list_prompts", "prompts/get": "on_get_prompt"}
 
+#: a request's params as the front hands them over: the daemon drops a worker that sends more
+#: (agentvm.gate.workers._tools_question), so the front answers such a request itself - below
+#: what the worker's channel carries (64 levels, 2^20 items)
+PARAMS_DEPTH = 48
+PARAMS_ITEMS = 1 << 18
+PARAMS_TEXT = 8 << 20
+
 #: whether the requester of the request being served has left (a callable; None: unknown)
 REQUESTER_GONE: contextvars.ContextVar = contextvars.ContextVar("agentvm_front_requester_gone", default=None)
 
@@ -88,6 +95,48 @@ def plain(params) -> dict | None:
     if params is None:
         return None
     return params.model_dump(mode="json", by_alias=True, exclude_none=True)
+
+
+def json_shaped(v, *, depth: int = PARAMS_DEPTH, items: int = PARAMS_ITEMS, text: int = PARAMS_TEXT) -> str | None:
+    """Why ``v`` is not plain JSON data within the bounds (dicts with str keys, lists, str, bool,
+    None, ints of 64 bits, finite floats; at most ``depth`` levels, ``items`` values and
+    ``text`` characters, shared references counted each time), or None. Walked without
+    recursion; stops at the first excess."""
+    import math
+
+    stack = [(v, 0)]
+    n = chars = 0
+    while stack:
+        x, d = stack.pop()
+        n += 1
+        if n > items:
+            return f"more than {items} values"
+        t = type(x)
+        if t is str:
+            chars += len(x)
+        elif t is dict:
+            if d >= depth:
+                return f"nested deeper than {depth}"
+            for k, val in x.items():
+                if type(k) is not str:
+                    return "a key that is not a string"
+                chars += len(k)
+                stack.append((val, d + 1))
+        elif t is list:
+            if d >= depth:
+                return f"nested deeper than {depth}"
+            stack.extend((y, d + 1) for y in x)
+        elif t is int:
+            if not -(1 << 63) <= x < 1 << 64:
+                return "an integer past 64 bits"
+        elif t is float:
+            if not math.isfinite(x):
+                return "a float that is not finite"
+        elif x is not None and t is not bool:
+            return f"a value of type {t.__name__}"
+        if chars > text:
+            return f"more than {text} characters of text"
+    return None
 
 
 class Served:
@@ -156,7 +205,12 @@ class ToolFront(Served):
 
     def _handler(self, method: str):
         async def handle(ctx, params):
-            answer = await self.ask(method, plain(params))
+            data = plain(params)
+            why = json_shaped(data) if data is not None else None
+            if why is not None:  # (asking with it would cost the agent its gate worker)
+                raise MCPError(types.INVALID_PARAMS, f"agent-vm tool gateway: the params of {method} are {why}"
+                               " [tools:request-too-large]", {"rule": "tools:request-too-large"})
+            answer = await self.ask(method, data)
             if not isinstance(answer, tuple) or not answer or answer[0] not in ("ok", "error"):
                 raise MCPError(types.INTERNAL_ERROR, "agent-vm tool gateway: no answer")
             if answer[0] == "error":
