@@ -45,7 +45,7 @@ RULES: dict[str, str] = {
     "tools:none": "a request for /mcp from a sandbox that declares no tools (404)",
     "tools:unavailable": "the sandbox's tool gateway could not start (503): no tool calls",
     "tools:internal-error": "a bug in the tool gateway: the request is refused (fail closed)",
-    "tools:request-too-large": "a request to /mcp over 4 MiB (413)",
+    "tools:request-too-large": "a request to /mcp over 4 MiB (413), or whose params nest past 48 levels, hold over 2^18 values or 8 MiB of text",
     # the agent's own OpenTelemetry export, relayed to the daemon's collector (POST /otlp/v1/...)
     "telemetry:relay": "not a denial: the agent's OTLP export was relayed to the operator's collector",
     "telemetry:not-configured": "a request for /otlp while the daemon exports no traces (404): no collector to relay to",
