@@ -110,7 +110,8 @@ def test_the_front_answers_what_the_daemon_would_refuse_without_asking():
         asked.append(method)
         return "ok", {"content": []}
 
-    f = front.ToolFront(ask)
+    logged = []
+    f = front.ToolFront(ask, lambda **kw: logged.append(kw))
     call = f._handler("tools/call")
     deep: dict = {}
     cur = deep
@@ -122,6 +123,7 @@ def test_the_front_answers_what_the_daemon_would_refuse_without_asking():
             asyncio.run(call(None, mt.CallToolRequestParams(name="s__t", arguments=args)))
         assert e.value.code == mt.INVALID_PARAMS and "tools:request-too-large" in e.value.message
     assert asked == []
+    assert [(r["verdict"], r["rule_id"]) for r in logged] == [("deny", "tools:request-too-large")] * 2, logged
     asyncio.run(call(None, mt.CallToolRequestParams(name="s__t", arguments={"a": [0] * 1000})))
     assert asked == ["tools/call"]
 

@@ -1805,8 +1805,9 @@ class _RemoteTools:
     sandbox's tool gateway in the daemon (the tool servers, the policy and approvals live
     there), which is asked with plain data (method, params) only."""
 
-    def __init__(self, asker: _Asker, sandbox_id: str) -> None:
+    def __init__(self, asker: _Asker, sandbox_id: str, log=None) -> None:
         self.asker, self.sandbox_id = asker, sandbox_id
+        self.log = log  # the endpoint's decision log (what the front refuses itself)
         self.front = None
 
     async def gateway(self):
@@ -1830,7 +1831,7 @@ class _RemoteTools:
         if self.front is None:
             from agentvm.tools.front import ToolFront
 
-            self.front = ToolFront(self._ask)
+            self.front = ToolFront(self._ask, self.log)
         await self.front.handle(scope, receive, send)
 
 
@@ -1934,7 +1935,7 @@ class _Worker:
         if budget is not None:
             ep.budget = _RemoteBudget(self.asker, sandbox_id, budget)
         if tools:  # its /mcp requests: parsed here, answered by its tool gateway in the daemon
-            ep.tools = _RemoteTools(self.asker, sandbox_id)
+            ep.tools = _RemoteTools(self.asker, sandbox_id, ep.log)
 
     def _budget(self, ep, spec) -> None:
         if spec is None:

@@ -195,8 +195,9 @@ class ToolFront(Served):
     """The MCP server an agent talks to, in the gate worker; ``ask(method, params)`` is awaited
     for each request and gives ``("ok", result dict)`` or ``("error", code, message, data)``."""
 
-    def __init__(self, ask: Callable[[str, dict | None], Awaitable[tuple]]) -> None:
+    def __init__(self, ask: Callable[[str, dict | None], Awaitable[tuple]], log=None) -> None:
         self.ask = ask
+        self.log = log  # (the endpoint's decision log: what this front refuses itself is a decision too)
         # input schemas by exposed tool name, from the last tools/list this front answered (the
         # SDK's 2026-07-28 transport checks Mcp-Param-* headers against them)
         self._schemas: dict[str, Any] = {tp.REQUEST_ACCESS: request_access_tool().input_schema}
@@ -208,6 +209,9 @@ class ToolFront(Served):
             data = plain(params)
             why = json_shaped(data) if data is not None else None
             if why is not None:  # (asking with it would cost the agent its gate worker)
+                if self.log is not None:
+                    self.log(verdict="deny", rule_id="tools:request-too-large", reason=f"params {why}", host="",
+                             port=None, method=method, path="/mcp", phase="tool")
                 raise MCPError(types.INVALID_PARAMS, f"agent-vm tool gateway: the params of {method} are {why}"
                                " [tools:request-too-large]", {"rule": "tools:request-too-large"})
             answer = await self.ask(method, data)
