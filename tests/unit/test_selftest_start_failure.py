@@ -37,3 +37,26 @@ def test_other_verdicts_are_left_as_they_are():
         c, calls = _case([v, F.Verdict.contained("y")])
         (r,) = F.run_cases([c], SimpleNamespace(substrate="gvisor", start_failures=[]))
         assert r["status"] == v.status and r["evidence"] == v.evidence and len(calls) == 1
+
+
+def test_the_sink_records_a_body_sent_after_its_head():
+    """(the permissive-gate run of tools.held-egress failed in a full run: the gate forwarded the
+    request's head and body in two writes, the sink read once - the head - and the canary in the
+    body was never recorded, so an escape read as "not held")"""
+    import socket
+    import time
+
+    sink = F.Sink()
+    try:
+        mark = sink.mark()
+        c = socket.create_connection(("127.0.0.1", sink.port))
+        c.sendall(b"POST /collect HTTP/1.1\r\nHost: x\r\nContent-Length: 11\r\n\r\n")
+        time.sleep(0.2)
+        c.sendall(b"held-canary")
+        answer = c.recv(100)
+        c.close()
+        assert answer.endswith(b"sink!")
+        hits = sink.since(mark)  # (recorded before the answer was sent)
+        assert len(hits) == 1 and hits[0][1].endswith(b"\r\n\r\nheld-canary"), hits
+    finally:
+        sink.close()

@@ -178,14 +178,50 @@ class Sink:
             c.settimeout(0.5)
             data = b""
             try:
-                data = c.recv(65536)
+                data = self._read_request(c)
+            except OSError:
+                pass
+            # recorded before it is answered: when the sandbox has its answer, the hit is here
+            with self._lock:
+                self.hits.append(("tcp", data[:4096]))
+            try:
                 if data[:4] in (b"GET ", b"POST", b"PUT ", b"HEAD"):
                     c.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nConnection: close\r\n\r\nsink!")
             except OSError:
                 pass
             c.close()
-            with self._lock:
-                self.hits.append(("tcp", data[:4096]))
+
+    @staticmethod
+    def _read_request(c: socket.socket, cap: int = 65536) -> bytes:
+        """What a client sent: an HTTP request's head and its Content-Length body (a proxy may
+        send them in two writes - one recv took only the head, and the body that carried the
+        canary was never seen), or whatever arrived of anything else."""
+        data = c.recv(cap)
+        if data[:4] not in (b"GET ", b"POST", b"PUT ", b"HEAD"):
+            return data
+        while b"\r\n\r\n" not in data and len(data) < cap:
+            more = c.recv(cap - len(data))
+            if not more:
+                return data
+            data += more
+        head, _, body = data.partition(b"\r\n\r\n")
+        length = 0
+        for line in head.split(b"\r\n")[1:]:
+            name, _, value = line.partition(b":")
+            if name.strip().lower() == b"content-length":
+                try:
+                    length = min(int(value.strip()), cap)
+                except ValueError:
+                    length = 0
+        while len(body) < length:
+            try:
+                more = c.recv(length - len(body))
+            except OSError:
+                break
+            if not more:
+                break
+            body += more
+        return head + b"\r\n\r\n" + body
 
     def _udp_loop(self) -> None:
         self.udp.settimeout(0.2)
