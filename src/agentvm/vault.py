@@ -314,7 +314,6 @@ class Vault:
     def get(self, name: str) -> str:
         """The plaintext value of ``name``. Does not look at revocations (see :meth:`is_revoked`)."""
         validate_name(name)
-        _holding()
         store, _ = self._read_json(self.store_path, "store")
         entry = store.get(name)
         if entry is None:

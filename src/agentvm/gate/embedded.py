@@ -384,11 +384,8 @@ class _HostGate:
     def _impl(self) -> "EmbeddedGate":
         return self._lazy.impl()
 
-    def __getattr__(self, name: str):  # (ca, endpoints: read only)
+    def __getattr__(self, name: str):  # (approval_store, ca, endpoints: read only)
         return getattr(self._impl().gate, name)
-
-    def approval_store(self):
-        return self._impl().gate.approval_store()
 
     async def _on_its_loop(self, name: str, *a, **kw):
         import asyncio

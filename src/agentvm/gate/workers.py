@@ -167,7 +167,7 @@ def _bounded(obj) -> None:
             items = list(o.keys()) + list(o.values()) if type(o) is dict else o
             n, b = 1, 0
             for x in items:
-                xn, xb = sizes.get(id(x), (1, text(x))) if type(x) in containers else (1, text(x))
+                xn, xb = sizes[id(x)] if type(x) in containers else (1, text(x))  # (measured before it)
                 n, b = n + xn, b + xb
             if n > MAX_NODES:
                 raise ValueError(f"a gate worker's message expands to more than {MAX_NODES} items")

@@ -542,13 +542,6 @@ START_FAILED = "cannot read client sync file"  # runsc: the sandbox process went
 # tests/contract's test_a_caller_holding_hundreds_of_descriptors_still_starts_sandboxes)
 
 
-def _run_case(c: Case, env: Env) -> Verdict:
-    try:
-        return c.run(env)
-    except Exception as exc:  # a crashed case is an error, never a pass
-        return Verdict.error(f"{type(exc).__name__}: {exc}")
-
-
 def run_cases(cases: list[Case], env: Env) -> list[dict]:
     results = []
     for c in cases:
@@ -559,7 +552,10 @@ def run_cases(cases: list[Case], env: Env) -> list[dict]:
                             "weakened_by": c.weakened_by})
             continue
         env.start_failures.clear()
-        v = _run_case(c, env)
+        try:
+            v = c.run(env)
+        except Exception as exc:  # a crashed case is an error, never a pass
+            v = Verdict.error(f"{type(exc).__name__}: {exc}")
         if v.status == "error" and env.start_failures:  # (runsc's own words are only "EOF")
             v = replace(v, evidence=v.evidence + " [backend: " + "; ".join(env.start_failures)[-600:] + "]")
         results.append({

@@ -28,28 +28,26 @@ from agentvm.tools import policy as tp
 
 NAME = "agentvm-tool-gateway"
 
-#: the methods the gateway serves -> their params' model (None: the params may be absent)
-METHODS: dict[str, type] = {
-    "tools/list": types.PaginatedRequestParams,
-    "tools/call": types.CallToolRequestParams,
-    "resources/list": types.PaginatedRequestParams,
-    "resources/read": types.ReadResourceRequestParams,
-    "prompts/list": types.PaginatedRequestParams,
-    "prompts/get": types.GetPromptRequestParams,
-}
-#: the result model of each method (what the front rebuilds from the daemon's answer)
-RESULTS: dict[str, type] = {
-    "tools/list": types.ListToolsResult,
-    "tools/call": types.CallToolResult,
-    "resources/list": types.ListResourcesResult,
-    "resources/read": types.ReadResourceResult,
-    "prompts/list": types.ListPromptsResult,
-    "prompts/get": types.GetPromptResult,
+#: each method the gateway serves -> (its params' model, its result's model, its handler's name:
+#: the lowlevel Server's ``on_NAME``, the gateway's ``_NAME``)
+METHODS: dict[str, tuple[type, type, str]] = {
+    "tools/list": (types.PaginatedRequestParams, types.ListToolsResult, "list_tools"),
+    "tools/call": (types.CallToolRequestParams, types.CallToolResult, "call_tool"),
+    "resources/list": (types.PaginatedRequestParams, types.ListResourcesResult, "list_resources"),
+    "resources/read": (types.ReadResourceRequestParams, types.ReadResourceResult, "read_resource"),
+    "prompts/list": (types.PaginatedRequestParams, types.ListPromptsResult, "list_prompts"),
+    "prompts/get": (types.GetPromptRequestParams, types.GetPromptResult, "get_prompt"),
 }
 OPTIONAL_PARAMS = {"tools/list", "resources/list", "prompts/list"}
-#: the lowlevel Server's handler argument of each method
-HANDLERS = {"tools/list": "on_list_tools", "tools/call": "on_call_tool", "resources/list": "on_list_resources",
-            "resources/read": "on_read_resource", "prompts/list": "on_list_prompts", "prompts/get": "on_get_prompt"}
+
+
+def make_server(handler: Callable[[str], Callable], schemas: dict) -> Server:
+    """The gateway's MCP server - the same for the in-process gateway and the worker's front:
+    each method M of :data:`METHODS` answered by ``handler(M)``, the tools' input schemas
+    looked up in ``schemas``."""
+    return Server(NAME, get_tool_input_schema=schemas.get,
+                  **{f"on_{name}": handler(m) for m, (_, _, name) in METHODS.items()})
+
 
 #: a request's params as the front hands them over: the daemon drops a worker that sends more
 #: (agentvm.gate.workers._tools_question), so the front answers such a request itself - below
@@ -201,8 +199,7 @@ class ToolFront(Served):
         # input schemas by exposed tool name, from the last tools/list this front answered (the
         # SDK's 2026-07-28 transport checks Mcp-Param-* headers against them)
         self._schemas: dict[str, Any] = {tp.REQUEST_ACCESS: request_access_tool().input_schema}
-        self._serve(Server(NAME, get_tool_input_schema=self._schemas.get,
-                           **{HANDLERS[m]: self._handler(m) for m in METHODS}))
+        self._serve(make_server(self._handler, self._schemas))
 
     def _handler(self, method: str):
         async def handle(ctx, params):
@@ -220,7 +217,7 @@ class ToolFront(Served):
             if answer[0] == "error":
                 _, code, message, data = answer
                 raise MCPError(int(code), str(message), data)
-            result = RESULTS[method].model_validate(answer[1])
+            result = METHODS[method][1].model_validate(answer[1])
             if method == "tools/list":
                 self._schemas.clear()
                 self._schemas.update((t.name, t.input_schema) for t in result.tools)

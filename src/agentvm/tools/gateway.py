@@ -44,7 +44,6 @@ import mcp_types as types
 from mcp import Client
 from mcp.client.stdio import get_default_environment
 from mcp.client.streamable_http import streamable_http_client
-from mcp.server.lowlevel import Server
 from mcp.shared.exceptions import MCPError
 
 from agentvm import names
@@ -52,7 +51,7 @@ from agentvm.held import digest as arg_digest
 from agentvm.gate.endpoint import TokenBucket
 from agentvm.approvals import GONE, SHOW_MAX, preview, shown
 from agentvm.tools import policy as tp
-from agentvm.tools.front import METHODS, NAME, OPTIONAL_PARAMS, REQUESTER_GONE as _REQUESTER_GONE, Served
+from agentvm.tools.front import METHODS, OPTIONAL_PARAMS, REQUESTER_GONE as _REQUESTER_GONE, Served, make_server
 from agentvm.tools.front import request_access_tool as _request_access_tool
 from agentvm.tools.stdio import MAX_LINE_FLOOR, MAX_UNREAD, Busy, Flooded, StdioSession
 
@@ -338,18 +337,12 @@ class ToolGateway(Served):
         # 2026-07-28 transport checks Mcp-Param-* headers against. Without it the SDK runs the
         # whole tools/list (a round trip to every tool server) before each tools/call.
         self._schemas: dict[str, Any] = {tp.REQUEST_ACCESS: _request_access_tool().input_schema}
-        self._serve(Server(
-            NAME,
-            get_tool_input_schema=self._schemas.get,
-            on_list_tools=self._list_tools,
-            on_call_tool=self._call_tool,
-            on_list_resources=self._list_resources,
-            on_read_resource=self._read_resource,
-            on_list_prompts=self._list_prompts,
-            on_get_prompt=self._get_prompt,
-        ))
+        self._serve(make_server(self._handler_of, self._schemas))
 
     # ------------------------------------------------------------------ lifecycle: Served (start, handle)
+    def _handler_of(self, method: str):
+        """The handler of ``method`` (front.METHODS names it: ``_list_tools``...)."""
+        return getattr(self, f"_{METHODS[method][2]}")
 
     async def rpc(self, method: str, params: dict | None, gone=None) -> tuple:
         """One MCP request of a sandbox served by a confined gate worker, which parsed its HTTP
@@ -359,18 +352,17 @@ class ToolGateway(Served):
         requester has left (a held call then ends)."""
         from pydantic import ValidationError
 
-        model = METHODS.get(method) if type(method) is str else None
-        if model is None:
+        spec = METHODS.get(method) if type(method) is str else None
+        if spec is None:
             raise ValueError("not a method of the tool gateway")
+        model = spec[0]
         if params is None and method not in OPTIONAL_PARAMS:
             return "error", types.INVALID_PARAMS, f"{method} needs params", None
         try:
             p = model.model_validate(params) if params is not None else None
         except ValidationError as exc:
             return "error", types.INVALID_PARAMS, f"invalid params for {method} ({exc.error_count()} error(s))", None
-        handler = {"tools/list": self._list_tools, "tools/call": self._call_tool,
-                   "resources/list": self._list_resources, "resources/read": self._read_resource,
-                   "prompts/list": self._list_prompts, "prompts/get": self._get_prompt}[method]
+        handler = self._handler_of(method)
         token = _REQUESTER_GONE.set(gone)
         try:
             result = await handler(None, p)
