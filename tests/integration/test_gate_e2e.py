@@ -1045,6 +1045,152 @@ req("fourth")
     assert gate.http.paths_seen() == ["/fourth"]
 
 
+# ---------------------------------------------------------------------------- the bridge's hand-off
+
+HANDOFF = r"""
+import socket, os, sys, time
+HP = int(sys.argv[1])
+G = "/.agentvm/gate.sock"
+HELLO = b"\x00agentvm-bridge-handoff/1\r\n\r\n"
+def chan():
+    c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    c.settimeout(10)
+    c.connect(G)
+    c.sendall(HELLO)
+    assert c.recv(1) == b"\x06", "no acknowledgement"
+    return c
+def closed(c):  # the gate ended the channel (EOF or reset) instead of serving what was sent
+    try:
+        return c.recv(1) == b""
+    except OSError:
+        return True
+def tcp_pair():
+    l = socket.socket()
+    l.bind(("127.0.0.1", 0))
+    l.listen()
+    cl = socket.create_connection(l.getsockname(), timeout=10)
+    sv, _ = l.accept()
+    return l, cl, sv
+def hand(fds, byte=b"C"):
+    c = chan()
+    socket.send_fds(c, [byte], fds)
+    return closed(c)
+def answer(cl, host, path):
+    cl.sendall(("GET http://%s:%d%s HTTP/1.1\r\nHost: %s:%d\r\nConnection: close\r\n\r\n" % (host, HP, path, host, HP)).encode())
+    buf = b""
+    while True:
+        d = cl.recv(65536)
+        if not d:
+            break
+        buf += d
+    head = buf.split(b"\r\n\r\n", 1)[0].decode(errors="replace").split("\r\n")
+    den = [l.split(":", 1)[1].strip() for l in head if l.lower().startswith("x-agentvm-denied:")]
+    return head[0].split(" ")[1] + " " + (den[0] if den else "-")
+f = os.open("/etc/hostname", os.O_RDONLY)
+print("BAD file", hand([f]))
+u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+print("BAD udp", hand([u.fileno()]))
+l = socket.socket(); l.bind(("127.0.0.1", 0)); l.listen()
+print("BAD listening", hand([l.fileno()]))
+a, b = socket.socketpair()
+print("BAD unix", hand([a.fileno()]))
+_, cl1, sv1 = tcp_pair()
+_, cl2, sv2 = tcp_pair()
+print("BAD two", hand([sv1.fileno(), sv2.fileno()]))
+print("BAD byte", hand([sv1.fileno()], b"X"))
+print("BAD none", hand([], b"C"))
+# bytes after the hello, before the acknowledgement: not a bridge - a head like any other (400)
+c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM); c.settimeout(10); c.connect(G)
+c.sendall(HELLO + b"GET / HTTP/1.1\r\n\r\n")
+print("EAGER", c.recv(4096).split(b"\r\n")[0].decode().replace(" ", "_"))
+# what the gate serves on a connection handed over is decided by the policy like any other
+_, cl, sv = tcp_pair()
+c = chan(); socket.send_fds(c, [b"C"], [sv.fileno()]); sv.close()
+print("HANDED denied", answer(cl, "denied.test", "/handed-denied"))
+_, cl, sv = tcp_pair()
+socket.send_fds(c, [b"C"], [sv.fileno()]); sv.close()
+print("HANDED allowed", answer(cl, "allowed.test", "/handed"))
+# and the sandbox's own route out still works
+s = socket.create_connection(("127.0.0.1", 3128), timeout=10)
+print("ROUTE", answer(s, "allowed.test", "/route"))
+"""
+
+
+def test_the_hand_off_channel_serves_connected_tcp_sockets_only_and_by_policy(gate):
+    """Attack: the bridge's hand-off channel is open to the agent too (it can reach the gate's
+    socket). Whatever it sends there that is not one connected TCP socket - a file, a UDP, a
+    listening or a unix socket, two descriptors, none, a wrong byte - ends the channel, logged;
+    a TCP socket it hands over itself is served under the sandbox's policy like any connection
+    (a denied host denied, the upstream never asked)."""
+    run = run_in(gate.spec, [PY, "-c", HANDOFF, str(gate.hp)])
+    bad = {ln.split()[1]: ln.split()[2] for ln in run.lines("BAD ")}
+    assert bad == {k: "True" for k in ("file", "udp", "listening", "unix", "two", "byte", "none")}, run.explain()
+    assert run.lines("EAGER ") == ["EAGER HTTP/1.1_400_Bad_Request"], run.explain()
+    got = {ln.split()[1]: " ".join(ln.split()[2:]) for ln in run.lines("HANDED ")}
+    assert got == {"denied": "403 default-deny", "allowed": "200 -"}, run.explain()
+    assert run.lines("ROUTE ") == ["ROUTE 200 -"], run.explain()
+    # each refused message is a decision on the sandbox's log ("none" carries no descriptor
+    # but a byte: refused too); the handed-over connections' requests are decided and logged
+    assert len(run.rec(rule="handoff:refused", verdict="deny")) == 7, run.explain()
+    assert run.rec(host="denied.test", rule="default-deny", verdict="deny", phase="request")
+    assert gate.http.paths_seen() == ["/handed", "/route"], run.explain()
+
+
+def test_the_bridge_leaves_the_data_path(gate):
+    """With a bwrap sandbox the bridge hands each connection to the gate: the socket the
+    sandbox's client is connected to (port 3128 in the sandbox's network namespace) is held by
+    the gate's worker, not by the bridge, once the connection is served."""
+    code = r"""
+import socket, sys, time
+HP = int(sys.argv[1])
+s = socket.create_connection(("127.0.0.1", 3128), timeout=10)
+s.sendall(("GET http://allowed.test:%d/kept HTTP/1.1\r\nHost: allowed.test:%d\r\n\r\n" % (HP, HP)).encode())
+buf = b""
+while b"\r\n\r\n" not in buf:
+    buf += s.recv(65536)
+print("READY", buf.split(b"\r\n")[0].decode().replace(" ", "_"), flush=True)
+time.sleep(20)
+"""
+    p = subprocess.Popen(agentvm_cmd() + ["run", "-f", str(gate.spec), "--", PY, "-c", code, str(gate.hp)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = p.stdout.readline()
+        assert line.startswith("READY HTTP/1.1_200"), line + p.stderr.read() if p.poll() is not None else line
+        # the sandbox's python: its network namespace's TCP table names the gate's side (port 3128)
+        inner = [pid for pid in os.listdir("/proc") if pid.isdigit() and _cmdline(pid).startswith(PY + "\0-c\0")
+                 and "/kept" in _cmdline(pid)]
+        assert len(inner) == 1, inner
+        served = set()
+        for row in Path(f"/proc/{inner[0]}/net/tcp").read_text().splitlines()[1:]:
+            f = row.split()
+            if f[1].endswith(":0C38") and f[3] == "01":  # local port 3128, ESTABLISHED
+                served.add(f"socket:[{f[9]}]")
+        assert len(served) == 1, served
+        holders = set()
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                fds = os.listdir(f"/proc/{pid}/fd")
+                if any(os.readlink(f"/proc/{pid}/fd/{fd}") in served for fd in fds):
+                    holders.add(_cmdline(pid).split("\0")[0])
+            except OSError:
+                continue
+        assert holders == {"agentvm-gate-worker (embedded)"}, holders
+    finally:
+        p.terminate()  # (the run tears its sandbox down)
+        try:
+            p.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def _cmdline(pid: str) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+    except OSError:
+        return ""
+
+
 # ---------------------------------------------------------------------------- logging
 
 

@@ -574,7 +574,9 @@ class BwrapBackend(hv.ChildProcessSandbox, Backend):
         if ctx.tty:
             init += ["--tty"]
         if gate:
-            init += ["--gate-socket", hv.GATE_IN_SANDBOX, "--gate-port", str(ctx.gate.port)]
+            # the bridge hands each connection to the gate and leaves the data path (the sockets
+            # are the host kernel's; gVisor's bridge relays instead: see agentvm-helper.c)
+            init += ["--gate-socket", hv.GATE_IN_SANDBOX, "--gate-port", str(ctx.gate.port), "--bridge-handoff"]
         init += confine
         command = list(policy.command) or ["/bin/sh"]
         # bwrap's options (host paths included) go through --args FD: the sandbox's pid 1 is

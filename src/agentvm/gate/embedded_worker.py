@@ -198,7 +198,7 @@ def _reap_all() -> None:
 def worker_argv(state_dir: Path, log_dir: Path, uid: int) -> list[str]:
     """The gate worker's arguments (``python -m agentvm.gate.workers``'s, without the channels)."""
     return ["--index", "0", "--state-dir", str(state_dir), "--log-dir", str(log_dir), "--confine", str(uid),
-            "--confine-skip", ""]
+            "--confine-skip", "", "--no-records"]  # (the run reads its sandbox's log, not records)
 
 
 PRELOAD = ("agentvm.gate.workers", "agentvm.gate.server", "agentvm.gate.confine", "agentvm.gate.ca",
@@ -436,7 +436,7 @@ def _classes():
             kw = {"approvals": approvals} if _accepts(W.WorkerPool.__init__, "approvals") else {}
             if host_gate is not None:  # (the run's in-process gate: its tool gateways' approvals and remote servers)
                 kw["host_gate"] = host_gate
-            super().__init__(1, state_dir, log_dir, on_record=lambda rec: None, on_event=on_event, confine="full", **kw)
+            super().__init__(1, state_dir, log_dir, on_record=None, on_event=on_event, confine="full", **kw)
 
         def uid_for(self, index: int) -> int:
             return self._uid

@@ -35,7 +35,7 @@ from agentvm.gate.h1 import HeadReader
 from agentvm.gate.policy import EgressPolicy
 from agentvm.gate.relay import UPSTREAM_IDLE_TIMEOUT, Relay, Stale, UpstreamError
 from agentvm.gate.streams import HELLO_TIMEOUT, PlainStream, TLSStream, client_left
-from agentvm.gate.tunnel import stream_splice, zero_copy_splice
+from agentvm.gate.tunnel import _detach, stream_splice, zero_copy_splice
 
 log = logging.getLogger("agentvm.gate")
 
@@ -45,6 +45,42 @@ STREAM_LIMIT = 1 << 20  # a sandbox's connection (and a tunnel's upstream): unre
 STREAM_DEFAULT = 1 << 16  # an upstream connection of the relay
 CONNECT_TIMEOUT = 10.0
 IDEMPOTENT = frozenset(("GET", "HEAD", "OPTIONS", "TRACE", "PUT", "DELETE"))  # RFC 9110 9.2.2
+
+# The bridge's hand-off (a bwrap sandbox's bridge, ``agentvm-helper --bridge-handoff``): instead
+# of relaying every byte of every connection between the sandbox's TCP port and this socket, the
+# bridge opens one channel to its endpoint - HANDOFF_HELLO, answered HANDOFF_ACK - and sends
+# each connection it accepts over it (one HANDOFF_CONN byte with the descriptor, SCM_RIGHTS),
+# keeping no copy. The gate serves that TCP socket as it would the bridge's connection: the
+# sandbox is still the endpoint the channel arrived on, never anything sent. The hello is a
+# head no request can be (a NUL byte), so it is recognised only where the strict parser has
+# already refused a head: no cost to any request. Any process in the sandbox could send the
+# same - it gains nothing it could not do by speaking through the socket it hands over - so
+# only what arrives is checked: one descriptor per message, a connected TCP socket.
+HANDOFF_HELLO = b"\x00agentvm-bridge-handoff/1\r\n\r\n"
+HANDOFF_ACK = b"\x06"
+HANDOFF_CONN = b"C"
+HANDOFF_BATCH = 64  # connections taken per wake-up of a channel (then the loop's other work)
+
+
+def _connected_tcp(fd: int) -> socket.socket | None:
+    """``fd`` as a socket when it is a connected TCP socket (the bridge's accepted connection),
+    else None (``fd`` closed)."""
+    try:
+        sock = socket.socket(fileno=fd)
+    except OSError:  # not a socket
+        os.close(fd)
+        return None
+    try:
+        if sock.family not in (socket.AF_INET, socket.AF_INET6) or sock.type != socket.SOCK_STREAM \
+                or sock.proto not in (0, socket.IPPROTO_TCP):
+            raise OSError("not a TCP socket")
+        sock.getpeername()  # (a listening or unconnected socket: ENOTCONN)
+        sock.setblocking(False)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    except OSError:
+        sock.close()
+        return None
+    return sock
 
 
 def new_event_loop() -> asyncio.AbstractEventLoop:
@@ -69,6 +105,9 @@ class Gate:
     # a spliced tunnel moves bytes socket to socket (splice(2)) where the client's socket carries
     # them as they are; a subclass whose client sockets carry TLS (the mTLS gateway) turns it off
     zero_copy = True
+    # a bridge may hand its sandbox's connections over (HANDOFF_HELLO); a subclass whose
+    # clients are not a local sandbox's bridge (the mTLS gateway) refuses it
+    handoff = True
 
     def __init__(self, state_dir: Path, log_dir: Path):
         self.state_dir = Path(state_dir)
@@ -96,6 +135,7 @@ class Gate:
         self._head_sweep: asyncio.TimerHandle | None = None
         self._closing: set[Endpoint] = set()  # endpoints being closed (their logs still open)
         self._head_sweep_loop: asyncio.AbstractEventLoop | None = None
+        self._handoffs: dict[socket.socket, Endpoint] = {}  # bridges' hand-off channels -> their endpoint
 
     def approval_store(self):
         """The approvals queue, or None (nobody to ask: a held request is denied)."""
@@ -179,6 +219,9 @@ class Gate:
         ep.closing = True  # (a connection accepted now is closed at once: _handle)
         if ep.server is not None:
             ep.server.close()
+        for chan, owner in list(self._handoffs.items()):  # no more connections handed over
+            if owner is ep:
+                self._drop_handoff(chan)
         # the connections still open are closed: nothing is served, unlogged, by an endpoint
         # that is gone (a sandbox still running when its endpoint is closed: a gate worker
         # stopping, an endpoint opened again). Those of a sandbox that has gone end on their own
@@ -271,6 +314,66 @@ class Gate:
             ep.cut.pop(task, None)
             self._head_expired.discard(task)
             client.close()
+
+    # -- the bridge's hand-off (see HANDOFF_HELLO) -------------------------------------------
+    def _take_channel(self, ep: Endpoint, stream: PlainStream) -> None:
+        """``stream`` is a bridge's hand-off channel: taken out of asyncio, acknowledged, and
+        read for descriptors from now on (its task ends here)."""
+        fd, buffered = _detach(stream)
+        chan = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM, fileno=fd)
+        if buffered or ep.closing:  # (a bridge waits for the acknowledgement before it sends)
+            chan.close()
+            return
+        try:
+            chan.send(HANDOFF_ACK)
+        except OSError:
+            chan.close()
+            return
+        loop = asyncio.get_running_loop()
+        self._handoffs[chan] = ep
+        loop.add_reader(fd, self._handed, ep, chan, loop)
+
+    def _drop_handoff(self, chan: socket.socket) -> None:
+        if self._handoffs.pop(chan, None) is not None:
+            try:
+                asyncio.get_running_loop().remove_reader(chan.fileno())
+            except (RuntimeError, ValueError, OSError):
+                pass
+        chan.close()
+
+    def _handed(self, ep: Endpoint, chan: socket.socket, loop) -> None:
+        """Connections arrived on a hand-off channel: each served as if accepted on ``ep``'s
+        listener. Anything but one HANDOFF_CONN byte with one connected TCP socket ends the
+        channel (the descriptors that came with it closed) and is logged."""
+        for _ in range(HANDOFF_BATCH):
+            try:
+                msg, fds, flags, _ = socket.recv_fds(chan, 1, 1, socket.MSG_DONTWAIT | socket.MSG_CMSG_CLOEXEC)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                msg, fds, flags = b"", [], 0
+            sock = None
+            if msg == HANDOFF_CONN and len(fds) == 1 and not flags & socket.MSG_CTRUNC:
+                sock = _connected_tcp(fds[0])
+            else:
+                for fd in fds:
+                    os.close(fd)
+            if sock is None:
+                if msg:  # (no message: the bridge went away, as it does with its sandbox)
+                    ep.log(verdict="deny", rule_id="handoff:refused", reason="a hand-off message that is not one connected "
+                           "TCP socket: the channel is closed", host="", port=None, phase="connect")
+                self._drop_handoff(chan)
+                return
+            loop.create_task(self._adopt(ep, sock))
+
+    async def _adopt(self, ep: Endpoint, sock: socket.socket) -> None:
+        if ep.closing:
+            sock.close()
+            return
+        try:
+            await asyncio.get_running_loop().connect_accepted_socket(self._accepting(ep), sock)
+        except Exception:  # noqa: BLE001 - the connection is lost, as one the listener could not accept
+            sock.close()
 
     def _head_wait(self, task: asyncio.Task) -> None:
         """``task`` waits for a request head from now on (see HEAD_TIMEOUT, _sweep_heads)."""
@@ -371,6 +474,9 @@ class Gate:
                 req, body = h1.parse_head(hr.head, hr.rest)
                 pending = hr.rest
             except h1.ProtocolError as exc:
+                if hr.head == HANDOFF_HELLO and tunnel is None and self.handoff and not hr.rest:
+                    self._take_channel(ep, stream)  # (a bridge: see HANDOFF_HELLO)
+                    return
                 await self._run(ep, stream, ex.refuse(ex.bad_request(exc, *where)))
                 return
             if tunnel is None and req.scheme == "connect":

@@ -807,6 +807,8 @@ class GateWorker:
                 "--state-dir", str(self.pool.state_dir), "--log-dir", str(self.pool.log_dir)]
         if self.pool.telemetry:
             args += ["--telemetry", self.pool.telemetry]
+        if not self.pool.records:
+            args += ["--no-records"]
         if self.pool.confine is not None:
             args += ["--confine", str(self.uid if self.uid is not None else -1), "--confine-skip",
                      ",".join(self.pool.confine_skip)]
@@ -881,7 +883,7 @@ class GateWorker:
             raise ValueError("a message that is not a tuple")
         if msg[0] == "records":
             moved = self._counters(msg[2]) if len(msg) > 2 else ()
-            on_record = self.pool.on_record
+            on_record = self.pool.on_record or (lambda rec: None)  # (a host that asked for none)
             now = time.time()
             for rec in msg[1]:
                 if not isinstance(rec, dict) or rec.get("sandbox") not in self.given:
@@ -1027,6 +1029,9 @@ class WorkerPool:
         self.approvals = approvals
         self.retire = retire if isolate is not None else None
         self.on_bytes = on_bytes or (lambda ep: None)
+        # the workers send every decision record back (on_record) unless it is None: then none
+        # is built or sent, and an endpoint's counts arrive when it closes (an embedded run)
+        self.records = on_record is not None
         self.spare = max(0, int(spare)) if isolate is not None else 0
         self.host_gate = host_gate  # the daemon's own gate: the tool gateways' remote servers are served there
         self._sparing: asyncio.Task | None = None
@@ -1838,7 +1843,8 @@ class _RemoteTools:
 class _Worker:
     """The worker process: a Gate, its endpoints opened and changed on the daemon's word."""
 
-    def __init__(self, gate, fd_sock: socket.socket, writer: _Sender, asker: _Asker | None = None) -> None:
+    def __init__(self, gate, fd_sock: socket.socket, writer: _Sender, asker: _Asker | None = None, *,
+                 records: bool = True) -> None:
         self.gate = gate
         self.fd_sock = fd_sock
         self.writer = writer
@@ -1847,7 +1853,8 @@ class _Worker:
         self._counted: dict[str, tuple[int, int]] = {}  # byte counters last sent, per sandbox
         self._timer: asyncio.TimerHandle | None = None
         self._loop = asyncio.get_running_loop()
-        gate.subscribers.append(self._record)
+        if records:  # (a host that takes no records - an embedded run - is sent none: no record is built)
+            gate.subscribers.append(self._record)
 
     def _record(self, rec: dict) -> None:
         # records go back in batches: RECORD_DELAY's worth in one message (each message costs
@@ -2118,7 +2125,7 @@ async def _worker_main(ns) -> None:
             ep.flush_log()
 
     sender.before_exit = before_exit
-    w = _Worker(gate, fd_sock, sender, asker)
+    w = _Worker(gate, fd_sock, sender, asker, records=not ns.no_records)
     try:
         await w.serve(calls)
     finally:
@@ -2217,6 +2224,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--state-dir", required=True)
     p.add_argument("--log-dir", required=True)
     p.add_argument("--telemetry")
+    p.add_argument("--no-records", action="store_true",
+                   help="send no decision records back (the host reads the sandboxes' logs: an embedded run)")
     p.add_argument("--confine", type=int, help="confine this worker (agentvm.gate.confine) as this uid/gid")
     p.add_argument("--confine-skip", default="", help="steps left out (an unprivileged daemon: mount-namespace,identity)")
     ns = p.parse_args(argv)

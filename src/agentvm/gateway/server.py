@@ -69,6 +69,7 @@ class GatewayGate(Gate):
     """A Gate whose endpoints are identities, reached through one mTLS listener."""
 
     zero_copy = False  # a spliced tunnel goes through the stream: the client's socket carries mTLS
+    handoff = False  # its clients are remote nodes, never a local sandbox's bridge
 
     def __init__(self, state_dir: Path, log_dir: Path, registry: Registry) -> None:
         super().__init__(state_dir, log_dir)

@@ -581,6 +581,83 @@ static void br_close(struct br_conn *c) {
     c->fd[0] = c->fd[1] = -1;
 }
 
+/* The hand-off (--bridge-handoff; a bwrap sandbox, whose sockets are the host kernel's): the
+ * bridge leaves the data path. It opens one channel to the gate's socket (HELLO, then waits for
+ * the gate's ACK) and sends each connection it accepts over it as one byte with the descriptor
+ * (SCM_RIGHTS), keeping no copy; the gate serves the sandbox's TCP socket itself. Without it
+ * (gVisor: its sockets are the Sentry's, and cannot travel to a host process) every byte is
+ * relayed below. Must match agentvm.gate.server's HANDOFF_*. A channel that fails is opened
+ * again once for the connection at hand; if that fails too the connection is closed: no route. */
+static const char HO_HELLO[] = "\0agentvm-bridge-handoff/1\r\n\r\n";
+#define HO_ACK 0x06
+#define HO_CONN 'C'
+#define HO_TIMEOUT_S 5 /* a gate that neither answers nor reads: the connection is dropped */
+
+static int ho_open(const char *gate_path) {
+    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) return -1;
+    struct timeval tv = {.tv_sec = HO_TIMEOUT_S};
+    setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
+    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+    struct sockaddr_un sa = {.sun_family = AF_UNIX};
+    strncpy(sa.sun_path, gate_path, sizeof sa.sun_path - 1);
+    unsigned char ack = 0;
+    if (connect(fd, (struct sockaddr *)&sa, sizeof sa) < 0 ||
+        send(fd, HO_HELLO, sizeof HO_HELLO - 1, MSG_NOSIGNAL) != (ssize_t)(sizeof HO_HELLO - 1) ||
+        recv(fd, &ack, 1, 0) != 1 || ack != HO_ACK) {
+        close(fd);
+        return -1;
+    }
+    return fd;
+}
+
+static int ho_send(int chan, int cfd) {
+    char byte = HO_CONN;
+    struct iovec iov = {.iov_base = &byte, .iov_len = 1};
+    union {
+        struct cmsghdr h;
+        char buf[CMSG_SPACE(sizeof(int))];
+    } u;
+    memset(&u, 0, sizeof u);
+    struct msghdr m = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = u.buf, .msg_controllen = sizeof u.buf};
+    struct cmsghdr *c = CMSG_FIRSTHDR(&m);
+    c->cmsg_level = SOL_SOCKET;
+    c->cmsg_type = SCM_RIGHTS;
+    c->cmsg_len = CMSG_LEN(sizeof(int));
+    memcpy(CMSG_DATA(c), &cfd, sizeof(int));
+    ssize_t r;
+    do r = sendmsg(chan, &m, MSG_NOSIGNAL);
+    while (r < 0 && errno == EINTR);
+    return r == 1 ? 0 : -1;
+}
+
+static void handoff_loop(int ls, const char *gate_path) {
+    int chan = -1;
+    signal(SIGPIPE, SIG_IGN);
+    for (;;) {
+        int cfd = accept4(ls, NULL, NULL, SOCK_CLOEXEC);
+        if (cfd < 0) {
+            if (errno == EINTR || errno == ECONNABORTED || errno == EAGAIN) continue;
+            if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM) {
+                poll(NULL, 0, 10); /* out of descriptors for a moment: not a reason to stop */
+                continue;
+            }
+            _exit(3);
+        }
+        /* a relay must not add Nagle's wait (the gate sets it too: it may write a head, then a body) */
+        int nd = 1;
+        setsockopt(cfd, IPPROTO_TCP, TCP_NODELAY, &nd, sizeof nd);
+        for (int attempt = 0; attempt < 2; attempt++) {
+            if (chan < 0) chan = ho_open(gate_path);
+            if (chan < 0) break; /* gate down: no route */
+            if (ho_send(chan, cfd) == 0) break;
+            close(chan); /* the gate went away (a worker replaced): once more on a new channel */
+            chan = -1;
+        }
+        close(cfd); /* handed over (the gate holds it now) or dropped */
+    }
+}
+
 static void bridge_loop(int ls, const char *gate_path) {
     static struct br_conn conns[BR_MAX];
     static struct pollfd pfd[1 + 2 * BR_MAX];
@@ -689,7 +766,7 @@ static void bridge_loop(int ls, const char *gate_path) {
  * syscall audit (--sysaudit-fd) that filter's denials are user notifications; the bridge loads
  * it without a listener, so its own denied calls fail with ENOSYS (still refused, not recorded:
  * the listener belongs to the agent's filter, loaded later by init). */
-static void start_bridge(const char *gate_path, long port, const struct sock_fprog *filter) {
+static void start_bridge(const char *gate_path, long port, const struct sock_fprog *filter, int handoff) {
     int ls = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
     if (ls < 0) fail("bridge", errno, "socket");
     int one = 1;
@@ -721,7 +798,10 @@ static void start_bridge(const char *gate_path, long port, const struct sock_fpr
         }
         syscall(__NR_close_range, 3U, (unsigned int)(ls - 1), 0U);
         syscall(__NR_close_range, (unsigned int)(ls + 1), ~0U, 0U);
-        bridge_loop(ls, gate_path);
+        if (handoff)
+            handoff_loop(ls, gate_path);
+        else
+            bridge_loop(ls, gate_path);
         _exit(0);
     }
     int st;
@@ -743,7 +823,7 @@ static int cmd_init(int argc, char **argv) {
     int nrules = 0;
     long ports_connect[64], ports_bind[64];
     int npc = 0, npb = 0;
-    int want_scope = 0, want_net = 0, want_tty = 0, no_landlock = 0;
+    int want_scope = 0, want_net = 0, want_tty = 0, no_landlock = 0, bridge_handoff = 0;
     long min_abi = 1;
     int seccomp_fd = -1, env_fd = -1, sysaudit_fd = -1;
     const char *chdir_to = NULL, *gate_socket = NULL;
@@ -778,6 +858,10 @@ static int cmd_init(int argc, char **argv) {
         }
         if (!strcmp(a, "--tty")) {
             want_tty = 1;
+            continue;
+        }
+        if (!strcmp(a, "--bridge-handoff")) { /* the bridge hands connections to the gate (bwrap) */
+            bridge_handoff = 1;
             continue;
         }
         if (!strcmp(a, "--no-landlock")) { /* explicit, audited degrade only */
@@ -869,7 +953,7 @@ static int cmd_init(int argc, char **argv) {
     }
 
     /* 2c. the egress bridge, before Landlock and the agent's seccomp (see start_bridge) */
-    if (gate_socket) start_bridge(gate_socket, gate_port, prog.len ? &prog : NULL);
+    if (gate_socket) start_bridge(gate_socket, gate_port, prog.len ? &prog : NULL, bridge_handoff);
 
     /* 3. working directory (before Landlock, which may forbid walking to it) */
     if (chdir_to && chdir(chdir_to) < 0) fail("chdir", errno, "chdir %s", chdir_to);
