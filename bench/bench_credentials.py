@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Credential swap at the egress gate: TLS-terminated req/s against mitmproxy, and revocation latency.
 
-    python3 bench/bench_credentials.py [--quick] [--duration S] [--revocations N] [--no-mitmproxy] [--no-profile]
+    python3 bench/bench_credentials.py [--quick] [--duration S] [--revocations N] [--no-mitmproxy] [--no-squid] [--no-profile]
 
 Everything runs on loopback (127.0.0.1 and unix sockets); no other address is ever used.
 Processes (so that no two share one GIL):
@@ -88,7 +88,7 @@ _SSE_EVENTS = [b"data: " + json.dumps({"id": "chatcmpl-1", "object": "chat.compl
 RESP_SSE = (b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
             + b"".join(b"%x\r\n%s\r\n" % (len(e), e) for e in _SSE_EVENTS) + b"0\r\n\r\n")
 RESP_BAD = b"HTTP/1.1 401 Unauthorized\r\nContent-Type: text/plain\r\nContent-Length: 4\r\n\r\nbad\n"
-TARGETS = {"gate_vs_mitm": 6.0, "gate_vs_direct": 0.25, "revoke_ms": 10.0, "revoke_after": 0}
+TARGETS = {"gate_vs_mitm": 6.0, "gate_vs_squid_bump": 1.0, "revoke_ms": 10.0, "revoke_after": 0}
 
 
 def me(role: str, *extra: str) -> list[str]:
@@ -531,6 +531,123 @@ def start_mitmproxy(tmp: Path, log, test_ca: str, placeholder: str, real: str,
     return p, port, f"{label}; {how}; swap addon", str(ca)
 
 
+# ---------------------------------------------------------------------------- Squid with ssl-bump
+
+SQUID_OPENSSL_CACHE = Path("/var/cache/agentvm-bench/squid-openssl")
+
+
+def squid_openssl(log) -> tuple[str, str]:
+    """Debian's `squid-openssl` build (Squid with OpenSSL, which ssl-bump needs; Debian's `squid`
+    is the GnuTLS build) -> (squid, security_file_certgen). The package conflicts with `squid`,
+    so it is not installed: `apt-get download` once and unpacked under SQUID_OPENSSL_CACHE."""
+    root = SQUID_OPENSSL_CACHE / "root"
+    squid, certgen = root / "usr/sbin/squid", root / "usr/lib/squid/security_file_certgen"
+    if not (squid.exists() and certgen.exists()):
+        log("squid-openssl: apt-get download squid-openssl (unpacked, not installed)")
+        dl = Path(tempfile.mkdtemp(prefix="agentvm-bench-sqo-"))
+        os.chmod(dl, 0o777)  # (apt's download user writes there)
+        env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+        r = subprocess.run(["apt-get", "download", "-qq", "squid-openssl"], cwd=dl, env=env, capture_output=True, text=True)
+        if r.returncode != 0:
+            subprocess.run(["apt-get", "update", "-qq"], env=env, capture_output=True)
+            r = subprocess.run(["apt-get", "download", "-qq", "squid-openssl"], cwd=dl, env=env, capture_output=True, text=True)
+        debs = list(dl.glob("squid-openssl_*.deb"))
+        if r.returncode != 0 or not debs:
+            raise RuntimeError("apt-get download squid-openssl failed: " + (r.stderr.strip().splitlines() or ["?"])[-1])
+        SQUID_OPENSSL_CACHE.mkdir(parents=True, exist_ok=True)
+        subprocess.run(["dpkg-deb", "-x", str(debs[0]), str(root)], check=True)
+        shutil.rmtree(dl, ignore_errors=True)
+    return str(squid), str(certgen)
+
+
+def start_squid_bump(tmp: Path, log, test_ca: str, placeholder: str, real: str) -> tuple[subprocess.Popen, int, str, str]:
+    """Squid doing the gate's work: terminate the client's TLS (ssl-bump, a certificate per host
+    from its own CA, cached), swap the placeholder (`request_header_access` drops the header where
+    it is exactly the placeholder, `request_header_add` puts the real value in its place), and
+    re-encrypt to the upstream, verified with the test CA. -> (process, port, label, its CA)."""
+    import datetime
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    from bench_gate import HOST, free_port, wait_listen
+
+    squid, certgen = squid_openssl(log)
+    version = subprocess.run([squid, "-v"], capture_output=True, text=True).stdout.split("\n")[0]
+    version = version.replace("Squid Cache: Version ", "")
+    d = tmp / "squid-bump"
+    d.mkdir()
+    os.chmod(tmp, 0o711)  # (Squid runs as `proxy`: it must reach its folder; nothing else here is readable)
+    now = datetime.datetime.now(datetime.timezone.utc)
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "agent-vm bench squid ssl-bump CA")])
+    ku = x509.KeyUsage(digital_signature=True, content_commitment=False, key_encipherment=False, data_encipherment=False,
+                       key_agreement=False, key_cert_sign=True, crl_sign=True, encipher_only=False, decipher_only=False)
+    ca = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+          .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(hours=1))
+          .not_valid_after(now + datetime.timedelta(days=1))
+          .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True).add_extension(ku, critical=True)
+          .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+          .sign(key, hashes.SHA256()))
+    pem = serialization.Encoding.PEM
+    (d / "ca.pem").write_bytes(ca.public_bytes(pem))
+    (d / "ca.key").write_bytes(key.private_bytes(pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+    shutil.copy(test_ca, d / "upstream-ca.pem")
+    subprocess.run([certgen, "-c", "-s", str(d / "ssl_db"), "-M", "16MB"], check=True, capture_output=True)
+    port = free_port()
+    (d / "hosts").write_text(f"127.0.0.1 localhost\n127.0.0.1 {NAME}\n")
+    exact = "".join(ch if ch.isalnum() else "\\" + ch for ch in placeholder)
+    (d / "squid.conf").write_text(f"""\
+http_port {HOST}:{port} ssl-bump tls-cert={d}/ca.pem tls-key={d}/ca.key generate-host-certificates=on dynamic_cert_mem_cache_size=16MB
+sslcrtd_program {certgen} -s {d}/ssl_db -M 16MB
+sslcrtd_children 2 startup=1 idle=1
+acl step1 at_step SslBump1
+ssl_bump peek step1
+ssl_bump bump all
+tls_outgoing_options cafile={d}/upstream-ca.pem
+acl placeholder req_header Authorization ^Bearer\\ {exact}$
+request_header_access Authorization deny placeholder
+request_header_add Authorization "Bearer {real}" placeholder
+acl benchclients src 127.0.0.1/32
+http_access allow benchclients
+http_access deny all
+cache deny all
+cache_mem 0 MB
+access_log none
+cache_store_log none
+cache_log {d}/cache.log
+pid_filename {d}/squid.pid
+coredump_dir {d}
+hosts_file {d}/hosts
+dns_nameservers 127.0.0.1
+pinger_enable off
+netdb_filename none
+logfile_rotate 0
+shutdown_lifetime 0 seconds
+""")
+    try:  # squid started as root drops to `proxy`: its files must be its own
+        import pwd
+
+        pw = pwd.getpwnam("proxy")
+        for f in [d, *d.rglob("*")]:
+            os.chown(f, pw.pw_uid, pw.pw_gid)
+    except (KeyError, OSError):
+        os.chmod(d, 0o777)
+    p = subprocess.Popen([squid, "-N", "-f", str(d / "squid.conf")], stdin=subprocess.DEVNULL,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    if not wait_listen(port, p, 20):
+        p.kill()
+        p.wait()
+        try:
+            tail = (d / "cache.log").read_text().strip().splitlines()[-1]
+        except (OSError, IndexError):
+            tail = "no cache.log"
+        raise RuntimeError(f"squid (ssl-bump) did not listen ({tail})")
+    return p, port, f"squid {version} (OpenSSL build) ssl-bump + request_header_add", str(d / "ca.pem")
+
+
 # ---------------------------------------------------------------------------- measurements
 
 
@@ -587,6 +704,7 @@ def main() -> int:
     ap.add_argument("--duration", type=float, help="seconds per req/s cell (default 5, --quick 1.5)")
     ap.add_argument("--revocations", type=int, help="revocation trials (default 20, --quick 8)")
     ap.add_argument("--no-mitmproxy", action="store_true")
+    ap.add_argument("--no-squid", action="store_true", help="leave out Squid with ssl-bump (the TLS-terminating peer)")
     ap.add_argument("--no-profile", action="store_true", help="skip the cProfile run of the gate")
     ap.add_argument("--json", action="store_true", help="also print the raw results as JSON")
     # child roles (internal)
@@ -661,6 +779,16 @@ def main() -> int:
                 res["unavailable"]["mitmproxy"] = str(exc)
         else:
             res["unavailable"]["mitmproxy"] = "skipped (--no-mitmproxy)"
+        if not args.no_squid:
+            try:
+                p, port, label, sca = start_squid_bump(tmp, log, test_ca, placeholder, real)
+                procs.append(p)
+                targets["squid-bump"] = {"mode": "proxy", "port": port, "cafile": sca, "auth": placeholder, "pid": p.pid}
+                res["labels"]["squid-bump"] = label
+            except Exception as exc:  # noqa: BLE001 - reported in the table
+                res["unavailable"]["squid-bump"] = str(exc)
+        else:
+            res["unavailable"]["squid-bump"] = "skipped (--no-squid)"
         for t in targets.values():
             t["upstream_port"] = up_port
 
@@ -795,7 +923,7 @@ def report(res: dict, duration: float, warmup: float) -> None:
           f"after {warmup:g} s warm-up")
     print(f"{'path':36} {'c=1 req/s':>10} {'p50 ms':>7} {'cpu':>5} {'c=10 req/s':>11} {'p50 ms':>7} {'cpu':>5}"
           f"  {'upstream ok/mismatch/missing':>28}  notes")
-    for name in ("direct", "gate", "mitmproxy", "direct-gz", "gate-gz-before", "gate-gz", "direct-sse", "gate-sse"):
+    for name in ("direct", "gate", "squid-bump", "mitmproxy", "direct-gz", "gate-gz-before", "gate-gz", "direct-sse", "gate-sse"):
         label = res["labels"].get(name, name).split(";")[0]
         if name in res["unavailable"]:
             print(f"{name}: not available ({res['unavailable'][name]})")
@@ -822,7 +950,7 @@ def report(res: dict, duration: float, warmup: float) -> None:
                 notes.append(f"{c}: {cell['tunnels']} tunnels")
         upcol = f"{ups['ok']}/{ups['mismatch']}/{ups['missing']}"
         print(f"{label[:36]:36} {parts[0]} {' ' + parts[1]}  {upcol:>28}  {'; '.join(notes)}")
-    for name in ("gate", "mitmproxy"):
+    for name in ("gate", "squid-bump", "mitmproxy"):
         cells = res["http"].get(name, {})
         mm = sum(c.get("upstream", {}).get("mismatch", 0) + c.get("upstream", {}).get("missing", 0)
                  for c in cells.values())
@@ -879,7 +1007,13 @@ def report(res: dict, duration: float, warmup: float) -> None:
             line(f"gate-swap / mitmproxy-swap, {c}", rps("gate", c), rps("mitmproxy", c),
                  TARGETS["gate_vs_mitm"] if c == "c10" else None)
     for c in ("c1", "c10"):
-        line(f"gate-swap / direct, {c}", rps("gate", c), rps("direct", c), TARGETS["gate_vs_direct"] if c == "c10" else None)
+        if "squid-bump" in res["unavailable"]:
+            print(f"   {'gate-swap / squid ssl-bump, ' + c:36} n/a (squid ssl-bump: {res['unavailable']['squid-bump']})")
+        else:
+            line(f"gate-swap / squid ssl-bump, {c}", rps("gate", c), rps("squid-bump", c),
+                 TARGETS["gate_vs_squid_bump"] if c == "c10" else None)
+    for c in ("c1", "c10"):
+        line(f"gate-swap / direct, {c}", rps("gate", c), rps("direct", c), None)  # (for information)
     for c in ("c1", "c10"):
         line(f"gzip: after / before, {c}", rps("gate-gz", c), rps("gate-gz-before", c))
     for c in ("c1", "c10"):
@@ -887,6 +1021,8 @@ def report(res: dict, duration: float, warmup: float) -> None:
     print()
     if "mitmproxy" in res["labels"]:
         print(f"mitmproxy: {res['labels']['mitmproxy']}")
+    if "squid-bump" in res["labels"]:
+        print(f"squid-bump: {res['labels']['squid-bump']}")
     print(f"(measured in {res.get('bench_seconds', 0):.0f} s before profiling; the gate's rate/connection/bytes "
           "limits were raised for the run; 2 cores are shared by load generator, proxy and upstream)")
 
