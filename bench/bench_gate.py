@@ -327,6 +327,9 @@ class _LoadGen:
     async def run(self) -> dict:
         for _ in range(self.args.conc):
             self.open()
+        start_at = getattr(self.args, "start_at", None)  # (many load generators measuring one window)
+        if start_at:
+            await asyncio.sleep(max(0.0, start_at - time.time()))
         await asyncio.sleep(self.args.warmup)
         self.measuring = True
         t0 = time.perf_counter()
@@ -804,7 +807,8 @@ REAL_LOADGEN = """import argparse, sys
 sys.path.insert(0, {here!r})
 import bench_gate as bg
 bg.role_loadgen(argparse.Namespace(request={request!r}, conc={conc}, warmup={warmup}, duration={duration},
-                                   unix=None, port={port}, watch_pid=None))
+                                   unix=None, port={port}, watch_pid=None,
+                                   start_at=float(sys.argv[1]) if len(sys.argv) > 1 else None))
 """
 
 
@@ -819,7 +823,8 @@ def real_path(args) -> int:
     rounds = args.rounds or 5
     duration = args.duration or 3.0
     warmup = 0.5
-    conc = args.conc or 10
+    sandboxes = max(1, args.sandboxes or 1)
+    conc = args.conc or (10 if sandboxes == 1 else 2)
     py = "/usr/bin/python3" if os.path.exists("/usr/bin/python3") else sys.executable
     entry = Path(sys.executable).parent / "agentvm"
     cli = [str(entry)] if entry.exists() else [sys.executable, "-m", "agentvm"]
@@ -860,6 +865,8 @@ spec:
     limits: {{requestsPerSecond: 1000000000, burst: 1000000000, bytesOut: 1T}}
 """)
         env = dict(os.environ, AGENTVM_NO_DAEMON="1", AGENTVM_HOME=str(home))
+        if sandboxes > 1:
+            return _real_path_spread(args, cli, env, tmp, agent, py, label, rounds, sandboxes, conc, warmup, duration)
 
         def one(kind: str) -> dict:
             argv = cli + ["run", "-f", str(agent)] if kind == "gate" else [py, str(tmp / "lg_host.py")]
@@ -906,6 +913,70 @@ spec:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def _real_path_spread(args, cli, env, tmp, agent, py, label, rounds, sandboxes, conc, warmup, duration) -> int:
+    """The real path spread over ``sandboxes`` sandboxes of one agent, each with ``conc``
+    connections, served by a daemon with the gate's default layout (its confined worker for the
+    agent), against Squid with as many load generators on the host. Every load generator of a
+    round measures the same window (a start time given to all); a row's rate is their sum."""
+    denv = {k: v for k, v in env.items() if k != "AGENTVM_NO_DAEMON"}
+    up = subprocess.run(cli + ["up"], env=denv, capture_output=True, text=True, timeout=120)
+    if up.returncode != 0:
+        raise RuntimeError("agentvm up failed: " + (up.stderr.strip().splitlines() or ["?"])[-1])
+    lead = 3.0 + 0.08 * sandboxes  # time to start every sandbox (or host load generator) before the window
+    # one agent per sandbox: a named agent runs one sandbox at a time (they would share its uid),
+    # and the default layout gives each agent a confined gate worker of its own
+    text = agent.read_text()
+    agents = []
+    for i in range(sandboxes):
+        a = tmp / f"agent-{i}.yaml"
+        a.write_text(text.replace("metadata: {name: bench-real}", f"metadata: {{name: bench-real-{i}}}"))
+        agents.append(a)
+
+    def spread(kind: str) -> dict:
+        start_at = time.time() + lead
+        argvs = [cli + ["run", "-f", str(a), "--", py, "/bench/lg.py", repr(start_at)] if kind == "gate"
+                 else [py, str(tmp / "lg_host.py"), repr(start_at)] for a in agents]
+        procs = [subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=denv,
+                                  stdin=subprocess.DEVNULL) for argv in argvs]
+        outs = []
+        for p in procs:
+            out, err = p.communicate(timeout=lead + warmup + duration + 120)
+            lines = [ln for ln in out.splitlines() if ln.startswith("{")]
+            if p.returncode != 0 or not lines:
+                raise RuntimeError(f"{kind}: a load generator failed ({p.returncode}): {(err.strip().splitlines() or ['?'])[-1]}")
+            outs.append(json.loads(lines[-1]))
+        late = [o for o in outs if o["seconds"] > duration * 1.5]
+        bad = sum(o["bad_status"] + o["errors"] for o in outs)
+        if bad:
+            raise RuntimeError(f"{kind}: {bad} non-200 answers or errors")
+        return {"rps": sum(o["rps"] for o in outs), "p50_ms": statistics.median(o["p50_ms"] or 0 for o in outs),
+                "late": len(late)}
+
+    try:
+        spread("gate")  # warm
+        res = []
+        for i in range(rounds):
+            order = ("gate", "squid") if i % 2 == 0 else ("squid", "gate")
+            got = {k: spread(k) for k in order}
+            res.append(got)
+            print(f"round {i + 1}: gate ({sandboxes} sandboxes x c={conc}) {got['gate']['rps']:8.0f} req/s   "
+                  f"squid {got['squid']['rps']:8.0f} req/s   {got['gate']['rps'] / got['squid']['rps']:.2f}x   "
+                  f"(load {os.getloadavg()[0]:.1f})", flush=True)
+        ratios = [r["gate"]["rps"] / r["squid"]["rps"] for r in res]
+        met = sum(x >= 1.0 for x in ratios)
+        if args.json:
+            print(json.dumps({"label": label, "sandboxes": sandboxes, "conc": conc, "rounds": res, "ratios": ratios,
+                              "median_ratio": statistics.median(ratios), "rounds_at_parity": met}, indent=2))
+        else:
+            print(f"real path, {sandboxes} sandboxes x c={conc} through the daemon (default gate layout): gate/squid "
+                  f"median {statistics.median(ratios):.2f}x (min {min(ratios):.2f}x, max {max(ratios):.2f}x); {met} of "
+                  f"{rounds} rounds >= 1.0x (target: >= 1.0x); {label}; load average {os.getloadavg()[0]:.1f} on "
+                  f"{os.cpu_count()} CPUs")
+        return 0
+    finally:
+        subprocess.run(cli + ["down"], env=denv, capture_output=True, timeout=120)
+
+
 def main() -> int:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from _python import agentvm_python
@@ -932,7 +1003,9 @@ def main() -> int:
     ap.add_argument("--sock", help=argparse.SUPPRESS)
     ap.add_argument("--state", help=argparse.SUPPRESS)
     ap.add_argument("--profile-out", help=argparse.SUPPRESS)
-    ap.add_argument("--conc", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--conc", type=int, help="--real-path: connections per load generator (default 10; 2 with --sandboxes)")
+    ap.add_argument("--sandboxes", type=int, help="--real-path: spread the load over this many sandboxes of one agent, "
+                    "through a daemon (its default gate layout), against as many load generators at Squid")
     ap.add_argument("--warmup", type=float, help=argparse.SUPPRESS)
     ap.add_argument("--request", help=argparse.SUPPRESS)
     ap.add_argument("--unix", help=argparse.SUPPRESS)

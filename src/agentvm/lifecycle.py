@@ -103,7 +103,7 @@ class EmbeddedGateHost:
         if attachment.kind != "unix":
             raise BackendError(f"the embedded gate cannot serve a {attachment.kind!r} attachment")
         return self.runtime.embedded_gate().open(sandbox_id, agent, egress, Path(attachment.address), uid, creds=creds,
-                                                 extras=extras)
+                                                 extras=extras, bridge_key=attachment.key)
 
     def close(self, sandbox_id: str, pending) -> dict:
         gate = self.runtime.embedded_gate()

@@ -19,10 +19,11 @@ BWRAP = "/var/lib/agentvm/libexec/bwrap"
 TOOLS = {"helper": HELPER, "bwrap": BWRAP}
 HOST = HostContext(uid=2100007, gid=2100007, dedicated=True, run_dir="/run/agentvm/sandboxes/demo-0000",
                    etc_view="/run/agentvm/etc-view-0123456789abcdef")
+KEY = "0123456789abcdef" * 2  # the bridge's key (an obviously fake one)
 CTX = LaunchContext(
     sandbox_id="demo-0000",
     workspace="/run/agentvm/ws/demo",
-    gate=GateAttachment("unix", "/run/agentvm/sandboxes/demo-0000/gate.sock"),
+    gate=GateAttachment("unix", "/run/agentvm/sandboxes/demo-0000/gate.sock", key=KEY),
     host=HOST,
 )
 
@@ -58,6 +59,26 @@ def test_snapshot(monkeypatch):
     if os.environ.get("UPDATE_SNAPSHOTS") == "1" or not SNAP.exists():
         SNAP.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
     assert data == json.loads(SNAP.read_text()), "plan changed: review, then UPDATE_SNAPSHOTS=1"
+
+
+def test_the_bridge_key_reaches_init_through_a_descriptor_never_the_plan(monkeypatch):
+    """The bridge's key is what makes its hand-off channel its own (gate.server.HANDOFF_PREFIX):
+    it goes to init as a descriptor launch opens (kept through bwrap), never into the printable
+    plan, an argv or the environment - anything the agent or a plan's reader could see."""
+    monkeypatch.delenv("TERM", raising=False)
+    full = backend(Paths(Path("/nonexistent"), Path("/nonexistent/run"))).compile(POLICY, CTX)
+    assert KEY not in json.dumps(full.to_dict()) and KEY not in repr(full) and KEY not in repr(CTX)
+    argv = list(full.body.argv)
+    assert ["--keep-fd", "@fd:bridgekey@"] == argv[argv.index("@fd:bridgekey@") - 1:argv.index("@fd:bridgekey@") + 1]
+    init = argv[argv.index("init"):]
+    assert init[init.index("--bridge-key-fd") + 1] == "@fd:bridgekey@"
+    assert full.body.fds["bridge_key"] == KEY
+    # no key (gVisor's attachment, a run without one): the bridge relays, nothing to pass
+    from dataclasses import replace
+
+    keyless = backend(Paths(Path("/nonexistent"), Path("/nonexistent/run"))).compile(
+        POLICY, replace(CTX, gate=GateAttachment("unix", "/run/agentvm/sandboxes/demo-0000/gate.sock")))
+    assert "--bridge-key-fd" not in keyless.body.argv and "@fd:bridgekey@" not in keyless.body.argv
 
 
 def test_etc_view_is_an_allowlist_with_synthetic_accounts(tmp_path):

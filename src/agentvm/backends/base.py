@@ -89,6 +89,9 @@ class GateAttachment:
     kind: str
     address: str
     port: int = 3128  # the loopback port inside the sandbox the proxy variables name
+    # the bridge's key (a bwrap sandbox): only the bridge may hand connections to the gate, and
+    # only the bridge holds it - given to it through a descriptor, never in a plan or an argv
+    key: str = field(default="", repr=False, compare=False)
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,7 @@ from agentvm.backends import hostview as hv
 from agentvm.backends.base import (
     Capabilities,
     ExitStatus,
+    GateAttachment,
     LandlockPlan,
     LaunchContext,
     LaunchPlan,
@@ -150,7 +151,7 @@ class BwrapPlan:
     seccomp_notify: bool = False
     seccomp_watch: tuple[str, ...] = ()
     on_escape_probe: str = "log"
-    fds: dict = field(default_factory=dict, hash=False, compare=False)  # what launch opens: grants, stages
+    fds: dict = field(default_factory=dict, hash=False, compare=False, repr=False)  # what launch opens: grants, stages, the bridge key
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -293,6 +294,13 @@ class BwrapBackend(hv.ChildProcessSandbox, Backend):
     primitives = PRIMITIVES
     host_local = True
     strength = 1  # namespaces + seccomp + Landlock: the host kernel is the boundary
+
+    def gate_attachment(self, sandbox_id: str, run_dir: str) -> GateAttachment:
+        """The gate's socket, and a key for this sandbox's bridge: with it the bridge hands each
+        connection to the gate (agentvm-helper.c, gate.server.HANDOFF_PREFIX)."""
+        import secrets
+
+        return GateAttachment("unix", f"{run_dir}/gate.sock", key=secrets.token_hex(16))
 
     def __init__(self, paths, *, tools: dict[str, str] | None = None) -> None:
         """``tools``: paths of ``helper`` and ``bwrap`` (tests); by default agent-vm's own."""
@@ -515,6 +523,8 @@ class BwrapBackend(hv.ChildProcessSandbox, Backend):
         notify = "seccomp" not in degraded and "syscall-audit" not in degraded
         if notify:
             launch += ["--keep-fd", "@fd:sysaudit@"]
+        if gate and ctx.gate is not None and ctx.gate.key:
+            launch += ["--keep-fd", "@fd:bridgekey@"]
         launch += ["--keep-fd", "@fd:seccomp@", "--keep-fd", "@fd:json@", "--keep-fd", "@fd:bwrapargs@",
                    "--keep-fd", "@fd:env@", "--argv0", "bwrap"]
         launch += ["--cgroup-procs", "@cgroups@"]
@@ -576,7 +586,9 @@ class BwrapBackend(hv.ChildProcessSandbox, Backend):
         if gate:
             # the bridge hands each connection to the gate and leaves the data path (the sockets
             # are the host kernel's; gVisor's bridge relays instead: see agentvm-helper.c)
-            init += ["--gate-socket", hv.GATE_IN_SANDBOX, "--gate-port", str(ctx.gate.port), "--bridge-handoff"]
+            init += ["--gate-socket", hv.GATE_IN_SANDBOX, "--gate-port", str(ctx.gate.port)]
+            if ctx.gate.key:  # (the bridge hands connections over, with this key: see agentvm-helper.c)
+                init += ["--bridge-key-fd", "@fd:bridgekey@"]
         init += confine
         command = list(policy.command) or ["/bin/sh"]
         # bwrap's options (host paths included) go through --args FD: the sandbox's pid 1 is
@@ -605,7 +617,7 @@ class BwrapBackend(hv.ChildProcessSandbox, Backend):
             seccomp_watch=sc.DEFAULT_WATCH if notify else (),
             on_escape_probe=policy.on_escape_probe,
             fds={"open_paths": tuple(fd_names), "stages": tuple(stages), "protects": tuple(protects),
-                 "git_excludes": git_excludes,
+                 "git_excludes": git_excludes, "bridge_key": ctx.gate.key if (gate and ctx.gate) else "",
                  "reviews": {"home": str(self.paths.home), "kind": kind, "name": lname, "uid": host.uid,
                              "gid": host.gid, "sandbox": ctx.sandbox_id, "grants": tuple(reviews)} if reviews else None},
         )
@@ -662,6 +674,9 @@ class BwrapBackend(hv.ChildProcessSandbox, Backend):
             opened.append(fds["bwrapargs"])
             fds["env"] = _memfd("agentvm-env", b"".join(f"{k}={v}".encode() + b"\0" for k, v in plan.env))
             opened.append(fds["env"])
+            if plan.body.fds.get("bridge_key"):  # (read by init for its bridge, closed before the agent runs)
+                fds["bridgekey"] = _memfd("agentvm-bridge-key", plan.body.fds["bridge_key"].encode())
+                opened.append(fds["bridgekey"])
             argv = hv.substitute(plan.body.argv, fds, cgroup_files)
             for fd in opened:
                 os.set_inheritable(fd, True)

@@ -79,7 +79,8 @@ class DaemonGateHost:
 
                 # (a per-agent worker may be started for it first: its start's time allowed)
                 return self._call(workers.open(sandbox_id, agent, egress, Path(attachment.address), uid=uid,
-                                               creds=creds, extras=extras), START_TIMEOUT + 30.0, undo=workers.close)
+                                               creds=creds, extras=extras, bridge_key=attachment.key),
+                                  START_TIMEOUT + 30.0, undo=workers.close)
             # the daemon's own gate (root, not contained) parses this sandbox's bytes: recorded
             # as such, with the reason (docs/threat-model.md: what remains of issue 43)
             self.daemon._in_loop(lambda: self.daemon.record("gate.placement", sandbox_id=sandbox_id, gate="daemon",
@@ -90,7 +91,7 @@ class DaemonGateHost:
             await gate.close_endpoint(ep.sandbox_id)
 
         return self._call(gate.open_endpoint(sandbox_id, agent, egress, Path(attachment.address),
-                                             uid=uid, creds=creds, extras=extras), undo=undo)
+                                             uid=uid, creds=creds, extras=extras, bridge_key=attachment.key), undo=undo)
 
     def close(self, sandbox_id: str, ep) -> dict:
         from agentvm.lifecycle import egress_summary

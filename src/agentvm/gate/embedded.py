@@ -286,7 +286,7 @@ class LazyGate:
         return dict(p) if p is not None else None
 
     def open(self, sandbox_id: str, agent: str, policy, sock_path: Path, uid: int | None, creds=None,
-             extras=None) -> PendingEndpoint:
+             extras=None, bridge_key: str = "") -> PendingEndpoint:
         """Bind, own and listen on the sandbox's socket now; the gate serves it when it is up."""
         placed = self._place(sandbox_id)
         s = bind_unix_listener(Path(sock_path), uid, 128)
@@ -315,7 +315,8 @@ class LazyGate:
                 lazy = placed or self._decide(sandbox_id, policy, creds, extras)
                 self._where[sandbox_id] = lazy
                 impl = lazy.impl()
-                pending._set(impl.open(sandbox_id, agent, policy, sock_path, uid, creds=creds, sock=s, extras=extras))
+                pending._set(impl.open(sandbox_id, agent, policy, sock_path, uid, creds=creds, sock=s, extras=extras,
+                                       bridge_key=bridge_key))
             except BaseException as exc:  # noqa: BLE001
                 with pending._lock:
                     mine = not pending._abandoned
@@ -418,9 +419,9 @@ class EmbeddedGate:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
     def open(self, sandbox_id: str, agent: str, policy, sock_path: Path, uid: int | None, creds=None, sock=None,
-             extras=None):
+             extras=None, bridge_key: str = ""):
         return self.call(self.gate.open_endpoint(sandbox_id, agent, policy, sock_path, uid=uid, creds=creds, sock=sock,
-                                                 extras=extras))
+                                                 extras=extras, bridge_key=bridge_key))
 
     def close(self, sandbox_id: str):
         return self.call(self.gate.close_endpoint(sandbox_id))

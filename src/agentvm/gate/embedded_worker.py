@@ -472,13 +472,14 @@ def _classes():
             await super().stop()
 
         async def open_bound(self, sandbox_id: str, agent: str, policy, sock_path: Path, sock: socket.socket,
-                             creds, extras=None) -> "W.RemoteEndpoint":
+                             creds, extras=None, bridge_key: str = "") -> "W.RemoteEndpoint":
             """WorkerPool.open for a socket the run bound (and listened on) before its sandbox started.
             TODO(workers): a ``sock=`` parameter of WorkerPool.open would make this a call."""
             w = await self._a_worker(None)
             sock.setblocking(False)
             kw = {"extras": extras} if _accepts(W.RemoteEndpoint.__init__, "extras") else {}
             ep = W.RemoteEndpoint(self, w, sandbox_id, agent, policy, Path(sock_path), sock, creds, **kw)
+            ep.bridge_key = bridge_key
             w.endpoints[sandbox_id] = ep
             spec = getattr(creds, "spec", None)
             if spec is not None and getattr(self, "_inotify", None) is not None:
@@ -591,12 +592,13 @@ class ConfinedGate:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
     def open(self, sandbox_id: str, agent: str, policy, sock_path: Path, uid: int | None, creds=None, sock=None,
-             extras=None):
+             extras=None, bridge_key: str = ""):
         if sock is None:
             from agentvm.fsutil import bind_unix_listener
 
             sock = bind_unix_listener(Path(sock_path), uid, 128)
-        ep = self.call(self.pool.open_bound(sandbox_id, agent, policy, Path(sock_path), sock, creds, extras))
+        ep = self.call(self.pool.open_bound(sandbox_id, agent, policy, Path(sock_path), sock, creds, extras,
+                                            bridge_key=bridge_key))
         self.endpoints[sandbox_id] = ep
         return ep
 

@@ -15,4 +15,4 @@ cdef class Endpoint:
     cdef public object bytes_in, denials, denial_reasons, deny_log_bucket, deny_suppressed
     cdef public object resign_buffered, allowed, _paused, conns, splices, cut, creds, tools
     cdef public object approval_timeout, approval_webhook, policy_digest, alerts, pool, _pool_idle
-    cdef public object decoders, decoder_waiters, _pool_timer, _log_fd, closing, creds_ready
+    cdef public object decoders, decoder_waiters, _pool_timer, _log_fd, closing, creds_ready, bridge_key

@@ -247,6 +247,7 @@ class Endpoint:
         self.decoder_waiters: set = set()
         self._pool_timer: asyncio.TimerHandle | None = None  # the prune that expires idle connections
         self.closing = False  # Gate.close_endpoint under way: nothing more is served
+        self.bridge_key = ""  # the sandbox's bridge's key (hex): it alone may hand connections over (Gate._hello)
 
     # -- brokered credentials: minted at attach, revoked at close ------------------------------
     def prepare_credentials(self) -> None:

@@ -67,8 +67,8 @@ RULES: dict[str, str] = {
     "endpoint:closed": "the sandbox's gate endpoint was closed while a connection was open (a gate worker "
                        "stopping, an endpoint opened again): the connection is cut",
     "limit:connections": "too many concurrent connections from the sandbox (429)",
-    "handoff:refused": "a message on the bridge's hand-off channel that is not one connected TCP socket (a file, "
-                       "another kind of socket, more or fewer descriptors): the channel is closed, nothing served",
+    "handoff:refused": "a hand-off hello without the sandbox's bridge key (an alert: only the agent sends one), "
+                       "or a message on the bridge's channel that is not one connected TCP socket: closed, nothing served",
     "limit:rate": "over the sandbox's request rate (429)",
     "limit:bytes-out": "over the sandbox's bytes-out budget (the connection is cut)",
     "limit:resign-memory": "too many signed request bytes buffered for re-signing at once (503)",

@@ -20,6 +20,7 @@ decision is one JSON line in the sandbox's log (``endpoint``).
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import os
 import socket
@@ -46,20 +47,24 @@ STREAM_DEFAULT = 1 << 16  # an upstream connection of the relay
 CONNECT_TIMEOUT = 10.0
 IDEMPOTENT = frozenset(("GET", "HEAD", "OPTIONS", "TRACE", "PUT", "DELETE"))  # RFC 9110 9.2.2
 
-# The bridge's hand-off (a bwrap sandbox's bridge, ``agentvm-helper --bridge-handoff``): instead
-# of relaying every byte of every connection between the sandbox's TCP port and this socket, the
-# bridge opens one channel to its endpoint - HANDOFF_HELLO, answered HANDOFF_ACK - and sends
-# each connection it accepts over it (one HANDOFF_CONN byte with the descriptor, SCM_RIGHTS),
-# keeping no copy. The gate serves that TCP socket as it would the bridge's connection: the
-# sandbox is still the endpoint the channel arrived on, never anything sent. The hello is a
-# head no request can be (a NUL byte), so it is recognised only where the strict parser has
-# already refused a head: no cost to any request. Any process in the sandbox could send the
-# same - it gains nothing it could not do by speaking through the socket it hands over - so
-# only what arrives is checked: one descriptor per message, a connected TCP socket.
-HANDOFF_HELLO = b"\x00agentvm-bridge-handoff/1\r\n\r\n"
+# The bridge's hand-off (a bwrap sandbox's bridge, ``agentvm-helper init --bridge-key-fd``):
+# instead of relaying every byte of every connection between the sandbox's TCP port and this
+# socket, the bridge opens a channel to its endpoint - HANDOFF_PREFIX, the bridge's key, CRLF
+# CRLF; answered HANDOFF_ACK - and sends each connection it accepts over it (one HANDOFF_CONN
+# byte with the descriptor, SCM_RIGHTS), keeping no copy. The gate serves that TCP socket as it
+# would the bridge's connection: the sandbox is still the endpoint the channel arrived on. The
+# key (``Endpoint.bridge_key``, made per sandbox at launch, given to the bridge through a
+# descriptor init closes before the agent runs) is what keeps the channel the bridge's: the
+# agent can reach this socket too, and a socket the agent made itself would stay its own kernel
+# object - one it kept a copy of could be made blocking again, one with SO_LINGER set would
+# stall the loop's close() - so a hello without the key is refused, alerted, and no descriptor
+# is ever read from such a connection. The hello is a head no request can be (a NUL byte), so it
+# is recognised only where the strict parser has already refused a head: no cost to a request.
+HANDOFF_PREFIX = b"\x00agentvm-bridge-handoff/2 "
 HANDOFF_ACK = b"\x06"
 HANDOFF_CONN = b"C"
 HANDOFF_BATCH = 64  # connections taken per wake-up of a channel (then the loop's other work)
+HANDOFF_CHANNELS = 2  # channels an endpoint keeps at once (the bridge's, and its next after a failure)
 
 
 def _connected_tcp(fd: int) -> socket.socket | None:
@@ -105,7 +110,7 @@ class Gate:
     # a spliced tunnel moves bytes socket to socket (splice(2)) where the client's socket carries
     # them as they are; a subclass whose client sockets carry TLS (the mTLS gateway) turns it off
     zero_copy = True
-    # a bridge may hand its sandbox's connections over (HANDOFF_HELLO); a subclass whose
+    # a bridge may hand its sandbox's connections over (HANDOFF_PREFIX); a subclass whose
     # clients are not a local sandbox's bridge (the mTLS gateway) refuses it
     handoff = True
 
@@ -136,6 +141,7 @@ class Gate:
         self._closing: set[Endpoint] = set()  # endpoints being closed (their logs still open)
         self._head_sweep_loop: asyncio.AbstractEventLoop | None = None
         self._handoffs: dict[socket.socket, Endpoint] = {}  # bridges' hand-off channels -> their endpoint
+        self._adopting: set[asyncio.Task] = set()  # connections handed over, being wrapped in a transport
 
     def approval_store(self):
         """The approvals queue, or None (nobody to ask: a held request is denied)."""
@@ -179,13 +185,14 @@ class Gate:
 
     # -- endpoints ------------------------------------------------------------------------
     async def open_endpoint(self, sandbox_id: str, agent: str, policy: EgressPolicy, sock_path: Path, *, uid: int | None = None,
-                            creds=None, sock=None, extras=None) -> Endpoint:
+                            creds=None, sock=None, extras=None, bridge_key: str = "") -> Endpoint:
         """Serve ``sandbox_id``'s socket: bound here, or ``sock`` - already bound, owned and
         listening (``agentvm.gate.embedded`` binds it before the sandbox starts, so connections
         wait in its backlog while the gate comes up)."""
         sock_path = Path(sock_path)
         ep = Endpoint(self, sandbox_id, agent, policy, sock_path, self.log_dir / f"{sandbox_id}.egress.jsonl")
         ep.creds = creds
+        ep.bridge_key = bridge_key
         if extras is not None:  # the sandbox policy's tools and approvals (agentvm.tools.slot.EndpointExtras)
             extras.attach(ep)
         bound = sock is None
@@ -315,10 +322,27 @@ class Gate:
             self._head_expired.discard(task)
             client.close()
 
-    # -- the bridge's hand-off (see HANDOFF_HELLO) -------------------------------------------
-    def _take_channel(self, ep: Endpoint, stream: PlainStream) -> None:
-        """``stream`` is a bridge's hand-off channel: taken out of asyncio, acknowledged, and
-        read for descriptors from now on (its task ends here)."""
+    # -- the bridge's hand-off (see HANDOFF_PREFIX) ------------------------------------------
+    def _hello(self, ep: Endpoint, stream: PlainStream, head: bytes, rest: bytes) -> None:
+        """A hand-off hello: with the endpoint's bridge key (and nothing after it) the connection
+        becomes a channel, taken out of asyncio, acknowledged and read for descriptors from now
+        on (its task ends here); otherwise it is refused - an alert: only the agent sends one
+        without the key - and closed, nothing read from it again."""
+        key = head[len(HANDOFF_PREFIX):-4]
+        why = None
+        if not self.handoff or not ep.bridge_key:
+            why = "this endpoint takes no hand-off (no bridge key: gVisor's bridge relays)"
+        elif not hmac.compare_digest(key, ep.bridge_key.encode()):
+            why = "a hand-off hello without the bridge's key (only the sandbox's bridge holds it)"
+        elif rest:
+            why = "bytes after the hand-off hello, before its acknowledgement"
+        elif sum(1 for owner in self._handoffs.values() if owner is ep) >= HANDOFF_CHANNELS:
+            why = f"more than {HANDOFF_CHANNELS} hand-off channels at once"
+        if why is not None:
+            ep.log(verdict="deny", rule_id="handoff:refused", reason=why, host="", port=None, phase="connect",
+                   alert="security")
+            stream.close()
+            return
         fd, buffered = _detach(stream)
         chan = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM, fileno=fd)
         if buffered or ep.closing:  # (a bridge waits for the acknowledgement before it sends)
@@ -342,9 +366,10 @@ class Gate:
         chan.close()
 
     def _handed(self, ep: Endpoint, chan: socket.socket, loop) -> None:
-        """Connections arrived on a hand-off channel: each served as if accepted on ``ep``'s
-        listener. Anything but one HANDOFF_CONN byte with one connected TCP socket ends the
-        channel (the descriptors that came with it closed) and is logged."""
+        """Connections arrived on a hand-off channel (the bridge's: it proved its key): each
+        served as if accepted on ``ep``'s listener. Anything but one HANDOFF_CONN byte with one
+        connected TCP socket ends the channel (the descriptors that came with it closed) and is
+        logged."""
         for _ in range(HANDOFF_BATCH):
             try:
                 msg, fds, flags, _ = socket.recv_fds(chan, 1, 1, socket.MSG_DONTWAIT | socket.MSG_CMSG_CLOEXEC)
@@ -364,7 +389,9 @@ class Gate:
                            "TCP socket: the channel is closed", host="", port=None, phase="connect")
                 self._drop_handoff(chan)
                 return
-            loop.create_task(self._adopt(ep, sock))
+            task = loop.create_task(self._adopt(ep, sock))
+            self._adopting.add(task)  # (held until it has run: the loop keeps only a weak reference)
+            task.add_done_callback(self._adopting.discard)
 
     async def _adopt(self, ep: Endpoint, sock: socket.socket) -> None:
         if ep.closing:
@@ -474,8 +501,8 @@ class Gate:
                 req, body = h1.parse_head(hr.head, hr.rest)
                 pending = hr.rest
             except h1.ProtocolError as exc:
-                if hr.head == HANDOFF_HELLO and tunnel is None and self.handoff and not hr.rest:
-                    self._take_channel(ep, stream)  # (a bridge: see HANDOFF_HELLO)
+                if tunnel is None and hr.head is not None and hr.head.startswith(HANDOFF_PREFIX):
+                    self._hello(ep, stream, hr.head, hr.rest)  # (a bridge: see HANDOFF_PREFIX)
                     return
                 await self._run(ep, stream, ex.refuse(ex.bad_request(exc, *where)))
                 return

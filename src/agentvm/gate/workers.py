@@ -458,6 +458,7 @@ class RemoteEndpoint:
         self._paused = False
         self.sock_path = Path(sock_path)
         self.sock = sock  # the daemon's copy of the listening socket (handed to a replacement worker)
+        self.bridge_key = ""  # the sandbox's bridge's key (gate.server.HANDOFF_PREFIX), opened with
         self.log_path = pool.log_dir / f"{sandbox_id}.egress.jsonl"
         self.creds = None if creds is None else RemoteCreds(self, creds, bool(getattr(creds, "scrub_encoded", True)))
         self._creds_sent = None  # (dropped, values, errors) the worker holds
@@ -579,7 +580,7 @@ class RemoteEndpoint:
             spec = ((bindings, placeholders, sid), self.creds.scrub_encoded, self._creds_sent)
         self._policy_sent = self._policy
         return (self.sandbox_id, self.agent, self._policy, str(self.sock_path), spec, self._paused, self._revoked(),
-                _policy_files(self._policy), self._budget_spec(), self.tools is not None)
+                _policy_files(self._policy), self._budget_spec(), self.tools is not None, self.bridge_key)
 
     def _creds_change(self):
         """The credentials' state if it differs from what the worker holds, else None."""
@@ -1396,7 +1397,7 @@ class WorkerPool:
                       reason="its agent's last sandbox closed")
 
     async def open(self, sandbox_id: str, agent: str, policy, sock_path: Path, *, uid: int | None, creds,
-                   tier: str | None = None, extras=None) -> RemoteEndpoint:
+                   tier: str | None = None, extras=None, bridge_key: str = "") -> RemoteEndpoint:
         """Serve ``sandbox_id`` from a worker. ``extras`` (agentvm.tools.slot.EndpointExtras):
         its approval timeout, webhook and policy digest (held requests wait in the daemon) and
         its LLM budget (the daemon keeps the ledger); a sandbox with tools is not placeable
@@ -1410,6 +1411,7 @@ class WorkerPool:
         sock.setblocking(False)
         try:
             ep = RemoteEndpoint(self, w, sandbox_id, agent, policy, sock_path, sock, creds, extras)
+            ep.bridge_key = bridge_key
         except BaseException:
             sock.close()
             sock_path.unlink(missing_ok=True)
@@ -1921,7 +1923,7 @@ class _Worker:
                 self.gate._client_ctx[(path, h2)] = ctx
 
     async def op_open(self, sock, sandbox_id, agent, policy, sock_path, creds_spec, paused, revoked, files=None,
-                      budget=None, tools=False) -> None:
+                      budget=None, tools=False, bridge_key="") -> None:
         creds = None
         try:
             self._take_files(files)
@@ -1932,7 +1934,8 @@ class _Worker:
                 creds = self._held_credentials(sandbox_id, bindings, placeholders, held)
                 creds.scrub_encoded = scrub
                 creds.local_revoked.update(revoked)
-            ep = await self.gate.open_endpoint(sandbox_id, agent, policy, Path(sock_path), creds=creds, sock=sock)
+            ep = await self.gate.open_endpoint(sandbox_id, agent, policy, Path(sock_path), creds=creds, sock=sock,
+                                               bridge_key=bridge_key if isinstance(bridge_key, str) else "")
         except BaseException:
             sock.close()
             raise

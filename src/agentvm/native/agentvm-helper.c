@@ -581,17 +581,42 @@ static void br_close(struct br_conn *c) {
     c->fd[0] = c->fd[1] = -1;
 }
 
-/* The hand-off (--bridge-handoff; a bwrap sandbox, whose sockets are the host kernel's): the
- * bridge leaves the data path. It opens one channel to the gate's socket (HELLO, then waits for
- * the gate's ACK) and sends each connection it accepts over it as one byte with the descriptor
- * (SCM_RIGHTS), keeping no copy; the gate serves the sandbox's TCP socket itself. Without it
- * (gVisor: its sockets are the Sentry's, and cannot travel to a host process) every byte is
- * relayed below. Must match agentvm.gate.server's HANDOFF_*. A channel that fails is opened
- * again once for the connection at hand; if that fails too the connection is closed: no route. */
-static const char HO_HELLO[] = "\0agentvm-bridge-handoff/1\r\n\r\n";
+/* The hand-off (--bridge-key-fd; a bwrap sandbox, whose sockets are the host kernel's): the
+ * bridge leaves the data path. It opens one channel to the gate's socket (HELLO with the
+ * bridge's key, then waits for the gate's ACK) and sends each connection it accepts over it as
+ * one byte with the descriptor (SCM_RIGHTS), keeping no copy; the gate serves the sandbox's TCP
+ * socket itself. The key is what makes the channel the bridge's alone: the agent can reach the
+ * gate's socket too, and a socket it made itself - one it keeps a copy of, or set SO_LINGER on
+ * - must never reach the gate's loop. init reads the key from a descriptor and closes it before
+ * the agent exists; it lives only in the bridge's memory (not dumpable). Without a key (gVisor:
+ * its sockets are the Sentry's, and cannot travel to a host process) every byte is relayed
+ * below. Must match agentvm.gate.server's HANDOFF_*. A channel that fails is opened again once
+ * for the connection at hand; if that fails too the connection is closed: no route. */
+#define HO_PREFIX "\0agentvm-bridge-handoff/2 "
+#define HO_KEY_MAX 64
+static char ho_hello[sizeof HO_PREFIX - 1 + HO_KEY_MAX + 4];
+static size_t ho_hello_len;
 #define HO_ACK 0x06
 #define HO_CONN 'C'
-#define HO_TIMEOUT_S 5 /* a gate that neither answers nor reads: the connection is dropped */
+#define HO_TIMEOUT_S 30 /* a gate that neither answers nor reads (its HEAD_TIMEOUT): the connection is dropped */
+
+/* the key from its descriptor (lower-case hex, at most HO_KEY_MAX): the hello the bridge sends */
+static void ho_read_key(int fd) {
+    char key[HO_KEY_MAX + 1];
+    ssize_t n;
+    do n = pread(fd, key, sizeof key, 0);
+    while (n < 0 && errno == EINTR);
+    close(fd);
+    if (n <= 0 || n > HO_KEY_MAX) fail("bridge", 0, "the bridge's key is missing or too long");
+    for (ssize_t k = 0; k < n; k++)
+        if (!((key[k] >= '0' && key[k] <= '9') || (key[k] >= 'a' && key[k] <= 'f')))
+            fail("bridge", 0, "the bridge's key is not lower-case hex");
+    memcpy(ho_hello, HO_PREFIX, sizeof HO_PREFIX - 1);
+    memcpy(ho_hello + sizeof HO_PREFIX - 1, key, (size_t)n);
+    memcpy(ho_hello + sizeof HO_PREFIX - 1 + n, "\r\n\r\n", 4);
+    ho_hello_len = sizeof HO_PREFIX - 1 + (size_t)n + 4;
+    explicit_bzero(key, sizeof key);
+}
 
 static int ho_open(const char *gate_path) {
     int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
@@ -603,7 +628,7 @@ static int ho_open(const char *gate_path) {
     strncpy(sa.sun_path, gate_path, sizeof sa.sun_path - 1);
     unsigned char ack = 0;
     if (connect(fd, (struct sockaddr *)&sa, sizeof sa) < 0 ||
-        send(fd, HO_HELLO, sizeof HO_HELLO - 1, MSG_NOSIGNAL) != (ssize_t)(sizeof HO_HELLO - 1) ||
+        send(fd, ho_hello, ho_hello_len, MSG_NOSIGNAL) != (ssize_t)ho_hello_len ||
         recv(fd, &ack, 1, 0) != 1 || ack != HO_ACK) {
         close(fd);
         return -1;
@@ -823,7 +848,7 @@ static int cmd_init(int argc, char **argv) {
     int nrules = 0;
     long ports_connect[64], ports_bind[64];
     int npc = 0, npb = 0;
-    int want_scope = 0, want_net = 0, want_tty = 0, no_landlock = 0, bridge_handoff = 0;
+    int want_scope = 0, want_net = 0, want_tty = 0, no_landlock = 0, bridge_key_fd = -1;
     long min_abi = 1;
     int seccomp_fd = -1, env_fd = -1, sysaudit_fd = -1;
     const char *chdir_to = NULL, *gate_socket = NULL;
@@ -860,10 +885,6 @@ static int cmd_init(int argc, char **argv) {
             want_tty = 1;
             continue;
         }
-        if (!strcmp(a, "--bridge-handoff")) { /* the bridge hands connections to the gate (bwrap) */
-            bridge_handoff = 1;
-            continue;
-        }
         if (!strcmp(a, "--no-landlock")) { /* explicit, audited degrade only */
             no_landlock = 1;
             continue;
@@ -889,6 +910,10 @@ static int cmd_init(int argc, char **argv) {
             gate_socket = v;
         } else if (!strcmp(a, "--gate-port")) {
             gate_port = parse_long("validate", v, 1, 65535);
+        } else if (!strcmp(a, "--bridge-key-fd")) {
+            /* the bridge hands connections to the gate with this key (bwrap): see ho_read_key */
+            bridge_key_fd = (int)parse_long("validate", v, 3, 1 << 20);
+            set_cloexec(bridge_key_fd);
         } else if (!strcmp(a, "--env-fd")) {
             env_fd = (int)parse_long("validate", v, 3, 1 << 20);
             set_cloexec(env_fd);
@@ -953,7 +978,11 @@ static int cmd_init(int argc, char **argv) {
     }
 
     /* 2c. the egress bridge, before Landlock and the agent's seccomp (see start_bridge) */
-    if (gate_socket) start_bridge(gate_socket, gate_port, prog.len ? &prog : NULL, bridge_handoff);
+    if (bridge_key_fd >= 0) {
+        if (!gate_socket) fail("validate", 0, "--bridge-key-fd needs --gate-socket");
+        ho_read_key(bridge_key_fd); /* (closed: the agent never has it) */
+    }
+    if (gate_socket) start_bridge(gate_socket, gate_port, prog.len ? &prog : NULL, bridge_key_fd >= 0);
 
     /* 3. working directory (before Landlock, which may forbid walking to it) */
     if (chdir_to && chdir(chdir_to) < 0) fail("chdir", errno, "chdir %s", chdir_to);
