@@ -572,7 +572,7 @@ def start_squid_bump(tmp: Path, log, test_ca: str, placeholder: str, real: str) 
     from cryptography.hazmat.primitives.asymmetric import ec
     from cryptography.x509.oid import NameOID
 
-    from bench_gate import HOST, free_port, wait_listen
+    from bench_gate import HOST, free_port, squid_base_conf, wait_listen
 
     squid, certgen = squid_openssl(log)
     version = subprocess.run([squid, "-v"], capture_output=True, text=True).stdout.split("\n")[0]
@@ -610,23 +610,7 @@ tls_outgoing_options cafile={d}/upstream-ca.pem
 acl placeholder req_header Authorization ^Bearer\\ {exact}$
 request_header_access Authorization deny placeholder
 request_header_add Authorization "Bearer {real}" placeholder
-acl benchclients src 127.0.0.1/32
-http_access allow benchclients
-http_access deny all
-cache deny all
-cache_mem 0 MB
-access_log none
-cache_store_log none
-cache_log {d}/cache.log
-pid_filename {d}/squid.pid
-coredump_dir {d}
-hosts_file {d}/hosts
-dns_nameservers 127.0.0.1
-pinger_enable off
-netdb_filename none
-logfile_rotate 0
-shutdown_lifetime 0 seconds
-""")
+""" + squid_base_conf(d))
     try:  # squid started as root drops to `proxy`: its files must be its own
         import pwd
 
@@ -769,26 +753,21 @@ def main() -> int:
         }
         res["labels"]["direct"] = "direct TLS to the upstream (real value)"
         res["labels"]["gate"] = "agent-vm gate (terminated, swap)"
-        if not args.no_mitmproxy:
+        # the peers doing the same swap: each -> (process, port, label, its CA for the client)
+        peers = (("mitmproxy", args.no_mitmproxy, "--no-mitmproxy",
+                  lambda: start_mitmproxy(tmp, log, test_ca, placeholder, real, up_port)),
+                 ("squid-bump", args.no_squid, "--no-squid", lambda: start_squid_bump(tmp, log, test_ca, placeholder, real)))
+        for name, skip, flag, start in peers:
+            if skip:
+                res["unavailable"][name] = f"skipped ({flag})"
+                continue
             try:
-                p, port, label, mca = start_mitmproxy(tmp, log, test_ca, placeholder, real, up_port)
+                p, port, label, pca = start()
                 procs.append(p)
-                targets["mitmproxy"] = {"mode": "proxy", "port": port, "cafile": mca, "auth": placeholder, "pid": p.pid}
-                res["labels"]["mitmproxy"] = label
+                targets[name] = {"mode": "proxy", "port": port, "cafile": pca, "auth": placeholder, "pid": p.pid}
+                res["labels"][name] = label
             except Exception as exc:  # noqa: BLE001 - reported in the table
-                res["unavailable"]["mitmproxy"] = str(exc)
-        else:
-            res["unavailable"]["mitmproxy"] = "skipped (--no-mitmproxy)"
-        if not args.no_squid:
-            try:
-                p, port, label, sca = start_squid_bump(tmp, log, test_ca, placeholder, real)
-                procs.append(p)
-                targets["squid-bump"] = {"mode": "proxy", "port": port, "cafile": sca, "auth": placeholder, "pid": p.pid}
-                res["labels"]["squid-bump"] = label
-            except Exception as exc:  # noqa: BLE001 - reported in the table
-                res["unavailable"]["squid-bump"] = str(exc)
-        else:
-            res["unavailable"]["squid-bump"] = "skipped (--no-squid)"
+                res["unavailable"][name] = str(exc)
         for t in targets.values():
             t["upstream_port"] = up_port
 
@@ -1000,18 +979,13 @@ def report(res: dict, duration: float, warmup: float) -> None:
         t = f"  (target >= {target:g}x: {'met' if r >= target else 'MISSED'})" if target else "  (no target)"
         print(f"   {label:36} {r:6.2f}x{t}")
 
-    for c in ("c1", "c10"):
-        if "mitmproxy" in res["unavailable"]:
-            print(f"   {'gate-swap / mitmproxy-swap, ' + c:36} n/a (mitmproxy: not available)")
-        else:
-            line(f"gate-swap / mitmproxy-swap, {c}", rps("gate", c), rps("mitmproxy", c),
-                 TARGETS["gate_vs_mitm"] if c == "c10" else None)
-    for c in ("c1", "c10"):
-        if "squid-bump" in res["unavailable"]:
-            print(f"   {'gate-swap / squid ssl-bump, ' + c:36} n/a (squid ssl-bump: {res['unavailable']['squid-bump']})")
-        else:
-            line(f"gate-swap / squid ssl-bump, {c}", rps("gate", c), rps("squid-bump", c),
-                 TARGETS["gate_vs_squid_bump"] if c == "c10" else None)
+    for peer, shown, target in (("mitmproxy", "mitmproxy-swap", "gate_vs_mitm"),
+                                ("squid-bump", "squid ssl-bump", "gate_vs_squid_bump")):
+        for c in ("c1", "c10"):
+            if peer in res["unavailable"]:
+                print(f"   {'gate-swap / ' + shown + ', ' + c:36} n/a ({peer}: {res['unavailable'][peer]})")
+            else:
+                line(f"gate-swap / {shown}, {c}", rps("gate", c), rps(peer, c), TARGETS[target] if c == "c10" else None)
     for c in ("c1", "c10"):
         line(f"gate-swap / direct, {c}", rps("gate", c), rps("direct", c), None)  # (for information)
     for c in ("c1", "c10"):

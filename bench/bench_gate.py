@@ -450,6 +450,29 @@ def make_cert(d: Path) -> tuple[str, str]:
 # ---------------------------------------------------------------------------- squid
 
 
+def squid_base_conf(d: Path) -> str:
+    """What every benchmark Squid is told besides its port: loopback clients only, no cache, no
+    access log, its files in ``d``, names from ``d/hosts``."""
+    return f"""\
+acl benchclients src 127.0.0.1/32
+http_access allow benchclients
+http_access deny all
+cache deny all
+cache_mem 0 MB
+access_log none
+cache_store_log none
+cache_log {d}/cache.log
+pid_filename {d}/squid.pid
+coredump_dir {d}
+hosts_file {d}/hosts
+dns_nameservers 127.0.0.1
+pinger_enable off
+netdb_filename none
+logfile_rotate 0
+shutdown_lifetime 0 seconds
+"""
+
+
 def start_squid(tmp: Path, log, prefix: list[str] | None = None, ready: float = 20) -> tuple[subprocess.Popen, int, str]:
     """Squid on a free loopback port with this benchmark's config (in ``tmp/squid``, which its
     user owns); ``prefix`` runs it under another program (icount_squid.py: valgrind)."""
@@ -471,25 +494,7 @@ def start_squid(tmp: Path, log, prefix: list[str] | None = None, ready: float = 
     port = free_port()
     (d / "hosts").write_text(f"127.0.0.1 localhost\n127.0.0.1 {NAME}\n")
     conf = d / "squid.conf"
-    conf.write_text(f"""\
-http_port {HOST}:{port}
-acl benchclients src 127.0.0.1/32
-http_access allow benchclients
-http_access deny all
-cache deny all
-cache_mem 0 MB
-access_log none
-cache_store_log none
-cache_log {d}/cache.log
-pid_filename {d}/squid.pid
-coredump_dir {d}
-hosts_file {d}/hosts
-dns_nameservers 127.0.0.1
-pinger_enable off
-netdb_filename none
-logfile_rotate 0
-shutdown_lifetime 0 seconds
-""")
+    conf.write_text(f"http_port {HOST}:{port}\n" + squid_base_conf(d))
     try:  # squid started as root drops to `proxy`: it must be able to write its own files
         import pwd
 
@@ -882,16 +887,9 @@ spec:
 
         one("gate")  # warm: the /etc view, the uid range, the preset and the compiled gate loaded once
         one("squid")
-        res = []
-        for i in range(rounds):
-            order = ("gate", "squid") if i % 2 == 0 else ("squid", "gate")
-            got = {k: one(k) for k in order}
-            res.append(got)
-            print(f"round {i + 1}: gate (in a sandbox) {got['gate']['rps']:8.0f} req/s p50 {got['gate']['p50_ms']:.2f} ms"
-                  f"   squid {got['squid']['rps']:8.0f} req/s p50 {got['squid']['p50_ms']:.2f} ms"
-                  f"   {got['gate']['rps'] / got['squid']['rps']:.2f}x   (load {os.getloadavg()[0]:.1f})", flush=True)
-        ratios = [r["gate"]["rps"] / r["squid"]["rps"] for r in res]
-        met = sum(x >= 1.0 for x in ratios)
+        res, ratios, met = _interleaved(rounds, one, lambda g: f"gate (in a sandbox) {g['gate']['rps']:8.0f} req/s p50 "
+                                        f"{g['gate']['p50_ms']:.2f} ms   squid {g['squid']['rps']:8.0f} req/s p50 "
+                                        f"{g['squid']['p50_ms']:.2f} ms")
         summary = {"label": label, "conc": conc, "duration_s": duration, "rounds": res, "ratios": ratios,
                    "median_ratio": statistics.median(ratios), "rounds_at_parity": met}
         if args.json:
@@ -911,6 +909,20 @@ spec:
             except subprocess.TimeoutExpired:
                 p.kill()
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _interleaved(rounds: int, measure, describe) -> tuple[list, list, int]:
+    """``rounds`` rounds of ``measure("gate")`` and ``measure("squid")``, their order alternated,
+    each printed (``describe(round)`` and the ratio) -> (rounds, ratios, rounds at >= 1.0x)."""
+    res = []
+    for i in range(rounds):
+        order = ("gate", "squid") if i % 2 == 0 else ("squid", "gate")
+        got = {k: measure(k) for k in order}
+        res.append(got)
+        print(f"round {i + 1}: {describe(got)}   {got['gate']['rps'] / got['squid']['rps']:.2f}x   "
+              f"(load {os.getloadavg()[0]:.1f})", flush=True)
+    ratios = [r["gate"]["rps"] / r["squid"]["rps"] for r in res]
+    return res, ratios, sum(x >= 1.0 for x in ratios)
 
 
 def _real_path_spread(args, cli, env, tmp, agent, py, label, rounds, sandboxes, conc, warmup, duration) -> int:
@@ -954,16 +966,8 @@ def _real_path_spread(args, cli, env, tmp, agent, py, label, rounds, sandboxes, 
 
     try:
         spread("gate")  # warm
-        res = []
-        for i in range(rounds):
-            order = ("gate", "squid") if i % 2 == 0 else ("squid", "gate")
-            got = {k: spread(k) for k in order}
-            res.append(got)
-            print(f"round {i + 1}: gate ({sandboxes} sandboxes x c={conc}) {got['gate']['rps']:8.0f} req/s   "
-                  f"squid {got['squid']['rps']:8.0f} req/s   {got['gate']['rps'] / got['squid']['rps']:.2f}x   "
-                  f"(load {os.getloadavg()[0]:.1f})", flush=True)
-        ratios = [r["gate"]["rps"] / r["squid"]["rps"] for r in res]
-        met = sum(x >= 1.0 for x in ratios)
+        res, ratios, met = _interleaved(rounds, spread, lambda g: f"gate ({sandboxes} sandboxes x c={conc}) "
+                                        f"{g['gate']['rps']:8.0f} req/s   squid {g['squid']['rps']:8.0f} req/s")
         if args.json:
             print(json.dumps({"label": label, "sandboxes": sandboxes, "conc": conc, "rounds": res, "ratios": ratios,
                               "median_ratio": statistics.median(ratios), "rounds_at_parity": met}, indent=2))

@@ -636,8 +636,8 @@ static int ho_open(const char *gate_path) {
     return fd;
 }
 
-static int ho_send(int chan, int cfd) {
-    char byte = HO_CONN;
+/* one byte and one descriptor (SCM_RIGHTS) on a unix socket: 0, or -1 with errno */
+static int send_fd(int sock, char byte, int fd) {
     struct iovec iov = {.iov_base = &byte, .iov_len = 1};
     union {
         struct cmsghdr h;
@@ -649,11 +649,13 @@ static int ho_send(int chan, int cfd) {
     c->cmsg_level = SOL_SOCKET;
     c->cmsg_type = SCM_RIGHTS;
     c->cmsg_len = CMSG_LEN(sizeof(int));
-    memcpy(CMSG_DATA(c), &cfd, sizeof(int));
+    memcpy(CMSG_DATA(c), &fd, sizeof(int));
     ssize_t r;
-    do r = sendmsg(chan, &m, MSG_NOSIGNAL);
+    do r = sendmsg(sock, &m, MSG_NOSIGNAL);
     while (r < 0 && errno == EINTR);
-    return r == 1 ? 0 : -1;
+    if (r == 1) return 0;
+    if (r >= 0) errno = 0;
+    return -1;
 }
 
 static void handoff_loop(int ls, const char *gate_path) {
@@ -675,7 +677,7 @@ static void handoff_loop(int ls, const char *gate_path) {
         for (int attempt = 0; attempt < 2; attempt++) {
             if (chan < 0) chan = ho_open(gate_path);
             if (chan < 0) break; /* gate down: no route */
-            if (ho_send(chan, cfd) == 0) break;
+            if (send_fd(chan, HO_CONN, cfd) == 0) break;
             close(chan); /* the gate went away (a worker replaced): once more on a new channel */
             chan = -1;
         }
@@ -1060,23 +1062,8 @@ seccomp:
          * ENOSYS: the call is still refused. */
         int listener = (int)syscall(SYS_seccomp, SECCOMP_SET_MODE_FILTER, SECCOMP_FILTER_FLAG_NEW_LISTENER, &prog);
         if (listener < 0) fail("seccomp", errno, "load filter with a listener");
-        char one = 'L';
-        struct iovec iov = {.iov_base = &one, .iov_len = 1};
-        union {
-            struct cmsghdr h;
-            char buf[CMSG_SPACE(sizeof(int))];
-        } cm;
-        memset(&cm, 0, sizeof cm);
-        struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = cm.buf, .msg_controllen = sizeof cm.buf};
-        struct cmsghdr *c = CMSG_FIRSTHDR(&msg);
-        c->cmsg_level = SOL_SOCKET;
-        c->cmsg_type = SCM_RIGHTS;
-        c->cmsg_len = CMSG_LEN(sizeof(int));
-        memcpy(CMSG_DATA(c), &listener, sizeof(int));
-        ssize_t sent;
-        do sent = sendmsg(sysaudit_fd, &msg, MSG_NOSIGNAL);
-        while (sent < 0 && errno == EINTR);
-        if (sent != 1) fail("sysaudit", sent < 0 ? errno : 0, "hand the syscall listener to the supervisor");
+        if (send_fd(sysaudit_fd, 'L', listener) < 0)
+            fail("sysaudit", errno, "hand the syscall listener to the supervisor");
         close(listener);
         close(sysaudit_fd);
     } else if (prog.len && syscall(SYS_seccomp, SECCOMP_SET_MODE_FILTER, 0, &prog) < 0) {
