@@ -1121,6 +1121,42 @@ def test_the_hand_off_channel_is_the_bridges_alone(gate):
     assert gate.http.paths_seen() == ["/route"], run.explain()
 
 
+def test_a_hand_off_the_kernel_refuses_is_relayed_instead(gate):
+    """Attack (review 6): the agent parks descriptors in sockets it never reads until the
+    kernel refuses more in flight for its uid (ETOOMANYREFS) - the bridge's hand-offs fail too
+    (and where sandboxes share a host uid, its neighbours'). The bridge then relays the
+    connection: the request is served, slower, never dropped."""
+    code = r"""
+import errno, socket, sys
+HP = int(sys.argv[1])
+parked, n, why = [], 0, "none"
+try:
+    while n < 200000:
+        a, b = socket.socketpair()
+        a.setblocking(False)
+        parked.append((a, b))
+        while True:
+            try:
+                socket.send_fds(a, [b"x"], [b.fileno()])
+                n += 1
+            except BlockingIOError:
+                break
+except OSError as e:
+    why = errno.errorcode.get(e.errno, str(e.errno))
+print("PARKED", why, n > 100)
+s = socket.create_connection(("127.0.0.1", 3128), timeout=10)
+s.sendall(b"GET http://allowed.test:%d/parked HTTP/1.1\r\nHost: allowed.test:%d\r\nConnection: close\r\n\r\n" % (HP, HP))
+try:
+    print("ROUTE", s.recv(4096).split(b"\r\n")[0].decode().replace(" ", "_"))
+except OSError as e:
+    print("ROUTE", type(e).__name__)
+"""
+    run = run_in(gate.spec, [PY, "-c", code, str(gate.hp)])
+    assert run.lines("PARKED ") == ["PARKED ETOOMANYREFS True"], run.explain()
+    assert run.lines("ROUTE ") == ["ROUTE HTTP/1.1_200_OK"], run.explain()
+    assert gate.http.paths_seen() == ["/parked"], run.explain()
+
+
 def test_the_bridge_leaves_the_data_path(gate):
     """With a bwrap sandbox the bridge hands each connection to the gate: the socket the
     sandbox's client is connected to (port 3128 in the sandbox's network namespace) is held by

@@ -205,3 +205,29 @@ def test_an_endpoint_keeps_a_bounded_number_of_channels(tmp_path):
     acks = asyncio.run(asyncio.wait_for(main(), 60))
     assert acks == [HANDOFF_ACK] * HANDOFF_CHANNELS + [b""] * 2, acks
 
+
+
+def test_a_flood_of_refused_hellos_is_counted_not_logged_one_by_one(tmp_path):
+    """Alerts have a rate limit of their own (review 6): an agent sending refused hellos by the
+    thousand gets ALERT_LOG_BURST of them logged, the rest counted in summary records that are
+    alerts too - nothing lost, the log (and the daemon's audit chain) bounded."""
+    from agentvm.gate.endpoint import ALERT_LOG_BURST
+
+    n = 400
+
+    async def main():
+        gate, ep, _up = await _gate(tmp_path)
+        for _ in range(n):
+            c, _ack = await _channel(ep.sock_path, hello("e" * 32))
+            c.close()
+        alerts = ep.alerts
+        await gate.close_endpoint("sbx-h")
+        return alerts, _records(tmp_path)
+
+    alerts, recs = asyncio.run(asyncio.wait_for(main(), 120))
+    assert alerts == n
+    one_by_one = [r for r in recs if r["rule"] == "handoff:refused"]
+    summaries = [r for r in recs if r["rule"] == "log:suppressed"]
+    assert ALERT_LOG_BURST <= len(one_by_one) < n // 2, len(one_by_one)
+    assert summaries and all(r.get("alert") == "security" for r in summaries), summaries
+    assert len(one_by_one) + sum(r["suppressed"] for r in summaries) == n

@@ -38,6 +38,12 @@ class Cut(Exception):
 # deny records per second (and burst) an endpoint writes one by one; beyond, they are counted
 DENY_LOG_RATE = 50.0
 DENY_LOG_BURST = 200.0
+# alerts are rate-limited too, on a bucket of their own (a flood of denials never costs an alert
+# its place): what an agent can make by the thousand per second - refused hand-off hellos,
+# credential-leak attempts - must not grow the log and the daemon's append-only audit chain
+# without bound. The excess is counted in one summary record that is itself an alert.
+ALERT_LOG_RATE = 20.0
+ALERT_LOG_BURST = 100.0
 MAX_DENIAL_KEYS = 1024  # distinct (rule, target) pairs kept in a run's summary
 
 LOG_BATCH = 1 << 16  # decision-log bytes held before they are written at once (else: end of the loop turn)
@@ -226,6 +232,8 @@ class Endpoint:
         # logged as one summary record, so every decision is still accounted for
         self.deny_log_bucket = TokenBucket(DENY_LOG_RATE, DENY_LOG_BURST)
         self.deny_suppressed = 0
+        self.alert_log_bucket = TokenBucket(ALERT_LOG_RATE, ALERT_LOG_BURST)
+        self.alerts_suppressed = 0
         self.resign_buffered = 0  # bytes of signed request bodies held for re-signing right now
         self.allowed = 0
         self._paused = False
@@ -501,7 +509,11 @@ class Endpoint:
             self.denials[key] = self.denials.get(key, 0) + 1
             if key not in self.denial_reasons and key[0] != "(other)":
                 self.denial_reasons[key] = (reason[:300], extra.get("how_to_allow"))
-            if not extra.get("alert") and not self.deny_log_bucket.take():
+            if extra.get("alert"):
+                if not self.alert_log_bucket.take():
+                    self.alerts_suppressed += 1
+                    return
+            elif not self.deny_log_bucket.take():
                 self.deny_suppressed += 1
                 return
         elif verdict == "allow":
@@ -595,15 +607,22 @@ class Endpoint:
             self._log_torn = data[written - 1] != 0x0A
 
     def flush_suppressed(self) -> None:
-        """One record for the denials not logged one by one (none were lost: they were counted)."""
-        if not self.deny_suppressed:
-            return
-        n, self.deny_suppressed = self.deny_suppressed, 0
-        self._write({"time": round(time.time(), 6), "sandbox": self.sandbox_id, "agent": self.agent,
-                     "phase": "log", "host": "", "port": None, "method": None, "path": None,
-                     "rule": "log:suppressed", "verdict": "deny", "suppressed": n,
-                     "reason": f"{n} further denials were counted but not logged one by one (deny-log rate limit)",
-                     "bytes_out": 0, "bytes_in": 0})
+        """One record for the denials not logged one by one, one (an alert) for the alerts (none
+        were lost: they were counted)."""
+        if self.deny_suppressed:
+            n, self.deny_suppressed = self.deny_suppressed, 0
+            self._write({"time": round(time.time(), 6), "sandbox": self.sandbox_id, "agent": self.agent,
+                         "phase": "log", "host": "", "port": None, "method": None, "path": None,
+                         "rule": "log:suppressed", "verdict": "deny", "suppressed": n,
+                         "reason": f"{n} further denials were counted but not logged one by one (deny-log rate limit)",
+                         "bytes_out": 0, "bytes_in": 0})
+        if self.alerts_suppressed:
+            n, self.alerts_suppressed = self.alerts_suppressed, 0
+            self._write({"time": round(time.time(), 6), "sandbox": self.sandbox_id, "agent": self.agent,
+                         "phase": "log", "host": "", "port": None, "method": None, "path": None,
+                         "rule": "log:suppressed", "verdict": "deny", "suppressed": n, "alert": "security",
+                         "reason": f"{n} further alerts were counted but not logged one by one (alert-log rate limit)",
+                         "bytes_out": 0, "bytes_in": 0})
 
     def count_out(self, n: int, host: str = "", port: int | None = None) -> None:
         self.bytes_out += n

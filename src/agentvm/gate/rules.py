@@ -74,7 +74,8 @@ RULES: dict[str, str] = {
     "limit:resign-memory": "too many signed request bytes buffered for re-signing at once (503)",
     "limit:upstream-streams": "an HTTP/2 stream refused (REFUSED_STREAM, retryable): the upstream connection takes no more",
     "limit:resign-body": "a signed request body too large to buffer for re-signing (413)",
-    "log:suppressed": "not a decision: how many denials were counted but not logged one by one (deny-log rate limit)",
+    "log:suppressed": "not a decision: how many denials (or, marked as an alert, alerts) were counted but not logged "
+                      "one by one (the deny-log and alert-log rate limits)",
     "client-gone": "the sandbox closed the connection before its request was forwarded (never sent late)",
     "client-reset": "not a denial: the sandbox reset an HTTP/2 stream before its response ended (in \"error\")",
     "client-left": "not a denial: the sandbox closed its connection while the gate waited for the answer; the upstream connection is closed too (in \"error\")",

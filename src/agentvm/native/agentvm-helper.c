@@ -590,8 +590,8 @@ static void br_close(struct br_conn *c) {
  * - must never reach the gate's loop. init reads the key from a descriptor and closes it before
  * the agent exists; it lives only in the bridge's memory (not dumpable). Without a key (gVisor:
  * its sockets are the Sentry's, and cannot travel to a host process) every byte is relayed
- * below. Must match agentvm.gate.server's HANDOFF_*. A channel that fails is opened again once
- * for the connection at hand; if that fails too the connection is closed: no route. */
+ * below, as is a connection whose hand-off failed (ho_handoff). Must match
+ * agentvm.gate.server's HANDOFF_*. */
 #define HO_PREFIX "\0agentvm-bridge-handoff/2 "
 #define HO_KEY_MAX 64
 static char ho_hello[sizeof HO_PREFIX - 1 + HO_KEY_MAX + 4];
@@ -658,34 +658,25 @@ static int send_fd(int sock, char byte, int fd) {
     return -1;
 }
 
-static void handoff_loop(int ls, const char *gate_path) {
-    int chan = -1;
-    signal(SIGPIPE, SIG_IGN);
-    for (;;) {
-        int cfd = accept4(ls, NULL, NULL, SOCK_CLOEXEC);
-        if (cfd < 0) {
-            if (errno == EINTR || errno == ECONNABORTED || errno == EAGAIN) continue;
-            if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM) {
-                poll(NULL, 0, 10); /* out of descriptors for a moment: not a reason to stop */
-                continue;
-            }
-            _exit(3);
-        }
-        /* a relay must not add Nagle's wait (the gate sets it too: it may write a head, then a body) */
-        int nd = 1;
-        setsockopt(cfd, IPPROTO_TCP, TCP_NODELAY, &nd, sizeof nd);
-        for (int attempt = 0; attempt < 2; attempt++) {
-            if (chan < 0) chan = ho_open(gate_path);
-            if (chan < 0) break; /* gate down: no route */
-            if (send_fd(chan, HO_CONN, cfd) == 0) break;
-            close(chan); /* the gate went away (a worker replaced): once more on a new channel */
-            chan = -1;
-        }
-        close(cfd); /* handed over (the gate holds it now) or dropped */
+/* Hand ``cfd`` to the gate over the channel (opened, or opened again once if the gate went
+ * away - a worker replaced): 0 when the gate holds it now. -1 otherwise - the gate is down, or
+ * the kernel refused the descriptor in flight (ETOOMANYREFS: this uid has too many descriptors
+ * parked in sockets nobody reads; the agent can do that, and where sandboxes share a host uid -
+ * a non-root install, --degrade dedicated-uid - to its neighbours too): the caller relays it. */
+static int ho_handoff(int *chan, const char *gate_path, int cfd) {
+    for (int attempt = 0; attempt < 2; attempt++) {
+        if (*chan < 0) *chan = ho_open(gate_path);
+        if (*chan < 0) return -1;
+        if (send_fd(*chan, HO_CONN, cfd) == 0) return 0;
+        if (errno == ETOOMANYREFS) return -1; /* (the channel itself is fine) */
+        close(*chan);
+        *chan = -1;
     }
+    return -1;
 }
 
-static void bridge_loop(int ls, const char *gate_path) {
+static void bridge_loop(int ls, const char *gate_path, int handoff) {
+    int chan = -1;
     static struct br_conn conns[BR_MAX];
     static struct pollfd pfd[1 + 2 * BR_MAX];
     for (int k = 0; k < BR_MAX; k++) conns[k].fd[0] = conns[k].fd[1] = -1;
@@ -716,7 +707,9 @@ static void bridge_loop(int ls, const char *gate_path) {
         }
         if (pfd[0].revents & POLLIN) {
             int cfd = accept4(ls, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
-            if (cfd >= 0) {
+            if (cfd >= 0 && handoff && ho_handoff(&chan, gate_path, cfd) == 0) {
+                close(cfd); /* the gate holds it: out of the data path */
+            } else if (cfd >= 0) { /* no key (gVisor), or the hand-off failed: relayed */
                 int slot = -1;
                 for (int k = 0; k < BR_MAX && slot < 0; k++)
                     if (conns[k].fd[0] < 0) slot = k;
@@ -825,10 +818,7 @@ static void start_bridge(const char *gate_path, long port, const struct sock_fpr
         }
         syscall(__NR_close_range, 3U, (unsigned int)(ls - 1), 0U);
         syscall(__NR_close_range, (unsigned int)(ls + 1), ~0U, 0U);
-        if (handoff)
-            handoff_loop(ls, gate_path);
-        else
-            bridge_loop(ls, gate_path);
+        bridge_loop(ls, gate_path, handoff);
         _exit(0);
     }
     int st;
@@ -985,6 +975,7 @@ static int cmd_init(int argc, char **argv) {
         ho_read_key(bridge_key_fd); /* (closed: the agent never has it) */
     }
     if (gate_socket) start_bridge(gate_socket, gate_port, prog.len ? &prog : NULL, bridge_key_fd >= 0);
+    explicit_bzero(ho_hello, sizeof ho_hello); /* the bridge has its copy; init's goes before the agent runs */
 
     /* 3. working directory (before Landlock, which may forbid walking to it) */
     if (chdir_to && chdir(chdir_to) < 0) fail("chdir", errno, "chdir %s", chdir_to);
