@@ -231,3 +231,27 @@ def test_a_flood_of_refused_hellos_is_counted_not_logged_one_by_one(tmp_path):
     assert ALERT_LOG_BURST <= len(one_by_one) < n // 2, len(one_by_one)
     assert summaries and all(r.get("alert") == "security" for r in summaries), summaries
     assert len(one_by_one) + sum(r["suppressed"] for r in summaries) == n
+
+
+def test_a_flood_of_one_alert_does_not_hide_another(tmp_path):
+    """Review 7: with the alert bucket drained by refused hellos, a different alert (here a
+    credential leak's, logged as the gate logs it) is still written - the first of each
+    (rule, target) always is - and the flood's summary follows with the next relayed record."""
+
+    async def main():
+        gate, ep, up = await _gate(tmp_path)
+        for _ in range(300):
+            c, _ack = await _channel(ep.sock_path, hello("e" * 32))
+            c.close()
+        ep.log(verdict="deny", rule_id="credential:leak:k.test", reason="a placeholder sent to a host it is not "
+               "bound to", host="evil.test", port=443, phase="request", alert="security")
+        ep.log_relayed("allow:up", "allowed", "up.test", up.port, "GET", "/", 10, 10, 100)
+        ep.flush_log()
+        recs = _records(tmp_path)
+        await gate.close_endpoint("sbx-h")
+        return recs
+
+    recs = asyncio.run(asyncio.wait_for(main(), 120))
+    assert [r for r in recs if r["rule"] == "credential:leak:k.test" and r.get("alert") == "security"], recs
+    summaries = [r for r in recs if r["rule"] == "log:suppressed" and r.get("alert")]
+    assert summaries and sum(r["suppressed"] for r in summaries) > 0, recs

@@ -506,11 +506,14 @@ class Endpoint:
             key = (rule_id[:128], target)
             if key not in self.denials and len(self.denials) >= MAX_DENIAL_KEYS:
                 key = ("(other)", "(too many distinct denials to list)")
-            self.denials[key] = self.denials.get(key, 0) + 1
+            seen = self.denials.get(key, 0)
+            self.denials[key] = seen + 1
             if key not in self.denial_reasons and key[0] != "(other)":
                 self.denial_reasons[key] = (reason[:300], extra.get("how_to_allow"))
             if extra.get("alert"):
-                if not self.alert_log_bucket.take():
+                # the first alert of each (rule, target) is always written: a flood of one cheap
+                # kind (refused hand-off hellos) must not hide another (a credential leak)
+                if seen and not self.alert_log_bucket.take():
                     self.alerts_suppressed += 1
                     return
             elif not self.deny_log_bucket.take():
@@ -551,7 +554,7 @@ class Endpoint:
             if credentials is not None:
                 rec["credentials"] = credentials
         self.allowed += 1
-        if self.deny_suppressed:
+        if self.deny_suppressed or self.alerts_suppressed:
             self.flush_suppressed()
         # a rule's id and reason, a host and a method recur request after request: escaped once
         # (an escaped string is never empty: at least its quotes)

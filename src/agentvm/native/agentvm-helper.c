@@ -729,6 +729,8 @@ static void bridge_loop(int ls, const char *gate_path, int handoff) {
                     conns[slot].fd[0] = cfd;
                     conns[slot].fd[1] = gfd;
                 }
+            } else if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM) {
+                poll(NULL, 0, 10); /* out of descriptors for a moment: wait, do not spin on the listener */
             }
         }
         for (int k = 0, i = 1; k < BR_MAX; k++) {
