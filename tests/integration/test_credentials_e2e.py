@@ -335,22 +335,9 @@ def test_nothing_the_sandbox_can_see_holds_a_real_secret(env):
                 except OSError:
                     continue
                 hits += [f"/proc/{pid}/{f}" for r in reals if r in data]
-        # the sandbox's filesystem view, through its mount namespace
-        root = f"/proc/{pids[0]}/root"
-        files = 0
-        for top in ("etc", "home", "tmp", "workspace", ".agentvm", "dev/shm", "ca", "opt", "usr/local", "usr/lib/python3"):
-            for dirpath, _, names in os.walk(os.path.join(root, top)):
-                for name in names:
-                    p = os.path.join(dirpath, name)
-                    try:
-                        if not os.path.isfile(p) or os.path.getsize(p) > 50_000_000:
-                            continue
-                        data = open(p, "rb").read()
-                    except OSError:
-                        continue
-                    files += 1
-                    hits += [p for r in reals if r in data]
-        # memory of every process of the sandbox (python, the bridge, bwrap's init)
+        # memory of every process of the sandbox (python, the bridge, bwrap's init) - first:
+        # the walk below can outlast the run's timeout on a loaded host, and the memory needs
+        # its processes alive (a CI run read 0 regions after a 164,450-file walk)
         regions = 0
         for pid in all_pids:
             try:
@@ -370,6 +357,21 @@ def test_nothing_the_sandbox_can_see_holds_a_real_secret(env):
                         hits += [f"memory of {pid}: {line[:40]}" for r in reals if r in data]
             except OSError:
                 continue
+        # the sandbox's filesystem view, through its mount namespace
+        root = f"/proc/{pids[0]}/root"
+        files = 0
+        for top in ("etc", "home", "tmp", "workspace", ".agentvm", "dev/shm", "ca", "opt", "usr/local", "usr/lib/python3"):
+            for dirpath, _, names in os.walk(os.path.join(root, top)):
+                for name in names:
+                    p = os.path.join(dirpath, name)
+                    try:
+                        if not os.path.isfile(p) or os.path.getsize(p) > 50_000_000:
+                            continue
+                        data = open(p, "rb").read()
+                    except OSError:
+                        continue
+                    files += 1
+                    hits += [p for r in reals if r in data]
     finally:
         proc.kill()
         proc.wait(30)
