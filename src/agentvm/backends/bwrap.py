@@ -520,10 +520,12 @@ class BwrapBackend(hv.ChildProcessSandbox, Backend):
         launch += protect_args
         if git_excludes:
             launch += ["--keep-fd", "@fd:gitexcludes@"]
+        # the bridge's key (GateAttachment.key): init gets it through a descriptor, launch opens it
+        bridge_key = ctx.gate.key if gate and ctx.gate is not None else ""
         notify = "seccomp" not in degraded and "syscall-audit" not in degraded
         if notify:
             launch += ["--keep-fd", "@fd:sysaudit@"]
-        if gate and ctx.gate is not None and ctx.gate.key:
+        if bridge_key:
             launch += ["--keep-fd", "@fd:bridgekey@"]
         launch += ["--keep-fd", "@fd:seccomp@", "--keep-fd", "@fd:json@", "--keep-fd", "@fd:bwrapargs@",
                    "--keep-fd", "@fd:env@", "--argv0", "bwrap"]
@@ -587,7 +589,7 @@ class BwrapBackend(hv.ChildProcessSandbox, Backend):
             # the bridge hands each connection to the gate and leaves the data path (the sockets
             # are the host kernel's; gVisor's bridge relays instead: see agentvm-helper.c)
             init += ["--gate-socket", hv.GATE_IN_SANDBOX, "--gate-port", str(ctx.gate.port)]
-            if ctx.gate.key:  # (the bridge hands connections over, with this key: see agentvm-helper.c)
+            if bridge_key:  # (the bridge hands connections over, with this key: see agentvm-helper.c)
                 init += ["--bridge-key-fd", "@fd:bridgekey@"]
         init += confine
         command = list(policy.command) or ["/bin/sh"]
@@ -617,7 +619,7 @@ class BwrapBackend(hv.ChildProcessSandbox, Backend):
             seccomp_watch=sc.DEFAULT_WATCH if notify else (),
             on_escape_probe=policy.on_escape_probe,
             fds={"open_paths": tuple(fd_names), "stages": tuple(stages), "protects": tuple(protects),
-                 "git_excludes": git_excludes, "bridge_key": ctx.gate.key if (gate and ctx.gate) else "",
+                 "git_excludes": git_excludes, "bridge_key": bridge_key,
                  "reviews": {"home": str(self.paths.home), "kind": kind, "name": lname, "uid": host.uid,
                              "gid": host.gid, "sandbox": ctx.sandbox_id, "grants": tuple(reviews)} if reviews else None},
         )

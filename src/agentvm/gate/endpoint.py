@@ -614,18 +614,17 @@ class Endpoint:
         were lost: they were counted)."""
         if self.deny_suppressed:
             n, self.deny_suppressed = self.deny_suppressed, 0
-            self._write({"time": round(time.time(), 6), "sandbox": self.sandbox_id, "agent": self.agent,
-                         "phase": "log", "host": "", "port": None, "method": None, "path": None,
-                         "rule": "log:suppressed", "verdict": "deny", "suppressed": n,
-                         "reason": f"{n} further denials were counted but not logged one by one (deny-log rate limit)",
-                         "bytes_out": 0, "bytes_in": 0})
+            self._write_suppressed(n, "denials", "deny-log")
         if self.alerts_suppressed:
             n, self.alerts_suppressed = self.alerts_suppressed, 0
-            self._write({"time": round(time.time(), 6), "sandbox": self.sandbox_id, "agent": self.agent,
-                         "phase": "log", "host": "", "port": None, "method": None, "path": None,
-                         "rule": "log:suppressed", "verdict": "deny", "suppressed": n, "alert": "security",
-                         "reason": f"{n} further alerts were counted but not logged one by one (alert-log rate limit)",
-                         "bytes_out": 0, "bytes_in": 0})
+            self._write_suppressed(n, "alerts", "alert-log", alert="security")
+
+    def _write_suppressed(self, n: int, what: str, limit: str, **extra) -> None:
+        self._write({"time": round(time.time(), 6), "sandbox": self.sandbox_id, "agent": self.agent,
+                     "phase": "log", "host": "", "port": None, "method": None, "path": None,
+                     "rule": "log:suppressed", "verdict": "deny", "suppressed": n, **extra,
+                     "reason": f"{n} further {what} were counted but not logged one by one ({limit} rate limit)",
+                     "bytes_out": 0, "bytes_in": 0})
 
     def count_out(self, n: int, host: str = "", port: int | None = None) -> None:
         self.bytes_out += n
