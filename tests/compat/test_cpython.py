@@ -43,10 +43,18 @@ IGNORE = ["*testReadAfterTimeout*", "*VSOCK*"]
 EXPECTED = Path(__file__).with_name("cpython_expected.json")
 
 
-def regrtest_argv(xml: str) -> list[str]:
+RERUNS = 3  # a new difference must fail again in each of this many runs of that case alone
+
+
+def regrtest_argv(xml: str, cases: list[str] | None = None) -> list[str]:
+    """The whole comparison's run, or (``cases``: test ids) a run of those cases alone."""
     argv = ["/usr/bin/python3", "-m", "test", "-j2", "--timeout", "600", "--junit-xml", xml]
     for pat in IGNORE:
         argv += ["-i", pat]
+    if cases:
+        for tid in cases:
+            argv += ["-m", f"test.{tid}"]  # a full id: matched exactly
+        return argv + sorted({tid.split(".")[0] for tid in cases})
     return argv + MODULES
 
 
@@ -82,7 +90,7 @@ def run_host(workdir: Path) -> dict[str, str]:
     return parse_junit(xml.read_bytes())
 
 
-def run_sandbox(workdir: Path) -> tuple[dict[str, str], str]:
+def run_sandbox(workdir: Path, cases: list[str] | None = None) -> tuple[dict[str, str], str]:
     agent = workdir / "cpython.yaml"
     agent.write_text(textwrap.dedent("""\
         apiVersion: agentvm/v1
@@ -92,7 +100,7 @@ def run_sandbox(workdir: Path) -> tuple[dict[str, str], str]:
           workspace: {enabled: false}
           limits: {memory: 3G, pids: 2048, tmp: 1G, shm: 256M, nofile: 4096, timeout: 25m}
         """))
-    script = ("cd /tmp && " + " ".join(f"'{a}'" for a in regrtest_argv("/tmp/sandbox.xml"))
+    script = ("cd /tmp && " + " ".join(f"'{a}'" for a in regrtest_argv("/tmp/sandbox.xml", cases))
               + " >/tmp/regrtest.log 2>&1; echo; echo XML-BEGIN; base64 -w0 /tmp/sandbox.xml; echo; "
               "echo LOG-BEGIN; tail -c 20000 /tmp/regrtest.log | base64 -w0; echo")
     r = subprocess.run(agentvm_cmd() + ["run", "-f", str(agent), "--", "/bin/sh", "-c", script],
@@ -103,9 +111,27 @@ def run_sandbox(workdir: Path) -> tuple[dict[str, str], str]:
                              f"{out[-2000:]} {r.stderr.decode(errors='replace')[-2000:]}")
     xml = base64.b64decode(out.split("XML-BEGIN\n", 1)[1].split("\n", 1)[0])
     log = base64.b64decode(out.split("LOG-BEGIN\n", 1)[1].split("\n", 1)[0]).decode(errors="replace")
+    if cases:
+        return parse_junit(xml), log
     (workdir / "sandbox.xml").write_bytes(xml)
     MESSAGES.clear()
     return parse_junit(xml, MESSAGES), log
+
+
+def flaky(workdir: Path, cases: list[str]) -> dict[str, int]:
+    """Of ``cases`` (new differences), those that pass in the sandbox in each of RERUNS runs of
+    them alone (test id -> RERUNS). CPython has cases that fail now and then on any host: one
+    connects to a port it has just found free, and about one time in ten thousand the kernel
+    gives the connecting socket that very port as its own (a TCP self-connect, which succeeds).
+    One failure of such a case is not a difference. A difference the sandbox causes fails again:
+    it must pass every rerun to be called flaky (a race the sandbox makes fail half the time
+    passes three runs one time in eight)."""
+    passed = {tid: 0 for tid in cases}
+    for _ in range(RERUNS):
+        res, _log = run_sandbox(workdir, cases)
+        for tid in cases:
+            passed[tid] += res.get(tid) == "passed"
+    return {tid: n for tid, n in passed.items() if n == RERUNS}
 
 
 def compare(host: dict[str, str], sandbox: dict[str, str]) -> dict[str, str]:
@@ -139,18 +165,21 @@ def results(avm_home):
             host_run = pool.submit(run_host, d)
             sandbox, log = run_sandbox(d)
             host = host_run.result()
-        yield host, sandbox, log
+        yield host, sandbox, log, d
     finally:
         shutil.rmtree(d, ignore_errors=True)
 
 
 @pytest.mark.timeout(2700)  # two regrtest runs of ~5 minutes each, in its module fixture
 def test_cpython_regression_tests_differ_from_the_host_only_where_documented(results):
-    host, sandbox, log = results
+    host, sandbox, log, workdir = results
     assert len(host) > 2000 and len(sandbox) > 2000, (len(host), len(sandbox), log[-3000:])
     diff = compare(host, sandbox)
     expected = json.loads(EXPECTED.read_text())
     new = {t: s for t, s in diff.items() if t not in expected}
+    if new:
+        for tid, n in flaky(workdir, sorted(new)).items():
+            print(f"flaky, not the sandbox's: {tid} {new.pop(tid)} once, then passed {n} of {n} runs alone")
     gone = sorted(t for t in expected if t not in diff)
     assert not new, ("differences from the host not in cpython_expected.json (find the cause; list it with its "
                      f"reason only if it is by design):\n{json.dumps(new, indent=1)}\n\n{table(host, sandbox)}\n{log[-4000:]}")
