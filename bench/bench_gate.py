@@ -931,7 +931,8 @@ def _real_path_spread(args, cli, env, tmp, agent, py, label, rounds, sandboxes, 
     agent), against Squid with as many load generators on the host. Every load generator of a
     round measures the same window (a start time given to all); a row's rate is their sum."""
     denv = {k: v for k, v in env.items() if k != "AGENTVM_NO_DAEMON"}
-    up = subprocess.run(cli + ["up"], env=denv, capture_output=True, text=True, timeout=120)
+    layout = args.gate_workers or "agent"
+    up = subprocess.run(cli + ["up", "--gate-workers", layout], env=denv, capture_output=True, text=True, timeout=120)
     if up.returncode != 0:
         raise RuntimeError("agentvm up failed: " + (up.stderr.strip().splitlines() or ["?"])[-1])
     lead = 3.0 + 0.08 * sandboxes  # time to start every sandbox (or host load generator) before the window
@@ -969,10 +970,12 @@ def _real_path_spread(args, cli, env, tmp, agent, py, label, rounds, sandboxes, 
         res, ratios, met = _interleaved(rounds, spread, lambda g: f"gate ({sandboxes} sandboxes x c={conc}) "
                                         f"{g['gate']['rps']:8.0f} req/s   squid {g['squid']['rps']:8.0f} req/s")
         if args.json:
-            print(json.dumps({"label": label, "sandboxes": sandboxes, "conc": conc, "rounds": res, "ratios": ratios,
+            print(json.dumps({"label": label, "sandboxes": sandboxes, "conc": conc, "gate_workers": layout, "rounds": res,
+                              "ratios": ratios,
                               "median_ratio": statistics.median(ratios), "rounds_at_parity": met}, indent=2))
         else:
-            print(f"real path, {sandboxes} sandboxes x c={conc} through the daemon (default gate layout): gate/squid "
+            what = "default gate layout: a confined worker per agent" if layout == "agent" else f"--gate-workers {layout}"
+            print(f"real path, {sandboxes} sandboxes x c={conc} through the daemon ({what}): gate/squid "
                   f"median {statistics.median(ratios):.2f}x (min {min(ratios):.2f}x, max {max(ratios):.2f}x); {met} of "
                   f"{rounds} rounds >= 1.0x (target: >= 1.0x); {label}; load average {os.getloadavg()[0]:.1f} on "
                   f"{os.cpu_count()} CPUs")
@@ -1008,6 +1011,9 @@ def main() -> int:
     ap.add_argument("--state", help=argparse.SUPPRESS)
     ap.add_argument("--profile-out", help=argparse.SUPPRESS)
     ap.add_argument("--conc", type=int, help="--real-path: connections per load generator (default 10; 2 with --sandboxes)")
+    ap.add_argument("--gate-workers", help="--sandboxes: the daemon's gate layout (agentvm up --gate-workers; "
+                    "default: agent, a confined worker per agent; N: N shared workers, to measure what the "
+                    "per-agent processes cost)")
     ap.add_argument("--sandboxes", type=int, help="--real-path: spread the load over this many sandboxes of one agent, "
                     "through a daemon (its default gate layout), against as many load generators at Squid")
     ap.add_argument("--warmup", type=float, help=argparse.SUPPRESS)
