@@ -43,6 +43,20 @@ def nfds(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 
 
+def fd_kinds(pid: int) -> dict[str, int]:
+    """The process's descriptors by kind: socket, pipe, pidfd, seccomp notify, file (a path)."""
+    out: dict[str, int] = {}
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            t = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        kind = ("file" if t.startswith("/") else t.split(":", 1)[0] if not t.startswith("anon_inode:")
+                else t.split(":", 1)[1].strip("[]"))
+        out[kind] = out.get(kind, 0) + 1
+    return out
+
+
 def med(xs):
     return statistics.median(xs) if xs else float("nan")
 
@@ -147,7 +161,7 @@ spec:
         res["policy_next_request_ms_incl_exec"] = med(e2e)
         res["policy_next_request_note"] = "includes one `exec curl` (~exec_ms + curl); the change itself is policy_api_ms"
         # 3. memory per idle sandbox
-        base = rss_kb(pid)
+        base, base_fds = rss_kb(pid), fd_kinds(pid)
         for i in range(args.idle):
             c.create(spec.replace("name: bench", f"name: idle{i}"))
             c.action(f"idle{i}", "start")
@@ -155,6 +169,11 @@ spec:
         grown = rss_kb(pid) - base
         res["daemon_rss_base_mib"] = base / 1024
         res["daemon_rss_per_idle_sandbox_mib"] = grown / 1024 / args.idle
+        now_fds = fd_kinds(pid)
+        res["daemon_fds_per_idle_worker"] = (sum(now_fds.values()) - sum(base_fds.values())) / args.idle
+        res["daemon_fds_per_idle_worker_by_kind"] = {k: (now_fds.get(k, 0) - base_fds.get(k, 0)) / args.idle
+                                                     for k in sorted(set(now_fds) | set(base_fds))
+                                                     if now_fds.get(k, 0) != base_fds.get(k, 0)}
         for i in range(args.idle):
             c.rm(f"idle{i}")
         c.rm("bench")
@@ -238,6 +257,9 @@ spec:
     print(f"policy change -> next request   {res['policy_next_request_ms_incl_exec']:.2f} ms incl. an exec of curl")
     print(f"daemon RSS                      base {res['daemon_rss_base_mib']:.1f} MiB; "
           f"+{res['daemon_rss_per_idle_sandbox_mib']:.2f} MiB per idle sandbox ({args.idle} sandboxes; target <= 4 MiB)")
+    f = res["daemon_fds_per_idle_worker"]
+    print(f"daemon fds per idle worker      {f:.2f} (target <= 3: {'met' if f <= 3 else 'NOT met'}): "
+          + ", ".join(f"{k} {v:g}" for k, v in res["daemon_fds_per_idle_worker_by_kind"].items()))
     if "load" in res:
         L = res["load"]
         print(f"load: {L['workers']} workers x {L['seconds']:.0f} s: {L['requests']} requests, {L['errors']} errors, "
