@@ -133,6 +133,9 @@ fi
 # Byte-compile our sources: the CLI's start-up is part of every sandbox launch, and an
 # environment with PYTHONDONTWRITEBYTECODE=1 would otherwise recompile them on every run.
 "$VENV/bin/python" -m compileall -q -j 0 src/agentvm >/dev/null
+# And keep the code the dataclasses generate (agentvm.codecache): about 13 ms off every start.
+AGENTVM_NO_CODECACHE=1 "$VENV/bin/python" -c 'from agentvm import codecache; raise SystemExit(codecache.main(["build", "--quiet"]))' \
+  || echo "install: warning: agentvm.codecache could not be built; every start compiles the dataclasses' methods (slower)" >&2
 if [ "$(id -u)" = 0 ]; then
   ln -sf "$VENV/bin/agentvm" /usr/local/bin/agentvm
 fi

@@ -97,6 +97,18 @@ def _gate_hot_path() -> Primitive:
     return Primitive("gate-compiled", ok, line)
 
 
+def _start_code() -> Primitive:
+    """Whether the code ``dataclasses`` generates is kept between runs (``agentvm.codecache``):
+    the same classes either way; compiling them costs every start about 13 ms more."""
+    from agentvm import codecache
+
+    st = codecache.status()
+    if st["installed"]:
+        return Primitive("start-code-kept", True, f"{st['file']} ({st['modules']} modules)")
+    return Primitive("start-code-kept", False, f"{st['reason']} - starts work, slower; scripts/install.sh (or python -c "
+                     "'from agentvm import codecache; codecache.main([\"build\"])') keeps it")
+
+
 def _kvm() -> Primitive:
     if not os.path.exists("/dev/kvm"):
         return Primitive("kvm", False, "no /dev/kvm")
@@ -183,7 +195,7 @@ def run_doctor(smoke: bool = True, substrate: str = "bwrap") -> DoctorReport:
         required.append("smoke-test")
     ws = workspace_usage(rt.paths)
     gate, gate_mode = gate_containment(rt.paths)
-    extras = [_gate_stack(), _gate_hot_path(), gate, _favordynmods(), _kvm(), _workspace_backend(ws)] + (
+    extras = [_gate_stack(), _gate_hot_path(), _start_code(), gate, _favordynmods(), _kvm(), _workspace_backend(ws)] + (
         [_gvisor()] if substrate != "gvisor" else [])
     facts = dict(caps.facts, kernel=os.uname().release)
     return DoctorReport(prims, required, extras, facts, substrate, ws, gate_mode)
