@@ -55,6 +55,7 @@ def _digest(prev: str, seq: int, t: float, kind: str, actor: str, sandbox: str |
 
 @dataclass(frozen=True)
 class Record:
+    """One record of the audit chain, linked to the one before it by its hash."""
     seq: int
     time: float
     kind: str
@@ -71,6 +72,7 @@ class Record:
 
 @dataclass(frozen=True)
 class Verification:
+    """The result of checking the audit chain: whether it holds, and where it breaks if not."""
     ok: bool
     records: int
     problem: str = ""

@@ -22,6 +22,7 @@ CONFIG, POLICY, BACKEND, USAGE, FAILED, TEMPFAIL = 78, 77, 125, 2, 1, 75
 
 @dataclass(frozen=True)
 class Code:
+    """An error code: its dotted name, the API's HTTP status, the CLI's exit code, what it means."""
     code: str
     status: int  # the daemon API's HTTP status
     exit: int  # the CLI's exit code

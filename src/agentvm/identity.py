@@ -166,6 +166,7 @@ def _abandoned(owner_home: str, base: int) -> bool:
 
 @dataclass(frozen=True)
 class Identity:
+    """The host uid/gid a sandbox runs as, and the lease that keeps it its own."""
     uid: int
     gid: int
     leased: bool  # True for an anonymous-run lease, released at teardown

@@ -24,6 +24,7 @@ from agentvm.errors import EXIT_BACKEND, AgentVMError, BackendError
 
 @dataclass
 class RunResult:
+    """The outcome of one run, as the CLI reports it and the audit trail records it."""
     sandbox_id: str
     agent: str
     exit_code: int

@@ -14,6 +14,7 @@ from pathlib import Path
 
 @dataclass(frozen=True)
 class Paths:
+    """Where agent-vm keeps durable state (home) and per-boot state (runtime)."""
     home: Path  # durable state: db, workspaces, CA keys later
     runtime: Path  # per-boot state: sandbox run dirs, sockets
 

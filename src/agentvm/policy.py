@@ -51,6 +51,7 @@ def append_env(name: str, first: str, then: str) -> str:
 
 @dataclass(frozen=True)
 class MountGrant:
+    """A host folder granted to the sandbox: where it appears, and how it may be written."""
     host: str
     path: str
     writable: bool = False
@@ -62,6 +63,7 @@ class MountGrant:
 
 @dataclass(frozen=True)
 class Limits:
+    """The sandbox's resource limits (memory, CPUs, processes, disk, time...), in base units."""
     memory: int = D.MEMORY
     cpus: float = D.CPUS
     pids: int = D.PIDS
@@ -75,6 +77,7 @@ class Limits:
 
 @dataclass(frozen=True)
 class Policy:
+    """Everything a run is allowed, from the agent file and the command line: a launch plan's one input."""
     name: str  # the agent's name; for anonymous runs "run"
     command: tuple[str, ...] = ()
     agent: bool = False  # True: a declared agent with a durable, named workspace

@@ -87,6 +87,7 @@ MODE_SETTERS: tuple[tuple[str, int, int | None], ...] = (
 
 @dataclass(frozen=True)
 class SeccompOptions:
+    """The choices that shape the sandbox's seccomp filter."""
     allow_ptrace: bool = False
     # gVisor (this Debian build) answers statx(AT_NO_AUTOMOUNT) with EINVAL, which breaks
     # coreutils (`ls`, `stat`): ENOSYS instead makes glibc fall back to fstatat, which works

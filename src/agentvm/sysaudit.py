@@ -111,6 +111,7 @@ ARGV_MAX = 4096  # bytes of /proc/PID/cmdline kept
 
 @dataclass(frozen=True)
 class Verdict:
+    """What the filter does with one watched or denied system call, and under which rule."""
     syscall: str
     rule: str
     action: str  # "deny" | "watch"

@@ -59,6 +59,7 @@ BACKENDS = ("auto", "pool", "image")
 
 @dataclass
 class WorkspaceLease:
+    """A workspace held for one sandbox: what is mounted, and the lock that keeps it exclusive."""
     name: str
     host_dir: Path  # what is bind-mounted into the sandbox
     mounted: bool  # True when we loop-mounted it and must unmount at teardown

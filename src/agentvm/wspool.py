@@ -218,6 +218,7 @@ def _flock(path: Path, mode: int, *, wait: float = LOCK_WAIT, what: str = "") ->
 
 @dataclass
 class Entry:
+    """One workspace in the pool: its quota and use."""
     name: str
     limit: int  # the quota group's max referenced (0: none)
     used: int  # referenced bytes

@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field
 
 @dataclass(frozen=True)
 class Primitive:
+    """One isolation primitive a backend relies on, whether this host has it, and the evidence."""
     name: str
     ok: bool
     detail: str = ""
@@ -24,6 +25,7 @@ class Primitive:
 
 @dataclass(frozen=True)
 class Capabilities:
+    """What a backend found on this host: its primitives, and facts for the plan."""
     backend: str
     primitives: tuple[Primitive, ...]
     facts: dict = field(default_factory=dict, hash=False, compare=False)
@@ -65,6 +67,7 @@ class MountOp:
 
 @dataclass(frozen=True)
 class LandlockPlan:
+    """The Landlock rules init applies: which paths may be read or written, which ports used."""
     read_only: tuple[str, ...]
     read_write: tuple[str, ...]
     read_write_host: tuple[str, ...]  # granted host folders: read-write, but no FIFOs/sockets
@@ -176,6 +179,7 @@ class SandboxHandle:
 
 @dataclass
 class ExitStatus:
+    """How a sandbox ended: exit code or signal, and whether a limit ended it."""
     exit_code: int  # what `agentvm run` exits with
     signal: int | None = None
     timed_out: bool = False
@@ -189,6 +193,7 @@ class ExitStatus:
 
 @dataclass
 class TeardownReport:
+    """What teardown verified: processes, cgroups, mounts and files left behind (none, when verified)."""
     verified: bool
     processes_left: list[int] = field(default_factory=list)
     cgroups_left: list[str] = field(default_factory=list)

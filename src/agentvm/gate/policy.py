@@ -122,6 +122,7 @@ class Rule:
 
 @dataclass(frozen=True)
 class EgressLimits:
+    """Per-sandbox ceilings the gate enforces: connections, request rate and burst, bytes out."""
     connections: int = 64
     requests_per_second: float = 50.0
     burst: int = 100
@@ -130,6 +131,7 @@ class EgressLimits:
 
 @dataclass(frozen=True)
 class EgressPolicy:
+    """A sandbox's compiled egress rules (allow, deny), its static host map and limits."""
     allow: tuple[Rule, ...] = ()
     deny: tuple[Rule, ...] = ()
     hosts: tuple[tuple[str, str], ...] = ()  # operator static mapping (normalized name, ip), sorted
@@ -219,6 +221,7 @@ _make_meta = RequestMeta.make
 @quick_init
 @dataclass(frozen=True)
 class Decision:
+    """The gate's verdict on one request or connection, with the rule that made it and why."""
     # "allow" | "deny" | "ask" (request phase: an allow rule with action ask matched; the
     # request waits for a human - anything that does not handle "ask" treats it as not allowed)
     verdict: str

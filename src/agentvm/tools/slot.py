@@ -14,6 +14,7 @@ from pathlib import Path
 
 @dataclass(frozen=True)
 class EndpointExtras:
+    """What a gate endpoint needs besides its egress policy: tools, approvals, budget."""
     tools: object  # agentvm.tools.policy.ToolPolicy | None
     approval_timeout: float
     policy_digest: str
