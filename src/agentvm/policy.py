@@ -14,7 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import asdict, dataclass, field, fields, is_dataclass, replace
-from typing import TYPE_CHECKING
+TYPE_CHECKING = False  # (typing.TYPE_CHECKING without importing typing: ~2 ms of every start)
 
 from agentvm import defaults as D
 from agentvm.egress_defaults import check_credential_hosts as _check_credential_hosts

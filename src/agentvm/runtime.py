@@ -14,7 +14,7 @@ import sys
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+TYPE_CHECKING = False  # (typing.TYPE_CHECKING without importing typing: ~2 ms of every start)
 
 from agentvm import defaults as D
 from agentvm import identity

@@ -41,7 +41,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from collections.abc import Callable
 
 from agentvm.errors import BackendError, ConfigError, LaunchError, PolicyDenied
 

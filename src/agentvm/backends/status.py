@@ -17,7 +17,7 @@ import json
 import os
 import select
 import time
-from typing import Callable
+from collections.abc import Callable
 
 
 class JsonStatusParser:
