@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
+import operator
 import os
+import re
 import signal as _signal
 import time
 from typing import TYPE_CHECKING
@@ -504,6 +507,94 @@ def _compact(entries: list[Entry]) -> tuple[dict[str, int], int]:
     return snap, cost
 
 
+# -- request decoding (review 8, finding 1) ----------------------------------------------------
+# Every Connect request message - unary or enveloped (streaming), POST body or GET ``?message=``,
+# after decompression - is decoded by one of these codecs, so nothing a tenant sends reaches
+# protobuf's native parsers unbounded: JSON nested deeper than MAX_JSON_DEPTH is refused before
+# the native JSON parser (which recurses and dies of SIGSEGV at ~20,000 levels, taking the daemon
+# with it) sees it; the native binary parser stops at its own depth (100); and whatever either
+# raises is a typed ``invalid_argument``, never an ``unknown``/500.
+
+MAX_JSON_DEPTH = 64  # envd's messages nest a few levels; unknown fields are skipped, not kept
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.S)
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+_BRACKET_STEPS = bytes.maketrans(b"[]{}", b"\x02\x00\x02\x00")  # an opening bracket 2, a closing one 0
+
+
+def json_depth(data: bytes | bytearray) -> int:
+    """How deep the arrays and objects of ``data`` (JSON text) nest, string literals skipped.
+    Text that is not JSON may get any answer; the parser refuses it afterwards. Linear, in C:
+    the strings are cut out by a regex, the brackets kept by ``translate``, and the running
+    depth (+1 per opening, -1 per closing bracket) summed by ``accumulate``."""
+    steps = _JSON_STRING.sub(b"", bytes(data)).translate(_BRACKET_STEPS, _NOT_BRACKETS)
+    if not steps:
+        return 0
+    if b"\x02" * (MAX_JSON_DEPTH + 1) in steps:  # the plain deep body: answered without the sum
+        return MAX_JSON_DEPTH + 1
+    return max(map(operator.sub, itertools.accumulate(steps), itertools.count(1)))
+
+
+def _bad_message(exc: BaseException) -> ConnectError:
+    return ConnectError(Code.INVALID_ARGUMENT, f"the request message could not be decoded: {type(exc).__name__}: "
+                                               f"{str(exc)[:200]}")
+
+
+class BoundedJSONCodec:
+    """connectrpc's JSON codec behind a nesting bound (MAX_JSON_DEPTH)."""
+
+    def __init__(self):
+        from connectrpc.codec import proto_json_codec
+
+        self._inner = proto_json_codec()
+
+    def name(self) -> str:
+        return self._inner.name()
+
+    def encode(self, message) -> bytes:
+        return self._inner.encode(message)
+
+    def decode(self, data, message_class):
+        depth = json_depth(data)
+        if depth > MAX_JSON_DEPTH:
+            raise ConnectError(Code.INVALID_ARGUMENT,
+                               f"the request's JSON nests {'more than ' if depth == MAX_JSON_DEPTH + 1 else ''}"
+                               f"{depth} levels deep; agent-vm's envd accepts at most {MAX_JSON_DEPTH} "
+                               "(send the message as the E2B SDKs build it)")
+        try:
+            return self._inner.decode(data, message_class)
+        except ConnectError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - whatever the parser says of a tenant's bytes
+            raise _bad_message(exc) from None
+
+
+class BoundedProtoCodec:
+    """connectrpc's binary codec; the native parser's own errors (its depth limit too) typed."""
+
+    def __init__(self):
+        from connectrpc.codec import proto_binary_codec
+
+        self._inner = proto_binary_codec()
+
+    def name(self) -> str:
+        return self._inner.name()
+
+    def encode(self, message) -> bytes:
+        return self._inner.encode(message)
+
+    def decode(self, data, message_class):
+        try:
+            return self._inner.decode(data, message_class)
+        except ConnectError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - whatever the parser says of a tenant's bytes
+            raise _bad_message(exc) from None
+
+
+def codecs() -> list:
+    return [BoundedProtoCodec(), BoundedJSONCodec()]
+
+
 def connect_apps(svc: "E2BService") -> dict:
-    return {"/process.Process/": pc.ProcessASGIApplication(ProcessService(svc)),
-            "/filesystem.Filesystem/": fsc.FilesystemASGIApplication(FilesystemService(svc))}
+    return {"/process.Process/": pc.ProcessASGIApplication(ProcessService(svc), codecs=codecs()),
+            "/filesystem.Filesystem/": fsc.FilesystemASGIApplication(FilesystemService(svc), codecs=codecs())}
