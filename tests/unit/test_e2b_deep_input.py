@@ -148,3 +148,31 @@ def test_binary_messages_bounded_and_typed():
         codec.decode(deep, fpb.StatRequest)
     assert ei.value.code.value == "invalid_argument"
     assert codec.decode(fpb.StatRequest(path="/x").to_binary(), fpb.StatRequest).path == "/x"
+
+
+def test_rest_deep_json_is_a_typed_400(tmp_path):
+    """Finding 4: every REST route with a body answers deep JSON with 400 e2b.bad-request."""
+    from starlette.testclient import TestClient
+
+    from agentvm.e2b import app as e2bapp
+
+    class Fake:
+        async def create(self, name, spec_text, ttl):
+            pass
+
+        async def kill(self, name):
+            pass
+
+        async def resume(self, name):
+            pass
+
+    c = TestClient(e2bapp.make_app(Fake(), {"key-a": "a"}, home=tmp_path), raise_server_exceptions=False)
+    h = {"X-API-Key": "key-a", "Content-Type": "application/json"}
+    sid = c.post("/sandboxes", json={}, headers=h).json()["sandboxID"]
+    deep = b"[" * 100000 + b"]" * 100000
+    for path in ("/sandboxes", "/v2/sandboxes", f"/sandboxes/{sid}/timeout", f"/sandboxes/{sid}/refreshes",
+                 f"/sandboxes/{sid}/connect", f"/v2/sandboxes/{sid}/connect", f"/sandboxes/{sid}/resume"):
+        r = c.post(path, content=deep, headers=h)
+        assert r.status_code == 400, (path, r.status_code, r.text[:300])
+        assert "e2b.bad-request" in r.json()["message"] and "nest" in r.json()["message"], r.text
+    assert c.get(f"/sandboxes/{sid}", headers=h).status_code == 200

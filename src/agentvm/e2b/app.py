@@ -392,9 +392,14 @@ def _rest_routes(svc: E2BService):
             if len(buf) > MAX_JSON_BODY:  # a chunked body (or a short Content-Length) stops here
                 raise too_big
         raw = bytes(buf)
+        from agentvm.e2b.envd import MAX_JSON_DEPTH, json_depth
+
+        if json_depth(raw) > MAX_JSON_DEPTH:  # review 8 finding 4: refused before the parser recurses
+            raise AgentVMError(f"the body's JSON nests deeper than {MAX_JSON_DEPTH} levels",
+                               hint="send the body as the E2B SDKs build it", code="e2b.bad-request")
         try:
             doc = json.loads(raw or b"{}")
-        except ValueError:
+        except (ValueError, RecursionError):
             raise AgentVMError("the body is not JSON", code="e2b.bad-request") from None
         if not isinstance(doc, dict):
             raise AgentVMError("the body must be a JSON object", code="e2b.bad-request")
