@@ -196,11 +196,69 @@ def ls(home: Path | None = None) -> list[Template]:
     return out
 
 
-def _host_allowed(host: str, allow_rules: list[dict]) -> list[dict]:
+def _pattern(raw: str) -> str | None:
+    """A host pattern (name, ``*.suffix`` or IP literal) as the gate normalizes it, or None."""
+    from agentvm.gate.policy import normalize_pattern
+
+    try:
+        return normalize_pattern(raw.strip().rstrip("."))
+    except (ValueError, AttributeError):
+        return None
+
+
+def _covers(outer: str, inner: str) -> bool:
+    """Whether every host ``inner`` (a normalized pattern) matches is matched by ``outer``."""
     from agentvm.gate.policy import host_matches
 
-    h = host.strip().lower().rstrip(".")
-    return [r for r in allow_rules if r.get("host") and (host_matches(r["host"].lower(), h) or r["host"].lower() == h)]
+    return outer == inner or host_matches(outer, inner)
+
+
+def _intersection(a: str, b: str) -> str | None:
+    """The hosts both normalized patterns match, as one pattern, or None. Two patterns are
+    either nested (a name under a ``*.suffix``, one suffix under the other, equal) or share no
+    host, so the intersection is always one of them."""
+    if _covers(a, b):
+        return b
+    if _covers(b, a):
+        return a
+    return None
+
+
+def _host_allowed(host: str, allow_rules: list[dict]) -> list[dict]:
+    h = _pattern(host)
+    return [r for r in allow_rules if h is not None and r.get("host") and (p := _pattern(r["host"])) and _covers(p, h)]
+
+
+def narrow_allow(allow_rules: list[dict], hosts: list[str]) -> list[dict]:
+    """The template's allow rules narrowed to ``hosts`` (allowOut), in the TEMPLATE's order:
+    each rule, in turn, once per host its pattern shares with an allowOut entry, with that
+    intersection as its host and everything else (ports, methods, paths, maxBody, ``action:
+    ask``) kept. The gate takes the first matching allow rule, so for any request this answers
+    exactly what the template answers or, for a host outside ``hosts``, the default deny:
+    never an allow where the template asks, whatever the order of ``hosts`` or its wildcards
+    (review 8, finding 2: the rules were emitted in the caller's order, and a wildcard allowOut
+    moved a plain allow in front of the template's ``ask`` rule)."""
+    wanted = sorted({p for p in (_pattern(h) for h in hosts) if p is not None})
+    kept = []
+    for r in allow_rules:
+        rp = _pattern(r.get("host") or "")
+        if rp is None:
+            continue
+        for h in wanted:
+            both = _intersection(rp, h)
+            if both is not None:
+                rr = dict(r)
+                rr["host"] = both
+                rr.pop("id", None)
+                kept.append(rr)
+    # one rule per (template rule, pattern): a pattern already kept for the same rule adds nothing
+    out, seen = [], set()
+    for rr in kept:
+        key = json.dumps(rr, sort_keys=True, default=str)
+        if key not in seen:
+            seen.add(key)
+            out.append(rr)
+    return out
 
 
 def check_envs(envs, spec: dict, template: str) -> None:
@@ -272,14 +330,7 @@ def sandbox_spec(tpl: Template, sandbox_name: str, opts: CreateOptions) -> str:
                 code="e2b.network-refused")
     deny_all = opts.allow_internet_access is False or any(d in ALL_TRAFFIC for d in opts.deny_out)
     if hosts or deny_all:
-        kept = []
-        for h in hosts:
-            for r in _host_allowed(h, allow):
-                rr = dict(r)
-                rr["host"] = h.strip().lower().rstrip(".")
-                rr.pop("id", None)
-                kept.append(rr)
-        egress["allow"] = kept
+        egress["allow"] = narrow_allow(allow, hosts)
     deny = list(egress.get("deny") or [])
     for d in opts.deny_out:
         if d in ALL_TRAFFIC:
