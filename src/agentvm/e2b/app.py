@@ -50,6 +50,15 @@ MULTIPART_SLACK = 1 << 20  # multipart boundaries and headers around the files
 # files read or uploaded at once by one tenant (each read holds up to backend.MAX_READ bytes)
 MAX_TRANSFERS_PER_TENANT = 4
 
+# A create's options, bounded before any work is done on them (review 8, finding 3: 20,000
+# allowOut hosts held the daemon's loop 2.5 s compiling a spec that was then refused):
+MAX_NETWORK_ENTRIES = 64  # network.allowOut and network.denyOut, each
+MAX_HOST_CHARS = 255  # one allowOut/denyOut entry (a DNS name is at most 253, "*." more)
+MAX_METADATA_ENTRIES = 64
+MAX_METADATA_KEY = 256  # characters
+MAX_METADATA_VALUE = 4096  # characters
+MAX_ENV_VARS = 256
+
 
 class _TooLarge(Exception):
     pass
@@ -185,15 +194,15 @@ class E2BService:
                                   allow_out=req["allow_out"], deny_out=req["deny_out"], envs=envs)
         sid = "i" + secrets.token_hex(10)
         name = f"e2b-{sid}"
-        spec_text = tpls.sandbox_spec(tpl, name, opts)  # refusals raise here, before anything exists
-        mine = sum(1 for b in self.boxes.values() if b.tenant == tenant)
-        if mine >= self.max_per_tenant:
-            raise _TooMany(f"tenant has {mine} sandboxes (the limit is {self.max_per_tenant})", retry=False)
-        if self.creating >= self.max_concurrent_creates:
-            raise _TooMany(f"{self.creating} creates in progress (the limit is {self.max_concurrent_creates})",
-                           retry=True)
+        # the quotas first (review 8, finding 3): a tenant past them costs no spec compilation
+        self._check_quota(tenant)
         self.creating += 1
         try:
+            # refusals raise here, before anything exists; compiled off the daemon's loop
+            spec_text = await asyncio.to_thread(tpls.sandbox_spec, tpl, name, opts)
+            mine = sum(1 for b in self.boxes.values() if b.tenant == tenant)
+            if mine >= self.max_per_tenant:  # the tenant's other creates that finished meanwhile
+                raise _TooMany(f"tenant has {mine} sandboxes (the limit is {self.max_per_tenant})", retry=False)
             now = time.time()
             from agentvm.e2b.ports import allowed_ports
 
@@ -209,8 +218,17 @@ class E2BService:
                 raise
         finally:
             self.creating -= 1
-        self.record("e2b.create", tenant=tenant, sandbox=name, template=template, timeout=timeout)
+        net = {k: req[k] for k in ("allow_out", "deny_out") if req[k]}  # what narrowed it (bounded above)
+        self.record("e2b.create", tenant=tenant, sandbox=name, template=template, timeout=timeout, **net)
         return box
+
+    def _check_quota(self, tenant: str) -> None:
+        mine = sum(1 for b in self.boxes.values() if b.tenant == tenant)
+        if mine >= self.max_per_tenant:
+            raise _TooMany(f"tenant has {mine} sandboxes (the limit is {self.max_per_tenant})", retry=False)
+        if self.creating >= self.max_concurrent_creates:
+            raise _TooMany(f"{self.creating} creates in progress (the limit is {self.max_concurrent_creates})",
+                           retry=True)
 
     async def kill(self, box: Box, why: str = "kill") -> None:
         self.boxes.pop(box.id, None)
@@ -284,12 +302,14 @@ def _create_request(body: dict) -> dict:
     def bad(msg: str) -> AgentVMError:
         return AgentVMError(msg, code="e2b.bad-request")
 
-    def str_map(field: str) -> dict[str, str]:
+    def str_map(field: str, most: int) -> dict[str, str]:
         v = body.get(field)
         if v is None:
             return {}
         if not isinstance(v, dict) or not all(isinstance(k, str) and isinstance(x, str) for k, x in v.items()):
             raise bad(f"{field} must be an object mapping strings to strings")
+        if len(v) > most:
+            raise bad(f"{field} has {len(v)} entries; agent-vm takes at most {most}")
         return dict(v)
 
     def str_list(doc: dict, field: str) -> list[str]:
@@ -298,7 +318,25 @@ def _create_request(body: dict) -> dict:
             return []
         if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
             raise bad(f"network.{field} must be a list of strings")
+        if len(v) > MAX_NETWORK_ENTRIES:
+            raise bad(f"network.{field} has {len(v)} entries; agent-vm takes at most {MAX_NETWORK_ENTRIES} (name a "
+                      "'*.suffix' the template allows instead of many hosts under it)")
+        for x in v:
+            if len(x) > MAX_HOST_CHARS:
+                raise bad(f"network.{field} entry {x[:40]!r}... is {len(x)} characters; a host is at most "
+                          f"{MAX_HOST_CHARS}")
         return list(v)
+
+    def env_map() -> dict[str, str]:
+        return str_map("envVars", MAX_ENV_VARS)
+
+    def metadata_map() -> dict[str, str]:
+        md = str_map("metadata", MAX_METADATA_ENTRIES)
+        for k, x in md.items():
+            if len(k) > MAX_METADATA_KEY or len(x) > MAX_METADATA_VALUE:
+                raise bad(f"metadata {k[:40]!r}: keys are at most {MAX_METADATA_KEY} characters and values at "
+                          f"most {MAX_METADATA_VALUE}")
+        return md
 
     template = body.get("templateID")
     if template is None or template == "":
@@ -320,7 +358,7 @@ def _create_request(body: dict) -> dict:
         if body.get(unsupported):
             raise AgentVMError(f"{unsupported} is not supported by agent-vm's E2B API",
                                hint="see docs/e2b.md (not compatible)", code="e2b.bad-request")
-    return {"template": template, "timeout": timeout, "metadata": str_map("metadata"), "envs": str_map("envVars"),
+    return {"template": template, "timeout": timeout, "metadata": metadata_map(), "envs": env_map(),
             "allow_internet_access": body.get("allow_internet_access"), "auto_pause": body.get("autoPause") is True,
             "allow_out": str_list(net, "allowOut"), "deny_out": str_list(net, "denyOut")}
 
