@@ -101,6 +101,39 @@ def test_metadata_and_env_counts_are_capped(tmp_path):
     assert _create(c, ok).status_code == 201
 
 
+def _execs(env_string: bytes) -> bool:
+    """Whether the kernel execs /bin/true with ``env_string`` (NAME=value) as its environment."""
+    name, _, value = env_string.partition(b"=")
+    try:
+        subprocess.run(["/bin/true"], env={name: value}, check=True, timeout=30)
+        return True
+    except OSError as exc:
+        assert exc.errno == 7, exc  # E2BIG
+        return False
+
+
+def test_env_strings_the_kernel_cannot_exec_are_refused(tmp_path):
+    c, backend, _ = _client(tmp_path)
+    most = e2bapp.MAX_ENV_STRING - 1  # bytes of NAME=value (its NUL makes MAX_ENV_STRING)
+    largest = {"X": "y" * (most - 2)}
+    # the limit is the kernel's: the largest string accepted execs, one byte more does not
+    assert _execs(b"X=" + b"y" * (most - 2))
+    assert not _execs(b"X=" + b"y" * (most - 1))
+    assert _create(c, {"envVars": largest}).status_code == 201
+    r = _create(c, {"envVars": {"X": "y" * (most - 1)}})
+    _refused(r, "128 KiB", str(most))
+    _refused(_create(c, {"envVars": {"X": "y" * 900000}}), "128 KiB")  # the review's value
+    # multi-byte characters count as their UTF-8 bytes
+    _refused(_create(c, {"envVars": {"X": "\u00e9" * (most // 2)}}), "128 KiB")
+    # the whole environment: under 1 MiB (each string within its own limit); the body itself
+    # is at most 1 MiB, so the total is checked directly
+    big = {f"V{i}": "z" * 100000 for i in range(11)}
+    with pytest.raises(Exception) as ei:
+        e2bapp._create_request({"envVars": big})
+    assert "1 MiB" in str(ei.value) and getattr(ei.value, "code", "") == "e2b.bad-request"
+    assert len(backend.created) == 1
+
+
 def test_quota_is_counted_before_the_spec_is_compiled_and_compiling_is_off_the_loop(tmp_path, monkeypatch):
     c, backend, _ = _client(tmp_path, max_per_tenant=2)
     threads = []

@@ -58,6 +58,12 @@ MAX_METADATA_ENTRIES = 64
 MAX_METADATA_KEY = 256  # characters
 MAX_METADATA_VALUE = 4096  # characters
 MAX_ENV_VARS = 256
+# what execve takes (review 8, finding 6: a larger envVars string made the sandbox's start fail
+# with E2BIG for ever): one "NAME=value" string at most MAX_ARG_STRLEN (32 pages = 128 KiB) with
+# its NUL; all of them well under ARG_MAX (a quarter of the 8 MiB stack), which the template's own
+# environment, the gate's variables and the command's arguments share
+MAX_ENV_STRING = 128 * 1024  # bytes of NAME=value plus its NUL
+MAX_ENV_TOTAL = 1024 * 1024  # bytes of every NAME=value plus NULs
 
 
 class _TooLarge(Exception):
@@ -328,7 +334,19 @@ def _create_request(body: dict) -> dict:
         return list(v)
 
     def env_map() -> dict[str, str]:
-        return str_map("envVars", MAX_ENV_VARS)
+        envs = str_map("envVars", MAX_ENV_VARS)
+        total = 0
+        for k, x in envs.items():
+            n = len(k.encode("utf-8", "surrogatepass")) + 1 + len(x.encode("utf-8", "surrogatepass")) + 1
+            if n > MAX_ENV_STRING:
+                raise bad(f"envVars {k[:40]!r}: NAME=value is {n - 1} bytes; the kernel execs at most "
+                          f"{MAX_ENV_STRING - 1} bytes (128 KiB with its NUL) per variable (put large values in "
+                          "a file: files.write, then read it from the sandbox)")
+            total += n
+        if total > MAX_ENV_TOTAL:
+            raise bad(f"envVars take {total} bytes; agent-vm passes at most {MAX_ENV_TOTAL} bytes (1 MiB) of "
+                      "variables to a sandbox (put large values in files instead)")
+        return envs
 
     def metadata_map() -> dict[str, str]:
         md = str_map("metadata", MAX_METADATA_ENTRIES)
