@@ -259,14 +259,52 @@ def test_encoded_forms_split_across_chunks_are_still_found(carrier, cuts, before
     assert out == whole.feed(data) + whole.finish()
 
 
-def test_the_scrubber_holds_back_only_a_possible_match_so_streams_keep_streaming():
+def test_the_scrubber_releases_a_stream_event_at_once_and_still_joins_a_split_value():
     s = Scrubber([(ECHO_REAL, ECHO_PH)])
     event = b"data: {\"delta\": \"hello\"}\n\n"
-    assert s.feed(event) == event  # nothing that could start a secret: released at once
+    assert s.feed(event) == event  # a piece that ends its line goes out at once
     part = b"data: " + ECHO_REAL[:10]
-    held = s.feed(part)  # could be the start of the value: held (with the 3 characters before it)
-    assert b"data: ".startswith(held) and len(held) >= len(b"data: ") - Scrubber.CONTEXT
+    held = s.feed(part)  # the end of an unfinished line waits for the next piece (whatever it is)
     assert held + s.feed(ECHO_REAL[10:] + b"\n\n") == b"data: " + ECHO_PH + b"\n\n"
+
+
+def _spellings(text: bytes) -> dict[str, bytes]:
+    return {"raw": text, "json": b"".join(b"\\u%04x" % c for c in text), "pct": b"".join(b"%%%02X" % c for c in text),
+            "html": b"".join(b"&#x%x;" % c for c in text), "css": b"".join(b"\\%x " % c for c in text),
+            "hex": text.hex().encode()}
+
+
+@pytest.mark.parametrize("before", [b"", b"BEGIN:", b"line one\nBEGIN:", b"x" * 300])
+def test_what_the_scrubber_holds_back_never_tells_whether_a_text_starts_a_value(before):
+    """Review 8 (HIGH): the scrubber held back the longest tail that could still become a value,
+    so how much of a reflected text arrived before the upstream paused told the sandbox whether
+    its guess of a value's start was right - a character at a time, ~64 guesses each, on any
+    allowed host. What waits must be the same for the start of a value and for any other text
+    of its length, in every spelling the scrubber reads (fails on the previous hold: it released
+    fewer bytes for the true prefix)."""
+    from agentvm.gate.credentials import ScrubTable
+
+    real = ECHO_REAL
+    # another value of the same length and make-up: the sandbox's text is a prefix of one of them
+    fake = bytes(c + 1 if chr(c).isalnum() and chr(c + 1).isalnum() else c for c in real)
+    assert fake != real and len(fake) == len(real)
+    mine, theirs = ScrubTable([(real, ECHO_PH)]), ScrubTable([(fake, ECHO_PH)])
+    for k in range(1, len(real)):
+        for name, spell in _spellings(real[:k]).items():
+            a, b = Scrubber(mine), Scrubber(theirs)
+            out_a, out_b = a.feed(before + spell), b.feed(before + spell)
+            assert len(out_a) == len(out_b), (name, k, out_a[-40:], out_b[-40:])
+            # the rest arrives with the next piece, scrubbed (the value whole: replaced)
+            assert real not in out_a + a.feed(real[k:]) + a.finish()
+
+
+def test_a_clean_line_break_ends_the_hold_but_an_escape_across_it_does_not():
+    s = Scrubber([(ECHO_REAL, ECHO_PH)])
+    # quoted-printable's soft line break goes on across the line: the value spelled across it is
+    # still replaced when the rest comes
+    qp = b"".join(b"=%02X" % c for c in ECHO_REAL)
+    out = s.feed(b"text " + qp[:12] + b"=\r\n") + s.feed(qp[12:] + b" end\n") + s.finish()
+    assert ECHO_REAL not in out and qp not in out
 
 
 def test_raw_only_scrubber_misses_encoded_forms():

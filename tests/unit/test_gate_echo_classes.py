@@ -348,17 +348,45 @@ def test_lenient_passes_undeclared_compression_on_but_never_an_echo_it_can_read(
     _assert_no_value(headers, body, sc)
 
 
-def test_a_clean_stream_is_passed_on_event_by_event_and_intact():
-    """Nothing that could be a value's start: each event goes out as it comes (no latency)."""
+def test_a_clean_stream_goes_out_intact_each_event_at_the_latest_with_the_next():
+    """What a stream holds back is a function of its text alone (review 8): an event whose field
+    ends in a word waits for the next event - one event's latency - and nothing is cut."""
     scrub = ResponseScrub(Scrubber([(REAL, PH)]), swapped=True, strict=True)
     scrub.head([(b"content-type", b"text/event-stream")], [], b"OK")
-    events = [b"data: " + json.dumps({"choices": [{"delta": {"content": w}}]}).encode() + b"\n\n"
-              for w in ("Hello", " there", ", how", " can I", " help?")]
-    for ev in events:
-        assert b"".join(scrub.body(ev)) == ev
-    assert b"".join(scrub.finish()) == b""
+    events = [b"data: " + json.dumps({"id": "chatcmpl-9x2", "object": "chat.completion.chunk", "model": "gpt-4o-mini",
+                                      "choices": [{"delta": ({"role": "assistant"} if i == 0 else {}) | {"content": w}}]}
+                                     ).encode() + b"\n\n"
+              for i, w in enumerate(("Hello", " there", ", how", " can I", " help?"))] + [b"data: [DONE]\n\n"]
+    out = b""
+    for i, ev in enumerate(events):
+        out += b"".join(scrub.body(ev))
+        assert out.startswith(b"".join(events[:i])), i  # every event before this one is out
+    out += b"".join(scrub.finish())
+    assert out == b"".join(events)
 
 
+def _spell_events(text: bytes, step: int) -> list[bytes]:
+    return [b"data: " + json.dumps({"choices": [{"delta": {"content": text[i:i + step].decode()}}]}).encode() + b"\n\n"
+            for i in range(0, len(text), step)]
+
+
+@pytest.mark.parametrize("step", [1, 3, 5])
+def test_what_a_stream_holds_back_never_tells_whether_its_text_starts_a_value(step):
+    """Review 8 (HIGH, the stream variant): events were held while their text could still
+    become a value, so when a reflected guess arrived told the sandbox whether it was a value's
+    start. The same text must be released the same way whatever the values are (fails on the
+    previous guard: the true prefix was held, the other text released)."""
+    from agentvm.gate.credentials import ScrubTable, StreamGuard
+
+    real = REAL
+    fake = bytes(c + 1 if chr(c).isalnum() and chr(c + 1).isalnum() else c for c in real)
+    assert fake != real and len(fake) == len(real)
+    for k in range(4, len(real)):
+        released = []
+        for value in (real, fake):
+            g = StreamGuard(ScrubTable([(value, PH)]))
+            released.append([len(g.feed(ev)) for ev in _spell_events(b"Here: " + real[:k], step)])
+        assert released[0] == released[1], (k, released)
 @pytest.mark.parametrize("magic", [gzip.compress(b"x" * 100), zlib.compress(b"y" * 100),
                                    zstandard.ZstdCompressor().compress(b"z" * 100), brotli.compress(b'{"a": "' + REAL + b'"}'),
                                    zlib.compress(b'{"a": "' + REAL + b'"}')[2:-4]])

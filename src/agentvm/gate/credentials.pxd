@@ -16,7 +16,7 @@ cdef class BodyScanner:
 cdef class ScrubTable:
     cdef dict __dict__  # anything else set on an instance (Python's semantics)
     cdef object __weakref__  # weak references, as to any Python object with a __dict__
-    cdef public object encoded, table, regex, by_start, first_ints, maxlen, split_regex, split_starts, split_by_start, split_shorts, split_line
+    cdef public object encoded, table, regex, maxlen, hold_raw, hold_esc, newline_free, split_regex, stream_window, split_ws
 
 cdef class Scrubber:
     cdef dict __dict__  # anything else set on an instance (Python's semantics)

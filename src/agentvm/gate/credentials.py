@@ -657,6 +657,14 @@ _FAMILIES = (
 _PARTIAL = re.compile(rb"(?:&(?:amp;)*(?:#[xX]?[0-9a-fA-F]{0,7}|[A-Za-z][A-Za-z0-9]{0,31})?|\\(?:x[0-9a-fA-F]?|u\{?[0-9a-fA-F]{0,5}|"
                       rb"[0-9a-fA-F]{1,5})?|%(?:25)*[0-9a-fA-F]?|=(?:\r|[0-9A-Fa-f])?)\Z")
 _TOKEN_MAX = 12  # bytes one escaped character takes at most where it is held back at a chunk edge
+# white space, and the last white space of a text (StreamGuard's streams: ScrubTable.stream_keep)
+_WS = re.compile(rb"\s")
+_LAST_WS = re.compile(rb"\s(?=\S*\Z)")
+# a byte that starts an escape of some family (ScrubTable.held: a value may be spelled in escapes)
+_ESC_TRIGGER = re.compile(rb"[&\\%=]")
+# the end of a line that an escape goes on across: qp's soft break, a CSS hex escape's white
+# space, a backslash before the line break
+_ESC_BEFORE_NL = re.compile(rb"(?:=|\\|\\[0-9a-fA-F]{1,6})\r?\Z")
 
 
 class _View:
@@ -735,55 +743,56 @@ class ScrubTable:
                 self.table.setdefault(real, (_Form(real), _Form(ph)))
         forms = sorted(self.table, key=len, reverse=True)
         self.regex = re.compile(b"|".join(re.escape(f) for f in forms)) if forms else None
-        # forms by their first two bytes: what a tail of the stream could still become
-        self.by_start: dict[bytes, list[bytes]] = {}
-        for f in forms:
-            self.by_start.setdefault(f[:2], []).append(f)
-        self.first_ints = frozenset(f[0] for f in forms if f)  # the bytes a form starts with (as buf[i] gives them)
         self.maxlen = max((len(f) for f in forms), default=1)
-        # the first bytes of every form, at least StreamGuard.MIN_HOLD of them: where a stream's
-        # text may start to become one (one search, not a look at every position)
+        # what the end of a piece of a response waits for, whatever it is (Scrubber.feed): the
+        # longest form less a byte and the base64 group before it, or that form spelled in
+        # escapes; less only where a line break ends the piece's text (no form holds one)
+        self.hold_raw = self.maxlen - 1 + Scrubber.CONTEXT
+        self.hold_esc = self.maxlen * _TOKEN_MAX + _TOKEN_MAX
+        self.newline_free = all(b"\n" not in f for f in forms)
         # what a value split across stream events is looked for as (StreamGuard): every form of
         # 8 bytes or more (shorter ones would match by chance in running text)
         split = [f for f in forms if len(f) >= 8]
         self.split_regex = re.compile(b"|".join(re.escape(f) for f in split)) if split else re.compile(b"(?!)")
-        self.split_starts = re.compile(b"|".join(re.escape(f) for f in sorted({f[:4] for f in split}))) if split \
-            else re.compile(b"(?!)")
-        self.split_by_start: dict[bytes, list[bytes]] = {}
-        for f in split:
-            self.split_by_start.setdefault(f[:4], []).append(f)
-        # the first 1-3 bytes of a value as text (raw, JSON-escaped): a piece that short is
-        # remembered, so "s" "k-" "REAL..." still joins up (an encoded form split into pieces
-        # that short is not looked for: its first piece of 4 bytes or more is)
-        self.split_shorts = frozenset(j[:n] for real, _ in pairs for j in [real] + _json_forms(real)
-                                      for n in (1, 2, 3) if len(j) > n) if encoded else frozenset()
-        # a line that holds neither a form's first 4 bytes nor a string ending like a value's
-        # first 1-3 bytes holds no piece of one (StreamGuard skips it in this one search)
-        alts = [re.escape(f) for f in sorted({f[:4] for f in split})]
-        alts += [re.escape(x) + rb'(?="(?!\s*:)|\r?$)' for x in sorted(self.split_shorts, key=len, reverse=True)]
-        self.split_line = re.compile(b"|".join(alts), re.MULTILINE) if alts else re.compile(b"(?!)")
+        # what a stream remembers of a field's text (StreamGuard): its trailing run of bytes that
+        # are not white space, at most the longest split form less a byte - the same for any
+        # text, never "what could still become a value" (an oracle, review 8); where a form
+        # holds white space, simply its last bytes
+        self.stream_window = max((len(f) for f in split), default=1) - 1
+        self.split_ws = any(_WS.search(f) is not None for f in split)
 
-    def could_start_split(self, tail: bytes) -> bool:
-        """Is ``tail`` (4 bytes or more) a proper prefix of a form a split value is looked for as?"""
-        return any(len(f) > len(tail) and f.startswith(tail) for f in self.split_by_start.get(tail[:4], ()))
+    def stream_keep(self, text: bytes) -> int:
+        """Where the part of a stream's ``text`` that a later piece could complete a form with
+        starts (StreamGuard): a function of the text alone."""
+        lo = max(0, len(text) - self.stream_window)
+        if self.split_ws:
+            return lo
+        m = _LAST_WS.search(text, lo)
+        return m.end() if m is not None else lo
 
-    def tail_start(self, buf: bytes, lo: int, end: int) -> int:
-        """The first offset in ``buf[lo:end]`` from which the rest (to ``end``) is a proper prefix
-        of a form; -1 when there is none."""
-        first, pairs = self.first_ints, self.by_start
-        for i in range(max(lo, end - self.maxlen + 1), end - 1):
-            # (a byte and then two looked up here: most offsets go no further)
-            if buf[i] in first and buf[i:i + 2] in pairs and self.could_start(buf[i:end]):
-                return i
-        if end > lo and buf[end - 1] in first:
-            return end - 1
-        return -1
-
-    def could_start(self, tail: bytes) -> bool:
-        """Is ``tail`` a proper prefix of some form (so more input could complete a match)?"""
-        if len(tail) == 1:
-            return tail[0] in self.first_ints
-        return any(len(f) > len(tail) and f.startswith(tail) for f in self.by_start.get(tail[:2], ()))
+    def held(self, buf: bytes) -> int:
+        """How many bytes at the end of ``buf`` (a response, scrubbed so far) wait for the next
+        piece. A function of the bytes the sandbox may see and of this table's size, never of
+        whether the end of ``buf`` is the start of a value: a hold that depended on that would
+        tell the sandbox, by how much of a reflected text arrives before a pause, whether its
+        guess of a value's start is right - one character at a time (review 8). Everything
+        after the last line break, up to the longest form (spelled in escapes, where the end
+        holds an escape's first byte); nothing after a line break ending the piece."""
+        n = len(buf)
+        cap = self.hold_raw
+        if self.encoded and _ESC_TRIGGER.search(buf, max(0, n - self.hold_esc)) is not None:
+            cap = self.hold_esc
+        cap = min(n, cap)
+        if self.newline_free:
+            lo = n - cap
+            j = buf.rfind(b"\n", lo)
+            # (a line break an escape goes on across - quoted-printable's "=\r\n", CSS's "\73\n",
+            # JavaScript's "\\\n" - is not the end of anything: the one before it is looked for)
+            while j >= 0 and self.encoded and _ESC_BEFORE_NL.search(buf, max(0, j - 9), j) is not None:
+                j = buf.rfind(b"\n", lo, j)
+            if j >= 0:
+                return n - j - 1
+        return cap
 
 
 class Scrubber:
@@ -794,8 +803,10 @@ class Scrubber:
     base64(user:real)``, a percent-encoded query, or a JSON-escaped body hands the sandbox the
     placeholder. A base64 match is re-encoded together with the characters around it (which
     mix in the neighbouring bytes), so the client decodes the placeholder exactly and the rest
-    intact. Only the longest tail that could still become a match (and the few characters
-    before it) is held back, so a stream (SSE, chunked) keeps streaming.
+    intact. What is held back at the end of a piece is the unfinished line, up to the longest
+    form (:meth:`ScrubTable.held`): a stream of lines (SSE, NDJSON) keeps streaming, and how
+    much is held never depends on what the text could become (that was an oracle on the
+    values' characters, review 8).
     """
 
     CONTEXT = 3  # base64 characters around a fragment that belong to its first/last group
@@ -900,45 +911,6 @@ class Scrubber:
         out += buf[pos:]
         return bytes(out)
 
-    def _view_hold(self, buf: bytes) -> int:
-        """How many bytes at the end of ``buf`` may be the start of a value in escapes (or an
-        escape cut short by the chunk edge)."""
-        t = self._t
-        win = buf[-t.maxlen * _TOKEN_MAX:]
-        hold = 0
-        # an escape cut short at the end is held, and what is before it read without it
-        m = _PARTIAL.search(win, max(0, len(win) - _TOKEN_MAX))
-        if m is not None:
-            hold = len(win) - m.start()
-            win = win[:m.start()]
-        full = len(win) + hold
-        # the texts to look at, each with the map of its offsets back to ``win``: through each
-        # family's decoder (twice where it still holds escapes), and the window as it is when an
-        # escape cut short ends it (feed() looked at it as it is, with that escape in it)
-        views: list = [(win, None)] if hold else []
-        for fam in _FAMILIES:
-            if fam.trigger not in win:
-                continue
-            v = _unescape(win, fam)
-            if v is None:
-                continue
-            views.append((v.text, v.start))
-            if fam.trigger in v.text:
-                v2 = _unescape(v.text, fam)
-                if v2 is not None:
-                    views.append((v2.text, lambda i, v=v, v2=v2: v.start(v2.start(i))))
-        for view, start in views:
-            end = len(view)
-            if start is not None:  # (decoded once: an escaped escape may end it, cut short)
-                m = _PARTIAL.search(view, max(0, end - _TOKEN_MAX))
-                if m is not None:
-                    end = m.start()
-                    hold = max(hold, full - start(end))
-            i = t.tail_start(view, 0, end)
-            if i >= 0:
-                hold = max(hold, full - (start(i) if start is not None else i))
-        return hold
-
     def feed(self, data: bytes) -> bytes:
         if not self.active:
             return data
@@ -950,19 +922,9 @@ class Scrubber:
             if m is not None:
                 cut = m.start()
             buf = self._views(buf[:cut]) + buf[cut:]
-        if not hold:
-            t = self._t
-            i = t.tail_start(buf, 0, len(buf))
-            if i >= 0:
-                # a possible match, and the base64 characters before it that share its group
-                hold = min(len(buf), len(buf) - i + self.CONTEXT)
-        if not hold and self.encoded:
-            # trailing base64 characters may be the group a fragment in the next piece starts
-            # in (never anything else: an SSE event's closing newlines go out at once)
-            while hold < self.CONTEXT and hold < len(buf) and buf[len(buf) - hold - 1] in _B64_CHARS:
-                hold += 1
-        if self.encoded:
-            hold = min(len(buf), max(hold, self._view_hold(buf)))
+        # what waits for the next piece: the same whatever the end of buf is the start of (held();
+        # _scan holds more only after a whole form, to re-encode its base64 group)
+        hold = min(len(buf), max(hold, self._t.held(buf)))
         if hold:
             out, self.tail = buf[:-hold], buf[-hold:]
         else:
@@ -999,8 +961,6 @@ class Scrubber:
 # -- values split across the events of a stream --------------------------------------------
 # a JSON string literal, and whether it is an object key (a colon follows)
 _JSTR = re.compile(rb'"([^"\\\n]*(?:\\.[^"\\\n]*)*)"(\s*:)?')
-# an escape that can spell any character (a line holding one is read even where no form starts)
-_ESCAPED = re.compile(rb'\\[^ntr"\\]')
 # the media types of streams read event by event (and a response that names none)
 STREAM_TYPES = frozenset((b"text/event-stream", b"application/x-ndjson", b"application/ndjson", b"application/jsonl",
                           b"application/x-jsonlines", b"application/json-seq", b"application/stream+json",
@@ -1018,18 +978,24 @@ class StreamGuard:
 
     Fed what the :class:`Scrubber` releases (a value inside one event is already replaced), it
     reads the body line by line; each line that is an SSE ``data:`` payload or a JSON document
-    adds its text to a *stream*: the concatenated ``data:`` payloads, and per JSON key the
-    concatenated string values of that key. A stream that then holds a form of a value cuts
-    the response (``credential:echo-split``); a
-    stream whose end could still become one (:attr:`MIN_HOLD` bytes or more of its start)
-    holds back the events its pieces came in, so no more than 3 bytes of a value (a prefix
-    like ``sk-``) ever go out before it is known. Bounded: a line
-    longer than :attr:`LINE_MAX` is no event (it streams as the scrubber releases it), and
-    more than :attr:`HOLD_MAX` held bytes cut the response (``credential:uninspectable-stream``)."""
+    adds its text to a *stream*: the concatenated ``data:`` payloads, and per JSON field (its
+    key and its place among the fields of that key in the document) the concatenated string
+    values of that field in consecutive events. A stream that then holds a form of a value
+    cuts the response (``credential:echo-split``). The events that the end of a stream came in
+    are held back while that end is a run of :attr:`MIN_HOLD` bytes or more that are not white
+    space (at most the longest form): so no more than 3 bytes of a value ever go out before
+    it is known. What is held is a function of the text alone, never of whether it could
+    become a value - that told the sandbox, by what arrived before a pause, whether its guess
+    of a value's start was right (review 8). The cost: an event whose field ends in a word is
+    held until the next event (one event's latency), on responses to requests a credential
+    went into. A field an event repeats unchanged (an id, a model's name) starts again rather
+    than grows; a field a JSON event does not carry ends there. Bounded: a line longer than
+    :attr:`LINE_MAX` is no event (it streams as the scrubber releases it), and more than
+    :attr:`HOLD_MAX` held bytes cut the response (``credential:uninspectable-stream``)."""
 
     LINE_MAX = 64 * 1024
     HOLD_MAX = 1 << 20
-    STREAMS_MAX = 256
+    STREAMS_MAX = 1024
     MIN_HOLD = 4  # a shorter start of a value ("sk-") goes out; the stream still remembers it
 
     def __init__(self, table: ScrubTable):
@@ -1074,18 +1040,15 @@ class StreamGuard:
             self.long_line = True
 
     def _event(self, line: bytes, at: int) -> None:
-        if not self.streams and self._t.split_line.search(line) is None and _ESCAPED.search(line) is None:
-            return  # no piece of a value can start here, and none is being continued
         line = line.rstrip(b"\r")
         sse = line[:5] == b"data:"
         p = (line[6:] if line[5:6] == b" " else line[5:]) if sse else line
         if b'"' in p and p.lstrip()[:1] in (b"{", b"[", b","):
             # a JSON document (or an element of a streamed array): each string value joins the
-            # stream of the key it is the value of (the pieces of one field line up, event by
-            # event: "content" of choices[0].delta, "text" of a content_block_delta)
+            # stream of its field (the pieces of one field line up, event by event: "content"
+            # of choices[0].delta, "text" of a content_block_delta)
             key = b"json:"
-            streams, t = self.streams, self._t
-            starts, shorts = t.split_starts, t.split_shorts
+            seen: dict[bytes, int] = {}
             for m in _JSTR.finditer(p):
                 text, colon = m.group(1, 2)
                 if colon:
@@ -1096,18 +1059,28 @@ class StreamGuard:
                         text = json.loads(b'"' + text + b'"').encode("utf-8", "surrogatepass")
                     except ValueError:
                         pass
-                if (key in streams or starts.search(text) is not None or text[-1:] in shorts
-                        or text[-2:] in shorts or text[-3:] in shorts):
-                    self._add(key, text, at)  # (anything else neither continues nor may start a value)
+                n = seen.get(key, 0)
+                seen[key] = n + 1
+                self._add(key + b"#%d" % n, text, at)
+            self._end_fields(seen)
             return
         if sse:
+            self._end_fields({})
             self._add(b"data:", p, at)
+
+    def _end_fields(self, seen: dict) -> None:
+        """An event's fields are in: a JSON field it does not carry ends its stream (a value
+        split across events goes on in the next event, in the same field)."""
+        for k in [k for k in self.streams if k[:5] == b"json:" and k[:k.rindex(b"#")] not in seen]:
+            del self.streams[k]
 
     def _add(self, key: bytes, piece: bytes, at: int) -> None:
         if not piece:
             return
         t = self._t
         st = self.streams.get(key)
+        if st is not None and len(piece) >= self.MIN_HOLD and piece == st[2]:
+            st = None  # the same text again (a field every event repeats): it starts again
         if st is None:
             text, marks = piece, [(0, at)]
         else:
@@ -1116,36 +1089,23 @@ class StreamGuard:
         if t.split_regex.search(text) is not None:
             raise DecodeError("credential:echo-split", "a credential's real value arrived split across the events "
                               "of a streamed response: the stream is cut")
-        keep = -1
-        starts = t.split_starts
-        m = starts.search(text, max(0, len(text) - t.maxlen))
-        while m is not None:  # the first place from which the rest could still become a form
-            if t.could_start_split(text[m.start():]):
-                keep = m.start()
-                break
-            m = starts.search(text, m.start() + 1)
-        if keep < 0:
-            shorts = t.split_shorts
-            for j in (3, 2, 1):  # a shorter start is kept (pieces chain), but never held back
-                if len(text) >= j and text[-j:] in shorts:
-                    keep = len(text) - j
-                    break
-        if keep < 0:
+        keep = t.stream_keep(text)
+        if keep >= len(text):
             if st is not None:
                 del self.streams[key]
             return
-        if len(self.streams) >= self.STREAMS_MAX and st is None:
+        if len(self.streams) >= self.STREAMS_MAX and key not in self.streams:
             raise DecodeError("credential:uninspectable-stream", f"over {self.STREAMS_MAX} fields of a streamed "
-                              "response could each be the start of a credential's value")
+                              "response are being followed at once")
         j = len(marks) - 1
         while marks[j][0] > keep:
             j -= 1
-        self.streams[key] = [text[keep:], [(max(0, off - keep), a) for off, a in marks[j:]]]
+        self.streams[key] = [text[keep:], [(max(0, off - keep), a) for off, a in marks[j:]], piece]
 
     def _release(self) -> bytes:
         end = self.base + len(self.buf)
         upto = end if self.long_line else self.parsed  # the line being read waits for its end
-        for text, marks in self.streams.values():
+        for text, marks, _ in self.streams.values():
             if len(text) >= self.MIN_HOLD:
                 upto = min(upto, marks[0][1])
         n = max(0, upto - self.base)
