@@ -21,6 +21,7 @@ import datetime as dt
 import hmac
 import json
 import logging
+import os
 import posixpath
 import secrets
 import time
@@ -114,8 +115,9 @@ class E2BService:
         self.domain = domain  # answered as the sandboxes' domain: get_host(port) is PORT-ID.DOMAIN
         # key -> tenant; or a callable giving it (re-read when a key is not known: keys added later)
         self._keys_source = api_keys if callable(api_keys) else None
-        self.api_keys = dict(api_keys() if callable(api_keys) else api_keys)
         self.home = home
+        self._keys_seen = self._keys_file_state()
+        self.api_keys = dict(api_keys() if callable(api_keys) else api_keys)
         self.max_per_tenant = max_per_tenant
         self.max_concurrent_creates = max_concurrent_creates
         self.creating = 0
@@ -126,16 +128,41 @@ class E2BService:
         self._reaper: asyncio.Task | None = None
 
     # -- auth --------------------------------------------------------------------------------
+    def _keys_file_state(self) -> tuple | None:
+        """(inode, mtime, size) of the API-key file the key source reads, None when it has none."""
+        if self._keys_source is None:
+            return None
+        from agentvm.e2b import state_dir
+
+        try:
+            st = os.stat(state_dir(self.home) / "api-keys.json")
+        except OSError:
+            return ("missing",)
+        return (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size)
+
+    def _reload_keys(self) -> None:
+        try:
+            self.api_keys = dict(self._keys_source())
+        except (OSError, ValueError) as exc:  # a hand-edited file that does not parse: no key works
+            log.warning("e2b: the API-key file cannot be read (%s); every key is refused until it can", exc)
+            self.api_keys = {}
+
     def tenant_of(self, key: str | None) -> str | None:
         if not key:
             return None
+        # a key removed from the file is refused from the next request on (review 8, finding 7):
+        # the file is read again whenever it changed (a stat per request; `e2b key` replaces it)
+        state = self._keys_file_state()
+        if state != self._keys_seen:
+            self._keys_seen = state
+            self._reload_keys()
         for attempt in (0, 1):
             for k, tenant in self.api_keys.items():
                 if hmac.compare_digest(k.encode(), key.encode()):
                     return tenant
             if attempt or self._keys_source is None:
                 return None
-            self.api_keys = dict(self._keys_source())
+            self._reload_keys()
         return None
 
     def box_for(self, tenant: str, sandbox_id: str) -> Box | None:
