@@ -488,3 +488,65 @@ def test_a_stream_guard_holds_at_most_its_bound():
         for _ in range(100):
             g.feed(b'data: {"other": "' + b"z" * 200 + b'"}\n\n')
     assert ei.value.rule_id == "credential:uninspectable-stream"
+
+
+@pytest.mark.parametrize("where", ["path", "query", "header", "header-name", "basic", "body", "body-split", "b64", "host"])
+def test_a_real_value_from_the_sandbox_is_a_leak_wherever_it_is(cs, where):
+    """Review 8 (MEDIUM): the gate looked for placeholders only, so a real value the agent had
+    got hold of (an echo, a side channel) went to any allowed host - and into the decision log.
+    The sandbox never holds a real value: one it sends is blocked, an alert, named. (In the
+    forms responses are scrubbed of; an agent that has a value can transform it beyond them -
+    the defence is that it never gets one, this is the alarm.)"""
+    real = REAL["api"]
+    scanner = None
+    try:
+        if where == "path":
+            cs.apply(host="other.test", scheme="https", target="/x/" + real, headers=[])
+        elif where == "query":
+            cs.apply(host="other.test", scheme="http", target="/x?k=" + real, headers=[])
+        elif where == "header":
+            cs.apply(host="other.test", scheme="https", target="/", headers=H(("X-Note", "it is " + real)))
+        elif where == "header-name":
+            cs.apply(host="other.test", scheme="https", target="/", headers=H((real, "1")))
+        elif where == "basic":
+            cs.apply(host="x.svc.test", scheme="https", target="/",
+                     headers=H(("Authorization", "Basic " + base64.b64encode(b"u:" + REAL["user"].encode()).decode())))
+        elif where == "b64":
+            cs.apply(host="other.test", scheme="https", target="/?d=" + base64.b64encode(real.encode()).decode(),
+                     headers=[])
+        elif where == "host":
+            cs.check_target(real.lower()[:20] + "-" + real.lower()[20:] + ".evil.test")
+            cs.check_target("evil.test", sni=real)
+        else:
+            scanner = cs.body_scanner("other.test")
+            data = b'{"note": "' + real.encode() + b'"}'
+            cuts = [len(data)] if where == "body" else [12, 15, 30, len(data)]
+            last = 0
+            for c in cuts:
+                scanner.feed(data[last:c])
+                last = c
+            scanner.finish()
+    except CredentialError as err:
+        assert err.rule_id in ("credential:leak-real:api", "credential:leak-real:user"), err.rule_id
+        assert err.alert
+        return
+    pytest.fail(f"a real value in the {where} was not refused")
+
+
+def test_a_request_without_real_values_is_not_refused_and_placeholders_still_swap(cs):
+    ph = cs.placeholders["api"]
+    sw = cs.apply(host="api.test", scheme="https", target="/v1/models?limit=5",
+                  headers=H(("Authorization", f"Bearer {ph}"), ("X-Text", "sk-REAL-fake but not the value")))
+    assert sw.used == ["api"] and (b"authorization", f"Bearer {REAL['api']}".encode()) in \
+        [(k.lower(), v) for k, v in sw.headers]
+    s = cs.body_scanner("other.test")
+    assert s.feed(b"x" * 1000) + s.finish() == b"x" * 1000
+
+
+def test_a_refused_real_value_never_reaches_the_decision_log():
+    from agentvm.gate.credentials import CredentialError as CE
+    from agentvm.gate.exchange import cred_deny
+
+    req = SimpleNamespace(host="other.test", port=443, method="GET", scheme="https", path="/x/" + REAL["api"], headers=())
+    d = cred_deny(req, CE("credential:leak-real:api", "r", name="api", where="the path", alert=True))
+    assert REAL["api"] not in repr(d.log_fields())

@@ -16,7 +16,7 @@ cdef class BodyScanner:
 cdef class ScrubTable:
     cdef dict __dict__  # anything else set on an instance (Python's semantics)
     cdef object __weakref__  # weak references, as to any Python object with a __dict__
-    cdef public object encoded, table, regex, maxlen, hold_raw, hold_esc, newline_free, split_regex, stream_window, split_ws
+    cdef public object encoded, table, owner, regex, maxlen, hold_raw, hold_esc, newline_free, split_regex, stream_window, split_ws
 
 cdef class Scrubber:
     cdef dict __dict__  # anything else set on an instance (Python's semantics)

@@ -279,6 +279,7 @@ class CredentialSet:
             for name, p in self.placeholders.items():
                 if p.lower() in low:
                     raise self._leak(name, where, host)
+            self.real_leak(text.encode("utf-8", "surrogateescape"), where, host)
 
     # -- one request ------------------------------------------------------------------------
     def apply(self, *, host: str, scheme: str, target: str, headers: list[tuple[bytes, bytes]]) -> Swap:
@@ -286,6 +287,11 @@ class CredentialSet:
         terminated = scheme == "https"
         if type(headers) is not list:
             headers = list(headers)  # read twice below (the search, then header by header): never a spent iterator
+        # a real value the sandbox sends (in the target, a header's name or value): a leak
+        if self.placeholders:
+            t = self.scrub_table()
+            self.real_leak(target.encode("utf-8", "surrogateescape"), "the path or query", host, t)
+            self.real_leak(b"\n".join([k + b"\n" + v for k, v in headers]), "a header", host, t)
         out_headers: list[tuple[bytes, bytes]] = []
         used: list[str] = []
         resign: list[CredentialBinding] = []
@@ -411,12 +417,19 @@ class CredentialSet:
         return BodyScanner(self, host)
 
     def scrubber(self) -> "Scrubber":
-        pairs = []
+        return Scrubber(self.scrub_table())
+
+    def scrub_table(self) -> "ScrubTable":
+        """Every form of every real value of this session, and whose it is: what responses are
+        scrubbed of, and what a request from the sandbox must never hold."""
+        pairs, names = [], []
         for name, ph in self.placeholders.items():
             cache = self.brokers.get(name)
             if cache is not None:
                 # what was minted (never minting here) and the long-lived secret's parts
-                pairs += [(v.encode(), ph.encode()) for v in cache.scrub_values()]
+                vals = [(v.encode(), ph.encode()) for v in cache.scrub_values()]
+                pairs += vals
+                names += [name] * len(vals)
                 continue
             try:
                 real = self.value(name)
@@ -424,11 +437,28 @@ class CredentialSet:
                 continue
             if real:
                 pairs.append((real.encode(), ph.encode()))
+                names.append(name)
         key = (tuple(pairs), self.scrub_encoded)
         if self._scrub_table is None or self._scrub_table[0] != key:
             # built once per set of values (a rotation builds a new one), not per request
-            self._scrub_table = (key, ScrubTable(pairs, encoded=self.scrub_encoded))
-        return Scrubber(self._scrub_table[1])
+            self._scrub_table = (key, ScrubTable(pairs, encoded=self.scrub_encoded, names=names))
+        return self._scrub_table[1]
+
+    def real_leak(self, data: bytes, where: str, host: str, table: "ScrubTable | None" = None) -> None:
+        """A real value (any of its forms of 8 bytes or more) in what the sandbox sends: it never
+        holds one, so it has one only through a leak (an echo, a side channel) and is sending it
+        on - blocked, and an alert (review 8). Raises CredentialError."""
+        if not data or not self.placeholders:
+            return
+        t = table if table is not None else self.scrub_table()
+        m = t.split_regex.search(data)
+        if m is not None:
+            name = t.owner.get(m.group(0), "?")
+            raise CredentialError(
+                f"credential:leak-real:{name}",
+                f"the real value of credential {name!r} came from the sandbox, in {where} to {host}: blocked (the "
+                "sandbox only ever holds its placeholder; it has the value through a leak)",
+                name=name, where=where, alert=True)
 
 
 class BodyScanner:
@@ -437,13 +467,15 @@ class BodyScanner:
 
     def __init__(self, creds: CredentialSet, host: str):
         self.creds, self.host = creds, host
-        self.hold = max(creds.max_len - 1, 0)
+        # a placeholder, or a real value's form (CredentialSet.real_leak), split across chunks
+        self.hold = max(creds.max_len - 1, creds.scrub_table().stream_window if creds.placeholders else 0, 0)
         self.tail = b""
 
     def feed(self, data: bytes) -> bytes:
         buf = self.tail + data
         for name in self.creds.find(buf):
             raise self.creds._leak(name, "the request body", self.host)
+        self.creds.real_leak(buf, "the request body", self.host)
         if self.hold and len(buf) > self.hold:
             out, self.tail = buf[: -self.hold], buf[-self.hold :]
         elif self.hold:
@@ -730,17 +762,22 @@ class ScrubTable:
     of each value, the form of its placeholder that replaces it, one regular expression, and
     the forms by their first bytes (to know what to hold back at a chunk edge)."""
 
-    def __init__(self, pairs: list[tuple[bytes, bytes]], *, encoded: bool = True):
+    def __init__(self, pairs: list[tuple[bytes, bytes]], *, encoded: bool = True, names: list[str] | None = None):
         self.encoded = encoded
         self.table: dict[bytes, tuple[_Form, _Form]] = {}
-        for real, ph in pairs:
+        self.owner: dict[bytes, str] = {}  # a form -> the name of its credential (``names``, one per pair)
+        for i, (real, ph) in enumerate(pairs):
             if encoded:
                 # each form of the real value -> the same form of the placeholder
                 for r, p in zip(_all_forms(real), _all_forms(ph, like=real)):
                     if r.text:
                         self.table.setdefault(r.text, (r, p))
+                        if names is not None:
+                            self.owner.setdefault(r.text, names[i])
             elif real:
                 self.table.setdefault(real, (_Form(real), _Form(ph)))
+                if names is not None:
+                    self.owner.setdefault(real, names[i])
         forms = sorted(self.table, key=len, reverse=True)
         self.regex = re.compile(b"|".join(re.escape(f) for f in forms)) if forms else None
         self.maxlen = max((len(f) for f in forms), default=1)

@@ -270,8 +270,10 @@ def refuse(cmd: Deny) -> Flow:
 def cred_deny(req: h1.ProxyRequest, err, *, phase: str = "request", respond: bool = True) -> Deny:
     """A request that breaks a credential rule (``credentials.CredentialError``): never explained
     with a way to allow it; an alert when the error says so."""
+    # (a real value the sandbox sent may be in the path: that one is never written anywhere)
+    path = None if err.rule_id.startswith("credential:leak-real:") else (req.path or None)
     return Deny(rule_id=err.rule_id, reason=err.reason, phase=phase, host=req.host, port=req.port, method=_method(req),
-                path=req.path or None, respond=respond, credential=err.name, alert=err.alert)
+                path=path, respond=respond, credential=err.name, alert=err.alert)
 
 
 def _admission(ep, req: h1.ProxyRequest) -> Deny | None:

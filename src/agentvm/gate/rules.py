@@ -83,6 +83,7 @@ RULES: dict[str, str] = {
     # credentials by reference
     "credential:leak:": "a placeholder outside its declared place or bound hosts; the suffix names the credential",
     "credential:revoked:": "a placeholder of a revoked credential; the suffix names it",
+    "credential:leak-real:": "a credential's real value (any form of 8 bytes or more) in a request from the sandbox, which only ever holds its placeholder: it has the value through a leak; blocked, an alert, the path not logged; the suffix names the credential",
     "credential:unavailable": "the real value of a credential could not be read (vault locked or missing): fail closed",
     "credential:uninspectable-websocket": "a WebSocket to a host a credential is bound to (frames cannot be scrubbed)",
     "credential:uninspectable-encoding": "a response in a content coding the gate cannot decode, to a sandbox holding credentials",
@@ -132,7 +133,7 @@ def shown(rule_id: str) -> str:
     if rule_id == ":max-body":
         return "<rule>:max-body"
     if rule_id.endswith(":"):
-        return rule_id + {"credential:leak:": "<name>", "credential:revoked:": "<name>"}.get(rule_id, "<code>")
+        return rule_id + {"credential:leak:": "<name>", "credential:leak-real:": "<name>", "credential:revoked:": "<name>"}.get(rule_id, "<code>")
     return rule_id
 
 
