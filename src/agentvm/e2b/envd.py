@@ -508,8 +508,9 @@ def _compact(entries: list[Entry]) -> tuple[dict[str, int], int]:
 
 
 # -- request decoding (review 8, finding 1) ----------------------------------------------------
-# Every Connect request message - unary or enveloped (streaming), POST body or GET ``?message=``,
-# after decompression - is decoded by one of these codecs, so nothing a tenant sends reaches
+# Every Connect request message - unary or enveloped (streaming), after decompression (a GET's
+# ``?message=`` too, were one accepted: no envd method is side-effect free, so a GET is a 405)
+# - is decoded by one of these codecs, so nothing a tenant sends reaches
 # protobuf's native parsers unbounded: JSON nested deeper than MAX_JSON_DEPTH is refused before
 # the native JSON parser (which recurses and dies of SIGSEGV at ~20,000 levels, taking the daemon
 # with it) sees it; the native binary parser stops at its own depth (100); and whatever either
