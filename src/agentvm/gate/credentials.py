@@ -416,12 +416,26 @@ class CredentialSet:
     def body_scanner(self, host: str) -> "BodyScanner":
         return BodyScanner(self, host)
 
-    def scrubber(self) -> "Scrubber":
+    def scrubber(self, extra: list[tuple[bytes, bytes]] | None = None) -> "Scrubber":
+        """A response's scrubber; ``extra``: more (real, placeholder) pairs for this response
+        alone - the signatures the gate made with a real key for its request (signing.derived)."""
+        if extra:
+            pairs, names = self._pairs()
+            return Scrubber(ScrubTable(pairs + list(extra), encoded=self.scrub_encoded,
+                                       names=names + ["(a signature the gate made)"] * len(extra)))
         return Scrubber(self.scrub_table())
 
     def scrub_table(self) -> "ScrubTable":
         """Every form of every real value of this session, and whose it is: what responses are
         scrubbed of, and what a request from the sandbox must never hold."""
+        pairs, names = self._pairs()
+        key = (tuple(pairs), self.scrub_encoded)
+        if self._scrub_table is None or self._scrub_table[0] != key:
+            # built once per set of values (a rotation builds a new one), not per request
+            self._scrub_table = (key, ScrubTable(pairs, encoded=self.scrub_encoded, names=names))
+        return self._scrub_table[1]
+
+    def _pairs(self) -> tuple[list[tuple[bytes, bytes]], list[str]]:
         pairs, names = [], []
         for name, ph in self.placeholders.items():
             cache = self.brokers.get(name)
@@ -438,11 +452,7 @@ class CredentialSet:
             if real:
                 pairs.append((real.encode(), ph.encode()))
                 names.append(name)
-        key = (tuple(pairs), self.scrub_encoded)
-        if self._scrub_table is None or self._scrub_table[0] != key:
-            # built once per set of values (a rotation builds a new one), not per request
-            self._scrub_table = (key, ScrubTable(pairs, encoded=self.scrub_encoded, names=names))
-        return self._scrub_table[1]
+        return pairs, names
 
     def real_leak(self, data: bytes, where: str, host: str, table: "ScrubTable | None" = None) -> None:
         """A real value (any of its forms of 8 bytes or more) in what the sandbox sends: it never

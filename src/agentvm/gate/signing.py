@@ -52,7 +52,8 @@ SigV4 notes
   that header must be signed, its day must equal the credential scope's day, and it must be
   within ``max_skew`` of ``now`` (``sigv4:expired``). Presigned URLs: ``X-Amz-Date`` no more
   than ``max_skew`` in the future, ``now <= X-Amz-Date + X-Amz-Expires`` and
-  ``X-Amz-Expires`` in 1..604800.
+  ``X-Amz-Expires`` in 1..3600 (``sigv4:expires-too-long``: a URL signed with the real key
+  is a bearer capability if an upstream echoes it; AWS allows 7 days).
 * ``SignedHeaders`` must be lower-case, sorted, unique and include ``host``. A signed
   ``host`` missing from the headers is derived from the URL (as botocore does); a present
   ``Host`` header must match the URL's authority (``sigv4:malformed``), so what was signed
@@ -226,7 +227,11 @@ _PRESIGN_PARAMS = (
     "X-Amz-SignedHeaders",
     "X-Amz-Signature",
 )
-_MAX_PRESIGN_EXPIRES = 7 * 24 * 3600
+# how long a presigned URL the gate signs with a real key may stay valid: an upstream that echoes
+# the URL hands the sandbox a bearer capability signed with the real key (review 8), and the
+# gate's scrubbing of it (derived()) is the first line; this bounds what a miss would be worth.
+# 3600 s is boto3's default ExpiresIn (AWS itself allows 7 days)
+_MAX_PRESIGN_EXPIRES = 3600
 UNSIGNED_PAYLOAD = "UNSIGNED-PAYLOAD"
 STREAMING_UNSIGNED_TRAILER = "STREAMING-UNSIGNED-PAYLOAD-TRAILER"
 
@@ -525,7 +530,9 @@ def resign_sigv4(
             raise _err("sigv4:malformed", "X-Amz-Expires is malformed")
         expires = int(expires_raw)
         if not 1 <= expires <= _MAX_PRESIGN_EXPIRES:
-            raise _err("sigv4:malformed", "X-Amz-Expires is out of range")
+            raise _err("sigv4:expires-too-long",
+                       f"X-Amz-Expires {expires} is over the {_MAX_PRESIGN_EXPIRES} s a presigned URL the gate signs with "
+                       f"a real key may live (ExpiresIn={_MAX_PRESIGN_EXPIRES} or less)")
     else:
         if not auths:
             raise _err("sigv4:missing", "the request carries no SigV4 signature")
@@ -792,3 +799,27 @@ def resign_hmac(req: Request, cfg, *, placeholder: str, real: str) -> Request:
     lname = header.lower()
     new_headers = [(k, new_value if k.lower() == lname else v) for k, v in req.headers]
     return Request(req.method, req.url, new_headers, req.body)
+
+
+# a signature-like token: what re-signing changes (hex, base64, base64url, percent-encoded)
+_TOKEN = re.compile(r"[A-Za-z0-9+/_%-]{16,}={0,2}")
+
+
+def derived(before: list[str], after: list[str]) -> list[tuple[bytes, bytes]]:
+    """The tokens re-signing changed, as (what the gate made with the real key, what the agent
+    sent in its place) pairs: a signature, a presigned URL's ``X-Amz-Signature``. Each is a
+    capability made with the real key - an upstream that echoes the request would hand it to
+    the sandbox (review 8) - so the response is scrubbed of it like of a real value.
+    ``before``/``after``: the target and the values of the headers both requests carry, in
+    the same order."""
+    out: list[tuple[bytes, bytes]] = []
+    for a, b in zip(before, after):
+        if a == b:
+            continue
+        ta, tb = _TOKEN.findall(a), _TOKEN.findall(b)
+        if len(ta) == len(tb):
+            out += [(y.encode("latin-1"), x.encode("latin-1")) for x, y in zip(ta, tb) if x != y]
+        else:  # (a token added - a session's: scrubbed by its broker) the changed ones by value
+            old = set(ta)
+            out += [(y.encode("latin-1"), b"x" * len(y)) for y in tb if y not in old]
+    return out
