@@ -74,6 +74,9 @@ class Recorder:
                            "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}
                     return self._send(200, json.dumps(out).encode())
                 if host == "s3.test":
+                    if self.path.startswith("/echo-bucket/"):  # a bound host that echoes what it got (the test checks it)
+                        return self._send(200, json.dumps({"path": self.path, "auth": self.headers.get("Authorization", "")
+                                                           }).encode())
                     if not verify_sigv4(self.command, f"https://{rec['host']}{self.path}", rec["headers"], body):
                         return self._send(403, b"<Error><Code>SignatureDoesNotMatch</Code></Error>", "application/xml")
                     if self.command == "PUT":
@@ -286,6 +289,68 @@ def test_boto3_sigv4_is_resigned_with_the_real_key(env, checksums):
     assert r.returncode == 0 and "LIST 0" in r.stdout.decode(), (r.stdout.decode(), r.stderr.decode()[-3000:])
     s3 = [s for s in env["up"].seen if s["host"].startswith("s3.test")]
     assert s3 and all(verify_sigv4(s["method"], f"https://{s['host']}{s['path']}", s["headers"], s["body"]) for s in s3)
+
+
+def _presigned_valid(seen: dict, secret: str) -> bool:
+    """Is the presigned request the upstream saw signed with ``secret`` (botocore's arithmetic)?"""
+    import urllib.parse
+
+    from botocore.auth import S3SigV4QueryAuth
+    from botocore.awsrequest import AWSRequest
+    from botocore.credentials import Credentials
+
+    q = dict(urllib.parse.parse_qsl(urllib.parse.urlsplit(seen["path"]).query))
+    params = {k: v for k, v in q.items() if k != "X-Amz-Signature"}
+    url = f"https://{seen['host']}{seen['path'].split('?')[0]}?{urllib.parse.urlencode(params)}"
+    req = AWSRequest(method=seen["method"], url=url, headers={"host": seen["host"]})
+    req.context["timestamp"] = q["X-Amz-Date"]
+    a = S3SigV4QueryAuth(Credentials(q["X-Amz-Credential"].split("/")[0], secret), "s3", "us-east-1",
+                         expires=int(q["X-Amz-Expires"]))
+    return a.signature(a.string_to_sign(req, a.canonical_request(req)), req) == q["X-Amz-Signature"]
+
+
+def test_what_the_gate_signs_with_the_real_key_never_echoes_back(env):
+    """Review 8 (MEDIUM): a bound host that echoes a re-signed request handed the sandbox a
+    signature made with the real key - a presigned URL valid for days. The answer carries the
+    signature the agent sent instead, and a URL asked to live over an hour is refused."""
+    code = textwrap.dedent(f"""
+        import json, boto3, requests
+        from botocore.config import Config
+        s3 = boto3.client("s3", endpoint_url="https://s3.test:{env['port']}", region_name="us-east-1",
+                          config=Config(signature_version="s3v4", s3={{"addressing_style": "path"}},
+                                        retries={{"max_attempts": 1}}))
+        url = s3.generate_presigned_url("get_object", Params={{"Bucket": "echo-bucket", "Key": "k"}}, ExpiresIn=600)
+        r = requests.get(url)
+        print("PRESIGNED", r.status_code, json.dumps({{"sent": url, "echo": r.text}}))
+        hdr = s3.get_object(Bucket="echo-bucket", Key="h")["Body"].read().decode()
+        print("HEADER", json.dumps({{"echo": hdr}}))
+        week = s3.generate_presigned_url("get_object", Params={{"Bucket": "echo-bucket", "Key": "w"}}, ExpiresIn=604800)
+        r = requests.get(week)
+        print("WEEK", r.status_code, r.text[:600].replace(chr(10), " "))
+    """)
+    r, res = run_py(env, code)
+    out = r.stdout.decode()
+    assert r.returncode == 0, (out, r.stderr.decode()[-3000:])
+    lines = {ln.split(" ", 1)[0]: ln.split(" ", 1)[1] for ln in out.splitlines() if ln.split(" ", 1)[0] in
+             ("PRESIGNED", "HEADER", "WEEK")}
+    status, doc = lines["PRESIGNED"].split(" ", 1)
+    doc = json.loads(doc)
+    assert doc["echo"].startswith("{"), out
+    echo = json.loads(doc["echo"])
+    agent_sig = doc["sent"].rsplit("X-Amz-Signature=", 1)[1]
+    seen = [s for s in env["up"].seen if s["path"].startswith("/echo-bucket/k?")]
+    assert status == "200" and seen, out
+    real_sig = seen[-1]["path"].rsplit("X-Amz-Signature=", 1)[1]
+    assert real_sig != agent_sig and _presigned_valid(seen[-1], REAL["aws-secret"])  # re-signed with the real key
+    assert real_sig not in echo["path"] and agent_sig in echo["path"], echo
+    hdr = json.loads(json.loads(lines["HEADER"])["echo"])
+    seen_h = [s for s in env["up"].seen if s["path"].startswith("/echo-bucket/h")]
+    assert verify_sigv4(seen_h[-1]["method"], f"https://{seen_h[-1]['host']}{seen_h[-1]['path']}", seen_h[-1]["headers"],
+                        seen_h[-1]["body"])
+    real_auth = seen_h[-1]["headers"]["authorization"]
+    real_hsig = real_auth.rsplit("Signature=", 1)[1]
+    assert real_hsig not in hdr["auth"] and "Signature=" in hdr["auth"], hdr
+    assert lines["WEEK"].startswith("403") and "expires-too-long" in lines["WEEK"], lines["WEEK"]
 
 
 def _sandbox_pids(marker: bytes, uid_floor: int, timeout: float = 60) -> list[int]:
