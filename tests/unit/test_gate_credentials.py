@@ -550,3 +550,22 @@ def test_a_refused_real_value_never_reaches_the_decision_log():
     req = SimpleNamespace(host="other.test", port=443, method="GET", scheme="https", path="/x/" + REAL["api"], headers=())
     d = cred_deny(req, CE("credential:leak-real:api", "r", name="api", where="the path", alert=True))
     assert REAL["api"] not in repr(d.log_fields())
+
+
+def test_a_value_rotated_away_mid_session_is_still_scrubbed():
+    """Review 8 (LOW): after `agentvm secret set` only the new value was scrubbed, and a value
+    the vault could not give at that moment dropped out of the table - an upstream echoing
+    the old one (swapped a minute ago) handed it to the sandbox."""
+    values = {"api": "sk-OLD-fake-value-0123456789abcdef0123", "user": REAL["user"], "q": REAL["q"]}
+    ph = {b.name: make_placeholder(b, 40) for b in BINDINGS}
+    s = CredentialSet(BINDINGS, ph, lambda n: values[n], lambda n: False)
+    s.apply(host="api.test", scheme="https", target="/", headers=H(("Authorization", f"Bearer {ph['api']}")))
+    s.scrubber()
+    values["api"] = "sk-NEW-fake-value-0123456789abcdef0123"
+    sc = s.scrubber()
+    out = sc.feed(b"old sk-OLD-fake-value-0123456789abcdef0123 new sk-NEW-fake-value-0123456789abcdef0123\n") + sc.finish()
+    assert b"OLD-fake" not in out and b"NEW-fake" not in out and sc.hits == 2
+    del values["api"]  # the vault cannot give it now
+    sc = s.scrubber()
+    out = sc.feed(b"sk-NEW-fake-value-0123456789abcdef0123\n") + sc.finish()
+    assert b"NEW-fake" not in out

@@ -179,6 +179,9 @@ class Swap:
     resign: list[CredentialBinding] = field(default_factory=list)  # signatures to redo once the body is known
 
 
+SEEN_VALUES = 4  # a static credential's values (rotations) a session keeps scrubbing
+
+
 class CredentialSet:
     """The credentials of one sandbox session."""
 
@@ -202,6 +205,7 @@ class CredentialSet:
         self.value = self._brokered_value if self.brokers else value  # name -> real value (may raise)
         self.revoked = revoked
         self.local_revoked: set[str] = set()  # revoked for this session by the operator (daemon)
+        self._seen_values: dict[str, list[str]] = {}  # static credentials: the values seen this session (_pairs)
         self.max_len = max((len(p) for p in self.placeholders.values()), default=0)
         # apply()'s first look at a request's headers, all of them in one search: anything it
         # must then look at header by header - a placeholder, in any case (a header name is
@@ -448,9 +452,15 @@ class CredentialSet:
             try:
                 real = self.value(name)
             except Exception:
-                continue
-            if real:
-                pairs.append((real.encode(), ph.encode()))
+                real = None  # (unavailable now: the values it had are still scrubbed, below)
+            seen = self._seen_values.setdefault(name, [])
+            if real and real not in seen:
+                # a rotation mid-session: the values swapped before stay scrubbed (an upstream
+                # may still echo one), the last few of them, as for a brokered credential
+                seen.append(real)
+                del seen[:-SEEN_VALUES]
+            for v in seen:
+                pairs.append((v.encode(), ph.encode()))
                 names.append(name)
         return pairs, names
 
