@@ -24,6 +24,7 @@ from agentvm.errors import LaunchError, PrimitiveMissing
 PARENT = "agentvm"
 V1_CONTROLLERS = ("memory", "pids", "cpu", "freezer")
 CPU_PERIOD_US = 100_000
+CPU_QUOTA_MIN_US = 1000  # the smallest cfs quota the kernel takes (1 ms)
 
 
 @dataclass(frozen=True)
@@ -195,40 +196,68 @@ class SandboxCgroup:
 
     def tighten(self, *, memory: int | None = None, pids: int | None = None, cpus: float | None = None) -> dict:
         """Lower limits of a running sandbox (raising is refused: a live change may only
-        tighten). Returns what was written."""
-        done: dict = {}
+        tighten). All or nothing: every value is checked against the current one and against
+        what the kernel takes before anything is written, and a write that fails puts back
+        what this call had written (review 8: a change that failed half-way left the memory
+        lowered with no record of it). Returns what was written; raises ValueError."""
         v2 = self.layout.mode == "v2"
+        writes: list[tuple[Path, str, str]] = []  # (file, new, old), in the order they are written
+        done: dict = {}
+
+        def current(f: Path) -> str:
+            return f.read_text().strip()
+
         if memory is not None and self.mem_dir is not None:
             f = self.mem_dir / ("memory.max" if v2 else "memory.limit_in_bytes")
-            cur = f.read_text().strip()
+            cur = current(f)
             if cur != "max" and int(cur) < memory:
                 raise ValueError(f"memory can only be lowered live (now {int(cur)} bytes)")
-            if not v2 and (self.mem_dir / "memory.memsw.limit_in_bytes").exists():
-                # memsw must stay >= memory: lower memory first, then memsw
-                _write(f, str(memory))
-                _write(self.mem_dir / "memory.memsw.limit_in_bytes", str(memory))
-            else:
-                _write(f, str(memory))
+            sw = self.mem_dir / "memory.memsw.limit_in_bytes"
+            writes.append((f, str(memory), cur))
+            if not v2 and sw.exists():  # memsw must stay >= memory: memory first, then memsw
+                writes.append((sw, str(memory), current(sw)))
             done["memory"] = memory
         if pids is not None and self.pids_dir is not None:
             f = self.pids_dir / "pids.max"
-            cur = f.read_text().strip()
+            cur = current(f)
             if cur != "max" and int(cur) < pids:
                 raise ValueError(f"pids can only be lowered live (now {cur})")
-            _write(f, str(pids))
+            writes.append((f, str(pids), cur))
             done["pids"] = pids
         if cpus is not None:
             quota = int(cpus * CPU_PERIOD_US)
+            if quota < CPU_QUOTA_MIN_US:
+                raise ValueError(f"cpus {cpus:g} is under the kernel's minimum of {CPU_QUOTA_MIN_US / CPU_PERIOD_US:g} "
+                                 f"(a quota of {CPU_QUOTA_MIN_US} us per {CPU_PERIOD_US} us period)")
             if v2 and self.mem_dir is not None and (self.mem_dir / "cpu.max").exists():
-                _write(self.mem_dir / "cpu.max", f"{quota} {CPU_PERIOD_US}")
+                f = self.mem_dir / "cpu.max"
+                cur = current(f)
+                q = cur.split()[0] if cur else "max"
+                if q != "max" and int(q) < quota:
+                    raise ValueError("cpus can only be lowered live")
+                writes.append((f, f"{quota} {CPU_PERIOD_US}", cur))
                 done["cpus"] = cpus
             elif "cpu" in self.layout.v1:
-                d = self.layout.v1["cpu"] / PARENT / self.sandbox_id
-                cur = int((d / "cpu.cfs_quota_us").read_text())
-                if cur != -1 and cur < quota:
+                f = self.layout.v1["cpu"] / PARENT / self.sandbox_id / "cpu.cfs_quota_us"
+                cur = current(f)
+                if int(cur) != -1 and int(cur) < quota:
                     raise ValueError("cpus can only be lowered live")
-                _write(d / "cpu.cfs_quota_us", str(quota))
+                writes.append((f, str(quota), cur))
                 done["cpus"] = cpus
+        written: list[tuple[Path, str, str]] = []
+        try:
+            for f, new, old in writes:
+                _write(f, new)
+                written.append((f, new, old))
+        except OSError as exc:
+            for f, _, old in reversed(written):
+                try:
+                    _write(f, old)
+                except OSError:
+                    import logging  # (not at import: the start path does without it)
+
+                    logging.getLogger(__name__).error("could not put %s back to %s after a failed live change", f, old)
+            raise ValueError(f"the kernel refused {f.name} = {new} ({exc.strerror}); nothing was changed") from None
         return done
 
     # -- inspection -----------------------------------------------------------------------

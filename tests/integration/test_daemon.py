@@ -290,6 +290,11 @@ def test_limits_can_be_tightened_live_not_raised(daemon, tmp_path):
     assert r.returncode != 0 or b"fork" in r.stderr.lower() or b"resource" in r.stderr.lower()
     r = av("policy", "d-lim", "limits", "--memory", "1G", check=False)
     assert r.returncode != 0 and b"only be lowered" in r.stderr
+    # all or nothing (review 8): a change the kernel would refuse in part changes nothing, and
+    # is a typed refusal (it was a 500 that had already lowered the memory)
+    r = av("policy", "d-lim", "limits", "--memory", "32M", "--cpus", "0.000001", check=False)
+    assert r.returncode != 0 and b"minimum" in r.stderr, r.stderr
+    assert Path(f"/sys/fs/cgroup/memory/agentvm/{sid}/memory.limit_in_bytes").read_text().strip() == str(64 * 1024**2)
     av("restart", "d-lim")  # the tightened limits are state: the next start keeps them
     sid2 = sid
     deadline = time.monotonic() + 15

@@ -483,6 +483,8 @@ class ControlPlane(Events, Supervisor, StateControl, FleetOps, Commands):
             raise refuse("limits.unsupported", exc.message) from None
         except (ValueError, KeyError) as exc:
             raise refuse("limits.invalid", str(exc)) from None
+        except OSError as exc:  # (the cgroup's files: tighten() puts back what it wrote before failing)
+            raise refuse("limits.invalid", f"the kernel refused the change ({exc.strerror}); nothing was changed") from None
         new = fold(live, LimitsApplied(tuple(applied.items())), None)  # and for every later start
         self.state.update(name, policy_patch=new.to_json())
         took = (time.perf_counter() - t0) * 1000
