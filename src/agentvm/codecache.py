@@ -148,13 +148,11 @@ def build(path: str = FILE) -> int:
     import importlib
     import pkgutil
 
-    import agentvm
-
     _recording = {}
     saved = dataclasses.__dict__.get("exec")
     dataclasses.exec = _exec
     try:
-        for m in pkgutil.walk_packages(agentvm.__path__, "agentvm."):
+        for m in pkgutil.walk_packages([HERE], "agentvm."):  # (this package's folder)
             if m.name.endswith("__main__") or m.name in sys.modules:
                 continue
             try:
