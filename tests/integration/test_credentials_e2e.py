@@ -39,6 +39,7 @@ class Recorder:
         import http.server
 
         self.seen: list[dict] = []
+        self.stored = ""  # the last request to /echo-bucket/ (shown again by echo.test/recall)
         self.lock = threading.Lock()
         outer = self
 
@@ -75,6 +76,7 @@ class Recorder:
                     return self._send(200, json.dumps(out).encode())
                 if host == "s3.test":
                     if self.path.startswith("/echo-bucket/"):  # a bound host that echoes what it got (the test checks it)
+                        outer.stored = self.path  # ... and shows it again later, on another host (echo.test/recall)
                         return self._send(200, json.dumps({"path": self.path, "auth": self.headers.get("Authorization", "")
                                                            }).encode())
                     if not verify_sigv4(self.command, f"https://{rec['host']}{self.path}", rec["headers"], body):
@@ -84,6 +86,9 @@ class Recorder:
                     xml = (b'<?xml version="1.0" encoding="UTF-8"?><ListBucketResult><Name>b</Name><KeyCount>0</KeyCount>'
                            b"<MaxKeys>1000</MaxKeys><IsTruncated>false</IsTruncated></ListBucketResult>")
                     return self._send(200, xml, "application/xml")
+                if host == "echo.test" and self.path.startswith("/recall"):  # a request stored earlier, shown now
+                    text = getattr(outer, "stored", "")
+                    return self._send(200, (text.upper() if "upper" in self.path else text).encode(), "text/plain")
                 # echo: returns everything it got, including the real key (the gate must scrub it)
                 echo = {"headers": rec["headers"], "path": self.path, "body": body.decode("latin-1")}
                 return self._send(200, json.dumps(echo).encode(), extra=[("X-Echo-Key", self.headers.get("X-Api-Key", ""))])
@@ -322,6 +327,8 @@ def test_what_the_gate_signs_with_the_real_key_never_echoes_back(env):
         url = s3.generate_presigned_url("get_object", Params={{"Bucket": "echo-bucket", "Key": "k"}}, ExpiresIn=600)
         r = requests.get(url)
         print("PRESIGNED", r.status_code, json.dumps({{"sent": url, "echo": r.text}}))
+        later = [requests.get(f"https://echo.test:{env['port']}/recall" + q).text for q in ("", "?upper")]
+        print("LATER", json.dumps(later))
         hdr = s3.get_object(Bucket="echo-bucket", Key="h")["Body"].read().decode()
         print("HEADER", json.dumps({{"echo": hdr}}))
         week = s3.generate_presigned_url("get_object", Params={{"Bucket": "echo-bucket", "Key": "w"}}, ExpiresIn=604800)
@@ -332,7 +339,7 @@ def test_what_the_gate_signs_with_the_real_key_never_echoes_back(env):
     out = r.stdout.decode()
     assert r.returncode == 0, (out, r.stderr.decode()[-3000:])
     lines = {ln.split(" ", 1)[0]: ln.split(" ", 1)[1] for ln in out.splitlines() if ln.split(" ", 1)[0] in
-             ("PRESIGNED", "HEADER", "WEEK")}
+             ("PRESIGNED", "HEADER", "WEEK", "LATER")}
     status, doc = lines["PRESIGNED"].split(" ", 1)
     doc = json.loads(doc)
     assert doc["echo"].startswith("{"), out
@@ -343,6 +350,9 @@ def test_what_the_gate_signs_with_the_real_key_never_echoes_back(env):
     real_sig = seen[-1]["path"].rsplit("X-Amz-Signature=", 1)[1]
     assert real_sig != agent_sig and _presigned_valid(seen[-1], REAL["aws-secret"])  # re-signed with the real key
     assert real_sig not in echo["path"] and agent_sig in echo["path"], echo
+    # shown again later, on another host and connection, and upper-cased (review 9)
+    later = json.loads(lines["LATER"])
+    assert later[0].startswith("/echo-bucket/") and all(real_sig not in t.lower() for t in later), later
     hdr = json.loads(json.loads(lines["HEADER"])["echo"])
     seen_h = [s for s in env["up"].seen if s["path"].startswith("/echo-bucket/h")]
     assert verify_sigv4(seen_h[-1]["method"], f"https://{seen_h[-1]['host']}{seen_h[-1]['path']}", seen_h[-1]["headers"],

@@ -569,3 +569,23 @@ def test_a_value_rotated_away_mid_session_is_still_scrubbed():
     sc = s.scrubber()
     out = sc.feed(b"sk-NEW-fake-value-0123456789abcdef0123\n") + sc.finish()
     assert b"NEW-fake" not in out
+
+
+def test_a_signature_the_gate_made_is_scrubbed_from_every_later_response_in_any_case(cs):
+    """Review 9 (MEDIUM): a signature made with a real key was scrubbed from its own request's
+    answer only, in its exact case: an upstream that stored the request and showed it later
+    (another host, another connection), or upper-cased the hex, handed the sandbox a presigned
+    URL signed with the real key. Now every later answer of the session, in any case, and a
+    sandbox that sends one back is a leak."""
+    made = b"17693d0b1af315923c0683eee1792032b1943690908573acedae5cc32274d750"
+    agent = b"f0f414d28fbcd48efcc71eeff2d160fc17f255064e4dc4f7c1f12441256d5a78"
+    cs.remember_derived([(made, agent)])
+    for text in (made, made.upper(), b"X-Amz-Signature=" + made + b"&y=1"):
+        sc = cs.scrubber()
+        out = sc.feed(b"echo " + text[:20]) + sc.feed(text[20:] + b" end\n") + sc.finish()
+        assert made not in out.lower() and agent in out, out
+        assert sc.hits == 1
+    assert made.decode() not in repr(cs.scrubber().headers([(b"x-echo", made.upper())]))
+    with pytest.raises(CredentialError) as ei:
+        cs.apply(host="other.test", scheme="https", target="/?s=" + made.decode().upper(), headers=[])
+    assert ei.value.rule_id == "credential:leak-real:signature"

@@ -348,9 +348,12 @@ def test_lenient_passes_undeclared_compression_on_but_never_an_echo_it_can_read(
     _assert_no_value(headers, body, sc)
 
 
-def test_a_clean_stream_goes_out_intact_each_event_at_the_latest_with_the_next():
+def test_a_clean_stream_goes_out_intact_each_event_a_few_events_late_at_most():
     """What a stream holds back is a function of its text alone (review 8): an event whose field
-    ends in a word waits for the next event - one event's latency - and nothing is cut."""
+    ends in a word waits for the next event, one a later event does not carry (the first
+    event's role) for StreamGuard.STALE_EVENTS more - and nothing is cut."""
+    from agentvm.gate.credentials import StreamGuard
+
     scrub = ResponseScrub(Scrubber([(REAL, PH)]), swapped=True, strict=True)
     scrub.head([(b"content-type", b"text/event-stream")], [], b"OK")
     events = [b"data: " + json.dumps({"id": "chatcmpl-9x2", "object": "chat.completion.chunk", "model": "gpt-4o-mini",
@@ -358,9 +361,10 @@ def test_a_clean_stream_goes_out_intact_each_event_at_the_latest_with_the_next()
                                      ).encode() + b"\n\n"
               for i, w in enumerate(("Hello", " there", ", how", " can I", " help?"))] + [b"data: [DONE]\n\n"]
     out = b""
+    late = StreamGuard.STALE_EVENTS
     for i, ev in enumerate(events):
         out += b"".join(scrub.body(ev))
-        assert out.startswith(b"".join(events[:i])), i  # every event before this one is out
+        assert out.startswith(b"".join(events[:max(0, i - late)])), i  # every event up to `late` before is out
     out += b"".join(scrub.finish())
     assert out == b"".join(events)
 
@@ -416,3 +420,22 @@ def test_a_response_to_a_request_without_a_swapped_credential_is_not_sniffed():
     scrub = ResponseScrub(Scrubber([(REAL, PH)]))
     scrub.head([], [], b"OK")
     assert b"".join(scrub.body(body)) + b"".join(scrub.finish()) == body
+
+
+@pytest.mark.parametrize("between", [b'data: {"type": "ping"}\n\n', b'data: {"choices": [{"delta": {}}]}\n\n',
+                                     b"data: keep-alive\n\n", b": comment\n\n"])
+def test_a_value_split_around_other_events_is_still_cut(between):
+    """Review 9 (a regression of the review 8 fix): a field an event did not carry ended its
+    stream, so a value split across deltas with a ping or an empty delta between the pieces
+    went through whole. Fields are followed across other events now."""
+    from agentvm.gate.credentials import ScrubTable, StreamGuard
+    from agentvm.gate.encoding import DecodeError
+
+    g = StreamGuard(ScrubTable([(REAL, PH)]))
+    ev = lambda d: b"data: " + json.dumps({"choices": [{"delta": {"content": d}}]}).encode() + b"\n\n"  # noqa: E731
+    sent = b""
+    with pytest.raises(DecodeError) as ei:
+        for chunk in (ev("key: " + REAL[:12].decode()), between, between, between, ev(REAL[12:].decode()), ev(".")):
+            sent += g.feed(chunk)
+    assert ei.value.rule_id == "credential:echo-split"
+    assert REAL not in sent

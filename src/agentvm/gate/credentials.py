@@ -180,6 +180,31 @@ class Swap:
 
 
 SEEN_VALUES = 4  # a static credential's values (rotations) a session keeps scrubbing
+DERIVED_MAX = 64  # signatures the gate made that a session keeps scrubbing (remember_derived)
+
+
+class _Derived:
+    """The signatures a session's gate made with real keys, found in any letter case: a search
+    of the lower-cased text (same length as the text) for the lower-cased signatures."""
+
+    __slots__ = ("regex", "agent", "maxlen")
+
+    def __init__(self, made: dict[bytes, bytes]):
+        self.agent = made  # lower-case signature -> what the agent sent in its place
+        self.regex = re.compile(b"|".join(re.escape(k) for k in sorted(made, key=len, reverse=True)))
+        self.maxlen = max(len(k) for k in made)
+
+    def sub(self, buf: bytes) -> tuple[bytes, int]:
+        low = buf.lower()
+        if self.regex.search(low) is None:
+            return buf, 0
+        out, pos, n = bytearray(), 0, 0
+        for m in self.regex.finditer(low):
+            out += buf[pos:m.start()] + self.agent[m.group(0)]
+            pos = m.end()
+            n += 1
+        out += buf[pos:]
+        return bytes(out), n
 
 
 class CredentialSet:
@@ -206,6 +231,10 @@ class CredentialSet:
         self.revoked = revoked
         self.local_revoked: set[str] = set()  # revoked for this session by the operator (daemon)
         self._seen_values: dict[str, list[str]] = {}  # static credentials: the values seen this session (_pairs)
+        # signatures the gate made with a real key (lower-case) -> what the agent sent in their place;
+        # every response of the session is scrubbed of them, in any case (remember_derived)
+        self._derived: dict[bytes, bytes] = {}
+        self._derived_match = None
         self.max_len = max((len(p) for p in self.placeholders.values()), default=0)
         # apply()'s first look at a request's headers, all of them in one search: anything it
         # must then look at header by header - a placeholder, in any case (a header name is
@@ -420,14 +449,29 @@ class CredentialSet:
     def body_scanner(self, host: str) -> "BodyScanner":
         return BodyScanner(self, host)
 
-    def scrubber(self, extra: list[tuple[bytes, bytes]] | None = None) -> "Scrubber":
-        """A response's scrubber; ``extra``: more (real, placeholder) pairs for this response
-        alone - the signatures the gate made with a real key for its request (signing.derived)."""
-        if extra:
-            pairs, names = self._pairs()
-            return Scrubber(ScrubTable(pairs + list(extra), encoded=self.scrub_encoded,
-                                       names=names + ["(a signature the gate made)"] * len(extra)))
-        return Scrubber(self.scrub_table())
+    def scrubber(self) -> "Scrubber":
+        return Scrubber(self.scrub_table(), derived=self.derived_match())
+
+    def remember_derived(self, pairs: list[tuple[bytes, bytes]]) -> None:
+        """Signatures the gate just made with a real key (signing.derived: (made, what the agent
+        sent)): scrubbed from every later response of this session, whatever host or
+        connection it comes on and in any letter case (review 9: an upstream that stores a
+        request and shows it later, or upper-cases a hex signature, handed the sandbox a
+        presigned URL signed with the real key). The last DERIVED_MAX are kept."""
+        for made, agent in pairs:
+            key = made.lower()
+            self._derived.pop(key, None)
+            self._derived[key] = agent
+        while len(self._derived) > DERIVED_MAX:
+            del self._derived[next(iter(self._derived))]
+        self._derived_match = None
+
+    def derived_match(self) -> "_Derived | None":
+        if not self._derived:
+            return None
+        if self._derived_match is None:
+            self._derived_match = _Derived(dict(self._derived))
+        return self._derived_match
 
     def scrub_table(self) -> "ScrubTable":
         """Every form of every real value of this session, and whose it is: what responses are
@@ -472,12 +516,19 @@ class CredentialSet:
             return
         t = table if table is not None else self.scrub_table()
         m = t.split_regex.search(data)
+        d = self.derived_match()
+        if m is None and d is not None and d.regex.search(data.lower()) is not None:
+            name = "(a signature the gate made)"
+            raise CredentialError(
+                "credential:leak-real:signature",
+                f"a signature the gate made with a real key came from the sandbox, in {where}: blocked (it never "
+                "receives one; it has it through a leak)", name="signature", where=where, alert=True)
         if m is not None:
             name = t.owner.get(m.group(0), "?")
             raise CredentialError(
                 f"credential:leak-real:{name}",
-                f"the real value of credential {name!r} came from the sandbox, in {where} to {host}: blocked (the "
-                "sandbox only ever holds its placeholder; it has the value through a leak)",
+                f"the real value of credential {name!r} came from the sandbox, in {where}: blocked (the sandbox only "
+                "ever holds its placeholder; it has the value through a leak)",
                 name=name, where=where, alert=True)
 
 
@@ -868,10 +919,19 @@ class Scrubber:
 
     CONTEXT = 3  # base64 characters around a fragment that belong to its first/last group
 
-    def __init__(self, table: "ScrubTable | list[tuple[bytes, bytes]]", *, encoded: bool = True):
+    def __init__(self, table: "ScrubTable | list[tuple[bytes, bytes]]", *, encoded: bool = True,
+                 derived: "_Derived | None" = None):
         self._t = table if isinstance(table, ScrubTable) else ScrubTable(table, encoded=encoded)
+        self._d = derived  # the signatures the gate made (CredentialSet.remember_derived), or None
         self.tail = b""
         self.hits = 0
+
+    def _derived(self, buf: bytes) -> bytes:
+        if self._d is None:
+            return buf
+        buf, n = self._d.sub(buf)
+        self.hits += n
+        return buf
 
     @property
     def encoded(self) -> bool:
@@ -880,7 +940,7 @@ class Scrubber:
 
     @property
     def active(self) -> bool:
-        return self._t.regex is not None
+        return self._t.regex is not None or self._d is not None
 
     def _b64_region(self, buf: bytes, start: int, end: int, real: _Form, ph: _Form) -> tuple[int, int, bytes] | None:
         """The whole base64 groups around a fragment match, re-encoded with the placeholder in
@@ -905,7 +965,7 @@ class Scrubber:
     def _scan(self, buf: bytes, final: bool) -> tuple[bytes, int]:
         """Replace every form in ``buf``; returns (the new buffer, how many bytes at its end
         must wait for more input)."""
-        matches = list(self._t.regex.finditer(buf))
+        matches = list(self._t.regex.finditer(buf)) if self._t.regex is not None else ()
         if not matches:  # (most pieces of most responses: nothing to copy)
             return bytes(buf), 0
         out = bytearray()
@@ -937,6 +997,8 @@ class Scrubber:
 
     def _views(self, buf: bytes) -> bytes:
         """``buf`` with every value spelled in a family's text escapes replaced (_FAMILIES)."""
+        if self._t.regex is None:
+            return buf
         for fam in _FAMILIES:
             if fam.trigger in buf:
                 buf = self._view_pass(buf, fam)
@@ -979,9 +1041,15 @@ class Scrubber:
             if m is not None:
                 cut = m.start()
             buf = self._views(buf[:cut]) + buf[cut:]
+        buf = self._derived(buf)
         # what waits for the next piece: the same whatever the end of buf is the start of (held();
         # _scan holds more only after a whole form, to re-encode its base64 group)
         hold = min(len(buf), max(hold, self._t.held(buf)))
+        if self._d is not None:  # (a signature cut by the piece's edge: the same rule, its length)
+            n = len(buf)
+            cap = min(n, self._d.maxlen - 1)
+            j = buf.rfind(b"\n", n - cap)
+            hold = max(hold, n - j - 1 if j >= 0 else cap)
         if hold:
             out, self.tail = buf[:-hold], buf[-hold:]
         else:
@@ -994,13 +1062,13 @@ class Scrubber:
             return out
         out, _ = self._scan(self.tail, final=True)
         self.tail = b""
-        return self._views(out) if self.encoded else out
+        return self._derived(self._views(out) if self.encoded else out)
 
     def header(self, value: bytes) -> bytes:
         if not self.active:
             return value
         out = self._scan(value, final=True)[0]
-        return self._views(out) if self.encoded else out
+        return self._derived(self._views(out) if self.encoded else out)
 
     def headers(self, headers) -> list[tuple[bytes, bytes]]:
         """Names and values of a response's headers, scrubbed."""
@@ -1010,7 +1078,9 @@ class Scrubber:
         # one search over all of them first: a form found in one name or value is found in
         # their concatenation too, so no match there means nothing to replace (the usual case)
         joined = b"\x00".join([p for kv in hs for p in kv])
-        if self._t.regex.search(joined) is None and not (self.encoded and self._views(joined) != joined):
+        if ((self._t.regex is None or self._t.regex.search(joined) is None)
+                and not (self.encoded and self._views(joined) != joined)
+                and (self._d is None or self._d.regex.search(joined.lower()) is None)):
             return hs
         return [(self.header(k), self.header(v)) for k, v in hs]
 
@@ -1045,14 +1115,17 @@ class StreamGuard:
     become a value - that told the sandbox, by what arrived before a pause, whether its guess
     of a value's start was right (review 8). The cost: an event whose field ends in a word is
     held until the next event (one event's latency), on responses to requests a credential
-    went into. A field an event repeats unchanged (an id, a model's name) starts again rather
-    than grows; a field a JSON event does not carry ends there. Bounded: a line longer than
+    went into. A field an event repeats unchanged (an id, a model's name) holds nothing back,
+    and a field that events stop carrying holds nothing back after :attr:`STALE_EVENTS` of
+    them; both are still followed, so a value split across events with others between them is
+    still cut. Bounded: a line longer than
     :attr:`LINE_MAX` is no event (it streams as the scrubber releases it), and more than
     :attr:`HOLD_MAX` held bytes cut the response (``credential:uninspectable-stream``)."""
 
     LINE_MAX = 64 * 1024
     HOLD_MAX = 1 << 20
     STREAMS_MAX = 1024
+    STALE_EVENTS = 2  # events without a field after which it holds nothing back (it is still followed)
     MIN_HOLD = 4  # a shorter start of a value ("sk-") goes out; the stream still remembers it
 
     def __init__(self, table: ScrubTable):
@@ -1126,18 +1199,19 @@ class StreamGuard:
             self._add(b"data:", p, at)
 
     def _end_fields(self, seen: dict) -> None:
-        """An event's fields are in: a JSON field it does not carry ends its stream (a value
-        split across events goes on in the next event, in the same field)."""
-        for k in [k for k in self.streams if k[:5] == b"json:" and k[:k.rindex(b"#")] not in seen]:
-            del self.streams[k]
+        """An event's fields are in: a JSON field it does not carry is still followed (a value
+        split across events may go on after other events: a ping, an empty delta - review 9)
+        but after STALE_EVENTS such events it holds nothing back any more (a field an event
+        carried once, like a role, would otherwise hold that event for ever)."""
+        for k, st in self.streams.items():
+            if k[:5] == b"json:" and k[:k.rindex(b"#")] not in seen:
+                st[3] += 1
 
     def _add(self, key: bytes, piece: bytes, at: int) -> None:
         if not piece:
             return
         t = self._t
         st = self.streams.get(key)
-        if st is not None and len(piece) >= self.MIN_HOLD and piece == st[2]:
-            st = None  # the same text again (a field every event repeats): it starts again
         if st is None:
             text, marks = piece, [(0, at)]
         else:
@@ -1151,19 +1225,30 @@ class StreamGuard:
             if st is not None:
                 del self.streams[key]
             return
-        if len(self.streams) >= self.STREAMS_MAX and key not in self.streams:
-            raise DecodeError("credential:uninspectable-stream", f"over {self.STREAMS_MAX} fields of a streamed "
-                              "response are being followed at once")
+        # the same text again (a field every event repeats: an id, a model's name) is followed
+        # but holds nothing back; a field that changes holds its events while it ends in a run
+        stale = self.STALE_EVENTS if st is not None and len(piece) >= self.MIN_HOLD and piece == st[2] else 0
+        if key not in self.streams and len(self.streams) >= self.STREAMS_MAX:
+            self._evict()
         j = len(marks) - 1
         while marks[j][0] > keep:
             j -= 1
-        self.streams[key] = [text[keep:], [(max(0, off - keep), a) for off, a in marks[j:]], piece]
+        self.streams[key] = [text[keep:], [(max(0, off - keep), a) for off, a in marks[j:]], piece, stale]
+
+    def _evict(self) -> None:
+        """Room for one more field: the stalest field that holds nothing back is forgotten; when
+        every one holds, the response is cut (never followed partly)."""
+        idle = [k for k, st in self.streams.items() if st[3] >= self.STALE_EVENTS]
+        if not idle:
+            raise DecodeError("credential:uninspectable-stream", f"over {self.STREAMS_MAX} fields of a streamed "
+                              "response are being followed at once")
+        del self.streams[max(idle, key=lambda k: self.streams[k][3])]
 
     def _release(self) -> bytes:
         end = self.base + len(self.buf)
         upto = end if self.long_line else self.parsed  # the line being read waits for its end
-        for text, marks, _ in self.streams.values():
-            if len(text) >= self.MIN_HOLD:
+        for text, marks, _, stale in self.streams.values():
+            if stale < self.STALE_EVENTS and len(text) >= self.MIN_HOLD:
                 upto = min(upto, marks[0][1])
         n = max(0, upto - self.base)
         if end - self.base - n > self.HOLD_MAX:

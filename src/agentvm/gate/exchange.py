@@ -270,10 +270,15 @@ def refuse(cmd: Deny) -> Flow:
 def cred_deny(req: h1.ProxyRequest, err, *, phase: str = "request", respond: bool = True) -> Deny:
     """A request that breaks a credential rule (``credentials.CredentialError``): never explained
     with a way to allow it; an alert when the error says so."""
-    # (a real value the sandbox sent may be in the path: that one is never written anywhere)
-    path = None if err.rule_id.startswith("credential:leak-real:") else (req.path or None)
-    return Deny(rule_id=err.rule_id, reason=err.reason, phase=phase, host=req.host, port=req.port, method=_method(req),
+    # (a real value the sandbox sent may be in the path or the host: those are never written)
+    real = err.rule_id.startswith("credential:leak-real:")
+    path = None if real else (req.path or None)
+    host = WITHHELD if real else req.host
+    return Deny(rule_id=err.rule_id, reason=err.reason, phase=phase, host=host, port=req.port, method=_method(req),
                 path=path, respond=respond, credential=err.name, alert=err.alert)
+
+
+WITHHELD = "(withheld: a real credential value was in this request)"
 
 
 def _admission(ep, req: h1.ProxyRequest) -> Deny | None:
@@ -338,9 +343,32 @@ def resolve(policy, host: str, port: int) -> Generator[Command, Any, tuple[str |
     return None, "dns-failure", f"no address for {name}"
 
 
+def _real_first(ep, req: h1.ProxyRequest, phase: str) -> Deny | None:
+    """A real credential value in the request's host, target or headers is refused before
+    anything else looks at it (review 9): a policy denial, a hold for approval or a rate limit
+    that came first wrote it into the log, the run report and the approvals queue."""
+    creds = ep.creds
+    if creds is None or not creds.placeholders:
+        return None
+    from agentvm.gate.credentials import CredentialError
+
+    try:
+        t = creds.scrub_table()
+        creds.real_leak(req.host.encode("utf-8", "surrogateescape"), "the host", req.host, t)
+        creds.real_leak(req.path.encode("utf-8", "surrogateescape"), "the path or query", req.host, t)
+        creds.real_leak(b"\n".join([k + b"\n" + v for k, v in req.headers]), "a header", req.host, t)
+    except CredentialError as err:
+        return cred_deny(req, err, phase=phase)
+    return None
+
+
 def request(ep, req: h1.ProxyRequest, *, scheme: str, tunnel: Tunnel | None = None) -> Flow:
     """One request on a plain proxy connection (``scheme`` http) or inside a tunnel (``scheme``
     https when the gate terminated TLS, http for plain HTTP in a CONNECT tunnel)."""
+    leaked = _real_first(ep, req, "request")
+    if leaked is not None:
+        yield leaked
+        return
     denied = _admission(ep, req)
     if denied is not None:
         yield denied
@@ -481,6 +509,10 @@ def request(ep, req: h1.ProxyRequest, *, scheme: str, tunnel: Tunnel | None = No
 
 def connect(ep, req: h1.ProxyRequest) -> Flow:
     """A ``CONNECT``: decided before any TLS, then again on the ClientHello's SNI."""
+    leaked = _real_first(ep, req, "connect")
+    if leaked is not None:
+        yield leaked
+        return
     denied = _admission(ep, req)
     if denied is not None:
         yield denied

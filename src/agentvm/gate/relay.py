@@ -466,8 +466,9 @@ class Relay:
         both = sorted(set(was) & {k.lower().encode("latin-1") for k in now})
         made = signing.derived([req.path] + [was[k].decode("latin-1") for k in both],
                                [target] + [now[k.decode("latin-1")] for k in both])
-        if made and ep.creds is not None:
-            self.scrubber = ep.creds.scrubber(extra=made)
+        if made and ep.creds is not None:  # (this answer and every later one of the session)
+            ep.creds.remember_derived(made)
+            self.scrubber = ep.creds.scrubber()
         new_headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in sreq.headers
                        if k.lower() not in ("transfer-encoding", "content-length")]
         new_headers.append((b"content-length", str(len(sreq.body)).encode()))
