@@ -166,24 +166,17 @@ def build(path: str = FILE) -> int:
         _recording = None
         if saved is None and not _installed:
             del dataclasses.exec
+    index, off = {}, 0
+    for m, raw in tables.items():
+        index[m] = (off, len(raw))
+        off += len(raw)
+    head = marshal.dumps(index)
+    from pathlib import Path
+
+    from agentvm.fsutil import write_atomic
+
     os.makedirs(os.path.dirname(path), mode=0o755, exist_ok=True)
-    tmp = f"{path}.{os.getpid()}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            index, off = {}, 0
-            for m, raw in tables.items():
-                index[m] = (off, len(raw))
-                off += len(raw)
-            head = marshal.dumps(index)
-            f.write(MAGIC_NUMBER + len(head).to_bytes(4, "little") + head + b"".join(tables.values()))
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    write_atomic(Path(path), MAGIC_NUMBER + len(head).to_bytes(4, "little") + head + b"".join(tables.values()), 0o644)
     return count
 
 

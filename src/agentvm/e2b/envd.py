@@ -540,13 +540,12 @@ def _bad_message(exc: BaseException) -> ConnectError:
                                                f"{str(exc)[:200]}")
 
 
-class BoundedJSONCodec:
-    """connectrpc's JSON codec behind a nesting bound (MAX_JSON_DEPTH)."""
+class _BoundedCodec:
+    """A connectrpc codec whose decoding errors - the native parser's too - are typed
+    ``invalid_argument``; ``_check`` looks at the bytes first."""
 
-    def __init__(self):
-        from connectrpc.codec import proto_json_codec
-
-        self._inner = proto_json_codec()
+    def __init__(self, inner):
+        self._inner = inner
 
     def name(self) -> str:
         return self._inner.name()
@@ -554,42 +553,43 @@ class BoundedJSONCodec:
     def encode(self, message) -> bytes:
         return self._inner.encode(message)
 
+    def _check(self, data) -> None:
+        pass
+
     def decode(self, data, message_class):
+        self._check(data)
+        try:
+            return self._inner.decode(data, message_class)
+        except ConnectError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - whatever the parser says of a tenant's bytes
+            raise _bad_message(exc) from None
+
+
+class BoundedJSONCodec(_BoundedCodec):
+    """connectrpc's JSON codec behind a nesting bound (MAX_JSON_DEPTH)."""
+
+    def __init__(self):
+        from connectrpc.codec import proto_json_codec
+
+        super().__init__(proto_json_codec())
+
+    def _check(self, data) -> None:
         depth = json_depth(data)
         if depth > MAX_JSON_DEPTH:
             raise ConnectError(Code.INVALID_ARGUMENT,
                                f"the request's JSON nests {'more than ' if depth == MAX_JSON_DEPTH + 1 else ''}"
                                f"{depth} levels deep; agent-vm's envd accepts at most {MAX_JSON_DEPTH} "
                                "(send the message as the E2B SDKs build it)")
-        try:
-            return self._inner.decode(data, message_class)
-        except ConnectError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - whatever the parser says of a tenant's bytes
-            raise _bad_message(exc) from None
 
 
-class BoundedProtoCodec:
+class BoundedProtoCodec(_BoundedCodec):
     """connectrpc's binary codec; the native parser's own errors (its depth limit too) typed."""
 
     def __init__(self):
         from connectrpc.codec import proto_binary_codec
 
-        self._inner = proto_binary_codec()
-
-    def name(self) -> str:
-        return self._inner.name()
-
-    def encode(self, message) -> bytes:
-        return self._inner.encode(message)
-
-    def decode(self, data, message_class):
-        try:
-            return self._inner.decode(data, message_class)
-        except ConnectError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - whatever the parser says of a tenant's bytes
-            raise _bad_message(exc) from None
+        super().__init__(proto_binary_codec())
 
 
 def codecs() -> list:
