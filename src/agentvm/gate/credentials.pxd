@@ -6,7 +6,7 @@ cdef class CredentialSet:
     cdef dict __dict__  # anything else set on an instance (Python's semantics)
     cdef object __weakref__  # weak references, as to any Python object with a __dict__
     cdef public object bindings, placeholders, _by_ph, value, revoked, local_revoked, max_len
-    cdef public object _header_work, scrub_encoded, _scrub_table, _header_forms, _raw_value, brokers, _seen_values, _derived, _derived_match
+    cdef public object _header_work, scrub_encoded, _scrub_table, _header_forms, _raw_value, brokers, _seen_values, _derived, _derived_match, check_real
 
 cdef class BodyScanner:
     cdef dict __dict__  # anything else set on an instance (Python's semantics)

@@ -231,6 +231,9 @@ class CredentialSet:
         self.revoked = revoked
         self.local_revoked: set[str] = set()  # revoked for this session by the operator (daemon)
         self._seen_values: dict[str, list[str]] = {}  # static credentials: the values seen this session (_pairs)
+        # real values in what the sandbox sends are leaks (real_leak); False only in the
+        # selftest's deliberately weakened configuration (cred-in-env)
+        self.check_real = True
         # signatures the gate made with a real key (lower-case) -> what the agent sent in their place;
         # every response of the session is scrubbed of them, in any case (remember_derived)
         self._derived: dict[bytes, bytes] = {}
@@ -512,7 +515,7 @@ class CredentialSet:
         """A real value (any of its forms of 8 bytes or more) in what the sandbox sends: it never
         holds one, so it has one only through a leak (an echo, a side channel) and is sending it
         on - blocked, and an alert (review 8). Raises CredentialError."""
-        if not data or not self.placeholders:
+        if not data or not self.placeholders or not self.check_real:
             return
         t = table if table is not None else self.scrub_table()
         m = t.split_regex.search(data)

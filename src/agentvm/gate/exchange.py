@@ -348,7 +348,7 @@ def _real_first(ep, req: h1.ProxyRequest, phase: str) -> Deny | None:
     anything else looks at it (review 9): a policy denial, a hold for approval or a rate limit
     that came first wrote it into the log, the run report and the approvals queue."""
     creds = ep.creds
-    if creds is None or not creds.placeholders:
+    if creds is None or not creds.placeholders or not creds.check_real:
         return None
     from agentvm.gate.credentials import CredentialError
 

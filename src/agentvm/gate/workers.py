@@ -407,11 +407,12 @@ class RemoteCreds:
     the daemon's own CredentialSet (``source``, reading the vault), which the values sent to the
     worker are resolved from."""
 
-    def __init__(self, ep: "RemoteEndpoint", source, scrub_encoded: bool) -> None:
+    def __init__(self, ep: "RemoteEndpoint", source, scrub_encoded: bool, check_real: bool = True) -> None:
         self.source = source
         self.spec = source.spec
         self.bindings = dict(source.bindings)
         self.scrub_encoded = scrub_encoded
+        self.check_real = check_real
         self.local_revoked = _PushSet(ep)
 
     def wanted(self) -> tuple[tuple[str, ...], dict[str, str], dict[str, str]]:
@@ -460,7 +461,8 @@ class RemoteEndpoint:
         self.sock = sock  # the daemon's copy of the listening socket (handed to a replacement worker)
         self.bridge_key = ""  # the sandbox's bridge's key (gate.server.HANDOFF_PREFIX), opened with
         self.log_path = pool.log_dir / f"{sandbox_id}.egress.jsonl"
-        self.creds = None if creds is None else RemoteCreds(self, creds, bool(getattr(creds, "scrub_encoded", True)))
+        self.creds = None if creds is None else RemoteCreds(self, creds, bool(getattr(creds, "scrub_encoded", True)),
+                                                            bool(getattr(creds, "check_real", True)))
         self._creds_sent = None  # (dropped, values, errors) the worker holds
         self._pending: list[asyncio.Future] = []  # pushes not acknowledged yet
         self.served = False  # its worker acknowledged serving it (false while a replacement takes it back)
@@ -577,7 +579,7 @@ class RemoteEndpoint:
         if self.creds is not None:
             bindings, placeholders, _vault_dir, sid = self.creds.spec  # (the vault's place is not sent)
             self._creds_sent = self.creds.wanted()
-            spec = ((bindings, placeholders, sid), self.creds.scrub_encoded, self._creds_sent)
+            spec = ((bindings, placeholders, sid), (self.creds.scrub_encoded, self.creds.check_real), self._creds_sent)
         self._policy_sent = self._policy
         return (self.sandbox_id, self.agent, self._policy, str(self.sock_path), spec, self._paused, self._revoked(),
                 _policy_files(self._policy), self._budget_spec(), self.tools is not None, self.bridge_key)
@@ -1931,8 +1933,9 @@ class _Worker:
                 await self.gate.close_endpoint(sandbox_id, unlink=False)
             if creds_spec is not None:
                 (bindings, placeholders, sid), scrub, held = creds_spec
+                scrub, real = scrub if isinstance(scrub, tuple) else (scrub, True)
                 creds = self._held_credentials(sandbox_id, bindings, placeholders, held)
-                creds.scrub_encoded = scrub
+                creds.scrub_encoded, creds.check_real = bool(scrub), bool(real)
                 creds.local_revoked.update(revoked)
             ep = await self.gate.open_endpoint(sandbox_id, agent, policy, Path(sock_path), creds=creds, sock=sock,
                                                bridge_key=bridge_key if isinstance(bridge_key, str) else "")

@@ -57,7 +57,8 @@ WEAKENINGS = {
     "host-etc": "the host's /etc is bound instead of the allowlisted view",
     "grant-canaries": "the canary directory (outside every grant) is granted read-write",
     "no-limits": "no cgroup limits and no rlimits",
-    "cred-in-env": "the real credential value is put in the sandbox environment",
+    "cred-in-env": "the real credential value is put in the sandbox environment, and the gate does not look for real "
+                   "values in what the sandbox sends",
     "permissive-gate": "the gate allows every host, including the sink's name",
     "shared-state": "the agent's HOME and /tmp are persistent host directories shared across sessions",
     "shared-uid": "two sandboxes share one uid and see each other's workspace",
@@ -360,6 +361,16 @@ class Env:
                         return creds, env, files
 
                 cls = RawScrubRuntime
+            if "cred-in-env" in self.weakens:
+                base_c = cls
+
+                class RealInEnvRuntime(base_c):
+                    def session_credentials(self, policy, sandbox_id, *args):
+                        creds, env, files = super().session_credentials(policy, sandbox_id, *args)
+                        creds.check_real = False
+                        return creds, env, files
+
+                cls = RealInEnvRuntime
             if "writable-approvals" in self.weakens:
                 base = cls
 
