@@ -151,3 +151,42 @@ def test_a_confined_gate_still_starting_at_stop_keeps_its_uid_lease(tmp_path, mo
     embedded.os.close(r)
     assert released == [], "the lease of a uid whose worker may still come up was released"
     assert closed == [r], "its lock is let go (the next leaser checks the uid for processes)"
+
+
+def test_a_zygote_discarded_late_in_a_reapers_life_is_still_reaped(monkeypatch):
+    """(a whole-suite run left one zombie: the reaper's wait was one deadline for all it held,
+    so a zygote discarded near its end was given up on at once) Each has its own wait now."""
+    import os
+    import time
+
+    from agentvm.gate import embedded_worker as EW
+
+    monkeypatch.setattr(EW, "REAP_WAIT", 0.6)
+
+    def child(after: float) -> int:
+        pid = os.fork()
+        if pid == 0:
+            time.sleep(after)
+            os._exit(0)
+        return pid
+
+    a = child(1.2)  # outlives its wait: given up on (and reaped below, by hand)
+    EW._discard(EW.ForkedProc(a))
+    time.sleep(0.4)
+    b = child(0.5)  # discarded when the reaper's first wait is nearly over; exits within its own
+    EW._discard(EW.ForkedProc(b))
+    deadline = time.monotonic() + 3
+    state = "?"
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{b}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except FileNotFoundError:
+            state = "reaped"
+            break
+        time.sleep(0.05)
+    try:
+        os.waitpid(a, 0)
+    except ChildProcessError:
+        pass
+    assert state == "reaped", f"the zygote discarded late was left {state!r}"

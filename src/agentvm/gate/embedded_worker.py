@@ -164,9 +164,25 @@ _REAPER: threading.Thread | None = None
 
 def _discard(proc: "ForkedProc") -> None:
     """``proc`` (killed, or told to exit) is reaped as soon as it has exited."""
+    import time
+
     with _DISCARDED_LOCK:
-        _DISCARDED.append(proc)
+        _DISCARDED.append((proc, time.monotonic() + REAP_WAIT))
     _reap_discarded()
+
+
+REAP_WAIT = 30.0  # seconds a discarded zygote is waited for (each was killed or told to exit: milliseconds)
+
+
+def _pending() -> list:
+    """The discarded zygotes still to reap: not exited, and not waited for longer than their
+    own REAP_WAIT (call with the lock held). Each has its own deadline: one the reaper shared
+    made a zygote discarded late in a reaper's life given up on at once - a zombie until the
+    next discard (a whole-suite run found one)."""
+    import time
+
+    now = time.monotonic()
+    return [(p, d) for p, d in _DISCARDED if p.returncode is None and now < d]
 
 
 def _reap_discarded() -> None:
@@ -175,7 +191,7 @@ def _reap_discarded() -> None:
     waited for by one background thread, so none is left a zombie until the next run."""
     global _REAPER
     with _DISCARDED_LOCK:
-        _DISCARDED[:] = [p for p in _DISCARDED if p.returncode is None]
+        _DISCARDED[:] = _pending()
         if _DISCARDED and (_REAPER is None or not _REAPER.is_alive()):
             _REAPER = threading.Thread(target=_reap_all, name="agentvm-zygote-reaper", daemon=True)
             _REAPER.start()
@@ -185,11 +201,10 @@ def _reap_all() -> None:
     import time
 
     global _REAPER
-    deadline = time.monotonic() + 30  # (each was killed or told to exit: they go within milliseconds)
     while True:
         with _DISCARDED_LOCK:
-            _DISCARDED[:] = [p for p in _DISCARDED if p.returncode is None]
-            if not _DISCARDED or time.monotonic() > deadline:
+            _DISCARDED[:] = _pending()
+            if not _DISCARDED:
                 _REAPER = None  # (a later discard starts another; under the lock: none is missed)
                 return
         time.sleep(0.01)
