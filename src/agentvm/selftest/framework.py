@@ -353,24 +353,19 @@ class Env:
             from agentvm.selftest.weaken import WeakenedBackend
 
             cls = Runtime
-            if "raw-scrub" in self.weakens:
-                class RawScrubRuntime(Runtime):
+            # the gate's credential layers a weakening turns off (raw-scrub: encoded forms;
+            # cred-in-env: the check for real values in what the sandbox sends)
+            off = {k: False for k, w in (("scrub_encoded", "raw-scrub"), ("check_real", "cred-in-env"))
+                   if w in self.weakens}
+            if off:
+                class WeakCredentialsRuntime(Runtime):
                     def session_credentials(self, policy, sandbox_id, *args):
                         creds, env, files = super().session_credentials(policy, sandbox_id, *args)
-                        creds.scrub_encoded = False
+                        for attr, value in off.items():
+                            setattr(creds, attr, value)
                         return creds, env, files
 
-                cls = RawScrubRuntime
-            if "cred-in-env" in self.weakens:
-                base_c = cls
-
-                class RealInEnvRuntime(base_c):
-                    def session_credentials(self, policy, sandbox_id, *args):
-                        creds, env, files = super().session_credentials(policy, sandbox_id, *args)
-                        creds.check_real = False
-                        return creds, env, files
-
-                cls = RealInEnvRuntime
+                cls = WeakCredentialsRuntime
             if "writable-approvals" in self.weakens:
                 base = cls
 
