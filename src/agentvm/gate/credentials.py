@@ -315,7 +315,20 @@ class CredentialSet:
             for name, p in self.placeholders.items():
                 if p.lower() in low:
                     raise self._leak(name, where, host)
-            self.real_leak(text.encode("utf-8", "surrogateescape"), where, host)
+        # (a real value in the host was looked for with the whole request: check_request)
+        if sni:
+            self.real_leak(sni.encode("utf-8", "surrogateescape"), "sni", host)
+
+    def check_request(self, host: str, target: str, headers) -> None:
+        """A real value in a request's host, target or headers (any header's name or value):
+        a leak. Looked for once, before anything else reads the request (exchange._real_first:
+        a denial or a hold written first would carry it into the log)."""
+        if not self.placeholders or not self.check_real:
+            return
+        t = self.scrub_table()
+        self.real_leak(host.encode("utf-8", "surrogateescape"), "the host", host, t)
+        self.real_leak(target.encode("utf-8", "surrogateescape"), "the path or query", host, t)
+        self.real_leak(b"\n".join([k + b"\n" + v for k, v in headers]), "a header", host, t)
 
     # -- one request ------------------------------------------------------------------------
     def apply(self, *, host: str, scheme: str, target: str, headers: list[tuple[bytes, bytes]]) -> Swap:
@@ -323,11 +336,6 @@ class CredentialSet:
         terminated = scheme == "https"
         if type(headers) is not list:
             headers = list(headers)  # read twice below (the search, then header by header): never a spent iterator
-        # a real value the sandbox sends (in the target, a header's name or value): a leak
-        if self.placeholders:
-            t = self.scrub_table()
-            self.real_leak(target.encode("utf-8", "surrogateescape"), "the path or query", host, t)
-            self.real_leak(b"\n".join([k + b"\n" + v for k, v in headers]), "a header", host, t)
         out_headers: list[tuple[bytes, bytes]] = []
         used: list[str] = []
         resign: list[CredentialBinding] = []

@@ -348,15 +348,12 @@ def _real_first(ep, req: h1.ProxyRequest, phase: str) -> Deny | None:
     anything else looks at it (review 9): a policy denial, a hold for approval or a rate limit
     that came first wrote it into the log, the run report and the approvals queue."""
     creds = ep.creds
-    if creds is None or not creds.placeholders or not creds.check_real:
+    if creds is None:
         return None
     from agentvm.gate.credentials import CredentialError
 
     try:
-        t = creds.scrub_table()
-        creds.real_leak(req.host.encode("utf-8", "surrogateescape"), "the host", req.host, t)
-        creds.real_leak(req.path.encode("utf-8", "surrogateescape"), "the path or query", req.host, t)
-        creds.real_leak(b"\n".join([k + b"\n" + v for k, v in req.headers]), "a header", req.host, t)
+        creds.check_request(req.host, req.path, req.headers)
     except CredentialError as err:
         return cred_deny(req, err, phase=phase)
     return None
