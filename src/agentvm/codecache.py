@@ -76,14 +76,17 @@ def _module_table(module) -> dict:
 
 
 def untrusted(path: str = FILE) -> str | None:
-    """Why ``path`` must not be loaded (None: it may): a regular file, owned by root or this
-    user, that neither it nor its folder lets another user write."""
+    """Why ``path`` must not be loaded as code (None: it may): a regular file, not a link, owned
+    by root or this user, that neither it nor its folder lets another user write. (The rule
+    for every file agent-vm runs as code: gate.accel's compiled modules too.)"""
     me = os.geteuid()
     for p, want_dir in ((os.path.dirname(path), True), (path, False)):
         try:
             st = os.lstat(p)
         except OSError as exc:
             return f"{p}: {exc.strerror}"
+        if stat.S_ISLNK(st.st_mode):
+            return f"{p} is a symbolic link"
         if stat.S_ISDIR(st.st_mode) != want_dir or (not want_dir and not stat.S_ISREG(st.st_mode)):
             return f"{p} is not a {'folder' if want_dir else 'regular file'}"
         if st.st_uid not in (0, me):

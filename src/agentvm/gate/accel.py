@@ -120,22 +120,11 @@ def _pure() -> bool:
 
 
 def _trusted(p: Path) -> str | None:
-    """Why ``p`` (or its folder) may not be loaded as code, or None when it may."""
-    me = os.geteuid()
-    for q in (p, p.parent):
-        try:
-            st = os.lstat(q)
-        except OSError as exc:
-            return f"{q}: {exc.strerror}"
-        if stat.S_ISLNK(st.st_mode):
-            return f"{q} is a symbolic link"
-        if q is p and not stat.S_ISREG(st.st_mode):
-            return f"{q} is not a regular file"
-        if st.st_uid not in (0, me):
-            return f"{q} is owned by uid {st.st_uid}, not root or this user"
-        if st.st_mode & 0o022:
-            return f"{q} is writable by group or others"
-    return None
+    """Why ``p`` (or its folder) may not be loaded as code, or None when it may: the same rule
+    as the kept dataclass code's (agentvm.codecache.untrusted)."""
+    from agentvm.codecache import untrusted
+
+    return untrusted(str(p))
 
 
 def compiled_for(mod: str) -> tuple[Path | None, str]:
